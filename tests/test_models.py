@@ -1,0 +1,572 @@
+"""Tests for trio_tasksets.models: Sampling, ModelContext, EchoClient, OpenAIClient.
+
+The OpenAIClient tests talk to a real OpenAI-compatible HTTP server (a scripted ASGI app
+served by hypercorn's trio worker on 127.0.0.1).
+"""
+
+from __future__ import annotations
+
+import email.utils
+import json
+import socket
+import time
+from collections import deque
+from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import Any
+
+import attrs
+import httpx
+import pytest
+import trio
+import trio.testing
+from hypercorn.config import Config
+from hypercorn.trio import serve
+
+from trio_tasksets.models import (
+    Completion,
+    EchoClient,
+    ModelClient,
+    ModelConnectionError,
+    ModelContext,
+    ModelError,
+    ModelHTTPError,
+    ModelResponseError,
+    ModelTimeoutError,
+    OpenAIClient,
+    Sampling,
+    _parse_retry_after,
+    api_key_from_env,
+)
+
+# ---------------------------------------------------------------------------------------
+# A scriptable OpenAI-compatible server
+# ---------------------------------------------------------------------------------------
+
+Scope = dict[str, Any]
+ASGIMessage = dict[str, Any]
+Receive = Callable[[], Awaitable[ASGIMessage]]
+Send = Callable[[ASGIMessage], Awaitable[None]]
+
+
+def completion_body(
+    content: str | None = "hello", *, usage: dict[str, Any] | None = None
+) -> dict[str, Any]:
+    return {
+        "id": "chatcmpl-1",
+        "object": "chat.completion",
+        "choices": [
+            {
+                "index": 0,
+                "message": {"role": "assistant", "content": content},
+                "finish_reason": "stop",
+            }
+        ],
+        "usage": usage if usage is not None else {"prompt_tokens": 3, "completion_tokens": 1},
+    }
+
+
+@attrs.define
+class Planned:
+    """One planned response: status, extra headers, body (JSON-encoded unless bytes)."""
+
+    status: int = 200
+    body: Any = attrs.field(factory=completion_body)
+    headers: dict[str, str] = attrs.field(factory=dict)
+    delay: float = 0.0
+
+
+@attrs.define
+class Received:
+    path: str
+    headers: dict[str, str]
+    body: bytes
+    at: float
+
+    def json(self) -> Any:
+        return json.loads(self.body)
+
+
+@attrs.define
+class FakeOpenAI:
+    """ASGI app: pops a planned response per request (default: a 200 completion) and
+    records every request it receives."""
+
+    url: str = ""
+    planned: deque[Planned] = attrs.field(factory=deque)
+    received: list[Received] = attrs.field(factory=list)
+
+    def plan(self, *responses: Planned) -> None:
+        self.planned.extend(responses)
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "lifespan":
+            while True:
+                message = await receive()
+                if message["type"] == "lifespan.startup":
+                    await send({"type": "lifespan.startup.complete"})
+                elif message["type"] == "lifespan.shutdown":
+                    await send({"type": "lifespan.shutdown.complete"})
+                    return
+        assert scope["type"] == "http"
+        body = b""
+        while True:
+            message = await receive()
+            body += message.get("body", b"")
+            if not message.get("more_body", False):
+                break
+        headers = {k.decode("latin-1"): v.decode("latin-1") for k, v in scope["headers"]}
+        self.received.append(Received(scope["path"], headers, body, trio.current_time()))
+        plan = self.planned.popleft() if self.planned else Planned()
+        if plan.delay:
+            await trio.sleep(plan.delay)
+        raw = plan.body if isinstance(plan.body, bytes) else json.dumps(plan.body).encode()
+        out_headers = [(b"content-type", b"application/json")]
+        out_headers += [(k.encode(), v.encode()) for k, v in plan.headers.items()]
+        await send({"type": "http.response.start", "status": plan.status, "headers": out_headers})
+        await send({"type": "http.response.body", "body": raw})
+
+
+@pytest.fixture
+async def server() -> AsyncIterator[FakeOpenAI]:
+    app = FakeOpenAI()
+    config = Config()
+    config.bind = ["127.0.0.1:0"]
+    config.accesslog = None
+    async with trio.open_nursery() as nursery:
+        binds: list[str] = await nursery.start(serve, app, config)
+        app.url = binds[0] + "/v1"
+        yield app
+        nursery.cancel_scope.cancel()
+
+
+def make_client(server: FakeOpenAI, **kwargs: Any) -> OpenAIClient:
+    kwargs.setdefault("backoff", 0.001)
+    return OpenAIClient(server.url, **kwargs)
+
+
+MESSAGES: list[dict[str, Any]] = [
+    {"role": "system", "content": "be brief"},
+    {"role": "user", "content": "say hello"},
+]
+
+# ---------------------------------------------------------------------------------------
+# Sampling, Completion, ModelContext
+# ---------------------------------------------------------------------------------------
+
+
+def test_sampling_to_request_omits_none() -> None:
+    assert Sampling().to_request() == {}
+    assert Sampling(temperature=0.0, seed=7).to_request() == {"temperature": 0.0, "seed": 7}
+    full = Sampling(temperature=0.5, max_tokens=10, top_p=0.9, seed=1)
+    assert full.to_request() == {"temperature": 0.5, "max_tokens": 10, "top_p": 0.9, "seed": 1}
+
+
+def test_sampling_extra_merged_last() -> None:
+    s = Sampling(temperature=0.5, extra={"temperature": 1.0, "stop": ["\n"]})
+    assert s.to_request() == {"temperature": 1.0, "stop": ["\n"]}
+    # Each instance gets its own extra dict.
+    assert Sampling().extra is not Sampling().extra
+
+
+def test_completion_defaults() -> None:
+    c = Completion("x")
+    assert c.usage == {}
+    assert c.finish_reason is None
+    assert Completion("x").usage is not c.usage
+
+
+@attrs.define
+class RecordingClient:
+    calls: list[tuple[list[dict[str, Any]], str, Sampling]] = attrs.field(factory=list)
+
+    async def chat(
+        self, messages: list[dict[str, Any]], *, model: str, sampling: Sampling
+    ) -> Completion:
+        await trio.lowlevel.checkpoint()
+        self.calls.append((messages, model, sampling))
+        return Completion("recorded")
+
+    async def aclose(self) -> None:
+        pass
+
+
+async def test_model_context_forwards_model_and_sampling() -> None:
+    client = RecordingClient()
+    sampling = Sampling(temperature=0.2)
+    ctx = ModelContext(client, "my-model", sampling)
+    result = await ctx.chat(MESSAGES)
+    assert result == Completion("recorded")
+    assert client.calls == [(MESSAGES, "my-model", sampling)]
+    default = ModelContext(client, "m")
+    assert default.sampling == Sampling()
+    await default.chat(MESSAGES)
+    assert client.calls[-1][2] == Sampling()
+
+
+def test_clients_satisfy_protocol() -> None:
+    assert isinstance(EchoClient(), ModelClient)
+    assert isinstance(OpenAIClient("http://127.0.0.1:1/v1"), ModelClient)
+    assert isinstance(RecordingClient(), ModelClient)
+    assert not isinstance(object(), ModelClient)
+
+
+# ---------------------------------------------------------------------------------------
+# EchoClient
+# ---------------------------------------------------------------------------------------
+
+
+async def test_echo_replies_with_last_user_message() -> None:
+    messages = [
+        {"role": "system", "content": "sys prompt"},
+        {"role": "user", "content": "first question"},
+        {"role": "assistant", "content": "an answer"},
+        {"role": "user", "content": "second question here"},
+        {"role": "assistant", "content": "trailing"},
+    ]
+    result = await EchoClient().chat(messages, model="echo", sampling=Sampling())
+    assert result.content == "second question here"
+    # prompt: 2 + 2 + 2 + 3 + 1 words; reply: 3 words
+    assert result.usage == {"prompt_tokens": 10, "completion_tokens": 3}
+    assert result.finish_reason == "stop"
+
+
+async def test_echo_joins_text_content_parts() -> None:
+    messages = [
+        {
+            "role": "user",
+            "content": [
+                {"type": "text", "text": "look at"},
+                {"type": "image_url", "image_url": {"url": "data:..."}},
+                {"type": "text", "text": "this picture"},
+            ],
+        }
+    ]
+    result = await EchoClient().chat(messages, model="echo", sampling=Sampling())
+    assert result.content == "look at this picture"
+    assert result.usage == {"prompt_tokens": 4, "completion_tokens": 4}
+
+
+async def test_echo_without_user_message_is_empty() -> None:
+    messages = [{"role": "system", "content": "only a system prompt"}]
+    result = await EchoClient().chat(messages, model="echo", sampling=Sampling())
+    assert result.content == ""
+    assert result.usage == {"prompt_tokens": 4, "completion_tokens": 0}
+    empty = await EchoClient().chat([], model="echo", sampling=Sampling())
+    assert empty.content == ""
+    assert empty.usage == {"prompt_tokens": 0, "completion_tokens": 0}
+
+
+async def test_echo_delay_uses_trio_clock(autojump_clock: trio.testing.MockClock) -> None:
+    client = EchoClient(delay=2.5)
+    start = trio.current_time()
+    result = await client.chat(MESSAGES, model="echo", sampling=Sampling())
+    assert trio.current_time() - start == pytest.approx(2.5, abs=1e-9)
+    assert result.content == "say hello"
+    start = trio.current_time()
+    await EchoClient().chat(MESSAGES, model="echo", sampling=Sampling())
+    assert trio.current_time() == start
+
+
+async def test_echo_always_checkpoints() -> None:
+    with trio.CancelScope() as scope:
+        scope.cancel()
+        await EchoClient().chat(MESSAGES, model="echo", sampling=Sampling())
+        pytest.fail("EchoClient.chat did not checkpoint")  # pragma: no cover
+    assert scope.cancelled_caught
+
+
+async def test_echo_context_manager_and_bad_delay() -> None:
+    async with EchoClient() as client:
+        assert (await client.chat(MESSAGES, model="m", sampling=Sampling())).content
+    await client.aclose()
+    with pytest.raises(ValueError, match="delay"):
+        EchoClient(delay=-1)
+
+
+# ---------------------------------------------------------------------------------------
+# api_key_from_env
+# ---------------------------------------------------------------------------------------
+
+
+def test_api_key_from_env(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("TT_TEST_KEY", "sk-123\n")
+    assert api_key_from_env("TT_TEST_KEY") == "sk-123"
+
+
+@pytest.mark.parametrize("value", [None, "", "   "])
+def test_api_key_from_env_missing(monkeypatch: pytest.MonkeyPatch, value: str | None) -> None:
+    if value is None:
+        monkeypatch.delenv("TT_TEST_KEY", raising=False)
+    else:
+        monkeypatch.setenv("TT_TEST_KEY", value)
+    with pytest.raises(ValueError, match="TT_TEST_KEY") as info:
+        api_key_from_env("TT_TEST_KEY")
+    assert "export TT_TEST_KEY=" in str(info.value)
+    assert "--api-key-var" in str(info.value)
+
+
+# ---------------------------------------------------------------------------------------
+# Retry-After parsing and backoff
+# ---------------------------------------------------------------------------------------
+
+
+def test_parse_retry_after() -> None:
+    assert _parse_retry_after(None) is None
+    assert _parse_retry_after("") is None
+    assert _parse_retry_after("soon") is None
+    assert _parse_retry_after("nan") is None
+    assert _parse_retry_after("2") == 2.0
+    assert _parse_retry_after(" 0.5 ") == 0.5
+    assert _parse_retry_after("-3") == 0.0
+    future = email.utils.formatdate(time.time() + 100, usegmt=True)
+    assert 95 <= (_parse_retry_after(future) or 0) <= 101
+    past = email.utils.formatdate(time.time() - 100, usegmt=True)
+    assert _parse_retry_after(past) == 0.0
+
+
+def test_retry_delay_full_jitter_capped() -> None:
+    client = OpenAIClient("http://x/v1", backoff=1.0, max_backoff=5.0)
+    for retry in range(8):
+        cap = min(5.0, 2.0**retry)
+        delays = [client._retry_delay(retry, None) for _ in range(50)]
+        assert all(0.0 <= d <= cap for d in delays)
+    assert max(client._retry_delay(10, None) for _ in range(200)) > 2.5  # jitter spans range
+    assert client._retry_delay(0, 3.0) == 3.0  # Retry-After wins over jitter
+    assert client._retry_delay(0, 60.0) == 5.0  # ... capped by max_backoff
+
+
+def test_openai_client_validates_arguments() -> None:
+    with pytest.raises(ValueError, match="timeout"):
+        OpenAIClient("http://x/v1", timeout=0)
+    with pytest.raises(ValueError, match="max_retries"):
+        OpenAIClient("http://x/v1", max_retries=-1)
+    with pytest.raises(ValueError, match="base_url"):
+        OpenAIClient("")
+    assert "sk-secret" not in repr(OpenAIClient("http://x/v1", "sk-secret"))
+
+
+# ---------------------------------------------------------------------------------------
+# OpenAIClient against a real HTTP server
+# ---------------------------------------------------------------------------------------
+
+
+async def test_openai_success_forwards_request(server: FakeOpenAI) -> None:
+    server.plan(
+        Planned(
+            body=completion_body(
+                "Hi there",
+                usage={"prompt_tokens": 7, "completion_tokens": 2, "details": {"x": 1}},
+            )
+        )
+    )
+    sampling = Sampling(temperature=0.3, max_tokens=64, seed=5, extra={"stop": ["END"]})
+    async with OpenAIClient(server.url + "/", "sk-test", headers={"X-Extra": "yes"}) as client:
+        result = await client.chat(MESSAGES, model="qwen", sampling=sampling)
+    assert result == Completion(
+        "Hi there", usage={"prompt_tokens": 7, "completion_tokens": 2}, finish_reason="stop"
+    )
+    [request] = server.received
+    assert request.path == "/v1/chat/completions"
+    assert request.headers["authorization"] == "Bearer sk-test"
+    assert request.headers["x-extra"] == "yes"
+    assert request.json() == {
+        "model": "qwen",
+        "messages": MESSAGES,
+        "temperature": 0.3,
+        "max_tokens": 64,
+        "seed": 5,
+        "stop": ["END"],
+    }
+
+
+async def test_openai_no_key_no_auth_header_and_null_content(server: FakeOpenAI) -> None:
+    server.plan(Planned(body=completion_body(None)))
+    async with make_client(server) as client:
+        result = await client.chat(MESSAGES, model="m", sampling=Sampling())
+    assert result.content == ""
+    assert "authorization" not in server.received[0].headers
+    assert server.received[0].json() == {"model": "m", "messages": MESSAGES}
+
+
+async def test_openai_reuses_client_for_many_concurrent_requests(server: FakeOpenAI) -> None:
+    results: list[str] = []
+    async with make_client(server) as client:
+
+        async def one(i: int) -> None:
+            messages = [{"role": "user", "content": f"q{i}"}]
+            results.append((await client.chat(messages, model="m", sampling=Sampling())).content)
+
+        async with trio.open_nursery() as nursery:
+            for i in range(20):
+                nursery.start_soon(one, i)
+    assert results == ["hello"] * 20
+    assert len(server.received) == 20
+    with pytest.raises(RuntimeError, match="closed"):
+        await client.chat(MESSAGES, model="m", sampling=Sampling())
+
+
+async def test_openai_429_honours_retry_after(server: FakeOpenAI) -> None:
+    server.plan(
+        Planned(status=429, body={"error": "slow down"}, headers={"Retry-After": "0.05"}),
+        Planned(body=completion_body("after wait")),
+    )
+    async with make_client(server, max_retries=3, backoff=0.0) as client:
+        start = trio.current_time()
+        result = await client.chat(MESSAGES, model="m", sampling=Sampling())
+        elapsed = trio.current_time() - start
+    assert result.content == "after wait"
+    assert len(server.received) == 2
+    assert server.received[1].at - server.received[0].at >= 0.05
+    assert elapsed >= 0.05
+
+
+async def test_openai_retry_after_capped_by_max_backoff(server: FakeOpenAI) -> None:
+    server.plan(Planned(status=503, headers={"Retry-After": "100"}), Planned())
+    async with make_client(server, max_backoff=0.05) as client:
+        start = trio.current_time()
+        result = await client.chat(MESSAGES, model="m", sampling=Sampling())
+        elapsed = trio.current_time() - start
+    assert result.content == "hello"
+    assert len(server.received) == 2
+    assert 0.05 <= elapsed < 2.0
+
+
+async def test_openai_5xx_exhausts_retries(server: FakeOpenAI) -> None:
+    server.plan(*[Planned(status=503, body={"error": "overloaded"}) for _ in range(3)])
+    server.plan(Planned())  # would succeed, but must not be reached
+    async with make_client(server, max_retries=2) as client:
+        with pytest.raises(ModelHTTPError) as info:
+            await client.chat(MESSAGES, model="m", sampling=Sampling())
+    err = info.value
+    assert err.status == 503
+    assert err.attempts == 3
+    assert len(server.received) == 3
+    message = str(err)
+    assert server.url + "/chat/completions" in message
+    assert "503" in message
+    assert "3 attempts" in message
+    assert "overloaded" in message
+
+
+async def test_openai_400_is_not_retried(server: FakeOpenAI) -> None:
+    server.plan(Planned(status=400, body={"error": {"message": "bad model name"}}), Planned())
+    async with make_client(server, max_retries=3) as client:
+        with pytest.raises(ModelHTTPError) as info:
+            await client.chat(MESSAGES, model="m", sampling=Sampling())
+    assert info.value.status == 400
+    assert info.value.attempts == 1
+    assert "bad model name" in str(info.value)
+    assert len(server.received) == 1
+
+
+async def test_openai_timeout(server: FakeOpenAI) -> None:
+    server.plan(Planned(delay=5.0))
+    async with make_client(server, timeout=0.2, max_retries=0) as client:
+        start = trio.current_time()
+        with pytest.raises(ModelTimeoutError) as info:
+            await client.chat(MESSAGES, model="m", sampling=Sampling())
+        elapsed = trio.current_time() - start
+    assert server.url + "/chat/completions" in str(info.value)
+    assert "0.2s" in str(info.value)
+    assert info.value.timeout == 0.2
+    assert 0.15 <= elapsed < 2.0
+    assert len(server.received) == 1
+
+
+async def test_openai_timeout_then_retry_succeeds(server: FakeOpenAI) -> None:
+    server.plan(Planned(delay=5.0), Planned(body=completion_body("second try")))
+    async with make_client(server, timeout=0.2, max_retries=1) as client:
+        result = await client.chat(MESSAGES, model="m", sampling=Sampling())
+    assert result.content == "second try"
+    assert len(server.received) == 2
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port: int = sock.getsockname()[1]
+    return port
+
+
+async def test_openai_unreachable_server() -> None:
+    url = f"http://127.0.0.1:{free_port()}/v1"
+    async with OpenAIClient(url, max_retries=1, backoff=0.001) as client:
+        with pytest.raises(ModelConnectionError) as info:
+            await client.chat(MESSAGES, model="m", sampling=Sampling())
+    message = str(info.value)
+    assert message.startswith(f"cannot reach {url}/chat/completions: ")
+    assert "2 attempts" in message
+    assert isinstance(info.value, ModelError)
+    assert isinstance(info.value.__cause__, httpx.TransportError)
+
+
+@pytest.mark.parametrize(
+    "body",
+    [
+        b"this is not json",
+        {"choices": []},
+        {"object": "error", "message": "no choices"},
+        {"choices": [{"message": "flat"}]},
+        {"choices": [{"message": {"content": 42}}]},
+        [1, 2, 3],
+    ],
+)
+async def test_openai_malformed_response(server: FakeOpenAI, body: Any) -> None:
+    server.plan(Planned(body=body))
+    async with make_client(server) as client:
+        with pytest.raises(ModelResponseError, match="/v1/chat/completions"):
+            await client.chat(MESSAGES, model="m", sampling=Sampling())
+    assert len(server.received) == 1
+
+
+@pytest.mark.parametrize("max_retries", [0, 3])
+async def test_openai_cancellation_propagates(server: FakeOpenAI, max_retries: int) -> None:
+    server.plan(Planned(delay=5.0))
+    seen: list[BaseException] = []
+    async with make_client(server, max_retries=max_retries) as client:
+        start = trio.current_time()
+        with trio.move_on_after(0.1) as scope:
+            try:
+                await client.chat(MESSAGES, model="m", sampling=Sampling())
+            except BaseException as exc:
+                seen.append(exc)
+                raise
+        elapsed = trio.current_time() - start
+        assert scope.cancelled_caught
+        assert len(seen) == 1
+        assert isinstance(seen[0], trio.Cancelled)
+        assert elapsed < 1.0
+        assert len(server.received) == 1
+        # The client is still usable afterwards.
+        result = await client.chat(MESSAGES, model="m", sampling=Sampling())
+        assert result.content == "hello"
+
+
+async def test_openai_cancellation_during_backoff(server: FakeOpenAI) -> None:
+    server.plan(Planned(status=429, headers={"Retry-After": "10"}), Planned())
+    async with make_client(server, max_retries=3) as client:
+        start = trio.current_time()
+        with trio.move_on_after(0.1) as scope:
+            await client.chat(MESSAGES, model="m", sampling=Sampling())
+        assert scope.cancelled_caught
+        assert trio.current_time() - start < 1.0
+    assert len(server.received) == 1
+
+
+async def test_openai_external_http_client_left_open(server: FakeOpenAI) -> None:
+    async with httpx.AsyncClient() as http:
+        client = OpenAIClient(server.url, http_client=http)
+        result = await client.chat(MESSAGES, model="m", sampling=Sampling())
+        await client.aclose()
+        assert result.content == "hello"
+        assert not http.is_closed
+
+
+async def test_openai_owned_http_client_closed(server: FakeOpenAI) -> None:
+    client = make_client(server)
+    await client.chat(MESSAGES, model="m", sampling=Sampling())
+    http = client._http
+    assert http is not None
+    await client.aclose()
+    assert http.is_closed
+    await client.aclose()  # idempotent

@@ -1,0 +1,463 @@
+"""Model clients: the offline :class:`EchoClient` and the HTTP :class:`OpenAIClient`.
+
+Every client satisfies the :class:`ModelClient` protocol: an async ``chat`` that takes
+OpenAI-style messages and returns a :class:`Completion`, and an async ``aclose``.
+:class:`ModelContext` bundles a client with the model name and :class:`Sampling` settings
+an episode should use.
+
+Errors raised by :class:`OpenAIClient` are subclasses of :class:`ModelError` with distinct
+type names (``ModelConnectionError``, ``ModelTimeoutError``, ``ModelHTTPError``,
+``ModelResponseError``) so an env's retry policy can match them by name.
+``trio.Cancelled`` is never caught or converted.
+"""
+
+from __future__ import annotations
+
+import email.utils
+import math
+import os
+import random
+from datetime import UTC, datetime
+from types import TracebackType
+from typing import Any, Protocol, Self, runtime_checkable
+
+import attrs
+import httpx
+import trio
+
+__all__ = [
+    "Completion",
+    "EchoClient",
+    "ModelClient",
+    "ModelConnectionError",
+    "ModelContext",
+    "ModelError",
+    "ModelHTTPError",
+    "ModelResponseError",
+    "ModelTimeoutError",
+    "OpenAIClient",
+    "Sampling",
+    "api_key_from_env",
+]
+
+Message = dict[str, Any]
+
+# ---------------------------------------------------------------------------------------
+# Data
+# ---------------------------------------------------------------------------------------
+
+
+@attrs.frozen
+class Sampling:
+    """Sampling settings for a chat request; ``None`` means "use the server's default"."""
+
+    temperature: float | None = None
+    max_tokens: int | None = None
+    top_p: float | None = None
+    seed: int | None = None
+    extra: dict[str, Any] = attrs.field(factory=dict)
+
+    def to_request(self) -> dict[str, Any]:
+        """Return the OpenAI request fields that are set: ``None`` fields are omitted and
+        ``extra`` is merged last (so it may override the named fields)."""
+        fields: dict[str, Any] = {
+            "temperature": self.temperature,
+            "max_tokens": self.max_tokens,
+            "top_p": self.top_p,
+            "seed": self.seed,
+        }
+        request = {name: value for name, value in fields.items() if value is not None}
+        request.update(self.extra)
+        return request
+
+
+@attrs.frozen
+class Completion:
+    """One model reply: its text, token usage (e.g. ``prompt_tokens``,
+    ``completion_tokens``) and the server's ``finish_reason`` if it gave one."""
+
+    content: str
+    usage: dict[str, int] = attrs.field(factory=dict)
+    finish_reason: str | None = None
+
+
+@runtime_checkable
+class ModelClient(Protocol):
+    """What a model client provides. ``chat`` must be a real async call (it checkpoints),
+    must let ``trio.Cancelled`` propagate, and should raise :class:`ModelError` subclasses
+    for model failures. ``aclose`` releases the client's resources."""
+
+    async def chat(
+        self, messages: list[dict[str, Any]], *, model: str, sampling: Sampling
+    ) -> Completion: ...
+
+    async def aclose(self) -> None: ...
+
+
+@attrs.frozen
+class ModelContext:
+    """The model an episode talks to: a client, the model name and sampling settings."""
+
+    client: ModelClient
+    model: str
+    sampling: Sampling = attrs.field(factory=Sampling)
+
+    async def chat(self, messages: list[dict[str, Any]]) -> Completion:
+        """Send ``messages`` to ``client`` with this context's model and sampling."""
+        return await self.client.chat(messages, model=self.model, sampling=self.sampling)
+
+
+# ---------------------------------------------------------------------------------------
+# Errors
+# ---------------------------------------------------------------------------------------
+
+
+class ModelError(Exception):
+    """Base class for errors talking to a model server."""
+
+    def __init__(self, message: str, *, url: str = "") -> None:
+        super().__init__(message)
+        self.url = url
+
+
+class ModelConnectionError(ModelError):
+    """The server could not be reached (refused, reset, DNS, ...). Retried by the client."""
+
+
+class ModelTimeoutError(ModelError):
+    """The request did not complete within the client's timeout. Retried by the client."""
+
+    def __init__(self, message: str, *, url: str = "", timeout: float = 0.0) -> None:
+        super().__init__(message, url=url)
+        self.timeout = timeout
+
+
+class ModelHTTPError(ModelError):
+    """The server answered with an error status. 429 and 5xx are retried first; other 4xx
+    are raised at once. ``status`` is the HTTP status, ``attempts`` the requests made."""
+
+    def __init__(
+        self, message: str, *, url: str = "", status: int = 0, body: str = "", attempts: int = 1
+    ) -> None:
+        super().__init__(message, url=url)
+        self.status = status
+        self.body = body
+        self.attempts = attempts
+
+
+class ModelResponseError(ModelError):
+    """The server answered 2xx but the body is not a usable chat completion. Not retried."""
+
+
+# ---------------------------------------------------------------------------------------
+# Helpers
+# ---------------------------------------------------------------------------------------
+
+
+def _text_of(content: Any) -> str:
+    """The text of a message ``content``: a string as is, a list of OpenAI content parts
+    as its text parts joined by a space, anything else (``None``) as ``""``."""
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list):
+        texts = [
+            part["text"]
+            for part in content
+            if isinstance(part, dict) and isinstance(part.get("text"), str)
+        ]
+        return " ".join(texts)
+    return ""
+
+
+def _word_count(text: str) -> int:
+    return len(text.split())
+
+
+def _excerpt(text: str, limit: int = 200) -> str:
+    flat = " ".join(text.split())
+    return flat if len(flat) <= limit else flat[: limit - 3] + "..."
+
+
+def _plural(n: int, word: str) -> str:
+    return f"{n} {word}" if n == 1 else f"{n} {word}s"
+
+
+def _parse_retry_after(value: str | None) -> float | None:
+    """Seconds to wait from a ``Retry-After`` header (delta-seconds or an HTTP date), or
+    ``None`` if absent or unparseable. Never negative."""
+    if value is None:
+        return None
+    value = value.strip()
+    if not value:
+        return None
+    try:
+        seconds = float(value)
+    except ValueError:
+        try:
+            when = email.utils.parsedate_to_datetime(value)
+        except (TypeError, ValueError, IndexError):
+            return None
+        if when.tzinfo is None:
+            when = when.replace(tzinfo=UTC)
+        seconds = (when - datetime.now(UTC)).total_seconds()
+    if not math.isfinite(seconds):
+        return None
+    return max(0.0, seconds)
+
+
+def api_key_from_env(var: str) -> str:
+    """Return the API key stored in environment variable ``var`` (surrounding whitespace
+    stripped). Raises ``ValueError`` naming ``var`` when it is unset or empty."""
+    value = os.environ.get(var, "").strip()
+    if not value:
+        raise ValueError(
+            f"environment variable {var} is not set or empty; set it with "
+            f"`export {var}=...` or name another variable with --api-key-var"
+        )
+    return value
+
+
+# ---------------------------------------------------------------------------------------
+# Clients
+# ---------------------------------------------------------------------------------------
+
+
+class EchoClient:
+    """The built-in offline model: replies with the text of the last ``user`` message
+    (``""`` if there is none). Waits ``delay`` seconds (``trio.sleep``, so a MockClock
+    controls it) and always checkpoints. Usage counts words: ``prompt_tokens`` over all
+    message contents, ``completion_tokens`` over the reply."""
+
+    def __init__(self, delay: float = 0.0) -> None:
+        if not delay >= 0:
+            raise ValueError(f"delay must be >= 0, got {delay!r}")
+        self.delay = delay
+
+    def __repr__(self) -> str:
+        return f"EchoClient(delay={self.delay!r})"
+
+    async def chat(
+        self, messages: list[dict[str, Any]], *, model: str, sampling: Sampling
+    ) -> Completion:
+        """Echo the last user message; ``model`` and ``sampling`` are ignored."""
+        if self.delay > 0:
+            await trio.sleep(self.delay)
+        await trio.lowlevel.checkpoint()
+        reply = ""
+        for message in reversed(messages):
+            if message.get("role") == "user":
+                reply = _text_of(message.get("content"))
+                break
+        prompt_tokens = sum(_word_count(_text_of(m.get("content"))) for m in messages)
+        return Completion(
+            content=reply,
+            usage={"prompt_tokens": prompt_tokens, "completion_tokens": _word_count(reply)},
+            finish_reason="stop",
+        )
+
+    async def aclose(self) -> None:
+        """Nothing to release."""
+
+    async def __aenter__(self) -> Self:
+        return self
+
+    async def __aexit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        await self.aclose()
+
+
+_RETRYABLE_STATUS = frozenset({429})
+
+
+def _is_retryable_status(status: int) -> bool:
+    return status in _RETRYABLE_STATUS or 500 <= status <= 599
+
+
+class OpenAIClient:
+    """A client for any OpenAI-compatible ``/chat/completions`` endpoint (vLLM, SGLang,
+    llama.cpp server, OpenAI, ...). ``base_url`` includes the version prefix, e.g.
+    ``http://127.0.0.1:8000/v1``.
+
+    Contract:
+
+    - POSTs ``{"model", "messages", **sampling.to_request()}`` to
+      ``{base_url}/chat/completions``, with ``Authorization: Bearer <api_key>`` when a key
+      is given, plus ``headers``.
+    - 429, 5xx, connection errors and timeouts are retried up to ``max_retries`` times
+      (``max_retries + 1`` attempts in all), sleeping with full-jitter exponential backoff
+      (``uniform(0, min(max_backoff, backoff * 2**retry))``) or, when the response has a
+      ``Retry-After`` header, that many seconds, capped at ``max_backoff``.
+    - Other 4xx raise :class:`ModelHTTPError` at once; exhausted retries raise
+      :class:`ModelHTTPError`, :class:`ModelConnectionError` or :class:`ModelTimeoutError`;
+      a malformed 2xx body raises :class:`ModelResponseError`.
+    - ``timeout`` (seconds) applies to each request, also with a caller's ``http_client``.
+    - ``trio.Cancelled`` propagates untouched.
+
+    The ``httpx.AsyncClient`` is created on first use with unbounded connection pooling
+    (the runner's window is the concurrency limit) and closed by :meth:`aclose` or
+    ``async with``; an ``http_client`` passed in is used as is and left open.
+    """
+
+    def __init__(
+        self,
+        base_url: str,
+        api_key: str | None = None,
+        *,
+        timeout: float = 120.0,
+        max_retries: int = 3,
+        backoff: float = 0.5,
+        max_backoff: float = 30.0,
+        headers: dict[str, str] | None = None,
+        http_client: httpx.AsyncClient | None = None,
+    ) -> None:
+        if not base_url:
+            raise ValueError("base_url must not be empty, e.g. http://127.0.0.1:8000/v1")
+        if not timeout > 0:
+            raise ValueError(f"timeout must be > 0, got {timeout!r}")
+        if max_retries < 0:
+            raise ValueError(f"max_retries must be >= 0, got {max_retries!r}")
+        if not backoff >= 0:
+            raise ValueError(f"backoff must be >= 0, got {backoff!r}")
+        if not max_backoff >= 0:
+            raise ValueError(f"max_backoff must be >= 0, got {max_backoff!r}")
+        self.base_url = base_url
+        self.url = base_url.rstrip("/") + "/chat/completions"
+        self.timeout = timeout
+        self.max_retries = max_retries
+        self.backoff = backoff
+        self.max_backoff = max_backoff
+        self._headers: dict[str, str] = {"Content-Type": "application/json"}
+        if api_key:
+            self._headers["Authorization"] = f"Bearer {api_key}"
+        if headers:
+            self._headers.update(headers)
+        self._http: httpx.AsyncClient | None = http_client
+        self._owns_http = http_client is None
+        self._closed = False
+
+    def __repr__(self) -> str:
+        return f"OpenAIClient({self.base_url!r}, max_retries={self.max_retries})"
+
+    def _client(self) -> httpx.AsyncClient:
+        if self._closed:
+            raise RuntimeError("OpenAIClient is closed")
+        if self._http is None:
+            self._http = httpx.AsyncClient(
+                timeout=httpx.Timeout(self.timeout),
+                limits=httpx.Limits(max_connections=None, max_keepalive_connections=256),
+            )
+        return self._http
+
+    def _retry_delay(self, retry: int, retry_after: float | None) -> float:
+        """Seconds to sleep before retry number ``retry`` (0-based)."""
+        if retry_after is not None:
+            return min(retry_after, self.max_backoff)
+        cap = min(self.max_backoff, self.backoff * (2.0**retry))
+        return random.uniform(0.0, cap)
+
+    async def chat(
+        self, messages: list[dict[str, Any]], *, model: str, sampling: Sampling
+    ) -> Completion:
+        """POST one chat completion request, retrying per the class contract."""
+        client = self._client()
+        payload: dict[str, Any] = {"model": model, "messages": messages}
+        payload.update(sampling.to_request())
+        timeout = httpx.Timeout(self.timeout)
+        attempts = 0
+        while True:
+            attempts += 1
+            retry_after: float | None = None
+            try:
+                response = await client.post(
+                    self.url, json=payload, headers=self._headers, timeout=timeout
+                )
+            except httpx.TimeoutException as exc:
+                if attempts > self.max_retries:
+                    raise ModelTimeoutError(
+                        f"request to {self.url} timed out after {self.timeout:g}s "
+                        f"({_plural(attempts, 'attempt')})",
+                        url=self.url,
+                        timeout=self.timeout,
+                    ) from exc
+            except httpx.TransportError as exc:
+                if attempts > self.max_retries:
+                    reason = str(exc) or type(exc).__name__
+                    raise ModelConnectionError(
+                        f"cannot reach {self.url}: {reason} ({_plural(attempts, 'attempt')})",
+                        url=self.url,
+                    ) from exc
+            else:
+                status = response.status_code
+                if 200 <= status <= 299:
+                    return self._parse(response)
+                body = response.text
+                if not _is_retryable_status(status) or attempts > self.max_retries:
+                    raise ModelHTTPError(
+                        f"{self.url} returned HTTP {status} after "
+                        f"{_plural(attempts, 'attempt')}: {_excerpt(body) or '<empty body>'}",
+                        url=self.url,
+                        status=status,
+                        body=body,
+                        attempts=attempts,
+                    )
+                retry_after = _parse_retry_after(response.headers.get("retry-after"))
+            await trio.sleep(self._retry_delay(attempts - 1, retry_after))
+
+    def _parse(self, response: httpx.Response) -> Completion:
+        text = response.text
+        try:
+            data = response.json()
+        except ValueError as exc:
+            raise ModelResponseError(
+                f"{self.url} returned a body that is not JSON: {_excerpt(text) or '<empty>'}",
+                url=self.url,
+            ) from exc
+        choices = data.get("choices") if isinstance(data, dict) else None
+        choice = choices[0] if isinstance(choices, list) and choices else None
+        message = choice.get("message") if isinstance(choice, dict) else None
+        if not isinstance(choice, dict) or not isinstance(message, dict):
+            raise ModelResponseError(
+                f"{self.url} returned no choices[0].message: {_excerpt(text)}", url=self.url
+            )
+        raw_content = message.get("content")
+        if raw_content is not None and not isinstance(raw_content, str | list):
+            raise ModelResponseError(
+                f"{self.url} returned a non-text message content: {_excerpt(text)}",
+                url=self.url,
+            )
+        raw_usage = data.get("usage")
+        usage: dict[str, int] = {}
+        if isinstance(raw_usage, dict):
+            usage = {
+                str(k): v
+                for k, v in raw_usage.items()
+                if isinstance(v, int) and not isinstance(v, bool)
+            }
+        finish_reason = choice.get("finish_reason")
+        return Completion(
+            content=_text_of(raw_content),
+            usage=usage,
+            finish_reason=finish_reason if isinstance(finish_reason, str) else None,
+        )
+
+    async def aclose(self) -> None:
+        """Close the HTTP client if this object created it. Idempotent."""
+        self._closed = True
+        http, self._http = self._http, None
+        if http is not None and self._owns_http:
+            await http.aclose()
+
+    async def __aenter__(self) -> Self:
+        return self
+
+    async def __aexit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        await self.aclose()

@@ -1,0 +1,312 @@
+"""The windowed runner: `run_stream`, `as_completed` and `take`.
+
+One core (`_drive`) consumes an async source with at most `window` runs in flight. It takes a
+window slot (a `trio.CapacityLimiter` token) *before* each pull, pulls inside the nursery that
+owns the runs, and hands each result to one of two deliveries: stored by index (`run_stream`)
+or sent over a zero-buffer memory channel (`as_completed`, so an unread result keeps its slot).
+
+Guarantees (SPEC section 1, R1-R8):
+
+* item k+1 is requested only once fewer than `window` runs are in flight;
+* the first failure (of a run or of the source) cancels every other run and the pending pull,
+  waits for them to unwind and is re-raised *itself*; later failures are attached to it as
+  notes;
+* outside cancellation and KeyboardInterrupt propagate unchanged;
+* the source is closed exactly once, shielded, from the task that iterates it, after the last
+  pull has returned, on every exit path.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import AsyncGenerator, AsyncIterable, AsyncIterator, Awaitable, Callable
+from contextlib import AbstractAsyncContextManager, asynccontextmanager
+from typing import Any, TypeVar, cast
+
+import trio
+
+__all__ = ["as_completed", "run_stream", "take"]
+
+T = TypeVar("T")
+R = TypeVar("R")
+
+
+# --- argument checks: each names the argument and runs before anything is pulled ------------
+
+
+def _check_window(window: object) -> int | None:
+    if window is None:
+        return None
+    if isinstance(window, bool) or not isinstance(window, int):
+        # ValueError, not TypeError, for a non-int too: the SPEC's R2 names one error for both.
+        raise ValueError(  # noqa: TRY004
+            f"window must be an int >= 1 or None (no bound), got {window!r} "
+            f"({type(window).__name__})"
+        )
+    if window < 1:
+        raise ValueError(f"window must be >= 1 (or None for no bound), got {window}")
+    return window
+
+
+def _check_source(source: object) -> None:
+    if not hasattr(type(source), "__aiter__"):
+        hint = ""
+        if hasattr(type(source), "__iter__"):
+            hint = (
+                "; it is a sync iterable: wrap it in an async generator, or read a taskset "
+                "through `async with taskset.channel() as tasks`"
+            )
+        raise TypeError(
+            f"source must be an async iterable (an async generator, a trio ReceiveChannel, "
+            f"a taskset channel), got {type(source).__name__}{hint}"
+        )
+
+
+def _check_run(run: object) -> None:
+    if not callable(run):
+        raise TypeError(f"run must be an async callable taking one item, got {type(run).__name__}")
+
+
+# --- closing and error selection ----------------------------------------------------------
+
+
+async def _close(iterator: object, source: object) -> BaseException | None:
+    """Close the iterator (and the source, if it is a distinct closable object), shielded.
+
+    Returns the first exception a close raised instead of raising it, so the caller can decide
+    whether it is the error of the call or a note on another one.
+    """
+    error: BaseException | None = None
+    targets = [iterator] if iterator is source else [iterator, source]
+    with trio.CancelScope(shield=True):
+        for target in targets:
+            aclose = getattr(target, "aclose", None)
+            if aclose is None:
+                continue
+            try:
+                await aclose()
+            except Exception as exc:
+                if error is None:
+                    error = exc
+                else:
+                    _note(error, "while closing the source", exc)
+    return error
+
+
+def _note(error: BaseException, when: str, extra: BaseException) -> None:
+    error.add_note(f"trio_tasksets: {when}, {type(extra).__name__} was also raised: {extra}")
+
+
+def _leaves(group: BaseExceptionGroup[BaseException]) -> list[BaseException]:
+    out: list[BaseException] = []
+    for exc in group.exceptions:
+        if isinstance(exc, BaseExceptionGroup):
+            out.extend(_leaves(exc))
+        else:
+            out.append(exc)
+    return out
+
+
+def _pick(group: BaseExceptionGroup[BaseException]) -> BaseException:
+    """The one exception a nursery of the runner stands for.
+
+    KeyboardInterrupt wins; then the single non-Cancelled error; then a Cancelled (outside
+    cancellation, propagated unchanged). Several unrelated errors stay a group (they can only
+    come from outside the runner's control, e.g. two SystemExits).
+    """
+    leaves = _leaves(group)
+    for exc in leaves:
+        if isinstance(exc, KeyboardInterrupt):
+            return exc
+    real = [exc for exc in leaves if not isinstance(exc, trio.Cancelled)]
+    if len(real) == 1:
+        return real[0]
+    if not real:
+        return leaves[0]
+    return group
+
+
+# --- the core -----------------------------------------------------------------------------
+
+
+async def _drive(
+    source: AsyncIterable[T],
+    run: Callable[[T], Awaitable[R]],
+    window: int | None,
+    results: list[Any] | None,
+    send: trio.MemorySendChannel[tuple[int, R]] | None,
+) -> None:
+    """Run `run` over `source` with at most `window` in flight; deliver into `results` or `send`.
+
+    Raises the first failure itself, or the outside cancellation / KeyboardInterrupt unchanged.
+    """
+    limiter = trio.CapacityLimiter(window if window is not None else math.inf)
+    bounded = window is not None
+    failures: list[BaseException] = []
+    iterator = aiter(source)
+    error: BaseException | None = None
+
+    def fail(exc: BaseException, cancel_scope: trio.CancelScope) -> None:
+        if failures:
+            _note(failures[0], "while the other runs unwound", exc)
+        else:
+            failures.append(exc)
+            cancel_scope.cancel()
+
+    try:
+        async with trio.open_nursery() as nursery:
+            scope = nursery.cancel_scope
+
+            async def one(index: int, item: T) -> None:
+                try:
+                    result = await run(item)
+                    if send is None:
+                        cast(list[Any], results)[index] = result
+                    else:
+                        try:
+                            await send.send((index, result))
+                        except trio.BrokenResourceError:
+                            scope.cancel()  # the consumer closed its channel: stop quietly
+                except Exception as exc:
+                    fail(exc, scope)
+                finally:
+                    if bounded:
+                        limiter.release_on_behalf_of(index)
+
+            index = 0
+            while True:
+                if bounded:
+                    await limiter.acquire_on_behalf_of(index)
+                try:
+                    item = await iterator.__anext__()
+                except StopAsyncIteration:
+                    if bounded:
+                        limiter.release_on_behalf_of(index)
+                    break
+                except Exception as exc:
+                    fail(exc, scope)
+                    break
+                if results is not None:
+                    results.append(None)
+                nursery.start_soon(one, index, item)
+                index += 1
+    except BaseExceptionGroup as group:
+        error = _pick(group)
+    except BaseException as exc:  # not from the nursery itself, but never skip the close
+        error = exc
+    finally:
+        close_error = await _close(iterator, source)
+
+    if failures and not isinstance(error, KeyboardInterrupt):
+        if error is not None and not isinstance(error, trio.Cancelled):
+            _note(failures[0], "while the runs unwound", error)
+        error = failures[0]
+    if close_error is not None:
+        if error is None:
+            error = close_error
+        else:
+            _note(error, "while closing the source", close_error)
+    if error is not None:
+        raise error
+
+
+# --- the public API -----------------------------------------------------------------------
+
+
+async def run_stream(
+    source: AsyncIterable[T], run: Callable[[T], Awaitable[R]], *, window: int | None
+) -> list[R]:
+    """Run `run(item)` for every item of `source`, at most `window` at once.
+
+    Returns the results in submission (pull) order once the source has ended and the last run
+    is done. The next item is pulled only when a window slot is free. The first failure cancels
+    the rest and is re-raised itself. The source is always closed (`aclose()`), exactly once.
+    `window=None` means no bound.
+    """
+    checked = _check_window(window)
+    _check_source(source)
+    _check_run(run)
+    results: list[Any] = []
+    await _drive(source, run, checked, results, None)
+    return cast(list[R], results)
+
+
+def as_completed(
+    source: AsyncIterable[T], run: Callable[[T], Awaitable[R]], *, window: int | None
+) -> AbstractAsyncContextManager[trio.abc.ReceiveChannel[tuple[int, R]]]:
+    """Run `run` over `source` and yield `(index, result)` pairs in completion order.
+
+    Use as `async with tt.as_completed(src, run, window=w) as results: async for i, r in
+    results: ...`. A result not yet received holds its window slot, so a slow consumer
+    back-pressures the runs and the feed (memory stays O(window)). Leaving the block cancels
+    whatever is still running and closes the source; a failure cancels the block and is
+    re-raised itself. Bad arguments raise here, before the block is entered.
+    """
+    checked = _check_window(window)
+    _check_source(source)
+    _check_run(run)
+    return _as_completed(source, run, checked)
+
+
+@asynccontextmanager
+async def _as_completed(
+    source: AsyncIterable[T], run: Callable[[T], Awaitable[R]], window: int | None
+) -> AsyncGenerator[trio.abc.ReceiveChannel[tuple[int, R]], None]:
+    send, receive = trio.open_memory_channel[tuple[int, R]](0)
+
+    async def produce() -> None:
+        # Close `send` only on success: on failure the consumer must see the failure (its block
+        # is cancelled), not an EndOfChannel that would pass for a normal end.
+        await _drive(source, run, window, None, send)
+        send.close()
+
+    error: BaseException | None = None
+    try:
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(produce)
+            with receive:
+                yield receive
+            nursery.cancel_scope.cancel()
+    except BaseExceptionGroup as group:
+        error = _pick(group)
+    if error is not None:
+        raise error
+
+
+def take(source: AsyncIterable[T], n: int) -> AsyncIterator[T]:
+    """Yield the next `n` items of `source` (fewer if it ends first), then close it.
+
+    Never requests an (n+1)th item: the source is closed as soon as the n-th has arrived.
+    `n == 0` pulls nothing; `n < 0` raises ValueError.
+    """
+    _check_source(source)
+    if isinstance(n, bool) or not isinstance(n, int):
+        raise TypeError(f"n must be an int >= 0, got {n!r} ({type(n).__name__})")
+    if n < 0:
+        raise ValueError(f"n must be >= 0, got {n}")
+    return _take(source, n)
+
+
+async def _take(source: AsyncIterable[T], n: int) -> AsyncGenerator[T, None]:
+    iterator = aiter(source)
+    closed = False
+
+    async def close() -> None:
+        nonlocal closed
+        if not closed:
+            closed = True
+            error = await _close(iterator, source)
+            if error is not None:
+                raise error
+
+    try:
+        for count in range(1, n + 1):
+            try:
+                item = await iterator.__anext__()
+            except StopAsyncIteration:
+                break
+            if count == n:
+                await close()
+            yield item
+    finally:
+        await close()

@@ -1,0 +1,213 @@
+"""Helpers for deterministic tests of runners and tasksets (the project's own tests use them).
+
+* `Feed`: an async iterator the test feeds item by item; it counts `pulled`, knows when it is
+  `closed` (and how often, and whether a pull was still running then), and checks that it is
+  pulled and closed from one task.
+* `FeedTaskset`: a streaming taskset whose `stream()` reads such a feed.
+* `Gate`: holds runs until opened; records how many are running and the peak.
+
+Use them on trio's MockClock (pytest-trio's `autojump_clock`), with every wait on a quiet feed
+under `trio.fail_after`.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import AsyncGenerator, Awaitable, Callable
+from contextlib import asynccontextmanager
+from typing import Generic, TypeVar
+
+import trio
+
+from .tasksets import Task, Taskset, TasksetConfig
+
+__all__ = ["Feed", "FeedTaskset", "Gate"]
+
+T = TypeVar("T")
+R = TypeVar("R")
+
+_END = object()
+
+
+class _Signal:
+    """A 'something changed' broadcast: wait until a predicate holds."""
+
+    def __init__(self) -> None:
+        self._event = trio.Event()
+
+    def fire(self) -> None:
+        self._event.set()
+        self._event = trio.Event()
+
+    async def until(self, predicate: Callable[[], bool]) -> None:
+        while not predicate():
+            await self._event.wait()
+
+
+class _Queue(Generic[T]):
+    """An unbounded queue of items, an end marker and errors, fed synchronously by the test."""
+
+    def __init__(self) -> None:
+        self._send, self._receive = trio.open_memory_channel[object](math.inf)
+
+    def put(self, *items: T) -> None:
+        for item in items:
+            self._send.send_nowait(item)
+
+    def end(self) -> None:
+        """After the items already put, the feed ends (StopAsyncIteration)."""
+        self._send.send_nowait(_END)
+
+    def fail(self, error: BaseException) -> None:
+        """After the items already put, the feed raises `error`."""
+        self._send.send_nowait(error)
+
+    async def get(self) -> tuple[bool, T]:
+        """(True, item), or (False, _) at the end; raises a fed error."""
+        value = await self._receive.receive()
+        if value is _END:
+            return False, None  # type: ignore[return-value]
+        if isinstance(value, BaseException):
+            raise value
+        return True, value  # type: ignore[return-value]
+
+
+class Feed(_Queue[T]):
+    """An async iterator fed by the test: `put(*items)`, `end()`, `fail(exc)`.
+
+    A pull with nothing queued parks until the test puts something (a quiet feed). Records:
+    `pulled` (items handed out), `closed`, `close_calls`, `closed_while_pulling` (an `aclose()`
+    that arrived while a pull was running elsewhere) and `foreign_close` (closed from a task
+    other than the one that pulled).
+    """
+
+    def __init__(self, *items: T) -> None:
+        super().__init__()
+        self.pulled = 0
+        self.closed = False
+        self.close_calls = 0
+        self.closed_while_pulling = False
+        self.foreign_close = False
+        self.waiting = False
+        self._puller: trio.lowlevel.Task | None = None
+        self.put(*items)
+
+    def __aiter__(self) -> Feed[T]:
+        return self
+
+    async def __anext__(self) -> T:
+        if self.closed:
+            raise RuntimeError("Feed pulled after it was closed")
+        self._puller = trio.lowlevel.current_task()
+        self.waiting = True
+        try:
+            more, item = await self.get()
+        finally:
+            self.waiting = False
+        if not more:
+            raise StopAsyncIteration
+        self.pulled += 1
+        return item
+
+    async def aclose(self) -> None:
+        self.close_calls += 1
+        if self.waiting:
+            self.closed_while_pulling = True
+        if self._puller is not None and self._puller is not trio.lowlevel.current_task():
+            self.foreign_close = True
+        self.closed = True
+        await trio.lowlevel.checkpoint()
+
+
+class FeedTaskset(Taskset[Task, TasksetConfig]):
+    """A streaming taskset fed by the test: `put(*tasks)` (a str becomes a Task whose prompt
+    and answer are that str), `end()`, `fail(exc)`; it counts `pulled` and knows `closed`.
+    """
+
+    def __init__(self, config: TasksetConfig | None = None) -> None:
+        super().__init__(config)
+        self._queue: _Queue[Task] = _Queue()
+        self.pulled = 0
+        self.closed = False
+
+    def put(self, *tasks: Task | str) -> None:
+        self._queue.put(*(Task(t, answer=t) if isinstance(t, str) else t for t in tasks))
+
+    def end(self) -> None:
+        self._queue.end()
+
+    def fail(self, error: BaseException) -> None:
+        self._queue.fail(error)
+
+    async def stream(self) -> AsyncGenerator[Task, None]:
+        try:
+            while True:
+                more, task = await self._queue.get()
+                if not more:
+                    return
+                self.pulled += 1
+                yield task
+        finally:
+            self.closed = True
+
+
+class Gate:
+    """Holds runs until `open()`; records `running`, `peak`, `started` and `finished`.
+
+    `gate.run` is a run function that returns its item once the gate is open; `gate.wrap(fn)`
+    holds `fn` the same way. `await gate.wait_running(n)` waits until n runs are held.
+    A gate made with `opened=True` holds nothing and only counts.
+    """
+
+    def __init__(self, *, opened: bool = False) -> None:
+        self._open = trio.Event()
+        if opened:
+            self._open.set()
+        self._changed = _Signal()
+        self.running = 0
+        self.peak = 0
+        self.started = 0
+        self.finished = 0
+        self.cancelled = 0
+
+    def open(self) -> None:
+        self._open.set()
+
+    @property
+    def is_open(self) -> bool:
+        return self._open.is_set()
+
+    @asynccontextmanager
+    async def held(self) -> AsyncGenerator[None, None]:
+        """Count a run as running, wait for the gate, then let the body run."""
+        self.running += 1
+        self.started += 1
+        self.peak = max(self.peak, self.running)
+        self._changed.fire()
+        try:
+            await self._open.wait()
+            yield
+            self.finished += 1
+        except trio.Cancelled:
+            self.cancelled += 1
+            raise
+        finally:
+            self.running -= 1
+            self._changed.fire()
+
+    async def run(self, item: T) -> T:
+        async with self.held():
+            return item
+
+    def wrap(self, fn: Callable[[T], Awaitable[R]]) -> Callable[[T], Awaitable[R]]:
+        async def run(item: T) -> R:
+            async with self.held():
+                return await fn(item)
+
+        return run
+
+    async def wait_running(self, n: int) -> None:
+        await self._changed.until(lambda: self.running >= n)
+
+    async def wait_started(self, n: int) -> None:
+        await self._changed.until(lambda: self.started >= n)
