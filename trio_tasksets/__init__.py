@@ -1,7 +1,7 @@
 """trio_tasksets: streaming tasksets and a windowed runner on Trio."""
 
 from . import testing
-from .runner import as_completed, run_stream, take
+from .runner import as_completed, merge, run_stream, take
 from .tasksets import Task, Taskset, TasksetConfig
 
 __all__ = [
@@ -9,6 +9,7 @@ __all__ = [
     "Taskset",
     "TasksetConfig",
     "as_completed",
+    "merge",
     "run_stream",
     "take",
     "testing",

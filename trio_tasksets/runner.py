@@ -18,6 +18,7 @@ Guarantees (SPEC section 1, R1-R8):
 
 from __future__ import annotations
 
+import contextlib
 import math
 from collections.abc import AsyncGenerator, AsyncIterable, AsyncIterator, Awaitable, Callable
 from contextlib import AbstractAsyncContextManager, asynccontextmanager
@@ -25,7 +26,7 @@ from typing import Any, TypeVar, cast
 
 import trio
 
-__all__ = ["as_completed", "run_stream", "take"]
+__all__ = ["as_completed", "merge", "run_stream", "take"]
 
 T = TypeVar("T")
 R = TypeVar("R")
@@ -173,39 +174,38 @@ async def _drive(
                     if bounded:
                         limiter.release_on_behalf_of(index)
 
-            index = 0
-            while True:
-                if bounded:
-                    await limiter.acquire_on_behalf_of(index)
-                try:
-                    item = await iterator.__anext__()
-                except StopAsyncIteration:
+            try:
+                index = 0
+                while True:
                     if bounded:
-                        limiter.release_on_behalf_of(index)
-                    break
-                except Exception as exc:
-                    fail(exc, scope)
-                    break
-                if results is not None:
-                    results.append(None)
-                nursery.start_soon(one, index, item)
-                index += 1
+                        await limiter.acquire_on_behalf_of(index)
+                    try:
+                        item = await iterator.__anext__()
+                    except StopAsyncIteration:
+                        if bounded:
+                            limiter.release_on_behalf_of(index)
+                        break
+                    except Exception as exc:
+                        fail(exc, scope)
+                        break
+                    if results is not None:
+                        results.append(None)
+                    nursery.start_soon(one, index, item)
+                    index += 1
+            finally:
+                # Close here, in the nursery body: the task that pulled, after its last pull,
+                # and before the nursery exits, so a source that entered a cancel scope of its
+                # own (a merge with a nursery) is closed inside the scopes it was pulled in.
+                close_error = await _close(iterator, source)
+                if close_error is not None:
+                    fail(close_error, scope)
     except BaseExceptionGroup as group:
         error = _pick(group)
-    except BaseException as exc:  # not from the nursery itself, but never skip the close
-        error = exc
-    finally:
-        close_error = await _close(iterator, source)
 
     if failures and not isinstance(error, KeyboardInterrupt):
         if error is not None and not isinstance(error, trio.Cancelled):
             _note(failures[0], "while the runs unwound", error)
         error = failures[0]
-    if close_error is not None:
-        if error is None:
-            error = close_error
-        else:
-            _note(error, "while closing the source", close_error)
     if error is not None:
         raise error
 
@@ -310,3 +310,66 @@ async def _take(source: AsyncIterable[T], n: int) -> AsyncGenerator[T, None]:
             yield item
     finally:
         await close()
+
+
+def merge(*sources: AsyncIterable[T]) -> AsyncIterator[T]:
+    """Interleave several async sources into one, in arrival order.
+
+    Each source is pumped by its own task, which holds at most one item it has pulled but not
+    yet handed on (the only prefetch). The merged stream ends when every source has ended; the
+    first source error is raised from the merged stream itself, after the other sources are
+    closed. Closing the merged stream closes every source. Use it as a runner source, or inside
+    a taskset's `stream()` to merge two feeds (docs/tasksets.md).
+    """
+    for source in sources:
+        _check_source(source)
+    return _merge(sources)
+
+
+async def _merge(sources: tuple[AsyncIterable[T], ...]) -> AsyncGenerator[T, None]:
+    send, receive = trio.open_memory_channel[tuple[bool, Any]](0)
+
+    async def pump(source: AsyncIterable[T], out: trio.MemorySendChannel[tuple[bool, Any]]) -> None:
+        # Errors travel as values: a pump never raises into the nursery, so the nursery is never
+        # cancelled from inside while the merged generator is suspended at its yield.
+        iterator = aiter(source)
+        with out:
+            try:
+                while True:
+                    try:
+                        item = await iterator.__anext__()
+                    except StopAsyncIteration:
+                        return
+                    except Exception as exc:
+                        await out.send((False, exc))
+                        return
+                    await out.send((True, item))
+            except trio.BrokenResourceError:
+                pass
+            finally:
+                close_error = await _close(iterator, source)
+                if close_error is not None:
+                    with contextlib.suppress(trio.BrokenResourceError, trio.ClosedResourceError):
+                        out.send_nowait((False, close_error))
+
+    error: BaseException | None = None
+    try:
+        async with trio.open_nursery() as nursery:
+            with send:
+                for source in sources:
+                    nursery.start_soon(pump, source, send.clone())
+            try:
+                async for ok, value in receive:
+                    if not ok:
+                        error = value
+                        break
+                    yield value
+            finally:
+                receive.close()
+                nursery.cancel_scope.cancel()
+    except BaseExceptionGroup as group:
+        # The nursery wraps what left its body (GeneratorExit from aclose(), an outside
+        # Cancelled): hand it on bare, as a generator must.
+        raise _pick(group) from None
+    if error is not None:
+        raise error

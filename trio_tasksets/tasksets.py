@@ -153,16 +153,13 @@ class Taskset(Generic[TaskT, ConfigT]):
         return trio.as_safe_channel(self._tasks)()
 
     async def _tasks(self) -> AsyncGenerator[TaskT, None]:
-        if not self.streaming:
-            source = self.stream()
-            try:
-                async for task in source:
-                    yield task
-            finally:
-                await _aclose_shielded(source)
-            return
-        async for task in _stream_view(self):
-            yield task
+        # A static taskset's default stream() already applies prompt and views.
+        source = _stream_view(self) if self.streaming else self.stream()
+        try:
+            async for task in source:
+                yield task
+        finally:
+            await _aclose_shielded(source)
 
     # --- views ------------------------------------------------------------------------------
 
@@ -237,20 +234,21 @@ async def _stream_view(taskset: Taskset[TaskT, Any]) -> AsyncGenerator[TaskT, No
     n tasks it bounds. `stream()` is closed, shielded, on every exit.
     """
     source = taskset.stream()
-    prompt = taskset.config.system_prompt
     steps = taskset._steps
+    shuffle_at = next((i for i, (kind, _) in enumerate(steps) if kind == "shuffle"), None)
+    before = steps if shuffle_at is None else steps[:shuffle_at]
+    applied = _apply_steps(source, taskset.config.system_prompt, before)
     try:
-        shuffle_at = next((i for i, (kind, _) in enumerate(steps) if kind == "shuffle"), None)
-        if shuffle_at is not None:
-            tasks = [t async for t in _apply_steps(source, prompt, steps[:shuffle_at])]
-            seed = steps[shuffle_at][1]
-            random.Random(seed).shuffle(tasks)
-            for task in _apply_sync(tasks, steps[shuffle_at + 1 :]):
+        if shuffle_at is None:
+            async for task in applied:
                 yield task
             return
-        async for task in _apply_steps(source, prompt, steps):
+        tasks = [t async for t in applied]
+        random.Random(steps[shuffle_at][1]).shuffle(tasks)
+        for task in _apply_sync(tasks, steps[shuffle_at + 1 :]):
             yield task
     finally:
+        await _aclose_shielded(applied)
         await _aclose_shielded(source)
 
 

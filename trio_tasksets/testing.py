@@ -17,6 +17,7 @@ from collections.abc import AsyncGenerator, Awaitable, Callable
 from contextlib import asynccontextmanager
 from typing import Generic, TypeVar
 
+import attrs
 import trio
 
 from .tasksets import Task, Taskset, TasksetConfig
@@ -119,36 +120,51 @@ class Feed(_Queue[T]):
         await trio.lowlevel.checkpoint()
 
 
+@attrs.define
+class _FeedState:
+    queue: _Queue[Task] = attrs.Factory(_Queue)
+    pulled: int = 0
+    closed: bool = False
+
+
 class FeedTaskset(Taskset[Task, TasksetConfig]):
     """A streaming taskset fed by the test: `put(*tasks)` (a str becomes a Task whose prompt
     and answer are that str), `end()`, `fail(exc)`; it counts `pulled` and knows `closed`.
+    Views of it (`head`, `view`) share the feed and the counts.
     """
 
     def __init__(self, config: TasksetConfig | None = None) -> None:
         super().__init__(config)
-        self._queue: _Queue[Task] = _Queue()
-        self.pulled = 0
-        self.closed = False
+        self._state = _FeedState()
+
+    @property
+    def pulled(self) -> int:
+        return self._state.pulled
+
+    @property
+    def closed(self) -> bool:
+        return self._state.closed
 
     def put(self, *tasks: Task | str) -> None:
-        self._queue.put(*(Task(t, answer=t) if isinstance(t, str) else t for t in tasks))
+        self._state.queue.put(*(Task(t, answer=t) if isinstance(t, str) else t for t in tasks))
 
     def end(self) -> None:
-        self._queue.end()
+        self._state.queue.end()
 
     def fail(self, error: BaseException) -> None:
-        self._queue.fail(error)
+        self._state.queue.fail(error)
 
     async def stream(self) -> AsyncGenerator[Task, None]:
+        state = self._state
         try:
             while True:
-                more, task = await self._queue.get()
+                more, task = await state.queue.get()
                 if not more:
                     return
-                self.pulled += 1
+                state.pulled += 1
                 yield task
         finally:
-            self.closed = True
+            state.closed = True
 
 
 class Gate:
