@@ -1,15 +1,58 @@
-"""trio_tasksets: streaming tasksets and a windowed runner on Trio."""
+"""trio_tasksets: streaming tasksets and a windowed runner on Trio.
+
+The flat public API (SPEC): the runner (`run_stream`, `as_completed`, `take`, `merge`),
+tasksets (`Task`, `TasksetConfig`, `Taskset`), envs and models (`Env`, `RunSlot`, `Episode`,
+`RetryPolicy`, `Sampling`, `ModelContext`, `EchoClient`, `OpenAIClient`) and the eval
+(`EvalConfig`, `run_eval`, `EvalResult`). Submodules: `testing` (helpers for deterministic
+tests) and `aio` (the asyncio bridge).
+"""
 
 from . import testing
+from .env import Env, Episode, EpisodeError, EpisodeTask, RetryPolicy, RunSlot
+from .eval import EvalConfig, EvalConfigError, EvalResult, run_eval
+from .models import (
+    Completion,
+    EchoClient,
+    ModelClient,
+    ModelConnectionError,
+    ModelContext,
+    ModelError,
+    ModelHTTPError,
+    ModelResponseError,
+    ModelTimeoutError,
+    OpenAIClient,
+    Sampling,
+)
 from .runner import as_completed, merge, run_stream, take
 from .tasksets import Task, Taskset, TasksetConfig
 
 __all__ = [
+    "Completion",
+    "EchoClient",
+    "Env",
+    "Episode",
+    "EpisodeError",
+    "EpisodeTask",
+    "EvalConfig",
+    "EvalConfigError",
+    "EvalResult",
+    "ModelClient",
+    "ModelConnectionError",
+    "ModelContext",
+    "ModelError",
+    "ModelHTTPError",
+    "ModelResponseError",
+    "ModelTimeoutError",
+    "OpenAIClient",
+    "RetryPolicy",
+    "RunSlot",
+    "Sampling",
     "Task",
     "Taskset",
     "TasksetConfig",
     "as_completed",
     "merge",
+    "run_eval",
     "run_stream",
     "take",
     "testing",

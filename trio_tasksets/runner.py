@@ -108,7 +108,7 @@ def _leaves(group: BaseExceptionGroup[BaseException]) -> list[BaseException]:
     return out
 
 
-def _pick(group: BaseExceptionGroup[BaseException]) -> BaseException:
+def pick_one(group: BaseExceptionGroup[BaseException]) -> BaseException:
     """The one exception a nursery of the runner stands for.
 
     KeyboardInterrupt wins; then the single non-Cancelled error; then a Cancelled (outside
@@ -200,7 +200,7 @@ async def _drive(
                 if close_error is not None:
                     fail(close_error, scope)
     except BaseExceptionGroup as group:
-        error = _pick(group)
+        error = pick_one(group)
 
     if failures and not isinstance(error, KeyboardInterrupt):
         if error is not None and not isinstance(error, trio.Cancelled):
@@ -268,7 +268,7 @@ async def _as_completed(
                 yield receive
             nursery.cancel_scope.cancel()
     except BaseExceptionGroup as group:
-        error = _pick(group)
+        error = pick_one(group)
     if error is not None:
         raise error
 
@@ -370,6 +370,6 @@ async def _merge(sources: tuple[AsyncIterable[T], ...]) -> AsyncGenerator[T, Non
     except BaseExceptionGroup as group:
         # The nursery wraps what left its body (GeneratorExit from aclose(), an outside
         # Cancelled): hand it on bare, as a generator must.
-        raise _pick(group) from None
+        raise pick_one(group) from None
     if error is not None:
         raise error

@@ -1,0 +1,37 @@
+"""Sessions: `nox -s lint typecheck tests` (the checks CI runs) and `nox -s bench`."""
+
+from __future__ import annotations
+
+import nox
+
+nox.options.sessions = ["lint", "typecheck", "tests"]
+nox.options.reuse_existing_virtualenvs = True
+
+PATHS = ["trio_tasksets", "tests", "bench", "examples", "noxfile.py"]
+
+
+@nox.session
+def lint(session: nox.Session) -> None:
+    session.install("ruff>=0.6")
+    session.run("ruff", "check", *PATHS)
+    session.run("ruff", "format", "--check", *PATHS)
+
+
+@nox.session
+def typecheck(session: nox.Session) -> None:
+    session.install("-e", ".[dev]")
+    session.run("mypy", "--strict", *PATHS)
+
+
+@nox.session
+def tests(session: nox.Session) -> None:
+    session.install("-e", ".[test]")
+    session.run("pytest", "-q", *session.posargs)
+
+
+@nox.session
+def bench(session: nox.Session) -> None:
+    """Benchmarks, side by side in one process each; figures go in docs/benchmarks.md."""
+    session.install("-e", ".[dev]")
+    quick = ["--quick"] if "quick" in session.posargs else []
+    session.run("python", "-m", "bench.runner", *quick)

@@ -1,0 +1,182 @@
+"""Env episodes, SPEC section 3: single-turn chat, rewards, whole-episode retries, on_complete."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import trio
+from trio.testing import MockClock
+
+import trio_tasksets as tt
+from trio_tasksets.models import Completion, Sampling
+
+
+class Flaky:
+    """A model client that raises the given errors first, then echoes."""
+
+    def __init__(self, *errors: Exception) -> None:
+        self.errors = list(errors)
+        self.calls = 0
+        self.seen: list[list[dict[str, Any]]] = []
+
+    async def chat(
+        self, messages: list[dict[str, Any]], *, model: str, sampling: Sampling
+    ) -> Completion:
+        self.calls += 1
+        self.seen.append(messages)
+        await trio.sleep(1)
+        if self.errors:
+            raise self.errors.pop(0)
+        return Completion(content=str(messages[-1]["content"]))
+
+    async def aclose(self) -> None:
+        pass
+
+
+class Static(tt.Taskset[tt.Task, tt.TasksetConfig]):
+    def load(self) -> list[tt.Task]:
+        return [tt.Task("say hi", answer="HI")]
+
+
+class RateLimited(Exception):
+    pass
+
+
+class Fatal(Exception):
+    pass
+
+
+def ctx(client: Any) -> tt.ModelContext:
+    return tt.ModelContext(client, "test-model")
+
+
+async def test_single_turn_chat_system_prompt_first_and_answer_match(
+    autojump_clock: MockClock,
+) -> None:
+    client = Flaky()
+    env: tt.Env[tt.Task] = tt.Env(Static(tt.TasksetConfig(system_prompt="be brief")))
+    task = next(iter(env.taskset))
+    episode = await env.run_slot(tt.RunSlot(task, rollout=3), ctx(client))
+    assert client.seen[0] == [
+        {"role": "system", "content": "be brief"},
+        {"role": "user", "content": "say hi"},
+    ]
+    assert episode.ok
+    assert episode.reward == 1.0  # "HI" occurs in "say hi", case-insensitive
+    assert episode.completion == "say hi"
+    assert episode.messages[-1] == {"role": "assistant", "content": "say hi"}
+    assert episode.rollout == 3
+    assert episode.task.key == task.key
+    assert episode.task.data["prompt"] == "say hi"
+    assert episode.attempts == 1
+    assert episode.timing["duration"] == 1
+
+
+async def test_reward_from_env_or_taskset(autojump_clock: MockClock) -> None:
+    class Scored(Static):
+        def reward(self, task: tt.Task, completion: str) -> float:
+            return 0.25
+
+    async def async_reward(task: tt.Task, completion: str) -> float:
+        return 0.5
+
+    task = tt.Task("x", answer="nope")
+    assert (await tt.Env(Static()).run_slot(tt.RunSlot(task), ctx(Flaky()))).reward == 0.0
+    assert (await tt.Env(Scored()).run_slot(tt.RunSlot(task), ctx(Flaky()))).reward == 0.25
+    env = tt.Env(Scored(), reward=async_reward)
+    assert (await env.run_slot(tt.RunSlot(task), ctx(Flaky()))).reward == 0.5
+
+
+async def test_included_error_is_retried_and_earlier_errors_are_kept(
+    autojump_clock: MockClock,
+) -> None:
+    client = Flaky(RateLimited("slow down"), RateLimited("again"))
+    env = tt.Env(Static(), retries=tt.RetryPolicy(max_retries=2, include=("RateLimited",)))
+    episode = await env.run_slot(tt.RunSlot(tt.Task("a", answer="a")), ctx(client))
+    assert episode.ok
+    assert episode.attempts == 3
+    assert [(e.type, e.message, e.attempt) for e in episode.errors] == [
+        ("RateLimited", "slow down", 1),
+        ("RateLimited", "again", 2),
+    ]
+    assert client.calls == 3
+
+
+async def test_excluded_or_not_included_errors_are_not_retried(autojump_clock: MockClock) -> None:
+    excluded = tt.Env(Static(), retries=tt.RetryPolicy(max_retries=5, exclude=("Fatal",)))
+    episode = await excluded.run_slot(tt.RunSlot(tt.Task("a")), ctx(Flaky(Fatal("no"))))
+    assert not episode.ok
+    assert episode.attempts == 1
+    assert [e.type for e in episode.errors] == ["Fatal"]
+    only = tt.Env(Static(), retries=tt.RetryPolicy(max_retries=5, include=("RateLimited",)))
+    episode = await only.run_slot(tt.RunSlot(tt.Task("a")), ctx(Flaky(Fatal("no"))))
+    assert episode.attempts == 1
+
+
+async def test_retries_exhausted_and_base_class_names_match(autojump_clock: MockClock) -> None:
+    env = tt.Env(Static(), retries=tt.RetryPolicy(max_retries=2, include=("Exception",)))
+    client = Flaky(Fatal("1"), Fatal("2"), Fatal("3"), Fatal("4"))
+    episode = await env.run_slot(tt.RunSlot(tt.Task("a")), ctx(client))
+    assert not episode.ok
+    assert episode.attempts == 3
+    assert len(episode.errors) == 3
+    assert client.calls == 3
+
+
+async def test_backoff_is_jittered_and_bounded(autojump_clock: MockClock) -> None:
+    policy = tt.RetryPolicy(max_retries=3, backoff=2.0, max_backoff=5.0)
+    delays = [policy.delay(k) for k in (1, 2, 3, 4) for _ in range(50)]
+    assert all(0 <= d <= 5.0 for d in delays)
+    assert len(set(delays)) > 1
+
+
+async def test_on_complete_runs_once_shielded(autojump_clock: MockClock) -> None:
+    seen: list[str] = []
+
+    async def on_complete(episode: tt.Episode) -> None:
+        await trio.sleep(5)  # the caller's deadline passes meanwhile: shielded, so it finishes
+        seen.append(episode.id)
+
+    env = tt.Env(Static())
+    with trio.move_on_after(2):
+        await env.run_slot(tt.RunSlot(tt.Task("a")), ctx(Flaky()), on_complete=on_complete)
+    assert len(seen) == 1
+
+
+async def test_cancellation_propagates_and_skips_on_complete(autojump_clock: MockClock) -> None:
+    seen: list[tt.Episode] = []
+    slot = tt.RunSlot(tt.Task("a"))
+    with trio.move_on_after(0.5) as scope:
+        await tt.Env(Static()).run_slot(slot, ctx(Flaky()), on_complete=seen.append)
+    assert scope.cancelled_caught
+    assert seen == []
+    assert not slot.done
+
+
+def test_episode_row_round_trip() -> None:
+    episode = tt.Episode(
+        id="e1",
+        task=tt.EpisodeTask(
+            "k", {"prompt": "p", "answer": None, "info": {}, "system_prompt": None}
+        ),
+        rollout=1,
+        ok=True,
+        reward=1.0,
+        completion="c",
+        errors=[tt.EpisodeError("Boom", "x", 1)],
+        attempts=2,
+    )
+    row = episode.to_row()
+    assert set(row) == {
+        "id", "task", "rollout", "ok", "reward", "completion", "messages", "errors",
+        "attempts", "timing",
+    }  # fmt: skip
+    assert row["task"] == {"key": "k", "data": episode.task.data}
+    assert row["errors"] == [{"type": "Boom", "message": "x", "attempt": 1}]
+    assert tt.Episode.from_row(row) == episode
+
+
+def test_retry_policy_validates() -> None:
+    with pytest.raises(ValueError, match="max_retries"):
+        tt.RetryPolicy(max_retries=-1)

@@ -1,0 +1,264 @@
+"""The command line: `trio-tasksets eval TASKSET [options]` (also `python -m trio_tasksets`).
+
+Exit codes: 0 done (failed episodes are data, not errors), 1 an error stopped the run,
+2 a usage error (found before any task is pulled or file written), 130 interrupted (Ctrl-C).
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import importlib.util
+import json
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any, NoReturn
+
+import attrs
+import trio
+
+from .builtin import BUILTIN
+from .env import Env, RetryPolicy
+from .eval import EvalConfig, EvalConfigError, run_eval
+from .models import EchoClient, ModelClient, ModelContext, OpenAIClient, Sampling, api_key_from_env
+from .tasksets import Taskset
+
+__all__ = ["main", "resolve_taskset"]
+
+
+class UsageError(Exception):
+    """A bad command line; printed with the usage, exit 2."""
+
+
+def resolve_taskset(spec: str) -> type[Taskset[Any, Any]]:
+    """A taskset class from a built-in id, `path/to/file.py:Class` or `package.module:Class`."""
+    if spec in BUILTIN:
+        return BUILTIN[spec]
+    if ":" not in spec:
+        known = ", ".join(sorted(BUILTIN))
+        raise UsageError(
+            f"TASKSET {spec!r} is not a built-in id ({known}), nor path/to/file.py:Class, "
+            f"nor package.module:Class"
+        )
+    where, _, name = spec.rpartition(":")
+    try:
+        if where.endswith(".py"):
+            path = Path(where)
+            if not path.is_file():
+                raise UsageError(f"TASKSET {spec!r}: no file {path}")
+            module_name = f"_trio_tasksets_user_{path.stem}"
+            module_spec = importlib.util.spec_from_file_location(module_name, path)
+            if module_spec is None or module_spec.loader is None:
+                raise UsageError(f"TASKSET {spec!r}: cannot import {path}")
+            module = importlib.util.module_from_spec(module_spec)
+            sys.modules[module_name] = module
+            module_spec.loader.exec_module(module)
+        else:
+            module = importlib.import_module(where)
+    except ImportError as exc:
+        raise UsageError(f"TASKSET {spec!r}: cannot import {where}: {exc}") from exc
+    cls = getattr(module, name, None)
+    if not (isinstance(cls, type) and issubclass(cls, Taskset)):
+        raise UsageError(f"TASKSET {spec!r}: {where} has no Taskset subclass named {name!r}")
+    return cls
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="trio-tasksets", description="Streaming tasksets and a windowed runner on Trio."
+    )
+    commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    ev = commands.add_parser(
+        "eval",
+        help="evaluate a taskset against a model",
+        description="Evaluate a taskset against a model; traces go to <output-dir>/<run-name>/.",
+    )
+    ev.add_argument(
+        "taskset", metavar="TASKSET", help="echo, echo-stream, file.py:Class or pkg.mod:Class"
+    )
+    run = ev.add_argument_group("the run")
+    run.add_argument(
+        "-n",
+        "--num-examples",
+        type=int,
+        default=None,
+        metavar="N",
+        help="take N tasks (required on a streaming or INFINITE taskset)",
+    )
+    run.add_argument("-r", "--rollouts-per-example", type=int, default=1, metavar="R")
+    run.add_argument(
+        "-c",
+        "--max-concurrent",
+        type=int,
+        default=32,
+        metavar="C",
+        help="the window: most rollouts in flight (default 32)",
+    )
+    run.add_argument(
+        "--shuffle", action="store_true", help="shuffle a static taskset (with --seed)"
+    )
+    run.add_argument("--seed", type=int, default=0)
+    run.add_argument("--resume", action="store_true", help="finish a run dir's owed rollouts")
+    run.add_argument("-o", "--output-dir", default="outputs", metavar="DIR")
+    run.add_argument("--run-name", default=None, metavar="NAME")
+    run.add_argument(
+        "--retries", type=int, default=0, metavar="K", help="retry a failed episode up to K times"
+    )
+    run.add_argument(
+        "--retry-on",
+        default="",
+        metavar="TYPES",
+        help="comma-separated exception type names to retry (default: any)",
+    )
+    run.add_argument(
+        "--no-retry-on",
+        default="",
+        metavar="TYPES",
+        help="comma-separated exception type names never to retry",
+    )
+    run.add_argument("--no-dashboard", action="store_true", help="plain log lines, no live view")
+    run.add_argument("--serve", action="store_true", help="run the env in a server process")
+    run.add_argument("--workers", type=int, default=1, metavar="K", help="server processes")
+    run.add_argument("--server-url", default=None, metavar="URL", help="use a running server")
+    model = ev.add_argument_group("the model")
+    model.add_argument(
+        "-m",
+        "--model",
+        default="echo",
+        help="model name; 'echo' (default) is the built-in offline model",
+    )
+    model.add_argument(
+        "--base-url",
+        default=None,
+        metavar="URL",
+        help="an OpenAI-compatible endpoint, e.g. http://127.0.0.1:8000/v1",
+    )
+    model.add_argument(
+        "--api-key-var",
+        default=None,
+        metavar="VAR",
+        help="the environment variable holding the API key",
+    )
+    model.add_argument(
+        "--timeout", type=float, default=120.0, metavar="S", help="per-request timeout in seconds"
+    )
+    model.add_argument("--temperature", type=float, default=None)
+    model.add_argument("--max-tokens", type=int, default=None)
+    model.add_argument("--top-p", type=float, default=None)
+    model.add_argument("--sampling-seed", type=int, default=None)
+    model.add_argument(
+        "--echo-delay",
+        type=float,
+        default=0.0,
+        metavar="S",
+        help="latency of the echo model, to watch the window work",
+    )
+    prompt = model.add_mutually_exclusive_group()
+    prompt.add_argument("--system-prompt", default=None, metavar="TEXT")
+    prompt.add_argument("--system-prompt-file", default=None, metavar="PATH")
+    return parser  # fmt: skip
+
+
+def _names(text: str) -> tuple[str, ...]:
+    return tuple(part.strip() for part in text.split(",") if part.strip())
+
+
+def _model(args: argparse.Namespace) -> ModelClient:
+    if args.model == "echo" and args.base_url is None:
+        if args.echo_delay < 0:
+            raise UsageError(f"--echo-delay must be >= 0, got {args.echo_delay}")
+        return EchoClient(delay=args.echo_delay)
+    if args.base_url is None:
+        raise UsageError(
+            f"-m/--model {args.model!r} needs --base-url (an OpenAI-compatible endpoint such as "
+            f"http://127.0.0.1:8000/v1 or https://api.openai.com/v1), or use -m echo"
+        )
+    key = None
+    if args.api_key_var is not None:
+        try:
+            key = api_key_from_env(args.api_key_var)
+        except ValueError as exc:
+            raise UsageError(f"--api-key-var: {exc}") from exc
+    if args.timeout <= 0:
+        raise UsageError(f"--timeout must be > 0, got {args.timeout}")
+    return OpenAIClient(args.base_url, key, timeout=args.timeout)
+
+
+def _build(args: argparse.Namespace) -> tuple[Env[Any], ModelContext, EvalConfig]:
+    cls = resolve_taskset(args.taskset)
+    system_prompt = args.system_prompt
+    if args.system_prompt_file is not None:
+        try:
+            system_prompt = Path(args.system_prompt_file).read_text()
+        except OSError as exc:
+            raise UsageError(f"--system-prompt-file: cannot read it: {exc}") from exc
+    config = cls._default_config()
+    if system_prompt is not None:
+        config = attrs.evolve(config, system_prompt=system_prompt)
+    if args.retries < 0:
+        raise UsageError(f"--retries must be >= 0, got {args.retries}")
+    retries = RetryPolicy(args.retries, _names(args.retry_on), _names(args.no_retry_on))
+    env: Env[Any] = Env(cls(config), retries=retries)
+    sampling = Sampling(
+        temperature=args.temperature,
+        max_tokens=args.max_tokens,
+        top_p=args.top_p,
+        seed=args.sampling_seed,
+    )
+    ctx = ModelContext(_model(args), args.model, sampling)
+    eval_config = EvalConfig(
+        num_examples=args.num_examples,
+        rollouts_per_example=args.rollouts_per_example,
+        max_concurrent=args.max_concurrent,
+        shuffle=args.shuffle,
+        seed=args.seed,
+        resume=args.resume,
+        output_dir=args.output_dir,
+        run_name=args.run_name,
+        serve=args.serve,
+        workers=args.workers,
+        dashboard=not args.no_dashboard,
+        server_url=args.server_url,
+    )
+    return env, ctx, eval_config
+
+
+async def _eval(env: Env[Any], ctx: ModelContext, config: EvalConfig) -> dict[str, Any]:
+    try:
+        result = await run_eval(env, ctx, config)
+    finally:
+        with trio.CancelScope(shield=True):
+            await ctx.client.aclose()
+    return {"run_dir": str(result.run_dir), **result.summary}
+
+
+def _usage_exit(parser: argparse.ArgumentParser, message: str) -> NoReturn:
+    parser.print_usage(sys.stderr)
+    print(f"trio-tasksets: error: {message}", file=sys.stderr)
+    raise SystemExit(2)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = _parser()
+    args = parser.parse_args(argv)
+    try:
+        env, ctx, config = _build(args)
+    except UsageError as exc:
+        _usage_exit(parser, str(exc))
+    try:
+        summary = trio.run(_eval, env, ctx, config)
+    except EvalConfigError as exc:
+        _usage_exit(parser, str(exc))
+    except KeyboardInterrupt:
+        print("trio-tasksets: interrupted; finished episodes are on disk", file=sys.stderr)
+        return 130
+    except Exception as exc:
+        print(f"trio-tasksets: error: {type(exc).__name__}: {exc}", file=sys.stderr)
+        return 1
+    print(json.dumps(summary, default=str))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,261 @@
+"""Envs and episodes: one rollout of one task against a model, with whole-episode retries."""
+
+from __future__ import annotations
+
+import inspect
+import random
+import time
+import uuid
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterable
+from contextlib import AbstractAsyncContextManager, asynccontextmanager
+from typing import Any, Generic, TypeVar
+
+import attrs
+import trio
+
+from .models import ModelContext
+from .tasksets import Taskset
+
+__all__ = ["Env", "Episode", "EpisodeError", "EpisodeTask", "RetryPolicy", "RunSlot"]
+
+TaskT = TypeVar("TaskT")
+Message = dict[str, Any]
+Reward = Callable[[Any, str], float | Awaitable[float]]
+
+
+def _type_names(names: Iterable[str]) -> tuple[str, ...]:
+    if isinstance(names, str):
+        return (names,)
+    return tuple(names)
+
+
+@attrs.frozen
+class RetryPolicy:
+    """Whole-episode retries, chosen by exception type name.
+
+    An error is retried while attempts remain, when `include` is empty or names the error's
+    type (or one of its base classes), and `exclude` names none of them. Between attempts the
+    env sleeps a jittered exponential backoff: uniform in [0, min(max_backoff, backoff * 2**k)].
+    """
+
+    max_retries: int = attrs.field(default=0, validator=attrs.validators.ge(0))
+    include: tuple[str, ...] = attrs.field(default=(), converter=_type_names)
+    exclude: tuple[str, ...] = attrs.field(default=(), converter=_type_names)
+    backoff: float = attrs.field(default=0.5, validator=attrs.validators.ge(0))
+    max_backoff: float = attrs.field(default=30.0, validator=attrs.validators.ge(0))
+
+    def should_retry(self, error: BaseException, attempt: int) -> bool:
+        """Whether attempt number `attempt` (1-based), which raised `error`, gets another."""
+        if attempt > self.max_retries:
+            return False
+        names = {klass.__name__ for klass in type(error).__mro__}
+        if self.exclude and names & set(self.exclude):
+            return False
+        return not self.include or bool(names & set(self.include))
+
+    def delay(self, attempt: int) -> float:
+        return random.uniform(0, min(self.max_backoff, self.backoff * 2 ** (attempt - 1)))
+
+
+@attrs.frozen
+class EpisodeTask:
+    """The task an episode ran: its `key` and its own fields (`data`)."""
+
+    key: str
+    data: dict[str, Any]
+
+
+@attrs.frozen
+class EpisodeError:
+    """One failed attempt: the exception's type name and message."""
+
+    type: str
+    message: str
+    attempt: int = 1
+
+
+@attrs.define
+class Episode:
+    """The record of one slot: what was asked, what came back, its reward and its errors.
+
+    `ok` is False when every attempt failed; `errors` keeps every failed attempt's error,
+    including those of attempts that a later retry made good.
+    """
+
+    id: str
+    task: EpisodeTask
+    rollout: int
+    ok: bool = False
+    reward: float = 0.0
+    completion: str | None = None
+    messages: list[Message] = attrs.Factory(list)
+    errors: list[EpisodeError] = attrs.Factory(list)
+    attempts: int = 0
+    timing: dict[str, float] = attrs.Factory(dict)
+
+    def to_row(self) -> dict[str, Any]:
+        """The trace row: the episode's fields under the same names, JSON-ready."""
+        return attrs.asdict(self)
+
+    @classmethod
+    def from_row(cls, row: dict[str, Any]) -> Episode:
+        """Rebuild an episode from a trace row (the inverse of `to_row`)."""
+        return cls(
+            id=str(row["id"]),
+            task=EpisodeTask(key=str(row["task"]["key"]), data=dict(row["task"]["data"])),
+            rollout=int(row["rollout"]),
+            ok=bool(row["ok"]),
+            reward=float(row["reward"]),
+            completion=row.get("completion"),
+            messages=list(row.get("messages", [])),
+            errors=[EpisodeError(**e) for e in row.get("errors", [])],
+            attempts=int(row.get("attempts", 0)),
+            timing=dict(row.get("timing", {})),
+        )
+
+
+@attrs.define(eq=False)
+class RunSlot(Generic[TaskT]):
+    """One rollout of one task, plus its live state while it runs."""
+
+    task: TaskT
+    rollout: int = 0
+    episode: Episode | None = None
+    done: bool = False
+    started: float | None = None
+
+
+def task_key(task: Any) -> str:
+    key = getattr(task, "key", None)
+    if not isinstance(key, str):
+        raise TypeError(f"tasks need a str `key` (tt.Task has one), got {type(task).__name__}")
+    return key
+
+
+def task_data(task: Any) -> dict[str, Any]:
+    data = getattr(task, "data", None)
+    if isinstance(data, dict):
+        return data
+    if attrs.has(type(task)):
+        return attrs.asdict(task)
+    raise TypeError(f"tasks need a dict `data` (tt.Task has one), got {type(task).__name__}")
+
+
+def chat_messages(task: Any) -> list[Message]:
+    """The messages a single-turn chat sends: the system prompt first, then the prompt."""
+    messages: list[Message] = []
+    system = getattr(task, "system_prompt", None)
+    if system:
+        messages.append({"role": "system", "content": system})
+    prompt = task.prompt
+    if isinstance(prompt, str):
+        messages.append({"role": "user", "content": prompt})
+    else:
+        messages.extend(dict(m) for m in prompt)
+    return messages
+
+
+def answer_match(task: Any, completion: str) -> float:
+    """1.0 when the task's answer occurs in the completion (case-insensitive), else 0.0."""
+    answer = getattr(task, "answer", None)
+    if not answer:
+        return 0.0
+    return 1.0 if str(answer).casefold() in completion.casefold() else 0.0
+
+
+class Env(Generic[TaskT]):
+    """A taskset plus how to run and score one episode of it.
+
+    The default episode is single-turn chat: the task's messages (system prompt first) go to
+    the model once. Override `rollout` for multi-turn or tool-using episodes, and `serving`
+    for resources that live as long as a service (a sandbox pool, a browser).
+
+    The reward: `reward=` if given, else the taskset's own `reward(task, completion)` method if
+    it has one, else `answer_match`. A reward may be sync or async.
+    """
+
+    def __init__(
+        self,
+        taskset: Taskset[TaskT, Any],
+        *,
+        reward: Reward | None = None,
+        retries: RetryPolicy | None = None,
+    ) -> None:
+        self.taskset = taskset
+        self.retries = retries if retries is not None else RetryPolicy()
+        taskset_reward = getattr(taskset, "reward", None)
+        self._reward: Reward = reward or taskset_reward or answer_match
+
+    def serving(self) -> AbstractAsyncContextManager[Env[TaskT]]:
+        """Env-level resources for the life of a service or an eval (default: none)."""
+        return _nothing(self)
+
+    async def rollout(self, task: TaskT, ctx: ModelContext) -> tuple[list[Message], str]:
+        """Run one attempt of an episode; return the full message list and the completion."""
+        messages = chat_messages(task)
+        reply = await ctx.chat(messages)
+        return [*messages, {"role": "assistant", "content": reply.content}], reply.content
+
+    async def score(self, task: TaskT, completion: str) -> float:
+        value = self._reward(task, completion)
+        if inspect.isawaitable(value):
+            value = await value
+        return float(value)
+
+    async def run_slot(
+        self,
+        slot: RunSlot[TaskT],
+        ctx: ModelContext,
+        *,
+        on_complete: Callable[[Episode], Awaitable[None] | None] | None = None,
+    ) -> Episode:
+        """Run one slot to its episode, retrying the whole episode per `self.retries`.
+
+        Never raises for the episode's own failure: it is recorded on the episode (`ok=False`,
+        `errors`). Cancellation propagates (an unfinished episode is not recorded).
+        `on_complete(episode)` runs once, after the last attempt, shielded from cancellation.
+        """
+        task = slot.task
+        episode = Episode(
+            id=uuid.uuid4().hex,
+            task=EpisodeTask(key=task_key(task), data=task_data(task)),
+            rollout=slot.rollout,
+        )
+        slot.episode = episode
+        slot.started = time.time()
+        began = trio.current_time()
+        attempt = 0
+        while True:
+            attempt += 1
+            try:
+                messages, completion = await self.rollout(task, ctx)
+                reward = await self.score(task, completion)
+            except Exception as exc:
+                episode.errors.append(EpisodeError(type(exc).__name__, str(exc), attempt))
+                if not self.retries.should_retry(exc, attempt):
+                    break
+                await trio.sleep(self.retries.delay(attempt))
+            else:
+                episode.ok = True
+                episode.reward = reward
+                episode.completion = completion
+                episode.messages = messages
+                break
+        episode.attempts = attempt
+        episode.timing = {
+            "started": slot.started,
+            "finished": time.time(),
+            "duration": trio.current_time() - began,
+        }
+        slot.done = True
+        if on_complete is not None:
+            with trio.CancelScope(shield=True):
+                result = on_complete(episode)
+                if inspect.isawaitable(result):
+                    await result
+        return episode
+
+
+@asynccontextmanager
+async def _nothing(env: Env[Any]) -> AsyncIterator[Env[Any]]:
+    yield env
