@@ -54,7 +54,8 @@ def test_a_never_draining_stream_with_n3_ends_with_exactly_3(tmp_path: Path) -> 
     assert len(written) == 3
     assert all(r["ok"] and r["reward"] == 1.0 for r in written)
     assert pulls(tmp_path) == 3
-    summary = json.loads(done.stdout.strip().splitlines()[-1])
+    assert done.stdout.startswith("3/3 ok, reward mean 1.000")
+    summary = json.loads((tmp_path / "out" / "s" / "summary.json").read_text())
     assert summary["ok"] == 3
 
 
@@ -133,7 +134,7 @@ def test_sigkill_midway_then_resume_ends_with_exactly_the_owed_rows(tmp_path: Pa
     assert len(written) == 120
     slots = {(r["task"]["key"], r["rollout"]) for r in written}
     assert len(slots) == 120  # every slot once, no duplicates
-    summary = json.loads(done.stdout.strip().splitlines()[-1])
+    summary = json.loads((tmp_path / "out" / "k" / "summary.json").read_text())
     assert summary["kept_from_resume"] >= 20
 
     again = run(tmp_path, *args, "--resume")  # nothing owed: exit 0, nothing changes

@@ -9,7 +9,6 @@ from __future__ import annotations
 import argparse
 import importlib
 import importlib.util
-import json
 import sys
 from collections.abc import Sequence
 from pathlib import Path
@@ -256,7 +255,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     except Exception as exc:
         print(f"trio-tasksets: error: {type(exc).__name__}: {exc}", file=sys.stderr)
         return 1
-    print(json.dumps(summary, default=str))
+    mean = summary["reward_mean"]
+    print(
+        f"{summary['ok']}/{summary['finished']} ok, reward mean "
+        f"{'-' if mean is None else f'{mean:.3f}'}, {summary['rollouts_per_s']:.1f} rollouts/s; "
+        f"traces in {summary['run_dir']}/traces.jsonl"
+    )
     return 0
 
 
