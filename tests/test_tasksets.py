@@ -299,3 +299,91 @@ async def test_merge_under_outside_cancellation_closes_every_source(
         await tt.run_stream(tt.merge(a, b), Gate(opened=True).run, window=1)
     assert scope.cancelled_caught
     assert a.close_calls == b.close_calls == 1
+
+
+# --- a merge suspended at its yield, closed from every direction -----------------------------
+
+
+async def forever(item: Any) -> Any:
+    await trio.sleep_forever()
+    return item
+
+
+async def test_take_of_a_merge_closes_it_at_its_yield(autojump_clock: MockClock) -> None:
+    a: Feed[int] = Feed(1, 2, 3)
+    b: Feed[int] = Feed(10, 20)
+    with trio.fail_after(5):
+        got = await tt.run_stream(tt.take(tt.merge(a, b), 2), Gate(opened=True).run, window=1)
+    assert len(got) == 2
+    assert a.close_calls == b.close_calls == 1
+
+
+async def test_outside_cancel_while_a_merge_sits_at_its_yield(autojump_clock: MockClock) -> None:
+    a: Feed[int] = Feed(1, 2)
+    b: Feed[int] = Feed(3)
+    with trio.move_on_after(3) as scope:  # window=1 and a run that never ends: merge at yield
+        await tt.run_stream(tt.merge(a, b), forever, window=1)
+    assert scope.cancelled_caught
+    assert a.close_calls == b.close_calls == 1
+
+
+async def test_fail_fast_while_a_merge_sits_at_its_yield(autojump_clock: MockClock) -> None:
+    a: Feed[int] = Feed(1, 2)
+    b: Feed[int] = Feed(3)
+
+    async def boom(item: int) -> int:
+        await trio.sleep(1)
+        raise KeyError(item)
+
+    with trio.fail_after(5), pytest.raises(KeyError):
+        await tt.run_stream(tt.merge(a, b), boom, window=1)
+    assert a.close_calls == b.close_calls == 1
+
+
+async def test_leaving_as_completed_early_over_a_merge(autojump_clock: MockClock) -> None:
+    a: Feed[int] = Feed(*range(10))
+    b: Feed[int] = Feed(*range(10))
+    with trio.fail_after(5):
+        async with tt.as_completed(tt.merge(a, b), Gate(opened=True).run, window=2) as results:
+            await results.receive()
+    assert a.close_calls == b.close_calls == 1
+
+
+async def test_a_merged_feed_bounded_by_head_through_channel(autojump_clock: MockClock) -> None:
+    left, right = FeedTaskset(), FeedTaskset()
+    left.put("l1", "l2", "l3")
+    right.put("r1", "r2")  # neither side ever ends: only the head ends the read
+    with trio.fail_after(5):
+        got = await drain(TwoFeeds(left, right).head(3))
+    assert len(got) == 3
+    assert left.closed
+    assert right.closed
+
+
+async def test_a_merged_feed_fail_fast_through_channel(autojump_clock: MockClock) -> None:
+    left, right = FeedTaskset(), FeedTaskset()
+    left.put("l1")
+    right.put("r1")
+
+    async def boom(task: tt.Task) -> str:
+        await trio.sleep(1)
+        raise KeyError(task.prompt)
+
+    with trio.fail_after(5), pytest.raises(KeyError):
+        async with TwoFeeds(left, right).channel() as tasks:
+            await tt.run_stream(tasks, boom, window=1)
+    assert left.closed
+    assert right.closed
+
+
+@pytest.mark.parametrize("wrap", ["take", "merge"])
+async def test_an_unstarted_take_or_merge_still_closes_its_source(
+    autojump_clock: MockClock, wrap: str
+) -> None:
+    feed: Feed[int] = Feed(1, 2)
+    source = tt.take(feed, 2) if wrap == "take" else tt.merge(feed)
+    with trio.CancelScope() as scope:
+        scope.cancel()  # cancelled before the runner's first pull
+        await tt.run_stream(source, Gate(opened=True).run, window=1)
+    assert feed.pulled == 0
+    assert feed.close_calls == 1

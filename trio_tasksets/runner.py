@@ -72,25 +72,26 @@ def _check_run(run: object) -> None:
 
 
 async def _close(iterator: object, source: object) -> BaseException | None:
-    """Close the iterator (and the source, if it is a distinct closable object), shielded.
+    """Close the iterator (and the source, if it is a distinct closable object).
 
-    Returns the first exception a close raised instead of raising it, so the caller can decide
-    whether it is the error of the call or a note on another one.
+    Opens no cancel scope of its own: a source may hold a scope it entered while it was pulled
+    (a `merge` suspended at its yield), and closing it must exit that scope before any scope
+    entered after it. Callers shield the close with a scope they entered *before* the first
+    pull (`_drive` does). Returns the first exception a close raised instead of raising it.
     """
     error: BaseException | None = None
     targets = [iterator] if iterator is source else [iterator, source]
-    with trio.CancelScope(shield=True):
-        for target in targets:
-            aclose = getattr(target, "aclose", None)
-            if aclose is None:
-                continue
-            try:
-                await aclose()
-            except Exception as exc:
-                if error is None:
-                    error = exc
-                else:
-                    _note(error, "while closing the source", exc)
+    for target in targets:
+        aclose = getattr(target, "aclose", None)
+        if aclose is None:
+            continue
+        try:
+            await aclose()
+        except Exception as exc:
+            if error is None:
+                error = exc
+            else:
+                _note(error, "while closing the source", exc)
     return error
 
 
@@ -174,31 +175,35 @@ async def _drive(
                     if bounded:
                         limiter.release_on_behalf_of(index)
 
-            try:
-                index = 0
-                while True:
-                    if bounded:
-                        await limiter.acquire_on_behalf_of(index)
-                    try:
-                        item = await iterator.__anext__()
-                    except StopAsyncIteration:
+            # `guard` is entered before the first pull and shielded only for the close, so the
+            # close is shielded without entering a scope after the source's own (see _close).
+            with trio.CancelScope() as guard:
+                try:
+                    index = 0
+                    while True:
                         if bounded:
-                            limiter.release_on_behalf_of(index)
-                        break
-                    except Exception as exc:
-                        fail(exc, scope)
-                        break
-                    if results is not None:
-                        results.append(None)
-                    nursery.start_soon(one, index, item)
-                    index += 1
-            finally:
-                # Close here, in the nursery body: the task that pulled, after its last pull,
-                # and before the nursery exits, so a source that entered a cancel scope of its
-                # own (a merge with a nursery) is closed inside the scopes it was pulled in.
-                close_error = await _close(iterator, source)
-                if close_error is not None:
-                    fail(close_error, scope)
+                            await limiter.acquire_on_behalf_of(index)
+                        try:
+                            item = await iterator.__anext__()
+                        except StopAsyncIteration:
+                            if bounded:
+                                limiter.release_on_behalf_of(index)
+                            break
+                        except Exception as exc:
+                            fail(exc, scope)
+                            break
+                        if results is not None:
+                            results.append(None)
+                        nursery.start_soon(one, index, item)
+                        index += 1
+                finally:
+                    # Close here, in the nursery body: the task that pulled, after its last
+                    # pull, before the nursery exits.
+                    guard.shield = True
+                    close_error = await _close(iterator, source)
+                    guard.shield = False
+                    if close_error is not None:
+                        fail(close_error, scope)
     except BaseExceptionGroup as group:
         error = pick_one(group)
 
@@ -277,39 +282,47 @@ def take(source: AsyncIterable[T], n: int) -> AsyncIterator[T]:
     """Yield the next `n` items of `source` (fewer if it ends first), then close it.
 
     Never requests an (n+1)th item: the source is closed as soon as the n-th has arrived.
-    `n == 0` pulls nothing; `n < 0` raises ValueError.
+    `n == 0` pulls nothing; `n < 0` raises ValueError. Closing the result closes the source,
+    even before the first pull.
     """
     _check_source(source)
     if isinstance(n, bool) or not isinstance(n, int):
         raise TypeError(f"n must be an int >= 0, got {n!r} ({type(n).__name__})")
     if n < 0:
         raise ValueError(f"n must be >= 0, got {n}")
-    return _take(source, n)
+    return _Take(source, n)
 
 
-async def _take(source: AsyncIterable[T], n: int) -> AsyncGenerator[T, None]:
-    iterator = aiter(source)
-    closed = False
+class _Take(AsyncIterator[T]):
+    """`take` as an iterator class, not a generator: closable before it starts, and it
+    enters no scope of its own, so the caller's shield covers its close."""
 
-    async def close() -> None:
-        nonlocal closed
-        if not closed:
-            closed = True
-            error = await _close(iterator, source)
+    def __init__(self, source: AsyncIterable[T], n: int) -> None:
+        self._source = source
+        self._iterator = aiter(source)
+        self._left = n
+        self._closed = False
+
+    async def __anext__(self) -> T:
+        if self._left <= 0 or self._closed:
+            await self.aclose()
+            raise StopAsyncIteration
+        try:
+            item = await self._iterator.__anext__()
+        except StopAsyncIteration:
+            await self.aclose()
+            raise
+        self._left -= 1
+        if self._left == 0:
+            await self.aclose()  # the n-th item is here: never ask for another
+        return item
+
+    async def aclose(self) -> None:
+        if not self._closed:
+            self._closed = True
+            error = await _close(self._iterator, self._source)
             if error is not None:
                 raise error
-
-    try:
-        for count in range(1, n + 1):
-            try:
-                item = await iterator.__anext__()
-            except StopAsyncIteration:
-                break
-            if count == n:
-                await close()
-            yield item
-    finally:
-        await close()
 
 
 def merge(*sources: AsyncIterable[T]) -> AsyncIterator[T]:
@@ -323,7 +336,31 @@ def merge(*sources: AsyncIterable[T]) -> AsyncIterator[T]:
     """
     for source in sources:
         _check_source(source)
-    return _merge(sources)
+    return _Merged(sources)
+
+
+class _Merged(AsyncIterator[T]):
+    """The merge generator, closable before it starts (then it closes the sources itself)."""
+
+    def __init__(self, sources: tuple[AsyncIterable[T], ...]) -> None:
+        self._sources = sources
+        self._generator = _merge(sources)
+        self._started = False
+
+    async def __anext__(self) -> T:
+        self._started = True
+        return await self._generator.__anext__()
+
+    async def aclose(self) -> None:
+        if self._started:
+            await self._generator.aclose()
+            return
+        self._started = True
+        await self._generator.aclose()
+        errors = [await _close(aiter(source), source) for source in self._sources]
+        first = next((e for e in errors if e is not None), None)
+        if first is not None:
+            raise first
 
 
 async def _merge(sources: tuple[AsyncIterable[T], ...]) -> AsyncGenerator[T, None]:
@@ -347,7 +384,8 @@ async def _merge(sources: tuple[AsyncIterable[T], ...]) -> AsyncGenerator[T, Non
             except trio.BrokenResourceError:
                 pass
             finally:
-                close_error = await _close(iterator, source)
+                with trio.CancelScope(shield=True):  # a task of its own: a new scope is fine
+                    close_error = await _close(iterator, source)
                 if close_error is not None:
                     with contextlib.suppress(trio.BrokenResourceError, trio.ClosedResourceError):
                         out.send_nowait((False, close_error))

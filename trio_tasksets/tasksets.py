@@ -147,19 +147,25 @@ class Taskset(Generic[TaskT, ConfigT]):
         """The read path: the tasks as a trio ReceiveChannel, pulled only on demand.
 
         Each receive pulls one task from `stream()` (no prefetch), with the system prompt and
-        the views applied on the streaming path too. Closing the channel, or leaving the
-        `async with` block, closes `stream()`.
+        the views applied on the streaming path too. Leaving the `async with` block closes
+        `stream()`, shielded (a closed channel closes it at its next pull).
         """
         return trio.as_safe_channel(self._tasks)()
 
     async def _tasks(self) -> AsyncGenerator[TaskT, None]:
-        # A static taskset's default stream() already applies prompt and views.
-        source = _stream_view(self) if self.streaming else self.stream()
-        try:
-            async for task in source:
-                yield task
-        finally:
-            await _aclose_shielded(source)
+        # Only channel()'s own background task iterates this generator, and it enters no
+        # scope between pulls, so `guard` may stay open across the yield. It is entered before
+        # stream() is first pulled and shielded only for the close: stream()'s cleanup is
+        # shielded without a scope entered after any scope stream() holds (a merge's nursery).
+        with trio.CancelScope() as guard:
+            # A static taskset's default stream() already applies prompt and views.
+            source = _stream_view(self) if self.streaming else self.stream()
+            try:
+                async for task in source:
+                    yield task
+            finally:
+                guard.shield = True
+                await _aclose(source)
 
     # --- views ------------------------------------------------------------------------------
 
@@ -220,18 +226,17 @@ def _mapped(tasks: Iterable[TaskT], transform: Callable[[TaskT], TaskT | None]) 
             yield out
 
 
-async def _aclose_shielded(source: AsyncIterator[Any]) -> None:
+async def _aclose(source: AsyncIterator[Any]) -> None:
     aclose = getattr(source, "aclose", None)
     if aclose is not None:
-        with trio.CancelScope(shield=True):
-            await aclose()
+        await aclose()
 
 
 async def _stream_view(taskset: Taskset[TaskT, Any]) -> AsyncGenerator[TaskT, None]:
     """`taskset.stream()` with the system prompt and the views applied, pulled on demand.
 
     A head view stops *before* requesting an (n+1)th task; a shuffle after a head buffers the
-    n tasks it bounds. `stream()` is closed, shielded, on every exit.
+    n tasks it bounds. `stream()` is closed on every exit (shielded by `_tasks`).
     """
     source = taskset.stream()
     steps = taskset._steps
@@ -248,8 +253,10 @@ async def _stream_view(taskset: Taskset[TaskT, Any]) -> AsyncGenerator[TaskT, No
         for task in _apply_sync(tasks, steps[shuffle_at + 1 :]):
             yield task
     finally:
-        await _aclose_shielded(applied)
-        await _aclose_shielded(source)
+        try:
+            await _aclose(applied)
+        finally:
+            await _aclose(source)
 
 
 async def _apply_steps(
