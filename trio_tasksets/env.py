@@ -95,7 +95,21 @@ class Episode:
 
     def to_row(self) -> dict[str, Any]:
         """The trace row: the episode's fields under the same names, JSON-ready."""
-        return attrs.asdict(self)
+        # Written out rather than attrs.asdict: this runs once per row on the eval's hot path.
+        return {
+            "id": self.id,
+            "task": {"key": self.task.key, "data": self.task.data},
+            "rollout": self.rollout,
+            "ok": self.ok,
+            "reward": self.reward,
+            "completion": self.completion,
+            "messages": self.messages,
+            "errors": [
+                {"type": e.type, "message": e.message, "attempt": e.attempt} for e in self.errors
+            ],  # fmt: skip
+            "attempts": self.attempts,
+            "timing": self.timing,
+        }
 
     @classmethod
     def from_row(cls, row: dict[str, Any]) -> Episode:
@@ -249,9 +263,9 @@ class Env(Generic[TaskT]):
         }
         slot.done = True
         if on_complete is not None:
-            with trio.CancelScope(shield=True):
-                result = on_complete(episode)
-                if inspect.isawaitable(result):
+            result = on_complete(episode)  # a sync callback cannot be cancelled: no scope needed
+            if inspect.isawaitable(result):
+                with trio.CancelScope(shield=True):
                     await result
         return episode
 
