@@ -7,7 +7,7 @@ tasksets (`Task`, `TasksetConfig`, `Taskset`), envs and models (`Env`, `RunSlot`
 tests) and `aio` (the asyncio bridge).
 """
 
-from . import testing
+from . import aio, testing
 from .env import Env, Episode, EpisodeError, EpisodeTask, RetryPolicy, RunSlot
 from .eval import EvalConfig, EvalConfigError, EvalResult, run_eval
 from .models import (
@@ -50,6 +50,7 @@ __all__ = [
     "Task",
     "Taskset",
     "TasksetConfig",
+    "aio",
     "as_completed",
     "merge",
     "run_eval",
