@@ -1,0 +1,578 @@
+"""Property tests of the runner (SPEC section 1, R1 and R3-R7) over random schedules.
+
+Each example draws a schedule: items with a run duration and failure flags, the gaps the
+source waits before each item (then it ends, fails, or stays quiet forever), a window, an
+optional outside cancellation, the kind of source (a `Feed` fed by a task, an async
+generator, a zero-buffer trio memory channel) and, for `as_completed`, a consumer that reads
+slowly and may stop early.
+
+All durations and gaps are whole virtual seconds and an outside cancellation falls on a half
+second, so it never ties with another event. A pure-Python model (`simulate`) computes from
+the schedule, with no trio, when every pull and run happens and when the call must end; the
+test runs the real runner on trio's MockClock (autojump) and checks, per example:
+
+* R1: at every pull, items requested <= runs delivered (or failed) + window; at every run
+  start the same for runs started; the peak of runs in flight <= window;
+* the timeline: every run starts at exactly the virtual time the model says (so no pull is
+  early or late), and the call ends at exactly the model's time: the natural end, the first
+  failure (zero extra virtual seconds, even on a quiet feed), the outside cancellation or
+  the consumer leaving;
+* R3: `run_stream` returns every result in submission order; `as_completed` yields each index
+  at most once (exactly once on a normal end), with its value, in completion order;
+* R4/R5: a failure (of a run, or of the source) raises exactly the first raised exception
+  object (per the log of raises in virtual time), never an ExceptionGroup; a second failure
+  in the same instant is attached to it (a note or the exception chain), not dropped;
+* R6: an outside cancellation that fires first is caught by its scope, nothing is raised;
+* R7: the source is closed exactly once, from the iterating task, never while a pull runs;
+* nothing is still running when the call has returned or raised.
+
+The clock fixture is shared by all examples, so every time is a delta from the example's
+start. Each example sits under `trio.fail_after`, so a runner that hangs fails the test.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from collections.abc import AsyncGenerator
+from dataclasses import dataclass, field
+from typing import Literal
+
+import trio
+from hypothesis import HealthCheck, event, given, settings
+from hypothesis import strategies as st
+from trio.testing import MockClock
+
+import trio_tasksets as tt
+from trio_tasksets.testing import Feed
+
+Api = Literal["run_stream", "as_completed"]
+Kind = Literal["feed", "agen", "channel"]
+
+HANG = 100_000  # virtual seconds: far beyond any schedule here, so only a hang reaches it
+INF = math.inf
+
+SETTINGS = settings(
+    suppress_health_check=[HealthCheck.function_scoped_fixture],
+    deadline=None,
+    # More for a deeper search: TT_PROPERTY_EXAMPLES=20000 pytest tests/test_runner_properties.py
+    max_examples=int(os.environ.get("TT_PROPERTY_EXAMPLES", "500")),
+)
+
+
+SOURCE = -1  # the index of the source's own failure
+
+
+class Boom(Exception):
+    """A run's (or the source's) failure; its message names it so notes can be matched."""
+
+    def __init__(self, index: int) -> None:
+        super().__init__("<source>" if index == SOURCE else f"<item {index}>")
+        self.index = index
+
+
+def value_of(index: int) -> str:
+    return f"r{index}"
+
+
+# --- the schedule -------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Scenario:
+    durations: tuple[int, ...]  # virtual seconds each run takes
+    fails: tuple[bool, ...]  # the run raises Boom at its end
+    cleanup_fails: tuple[bool, ...]  # cancelled after a failure, the run raises Boom too
+    gaps: tuple[int, ...]  # the source waits this long before yielding each item
+    end_gap: int  # ... and this long before it ends
+    quiet: bool  # after the items the source parks forever instead of ending
+    source_fails: bool  # instead of ending, the source raises Boom(SOURCE) (feed and agen)
+    window: int | None
+    cancel_at: float | None  # outside cancellation, a half second
+    kind: Kind
+    delays: tuple[int, ...]  # as_completed: the consumer sleeps this long after each receive
+    stop_after: int | None  # as_completed: the consumer leaves after this many results
+
+    @property
+    def n(self) -> int:
+        return len(self.durations)
+
+
+@st.composite
+def scenarios(draw: st.DrawFn, *, consumer: bool) -> Scenario:
+    n = draw(st.integers(0, 10))
+    ints = st.integers
+    durations = tuple(draw(st.lists(ints(0, 5), min_size=n, max_size=n)))
+    fails = cleanup_fails = (False,) * n
+    if draw(st.booleans()):
+        fails = tuple(draw(st.lists(st.booleans(), min_size=n, max_size=n)))
+        cleanup_fails = tuple(draw(st.lists(st.booleans(), min_size=n, max_size=n)))
+    gaps = tuple(draw(st.lists(st.sampled_from([0, 0, 1, 2, 3]), min_size=n, max_size=n)))
+    end_gap = draw(ints(0, 3))
+    quiet = draw(st.booleans())
+    window = draw(st.none() | ints(1, 2) | ints(1, 6))
+    cancel_at = draw(st.none() | ints(0, 30).map(lambda s: s + 0.5))
+    kind: Kind = draw(st.sampled_from(["feed", "agen", "channel"]))
+    source_fails = not quiet and kind != "channel" and draw(st.integers(0, 3)) == 0
+    delays: tuple[int, ...] = (0,) * n
+    stop_after = None
+    if consumer:
+        delays = tuple(draw(st.lists(st.sampled_from([0, 0, 1, 3]), min_size=n, max_size=n)))
+        if n and draw(st.integers(0, 3)) == 0:
+            stop_after = draw(ints(1, n))
+    if quiet and not any(fails) and cancel_at is None and stop_after is None:
+        cancel_at = 500.5  # a correct runner waits for a quiet feed forever: end it from outside
+    return Scenario(
+        durations,
+        fails,
+        cleanup_fails,
+        gaps,
+        end_gap,
+        quiet,
+        source_fails,
+        window,
+        cancel_at,
+        kind,
+        delays,
+        stop_after,
+    )
+
+
+# --- the model ------------------------------------------------------------------------------
+
+
+@dataclass
+class Model:
+    start: list[float]  # when run i starts (INF: never within the horizon)
+    end: list[float]  # when run i ends
+    received: list[float]  # as_completed: when the consumer receives its k-th result
+    natural: float  # when the call ends if nothing fails or cancels it (INF: never)
+    source_end: float  # when the source ends (or raises)
+
+
+def simulate(sc: Scenario, api: Api) -> Model:
+    """Virtual times of every pull, run and receive, for a runner that takes a window slot
+    before each pull (the terminal one too) and frees it when the result is delivered (stored
+    for run_stream, received by the consumer for as_completed). Ignores failures: nothing
+    changes before the first one, and the test only compares events before the call ends.
+    """
+    n = sc.n
+    cum = [sum(sc.gaps[: i + 1]) for i in range(n)]
+    start = [INF] * n
+    end = [INF] * n
+    finished = [False] * n
+    received: list[float] = []
+    held = 0  # window slots taken: pending pull + runs + results not yet received
+    next_request = 0  # index of the next pull; index n is the terminal pull
+    pending: tuple[int, float] | None = None  # (index, when the source answers)
+    source_done = False
+    source_end = INF
+    last_taken = 0.0
+    waiting = 0  # as_completed: finished results not yet received
+    consumer_ready = 0.0
+    natural = INF
+    horizon = 2 * (sum(sc.durations) + sum(sc.gaps) + sc.end_gap + sum(sc.delays)) + 10
+    for t in range(horizon + 1):
+        changed = True
+        while changed:
+            changed = False
+            for i in range(n):
+                if end[i] == t and not finished[i]:
+                    finished[i] = True
+                    changed = True
+                    if api == "run_stream":
+                        held -= 1
+                    else:
+                        waiting += 1
+            if api == "as_completed" and waiting and consumer_ready <= t:
+                waiting -= 1
+                held -= 1
+                consumer_ready = t + sc.delays[len(received)]
+                received.append(t)
+                changed = True
+            if pending is not None and pending[1] <= t:
+                index, _ = pending
+                pending = None
+                changed = True
+                if index < n:
+                    start[index] = t
+                    end[index] = t + sc.durations[index]
+                    last_taken = t
+                else:
+                    source_done = True
+                    source_end = t
+                    held -= 1
+            if pending is None and next_request <= n and (sc.window is None or held < sc.window):
+                index = next_request
+                next_request += 1
+                held += 1
+                changed = True
+                if index == n and sc.quiet:
+                    answer = INF
+                elif sc.kind == "feed":
+                    answer = cum[index] if index < n else sum(sc.gaps) + sc.end_gap
+                else:
+                    base = t if sc.kind == "agen" else last_taken
+                    answer = base + (sc.gaps[index] if index < n else sc.end_gap)
+                pending = (index, answer)
+        if source_done and all(finished) and waiting == 0:
+            natural = max(t, consumer_ready) if api == "as_completed" else t
+            break
+    assert sc.quiet or natural < INF, "model: a finite schedule must end"
+    assert all(s < INF for s in start), "model: every item is pulled within the horizon"
+    return Model(start, end, received, natural, source_end)
+
+
+# --- what the test observes ---------------------------------------------------------------
+
+
+@dataclass
+class Observed:
+    api: Api
+    window: int | None
+    t0: float
+    running: int = 0
+    peak: int = 0
+    started: int = 0
+    exited: int = 0  # runs that left `run` by any path
+    exited_badly: int = 0  # ... by an exception (failed or cancelled)
+    requests: int = 0  # pulls requested from the source (feed and agen)
+    starts: dict[int, float] = field(default_factory=dict)
+    raised: list[tuple[float, Boom]] = field(default_factory=list)
+    got: list[tuple[int, str, float]] = field(default_factory=list)  # as_completed receives
+    violations: list[str] = field(default_factory=list)
+    gen_finally: int = 0
+    gen_closed_by_aclose: bool = False
+    gen_cleaned: int = 0  # the async cleanup in the generator's `finally` ran to its end
+    gen_pullers: set[trio.lowlevel.Task] = field(default_factory=set)
+    gen_closer: trio.lowlevel.Task | None = None
+
+    def now(self) -> float:
+        return trio.current_time() - self.t0
+
+    def delivered(self) -> int:
+        """Runs whose window slot the runner may have freed by now."""
+        if self.api == "run_stream":
+            return self.exited
+        return len(self.got) + self.exited_badly
+
+    def check_window(self, what: str, count: int) -> None:
+        if self.window is not None and count > self.delivered() + self.window:
+            self.violations.append(
+                f"at t={self.now()}: {what} {count} > delivered {self.delivered()} "
+                f"+ window {self.window}"
+            )
+
+    def on_pull(self) -> None:
+        self.requests += 1
+        self.check_window("pull", self.requests)
+
+
+class RecordingFeed(Feed[int]):
+    """A Feed that checks the window at every pull and logs the error it raises."""
+
+    def __init__(self, obs: Observed) -> None:
+        super().__init__()
+        self._obs = obs
+
+    async def __anext__(self) -> int:
+        self._obs.on_pull()
+        try:
+            return await super().__anext__()
+        except Boom as error:
+            self._obs.raised.append((self._obs.now(), error))
+            raise
+
+
+async def feeder(sc: Scenario, feed: Feed[int]) -> None:
+    for i in range(sc.n):
+        await trio.sleep(sc.gaps[i])
+        feed.put(i)
+    await trio.sleep(sc.end_gap)
+    if sc.source_fails:
+        feed.fail(Boom(SOURCE))
+    elif not sc.quiet:
+        feed.end()
+
+
+async def producer(sc: Scenario, obs: Observed, send: trio.MemorySendChannel[int]) -> None:
+    try:
+        async with send:
+            for i in range(sc.n):
+                await trio.sleep(sc.gaps[i])
+                await send.send(i)
+                obs.check_window("take", i + 1)  # weaker than at the request, still a bound
+            await trio.sleep(sc.end_gap)
+            if sc.quiet:
+                await trio.sleep_forever()
+    except trio.BrokenResourceError:
+        pass  # the runner closed the receiving end
+
+
+def generator(sc: Scenario, obs: Observed) -> AsyncGenerator[int, None]:
+    async def gen() -> AsyncGenerator[int, None]:
+        try:
+            for i in range(sc.n):
+                obs.gen_pullers.add(trio.lowlevel.current_task())
+                obs.on_pull()
+                await trio.sleep(sc.gaps[i])
+                yield i
+            obs.gen_pullers.add(trio.lowlevel.current_task())
+            obs.on_pull()
+            await trio.sleep(sc.end_gap)
+            if sc.source_fails:
+                error = Boom(SOURCE)
+                obs.raised.append((obs.now(), error))
+                raise error
+            if sc.quiet:
+                await trio.sleep_forever()
+        except GeneratorExit:
+            obs.gen_closed_by_aclose = True
+            # An async cleanup on aclose(): a close that is not shielded has it cut short by
+            # a cancel. (Only here: on the way out with the source's own error, a checkpoint
+            # would let a run fail first, and the log of raises would be out of order.)
+            await trio.lowlevel.checkpoint()
+            obs.gen_cleaned += 1
+            raise
+        finally:
+            obs.gen_finally += 1
+            obs.gen_closer = trio.lowlevel.current_task()
+
+    return gen()
+
+
+# --- one example --------------------------------------------------------------------------
+
+
+async def execute(sc: Scenario, api: Api) -> None:
+    model = simulate(sc, api)
+    event(f"source: {sc.kind}{' (quiet)' if sc.quiet else ''}")
+    obs = Observed(api, sc.window, trio.current_time())
+
+    async def run(i: int) -> str:
+        obs.running += 1
+        obs.started += 1
+        obs.peak = max(obs.peak, obs.running)
+        obs.starts[i] = obs.now()
+        obs.check_window("run start", obs.started)
+        ok = False
+        try:
+            try:
+                await trio.sleep(sc.durations[i])
+            except trio.Cancelled:
+                if sc.cleanup_fails[i] and obs.raised:
+                    # A second real failure while the runs unwind from the first.
+                    error = Boom(i)
+                    obs.raised.append((obs.now(), error))
+                    raise error from None
+                raise
+            if sc.fails[i]:
+                error = Boom(i)
+                obs.raised.append((obs.now(), error))
+                raise error
+            ok = True
+            return value_of(i)
+        finally:
+            obs.running -= 1
+            obs.exited += 1
+            if not ok:
+                obs.exited_badly += 1
+
+    feed: RecordingFeed | None = None
+    receive: trio.MemoryReceiveChannel[int] | None = None
+    results: list[str] | None = None
+    raised: Boom | None = None
+    unexpected: BaseException | None = None
+    channel_closed = True
+    cancel_deadline = obs.t0 + sc.cancel_at if sc.cancel_at is not None else INF
+
+    with trio.fail_after(HANG):
+        async with trio.open_nursery() as helpers:
+            source: Feed[int] | AsyncGenerator[int, None] | trio.MemoryReceiveChannel[int]
+            if sc.kind == "feed":
+                feed = RecordingFeed(obs)
+                helpers.start_soon(feeder, sc, feed)
+                source = feed
+            elif sc.kind == "agen":
+                source = generator(sc, obs)
+            else:
+                send, receive = trio.open_memory_channel[int](0)
+                helpers.start_soon(producer, sc, obs, send)
+                source = receive
+
+            with trio.CancelScope(deadline=cancel_deadline) as outside:
+                try:
+                    if api == "run_stream":
+                        results = await tt.run_stream(source, run, window=sc.window)
+                    else:
+                        async with tt.as_completed(source, run, window=sc.window) as channel:
+                            async for index, value in channel:
+                                obs.got.append((index, value, obs.now()))
+                                if len(obs.got) == sc.stop_after:
+                                    break
+                                await trio.sleep(sc.delays[len(obs.got) - 1])
+                except Boom as exc:
+                    raised = exc
+                except trio.Cancelled:
+                    raise
+                except BaseException as exc:  # an ExceptionGroup, a RuntimeError, ...
+                    unexpected = exc
+            t_end = obs.now()
+            running_after = obs.running
+            if receive is not None:
+                try:
+                    receive.receive_nowait()
+                except trio.ClosedResourceError:
+                    pass
+                else:
+                    channel_closed = False
+            helpers.cancel_scope.cancel()
+
+    # Right after the call: a bare exception, nothing running, the source closed once, properly.
+    assert unexpected is None, f"the call raised {unexpected!r}, not a run's own exception"
+    assert running_after == 0, f"{running_after} runs still running after the call"
+    if feed is not None:
+        assert feed.close_calls == 1
+        assert not feed.closed_while_pulling
+        assert not feed.foreign_close
+    if sc.kind == "agen":
+        assert obs.gen_finally == 1
+        assert len(obs.gen_pullers) == 1
+        assert obs.gen_closer in obs.gen_pullers, "closed from a task that never pulled"
+        if obs.gen_closed_by_aclose:
+            event("agen closed at a yield")
+            assert obs.gen_cleaned == 1, "the close was not shielded"
+    assert channel_closed, "the memory channel source was not closed"
+
+    # R1: the window bounds pulls and runs in flight.
+    assert not obs.violations, obs.violations
+    if sc.window is not None:
+        assert obs.peak <= sc.window
+
+    # What should have ended the call, and when.
+    first_fail = min((model.end[i] for i in range(sc.n) if sc.fails[i]), default=INF)
+    if sc.source_fails:
+        first_fail = min(first_fail, model.source_end)
+    stop = INF
+    if sc.stop_after is not None and len(model.received) >= sc.stop_after:
+        stop = model.received[sc.stop_after - 1]
+    cancel = sc.cancel_at if sc.cancel_at is not None else INF
+    expected_end = min(first_fail, stop, cancel, model.natural)
+    assert expected_end < INF
+    assert t_end == expected_end, f"call ended at +{t_end}, model says +{expected_end}"
+
+    # The timeline up to the end matches the model exactly.
+    for i, at in obs.starts.items():
+        assert at == model.start[i], f"run {i} started at +{at}, model says +{model.start[i]}"
+    missing = [i for i in range(sc.n) if model.start[i] < t_end and i not in obs.starts]
+    assert not missing, f"runs {missing} should have started before +{t_end}"
+
+    # Every raise is logged; the call raised the first one, at once, unwrapped.
+    assert all(at == first_fail for at, _ in obs.raised)
+    if cancel < min(first_fail, stop, model.natural):
+        event("outcome: cancelled from outside")
+        assert outside.cancelled_caught
+        assert raised is None
+        assert results is None
+        assert not obs.raised
+    elif first_fail == expected_end and (raised is not None or first_fail < stop):
+        # (a consumer leaving at the very instant of a failure may win the race)
+        culprit = "the source" if raised is not None and raised.index == SOURCE else "a run"
+        event(f"outcome: {culprit} failed ({len(obs.raised)} raised in that instant)")
+        assert not outside.cancelled_caught
+        assert raised is not None, "a run failed but the call did not raise"
+        assert obs.raised, "the call raised a failure no run raised"
+        assert raised is obs.raised[0][1], (raised, obs.raised)
+        if raised.index == SOURCE:
+            assert model.source_end == first_fail
+        else:
+            assert sc.fails[raised.index]
+            assert model.end[raised.index] == first_fail
+        for _, later in obs.raised[1:]:
+            assert attached(raised, later), f"{later!r} dropped silently"
+    else:
+        event("outcome: consumer left" if stop == expected_end else "outcome: normal end")
+        assert not outside.cancelled_caught
+        assert raised is None
+        assert not obs.raised, f"a failure was dropped: {obs.raised}"
+        if api == "run_stream":
+            assert results == [value_of(i) for i in range(sc.n)]
+
+    if api == "as_completed":
+        check_received(sc, model, obs, t_end, complete=raised is None)
+
+
+def attached(error: BaseException, extra: Boom) -> bool:
+    """`extra` is visible on `error`: in a note, or in its cause/context chain."""
+    if any(str(extra) in note for note in getattr(error, "__notes__", [])):
+        return True
+    seen: BaseException | None = error
+    while seen is not None:
+        if seen is extra:
+            return True
+        seen = seen.__cause__ or seen.__context__
+    return False
+
+
+def check_received(sc: Scenario, model: Model, obs: Observed, t_end: float, complete: bool) -> None:
+    indices = [index for index, _, _ in obs.got]
+    assert len(set(indices)) == len(indices), f"an index delivered twice: {indices}"
+    for index, value, _ in obs.got:
+        assert value == value_of(index)
+    # Completion order: a result that finished earlier is received no later.
+    ends = [model.end[index] for index in indices]
+    assert ends == sorted(ends), f"not in completion order: {indices}"
+    # Receive times follow the model (a receive at the very instant of a failure may or may
+    # not happen).
+    times = [at for _, _, at in obs.got]
+    assert times == model.received[: len(times)]
+    assert len(times) >= sum(1 for at in model.received if at < t_end)
+    if complete and (sc.cancel_at is None or t_end < sc.cancel_at):
+        wanted = sc.n if sc.stop_after is None else sc.stop_after
+        assert len(indices) == wanted
+        if sc.stop_after is None:
+            assert sorted(indices) == list(range(sc.n))
+
+
+# --- the tests ----------------------------------------------------------------------------
+
+
+@SETTINGS
+@given(sc=scenarios(consumer=False))
+async def test_run_stream_holds_its_invariants_on_random_schedules(
+    autojump_clock: MockClock, sc: Scenario
+) -> None:
+    await execute(sc, "run_stream")
+
+
+@SETTINGS
+@given(sc=scenarios(consumer=True))
+async def test_as_completed_holds_its_invariants_on_random_schedules(
+    autojump_clock: MockClock, sc: Scenario
+) -> None:
+    await execute(sc, "as_completed")
+
+
+def test_the_model_on_a_hand_checked_schedule() -> None:
+    """The model itself, on a schedule worked out by hand (window 2, an async generator)."""
+    sc = Scenario(
+        durations=(3, 1, 1, 0),
+        fails=(False,) * 4,
+        cleanup_fails=(False,) * 4,
+        gaps=(0, 1, 0, 2),
+        end_gap=1,
+        quiet=False,
+        source_fails=False,
+        window=2,
+        cancel_at=None,
+        kind="agen",
+        delays=(0,) * 4,
+        stop_after=None,
+    )
+    model = simulate(sc, "run_stream")
+    # item 0 at 0 (runs to 3); item 1 asked at 0, yielded at 1 (runs to 2); item 2 asked at 2
+    # when run 1 frees its slot, yielded at 2 (runs to 3); item 3 asked at 3, yielded at 5;
+    # the end asked at 5, answered at 6.
+    assert model.start == [0, 1, 2, 5]
+    assert model.end == [3, 2, 3, 5]
+    assert model.natural == 6
