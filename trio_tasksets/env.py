@@ -106,7 +106,7 @@ class Episode:
             "messages": self.messages,
             "errors": [
                 {"type": e.type, "message": e.message, "attempt": e.attempt} for e in self.errors
-            ],  # fmt: skip
+            ],
             "attempts": self.attempts,
             "timing": self.timing,
         }

@@ -98,7 +98,8 @@ class Taskset(Generic[TaskT, ConfigT]):
     def _default_config(cls) -> ConfigT:
         for klass in cls.__mro__:
             for base in getattr(klass, "__orig_bases__", ()):
-                if get_origin(base) is Taskset:
+                origin = get_origin(base)
+                if isinstance(origin, type) and issubclass(origin, Taskset):
                     args = get_args(base)
                     if len(args) == 2 and isinstance(args[1], type):
                         return args[1]()  # type: ignore[no-any-return]

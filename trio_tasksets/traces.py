@@ -21,6 +21,8 @@ from typing import Any
 import orjson
 import trio
 
+from .runner import pick_one
+
 __all__ = ["TraceWriter", "open_traces", "read_rows", "write_atomic"]
 
 
@@ -72,6 +74,8 @@ async def open_traces(path: Path, *, fsync_interval: float = 0.5) -> AsyncIterat
                 yield writer
             finally:
                 nursery.cancel_scope.cancel()
+    except BaseExceptionGroup as group:
+        raise pick_one(group) from None  # what the block raised, bare, as it came in
     finally:
         writer.sync()
         os.close(fd)
