@@ -18,12 +18,14 @@ import sys
 import threading
 import time
 from collections.abc import AsyncGenerator, Callable, Coroutine
+from pathlib import Path
 from typing import Any, TypeVar
 
 import pytest
 import sniffio
 import trio
 
+import trio_tasksets as tt
 from trio_tasksets import aio
 
 T = TypeVar("T")
@@ -887,3 +889,41 @@ def test_a_call_left_running_when_asyncio_run_exits_is_cancelled_and_cleaned_up(
     assert state["feed"].finally_runs == 1
     assert state["errors"] == []
     assert not trio.lowlevel.in_trio_run()
+
+
+def test_run_eval_from_asyncio_writes_the_traces(tmp_path: Path) -> None:
+    """`tt.aio.run_eval` runs the trio eval on the asyncio loop, next to other asyncio work."""
+    from trio_tasksets.builtin import EchoTaskset
+
+    async def main() -> tuple[tt.EvalResult, list[int]]:
+        env = tt.Env(EchoTaskset())
+        ctx = tt.ModelContext(tt.EchoClient(), "echo")
+        config = tt.EvalConfig(num_examples=4, rollouts_per_example=2, output_dir=str(tmp_path),
+                               run_name="aio", dashboard=False)  # fmt: skip
+
+        async def beside() -> list[int]:
+            await asyncio.sleep(0)
+            return [1, 2]
+
+        async with asyncio.timeout(5):
+            result, other = await asyncio.gather(aio.run_eval(env, ctx, config), beside())
+        return result, other
+
+    result, other = asyncio.run(main())
+    assert other == [1, 2]
+    assert len(result.episodes) == 8
+    assert all(e.ok for e in result.episodes)
+    assert len((tmp_path / "aio" / "traces.jsonl").read_text().splitlines()) == 8
+
+
+def test_run_eval_from_asyncio_refuses_bad_settings_unwrapped(tmp_path: Path) -> None:
+    from trio_tasksets.builtin import EchoStreamTaskset
+
+    async def main() -> None:
+        env = tt.Env(EchoStreamTaskset())
+        ctx = tt.ModelContext(tt.EchoClient(), "echo")
+        await aio.run_eval(env, ctx, tt.EvalConfig(output_dir=str(tmp_path), dashboard=False))
+
+    with pytest.raises(tt.EvalConfigError, match="-n/--num-examples"):
+        asyncio.run(main())
+    assert not any(tmp_path.iterdir())

@@ -2,7 +2,8 @@
 
 The flat public API (SPEC): the runner (`run_stream`, `as_completed`, `take`, `merge`),
 tasksets (`Task`, `TasksetConfig`, `Taskset`), envs and models (`Env`, `RunSlot`, `Episode`,
-`RetryPolicy`, `Sampling`, `ModelContext`, `EchoClient`, `OpenAIClient`) and the eval
+`RetryPolicy`, `Sampling`, `ModelContext`, `EchoClient`, `OpenAIClient`), the served path's
+`EnvClient` and the eval
 (`EvalConfig`, `run_eval`, `EvalResult`). Submodules: `testing` (helpers for deterministic
 tests) and `aio` (the asyncio bridge).
 """
@@ -24,12 +25,14 @@ from .models import (
     Sampling,
 )
 from .runner import as_completed, merge, run_stream, take
+from .serve import EnvClient
 from .tasksets import Task, Taskset, TasksetConfig
 
 __all__ = [
     "Completion",
     "EchoClient",
     "Env",
+    "EnvClient",
     "Episode",
     "EpisodeError",
     "EpisodeTask",

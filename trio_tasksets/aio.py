@@ -1,4 +1,11 @@
-"""The asyncio bridge, guest-mode direction: asyncio programs call the trio runner.
+"""The asyncio bridge (SPEC section 6), in two directions.
+
+* asyncio programs call the trio runner (this module: guest mode, below);
+* trio programs drive an existing asyncio env: `bridge_env`, `BridgedEnv`, `AsyncioTaskset`
+  and `AsyncioModelContext`, with trio-asyncio, live in `trio_tasksets.aio_env` and are
+  re-exported here (that module imports without trio-asyncio; guest mode never needs it).
+
+Guest-mode direction: asyncio programs call the trio runner.
 
 `await run_stream(source, run, window=...)` and `await run_trio(async_fn, *args)` are awaitable
 from asyncio code (`asyncio.run`, a web server, a notebook). They run trio on the *running*
@@ -34,8 +41,10 @@ Design:
   in its asyncio task, which stops the loop.
 * **Cost.** Each pull, run and close that crosses from trio to asyncio is one asyncio task and,
   unless it finishes in its first step, one wake-up of the guest through trio's I/O thread:
-  about 30-40 us per item on a 2-core machine (about 2x the runner under `trio.run`), which
-  is noise next to a model call.
+  about 48 us per item on a 2-core machine with an asyncio source and an asyncio run that
+  awaits `asyncio.sleep(0)` (about 5x the runner under `trio.run` on that no-op workload;
+  trio code in guest mode costs about 1.3x), which is noise next to a model call
+  (`python -m bench.aio`).
 """
 
 from __future__ import annotations
@@ -51,22 +60,36 @@ from typing import Any, Generic, TypeVar, TypeVarTuple, Unpack, cast
 import outcome
 import trio
 
+from .aio_env import (
+    AsyncioCancelled,
+    AsyncioModelContext,
+    AsyncioTaskset,
+    BridgedEnv,
+    TrioAsyncioUnavailable,
+    bridge_env,
+)
+from .env import Env
+from .eval import EvalConfig, EvalResult
+from .eval import run_eval as _trio_run_eval
+from .models import ModelContext
 from .runner import run_stream as _trio_run_stream
 
-__all__ = ["AsyncioCancelled", "GuestRunStopped", "run_stream", "run_trio"]
+__all__ = [
+    "AsyncioCancelled",
+    "AsyncioModelContext",
+    "AsyncioTaskset",
+    "BridgedEnv",
+    "GuestRunStopped",
+    "TrioAsyncioUnavailable",
+    "bridge_env",
+    "run_eval",
+    "run_stream",
+    "run_trio",
+]
 
 T = TypeVar("T")
 R = TypeVar("R")
 Ts = TypeVarTuple("Ts")
-
-
-class AsyncioCancelled(RuntimeError):
-    """An asyncio task of the source or of a run was cancelled, but not by trio.
-
-    The asyncio code cancelled itself (or something outside the runner cancelled its task).
-    Raised instead of asyncio's `CancelledError`, which must not reach trio; the original
-    `CancelledError` is its `__cause__`.
-    """
 
 
 class GuestRunStopped(RuntimeError):
@@ -94,7 +117,7 @@ async def _call_asyncio(
     while it unwinds is raised instead). An asyncio cancellation trio did not request raises
     `AsyncioCancelled`. The task runs in `context`, by default a copy of the trio task's.
     """
-    loop = asyncio.get_running_loop()  # the host loop: guest ticks run inside its callbacks
+    loop = _host_loop()  # guest ticks run inside the host loop's callbacks
     token = trio.lowlevel.current_trio_token()
     done = trio.Event()
     waiting = False
@@ -141,6 +164,17 @@ async def _call_asyncio(
             f"the asyncio task running {_name(fn)} was cancelled from the asyncio side, not "
             "by trio (did the asyncio code cancel itself?)"
         ) from exc
+
+
+def _host_loop() -> asyncio.AbstractEventLoop:
+    """The asyncio loop hosting this thread's guest run, from one of its trio tasks.
+
+    Not `asyncio.get_running_loop()`: once trio-asyncio has been imported (by `bridge_env`, or
+    by anyone), that answers from trio-asyncio's context variable whenever a trio task is
+    running, i.e. None in a guest run's tasks.
+    """
+    guest: _Guest | None = getattr(_local, "guest", None)
+    return guest.loop if guest is not None else asyncio.get_running_loop()
 
 
 def _name(fn: object) -> str:
@@ -369,9 +403,17 @@ def _acquire_now(loop: asyncio.AbstractEventLoop) -> _Guest | None:
         )
     if guest is None:
         if trio.lowlevel.in_trio_run():
+            hint = ""
+            if type(loop).__module__.startswith("trio_asyncio"):
+                hint = (
+                    f" (this asyncio loop is trio-asyncio's {type(loop).__name__}, which runs "
+                    "trio itself: start the program with trio.run and use the trio runner, or "
+                    "run asyncio on a stdlib loop, e.g. asyncio.Runner(loop_factory="
+                    "asyncio.SelectorEventLoop))"
+                )
             raise RuntimeError(
                 "trio_tasksets.aio: a trio run is already active in this thread (trio.run, "
-                "trio-asyncio or another guest run); call the trio runner directly instead"
+                f"trio-asyncio or another guest run); call the trio runner directly instead{hint}"
             )
         guest = _Guest(loop)
         guest.start()
@@ -499,3 +541,14 @@ async def run_stream(
         return await _trio_run_stream(src, fn, window=window)
 
     return await run_trio(job)
+
+
+async def run_eval(env: Env[Any], ctx: ModelContext, config: EvalConfig) -> EvalResult:
+    """Await, from asyncio, `tt.run_eval(env, ctx, config)` run on the loop's trio guest run.
+
+    Everything `tt.run_eval` guarantees holds (bad settings raise `EvalConfigError` before
+    any pull or write; traces are durable; errors come back unwrapped). Cancelling the
+    awaiting asyncio task cancels the eval, closes the feed and keeps the finished rows.
+    `env` is a trio env (`tt.Env`, or `bridge_env(...)` of an asyncio env).
+    """
+    return await run_trio(_trio_run_eval, env, ctx, config)

@@ -7,8 +7,7 @@ Exit codes: 0 done (failed episodes are data, not errors), 1 an error stopped th
 from __future__ import annotations
 
 import argparse
-import importlib
-import importlib.util
+import os
 import sys
 from collections.abc import Sequence
 from pathlib import Path
@@ -21,9 +20,11 @@ from .builtin import BUILTIN
 from .env import Env, RetryPolicy
 from .eval import EvalConfig, EvalConfigError, run_eval
 from .models import EchoClient, ModelClient, ModelContext, OpenAIClient, Sampling, api_key_from_env
+from .serve import TOKEN_VAR, ServeUsageError, add_serve_command, serve_main
 from .tasksets import Taskset
+from .wire import load_object
 
-__all__ = ["main", "resolve_taskset"]
+__all__ = ["main", "resolve_target", "resolve_taskset"]
 
 
 class UsageError(Exception):
@@ -32,8 +33,14 @@ class UsageError(Exception):
 
 def resolve_taskset(spec: str) -> type[Taskset[Any, Any]]:
     """A taskset class from a built-in id, `path/to/file.py:Class` or `package.module:Class`."""
+    return resolve_target(spec)[0]
+
+
+def resolve_target(spec: str) -> tuple[type[Taskset[Any, Any]], type[Env[Any]] | None]:
+    """The taskset class TASKSET names, and the env class when it names an Env subclass with
+    a `taskset_class` (e.g. a `tt.aio.BridgedEnv` around an asyncio env), else None."""
     if spec in BUILTIN:
-        return BUILTIN[spec]
+        return BUILTIN[spec], None
     if ":" not in spec:
         known = ", ".join(sorted(BUILTIN))
         raise UsageError(
@@ -41,26 +48,23 @@ def resolve_taskset(spec: str) -> type[Taskset[Any, Any]]:
             f"nor package.module:Class"
         )
     where, _, name = spec.rpartition(":")
+    if where.endswith(".py") and not Path(where).is_file():
+        raise UsageError(f"TASKSET {spec!r}: no file {where}")
     try:
-        if where.endswith(".py"):
-            path = Path(where)
-            if not path.is_file():
-                raise UsageError(f"TASKSET {spec!r}: no file {path}")
-            module_name = f"_trio_tasksets_user_{path.stem}"
-            module_spec = importlib.util.spec_from_file_location(module_name, path)
-            if module_spec is None or module_spec.loader is None:
-                raise UsageError(f"TASKSET {spec!r}: cannot import {path}")
-            module = importlib.util.module_from_spec(module_spec)
-            sys.modules[module_name] = module
-            module_spec.loader.exec_module(module)
-        else:
-            module = importlib.import_module(where)
-    except ImportError as exc:
-        raise UsageError(f"TASKSET {spec!r}: cannot import {where}: {exc}") from exc
-    cls = getattr(module, name, None)
+        cls = load_object(spec)
+    except (ImportError, ValueError) as exc:
+        raise UsageError(f"TASKSET {spec!r}: cannot load it: {exc}") from exc
+    if isinstance(cls, type) and issubclass(cls, Env):
+        taskset_cls = getattr(cls, "taskset_class", None)
+        if isinstance(taskset_cls, type) and issubclass(taskset_cls, Taskset):
+            return taskset_cls, cls
+        raise UsageError(
+            f"TASKSET {spec!r}: {name} is an Env class without a `taskset_class` (a Taskset "
+            f"subclass) to build it around"
+        )
     if not (isinstance(cls, type) and issubclass(cls, Taskset)):
         raise UsageError(f"TASKSET {spec!r}: {where} has no Taskset subclass named {name!r}")
-    return cls
+    return cls, None
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -120,6 +124,12 @@ def _parser() -> argparse.ArgumentParser:
     run.add_argument("--serve", action="store_true", help="run the env in a server process")
     run.add_argument("--workers", type=int, default=1, metavar="K", help="server processes")
     run.add_argument("--server-url", default=None, metavar="URL", help="use a running server")
+    run.add_argument(
+        "--token-var",
+        default=None,
+        metavar="NAME",
+        help=f"with --server-url: the environment variable holding its token (default {TOKEN_VAR})",
+    )
     model = ev.add_argument_group("the model")
     model.add_argument(
         "-m",
@@ -156,6 +166,7 @@ def _parser() -> argparse.ArgumentParser:
     prompt = model.add_mutually_exclusive_group()
     prompt.add_argument("--system-prompt", default=None, metavar="TEXT")
     prompt.add_argument("--system-prompt-file", default=None, metavar="PATH")
+    add_serve_command(commands)
     return parser  # fmt: skip
 
 
@@ -185,7 +196,7 @@ def _model(args: argparse.Namespace) -> ModelClient:
 
 
 def _build(args: argparse.Namespace) -> tuple[Env[Any], ModelContext, EvalConfig]:
-    cls = resolve_taskset(args.taskset)
+    cls, env_cls = resolve_target(args.taskset)
     system_prompt = args.system_prompt
     if args.system_prompt_file is not None:
         try:
@@ -198,7 +209,7 @@ def _build(args: argparse.Namespace) -> tuple[Env[Any], ModelContext, EvalConfig
     if args.retries < 0:
         raise UsageError(f"--retries must be >= 0, got {args.retries}")
     retries = RetryPolicy(args.retries, _names(args.retry_on), _names(args.no_retry_on))
-    env: Env[Any] = Env(cls(config), retries=retries)
+    env: Env[Any] = (env_cls or Env)(cls(config), retries=retries)
     sampling = Sampling(
         temperature=args.temperature,
         max_tokens=args.max_tokens,
@@ -206,6 +217,12 @@ def _build(args: argparse.Namespace) -> tuple[Env[Any], ModelContext, EvalConfig
         seed=args.sampling_seed,
     )
     ctx = ModelContext(_model(args), args.model, sampling)
+    if args.token_var is not None:
+        # The eval reads a --server-url's token from $TT_SERVE_TOKEN: point it at NAME.
+        token = os.environ.get(args.token_var, "").strip()
+        if not token:
+            raise UsageError(f"--token-var: environment variable {args.token_var} is not set")
+        os.environ[TOKEN_VAR] = token
     eval_config = EvalConfig(
         num_examples=args.num_examples,
         rollouts_per_example=args.rollouts_per_example,
@@ -241,6 +258,11 @@ def _usage_exit(parser: argparse.ArgumentParser, message: str) -> NoReturn:
 def main(argv: Sequence[str] | None = None) -> int:
     parser = _parser()
     args = parser.parse_args(argv)
+    if args.command == "serve":
+        try:
+            return serve_main(args)
+        except (UsageError, ServeUsageError) as exc:
+            _usage_exit(parser, str(exc))
     try:
         env, ctx, config = _build(args)
     except UsageError as exc:

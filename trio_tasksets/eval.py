@@ -13,12 +13,14 @@ Both go through `run_stream`. Each finished episode is appended to `traces.jsonl
 
 from __future__ import annotations
 
+import functools
 import json
 import math
 import statistics
 import time
 from collections import Counter
 from collections.abc import AsyncIterator
+from contextlib import AbstractAsyncContextManager, asynccontextmanager
 from pathlib import Path
 from typing import Any
 
@@ -29,6 +31,7 @@ from . import dashboard
 from .env import Env, Episode, RunSlot, task_key
 from .models import ModelContext
 from .runner import pick_one, run_stream
+from .serve import SlotRunner, TravelError, check_travel, served_runner
 from .traces import open_traces, read_rows, write_atomic
 
 __all__ = ["EvalConfig", "EvalConfigError", "EvalResult", "run_eval"]
@@ -77,7 +80,7 @@ def _check_int(value: object, flag: str, minimum: int, *, optional: bool = False
         raise EvalConfigError(f"{flag} must be an integer >= {minimum}, got {value!r}")
 
 
-def _preflight(env: Env[Any], config: EvalConfig) -> None:
+def _preflight(env: Env[Any], ctx: ModelContext, config: EvalConfig) -> None:
     """Every check that needs no pull and no file write."""
     _check_int(config.num_examples, "-n/--num-examples", 0, optional=True)
     _check_int(config.rollouts_per_example, "-r/--rollouts-per-example", 1)
@@ -99,11 +102,24 @@ def _preflight(env: Env[Any], config: EvalConfig) -> None:
                 f"taskset {name} {kind}: cannot resume (there is no list of tasks to compare "
                 f"against; drop --resume)"
             )
-    if config.serve or config.server_url:
-        raise EvalConfigError(
-            "--serve/--server-url: the served path is not available in this version; run "
-            "in-process (drop --serve)"
-        )
+    _check_served(env, ctx, config)
+
+
+def _check_served(env: Env[Any], ctx: ModelContext, config: EvalConfig) -> None:
+    """The served path's settings, and that the env and the model can travel to a server."""
+    if config.serve and config.server_url:
+        raise EvalConfigError("--serve and --server-url: choose one (spawn a server, or use one)")
+    if config.workers != 1 and not config.serve:
+        raise EvalConfigError("--workers applies to a spawned server: add --serve")
+    url = config.server_url
+    if url is not None and not url.startswith(("http://", "https://")):
+        raise EvalConfigError(f"--server-url must be an http:// or https:// URL, got {url!r}")
+    if config.serve or url:
+        try:
+            check_travel(env, ctx, spawn=config.serve)
+        except TravelError as exc:
+            flag = "--serve" if config.serve else "--server-url"
+            raise EvalConfigError(f"{flag}: {exc}") from None
 
 
 def _identity(env: Env[Any], ctx: ModelContext, config: EvalConfig) -> dict[str, Any]:
@@ -228,7 +244,7 @@ def _summary(
 
 async def run_eval(env: Env[Any], ctx: ModelContext, config: EvalConfig) -> EvalResult:
     """Run an eval of `env` against the model in `ctx`; see the module docstring."""
-    _preflight(env, config)
+    _preflight(env, ctx, config)
     identity = _identity(env, ctx, config)
     run_dir = _run_dir(env, ctx, config)
     streaming = env.taskset.streaming
@@ -271,6 +287,25 @@ async def run_eval(env: Env[Any], ctx: ModelContext, config: EvalConfig) -> Eval
     return EvalResult(episodes=done, run_dir=run_dir, summary=summary)
 
 
+def _slot_runner(
+    env: Env[Any], ctx: ModelContext, config: EvalConfig
+) -> AbstractAsyncContextManager[SlotRunner]:
+    """How each slot runs: in this process under `env.serving()`, or on an env server (one
+    `client.run` per slot; the taskset and the traces stay here)."""
+    if config.serve or config.server_url:
+        return served_runner(
+            env, ctx, workers=config.workers, server_url=config.server_url,
+            window=config.max_concurrent,
+        )  # fmt: skip
+    return _in_process(env, ctx)
+
+
+@asynccontextmanager
+async def _in_process(env: Env[Any], ctx: ModelContext) -> AsyncIterator[SlotRunner]:
+    async with env.serving():
+        yield functools.partial(env.run_slot, ctx=ctx)
+
+
 async def _execute(
     env: Env[Any],
     ctx: ModelContext,
@@ -283,7 +318,7 @@ async def _execute(
     """Run the planned (static) or streamed slots through `run_stream`, recording each episode."""
     try:
         async with (
-            env.serving(),
+            _slot_runner(env, ctx, config) as run_slot,
             open_traces(traces_path) as writer,
             dashboard.show(progress, live=config.dashboard),
         ):
@@ -295,7 +330,7 @@ async def _execute(
 
             async def run(slot: RunSlot[Any]) -> Episode:
                 progress.started()
-                return await env.run_slot(slot, ctx, on_complete=record)
+                return await run_slot(slot, on_complete=record)
 
             if not env.taskset.streaming:
                 return await run_stream(_from_list(slots), run, window=config.max_concurrent)

@@ -1,0 +1,699 @@
+"""The asyncio bridge, trio-hosted direction: trio programs drive an existing asyncio env.
+
+`bridge_env(aio_env)` turns an *asyncio env* (an object written with asyncio: an asyncio feed,
+an asyncio `rollout` or `run_slot`, an asyncio `serving()`) into a `tt.Env` that `tt.run_eval`,
+the service pattern and the served path drive. It runs the asyncio code on an asyncio loop that
+runs *inside* trio (trio-asyncio's `open_loop`), so asyncio and trio share one thread, one
+clock (a MockClock drives `asyncio.sleep` too) and one cancellation tree.
+
+The asyncio env protocol (duck-typed: no base class):
+
+* ``taskset`` (required): a `tt.aio.AsyncioTaskset` (a `tt.Taskset` whose `stream()` is asyncio
+  code), any other `tt.Taskset` (static, or with a trio `stream()`), or any object with an
+  asyncio ``stream()`` (and optionally ``load()``, ``config``, ``INFINITE``).
+* ``async def rollout(task, ctx) -> (messages, completion)`` (optional): one attempt of an
+  episode, as `Env.rollout`; ``ctx`` is an `AsyncioModelContext` (``await ctx.chat(messages)``
+  from asyncio). The bridge wraps it in `Env.run_slot` (episode record, retries, reward).
+* ``async def run_slot(slot, ctx) -> tt.Episode`` (optional; wins over ``rollout``): the whole
+  slot. Like `Env.run_slot` it records an episode's own failure on the episode; what it raises
+  fails the run (fail-fast), as a machinery error.
+* ``async def score(task, completion) -> float`` (optional, sync or async): the reward.
+* ``def serving() -> asyncio async context manager`` (optional): env-level resources, entered
+  and exited in one asyncio task that lives as long as the bridged env's `serving()`.
+* ``retries: tt.RetryPolicy`` (optional).
+
+Design:
+
+* **The loop.** The bridged env's `serving()` opens the trio-asyncio loop and holds the asyncio
+  ``serving()`` in one long-lived asyncio task. `run_slot` (and `rollout`, `score`) run their
+  asyncio code on the loop of the `serving()` they run under; without one they raise
+  `RuntimeError` (asyncio objects such as an `asyncio.Semaphore` bind to one loop, and the
+  env's resources live in `serving()`). An `AsyncioTaskset`'s `channel()` reads on the
+  innermost running trio-asyncio loop (so under `serving()`, the env's) or, with none (e.g.
+  the main process of an ``--serve`` eval), on a loop of its own for the channel's life.
+* **Calls.** Every call into asyncio (a pull, a close, a rollout, a score) is one asyncio task,
+  awaited from trio. Trio cancellation cancels that task and waits until it has finished
+  before `trio.Cancelled` is raised (so the asyncio side sees `CancelledError` and unwinds
+  first); a real error raised while it unwinds is raised instead. An asyncio `CancelledError`
+  trio did not ask for becomes `AsyncioCancelled`, an ordinary error. Results and errors come
+  back unwrapped; the `ExceptionGroup` layers that trio-asyncio's `open_loop` and the bridge's
+  own nurseries add are removed, so what the body of `serving()` raised comes out itself.
+* **Feeds.** An asyncio `stream()` is pulled one item per receive of the channel (no
+  prefetch), with the taskset's system prompt and views applied by the usual path, and closed
+  (``aclose()`` as an asyncio task, shielded) exactly once when the channel closes.
+* **Python 3.14.** trio-asyncio does not import there (python-trio/trio-asyncio#160) and the
+  package does not install it: the bridge raises `TrioAsyncioUnavailable` (an ImportError)
+  naming the problem, when it is used (this module imports without it). Guest mode
+  (`tt.aio.run_stream`, `tt.aio.run_trio`) does not need trio-asyncio.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import inspect
+import sys
+import time
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable, Iterable
+from contextlib import AbstractAsyncContextManager, asynccontextmanager
+from typing import Any, ClassVar, TypeVar, TypeVarTuple, Unpack, cast
+
+import attrs
+import trio
+
+from .env import Env, Episode, Message, RetryPolicy, Reward, RunSlot
+from .models import Completion, ModelContext, Sampling
+from .tasksets import Taskset, TasksetConfig, _aclose, _stream_view
+
+__all__ = [
+    "AsyncioCancelled",
+    "AsyncioModelContext",
+    "AsyncioTaskset",
+    "BridgedEnv",
+    "TrioAsyncioUnavailable",
+    "bridge_env",
+]
+
+T = TypeVar("T")
+TaskT = TypeVar("TaskT")
+ConfigT = TypeVar("ConfigT", bound=TasksetConfig)
+Ts = TypeVarTuple("Ts")
+
+
+class AsyncioCancelled(RuntimeError):
+    """An asyncio task of the bridge (a pull, a run, a rollout...) was cancelled, but not by trio.
+
+    The asyncio code cancelled itself (or something outside trio cancelled its task). Raised
+    instead of asyncio's `CancelledError`, which must not reach trio as a stray BaseException;
+    the original `CancelledError` is its `__cause__`. Used by both directions of the bridge.
+    """
+
+
+class TrioAsyncioUnavailable(ImportError):
+    """trio-asyncio cannot be imported on this Python, so an asyncio env cannot run under trio.
+
+    At present trio-asyncio does not support Python 3.14 (python-trio/trio-asyncio#160), and
+    trio-tasksets installs it only on older Pythons. The guest-mode direction of the bridge
+    (`tt.aio.run_stream`, `tt.aio.run_trio`) does not need it.
+    """
+
+
+def _trio_asyncio() -> Any:
+    """The trio_asyncio module, or `TrioAsyncioUnavailable` saying why not (imported lazily, so
+    that this module, and `tt.aio`'s guest mode, import without it)."""
+    try:
+        import trio_asyncio
+        import trio_asyncio._loop as loop_module
+    except Exception as exc:  # ImportError, or an AttributeError from an asyncio API 3.14 dropped
+        raise TrioAsyncioUnavailable(
+            f"trio_tasksets.aio.bridge_env needs trio-asyncio, which cannot be imported on "
+            f"Python {sys.version.split()[0]} ({type(exc).__name__}: {exc}). trio-asyncio does "
+            f"not support Python 3.14 yet (python-trio/trio-asyncio#160; trio-tasksets installs "
+            f"it only on Python < 3.14). The other direction needs no trio-asyncio: run the "
+            f"program under asyncio.run and call tt.aio.run_stream / tt.aio.run_trio from it "
+            f"(trio guest mode), with asyncio sources and runs."
+        ) from exc
+    _keep_asyncio_loops(loop_module)
+    return trio_asyncio
+
+
+def _keep_asyncio_loops(loop_module: Any) -> None:
+    """Undo one global side effect of importing trio-asyncio, outside trio only.
+
+    On import, trio-asyncio makes `asyncio.new_event_loop()` (hence `asyncio.run`) build its
+    own `SyncTrioEventLoop` in every thread that has not set an event loop policy: a trio run
+    in disguise, on which trio guest mode (`tt.aio.run_stream`) cannot start, and on which
+    trio-asyncio's own `trio_as_aio` fails too. This pins the policy asyncio had before the
+    import, as the default of every thread, for code *outside* trio; inside trio, trio-asyncio
+    uses its own policy as before (the bridge is unaffected), and a thread that sets a policy
+    keeps it. Relies on trio-asyncio 0.16 internals; a no-op if they are not there.
+    """
+    faked = getattr(loop_module, "_faked_policy", None)
+    original = getattr(loop_module, "_original_policy", None)
+    if faked is None or original is None:
+        return
+    holder = type(faked)  # a threading.local subclass: its class attribute is every default
+    if getattr(holder, "policy", None) is None:
+        holder.policy = original
+
+
+# --- calling asyncio from trio ------------------------------------------------------------
+
+
+def _name(fn: object) -> str:
+    return getattr(fn, "__qualname__", None) or type(fn).__name__
+
+
+async def _invoke(fn: Callable[..., Any], args: tuple[Any, ...]) -> Any:
+    # The call itself (not only the await) runs inside the asyncio task, so its sync part sees
+    # asyncio (sniffio, current_task). A sync `fn` (e.g. a sync score) is fine too.
+    result = fn(*args)
+    if inspect.isawaitable(result):
+        result = await result
+    return result
+
+
+async def _call_aio(loop: Any, fn: Callable[[Unpack[Ts]], Any], *args: *Ts) -> Any:
+    """From trio: run `fn(*args)` (awaited if awaitable) as an asyncio task on `loop`.
+
+    Returns its result or raises its exception unwrapped. Trio cancellation cancels the asyncio
+    task and waits for it to finish, then raises `trio.Cancelled` (or the real error the task
+    raised while unwinding). A `CancelledError` trio did not request raises `AsyncioCancelled`.
+    """
+    try:
+        return await loop.run_aio_coroutine(_invoke(fn, args))
+    except asyncio.CancelledError as exc:
+        # trio-asyncio turns a cancellation *trio* asked for into trio.Cancelled; a
+        # CancelledError that still arrives here came from the asyncio side.
+        raise AsyncioCancelled(
+            f"the asyncio task running {_name(fn)} was cancelled from the asyncio side, not "
+            "by trio (did the asyncio code cancel itself?)"
+        ) from exc
+
+
+def _note(error: BaseException, when: str, extra: BaseException) -> None:
+    error.add_note(f"trio_tasksets: {when}, {type(extra).__name__} was also raised: {extra}")
+
+
+def _leaf_ids(exc: BaseException) -> list[int]:
+    if isinstance(exc, BaseExceptionGroup):
+        return [i for inner in exc.exceptions for i in _leaf_ids(inner)]
+    return [id(exc)]
+
+
+def _same(exc: BaseException, known: BaseException) -> bool:
+    """`exc` is `known`, or a copy of the group `known` that a nursery derived while splitting
+    `trio.Cancelled` out of its errors (same type, message and leaf exceptions)."""
+    if exc is known:
+        return True
+    return (
+        isinstance(exc, BaseExceptionGroup)
+        and type(exc) is type(known)
+        and isinstance(known, BaseExceptionGroup)
+        and exc.message == known.message
+        and _leaf_ids(exc) == _leaf_ids(known)
+    )
+
+
+def _unwrap(
+    group: BaseExceptionGroup[BaseException], *known: BaseException | None
+) -> BaseException:
+    """The one exception a group of the bridge's own layers stands for.
+
+    `known` are exceptions raised by user code the layers wrapped (the block's first): they are
+    kept whole, and returned as the original objects, even when they are groups themselves (an
+    asyncio TaskGroup's) that a nursery re-derived; every other group is a layer and is
+    flattened. KeyboardInterrupt wins; then the first known real
+    (non-Cancelled) error; then any real error; else a Cancelled (the block's, if it raised
+    one). The other real errors are attached to the chosen one as notes.
+    """
+    keep = [exc for exc in known if exc is not None]
+    leaves: list[BaseException] = []
+
+    def walk(exc: BaseException) -> None:
+        original = next((k for k in keep if _same(exc, k)), None)
+        if original is not None:
+            leaves.append(original)
+        elif not isinstance(exc, BaseExceptionGroup):
+            leaves.append(exc)
+        else:
+            for inner in exc.exceptions:
+                walk(inner)
+
+    walk(group)
+    real = [exc for exc in leaves if not isinstance(exc, trio.Cancelled)]
+    interrupts = [exc for exc in real if isinstance(exc, KeyboardInterrupt)]
+    if interrupts:
+        return interrupts[0]
+    if not real:
+        return next((exc for exc in keep if any(exc is leaf for leaf in leaves)), leaves[0])
+    ordered = [k for k in keep if any(k is r for r in real)] + real
+    chosen = ordered[0]
+    for other in real:
+        if other is not chosen:
+            _note(chosen, "while the asyncio bridge unwound", other)
+    return chosen
+
+
+@asynccontextmanager
+async def _open_loop() -> AsyncIterator[Any]:
+    """`trio_asyncio.open_loop()`, with the ExceptionGroup layers it adds removed: what the
+    block raised comes out itself (python-trio/trio-asyncio#146)."""
+    trio_asyncio = _trio_asyncio()
+    body: BaseException | None = None
+    chosen: BaseException | None = None
+    try:
+        async with trio_asyncio.open_loop() as loop:
+            try:
+                yield loop
+            except BaseException as exc:
+                body = exc
+                raise
+    except BaseExceptionGroup as group:
+        chosen = _unwrap(group, body)
+    # Raised outside the handler, so no exception of the user gets a new __context__.
+    if chosen is not None:
+        raise chosen
+
+
+# --- feeds ----------------------------------------------------------------------------------
+
+
+async def _close_feed(loop: Any, feed: Any, primary: BaseException | None) -> None:
+    """Close an asyncio feed as an asyncio task, shielded. A close error is raised, unless an
+    exception is already on its way out: then it is attached to that one as a note."""
+    with trio.CancelScope(shield=True):
+        try:
+            await _call_aio(loop, _aclose, feed)
+        except Exception as exc:
+            if primary is None:
+                raise
+            _note(primary, "while closing the asyncio feed", exc)
+
+
+async def _asyncio_feed(loop: Any, stream: Callable[[], Any]) -> AsyncGenerator[Any, None]:
+    """A trio async generator over an asyncio async iterator: each pull is one asyncio task on
+    `loop`, and the feed is closed (as an asyncio task, shielded) exactly once, after the last
+    pull has finished, on every exit path."""
+    feed = stream()  # an async generator object: none of its code runs yet
+    try:
+        while True:
+            try:
+                task = await _call_aio(loop, anext, feed)
+            except StopAsyncIteration:
+                break
+            yield task
+    except BaseException as exc:  # GeneratorExit (the channel closed), Cancelled, an error
+        await _close_feed(loop, feed, exc)
+        raise
+    await _close_feed(loop, feed, None)
+
+
+class _TrioView(Taskset[Any, Any]):
+    """What `_stream_view` reads: the asyncio taskset's views, prompt and a trio stream()."""
+
+    def __init__(self, base: Taskset[Any, Any], loop: Any) -> None:
+        self.config = base.config
+        self._steps = base._steps
+        self._base = base
+        self._loop = loop
+
+    def stream(self) -> AsyncIterator[Any]:
+        return _asyncio_feed(self._loop, self._base.stream)
+
+
+class AsyncioTaskset(Taskset[TaskT, ConfigT]):
+    """A taskset whose `stream()` is asyncio code (e.g. it awaits an `asyncio.Queue`).
+
+    Everything else is `tt.Taskset`: `load()` (sync), views, the system prompt, `streaming`.
+    `channel()` is trio, as always; it pulls `stream()` one task per receive, each pull an
+    asyncio task on the innermost running trio-asyncio loop (a bridged env's `serving()` opens
+    one), or, with none running, on a loop it opens for the channel's life. Leaving the channel
+    closes `stream()` (an asyncio `aclose()`, shielded) after its last pull.
+
+    Each pull runs in its own asyncio task, so a `stream()` must not hold a task-bound construct
+    (an `asyncio.timeout()`, a `TaskGroup`) open across a `yield`. Needs trio-asyncio
+    (`TrioAsyncioUnavailable` from `channel()` where it cannot import); a static one does not.
+    """
+
+    def channel(self) -> AbstractAsyncContextManager[trio.abc.ReceiveChannel[TaskT]]:
+        """The tasks as a trio channel, pulled from the asyncio `stream()` only on demand."""
+        if not self.streaming:
+            return super().channel()
+        return self._asyncio_channel()
+
+    @asynccontextmanager
+    async def _asyncio_channel(self) -> AsyncIterator[trio.abc.ReceiveChannel[TaskT]]:
+        loop = _trio_asyncio().current_loop.get()
+        if loop is not None:
+            async with trio.as_safe_channel(self._bridged_tasks)(loop) as tasks:
+                yield tasks
+            return
+        async with (
+            _open_loop() as own,
+            trio.as_safe_channel(self._bridged_tasks)(own) as tasks,
+        ):
+            yield tasks
+
+    async def _bridged_tasks(self, loop: Any) -> AsyncGenerator[TaskT, None]:
+        # As Taskset._tasks: only the channel's background task iterates this, the guard is
+        # entered before the first pull and shielded only for the close.
+        with trio.CancelScope() as guard:
+            source = _stream_view(_TrioView(self, loop))
+            try:
+                async for task in source:
+                    yield task
+            finally:
+                guard.shield = True
+                await _aclose(source)
+
+
+def _feed_view_class() -> Callable[[Any], Taskset[Any, Any]]:
+    # Defined in a function on purpose: its qualified name is not importable, so an env with
+    # such a taskset is refused by the served path ("run in-process") before any server starts.
+    class FeedView(AsyncioTaskset[Any, TasksetConfig]):
+        """An asyncio env's taskset that is not a tt.Taskset: an object with an asyncio
+        `stream()` (and optionally `load()`, `config`, `INFINITE`)."""
+
+        def __init__(self, feed: Any) -> None:
+            config = getattr(feed, "config", None)
+            super().__init__(config if isinstance(config, TasksetConfig) else None)
+            self._feed = feed
+            self.INFINITE = bool(getattr(feed, "INFINITE", False))  # type: ignore[misc]
+
+        @property
+        def streaming(self) -> bool:
+            return callable(getattr(self._feed, "stream", None))
+
+        def load(self) -> Iterable[Any]:
+            load = getattr(self._feed, "load", None)
+            return [] if load is None else cast(Iterable[Any], load())
+
+        async def stream(self) -> AsyncIterator[Any]:  # asyncio code
+            inner = self._feed.stream()
+            try:
+                async for task in inner:
+                    yield task
+            finally:
+                await _aclose(inner)
+
+        def __repr__(self) -> str:
+            return f"FeedView({self._feed!r})"
+
+    return FeedView
+
+
+_FeedView = _feed_view_class()
+
+
+def _as_taskset(obj: object) -> Taskset[Any, Any]:
+    if isinstance(obj, Taskset):
+        return obj
+    if callable(getattr(obj, "stream", None)) or callable(getattr(obj, "load", None)):
+        return _FeedView(obj)
+    raise TypeError(
+        f"the asyncio env's taskset must be a tt.Taskset (a tt.aio.AsyncioTaskset for an asyncio "
+        f"stream()) or an object with an asyncio stream(), got {type(obj).__name__}"
+    )
+
+
+# --- the model, from asyncio -----------------------------------------------------------------
+
+
+@attrs.frozen
+class AsyncioModelContext:
+    """What an asyncio `rollout` / `run_slot` gets instead of `tt.ModelContext`.
+
+    `await ctx.chat(messages)` is asyncio-flavored: it runs the trio model client's call as a
+    trio task and resolves with its `tt.Completion` (or raises its error, e.g. a
+    `tt.ModelError`); cancelling the awaiting asyncio task cancels the call. `model` and
+    `sampling` are the trio context's; `context` is the trio `tt.ModelContext` itself (for trio
+    code only: its `chat` cannot be awaited from asyncio).
+    """
+
+    context: ModelContext
+    loop: Any = attrs.field(repr=False)
+
+    @property
+    def model(self) -> str:
+        return self.context.model
+
+    @property
+    def sampling(self) -> Sampling:
+        return self.context.sampling
+
+    async def chat(self, messages: list[dict[str, Any]]) -> Completion:
+        """Send `messages` to the model (asyncio-flavored); see the class docstring."""
+        return cast(Completion, await self.loop.trio_as_future(self.context.chat, messages))
+
+
+# --- serving(): an asyncio context manager held by one asyncio task ---------------------------
+
+
+class _Held:
+    """The state shared by the trio side of `_hold_serving` and its asyncio holder task."""
+
+    def __init__(self) -> None:
+        self.failure: BaseException | None = None  # what the holder raised into the nursery
+        self.entered = trio.Event()
+        self.release = trio.Event()
+        self.done = trio.Event()
+        self.value: Any = None
+        self.body_error: BaseException | None = None  # handed to the asyncio __aexit__
+        self.releasing = False
+        self.error: BaseException | None = None  # how the holder ended, once released
+
+
+async def _hold(loop: Any, factory: Callable[[], Any], held: _Held) -> None:
+    """asyncio code: enter `factory()`, report, wait to be released, exit in the same task."""
+    async with factory() as value:
+        held.value = value
+        held.entered.set()  # a sync trio call: asyncio callbacks run inside trio's loop task
+        await loop.trio_as_future(held.release.wait)
+        if held.body_error is not None:
+            raise held.body_error  # the asyncio context manager sees what the block raised
+
+
+async def _run_holder(loop: Any, factory: Callable[[], Any], held: _Held) -> None:
+    try:
+        await _call_aio(loop, _hold, loop, factory, held)
+    except Exception as exc:
+        if not held.releasing:
+            held.failure = exc
+            raise  # failed while the block runs (e.g. a background task): cancel the block
+        held.error = exc
+    finally:
+        held.done.set()
+
+
+@asynccontextmanager
+async def _hold_serving(loop: Any, factory: Callable[[], Any]) -> AsyncIterator[Any]:
+    """Hold the asyncio context manager `factory()` for the block, entered and exited by one
+    asyncio task. An Exception of the block is passed to its `__aexit__` (which may suppress it);
+    a cancellation of the block cancels the holder (the manager sees `CancelledError`); the
+    holder failing while the block runs cancels the block and is raised itself."""
+    held = _Held()
+    body: BaseException | None = None
+    chosen: BaseException | None = None
+    try:
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(_run_holder, loop, factory, held)
+            await held.entered.wait()
+            try:
+                yield held.value
+            except Exception as exc:
+                body = held.body_error = exc
+            except BaseException as exc:  # Cancelled, KeyboardInterrupt: the holder is cancelled
+                body = exc
+                raise
+            held.releasing = True
+            held.release.set()
+            await held.done.wait()
+            chosen = held.error  # None: exited cleanly (or suppressed the block's error)
+    except BaseExceptionGroup as group:
+        chosen = _unwrap(group, body, held.failure)
+    if chosen is not None:
+        raise chosen
+
+
+# --- the bridged env ----------------------------------------------------------------------
+
+
+def _check_protocol(aio_env: object) -> None:
+    if isinstance(aio_env, Env):
+        raise TypeError(
+            f"{type(aio_env).__name__} is already a trio env (a tt.Env): run it as it is; "
+            f"bridge_env takes an asyncio env"
+        )
+    if not hasattr(aio_env, "taskset"):
+        raise TypeError(
+            f"an asyncio env needs a `taskset` attribute (and optionally rollout, run_slot, "
+            f"score, serving, retries); {type(aio_env).__name__} has none"
+        )
+    for name in ("rollout", "run_slot", "score", "serving"):
+        if hasattr(aio_env, name) and not callable(getattr(aio_env, name)):
+            raise TypeError(f"the asyncio env's {name} must be callable")
+
+
+def _check_rollout(result: object, aio_env: object) -> tuple[list[Message], str]:
+    if (
+        isinstance(result, tuple)
+        and len(result) == 2
+        and isinstance(result[0], list)
+        and isinstance(result[1], str)
+    ):
+        return result[0], result[1]
+    raise TypeError(
+        f"{type(aio_env).__name__}.rollout must return (messages: list, completion: str), got "
+        f"{type(result).__name__}"
+    )
+
+
+async def _await(awaitable: Awaitable[T]) -> T:
+    return await awaitable
+
+
+class BridgedEnv(Env[TaskT]):
+    """A `tt.Env` over an asyncio env (see the module docstring for the asyncio env protocol).
+
+    Build one with `tt.aio.bridge_env(aio_env)`, or declare a class that other processes can
+    import by name (the served path and the CLI rebuild envs that way)::
+
+        class MyEnv(tt.aio.BridgedEnv[tt.Task]):
+            aio_env_class = MyAsyncioEnv   # called as aio_env_class(taskset) or ()
+            taskset_class = MyFeed         # the taskset class the env is built around
+
+    `MyEnv(taskset, reward=..., retries=...)` then builds ``MyAsyncioEnv(taskset)``, exactly as
+    `tt.Env` subclasses are built. `retries=` (else the asyncio env's ``retries``) and
+    `reward=` (else the asyncio env's ``score``, else as `tt.Env`) apply. A reward that returns
+    an awaitable is awaited as asyncio code.
+
+    `serving()` opens the asyncio loop and holds the asyncio env's ``serving()``; `run_slot`
+    must run under it (it raises `RuntimeError` otherwise). Raises `TrioAsyncioUnavailable`
+    where trio-asyncio cannot import.
+    """
+
+    aio_env_class: ClassVar[Callable[..., Any] | None] = None
+    taskset_class: ClassVar[type[Taskset[Any, Any]] | None] = None
+
+    def __init__(
+        self,
+        taskset: Taskset[TaskT, Any] | None = None,
+        *,
+        aio_env: Any = None,
+        reward: Reward | None = None,
+        retries: RetryPolicy | None = None,
+    ) -> None:
+        self._trio_asyncio = _trio_asyncio()  # fail here, clearly, where it cannot work
+        if aio_env is None:
+            factory = type(self).aio_env_class
+            if factory is None:
+                raise TypeError(
+                    f"{type(self).__name__}: pass aio_env=, or set aio_env_class on the class "
+                    f"(or use tt.aio.bridge_env(aio_env))"
+                )
+            aio_env = factory() if taskset is None else factory(taskset)
+        elif taskset is not None:
+            raise TypeError("pass either a taskset (to build aio_env_class) or aio_env, not both")
+        _check_protocol(aio_env)
+        if retries is None:
+            retries = getattr(aio_env, "retries", None)
+            if retries is not None and not isinstance(retries, RetryPolicy):
+                raise TypeError(
+                    f"the asyncio env's retries must be a tt.RetryPolicy, got {retries!r}"
+                )
+        self.aio_env: Any = aio_env
+        super().__init__(_as_taskset(aio_env.taskset), reward=reward, retries=retries)
+        self._explicit_reward = reward is not None
+        self._loops: list[Any] = []  # the loops of the serving() blocks now open, innermost last
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}({self.aio_env!r})"
+
+    # --- the loop ---------------------------------------------------------------------------
+
+    def serving(self) -> AbstractAsyncContextManager[BridgedEnv[TaskT]]:
+        """Open the asyncio loop the env runs on and hold the asyncio env's `serving()` (if it
+        has one) for the block, in one asyncio task. What the block raises comes out itself
+        (unless the asyncio `serving()` suppresses it); a failure of the asyncio `serving()`
+        while the block runs cancels the block and is raised itself."""
+        return self._serving()
+
+    @asynccontextmanager
+    async def _serving(self) -> AsyncIterator[BridgedEnv[TaskT]]:
+        factory = getattr(self.aio_env, "serving", None)
+        async with _open_loop() as loop:
+            self._loops.append(loop)
+            try:
+                if factory is None:
+                    yield self
+                else:
+                    async with _hold_serving(loop, factory):
+                        yield self
+            finally:
+                self._loops.remove(loop)
+
+    def _loop(self) -> Any:
+        current = self._trio_asyncio.current_loop.get()
+        if self._loops:
+            # Tasks outside the serving() block's task tree (a server's handlers) use its loop.
+            return current if any(current is loop for loop in self._loops) else self._loops[-1]
+        if current is not None:
+            return current
+        raise RuntimeError(
+            f"{type(self).__name__}: the asyncio env runs on the asyncio loop that "
+            f"env.serving() opens; call run_slot inside `async with env.serving():` (tt.run_eval "
+            f"and the served path do)"
+        )
+
+    async def _aio(self, fn: Callable[..., Any], *args: Any) -> Any:
+        return await _call_aio(self._loop(), fn, *args)
+
+    # --- the episode ------------------------------------------------------------------------
+
+    async def rollout(self, task: TaskT, ctx: ModelContext) -> tuple[list[Message], str]:
+        """The asyncio env's `rollout(task, ctx)` as an asyncio task (with an
+        `AsyncioModelContext`), or `Env.rollout` (single-turn chat) if it has none."""
+        aio_rollout = getattr(self.aio_env, "rollout", None)
+        if aio_rollout is None:
+            return await super().rollout(task, ctx)
+        loop = self._loop()
+        result = await _call_aio(loop, aio_rollout, task, AsyncioModelContext(ctx, loop))
+        return _check_rollout(result, self.aio_env)
+
+    async def score(self, task: TaskT, completion: str) -> float:
+        """`reward=` if given, else the asyncio env's `score`, else as `Env.score`; asyncio code
+        (an awaitable reward) runs on the env's loop."""
+        aio_score = getattr(self.aio_env, "score", None)
+        if aio_score is not None and not self._explicit_reward:
+            return float(await self._aio(aio_score, task, completion))
+        value = self._reward(task, completion)
+        if inspect.isawaitable(value):
+            value = await self._aio(_await, value)
+        return float(value)
+
+    async def run_slot(
+        self,
+        slot: RunSlot[TaskT],
+        ctx: ModelContext,
+        *,
+        on_complete: Callable[[Episode], Awaitable[None] | None] | None = None,
+    ) -> Episode:
+        """`Env.run_slot` over the bridged `rollout`/`score`, or, if the asyncio env has its own
+        `run_slot(slot, ctx)`, that one as an asyncio task (what it raises propagates, as a
+        machinery error). `on_complete(episode)` runs once, shielded, as in `Env.run_slot`."""
+        loop = self._loop()  # outside serving(): RuntimeError here, not an episode failure
+        aio_run_slot = getattr(self.aio_env, "run_slot", None)
+        if aio_run_slot is None:
+            return await super().run_slot(slot, ctx, on_complete=on_complete)
+        if slot.started is None:
+            slot.started = time.time()
+        episode = await _call_aio(loop, aio_run_slot, slot, AsyncioModelContext(ctx, loop))
+        if not isinstance(episode, Episode):
+            raise TypeError(
+                f"{type(self.aio_env).__name__}.run_slot must return a tt.Episode, got "
+                f"{type(episode).__name__}"
+            )
+        slot.episode = episode
+        slot.done = True
+        if on_complete is not None:
+            result = on_complete(episode)
+            if inspect.isawaitable(result):
+                with trio.CancelScope(shield=True):
+                    await result
+        return episode
+
+
+def bridge_env(
+    aio_env: Any, *, reward: Reward | None = None, retries: RetryPolicy | None = None
+) -> BridgedEnv[Any]:
+    """A `tt.Env` that runs `aio_env`, an asyncio env, under trio (with trio-asyncio).
+
+    `aio_env` follows the asyncio env protocol (module docstring): a `taskset`, and optionally
+    `rollout`, `run_slot`, `score`, `serving`, `retries`. The result is driven like any env:
+    `tt.run_eval(env, ctx, config)`, or `async with env.serving(), env.taskset.channel() as
+    tasks:` then `env.run_slot(slot, ctx)` per task. Raises `TypeError` for an object that is not
+    an asyncio env, `TrioAsyncioUnavailable` where trio-asyncio cannot import (Python 3.14).
+    For the served path, declare a `BridgedEnv` subclass at module level instead.
+    """
+    _trio_asyncio()
+    return BridgedEnv(aio_env=aio_env, reward=reward, retries=retries)
