@@ -157,3 +157,13 @@ def test_sigint_exits_130_with_every_finished_episode_on_disk(tmp_path: Path) ->
     summary = json.loads((tmp_path / "out" / "i" / "summary.json").read_text())
     assert summary["interrupted"] is True
     assert summary["finished"] == len(written)
+
+
+@pytest.mark.parametrize("sub", ["worker", "enqueue", "serve"])
+def test_every_subcommand_is_wired_into_the_command(sub: str) -> None:
+    done = subprocess.run(
+        [sys.executable, "-m", "trio_tasksets", sub, "--help"],
+        capture_output=True, text=True, timeout=60,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    assert f"trio-tasksets {sub}" in done.stdout

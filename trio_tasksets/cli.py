@@ -17,6 +17,9 @@ import attrs
 import trio
 
 from .builtin import BUILTIN
+from .distributed import COMMANDS as DISTRIBUTED_COMMANDS
+from .distributed import add_commands as add_distributed_commands
+from .distributed import run_command as run_distributed_command
 from .env import Env, RetryPolicy
 from .eval import EvalConfig, EvalConfigError, run_eval
 from .models import EchoClient, ModelClient, ModelContext, OpenAIClient, Sampling, api_key_from_env
@@ -167,6 +170,7 @@ def _parser() -> argparse.ArgumentParser:
     prompt.add_argument("--system-prompt", default=None, metavar="TEXT")
     prompt.add_argument("--system-prompt-file", default=None, metavar="PATH")
     add_serve_command(commands)
+    add_distributed_commands(commands)
     return parser  # fmt: skip
 
 
@@ -258,6 +262,8 @@ def _usage_exit(parser: argparse.ArgumentParser, message: str) -> NoReturn:
 def main(argv: Sequence[str] | None = None) -> int:
     parser = _parser()
     args = parser.parse_args(argv)
+    if args.command in DISTRIBUTED_COMMANDS:
+        return run_distributed_command(args, parser)
     if args.command == "serve":
         try:
             return serve_main(args)
