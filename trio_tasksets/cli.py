@@ -22,16 +22,13 @@ from .distributed import add_commands as add_distributed_commands
 from .distributed import run_command as run_distributed_command
 from .env import Env, RetryPolicy
 from .eval import EvalConfig, EvalConfigError, run_eval
-from .models import EchoClient, ModelClient, ModelContext, OpenAIClient, Sampling, api_key_from_env
+from .models import ModelContext
+from .options import UsageError, add_model_options, model_context
 from .serve import TOKEN_VAR, ServeUsageError, add_serve_command, serve_main
 from .tasksets import Taskset
 from .wire import load_object
 
 __all__ = ["main", "resolve_target", "resolve_taskset"]
-
-
-class UsageError(Exception):
-    """A bad command line; printed with the usage, exit 2."""
 
 
 def resolve_taskset(spec: str) -> type[Taskset[Any, Any]]:
@@ -133,39 +130,7 @@ def _parser() -> argparse.ArgumentParser:
         metavar="NAME",
         help=f"with --server-url: the environment variable holding its token (default {TOKEN_VAR})",
     )
-    model = ev.add_argument_group("the model")
-    model.add_argument(
-        "-m",
-        "--model",
-        default="echo",
-        help="model name; 'echo' (default) is the built-in offline model",
-    )
-    model.add_argument(
-        "--base-url",
-        default=None,
-        metavar="URL",
-        help="an OpenAI-compatible endpoint, e.g. http://127.0.0.1:8000/v1",
-    )
-    model.add_argument(
-        "--api-key-var",
-        default=None,
-        metavar="VAR",
-        help="the environment variable holding the API key",
-    )
-    model.add_argument(
-        "--timeout", type=float, default=120.0, metavar="S", help="per-request timeout in seconds"
-    )
-    model.add_argument("--temperature", type=float, default=None)
-    model.add_argument("--max-tokens", type=int, default=None)
-    model.add_argument("--top-p", type=float, default=None)
-    model.add_argument("--sampling-seed", type=int, default=None)
-    model.add_argument(
-        "--echo-delay",
-        type=float,
-        default=0.0,
-        metavar="S",
-        help="latency of the echo model, to watch the window work",
-    )
+    model = add_model_options(ev)
     prompt = model.add_mutually_exclusive_group()
     prompt.add_argument("--system-prompt", default=None, metavar="TEXT")
     prompt.add_argument("--system-prompt-file", default=None, metavar="PATH")
@@ -176,27 +141,6 @@ def _parser() -> argparse.ArgumentParser:
 
 def _names(text: str) -> tuple[str, ...]:
     return tuple(part.strip() for part in text.split(",") if part.strip())
-
-
-def _model(args: argparse.Namespace) -> ModelClient:
-    if args.model == "echo" and args.base_url is None:
-        if args.echo_delay < 0:
-            raise UsageError(f"--echo-delay must be >= 0, got {args.echo_delay}")
-        return EchoClient(delay=args.echo_delay)
-    if args.base_url is None:
-        raise UsageError(
-            f"-m/--model {args.model!r} needs --base-url (an OpenAI-compatible endpoint such as "
-            f"http://127.0.0.1:8000/v1 or https://api.openai.com/v1), or use -m echo"
-        )
-    key = None
-    if args.api_key_var is not None:
-        try:
-            key = api_key_from_env(args.api_key_var)
-        except ValueError as exc:
-            raise UsageError(f"--api-key-var: {exc}") from exc
-    if args.timeout <= 0:
-        raise UsageError(f"--timeout must be > 0, got {args.timeout}")
-    return OpenAIClient(args.base_url, key, timeout=args.timeout)
 
 
 def _build(args: argparse.Namespace) -> tuple[Env[Any], ModelContext, EvalConfig]:
@@ -214,13 +158,7 @@ def _build(args: argparse.Namespace) -> tuple[Env[Any], ModelContext, EvalConfig
         raise UsageError(f"--retries must be >= 0, got {args.retries}")
     retries = RetryPolicy(args.retries, _names(args.retry_on), _names(args.no_retry_on))
     env: Env[Any] = (env_cls or Env)(cls(config), retries=retries)
-    sampling = Sampling(
-        temperature=args.temperature,
-        max_tokens=args.max_tokens,
-        top_p=args.top_p,
-        seed=args.sampling_seed,
-    )
-    ctx = ModelContext(_model(args), args.model, sampling)
+    ctx = model_context(args)
     if args.token_var is not None:
         # The eval reads a --server-url's token from $TT_SERVE_TOKEN: point it at NAME.
         token = os.environ.get(args.token_var, "").strip()

@@ -33,14 +33,8 @@ import trio
 
 from . import dashboard
 from .env import Env, Episode, RetryPolicy, RunSlot
-from .models import (
-    EchoClient,
-    ModelClient,
-    ModelContext,
-    OpenAIClient,
-    Sampling,
-    api_key_from_env,
-)
+from .models import ModelContext
+from .options import UsageError, add_model_options, model_context
 from .runner import as_completed, pick_one
 
 if TYPE_CHECKING:
@@ -235,28 +229,11 @@ async def _on_signals(
 # --- the command line -------------------------------------------------------------------------
 
 
-class _Usage(Exception):
-    """A bad command line: printed with the command's usage, exit 2."""
-
-
 def _feed_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--feed", required=True, metavar="URL", help="the Redis URL, e.g. redis://127.0.0.1:6379/0"
     )
     parser.add_argument("--stream", required=True, metavar="S", help="the stream of tasks")
-
-
-def _model_options(parser: argparse.ArgumentParser) -> None:
-    model = parser.add_argument_group("the model (as for eval)")
-    model.add_argument("-m", "--model", default="echo", help="model name; 'echo' is offline")
-    model.add_argument("--base-url", default=None, metavar="URL", help="OpenAI-compatible URL")
-    model.add_argument("--api-key-var", default=None, metavar="VAR", help="env var of the key")
-    model.add_argument("--timeout", type=float, default=120.0, metavar="S")
-    model.add_argument("--temperature", type=float, default=None)
-    model.add_argument("--max-tokens", type=int, default=None)
-    model.add_argument("--top-p", type=float, default=None)
-    model.add_argument("--sampling-seed", type=int, default=None)
-    model.add_argument("--echo-delay", type=float, default=0.0, metavar="S")
 
 
 def add_commands(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
@@ -287,7 +264,7 @@ def add_commands(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]
     )
     worker.add_argument("--retries", type=int, default=0, metavar="K")
     worker.add_argument("--no-dashboard", action="store_true", help="plain log lines")
-    _model_options(worker)
+    add_model_options(worker)
     worker.set_defaults(tt_subparser=worker)
 
     enqueue = subparsers.add_parser(
@@ -306,18 +283,18 @@ def add_commands(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]
 
 def _need(condition: bool, message: str) -> None:
     if not condition:
-        raise _Usage(message)
+        raise UsageError(message)
 
 
 def _check_feed(args: argparse.Namespace) -> None:
     try:
         from .redis import check_url
     except ImportError as exc:
-        raise _Usage(f"{args.command} needs redis-py ({exc}): {_EXTRA}") from None
+        raise UsageError(f"{args.command} needs redis-py ({exc}): {_EXTRA}") from None
     try:
         check_url(args.feed)
     except ValueError as exc:
-        raise _Usage(f"--feed: {exc}") from None
+        raise UsageError(f"--feed: {exc}") from None
     _need(bool(args.stream), "--stream must name a stream, e.g. --stream tasks")
 
 
@@ -339,34 +316,6 @@ def _worker_config(args: argparse.Namespace) -> WorkerConfig:
     )  # fmt: skip
 
 
-def _model_context(args: argparse.Namespace) -> ModelContext:
-    client: ModelClient
-    if args.model == "echo" and args.base_url is None:
-        _need(args.echo_delay >= 0, f"--echo-delay must be >= 0, got {args.echo_delay}")
-        client = EchoClient(delay=args.echo_delay)
-    else:
-        _need(
-            args.base_url is not None,
-            f"-m/--model {args.model!r} needs --base-url (an OpenAI-compatible endpoint such as "
-            f"http://127.0.0.1:8000/v1), or use -m echo",
-        )
-        _need(args.timeout > 0, f"--timeout must be > 0, got {args.timeout}")
-        key = None
-        if args.api_key_var is not None:
-            try:
-                key = api_key_from_env(args.api_key_var)
-            except ValueError as exc:
-                raise _Usage(f"--api-key-var: {exc}") from None
-        client = OpenAIClient(args.base_url, key, timeout=args.timeout)
-    sampling = Sampling(
-        temperature=args.temperature,
-        max_tokens=args.max_tokens,
-        top_p=args.top_p,
-        seed=args.sampling_seed,
-    )
-    return ModelContext(client, args.model, sampling)
-
-
 async def _work(config: WorkerConfig, ctx: ModelContext) -> WorkerReport:
     try:
         return await run_worker(config, ctx)
@@ -377,7 +326,7 @@ async def _work(config: WorkerConfig, ctx: ModelContext) -> WorkerReport:
 
 def _worker_command(args: argparse.Namespace) -> int:
     config = _worker_config(args)
-    ctx = _model_context(args)
+    ctx = model_context(args)
     trio.run(_work, config, ctx)
     return 0
 
@@ -388,13 +337,12 @@ def _enqueue_command(args: argparse.Namespace) -> int:
     _check_feed(args)
     n = args.num_examples
     _need(n is None or n >= 0, f"-n/--num-examples must be >= 0, got {n}")
-    try:
-        taskset = cli.resolve_taskset(args.taskset)()
-    except cli.UsageError as exc:
-        raise _Usage(str(exc)) from None
+    taskset = cli.resolve_taskset(args.taskset)()  # a bad TASKSET is a UsageError too
     if (taskset.streaming or taskset.INFINITE) and n is None:
         kind = "streams its tasks" if taskset.streaming else "is INFINITE"
-        raise _Usage(f"taskset {type(taskset).__name__} {kind}: bound it with -n/--num-examples N")
+        raise UsageError(
+            f"taskset {type(taskset).__name__} {kind}: bound it with -n/--num-examples N"
+        )
     _ping(args.feed)
     ids = trio.run(_enqueue, args.feed, args.stream, taskset, n)
     span = f" ({ids[0]} .. {ids[-1]})" if ids else ""
@@ -411,7 +359,7 @@ def _ping(url: str) -> None:
     try:
         client.ping()
     except redis.RedisError as exc:
-        raise _Usage(
+        raise UsageError(
             f"--feed {redact(url)}: cannot reach Redis ({type(exc).__name__}: {exc}); start "
             f"redis-server there or fix the URL"
         ) from None
@@ -436,7 +384,7 @@ def run_command(args: argparse.Namespace, parser: argparse.ArgumentParser) -> in
         if args.command == "worker":
             return _worker_command(args)
         return _enqueue_command(args)
-    except _Usage as exc:
+    except UsageError as exc:
         usage = getattr(args, "tt_subparser", parser)
         usage.print_usage(sys.stderr)
         print(f"trio-tasksets {args.command}: error: {exc}", file=sys.stderr)
