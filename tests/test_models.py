@@ -570,3 +570,39 @@ async def test_openai_owned_http_client_closed(server: FakeOpenAI) -> None:
     await client.aclose()
     assert http.is_closed
     await client.aclose()  # idempotent
+
+
+# ---------------------------------------------------------------------------------------
+# Through an episode: what the env records when the model server fails
+# ---------------------------------------------------------------------------------------
+
+
+async def test_5xx_exhaustion_is_recorded_on_the_episode(server: FakeOpenAI) -> None:
+    import trio_tasksets as tt
+
+    server.plan(*[Planned(status=502, body={"error": "bad gateway"}) for _ in range(2)])
+    env = tt.Env(tt.testing.FeedTaskset())
+    async with make_client(server, max_retries=1) as client:
+        ctx = tt.ModelContext(client, "m")
+        episode = await env.run_slot(tt.RunSlot(tt.Task("say hello", answer="hello")), ctx)
+    assert not episode.ok
+    assert episode.reward == 0.0
+    assert [e.type for e in episode.errors] == ["ModelHTTPError"]
+    assert "502" in episode.errors[0].message
+    assert len(server.received) == 2
+
+
+async def test_a_429_then_success_is_one_ok_episode(server: FakeOpenAI) -> None:
+    import trio_tasksets as tt
+
+    server.plan(Planned(status=429, headers={"Retry-After": "0"}), Planned())
+    env = tt.Env(tt.testing.FeedTaskset())
+    async with make_client(server, max_retries=2) as client:
+        episode = await env.run_slot(
+            tt.RunSlot(tt.Task("q", answer="HELLO")), tt.ModelContext(client, "m")
+        )
+    assert episode.ok
+    assert episode.errors == []  # the client's own retry, below the episode
+    assert episode.completion == "hello"
+    assert episode.reward == 1.0
+    assert len(server.received) == 2
