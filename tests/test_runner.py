@@ -46,19 +46,26 @@ async def test_r1_exactly_window_items_pulled_while_runs_are_held(
 
 
 async def test_r1_next_pull_follows_each_freed_slot(autojump_clock: MockClock) -> None:
-    feed: Feed[int] = Feed(*range(10))
-    feed.end()
-    pulled_at_start: list[int] = []
+    window = 3
+    finished = 0
+    finished_at_pull: list[int] = []
+
+    async def source() -> AsyncIterator[int]:
+        for i in range(10):
+            finished_at_pull.append(finished)
+            yield i
 
     async def run(item: int) -> int:
-        pulled_at_start.append(feed.pulled)
-        await trio.sleep(1)
+        nonlocal finished
+        await trio.sleep(1 + item)  # distinct finishing times
+        finished += 1
         return item
 
-    await tt.run_stream(feed, run, window=3)
-    # Runs 0-2 start with 1, 2, 3 pulled; each later one is pulled only after one finished.
-    assert pulled_at_start[:3] == [1, 2, 3]
-    assert all(p <= i + 1 for i, p in enumerate(pulled_at_start))
+    assert await tt.run_stream(source(), run, window=window) == list(range(10))
+    # Pull k (0-based) needs a free slot: at least k - window + 1 runs have finished.
+    assert all(f >= k - window + 1 for k, f in enumerate(finished_at_pull))
+    assert finished_at_pull[:window] == [0] * window  # the first window fills at once
+    assert finished_at_pull[window] == 1  # the next waits for the first to finish
 
 
 async def test_r1_as_completed_pulls_only_when_freed(autojump_clock: MockClock) -> None:
@@ -513,3 +520,23 @@ async def test_a_tasks_rollouts_are_windowed_one_by_one(autojump_clock: MockCloc
     assert results == list(range(50))
     assert gate.peak == 1
     assert feed.close_calls == 1
+
+
+@pytest.mark.parametrize("window", [1, 3])
+async def test_r4_nothing_more_is_pulled_after_a_failure_from_an_instant_source(
+    autojump_clock: MockClock, window: int
+) -> None:
+    pulled = 0
+
+    async def instant() -> AsyncGenerator[int, None]:  # never awaits: no checkpoint of its own
+        nonlocal pulled
+        while True:
+            pulled += 1
+            yield pulled
+
+    async def boom(item: int) -> int:
+        raise KeyError(item)
+
+    with trio.fail_after(5), pytest.raises(KeyError):
+        await tt.run_stream(instant(), boom, window=window)
+    assert pulled == window

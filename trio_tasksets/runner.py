@@ -144,6 +144,9 @@ async def _drive(
     """
     limiter = trio.CapacityLimiter(window if window is not None else math.inf)
     bounded = window is not None
+    # as_completed keeps the plain acquire: its slot is freed when the consumer takes a result,
+    # and the consumer should get to run before the next pull.
+    fast = bounded and send is None
     failures: list[BaseException] = []
     iterator = aiter(source)
     error: BaseException | None = None
@@ -182,7 +185,16 @@ async def _drive(
                 try:
                     index = 0
                     while True:
-                        if bounded:
+                        if fast:
+                            # run_stream takes a free slot without a trip through the
+                            # scheduler (a third of its per-item cost), but still stops at once
+                            # when a run failed or the caller was cancelled.
+                            await trio.lowlevel.checkpoint_if_cancelled()
+                            try:
+                                limiter.acquire_on_behalf_of_nowait(index)
+                            except trio.WouldBlock:
+                                await limiter.acquire_on_behalf_of(index)
+                        elif bounded:
                             await limiter.acquire_on_behalf_of(index)
                         try:
                             item = await iterator.__anext__()
