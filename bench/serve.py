@@ -9,9 +9,10 @@ Run from the project root: ``python -m bench.serve`` (``--quick`` for a smoke ru
   one's finish (the episodes' own timestamps), i.e. without start-up. Median of the repeats.
 * **cpu-heavy eval**: the same, but the reward burns about 2 ms of CPU per episode: the work
   the served path exists to move off the runner's thread.
-* **round trip**: one server child (1 worker), one pooled `tt.EnvClient`; the wall time of
-  each ``client.run`` of an echo slot, at window 1 (pure latency) and at window 64 (under
-  load, queueing included). p50 and p99.
+* **round trip**: one server child (1 worker), one `tt.EnvClient` (its default WebSocket
+  transport, then ``transport="http"``); the wall time of each ``client.run`` of an echo
+  slot, at window 1 (pure latency) and at window 64 (under load, queueing included). p50
+  and p99.
 """
 
 from __future__ import annotations
@@ -107,8 +108,8 @@ async def _eval(config: CountConfig, serve: bool, workers: int) -> EvalRun:
     return await one_eval(config, serve=serve, workers=workers)
 
 
-async def round_trips(n: int, window: int) -> list[float]:
-    """Seconds of each `client.run` of n echo slots at `window`."""
+async def round_trips(n: int, window: int, transport: str = "websocket") -> list[float]:
+    """Seconds of each `client.run` of n echo slots at `window` over `transport`."""
     env = tt.Env(Counted(CountConfig(count=0)))
     ctx = tt.ModelContext(tt.EchoClient(), "echo")
     times: list[float] = []
@@ -119,7 +120,9 @@ async def round_trips(n: int, window: int) -> list[float]:
 
     async with (
         spawn_server(env) as server,
-        tt.EnvClient(server.url, token=server.token, max_connections=window) as client,
+        tt.EnvClient(
+            server.url, token=server.token, max_connections=window, transport=transport
+        ) as client,
     ):
 
         async def run(slot: tt.RunSlot[tt.Task]) -> None:
@@ -167,7 +170,7 @@ def main(argv: list[str] | None = None) -> None:
     n, cpu_n, repeats = (500, 100, 1) if args.quick else (5000, 1000, 3)
     lines: list[str] = ["## Served path (issue 4)", ""]
     info = [(k, v) for k, v in env_info() if k in ("python", "platform", "cpus", "trio")]
-    info += [(dist, _version(dist)) for dist in ("hypercorn", "httpcore")]
+    info += [(dist, _version(dist)) for dist in ("hypercorn", "wsproto", "httpcore")]
     lines += ["### Machine", "", "| | |", "|---|---|", *(f"| {k} | {v} |" for k, v in info)]
     lines += ["", "### Results"]
     lines += ["", f"#### Echo eval: {n:,} rollouts, `-c {WINDOW}` (median of {repeats})", ""]
@@ -180,11 +183,13 @@ def main(argv: list[str] | None = None) -> None:
     lines.append(rate_table(eval_rates(CountConfig(count=cpu_n, burn_ms=2.0), repeats)))
     lines += ["", "#### Per-slot round trip on loopback (`client.run`, echo, 1 worker)", ""]
     rows: list[list[str]] = []
-    for window, count in ((1, n // 5), (WINDOW, n)):
-        times = trio.run(round_trips, count, window)
-        rows.append([str(window), f"{count:,}", f"{percentile(times, 0.5) * 1e3:.2f}",
-                     f"{percentile(times, 0.99) * 1e3:.2f}"])  # fmt: skip
-    lines.append(markdown_table(["window", "slots", "p50 ms", "p99 ms"], rows))
+    for transport in ("websocket", "http"):
+        for window, count in ((1, n // 5), (WINDOW, n)):
+            times = trio.run(round_trips, count, window, transport)
+            rows.append([transport, str(window), f"{count:,}",
+                         f"{percentile(times, 0.5) * 1e3:.2f}",
+                         f"{percentile(times, 0.99) * 1e3:.2f}"])  # fmt: skip
+    lines.append(markdown_table(["transport", "window", "slots", "p50 ms", "p99 ms"], rows))
     print("\n".join(lines))
 
 

@@ -20,12 +20,21 @@ from typing import Any
 
 import attrs
 import httpx
+import orjson
 import pytest
 import trio
+from wsproto import ConnectionType, WSConnection
+from wsproto.events import BytesMessage, CloseConnection, Request, TextMessage
 
 import trio_tasksets as tt
 from trio_tasksets.builtin import EchoConfig, EchoTaskset
-from trio_tasksets.serve import EnvServerError, _retry_server_error, spawn_server
+from trio_tasksets.serve import (
+    EnvServerError,
+    _handshake,
+    _Refused,
+    _retry_server_error,
+    spawn_server,
+)
 from trio_tasksets.wire import (
     EchoSpec,
     EnvSpec,
@@ -294,10 +303,14 @@ def server() -> Iterator[str]:
         stop(proc)
 
 
-async def test_cancelling_client_run_cancels_the_episode_on_the_server(server: str) -> None:
+@pytest.mark.parametrize("transport", ["websocket", "http"])
+async def test_cancelling_client_run_cancels_the_episode_on_the_server(
+    server: str, transport: str
+) -> None:
+    """WebSocket: by a cancel message for the run's id; HTTP: by closing the connection."""
     slot = tt.RunSlot(tt.Task("wait", key="slow"))
     ctx = tt.ModelContext(tt.EchoClient(delay=60), "echo")
-    async with tt.EnvClient(server, token=TOKEN) as client:
+    async with tt.EnvClient(server, token=TOKEN, transport=transport) as client:
         before = await client.health()
         with trio.fail_after(20):
             async with trio.open_nursery() as nursery:
@@ -365,6 +378,181 @@ async def test_a_bad_request_gets_its_4xx_and_the_server_goes_on(
     episode = tt.Episode.from_row(good.json())
     assert episode.ok
     assert (episode.completion, episode.task.key) == ("say hi", "k1")
+
+
+class RawWS:
+    """A bare WebSocket to a server's /ws (wsproto over a trio stream), to send what
+    `EnvClient` never would."""
+
+    def __init__(self, stream: trio.SocketStream, ws: WSConnection) -> None:
+        self.stream = stream
+        self.ws = ws
+
+    @classmethod
+    async def connect(cls, url: str, token: str | None = TOKEN) -> RawWS:
+        host, port = url.removeprefix("http://").rsplit(":", 1)
+        stream = await trio.open_tcp_stream(host, int(port))
+        ws = WSConnection(ConnectionType.CLIENT)
+        headers = [(b"authorization", f"Bearer {token}".encode())] if token else []
+        await stream.send_all(ws.send(Request(host=f"{host}:{port}", target="/ws",
+                                              extra_headers=headers)))  # fmt: skip
+        try:
+            await _handshake(stream, ws)
+        except BaseException:
+            await stream.aclose()
+            raise
+        return cls(stream, ws)
+
+    async def send(self, data: bytes | str) -> None:
+        message = TextMessage(data) if isinstance(data, str) else BytesMessage(data)
+        await self.stream.send_all(self.ws.send(message))
+
+    async def receive(self) -> list[dict[str, Any]] | CloseConnection:
+        """The next message's answers, or the server's close."""
+        while True:
+            for event in self.ws.events():
+                if isinstance(event, CloseConnection):
+                    return event
+                if isinstance(event, BytesMessage | TextMessage):
+                    assert event.message_finished
+                    answers: list[dict[str, Any]] = orjson.loads(event.data)
+                    return answers
+            data = await self.stream.receive_some(1 << 16)
+            assert data, "the server closed the connection without a close frame"
+            self.ws.receive_data(data)
+
+    async def aclose(self) -> None:
+        await self.stream.aclose()
+
+
+def run_item(ident: int | str, body: object) -> dict[str, Any]:
+    return {"op": "run", "id": ident, "body": body}
+
+
+async def serves_a_good_run(url: str) -> None:
+    """A fresh client's run on a fresh WebSocket is answered (the server went on)."""
+    async with tt.EnvClient(url, token=TOKEN) as client:
+        episode = await client.run(tt.RunSlot(tt.Task("say ok", answer="ok")), ECHO)
+    assert (episode.ok, episode.completion) == (True, "say ok")
+
+
+ECHO = tt.ModelContext(tt.EchoClient(), "echo")
+
+
+async def test_websocket_runs_are_multiplexed_and_answered_by_id(server: str) -> None:
+    """Several runs in one message, answered by id (in any order and grouping)."""
+    ws = await RawWS.connect(server)
+    try:
+        bodies = [good_request() for _ in range(3)]
+        for i, body in enumerate(bodies):
+            body["slot"]["task"]["data"]["prompt"] = f"say {i}"
+        await ws.send(orjson.dumps([run_item(i, body) for i, body in enumerate(bodies)]))
+        answers: dict[int, dict[str, Any]] = {}
+        with trio.fail_after(10):
+            while len(answers) < 3:
+                received = await ws.receive()
+                assert isinstance(received, list)
+                answers.update((a["id"], a) for a in received)
+    finally:
+        await ws.aclose()
+    for i in range(3):
+        assert answers[i]["status"] == 200
+        assert tt.Episode.from_row(answers[i]["row"]).completion == f"say {i}"
+
+
+BAD_ITEMS = [
+    ("wrong type", run_item(1, {**good_request(), "slot": {
+        "task": {"key": 5, "data": {"prompt": "x"}}}}), 422, "slot.task.key"),
+    ("missing body", {"op": "run", "id": 1}, 422, "body: expected an object"),
+    ("missing field", run_item(1, {"slot": good_request()["slot"]}), 422, "ctx: missing"),
+    ("unknown op", {"op": "pickle", "id": 1}, 422, "op:"),
+    ("unknown field", {**run_item(1, good_request()), "extra": 1}, 422, "extra: unknown"),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    ("item", "status", "needle"),
+    [case[1:] for case in BAD_ITEMS],
+    ids=[case[0] for case in BAD_ITEMS],
+)
+async def test_a_bad_websocket_item_gets_an_error_for_its_id_and_the_connection_goes_on(
+    server: str, item: dict[str, Any], status: int, needle: str
+) -> None:
+    ws = await RawWS.connect(server)
+    try:
+        with trio.fail_after(10):
+            await ws.send(orjson.dumps(item))
+            answers = await ws.receive()
+            assert isinstance(answers, list)
+            assert answers == [{"id": 1, "status": status, "error": answers[0]["error"]}]
+            assert needle in answers[0]["error"]
+            await ws.send(orjson.dumps([run_item("next", good_request())]))  # same connection
+            answers = await ws.receive()
+    finally:
+        await ws.aclose()
+    assert isinstance(answers, list)
+    assert (answers[0]["id"], answers[0]["status"]) == ("next", 200)
+
+
+BAD_MESSAGES = [
+    ("malformed JSON", b"{not json", 1007, "not JSON"),
+    ("an item without an id", orjson.dumps([{"op": "run", "body": good_request()}]), 1007, "id"),
+    ("oversize", b"[" + b" " * 100_000 + b"]", 1009, ""),
+]
+
+
+@pytest.mark.parametrize(
+    ("data", "code", "needle"),
+    [case[1:] for case in BAD_MESSAGES],
+    ids=[case[0] for case in BAD_MESSAGES],
+)
+async def test_an_unreadable_websocket_message_closes_that_connection_and_the_server_goes_on(
+    server: str, data: bytes, code: int, needle: str
+) -> None:
+    ws = await RawWS.connect(server)
+    try:
+        with trio.fail_after(10):
+            await ws.send(data)
+            closed = await ws.receive()
+    finally:
+        await ws.aclose()
+    assert isinstance(closed, CloseConnection)
+    assert closed.code == code
+    assert needle in (closed.reason or "")
+    await serves_a_good_run(server)
+
+
+@pytest.mark.parametrize(("token", "needle"), [(None, "missing"), ("nope", "wrong")])
+async def test_a_websocket_without_the_right_token_is_refused_with_401(
+    server: str, token: str | None, needle: str
+) -> None:
+    with trio.fail_after(10), pytest.raises(_Refused) as refused:
+        await RawWS.connect(server, token=token)
+    assert refused.value.status == 401
+    assert needle in str(refused.value)
+    async with tt.EnvClient(server, token=token) as client:
+        with pytest.raises(EnvServerError, match="HTTP 401") as caught:
+            await client.run(tt.RunSlot(tt.Task("x")), ECHO)
+    assert caught.value.status == 401
+    await serves_a_good_run(server)
+
+
+async def test_a_run_over_the_size_limit_goes_over_http_and_gets_413(server: str) -> None:
+    """The client sends a request the server's limit would refuse as POST /run, so that only
+    that run fails (with 413), not its WebSocket's other runs."""
+    async with tt.EnvClient(server, token=TOKEN) as client:
+        with pytest.raises(EnvServerError, match="HTTP 413") as caught:
+            await client.run(tt.RunSlot(tt.Task("x" * 100_000)), ECHO)
+        assert caught.value.status == 413
+        episode = await client.run(tt.RunSlot(tt.Task("say ok", answer="ok")), ECHO)
+    assert episode.ok
+
+
+async def test_the_http_transport_still_runs_slots(server: str) -> None:
+    async with tt.EnvClient(server, token=TOKEN, transport="http") as client:
+        episode = await client.run(tt.RunSlot(tt.Task("say ok", answer="ok")), ECHO)
+        assert not client._ws.connections  # no WebSocket was opened
+    assert (episode.ok, episode.reward) == (True, 1.0)
 
 
 def test_a_non_loopback_bind_needs_a_token() -> None:

@@ -1,14 +1,16 @@
 """The served path: an env in its own process(es) behind HTTP, and the client that drives it.
 
-* **Server** (`trio-tasksets serve TASKSET`): an ASGI app on hypercorn's trio worker with two
-  routes, ``GET /health`` and ``POST /run`` (one slot, its episode row back). `env.serving()`
-  is held for the server's life. ``--workers K`` runs K worker processes that share one
-  listening socket, bound once by a supervisor process (see `docs/serve.md`).
-* **Cancellation by disconnect**: the run handler races the episode against the ASGI
-  ``receive()`` that returns ``http.disconnect`` when the client goes away; a cancelled
-  `EnvClient.run` closes its connection, so the episode on the server is cancelled.
-* **Client** (`EnvClient`): `run(slot, ctx) -> Episode`, `health()`, pooled connections; a
-  server that cannot be reached or answers with an error raises `EnvServerError` naming its URL.
+* **Server** (`trio-tasksets serve TASKSET`): an ASGI app on hypercorn's trio worker with
+  ``GET /health``, ``POST /run`` (one slot, its episode row back) and the WebSocket ``/ws``
+  (many runs multiplexed, answered by id; `_WSSession`). `env.serving()` is held for the
+  server's life. ``--workers K`` runs K worker processes that share one listening socket,
+  bound once by a supervisor process (see `docs/serve.md`).
+* **Cancellation**: on ``/ws`` by a ``{"op": "cancel", "id": ...}`` item (a closed WebSocket
+  cancels all its runs); on ``POST /run`` by disconnect: the handler races the episode
+  against the ASGI ``receive()`` that returns ``http.disconnect``.
+* **Client** (`EnvClient`): `run(slot, ctx) -> Episode` over a few pooled WebSockets (or
+  ``POST /run`` with ``transport="http"``), `health()`; a server that cannot be reached or
+  answers with an error raises `EnvServerError` naming its URL.
 * **Spawning** (`spawn_server`): the eval's ``--serve`` starts the server as a child process on
   127.0.0.1, port 0, with a random bearer token; the child dies with its parent, also when the
   parent is SIGKILLed, through a death pipe: the parent holds the write end of the child's
@@ -42,6 +44,7 @@ from typing import IO, TYPE_CHECKING, Any, ClassVar, Protocol, Self
 from urllib.parse import urlsplit
 
 import attrs
+import orjson
 import trio
 
 from .env import Env, Episode, RetryPolicy, RunSlot
@@ -52,12 +55,12 @@ from .wire import (
     API_KEY_VAR,
     ClientSpec,
     EnvSpec,
+    RunRequestEncoder,
     TravelError,
     WireError,
     build_client,
     build_task,
     describe_client,
-    encode_run_request,
     openai_api_key,
     parse_run_request,
 )
@@ -191,7 +194,7 @@ class ServerApp:
         self.env = env
         self.stats = ServerStats()
         self._token = f"Bearer {token}".encode() if token else None
-        self._max_body = max_body
+        self.max_body = self._max_body = max_body
         self._workers = workers
         self._taskset_cls: type[Taskset[Any, Any]] = type(env.taskset)
         self._plain_tasks = getattr(self._taskset_cls, "task_from_data", None) is None
@@ -200,6 +203,8 @@ class ServerApp:
     async def __call__(self, scope: Message, receive: Receive, send: Send) -> None:
         if scope["type"] == "lifespan":
             await _lifespan(receive, send)
+        elif scope["type"] == "websocket":
+            await self._websocket(scope, receive, send)
         elif scope["type"] == "http":
             try:
                 await self._route(scope, receive, send)
@@ -223,7 +228,8 @@ class ServerApp:
 
     def health(self) -> dict[str, Any]:
         return {"ok": True, "pid": os.getpid(), "workers": self._workers,
-                "taskset": self._taskset_cls.__name__, **attrs.asdict(self.stats)}  # fmt: skip
+                "taskset": self._taskset_cls.__name__, "websocket": WS_PATH,
+                "max_body": self._max_body, **attrs.asdict(self.stats)}  # fmt: skip
 
     async def _route(self, scope: Message, receive: Receive, send: Send) -> None:
         self._authorize(scope)
@@ -273,6 +279,14 @@ class ServerApp:
             client = self._clients[spec] = build_client(spec)
         return client
 
+    def prepare(self, decoded: object) -> tuple[RunSlot[Any], ModelContext]:
+        """The slot and model context of a decoded run request; `WireError` naming the field."""
+        request = parse_run_request(decoded, plain_tasks=self._plain_tasks)
+        task = build_task(self._taskset_cls, request.key, request.data)
+        client = self._client(request.client)
+        slot: RunSlot[Any] = RunSlot(task, request.rollout)
+        return slot, ModelContext(client, request.model, request.sampling)
+
     async def _run(self, scope: Message, receive: Receive, send: Send) -> None:
         body = await self._body(scope, receive)
         try:
@@ -280,29 +294,29 @@ class ServerApp:
         except ValueError as exc:
             raise _reject(400, f"the body is not JSON: {exc}") from None
         try:
-            request = parse_run_request(decoded, plain_tasks=self._plain_tasks)
-            task = build_task(self._taskset_cls, request.key, request.data)
-            client = self._client(request.client)
+            slot, ctx = self.prepare(decoded)
         except WireError as exc:
             raise _reject(422, str(exc)) from None
-        slot: RunSlot[Any] = RunSlot(task, request.rollout)
-        ctx = ModelContext(client, request.model, request.sampling)
-        episode = await self._episode(slot, ctx, receive)
+        episode = await self.episode(slot, ctx, receive)
         if episode is not None:
             await _send_json(send, 200, episode.to_row(), [])
 
-    async def _episode(
-        self, slot: RunSlot[Any], ctx: ModelContext, receive: Receive
+    async def episode(
+        self, slot: RunSlot[Any], ctx: ModelContext, receive: Receive | None = None
     ) -> Episode | None:
-        """Run the slot unless the client disconnects first (then: None); counted."""
+        """Run the slot (with `receive`: unless the HTTP client disconnects first, then None);
+        counted. A cancellation from outside is counted and propagates."""
         episode: Episode | None = None
         stats = self.stats
         stats.running += 1
         try:
-            async with trio.open_nursery() as nursery:
-                nursery.start_soon(_cancel_on_disconnect, receive, nursery.cancel_scope)
+            if receive is None:
                 episode = await self.env.run_slot(slot, ctx)
-                nursery.cancel_scope.cancel()
+            else:
+                async with trio.open_nursery() as nursery:
+                    nursery.start_soon(_cancel_on_disconnect, receive, nursery.cancel_scope)
+                    episode = await self.env.run_slot(slot, ctx)
+                    nursery.cancel_scope.cancel()
         except Exception:
             stats.failed += 1
             raise
@@ -316,6 +330,158 @@ class ServerApp:
         else:
             stats.served += 1
         return episode
+
+    async def _websocket(self, scope: Message, receive: Receive, send: Send) -> None:
+        """``/ws``: many runs multiplexed over one WebSocket (see `_WSSession`)."""
+        if (await receive())["type"] != "websocket.connect":
+            return
+        try:
+            self._authorize(scope)
+            if scope["path"] != WS_PATH:
+                raise _reject(404, f"no WebSocket at {scope['path']!r} (it is at {WS_PATH})")
+        except _HTTPError as error:  # refused at the handshake, as an HTTP answer
+            self.stats.rejected += 1
+            body = json.dumps({"error": str(error)}).encode()
+            headers = [*_JSON, (b"content-length", str(len(body)).encode()), *error.headers]
+            await send({"type": "websocket.http.response.start", "status": error.status,
+                        "headers": headers})  # fmt: skip
+            await send({"type": "websocket.http.response.body", "body": body})
+            return
+        await send({"type": "websocket.accept",
+                    "headers": [(b"x-tt-pid", str(os.getpid()).encode())]})  # fmt: skip
+        await _WSSession(self, send).serve(receive)
+
+
+WS_PATH = "/ws"
+WS_MAX_BATCH = 256  # items per outgoing message, at most
+_ID_MAX = 128
+
+
+class _Unreadable(Exception):
+    """A WebSocket message the server cannot answer item by item: it closes with 1007."""
+
+
+async def _coalesce(pending: list[Any], limit: int) -> None:
+    """Yield to the scheduler while `pending` keeps growing (until it holds `limit`): what the
+    tasks that are runnable now add goes into the same message. Bounded: one tick that adds
+    nothing ends it, so a busy process still flushes."""
+    count = -1
+    while count != len(pending) and len(pending) < limit:
+        count = len(pending)
+        await trio.lowlevel.cancel_shielded_checkpoint()
+
+
+class _WSSession:
+    """One WebSocket connection of `ServerApp`: each message is a JSON item or an array of
+    items, ``{"op": "run", "id": ID, "body": <a POST /run body>}`` or
+    ``{"op": "cancel", "id": ID}``; each run is answered by ``{"id": ID, "status": 200,
+    "row": <episode row>}`` or ``{"id": ID, "status": 4xx/500, "error": "..."}``, several
+    answers per message (an array). A cancelled run is answered ``{"id": ID, "status": 499,
+    "error": "cancelled"}``. A message that is not JSON, or an item without a usable id,
+    closes the connection with 1007 (its runs are cancelled); an oversize message 1009
+    (hypercorn). Disconnecting cancels the connection's runs."""
+
+    def __init__(self, app: ServerApp, send: Send) -> None:
+        self.app = app
+        self.send = send
+        self.running: dict[int | str, trio.CancelScope] = {}
+        self.out: list[bytes] = []
+        self.wake = trio.Event()
+
+    async def serve(self, receive: Receive) -> None:
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(self._flush)
+            while True:
+                message = await receive()
+                if message["type"] != "websocket.receive":
+                    break
+                data = message.get("bytes")
+                try:
+                    items = self._items(message.get("text") if data is None else data)
+                    for item in items:
+                        self._handle(item, nursery)
+                except _Unreadable as exc:
+                    self.app.stats.rejected += 1
+                    await self.send({"type": "websocket.close", "code": 1007,
+                                     "reason": str(exc)[:120]})  # fmt: skip
+                    break
+            nursery.cancel_scope.cancel()
+
+    @staticmethod
+    def _items(data: str | bytes | None) -> list[Any]:
+        try:
+            decoded = orjson.loads(data or b"")
+        except orjson.JSONDecodeError as exc:
+            raise _Unreadable(f"the message is not JSON: {exc}") from None
+        return decoded if isinstance(decoded, list) else [decoded]
+
+    def _answer(self, ident: int | str, status: int, **fields: Any) -> None:
+        self.out.append(orjson.dumps({"id": ident, "status": status, **fields}, default=str))
+        self.wake.set()
+
+    def _handle(self, item: object, nursery: trio.Nursery) -> None:
+        ident = item.get("id") if isinstance(item, dict) else None
+        if (isinstance(ident, str) and len(ident) <= _ID_MAX) or (
+            isinstance(ident, int) and not isinstance(ident, bool)
+        ):
+            pass
+        else:
+            raise _Unreadable("every item must be an object with an id (an integer or a string)")
+        assert isinstance(item, dict)
+        op = item.get("op")
+        if op == "cancel":
+            scope = self.running.get(ident)
+            if scope is not None:
+                scope.cancel()
+            return
+        stats = self.app.stats
+        if op != "run":
+            stats.rejected += 1
+            self._answer(ident, 422, error=f"op: expected 'run' or 'cancel', got {op!r}")
+        elif ident in self.running:
+            stats.rejected += 1
+            self._answer(ident, 409, error=f"id: {ident!r} is already running")
+        else:
+            unknown = sorted(set(item) - {"op", "id", "body"})
+            if unknown:
+                stats.rejected += 1
+                self._answer(ident, 422, error=f"{unknown[0]}: unknown field")
+                return
+            try:
+                slot, ctx = self.app.prepare(item.get("body"))
+            except WireError as exc:
+                stats.rejected += 1
+                self._answer(ident, 422, error=str(exc))
+                return
+            scope = self.running[ident] = trio.CancelScope()
+            nursery.start_soon(self._run, ident, scope, slot, ctx)
+
+    async def _run(
+        self, ident: int | str, scope: trio.CancelScope, slot: RunSlot[Any], ctx: ModelContext
+    ) -> None:
+        try:
+            with scope:
+                episode = await self.app.episode(slot, ctx)
+        except Exception as exc:  # the env failed outside an episode: a bug in it
+            cause = pick_one(exc) if isinstance(exc, ExceptionGroup) else exc
+            traceback.print_exception(cause, file=sys.stderr)
+            message = f"the env failed outside an episode: {type(cause).__name__}: {cause}"
+            self._answer(ident, 500, error=message)
+            return
+        finally:
+            del self.running[ident]
+        if scope.cancelled_caught or episode is None:
+            self._answer(ident, 499, error="cancelled")
+        else:
+            self._answer(ident, 200, row=episode.to_row())
+
+    async def _flush(self) -> None:
+        while True:
+            await self.wake.wait()
+            await _coalesce(self.out, WS_MAX_BATCH)
+            self.wake = trio.Event()
+            items, self.out = self.out, []
+            await self.send({"type": "websocket.send", "bytes": b"[" + b",".join(items) + b"]"})
 
 
 def is_loopback(host: str) -> bool:
@@ -387,6 +553,7 @@ async def serve_worker(
     config.loglevel = "WARNING"
     config.graceful_timeout = graceful
     config.keep_alive_timeout = 120  # longer than the client's keep-alive: it closes first
+    config.websocket_max_message_size = app.max_body  # over it: close code 1009
     stop = trio.Event()
     try:
         async with app.env.serving(), trio.open_nursery() as nursery:
@@ -647,6 +814,7 @@ class _Connections:
         import httpcore
 
         self._origin = httpcore.Origin(scheme.encode(), host.encode(), port)
+        self.host, self.port = host, port
         self._idle: list[httpcore.AsyncHTTPConnection] = []
         self._limiter = trio.CapacityLimiter(limit) if limit is not None else None
         self._extensions = {"timeout": {"connect": connect_timeout, "read": None,
@@ -700,13 +868,295 @@ class _Connections:
                 await connection.aclose()
 
 
+# --- the WebSocket transport -----------------------------------------------------------------
+
+
+class _WSGone(Exception):
+    """The WebSocket connection ended; the message says how."""
+
+
+@attrs.define(eq=False)
+class _Call:
+    done: trio.Event = attrs.field(factory=trio.Event)
+    answer: dict[str, Any] | None = None
+    gone: str | None = None  # why the connection ended before the answer
+
+
+async def _handshake(stream: trio.SocketStream, ws: Any) -> Any:
+    """Read the server's answer to the upgrade request: wsproto's `AcceptConnection`, or
+    `_Refused` for an HTTP status with its body."""
+    from wsproto.events import AcceptConnection, RejectConnection, RejectData
+
+    status, body = 0, b""
+    while True:
+        data = await stream.receive_some(65536)
+        if not data:
+            raise _WSGone("the server closed the connection during the handshake")
+        ws.receive_data(data)
+        for event in ws.events():
+            if isinstance(event, AcceptConnection):
+                return event
+            if isinstance(event, RejectConnection):
+                status = event.status_code
+            elif isinstance(event, RejectData):
+                body += event.data
+                if event.body_finished:
+                    raise _Refused(status, body)
+
+
+class _WSConnection:
+    """One WebSocket to ``/ws`` (wsproto over a trio stream), shared by many `run` calls.
+
+    A call queues its item and waits for the answer with its id. The writer sends what is
+    queued as one message (a JSON array; what the runnable tasks add in the same scheduler
+    tick goes together, at most `max_bytes`); the reader hands each answer to its call.
+    Both run as one trio system task, so an `EnvClient` needs no nursery; `close()` stops it.
+    """
+
+    def __init__(self, stream: trio.SocketStream, ws: Any, max_bytes: int, pid: str) -> None:
+        self.stream = stream
+        self.ws = ws
+        self.pid = pid
+        self.calls: dict[int, _Call] = {}
+        self.gone: str | None = None
+        self._max_bytes = max_bytes
+        self._next = 0
+        self._out: list[bytes] = []
+        self._wake = trio.Event()
+        self._scope = trio.CancelScope()
+
+    @classmethod
+    async def open(
+        cls, host: str, port: int, target: str, headers: list[tuple[bytes, bytes]],
+        max_bytes: int,
+    ) -> _WSConnection:  # fmt: skip
+        """Connect and do the handshake; `_Refused` for an HTTP answer instead of 101."""
+        from wsproto import ConnectionType, WSConnection
+        from wsproto.events import Request
+
+        stream = await trio.open_tcp_stream(host, port)
+        try:
+            stream.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            ws = WSConnection(ConnectionType.CLIENT)
+            hostname = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+            await stream.send_all(
+                ws.send(Request(host=hostname, target=target, extra_headers=headers))
+            )
+            accepted = await _handshake(stream, ws)
+        except BaseException:
+            await trio.aclose_forcefully(stream)
+            raise
+        pid = dict(accepted.extra_headers).get(b"x-tt-pid", b"").decode()
+        return cls(stream, ws, max_bytes, pid)
+
+    def start(self) -> None:
+        trio.lowlevel.spawn_system_task(self._serve, name=f"tt-ws-{self.pid}")
+
+    def submit(self, body: bytes) -> tuple[int, _Call]:
+        self._next += 1
+        ident = self._next
+        call = self.calls[ident] = _Call()
+        self._queue(b'{"op":"run","id":%d,"body":%b}' % (ident, body))
+        return ident, call
+
+    def cancel(self, ident: int) -> None:
+        """Tell the server to cancel run `ident` (its answer, if any, is dropped)."""
+        if self.calls.pop(ident, None) is not None and self.gone is None:
+            self._queue(b'{"op":"cancel","id":%d}' % ident)
+
+    def _queue(self, item: bytes) -> None:
+        self._out.append(item)
+        self._wake.set()
+
+    async def close(self) -> None:
+        self._end("the client was closed")
+        with trio.CancelScope(shield=True):
+            await trio.aclose_forcefully(self.stream)
+
+    def _end(self, reason: str) -> None:
+        if self.gone is None:
+            self.gone = reason
+        self._scope.cancel()
+        calls, self.calls = self.calls, {}
+        for call in calls.values():
+            call.gone = self.gone
+            call.done.set()
+
+    async def _serve(self) -> None:
+        with self._scope:
+            try:
+                async with trio.open_nursery() as nursery:
+                    nursery.start_soon(self._write)
+                    await self._read()
+            except Exception as exc:  # the connection ended: every waiting call gets why
+                cause = pick_one(exc) if isinstance(exc, ExceptionGroup) else exc
+                if isinstance(cause, _WSGone):
+                    self._end(str(cause))
+                else:
+                    detail = f"{type(cause).__name__}: {cause}"
+                    self._end(f"the connection was closed or reset ({detail})")
+        self._end("the connection ended")
+        self.stream.socket.close()
+
+    async def _write(self) -> None:
+        from wsproto.events import BytesMessage
+
+        while True:
+            await self._wake.wait()
+            await _coalesce(self._out, WS_MAX_BATCH)
+            self._wake = trio.Event()
+            items: list[bytes] = []
+            size = 2
+            while self._out and (not items or size + len(self._out[0]) + 1 <= self._max_bytes):
+                item = self._out.pop(0) if len(self._out) > 1 else self._out.pop()
+                items.append(item)
+                size += len(item) + 1
+            if self._out:
+                self._wake.set()  # the rest goes in the next message
+            await self.stream.send_all(self.ws.send(BytesMessage(b"[" + b",".join(items) + b"]")))
+
+    async def _read(self) -> None:
+        from wsproto.events import BytesMessage, CloseConnection, Ping, TextMessage
+
+        parts: list[Any] = []
+        while True:
+            data = await self.stream.receive_some(1 << 16)
+            if not data:
+                raise _WSGone("the server closed the connection")
+            self.ws.receive_data(data)
+            for event in self.ws.events():
+                if isinstance(event, BytesMessage | TextMessage):
+                    parts.append(event.data)
+                    if event.message_finished:
+                        self._dispatch(parts)
+                        parts = []
+                elif isinstance(event, Ping):
+                    await self.stream.send_all(self.ws.send(event.response()))
+                elif isinstance(event, CloseConnection):
+                    raise _WSGone(
+                        f"the server closed the WebSocket (code {event.code}"
+                        + (f": {event.reason})" if event.reason else ")")
+                    )
+
+    def _dispatch(self, parts: list[Any]) -> None:
+        data = (
+            parts[0]
+            if len(parts) == 1
+            else b"".join(p.encode() if isinstance(p, str) else p for p in parts)
+        )
+        try:
+            answers = orjson.loads(data)
+        except orjson.JSONDecodeError as exc:
+            raise _WSGone(f"the server sent a message that is not JSON: {exc}") from None
+        for answer in answers if isinstance(answers, list) else [answers]:
+            ident = answer.get("id") if isinstance(answer, dict) else None
+            call = self.calls.pop(ident, None) if isinstance(ident, int) else None
+            if call is not None:
+                call.answer = answer
+                call.done.set()
+
+
+class _Refused(Exception):
+    """The server answered the WebSocket handshake with an HTTP status instead of 101."""
+
+    def __init__(self, status: int, body: bytes) -> None:
+        try:
+            detail = json.loads(body).get("error")
+        except (ValueError, AttributeError):
+            detail = body[:200].decode(errors="replace")
+        super().__init__(detail)
+        self.status = status
+
+
+class _WSPool:
+    """The WebSocket connections of an `EnvClient`: opened on first use, one per server
+    worker unless `size` is given (the kernel deals connections to the workers that accept
+    them, so up to 4 per worker are tried to reach distinct workers, by the pid each worker
+    names at the handshake). A run goes on the connection with the fewest runs in flight. A
+    connection that ends is dropped; the next run opens new ones."""
+
+    def __init__(self, client: EnvClient, size: int | None) -> None:
+        self.client = client
+        self.size = size
+        self.connections: list[_WSConnection] = []
+        self.available: bool | None = None  # None: not asked yet; False: use HTTP
+        self.max_bytes = MAX_BODY_BYTES
+        self._lock = trio.Lock()
+
+    def live(self) -> _WSConnection | None:
+        """The open connection with the fewest runs in flight; None if none is open."""
+        best: _WSConnection | None = None
+        for connection in self.connections:
+            if connection.gone is None and (
+                best is None or len(connection.calls) < len(best.calls)
+            ):
+                best = connection
+        return best
+
+    async def pick(self) -> _WSConnection | None:
+        """A live connection (opened if needed), or None when the server has no ``/ws``."""
+        live = [c for c in self.connections if c.gone is None]
+        if not live:
+            async with self._lock:
+                live = [c for c in self.connections if c.gone is None]
+                if not live and self.available is not False:
+                    live = self.connections = await self._open()
+        if not live:
+            return None
+        return min(live, key=lambda c: len(c.calls))
+
+    async def _open(self) -> list[_WSConnection]:
+        client = self.client
+        health = await client.health()
+        target = health.get("websocket")
+        if not isinstance(target, str):
+            self.available = False  # a server without /ws: HTTP only
+            return []
+        self.available = True
+        self.max_bytes = int(health.get("max_body", MAX_BODY_BYTES))
+        workers = int(health.get("workers", 1))
+        size = self.size or workers
+        wanted = min(size, workers)
+        host, port = client._connections.host, client._connections.port
+        connections: list[_WSConnection] = []
+        seen: set[str] = set()
+        try:
+            for _ in range(size if self.size else 4 * workers):
+                connection = await _WSConnection.open(
+                    host, port, client._prefix + target, client._ws_headers, self.max_bytes
+                )
+                if connection.pid in seen and len(seen) < wanted:
+                    await connection.close()  # a worker we have: try for another
+                    continue
+                seen.add(connection.pid)
+                connections.append(connection)
+                connection.start()
+                if len(connections) >= size:
+                    break
+        except BaseException:
+            with trio.CancelScope(shield=True):
+                for connection in connections:
+                    await connection.close()
+            raise
+        return connections
+
+    async def aclose(self) -> None:
+        connections, self.connections = self.connections, []
+        for connection in connections:
+            await connection.close()
+
+
 class EnvClient:
     """A client of an env server: `await client.run(slot, ctx) -> Episode`.
 
-    Connections are kept alive and reused, at most `max_connections` open (None: no bound;
-    an eval sizes it to its window). Runs are untimed (an episode may take long); connecting
-    times out after `connect_timeout`. Every failure to get an answer raises
-    `EnvServerError` naming `url`. `api_key_var` is the variable an OpenAI model's
+    `transport="websocket"` (the default) multiplexes the runs over a few long-lived
+    WebSockets to ``/ws`` (`connections` of them; None: one per server worker), many runs per
+    message; a server without ``/ws``, an ``https://`` URL, or a request over the server's
+    size limit uses ``POST /run`` instead. `transport="http"`: one ``POST /run`` per run on
+    keep-alive connections, at most `max_connections` open (None: no bound; an eval sizes
+    it to its window). `health()` is always HTTP. Runs are untimed (an episode may take
+    long); connecting times out after `connect_timeout`. Every failure to get an answer
+    raises `EnvServerError` naming `url`. `api_key_var` is the variable an OpenAI model's
     description tells the server to read its key from. Use `async with` or `aclose()`.
     """
 
@@ -718,9 +1168,18 @@ class EnvClient:
         api_key_var: str | None = None,
         max_connections: int | None = None,
         connect_timeout: float = 10.0,
+        transport: str = "websocket",
+        connections: int | None = None,
     ) -> None:
+        if transport not in ("websocket", "http"):
+            raise ValueError(f"transport must be 'websocket' or 'http', got {transport!r}")
+        if connections is not None and connections < 1:
+            raise ValueError(f"connections must be >= 1, got {connections}")
         self.url = url.rstrip("/")
+        self.transport = transport
+        self._connect_timeout = connect_timeout
         self.api_key_var = api_key_var
+        self._encoder = RunRequestEncoder(api_key_var)
         parts = urlsplit(self.url)
         if parts.scheme not in ("http", "https") or not parts.hostname:
             raise ValueError(f"env server URL must be http://host:port or https://..., got {url!r}")
@@ -730,8 +1189,13 @@ class EnvClient:
             parts.scheme, parts.hostname, port, max_connections, connect_timeout
         )
         self._headers = [(b"host", parts.netloc.encode())]
+        self._ws_headers: list[tuple[bytes, bytes]] = []
         if token:
             self._headers.append((b"authorization", f"Bearer {token}".encode()))
+            self._ws_headers.append((b"authorization", f"Bearer {token}".encode()))
+        self._ws = _WSPool(self, connections)
+        if transport == "http" or parts.scheme != "http":
+            self._ws.available = False
 
     def __repr__(self) -> str:
         return f"EnvClient({self.url!r})"
@@ -780,10 +1244,19 @@ class EnvClient:
         return payload
 
     async def run(self, slot: RunSlot[Any], ctx: ModelContext) -> Episode:
-        """Run one slot on the server and return its episode. Cancelling this call closes the
-        connection, which cancels the episode on the server."""
-        body = encode_run_request(slot, ctx, api_key_var=self.api_key_var)
-        row = await self._request("POST", "/run", body)
+        """Run one slot on the server and return its episode. Cancelling this call cancels
+        the episode on the server: a ``cancel`` message on a WebSocket, or closing the
+        connection of a ``POST /run``."""
+        body = self._encoder.encode(slot, ctx)
+        connection = None
+        if self._ws.available is not False:
+            connection = self._ws.live() or await self._ws_connection()
+        if connection is None or len(body) + 64 > self._ws.max_bytes:
+            # Over the server's message limit a run would close its WebSocket (1009) and
+            # fail the others on it: send it alone, as POST /run (which answers 413).
+            row = await self._request("POST", "/run", body)
+        else:
+            row = await self._ws_run(connection, body)
         try:
             return Episode.from_row(row)
         except (KeyError, TypeError, ValueError) as exc:
@@ -791,6 +1264,42 @@ class EnvClient:
                 f"env server {self.url} answered /run with a row that is not an episode: {exc}",
                 url=self.url,
             ) from exc
+
+    async def _ws_connection(self) -> _WSConnection | None:
+        try:
+            with trio.fail_after(self._connect_timeout):
+                return await self._ws.pick()
+        except trio.TooSlowError:
+            reason = f"the WebSocket handshake took over {self._connect_timeout:g}s"
+        except _Refused as exc:
+            raise EnvServerError(
+                f"env server {self.url} refused the WebSocket with HTTP {exc.status}: {exc}",
+                url=self.url,
+                status=exc.status,
+            ) from exc
+        except (OSError, _WSGone) as exc:
+            reason = f"connection refused or unreachable ({exc})"
+        raise EnvServerError(f"env server {self.url} is gone: {reason}", url=self.url)
+
+    async def _ws_run(self, connection: _WSConnection, body: bytes) -> Any:
+        ident, call = connection.submit(body)
+        try:
+            await call.done.wait()
+        except BaseException:
+            connection.cancel(ident)
+            raise
+        answer = call.answer
+        if answer is None:
+            raise EnvServerError(f"env server {self.url} is gone: {call.gone}", url=self.url)
+        status = answer.get("status")
+        if status != 200 or not isinstance(answer.get("row"), dict):
+            raise EnvServerError(
+                f"env server {self.url} answered a run on {WS_PATH} with status {status}: "
+                f"{answer.get('error')}",
+                url=self.url,
+                status=status if isinstance(status, int) else None,
+            )
+        return answer["row"]
 
     async def run_slot(
         self,
@@ -828,7 +1337,9 @@ class EnvClient:
         return episode
 
     async def aclose(self) -> None:
-        """Close the idle connections (one in use closes when its request ends)."""
+        """Close the WebSockets (runs still waiting on them fail) and the idle HTTP
+        connections (one in use closes when its request ends)."""
+        await self._ws.aclose()
         await self._connections.aclose()
 
     async def __aenter__(self) -> Self:

@@ -19,6 +19,7 @@ Two things cross a process boundary on the served path, both as JSON (never pick
 
 from __future__ import annotations
 
+import copy
 import importlib
 import importlib.util
 import json
@@ -42,6 +43,7 @@ __all__ = [
     "EnvSpec",
     "OpenAISpec",
     "RunRequest",
+    "RunRequestEncoder",
     "TravelError",
     "WireError",
     "build_client",
@@ -162,20 +164,51 @@ def encode_run_request(
 ) -> bytes:
     """The JSON body of `POST /run` for one slot; `TypeError` naming the task if its data
     is not JSON."""
-    spec = describe_client(ctx.client, api_key_var=api_key_var)
-    client = {"type": "echo" if isinstance(spec, EchoSpec) else "openai", **attrs.asdict(spec)}
-    task = slot.task
-    body = {
-        "slot": {"task": {"key": task_key(task), "data": task_data(task)}, "rollout": slot.rollout},
-        "ctx": {"model": ctx.model, "sampling": attrs.asdict(ctx.sampling), "client": client},
-    }
-    try:
-        return json.dumps(body, ensure_ascii=False, allow_nan=False).encode()
-    except (TypeError, ValueError) as exc:
-        raise TypeError(
-            f"task {task_key(task)!r}: its data or the sampling settings are not JSON, so they "
-            f"cannot go to an env server: {exc}"
-        ) from exc
+    return RunRequestEncoder(api_key_var).encode(slot, ctx)
+
+
+def _dumps(value: object) -> bytes:
+    return json.dumps(value, ensure_ascii=False, allow_nan=False).encode()
+
+
+class RunRequestEncoder:
+    """`encode_run_request` for many slots of the same model context: the context's JSON is
+    made once and reused while the context is the same object with the same client
+    description and `sampling.extra` (checked on every call; the rest is frozen)."""
+
+    def __init__(self, api_key_var: str | None = None) -> None:
+        self.api_key_var = api_key_var
+        self._ctx: tuple[ModelContext, ClientSpec, dict[str, Any], bytes] | None = None
+
+    def _ctx_json(self, ctx: ModelContext) -> bytes:
+        spec = describe_client(ctx.client, api_key_var=self.api_key_var)
+        cached = self._ctx
+        if (
+            cached is not None
+            and cached[0] is ctx
+            and cached[1] == spec
+            and cached[2] == ctx.sampling.extra
+        ):
+            return cached[3]
+        client = {"type": "echo" if isinstance(spec, EchoSpec) else "openai", **attrs.asdict(spec)}
+        value = {"model": ctx.model, "sampling": attrs.asdict(ctx.sampling), "client": client}
+        encoded = _dumps(value)
+        self._ctx = (ctx, spec, copy.deepcopy(ctx.sampling.extra), encoded)
+        return encoded
+
+    def encode(self, slot: RunSlot[Any], ctx: ModelContext) -> bytes:
+        """The JSON body of `POST /run` for `slot` under `ctx`."""
+        task = slot.task
+        try:
+            ctx_json = self._ctx_json(ctx)
+            task_json = _dumps({"task": {"key": task_key(task), "data": task_data(task)},
+                                "rollout": slot.rollout})  # fmt: skip
+        except (TypeError, ValueError) as exc:
+            raise TypeError(
+                f"task {task_key(task)!r}: its data or the sampling settings are not JSON, so "
+                f"they cannot go to an env server: {exc}"
+            ) from exc
+        return b'{"slot":%b,"ctx":%b}' % (task_json, ctx_json)
 
 
 # --- run requests: parse and validate (server side) ------------------------------------------
