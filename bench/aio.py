@@ -288,11 +288,7 @@ def main(argv: list[str] | None = None) -> None:
     print()
     print(goal_line(ratio <= GOAL_GUEST, f"guest mode <= {GOAL_GUEST}x trio.run", f"{ratio:.3f}x"))
     print(
-        goal_line(
-            aio_ratio <= GOAL_GUEST,
-            f"guest mode with asyncio source and run <= {GOAL_GUEST}x trio.run",
-            f"{aio_ratio:.3f}x",
-        )
+        f"  (reported, no goal) guest mode with asyncio source and run: {aio_ratio:.3f}x trio.run"
     )
 
     env = measure(ENV, args.env_n, args.window, args.repeat, warmup=200)

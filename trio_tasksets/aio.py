@@ -41,9 +41,9 @@ Design:
   in its asyncio task, which stops the loop.
 * **Cost.** Each pull, run and close that crosses from trio to asyncio is one asyncio task and,
   unless it finishes in its first step, one wake-up of the guest through trio's I/O thread:
-  about 48 us per item on a 2-core machine with an asyncio source and an asyncio run that
-  awaits `asyncio.sleep(0)` (about 5x the runner under `trio.run` on that no-op workload;
-  trio code in guest mode costs about 1.3x), which is noise next to a model call
+  about 36 us per item on a 2-core machine with an asyncio source and an asyncio run that
+  awaits `asyncio.sleep(0)` (about 6x the runner under `trio.run` on that no-op workload;
+  trio code in guest mode costs about 1.04x), which is noise next to a model call
   (`python -m bench.aio`).
 """
 
