@@ -46,6 +46,7 @@ from trio_tasksets.wire import (
     describe_client,
     encode_run_request,
     parse_run_request,
+    quick_slot,
 )
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -202,6 +203,41 @@ def test_a_bad_field_is_named(path: tuple[str, ...], value: object, field: str) 
     with pytest.raises(WireError) as caught:
         parse_run_request(body)
     assert caught.value.field == field
+
+
+@pytest.mark.parametrize(
+    ("change", "accepted"),
+    [({}, True),
+     ({"rollout": 3}, True),
+     ({"task": {"key": "k", "data": {"prompt": [{"role": "user", "content": "x"}],
+                                      "info": {"a": 1}, "system_prompt": "s"}}}, True),
+     ({"rollout": True}, False),
+     ({"rollout": -1}, False),
+     ({"rollout": 1.0}, False),
+     ({"extra": 1}, False),
+     ({"task": {"key": "k"}}, False),
+     ({"task": {"key": "k", "data": {"prompt": "x"}, "more": 1}}, False),
+     ({"task": {"key": 1, "data": {"prompt": "x"}}}, False),
+     ({"task": {"key": "k", "data": {}}}, False),
+     ({"task": {"key": "k", "data": {"prompt": ["x"]}}}, False),
+     ({"task": {"key": "k", "data": {"prompt": "x", "answer": 1}}}, False),
+     ({"task": {"key": "k", "data": {"prompt": "x", "info": []}}}, False),
+     ({"task": {"key": "k", "data": {"prompt": "x", "system_prompt": 2}}}, False),
+     ({"task": {"key": "k", "data": {"prompt": "x", "other": 2}}}, False)],
+)  # fmt: skip
+def test_the_quick_slot_check_accepts_only_what_the_full_check_accepts(
+    change: dict[str, Any], accepted: bool
+) -> None:
+    body = good_request()
+    body["slot"].update(change)
+    quick = quick_slot(body["slot"])
+    assert (quick is not None) == accepted
+    if accepted:
+        request = parse_run_request(body)
+        assert quick == (request.key, request.data, request.rollout)
+    else:
+        with pytest.raises(WireError):
+            parse_run_request(body)
 
 
 def test_missing_fields_are_named() -> None:
@@ -492,6 +528,30 @@ async def test_a_bad_websocket_item_gets_an_error_for_its_id_and_the_connection_
         await ws.aclose()
     assert isinstance(answers, list)
     assert (answers[0]["id"], answers[0]["status"]) == ("next", 200)
+
+
+async def test_a_bad_item_after_good_ones_with_the_same_context_is_still_named(
+    server: str,
+) -> None:
+    ws = await RawWS.connect(server)
+    bad = good_request()
+    bad["slot"]["task"]["data"]["answer"] = 7
+    try:
+        with trio.fail_after(10):
+            await ws.send(orjson.dumps([run_item(1, good_request()), run_item(2, good_request())]))
+            answers: list[Any] = []
+            while len(answers) < 2:
+                received = await ws.receive()
+                assert isinstance(received, list)
+                answers += received
+            await ws.send(orjson.dumps([run_item(3, bad)]))
+            received = await ws.receive()
+    finally:
+        await ws.aclose()
+    assert [a["status"] for a in answers] == [200, 200]
+    assert isinstance(received, list)
+    assert (received[0]["id"], received[0]["status"]) == (3, 422)
+    assert received[0]["error"].startswith("slot.task.data.answer:")
 
 
 BAD_MESSAGES = [

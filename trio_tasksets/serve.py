@@ -63,6 +63,7 @@ from .wire import (
     describe_client,
     openai_api_key,
     parse_run_request,
+    quick_slot,
 )
 
 if TYPE_CHECKING:
@@ -196,8 +197,8 @@ class ServerApp:
         self._token = f"Bearer {token}".encode() if token else None
         self.max_body = self._max_body = max_body
         self._workers = workers
-        self._taskset_cls: type[Taskset[Any, Any]] = type(env.taskset)
-        self._plain_tasks = getattr(self._taskset_cls, "task_from_data", None) is None
+        self.taskset_cls: type[Taskset[Any, Any]] = type(env.taskset)
+        self.plain_tasks = getattr(self.taskset_cls, "task_from_data", None) is None
         self._clients: dict[ClientSpec, ModelClient] = {}
 
     async def __call__(self, scope: Message, receive: Receive, send: Send) -> None:
@@ -228,7 +229,7 @@ class ServerApp:
 
     def health(self) -> dict[str, Any]:
         return {"ok": True, "pid": os.getpid(), "workers": self._workers,
-                "taskset": self._taskset_cls.__name__, "websocket": WS_PATH,
+                "taskset": self.taskset_cls.__name__, "websocket": WS_PATH,
                 "max_body": self._max_body, **attrs.asdict(self.stats)}  # fmt: skip
 
     async def _route(self, scope: Message, receive: Receive, send: Send) -> None:
@@ -281,8 +282,8 @@ class ServerApp:
 
     def prepare(self, decoded: object) -> tuple[RunSlot[Any], ModelContext]:
         """The slot and model context of a decoded run request; `WireError` naming the field."""
-        request = parse_run_request(decoded, plain_tasks=self._plain_tasks)
-        task = build_task(self._taskset_cls, request.key, request.data)
+        request = parse_run_request(decoded, plain_tasks=self.plain_tasks)
+        task = build_task(self.taskset_cls, request.key, request.data)
         client = self._client(request.client)
         slot: RunSlot[Any] = RunSlot(task, request.rollout)
         return slot, ModelContext(client, request.model, request.sampling)
@@ -353,8 +354,13 @@ class ServerApp:
 
 
 WS_PATH = "/ws"
-WS_MAX_BATCH = 256  # items per outgoing message, at most
+# Items per outgoing message, at most. Small enough that a window's runs go as several
+# messages, so the client and the server work at the same time (a pipeline) rather than in
+# turns on one message each; large enough to pay a message's fixed cost once per many runs.
+WS_MAX_BATCH = 16
 _ID_MAX = 128
+_ITEM_FIELDS = frozenset({"op", "id", "body"})
+_MAX_CONTEXTS = 64  # model contexts a connection keeps parsed (more are parsed each time)
 
 
 class _Unreadable(Exception):
@@ -387,6 +393,7 @@ class _WSSession:
         self.running: dict[int | str, trio.CancelScope] = {}
         self.out: list[bytes] = []
         self.wake = trio.Event()
+        self.contexts: dict[bytes, ModelContext] = {}  # by the JSON of a request's `ctx`
 
     async def serve(self, receive: Receive) -> None:
         async with trio.open_nursery() as nursery:
@@ -442,19 +449,40 @@ class _WSSession:
             stats.rejected += 1
             self._answer(ident, 409, error=f"id: {ident!r} is already running")
         else:
-            unknown = sorted(set(item) - {"op", "id", "body"})
-            if unknown:
+            if not item.keys() <= _ITEM_FIELDS:
+                unknown = sorted(set(item) - _ITEM_FIELDS)
                 stats.rejected += 1
                 self._answer(ident, 422, error=f"{unknown[0]}: unknown field")
                 return
             try:
-                slot, ctx = self.app.prepare(item.get("body"))
+                slot, ctx = self._prepare(item.get("body"))
             except WireError as exc:
                 stats.rejected += 1
                 self._answer(ident, 422, error=str(exc))
                 return
             scope = self.running[ident] = trio.CancelScope()
             nursery.start_soon(self._run, ident, scope, slot, ctx)
+
+    def _prepare(self, body: object) -> tuple[RunSlot[Any], ModelContext]:
+        """`ServerApp.prepare`, with a fast path for a well-formed body whose model context
+        this connection has seen before (the same JSON, so the same checks and the same
+        `ModelContext`): `quick_slot` checks the slot; anything it does not accept, and a
+        new context, go through `ServerApp.prepare`, whose `WireError` names the field."""
+        app = self.app
+        ctx_key = None
+        if type(body) is dict and len(body) == 2:
+            ctx_value = body.get("ctx")
+            with contextlib.suppress(TypeError):  # orjson: not JSON data (a decoded body is)
+                ctx_key = orjson.dumps(ctx_value) if type(ctx_value) is dict else None
+            ctx = self.contexts.get(ctx_key) if ctx_key is not None else None
+            fast = quick_slot(body.get("slot"), plain_tasks=app.plain_tasks)
+            if ctx is not None and fast is not None:
+                key, data, rollout = fast
+                return RunSlot(build_task(app.taskset_cls, key, data), rollout), ctx
+        slot, ctx = app.prepare(body)
+        if ctx_key is not None and len(self.contexts) < _MAX_CONTEXTS:
+            self.contexts[ctx_key] = ctx
+        return slot, ctx
 
     async def _run(
         self, ident: int | str, scope: trio.CancelScope, slot: RunSlot[Any], ctx: ModelContext
@@ -480,7 +508,9 @@ class _WSSession:
             await self.wake.wait()
             await _coalesce(self.out, WS_MAX_BATCH)
             self.wake = trio.Event()
-            items, self.out = self.out, []
+            items, self.out = self.out[:WS_MAX_BATCH], self.out[WS_MAX_BATCH:]
+            if self.out:
+                self.wake.set()
             await self.send({"type": "websocket.send", "bytes": b"[" + b",".join(items) + b"]"})
 
 
@@ -1007,7 +1037,10 @@ class _WSConnection:
             self._wake = trio.Event()
             items: list[bytes] = []
             size = 2
-            while self._out and (not items or size + len(self._out[0]) + 1 <= self._max_bytes):
+            while self._out and (
+                not items
+                or (size + len(self._out[0]) + 1 <= self._max_bytes and len(items) < WS_MAX_BATCH)
+            ):
                 item = self._out.pop(0) if len(self._out) > 1 else self._out.pop()
                 items.append(item)
                 size += len(item) + 1
