@@ -6,7 +6,6 @@ import json
 import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -31,7 +30,6 @@ def test_sigterm_stops_pulling_finishes_in_flight_and_exits_0() -> None:
     assert proc.stdout is not None
     first = proc.stdout.readline()  # the service is up and publishing
     assert json.loads(first)["ok"]
-    time.sleep(0.1)
     proc.send_signal(signal.SIGTERM)
     out, err = proc.communicate(timeout=30)
     assert proc.returncode == 0, err
