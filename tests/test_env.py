@@ -177,6 +177,30 @@ def test_episode_row_round_trip() -> None:
     assert tt.Episode.from_row(row) == episode
 
 
+def test_a_fresh_row_becomes_the_same_episode_as_from_row() -> None:
+    """`Episode._from_fresh_row` (the served path's answers) takes a well-typed row's own
+    dicts and lists; any other row goes through `from_row`, with its conversions and its
+    errors."""
+    data: dict[str, Any] = {"prompt": "p", "answer": None, "info": {}, "system_prompt": None}
+    row = tt.Episode("i", tt.EpisodeTask("k", data), 0, ok=True, reward=1.0, completion="c",
+                     messages=[{"role": "user", "content": "p"}], attempts=1,
+                     timing={"started": 1.0, "finished": 2.0, "duration": 1.0}).to_row()  # fmt: skip
+    episode = tt.Episode._from_fresh_row(row)
+    assert episode == tt.Episode.from_row(row)
+    assert episode.task.data is row["task"]["data"]
+    assert episode.messages is row["messages"]
+    assert episode.to_row() == row
+    odd = [
+        {**row, "errors": [{"type": "Boom", "message": "x", "attempt": 1}]},
+        {**row, "reward": 1, "rollout": "0"},  # converted by from_row, as before
+    ]
+    for other in odd:
+        assert tt.Episode._from_fresh_row(other) == tt.Episode.from_row(other)
+    for bad in ({k: v for k, v in row.items() if k != "id"}, [row], "row", None):
+        with pytest.raises((KeyError, TypeError)):
+            tt.Episode._from_fresh_row(bad)
+
+
 def test_retry_policy_validates() -> None:
     with pytest.raises(ValueError, match="max_retries"):
         tt.RetryPolicy(max_retries=-1)

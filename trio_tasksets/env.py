@@ -127,6 +127,36 @@ class Episode:
             timing=dict(row.get("timing", {})),
         )
 
+    @classmethod
+    def _from_fresh_row(cls, row: object) -> Episode:
+        """`from_row` for a row decoded just now and held by nothing else (an env server's
+        answer): when every field has the exact JSON type `to_row` gives it and there are no
+        errors, the episode takes the row's own `task.data`, `messages`, `errors` and
+        `timing` (no copies, so fewer objects per episode); any other row goes through
+        `from_row`, which converts or raises as it always does."""
+        if type(row) is dict:
+            get = row.get
+            task, completion, errors = get("task"), get("completion"), get("errors")
+            if (
+                type(task) is dict
+                and type(task.get("key")) is str
+                and type(task.get("data")) is dict
+                and type(get("id")) is str
+                and type(get("rollout")) is int
+                and type(get("ok")) is bool
+                and type(get("reward")) is float
+                and (completion is None or type(completion) is str)
+                and type(get("messages")) is list
+                and type(errors) is list
+                and not errors
+                and type(get("attempts")) is int
+                and type(get("timing")) is dict
+            ):
+                return cls(row["id"], EpisodeTask(task["key"], task["data"]), row["rollout"],
+                           row["ok"], row["reward"], completion, row["messages"], errors,
+                           row["attempts"], row["timing"])  # fmt: skip
+        return cls.from_row(row)  # type: ignore[arg-type]  # not a dict: it raises
+
 
 @attrs.define(eq=False)
 class RunSlot(Generic[TaskT]):

@@ -45,6 +45,7 @@ from urllib.parse import urlsplit
 
 import attrs
 import orjson
+import outcome
 import trio
 
 from .env import Env, Episode, RetryPolicy, RunSlot
@@ -905,13 +906,6 @@ class _WSGone(Exception):
     """The WebSocket connection ended; the message says how."""
 
 
-@attrs.define(eq=False)
-class _Call:
-    done: trio.Event = attrs.field(factory=trio.Event)
-    answer: dict[str, Any] | None = None
-    gone: str | None = None  # why the connection ended before the answer
-
-
 async def _handshake(stream: trio.SocketStream, ws: Any) -> Any:
     """Read the server's answer to the upgrade request: wsproto's `AcceptConnection`, or
     `_Refused` for an HTTP status with its body."""
@@ -937,17 +931,18 @@ async def _handshake(stream: trio.SocketStream, ws: Any) -> Any:
 class _WSConnection:
     """One WebSocket to ``/ws`` (wsproto over a trio stream), shared by many `run` calls.
 
-    A call queues its item and waits for the answer with its id. The writer sends what is
-    queued as one message (a JSON array; what the runnable tasks add in the same scheduler
-    tick goes together, at most `max_bytes`); the reader hands each answer to its call.
-    Both run as one trio system task, so an `EnvClient` needs no nursery; `close()` stops it.
+    A call queues its item and parks until the answer with its id (`call`). The writer sends
+    what is queued as one message (a JSON array; what the runnable tasks add in the same
+    scheduler tick goes together, at most `max_bytes`); the reader reschedules each call's
+    task with its answer. Both run as one trio system task, so an `EnvClient` needs no
+    nursery; `close()` stops it.
     """
 
     def __init__(self, stream: trio.SocketStream, ws: Any, max_bytes: int, pid: str) -> None:
         self.stream = stream
         self.ws = ws
         self.pid = pid
-        self.calls: dict[int, _Call] = {}
+        self.calls: dict[int, trio.lowlevel.Task] = {}  # the parked task of each call
         self.gone: str | None = None
         self._max_bytes = max_bytes
         self._next = 0
@@ -982,12 +977,26 @@ class _WSConnection:
     def start(self) -> None:
         trio.lowlevel.spawn_system_task(self._serve, name=f"tt-ws-{self.pid}")
 
-    def submit(self, body: bytes) -> tuple[int, _Call]:
+    async def call(self, body: bytes) -> Any:
+        """Send a run (`body`: a run request's JSON) and wait for its answer: the decoded
+        item, or None if the connection ended first (`gone` says why). Cancelling the wait
+        tells the server to cancel the run (a ``cancel`` item; a late answer is dropped).
+
+        The calling task parks itself (no `Event` and no call object per run): the reader
+        reschedules it with its answer, `_end` with None."""
+        if self.gone is not None:
+            await trio.lowlevel.checkpoint()
+            return None
         self._next += 1
         ident = self._next
-        call = self.calls[ident] = _Call()
+        self.calls[ident] = trio.lowlevel.current_task()
         self._queue(b'{"op":"run","id":%d,"body":%b}' % (ident, body))
-        return ident, call
+
+        def abort(_: object) -> trio.lowlevel.Abort:
+            self.cancel(ident)
+            return trio.lowlevel.Abort.SUCCEEDED
+
+        return await trio.lowlevel.wait_task_rescheduled(abort)
 
     def cancel(self, ident: int) -> None:
         """Tell the server to cancel run `ident` (its answer, if any, is dropped)."""
@@ -1008,9 +1017,8 @@ class _WSConnection:
             self.gone = reason
         self._scope.cancel()
         calls, self.calls = self.calls, {}
-        for call in calls.values():
-            call.gone = self.gone
-            call.done.set()
+        for task in calls.values():
+            trio.lowlevel.reschedule(task, outcome.Value(None))
 
     async def _serve(self) -> None:
         with self._scope:
@@ -1083,10 +1091,9 @@ class _WSConnection:
             raise _WSGone(f"the server sent a message that is not JSON: {exc}") from None
         for answer in answers if isinstance(answers, list) else [answers]:
             ident = answer.get("id") if isinstance(answer, dict) else None
-            call = self.calls.pop(ident, None) if isinstance(ident, int) else None
-            if call is not None:
-                call.answer = answer
-                call.done.set()
+            task = self.calls.pop(ident, None) if type(ident) is int else None
+            if task is not None:
+                trio.lowlevel.reschedule(task, outcome.Value(answer))
 
 
 class _Refused(Exception):
@@ -1291,7 +1298,7 @@ class EnvClient:
         else:
             row = await self._ws_run(connection, body)
         try:
-            return Episode.from_row(row)
+            return Episode._from_fresh_row(row)
         except (KeyError, TypeError, ValueError) as exc:
             raise EnvServerError(
                 f"env server {self.url} answered /run with a row that is not an episode: {exc}",
@@ -1315,15 +1322,9 @@ class EnvClient:
         raise EnvServerError(f"env server {self.url} is gone: {reason}", url=self.url)
 
     async def _ws_run(self, connection: _WSConnection, body: bytes) -> Any:
-        ident, call = connection.submit(body)
-        try:
-            await call.done.wait()
-        except BaseException:
-            connection.cancel(ident)
-            raise
-        answer = call.answer
+        answer = await connection.call(body)
         if answer is None:
-            raise EnvServerError(f"env server {self.url} is gone: {call.gone}", url=self.url)
+            raise EnvServerError(f"env server {self.url} is gone: {connection.gone}", url=self.url)
         status = answer.get("status")
         if status != 200 or not isinstance(answer.get("row"), dict):
             raise EnvServerError(
@@ -1363,9 +1364,9 @@ class EnvClient:
         slot.episode = episode
         slot.done = True
         if on_complete is not None:
-            with trio.CancelScope(shield=True):
-                result = on_complete(episode)
-                if inspect.isawaitable(result):
+            result = on_complete(episode)  # a sync callback cannot be cancelled: no scope needed
+            if result is not None and inspect.isawaitable(result):
+                with trio.CancelScope(shield=True):
                     await result
         return episode
 
