@@ -536,7 +536,8 @@ async def test_run_worker_in_process_stops_when_told(
     config = WorkerConfig(server.url, names.stream, names.group, names.results, consumer="me",
                           max_concurrent=2, dashboard=False)  # fmt: skip
     lines: list[str] = []
-    ctx = tt.ModelContext(tt.EchoClient(), "echo")
+    # Episodes that take a while overlap, so the window fills (peak 2) whatever the timing.
+    ctx = tt.ModelContext(tt.EchoClient(delay=0.2), "echo")
     async with trio.open_nursery() as nursery:
         start = functools.partial(run_worker, config, ctx, handle_signals=False, log=lines.append)
         shut_down = await nursery.start(start)

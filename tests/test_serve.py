@@ -28,7 +28,7 @@ from wsproto.events import BytesMessage, CloseConnection, Request, TextMessage
 
 import trio_tasksets as tt
 from trio_tasksets.builtin import EchoConfig, EchoTaskset
-from trio_tasksets.serve import (
+from trio_tasksets.client import (
     EnvServerError,
     _handshake,
     _Refused,

@@ -28,11 +28,12 @@ import attrs
 import trio
 
 from . import dashboard
+from .client import SlotRunner, check_travel, served_runner
 from .env import Env, Episode, RunSlot, task_key
 from .models import ModelContext
 from .runner import pick_one, run_stream
-from .serve import SlotRunner, TravelError, check_travel, served_runner
 from .traces import open_traces, read_rows, write_atomic
+from .wire import TravelError
 
 __all__ = ["EvalConfig", "EvalConfigError", "EvalResult", "run_eval"]
 
