@@ -1,4 +1,4 @@
-"""The served path: an env in its own process(es) behind HTTP, and the client that drives it.
+"""The served path's server: an env in its own process(es) behind HTTP and a WebSocket.
 
 * **Server** (`trio-tasksets serve TASKSET`): an ASGI app on hypercorn's trio worker with
   ``GET /health``, ``POST /run`` (one slot, its episode row back) and the WebSocket ``/ws``
@@ -8,15 +8,14 @@
 * **Cancellation**: on ``/ws`` by a ``{"op": "cancel", "id": ...}`` item (a closed WebSocket
   cancels all its runs); on ``POST /run`` by disconnect: the handler races the episode
   against the ASGI ``receive()`` that returns ``http.disconnect``.
-* **Client** (`EnvClient`): `run(slot, ctx) -> Episode` over a few pooled WebSockets (or
-  ``POST /run`` with ``transport="http"``), `health()`; a server that cannot be reached or
-  answers with an error raises `EnvServerError` naming its URL.
-* **Spawning** (`spawn_server`): the eval's ``--serve`` starts the server as a child process on
-  127.0.0.1, port 0, with a random bearer token; the child dies with its parent, also when the
-  parent is SIGKILLed, through a death pipe: the parent holds the write end of the child's
-  stdin, and EOF there stops the child (and a pool's supervisor does the same to its workers).
-  Not ``PR_SET_PDEATHSIG``: it fires when the parent *thread* exits, and trio spawns from a
+* **Death pipe**: a server started with its stdin on a pipe stops when the pipe reaches EOF,
+  so a child spawned by `trio_tasksets.client.spawn_server` dies with its parent, also when
+  the parent is SIGKILLed (and a pool's supervisor does the same to its workers). Not
+  ``PR_SET_PDEATHSIG``: it fires when the parent *thread* exits, and trio spawns from a
   worker thread that retires when idle, which would stop a healthy child.
+
+The client side (`EnvClient`, `spawn_server`, the eval's served runner) is
+`trio_tasksets.client`.
 """
 
 from __future__ import annotations
