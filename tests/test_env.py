@@ -204,3 +204,11 @@ def test_a_fresh_row_becomes_the_same_episode_as_from_row() -> None:
 def test_retry_policy_validates() -> None:
     with pytest.raises(ValueError, match="max_retries"):
         tt.RetryPolicy(max_retries=-1)
+
+
+async def test_a_non_finite_reward_is_an_episode_error(autojump_clock: MockClock) -> None:
+    env = tt.Env(Static(), reward=lambda task, completion: float("nan"))
+    episode = await env.run_slot(tt.RunSlot(tt.Task("a")), ctx(Flaky()))
+    assert not episode.ok
+    assert episode.errors[0].type == "ValueError"
+    assert "finite" in episode.errors[0].message

@@ -826,3 +826,68 @@ async def test_an_env_failing_outside_an_episode_gets_500_and_the_server_goes_on
             assert "TypeError" in server.stderr_tail()  # the traceback, for whoever runs it
             episode = await client.run(fine, ctx)  # the server goes on
             assert episode.completion == "x"
+
+
+async def test_on_the_websocket_one_bad_run_fails_alone(tmp_path: Path) -> None:
+    """A task_from_data that raises, and a row orjson cannot encode (int keys), each affect
+    their own run only: the others on the same connection finish."""
+    module = tmp_path / "picky.py"
+    module.write_text(
+        "import trio_tasksets as tt\n"
+        "class Picky(tt.Taskset[tt.Task, tt.TasksetConfig]):\n"
+        "    @staticmethod\n"
+        "    def task_from_data(data, key):\n"
+        "        info = {1: 'one'} if key == 'intkeys' else {}\n"
+        "        return tt.Task(data['prompt'].strip(), key=key, info=info)\n"
+    )
+    from trio_tasksets.cli import resolve_taskset
+
+    env = tt.Env(resolve_taskset(f"{module}:Picky")())
+    slow = tt.ModelContext(tt.EchoClient(delay=0.5), "echo")
+    outcomes: dict[str, str] = {}
+    with trio.fail_after(30):
+        async with (
+            spawn_server(env) as server,
+            tt.EnvClient(server.url, token=server.token, transport="websocket") as client,
+        ):
+
+            async def one(name: str, task: tt.Task) -> None:
+                try:
+                    episode = await client.run(tt.RunSlot(task), slow)
+                    outcomes[name] = f"ok {episode.task.data['info']}"
+                except EnvServerError as exc:
+                    outcomes[name] = f"{exc.status}"
+
+            async with trio.open_nursery() as nursery:
+                for i in range(3):
+                    nursery.start_soon(one, f"good{i}", tt.Task(f"say {i}", key=f"k{i}"))
+                nursery.start_soon(one, "intkeys", tt.Task("say it", key="intkeys"))
+                await health_until(client, lambda h: h["running"] == 4)
+                bad = tt.Task([{"role": "user", "content": "x"}], key="bad")  # no .strip()
+                nursery.start_soon(one, "bad", bad)
+            health = await client.health()
+    assert outcomes["bad"] == "500"
+    assert outcomes["intkeys"] == "ok {'1': 'one'}"  # as POST /run would send it
+    assert all(outcomes[f"good{i}"] == "ok {}" for i in range(3))
+    assert health["failed"] == 1
+
+
+async def test_an_integer_json_cannot_carry_exactly_is_refused_before_sending() -> None:
+    from trio_tasksets.wire import RunRequestEncoder
+
+    ctx = tt.ModelContext(tt.EchoClient(), "echo")
+    with pytest.raises(TypeError, match="64-bit"):
+        RunRequestEncoder().encode(tt.RunSlot(tt.Task("x", info={"id": 2**70})), ctx)
+    RunRequestEncoder().encode(tt.RunSlot(tt.Task("x", info={"id": 2**63})), ctx)  # fits
+
+
+async def test_a_closed_client_refuses_runs_and_leaves_no_connection(server: str) -> None:
+    client = tt.EnvClient(server, token=TOKEN)
+    ctx = tt.ModelContext(tt.EchoClient(), "echo")
+    with trio.fail_after(20):
+        assert (await client.run(tt.RunSlot(tt.Task("a", key="a")), ctx)).ok
+        await client.aclose()
+        with pytest.raises(EnvServerError, match="closed"):
+            await client.run(tt.RunSlot(tt.Task("b", key="b")), ctx)
+    assert client._ws.connections == []
+    assert client._ws.closed

@@ -225,6 +225,7 @@ class _WSConnection:
         self._out: list[bytes] = []
         self._wake = trio.Event()
         self._scope = trio.CancelScope()
+        self._sending = trio.Lock()  # a pong from the reader and a message from the writer
 
     @classmethod
     async def open(
@@ -297,20 +298,22 @@ class _WSConnection:
             trio.lowlevel.reschedule(task, outcome.Value(None))
 
     async def _serve(self) -> None:
-        with self._scope:
-            try:
-                async with trio.open_nursery() as nursery:
-                    nursery.start_soon(self._write)
-                    await self._read()
-            except Exception as exc:  # the connection ended: every waiting call gets why
-                cause = pick_one(exc) if isinstance(exc, ExceptionGroup) else exc
-                if isinstance(cause, _WSGone):
-                    self._end(str(cause))
-                else:
-                    detail = f"{type(cause).__name__}: {cause}"
-                    self._end(f"the connection was closed or reset ({detail})")
-        self._end("the connection ended")
-        self.stream.socket.close()
+        try:
+            with self._scope:
+                try:
+                    async with trio.open_nursery() as nursery:
+                        nursery.start_soon(self._write)
+                        await self._read()
+                except Exception as exc:  # the connection ended: every waiting call gets why
+                    cause = pick_one(exc) if isinstance(exc, ExceptionGroup) else exc
+                    if isinstance(cause, _WSGone):
+                        self._end(str(cause))
+                    else:
+                        detail = f"{type(cause).__name__}: {cause}"
+                        self._end(f"the connection was closed or reset ({detail})")
+            self._end("the connection ended")
+        finally:  # also when the run ends under this system task (cancelled): no socket leaks
+            self.stream.socket.close()
 
     async def _write(self) -> None:
         from wsproto.events import BytesMessage
@@ -330,7 +333,9 @@ class _WSConnection:
                 size += len(item) + 1
             if self._out:
                 self._wake.set()  # the rest goes in the next message
-            await self.stream.send_all(self.ws.send(BytesMessage(b"[" + b",".join(items) + b"]")))
+            data = self.ws.send(BytesMessage(b"[" + b",".join(items) + b"]"))
+            async with self._sending:
+                await self.stream.send_all(data)
 
     async def _read(self) -> None:
         from wsproto.events import BytesMessage, CloseConnection, Ping, TextMessage
@@ -348,7 +353,8 @@ class _WSConnection:
                         self._dispatch(parts)
                         parts = []
                 elif isinstance(event, Ping):
-                    await self.stream.send_all(self.ws.send(event.response()))
+                    async with self._sending:  # the writer may be sending: take turns
+                        await self.stream.send_all(self.ws.send(event.response()))
                 elif isinstance(event, CloseConnection):
                     raise _WSGone(
                         f"the server closed the WebSocket (code {event.code}"
@@ -397,6 +403,7 @@ class _WSPool:
         self.connections: list[_WSConnection] = []
         self.available: bool | None = None  # None: not asked yet; False: use HTTP
         self.max_bytes = MAX_BODY_BYTES
+        self.closed = False
         self._lock = trio.Lock()
 
     def live(self) -> _WSConnection | None:
@@ -411,12 +418,22 @@ class _WSPool:
 
     async def pick(self) -> _WSConnection | None:
         """A live connection (opened if needed), or None when the server has no ``/ws``."""
+        if self.closed:
+            raise EnvServerError(f"{self.client.url}: the client was closed", url=self.client.url)
         live = [c for c in self.connections if c.gone is None]
         if not live:
             async with self._lock:
                 live = [c for c in self.connections if c.gone is None]
                 if not live and self.available is not False:
-                    live = self.connections = await self._open()
+                    live = await self._open()
+                    if self.closed:  # aclose() ran while these were opening: theirs too
+                        with trio.CancelScope(shield=True):
+                            for connection in live:
+                                await connection.close()
+                        raise EnvServerError(
+                            f"{self.client.url}: the client was closed", url=self.client.url
+                        )
+                    self.connections = live
         if not live:
             return None
         return min(live, key=lambda c: len(c.calls))
@@ -457,6 +474,7 @@ class _WSPool:
         return connections
 
     async def aclose(self) -> None:
+        self.closed = True
         connections, self.connections = self.connections, []
         for connection in connections:
             await connection.close()
@@ -506,6 +524,7 @@ class EnvClient:
         )
         self._headers = [(b"host", parts.netloc.encode())]
         self._ws_headers: list[tuple[bytes, bytes]] = []
+        token = token.strip() if token else None
         if token:
             self._headers.append((b"authorization", f"Bearer {token}".encode()))
             self._ws_headers.append((b"authorization", f"Bearer {token}".encode()))

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import inspect
+import math
 import random
 import time
 import uuid
@@ -169,6 +170,14 @@ class RunSlot(Generic[TaskT]):
     started: float | None = None
 
 
+def _finite(reward: float) -> float:
+    """The reward, or ValueError (an episode error) for a NaN or an infinity, which would
+    poison every mean it enters and cannot be written as JSON."""
+    if not math.isfinite(reward):
+        raise ValueError(f"the reward is {reward!r}: a reward must be a finite number")
+    return reward
+
+
 def task_key(task: Any) -> str:
     key = getattr(task, "key", None)
     if not isinstance(key, str):
@@ -273,7 +282,7 @@ class Env(Generic[TaskT]):
             attempt += 1
             try:
                 messages, completion = await self.rollout(task, ctx)
-                reward = await self.score(task, completion)
+                reward = _finite(await self.score(task, completion))
             except Exception as exc:
                 episode.errors.append(EpisodeError(type(exc).__name__, str(exc), attempt))
                 if not self.retries.should_retry(exc, attempt):

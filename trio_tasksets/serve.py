@@ -384,7 +384,18 @@ class _WSSession:
         return decoded if isinstance(decoded, list) else [decoded]
 
     def _answer(self, ident: int | str, status: int, **fields: Any) -> None:
-        self.out.append(orjson.dumps({"id": ident, "status": status, **fields}, default=str))
+        answer = {"id": ident, "status": status, **fields}
+        try:
+            encoded = orjson.dumps(answer, default=str)
+        except TypeError:  # non-str keys, > 64-bit ints, lone surrogates: as POST /run does
+            try:
+                text = json.dumps(answer, ensure_ascii=False, allow_nan=False, default=str)
+                encoded = text.encode()
+            except (TypeError, ValueError) as exc:  # this run only, never the connection
+                self.app.stats.failed += 1
+                error = f"the episode cannot be sent as JSON: {type(exc).__name__}: {exc}"
+                encoded = orjson.dumps({"id": ident, "status": 500, "error": error})
+        self.out.append(encoded)
         self.wake.set()
 
     def _handle(self, item: object, nursery: trio.Nursery) -> None:
@@ -420,6 +431,12 @@ class _WSSession:
             except WireError as exc:
                 stats.rejected += 1
                 self._answer(ident, 422, error=str(exc))
+                return
+            except Exception as exc:  # the taskset's task_from_data failed: this run only
+                traceback.print_exception(exc, file=sys.stderr)
+                stats.failed += 1
+                self._answer(ident, 500, error=f"the env failed outside an episode: "
+                                               f"{type(exc).__name__}: {exc}")  # fmt: skip
                 return
             scope = self.running[ident] = trio.CancelScope()
             nursery.start_soon(self._run, ident, scope, slot, ctx)

@@ -205,7 +205,9 @@ class RunRequestEncoder:
         task = slot.task
         try:
             ctx_json = self._ctx_json(ctx)
-            task_json = _dumps({"task": {"key": task_key(task), "data": task_data(task)},
+            data = task_data(task)
+            _check_ints(data)
+            task_json = _dumps({"task": {"key": task_key(task), "data": data},
                                 "rollout": slot.rollout})  # fmt: skip
         except (TypeError, ValueError) as exc:
             raise TypeError(
@@ -484,6 +486,22 @@ def load_object(spec: str) -> Any:
         return getattr(module, name)
     except AttributeError:
         raise ValueError(f"{spec!r}: {where} has no {name!r}") from None
+
+
+_INT_RANGE = (-(2**63), 2**64 - 1)  # what the server's JSON decoder (orjson) keeps exact
+
+
+def _check_ints(value: object) -> None:
+    """Refuse integers a served run would turn into floats (orjson: 64-bit at most)."""
+    if isinstance(value, int) and not isinstance(value, bool):
+        if not _INT_RANGE[0] <= value <= _INT_RANGE[1]:
+            raise ValueError(f"the integer {value} is outside the 64-bit range JSON can carry")
+    elif isinstance(value, dict):
+        for item in value.values():
+            _check_ints(item)
+    elif isinstance(value, list | tuple):
+        for item in value:
+            _check_ints(item)
 
 
 def _json_native(value: object) -> bool:
