@@ -212,3 +212,8 @@ async def test_a_non_finite_reward_is_an_episode_error(autojump_clock: MockClock
     assert not episode.ok
     assert episode.errors[0].type == "ValueError"
     assert "finite" in episode.errors[0].message
+
+
+def test_backoff_never_overflows_however_many_attempts() -> None:
+    policy = tt.RetryPolicy(max_retries=10**6, backoff=0.5, max_backoff=30.0)
+    assert 0 <= policy.delay(5000) <= 30.0

@@ -241,3 +241,49 @@ async def test_an_outside_cancel_keeps_finished_rows(
     summary = json.loads((tmp_path / "run" / "summary.json").read_text())
     assert summary["interrupted"] is True
     assert summary["finished"] == 2
+
+
+async def test_resume_tells_apart_two_tasks_that_share_a_key(
+    autojump_clock: MockClock, tmp_path: Path
+) -> None:
+    class SameKey(tt.Taskset[tt.Task, tt.TasksetConfig]):
+        def load(self) -> Iterable[tt.Task]:
+            return [
+                tt.Task("say A", answer="A", key="dup"),
+                tt.Task("say B", answer="B", key="dup"),
+            ]
+
+    first = await tt.run_eval(tt.Env(SameKey()), echo(), config(tmp_path))
+    path = first.run_dir / "traces.jsonl"
+    only_b = [line for line in path.read_text().splitlines() if "say B" in line]
+    path.write_text(only_b[0] + "\n")  # as if killed after B finished, while A ran
+    resumed = await tt.run_eval(tt.Env(SameKey()), echo(), config(tmp_path, resume=True))
+    assert sorted(str(r["task"]["data"]["prompt"]) for r in rows(resumed.run_dir)) == [
+        "say A", "say B",
+    ]  # fmt: skip
+
+
+async def test_an_error_keeps_its_own_cause_through_run_eval(
+    autojump_clock: MockClock, tmp_path: Path
+) -> None:
+    class FeedError(Exception):
+        pass
+
+    feed = FeedTaskset()
+    error = FeedError("the feed broke")
+    error.__cause__ = ConnectionResetError("peer reset")  # as `raise ... from reset` sets it
+    feed.fail(error)
+    with trio.fail_after(5), pytest.raises(FeedError) as info:
+        await tt.run_eval(tt.Env(feed), echo(), config(tmp_path, num_examples=3))
+    assert isinstance(info.value.__cause__, ConnectionResetError)
+
+
+async def test_a_row_orjson_cannot_encode_is_written_as_json_would(
+    autojump_clock: MockClock, tmp_path: Path
+) -> None:
+    class Huge(tt.Taskset[tt.Task, tt.TasksetConfig]):
+        def load(self) -> Iterable[tt.Task]:
+            return [tt.Task("say 1", answer="1", info={"id": 2**70})]
+
+    result = await tt.run_eval(tt.Env(Huge()), echo(), config(tmp_path))
+    assert rows(result.run_dir)[0]["task"]["data"]["info"] == {"id": 2**70}

@@ -540,3 +540,25 @@ async def test_r4_nothing_more_is_pulled_after_a_failure_from_an_instant_source(
     with trio.fail_after(5), pytest.raises(KeyError):
         await tt.run_stream(instant(), boom, window=window)
     assert pulled == window
+
+
+async def test_as_completed_never_hands_out_a_group(autojump_clock: MockClock) -> None:
+    """The consumer's own error and a run's failure in the same instant: one of them, bare,
+    the other attached as a note."""
+    feed: Feed[int] = Feed(0, 1)
+    feed.end()
+
+    async def run(item: int) -> int:
+        await trio.sleep(1)
+        if item == 1:
+            raise KeyError("run")
+        return item
+
+    async def consume() -> None:
+        async with tt.as_completed(feed, run, window=2) as results:
+            await results.receive()
+            raise ValueError("consumer")
+
+    with trio.fail_after(5), pytest.raises((KeyError, ValueError)) as info:
+        await consume()
+    assert not isinstance(info.value, BaseExceptionGroup)

@@ -173,6 +173,7 @@ async def run_worker(
         f"{config.max_concurrent}; results to {config.results}; claim idle "
         f"{config.claim_idle:g} s; grace {config.grace:g} s"
     )
+    error: BaseException | None = None
     try:
         with trio.CancelScope() as everything:
 
@@ -198,9 +199,11 @@ async def run_worker(
                         pass
                 nursery.cancel_scope.cancel()
     except BaseExceptionGroup as group:
-        raise pick_one(group) from None
+        error = pick_one(group)
     finally:
         results.close()
+    if error is not None:
+        raise error  # outside the except block: the error keeps its own cause
     with trio.move_on_after(_LEAVE_WITHIN):
         await taskset.leave()  # only if it holds nothing: its name would be noise in the group
     say(report.line())

@@ -55,7 +55,8 @@ class RetryPolicy:
         return not self.include or bool(names & set(self.include))
 
     def delay(self, attempt: int) -> float:
-        return random.uniform(0, min(self.max_backoff, self.backoff * 2 ** (attempt - 1)))
+        # The exponent is capped: 2.0**1024 overflows a float long before max_backoff applies.
+        return random.uniform(0, min(self.max_backoff, self.backoff * 2.0 ** min(attempt - 1, 60)))
 
 
 @attrs.frozen

@@ -17,8 +17,8 @@ import functools
 import json
 import math
 import statistics
+import sys
 import time
-from collections import Counter
 from collections.abc import AsyncIterator
 from contextlib import AbstractAsyncContextManager, asynccontextmanager
 from pathlib import Path
@@ -29,7 +29,7 @@ import trio
 
 from . import dashboard
 from .client import SlotRunner, check_travel, served_runner
-from .env import Env, Episode, RunSlot, task_key
+from .env import Env, Episode, RunSlot, task_data, task_key
 from .models import ModelContext
 from .runner import pick_one, run_stream
 from .traces import open_traces, read_rows, write_atomic
@@ -184,27 +184,32 @@ def _keep_resumable(
             f"same settings, or start a new run with another --run-name"
         )
     rows, _bad = read_rows(run_dir / "traces.jsonl")
-    available = Counter[tuple[str, int]]()
-    by_slot: dict[tuple[str, int], list[dict[str, Any]]] = {}
+    # A row stands for a slot by its task's key, its rollout and the task's own data (two
+    # different tasks may share a key); only whole, ok rows that read back as an episode.
+    by_slot: dict[tuple[str, int, str], list[dict[str, Any]]] = {}
     for row in rows:
         try:
-            slot_id = (str(row["task"]["key"]), int(row["rollout"]))
-            whole = row["ok"] is True and isinstance(row["id"], str)
-        except (KeyError, TypeError, ValueError):
+            episode = Episode.from_row(row)
+        except (KeyError, TypeError, ValueError, AttributeError):
             continue
-        if whole:
-            available[slot_id] += 1
+        if episode.ok and math.isfinite(episode.reward):
+            slot_id = (episode.task.key, episode.rollout, _canonical(episode.task.data))
             by_slot.setdefault(slot_id, []).append(row)
     chosen: set[int] = set()  # ids of the row objects kept, to keep them in file order
     owed: list[RunSlot[Any]] = []
     for slot in slots:
-        slot_id = (task_key(slot.task), slot.rollout)
-        if available[slot_id] > 0:
-            available[slot_id] -= 1
-            chosen.add(id(by_slot[slot_id].pop(0)))
+        slot_id = (task_key(slot.task), slot.rollout, _canonical(task_data(slot.task)))
+        matching = by_slot.get(slot_id)
+        if matching:
+            chosen.add(id(matching.pop(0)))
         else:
             owed.append(slot)
     return [row for row in rows if id(row) in chosen], owed
+
+
+def _canonical(data: dict[str, Any]) -> str:
+    """A task's data as it reads back from a trace row, for comparing the two."""
+    return json.dumps(data, sort_keys=True, default=str)
 
 
 async def _from_list(slots: list[RunSlot[Any]]) -> AsyncIterator[RunSlot[Any]]:
@@ -226,7 +231,7 @@ async def _plan_stream(
 def _summary(
     episodes: list[Episode], planned: int, began: float, kept: int, interrupted: bool
 ) -> dict[str, Any]:
-    rewards = [e.reward for e in episodes]
+    rewards = [e.reward for e in episodes if math.isfinite(e.reward)]
     ok = sum(1 for e in episodes if e.ok)
     duration = time.monotonic() - began
     return {
@@ -284,7 +289,13 @@ async def run_eval(env: Env[Any], ctx: ModelContext, config: EvalConfig) -> Eval
         done = kept + (recorded if interrupted else new)
         summary = _summary(done, progress.total, began, len(kept), interrupted)
         summary.update(identity)
-        write_atomic(run_dir / "summary.json", text=json.dumps(summary, indent=2, default=str))
+        try:
+            write_atomic(run_dir / "summary.json", text=json.dumps(summary, indent=2, default=str))
+        except Exception as exc:  # never in place of what ended the run (Ctrl-C, a failure)
+            if interrupted:
+                print(f"trio_tasksets: could not write summary.json: {exc}", file=sys.stderr)
+            else:
+                raise
     return EvalResult(episodes=done, run_dir=run_dir, summary=summary)
 
 
@@ -342,4 +353,5 @@ async def _execute(
     except BaseExceptionGroup as group:
         # The context managers' nurseries wrap what passes through them: hand on the one
         # exception (a KeyboardInterrupt, a Cancelled, the runner's failure) bare.
-        raise pick_one(group) from None
+        error = pick_one(group)
+    raise error

@@ -112,20 +112,19 @@ def _leaves(group: BaseExceptionGroup[BaseException]) -> list[BaseException]:
 def pick_one(group: BaseExceptionGroup[BaseException]) -> BaseException:
     """The one exception a nursery of the runner stands for.
 
-    KeyboardInterrupt wins; then the single non-Cancelled error; then a Cancelled (outside
-    cancellation, propagated unchanged). Several unrelated errors stay a group (they can only
-    come from outside the runner's control, e.g. two SystemExits).
+    KeyboardInterrupt wins; then the first non-Cancelled error (any others are attached to it
+    as notes, never dropped); then a Cancelled (outside cancellation, propagated unchanged).
+    Never a group: the caller raises it *after* its `except` block, so the exception keeps
+    its own `__cause__` and `__context__`.
     """
     leaves = _leaves(group)
-    for exc in leaves:
-        if isinstance(exc, KeyboardInterrupt):
-            return exc
     real = [exc for exc in leaves if not isinstance(exc, trio.Cancelled)]
-    if len(real) == 1:
-        return real[0]
-    if not real:
-        return leaves[0]
-    return group
+    interrupts = [exc for exc in real if isinstance(exc, KeyboardInterrupt)]
+    chosen: BaseException = (interrupts or real or leaves)[0]
+    for other in real:
+        if other is not chosen:
+            _note(chosen, "at the same time", other)
+    return chosen
 
 
 # --- the core -----------------------------------------------------------------------------
@@ -294,9 +293,10 @@ async def _as_completed(
 def take(source: AsyncIterable[T], n: int) -> AsyncIterator[T]:
     """Yield the next `n` items of `source` (fewer if it ends first), then close it.
 
-    Never requests an (n+1)th item: the source is closed as soon as the n-th has arrived.
-    `n == 0` pulls nothing; `n < 0` raises ValueError. Closing the result closes the source,
-    even before the first pull.
+    Never requests an (n+1)th item: after the n-th, the next call closes the source and ends
+    (a runner closes it instead, shielded, when it stops pulling). `n == 0` pulls nothing;
+    `n < 0` raises ValueError. Closing the result closes the source, even before the first
+    pull.
     """
     _check_source(source)
     if isinstance(n, bool) or not isinstance(n, int):
@@ -325,9 +325,7 @@ class _Take(AsyncIterator[T]):
         except StopAsyncIteration:
             await self.aclose()
             raise
-        self._left -= 1
-        if self._left == 0:
-            await self.aclose()  # the n-th item is here: never ask for another
+        self._left -= 1  # at 0, the next call closes the source and never asks it again
         return item
 
     async def aclose(self) -> None:
@@ -421,6 +419,6 @@ async def _merge(sources: tuple[AsyncIterable[T], ...]) -> AsyncGenerator[T, Non
     except BaseExceptionGroup as group:
         # The nursery wraps what left its body (GeneratorExit from aclose(), an outside
         # Cancelled): hand it on bare, as a generator must.
-        raise pick_one(group) from None
+        error = pick_one(group)
     if error is not None:
         raise error
