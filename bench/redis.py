@@ -90,7 +90,7 @@ def one_run(
     """W workers consume len(payloads) tasks; returns the wall time from the first XADD."""
     r.flushall()
     r.xgroup_create(STREAM, GROUP, id="$", mkstream=True)
-    cmd = [sys.executable, "-m", "trio_tasksets.distributed", "worker", "--no-dashboard",
+    cmd = [sys.executable, "-m", "trio_tasksets", "worker", "--no-dashboard",
            "--feed", url, "--stream", STREAM, "--group", GROUP, "--results", RESULTS,
            "-c", str(window), "--echo-delay", str(delay)]  # fmt: skip
     cpu_before = resource.getrusage(resource.RUSAGE_CHILDREN)

@@ -27,6 +27,7 @@ import trio
 
 import trio_tasksets as tt
 from trio_tasksets import aio
+from trio_tasksets.aio import guest as aio_guest
 
 T = TypeVar("T")
 
@@ -816,7 +817,7 @@ def test_calls_arriving_while_the_guest_stops_start_a_new_one() -> None:
 
         async def when_stopping() -> object:
             # (white-box: waits for the private "stopping" state to hit that path for sure)
-            while (guest := getattr(aio._local, "guest", None)) is None or not guest.stopping:  # noqa: ASYNC110
+            while (guest := getattr(aio_guest._local, "guest", None)) is None or not guest.stopping:  # noqa: ASYNC110
                 await asyncio.sleep(0)
             return await aio.run_trio(root)
 

@@ -2,7 +2,7 @@
 
 The session starts its own `redis-server` on a free loopback port (no persistence) and stops it
 at the end; the restart test runs a second, persistent one (AOF) that it stops and starts on
-the same port. Workers are real processes (`python -m trio_tasksets.distributed worker`).
+the same port. Workers are real processes (`python -m trio_tasksets worker`).
 Every wait polls Redis state (XLEN, XPENDING, XINFO) or a worker's log under a deadline.
 """
 
@@ -28,8 +28,7 @@ import redis
 import trio
 
 import trio_tasksets as tt
-from trio_tasksets.distributed import WorkerConfig, run_worker
-from trio_tasksets.distributed import main as cli_main
+from trio_tasksets.cli import main as cli_main
 from trio_tasksets.redis import (
     TASK_FIELD,
     EntryRef,
@@ -39,13 +38,14 @@ from trio_tasksets.redis import (
     encode_task,
     enqueue,
 )
+from trio_tasksets.redis.worker import WorkerConfig, run_worker
 from trio_tasksets.testing import Gate
 
 REDIS_SERVER = shutil.which("redis-server")
 pytestmark = pytest.mark.skipif(
     REDIS_SERVER is None, reason="redis-server is not on PATH (apt-get install -y redis-server)"
 )
-WORKER = [sys.executable, "-m", "trio_tasksets.distributed", "worker", "--no-dashboard"]
+WORKER = [sys.executable, "-m", "trio_tasksets", "worker", "--no-dashboard"]
 
 
 # --- servers, names and polling ---------------------------------------------------------------

@@ -28,21 +28,15 @@ from wsproto.events import BytesMessage, CloseConnection, Request, TextMessage
 
 import trio_tasksets as tt
 from trio_tasksets.builtin import EchoConfig, EchoTaskset
-from trio_tasksets.client import (
-    EnvServerError,
-    _handshake,
-    _Refused,
-    _retry_server_error,
-    spawn_server,
-)
-from trio_tasksets.wire import (
+from trio_tasksets.envspec import EnvSpec, TravelError, config_from_json
+from trio_tasksets.serve import EnvServerError, spawn_server
+from trio_tasksets.serve.client import retry_server_error
+from trio_tasksets.serve.transport import Refused, handshake
+from trio_tasksets.serve.wire import (
     EchoSpec,
-    EnvSpec,
     OpenAISpec,
-    TravelError,
     WireError,
     build_task,
-    config_from_json,
     describe_client,
     encode_run_request,
     parse_run_request,
@@ -308,10 +302,10 @@ async def test_run_eval_refuses_what_cannot_travel_before_any_file(tmp_path: Pat
 def test_the_client_retries_a_server_error_only_when_the_policy_names_it() -> None:
     gone = EnvServerError("gone", url="http://x")
     refused = EnvServerError("422", url="http://x", status=422)
-    assert not _retry_server_error(tt.RetryPolicy(3), gone, 1)  # "any" means any episode error
-    assert _retry_server_error(tt.RetryPolicy(3, ["EnvServerError"]), gone, 1)
-    assert not _retry_server_error(tt.RetryPolicy(3, ["EnvServerError"]), gone, 4)
-    assert not _retry_server_error(tt.RetryPolicy(3, ["EnvServerError"]), refused, 1)
+    assert not retry_server_error(tt.RetryPolicy(3), gone, 1)  # "any" means any episode error
+    assert retry_server_error(tt.RetryPolicy(3, ["EnvServerError"]), gone, 1)
+    assert not retry_server_error(tt.RetryPolicy(3, ["EnvServerError"]), gone, 4)
+    assert not retry_server_error(tt.RetryPolicy(3, ["EnvServerError"]), refused, 1)
 
 
 async def test_a_server_that_is_gone_is_named() -> None:
@@ -433,7 +427,7 @@ class RawWS:
         await stream.send_all(ws.send(Request(host=f"{host}:{port}", target="/ws",
                                               extra_headers=headers)))  # fmt: skip
         try:
-            await _handshake(stream, ws)
+            await handshake(stream, ws)
         except BaseException:
             await stream.aclose()
             raise
@@ -586,7 +580,7 @@ async def test_an_unreadable_websocket_message_closes_that_connection_and_the_se
 async def test_a_websocket_without_the_right_token_is_refused_with_401(
     server: str, token: str | None, needle: str
 ) -> None:
-    with trio.fail_after(10), pytest.raises(_Refused) as refused:
+    with trio.fail_after(10), pytest.raises(Refused) as refused:
         await RawWS.connect(server, token=token)
     assert refused.value.status == 401
     assert needle in str(refused.value)
@@ -757,7 +751,7 @@ async def test_a_child_that_dies_while_starting_is_reported_with_its_stderr(
         "class Fragile(tt.Taskset[tt.Task, tt.TasksetConfig]):\n"
         "    def load(self):\n        return [tt.Task('x')]\n"
     )
-    from trio_tasksets.cli import resolve_taskset
+    from trio_tasksets.loading import resolve_taskset
 
     env = tt.Env(resolve_taskset(f"{module}:Fragile")())
     with trio.fail_after(30), pytest.raises(EnvServerError) as caught:
@@ -808,7 +802,7 @@ async def test_an_env_failing_outside_an_episode_gets_500_and_the_server_goes_on
         "    def task_from_data(data, key):\n"
         "        return object() if data.get('broken') else tt.Task(data['prompt'], key=key)\n"
     )
-    from trio_tasksets.cli import resolve_taskset
+    from trio_tasksets.loading import resolve_taskset
 
     env = tt.Env(resolve_taskset(f"{module}:Keyless")())
     ctx = tt.ModelContext(tt.EchoClient(), "echo")
@@ -840,7 +834,7 @@ async def test_on_the_websocket_one_bad_run_fails_alone(tmp_path: Path) -> None:
         "        info = {1: 'one'} if key == 'intkeys' else {}\n"
         "        return tt.Task(data['prompt'].strip(), key=key, info=info)\n"
     )
-    from trio_tasksets.cli import resolve_taskset
+    from trio_tasksets.loading import resolve_taskset
 
     env = tt.Env(resolve_taskset(f"{module}:Picky")())
     slow = tt.ModelContext(tt.EchoClient(delay=0.5), "echo")
@@ -873,7 +867,7 @@ async def test_on_the_websocket_one_bad_run_fails_alone(tmp_path: Path) -> None:
 
 
 async def test_an_integer_json_cannot_carry_exactly_is_refused_before_sending() -> None:
-    from trio_tasksets.wire import RunRequestEncoder
+    from trio_tasksets.serve.wire import RunRequestEncoder
 
     ctx = tt.ModelContext(tt.EchoClient(), "echo")
     with pytest.raises(TypeError, match="64-bit"):

@@ -9,7 +9,6 @@ tests) and `aio` (the asyncio bridge).
 """
 
 from . import aio, testing
-from .client import EnvClient
 from .env import Env, Episode, EpisodeError, EpisodeTask, RetryPolicy, RunSlot
 from .eval import EvalConfig, EvalConfigError, EvalResult, run_eval
 from .models import (
@@ -26,6 +25,7 @@ from .models import (
     Sampling,
 )
 from .runner import as_completed, merge, run_stream, take
+from .serve import EnvClient
 from .tasksets import Task, Taskset, TasksetConfig
 
 __all__ = [

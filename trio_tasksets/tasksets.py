@@ -160,13 +160,13 @@ class Taskset(Generic[TaskT, ConfigT]):
         # shielded without a scope entered after any scope stream() holds (a merge's nursery).
         with trio.CancelScope() as guard:
             # A static taskset's default stream() already applies prompt and views.
-            source = _stream_view(self) if self.streaming else self.stream()
+            source = stream_view(self) if self.streaming else self.stream()
             try:
                 async for task in source:
                     yield task
             finally:
                 guard.shield = True
-                await _aclose(source)
+                await aclose_source(source)
 
     # --- views ------------------------------------------------------------------------------
 
@@ -227,13 +227,14 @@ def _mapped(tasks: Iterable[TaskT], transform: Callable[[TaskT], TaskT | None]) 
             yield out
 
 
-async def _aclose(source: AsyncIterator[Any]) -> None:
+async def aclose_source(source: AsyncIterator[Any]) -> None:
+    """`source.aclose()` when it has one (a plain async iterator may not)."""
     aclose = getattr(source, "aclose", None)
     if aclose is not None:
         await aclose()
 
 
-async def _stream_view(taskset: Taskset[TaskT, Any]) -> AsyncGenerator[TaskT, None]:
+async def stream_view(taskset: Taskset[TaskT, Any]) -> AsyncGenerator[TaskT, None]:
     """`taskset.stream()` with the system prompt and the views applied, pulled on demand.
 
     A head view stops *before* requesting an (n+1)th task; a shuffle after a head buffers the
@@ -255,9 +256,9 @@ async def _stream_view(taskset: Taskset[TaskT, Any]) -> AsyncGenerator[TaskT, No
             yield task
     finally:
         try:
-            await _aclose(applied)
+            await aclose_source(applied)
         finally:
-            await _aclose(source)
+            await aclose_source(source)
 
 
 async def _apply_steps(

@@ -1,77 +1,37 @@
-"""The served path's server: an env in its own process(es) behind HTTP and a WebSocket.
-
-* **Server** (`trio-tasksets serve TASKSET`): an ASGI app on hypercorn's trio worker with
-  ``GET /health``, ``POST /run`` (one slot, its episode row back) and the WebSocket ``/ws``
-  (many runs multiplexed, answered by id; `_WSSession`). `env.serving()` is held for the
-  server's life. ``--workers K`` runs K worker processes that share one listening socket,
-  bound once by a supervisor process (see `docs/serve.md`).
-* **Cancellation**: on ``/ws`` by a ``{"op": "cancel", "id": ...}`` item (a closed WebSocket
-  cancels all its runs); on ``POST /run`` by disconnect: the handler races the episode
-  against the ASGI ``receive()`` that returns ``http.disconnect``.
-* **Death pipe**: a server started with its stdin on a pipe stops when the pipe reaches EOF,
-  so a child spawned by `trio_tasksets.client.spawn_server` dies with its parent, also when
-  the parent is SIGKILLed (and a pool's supervisor does the same to its workers). Not
-  ``PR_SET_PDEATHSIG``: it fires when the parent *thread* exits, and trio spawns from a
-  worker thread that retires when idle, which would stop a healthy child.
-
-The client side (`EnvClient`, `spawn_server`, the eval's served runner) is
-`trio_tasksets.client`.
-"""
+"""The env server's ASGI app: `GET /health`, `POST /run` and the WebSocket `/ws`."""
 
 from __future__ import annotations
 
-import argparse
 import contextlib
 import hmac
-import ipaddress
 import json
 import os
-import signal
-import socket
-import subprocess
 import sys
 import traceback
 from collections.abc import Awaitable, Callable
-from functools import partial
-from typing import TYPE_CHECKING, Any, ClassVar
+from typing import Any, ClassVar
 
 import attrs
 import orjson
 import trio
 
-from .env import Env, Episode, RetryPolicy, RunSlot
-from .models import ModelClient, ModelContext
-from .runner import pick_one
-from .tasksets import Taskset
+from ..env import Env, Episode, RunSlot
+from ..models import ModelClient, ModelContext
+from ..runner import pick_one
+from ..tasksets import Taskset
 from .wire import (
+    MAX_BODY_BYTES,
+    WS_MAX_BATCH,
+    WS_PATH,
     ClientSpec,
-    EnvSpec,
     WireError,
     build_client,
     build_task,
+    coalesce,
     parse_run_request,
     quick_slot,
 )
 
-if TYPE_CHECKING:
-    pass  # imported where used: it imports anyio, which `import trio_tasksets` should not
-
-__all__ = [
-    "MAX_BODY_BYTES",
-    "TOKEN_VAR",
-    "ServeUsageError",
-    "ServerApp",
-    "ServerStats",
-    "add_serve_command",
-    "serve_main",
-]
-
-TOKEN_VAR = "TT_SERVE_TOKEN"
-"""The environment variable a spawned server reads its bearer token from, and the one an
-eval with ``--server-url`` reads the remote server's token from."""
-
-MAX_BODY_BYTES = 1 << 20
-READY_PREFIX = "serving on "
 _JSON = [(b"content-type", b"application/json")]
 
 Message = dict[str, Any]
@@ -314,11 +274,6 @@ class ServerApp:
         await _WSSession(self, send).serve(receive)
 
 
-WS_PATH = "/ws"
-# Items per outgoing message, at most. Small enough that a window's runs go as several
-# messages, so the client and the server work at the same time (a pipeline) rather than in
-# turns on one message each; large enough to pay a message's fixed cost once per many runs.
-WS_MAX_BATCH = 16
 _ID_MAX = 128
 _ITEM_FIELDS = frozenset({"op", "id", "body"})
 _MAX_CONTEXTS = 64  # model contexts a connection keeps parsed (more are parsed each time)
@@ -326,16 +281,6 @@ _MAX_CONTEXTS = 64  # model contexts a connection keeps parsed (more are parsed 
 
 class _Unreadable(Exception):
     """A WebSocket message the server cannot answer item by item: it closes with 1007."""
-
-
-async def _coalesce(pending: list[Any], limit: int) -> None:
-    """Yield to the scheduler while `pending` keeps growing (until it holds `limit`): what the
-    tasks that are runnable now add goes into the same message. Bounded: one tick that adds
-    nothing ends it, so a busy process still flushes."""
-    count = -1
-    while count != len(pending) and len(pending) < limit:
-        count = len(pending)
-        await trio.lowlevel.cancel_shielded_checkpoint()
 
 
 class _WSSession:
@@ -484,308 +429,9 @@ class _WSSession:
     async def _flush(self) -> None:
         while True:
             await self.wake.wait()
-            await _coalesce(self.out, WS_MAX_BATCH)
+            await coalesce(self.out, WS_MAX_BATCH)
             self.wake = trio.Event()
             items, self.out = self.out[:WS_MAX_BATCH], self.out[WS_MAX_BATCH:]
             if self.out:
                 self.wake.set()
             await self.send({"type": "websocket.send", "bytes": b"[" + b",".join(items) + b"]"})
-
-
-def is_loopback(host: str) -> bool:
-    """Whether `host` names this machine only (``localhost`` or a loopback address)."""
-    if host == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return False
-
-
-def _url(host: str, port: int) -> str:
-    return f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
-
-
-def bind_socket(host: str, port: int) -> socket.socket:
-    """A listening TCP socket on host:port (port 0: the OS picks one)."""
-    family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    sock = socket.socket(family, socket.SOCK_STREAM)
-    try:
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        sock.bind((host, port))
-        sock.listen(1024)
-    except BaseException:
-        sock.close()
-        raise
-    return sock
-
-
-async def _stop_on_signals(stop: trio.Event) -> None:
-    with trio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as signals:
-        async for _ in signals:
-            stop.set()
-
-
-async def _stop_on_stdin_eof(stop: trio.Event) -> None:
-    """The death pipe: the parent holds our stdin's write end; EOF means it is gone."""
-    fd = sys.stdin.fileno()
-    while True:
-        await trio.lowlevel.wait_readable(fd)
-        if not os.read(fd, 4096):
-            stop.set()
-            return
-
-
-async def _watch(stop: trio.Event, nursery: trio.Nursery, die_with_parent: bool) -> None:
-    nursery.start_soon(_stop_on_signals, stop)
-    if die_with_parent:
-        nursery.start_soon(_stop_on_stdin_eof, stop)
-
-
-def _announce(url: str) -> None:
-    """Tell the parent the URL on stdout (one line); later stdout output goes to stderr."""
-    print(f"{READY_PREFIX}{url}", flush=True)
-    os.dup2(sys.stderr.fileno(), sys.stdout.fileno())
-
-
-async def serve_worker(
-    app: ServerApp, fd: int, *, url: str | None, die_with_parent: bool, graceful: float = 3.0
-) -> None:
-    """Serve `app` on the listening socket `fd` until SIGTERM/SIGINT (or stdin EOF with
-    `die_with_parent`), holding `env.serving()` throughout; announce `url` once listening."""
-    from hypercorn.config import Config
-    from hypercorn.trio import serve
-
-    config = Config()
-    config.bind = [f"fd://{fd}"]
-    config.loglevel = "WARNING"
-    config.graceful_timeout = graceful
-    config.keep_alive_timeout = 120  # longer than the client's keep-alive: it closes first
-    config.websocket_max_message_size = app.max_body  # over it: close code 1009
-    stop = trio.Event()
-    try:
-        async with app.env.serving(), trio.open_nursery() as nursery:
-            await _watch(stop, nursery, die_with_parent)
-
-            async def run_server(task_status: trio.TaskStatus[Any]) -> None:
-                asgi: Any = app
-                await serve(asgi, config, shutdown_trigger=stop.wait, task_status=task_status)
-                nursery.cancel_scope.cancel()
-
-            await nursery.start(run_server)
-            if url is not None:
-                _announce(url)
-    finally:
-        await app.aclose()
-
-
-# --- K workers: a supervisor process that owns the socket ------------------------------------
-
-
-async def _stop_process(proc: trio.Process, grace: float) -> None:
-    """Close its stdin (the death pipe), SIGTERM, wait `grace` seconds, then SIGKILL."""
-    with trio.CancelScope(shield=True):
-        if proc.stdin is not None:
-            with contextlib.suppress(trio.BrokenResourceError, trio.ClosedResourceError):
-                await proc.stdin.aclose()
-        if proc.returncode is None:
-            with contextlib.suppress(ProcessLookupError):
-                proc.terminate()
-        with trio.move_on_after(grace):
-            await proc.wait()
-        if proc.returncode is None:
-            with contextlib.suppress(ProcessLookupError):
-                proc.kill()
-            await proc.wait()
-
-
-async def supervise(
-    worker_cmd: list[str], sock: socket.socket, workers: int, url: str, die_with_parent: bool
-) -> int:
-    """Run `workers` worker processes on `sock` until a signal (or stdin EOF, with
-    `die_with_parent`); if one dies unasked, stop them all and return 1 (a pool never runs
-    degraded). Each worker's stdin is a death pipe from here."""
-    fd = sock.fileno()
-    procs: list[trio.Process] = []
-    failed: list[str] = []
-    stop = trio.Event()
-
-    async def reap(proc: trio.Process) -> None:
-        code = await proc.wait()
-        if not stop.is_set():
-            failed.append(f"worker pid {proc.pid} exited with code {code}")
-            stop.set()
-
-    try:
-        async with trio.open_nursery() as nursery:
-            await _watch(stop, nursery, die_with_parent)
-            for _ in range(workers):
-                proc = await trio.lowlevel.open_process(
-                    [*worker_cmd, "--listen-fd", str(fd)],
-                    stdin=subprocess.PIPE, stdout=sys.stderr.fileno(), pass_fds=(fd,),
-                )  # fmt: skip
-                procs.append(proc)
-                nursery.start_soon(reap, proc)
-            _announce(url)
-            await stop.wait()
-            nursery.cancel_scope.cancel()
-    finally:
-        with trio.CancelScope(shield=True):
-            async with trio.open_nursery() as nursery:
-                for proc in procs:
-                    nursery.start_soon(_stop_process, proc, 5.0)
-    for line in failed:
-        print(f"trio-tasksets serve: {line}; stopping the pool", file=sys.stderr)
-    return 1 if failed else 0
-
-
-# --- the command line -----------------------------------------------------------------------
-
-
-class ServeUsageError(ValueError):
-    """A bad `trio-tasksets serve` command line (exit 2)."""
-
-
-def add_serve_command(commands: Any) -> argparse.ArgumentParser:
-    """Add the `serve` subcommand to the CLI's subparsers."""
-    sv: argparse.ArgumentParser = commands.add_parser(
-        "serve",
-        help="serve a taskset's env over HTTP (for --server-url or remote use)",
-        description="Run a taskset's env behind HTTP: GET /health and POST /run (docs/serve.md).",
-    )
-    sv.add_argument(
-        "taskset", metavar="TASKSET", help="echo, echo-stream, file.py:Class or pkg.mod:Class"
-    )
-    sv.add_argument(
-        "--host",
-        default="127.0.0.1",
-        help="bind address (default 127.0.0.1; any non-loopback address needs --token-var)",
-    )
-    sv.add_argument(
-        "--port",
-        type=int,
-        default=8000,
-        help=f"port (0: the OS picks one; the '{READY_PREFIX}URL' line on stdout tells it)",
-    )
-    sv.add_argument("--workers", type=int, default=1, metavar="K", help="worker processes")
-    sv.add_argument(
-        "--token-var",
-        default=None,
-        metavar="NAME",
-        help="environment variable holding the bearer token every request must carry",
-    )
-    sv.add_argument(
-        "--max-body-bytes",
-        type=int,
-        default=MAX_BODY_BYTES,
-        metavar="N",
-        help="larger request bodies get 413 (default 1 MiB)",
-    )
-    env = sv.add_argument_group("the env (what `--serve` passes on from an eval)")
-    env.add_argument(
-        "--taskset-config",
-        default=None,
-        metavar="JSON",
-        help="the taskset config's fields as a JSON object",
-    )
-    env.add_argument("--env-class", default=None, metavar="SPEC", help="an Env subclass")
-    env.add_argument("--reward", default=None, metavar="SPEC", help="a reward function")
-    env.add_argument("--retries", type=int, default=0, metavar="K")
-    env.add_argument("--retry-on", default="", metavar="TYPES")
-    env.add_argument("--no-retry-on", default="", metavar="TYPES")
-    env.add_argument("--retry-backoff", type=float, default=0.5, metavar="S")
-    env.add_argument("--retry-max-backoff", type=float, default=30.0, metavar="S")
-    sv.add_argument(
-        "--die-with-parent",
-        action="store_true",
-        help="exit when stdin reaches EOF (the spawning parent's death pipe)",
-    )
-    sv.add_argument("--listen-fd", type=int, default=None, help=argparse.SUPPRESS)
-    return sv
-
-
-def _names(text: str) -> tuple[str, ...]:
-    return tuple(part.strip() for part in text.split(",") if part.strip())
-
-
-def _env_spec(args: argparse.Namespace) -> EnvSpec:
-    config: dict[str, Any] = {}
-    if args.taskset_config is not None:
-        try:
-            config = json.loads(args.taskset_config)
-        except ValueError as exc:
-            raise ServeUsageError(f"--taskset-config is not JSON: {exc}") from None
-        if not isinstance(config, dict):
-            raise ServeUsageError("--taskset-config must be a JSON object")
-    try:
-        retries = RetryPolicy(args.retries, _names(args.retry_on), _names(args.no_retry_on),
-                              args.retry_backoff, args.retry_max_backoff)  # fmt: skip
-    except ValueError as exc:
-        raise ServeUsageError(f"--retries/--retry-backoff: {exc}") from None
-    return EnvSpec(args.taskset, config, args.env_class, args.reward, retries)
-
-
-def _token(args: argparse.Namespace) -> str | None:
-    if args.token_var is None:
-        if not is_loopback(args.host):
-            raise ServeUsageError(
-                f"--host {args.host} is not a loopback address: name the environment variable "
-                f"holding a bearer token with --token-var NAME (or bind 127.0.0.1)"
-            )
-        return None
-    token = os.environ.get(args.token_var, "").strip()
-    if not token:
-        raise ServeUsageError(f"--token-var: environment variable {args.token_var} is not set")
-    return token
-
-
-def _check_args(args: argparse.Namespace) -> None:
-    if args.workers < 1:
-        raise ServeUsageError(f"--workers must be >= 1, got {args.workers}")
-    if not 0 <= args.port <= 65535:
-        raise ServeUsageError(f"--port must be in 0..65535, got {args.port}")
-    if args.max_body_bytes < 1:
-        raise ServeUsageError(f"--max-body-bytes must be >= 1, got {args.max_body_bytes}")
-
-
-def _worker_cmd(args: argparse.Namespace, spec: EnvSpec) -> list[str]:
-    cmd = [sys.executable, "-m", "trio_tasksets", "serve", *spec.argv(),
-           "--workers", str(args.workers), "--max-body-bytes", str(args.max_body_bytes),
-           "--die-with-parent"]  # fmt: skip
-    return [*cmd, "--token-var", args.token_var] if args.token_var else cmd
-
-
-def serve_main(args: argparse.Namespace) -> int:
-    """`trio-tasksets serve`: exit 0 when stopped by a signal, 1 on an error, 2 (raised as
-    ServeUsageError or the CLI's UsageError) on a bad command line."""
-    from .cli import resolve_taskset
-
-    _check_args(args)
-    token = _token(args)
-    spec = _env_spec(args)
-    taskset_cls = resolve_taskset(args.taskset)
-    try:
-        env = spec.build(taskset_cls)
-    except (TypeError, ValueError, ImportError) as exc:
-        raise ServeUsageError(f"cannot build the env: {type(exc).__name__}: {exc}") from exc
-    if args.listen_fd is not None:  # a worker of a pool
-        app = ServerApp(env, token=token, max_body=args.max_body_bytes, workers=args.workers)
-        worker = partial(serve_worker, url=None, die_with_parent=args.die_with_parent)
-        trio.run(worker, app, args.listen_fd)
-        return 0
-    try:
-        sock = bind_socket(args.host, args.port)
-    except OSError as exc:
-        print(f"trio-tasksets serve: error: cannot listen on {args.host}:{args.port}: {exc}",
-              file=sys.stderr)  # fmt: skip
-        return 1
-    url = _url(args.host, sock.getsockname()[1])
-    if args.workers > 1:
-        with sock:
-            cmd = _worker_cmd(args, spec)
-            return trio.run(supervise, cmd, sock, args.workers, url, args.die_with_parent)
-    app = ServerApp(env, token=token, max_body=args.max_body_bytes)
-    trio.run(
-        partial(serve_worker, url=url, die_with_parent=args.die_with_parent), app, sock.detach()
-    )
-    return 0

@@ -1,11 +1,4 @@
-"""The asyncio bridge (SPEC section 6), in two directions.
-
-* asyncio programs call the trio runner (this module: guest mode, below);
-* trio programs drive an existing asyncio env: `bridge_env`, `BridgedEnv`, `AsyncioTaskset`
-  and `AsyncioModelContext`, with trio-asyncio, live in `trio_tasksets.aio_env` and are
-  re-exported here (that module imports without trio-asyncio; guest mode never needs it).
-
-Guest-mode direction: asyncio programs call the trio runner.
+"""Guest-mode direction: asyncio programs call the trio runner.
 
 `await run_stream(source, run, window=...)` and `await run_trio(async_fn, *args)` are awaitable
 from asyncio code (`asyncio.run`, a web server, a notebook). They run trio on the *running*
@@ -21,7 +14,7 @@ Design:
   When the last active call has finished, the channel is closed, the guest run ends, and that
   last caller waits for the end, so `asyncio.run` exits with no pending tasks, threads or
   warnings. A call that arrives while a guest is stopping waits for it, then starts a new one.
-* **asyncio inside trio.** Trio code cannot await asyncio awaitables. `_call_asyncio` runs an
+* **asyncio inside trio.** Trio code cannot await asyncio awaitables. `call_asyncio` runs an
   asyncio callable as an asyncio task on the host loop and waits, on the trio side, for an
   event its done callback sets. On trio cancellation it cancels the asyncio task, waits
   (shielded) until it has finished, then re-raises `trio.Cancelled`. Results and exceptions
@@ -54,203 +47,23 @@ import contextlib
 import contextvars
 import math
 import threading
-from collections.abc import AsyncIterable, AsyncIterator, Awaitable, Callable
-from typing import Any, Generic, TypeVar, TypeVarTuple, Unpack, cast
+from collections.abc import AsyncIterable, Awaitable, Callable
+from typing import Any, TypeVar, TypeVarTuple, Unpack, cast
 
 import outcome
 import trio
 
-from .aio_env import (
-    AsyncioCancelled,
-    AsyncioModelContext,
-    AsyncioTaskset,
-    BridgedEnv,
-    TrioAsyncioUnavailable,
-    bridge_env,
-)
-from .env import Env
-from .eval import EvalConfig, EvalResult
-from .eval import run_eval as _trio_run_eval
-from .models import ModelContext
-from .runner import run_stream as _trio_run_stream
-
-__all__ = [
-    "AsyncioCancelled",
-    "AsyncioModelContext",
-    "AsyncioTaskset",
-    "BridgedEnv",
-    "GuestRunStopped",
-    "TrioAsyncioUnavailable",
-    "bridge_env",
-    "run_eval",
-    "run_stream",
-    "run_trio",
-]
+from ..env import Env
+from ..eval import EvalConfig, EvalResult
+from ..eval import run_eval as _trio_run_eval
+from ..models import ModelContext
+from ..runner import run_stream as _trio_run_stream
+from .adapters import AsyncioRun, AsyncioSource, GuestRunStopped, set_host_loop
+from .loop import AsyncioCancelled
 
 T = TypeVar("T")
 R = TypeVar("R")
 Ts = TypeVarTuple("Ts")
-
-
-class GuestRunStopped(RuntimeError):
-    """The shared trio guest run ended before this call finished (e.g. a TrioInternalError)."""
-
-
-# --- asyncio awaited from trio --------------------------------------------------------------
-
-
-async def _invoke(fn: Callable[[Unpack[Ts]], Awaitable[T]], args: tuple[*Ts]) -> T:
-    # The call itself (not only the await) runs inside the asyncio task, so even its sync part
-    # sees asyncio (sniffio, current_task) and not the trio tick that scheduled it.
-    return await fn(*args)
-
-
-async def _call_asyncio(
-    fn: Callable[[Unpack[Ts]], Awaitable[T]],
-    *args: *Ts,
-    context: contextvars.Context | None = None,
-) -> T:
-    """From a trio task of the guest run: run `await fn(*args)` as an asyncio task on the host.
-
-    Returns its result or raises its exception unwrapped. Trio cancellation cancels the asyncio
-    task and waits for it to finish before `trio.Cancelled` is re-raised (a real error raised
-    while it unwinds is raised instead). An asyncio cancellation trio did not request raises
-    `AsyncioCancelled`. The task runs in `context`, by default a copy of the trio task's.
-    """
-    loop = _host_loop()  # guest ticks run inside the host loop's callbacks
-    token = trio.lowlevel.current_trio_token()
-    done = trio.Event()
-    waiting = False
-
-    def wake(_: object) -> None:
-        if waiting:  # (both sides run on the loop's thread: no wake-up can be lost)
-            with contextlib.suppress(trio.RunFinishedError):  # we always wait for the task
-                token.run_sync_soon(done.set)
-
-    # `asyncio.Task(...)`, not `loop.create_task`: a task factory (e.g. 3.12's eager one) could
-    # start the coroutine right here, inside a trio tick, where it would look like trio code.
-    task: asyncio.Task[T] = asyncio.Task(
-        _invoke(fn, args),
-        loop=loop,
-        context=contextvars.copy_context() if context is None else context,
-    )
-    task.add_done_callback(wake)
-    interrupt: BaseException | None = None
-    try:
-        # A checkpoint first: the guest's next tick is queued on the host loop after the new
-        # task's first step, so a task done in one step (a source yielding from memory) is seen
-        # done without a round trip through trio's I/O thread (halves the per-item overhead).
-        await trio.lowlevel.checkpoint()
-        if not task.done():
-            waiting = True
-            await done.wait()
-    except BaseException as exc:  # trio.Cancelled, KeyboardInterrupt: unwind the task first
-        interrupt = exc
-        task.cancel()
-        if not task.done():
-            waiting = True
-            with trio.CancelScope(shield=True):
-                await done.wait()
-    # Raise outside the handlers, so no exception of the user gets a new __context__.
-    if interrupt is not None:
-        error = None if task.cancelled() else task.exception()  # (retrieved: never logged)
-        if isinstance(interrupt, trio.Cancelled) and isinstance(error, Exception):
-            raise error  # a real failure while unwinding is never dropped
-        raise interrupt
-    try:
-        return task.result()
-    except asyncio.CancelledError as exc:
-        raise AsyncioCancelled(
-            f"the asyncio task running {_name(fn)} was cancelled from the asyncio side, not "
-            "by trio (did the asyncio code cancel itself?)"
-        ) from exc
-
-
-def _host_loop() -> asyncio.AbstractEventLoop:
-    """The asyncio loop hosting this thread's guest run, from one of its trio tasks.
-
-    Not `asyncio.get_running_loop()`: once trio-asyncio has been imported (by `bridge_env`, or
-    by anyone), that answers from trio-asyncio's context variable whenever a trio task is
-    running, i.e. None in a guest run's tasks.
-    """
-    guest: _Guest | None = getattr(_local, "guest", None)
-    return guest.loop if guest is not None else asyncio.get_running_loop()
-
-
-def _name(fn: object) -> str:
-    return getattr(fn, "__qualname__", None) or type(fn).__name__
-
-
-class _AsyncioSource(Generic[T]):
-    """A trio async iterator over an asyncio async iterable: each pull and the close run as
-    asyncio tasks on the host loop. `aclose()` closes it once (the runner calls it once).
-
-    The pulls and the close share one contextvars context, as they would if one asyncio task
-    iterated the source: a variable the generator sets before a `yield` is still set after it.
-    They never overlap (the runner pulls one at a time and closes after the last pull), so
-    sharing the context is safe.
-    """
-
-    def __init__(self, source: AsyncIterable[T]) -> None:
-        self._source = source
-        self._iterator: AsyncIterator[T] | None = None
-        self._closed = False
-        self._context: contextvars.Context | None = None
-
-    def _shared_context(self) -> contextvars.Context:
-        if self._context is None:
-            self._context = contextvars.copy_context()
-        return self._context
-
-    def __repr__(self) -> str:
-        return f"<asyncio source {self._source!r}>"
-
-    def __aiter__(self) -> _AsyncioSource[T]:
-        if self._iterator is None:
-            self._iterator = aiter(self._source)
-        return self
-
-    async def __anext__(self) -> T:
-        if self._iterator is None:
-            self._iterator = aiter(self._source)
-        return await _call_asyncio(_anext, self._iterator, context=self._shared_context())
-
-    async def aclose(self) -> None:
-        if self._closed:
-            return
-        self._closed = True
-        targets: list[object] = [self._source]
-        if self._iterator is not None and self._iterator is not self._source:
-            targets.insert(0, self._iterator)
-        error: Exception | None = None
-        for target in targets:
-            aclose = getattr(target, "aclose", None)
-            if aclose is None:
-                continue
-            try:
-                await _call_asyncio(aclose, context=self._shared_context())
-            except Exception as exc:
-                if error is None:
-                    error = exc
-        if error is not None:
-            raise error
-
-
-async def _anext(iterator: AsyncIterator[T]) -> T:
-    return await anext(iterator)
-
-
-class _AsyncioRun(Generic[T, R]):
-    """A trio run function that runs an asyncio coroutine function as an asyncio task."""
-
-    def __init__(self, run: Callable[[T], Awaitable[R]]) -> None:
-        self._run = run
-
-    def __repr__(self) -> str:
-        return f"<asyncio run {self._run!r}>"
-
-    async def __call__(self, item: T) -> R:
-        return await _call_asyncio(self._run, item)
 
 
 # --- the shared guest run -----------------------------------------------------------------
@@ -362,6 +175,7 @@ class _Guest:
         self.stopping = True
         if getattr(_local, "guest", None) is self:
             _local.guest = None
+            set_host_loop(None)
         for job in self.pending:
             job.resolve(_STOPPED)  # never started: the guest ended first
         self.pending.clear()
@@ -418,6 +232,7 @@ def _acquire_now(loop: asyncio.AbstractEventLoop) -> _Guest | None:
         guest = _Guest(loop)
         guest.start()
         _local.guest = guest
+        set_host_loop(loop)
     if guest.stopping:
         return None
     guest.active += 1
@@ -532,10 +347,10 @@ async def run_stream(
     # Leave a bad source or run unwrapped, so the runner's own check names it.
     src: AsyncIterable[T] = source
     if not trio_source and hasattr(type(source), "__aiter__"):
-        src = _AsyncioSource(source)
+        src = AsyncioSource(source)
     fn: Callable[[T], Awaitable[R]] = run
     if not trio_run and callable(run):
-        fn = _AsyncioRun(run)
+        fn = AsyncioRun(run)
 
     async def job() -> list[R]:
         return await _trio_run_stream(src, fn, window=window)

@@ -1,16 +1,25 @@
-"""Command-line options shared by the commands that talk to a model (`eval`, `worker`)."""
+"""What the commands share: `UsageError`, the model options (`eval`, `worker`), small parsers."""
 
 from __future__ import annotations
 
 import argparse
+from typing import TYPE_CHECKING
 
-from .models import EchoClient, ModelClient, ModelContext, OpenAIClient, Sampling, api_key_from_env
+from ..models import EchoClient, ModelClient, ModelContext, OpenAIClient, Sampling, api_key_from_env
 
-__all__ = ["UsageError", "add_model_options", "model_context"]
+__all__ = ["UsageError", "add_model_options", "model_context", "names"]
+
+if TYPE_CHECKING:
+    Commands = argparse._SubParsersAction[argparse.ArgumentParser]  # the subcommands of `main`
 
 
 class UsageError(Exception):
     """A bad command line: printed with the command's usage, exit 2, before any work."""
+
+
+def names(text: str) -> tuple[str, ...]:
+    """The comma-separated names of an option such as `--retry-on A,B`."""
+    return tuple(part.strip() for part in text.split(",") if part.strip())
 
 
 def add_model_options(parser: argparse.ArgumentParser) -> argparse._ArgumentGroup:

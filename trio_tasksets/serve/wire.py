@@ -1,63 +1,40 @@
-"""The served path's wire format and the env's travel papers: pure functions, no I/O.
-
-Two things cross a process boundary on the served path, both as JSON (never pickle):
-
-* a **run request** (`POST /run`): one slot and its model context,
-
-  ``{"slot": {"task": {"key", "data"}, "rollout"},
-     "ctx": {"model", "sampling": {...}, "client": {"type": "echo", ...} | {"type": "openai", ...}}}``
-
-  built by `encode_run_request` and checked field by field by `parse_run_request`, whose
-  `WireError` names the offending field (``slot.task.data.prompt``). The model client travels
-  as a description, never as a secret: an OpenAI client names the environment variable the
-  server reads its API key from (`api_key_var`).
-* an **env spec** (`EnvSpec`): how a server process rebuilds the eval's env (the taskset class
-  and its config, the Env class, the reward, the retry policy) as command-line arguments.
-  `EnvSpec.of(env)` raises `TravelError` for what cannot travel (a lambda reward, a class
-  defined inside a function) before anything starts.
-"""
+"""The served path's wire format: run requests and model-client descriptions."""
 
 from __future__ import annotations
 
 import copy
-import importlib
-import importlib.util
 import json
 import math
 import os
-import sys
 from collections.abc import Callable, Mapping
-from pathlib import Path
 from typing import Any
 
 import attrs
+import trio
 
-from .env import Env, RetryPolicy, RunSlot, answer_match, task_data, task_key
-from .models import EchoClient, ModelClient, ModelContext, OpenAIClient, Sampling
-from .tasksets import Task, Taskset
+from ..env import RunSlot, task_data, task_key
+from ..envspec import TravelError
+from ..models import EchoClient, ModelClient, ModelContext, OpenAIClient, Sampling
+from ..tasksets import Task, Taskset
 
-__all__ = [
-    "API_KEY_VAR",
-    "ClientSpec",
-    "EchoSpec",
-    "EnvSpec",
-    "OpenAISpec",
-    "RunRequest",
-    "RunRequestEncoder",
-    "TravelError",
-    "WireError",
-    "build_client",
-    "build_task",
-    "describe_client",
-    "encode_run_request",
-    "parse_run_request",
-    "quick_slot",
-]
+TOKEN_VAR = "TT_SERVE_TOKEN"
+"""The environment variable a spawned server reads its bearer token from, and the one an
+eval with ``--server-url`` reads the remote server's token from."""
 
 API_KEY_VAR = "TT_SERVE_API_KEY"
 """Where a spawned server finds the model's API key (the parent puts it in the child's env)."""
 
-FILE_MODULE_PREFIX = "_trio_tasksets_user_"  # how cli.resolve_taskset names file modules
+MAX_BODY_BYTES = 1 << 20
+"""Request bodies (and WebSocket messages) larger than this get 413 (close code 1009)."""
+
+READY_PREFIX = "serving on "
+"""A server's first stdout line: this prefix, then its URL."""
+
+WS_PATH = "/ws"
+# Items per outgoing message, at most. Small enough that a window's runs go as several
+# messages, so the client and the server work at the same time (a pipeline) rather than in
+# turns on one message each; large enough to pay a message's fixed cost once per many runs.
+WS_MAX_BATCH = 16
 
 
 class WireError(ValueError):
@@ -67,10 +44,6 @@ class WireError(ValueError):
         super().__init__(f"{field}: {problem}")
         self.field = field
         self.problem = problem
-
-
-class TravelError(ValueError):
-    """Something of the env or the model context cannot be rebuilt in a server process."""
 
 
 # --- model client descriptions --------------------------------------------------------------
@@ -429,65 +402,6 @@ def build_task(taskset_cls: type[Taskset[Any, Any]], key: str, data: dict[str, A
 # --- the env spec ---------------------------------------------------------------------------
 
 
-def _module_file(module_name: str) -> str | None:
-    module = sys.modules.get(module_name)
-    path = getattr(module, "__file__", None)
-    return str(Path(path).resolve()) if isinstance(path, str) else None
-
-
-def object_spec(obj: Any, what: str) -> str:
-    """`module:Name`, or `path/file.py:Name` for an object of a script or a file loaded by
-    path (of a `python -m pkg.mod` run: `pkg.mod:Name`); `TravelError` for an object another
-    process cannot import by that name."""
-    module_name = getattr(obj, "__module__", None)
-    qualname = getattr(obj, "__qualname__", None)
-    if not isinstance(module_name, str) or not isinstance(qualname, str):
-        raise TravelError(f"{what} {obj!r} has no importable name; run in-process")
-    if "." in qualname or "<" in qualname:
-        raise TravelError(
-            f"{what} {qualname} is not defined at the top level of a module (a lambda, or a "
-            f"definition inside a function or class), so an env server cannot import it; "
-            f"define it at module level or run in-process"
-        )
-    module = sys.modules.get(module_name)
-    if module is None or getattr(module, qualname, None) is not obj:
-        raise TravelError(f"{what} {module_name}:{qualname} cannot be found by that name")
-    main_spec = getattr(module, "__spec__", None) if module_name == "__main__" else None
-    if main_spec is not None and main_spec.name:  # `python -m package.module`
-        return f"{main_spec.name}:{qualname}"
-    if module_name == "__main__" or module_name.startswith(FILE_MODULE_PREFIX):
-        path = _module_file(module_name)
-        if path is None:
-            raise TravelError(f"{what} {qualname} lives in a module with no file; run in-process")
-        return f"{path}:{qualname}"
-    return f"{module_name}:{qualname}"
-
-
-def load_object(spec: str) -> Any:
-    """The object `object_spec` named, imported in this process (a file module is loaded
-    once, under the name `cli.resolve_taskset` gives it)."""
-    where, _, name = spec.rpartition(":")
-    if not where or not name:
-        raise ValueError(f"{spec!r}: expected module:Name or path/file.py:Name")
-    if where.endswith(".py"):
-        path = Path(where).resolve()
-        module_name = f"{FILE_MODULE_PREFIX}{path.stem}"
-        module = sys.modules.get(module_name)
-        if module is None or _module_file(module_name) != str(path):
-            module_spec = importlib.util.spec_from_file_location(module_name, path)
-            if module_spec is None or module_spec.loader is None:
-                raise ValueError(f"{spec!r}: cannot import {path}")
-            module = importlib.util.module_from_spec(module_spec)
-            sys.modules[module_name] = module
-            module_spec.loader.exec_module(module)
-    else:
-        module = importlib.import_module(where)
-    try:
-        return getattr(module, name)
-    except AttributeError:
-        raise ValueError(f"{spec!r}: {where} has no {name!r}") from None
-
-
 _INT_RANGE = (-(2**63), 2**64 - 1)  # what the server's JSON decoder (orjson) keeps exact
 
 
@@ -504,109 +418,14 @@ def _check_ints(value: object) -> None:
             _check_ints(item)
 
 
-def _json_native(value: object) -> bool:
-    if value is None or isinstance(value, str | bool | int):
-        return True
-    if isinstance(value, float):
-        return math.isfinite(value)
-    if isinstance(value, list | tuple):
-        return all(_json_native(v) for v in value)
-    if isinstance(value, dict):
-        return all(isinstance(k, str) and _json_native(v) for k, v in value.items())
-    return False
+# --- batching ------------------------------------------------------------------------------
 
 
-def config_to_json(taskset: Taskset[Any, Any]) -> dict[str, Any]:
-    """The taskset's config as JSON fields; `TravelError` if it cannot be rebuilt from them."""
-    config = taskset.config
-    name = type(taskset).__name__
-    if type(config) is not type(type(taskset)._default_config()):
-        raise TravelError(
-            f"taskset {name}'s config is a {type(config).__name__}, not the config class the "
-            f"taskset declares, so an env server cannot rebuild it"
-        )
-    if not attrs.has(type(config)):
-        raise TravelError(f"taskset {name}'s config is not an attrs class")
-    fields = attrs.asdict(config, recurse=False)
-    for field, value in fields.items():
-        if not _json_native(value):
-            raise TravelError(
-                f"taskset {name}'s config field {field!r} ({type(value).__name__}) is not "
-                f"plain JSON data, so it cannot travel to an env server"
-            )
-    return json.loads(json.dumps(fields))  # type: ignore[no-any-return]
-
-
-def config_from_json(taskset_cls: type[Taskset[Any, Any]], fields: dict[str, Any]) -> Any:
-    """The taskset's declared config class built from `config_to_json`'s fields (an array
-    goes back into a tuple where the field's default is a tuple)."""
-    default = taskset_cls._default_config()
-    config_cls = type(default)
-    values = dict(fields)
-    for field in attrs.fields(config_cls):
-        if isinstance(values.get(field.name), list) and isinstance(
-            getattr(default, field.name), tuple
-        ):
-            values[field.name] = tuple(values[field.name])
-    return config_cls(**values)
-
-
-def _reward_spec(env: Env[Any]) -> str | None:
-    reward = env._reward
-    if reward is answer_match:
-        return None
-    if getattr(reward, "__self__", None) is env.taskset and getattr(
-        reward, "__func__", None
-    ) is getattr(type(env.taskset), "reward", None):
-        return None  # the taskset's own reward: the server's env finds it the same way
-    return object_spec(reward, "the reward")
-
-
-@attrs.frozen
-class EnvSpec:
-    """How a server process rebuilds an env: `taskset_cls(config)` wrapped in
-    `env_class(taskset, reward=..., retries=...)`."""
-
-    taskset: str
-    config: dict[str, Any]
-    env_class: str | None = None
-    reward: str | None = None
-    retries: RetryPolicy = attrs.field(factory=RetryPolicy)
-
-    @classmethod
-    def of(cls, env: Env[Any]) -> EnvSpec:
-        """The spec of `env`; `TravelError` when a piece of it cannot travel."""
-        taskset = env.taskset
-        env_cls = type(env)
-        return cls(
-            taskset=object_spec(type(taskset), "the taskset class"),
-            config=config_to_json(taskset),
-            env_class=None if env_cls is Env else object_spec(env_cls, "the Env class"),
-            reward=_reward_spec(env),
-            retries=env.retries,
-        )
-
-    def argv(self) -> list[str]:
-        """The `trio-tasksets serve` arguments that rebuild this env."""
-        r = self.retries
-        args = [self.taskset, "--taskset-config", json.dumps(self.config)]
-        if self.env_class is not None:
-            args += ["--env-class", self.env_class]
-        if self.reward is not None:
-            args += ["--reward", self.reward]
-        args += ["--retries", str(r.max_retries), "--retry-on", ",".join(r.include),
-                 "--no-retry-on", ",".join(r.exclude), "--retry-backoff", repr(r.backoff),
-                 "--retry-max-backoff", repr(r.max_backoff)]  # fmt: skip
-        return args
-
-    def build(self, taskset_cls: type[Taskset[Any, Any]]) -> Env[Any]:
-        """The env, in this process (`taskset_cls` is `self.taskset`, already resolved)."""
-        taskset = taskset_cls(config_from_json(taskset_cls, self.config))
-        env_cls = Env if self.env_class is None else load_object(self.env_class)
-        if not (isinstance(env_cls, type) and issubclass(env_cls, Env)):
-            raise TypeError(f"--env-class {self.env_class}: not an Env subclass")
-        kwargs: dict[str, Any] = {"retries": self.retries}
-        if self.reward is not None:
-            kwargs["reward"] = load_object(self.reward)
-        env: Env[Any] = env_cls(taskset, **kwargs)
-        return env
+async def coalesce(pending: list[Any], limit: int) -> None:
+    """Yield to the scheduler while `pending` keeps growing (until it holds `limit`): what the
+    tasks that are runnable now add goes into the same message. Bounded: one tick that adds
+    nothing ends it, so a busy process still flushes."""
+    count = -1
+    while count != len(pending) and len(pending) < limit:
+        count = len(pending)
+        await trio.lowlevel.cancel_shielded_checkpoint()

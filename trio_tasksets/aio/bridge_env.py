@@ -49,213 +49,26 @@ Design:
 
 from __future__ import annotations
 
-import asyncio
 import inspect
-import sys
 import time
 from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable, Iterable
 from contextlib import AbstractAsyncContextManager, asynccontextmanager
-from typing import Any, ClassVar, TypeVar, TypeVarTuple, Unpack, cast
+from typing import Any, ClassVar, TypeVar, cast
 
 import attrs
 import trio
 
-from .env import Env, Episode, Message, RetryPolicy, Reward, RunSlot
-from .models import Completion, ModelContext, Sampling
-from .tasksets import Taskset, TasksetConfig, _aclose, _stream_view
+from ..env import Env, Episode, Message, RetryPolicy, Reward, RunSlot
+from ..models import Completion, ModelContext, Sampling
+from ..tasksets import Taskset, TasksetConfig, aclose_source, stream_view
+from .loop import add_note, call_aio, open_loop, trio_asyncio_module, unwrap
 
-__all__ = [
-    "AsyncioCancelled",
-    "AsyncioModelContext",
-    "AsyncioTaskset",
-    "BridgedEnv",
-    "TrioAsyncioUnavailable",
-    "bridge_env",
-]
+# --- feeds ----------------------------------------------------------------------------------
+
 
 T = TypeVar("T")
 TaskT = TypeVar("TaskT")
 ConfigT = TypeVar("ConfigT", bound=TasksetConfig)
-Ts = TypeVarTuple("Ts")
-
-
-class AsyncioCancelled(RuntimeError):
-    """An asyncio task of the bridge (a pull, a run, a rollout...) was cancelled, but not by trio.
-
-    The asyncio code cancelled itself (or something outside trio cancelled its task). Raised
-    instead of asyncio's `CancelledError`, which must not reach trio as a stray BaseException;
-    the original `CancelledError` is its `__cause__`. Used by both directions of the bridge.
-    """
-
-
-class TrioAsyncioUnavailable(ImportError):
-    """trio-asyncio cannot be imported on this Python, so an asyncio env cannot run under trio.
-
-    At present trio-asyncio does not support Python 3.14 (python-trio/trio-asyncio#160), and
-    trio-tasksets installs it only on older Pythons. The guest-mode direction of the bridge
-    (`tt.aio.run_stream`, `tt.aio.run_trio`) does not need it.
-    """
-
-
-def _trio_asyncio() -> Any:
-    """The trio_asyncio module, or `TrioAsyncioUnavailable` saying why not (imported lazily, so
-    that this module, and `tt.aio`'s guest mode, import without it)."""
-    try:
-        import trio_asyncio
-        import trio_asyncio._loop as loop_module
-    except Exception as exc:  # ImportError, or an AttributeError from an asyncio API 3.14 dropped
-        raise TrioAsyncioUnavailable(
-            f"trio_tasksets.aio.bridge_env needs trio-asyncio, which cannot be imported on "
-            f"Python {sys.version.split()[0]} ({type(exc).__name__}: {exc}). trio-asyncio does "
-            f"not support Python 3.14 yet (python-trio/trio-asyncio#160; trio-tasksets installs "
-            f"it only on Python < 3.14). The other direction needs no trio-asyncio: run the "
-            f"program under asyncio.run and call tt.aio.run_stream / tt.aio.run_trio from it "
-            f"(trio guest mode), with asyncio sources and runs."
-        ) from exc
-    _keep_asyncio_loops(loop_module)
-    return trio_asyncio
-
-
-def _keep_asyncio_loops(loop_module: Any) -> None:
-    """Undo one global side effect of importing trio-asyncio, outside trio only.
-
-    On import, trio-asyncio makes `asyncio.new_event_loop()` (hence `asyncio.run`) build its
-    own `SyncTrioEventLoop` in every thread that has not set an event loop policy: a trio run
-    in disguise, on which trio guest mode (`tt.aio.run_stream`) cannot start, and on which
-    trio-asyncio's own `trio_as_aio` fails too. This pins the policy asyncio had before the
-    import, as the default of every thread, for code *outside* trio; inside trio, trio-asyncio
-    uses its own policy as before (the bridge is unaffected), and a thread that sets a policy
-    keeps it. Relies on trio-asyncio 0.16 internals; a no-op if they are not there.
-    """
-    faked = getattr(loop_module, "_faked_policy", None)
-    original = getattr(loop_module, "_original_policy", None)
-    if faked is None or original is None:
-        return
-    holder = type(faked)  # a threading.local subclass: its class attribute is every default
-    if getattr(holder, "policy", None) is None:
-        holder.policy = original
-
-
-# --- calling asyncio from trio ------------------------------------------------------------
-
-
-def _name(fn: object) -> str:
-    return getattr(fn, "__qualname__", None) or type(fn).__name__
-
-
-async def _invoke(fn: Callable[..., Any], args: tuple[Any, ...]) -> Any:
-    # The call itself (not only the await) runs inside the asyncio task, so its sync part sees
-    # asyncio (sniffio, current_task). A sync `fn` (e.g. a sync score) is fine too.
-    result = fn(*args)
-    if inspect.isawaitable(result):
-        result = await result
-    return result
-
-
-async def _call_aio(loop: Any, fn: Callable[[Unpack[Ts]], Any], *args: *Ts) -> Any:
-    """From trio: run `fn(*args)` (awaited if awaitable) as an asyncio task on `loop`.
-
-    Returns its result or raises its exception unwrapped. Trio cancellation cancels the asyncio
-    task and waits for it to finish, then raises `trio.Cancelled` (or the real error the task
-    raised while unwinding). A `CancelledError` trio did not request raises `AsyncioCancelled`.
-    """
-    try:
-        return await loop.run_aio_coroutine(_invoke(fn, args))
-    except asyncio.CancelledError as exc:
-        # trio-asyncio turns a cancellation *trio* asked for into trio.Cancelled; a
-        # CancelledError that still arrives here came from the asyncio side.
-        raise AsyncioCancelled(
-            f"the asyncio task running {_name(fn)} was cancelled from the asyncio side, not "
-            "by trio (did the asyncio code cancel itself?)"
-        ) from exc
-
-
-def _note(error: BaseException, when: str, extra: BaseException) -> None:
-    error.add_note(f"trio_tasksets: {when}, {type(extra).__name__} was also raised: {extra}")
-
-
-def _leaf_ids(exc: BaseException) -> list[int]:
-    if isinstance(exc, BaseExceptionGroup):
-        return [i for inner in exc.exceptions for i in _leaf_ids(inner)]
-    return [id(exc)]
-
-
-def _same(exc: BaseException, known: BaseException) -> bool:
-    """`exc` is `known`, or a copy of the group `known` that a nursery derived while splitting
-    `trio.Cancelled` out of its errors (same type, message and leaf exceptions)."""
-    if exc is known:
-        return True
-    return (
-        isinstance(exc, BaseExceptionGroup)
-        and type(exc) is type(known)
-        and isinstance(known, BaseExceptionGroup)
-        and exc.message == known.message
-        and _leaf_ids(exc) == _leaf_ids(known)
-    )
-
-
-def _unwrap(
-    group: BaseExceptionGroup[BaseException], *known: BaseException | None
-) -> BaseException:
-    """The one exception a group of the bridge's own layers stands for.
-
-    `known` are exceptions raised by user code the layers wrapped (the block's first): they are
-    kept whole, and returned as the original objects, even when they are groups themselves (an
-    asyncio TaskGroup's) that a nursery re-derived; every other group is a layer and is
-    flattened. KeyboardInterrupt wins; then the first known real
-    (non-Cancelled) error; then any real error; else a Cancelled (the block's, if it raised
-    one). The other real errors are attached to the chosen one as notes.
-    """
-    keep = [exc for exc in known if exc is not None]
-    leaves: list[BaseException] = []
-
-    def walk(exc: BaseException) -> None:
-        original = next((k for k in keep if _same(exc, k)), None)
-        if original is not None:
-            leaves.append(original)
-        elif not isinstance(exc, BaseExceptionGroup):
-            leaves.append(exc)
-        else:
-            for inner in exc.exceptions:
-                walk(inner)
-
-    walk(group)
-    real = [exc for exc in leaves if not isinstance(exc, trio.Cancelled)]
-    interrupts = [exc for exc in real if isinstance(exc, KeyboardInterrupt)]
-    if interrupts:
-        return interrupts[0]
-    if not real:
-        return next((exc for exc in keep if any(exc is leaf for leaf in leaves)), leaves[0])
-    ordered = [k for k in keep if any(k is r for r in real)] + real
-    chosen = ordered[0]
-    for other in real:
-        if other is not chosen:
-            _note(chosen, "while the asyncio bridge unwound", other)
-    return chosen
-
-
-@asynccontextmanager
-async def _open_loop() -> AsyncIterator[Any]:
-    """`trio_asyncio.open_loop()`, with the ExceptionGroup layers it adds removed: what the
-    block raised comes out itself (python-trio/trio-asyncio#146)."""
-    trio_asyncio = _trio_asyncio()
-    body: BaseException | None = None
-    chosen: BaseException | None = None
-    try:
-        async with trio_asyncio.open_loop() as loop:
-            try:
-                yield loop
-            except BaseException as exc:
-                body = exc
-                raise
-    except BaseExceptionGroup as group:
-        chosen = _unwrap(group, body)
-    # Raised outside the handler, so no exception of the user gets a new __context__.
-    if chosen is not None:
-        raise chosen
-
-
-# --- feeds ----------------------------------------------------------------------------------
 
 
 async def _close_feed(loop: Any, feed: Any, primary: BaseException | None) -> None:
@@ -263,11 +76,11 @@ async def _close_feed(loop: Any, feed: Any, primary: BaseException | None) -> No
     exception is already on its way out: then it is attached to that one as a note."""
     with trio.CancelScope(shield=True):
         try:
-            await _call_aio(loop, _aclose, feed)
+            await call_aio(loop, aclose_source, feed)
         except Exception as exc:
             if primary is None:
                 raise
-            _note(primary, "while closing the asyncio feed", exc)
+            add_note(primary, "while closing the asyncio feed", exc)
 
 
 async def _asyncio_feed(loop: Any, stream: Callable[[], Any]) -> AsyncGenerator[Any, None]:
@@ -278,7 +91,7 @@ async def _asyncio_feed(loop: Any, stream: Callable[[], Any]) -> AsyncGenerator[
     try:
         while True:
             try:
-                task = await _call_aio(loop, anext, feed)
+                task = await call_aio(loop, anext, feed)
             except StopAsyncIteration:
                 break
             yield task
@@ -289,7 +102,7 @@ async def _asyncio_feed(loop: Any, stream: Callable[[], Any]) -> AsyncGenerator[
 
 
 class _TrioView(Taskset[Any, Any]):
-    """What `_stream_view` reads: the asyncio taskset's views, prompt and a trio stream()."""
+    """What `stream_view` reads: the asyncio taskset's views, prompt and a trio stream()."""
 
     def __init__(self, base: Taskset[Any, Any], loop: Any) -> None:
         self.config = base.config
@@ -323,13 +136,13 @@ class AsyncioTaskset(Taskset[TaskT, ConfigT]):
 
     @asynccontextmanager
     async def _asyncio_channel(self) -> AsyncIterator[trio.abc.ReceiveChannel[TaskT]]:
-        loop = _trio_asyncio().current_loop.get()
+        loop = trio_asyncio_module().current_loop.get()
         if loop is not None:
             async with trio.as_safe_channel(self._bridged_tasks)(loop) as tasks:
                 yield tasks
             return
         async with (
-            _open_loop() as own,
+            open_loop() as own,
             trio.as_safe_channel(self._bridged_tasks)(own) as tasks,
         ):
             yield tasks
@@ -338,13 +151,13 @@ class AsyncioTaskset(Taskset[TaskT, ConfigT]):
         # As Taskset._tasks: only the channel's background task iterates this, the guard is
         # entered before the first pull and shielded only for the close.
         with trio.CancelScope() as guard:
-            source = _stream_view(_TrioView(self, loop))
+            source = stream_view(_TrioView(self, loop))
             try:
                 async for task in source:
                     yield task
             finally:
                 guard.shield = True
-                await _aclose(source)
+                await aclose_source(source)
 
 
 def _feed_view_class() -> Callable[[Any], Taskset[Any, Any]]:
@@ -374,7 +187,7 @@ def _feed_view_class() -> Callable[[Any], Taskset[Any, Any]]:
                 async for task in inner:
                     yield task
             finally:
-                await _aclose(inner)
+                await aclose_source(inner)
 
         def __repr__(self) -> str:
             return f"FeedView({self._feed!r})"
@@ -455,7 +268,7 @@ async def _hold(loop: Any, factory: Callable[[], Any], held: _Held) -> None:
 
 async def _run_holder(loop: Any, factory: Callable[[], Any], held: _Held) -> None:
     try:
-        await _call_aio(loop, _hold, loop, factory, held)
+        await call_aio(loop, _hold, loop, factory, held)
     except Exception as exc:
         if not held.releasing:
             held.failure = exc
@@ -490,7 +303,7 @@ async def _hold_serving(loop: Any, factory: Callable[[], Any]) -> AsyncIterator[
             await held.done.wait()
             chosen = held.error  # None: exited cleanly (or suppressed the block's error)
     except BaseExceptionGroup as group:
-        chosen = _unwrap(group, body, held.failure)
+        chosen = unwrap(group, body, held.failure)
     if chosen is not None:
         raise chosen
 
@@ -563,7 +376,7 @@ class BridgedEnv(Env[TaskT]):
         reward: Reward | None = None,
         retries: RetryPolicy | None = None,
     ) -> None:
-        self._trio_asyncio = _trio_asyncio()  # fail here, clearly, where it cannot work
+        self._trio_asyncio = trio_asyncio_module()  # fail here, clearly, where it cannot work
         if aio_env is None:
             factory = type(self).aio_env_class
             if factory is None:
@@ -601,7 +414,7 @@ class BridgedEnv(Env[TaskT]):
     @asynccontextmanager
     async def _serving(self) -> AsyncIterator[BridgedEnv[TaskT]]:
         factory = getattr(self.aio_env, "serving", None)
-        async with _open_loop() as loop:
+        async with open_loop() as loop:
             self._loops.append(loop)
             try:
                 if factory is None:
@@ -626,7 +439,7 @@ class BridgedEnv(Env[TaskT]):
         )
 
     async def _aio(self, fn: Callable[..., Any], *args: Any) -> Any:
-        return await _call_aio(self._loop(), fn, *args)
+        return await call_aio(self._loop(), fn, *args)
 
     # --- the episode ------------------------------------------------------------------------
 
@@ -637,7 +450,7 @@ class BridgedEnv(Env[TaskT]):
         if aio_rollout is None:
             return await super().rollout(task, ctx)
         loop = self._loop()
-        result = await _call_aio(loop, aio_rollout, task, AsyncioModelContext(ctx, loop))
+        result = await call_aio(loop, aio_rollout, task, AsyncioModelContext(ctx, loop))
         return _check_rollout(result, self.aio_env)
 
     async def score(self, task: TaskT, completion: str) -> float:
@@ -667,7 +480,7 @@ class BridgedEnv(Env[TaskT]):
             return await super().run_slot(slot, ctx, on_complete=on_complete)
         if slot.started is None:
             slot.started = time.time()
-        episode = await _call_aio(loop, aio_run_slot, slot, AsyncioModelContext(ctx, loop))
+        episode = await call_aio(loop, aio_run_slot, slot, AsyncioModelContext(ctx, loop))
         if not isinstance(episode, Episode):
             raise TypeError(
                 f"{type(self.aio_env).__name__}.run_slot must return a tt.Episode, got "
@@ -695,5 +508,5 @@ def bridge_env(
     an asyncio env, `TrioAsyncioUnavailable` where trio-asyncio cannot import (Python 3.14).
     For the served path, declare a `BridgedEnv` subclass at module level instead.
     """
-    _trio_asyncio()
+    trio_asyncio_module()
     return BridgedEnv(aio_env=aio_env, reward=reward, retries=retries)

@@ -1,77 +1,30 @@
-"""The command line: `trio-tasksets eval TASKSET [options]` (also `python -m trio_tasksets`).
-
-Exit codes: 0 done (failed episodes are data, not errors), 1 an error stopped the run,
-2 a usage error (found before any task is pulled or file written), 130 interrupted (Ctrl-C).
-"""
+"""`trio-tasksets eval TASKSET`: the eval's command (exit codes: see `trio_tasksets.cli.main`)."""
 
 from __future__ import annotations
 
 import argparse
 import os
 import sys
-from collections.abc import Sequence
 from pathlib import Path
-from typing import Any, NoReturn
+from typing import TYPE_CHECKING, Any
 
 import attrs
 import trio
 
-from .builtin import BUILTIN
-from .distributed import COMMANDS as DISTRIBUTED_COMMANDS
-from .distributed import add_commands as add_distributed_commands
-from .distributed import run_command as run_distributed_command
-from .env import Env, RetryPolicy
-from .eval import EvalConfig, EvalConfigError, run_eval
-from .models import ModelContext
-from .options import UsageError, add_model_options, model_context
-from .serve import TOKEN_VAR, ServeUsageError, add_serve_command, serve_main
-from .tasksets import Taskset
-from .wire import load_object
+from ..env import Env, RetryPolicy
+from ..eval import EvalConfig, run_eval
+from ..loading import resolve_target
+from ..models import ModelContext
+from ..serve.wire import TOKEN_VAR
 
-__all__ = ["main", "resolve_target", "resolve_taskset"]
+if TYPE_CHECKING:
+    from .options import Commands
+
+from .options import UsageError, add_model_options, model_context, names
 
 
-def resolve_taskset(spec: str) -> type[Taskset[Any, Any]]:
-    """A taskset class from a built-in id, `path/to/file.py:Class` or `package.module:Class`."""
-    return resolve_target(spec)[0]
-
-
-def resolve_target(spec: str) -> tuple[type[Taskset[Any, Any]], type[Env[Any]] | None]:
-    """The taskset class TASKSET names, and the env class when it names an Env subclass with
-    a `taskset_class` (e.g. a `tt.aio.BridgedEnv` around an asyncio env), else None."""
-    if spec in BUILTIN:
-        return BUILTIN[spec], None
-    if ":" not in spec:
-        known = ", ".join(sorted(BUILTIN))
-        raise UsageError(
-            f"TASKSET {spec!r} is not a built-in id ({known}), nor path/to/file.py:Class, "
-            f"nor package.module:Class"
-        )
-    where, _, name = spec.rpartition(":")
-    if where.endswith(".py") and not Path(where).is_file():
-        raise UsageError(f"TASKSET {spec!r}: no file {where}")
-    try:
-        cls = load_object(spec)
-    except (ImportError, ValueError) as exc:
-        raise UsageError(f"TASKSET {spec!r}: cannot load it: {exc}") from exc
-    if isinstance(cls, type) and issubclass(cls, Env):
-        taskset_cls = getattr(cls, "taskset_class", None)
-        if isinstance(taskset_cls, type) and issubclass(taskset_cls, Taskset):
-            return taskset_cls, cls
-        raise UsageError(
-            f"TASKSET {spec!r}: {name} is an Env class without a `taskset_class` (a Taskset "
-            f"subclass) to build it around"
-        )
-    if not (isinstance(cls, type) and issubclass(cls, Taskset)):
-        raise UsageError(f"TASKSET {spec!r}: {where} has no Taskset subclass named {name!r}")
-    return cls, None
-
-
-def _parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
-        prog="trio-tasksets", description="Streaming tasksets and a windowed runner on Trio."
-    )
-    commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+def add_parser(commands: Commands) -> argparse.ArgumentParser:
+    """Add `eval` to the CLI's subcommands."""
     ev = commands.add_parser(
         "eval",
         help="evaluate a taskset against a model",
@@ -134,13 +87,7 @@ def _parser() -> argparse.ArgumentParser:
     prompt = model.add_mutually_exclusive_group()
     prompt.add_argument("--system-prompt", default=None, metavar="TEXT")
     prompt.add_argument("--system-prompt-file", default=None, metavar="PATH")
-    add_serve_command(commands)
-    add_distributed_commands(commands)
-    return parser  # fmt: skip
-
-
-def _names(text: str) -> tuple[str, ...]:
-    return tuple(part.strip() for part in text.split(",") if part.strip())
+    return ev
 
 
 def _build(args: argparse.Namespace) -> tuple[Env[Any], ModelContext, EvalConfig]:
@@ -156,7 +103,7 @@ def _build(args: argparse.Namespace) -> tuple[Env[Any], ModelContext, EvalConfig
         config = attrs.evolve(config, system_prompt=system_prompt)
     if args.retries < 0:
         raise UsageError(f"--retries must be >= 0, got {args.retries}")
-    retries = RetryPolicy(args.retries, _names(args.retry_on), _names(args.no_retry_on))
+    retries = RetryPolicy(args.retries, names(args.retry_on), names(args.no_retry_on))
     env: Env[Any] = (env_cls or Env)(cls(config), retries=retries)
     ctx = model_context(args)
     if args.token_var is not None:
@@ -191,36 +138,14 @@ async def _eval(env: Env[Any], ctx: ModelContext, config: EvalConfig) -> dict[st
     return {"run_dir": str(result.run_dir), **result.summary}
 
 
-def _usage_exit(parser: argparse.ArgumentParser, message: str) -> NoReturn:
-    parser.print_usage(sys.stderr)
-    print(f"trio-tasksets: error: {message}", file=sys.stderr)
-    raise SystemExit(2)
-
-
-def main(argv: Sequence[str] | None = None) -> int:
-    parser = _parser()
-    args = parser.parse_args(argv)
-    if args.command in DISTRIBUTED_COMMANDS:
-        return run_distributed_command(args, parser)
-    if args.command == "serve":
-        try:
-            return serve_main(args)
-        except (UsageError, ServeUsageError) as exc:
-            _usage_exit(parser, str(exc))
-    try:
-        env, ctx, config = _build(args)
-    except UsageError as exc:
-        _usage_exit(parser, str(exc))
+def run(args: argparse.Namespace) -> int:
+    """Run the eval the options describe; print the one-line summary."""
+    env, ctx, config = _build(args)
     try:
         summary = trio.run(_eval, env, ctx, config)
-    except EvalConfigError as exc:
-        _usage_exit(parser, str(exc))
     except KeyboardInterrupt:
         print("trio-tasksets: interrupted; finished episodes are on disk", file=sys.stderr)
         return 130
-    except Exception as exc:
-        print(f"trio-tasksets: error: {type(exc).__name__}: {exc}", file=sys.stderr)
-        return 1
     mean = summary["reward_mean"]
     print(
         f"{summary['ok']}/{summary['finished']} ok, reward mean "
@@ -228,7 +153,3 @@ def main(argv: Sequence[str] | None = None) -> int:
         f"traces in {summary['run_dir']}/traces.jsonl"
     )
     return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

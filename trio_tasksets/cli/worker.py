@@ -1,0 +1,173 @@
+"""`trio-tasksets worker` (consume a Redis stream) and `trio-tasksets enqueue` (feed one).
+
+These import redis-py only when they run (`pip install 'trio-tasksets[redis]'`)."""
+
+from __future__ import annotations
+
+import argparse
+from typing import TYPE_CHECKING, Any
+
+import trio
+
+from ..loading import resolve_taskset
+from ..models import ModelContext
+from .options import UsageError, add_model_options, model_context
+
+if TYPE_CHECKING:
+    from ..redis.worker import WorkerConfig, WorkerReport
+    from .options import Commands
+
+_EXTRA = "pip install 'trio-tasksets[redis]'"
+
+
+# --- the command line -------------------------------------------------------------------------
+
+
+def _feed_options(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--feed", required=True, metavar="URL", help="the Redis URL, e.g. redis://127.0.0.1:6379/0"
+    )
+    parser.add_argument("--stream", required=True, metavar="S", help="the stream of tasks")
+
+
+def add_parsers(subparsers: Commands) -> None:
+    """Add `worker` and `enqueue` to the CLI's subcommands."""
+    worker = subparsers.add_parser(
+        "worker",
+        help="consume a Redis stream of tasks until SIGTERM, publishing results",
+        description="Consume a Redis stream through a consumer group for as long as it runs; "
+        "publish each episode to --results and acknowledge its task in one transaction.",
+    )
+    _feed_options(worker)
+    worker.add_argument("--group", required=True, metavar="G", help="the consumer group")
+    worker.add_argument(
+        "--consumer", default=None, metavar="NAME", help="this worker's name (default host-pid)"
+    )
+    worker.add_argument("--results", required=True, metavar="R", help="the results stream")
+    worker.add_argument("-c", "--max-concurrent", type=int, default=32, metavar="C")
+    worker.add_argument(
+        "--claim-idle",
+        type=float,
+        default=60.0,
+        metavar="S",
+        help="reclaim a dead worker's entries once idle S seconds (default 60; live workers "
+        "keep theirs fresh every S/3 s)",
+    )
+    worker.add_argument(
+        "--grace", type=float, default=30.0, metavar="S", help="seconds for in-flight runs"
+    )
+    worker.add_argument("--retries", type=int, default=0, metavar="K")
+    worker.add_argument("--no-dashboard", action="store_true", help="plain log lines")
+    add_model_options(worker)
+
+    enqueue = subparsers.add_parser(
+        "enqueue",
+        help="push a taskset's tasks into a Redis stream",
+        description="Push a taskset's tasks (a static taskset, or the next N of a stream) "
+        "into a Redis stream, one entry per task.",
+    )
+    _feed_options(enqueue)
+    enqueue.add_argument(
+        "taskset", metavar="TASKSET", help="echo, echo-stream, file.py:Class or pkg.mod:Class"
+    )
+    enqueue.add_argument("-n", "--num-examples", type=int, default=None, metavar="N")
+
+
+def _need(condition: bool, message: str) -> None:
+    if not condition:
+        raise UsageError(message)
+
+
+def _check_feed(args: argparse.Namespace) -> None:
+    try:
+        from ..redis.entries import check_url
+    except ImportError as exc:
+        raise UsageError(f"{args.command} needs redis-py ({exc}): {_EXTRA}") from None
+    try:
+        check_url(args.feed)
+    except ValueError as exc:
+        raise UsageError(f"--feed: {exc}") from None
+    _need(bool(args.stream), "--stream must name a stream, e.g. --stream tasks")
+
+
+def _worker_config(args: argparse.Namespace) -> WorkerConfig:
+    _check_feed(args)
+    from ..redis.worker import WorkerConfig, default_consumer
+
+    _need(bool(args.group), "--group must name a consumer group, e.g. --group workers")
+    _need(bool(args.results), "--results must name a stream, e.g. --results results")
+    _need(args.results != args.stream, "--results must differ from --stream")
+    _need(args.consumer is None or bool(args.consumer), "--consumer must not be empty")
+    _need(args.max_concurrent >= 1, f"-c/--max-concurrent must be >= 1, got {args.max_concurrent}")
+    _need(args.claim_idle > 0, f"--claim-idle must be > 0 seconds, got {args.claim_idle}")
+    _need(args.grace >= 0, f"--grace must be >= 0 seconds, got {args.grace}")
+    _need(args.retries >= 0, f"--retries must be >= 0, got {args.retries}")
+    return WorkerConfig(
+        feed=args.feed, stream=args.stream, group=args.group, results=args.results,
+        consumer=args.consumer or default_consumer(), max_concurrent=args.max_concurrent,
+        claim_idle=args.claim_idle, grace=args.grace, retries=args.retries,
+        dashboard=not args.no_dashboard,
+    )  # fmt: skip
+
+
+async def _work(config: WorkerConfig, ctx: ModelContext) -> WorkerReport:
+    try:
+        from ..redis.worker import run_worker
+
+        return await run_worker(config, ctx)
+    finally:
+        with trio.CancelScope(shield=True):
+            await ctx.client.aclose()
+
+
+def run_worker_command(args: argparse.Namespace) -> int:
+    """`trio-tasksets worker`: exit 0 once shut down by a signal."""
+    config = _worker_config(args)
+    ctx = model_context(args)
+    trio.run(_work, config, ctx)
+    return 0
+
+
+def run_enqueue(args: argparse.Namespace) -> int:
+    """`trio-tasksets enqueue`: print how many tasks went in."""
+    _check_feed(args)
+    n = args.num_examples
+    _need(n is None or n >= 0, f"-n/--num-examples must be >= 0, got {n}")
+    taskset = resolve_taskset(args.taskset)()  # a bad TASKSET is a UsageError too
+    if (taskset.streaming or taskset.INFINITE) and n is None:
+        kind = "streams its tasks" if taskset.streaming else "is INFINITE"
+        raise UsageError(
+            f"taskset {type(taskset).__name__} {kind}: bound it with -n/--num-examples N"
+        )
+    _ping(args.feed)
+    ids = trio.run(_enqueue, args.feed, args.stream, taskset, n)
+    span = f" ({ids[0]} .. {ids[-1]})" if ids else ""
+    print(f"enqueued {len(ids)} tasks to {args.stream}{span}")
+    return 0
+
+
+def _ping(url: str) -> None:
+    import redis
+
+    from ..redis.entries import redact
+
+    client = redis.Redis.from_url(url, socket_connect_timeout=5.0, socket_timeout=5.0)
+    try:
+        client.ping()
+    except redis.RedisError as exc:
+        raise UsageError(
+            f"--feed {redact(url)}: cannot reach Redis ({type(exc).__name__}: {exc}); start "
+            f"redis-server there or fix the URL"
+        ) from None
+    finally:
+        client.close()
+
+
+async def _enqueue(url: str, stream: str, taskset: Any, n: int | None) -> list[str]:
+    from ..redis.results import enqueue
+
+    view = taskset.head(n) if n is not None else taskset
+    if not view.streaming:
+        return await enqueue(url, stream, list(view))
+    async with view.channel() as tasks:
+        return await enqueue(url, stream, tasks)

@@ -1,0 +1,123 @@
+"""Objects by name: `module:Name` and `path/file.py:Name`, and the TASKSET argument.
+
+`object_spec(obj)` names an object so that another process (an env server, a worker) can
+import it; `load_object(spec)` imports it. `resolve_target(TASKSET)` is what every command
+does with its TASKSET argument (a built-in id, `path/to/file.py:Class`, `package.module:Class`).
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.util
+import sys
+from pathlib import Path
+from typing import Any
+
+from .builtin import BUILTIN
+from .env import Env
+from .tasksets import Taskset
+
+FILE_MODULE_PREFIX = "_trio_tasksets_user_"  # the module name a file loaded by path gets
+
+
+class TravelError(ValueError):
+    """Something of the env or the model context cannot be rebuilt in another process."""
+
+
+class TargetError(ValueError):
+    """A TASKSET argument that names nothing this process can load (the CLI: exit 2)."""
+
+
+def _module_file(module_name: str) -> str | None:
+    module = sys.modules.get(module_name)
+    path = getattr(module, "__file__", None)
+    return str(Path(path).resolve()) if isinstance(path, str) else None
+
+
+def object_spec(obj: Any, what: str) -> str:
+    """`module:Name`, or `path/file.py:Name` for an object of a script or a file loaded by
+    path (of a `python -m pkg.mod` run: `pkg.mod:Name`); `TravelError` for an object another
+    process cannot import by that name."""
+    module_name = getattr(obj, "__module__", None)
+    qualname = getattr(obj, "__qualname__", None)
+    if not isinstance(module_name, str) or not isinstance(qualname, str):
+        raise TravelError(f"{what} {obj!r} has no importable name; run in-process")
+    if "." in qualname or "<" in qualname:
+        raise TravelError(
+            f"{what} {qualname} is not defined at the top level of a module (a lambda, or a "
+            f"definition inside a function or class), so an env server cannot import it; "
+            f"define it at module level or run in-process"
+        )
+    module = sys.modules.get(module_name)
+    if module is None or getattr(module, qualname, None) is not obj:
+        raise TravelError(f"{what} {module_name}:{qualname} cannot be found by that name")
+    main_spec = getattr(module, "__spec__", None) if module_name == "__main__" else None
+    if main_spec is not None and main_spec.name:  # `python -m package.module`
+        return f"{main_spec.name}:{qualname}"
+    if module_name == "__main__" or module_name.startswith(FILE_MODULE_PREFIX):
+        path = _module_file(module_name)
+        if path is None:
+            raise TravelError(f"{what} {qualname} lives in a module with no file; run in-process")
+        return f"{path}:{qualname}"
+    return f"{module_name}:{qualname}"
+
+
+def load_object(spec: str) -> Any:
+    """The object `object_spec` named, imported in this process (a file module is loaded
+    once, under a name of its own: FILE_MODULE_PREFIX + the file's stem)."""
+    where, _, name = spec.rpartition(":")
+    if not where or not name:
+        raise ValueError(f"{spec!r}: expected module:Name or path/file.py:Name")
+    if where.endswith(".py"):
+        path = Path(where).resolve()
+        module_name = f"{FILE_MODULE_PREFIX}{path.stem}"
+        module = sys.modules.get(module_name)
+        if module is None or _module_file(module_name) != str(path):
+            module_spec = importlib.util.spec_from_file_location(module_name, path)
+            if module_spec is None or module_spec.loader is None:
+                raise ValueError(f"{spec!r}: cannot import {path}")
+            module = importlib.util.module_from_spec(module_spec)
+            sys.modules[module_name] = module
+            module_spec.loader.exec_module(module)
+    else:
+        module = importlib.import_module(where)
+    try:
+        return getattr(module, name)
+    except AttributeError:
+        raise ValueError(f"{spec!r}: {where} has no {name!r}") from None
+
+
+def resolve_taskset(spec: str) -> type[Taskset[Any, Any]]:
+    """A taskset class from a built-in id, `path/to/file.py:Class` or `package.module:Class`."""
+    return resolve_target(spec)[0]
+
+
+def resolve_target(spec: str) -> tuple[type[Taskset[Any, Any]], type[Env[Any]] | None]:
+    """The taskset class TASKSET names, and the env class when it names an Env subclass with
+    a `taskset_class` (e.g. a `tt.aio.BridgedEnv` around an asyncio env), else None."""
+    if spec in BUILTIN:
+        return BUILTIN[spec], None
+    if ":" not in spec:
+        known = ", ".join(sorted(BUILTIN))
+        raise TargetError(
+            f"TASKSET {spec!r} is not a built-in id ({known}), nor path/to/file.py:Class, "
+            f"nor package.module:Class"
+        )
+    where, _, name = spec.rpartition(":")
+    if where.endswith(".py") and not Path(where).is_file():
+        raise TargetError(f"TASKSET {spec!r}: no file {where}")
+    try:
+        cls = load_object(spec)
+    except (ImportError, ValueError) as exc:
+        raise TargetError(f"TASKSET {spec!r}: cannot load it: {exc}") from exc
+    if isinstance(cls, type) and issubclass(cls, Env):
+        taskset_cls = getattr(cls, "taskset_class", None)
+        if isinstance(taskset_cls, type) and issubclass(taskset_cls, Taskset):
+            return taskset_cls, cls
+        raise TargetError(
+            f"TASKSET {spec!r}: {name} is an Env class without a `taskset_class` (a Taskset "
+            f"subclass) to build it around"
+        )
+    if not (isinstance(cls, type) and issubclass(cls, Taskset)):
+        raise TargetError(f"TASKSET {spec!r}: {where} has no Taskset subclass named {name!r}")
+    return cls, None

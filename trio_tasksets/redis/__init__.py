@@ -1,0 +1,52 @@
+"""Redis Streams as a feed and a results sink ; the optional extra `trio-tasksets[redis]`.
+
+* `RedisStreamTaskset(url, stream, group, consumer)`: a streaming taskset over a consumer group.
+  Each pull of its `stream()` claims **at most one** entry, and only when the runner pulls, so a
+  worker never holds more entries than its window asks for. Per pull, in this order: the
+  consumer's own pending entries left from an earlier life (XREADGROUP from id 0), then, when a
+  reclaim pass is due (at start and every `min(claim_idle / 2, 30)` s), XAUTOCLAIM COUNT 1 of
+  an entry idle longer than `claim_idle` (a dead consumer's), else XREADGROUP COUNT 1 BLOCK
+  `block` of a new entry.
+* `RedisResults(url, stream)`: `publish(episode, entry)` XADDs the episode's trace row to the
+  results stream and XACKs its task entry in one MULTI/EXEC transaction; `keep_alive(consumer,
+  entries)` resets the idle time of entries still running, so that they are not reclaimed.
+* `enqueue(url, stream, tasks)`: XADDs tasks as entries, one field `task` holding the JSON of
+  `{"key", "data"}`, which reads back as an equal `tt.Task` (a `RedisTask`).
+
+The client is redis-py's synchronous client; each command runs in a trio worker thread
+(`trio.to_thread.run_sync`). A blocking read waits at most `block` seconds, so a graceful stop
+(`RedisStreamTaskset.stop()`) ends the stream within `block` without abandoning a read that may
+already have claimed an entry; a hard cancellation abandons the thread at once. Every call
+retries connection failures (Redis restarted or unreachable) with capped, jittered exponential
+backoff and a log line naming the URL; redis-py's own retries are off so that no transaction is
+replayed behind our back. docs/distributed.md explains the choice and the guarantees.
+
+Rooms: `entries` (tasks as entries), `link` (one resilient connection), `feed`
+(`RedisStreamTaskset`), `results` (`RedisResults`, `enqueue`), `worker` (`run_worker`).
+"""
+
+from .entries import (
+    TASK_FIELD,
+    EntryRef,
+    MalformedEntry,
+    RedisTask,
+    check_url,
+    decode_task,
+    encode_task,
+)
+from .feed import RedisStreamTaskset
+from .results import Published, RedisResults, enqueue
+
+__all__ = [
+    "TASK_FIELD",
+    "EntryRef",
+    "MalformedEntry",
+    "Published",
+    "RedisResults",
+    "RedisStreamTaskset",
+    "RedisTask",
+    "check_url",
+    "decode_task",
+    "encode_task",
+    "enqueue",
+]

@@ -1,0 +1,229 @@
+"""`RedisStreamTaskset`: a Redis stream read through a consumer group, as a taskset."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import AsyncIterator
+from typing import Any
+
+import orjson
+import redis
+import trio
+from redis.exceptions import ResponseError
+from redis.typing import KeyT, StreamIdT
+
+from ..tasksets import Taskset, TasksetConfig
+from .entries import EntryRef, Log, MalformedEntry, RedisTask, check_url, decode_task, stderr_log
+from .link import Link, Stopped, first_entry
+
+_RECLAIM_EVERY_CAP = 30.0
+
+# Deletes consumer ARGV[2] of group ARGV[1] only if it has no pending entry (deleting one that
+# has would drop its entries from the pending list: they would never be delivered again).
+_LEAVE = """
+if #redis.call('XPENDING', KEYS[1], ARGV[1], '-', '+', 1, ARGV[2]) > 0 then return 0 end
+redis.call('XGROUP', 'DELCONSUMER', KEYS[1], ARGV[1], ARGV[2])
+return 1
+"""
+
+
+# --- the feed ----------------------------------------------------------------------------------
+
+
+class RedisStreamTaskset(Taskset[RedisTask, TasksetConfig]):
+    """A streaming taskset reading a Redis stream through a consumer group.
+
+    `stream()` creates the group if missing (from the stream's start, MKSTREAM) and yields one
+    `RedisTask` per pull, claiming one entry per pull and only then (see the module docstring
+    for the order: own pending, reclaim, new). It never acknowledges: whoever runs a task
+    acknowledges its `entry` (`RedisResults.publish`). An entry that holds no task is moved to
+    `dead_letter` (default `<stream>:dead`) and acknowledged, in one transaction.
+
+    `claim_idle` (seconds): an entry pending that long is taken to belong to a dead consumer
+    and is reclaimed; set it above the longest episode plus the publish. `block` (seconds):
+    the longest one read waits, hence the longest `stop()` waits. Connection failures are
+    retried with a log line (`log`, default: stderr) and never end the stream.
+    """
+
+    def __init__(
+        self,
+        url: str,
+        stream: str,
+        group: str,
+        consumer: str,
+        *,
+        claim_idle: float = 300.0,
+        block: float = 0.5,
+        dead_letter: str | None = None,
+        log: Log | None = None,
+        config: TasksetConfig | None = None,
+    ) -> None:
+        super().__init__(config)
+        check_url(url)
+        for name, value in (("stream", stream), ("group", group), ("consumer", consumer)):
+            if not isinstance(value, str) or not value:
+                raise ValueError(f"{name} must be a non-empty str, got {value!r}")
+        if not claim_idle > 0:
+            raise ValueError(f"claim_idle must be > 0 seconds, got {claim_idle!r}")
+        if not 0 < block <= 60:
+            raise ValueError(f"block must be in (0, 60] seconds, got {block!r}")
+        self.url = url
+        self.stream_key = stream
+        self.group = group
+        self.consumer = consumer
+        self.claim_idle = float(claim_idle)
+        self.block = float(block)
+        self.dead_letter = dead_letter if dead_letter is not None else f"{stream}:dead"
+        self.log: Log = log if log is not None else stderr_log("trio_tasksets.redis")
+        self._stop = trio.Event()  # shared by views (copy.copy): stopping one stops them all
+
+    def stop(self) -> None:
+        """End every stream of this taskset: no new read starts; a read in progress (at most
+        `block` seconds) still delivers the entry it claimed, then the stream ends."""
+        self._stop.set()
+
+    @property
+    def stopping(self) -> bool:
+        return self._stop.is_set()
+
+    async def leave(self) -> bool:
+        """Remove this consumer from the group if it holds no pending entry (one atomic
+        script), so that names of stopped workers do not pile up in XINFO CONSUMERS. Returns
+        whether it was removed; a consumer with pending entries stays, for them to be
+        reclaimed. Retries while Redis is unreachable: bound it with a deadline."""
+        link = Link(self.url, read_timeout=10.0, log=self.log)
+        keys, args = [self.stream_key], [self.group, self.consumer]
+
+        def leave(client: redis.Redis, _attempt: int) -> bool:
+            return bool(client.register_script(_LEAVE)(keys=keys, args=args, client=client))
+
+        try:
+            return await link.call("leaving the group", leave)
+        finally:
+            link.close()
+
+    async def stream(self) -> AsyncIterator[RedisTask]:
+        reader = _Reader(self)
+        try:
+            if not await reader.open():
+                return
+            while (task := await reader.next()) is not None:
+                yield task
+        finally:
+            reader.close()
+
+
+class _Reader:
+    """One stream() of a RedisStreamTaskset: its connection and its place in each phase."""
+
+    def __init__(self, taskset: RedisStreamTaskset) -> None:
+        self._ts = taskset
+        self._link = Link(taskset.url, read_timeout=taskset.block + 10.0, log=taskset.log)
+        self._history: str | None = "0"  # cursor over this consumer's own pending entries
+        self._cursor = "0-0"  # XAUTOCLAIM's scan cursor
+        self._reclaim_at = -math.inf  # a reclaim pass is due at once (on start)
+        self._reclaim_every = min(taskset.claim_idle / 2, _RECLAIM_EVERY_CAP)
+
+    def close(self) -> None:
+        self._link.close()
+
+    async def open(self) -> bool:
+        """Create the group if missing; False if stopped first."""
+        try:
+            await self._link.call("creating the group", self._create_group, stop=self._ts._stop)
+        except Stopped:
+            return False
+        return True
+
+    def _create_group(self, client: redis.Redis, _attempt: int) -> None:
+        ts = self._ts
+        try:
+            client.xgroup_create(ts.stream_key, ts.group, id="0", mkstream=True)
+        except ResponseError as exc:
+            if "BUSYGROUP" not in str(exc):
+                raise
+
+    async def next(self) -> RedisTask | None:
+        """The next task (claiming exactly one entry), or None once stopped."""
+        while not self._ts.stopping:
+            try:
+                found = await self._step()
+            except Stopped:
+                return None
+            except ResponseError as exc:
+                if "NOGROUP" not in str(exc):
+                    raise
+                self._ts.log(f"group {self._ts.group} is gone (Redis lost its data?): recreating")
+                await self.open()
+                continue
+            if found is not None:
+                task = await self._task(*found)
+                if task is not None:
+                    return task  # even if stop() came meanwhile: it is ours now, run it
+        return None
+
+    async def _step(self) -> tuple[str, dict[str, str] | None] | None:
+        if self._history is not None:
+            return await self._own_pending()
+        if trio.current_time() >= self._reclaim_at:
+            return await self._reclaim()
+        return await self._new()
+
+    async def _own_pending(self) -> tuple[str, dict[str, str] | None] | None:
+        ts = self._ts
+        streams: dict[KeyT, StreamIdT] = {ts.stream_key: self._history or "0"}
+
+        def read(client: redis.Redis, _attempt: int) -> Any:
+            return client.xreadgroup(ts.group, ts.consumer, streams, count=1)
+
+        found = first_entry(
+            await self._link.call("reading own pending entries", read, stop=ts._stop)
+        )
+        self._history = None if found is None else found[0]
+        return found
+
+    async def _reclaim(self) -> tuple[str, dict[str, str] | None] | None:
+        ts, cursor = self._ts, self._cursor
+        idle_ms = max(1, int(ts.claim_idle * 1000))
+
+        def claim(client: redis.Redis, _attempt: int) -> list[Any]:
+            return client.xautoclaim(ts.stream_key, ts.group, ts.consumer, idle_ms, cursor, 1)
+
+        reply = await self._link.call("reclaiming idle entries", claim, stop=ts._stop)
+        self._cursor = str(reply[0])
+        if self._cursor == "0-0":  # the pass is complete
+            self._reclaim_at = trio.current_time() + self._reclaim_every
+        if not reply[1]:
+            return None
+        entry_id, fields = reply[1][0]
+        ts.log(f"reclaimed entry {entry_id} of {ts.stream_key} (pending > {ts.claim_idle:g} s)")
+        return str(entry_id), fields
+
+    async def _new(self) -> tuple[str, dict[str, str] | None] | None:
+        ts = self._ts
+        block_ms = max(1, int(ts.block * 1000))
+        streams: dict[KeyT, StreamIdT] = {ts.stream_key: ">"}
+
+        def read(client: redis.Redis, _attempt: int) -> Any:
+            return client.xreadgroup(ts.group, ts.consumer, streams, count=1, block=block_ms)
+
+        return first_entry(await self._link.call("waiting for entries", read, stop=ts._stop))
+
+    async def _task(self, entry_id: str, fields: dict[str, str] | None) -> RedisTask | None:
+        ts = self._ts
+        entry = EntryRef(ts.stream_key, ts.group, entry_id)
+        try:
+            return decode_task(entry, fields)
+        except MalformedEntry as exc:
+            ts.log(f"{exc}: moved to {ts.dead_letter} and acknowledged")
+            error = str(exc)
+
+        def bury(client: redis.Redis, _attempt: int) -> None:
+            raw = orjson.dumps(fields or {}).decode()
+            with client.pipeline(transaction=True) as pipe:
+                pipe.xadd(ts.dead_letter, {"entry": entry_id, "error": error, "fields": raw})
+                pipe.xack(ts.stream_key, ts.group, entry_id)
+                pipe.execute()
+
+        await self._link.call("dead-lettering an entry", bury)
+        return None

@@ -1,0 +1,202 @@
+"""`run_worker`: the long-running service over a Redis stream."""
+
+from __future__ import annotations
+
+import os
+import socket
+from collections.abc import Callable
+
+import attrs
+import trio
+
+from .. import dashboard
+from ..env import Env, Episode, RetryPolicy, RunSlot
+from ..models import ModelContext
+from ..runner import as_completed, pick_one
+from .entries import EntryRef, Log, RedisTask, redact, stderr_log
+from .feed import RedisStreamTaskset
+from .results import RedisResults
+
+COMMANDS = ("worker", "enqueue")
+_LEAVE_WITHIN = 2.0  # seconds a stopping worker spends trying to leave the group
+_EXTRA = "pip install 'trio-tasksets[redis]'"
+
+
+def default_consumer() -> str:
+    """`<hostname>-<pid>`: unique per process, so a restarted worker is a new consumer."""
+    return f"{socket.gethostname()}-{os.getpid()}"
+
+
+@attrs.frozen
+class WorkerConfig:
+    """A worker's settings; each field is a `trio-tasksets worker` option."""
+
+    feed: str  # --feed
+    stream: str  # --stream
+    group: str  # --group
+    results: str  # --results
+    consumer: str = attrs.field(factory=default_consumer)  # --consumer
+    max_concurrent: int = 32  # -c/--max-concurrent
+    claim_idle: float = 60.0  # --claim-idle
+    grace: float = 30.0  # --grace
+    retries: int = 0  # --retries
+    dashboard: bool = True  # --no-dashboard
+    block: float = 0.5  # the longest one read waits (and a stop waits for it)
+
+
+@attrs.define
+class WorkerReport:
+    """What a worker did: episodes published, the most entries it held at once (claimed and
+    not yet acknowledged; never above `window`), and runs cancelled at the grace deadline.
+    `entries` are those held now, by entry id."""
+
+    window: int
+    entries: dict[str, EntryRef] = attrs.Factory(dict)
+    peak: int = 0
+    published: int = 0
+    cancelled: int = 0
+
+    @property
+    def held(self) -> int:
+        return len(self.entries)
+
+    def claimed(self, entry: EntryRef) -> None:
+        self.entries[entry.id] = entry
+        self.peak = max(self.peak, self.held)
+
+    def released(self, entry: EntryRef) -> None:
+        self.entries.pop(entry.id, None)
+
+    def line(self) -> str:
+        return (
+            f"stopped: published {self.published} episodes; peak in flight "
+            f"{self.peak}/{self.window}; {self.cancelled} cancelled at the grace deadline "
+            f"(left pending for another worker)"
+        )
+
+
+class _Claimed:
+    """The taskset's channel as the runner's source, counting each entry it hands out."""
+
+    def __init__(
+        self,
+        tasks: trio.abc.ReceiveChannel[RedisTask],
+        report: WorkerReport,
+        progress: dashboard.Progress,
+    ) -> None:
+        self._tasks = tasks
+        self._report = report
+        self._progress = progress
+
+    def __aiter__(self) -> _Claimed:
+        return self
+
+    async def __anext__(self) -> RedisTask:
+        try:
+            task = await self._tasks.receive()
+        except trio.EndOfChannel:
+            raise StopAsyncIteration from None
+        self._report.claimed(task.entry)
+        self._progress.planned()
+        return task
+
+
+async def run_worker(
+    config: WorkerConfig,
+    ctx: ModelContext,
+    *,
+    handle_signals: bool = True,
+    log: Log | None = None,
+    task_status: trio.TaskStatus[Callable[[str], None]] = trio.TASK_STATUS_IGNORED,
+) -> WorkerReport:
+    """Consume `config.stream` until shut down; return what was done (see the module docstring).
+
+    With `nursery.start(run_worker, ...)` the started value is `shut_down(reason)`, which acts
+    like a signal. Failures of the machinery (not of an episode, nor a Redis outage, which is
+    retried) are raised.
+    """
+    say = log if log is not None else stderr_log(f"worker {config.consumer}")
+    taskset = RedisStreamTaskset(
+        config.feed, config.stream, config.group, config.consumer,
+        claim_idle=config.claim_idle, block=config.block, log=say,
+    )  # fmt: skip
+    results = RedisResults(config.feed, config.results, log=say)
+    env: Env[RedisTask] = Env(taskset, retries=RetryPolicy(config.retries))
+    report = WorkerReport(window=config.max_concurrent)
+    progress = dashboard.Progress(title=f"worker {config.consumer}", growing=True)
+
+    async def run(task: RedisTask) -> Episode:
+        progress.started()
+        try:
+            episode = await env.run_slot(RunSlot(task), ctx)
+            await results.publish(
+                episode, task.entry, consumer=config.consumer, in_flight=report.held
+            )
+        except trio.Cancelled:
+            report.cancelled += 1
+            raise
+        finally:
+            report.released(task.entry)
+        report.published += 1
+        progress.finished(episode.ok, episode.reward)
+        return episode
+
+    say(
+        f"consuming {config.stream} (group {config.group}) at {redact(config.feed)}; window "
+        f"{config.max_concurrent}; results to {config.results}; claim idle "
+        f"{config.claim_idle:g} s; grace {config.grace:g} s"
+    )
+    error: BaseException | None = None
+    try:
+        with trio.CancelScope() as everything:
+
+            def shut_down(reason: str) -> None:
+                if taskset.stopping:
+                    say(f"{reason} again: cancelling {report.held} in flight now")
+                    everything.cancel()
+                    return
+                say(f"{reason}: stopping; {report.held} in flight get {config.grace:g} s")
+                taskset.stop()
+                everything.deadline = min(everything.deadline, trio.current_time() + config.grace)
+
+            async with env.serving(), taskset.channel() as tasks, trio.open_nursery() as nursery:
+                if handle_signals:
+                    await nursery.start(_on_signals, shut_down)
+                nursery.start_soon(_keep_alive, results, config, report)
+                task_status.started(shut_down)
+                async with (
+                    dashboard.show(progress, live=config.dashboard),
+                    as_completed(_Claimed(tasks, report, progress), run, window=report.window) as done,
+                ):  # fmt: skip
+                    async for _ in done:
+                        pass
+                nursery.cancel_scope.cancel()
+    except BaseExceptionGroup as group:
+        error = pick_one(group)
+    finally:
+        results.close()
+    if error is not None:
+        raise error  # outside the except block: the error keeps its own cause
+    with trio.move_on_after(_LEAVE_WITHIN):
+        await taskset.leave()  # only if it holds nothing: its name would be noise in the group
+    say(report.line())
+    return report
+
+
+async def _keep_alive(results: RedisResults, config: WorkerConfig, report: WorkerReport) -> None:
+    """Every claim_idle / 3 s, reset the idle time of the entries held, so that no worker
+    reclaims an entry whose episode is still running here, however long it runs."""
+    while True:
+        await trio.sleep(config.claim_idle / 3)
+        await results.keep_alive(config.consumer, list(report.entries.values()))
+
+
+async def _on_signals(
+    shut_down: Callable[[str], None], *, task_status: trio.TaskStatus[None]
+) -> None:
+    import signal
+
+    with trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
+        task_status.started()
+        async for signum in signals:
+            shut_down(signal.Signals(signum).name)

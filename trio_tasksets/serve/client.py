@@ -1,0 +1,319 @@
+"""`EnvClient`: `run(slot, ctx) -> Episode` against an env server, and `health()`."""
+
+from __future__ import annotations
+
+import inspect
+import json
+import time
+from collections.abc import Awaitable, Callable
+from types import TracebackType
+from typing import Any, Self
+from urllib.parse import urlsplit
+
+import trio
+
+from ..env import Episode, RetryPolicy, RunSlot
+from ..models import ModelContext
+from .errors import EnvServerError, transport_reason
+from .transport import HTTPConnections, Refused, WSConnection, WSGone
+from .wire import MAX_BODY_BYTES, WS_PATH, RunRequestEncoder
+
+
+class _WSPool:
+    """The WebSocket connections of an `EnvClient`: opened on first use, one per server
+    worker unless `size` is given (the kernel deals connections to the workers that accept
+    them, so up to 4 per worker are tried to reach distinct workers, by the pid each worker
+    names at the handshake). A run goes on the connection with the fewest runs in flight. A
+    connection that ends is dropped; the next run opens new ones."""
+
+    def __init__(self, client: EnvClient, size: int | None) -> None:
+        self.client = client
+        self.size = size
+        self.connections: list[WSConnection] = []
+        self.available: bool | None = None  # None: not asked yet; False: use HTTP
+        self.max_bytes = MAX_BODY_BYTES
+        self.closed = False
+        self._lock = trio.Lock()
+
+    def live(self) -> WSConnection | None:
+        """The open connection with the fewest runs in flight; None if none is open."""
+        best: WSConnection | None = None
+        for connection in self.connections:
+            if connection.gone is None and (
+                best is None or len(connection.calls) < len(best.calls)
+            ):
+                best = connection
+        return best
+
+    async def pick(self) -> WSConnection | None:
+        """A live connection (opened if needed), or None when the server has no ``/ws``."""
+        if self.closed:
+            raise EnvServerError(f"{self.client.url}: the client was closed", url=self.client.url)
+        live = [c for c in self.connections if c.gone is None]
+        if not live:
+            async with self._lock:
+                live = [c for c in self.connections if c.gone is None]
+                if not live and self.available is not False:
+                    live = await self._open()
+                    if self.closed:  # aclose() ran while these were opening: theirs too
+                        with trio.CancelScope(shield=True):
+                            for connection in live:
+                                await connection.close()
+                        raise EnvServerError(
+                            f"{self.client.url}: the client was closed", url=self.client.url
+                        )
+                    self.connections = live
+        if not live:
+            return None
+        return min(live, key=lambda c: len(c.calls))
+
+    async def _open(self) -> list[WSConnection]:
+        client = self.client
+        health = await client.health()
+        target = health.get("websocket")
+        if not isinstance(target, str):
+            self.available = False  # a server without /ws: HTTP only
+            return []
+        self.available = True
+        self.max_bytes = int(health.get("max_body", MAX_BODY_BYTES))
+        workers = int(health.get("workers", 1))
+        size = self.size or workers
+        wanted = min(size, workers)
+        host, port = client._connections.host, client._connections.port
+        connections: list[WSConnection] = []
+        seen: set[str] = set()
+        try:
+            for _ in range(size if self.size else 4 * workers):
+                connection = await WSConnection.open(
+                    host, port, client._prefix + target, client._ws_headers, self.max_bytes
+                )
+                if connection.pid in seen and len(seen) < wanted:
+                    await connection.close()  # a worker we have: try for another
+                    continue
+                seen.add(connection.pid)
+                connections.append(connection)
+                connection.start()
+                if len(connections) >= size:
+                    break
+        except BaseException:
+            with trio.CancelScope(shield=True):
+                for connection in connections:
+                    await connection.close()
+            raise
+        return connections
+
+    async def aclose(self) -> None:
+        self.closed = True
+        connections, self.connections = self.connections, []
+        for connection in connections:
+            await connection.close()
+
+
+class EnvClient:
+    """A client of an env server: `await client.run(slot, ctx) -> Episode`.
+
+    `transport="websocket"` (the default) multiplexes the runs over a few long-lived
+    WebSockets to ``/ws`` (`connections` of them; None: one per server worker), many runs per
+    message; a server without ``/ws``, an ``https://`` URL, or a request over the server's
+    size limit uses ``POST /run`` instead. `transport="http"`: one ``POST /run`` per run on
+    keep-alive connections, at most `max_connections` open (None: no bound; an eval sizes
+    it to its window). `health()` is always HTTP. Runs are untimed (an episode may take
+    long); connecting times out after `connect_timeout`. Every failure to get an answer
+    raises `EnvServerError` naming `url`. `api_key_var` is the variable an OpenAI model's
+    description tells the server to read its key from. Use `async with` or `aclose()`.
+    """
+
+    def __init__(
+        self,
+        url: str,
+        *,
+        token: str | None = None,
+        api_key_var: str | None = None,
+        max_connections: int | None = None,
+        connect_timeout: float = 10.0,
+        transport: str = "websocket",
+        connections: int | None = None,
+    ) -> None:
+        if transport not in ("websocket", "http"):
+            raise ValueError(f"transport must be 'websocket' or 'http', got {transport!r}")
+        if connections is not None and connections < 1:
+            raise ValueError(f"connections must be >= 1, got {connections}")
+        self.url = url.rstrip("/")
+        self.transport = transport
+        self._connect_timeout = connect_timeout
+        self.api_key_var = api_key_var
+        self._encoder = RunRequestEncoder(api_key_var)
+        parts = urlsplit(self.url)
+        if parts.scheme not in ("http", "https") or not parts.hostname:
+            raise ValueError(f"env server URL must be http://host:port or https://..., got {url!r}")
+        port = parts.port or (443 if parts.scheme == "https" else 80)
+        self._prefix = parts.path
+        self._connections = HTTPConnections(
+            parts.scheme, parts.hostname, port, max_connections, connect_timeout
+        )
+        self._headers = [(b"host", parts.netloc.encode())]
+        self._ws_headers: list[tuple[bytes, bytes]] = []
+        token = token.strip() if token else None
+        if token:
+            self._headers.append((b"authorization", f"Bearer {token}".encode()))
+            self._ws_headers.append((b"authorization", f"Bearer {token}".encode()))
+        self._ws = _WSPool(self, connections)
+        if transport == "http" or parts.scheme != "http":
+            self._ws.available = False
+
+    def __repr__(self) -> str:
+        return f"EnvClient({self.url!r})"
+
+    async def _request(self, method: str, path: str, body: bytes = b"") -> Any:
+        headers = [*self._headers, (b"content-length", str(len(body)).encode())]
+        if body:
+            headers.append((b"content-type", b"application/json"))
+        target = (self._prefix + path).encode()
+        try:
+            status, content = await self._connections.request(
+                method.encode(), target, headers, body
+            )
+        except Exception as exc:
+            reason = transport_reason(exc)
+            if reason is None:
+                raise
+            raise EnvServerError(f"env server {self.url} is gone: {reason}", url=self.url) from exc
+        try:
+            payload = json.loads(content)
+        except ValueError:
+            payload = None
+        if status != 200:
+            if isinstance(payload, dict):
+                detail = payload.get("error")
+            else:
+                detail = content[:200].decode(errors="replace")
+            raise EnvServerError(
+                f"env server {self.url} answered {method} {path} with HTTP {status}: {detail}",
+                url=self.url,
+                status=status,
+            )
+        if payload is None:
+            raise EnvServerError(
+                f"env server {self.url} answered {path} with a body that is not JSON",
+                url=self.url,
+                status=status,
+            )
+        return payload
+
+    async def health(self) -> dict[str, Any]:
+        """The server's ``GET /health``: ``{"ok": true, "pid", "running", "served", ...}``."""
+        payload = await self._request("GET", "/health")
+        if not isinstance(payload, dict):
+            raise EnvServerError(f"env server {self.url}: /health is not an object", url=self.url)
+        return payload
+
+    async def run(self, slot: RunSlot[Any], ctx: ModelContext) -> Episode:
+        """Run one slot on the server and return its episode. Cancelling this call cancels
+        the episode on the server: a ``cancel`` message on a WebSocket, or closing the
+        connection of a ``POST /run``."""
+        body = self._encoder.encode(slot, ctx)
+        connection = None
+        if self._ws.available is not False:
+            connection = self._ws.live() or await self._ws_connection()
+        if connection is None or len(body) + 64 > self._ws.max_bytes:
+            # Over the server's message limit a run would close its WebSocket (1009) and
+            # fail the others on it: send it alone, as POST /run (which answers 413).
+            row = await self._request("POST", "/run", body)
+        else:
+            row = await self._ws_run(connection, body)
+        try:
+            return Episode._from_fresh_row(row)
+        except (KeyError, TypeError, ValueError) as exc:
+            raise EnvServerError(
+                f"env server {self.url} answered /run with a row that is not an episode: {exc}",
+                url=self.url,
+            ) from exc
+
+    async def _ws_connection(self) -> WSConnection | None:
+        try:
+            with trio.fail_after(self._connect_timeout):
+                return await self._ws.pick()
+        except trio.TooSlowError:
+            reason = f"the WebSocket handshake took over {self._connect_timeout:g}s"
+        except Refused as exc:
+            raise EnvServerError(
+                f"env server {self.url} refused the WebSocket with HTTP {exc.status}: {exc}",
+                url=self.url,
+                status=exc.status,
+            ) from exc
+        except (OSError, WSGone) as exc:
+            reason = f"connection refused or unreachable ({exc})"
+        raise EnvServerError(f"env server {self.url} is gone: {reason}", url=self.url)
+
+    async def _ws_run(self, connection: WSConnection, body: bytes) -> Any:
+        answer = await connection.call(body)
+        if answer is None:
+            raise EnvServerError(f"env server {self.url} is gone: {connection.gone}", url=self.url)
+        status = answer.get("status")
+        if status != 200 or not isinstance(answer.get("row"), dict):
+            raise EnvServerError(
+                f"env server {self.url} answered a run on {WS_PATH} with status {status}: "
+                f"{answer.get('error')}",
+                url=self.url,
+                status=status if isinstance(status, int) else None,
+            )
+        return answer["row"]
+
+    async def run_slot(
+        self,
+        slot: RunSlot[Any],
+        ctx: ModelContext,
+        *,
+        on_complete: Callable[[Episode], Awaitable[None] | None] | None = None,
+        retries: RetryPolicy | None = None,
+    ) -> Episode:
+        """`Env.run_slot` through the server: one `run` per slot (more only on a retry), the
+        slot's live state set, and `on_complete(episode)` run once, shielded.
+
+        A retryable `EnvServerError` (no answer, or 5xx) is retried per `retries` only when
+        its `include` names it (or a base class): an empty `include` means "any episode
+        error" to the env, not "a server that went away".
+        """
+        slot.started = time.time()
+        attempt = 0
+        while True:
+            attempt += 1
+            try:
+                episode = await self.run(slot, ctx)
+                break
+            except EnvServerError as exc:
+                if not retry_server_error(retries, exc, attempt):
+                    raise
+                await trio.sleep(retries.delay(attempt) if retries is not None else 0)
+        slot.episode = episode
+        slot.done = True
+        if on_complete is not None:
+            result = on_complete(episode)  # a sync callback cannot be cancelled: no scope needed
+            if result is not None and inspect.isawaitable(result):
+                with trio.CancelScope(shield=True):
+                    await result
+        return episode
+
+    async def aclose(self) -> None:
+        """Close the WebSockets (runs still waiting on them fail) and the idle HTTP
+        connections (one in use closes when its request ends)."""
+        await self._ws.aclose()
+        await self._connections.aclose()
+
+    async def __aenter__(self) -> Self:
+        return self
+
+    async def __aexit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        await self.aclose()
+
+
+def retry_server_error(policy: RetryPolicy | None, exc: EnvServerError, attempt: int) -> bool:
+    if policy is None or not exc.retryable:
+        return False
+    named = {klass.__name__ for klass in type(exc).__mro__} & set(policy.include)
+    return bool(named) and policy.should_retry(exc, attempt)

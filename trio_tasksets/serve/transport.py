@@ -1,0 +1,302 @@
+"""The served path's client transports: pooled HTTP (`POST /run`) and pooled WebSockets."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import socket
+from typing import TYPE_CHECKING, Any
+
+import orjson
+import outcome
+import trio
+
+from ..runner import pick_one
+from .wire import WS_MAX_BATCH, coalesce
+
+if TYPE_CHECKING:
+    import httpcore  # imported where used: it imports anyio, which `import trio_tasksets` should not
+
+
+class HTTPConnections:
+    """Keep-alive HTTP/1.1 connections to one origin: one request per connection at a time,
+    an idle one reused (last in, first out), at most `limit` open.
+
+    Not httpcore's `AsyncConnectionPool`: its request-to-connection assignment scans every
+    connection on every event (O(connections x requests) per request, encode/httpcore#1035),
+    which at a window of 64 made the client cost 3x the server. httpcore still speaks HTTP.
+    """
+
+    def __init__(
+        self, scheme: str, host: str, port: int, limit: int | None, connect_timeout: float
+    ) -> None:
+        import httpcore
+
+        self._origin = httpcore.Origin(scheme.encode(), host.encode(), port)
+        self.host, self.port = host, port
+        self._idle: list[httpcore.AsyncHTTPConnection] = []
+        self._limiter = trio.CapacityLimiter(limit) if limit is not None else None
+        self._extensions = {"timeout": {"connect": connect_timeout, "read": None,
+                                        "write": None, "pool": None}}  # fmt: skip
+
+    async def _take(self) -> httpcore.AsyncHTTPConnection:
+        import httpcore
+
+        while self._idle:
+            connection = self._idle.pop()
+            if not connection.has_expired():
+                return connection
+            await connection.aclose()
+        # The client's keep-alive (60 s) is shorter than the server's (120 s): an idle
+        # connection is dropped here before the server could close it under a request.
+        return httpcore.AsyncHTTPConnection(self._origin, keepalive_expiry=60.0)
+
+    async def request(
+        self, method: bytes, target: bytes, headers: list[tuple[bytes, bytes]], body: bytes
+    ) -> tuple[int, bytes]:
+        """One request on a connection of its own; the status and the whole body."""
+        import httpcore
+
+        origin = self._origin
+        url = httpcore.URL(scheme=origin.scheme, host=origin.host, port=origin.port, target=target)
+        async with self._limiter if self._limiter is not None else contextlib.nullcontext():
+            connection = await self._take()
+            request = httpcore.Request(
+                method, url, headers=headers, content=body, extensions=self._extensions
+            )
+            try:
+                response = await connection.handle_async_request(request)
+                try:
+                    content = await response.aread()
+                finally:
+                    await response.aclose()
+            except BaseException:
+                with trio.CancelScope(shield=True):
+                    await connection.aclose()  # a cancelled request leaves it unusable
+                raise
+            if connection.is_available():
+                self._idle.append(connection)
+            else:
+                await connection.aclose()
+            return response.status, content
+
+    async def aclose(self) -> None:
+        idle, self._idle = self._idle, []
+        with trio.CancelScope(shield=True):
+            for connection in idle:
+                await connection.aclose()
+
+
+# --- the WebSocket transport -----------------------------------------------------------------
+
+
+class WSGone(Exception):
+    """The WebSocket connection ended; the message says how."""
+
+
+async def handshake(stream: trio.SocketStream, ws: Any) -> Any:
+    """Read the server's answer to the upgrade request: wsproto's `AcceptConnection`, or
+    `Refused` for an HTTP status with its body."""
+    from wsproto.events import AcceptConnection, RejectConnection, RejectData
+
+    status, body = 0, b""
+    while True:
+        data = await stream.receive_some(65536)
+        if not data:
+            raise WSGone("the server closed the connection during the handshake")
+        ws.receive_data(data)
+        for event in ws.events():
+            if isinstance(event, AcceptConnection):
+                return event
+            if isinstance(event, RejectConnection):
+                status = event.status_code
+            elif isinstance(event, RejectData):
+                body += event.data
+                if event.body_finished:
+                    raise Refused(status, body)
+
+
+class WSConnection:
+    """One WebSocket to ``/ws`` (wsproto over a trio stream), shared by many `run` calls.
+
+    A call queues its item and parks until the answer with its id (`call`). The writer sends
+    what is queued as one message (a JSON array; what the runnable tasks add in the same
+    scheduler tick goes together, at most `max_bytes`); the reader reschedules each call's
+    task with its answer. Both run as one trio system task, so an `EnvClient` needs no
+    nursery; `close()` stops it.
+    """
+
+    def __init__(self, stream: trio.SocketStream, ws: Any, max_bytes: int, pid: str) -> None:
+        self.stream = stream
+        self.ws = ws
+        self.pid = pid
+        self.calls: dict[int, trio.lowlevel.Task] = {}  # the parked task of each call
+        self.gone: str | None = None
+        self._max_bytes = max_bytes
+        self._next = 0
+        self._out: list[bytes] = []
+        self._wake = trio.Event()
+        self._scope = trio.CancelScope()
+        self._sending = trio.Lock()  # a pong from the reader and a message from the writer
+
+    @classmethod
+    async def open(
+        cls, host: str, port: int, target: str, headers: list[tuple[bytes, bytes]],
+        max_bytes: int,
+    ) -> WSConnection:  # fmt: skip
+        """Connect and do the handshake; `Refused` for an HTTP answer instead of 101."""
+        from wsproto import ConnectionType, WSConnection
+        from wsproto.events import Request
+
+        stream = await trio.open_tcp_stream(host, port)
+        try:
+            stream.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            ws = WSConnection(ConnectionType.CLIENT)
+            hostname = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+            await stream.send_all(
+                ws.send(Request(host=hostname, target=target, extra_headers=headers))
+            )
+            accepted = await handshake(stream, ws)
+        except BaseException:
+            await trio.aclose_forcefully(stream)
+            raise
+        pid = dict(accepted.extra_headers).get(b"x-tt-pid", b"").decode()
+        return cls(stream, ws, max_bytes, pid)
+
+    def start(self) -> None:
+        trio.lowlevel.spawn_system_task(self._serve, name=f"tt-ws-{self.pid}")
+
+    async def call(self, body: bytes) -> Any:
+        """Send a run (`body`: a run request's JSON) and wait for its answer: the decoded
+        item, or None if the connection ended first (`gone` says why). Cancelling the wait
+        tells the server to cancel the run (a ``cancel`` item; a late answer is dropped).
+
+        The calling task parks itself (no `Event` and no call object per run): the reader
+        reschedules it with its answer, `_end` with None."""
+        if self.gone is not None:
+            await trio.lowlevel.checkpoint()
+            return None
+        self._next += 1
+        ident = self._next
+        self.calls[ident] = trio.lowlevel.current_task()
+        self._queue(b'{"op":"run","id":%d,"body":%b}' % (ident, body))
+
+        def abort(_: object) -> trio.lowlevel.Abort:
+            self.cancel(ident)
+            return trio.lowlevel.Abort.SUCCEEDED
+
+        return await trio.lowlevel.wait_task_rescheduled(abort)
+
+    def cancel(self, ident: int) -> None:
+        """Tell the server to cancel run `ident` (its answer, if any, is dropped)."""
+        if self.calls.pop(ident, None) is not None and self.gone is None:
+            self._queue(b'{"op":"cancel","id":%d}' % ident)
+
+    def _queue(self, item: bytes) -> None:
+        self._out.append(item)
+        self._wake.set()
+
+    async def close(self) -> None:
+        self._end("the client was closed")
+        with trio.CancelScope(shield=True):
+            await trio.aclose_forcefully(self.stream)
+
+    def _end(self, reason: str) -> None:
+        if self.gone is None:
+            self.gone = reason
+        self._scope.cancel()
+        calls, self.calls = self.calls, {}
+        for task in calls.values():
+            trio.lowlevel.reschedule(task, outcome.Value(None))
+
+    async def _serve(self) -> None:
+        try:
+            with self._scope:
+                try:
+                    async with trio.open_nursery() as nursery:
+                        nursery.start_soon(self._write)
+                        await self._read()
+                except Exception as exc:  # the connection ended: every waiting call gets why
+                    cause = pick_one(exc) if isinstance(exc, ExceptionGroup) else exc
+                    if isinstance(cause, WSGone):
+                        self._end(str(cause))
+                    else:
+                        detail = f"{type(cause).__name__}: {cause}"
+                        self._end(f"the connection was closed or reset ({detail})")
+            self._end("the connection ended")
+        finally:  # also when the run ends under this system task (cancelled): no socket leaks
+            self.stream.socket.close()
+
+    async def _write(self) -> None:
+        from wsproto.events import BytesMessage
+
+        while True:
+            await self._wake.wait()
+            await coalesce(self._out, WS_MAX_BATCH)
+            self._wake = trio.Event()
+            items: list[bytes] = []
+            size = 2
+            while self._out and (
+                not items
+                or (size + len(self._out[0]) + 1 <= self._max_bytes and len(items) < WS_MAX_BATCH)
+            ):
+                item = self._out.pop(0) if len(self._out) > 1 else self._out.pop()
+                items.append(item)
+                size += len(item) + 1
+            if self._out:
+                self._wake.set()  # the rest goes in the next message
+            data = self.ws.send(BytesMessage(b"[" + b",".join(items) + b"]"))
+            async with self._sending:
+                await self.stream.send_all(data)
+
+    async def _read(self) -> None:
+        from wsproto.events import BytesMessage, CloseConnection, Ping, TextMessage
+
+        parts: list[Any] = []
+        while True:
+            data = await self.stream.receive_some(1 << 16)
+            if not data:
+                raise WSGone("the server closed the connection")
+            self.ws.receive_data(data)
+            for event in self.ws.events():
+                if isinstance(event, BytesMessage | TextMessage):
+                    parts.append(event.data)
+                    if event.message_finished:
+                        self._dispatch(parts)
+                        parts = []
+                elif isinstance(event, Ping):
+                    async with self._sending:  # the writer may be sending: take turns
+                        await self.stream.send_all(self.ws.send(event.response()))
+                elif isinstance(event, CloseConnection):
+                    raise WSGone(
+                        f"the server closed the WebSocket (code {event.code}"
+                        + (f": {event.reason})" if event.reason else ")")
+                    )
+
+    def _dispatch(self, parts: list[Any]) -> None:
+        data = (
+            parts[0]
+            if len(parts) == 1
+            else b"".join(p.encode() if isinstance(p, str) else p for p in parts)
+        )
+        try:
+            answers = orjson.loads(data)
+        except orjson.JSONDecodeError as exc:
+            raise WSGone(f"the server sent a message that is not JSON: {exc}") from None
+        for answer in answers if isinstance(answers, list) else [answers]:
+            ident = answer.get("id") if isinstance(answer, dict) else None
+            task = self.calls.pop(ident, None) if type(ident) is int else None
+            if task is not None:
+                trio.lowlevel.reschedule(task, outcome.Value(answer))
+
+
+class Refused(Exception):
+    """The server answered the WebSocket handshake with an HTTP status instead of 101."""
+
+    def __init__(self, status: int, body: bytes) -> None:
+        try:
+            detail = json.loads(body).get("error")
+        except (ValueError, AttributeError):
+            detail = body[:200].decode(errors="replace")
+        super().__init__(detail)
+        self.status = status
