@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import signal
-from collections.abc import AsyncGenerator, AsyncIterator
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable
 from typing import Any
 
 import pytest
@@ -562,3 +562,226 @@ async def test_as_completed_never_hands_out_a_group(autojump_clock: MockClock) -
     with trio.fail_after(5), pytest.raises((KeyError, ValueError)) as info:
         await consume()
     assert not isinstance(info.value, BaseExceptionGroup)
+
+
+# --- issue 9: the runner's last edges ---------------------------------------------------------
+
+
+class SlowCloseFeed(Feed[int]):
+    """A Feed whose `aclose` takes a virtual second (an async cleanup that can be cut)."""
+
+    async def aclose(self) -> None:
+        await super().aclose()
+        await trio.sleep(1)
+
+
+class SplitSource:
+    """A source whose `aiter()` is a distinct Feed, each with its own `aclose` to count."""
+
+    def __init__(self, *items: int) -> None:
+        self.closes = 0
+        self.feed: Feed[int] = SlowCloseFeed(*items)
+
+    def __aiter__(self) -> AsyncIterator[int]:
+        return self.feed
+
+    async def aclose(self) -> None:
+        self.closes += 1
+
+
+async def test_r8_take_closes_exactly_once_when_a_failure_lands_during_its_close(
+    autojump_clock: MockClock,
+) -> None:
+    """take(source, 1) with window=2: the second pull finds take exhausted and closes the
+    source; run 0 fails while that close is at a checkpoint. The close must still finish."""
+    source = SplitSource(0, 1, 2)
+
+    async def boom(item: int) -> int:
+        raise Boom(item)
+
+    with trio.fail_after(5), pytest.raises(Boom):
+        await tt.run_stream(tt.take(source, 1), boom, window=2)
+    assert source.feed.close_calls == 1
+    assert source.closes == 1
+
+
+async def test_r8_take_lets_a_generator_finish_its_cleanup_when_a_failure_lands_there(
+    autojump_clock: MockClock,
+) -> None:
+    cleaned: list[str] = []
+
+    async def source() -> AsyncGenerator[int, None]:
+        try:
+            for i in range(10):
+                yield i
+        finally:
+            await trio.sleep(1)  # an async cleanup, interrupted without a shield
+            cleaned.append("done")
+
+    async def boom(item: int) -> int:
+        raise Boom(item)
+
+    with trio.fail_after(5), pytest.raises(Boom):
+        await tt.run_stream(tt.take(source(), 1), boom, window=2)
+    assert cleaned == ["done"]
+
+
+async def test_r8_take_exhausted_under_an_outside_cancel_still_closes_fully(
+    autojump_clock: MockClock,
+) -> None:
+    """Iterated by hand: the cancel lands while take closes its exhausted source."""
+    source = SplitSource(0, 1)
+    taken = tt.take(source, 1)
+    with trio.CancelScope() as scope:
+        assert await taken.__anext__() == 0
+        scope.cancel()
+        with pytest.raises(StopAsyncIteration):
+            await taken.__anext__()
+    assert source.feed.close_calls == 1
+    assert source.closes == 1
+
+
+async def run_with(
+    api: str, source: Any, run: Callable[[Any], Awaitable[Any]], *, window: int
+) -> list[Any]:
+    """Run the source through `run_stream`, or through `as_completed` read to the end."""
+    if api == "run_stream":
+        return await tt.run_stream(source, run, window=window)
+    async with tt.as_completed(source, run, window=window) as results:
+        return [result async for _, result in results]
+
+
+class RequestCountingFeed(Feed[int]):
+    """A Feed that also counts pulls begun (`requests`), not only items handed out."""
+
+    requests = 0
+
+    async def __anext__(self) -> int:
+        self.requests += 1
+        return await super().__anext__()
+
+
+@pytest.mark.parametrize("fatal", [KeyboardInterrupt, SystemExit])
+@pytest.mark.parametrize("api", ["run_stream", "as_completed"])
+async def test_r4_no_pull_after_a_run_raises_keyboard_interrupt_or_system_exit(
+    autojump_clock: MockClock, fatal: type[BaseException], api: str
+) -> None:
+    feed = RequestCountingFeed(*range(10))
+
+    async def run(item: int) -> int:
+        raise fatal()
+
+    with trio.fail_after(5), pytest.raises(fatal):
+        await run_with(api, feed, run, window=1)
+    assert feed.requests == 1  # as for a ValueError: the failure stops the pulls
+    assert feed.close_calls == 1
+
+
+async def test_r4_system_exit_is_raised_itself_and_a_later_failure_is_noted(
+    autojump_clock: MockClock,
+) -> None:
+    feed: Feed[int] = Feed(0, 1)
+    first = SystemExit(3)
+
+    async def run(item: int) -> int:
+        if item == 0:
+            await trio.sleep(1)
+            raise first
+        try:
+            await trio.sleep_forever()
+        finally:
+            raise KeyError("second")
+        return item
+
+    with trio.fail_after(5), pytest.raises(SystemExit) as info:
+        await tt.run_stream(feed, run, window=2)
+    assert info.value is first
+    assert any("KeyError" in note for note in getattr(first, "__notes__", []))
+
+
+class TriggerFeed:
+    """Pulling item `trigger_at` sets `event` and returns the item at once (no checkpoint),
+    so a run waiting on `event` fails in the same tick as the pull returns. Records, for
+    every pull, whether a run had already failed when it began."""
+
+    def __init__(self, trigger_at: int) -> None:
+        self.event = trio.Event()
+        self.trigger_at = trigger_at
+        self.failed = False
+        self.pulls_after_failure = 0
+        self.pulled = 0
+
+    def __aiter__(self) -> TriggerFeed:
+        return self
+
+    async def __anext__(self) -> int:
+        if self.failed:
+            self.pulls_after_failure += 1
+        index = self.pulled
+        self.pulled += 1
+        if index == self.trigger_at:
+            self.event.set()
+        return index
+
+
+@pytest.mark.parametrize("api", ["run_stream", "as_completed"])
+async def test_r4_no_pull_begins_after_a_failure_in_the_same_tick_as_a_pull_returns(
+    autojump_clock: MockClock, api: str
+) -> None:
+    feed = TriggerFeed(trigger_at=1)
+
+    async def run(item: int) -> int:
+        if item == 0:
+            await feed.event.wait()
+            feed.failed = True
+            raise Boom(item)
+        await trio.sleep_forever()
+        return item
+
+    with trio.fail_after(5), pytest.raises(Boom):
+        await run_with(api, feed, run, window=4)
+    assert feed.pulls_after_failure == 0
+
+
+async def test_a_sync_run_is_named_with_the_fix(autojump_clock: MockClock) -> None:
+    feed: Feed[int] = Feed(1, 2, 3)
+
+    def double(item: int) -> int:
+        return 2 * item
+
+    with trio.fail_after(5), pytest.raises(TypeError, match=r"run\(item\) returned int") as info:
+        await tt.run_stream(feed, double, window=1)  # type: ignore[arg-type]
+    assert "async def" in str(info.value)
+    assert feed.pulled == 1  # a plain function may return an awaitable: known only once called
+    assert feed.close_calls == 1
+
+
+async def test_a_run_that_cannot_return_an_awaitable_is_refused_before_any_pull(
+    autojump_clock: MockClock,
+) -> None:
+    async def agen(item: int) -> AsyncGenerator[int, None]:
+        yield item
+
+    def gen(item: int) -> Any:
+        yield item
+
+    runs: list[Any] = [agen, gen, int]
+    for run in runs:
+        feed: Feed[int] = Feed(1)
+        with pytest.raises(TypeError, match="run must be an async callable"):
+            await tt.run_stream(feed, run, window=1)
+        with pytest.raises(TypeError, match="run must be an async callable"):
+            tt.as_completed(feed, run, window=1)
+        assert feed.pulled == 0
+
+
+async def test_a_type_error_raised_inside_run_is_not_rewritten(autojump_clock: MockClock) -> None:
+    feed: Feed[int] = Feed(1)
+    error = TypeError("inside run")
+
+    async def run(item: int) -> int:
+        raise error
+
+    with pytest.raises(TypeError) as info:
+        await tt.run_stream(feed, run, window=1)
+    assert info.value is error

@@ -1,10 +1,11 @@
 """Property tests of the runner (SPEC section 1, R1 and R3-R7) over random schedules.
 
-Each example draws a schedule: items with a run duration and failure flags, the gaps the
-source waits before each item (then it ends, fails, or stays quiet forever), a window, an
-optional outside cancellation, the kind of source (a `Feed` fed by a task, an async
-generator, a zero-buffer trio memory channel) and, for `as_completed`, a consumer that reads
-slowly and may stop early.
+Each example draws a schedule: items with a run duration and failure flags (a failure is an
+Exception, or a BaseException that is not one, as KeyboardInterrupt and SystemExit are), the
+gaps the source waits before each item (then it ends, fails, or stays quiet forever), a
+window, an optional outside cancellation, the kind of source (a `Feed` fed by a task, an async
+generator, a zero-buffer trio memory channel), optionally bounded by `take(source, k)`, and,
+for `as_completed`, a consumer that reads slowly and may stop early.
 
 All durations and gaps are whole virtual seconds and an outside cancellation falls on a half
 second, so it never ties with another event. A pure-Python model (`simulate`) computes from
@@ -13,6 +14,8 @@ test runs the real runner on trio's MockClock (autojump) and checks, per example
 
 * R1: at every pull, items requested <= runs delivered (or failed) + window; at every run
   start the same for runs started; the peak of runs in flight <= window;
+* R4: no pull begins once a run has raised (not even in the same instant);
+* R8: a `take(source, k)` never requests a (k+1)th item from the source;
 * the timeline: every run starts at exactly the virtual time the model says (so no pull is
   early or late), and the call ends at exactly the model's time: the natural end, the first
   failure (zero extra virtual seconds, even on a quiet feed), the outside cancellation or
@@ -23,7 +26,9 @@ test runs the real runner on trio's MockClock (autojump) and checks, per example
   object (per the log of raises in virtual time), never an ExceptionGroup; a second failure
   in the same instant is attached to it (a note or the exception chain), not dropped;
 * R6: an outside cancellation that fires first is caught by its scope, nothing is raised;
-* R7: the source is closed exactly once, from the iterating task, never while a pull runs;
+* R7: the source is closed exactly once, from the iterating task, never while a pull runs; an
+  async generator's cleanup on close runs to its end (the close is shielded), also when
+  `take` closes it mid-iteration;
 * nothing is still running when the call has returned or raised.
 
 The clock fixture is shared by all examples, so every time is a delta from the example's
@@ -71,6 +76,17 @@ class Boom(Exception):
         self.index = index
 
 
+class Fatal(BaseException):
+    """A run's failure that is not an Exception (as KeyboardInterrupt and SystemExit are not)."""
+
+    def __init__(self, index: int) -> None:
+        super().__init__(f"<fatal item {index}>")
+        self.index = index
+
+
+Failure = Boom | Fatal
+
+
 def value_of(index: int) -> str:
     return f"r{index}"
 
@@ -82,6 +98,7 @@ def value_of(index: int) -> str:
 class Scenario:
     durations: tuple[int, ...]  # virtual seconds each run takes
     fails: tuple[bool, ...]  # the run raises Boom at its end
+    fatal: tuple[bool, ...]  # ... Fatal instead of Boom
     cleanup_fails: tuple[bool, ...]  # cancelled after a failure, the run raises Boom too
     gaps: tuple[int, ...]  # the source waits this long before yielding each item
     end_gap: int  # ... and this long before it ends
@@ -92,10 +109,21 @@ class Scenario:
     kind: Kind
     delays: tuple[int, ...]  # as_completed: the consumer sleeps this long after each receive
     stop_after: int | None  # as_completed: the consumer leaves after this many results
+    take: int | None = None  # the runner reads take(source, take)
 
     @property
     def n(self) -> int:
         return len(self.durations)
+
+    @property
+    def truncated(self) -> bool:
+        """take ends the iteration after its k-th item, without asking the source again."""
+        return self.take is not None and self.take <= self.n
+
+    @property
+    def m(self) -> int:
+        """The items the runner gets."""
+        return min(self.n, self.take) if self.take is not None else self.n
 
 
 @st.composite
@@ -103,10 +131,12 @@ def scenarios(draw: st.DrawFn, *, consumer: bool) -> Scenario:
     n = draw(st.integers(0, 10))
     ints = st.integers
     durations = tuple(draw(st.lists(ints(0, 5), min_size=n, max_size=n)))
-    fails = cleanup_fails = (False,) * n
+    fails = fatal = cleanup_fails = (False,) * n
     if draw(st.booleans()):
         fails = tuple(draw(st.lists(st.booleans(), min_size=n, max_size=n)))
         cleanup_fails = tuple(draw(st.lists(st.booleans(), min_size=n, max_size=n)))
+        if draw(st.integers(0, 3)) == 0:
+            fatal = tuple(draw(st.lists(st.booleans(), min_size=n, max_size=n)))
     gaps = tuple(draw(st.lists(st.sampled_from([0, 0, 1, 2, 3]), min_size=n, max_size=n)))
     end_gap = draw(ints(0, 3))
     quiet = draw(st.booleans())
@@ -120,11 +150,15 @@ def scenarios(draw: st.DrawFn, *, consumer: bool) -> Scenario:
         delays = tuple(draw(st.lists(st.sampled_from([0, 0, 1, 3]), min_size=n, max_size=n)))
         if n and draw(st.integers(0, 3)) == 0:
             stop_after = draw(ints(1, n))
-    if quiet and not any(fails) and cancel_at is None and stop_after is None:
+    take = draw(st.none() | ints(0, n + 1))
+    truncated = take is not None and take <= n
+    taken_fail = any(fails[: take if truncated else n])
+    if quiet and not truncated and not taken_fail and cancel_at is None and stop_after is None:
         cancel_at = 500.5  # a correct runner waits for a quiet feed forever: end it from outside
     return Scenario(
         durations,
         fails,
+        fatal,
         cleanup_fails,
         gaps,
         end_gap,
@@ -135,6 +169,7 @@ def scenarios(draw: st.DrawFn, *, consumer: bool) -> Scenario:
         kind,
         delays,
         stop_after,
+        take,
     )
 
 
@@ -156,7 +191,7 @@ def simulate(sc: Scenario, api: Api) -> Model:
     for run_stream, received by the consumer for as_completed). Ignores failures: nothing
     changes before the first one, and the test only compares events before the call ends.
     """
-    n = sc.n
+    n = sc.m  # a truncating take answers the pull after its last item at once, with the end
     cum = [sum(sc.gaps[: i + 1]) for i in range(n)]
     start = [INF] * n
     end = [INF] * n
@@ -207,7 +242,10 @@ def simulate(sc: Scenario, api: Api) -> Model:
                 next_request += 1
                 held += 1
                 changed = True
-                if index == n and sc.quiet:
+                answer: float
+                if index == n and sc.truncated:
+                    answer = t
+                elif index == n and sc.quiet:
                     answer = INF
                 elif sc.kind == "feed":
                     answer = cum[index] if index < n else sum(sc.gaps) + sc.end_gap
@@ -218,7 +256,7 @@ def simulate(sc: Scenario, api: Api) -> Model:
         if source_done and all(finished) and waiting == 0:
             natural = max(t, consumer_ready) if api == "as_completed" else t
             break
-    assert sc.quiet or natural < INF, "model: a finite schedule must end"
+    assert (sc.quiet and not sc.truncated) or natural < INF, "model: a finite schedule must end"
     assert all(s < INF for s in start), "model: every item is pulled within the horizon"
     return Model(start, end, received, natural, source_end)
 
@@ -238,7 +276,8 @@ class Observed:
     exited_badly: int = 0  # ... by an exception (failed or cancelled)
     requests: int = 0  # pulls requested from the source (feed and agen)
     starts: dict[int, float] = field(default_factory=dict)
-    raised: list[tuple[float, Boom]] = field(default_factory=list)
+    raised: list[tuple[float, Failure]] = field(default_factory=list)
+    pulls_after_failure: int = 0
     got: list[tuple[int, str, float]] = field(default_factory=list)  # as_completed receives
     violations: list[str] = field(default_factory=list)
     gen_finally: int = 0
@@ -266,6 +305,8 @@ class Observed:
     def on_pull(self) -> None:
         self.requests += 1
         self.check_window("pull", self.requests)
+        if any(error.index != SOURCE for _, error in self.raised):
+            self.pulls_after_failure += 1
 
 
 class RecordingFeed(Feed[int]):
@@ -367,9 +408,9 @@ async def execute(sc: Scenario, api: Api) -> None:
                     raise error from None
                 raise
             if sc.fails[i]:
-                error = Boom(i)
-                obs.raised.append((obs.now(), error))
-                raise error
+                failure: Failure = Fatal(i) if sc.fatal[i] else Boom(i)
+                obs.raised.append((obs.now(), failure))
+                raise failure
             ok = True
             return value_of(i)
         finally:
@@ -381,7 +422,7 @@ async def execute(sc: Scenario, api: Api) -> None:
     feed: RecordingFeed | None = None
     receive: trio.MemoryReceiveChannel[int] | None = None
     results: list[str] | None = None
-    raised: Boom | None = None
+    raised: Failure | None = None
     unexpected: BaseException | None = None
     channel_closed = True
     cancel_deadline = obs.t0 + sc.cancel_at if sc.cancel_at is not None else INF
@@ -400,6 +441,8 @@ async def execute(sc: Scenario, api: Api) -> None:
                 helpers.start_soon(producer, sc, obs, send)
                 source = receive
 
+            if sc.take is not None:
+                source = tt.take(source, sc.take)  # type: ignore[assignment]
             with trio.CancelScope(deadline=cancel_deadline) as outside:
                 try:
                     if api == "run_stream":
@@ -411,7 +454,7 @@ async def execute(sc: Scenario, api: Api) -> None:
                                 if len(obs.got) == sc.stop_after:
                                     break
                                 await trio.sleep(sc.delays[len(obs.got) - 1])
-                except Boom as exc:
+                except (Boom, Fatal) as exc:
                     raised = exc
                 except trio.Cancelled:
                     raise
@@ -435,7 +478,10 @@ async def execute(sc: Scenario, api: Api) -> None:
         assert feed.close_calls == 1
         assert not feed.closed_while_pulling
         assert not feed.foreign_close
-    if sc.kind == "agen":
+    if sc.kind == "agen" and not obs.gen_pullers:
+        assert sc.take == 0  # take(source, 0) never starts the generator: nothing to clean up
+        assert obs.gen_finally == 0
+    elif sc.kind == "agen":
         assert obs.gen_finally == 1
         assert len(obs.gen_pullers) == 1
         assert obs.gen_closer in obs.gen_pullers, "closed from a task that never pulled"
@@ -448,10 +494,15 @@ async def execute(sc: Scenario, api: Api) -> None:
     assert not obs.violations, obs.violations
     if sc.window is not None:
         assert obs.peak <= sc.window
+    # R4: nothing is pulled once a run has failed. R8: take never over-pulls.
+    assert obs.pulls_after_failure == 0, f"{obs.pulls_after_failure} pulls after a failure"
+    if sc.truncated and sc.kind != "channel":
+        assert sc.take is not None
+        assert obs.requests <= sc.take, f"take({sc.take}) requested {obs.requests}"
 
     # What should have ended the call, and when.
-    first_fail = min((model.end[i] for i in range(sc.n) if sc.fails[i]), default=INF)
-    if sc.source_fails:
+    first_fail = min((model.end[i] for i in range(sc.m) if sc.fails[i]), default=INF)
+    if sc.source_fails and not sc.truncated:
         first_fail = min(first_fail, model.source_end)
     stop = INF
     if sc.stop_after is not None and len(model.received) >= sc.stop_after:
@@ -464,7 +515,7 @@ async def execute(sc: Scenario, api: Api) -> None:
     # The timeline up to the end matches the model exactly.
     for i, at in obs.starts.items():
         assert at == model.start[i], f"run {i} started at +{at}, model says +{model.start[i]}"
-    missing = [i for i in range(sc.n) if model.start[i] < t_end and i not in obs.starts]
+    missing = [i for i in range(sc.m) if model.start[i] < t_end and i not in obs.starts]
     assert not missing, f"runs {missing} should have started before +{t_end}"
 
     # Every raise is logged; the call raised the first one, at once, unwrapped.
@@ -496,13 +547,13 @@ async def execute(sc: Scenario, api: Api) -> None:
         assert raised is None
         assert not obs.raised, f"a failure was dropped: {obs.raised}"
         if api == "run_stream":
-            assert results == [value_of(i) for i in range(sc.n)]
+            assert results == [value_of(i) for i in range(sc.m)]
 
     if api == "as_completed":
         check_received(sc, model, obs, t_end, complete=raised is None)
 
 
-def attached(error: BaseException, extra: Boom) -> bool:
+def attached(error: BaseException, extra: Failure) -> bool:
     """`extra` is visible on `error`: in a note, or in its cause/context chain."""
     if any(str(extra) in note for note in getattr(error, "__notes__", [])):
         return True
@@ -528,10 +579,10 @@ def check_received(sc: Scenario, model: Model, obs: Observed, t_end: float, comp
     assert times == model.received[: len(times)]
     assert len(times) >= sum(1 for at in model.received if at < t_end)
     if complete and (sc.cancel_at is None or t_end < sc.cancel_at):
-        wanted = sc.n if sc.stop_after is None else sc.stop_after
+        wanted = sc.m if sc.stop_after is None else min(sc.stop_after, sc.m)
         assert len(indices) == wanted
         if sc.stop_after is None:
-            assert sorted(indices) == list(range(sc.n))
+            assert sorted(indices) == list(range(sc.m))
 
 
 # --- the tests ----------------------------------------------------------------------------
@@ -558,6 +609,7 @@ def test_the_model_on_a_hand_checked_schedule() -> None:
     sc = Scenario(
         durations=(3, 1, 1, 0),
         fails=(False,) * 4,
+        fatal=(False,) * 4,
         cleanup_fails=(False,) * 4,
         gaps=(0, 1, 0, 2),
         end_gap=1,

@@ -250,7 +250,7 @@ class TwoFeeds(tt.Taskset[tt.Task, tt.TasksetConfig]):
             async for task in merged:
                 yield task
         finally:
-            await merged.aclose()  # type: ignore[attr-defined]
+            await merged.aclose()
 
 
 async def test_a_feed_merging_two_sources(autojump_clock: MockClock) -> None:
@@ -387,3 +387,79 @@ async def test_an_unstarted_take_or_merge_still_closes_its_source(
         await tt.run_stream(source, Gate(opened=True).run, window=1)
     assert feed.pulled == 0
     assert feed.close_calls == 1
+
+
+# --- merge as a channel (trio.as_safe_channel): safe in any consumer --------------------------
+
+
+async def test_merge_as_a_channel_takes_a_timeout_around_each_receive(
+    autojump_clock: MockClock,
+) -> None:
+    """The case that breaks a bare merge (a cancel scope entered and left around each pull,
+    while the merge's nursery sits on the iterating task): as a channel it is just a receive."""
+    a: Feed[int] = Feed(1, 2)
+    b: Feed[int] = Feed(3)  # neither side ends: after 3 items every receive times out
+    got: list[int] = []
+    timeouts = 0
+    async with tt.merge(a, b) as merged:
+        for _ in range(5):
+            with trio.move_on_after(1) as scope:
+                got.append(await merged.receive())
+            timeouts += scope.cancelled_caught
+    assert sorted(got) == [1, 2, 3]
+    assert timeouts == 2
+    assert a.close_calls == b.close_calls == 1
+    assert not a.foreign_close
+    assert not b.foreign_close
+
+
+async def test_merge_as_a_channel_raises_a_source_error_itself(autojump_clock: MockClock) -> None:
+    quiet: Feed[int] = Feed(1)
+    broken: Feed[int] = Feed()
+    error = KeyError("feed")
+    broken.fail(error)
+    with trio.fail_after(5), pytest.raises(KeyError) as info:
+        async with tt.merge(quiet, broken) as merged:
+            await tt.run_stream(merged, Gate(opened=True).run, window=2)
+    assert info.value is error
+    assert quiet.close_calls == broken.close_calls == 1
+
+
+async def test_take_of_a_merge_channel_closes_both_sides_under_a_failure(
+    autojump_clock: MockClock,
+) -> None:
+    a: Feed[int] = Feed(*range(10))
+    b: Feed[int] = Feed(*range(10))
+
+    async def boom(item: int) -> int:
+        raise KeyError(item)
+
+    with trio.fail_after(5), pytest.raises(KeyError):
+        async with tt.merge(a, b) as merged:
+            await tt.run_stream(tt.take(merged, 1), boom, window=2)
+    assert a.close_calls == b.close_calls == 1
+
+
+async def test_leaving_a_merge_channel_early_closes_every_source(autojump_clock: MockClock) -> None:
+    a: Feed[int] = Feed(*range(10))
+    b: Feed[int] = Feed(*range(10))
+    with trio.fail_after(5):
+        async with tt.merge(a, b) as merged:
+            await merged.receive()
+    assert a.close_calls == b.close_calls == 1
+    assert not a.closed_while_pulling
+    assert not b.closed_while_pulling
+
+
+async def test_a_merge_is_used_once(autojump_clock: MockClock) -> None:
+    merged = tt.merge(Feed(1))
+    async with merged:
+        pass
+    with pytest.raises(RuntimeError, match="already used"):
+        await merged.__anext__()
+    bare = tt.merge(Feed(1))
+    assert await bare.__anext__() == 1
+    with pytest.raises(RuntimeError, match="already used"):
+        async with bare:
+            pass
+    await bare.aclose()

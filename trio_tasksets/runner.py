@@ -19,14 +19,16 @@ Guarantees (SPEC section 1, R1-R8):
 from __future__ import annotations
 
 import contextlib
+import inspect
 import math
+import reprlib
 from collections.abc import AsyncGenerator, AsyncIterable, AsyncIterator, Awaitable, Callable
 from contextlib import AbstractAsyncContextManager, asynccontextmanager
 from typing import Any, TypeVar, cast
 
 import trio
 
-__all__ = ["as_completed", "merge", "run_stream", "take"]
+__all__ = ["Merged", "as_completed", "merge", "run_stream", "take"]
 
 T = TypeVar("T")
 R = TypeVar("R")
@@ -64,8 +66,43 @@ def _check_source(source: object) -> None:
 
 
 def _check_run(run: object) -> None:
+    """Refuse what can never return an awaitable, before anything is pulled.
+
+    A plain `def` may return one (`lambda item: client.call(item)`), so it is only known once
+    called: `_not_awaitable` explains that case at the first item.
+    """
     if not callable(run):
         raise TypeError(f"run must be an async callable taking one item, got {type(run).__name__}")
+    call = run if inspect.isroutine(run) or isinstance(run, type) else type(run).__call__
+    kind = ""
+    if inspect.isasyncgenfunction(call):
+        kind = "an async generator function"
+    elif inspect.isgeneratorfunction(call):
+        kind = "a generator function"
+    elif isinstance(run, type) and not hasattr(run, "__await__"):
+        kind = "a class whose instances are not awaitable"
+    if kind:
+        raise TypeError(
+            f"run must be an async callable taking one item, got {kind} "
+            f"({getattr(run, '__qualname__', type(run).__name__)}): {_RUN_FIX}"
+        )
+
+
+_RUN_FIX = (
+    "define it with `async def run(item): ...`; to call a sync function `fn`, wrap it: "
+    "`async def run(item): return fn(item)` (blocking work: "
+    "`return await trio.to_thread.run_sync(fn, item)`)"
+)
+_UNSET: Any = object()
+
+
+def _not_awaitable(run: object, item: object, returned: object) -> TypeError:
+    name = getattr(run, "__qualname__", type(run).__name__)
+    return TypeError(
+        f"run must be an async callable taking one item: run(item) returned "
+        f"{type(returned).__name__}, not an awaitable (run={name}, item={reprlib.repr(item)}); "
+        f"{_RUN_FIX}"
+    )
 
 
 # --- closing and error selection ----------------------------------------------------------
@@ -146,6 +183,8 @@ async def _drive(
     # as_completed keeps the plain acquire: its slot is freed when the consumer takes a result,
     # and the consumer should get to run before the next pull.
     fast = bounded and send is None
+    # failures[0] is the first failure (of a run, the source or its close); every later one is
+    # appended too, once it has been noted on the first.
     failures: list[BaseException] = []
     iterator = aiter(source)
     error: BaseException | None = None
@@ -154,8 +193,8 @@ async def _drive(
         if failures:
             _note(failures[0], "while the other runs unwound", exc)
         else:
-            failures.append(exc)
             cancel_scope.cancel()
+        failures.append(exc)
 
     store = cast(list[Any], results)  # bound once: a per-item cast costs ~2% of run_stream
     try:
@@ -163,8 +202,10 @@ async def _drive(
             scope = nursery.cancel_scope
 
             async def one(index: int, item: T) -> None:
+                pending = _UNSET
                 try:
-                    result = await run(item)
+                    pending = run(item)
+                    result = await pending
                     if send is None:
                         store[index] = result
                     else:
@@ -173,7 +214,20 @@ async def _drive(
                         except trio.BrokenResourceError:
                             scope.cancel()  # the consumer closed its channel: stop quietly
                 except Exception as exc:
+                    if isinstance(exc, TypeError) and not (
+                        pending is _UNSET or inspect.isawaitable(pending)
+                    ):
+                        explained = _not_awaitable(run, item, pending)
+                        explained.__cause__ = exc
+                        exc = explained
                     fail(exc, scope)
+                except trio.Cancelled:
+                    raise
+                except BaseException as exc:
+                    # KeyboardInterrupt, SystemExit: stop the pulls *before* the slot is freed,
+                    # then let it reach the nursery (a KeyboardInterrupt wins over everything).
+                    fail(exc, scope)
+                    raise
                 finally:
                     if bounded:
                         limiter.release_on_behalf_of(index)
@@ -186,15 +240,16 @@ async def _drive(
                     while True:
                         if fast:
                             # run_stream takes a free slot without a trip through the
-                            # scheduler (a third of its per-item cost), but still stops at once
-                            # when a run failed or the caller was cancelled.
-                            await trio.lowlevel.checkpoint_if_cancelled()
+                            # scheduler (a third of its per-item cost).
                             try:
                                 limiter.acquire_on_behalf_of_nowait(index)
                             except trio.WouldBlock:
                                 await limiter.acquire_on_behalf_of(index)
                         elif bounded:
                             await limiter.acquire_on_behalf_of(index)
+                        # No pull begins once a run has failed or the caller is cancelled, even
+                        # when the failure landed while this task was taking its slot.
+                        await trio.lowlevel.checkpoint_if_cancelled()
                         try:
                             item = await iterator.__anext__()
                         except StopAsyncIteration:
@@ -220,11 +275,16 @@ async def _drive(
         error = pick_one(group)
 
     if failures and not isinstance(error, KeyboardInterrupt):
-        if error is not None and not isinstance(error, trio.Cancelled):
-            _note(failures[0], "while the runs unwound", error)
-        error = failures[0]
+        first = failures[0]
+        if not (error is None or isinstance(error, trio.Cancelled) or _among(error, failures)):
+            _note(first, "while the runs unwound", error)
+        error = first
     if error is not None:
         raise error
+
+
+def _among(error: BaseException, errors: list[BaseException]) -> bool:
+    return any(error is other for other in errors)
 
 
 # --- the public API -----------------------------------------------------------------------
@@ -293,10 +353,10 @@ async def _as_completed(
 def take(source: AsyncIterable[T], n: int) -> AsyncIterator[T]:
     """Yield the next `n` items of `source` (fewer if it ends first), then close it.
 
-    Never requests an (n+1)th item: after the n-th, the next call closes the source and ends
-    (a runner closes it instead, shielded, when it stops pulling). `n == 0` pulls nothing;
-    `n < 0` raises ValueError. Closing the result closes the source, even before the first
-    pull.
+    Never requests an (n+1)th item: after the n-th, the next call closes the source, shielded
+    from cancellation, and ends (a runner closes it instead when it stops pulling first).
+    `n == 0` pulls nothing; `n < 0` raises ValueError. Closing the result closes the source,
+    even before the first pull.
     """
     _check_source(source)
     if isinstance(n, bool) or not isinstance(n, int):
@@ -307,8 +367,8 @@ def take(source: AsyncIterable[T], n: int) -> AsyncIterator[T]:
 
 
 class _Take(AsyncIterator[T]):
-    """`take` as an iterator class, not a generator: closable before it starts, and it
-    enters no scope of its own, so the caller's shield covers its close."""
+    """`take` as an iterator class, not a generator: closable before it starts, and it holds
+    no cancel scope between pulls."""
 
     def __init__(self, source: AsyncIterable[T], n: int) -> None:
         self._source = source
@@ -318,15 +378,24 @@ class _Take(AsyncIterator[T]):
 
     async def __anext__(self) -> T:
         if self._left <= 0 or self._closed:
-            await self.aclose()
+            await self._close_shielded()
             raise StopAsyncIteration
         try:
             item = await self._iterator.__anext__()
         except StopAsyncIteration:
-            await self.aclose()
+            await self._close_shielded()
             raise
         self._left -= 1  # at 0, the next call closes the source and never asks it again
         return item
+
+    async def _close_shielded(self) -> None:
+        # Closing here, mid-iteration, must not be cut short: once marked closed, a later
+        # (shielded) aclose() does nothing, so a cancelled close would never be finished.
+        if _holds_scope(self._iterator):
+            await self.aclose()  # see _holds_scope: cannot be cut short, must not be shielded
+            return
+        with trio.CancelScope(shield=True):
+            await self.aclose()
 
     async def aclose(self) -> None:
         if not self._closed:
@@ -336,42 +405,93 @@ class _Take(AsyncIterator[T]):
                 raise error
 
 
-def merge(*sources: AsyncIterable[T]) -> AsyncIterator[T]:
+def _holds_scope(iterator: object) -> bool:
+    """True for an iterator that keeps a nursery open on the iterating task between pulls (a
+    merge iterated bare, or a take of one). Its close exits that nursery, so it must not run
+    inside a scope entered after it; and it needs no shield: a nursery's exit waits for its
+    tasks whatever the cancellation, and each pump closes its source shielded in its own task.
+    """
+    if isinstance(iterator, _Take):
+        return _holds_scope(iterator._iterator)
+    return isinstance(iterator, Merged) and iterator._bare
+
+
+def merge(*sources: AsyncIterable[T]) -> Merged[T]:
     """Interleave several async sources into one, in arrival order.
 
     Each source is pumped by its own task, which holds at most one item it has pulled but not
     yet handed on (the only prefetch). The merged stream ends when every source has ended; the
-    first source error is raised from the merged stream itself, after the other sources are
-    closed. Closing the merged stream closes every source. Use it as a runner source, or inside
-    a taskset's `stream()` to merge two feeds (docs/tasksets.md).
+    first source error is raised itself, after the other sources are closed. Every source is
+    closed exactly once, shielded, by the task that pulled it.
+
+    Two ways to use the result:
+
+    * ``async with tt.merge(a, b) as merged:`` gives a `trio.abc.ReceiveChannel`, built with
+      `trio.as_safe_channel`: the pumps' nursery lives in that block, so the channel is safe
+      in any consumer (a timeout around each receive, `take`, a runner).
+    * Iterated directly (a runner's source, `async for`, a taskset's `stream()`), the merge is
+      an async generator that yields from inside its nursery, so that nursery sits on the
+      iterating task between pulls. That is safe exactly when the iterating task enters no
+      cancel scope around a pull that it leaves before closing the merge, and closes it
+      (`aclose()`, `contextlib.aclosing`) rather than abandoning it: the runner, `take` and a
+      taskset's `channel()` do both. A per-pull ``with trio.move_on_after(...)`` around a bare
+      ``anext(merged)`` does not (trio reports a corrupted cancel scope stack): use the
+      ``async with`` form there. Errors never cancel the nursery from inside while the merge
+      sits at its ``yield``: they travel as values and are raised by the merge itself.
     """
     for source in sources:
         _check_source(source)
-    return _Merged(sources)
+    return Merged(sources)
 
 
-class _Merged(AsyncIterator[T]):
-    """The merge generator, closable before it starts (then it closes the sources itself)."""
+class Merged(AsyncIterator[T], AbstractAsyncContextManager[trio.abc.ReceiveChannel[T]]):
+    """What `merge` returns: an async context manager giving a channel, or an async iterator
+    (one or the other, once). Closable before it starts: then it closes the sources itself."""
 
     def __init__(self, sources: tuple[AsyncIterable[T], ...]) -> None:
         self._sources = sources
-        self._generator = _merge(sources)
-        self._started = False
+        self._generator: AsyncGenerator[T, None] | None = None
+        self._channel: AbstractAsyncContextManager[trio.abc.ReceiveChannel[T]] | None = None
+        self._bare = False
+        self._closed = False
+
+    # --- async with: the structured form --------------------------------------------------
+
+    async def __aenter__(self) -> trio.abc.ReceiveChannel[T]:
+        self._claim("async with tt.merge(...)")
+        self._channel = trio.as_safe_channel(_merge)(self._sources)
+        return await self._channel.__aenter__()
+
+    async def __aexit__(self, *exc_info: Any) -> bool | None:
+        assert self._channel is not None
+        return await self._channel.__aexit__(*exc_info)
+
+    # --- bare iteration ---------------------------------------------------------------------
 
     async def __anext__(self) -> T:
-        self._started = True
+        if self._generator is None:
+            self._claim("iterating tt.merge(...)")
+            self._bare = True
+            self._generator = _merge(self._sources)
         return await self._generator.__anext__()
 
     async def aclose(self) -> None:
-        if self._started:
+        if self._generator is not None:
             await self._generator.aclose()
             return
-        self._started = True
-        await self._generator.aclose()
+        if self._channel is not None or self._closed:
+            return  # the async with block closes the sources
+        self._closed = True
         errors = [await _close(aiter(source), source) for source in self._sources]
         first = next((e for e in errors if e is not None), None)
         if first is not None:
             raise first
+
+    def _claim(self, how: str) -> None:
+        if self._channel is not None or self._generator is not None or self._closed:
+            raise RuntimeError(
+                f"{how}: this merge was already used or closed; call tt.merge() once per use"
+            )
 
 
 async def _merge(sources: tuple[AsyncIterable[T], ...]) -> AsyncGenerator[T, None]:
