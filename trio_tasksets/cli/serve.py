@@ -46,7 +46,8 @@ def add_parser(commands: Commands) -> argparse.ArgumentParser:
         "--token-var",
         default=None,
         metavar="NAME",
-        help="environment variable holding the bearer token every request must carry",
+        help="environment variable holding the bearer token every request must carry "
+        "(default: none: no token, loopback only)",
     )
     sv.add_argument(
         "--max-body-bytes",
@@ -59,8 +60,12 @@ def add_parser(commands: Commands) -> argparse.ArgumentParser:
         "--reward", default=None, metavar="SPEC",
         help="a reward function (default: the taskset's, else answer match)",
     )  # fmt: skip
-    env.add_argument("--retry-backoff", type=float, default=0.5, metavar="S")
-    env.add_argument("--retry-max-backoff", type=float, default=30.0, metavar="S")
+    env.add_argument(
+        "--retry-backoff", type=float, default=0.5, metavar="S", help="first retry's backoff cap"
+    )
+    env.add_argument(
+        "--retry-max-backoff", type=float, default=30.0, metavar="S", help="largest backoff"
+    )
     sv.add_argument(
         "--die-with-parent",
         action="store_true",

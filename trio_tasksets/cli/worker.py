@@ -57,7 +57,10 @@ def add_parsers(subparsers: Commands) -> None:
         "--consumer", default=None, metavar="NAME", help="this worker's name (default host-pid)"
     )
     worker.add_argument("--results", required=True, metavar="R", help="the results stream")
-    worker.add_argument("-c", "--max-concurrent", type=int, default=32, metavar="C")
+    worker.add_argument(
+        "-c", "--max-concurrent", type=int, default=32, metavar="C",
+        help="the window: most episodes in flight, and most entries held",
+    )  # fmt: skip
     worker.add_argument(
         "--claim-idle",
         type=float,
