@@ -694,7 +694,8 @@ def test_the_worker_scores_with_the_taskset_its_env_class_and_system_prompt(
     tag = uuid.uuid4().hex[:8]
     stream, results = f"{tag}:tasks", f"{tag}:results"
     feed = ["--feed", redis_url, "--stream", stream]
-    assert cli(tmp_path, "enqueue", *feed, "echo").returncode == 0
+    phrases = '{"phrases": ["one", "two", "three"]}'
+    assert cli(tmp_path, "enqueue", *feed, "echo", "-a", phrases).returncode == 0
     worker = subprocess.Popen(
         command("worker", "scored.py:Scored", *feed, "--group", "g", "--results", results,
                 "--env-class", "scored.py:Tagged", "--system-prompt", "be brief",
@@ -704,7 +705,7 @@ def test_the_worker_scores_with_the_taskset_its_env_class_and_system_prompt(
     )  # fmt: skip
     client = redis.Redis.from_url(redis_url, decode_responses=True)
     try:
-        wait_for(lambda: client.xlen(results) >= 8)
+        wait_for(lambda: client.xlen(results) >= 3)
     finally:
         worker.send_signal(signal.SIGTERM)
         _, err = worker.communicate(timeout=30)
@@ -712,6 +713,7 @@ def test_the_worker_scores_with_the_taskset_its_env_class_and_system_prompt(
     entries = cast(list[tuple[str, dict[str, str]]], client.xrange(results))
     published = [json.loads(fields["row"]) for _, fields in entries]
     client.close()
+    assert len(published) == 3
     assert {row["reward"] for row in published} == {0.25}
     assert all(row["completion"].startswith("tagged Repeat exactly: ") for row in published)
     assert {row["messages"][0]["content"] for row in published} == {"be brief"}
