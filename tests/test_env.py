@@ -166,11 +166,13 @@ def test_episode_row_round_trip() -> None:
         completion="c",
         errors=[tt.EpisodeError("Boom", "x", 1)],
         attempts=2,
+        usage={"prompt_tokens": 7, "completion_tokens": 2},
+        finish_reason="length",
     )
     row = episode.to_row()
     assert set(row) == {
         "id", "task", "rollout", "ok", "reward", "completion", "messages", "errors",
-        "attempts", "timing",
+        "attempts", "timing", "usage", "finish_reason",
     }  # fmt: skip
     assert row["task"] == {"key": "k", "data": episode.task.data}
     assert row["errors"] == [{"type": "Boom", "message": "x", "attempt": 1}]
@@ -217,3 +219,40 @@ async def test_a_non_finite_reward_is_an_episode_error(autojump_clock: MockClock
 def test_backoff_never_overflows_however_many_attempts() -> None:
     policy = tt.RetryPolicy(max_retries=10**6, backoff=0.5, max_backoff=30.0)
     assert 0 <= policy.delay(5000) <= 30.0
+
+
+async def test_usage_sums_every_model_call_of_every_attempt(autojump_clock: MockClock) -> None:
+    """An episode's `usage` adds up each reply's token counts over a multi-call rollout and a
+    retried attempt; its `finish_reason` is the last reply's."""
+    replies = iter(
+        [Completion("a", {"prompt_tokens": 5, "completion_tokens": 1}, "stop"),
+         Completion("b", {"prompt_tokens": 7, "completion_tokens": 2}, "length"),
+         Completion("c", {"prompt_tokens": 11, "completion_tokens": 3}, "stop"),
+         Completion("HI", {"prompt_tokens": 13, "completion_tokens": 4, "cached": 1}, "length")]
+    )  # fmt: skip
+
+    class Scripted(Flaky):
+        async def chat(
+            self, messages: list[dict[str, Any]], *, model: str, sampling: Sampling
+        ) -> Completion:
+            await trio.sleep(1)
+            return next(replies)
+
+    class TwoCalls(tt.Env[tt.Task]):
+        attempts = 0
+
+        async def rollout(self, task: tt.Task, ctx: tt.ModelContext) -> Any:
+            first = await ctx.chat([{"role": "user", "content": "1"}])
+            second = await ctx.chat([{"role": "user", "content": first.content}])
+            self.attempts += 1
+            if self.attempts == 1:
+                raise RateLimited("again")
+            return [], second.content
+
+    env = TwoCalls(Static(), retries=tt.RetryPolicy(1, backoff=0))
+    episode = await env.run_slot(tt.RunSlot(next(iter(env.taskset))), ctx(Scripted()))
+    assert episode.ok
+    assert episode.attempts == 2
+    assert episode.usage == {"prompt_tokens": 36, "completion_tokens": 10, "cached": 1}
+    assert episode.finish_reason == "length"
+    assert tt.Episode.from_row(episode.to_row()) == episode

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Iterable
+from datetime import datetime
 from pathlib import Path
 from typing import Any
 
@@ -35,7 +36,8 @@ def echo(delay: float = 1.0) -> tt.ModelContext:
 
 
 def config(tmp_path: Path, **kw: Any) -> tt.EvalConfig:
-    return tt.EvalConfig(output_dir=str(tmp_path), run_name="run", dashboard=False, **kw)
+    return tt.EvalConfig(**{"output_dir": str(tmp_path), "run_name": "run", "dashboard": False,
+                            **kw})  # fmt: skip
 
 
 def rows(run_dir: Path) -> list[dict[str, Any]]:
@@ -53,7 +55,7 @@ async def test_static_n5_r2_gives_10_rows_with_the_spec_fields(
     assert len(written) == 10
     assert set(written[0]) == {
         "id", "task", "rollout", "ok", "reward", "completion", "messages", "errors",
-        "attempts", "timing",
+        "attempts", "timing", "usage", "finish_reason",
     }  # fmt: skip
     assert set(written[0]["task"]) == {"key", "data"}
     assert set(written[0]["task"]["data"]) == {"prompt", "answer", "info", "system_prompt"}
@@ -241,6 +243,7 @@ async def test_an_outside_cancel_keeps_finished_rows(
     summary = json.loads((tmp_path / "run" / "summary.json").read_text())
     assert summary["interrupted"] is True
     assert summary["finished"] == 2
+    assert summary["stopped"] == "cancelled"
 
 
 async def test_resume_tells_apart_two_tasks_that_share_a_key(
@@ -287,3 +290,178 @@ async def test_a_row_orjson_cannot_encode_is_written_as_json_would(
 
     result = await tt.run_eval(tt.Env(Huge()), echo(), config(tmp_path))
     assert rows(result.run_dir)[0]["task"]["data"]["info"] == {"id": 2**70}
+
+
+# --- how an eval ends (SPEC 4b) ---------------------------------------------------------------
+
+
+class FailsOn(tt.Env[tt.Task]):
+    """Fails the tasks whose prompt is in `failing` (a RuntimeError), echoes the others."""
+
+    failing: frozenset[str] = frozenset()
+
+    async def rollout(self, task: tt.Task, ctx: tt.ModelContext) -> Any:
+        if task.prompt in self.failing:
+            await trio.sleep(1)
+            raise RuntimeError(f"no luck with {task.prompt}")
+        return await super().rollout(task, ctx)
+
+
+def fails_on(*prompts: str, taskset: tt.Taskset[tt.Task, Any] | None = None) -> FailsOn:
+    env = FailsOn(taskset if taskset is not None else Numbers())
+    env.failing = frozenset(prompts)
+    return env
+
+
+ALL = [f"say {i}" for i in range(8)]
+
+
+@pytest.mark.parametrize(("limit", "finished"), [(3, 3), (0.25, 3), (1, 1)])
+async def test_max_failures_stops_drains_and_says_why(
+    autojump_clock: MockClock, tmp_path: Path, limit: float, finished: int
+) -> None:
+    """N: stop once N failed; FRACTION of a static plan: once more than that share of the 8
+    planned slots failed (0.25 -> at the 3rd). Nothing in flight is lost: the window is 1."""
+    result = await tt.run_eval(
+        fails_on(*ALL), echo(), config(tmp_path, max_failures=limit, max_concurrent=1)
+    )
+    summary = json.loads((result.run_dir / "summary.json").read_text())
+    assert summary == {**summary, "stopped": "max_failures", "finished": finished, "ok": 0}
+    assert summary["error"].startswith(f"--max-failures {limit:g}: {finished}")
+    assert summary["errors_by_type"] == {"RuntimeError": finished}
+    assert summary["first_error"] == {"type": "RuntimeError", "message": "no luck with say 0"}
+    assert len(rows(result.run_dir)) == finished
+
+
+async def test_max_failures_fraction_on_a_stream_counts_the_finished_ones(
+    autojump_clock: MockClock, tmp_path: Path
+) -> None:
+    feed = FeedTaskset()
+    feed.put("ok 1", "bad 2", "bad 3", "ok 4", "ok 5")
+    env = fails_on("bad 2", "bad 3", taskset=feed)
+    with trio.fail_after(60):
+        result = await tt.run_eval(
+            env, echo(), config(tmp_path, num_examples=5, max_failures=0.5, max_concurrent=1)
+        )
+    # 1 of 2 finished is not more than half; 2 of 3 is.
+    assert (result.summary["stopped"], result.summary["finished"]) == ("max_failures", 3)
+    assert feed.closed
+
+
+async def test_without_max_failures_failures_never_stop_the_run(
+    autojump_clock: MockClock, tmp_path: Path
+) -> None:
+    result = await tt.run_eval(fails_on(*ALL), echo(), config(tmp_path, max_concurrent=2))
+    assert result.summary["finished"] == result.summary["failed"] == 8
+    assert result.summary["stopped"] is None
+    assert result.summary["error"] is None
+
+
+async def test_the_summary_counts_errors_by_type_names_the_first_and_sums_usage(
+    autojump_clock: MockClock, tmp_path: Path
+) -> None:
+    class Mixed(tt.Env[tt.Task]):
+        async def rollout(self, task: tt.Task, ctx: tt.ModelContext) -> Any:
+            if task.prompt in ("say 1", "say 2"):
+                raise ValueError(f"bad {task.prompt}")
+            if task.prompt == "say 5":
+                raise KeyError("five")
+            return await super().rollout(task, ctx)
+
+    result = await tt.run_eval(Mixed(Numbers()), echo(), config(tmp_path, max_concurrent=1))
+    summary = json.loads((result.run_dir / "summary.json").read_text())
+    assert summary["errors_by_type"] == {"ValueError": 2, "KeyError": 1}
+    assert summary["first_error"] == {"type": "ValueError", "message": "bad say 1"}
+    # The echo model counts words: "say i" in, "say i" out, for each of the 5 that ran.
+    assert summary["usage"] == {"prompt_tokens": 10, "completion_tokens": 10}
+    assert [r["usage"] for r in rows(result.run_dir) if r["ok"]] == [
+        {"prompt_tokens": 2, "completion_tokens": 2}
+    ] * 5
+    assert {r["finish_reason"] for r in rows(result.run_dir)} == {"stop", None}
+    assert (summary["stopped"], summary["error"], summary["interrupted"]) == (None, None, False)
+
+
+async def test_a_run_that_fails_before_its_first_slot_leaves_no_run_dir(
+    autojump_clock: MockClock, tmp_path: Path
+) -> None:
+    class NoSandbox(tt.Env[tt.Task]):
+        def serving(self) -> Any:
+            raise RuntimeError("no sandbox today")
+
+    out = tmp_path / "out"
+    cfg = tt.EvalConfig(output_dir=str(out), run_name="r", dashboard=False)
+    with pytest.raises(RuntimeError, match="no sandbox today"):
+        await tt.run_eval(NoSandbox(Numbers()), echo(), cfg)
+    assert not out.exists()  # neither the run dir nor the -o it made
+    result = await tt.run_eval(tt.Env(Numbers()), echo(), cfg)  # the same name starts afresh
+    assert len(rows(result.run_dir)) == 8
+
+
+async def test_a_feed_that_breaks_midway_is_the_summary_error(
+    autojump_clock: MockClock, tmp_path: Path
+) -> None:
+    class FeedError(Exception):
+        pass
+
+    feed = FeedTaskset()
+    feed.put("a", "b")
+    with trio.fail_after(60):
+        async with trio.open_nursery() as nursery:
+
+            async def break_later() -> None:
+                await trio.sleep(10)
+                feed.fail(FeedError("the feed broke"))
+
+            nursery.start_soon(break_later)
+            with pytest.raises(FeedError):
+                await tt.run_eval(tt.Env(feed), echo(), config(tmp_path, num_examples=5))
+    summary = json.loads((tmp_path / "run" / "summary.json").read_text())
+    assert summary["error"] == "FeedError: the feed broke"
+    assert (summary["finished"], summary["stopped"], summary["interrupted"]) == (2, None, True)
+
+
+async def test_config_json_records_what_reproduces_the_run(
+    autojump_clock: MockClock, tmp_path: Path
+) -> None:
+    ctx = tt.ModelContext(tt.OpenAIClient("http://127.0.0.1:9/v1"), "m")  # -n 0: never called
+    cfg = config(tmp_path, num_examples=0, command=["trio-tasksets", "eval", "x"],
+                 api_key_var="MY_KEY")  # fmt: skip
+    result = await tt.run_eval(tt.Env(Numbers()), ctx, cfg)
+    await ctx.client.aclose()
+    saved = json.loads((result.run_dir / "config.json").read_text())
+    assert saved["version"] == tt.__version__
+    assert saved["command"] == ["trio-tasksets", "eval", "x"]
+    assert saved["base_url"] == "http://127.0.0.1:9/v1"
+    assert saved["api_key_var"] == "MY_KEY"
+    assert datetime.fromisoformat(saved["started_at"]).tzinfo is not None
+    assert "command" not in saved["eval"]
+
+
+async def test_resume_without_a_run_name_picks_the_latest_of_the_same_taskset_and_model(
+    autojump_clock: MockClock, tmp_path: Path
+) -> None:
+    older = await tt.run_eval(tt.Env(Numbers()), echo(), config(tmp_path, run_name="older"))
+    await trio.sleep(1)
+    newer = await tt.run_eval(tt.Env(Numbers()), echo(), config(tmp_path, run_name="newer"))
+    other = tt.ModelContext(tt.EchoClient(), "other-model")
+    await trio.sleep(1)
+    await tt.run_eval(tt.Env(Numbers()), other, config(tmp_path, run_name="other"))
+    (newer.run_dir / "traces.jsonl").write_text("")  # newer owes every slot
+    assert tt.eval.latest_run(tt.Env(Numbers()), echo(), str(tmp_path)) == newer.run_dir
+    resumed = await tt.run_eval(
+        tt.Env(Numbers()), echo(), config(tmp_path, run_name=None, resume=True)
+    )
+    assert resumed.run_dir == newer.run_dir
+    assert len(rows(newer.run_dir)) == 8
+    assert len(rows(older.run_dir)) == 8
+    with pytest.raises(tt.EvalConfigError, match="--run-name"):
+        await tt.run_eval(tt.Env(Endless()), echo(),
+                          config(tmp_path, run_name=None, resume=True, num_examples=1))  # fmt: skip
+
+
+async def test_n_larger_than_a_static_taskset_says_so(
+    autojump_clock: MockClock, tmp_path: Path
+) -> None:
+    with pytest.warns(tt.eval.EvalWarning, match=r"-n/--num-examples 20 .* \(8 tasks\)"):
+        result = await tt.run_eval(tt.Env(Numbers()), echo(), config(tmp_path, num_examples=20))
+    assert len(result.episodes) == 8

@@ -19,6 +19,7 @@ PACKAGE = Path(__file__).resolve().parent.parent / "trio_tasksets"
 # SIDEWAYS, and any room of a lower layer. Shims of moved modules sit at the top (they only
 # re-export).
 LAYERS: dict[str, int] = {
+    "version": 0,
     "runner": 0,
     "tasksets": 1,
     "testing": 2,

@@ -27,6 +27,7 @@ from .models import (
 from .runner import as_completed, merge, run_stream, take
 from .serve import EnvClient
 from .tasksets import Task, Taskset, TasksetConfig
+from .version import __version__
 
 __all__ = [
     "Completion",
@@ -53,6 +54,7 @@ __all__ = [
     "Task",
     "Taskset",
     "TasksetConfig",
+    "__version__",
     "aio",
     "as_completed",
     "merge",

@@ -48,11 +48,12 @@ class EchoTaskset(Taskset[Task, EchoConfig]):
 
 @attrs.define
 class EchoStreamConfig(EchoConfig):
-    gap: float = 0.5
+    gap: float = 0.1  # seconds between tasks: short, yet the dashboard visibly fills
 
 
 class EchoStreamTaskset(Taskset[Task, EchoStreamConfig]):
-    """A live feed: one echo task every `gap` seconds, cycling the phrases, never draining.
+    """A live feed: one echo task every `gap` seconds (default 0.1; set it with
+    `-a '{"gap": 0.5}'`), cycling the phrases, never draining.
 
     Each task has its own key (`echo-stream:<n>`); only `-n` (or `take`) ends a run over it.
     """

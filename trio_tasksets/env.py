@@ -14,7 +14,7 @@ from typing import Any, Generic, TypeVar
 import attrs
 import trio
 
-from .models import ModelContext
+from .models import Completion, ModelContext, observe_completions
 from .tasksets import Taskset
 
 __all__ = ["Env", "Episode", "EpisodeError", "EpisodeTask", "RetryPolicy", "RunSlot"]
@@ -81,7 +81,9 @@ class Episode:
     """The record of one slot: what was asked, what came back, its reward and its errors.
 
     `ok` is False when every attempt failed; `errors` keeps every failed attempt's error,
-    including those of attempts that a later retry made good.
+    including those of attempts that a later retry made good. `usage` sums the token counts
+    of every model reply of every attempt (what the episode cost); `finish_reason` is the
+    last reply's.
     """
 
     id: str
@@ -94,6 +96,16 @@ class Episode:
     errors: list[EpisodeError] = attrs.Factory(list)
     attempts: int = 0
     timing: dict[str, float] = attrs.Factory(dict)
+    usage: dict[str, int] = attrs.Factory(dict)
+    finish_reason: str | None = None
+
+    def count(self, completion: Completion) -> None:
+        """Add one model reply's token usage, and keep its finish reason."""
+        usage = self.usage
+        for name, value in completion.usage.items():
+            usage[name] = usage.get(name, 0) + value
+        if completion.finish_reason is not None:
+            self.finish_reason = completion.finish_reason
 
     def to_row(self) -> dict[str, Any]:
         """The trace row: the episode's fields under the same names, JSON-ready."""
@@ -111,6 +123,8 @@ class Episode:
             ],
             "attempts": self.attempts,
             "timing": self.timing,
+            "usage": self.usage,
+            "finish_reason": self.finish_reason,
         }
 
     @classmethod
@@ -127,6 +141,8 @@ class Episode:
             errors=[EpisodeError(**e) for e in row.get("errors", [])],
             attempts=int(row.get("attempts", 0)),
             timing=dict(row.get("timing", {})),
+            usage={str(k): int(v) for k, v in (row.get("usage") or {}).items()},
+            finish_reason=None if row.get("finish_reason") is None else str(row["finish_reason"]),
         )
 
     @classmethod
@@ -139,6 +155,7 @@ class Episode:
         if type(row) is dict:
             get = row.get
             task, completion, errors = get("task"), get("completion"), get("errors")
+            finish = get("finish_reason")
             if (
                 type(task) is dict
                 and type(task.get("key")) is str
@@ -153,10 +170,13 @@ class Episode:
                 and not errors
                 and type(get("attempts")) is int
                 and type(get("timing")) is dict
+                and type(get("usage")) is dict
+                and all(type(v) is int for v in row["usage"].values())
+                and (finish is None or type(finish) is str)
             ):
                 return cls(row["id"], EpisodeTask(task["key"], task["data"]), row["rollout"],
                            row["ok"], row["reward"], completion, row["messages"], errors,
-                           row["attempts"], row["timing"])  # fmt: skip
+                           row["attempts"], row["timing"], row["usage"], finish)  # fmt: skip
         return cls.from_row(row)  # type: ignore[arg-type]  # not a dict: it raises
 
 
@@ -282,7 +302,8 @@ class Env(Generic[TaskT]):
         while True:
             attempt += 1
             try:
-                messages, completion = await self.rollout(task, ctx)
+                with observe_completions(episode.count):
+                    messages, completion = await self.rollout(task, ctx)
                 reward = _finite(await self.score(task, completion))
             except Exception as exc:
                 episode.errors.append(EpisodeError(type(exc).__name__, str(exc), attempt))

@@ -10,6 +10,7 @@ from __future__ import annotations
 import importlib
 import importlib.util
 import sys
+import traceback
 from pathlib import Path
 from typing import Any
 
@@ -26,6 +27,10 @@ class TravelError(ValueError):
 
 class TargetError(ValueError):
     """A TASKSET argument that names nothing this process can load (the CLI: exit 2)."""
+
+
+class LoadError(ValueError):
+    """`load_object`'s spec names nothing: a malformed spec, or no such name in the module."""
 
 
 def _module_file(module_name: str) -> str | None:
@@ -62,29 +67,82 @@ def object_spec(obj: Any, what: str) -> str:
     return f"{module_name}:{qualname}"
 
 
+def _exec_file_module(module_name: str, path: Path) -> Any:
+    """Run the file as module `module_name`, its folder first on `sys.path` while it runs (so
+    that it imports its sibling modules); a module that fails is not left in sys.modules."""
+    module_spec = importlib.util.spec_from_file_location(module_name, path)
+    if module_spec is None or module_spec.loader is None:
+        raise LoadError(f"cannot import {path}")
+    module = importlib.util.module_from_spec(module_spec)
+    sys.modules[module_name] = module
+    folder = str(path.parent)
+    sys.path.insert(0, folder)
+    try:
+        module_spec.loader.exec_module(module)
+    except BaseException:
+        sys.modules.pop(module_name, None)
+        raise
+    finally:
+        if folder in sys.path:
+            sys.path.remove(folder)  # the one we inserted (the first occurrence)
+    return module
+
+
 def load_object(spec: str) -> Any:
     """The object `object_spec` named, imported in this process (a file module is loaded
-    once, under a name of its own: FILE_MODULE_PREFIX + the file's stem)."""
+    once, under a name of its own: FILE_MODULE_PREFIX + the file's stem, with the file's
+    folder on `sys.path` while it loads)."""
     where, _, name = spec.rpartition(":")
     if not where or not name:
-        raise ValueError(f"{spec!r}: expected module:Name or path/file.py:Name")
+        raise LoadError(f"{spec!r}: expected module:Name or path/file.py:Name")
     if where.endswith(".py"):
         path = Path(where).resolve()
         module_name = f"{FILE_MODULE_PREFIX}{path.stem}"
         module = sys.modules.get(module_name)
         if module is None or _module_file(module_name) != str(path):
-            module_spec = importlib.util.spec_from_file_location(module_name, path)
-            if module_spec is None or module_spec.loader is None:
-                raise ValueError(f"{spec!r}: cannot import {path}")
-            module = importlib.util.module_from_spec(module_spec)
-            sys.modules[module_name] = module
-            module_spec.loader.exec_module(module)
+            module = _exec_file_module(module_name, path)
     else:
         module = importlib.import_module(where)
     try:
         return getattr(module, name)
     except AttributeError:
-        raise ValueError(f"{spec!r}: {where} has no {name!r}") from None
+        raise LoadError(f"{spec!r}: {where} has no {name!r}") from None
+
+
+def _where(filename: str, line: int | None) -> str:
+    path = Path(filename).resolve()
+    shown = str(path.relative_to(Path.cwd())) if path.is_relative_to(Path.cwd()) else filename
+    return f"{shown}:{line}" if line else shown
+
+
+def _is_machinery(filename: str) -> bool:
+    """A frame of the import system or of this package: not where a user looks."""
+    return filename.startswith("<") or Path(filename).resolve().is_relative_to(_PACKAGE_DIR)
+
+
+_PACKAGE_DIR = Path(__file__).resolve().parent
+
+
+def import_failure(exc: BaseException, where: str) -> str:
+    """`file:line: Type: message` for a module that raised while it was imported, naming the
+    line of the user's own code (in the folder of the file TASKSET names) and, when the error
+    was raised elsewhere (in a library that code imported), that place too."""
+    error = f"{type(exc).__name__}: {exc}"
+    if isinstance(exc, SyntaxError) and exc.filename:
+        return f"{_where(exc.filename, exc.lineno)}: {type(exc).__name__}: {exc.msg}"
+    frames = [f for f in traceback.extract_tb(exc.__traceback__) if not _is_machinery(f.filename)]
+    if not frames:
+        return f"cannot import {where}: {error}"
+    raised = frames[-1]
+    mine = raised
+    if where.endswith(".py"):
+        folder = Path(where).resolve().parent
+        own = [f for f in frames if Path(f.filename).resolve().is_relative_to(folder)]
+        mine = own[-1] if own else raised
+    text = f"{_where(mine.filename, mine.lineno)}: {error}"
+    if mine is not raised:
+        text += f" (raised at {_where(raised.filename, raised.lineno)})"
+    return text
 
 
 def resolve_taskset(spec: str) -> type[Taskset[Any, Any]]:
@@ -108,8 +166,10 @@ def resolve_target(spec: str) -> tuple[type[Taskset[Any, Any]], type[Env[Any]] |
         raise TargetError(f"TASKSET {spec!r}: no file {where}")
     try:
         cls = load_object(spec)
-    except (ImportError, ValueError) as exc:
+    except LoadError as exc:
         raise TargetError(f"TASKSET {spec!r}: cannot load it: {exc}") from exc
+    except Exception as exc:  # the module raised while it ran: one line, not a traceback
+        raise TargetError(f"TASKSET {spec!r}: {import_failure(exc, where)}") from exc
     if isinstance(cls, type) and issubclass(cls, Env):
         taskset_cls = getattr(cls, "taskset_class", None)
         if isinstance(taskset_cls, type) and issubclass(taskset_cls, Taskset):

@@ -13,10 +13,12 @@ type names (``ModelConnectionError``, ``ModelTimeoutError``, ``ModelHTTPError``,
 
 from __future__ import annotations
 
+import contextvars
 import email.utils
 import math
 import os
 import random
+from collections.abc import Callable
 from datetime import UTC, datetime
 from types import TracebackType
 from typing import Any, Protocol, Self, runtime_checkable
@@ -38,6 +40,7 @@ __all__ = [
     "OpenAIClient",
     "Sampling",
     "api_key_from_env",
+    "observe_completions",
 ]
 
 Message = dict[str, Any]
@@ -103,8 +106,35 @@ class ModelContext:
     sampling: Sampling = attrs.field(factory=Sampling)
 
     async def chat(self, messages: list[dict[str, Any]]) -> Completion:
-        """Send ``messages`` to ``client`` with this context's model and sampling."""
-        return await self.client.chat(messages, model=self.model, sampling=self.sampling)
+        """Send ``messages`` to ``client`` with this context's model and sampling (and show
+        the reply to the observer of :class:`observe_completions`, if any)."""
+        completion = await self.client.chat(messages, model=self.model, sampling=self.sampling)
+        observer = _observer.get()
+        if observer is not None:
+            observer(completion)
+        return completion
+
+
+_observer: contextvars.ContextVar[Callable[[Completion], None] | None] = contextvars.ContextVar(
+    "trio_tasksets_completion_observer", default=None
+)
+
+
+class observe_completions:  # lower case: it reads as a call in `with observe_completions(...)`
+    """``with observe_completions(record):`` every :meth:`ModelContext.chat` made inside the
+    block, by this task or by tasks it starts, passes its :class:`Completion` to ``record``
+    (how an episode sums its token usage over all its model calls)."""
+
+    __slots__ = ("_record", "_token")
+
+    def __init__(self, record: Callable[[Completion], None]) -> None:
+        self._record = record
+
+    def __enter__(self) -> None:
+        self._token = _observer.set(self._record)
+
+    def __exit__(self, *exc_info: object) -> None:
+        _observer.reset(self._token)
 
 
 # ---------------------------------------------------------------------------------------

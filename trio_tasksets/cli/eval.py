@@ -1,26 +1,70 @@
-"""`trio-tasksets eval TASKSET`: the eval's command (exit codes: see `trio_tasksets.cli.main`)."""
+"""`trio-tasksets eval TASKSET`: the eval's command (exit codes: see `trio_tasksets.cli.main`).
+
+What it prints: the one-line summary on stdout and, when episodes failed, the failures by
+type with the first error's message. When the run did not succeed, one error line on stderr
+with the fix the first error suggests; when it stopped early, where its rows are and the
+exact command that resumes it.
+"""
 
 from __future__ import annotations
 
 import argparse
+import json
 import os
+import re
+import shlex
+import shutil
 import sys
+import warnings
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TextIO
 
-import attrs
 import trio
 
-from ..env import Env, RetryPolicy
-from ..eval import EvalConfig, run_eval
-from ..loading import resolve_target
+from ..env import Env
+from ..eval import EvalConfig, EvalConfigError, EvalResult, EvalWarning, run_eval
+from ..eval.config import check_max_failures, preflight, run_dir_for
 from ..models import ModelContext
 from ..serve.wire import TOKEN_VAR
+from .options import (
+    DEFAULT_API_KEY_VAR,
+    PROG,
+    CommandError,
+    HelpFormatter,
+    UsageError,
+    add_env_options,
+    add_model_options,
+    api_key_var,
+    build_env,
+    check_retry_flags,
+    model_context,
+    warn,
+)
 
 if TYPE_CHECKING:
     from .options import Commands
 
-from .options import UsageError, add_model_options, model_context, names
+EXIT_ON_SIGNAL = {"SIGINT": 130, "SIGTERM": 143}
+
+
+def _max_failures(text: str) -> int | float:
+    value: int | float
+    try:
+        value = int(text)
+    except ValueError:
+        try:
+            value = float(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(
+                f"takes N (an integer >= 1) or a FRACTION between 0 and 1, got {text!r}"
+            ) from None
+    try:
+        check_max_failures(value)
+    except EvalConfigError as exc:
+        raise argparse.ArgumentTypeError(str(exc).removeprefix("--max-failures ")) from None
+    return value
 
 
 def add_parser(commands: Commands) -> argparse.ArgumentParser:
@@ -29,95 +73,111 @@ def add_parser(commands: Commands) -> argparse.ArgumentParser:
         "eval",
         help="evaluate a taskset against a model",
         description="Evaluate a taskset against a model; traces go to <output-dir>/<run-name>/.",
+        formatter_class=HelpFormatter,
+        allow_abbrev=False,  # the resume command rewrites --run-name and --resume by name
     )
-    ev.add_argument(
-        "taskset", metavar="TASKSET", help="echo, echo-stream, file.py:Class or pkg.mod:Class"
-    )
+    add_env_options(ev)
     run = ev.add_argument_group("the run")
     run.add_argument(
-        "-n",
-        "--num-examples",
-        type=int,
-        default=None,
-        metavar="N",
-        help="take N tasks (required on a streaming or INFINITE taskset)",
-    )
-    run.add_argument("-r", "--rollouts-per-example", type=int, default=1, metavar="R")
+        "-n", "--num-examples", type=int, default=None, metavar="N",
+        help="take N tasks; required on a streaming or INFINITE taskset (default: every task "
+        "of a static taskset)",
+    )  # fmt: skip
     run.add_argument(
-        "-c",
-        "--max-concurrent",
-        type=int,
-        default=32,
-        metavar="C",
-        help="the window: most rollouts in flight (default 32)",
+        "-r", "--rollouts-per-example", type=int, default=1, metavar="R", help="slots per task"
     )
     run.add_argument(
-        "--shuffle", action="store_true", help="shuffle a static taskset (with --seed)"
-    )
-    run.add_argument("--seed", type=int, default=0)
-    run.add_argument("--resume", action="store_true", help="finish a run dir's owed rollouts")
-    run.add_argument("-o", "--output-dir", default="outputs", metavar="DIR")
-    run.add_argument("--run-name", default=None, metavar="NAME")
+        "-c", "--max-concurrent", type=int, default=32, metavar="C",
+        help="the window: most rollouts in flight",
+    )  # fmt: skip
     run.add_argument(
-        "--retries", type=int, default=0, metavar="K", help="retry a failed episode up to K times"
+        "--shuffle", action="store_true", help="shuffle a static taskset before taking N"
     )
     run.add_argument(
-        "--retry-on",
-        default="",
-        metavar="TYPES",
-        help="comma-separated exception type names to retry (default: any)",
+        "--seed", type=int, default=None, metavar="S", help="the seed of --shuffle (default: 0)"
     )
     run.add_argument(
-        "--no-retry-on",
-        default="",
-        metavar="TYPES",
-        help="comma-separated exception type names never to retry",
+        "--resume", action="store_true",
+        help="finish the owed rollouts of a run dir: --run-name's, or else the latest run of "
+        "this taskset and model in -o",
+    )  # fmt: skip
+    run.add_argument(
+        "-o", "--output-dir", default="outputs", metavar="DIR", help="where run dirs go"
     )
+    run.add_argument(
+        "--run-name", default=None, metavar="NAME",
+        help="the run dir's name (default: <Taskset>-<model>-<YYYYmmdd-HHMMSS>)",
+    )  # fmt: skip
+    run.add_argument(
+        "--max-failures", type=_max_failures, default=None, metavar="N|FRACTION",
+        help="stop (exit 1) once N episodes failed, or once more than FRACTION of the planned "
+        "slots (of a stream: of the finished ones) failed (default: never stop early; exit 1 "
+        "only when no episode succeeded)",
+    )  # fmt: skip
     run.add_argument("--no-dashboard", action="store_true", help="plain log lines, no live view")
-    run.add_argument("--serve", action="store_true", help="run the env in a server process")
-    run.add_argument("--workers", type=int, default=1, metavar="K", help="server processes")
-    run.add_argument("--server-url", default=None, metavar="URL", help="use a running server")
-    run.add_argument(
-        "--token-var",
-        default=None,
-        metavar="NAME",
-        help=f"with --server-url: the environment variable holding its token (default {TOKEN_VAR})",
+    served = ev.add_argument_group("the served path")
+    served.add_argument("--serve", action="store_true", help="run the env in a server process")
+    served.add_argument(
+        "--workers", type=int, default=1, metavar="K", help="server processes, with --serve"
     )
-    model = add_model_options(ev)
-    prompt = model.add_mutually_exclusive_group()
-    prompt.add_argument("--system-prompt", default=None, metavar="TEXT")
-    prompt.add_argument("--system-prompt-file", default=None, metavar="PATH")
+    served.add_argument(
+        "--server-url", default=None, metavar="URL",
+        help="use a running `trio-tasksets serve` (default: none: run in this process)",
+    )  # fmt: skip
+    served.add_argument(
+        "--token-var", default=None, metavar="NAME",
+        help=f"with --server-url: the environment variable holding its token "
+        f"(default: {TOKEN_VAR})",
+    )  # fmt: skip
+    add_model_options(ev)
     return ev
 
 
+# --- checks and building ----------------------------------------------------------------------
+
+
+def _refuse_idle_options(args: argparse.Namespace) -> None:
+    """An option that would do nothing in this combination is a usage error."""
+    if args.seed is not None and not args.shuffle:
+        raise UsageError(
+            "--seed does nothing without --shuffle", fix="add --shuffle, or drop --seed"
+        )
+    if args.token_var is not None and args.server_url is None:
+        raise UsageError(
+            "--token-var applies to --server-url only",
+            fix="add --server-url URL, or drop --token-var",
+        )
+    check_retry_flags(args)
+
+
+def program() -> list[str]:
+    """How this process was started, as a user would type it again."""
+    if Path(sys.argv[0]).name != "__main__.py":
+        return [PROG]
+    python = shutil.which("python")
+    same = python is not None and os.path.realpath(python) == os.path.realpath(sys.executable)
+    return ["python" if same else sys.executable, "-m", "trio_tasksets"]
+
+
 def _build(args: argparse.Namespace) -> tuple[Env[Any], ModelContext, EvalConfig]:
-    cls, env_cls = resolve_target(args.taskset)
-    system_prompt = args.system_prompt
-    if args.system_prompt_file is not None:
-        try:
-            system_prompt = Path(args.system_prompt_file).read_text()
-        except OSError as exc:
-            raise UsageError(f"--system-prompt-file: cannot read it: {exc}") from exc
-    config = cls._default_config()
-    if system_prompt is not None:
-        config = attrs.evolve(config, system_prompt=system_prompt)
-    if args.retries < 0:
-        raise UsageError(f"--retries must be >= 0, got {args.retries}")
-    retries = RetryPolicy(args.retries, names(args.retry_on), names(args.no_retry_on))
-    env: Env[Any] = (env_cls or Env)(cls(config), retries=retries)
+    _refuse_idle_options(args)
+    env = build_env(args)
     ctx = model_context(args)
     if args.token_var is not None:
         # The eval reads a --server-url's token from $TT_SERVE_TOKEN: point it at NAME.
         token = os.environ.get(args.token_var, "").strip()
         if not token:
-            raise UsageError(f"--token-var: environment variable {args.token_var} is not set")
+            raise UsageError(
+                f"--token-var: environment variable {args.token_var} is not set",
+                fix=f"export {args.token_var}=<the server's token>",
+            )
         os.environ[TOKEN_VAR] = token
-    eval_config = EvalConfig(
+    config = EvalConfig(
         num_examples=args.num_examples,
         rollouts_per_example=args.rollouts_per_example,
         max_concurrent=args.max_concurrent,
         shuffle=args.shuffle,
-        seed=args.seed,
+        seed=0 if args.seed is None else args.seed,
         resume=args.resume,
         output_dir=args.output_dir,
         run_name=args.run_name,
@@ -125,31 +185,199 @@ def _build(args: argparse.Namespace) -> tuple[Env[Any], ModelContext, EvalConfig
         workers=args.workers,
         dashboard=not args.no_dashboard,
         server_url=args.server_url,
+        max_failures=args.max_failures,
+        command=[*program(), *getattr(args, "argv", [])],
+        api_key_var=api_key_var(args),
     )
-    return env, ctx, eval_config
+    return env, ctx, config
 
 
-async def _eval(env: Env[Any], ctx: ModelContext, config: EvalConfig) -> dict[str, Any]:
+def _name_the_run(env: Env[Any], ctx: ModelContext, config: EvalConfig) -> Path:
+    """Fix the run dir before the run (so that every way of ending can point at it); a
+    `--resume` without `--run-name` says which run it picked."""
+    preflight(env, ctx, config)
+    run_dir = run_dir_for(env, ctx, config)
+    if config.resume and config.run_name is None:
+        print(
+            f"{PROG} eval: resuming {run_dir}, the latest run of taskset "
+            f"{type(env.taskset).__name__} with model {ctx.model!r} in {config.output_dir}",
+            file=sys.stderr,
+        )
+    config.run_name = run_dir.name
+    return run_dir
+
+
+# --- what is printed --------------------------------------------------------------------------
+
+
+def _excerpt(text: str, limit: int = 300) -> str:
+    flat = " ".join(text.split())
+    return flat if len(flat) <= limit else flat[: limit - 3] + "..."
+
+
+def _print_summary(summary: dict[str, Any], run_dir: Path) -> None:
+    mean = summary["reward_mean"]
+    usage = summary.get("usage") or {}
+    print(
+        f"{summary['ok']}/{summary['finished']} ok, reward mean "
+        f"{'-' if mean is None else f'{mean:.3f}'}, {summary['rollouts_per_s']:.1f} rollouts/s, "
+        f"{usage.get('prompt_tokens', 0)} tokens in / {usage.get('completion_tokens', 0)} out; "
+        f"traces in {run_dir}/traces.jsonl"
+    )
+    by_type = summary.get("errors_by_type") or {}
+    first = summary.get("first_error")
+    if by_type and first:
+        counts = ", ".join(f"{name} {count}" for name, count in by_type.items())
+        print(
+            f"{sum(by_type.values())} failed: {counts}; first error: {first['type']}: "
+            f"{_excerpt(first['message'])}"
+        )
+
+
+def _fix_for(error_type: str, message: str, args: argparse.Namespace, run_dir: Path) -> str:
+    """What the user can do about an error, from its type and (HTTP) status."""
+    found = re.search(r"HTTP (\d{3})", message)
+    status = int(found.group(1)) if found else None
+    if error_type == "ModelHTTPError" and status in (401, 403):
+        var = args.api_key_var or DEFAULT_API_KEY_VAR
+        if api_key_var(args):
+            return (
+                f"the server refused the API key in ${var}: check it (or name another "
+                "variable with --api-key-var)"
+            )
+        return (
+            f"no API key was sent (${var} is not set): export {var}=... (or name the "
+            "variable with --api-key-var)"
+        )
+    if error_type == "ModelHTTPError" and status == 404:
+        return (
+            f"check -m/--model {args.model!r} and --base-url {args.base_url} (the URL stops "
+            f"before /chat/completions, e.g. http://127.0.0.1:8000/v1)"
+        )
+    if error_type == "ModelHTTPError" and status == 429:
+        return "the server is rate-limiting: lower -c/--max-concurrent, or add --retries K"
+    if error_type == "ModelHTTPError" and status is not None and status >= 500:
+        return "the model server failed: see its log (--retries K retries whole episodes)"
+    if error_type == "ModelConnectionError":
+        return f"nothing answers at --base-url {args.base_url}: start the server, or fix the URL"
+    if error_type == "ModelTimeoutError":
+        return "raise --timeout S, or lower -c/--max-concurrent"
+    if error_type == "ModelResponseError":
+        return "the endpoint does not answer as an OpenAI /chat/completions does: check --base-url"
+    if error_type == "EnvServerError" and status == 401:
+        var = args.token_var or TOKEN_VAR
+        if os.environ.get(TOKEN_VAR):
+            return (
+                f"the env server refused the token in ${var}: check it (or name another "
+                "variable with --token-var)"
+            )
+        return (
+            f"the env server wants a bearer token: export {var}=<its token> (or name the "
+            "variable with --token-var)"
+        )
+    return f"every failed row's errors are in {run_dir}/traces.jsonl"
+
+
+def _resume_lines(args: argparse.Namespace, run_dir: Path, env: Env[Any]) -> tuple[str, ...]:
+    if not run_dir.is_dir():
+        return ("no episode had finished: no run dir was kept",)
+    if env.taskset.streaming:
+        return (
+            f"finished episodes are in {run_dir}; a stream cannot be resumed: run again "
+            f"(with another --run-name) to take more tasks",
+        )
+    return (
+        f"finished episodes are in {run_dir}",
+        f"resume: {shlex.join(resume_command(args, run_dir.name))}",
+    )
+
+
+def resume_command(args: argparse.Namespace, run_name: str) -> list[str]:
+    """The command that resumes this run: the same words with `--run-name NAME --resume`."""
+    words: list[str] = []
+    skip = False
+    for word in getattr(args, "argv", []):
+        if skip:
+            skip = False
+        elif word == "--run-name":
+            skip = True
+        elif not (word.startswith("--run-name=") or word == "--resume"):
+            words.append(word)
+    return [*program(), *words, "--run-name", run_name, "--resume"]
+
+
+@contextmanager
+def _warnings_as_lines() -> Iterator[None]:
+    def show(
+        message: Warning | str,
+        category: type[Warning],
+        filename: str,
+        lineno: int,
+        file: TextIO | None = None,
+        line: str | None = None,
+    ) -> None:
+        warn("eval", str(message))
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("always", EvalWarning)
+        warnings.showwarning = show
+        yield
+
+
+async def _eval(env: Env[Any], ctx: ModelContext, config: EvalConfig) -> EvalResult:
     try:
-        result = await run_eval(env, ctx, config)
+        return await run_eval(env, ctx, config, handle_signals=True)
     finally:
         with trio.CancelScope(shield=True):
             await ctx.client.aclose()
-    return {"run_dir": str(result.run_dir), **result.summary}
+
+
+def _summary_on_disk(run_dir: Path) -> dict[str, Any] | None:
+    try:
+        summary = json.loads((run_dir / "summary.json").read_text())
+    except (OSError, ValueError):
+        return None
+    return summary if isinstance(summary, dict) else None
 
 
 def run(args: argparse.Namespace) -> int:
-    """Run the eval the options describe; print the one-line summary."""
+    """Run the eval the options describe; print the summary; the exit code (see `main`)."""
     env, ctx, config = _build(args)
+    run_dir = _name_the_run(env, ctx, config)
     try:
-        summary = trio.run(_eval, env, ctx, config)
-    except KeyboardInterrupt:
-        print("trio-tasksets: interrupted; finished episodes are on disk", file=sys.stderr)
+        with _warnings_as_lines():
+            result = trio.run(_eval, env, ctx, config)
+    except KeyboardInterrupt:  # a second Ctrl-C, during the drain
+        summary = _summary_on_disk(run_dir)
+        if summary is not None:
+            _print_summary(summary, run_dir)
+        print(f"{PROG} eval: interrupted", file=sys.stderr)
+        for line in _resume_lines(args, run_dir, env):
+            print(line, file=sys.stderr)
         return 130
-    mean = summary["reward_mean"]
-    print(
-        f"{summary['ok']}/{summary['finished']} ok, reward mean "
-        f"{'-' if mean is None else f'{mean:.3f}'}, {summary['rollouts_per_s']:.1f} rollouts/s; "
-        f"traces in {summary['run_dir']}/traces.jsonl"
-    )
+    except (EvalConfigError, CommandError):
+        raise
+    except Exception as exc:
+        summary = _summary_on_disk(run_dir)
+        if summary is not None:
+            _print_summary(summary, run_dir)
+        raise CommandError(
+            f"{type(exc).__name__}: {exc}",
+            fix=_fix_for(type(exc).__name__, str(exc), args, run_dir),
+            details=_resume_lines(args, run_dir, env) if summary is not None else (),
+        ) from exc
+    summary = result.summary
+    _print_summary(summary, run_dir)
+    stopped = summary["stopped"]
+    first = summary.get("first_error") or {}
+    fix = _fix_for(first.get("type", ""), first.get("message", ""), args, run_dir)
+    if stopped in EXIT_ON_SIGNAL:
+        print(f"{PROG} eval: stopped by {stopped}", file=sys.stderr)
+        for line in _resume_lines(args, run_dir, env):
+            print(line, file=sys.stderr)
+        return EXIT_ON_SIGNAL[stopped]
+    if stopped is not None:  # max_failures
+        raise CommandError(summary["error"], fix=fix, details=_resume_lines(args, run_dir, env))
+    if summary["finished"] and not summary["ok"]:
+        raise CommandError(f"no episode succeeded ({summary['failed']} failed)", fix=fix)
     return 0

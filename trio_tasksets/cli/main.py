@@ -1,38 +1,45 @@
 """`trio-tasksets COMMAND ...`: the parser, and one way of ending for every command.
 
-Exit codes: 0 done (failed episodes are data, not errors), 1 an error stopped the run,
-2 a usage error (found before any task is pulled or file written; the command's usage and
-one line naming the flag), 130 interrupted (Ctrl-C).
+Every error is one line, `trio-tasksets COMMAND: error: MESSAGE` (and `; fix: ...` where
+there is one), with the command's usage above it for a usage error; `--debug` adds the
+traceback. Exit codes: 0 done, 1 a runtime failure (for `eval`: also no episode succeeded,
+or `--max-failures` reached), 2 a usage error (found before any task is pulled or file
+written), 130 SIGINT, 143 SIGTERM (`eval` drains on both first).
 """
 
 from __future__ import annotations
 
 import argparse
 import sys
+import traceback
 from collections.abc import Callable, Sequence
 
 from ..eval import EvalConfigError
 from ..loading import TargetError
+from ..version import __version__
 from . import eval as eval_command
 from . import serve as serve_command
 from . import worker as worker_command
-from .options import UsageError
+from .options import PROG, CommandError, HelpFormatter, UsageError
 
 __all__ = ["main"]
-
-PROG = "trio-tasksets"
 
 
 def parser() -> argparse.ArgumentParser:
     """The whole command line: `eval`, `serve`, `worker`, `enqueue`."""
     top = argparse.ArgumentParser(
-        prog=PROG, description="Streaming tasksets and a windowed runner on Trio."
+        prog=PROG,
+        description="Streaming tasksets and a windowed runner on Trio.",
+        formatter_class=HelpFormatter,
     )
+    top.add_argument("--version", action="version", version=f"{PROG} {__version__}")
     commands = top.add_subparsers(dest="command", required=True, metavar="COMMAND")
     eval_command.add_parser(commands)
     serve_command.add_parser(commands)
     worker_command.add_parsers(commands)
     for sub in commands.choices.values():
+        sub.formatter_class = HelpFormatter
+        sub.add_argument("--debug", action="store_true", help="show the traceback of an error")
         sub.set_defaults(tt_subparser=sub)  # a usage error prints the command's own usage
     return top
 
@@ -45,21 +52,37 @@ RUNNERS: dict[str, Callable[[argparse.Namespace], int]] = {
 }
 
 
+def _traceback(args: argparse.Namespace, exc: BaseException) -> None:
+    if getattr(args, "debug", False):
+        traceback.print_exception(exc, file=sys.stderr)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
-    top = parser()
-    args = top.parse_args(argv)
-    name = "" if args.command == "eval" else f" {args.command}"
+    words = list(sys.argv[1:] if argv is None else argv)
+    args = parser().parse_args(words)
+    args.argv = words
+    command = args.command
     try:
-        return RUNNERS[args.command](args)
+        return RUNNERS[command](args)
     except (UsageError, TargetError, EvalConfigError) as exc:
+        _traceback(args, exc)
         args.tt_subparser.print_usage(sys.stderr)
-        print(f"{PROG}{name}: error: {exc}", file=sys.stderr)
+        error = exc if isinstance(exc, UsageError) else UsageError(str(exc))
+        print(error.line(command), file=sys.stderr)
         raise SystemExit(2) from None  # as argparse ends on a usage error
+    except CommandError as exc:
+        _traceback(args, exc)
+        print(exc.line(command), file=sys.stderr)
+        for line in exc.details:
+            print(line, file=sys.stderr)
+        return exc.exit_code
     except KeyboardInterrupt:
-        print(f"{PROG}{name}: interrupted", file=sys.stderr)
+        print(f"{PROG} {command}: interrupted", file=sys.stderr)
         return 130
     except Exception as exc:
-        print(f"{PROG}{name}: error: {type(exc).__name__}: {exc}", file=sys.stderr)
+        _traceback(args, exc)
+        fix = None if args.debug else "run again with --debug for the traceback"
+        print(CommandError(f"{type(exc).__name__}: {exc}", fix=fix).line(command), file=sys.stderr)
         return 1
 
 

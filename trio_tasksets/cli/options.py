@@ -1,20 +1,105 @@
-"""What the commands share: `UsageError`, the model options (`eval`, `worker`), small parsers."""
+"""What the commands share: their errors and help format, the env options (`eval`, `serve`,
+`worker`) and the model options (`eval`, `worker`).
+
+`add_env_options` / `build_env`: TASKSET, `-a/--taskset-args`, `--env-class`, the system
+prompt and the retry policy, built into the user's `Env`. `add_model_options` /
+`model_context`: the model client, its endpoint and key, and the sampling settings. Each
+builder checks its values and raises `UsageError` naming the flag and the fix.
+"""
 
 from __future__ import annotations
 
 import argparse
-from typing import TYPE_CHECKING
+import difflib
+import json
+import math
+import os
+import sys
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+from urllib.parse import urlsplit
 
+import attrs
+
+from ..env import Env, RetryPolicy
+from ..envspec import EnvSpec, config_from_json
+from ..loading import LoadError, import_failure, load_object, resolve_target
 from ..models import EchoClient, ModelClient, ModelContext, OpenAIClient, Sampling, api_key_from_env
+from ..tasksets import Taskset, TasksetConfig
 
-__all__ = ["UsageError", "add_model_options", "model_context", "names"]
+__all__ = [
+    "DEFAULT_API_KEY_VAR",
+    "PROG",
+    "CommandError",
+    "HelpFormatter",
+    "UsageError",
+    "add_env_options",
+    "add_model_options",
+    "add_taskset_options",
+    "api_key_var",
+    "build_env",
+    "build_taskset",
+    "check_retry_flags",
+    "env_spec",
+    "model_context",
+    "names",
+    "warn",
+]
 
 if TYPE_CHECKING:
     Commands = argparse._SubParsersAction[argparse.ArgumentParser]  # the subcommands of `main`
 
+PROG = "trio-tasksets"
+DEFAULT_API_KEY_VAR = "OPENAI_API_KEY"
+TASKSET_HELP = "echo, echo-stream, path/to/file.py:Class or package.module:Class"
 
-class UsageError(Exception):
-    """A bad command line: printed with the command's usage, exit 2, before any work."""
+
+# --- errors and help ------------------------------------------------------------------------
+
+
+class CommandError(Exception):
+    """A failure the user can act on, shown as one line (exit 1):
+    ``trio-tasksets COMMAND: error: MESSAGE; fix: FIX``, then any `details` lines."""
+
+    exit_code = 1
+
+    def __init__(
+        self, message: str, *, fix: str | None = None, details: tuple[str, ...] = ()
+    ) -> None:
+        super().__init__(message)
+        self.fix = fix
+        self.details = details
+
+    def line(self, command: str) -> str:
+        text = f"{PROG} {command}: error: {self}"
+        return f"{text}; fix: {self.fix}" if self.fix else text
+
+
+class UsageError(CommandError):
+    """A bad command line, found before any work: the command's usage, then the line (exit 2)."""
+
+    exit_code = 2
+
+
+def warn(command: str, message: str) -> None:
+    """One warning line on stderr, in the style of the error lines."""
+    print(f"{PROG} {command}: warning: {message}", file=sys.stderr)
+
+
+class HelpFormatter(argparse.HelpFormatter):
+    """`--help` shows every option's default: `(default: X)` is added to an option whose
+    default is a value, unless its help already says what the default is."""
+
+    def _get_help_string(self, action: argparse.Action) -> str | None:
+        text = action.help or ""
+        if (
+            "default" in text
+            or not action.option_strings
+            or action.required
+            or any(action.default is nothing for nothing in (None, False, argparse.SUPPRESS))
+        ):
+            return text
+        return f"{text} (default: %(default)s)"
 
 
 def names(text: str) -> tuple[str, ...]:
@@ -22,70 +107,408 @@ def names(text: str) -> tuple[str, ...]:
     return tuple(part.strip() for part in text.split(",") if part.strip())
 
 
+def _given(args: argparse.Namespace, dest: str) -> bool:
+    """Whether an option whose default is None (a 'not given' sentinel) was given."""
+    return getattr(args, dest, None) is not None
+
+
+# --- the env: TASKSET and how each slot of it runs --------------------------------------------
+
+
+def add_taskset_options(parser: argparse.ArgumentParser, *, optional: bool = False) -> None:
+    """TASKSET and `-a/--taskset-args JSON` (its config's fields)."""
+    if optional:
+        parser.add_argument(
+            "taskset", metavar="TASKSET", nargs="?", default=None,
+            help=f"{TASKSET_HELP}: its reward, system prompt and env class score each task "
+            f"(default: none: the answer-match reward)",
+        )  # fmt: skip
+    else:
+        parser.add_argument("taskset", metavar="TASKSET", help=TASKSET_HELP)
+    parser.add_argument(
+        "-a", "--taskset-args", default=None, metavar="JSON",
+        help="the taskset config's fields as a JSON object, e.g. '{\"gap\": 0.5}' "
+        "(default: the config's own defaults)",
+    )  # fmt: skip
+    # The name `--serve` has passed to its server child since before -a existed.
+    parser.add_argument("--taskset-config", dest="taskset_args", help=argparse.SUPPRESS)
+
+
+def add_env_options(
+    parser: argparse.ArgumentParser, *, optional_taskset: bool = False
+) -> argparse._ArgumentGroup:
+    """TASKSET, `-a/--taskset-args`, `--env-class`, `--system-prompt[-file]`, `--retries`,
+    `--retry-on`, `--no-retry-on`: what `build_env` builds the env from."""
+    add_taskset_options(parser, optional=optional_taskset)
+    env = parser.add_argument_group("the env")
+    env.add_argument(
+        "--env-class", default=None, metavar="SPEC",
+        help="an Env subclass (file.py:Class or pkg.mod:Class) that runs each slot "
+        "(default: tt.Env, or the Env class TASKSET names)",
+    )  # fmt: skip
+    prompt = env.add_mutually_exclusive_group()
+    prompt.add_argument(
+        "--system-prompt", default=None, metavar="TEXT",
+        help="the system prompt of every task (default: the taskset's own)",
+    )  # fmt: skip
+    prompt.add_argument(
+        "--system-prompt-file", default=None, metavar="PATH",
+        help="read the system prompt from PATH (default: the taskset's own)",
+    )  # fmt: skip
+    env.add_argument(
+        "--retries", type=int, default=0, metavar="K", help="retry a failed episode up to K times"
+    )
+    env.add_argument(
+        "--retry-on", default="", metavar="TYPES",
+        help="comma-separated exception type names to retry; base classes match too "
+        "(default: every type)",
+    )  # fmt: skip
+    env.add_argument(
+        "--no-retry-on", default="", metavar="TYPES",
+        help="comma-separated exception type names never to retry (default: none)",
+    )  # fmt: skip
+    return env
+
+
+def _taskset_fields(args: argparse.Namespace) -> dict[str, Any]:
+    text = args.taskset_args
+    if text is None:
+        return {}
+    try:
+        fields = json.loads(text)
+    except ValueError as exc:
+        raise UsageError(
+            f"-a/--taskset-args is not JSON ({exc})", fix="""quote it: -a '{"field": 1}'"""
+        ) from None
+    if not isinstance(fields, dict):
+        raise UsageError(
+            f"-a/--taskset-args must be a JSON object, got {text!r}", fix="""-a '{"field": 1}'"""
+        )
+    return fields
+
+
+def _system_prompt(args: argparse.Namespace) -> str | None:
+    path = getattr(args, "system_prompt_file", None)
+    if path is None:
+        return getattr(args, "system_prompt", None)
+    try:
+        return Path(path).read_text()
+    except OSError as exc:
+        raise UsageError(f"--system-prompt-file: cannot read {path}: {exc.strerror}") from None
+
+
+def env_spec(args: argparse.Namespace) -> EnvSpec:
+    """The env the options describe, by names and JSON (what `serve` hands its workers)."""
+    fields = _taskset_fields(args)
+    prompt = _system_prompt(args)
+    if prompt is not None:
+        if "system_prompt" in fields:
+            raise UsageError(
+                "the system prompt is given twice (-a/--taskset-args and --system-prompt)",
+                fix="drop one",
+            )
+        fields["system_prompt"] = prompt
+    count: int = getattr(args, "retries", 0)
+    if count < 0:
+        raise UsageError(f"--retries must be >= 0, got {count}")
+    try:
+        retries = RetryPolicy(
+            count, names(getattr(args, "retry_on", "")), names(getattr(args, "no_retry_on", "")),
+            getattr(args, "retry_backoff", 0.5), getattr(args, "retry_max_backoff", 30.0),
+        )  # fmt: skip
+    except ValueError as exc:
+        raise UsageError(f"--retries/--retry-backoff: {exc}") from None
+    env_class = getattr(args, "env_class", None)
+    return EnvSpec(args.taskset or "", fields, env_class, getattr(args, "reward", None), retries)
+
+
+def check_retry_flags(args: argparse.Namespace) -> None:
+    """`--retry-on` / `--no-retry-on` choose which errors `--retries` retries: alone, they do
+    nothing (a usage error)."""
+    if args.retries == 0:
+        for flag, value in (("--retry-on", args.retry_on), ("--no-retry-on", args.no_retry_on)):
+            if value:
+                raise UsageError(
+                    f"{flag} does nothing without --retries", fix="add --retries K (K >= 1)"
+                )
+
+
+def _load(spec: str, flag: str) -> Any:
+    try:
+        return load_object(spec)
+    except LoadError as exc:
+        raise UsageError(f"{flag} {spec}: {exc}") from exc
+    except Exception as exc:
+        where = spec.rpartition(":")[0]
+        raise UsageError(f"{flag} {spec}: {import_failure(exc, where)}") from exc
+
+
+def _check_fields(cls: type[Taskset[Any, Any]], fields: dict[str, Any]) -> None:
+    """Each -a field names a field of the taskset's config, with a value of its default's
+    JSON type (an int for a float is fine; a None default takes anything)."""
+    config = cls._default_config()
+    if not attrs.has(type(config)):
+        if fields:
+            raise UsageError(
+                f"-a/--taskset-args: taskset {cls.__name__}'s config "
+                f"({type(config).__name__}) is not an attrs class, so -a cannot set it"
+            )
+        return
+    known = {field.name: getattr(config, field.name) for field in attrs.fields(type(config))}
+    for name, value in fields.items():
+        if name not in known:
+            close = difflib.get_close_matches(name, known, n=1)
+            hint = f"did you mean {close[0]!r}? " if close else ""
+            raise UsageError(
+                f"-a/--taskset-args: {type(config).__name__} (the config of taskset "
+                f"{cls.__name__}) has no field {name!r}; {hint}its fields: {', '.join(known)}"
+            )
+        default = known[name]
+        if not _fits(value, default):
+            shown = repr(default) if len(repr(default)) <= 40 else repr(default)[:37] + "..."
+            raise UsageError(
+                f"-a/--taskset-args: field {name!r} takes a {_json_kind(default)} (its "
+                f"default is {shown}), got {json.dumps(value)}"
+            )
+
+
+def _json_kind(value: object) -> str:
+    if isinstance(value, bool):
+        return "boolean"
+    if isinstance(value, int | float):
+        return "number"
+    if isinstance(value, str):
+        return "string"
+    if isinstance(value, list | tuple):
+        return "list"
+    if isinstance(value, dict):
+        return "object"
+    return type(value).__name__
+
+
+def _fits(value: object, default: object) -> bool:
+    if default is None or value is None:
+        return True
+    if isinstance(default, bool) or isinstance(value, bool):
+        return isinstance(value, bool) and isinstance(default, bool)
+    if isinstance(default, float):
+        return isinstance(value, int | float)
+    for kind in (int, str, dict):
+        if isinstance(default, kind):
+            return isinstance(value, kind)
+    if isinstance(default, list | tuple):
+        return isinstance(value, list)
+    return True  # a type JSON has no name for: the config class decides
+
+
+def build_taskset(args: argparse.Namespace) -> tuple[Taskset[Any, Any], type[Env[Any]] | None]:
+    """The taskset TASKSET names, built with the config `-a` and the system prompt give, and
+    the env class TASKSET names (None unless it names an Env subclass)."""
+    return _build_taskset(args, env_spec(args))
+
+
+def _build_taskset(
+    args: argparse.Namespace, spec: EnvSpec
+) -> tuple[Taskset[Any, Any], type[Env[Any]] | None]:
+    if args.taskset is None:  # `worker` without TASKSET: a plain config, tasks from the stream
+        if spec.config.keys() - {"system_prompt"}:
+            raise UsageError("-a/--taskset-args needs a TASKSET to configure")
+        return Taskset(TasksetConfig(**spec.config)), None
+    cls, env_cls = resolve_target(args.taskset)
+    _check_fields(cls, spec.config)
+    try:
+        config = config_from_json(cls, spec.config)
+    except (TypeError, ValueError) as exc:
+        raise UsageError(f"-a/--taskset-args: {exc}") from exc
+    try:
+        return cls(config), env_cls
+    except Exception as exc:
+        raise UsageError(
+            f"taskset {cls.__name__} cannot be built: {type(exc).__name__}: {exc}"
+        ) from exc
+
+
+def build_env(args: argparse.Namespace, *, check_retry_names: bool = True) -> Env[Any]:
+    """The env the options describe: the user's Env subclass (or tt.Env) around the taskset,
+    with the reward (`serve`'s `--reward`) and the retry policy. With `check_retry_names`, a
+    `--retry-on`/`--no-retry-on` name that no loaded exception type has is warned about."""
+    spec = env_spec(args)
+    taskset, target_env = _build_taskset(args, spec)
+    env_cls: Any = target_env or Env
+    if spec.env_class is not None:
+        if target_env is not None:
+            raise UsageError(
+                f"TASKSET {args.taskset} names an Env class already; --env-class "
+                f"{spec.env_class} would replace it",
+                fix="drop --env-class, or name the taskset class as TASKSET",
+            )
+        env_cls = _load(spec.env_class, "--env-class")
+        if not (isinstance(env_cls, type) and issubclass(env_cls, Env)):
+            raise UsageError(f"--env-class {spec.env_class}: not a subclass of tt.Env")
+    kwargs: dict[str, Any] = {"retries": spec.retries}
+    if spec.reward is not None:
+        kwargs["reward"] = _load(spec.reward, "--reward")
+    try:
+        env: Env[Any] = env_cls(taskset, **kwargs)
+    except Exception as exc:
+        raise UsageError(
+            f"{env_cls.__name__}(taskset, ...) failed: {type(exc).__name__}: {exc}"
+        ) from exc
+    if check_retry_names:
+        _check_retry_names(args.command, spec.retries)
+    return env
+
+
+def _exception_names() -> set[str]:
+    """The names of every exception class loaded now (the taskset's module included)."""
+    seen: set[type[BaseException]] = set()
+    todo: list[type[BaseException]] = [BaseException]
+    while todo:
+        cls = todo.pop()
+        if cls not in seen:
+            seen.add(cls)
+            todo.extend(cls.__subclasses__())
+    return {cls.__name__ for cls in seen}
+
+
+def _check_retry_names(command: str, policy: RetryPolicy) -> None:
+    if not (policy.include or policy.exclude):
+        return
+    known = _exception_names()
+    for flag, listed in (("--retry-on", policy.include), ("--no-retry-on", policy.exclude)):
+        for name in listed:
+            if name in known:
+                continue
+            close = difflib.get_close_matches(name, known, n=1)
+            because = f"did you mean {close[0]}?" if close else "check the spelling"
+            warn(
+                command,
+                f"{flag} {name}: no exception type of that name is loaded ({because}); it "
+                f"matches only an error of exactly that name",
+            )
+
+
+# --- the model --------------------------------------------------------------------------------
+
+
 def add_model_options(parser: argparse.ArgumentParser) -> argparse._ArgumentGroup:
     """Add the model options (`-m`, `--base-url`, `--api-key-var`, sampling, ...)."""
     model = parser.add_argument_group("the model")
     model.add_argument(
-        "-m",
-        "--model",
-        default="echo",
-        help="model name; 'echo' (default) is the built-in offline model",
-    )
+        "-m", "--model", default="echo",
+        help="model name; 'echo' is the built-in offline model (replies with the prompt)",
+    )  # fmt: skip
     model.add_argument(
-        "--base-url",
+        "--base-url", default=None, metavar="URL",
+        help="an OpenAI-compatible endpoint, e.g. http://127.0.0.1:8000/v1 (default: none; "
+        "needed by every model but echo)",
+    )  # fmt: skip
+    model.add_argument(
+        "--api-key-var", default=None, metavar="VAR",
+        help=f"the environment variable holding the API key (default: {DEFAULT_API_KEY_VAR}; "
+        f"no key is sent when it is unset)",
+    )  # fmt: skip
+    model.add_argument(
+        "--timeout", type=float, default=None, metavar="S",
+        help="per-request timeout in seconds, for --base-url (default: 120)",
+    )  # fmt: skip
+    model.add_argument(
+        "--temperature", type=float, default=None, metavar="T", help="sampling temperature >= 0 "
+        "(default: the server's)",
+    )  # fmt: skip
+    model.add_argument(
+        "--max-tokens",
+        type=int,
         default=None,
-        metavar="URL",
-        help="an OpenAI-compatible endpoint, e.g. http://127.0.0.1:8000/v1",
+        metavar="N",
+        help="most tokens per reply (default: the server's)",
     )
     model.add_argument(
-        "--api-key-var",
-        default=None,
-        metavar="VAR",
-        help="the environment variable holding the API key",
-    )
+        "--top-p", type=float, default=None, metavar="P", help="nucleus sampling, in (0, 1] (default: the "
+        "server's)",
+    )  # fmt: skip
     model.add_argument(
-        "--timeout", type=float, default=120.0, metavar="S", help="per-request timeout in seconds"
-    )
-    model.add_argument("--temperature", type=float, default=None)
-    model.add_argument("--max-tokens", type=int, default=None)
-    model.add_argument("--top-p", type=float, default=None)
-    model.add_argument("--sampling-seed", type=int, default=None)
+        "--sampling-seed", type=int, default=None, metavar="N", help="the seed sent with each request "
+        "(default: none)",
+    )  # fmt: skip
     model.add_argument(
-        "--echo-delay",
-        type=float,
-        default=0.0,
-        metavar="S",
-        help="latency of the echo model, to watch the window work",
-    )
-    return model  # fmt: skip
+        "--echo-delay", type=float, default=None, metavar="S",
+        help="latency of the echo model, to watch the window work (default: 0)",
+    )  # fmt: skip
+    return model
+
+
+def _is_echo(args: argparse.Namespace) -> bool:
+    return bool(args.model == "echo" and args.base_url is None)
+
+
+def _check_base_url(url: str) -> None:
+    parts = urlsplit(url)
+    if parts.scheme not in ("http", "https") or not parts.netloc:
+        example = f"http://{url}" if "://" not in url else "http://127.0.0.1:8000/v1"
+        raise UsageError(
+            f"--base-url must be an http:// or https:// URL, got {url!r}", fix=f"e.g. {example}"
+        )
+
+
+def _sampling(args: argparse.Namespace) -> Sampling:
+    temperature, top_p, max_tokens = args.temperature, args.top_p, args.max_tokens
+    if temperature is not None and not (math.isfinite(temperature) and temperature >= 0):
+        raise UsageError(f"--temperature must be >= 0, got {temperature}")
+    if top_p is not None and not 0 < top_p <= 1:
+        raise UsageError(f"--top-p must be in (0, 1], got {top_p}")
+    if max_tokens is not None and max_tokens < 1:
+        raise UsageError(f"--max-tokens must be >= 1, got {max_tokens}")
+    return Sampling(temperature=temperature, max_tokens=max_tokens, top_p=top_p,
+                    seed=args.sampling_seed)  # fmt: skip
+
+
+def api_key_var(args: argparse.Namespace) -> str | None:
+    """The variable the model's API key is read from, when a key is sent (never the key)."""
+    if _is_echo(args):
+        return None
+    var: str = args.api_key_var or DEFAULT_API_KEY_VAR
+    return var if os.environ.get(var, "").strip() else None
 
 
 def model_context(args: argparse.Namespace) -> ModelContext:
-    """The model the options name; a bad value is a `UsageError` naming its flag."""
+    """The model the options name; a bad value, or an option that would do nothing with this
+    model, is a `UsageError` naming its flag."""
     client: ModelClient
-    if args.model == "echo" and args.base_url is None:
-        if args.echo_delay < 0:
-            raise UsageError(f"--echo-delay must be >= 0, got {args.echo_delay}")
-        client = EchoClient(delay=args.echo_delay)
+    sampling = _sampling(args)
+    if _is_echo(args):
+        for flag, dest in (("--timeout", "timeout"), ("--api-key-var", "api_key_var")):
+            if _given(args, dest):
+                raise UsageError(
+                    f"{flag} does nothing with the echo model",
+                    fix=f"drop {flag}, or name an HTTP model with -m MODEL --base-url URL",
+                )
+        delay = 0.0 if args.echo_delay is None else args.echo_delay
+        if not delay >= 0:
+            raise UsageError(f"--echo-delay must be >= 0, got {delay}")
+        client = EchoClient(delay=delay)
+        return ModelContext(client, args.model, sampling)
+    if args.base_url is None:
+        raise UsageError(
+            f"-m/--model {args.model!r} needs --base-url (an OpenAI-compatible endpoint)",
+            fix="add --base-url http://127.0.0.1:8000/v1 (or https://api.openai.com/v1), "
+            "or use -m echo",
+        )
+    _check_base_url(args.base_url)
+    if _given(args, "echo_delay"):
+        raise UsageError(
+            "--echo-delay applies to the echo model only", fix="drop it (or drop --base-url)"
+        )
+    timeout = 120.0 if args.timeout is None else args.timeout
+    if not timeout > 0:
+        raise UsageError(f"--timeout must be > 0, got {timeout}")
+    key = None
+    if args.api_key_var is not None:  # named: it must hold a key
+        try:
+            key = api_key_from_env(args.api_key_var)
+        except ValueError as exc:
+            raise UsageError(f"--api-key-var: {exc}") from None
     else:
-        if args.base_url is None:
-            raise UsageError(
-                f"-m/--model {args.model!r} needs --base-url (an OpenAI-compatible endpoint "
-                f"such as http://127.0.0.1:8000/v1 or https://api.openai.com/v1), or use -m echo"
-            )
-        if args.timeout <= 0:
-            raise UsageError(f"--timeout must be > 0, got {args.timeout}")
-        key = None
-        if args.api_key_var is not None:
-            try:
-                key = api_key_from_env(args.api_key_var)
-            except ValueError as exc:
-                raise UsageError(f"--api-key-var: {exc}") from None
-        client = OpenAIClient(args.base_url, key, timeout=args.timeout)
-    sampling = Sampling(
-        temperature=args.temperature,
-        max_tokens=args.max_tokens,
-        top_p=args.top_p,
-        seed=args.sampling_seed,
-    )
+        key = os.environ.get(DEFAULT_API_KEY_VAR, "").strip() or None
+    client = OpenAIClient(args.base_url, key, timeout=timeout)
     return ModelContext(client, args.model, sampling)

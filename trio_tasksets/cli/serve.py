@@ -3,17 +3,14 @@
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 from functools import partial
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import trio
 
-from ..env import RetryPolicy
 from ..envspec import EnvSpec
-from ..loading import resolve_taskset
 from ..serve.app import ServerApp
 from ..serve.process import bind_socket, is_loopback, serve_worker, supervise, url_of
 from ..serve.wire import MAX_BODY_BYTES, READY_PREFIX
@@ -21,7 +18,7 @@ from ..serve.wire import MAX_BODY_BYTES, READY_PREFIX
 if TYPE_CHECKING:
     from .options import Commands
 
-from .options import UsageError, names
+from .options import CommandError, HelpFormatter, UsageError, add_env_options, build_env, env_spec
 
 
 def add_parser(commands: Commands) -> argparse.ArgumentParser:
@@ -30,10 +27,9 @@ def add_parser(commands: Commands) -> argparse.ArgumentParser:
         "serve",
         help="serve a taskset's env over HTTP (for --server-url or remote use)",
         description="Run a taskset's env behind HTTP: GET /health and POST /run (docs/serve.md).",
+        formatter_class=HelpFormatter,
     )
-    sv.add_argument(
-        "taskset", metavar="TASKSET", help="echo, echo-stream, file.py:Class or pkg.mod:Class"
-    )
+    env = add_env_options(sv)
     sv.add_argument(
         "--host",
         default="127.0.0.1",
@@ -50,7 +46,8 @@ def add_parser(commands: Commands) -> argparse.ArgumentParser:
         "--token-var",
         default=None,
         metavar="NAME",
-        help="environment variable holding the bearer token every request must carry",
+        help="environment variable holding the bearer token every request must carry "
+        "(default: none: no token, loopback only)",
     )
     sv.add_argument(
         "--max-body-bytes",
@@ -59,20 +56,16 @@ def add_parser(commands: Commands) -> argparse.ArgumentParser:
         metavar="N",
         help="larger request bodies get 413 (default 1 MiB)",
     )
-    env = sv.add_argument_group("the env (what `--serve` passes on from an eval)")
     env.add_argument(
-        "--taskset-config",
-        default=None,
-        metavar="JSON",
-        help="the taskset config's fields as a JSON object",
+        "--reward", default=None, metavar="SPEC",
+        help="a reward function (default: the taskset's, else answer match)",
+    )  # fmt: skip
+    env.add_argument(
+        "--retry-backoff", type=float, default=0.5, metavar="S", help="first retry's backoff cap"
     )
-    env.add_argument("--env-class", default=None, metavar="SPEC", help="an Env subclass")
-    env.add_argument("--reward", default=None, metavar="SPEC", help="a reward function")
-    env.add_argument("--retries", type=int, default=0, metavar="K")
-    env.add_argument("--retry-on", default="", metavar="TYPES")
-    env.add_argument("--no-retry-on", default="", metavar="TYPES")
-    env.add_argument("--retry-backoff", type=float, default=0.5, metavar="S")
-    env.add_argument("--retry-max-backoff", type=float, default=30.0, metavar="S")
+    env.add_argument(
+        "--retry-max-backoff", type=float, default=30.0, metavar="S", help="largest backoff"
+    )
     sv.add_argument(
         "--die-with-parent",
         action="store_true",
@@ -80,23 +73,6 @@ def add_parser(commands: Commands) -> argparse.ArgumentParser:
     )
     sv.add_argument("--listen-fd", type=int, default=None, help=argparse.SUPPRESS)
     return sv
-
-
-def _env_spec(args: argparse.Namespace) -> EnvSpec:
-    config: dict[str, Any] = {}
-    if args.taskset_config is not None:
-        try:
-            config = json.loads(args.taskset_config)
-        except ValueError as exc:
-            raise UsageError(f"--taskset-config is not JSON: {exc}") from None
-        if not isinstance(config, dict):
-            raise UsageError("--taskset-config must be a JSON object")
-    try:
-        retries = RetryPolicy(args.retries, names(args.retry_on), names(args.no_retry_on),
-                              args.retry_backoff, args.retry_max_backoff)  # fmt: skip
-    except ValueError as exc:
-        raise UsageError(f"--retries/--retry-backoff: {exc}") from None
-    return EnvSpec(args.taskset, config, args.env_class, args.reward, retries)
 
 
 def _token(args: argparse.Namespace) -> str | None:
@@ -109,7 +85,10 @@ def _token(args: argparse.Namespace) -> str | None:
         return None
     token = os.environ.get(args.token_var, "").strip()
     if not token:
-        raise UsageError(f"--token-var: environment variable {args.token_var} is not set")
+        raise UsageError(
+            f"--token-var: environment variable {args.token_var} is not set",
+            fix=f"export {args.token_var}=<a long random token>",
+        )
     return token
 
 
@@ -134,12 +113,8 @@ def run(args: argparse.Namespace) -> int:
     line raises `UsageError` (exit 2)."""
     _check_args(args)
     token = _token(args)
-    spec = _env_spec(args)
-    taskset_cls = resolve_taskset(args.taskset)
-    try:
-        env = spec.build(taskset_cls)
-    except (TypeError, ValueError, ImportError) as exc:
-        raise UsageError(f"cannot build the env: {type(exc).__name__}: {exc}") from exc
+    spec = env_spec(args)
+    env = build_env(args, check_retry_names=not args.die_with_parent)
     if args.listen_fd is not None:  # a worker of a pool
         app = ServerApp(env, token=token, max_body=args.max_body_bytes, workers=args.workers)
         worker = partial(serve_worker, url=None, die_with_parent=args.die_with_parent)
@@ -148,9 +123,10 @@ def run(args: argparse.Namespace) -> int:
     try:
         sock = bind_socket(args.host, args.port)
     except OSError as exc:
-        print(f"trio-tasksets serve: error: cannot listen on {args.host}:{args.port}: {exc}",
-              file=sys.stderr)  # fmt: skip
-        return 1
+        raise CommandError(
+            f"cannot listen on {args.host}:{args.port}: {exc.strerror}",
+            fix="choose another --port (0: any free one)",
+        ) from exc
     url = url_of(args.host, sock.getsockname()[1])
     if args.workers > 1:
         with sock:

@@ -9,9 +9,19 @@ from typing import TYPE_CHECKING, Any
 
 import trio
 
-from ..loading import resolve_taskset
+from ..env import Env
 from ..models import ModelContext
-from .options import UsageError, add_model_options, model_context
+from .options import (
+    HelpFormatter,
+    UsageError,
+    add_env_options,
+    add_model_options,
+    add_taskset_options,
+    build_env,
+    build_taskset,
+    check_retry_flags,
+    model_context,
+)
 
 if TYPE_CHECKING:
     from ..redis.worker import WorkerConfig, WorkerReport
@@ -36,15 +46,21 @@ def add_parsers(subparsers: Commands) -> None:
         "worker",
         help="consume a Redis stream of tasks until SIGTERM, publishing results",
         description="Consume a Redis stream through a consumer group for as long as it runs; "
-        "publish each episode to --results and acknowledge its task in one transaction.",
+        "publish each episode to --results and acknowledge its task in one transaction. "
+        "TASKSET, if given, scores the stream's tasks (its reward, system prompt, env class).",
+        formatter_class=HelpFormatter,
     )
+    add_env_options(worker, optional_taskset=True)
     _feed_options(worker)
     worker.add_argument("--group", required=True, metavar="G", help="the consumer group")
     worker.add_argument(
         "--consumer", default=None, metavar="NAME", help="this worker's name (default host-pid)"
     )
     worker.add_argument("--results", required=True, metavar="R", help="the results stream")
-    worker.add_argument("-c", "--max-concurrent", type=int, default=32, metavar="C")
+    worker.add_argument(
+        "-c", "--max-concurrent", type=int, default=32, metavar="C",
+        help="the window: most episodes in flight, and most entries held",
+    )  # fmt: skip
     worker.add_argument(
         "--claim-idle",
         type=float,
@@ -56,7 +72,6 @@ def add_parsers(subparsers: Commands) -> None:
     worker.add_argument(
         "--grace", type=float, default=30.0, metavar="S", help="seconds for in-flight runs"
     )
-    worker.add_argument("--retries", type=int, default=0, metavar="K")
     worker.add_argument("--no-dashboard", action="store_true", help="plain log lines")
     add_model_options(worker)
 
@@ -65,12 +80,14 @@ def add_parsers(subparsers: Commands) -> None:
         help="push a taskset's tasks into a Redis stream",
         description="Push a taskset's tasks (a static taskset, or the next N of a stream) "
         "into a Redis stream, one entry per task.",
+        formatter_class=HelpFormatter,
     )
     _feed_options(enqueue)
+    add_taskset_options(enqueue)
     enqueue.add_argument(
-        "taskset", metavar="TASKSET", help="echo, echo-stream, file.py:Class or pkg.mod:Class"
-    )
-    enqueue.add_argument("-n", "--num-examples", type=int, default=None, metavar="N")
+        "-n", "--num-examples", type=int, default=None, metavar="N",
+        help="push N tasks; required on a streaming taskset (default: every task)",
+    )  # fmt: skip
 
 
 def _need(condition: bool, message: str) -> None:
@@ -82,7 +99,7 @@ def _check_feed(args: argparse.Namespace) -> None:
     try:
         from ..redis.entries import check_url
     except ImportError as exc:
-        raise UsageError(f"{args.command} needs redis-py ({exc}): {_EXTRA}") from None
+        raise UsageError(f"{args.command} needs redis-py ({exc})", fix=_EXTRA) from None
     try:
         check_url(args.feed)
     except ValueError as exc:
@@ -110,11 +127,11 @@ def _worker_config(args: argparse.Namespace) -> WorkerConfig:
     )  # fmt: skip
 
 
-async def _work(config: WorkerConfig, ctx: ModelContext) -> WorkerReport:
+async def _work(config: WorkerConfig, ctx: ModelContext, env: Env[Any]) -> WorkerReport:
     try:
         from ..redis.worker import run_worker
 
-        return await run_worker(config, ctx)
+        return await run_worker(config, ctx, env=env)
     finally:
         with trio.CancelScope(shield=True):
             await ctx.client.aclose()
@@ -123,8 +140,10 @@ async def _work(config: WorkerConfig, ctx: ModelContext) -> WorkerReport:
 def run_worker_command(args: argparse.Namespace) -> int:
     """`trio-tasksets worker`: exit 0 once shut down by a signal."""
     config = _worker_config(args)
+    check_retry_flags(args)
+    env = build_env(args)
     ctx = model_context(args)
-    trio.run(_work, config, ctx)
+    trio.run(_work, config, ctx, env)
     return 0
 
 
@@ -133,7 +152,7 @@ def run_enqueue(args: argparse.Namespace) -> int:
     _check_feed(args)
     n = args.num_examples
     _need(n is None or n >= 0, f"-n/--num-examples must be >= 0, got {n}")
-    taskset = resolve_taskset(args.taskset)()  # a bad TASKSET is a UsageError too
+    taskset, _env_class = build_taskset(args)  # a bad TASKSET or -a is a UsageError too
     if (taskset.streaming or taskset.INFINITE) and n is None:
         kind = "streams its tasks" if taskset.streaming else "is INFINITE"
         raise UsageError(
@@ -156,8 +175,8 @@ def _ping(url: str) -> None:
         client.ping()
     except redis.RedisError as exc:
         raise UsageError(
-            f"--feed {redact(url)}: cannot reach Redis ({type(exc).__name__}: {exc}); start "
-            f"redis-server there or fix the URL"
+            f"--feed {redact(url)}: cannot reach Redis ({type(exc).__name__}: {exc})",
+            fix="start redis-server there, or fix the URL",
         ) from None
     finally:
         client.close()

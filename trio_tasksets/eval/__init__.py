@@ -14,7 +14,7 @@ Rooms: `config` (settings and the checks before any work), `plan` (slots, resume
 (`run_eval`), `served` (the `--serve` slot runner).
 """
 
-from .config import EvalConfig, EvalConfigError, EvalResult
+from .config import EvalConfig, EvalConfigError, EvalResult, EvalWarning, latest_run
 from .run import run_eval
 
-__all__ = ["EvalConfig", "EvalConfigError", "EvalResult", "run_eval"]
+__all__ = ["EvalConfig", "EvalConfigError", "EvalResult", "EvalWarning", "latest_run", "run_eval"]

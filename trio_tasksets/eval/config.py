@@ -19,6 +19,10 @@ class EvalConfigError(ValueError):
     """A bad eval setting, found before any task is pulled or file written (CLI: exit 2)."""
 
 
+class EvalWarning(UserWarning):
+    """A setting that works, but not as written (`-n` larger than a static taskset)."""
+
+
 @attrs.define
 class EvalConfig:
     """How to run an eval; each field is a `trio-tasksets eval` option."""
@@ -35,6 +39,18 @@ class EvalConfig:
     workers: int = 1  # --workers
     dashboard: bool = True  # --no-dashboard
     server_url: str | None = None  # --server-url (a running `trio-tasksets serve`)
+    # --max-failures: stop (exit 1) once this many episodes failed (an int >= 1), or once the
+    # failed ones exceed this fraction (a float in (0, 1)) of the planned slots (a stream: of
+    # the finished ones). None: never stop early.
+    max_failures: int | float | None = None
+    # Recorded in config.json only (never compared by a resume): the command line that ran
+    # the eval (default: sys.argv) and the name of the variable the model's API key came from.
+    command: list[str] | None = None
+    api_key_var: str | None = None
+
+
+# EvalConfig fields that describe the record, not the run: config.json keeps them apart.
+RECORD_FIELDS = ("command", "api_key_var")
 
 
 @attrs.define
@@ -58,12 +74,28 @@ def _check_int(value: object, flag: str, minimum: int, *, optional: bool = False
         raise EvalConfigError(f"{flag} must be an integer >= {minimum}, got {value!r}")
 
 
+def check_max_failures(value: object) -> None:
+    """`EvalConfigError` unless `value` is None, an int >= 1 or a fraction in (0, 1)."""
+    if value is None:
+        return
+    if isinstance(value, int) and not isinstance(value, bool):
+        if value >= 1:
+            return
+    elif isinstance(value, float) and 0 < value < 1:
+        return
+    raise EvalConfigError(
+        f"--max-failures takes N (an integer >= 1: stop once N episodes failed) or a FRACTION "
+        f"between 0 and 1 (stop once more than that share failed), got {value!r}"
+    )
+
+
 def preflight(env: Env[Any], ctx: ModelContext, config: EvalConfig) -> None:
     """Every check that needs no pull and no file write."""
     _check_int(config.num_examples, "-n/--num-examples", 0, optional=True)
     _check_int(config.rollouts_per_example, "-r/--rollouts-per-example", 1)
     _check_int(config.max_concurrent, "-c/--max-concurrent", 1)
     _check_int(config.workers, "--workers", 1)
+    check_max_failures(config.max_failures)
     taskset = env.taskset
     name = type(taskset).__name__
     if taskset.streaming or taskset.INFINITE:
@@ -115,11 +147,47 @@ def run_identity(env: Env[Any], ctx: ModelContext, config: EvalConfig) -> dict[s
     }
 
 
+def default_run_name(env: Env[Any], ctx: ModelContext) -> str:
+    """`<Taskset>-<model>-<YYYYmmdd-HHMMSS>`, the run name when none is given."""
+    stamp = time.strftime("%Y%m%d-%H%M%S")
+    return f"{type(env.taskset).__name__}-{ctx.model}-{stamp}".replace("/", "_")
+
+
+def latest_run(env: Env[Any], ctx: ModelContext, output_dir: str) -> Path | None:
+    """The run dir in `output_dir` whose saved run is the latest (by its `started_at`) of the
+    same taskset class and model, or None."""
+    identity = run_identity(env, ctx, EvalConfig())
+    found: list[tuple[str, float, Path]] = []
+    root = Path(output_dir)
+    for config_path in root.glob("*/config.json") if root.is_dir() else ():
+        try:
+            saved = json.loads(config_path.read_text())
+            mtime = config_path.stat().st_mtime
+        except (OSError, ValueError):
+            continue
+        if not isinstance(saved, dict) or not isinstance(saved.get("identity"), dict):
+            continue
+        same = saved["identity"].get("taskset") == identity["taskset"]
+        if same and saved["identity"].get("model") == identity["model"]:
+            found.append((str(saved.get("started_at", "")), mtime, config_path.parent))
+    return max(found)[2] if found else None
+
+
 def run_dir_for(env: Env[Any], ctx: ModelContext, config: EvalConfig) -> Path:
+    """`<output_dir>/<run_name>`; with `resume` and no run name, the latest run of the same
+    taskset and model there (`EvalConfigError` if there is none)."""
     name = config.run_name
+    if name is None and config.resume:
+        latest = latest_run(env, ctx, config.output_dir)
+        if latest is None:
+            raise EvalConfigError(
+                f"--resume: {config.output_dir} holds no run of taskset "
+                f"{type(env.taskset).__name__} with model {ctx.model!r}; name the run to "
+                f"resume with --run-name (or -o/--output-dir)"
+            )
+        return latest
     if name is None:
-        stamp = time.strftime("%Y%m%d-%H%M%S")
-        name = f"{type(env.taskset).__name__}-{ctx.model}-{stamp}".replace("/", "_")
+        name = default_run_name(env, ctx)
     if not name or "/" in name or name in (".", ".."):
         raise EvalConfigError(f"--run-name must be a plain directory name, got {name!r}")
     return Path(config.output_dir) / name

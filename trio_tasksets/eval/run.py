@@ -1,36 +1,135 @@
-"""`run_eval`: the eval over the windowed core, with durable traces."""
+"""`run_eval`: the eval over the windowed core, with durable traces, and how it ends.
+
+An eval ends in one of three ways, and `summary.json` is written on each of them:
+
+* it completes (every planned slot ran): `stopped` and `error` are null;
+* it is stopped early, and drains (stops pulling, cancels the runs in flight, keeps every
+  finished row): by `--max-failures`, or with ``handle_signals`` by SIGINT or SIGTERM. It
+  returns; `summary["stopped"]` says why;
+* something ends it that is not an episode's own failure (the feed raised, an env's
+  `serving()` failed, an outside cancellation, a KeyboardInterrupt): the summary records it
+  (`error`, or `stopped: "SIGINT"` / `"cancelled"`) and `run_eval` raises it.
+
+A run that did not complete and in which no episode finished leaves no run dir behind.
+"""
 
 from __future__ import annotations
 
 import functools
 import json
 import math
+import signal
 import statistics
 import sys
 import time
+import warnings
+from collections import Counter
 from collections.abc import AsyncIterator
 from contextlib import AbstractAsyncContextManager, asynccontextmanager
+from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
 import attrs
+import trio
 
 from .. import dashboard
 from ..env import Env, Episode, RunSlot
 from ..models import ModelContext
 from ..runner import pick_one, run_stream
 from ..traces import open_traces, write_atomic
-from .config import EvalConfig, EvalConfigError, EvalResult, preflight, run_dir_for, run_identity
+from ..version import __version__
+from .config import (
+    RECORD_FIELDS,
+    EvalConfig,
+    EvalConfigError,
+    EvalResult,
+    EvalWarning,
+    preflight,
+    run_dir_for,
+    run_identity,
+)
 from .plan import from_list, keep_resumable, plan_stream, static_slots
 from .served import SlotRunner, served_runner
 
+# What each file of a run dir is called; a run that leaves no row behind removes them.
+_FILES = ("config.json", "traces.jsonl", "summary.json")
+
+
+@attrs.define
+class Tally:
+    """What the eval has recorded so far, and whether (and why) it was told to stop."""
+
+    max_failures: int | float | None = None
+    planned: int | None = None  # the static plan's slots (a fraction's base); None on a stream
+    recorded: list[Episode] = attrs.Factory(list)  # new episodes, in completion order
+    failed: int = 0
+    stopped: str | None = None  # "SIGINT" | "SIGTERM" | "max_failures" | "cancelled"
+    error: str | None = None  # what ended the run, as `Type: message`
+    scope: trio.CancelScope | None = None  # cancelled to stop early
+
+    def record(self, episode: Episode) -> None:
+        self.recorded.append(episode)
+        if not episode.ok:
+            self.failed += 1
+            if self.max_failures is not None and self.stopped is None and self._over():
+                self.error = self._limit_message()
+                self.stop("max_failures")
+
+    def _over(self) -> bool:
+        if isinstance(self.max_failures, int):
+            return self.failed >= self.max_failures
+        assert self.max_failures is not None
+        base = self.planned if self.planned is not None else len(self.recorded)
+        return self.failed > self.max_failures * base
+
+    def _limit_message(self) -> str:
+        if isinstance(self.max_failures, int):
+            return f"--max-failures {self.max_failures}: {self.failed} episodes failed"
+        base, of = (
+            (self.planned, "planned slots")
+            if self.planned is not None
+            else (len(self.recorded), "finished episodes")
+        )
+        return (
+            f"--max-failures {self.max_failures:g}: {self.failed} of {base} {of} failed "
+            f"(more than {self.max_failures:.0%})"
+        )
+
+    def stop(self, reason: str) -> None:
+        """Stop the eval early (the first reason given is the one kept) and drain it."""
+        if self.stopped is None:
+            self.stopped = reason
+        if self.scope is not None:
+            self.scope.cancel()
+
+    def ended_by(self, exc: BaseException) -> None:
+        """Note what ended the run, when it raised."""
+        if isinstance(exc, KeyboardInterrupt):
+            self.stopped = self.stopped or "SIGINT"
+        elif isinstance(exc, trio.Cancelled):
+            self.stopped = self.stopped or "cancelled"
+        elif self.error is None:
+            self.error = f"{type(exc).__name__}: {exc}"
+
+
+def _usage(episodes: list[Episode]) -> dict[str, int]:
+    total: dict[str, int] = {"prompt_tokens": 0, "completion_tokens": 0}
+    for episode in episodes:
+        for name, value in episode.usage.items():
+            total[name] = total.get(name, 0) + value
+    return total
+
 
 def _summary(
-    episodes: list[Episode], planned: int, began: float, kept: int, interrupted: bool
+    episodes: list[Episode], planned: int, began: float, kept: int, tally: Tally, complete: bool
 ) -> dict[str, Any]:
     rewards = [e.reward for e in episodes if math.isfinite(e.reward)]
     ok = sum(1 for e in episodes if e.ok)
     duration = time.monotonic() - began
+    failures = [e for e in tally.recorded if not e.ok]
+    by_type = Counter(e.errors[-1].type if e.errors else "unknown" for e in failures)
+    first = next((e.errors[-1] for e in failures if e.errors), None)
     return {
         "planned": planned,
         "finished": len(episodes),
@@ -41,18 +140,80 @@ def _summary(
         "reward_std": statistics.pstdev(rewards) if rewards else None,
         "duration_s": duration,
         "rollouts_per_s": (len(episodes) - kept) / duration if duration > 0 else math.nan,
-        "interrupted": interrupted,
+        "interrupted": not complete,
+        "stopped": tally.stopped,
+        "error": tally.error,
+        "errors_by_type": dict(by_type.most_common()),
+        "first_error": None if first is None else {"type": first.type, "message": first.message},
+        "usage": _usage(episodes),
     }
 
 
-async def run_eval(env: Env[Any], ctx: ModelContext, config: EvalConfig) -> EvalResult:
-    """Run an eval of `env` against the model in `ctx`; see the module docstring."""
+def _make_dir(run_dir: Path) -> list[Path]:
+    """Create `run_dir` (and its parents); the directories this created, innermost first."""
+    created = [p for p in (run_dir, *run_dir.parents) if not p.exists()]
+    run_dir.mkdir(parents=True, exist_ok=True)
+    return created
+
+
+def _remove_run(run_dir: Path, created: list[Path]) -> None:
+    """Take back what a run that left no row wrote: its files, and the directories it made."""
+    for name in _FILES:
+        (run_dir / name).unlink(missing_ok=True)
+    for directory in created:
+        try:
+            directory.rmdir()  # only if empty: never anything this run did not write
+        except OSError:
+            break
+
+
+def _record_of(
+    env: Env[Any], ctx: ModelContext, config: EvalConfig, identity: dict[str, Any], run_dir: Path
+) -> dict[str, Any]:
+    """config.json: how to reproduce the run (and what it cost to start)."""
+    base_url = getattr(ctx.client, "base_url", None)
+    settings = {k: v for k, v in attrs.asdict(config).items() if k not in RECORD_FIELDS}
+    return {
+        "version": __version__,
+        "command": list(sys.argv) if config.command is None else list(config.command),
+        "started_at": datetime.now(UTC).isoformat(timespec="milliseconds"),
+        "base_url": base_url if isinstance(base_url, str) else None,
+        "api_key_var": config.api_key_var,
+        "identity": identity,
+        "eval": settings,
+        "run_dir": str(run_dir),
+    }
+
+
+def _say_if_short(env: Env[Any], config: EvalConfig, slots: list[RunSlot[Any]]) -> None:
+    n = config.num_examples
+    tasks = len(slots) // config.rollouts_per_example
+    if n is not None and tasks < n:
+        warnings.warn(
+            f"-n/--num-examples {n} is more than taskset {type(env.taskset).__name__} holds "
+            f"({tasks} tasks): the eval runs all {tasks}",
+            EvalWarning,
+            stacklevel=3,
+        )
+
+
+async def run_eval(
+    env: Env[Any], ctx: ModelContext, config: EvalConfig, *, handle_signals: bool = False
+) -> EvalResult:
+    """Run an eval of `env` against the model in `ctx`; see the package and module docstrings.
+
+    With `handle_signals` (the command line), SIGINT and SIGTERM stop the eval and drain it
+    (a second one interrupts the drain); it then returns with `summary["stopped"]` set to the
+    signal's name. It must then run in the main thread.
+    """
     preflight(env, ctx, config)
     identity = run_identity(env, ctx, config)
     run_dir = run_dir_for(env, ctx, config)
     streaming = env.taskset.streaming
     slots: list[RunSlot[Any]] = [] if streaming else static_slots(env, config)
     planned = len(slots)
+    if not streaming and not env.taskset.INFINITE:
+        _say_if_short(env, config, slots)
     kept_rows: list[dict[str, Any]] = []
     if config.resume:
         kept_rows, slots = keep_resumable(run_dir, identity, slots)
@@ -61,9 +222,9 @@ async def run_eval(env: Env[Any], ctx: ModelContext, config: EvalConfig) -> Eval
             f"{run_dir} already holds a run: pass --resume to continue it, or choose another "
             f"--run-name / -o/--output-dir"
         )
-    run_dir.mkdir(parents=True, exist_ok=True)
-    resolved = {"identity": identity, "eval": attrs.asdict(config), "run_dir": str(run_dir)}
-    write_atomic(run_dir / "config.json", text=json.dumps(resolved, indent=2, default=str))
+    created = _make_dir(run_dir)
+    record = _record_of(env, ctx, config, identity, run_dir)
+    write_atomic(run_dir / "config.json", text=json.dumps(record, indent=2, default=str))
     traces_path = run_dir / "traces.jsonl"
     if config.resume:
         write_atomic(traces_path, kept_rows)  # drop torn, failed and surplus rows, atomically
@@ -75,24 +236,30 @@ async def run_eval(env: Env[Any], ctx: ModelContext, config: EvalConfig) -> Eval
         progress.started()
         progress.finished(episode.ok, episode.reward)
     progress.carried = len(kept)
-    new: list[Episode] = []
-    recorded: list[Episode] = []  # in completion order, for an interrupted run's summary
+    tally = Tally(config.max_failures, None if streaming else planned)
+    new: list[Episode] | None = None
     began = time.monotonic()
-    interrupted = True
     try:
-        new = await _execute(env, ctx, config, slots, traces_path, progress, recorded)
-        interrupted = False
+        new = await _execute(env, ctx, config, slots, traces_path, progress, tally, handle_signals)
+    except BaseException as exc:
+        tally.ended_by(exc)
+        raise
     finally:
-        done = kept + (recorded if interrupted else new)
-        summary = _summary(done, progress.total, began, len(kept), interrupted)
+        complete = new is not None
+        done = kept + (new if new is not None else tally.recorded)
+        summary = _summary(done, progress.total, began, len(kept), tally, complete)
         summary.update(identity)
-        try:
-            write_atomic(run_dir / "summary.json", text=json.dumps(summary, indent=2, default=str))
-        except Exception as exc:  # never in place of what ended the run (Ctrl-C, a failure)
-            if interrupted:
-                print(f"trio_tasksets: could not write summary.json: {exc}", file=sys.stderr)
-            else:
-                raise
+        if not complete and not tally.recorded and not config.resume:
+            _remove_run(run_dir, created)  # nothing finished: a rerun starts afresh
+        else:
+            try:
+                text = json.dumps(summary, indent=2, default=str)
+                write_atomic(run_dir / "summary.json", text=text)
+            except Exception as exc:  # never in place of what ended the run (Ctrl-C, a failure)
+                if not complete:
+                    print(f"trio_tasksets: could not write summary.json: {exc}", file=sys.stderr)
+                else:
+                    raise
     return EvalResult(episodes=done, run_dir=run_dir, summary=summary)
 
 
@@ -115,6 +282,16 @@ async def _in_process(env: Env[Any], ctx: ModelContext) -> AsyncIterator[SlotRun
         yield functools.partial(env.run_slot, ctx=ctx)
 
 
+async def _watch_signals(tally: Tally, *, task_status: trio.TaskStatus[None]) -> None:
+    """Stop the eval on the first SIGINT or SIGTERM. Leaving the receiver restores the
+    handlers, so a second signal interrupts the drain itself."""
+    with trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
+        task_status.started()
+        async for signum in signals:
+            tally.stop(signal.Signals(signum).name)
+            return
+
+
 async def _execute(
     env: Env[Any],
     ctx: ModelContext,
@@ -122,9 +299,11 @@ async def _execute(
     slots: list[RunSlot[Any]],
     traces_path: Path,
     progress: dashboard.Progress,
-    recorded: list[Episode],
-) -> list[Episode]:
-    """Run the planned (static) or streamed slots through `run_stream`, recording each episode."""
+    tally: Tally,
+    handle_signals: bool,
+) -> list[Episode] | None:
+    """Run the planned (static) or streamed slots through `run_stream`, recording each
+    episode; the episodes in plan order, or None when the eval was stopped early."""
     try:
         async with (
             _slot_runner(env, ctx, config) as run_slot,
@@ -134,19 +313,28 @@ async def _execute(
 
             def record(episode: Episode) -> None:
                 writer.write(episode.to_row())
-                recorded.append(episode)
                 progress.finished(episode.ok, episode.reward)
+                tally.record(episode)
 
             async def run(slot: RunSlot[Any]) -> Episode:
                 progress.started()
                 return await run_slot(slot, on_complete=record)
 
-            if not env.taskset.streaming:
-                return await run_stream(from_list(slots), run, window=config.max_concurrent)
-            assert config.num_examples is not None
-            async with env.taskset.head(config.num_examples).channel() as tasks:
-                source = plan_stream(tasks, config.rollouts_per_example, progress)
-                return await run_stream(source, run, window=config.max_concurrent)
+            episodes: list[Episode] | None = None
+            with trio.CancelScope() as tally.scope:
+                async with trio.open_nursery() as nursery:
+                    if handle_signals:
+                        await nursery.start(_watch_signals, tally)
+                    if not env.taskset.streaming:
+                        source = from_list(slots)
+                        episodes = await run_stream(source, run, window=config.max_concurrent)
+                    else:
+                        assert config.num_examples is not None
+                        async with env.taskset.head(config.num_examples).channel() as tasks:
+                            planned = plan_stream(tasks, config.rollouts_per_example, progress)
+                            episodes = await run_stream(planned, run, window=config.max_concurrent)
+                    nursery.cancel_scope.cancel()  # the signal watcher
+            return None if tally.stopped is not None else episodes
     except BaseExceptionGroup as group:
         # The context managers' nurseries wrap what passes through them: hand on the one
         # exception (a KeyboardInterrupt, a Cancelled, the runner's failure) bare.

@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import socket
 from collections.abc import Callable
+from typing import Any
 
 import attrs
 import trio
@@ -13,6 +14,7 @@ from .. import dashboard
 from ..env import Env, Episode, RetryPolicy, RunSlot
 from ..models import ModelContext
 from ..runner import as_completed, pick_one
+from ..tasksets import TasksetConfig
 from .entries import EntryRef, Log, RedisTask, redact, stderr_log
 from .feed import RedisStreamTaskset
 from .results import RedisResults
@@ -105,23 +107,31 @@ async def run_worker(
     config: WorkerConfig,
     ctx: ModelContext,
     *,
+    env: Env[Any] | None = None,
     handle_signals: bool = True,
     log: Log | None = None,
     task_status: trio.TaskStatus[Callable[[str], None]] = trio.TASK_STATUS_IGNORED,
 ) -> WorkerReport:
     """Consume `config.stream` until shut down; return what was done (see the module docstring).
 
+    `env` runs each task (its `rollout`, reward, retry policy and `serving()`; its taskset's
+    system prompt, if set, is given to each task of the stream; its taskset's own tasks are
+    not read). Default: `tt.Env` with `RetryPolicy(config.retries)`.
+
     With `nursery.start(run_worker, ...)` the started value is `shut_down(reason)`, which acts
     like a signal. Failures of the machinery (not of an episode, nor a Redis outage, which is
     retried) are raised.
     """
     say = log if log is not None else stderr_log(f"worker {config.consumer}")
+    prompt = None if env is None else getattr(env.taskset.config, "system_prompt", None)
     taskset = RedisStreamTaskset(
         config.feed, config.stream, config.group, config.consumer,
         claim_idle=config.claim_idle, block=config.block, log=say,
+        config=TasksetConfig(system_prompt=prompt),
     )  # fmt: skip
     results = RedisResults(config.feed, config.results, log=say)
-    env: Env[RedisTask] = Env(taskset, retries=RetryPolicy(config.retries))
+    if env is None:
+        env = Env(taskset, retries=RetryPolicy(config.retries))
     report = WorkerReport(window=config.max_concurrent)
     progress = dashboard.Progress(title=f"worker {config.consumer}", growing=True)
 
