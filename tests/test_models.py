@@ -12,6 +12,7 @@ import socket
 import time
 from collections import deque
 from collections.abc import AsyncIterator, Awaitable, Callable
+from functools import partial
 from typing import Any
 
 import attrs
@@ -94,6 +95,8 @@ class FakeOpenAI:
     url: str = ""
     planned: deque[Planned] = attrs.field(factory=deque)
     received: list[Received] = attrs.field(factory=list)
+    arrived: trio.Event = attrs.field(factory=trio.Event)  # set by the first request
+    answered: trio.Event = attrs.field(factory=trio.Event)  # set once an answer is sent
 
     def plan(self, *responses: Planned) -> None:
         self.planned.extend(responses)
@@ -116,6 +119,7 @@ class FakeOpenAI:
                 break
         headers = {k.decode("latin-1"): v.decode("latin-1") for k, v in scope["headers"]}
         self.received.append(Received(scope["path"], headers, body, trio.current_time()))
+        self.arrived.set()
         plan = self.planned.popleft() if self.planned else Planned()
         if plan.delay:
             await trio.sleep(plan.delay)
@@ -124,6 +128,7 @@ class FakeOpenAI:
         out_headers += [(k.encode(), v.encode()) for k, v in plan.headers.items()]
         await send({"type": "http.response.start", "status": plan.status, "headers": out_headers})
         await send({"type": "http.response.body", "body": raw})
+        self.answered.set()
 
 
 @pytest.fixture
@@ -524,18 +529,23 @@ async def test_openai_cancellation_propagates(server: FakeOpenAI, max_retries: i
     server.plan(Planned(delay=5.0))
     seen: list[BaseException] = []
     async with make_client(server, max_retries=max_retries) as client:
-        start = trio.current_time()
-        with trio.move_on_after(0.1) as scope:
+
+        async def call() -> None:
             try:
                 await client.chat(MESSAGES, model="m", sampling=Sampling())
             except BaseException as exc:
                 seen.append(exc)
                 raise
+
+        start = trio.current_time()
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(call)
+            await server.arrived.wait()  # the request is at the server: cancel it there
+            nursery.cancel_scope.cancel()
         elapsed = trio.current_time() - start
-        assert scope.cancelled_caught
         assert len(seen) == 1
         assert isinstance(seen[0], trio.Cancelled)
-        assert elapsed < 1.0
+        assert elapsed < 4.0  # not the server's 5 s
         assert len(server.received) == 1
         # The client is still usable afterwards.
         result = await client.chat(MESSAGES, model="m", sampling=Sampling())
@@ -546,10 +556,12 @@ async def test_openai_cancellation_during_backoff(server: FakeOpenAI) -> None:
     server.plan(Planned(status=429, headers={"Retry-After": "10"}), Planned())
     async with make_client(server, max_retries=3) as client:
         start = trio.current_time()
-        with trio.move_on_after(0.1) as scope:
-            await client.chat(MESSAGES, model="m", sampling=Sampling())
-        assert scope.cancelled_caught
-        assert trio.current_time() - start < 1.0
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(partial(client.chat, MESSAGES, model="m", sampling=Sampling()))
+            await server.answered.wait()  # the 429 is sent: the client reads it, then waits 10 s
+            await trio.testing.wait_all_tasks_blocked()
+            nursery.cancel_scope.cancel()
+        assert trio.current_time() - start < 5.0  # not Retry-After's 10 s
     assert len(server.received) == 1
 
 
