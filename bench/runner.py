@@ -17,6 +17,8 @@ Contenders:
   per-item token before each pull/spawn, ``nursery.start_soon``, the child stores its result
   by index and releases the token; fed by an async generator, closed shielded at the end.
 * ``tt.run_stream``: the same generator and ``run``.
+* ``tt.run_stream, tt.Window`` (reference, no goal): the same with ``window=tt.Window(w)``,
+  a resizable window (here never resized): what taking slots from a shared limiter costs.
 * ``tt.as_completed``: the same, consumed by a loop that stores each result by index (it pays
   one zero-buffer channel hand-off per item on top of ``run_stream``'s work).
 * ``aiometer.run_all`` / ``aiometer.amap`` with ``max_at_once=window`` under ``trio.run``
@@ -54,6 +56,7 @@ import aiometer
 import trio
 
 import trio_tasksets as tt
+from trio_tasksets.window import Window
 
 from .common import Timings, env_info, goal_line, markdown_table, per_item_us
 
@@ -300,6 +303,13 @@ def c_run_stream(n: int, window: int) -> list[Any]:
     return trio.run(main)
 
 
+def c_run_stream_window(n: int, window: int) -> list[Any]:
+    async def main() -> list[int]:
+        return await tt.run_stream(counter(n), trio_run, window=Window(window))
+
+    return trio.run(main)
+
+
 def c_as_completed(n: int, window: int) -> list[Any]:
     async def main() -> list[int | None]:
         out: list[int | None] = [None] * n
@@ -342,6 +352,7 @@ def c_asyncio_by_index(n: int, window: int) -> list[Any]:
 
 BASELINE = "baseline (trio)"
 RUN_STREAM = "tt.run_stream"
+RUN_STREAM_WINDOW = "tt.run_stream, tt.Window"
 AS_COMPLETED = "tt.as_completed"
 RUN_ALL = "aiometer.run_all"
 AMAP = "aiometer.amap"
@@ -351,6 +362,7 @@ ASYNCIO_BY_INDEX = "asyncio, by index"
 CONTENDERS = [
     Contender(BASELINE, "limiter before spawn, results by index", True, c_baseline),
     Contender(RUN_STREAM, "same source and run", True, c_run_stream),
+    Contender(RUN_STREAM_WINDOW, "a resizable window (never resized)", True, c_run_stream_window),
     Contender(AS_COMPLETED, "+ one channel hand-off per item", True, c_as_completed),
     Contender(RUN_ALL, "list built up front, on trio", True, c_aiometer_run_all),
     Contender(AMAP, "list built up front, on trio, unordered", False, c_aiometer_amap),
@@ -456,9 +468,11 @@ def report_speed(timings: dict[str, Timings], n: int, window: int, repeat: int) 
     )
     vs_index = ratio(ASYNCIO_BY_INDEX, RUN_STREAM)
     vs_completed = ratio(AS_COMPLETED, RUN_STREAM)
+    vs_window = ratio(RUN_STREAM_WINDOW, RUN_STREAM)
     print(
         f"  (reference, no goal) asyncio by index takes {vs_index[0]:.2f}x [{vs_index[1]:.2f}x] "
-        f"run_stream's time; as_completed {vs_completed[0]:.2f}x [{vs_completed[1]:.2f}x]"
+        f"run_stream's time; as_completed {vs_completed[0]:.2f}x [{vs_completed[1]:.2f}x]; "
+        f"with a tt.Window {vs_window[0]:.2f}x [{vs_window[1]:.2f}x]"
     )
 
 

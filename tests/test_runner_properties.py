@@ -3,17 +3,23 @@
 Each example draws a schedule: items with a run duration and failure flags (a failure is an
 Exception, or a BaseException that is not one, as KeyboardInterrupt and SystemExit are), the
 gaps the source waits before each item (then it ends, fails, or stays quiet forever), a
-window, an optional outside cancellation, the kind of source (a `Feed` fed by a task, an async
+window (an int, or a `tt.Window` that a task resizes on a schedule), an optional outside
+cancellation, the kind of source (a `Feed` fed by a task, an async
 generator, a zero-buffer trio memory channel), optionally bounded by `take(source, k)`, and,
 for `as_completed`, a consumer that reads slowly and may stop early.
 
 All durations and gaps are whole virtual seconds and an outside cancellation falls on a half
-second, so it never ties with another event. A pure-Python model (`simulate`) computes from
+second, so it never ties with another event. The k-th resize falls at a whole second plus
+0.25 + k/64, so it ties with nothing but the pulls it causes: every event time is a whole
+number plus at most one such fraction, and events that share a fraction descend from the
+same resize. A pure-Python model (`simulate`) computes from
 the schedule, with no trio, when every pull and run happens and when the call must end; the
 test runs the real runner on trio's MockClock (autojump) and checks, per example:
 
-* R1: at every pull, items requested <= runs delivered (or failed) + window; at every run
-  start the same for runs started; the peak of runs in flight <= window;
+* R1: at every pull, items requested <= runs delivered (or failed) + the window's size at that
+  moment; at every run start the same for runs started, against the size when its item was
+  requested (a pull requested before a shrink may return after it: shrinking cancels
+  nothing); the peak of runs in flight <= the largest size;
 * R4: no pull begins once a run has raised (not even in the same instant);
 * R8: a `take(source, k)` never requests a (k+1)th item from the source;
 * the timeline: every run starts at exactly the virtual time the model says (so no pull is
@@ -50,6 +56,7 @@ from trio.testing import MockClock
 
 import trio_tasksets as tt
 from trio_tasksets.testing import Feed
+from trio_tasksets.window import Window
 
 Api = Literal["run_stream", "as_completed"]
 Kind = Literal["feed", "agen", "channel"]
@@ -110,6 +117,18 @@ class Scenario:
     delays: tuple[int, ...]  # as_completed: the consumer sleeps this long after each receive
     stop_after: int | None  # as_completed: the consumer leaves after this many results
     take: int | None = None  # the runner reads take(source, take)
+    use_window: bool = False  # pass tt.Window(window) rather than the int
+    resizes: tuple[tuple[int, int], ...] = ()  # (whole second, new size), in order
+
+    @property
+    def resize_times(self) -> list[tuple[float, int]]:
+        return [(at + 0.25 + k / 64, size) for k, (at, size) in enumerate(self.resizes)]
+
+    @property
+    def largest(self) -> int | None:
+        if self.window is None:
+            return None
+        return max([self.window, *(size for _, size in self.resizes)])
 
     @property
     def n(self) -> int:
@@ -151,6 +170,10 @@ def scenarios(draw: st.DrawFn, *, consumer: bool) -> Scenario:
         if n and draw(st.integers(0, 3)) == 0:
             stop_after = draw(ints(1, n))
     take = draw(st.none() | ints(0, n + 1))
+    use_window = window is not None and draw(st.booleans())
+    resizes: tuple[tuple[int, int], ...] = ()
+    if use_window:
+        resizes = tuple(sorted(draw(st.lists(st.tuples(ints(0, 25), ints(1, 6)), max_size=4))))
     truncated = take is not None and take <= n
     taken_fail = any(fails[: take if truncated else n])
     if quiet and not truncated and not taken_fail and cancel_at is None and stop_after is None:
@@ -170,6 +193,8 @@ def scenarios(draw: st.DrawFn, *, consumer: bool) -> Scenario:
         delays,
         stop_after,
         take,
+        use_window,
+        resizes,
     )
 
 
@@ -188,8 +213,10 @@ class Model:
 def simulate(sc: Scenario, api: Api) -> Model:
     """Virtual times of every pull, run and receive, for a runner that takes a window slot
     before each pull (the terminal one too) and frees it when the result is delivered (stored
-    for run_stream, received by the consumer for as_completed). Ignores failures: nothing
-    changes before the first one, and the test only compares events before the call ends.
+    for run_stream, received by the consumer for as_completed); a pull needs fewer slots
+    taken than the window's current size. Ignores failures: nothing changes before the first
+    one, and the test only compares events before the call ends. Steps from one event time to
+    the next.
     """
     n = sc.m  # a truncating take answers the pull after its last item at once, with the end
     cum = [sum(sc.gaps[: i + 1]) for i in range(n)]
@@ -206,8 +233,12 @@ def simulate(sc: Scenario, api: Api) -> Model:
     waiting = 0  # as_completed: finished results not yet received
     consumer_ready = 0.0
     natural = INF
-    horizon = 2 * (sum(sc.durations) + sum(sc.gaps) + sc.end_gap + sum(sc.delays)) + 10
-    for t in range(horizon + 1):
+    window = sc.window
+    resizes = sc.resize_times
+    t = 0.0
+    while True:
+        while resizes and resizes[0][0] <= t:
+            window = resizes.pop(0)[1]
         changed = True
         while changed:
             changed = False
@@ -237,7 +268,7 @@ def simulate(sc: Scenario, api: Api) -> Model:
                     source_done = True
                     source_end = t
                     held -= 1
-            if pending is None and next_request <= n and (sc.window is None or held < sc.window):
+            if pending is None and next_request <= n and (window is None or held < window):
                 index = next_request
                 next_request += 1
                 held += 1
@@ -256,8 +287,19 @@ def simulate(sc: Scenario, api: Api) -> Model:
         if source_done and all(finished) and waiting == 0:
             natural = max(t, consumer_ready) if api == "as_completed" else t
             break
+        upcoming = [e for i, e in enumerate(end) if not finished[i] and e < INF]
+        if pending is not None:
+            upcoming.append(pending[1])
+        if api == "as_completed" and waiting:
+            upcoming.append(consumer_ready)
+        if resizes:
+            upcoming.append(resizes[0][0])
+        later = [u for u in upcoming if t < u < INF]
+        if not later:
+            break  # a quiet source: nothing more ever happens
+        t = min(later)
     assert (sc.quiet and not sc.truncated) or natural < INF, "model: a finite schedule must end"
-    assert all(s < INF for s in start), "model: every item is pulled within the horizon"
+    assert all(s < INF for s in start), "model: every item is pulled"
     return Model(start, end, received, natural, source_end)
 
 
@@ -267,14 +309,16 @@ def simulate(sc: Scenario, api: Api) -> Model:
 @dataclass
 class Observed:
     api: Api
-    window: int | None
+    window: int | None  # the size now
     t0: float
+    largest: int | None = None  # the largest size so far
     running: int = 0
     peak: int = 0
     started: int = 0
     exited: int = 0  # runs that left `run` by any path
     exited_badly: int = 0  # ... by an exception (failed or cancelled)
     requests: int = 0  # pulls requested from the source (feed and agen)
+    size_at_request: list[int | None] = field(default_factory=list)
     starts: dict[int, float] = field(default_factory=dict)
     raised: list[tuple[float, Failure]] = field(default_factory=list)
     pulls_after_failure: int = 0
@@ -295,16 +339,22 @@ class Observed:
             return self.exited
         return len(self.got) + self.exited_badly
 
-    def check_window(self, what: str, count: int) -> None:
-        if self.window is not None and count > self.delivered() + self.window:
+    def check_window(self, what: str, count: int, size: int | None) -> None:
+        if size is not None and count > self.delivered() + size:
             self.violations.append(
-                f"at t={self.now()}: {what} {count} > delivered {self.delivered()} "
-                f"+ window {self.window}"
+                f"at t={self.now()}: {what} {count} > delivered {self.delivered()} + window {size}"
             )
+
+    def size_when_requested(self, index: int) -> int | None:
+        """The size in force when item `index` was requested (unobserved: the largest yet)."""
+        if index < len(self.size_at_request):
+            return self.size_at_request[index]
+        return self.largest
 
     def on_pull(self) -> None:
         self.requests += 1
-        self.check_window("pull", self.requests)
+        self.size_at_request.append(self.window)
+        self.check_window("pull", self.requests, self.window)
         if any(error.index != SOURCE for _, error in self.raised):
             self.pulls_after_failure += 1
 
@@ -336,13 +386,21 @@ async def feeder(sc: Scenario, feed: Feed[int]) -> None:
         feed.end()
 
 
+async def resizer(sc: Scenario, obs: Observed, window: Window) -> None:
+    for at, size in sc.resize_times:
+        await trio.sleep_until(obs.t0 + at)
+        obs.window = size
+        obs.largest = max(size, obs.largest or size)
+        window.size = size
+
+
 async def producer(sc: Scenario, obs: Observed, send: trio.MemorySendChannel[int]) -> None:
     try:
         async with send:
             for i in range(sc.n):
                 await trio.sleep(sc.gaps[i])
                 await send.send(i)
-                obs.check_window("take", i + 1)  # weaker than at the request, still a bound
+                obs.check_window("take", i + 1, obs.largest)  # weaker than at the request
             await trio.sleep(sc.end_gap)
             if sc.quiet:
                 await trio.sleep_forever()
@@ -388,14 +446,14 @@ def generator(sc: Scenario, obs: Observed) -> AsyncGenerator[int, None]:
 async def execute(sc: Scenario, api: Api) -> None:
     model = simulate(sc, api)
     event(f"source: {sc.kind}{' (quiet)' if sc.quiet else ''}")
-    obs = Observed(api, sc.window, trio.current_time())
+    obs = Observed(api, sc.window, trio.current_time(), largest=sc.window)
 
     async def run(i: int) -> str:
         obs.running += 1
         obs.started += 1
         obs.peak = max(obs.peak, obs.running)
         obs.starts[i] = obs.now()
-        obs.check_window("run start", obs.started)
+        obs.check_window("run start", obs.started, obs.size_when_requested(i))
         ok = False
         try:
             try:
@@ -443,12 +501,17 @@ async def execute(sc: Scenario, api: Api) -> None:
 
             if sc.take is not None:
                 source = tt.take(source, sc.take)  # type: ignore[assignment]
+            window: int | Window | None = sc.window
+            if sc.use_window:
+                assert sc.window is not None
+                window = Window(sc.window)
+                helpers.start_soon(resizer, sc, obs, window)
             with trio.CancelScope(deadline=cancel_deadline) as outside:
                 try:
                     if api == "run_stream":
-                        results = await tt.run_stream(source, run, window=sc.window)
+                        results = await tt.run_stream(source, run, window=window)
                     else:
-                        async with tt.as_completed(source, run, window=sc.window) as channel:
+                        async with tt.as_completed(source, run, window=window) as channel:
                             async for index, value in channel:
                                 obs.got.append((index, value, obs.now()))
                                 if len(obs.got) == sc.stop_after:
@@ -492,8 +555,12 @@ async def execute(sc: Scenario, api: Api) -> None:
 
     # R1: the window bounds pulls and runs in flight.
     assert not obs.violations, obs.violations
-    if sc.window is not None:
-        assert obs.peak <= sc.window
+    largest = sc.largest
+    if largest is not None:
+        assert obs.peak <= largest
+    if isinstance(window, Window):
+        event("window: tt.Window" + (" resized" if sc.resizes else ""))
+        assert window.in_flight == 0, "the call kept window tokens"
     # R4: nothing is pulled once a run has failed. R8: take never over-pulls.
     assert obs.pulls_after_failure == 0, f"{obs.pulls_after_failure} pulls after a failure"
     if sc.truncated and sc.kind != "channel":
@@ -628,3 +695,27 @@ def test_the_model_on_a_hand_checked_schedule() -> None:
     assert model.start == [0, 1, 2, 5]
     assert model.end == [3, 2, 3, 5]
     assert model.natural == 6
+
+
+def test_the_model_on_a_hand_checked_schedule_with_a_resize() -> None:
+    """Window 1 grows to 3 at +1.25: the two items waiting start then, not when run 0 ends."""
+    sc = Scenario(
+        durations=(4, 4, 4),
+        fails=(False,) * 3,
+        fatal=(False,) * 3,
+        cleanup_fails=(False,) * 3,
+        gaps=(0, 0, 0),
+        end_gap=0,
+        quiet=False,
+        source_fails=False,
+        window=1,
+        cancel_at=None,
+        kind="agen",
+        delays=(0,) * 3,
+        stop_after=None,
+        use_window=True,
+        resizes=((1, 3),),
+    )
+    model = simulate(sc, "run_stream")
+    assert model.start == [0, 1.25, 1.25]
+    assert model.natural == 5.25

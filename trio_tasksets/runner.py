@@ -4,6 +4,7 @@ One core (`_drive`) consumes an async source with at most `window` runs in fligh
 window slot (a `trio.CapacityLimiter` token) *before* each pull, pulls inside the nursery that
 owns the runs, and hands each result to one of two deliveries: stored by index (`run_stream`)
 or sent over a zero-buffer memory channel (`as_completed`, so an unread result keeps its slot).
+A `tt.Window` is such a limiter whose `total_tokens` may change while the call runs.
 
 Guarantees (SPEC section 1, R1-R8):
 
@@ -20,6 +21,7 @@ from __future__ import annotations
 
 import contextlib
 import inspect
+import itertools
 import math
 import reprlib
 from collections.abc import AsyncGenerator, AsyncIterable, AsyncIterator, Awaitable, Callable
@@ -27,6 +29,8 @@ from contextlib import AbstractAsyncContextManager, asynccontextmanager
 from typing import Any, TypeVar, cast
 
 import trio
+
+from .window import Window
 
 __all__ = ["Merged", "as_completed", "merge", "run_stream", "take"]
 
@@ -37,13 +41,13 @@ R = TypeVar("R")
 # --- argument checks: each names the argument and runs before anything is pulled ------------
 
 
-def _check_window(window: object) -> int | None:
-    if window is None:
-        return None
+def _check_window(window: object) -> int | Window | None:
+    if window is None or isinstance(window, Window):
+        return window
     if isinstance(window, bool) or not isinstance(window, int):
         # ValueError, not TypeError, for a non-int too: the SPEC's R2 names one error for both.
         raise ValueError(  # noqa: TRY004
-            f"window must be an int >= 1 or None (no bound), got {window!r} "
+            f"window must be an int >= 1, a tt.Window, or None (no bound), got {window!r} "
             f"({type(window).__name__})"
         )
     if window < 1:
@@ -170,7 +174,7 @@ def pick_one(group: BaseExceptionGroup[BaseException]) -> BaseException:
 async def _drive(
     source: AsyncIterable[T],
     run: Callable[[T], Awaitable[R]],
-    window: int | None,
+    window: int | Window | None,
     results: list[Any] | None,
     send: trio.MemorySendChannel[tuple[int, R]] | None,
 ) -> None:
@@ -178,7 +182,17 @@ async def _drive(
 
     Raises the first failure itself, or the outside cancellation / KeyboardInterrupt unchanged.
     """
-    limiter = trio.CapacityLimiter(window if window is not None else math.inf)
+    # A Window's limiter may be shared with other runners: this call's borrowers are its
+    # indices offset by a base of its own, and every token it takes is given back on every
+    # exit path. Window.acquire also waits out a shrink that lands as a token is handed over.
+    base = 0
+    if isinstance(window, Window):
+        limiter = window.limiter
+        base = next(_borrower_bases)
+        acquire = window.acquire
+    else:
+        limiter = trio.CapacityLimiter(window if window is not None else math.inf)
+        acquire = limiter.acquire_on_behalf_of
     bounded = window is not None
     # as_completed keeps the plain acquire: its slot is freed when the consumer takes a result,
     # and the consumer should get to run before the next pull.
@@ -201,7 +215,7 @@ async def _drive(
         async with trio.open_nursery() as nursery:
             scope = nursery.cancel_scope
 
-            async def one(index: int, item: T) -> None:
+            async def one(index: int, item: T, borrower: int) -> None:
                 pending = _UNSET
                 try:
                     pending = run(item)
@@ -230,40 +244,45 @@ async def _drive(
                     raise
                 finally:
                     if bounded:
-                        limiter.release_on_behalf_of(index)
+                        limiter.release_on_behalf_of(borrower)
 
             # `guard` is entered before the first pull and shielded only for the close, so the
             # close is shielded without entering a scope after the source's own (see _close).
+            held: int | None = None  # a token taken for a pull, not yet handed to a run
             with trio.CancelScope() as guard:
                 try:
                     index = 0
                     while True:
+                        borrower = base + index
                         if fast:
                             # run_stream takes a free slot without a trip through the
                             # scheduler (a third of its per-item cost).
                             try:
-                                limiter.acquire_on_behalf_of_nowait(index)
+                                limiter.acquire_on_behalf_of_nowait(borrower)
                             except trio.WouldBlock:
-                                await limiter.acquire_on_behalf_of(index)
+                                await acquire(borrower)
+                            held = borrower
                         elif bounded:
-                            await limiter.acquire_on_behalf_of(index)
+                            await acquire(borrower)
+                            held = borrower
                         # No pull begins once a run has failed or the caller is cancelled, even
                         # when the failure landed while this task was taking its slot.
                         await trio.lowlevel.checkpoint_if_cancelled()
                         try:
                             item = await iterator.__anext__()
                         except StopAsyncIteration:
-                            if bounded:
-                                limiter.release_on_behalf_of(index)
                             break
                         except Exception as exc:
                             fail(exc, scope)
                             break
                         if results is not None:
                             results.append(None)
-                        nursery.start_soon(one, index, item)
+                        nursery.start_soon(one, index, item, borrower)
+                        held = None
                         index += 1
                 finally:
+                    if held is not None:
+                        limiter.release_on_behalf_of(held)
                     # Close here, in the nursery body: the task that pulled, after its last
                     # pull, before the nursery exits.
                     guard.shield = True
@@ -283,6 +302,11 @@ async def _drive(
         raise error
 
 
+# Runner calls sharing a Window take tokens for distinct borrowers: call k uses k * 2**64 +
+# its item indices (ints: cheaper to make and hash than tuples).
+_borrower_bases = itertools.count(1 << 64, 1 << 64)
+
+
 def _among(error: BaseException, errors: list[BaseException]) -> bool:
     return any(error is other for other in errors)
 
@@ -291,14 +315,14 @@ def _among(error: BaseException, errors: list[BaseException]) -> bool:
 
 
 async def run_stream(
-    source: AsyncIterable[T], run: Callable[[T], Awaitable[R]], *, window: int | None
+    source: AsyncIterable[T], run: Callable[[T], Awaitable[R]], *, window: int | Window | None
 ) -> list[R]:
     """Run `run(item)` for every item of `source`, at most `window` at once.
 
     Returns the results in submission (pull) order once the source has ended and the last run
     is done. The next item is pulled only when a window slot is free. The first failure cancels
     the rest and is re-raised itself. The source is always closed (`aclose()`), exactly once.
-    `window=None` means no bound.
+    `window=None` means no bound; a `tt.Window` may be resized while the call runs.
     """
     checked = _check_window(window)
     _check_source(source)
@@ -309,7 +333,7 @@ async def run_stream(
 
 
 def as_completed(
-    source: AsyncIterable[T], run: Callable[[T], Awaitable[R]], *, window: int | None
+    source: AsyncIterable[T], run: Callable[[T], Awaitable[R]], *, window: int | Window | None
 ) -> AbstractAsyncContextManager[trio.abc.ReceiveChannel[tuple[int, R]]]:
     """Run `run` over `source` and yield `(index, result)` pairs in completion order.
 
@@ -327,7 +351,7 @@ def as_completed(
 
 @asynccontextmanager
 async def _as_completed(
-    source: AsyncIterable[T], run: Callable[[T], Awaitable[R]], window: int | None
+    source: AsyncIterable[T], run: Callable[[T], Awaitable[R]], window: int | Window | None
 ) -> AsyncGenerator[trio.abc.ReceiveChannel[tuple[int, R]], None]:
     send, receive = trio.open_memory_channel[tuple[int, R]](0)
 

@@ -1,0 +1,301 @@
+"""Limits on model calls, on trio's clock: rates (GCRA) and concurrency per endpoint.
+
+* `RateLimiter(per_minute, burst=1)`: a GCRA limiter of units per minute (requests, or
+  tokens). `await limiter.acquire(cost)` waits until `cost` more units fit and returns the
+  seconds it waited; `limiter.meter(units)` charges (or, negative, refunds) units after the
+  fact.
+* `TokenLimiter(tokens_per_minute)`: a RateLimiter of tokens whose cost is metered from a
+  response's usage, optionally reserving `max_tokens` up front:
+  `async with tpm.reserve(max_tokens) as metered: ...; metered.used(usage_tokens)`.
+* `ConnectionLimiter(limit)`: at most `limit` calls in flight per key (an endpoint), fixed
+  (`int`) or adaptive (`AdaptiveBounds`: one `AdaptiveWindow` per key).
+* `EndpointLimits(connections=, rpm=, tpm=)`: the three together, per key, around one call.
+
+All of them only read `trio.current_time()`, so they are exact on a `MockClock`.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import AsyncIterator, Hashable
+from contextlib import asynccontextmanager
+from typing import Any
+
+import attrs
+import trio
+
+from .window import AdaptiveBounds, AdaptiveWindow, Outcome, Window
+
+__all__ = [
+    "Call",
+    "ConnectionLimiter",
+    "EndpointLimits",
+    "Metered",
+    "RateLimiter",
+    "Slot",
+    "TokenLimiter",
+]
+
+
+def _check_rate(value: object, name: str) -> float:
+    if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value):
+        raise ValueError(f"{name} must be a finite number > 0, got {value!r}")
+    if value <= 0:
+        raise ValueError(f"{name} must be > 0, got {value}")
+    return float(value)
+
+
+class RateLimiter:
+    """At most `per_minute` units per minute, in bursts of at most `burst` units (GCRA).
+
+    Think of a bucket of `burst` units that drains at `per_minute / 60` units a second: a
+    call of `cost` units goes once they fit. With `burst=1` (the default) unit calls are
+    spread evenly, one every `60 / per_minute` seconds, never two at once. A cost larger than
+    `burst` is let through once the bucket is empty and leaves it in debt, which later calls
+    wait out: over any span of `s` seconds at most `max(burst, largest cost) + s * per_minute
+    / 60` units start. Callers are served in arrival order: each
+    reserves its time when it arrives. A caller cancelled while waiting gives its reservation
+    back if no one reserved after it.
+    """
+
+    def __init__(self, per_minute: float, *, burst: float = 1) -> None:
+        self.per_minute = _check_rate(per_minute, "per_minute")
+        if isinstance(burst, bool) or not isinstance(burst, int | float) or not burst >= 1:
+            raise ValueError(f"burst must be a number >= 1 (units at once), got {burst!r}")
+        self.burst = float(burst)
+        self._per_second = self.per_minute / 60.0
+        self._empty_at = -math.inf  # when the bucket is empty, given what was let through
+        self.waited = 0.0  # seconds all callers waited, in total
+        self.calls = 0
+
+    async def acquire(self, cost: float = 1) -> float:
+        """Wait until `cost` more units fit; return the seconds waited (0.0 if none)."""
+        if isinstance(cost, bool) or not isinstance(cost, int | float) or not cost >= 0:
+            raise ValueError(f"cost must be a number >= 0, got {cost!r}")
+        now = trio.current_time()
+        # Goes once `cost` more fits in the bucket; a cost above `burst` once it is empty.
+        start = max(now, self._empty_at - max(0.0, self.burst - cost) / self._per_second)
+        self._empty_at = max(self._empty_at, start) + cost / self._per_second
+        reserved = self._empty_at
+        try:
+            await trio.sleep_until(start)
+        except BaseException:
+            if self._empty_at == reserved:  # the newest reservation: give it back exactly
+                self._empty_at -= cost / self._per_second
+            raise
+        waited = trio.current_time() - now
+        self.waited += waited
+        self.calls += 1
+        return waited
+
+    def meter(self, units: float) -> None:
+        """Charge `units` more now (a response used more than was acquired), or refund
+        `-units` (it used less). A refund never leaves credit beyond an empty bucket."""
+        if units >= 0:
+            self._empty_at = max(self._empty_at, trio.current_time()) + units / self._per_second
+        else:
+            self._empty_at += units / self._per_second
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}(per_minute={self.per_minute:g}, burst={self.burst:g})"
+
+
+class TokenLimiter(RateLimiter):
+    """Tokens per minute, metered from responses' usage (a RateLimiter of tokens).
+
+    `async with tpm.reserve(max_tokens) as metered:` waits until `max_tokens` fit (reserve
+    nothing, the default, to wait only while earlier calls' usage is still being paid off);
+    call `metered.used(tokens)` with the response's usage to settle the difference. Without
+    `used`, the reservation stands as the charge. Reserve `max_tokens` when you know it: with
+    nothing reserved, calls that start together are charged only after they finish.
+    """
+
+    def __init__(self, tokens_per_minute: float, *, burst: float = 1) -> None:
+        super().__init__(tokens_per_minute, burst=burst)
+
+    @asynccontextmanager
+    async def reserve(self, max_tokens: int | None = None) -> AsyncIterator[Metered]:
+        reserved = 0 if max_tokens is None else max_tokens
+        waited = await self.acquire(reserved)
+        yield Metered(self, reserved, waited)
+
+
+@attrs.define
+class Metered:
+    """One call's reservation on a TokenLimiter: `waited` seconds; settle with `used`."""
+
+    limiter: RateLimiter
+    reserved: int
+    waited: float
+    settled: bool = False
+
+    def used(self, tokens: int) -> None:
+        """The call used `tokens` (prompt + completion): charge or refund the difference."""
+        if self.settled:
+            raise RuntimeError("used() was already called for this reservation")
+        self.settled = True
+        self.limiter.meter(tokens - self.reserved)
+
+
+# --- concurrency per endpoint ---------------------------------------------------------------
+
+
+@attrs.define
+class Slot:
+    """One call's place in its endpoint's window: `waited` seconds for it. `record` feeds the
+    call's outcome to an adaptive window (a fixed window ignores it)."""
+
+    window: Window
+    waited: float
+
+    def record(self, outcome: Outcome | int, *, retry_after: float | None = None) -> None:
+        """An `Outcome` or an HTTP status (see `Outcome.from_status`)."""
+        if isinstance(self.window, AdaptiveWindow):
+            self.window.record(outcome, retry_after=retry_after)
+
+
+class ConnectionLimiter:
+    """At most `limit` calls in flight per key, across every task of the process.
+
+    The key names an endpoint (e.g. `(base_url, api_key_var)`): any hashable. `limit` is an
+    int (a fixed `Window` per key) or `AdaptiveBounds(min, start, max)` (an `AdaptiveWindow`
+    per key, moved by what `Slot.record` reports; keyword `adaptive` options go to it). A
+    rollout that makes many calls takes a slot for each call, not one for the rollout.
+    """
+
+    def __init__(self, limit: int | AdaptiveBounds, **adaptive: Any) -> None:
+        if isinstance(limit, tuple):
+            self._spec: int | AdaptiveBounds = AdaptiveBounds(*limit)
+            AdaptiveWindow(*self._spec, **adaptive)  # check the bounds and options now
+        elif isinstance(limit, bool) or not isinstance(limit, int) or limit < 1:
+            raise ValueError(
+                f"limit must be an int >= 1 or AdaptiveBounds(min, start, max), got {limit!r}"
+            )
+        elif adaptive:
+            raise ValueError(f"adaptive options {sorted(adaptive)} need MIN-START-MAX limits")
+        else:
+            self._spec = limit
+        self._adaptive = adaptive
+        self._windows: dict[Hashable, Window] = {}
+
+    def window(self, key: Hashable) -> Window:
+        """The window of `key` (made on first use)."""
+        window = self._windows.get(key)
+        if window is None:
+            if isinstance(self._spec, AdaptiveBounds):
+                window = AdaptiveWindow(*self._spec, **self._adaptive)
+            else:
+                window = Window(self._spec)
+            self._windows[key] = window
+        return window
+
+    @property
+    def windows(self) -> dict[Hashable, Window]:
+        """Every key's window so far (for a dashboard: `size`, `in_flight`, `history`)."""
+        return dict(self._windows)
+
+    @asynccontextmanager
+    async def slot(self, key: Hashable) -> AsyncIterator[Slot]:
+        """Hold one of `key`'s slots for the block (waiting for one first)."""
+        window = self.window(key)
+        token = object()  # one per call: a task may hold several slots at once
+        start = trio.current_time()
+        await window.acquire(token)
+        try:
+            yield Slot(window, trio.current_time() - start)
+        finally:
+            window.release(token)
+
+
+# --- all of it, per endpoint ----------------------------------------------------------------
+
+
+@attrs.define
+class Call:
+    """One model call under `EndpointLimits.call`: what it waited for, and its feedback."""
+
+    slot: Slot | None
+    metered: Metered | None
+    waited_connection: float = 0.0
+    waited_rate: float = 0.0
+
+    @property
+    def waited(self) -> float:
+        """Seconds spent waiting for a connection and for the rate limiters."""
+        return self.waited_connection + self.waited_rate
+
+    def record(
+        self,
+        outcome: Outcome | int,
+        *,
+        retry_after: float | None = None,
+        tokens: int | None = None,
+    ) -> None:
+        """The call's outcome (an `Outcome` or HTTP status) for an adaptive connection window,
+        and the tokens it used (`usage.prompt_tokens + usage.completion_tokens`) for tpm."""
+        if self.slot is not None:
+            self.slot.record(outcome, retry_after=retry_after)
+        if tokens is not None and self.metered is not None:
+            self.metered.used(tokens)
+
+
+class EndpointLimits:
+    """Connections, requests per minute and tokens per minute, each per endpoint key.
+
+    ``async with limits.call(key, reserve_tokens=max_tokens) as call:`` takes a connection
+    slot, then waits for `rpm` and `tpm` (the rate limiters are the last gate before the
+    request, so request starts keep the rate exactly); after the response,
+    ``call.record(status, retry_after=..., tokens=usage)``. Any of the three may be None (no
+    limit). `call.waited_connection` and `call.waited_rate` are the seconds spent waiting.
+    """
+
+    def __init__(
+        self,
+        *,
+        connections: int | AdaptiveBounds | None = None,
+        rpm: float | None = None,
+        tpm: float | None = None,
+    ) -> None:
+        self.connections = ConnectionLimiter(connections) if connections is not None else None
+        self._rpm = _check_rate(rpm, "rpm") if rpm is not None else None
+        self._tpm = _check_rate(tpm, "tpm") if tpm is not None else None
+        self._rates: dict[Hashable, tuple[RateLimiter | None, TokenLimiter | None]] = {}
+
+    def rate_limiters(self, key: Hashable) -> tuple[RateLimiter | None, TokenLimiter | None]:
+        """`key`'s (rpm, tpm) limiters, made on first use (None where unlimited)."""
+        found = self._rates.get(key)
+        if found is None:
+            found = (
+                RateLimiter(self._rpm) if self._rpm is not None else None,
+                TokenLimiter(self._tpm) if self._tpm is not None else None,
+            )
+            self._rates[key] = found
+        return found
+
+    @asynccontextmanager
+    async def call(
+        self, key: Hashable, *, reserve_tokens: int | None = None
+    ) -> AsyncIterator[Call]:
+        rpm, tpm = self.rate_limiters(key)
+        async with _maybe_slot(self.connections, key) as slot:
+            call = Call(slot, None, waited_connection=slot.waited if slot is not None else 0.0)
+            if rpm is not None:
+                call.waited_rate += await rpm.acquire(1)
+            if tpm is None:
+                yield call
+                return
+            async with tpm.reserve(reserve_tokens) as metered:
+                call.metered = metered
+                call.waited_rate += metered.waited
+                yield call
+
+
+@asynccontextmanager
+async def _maybe_slot(
+    limiter: ConnectionLimiter | None, key: Hashable
+) -> AsyncIterator[Slot | None]:
+    if limiter is None:
+        yield None
+        return
+    async with limiter.slot(key) as slot:
+        yield slot

@@ -1,0 +1,410 @@
+"""Windows whose size may change while a runner uses them, and the controller that moves one.
+
+* `Window(size)`: pass it as `window=` to `run_stream` / `as_completed` (or acquire from its
+  `limiter` yourself). Its size is the `total_tokens` of one `trio.CapacityLimiter`: growing
+  wakes a waiting pull at once; shrinking cancels nothing, and nothing more is pulled until
+  fewer than `size` are in flight. R1 holds against the current size.
+* `AdaptiveWindow(min, start, max)`: a Window that an `AdaptiveController` moves from the
+  outcomes you record (success, HTTP 429, 5xx, timeout).
+* `AdaptiveController`: that controller alone, pure (no clock, no I/O): feed it outcomes with
+  the time and the in-flight count, it answers with the new size.
+* `parse_window(text, flag=...)`: the CLI form `N` or `MIN-START-MAX`.
+
+Every window keeps a history of its sizes, `[seconds since start, size, reason]`, for a run's
+summary (`window_history`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import enum
+import math
+import re
+from collections import deque
+from typing import NamedTuple
+
+import attrs
+import trio
+
+__all__ = [
+    "AdaptiveBounds",
+    "AdaptiveController",
+    "AdaptiveWindow",
+    "Change",
+    "Outcome",
+    "Window",
+    "WindowArgumentError",
+    "build_window",
+    "parse_window",
+]
+
+HISTORY_LIMIT = 10_000  # entries kept (the newest); a long-lived service must not grow forever
+
+
+def _check_size(value: object, name: str) -> int:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise ValueError(  # noqa: TRY004 (R2 names one error for a bad window, as the runner)
+            f"{name} must be an int >= 1, got {value!r} ({type(value).__name__})"
+        )
+    if value < 1:
+        raise ValueError(f"{name} must be >= 1, got {value}")
+    return value
+
+
+def _now() -> float | None:
+    """Trio's clock, or None outside a trio run (sizes set before the run starts)."""
+    return trio.current_time() if trio.lowlevel.in_trio_run() else None
+
+
+class Window:
+    """A runner window whose `size` may change while runners use it.
+
+    Pass it wherever `run_stream` / `as_completed` take `window`. It is one
+    `trio.CapacityLimiter` (`limiter`) whose `total_tokens` is the size, so it is not a second
+    scheduler: a runner takes a token before each pull and a run gives it back when its result
+    is delivered. Growing wakes a waiting pull at once; shrinking cancels nothing, and nothing
+    more is pulled until fewer than `size` are in flight. Runners that share one window are
+    bounded together. `history` lists every size it has had.
+    """
+
+    def __init__(self, size: int) -> None:
+        self._limiter = trio.CapacityLimiter(_check_size(size, "size"))
+        self._epoch: float | None = None
+        # (trio time, or None outside a run; size; reason)
+        self._history: deque[tuple[float | None, int, str]] = deque(maxlen=HISTORY_LIMIT)
+        self._record(size, "start")
+
+    @property
+    def size(self) -> int:
+        """The most runs (or calls) in flight at once. Set it to resize (reason "set")."""
+        return int(self._limiter.total_tokens)
+
+    @size.setter
+    def size(self, size: int) -> None:
+        self.resize(size)
+
+    def resize(self, size: int, reason: str = "set") -> None:
+        """Set the size now, and record it in `history` with `reason`."""
+        self._apply(_check_size(size, "size"), reason)
+
+    async def acquire(self, borrower: object) -> None:
+        """Take a token for `borrower` (any hashable, unique among current holders), waiting
+        until fewer than `size` are held. Give it back with `release(borrower)`."""
+        limiter = self._limiter
+        await limiter.acquire_on_behalf_of(borrower)
+        # A token handed over (by a release) in the same instant as a shrink: give it back
+        # and queue again, so that nothing starts while the window is over-full.
+        while limiter.borrowed_tokens > limiter.total_tokens:
+            limiter.release_on_behalf_of(borrower)
+            await limiter.acquire_on_behalf_of(borrower)
+
+    def release(self, borrower: object) -> None:
+        self._limiter.release_on_behalf_of(borrower)
+
+    @property
+    def in_flight(self) -> int:
+        """Tokens held now: runs in flight, plus a runner's pending pull and, for
+        `as_completed`, results not yet received."""
+        return self._limiter.borrowed_tokens
+
+    @property
+    def limiter(self) -> trio.CapacityLimiter:
+        """The `trio.CapacityLimiter` this window is (runners take their tokens from it).
+        Never set its `total_tokens` directly (use `size`), or `history` misses the change."""
+        return self._limiter
+
+    @property
+    def history(self) -> list[tuple[float, int, str]]:
+        """`(seconds since start, size, reason)` for every size the window has had, oldest
+        first (at most the newest 10,000). The start is when the window was made or, if that
+        was outside a trio run, its first change inside one; changes made before a run count
+        as 0.0. JSON-ready as `window_history`."""
+        return self.history_since(self._epoch)
+
+    def history_since(self, start: float | None) -> list[tuple[float, int, str]]:
+        """`history` with times counted from `start` (a `trio.current_time()`, e.g. when an
+        eval began; changes before it, or made outside a run, count as 0.0)."""
+        return [
+            (0.0 if at is None or start is None else max(0.0, at - start), size, reason)
+            for at, size, reason in self._history
+        ]
+
+    def _apply(self, size: int, reason: str) -> None:
+        if size != self.size:
+            self._limiter.total_tokens = size  # wakes waiting acquirers when it grows
+            self._record(size, reason)
+
+    def _record(self, size: int, reason: str) -> None:
+        now = _now()
+        if now is not None and self._epoch is None:
+            self._epoch = now
+        self._history.append((now, size, reason))
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}(size={self.size}, in_flight={self.in_flight})"
+
+
+# --- the adaptive controller ----------------------------------------------------------------
+
+
+class Outcome(enum.Enum):
+    """What one call told us about the endpoint's capacity."""
+
+    SUCCESS = "success"
+    RATE_LIMITED = "rate_limited"  # HTTP 429: too much concurrency (cut)
+    SERVER_ERROR = "server_error"  # HTTP 5xx: pause growth, no cut
+    TIMEOUT = "timeout"  # the call timed out: pause growth, no cut
+
+    @classmethod
+    def from_status(cls, status: int) -> Outcome | None:
+        """The outcome of an HTTP status: 2xx/3xx success, 429 rate limited, 408 timeout, 5xx
+        server error; None for any other 4xx (the request's fault, not the endpoint's load)."""
+        if status == 429:
+            return cls.RATE_LIMITED
+        if status == 408:
+            return cls.TIMEOUT
+        if status >= 500:
+            return cls.SERVER_ERROR
+        if status < 400:
+            return cls.SUCCESS
+        return None
+
+
+@attrs.frozen
+class Change:
+    """A size the controller decided on, and why ("slow start", "grow" or "429")."""
+
+    size: int
+    reason: str
+
+
+@attrs.define
+class AdaptiveController:
+    """The size of an adaptive window, moved by the outcomes of calls. Pure: no clock, no I/O.
+
+    In the spirit of inspect_ai's adaptive connections:
+
+    * The size grows per *clean round*: a round is `max(size, min_round)` successes; it is
+      clean when no 429, 5xx or timeout came in it *and* the calls in flight reached
+      `utilization * size` at some point in it (an under-used window proves nothing, so it
+      does not grow). Until the first 429 a clean round doubles the size (slow start); after
+      it, a clean round adds `max(1, growth * size)`.
+    * A 429 cuts the size to `floor(size * cut)`, at most once per `cooldown` seconds (the
+      429s still arriving from calls made under the old size do not cut again). Growth also
+      waits until no 429 has come for `cooldown` seconds: a call that got a 429 and waits
+      out its Retry-After still holds its slot, so rounds look full while the endpoint is
+      saturated (on a simulated endpoint of capacity 40 the window otherwise climbed to 107
+      with 5.6% of calls answered 429; with this rule it held at 51, then 40, under 2%).
+    * `Retry-After` is for the caller's retry: it never extends the cooldown (letting it do
+      so froze inspect_ai's limit for good, inspect_ai #5137), so cuts go on every
+      `cooldown` while 429s do, and growth resumes `cooldown` after the last one.
+    * A 5xx or a timeout makes the round unclean (growth pauses); it never cuts.
+    * The size never leaves `[min, max]`.
+    """
+
+    min: int
+    max: int
+    size: int
+    cut: float = 0.8
+    cooldown: float = 15.0
+    growth: float = 0.05
+    utilization: float = 0.8
+    min_round: int = 4
+    slow_start: bool = attrs.field(default=True, kw_only=True)
+    _successes: int = attrs.field(default=0, init=False)
+    _peak: int = attrs.field(default=0, init=False)
+    _clean: bool = attrs.field(default=True, init=False)
+    _last_cut: float = attrs.field(default=-math.inf, init=False)
+    _last_429: float = attrs.field(default=-math.inf, init=False)
+
+    def __attrs_post_init__(self) -> None:
+        _check_bounds(self.min, self.size, self.max)
+        if not 0 < self.cut < 1:
+            raise ValueError(f"cut must be between 0 and 1 (a factor), got {self.cut}")
+        if self.cooldown < 0:
+            raise ValueError(f"cooldown must be >= 0 seconds, got {self.cooldown}")
+        if not self.growth > 0:
+            raise ValueError(f"growth must be > 0 (a fraction of the size), got {self.growth}")
+        if not 0 < self.utilization <= 1:
+            raise ValueError(f"utilization must be in (0, 1], got {self.utilization}")
+        if self.min_round < 1:
+            raise ValueError(f"min_round must be >= 1, got {self.min_round}")
+
+    def record(
+        self, outcome: Outcome, now: float, in_flight: int, retry_after: float | None = None
+    ) -> Change | None:
+        """Take one call's outcome at time `now` (seconds, any monotonic clock), with
+        `in_flight` calls in flight as it ended (itself included). Returns the new size if it
+        changed. `retry_after` is accepted and, by design, ignored (see the class)."""
+        del retry_after
+        self._peak = max(self._peak, in_flight)
+        if outcome is Outcome.SUCCESS:
+            self._successes += 1
+            if self._successes >= max(self.size, self.min_round):
+                return self._end_round(now)
+            return None
+        self._clean = False
+        if outcome is Outcome.RATE_LIMITED:
+            self.slow_start = False
+            self._last_429 = now
+            if now - self._last_cut >= self.cooldown:
+                self._last_cut = now
+                self._new_round()
+                return self._set(max(self.min, math.floor(self.size * self.cut)), "429")
+        return None
+
+    def _end_round(self, now: float) -> Change | None:
+        grow = (
+            self._clean
+            and self._peak >= self.utilization * self.size
+            and now - self._last_429 >= self.cooldown
+        )
+        self._new_round()
+        if not grow:
+            return None
+        if self.slow_start:
+            return self._set(min(self.max, 2 * self.size), "slow start")
+        step = max(1, math.floor(self.growth * self.size))
+        return self._set(min(self.max, self.size + step), "grow")
+
+    def _new_round(self) -> None:
+        self._successes = 0
+        self._peak = 0
+        self._clean = True
+
+    def _set(self, size: int, reason: str) -> Change | None:
+        if size == self.size:
+            return None
+        self.size = size
+        return Change(size, reason)
+
+
+def _check_bounds(low: int, start: int, high: int) -> None:
+    for name, value in (("min", low), ("start", start), ("max", high)):
+        _check_size(value, name)
+    if not low <= start <= high:
+        raise ValueError(f"an adaptive window needs min <= start <= max, got {low}-{start}-{high}")
+
+
+class AdaptiveWindow(Window):
+    """A Window moved by an `AdaptiveController` between `min` and `max`, from `start`.
+
+    Record each call's outcome where the call ends (`success()`, `rate_limited(retry_after)`,
+    `server_error()`, `timeout()`, or `record(outcome_or_http_status)`), while its slot is
+    still held, so that `in_flight` counts it. The controller's options (`cut`, `cooldown`,
+    `growth`, `utilization`, `min_round`) are keyword arguments. Each change is in `history`
+    with its reason.
+    """
+
+    def __init__(
+        self,
+        min: int,  # the SPEC names: AdaptiveWindow(min, start, max)
+        start: int,
+        max: int,
+        *,
+        cut: float = 0.8,
+        cooldown: float = 15.0,
+        growth: float = 0.05,
+        utilization: float = 0.8,
+        min_round: int = 4,
+    ) -> None:
+        self.controller = AdaptiveController(
+            min, max, start, cut, cooldown, growth, utilization, min_round
+        )
+        super().__init__(start)
+
+    @property
+    def min(self) -> int:
+        return self.controller.min
+
+    @property
+    def max(self) -> int:
+        return self.controller.max
+
+    def resize(self, size: int, reason: str = "set") -> None:
+        """Set the size by hand (within `[min, max]`); the controller goes on from there."""
+        _check_size(size, "size")
+        if not self.min <= size <= self.max:
+            raise ValueError(f"size must be within [{self.min}, {self.max}], got {size}")
+        self.controller.size = size
+        self._apply(size, reason)
+
+    def record(self, outcome: Outcome | int, *, retry_after: float | None = None) -> None:
+        """Feed one call's outcome (an `Outcome`, or an HTTP status: see
+        `Outcome.from_status`; a status that says nothing about capacity is ignored)."""
+        if isinstance(outcome, int):
+            status = outcome
+            found = Outcome.from_status(status)
+            if found is None:
+                return
+            outcome = found
+        change = self.controller.record(outcome, trio.current_time(), self.in_flight, retry_after)
+        if change is not None:
+            self._apply(change.size, change.reason)
+
+    def success(self) -> None:
+        self.record(Outcome.SUCCESS)
+
+    def rate_limited(self, retry_after: float | None = None) -> None:
+        """An HTTP 429. `retry_after` (seconds) delays the caller's retry, never the cooldown."""
+        self.record(Outcome.RATE_LIMITED, retry_after=retry_after)
+
+    def server_error(self) -> None:
+        self.record(Outcome.SERVER_ERROR)
+
+    def timeout(self) -> None:
+        self.record(Outcome.TIMEOUT)
+
+    def __repr__(self) -> str:
+        return (
+            f"AdaptiveWindow(min={self.min}, size={self.size}, max={self.max}, "
+            f"in_flight={self.in_flight})"
+        )
+
+
+# --- the CLI form ---------------------------------------------------------------------------
+
+
+class AdaptiveBounds(NamedTuple):
+    """`MIN-START-MAX` of an adaptive window: `AdaptiveWindow(*bounds)`."""
+
+    min: int
+    start: int
+    max: int
+
+
+class WindowArgumentError(ValueError, argparse.ArgumentTypeError):
+    """A bad `N|MIN-START-MAX`. A ValueError; also an argparse.ArgumentTypeError, so an
+    argparse `type=` keeps this message instead of its generic "invalid value"."""
+
+
+_FORM = re.compile(r"\s*(\d+)\s*(?:-\s*(\d+)\s*-\s*(\d+)\s*)?")
+
+
+def parse_window(text: str, *, flag: str = "-c/--max-concurrent") -> int | AdaptiveBounds:
+    """Parse `N` (a fixed window) or `MIN-START-MAX` (adaptive). Raises WindowArgumentError,
+    naming `flag`, for anything else."""
+    match = _FORM.fullmatch(text)
+    if match is None:
+        raise WindowArgumentError(
+            f"{flag}: expected N or MIN-START-MAX (e.g. 64, or 1-8-512 to adapt), got {text!r}"
+        )
+    low, start, high = match.groups()
+    if start is None:
+        size = int(low)
+        if size < 1:
+            raise WindowArgumentError(f"{flag}: N must be >= 1, got {text!r}")
+        return size
+    bounds = AdaptiveBounds(int(low), int(start), int(high))
+    if not 1 <= bounds.min <= bounds.start <= bounds.max:
+        raise WindowArgumentError(
+            f"{flag}: MIN-START-MAX needs 1 <= MIN <= START <= MAX, got {text!r}"
+        )
+    return bounds
+
+
+def build_window(spec: int | AdaptiveBounds) -> Window:
+    """A fresh window for a parsed spec: `Window(n)` or `AdaptiveWindow(*bounds)`."""
+    if isinstance(spec, AdaptiveBounds):
+        return AdaptiveWindow(*spec)
+    return Window(spec)
