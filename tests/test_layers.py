@@ -20,7 +20,9 @@ PACKAGE = Path(__file__).resolve().parent.parent / "trio_tasksets"
 # re-export).
 LAYERS: dict[str, int] = {
     "version": 0,
-    "runner": 0,
+    "window": 0,
+    "runner": 1,
+    "limits": 1,
     "tasksets": 1,
     "testing": 2,
     "builtin": 2,

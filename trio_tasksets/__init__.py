@@ -28,8 +28,10 @@ from .runner import as_completed, merge, run_stream, take
 from .serve import EnvClient
 from .tasksets import Task, Taskset, TasksetConfig
 from .version import __version__
+from .window import AdaptiveWindow, Window
 
 __all__ = [
+    "AdaptiveWindow",
     "Completion",
     "EchoClient",
     "Env",
@@ -54,6 +56,7 @@ __all__ = [
     "Task",
     "Taskset",
     "TasksetConfig",
+    "Window",
     "__version__",
     "aio",
     "as_completed",
