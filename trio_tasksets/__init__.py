@@ -25,6 +25,7 @@ from .models import (
     OpenAIClient,
     Sampling,
 )
+from .report import report  # from here on, `tt.report` is the function, not the module
 from .runner import as_completed, merge, run_stream, take
 from .tasksets import Task, Taskset, TasksetConfig
 
@@ -56,6 +57,7 @@ __all__ = [
     "aio",
     "as_completed",
     "merge",
+    "report",
     "run_eval",
     "run_stream",
     "take",

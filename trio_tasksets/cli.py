@@ -24,6 +24,7 @@ from .env import Env, RetryPolicy
 from .eval import EvalConfig, EvalConfigError, run_eval
 from .models import ModelContext
 from .options import UsageError, add_model_options, model_context
+from .report import ReportError, add_report_command, report_command
 from .serve import TOKEN_VAR, ServeUsageError, add_serve_command, serve_main
 from .tasksets import Taskset
 from .wire import load_object
@@ -136,6 +137,7 @@ def _parser() -> argparse.ArgumentParser:
     prompt.add_argument("--system-prompt-file", default=None, metavar="PATH")
     add_serve_command(commands)
     add_distributed_commands(commands)
+    add_report_command(commands)
     return parser  # fmt: skip
 
 
@@ -202,6 +204,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.command in DISTRIBUTED_COMMANDS:
         return run_distributed_command(args, parser)
+    if args.command == "report":
+        try:
+            return report_command(args)
+        except ReportError as exc:
+            _usage_exit(parser, str(exc))
     if args.command == "serve":
         try:
             return serve_main(args)
