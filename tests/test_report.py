@@ -3,6 +3,7 @@ real headless Chromium (Debian's /usr/bin/chromium driven by selenium and chrome
 
 from __future__ import annotations
 
+import importlib
 import json
 import math
 import re
@@ -21,7 +22,7 @@ from trio.testing import MockClock
 import trio_tasksets as tt
 from trio_tasksets.cli import main
 from trio_tasksets.report import embed_json, page
-from trio_tasksets.report_data import ReportError, load_run, run_from_rows
+from trio_tasksets.report_data import MIN_CAP, ReportError, load_run, run_from_rows
 from trio_tasksets.report_figures import compute
 from trio_tasksets.report_stats import (
     mean_interval,
@@ -31,6 +32,8 @@ from trio_tasksets.report_stats import (
 )
 from trio_tasksets.testing import Gate
 
+# The module (`trio_tasksets.report` the attribute is `tt.report`, the function).
+report_module = importlib.import_module("trio_tasksets.report")
 HOSTILE = "Say <b>{i}</b> & </script><script>window.pwned=1</script>"
 
 
@@ -255,7 +258,7 @@ def test_rows_with_usage_and_unknown_fields_are_summed_and_kept() -> None:
     run = run_from_rows(rows)
     fig = compute(run)
     assert fig.usage == {"prompt_tokens": 17, "completion_tokens": 3}
-    assert run.extra == [{"judge": {"score": 9}}, None]
+    assert run.extra == {0: {"judge": {"score": 9}}}
     assert [run.strings[i] for i in run.finish_reason] == ["stop", "length"]
     assert fig.latency is None  # no timing: no such charts
     assert fig.throughput is None
@@ -384,23 +387,43 @@ def test_embed_json_round_trips_and_never_closes_a_script() -> None:
     assert json.loads(text) == value
 
 
-def test_a_text_budget_cuts_the_longest_texts_and_says_so() -> None:
-    rows = [
+def long_rows(n: int, length: int) -> list[dict[str, Any]]:
+    return [
         {"id": str(i), "task": {"key": f"k{i}", "data": {"prompt": "short"}}, "rollout": 0,
-         "ok": True, "reward": 1.0, "completion": ("x" * 50_000) + str(i),
+         "ok": True, "reward": 1.0, "completion": ("x" * length) + str(i),
          "messages": [{"role": "user", "content": "short"},
-                      {"role": "assistant", "content": ("x" * 50_000) + str(i)}]}
-        for i in range(4)
+                      {"role": "assistant", "content": ("x" * length) + str(i)}],
+         "judge": {"notes": "y" * length}}
+        for i in range(n)
     ]  # fmt: skip
-    run = run_from_rows(rows)
-    html = page([run], text_budget=40_000)
+
+
+def test_fit_texts_cuts_only_the_longest_texts_to_one_cap() -> None:
+    run = run_from_rows(long_rows(4, 50_000))
+    cap = run.fit_texts(40_000)
+    assert cap is not None
+    assert MIN_CAP <= cap <= 10_000
     assert len(run.cut) == 4
-    cap = len(run.strings[run.completion[0]])
-    assert 200 <= cap <= 10_000
     assert all(length == 50_001 for length in run.cut.values())
+    assert all(len(run.strings[i]) == cap for i in run.cut)
     assert "short" in run.strings  # short texts are never cut
+    assert run.extra[0]["judge"]["notes"].endswith("[cut: 50,000 characters in all]")
+    smaller = run.fit_texts(4_000)
+    assert smaller is not None
+    assert smaller < cap
+    assert all(length == 50_001 for length in run.cut.values())  # still the whole length
+
+
+def test_a_large_run_is_cut_to_keep_the_page_under_max_size(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setattr(report_module, "MIN_TEXT", 0)
+    run = run_from_rows(long_rows(400, 5_000))
+    html = page([run], max_size=1_000_000)
+    assert len(html.encode()) <= 1_000_000
+    assert len(run.cut) == 400
     assert "texts longer than" in html
-    assert len(html) < 200_000
+    assert "short" in run.strings
 
 
 def test_several_runs_side_by_side(tmp_path: Path, graded: Path) -> None:

@@ -15,10 +15,12 @@ It reads a run that is still being written (whole lines only) and 100,000 rows i
 from __future__ import annotations
 
 import argparse
+import gc
 import os
 import re
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from html import escape
 from importlib import metadata, resources
 from pathlib import Path
@@ -33,43 +35,47 @@ from .traces import write_atomic
 
 __all__ = ["ReportError", "add_report_command", "page", "payload", "report", "report_command"]
 
-TEXT_BUDGET = 20_000_000  # characters of row texts in one page, over all its runs
+MAX_SIZE = 27_000_000  # bytes: about the largest page; row texts are cut to fit it
+MIN_TEXT = 1_000_000  # characters of texts a run keeps, whatever its size
+_RESERVE = 400_000  # bytes for the template and the summary's HTML
 _PLACEHOLDER = re.compile(r"\{\{(\w+)\}\}")
 
 
-def _round(value: float | None, base: float = 0.0) -> float | None:
-    return None if value is None else round(value - base, 6)
+def _scaled(values: list[float | None], scale: float, base: float = 0.0) -> list[int | None]:
+    # Whole milliseconds or microseconds: shorter in JSON than floats, and quicker to write.
+    return [None if v is None else int((v - base) * scale + 0.5) for v in values]
 
 
 def payload(run: RunData, fig: Figures) -> dict[str, Any]:
-    """The table's data for one run, column by column (texts as indices into `S`)."""
+    """The table's data for one run, column by column, without its texts (`run.strings`,
+    which `page` adds as `S`; text columns hold indices into it)."""
     t0 = fig.t0 or 0.0
     tasks = fig.tasks
+    consecutive = all(line == i for i, line in enumerate(run.line, 1))
     return {
         "name": run.name,
-        "S": run.strings,
-        "cut": {str(k): v for k, v in run.cut.items()},
+        "cut": run.cut,
         "t0": fig.t0,
         "threshold": tasks.threshold,
         "tasks": {
             "key": run.task_keys,
-            "data": run.task_data,
+            "fields": run.task_fields,
             "n": tasks.rollouts,
             "ok": tasks.ok,
             "passed": tasks.passed,
             "mean": tasks.reward_mean,
         },
         "rows": {
-            "line": run.line,
+            "line": None if consecutive else run.line,  # None: row i is on line i + 1
             "id": run.id,
             "task": run.task,
             "rollout": run.rollout,
             "ok": [1 if ok else 0 for ok in run.ok],
             "reward": run.reward,
             "att": run.attempts,
-            "start": [_round(s, t0) for s in run.started],
-            "fin": [_round(f, t0) for f in run.finished],
-            "dur": [_round(d) for d in run.duration],
+            "start": _scaled(run.started, 1e3, t0),  # ms since t0
+            "fin": _scaled(run.finished, 1e3, t0),
+            "dur": _scaled(run.duration, 1e6),  # µs
             "err": [errors[-1][0] if errors else -1 for errors in run.errors],
             "errs": run.errors,
             "comp": run.completion,
@@ -82,13 +88,43 @@ def payload(run: RunData, fig: Figures) -> dict[str, Any]:
     }
 
 
+def _dump(value: Any) -> bytes:
+    return orjson.dumps(value, option=orjson.OPT_NON_STR_KEYS)
+
+
+def _safe(data: bytes) -> bytes:
+    # `<`, `>` and `&` occur in JSON only inside strings, where a \u escape means the same.
+    return data.replace(b"<", b"\\u003c").replace(b">", b"\\u003e").replace(b"&", b"\\u0026")
+
+
 def embed_json(value: Any) -> str:
     """`value` as JSON that is safe inside a <script> element: no `<`, `>` or `&` appears
     (each is written as a JSON \\u escape), so no text can close the element."""
-    data = orjson.dumps(value, option=orjson.OPT_NON_STR_KEYS)
-    return (
-        data.replace(b"<", b"\\u003c").replace(b">", b"\\u003e").replace(b"&", b"\\u0026").decode()
-    )
+    return _safe(_dump(value)).decode()
+
+
+def _fit(runs: Sequence[RunData], data: Sequence[dict[str, Any]], max_size: int) -> None:
+    """Cut the runs' texts so that the page takes about `max_size` bytes (`data`: their
+    payloads, whose raw JSON the cuts shorten in place)."""
+    fixed = _RESERVE + sum(len(_dump(d)) for d in data)
+    budget = max((max_size - fixed) // len(runs), MIN_TEXT)
+    caps = [run.fit_texts(budget) for run in runs]
+    for _ in range(3):  # characters are not bytes (escapes, UTF-8): measure, then correct
+        total = fixed + sum(len(_dump(run.strings)) + len(_dump(run.cut)) for run in runs)
+        if total <= max_size or budget <= MIN_TEXT:
+            return
+        budget = max(int(budget * (max_size - fixed) / (total - fixed) * 0.98), MIN_TEXT)
+        before, caps = caps, [run.fit_texts(budget) for run in runs]
+        if caps == before:  # every run is at MIN_CAP already
+            return
+
+
+def _data(runs: Sequence[RunData], data: Sequence[dict[str, Any]]) -> str:
+    parts = [
+        b'{"S":' + _dump(run.strings) + b"," + _dump(d)[1:]
+        for run, d in zip(runs, data, strict=True)
+    ]
+    return _safe(b'{"runs":[' + b",".join(parts) + b"]}").decode()
 
 
 def _template() -> str:
@@ -102,20 +138,15 @@ def _version() -> str:
         return "unknown"
 
 
-def page(
-    runs: Sequence[RunData],
-    *,
-    threshold: float = 1.0,
-    text_budget: int = TEXT_BUDGET,
-) -> str:
-    """The whole HTML page for `runs` (their texts are cut to fit `text_budget`)."""
+def page(runs: Sequence[RunData], *, threshold: float = 1.0, max_size: int = MAX_SIZE) -> str:
+    """The whole HTML page for `runs` (their texts cut to keep it near `max_size` bytes)."""
     figures = [compute(run, threshold=threshold) for run in runs]
-    caps = [run.fit_texts(text_budget // len(runs)) for run in runs]
+    data = [payload(run, fig) for run, fig in zip(runs, figures, strict=True)]
+    _fit(runs, data, max_size)
     names = [run.name for run in runs]
     title = names[0] if len(runs) == 1 else f"{len(runs)} runs: {', '.join(names)}"
     body = "".join(
-        run_section(i, run, fig, cap)
-        for i, (run, fig, cap) in enumerate(zip(runs, figures, caps, strict=True))
+        run_section(i, run, fig) for i, (run, fig) in enumerate(zip(runs, figures, strict=True))
     )
     if len(runs) > 1:
         body = compare_table(runs, figures) + body
@@ -127,7 +158,7 @@ def page(
         ),
         "count": str(len(runs)),
         "body": body,
-        "data": embed_json({"runs": [payload(r, f) for r, f in zip(runs, figures, strict=True)]}),
+        "data": _data(runs, data),
     }
     # One pass: a value is never scanned for placeholders (a run's text may hold "{{data}}").
     return _PLACEHOLDER.sub(lambda m: values[m.group(1)], _template())
@@ -152,14 +183,15 @@ def report(
     output: str | Path | None = None,
     *,
     threshold: float = 1.0,
-    text_budget: int = TEXT_BUDGET,
+    max_size: int = MAX_SIZE,
 ) -> Path:
     """Write the HTML report of one run dir (or several, side by side); return its path.
 
     `output` defaults to RUN_DIR/report.html (with several runs, the first one's
     compare.html); an existing directory gets a report.html inside. A rollout counts as
-    passing for pass@k when it is ok and its reward is >= `threshold`. Texts are cut so that
-    the page holds about `text_budget` characters of them. A missing or unreadable run dir
+    passing for pass@k when it is ok and its reward is >= `threshold`. The longest texts are
+    cut so that the page stays near `max_size` bytes (each cut says so, and the row's line in
+    traces.jsonl holds it whole). A missing or unreadable run dir
     raises `ReportError` (a ValueError).
     """
     if isinstance(run_dirs, str | os.PathLike):
@@ -168,11 +200,27 @@ def report(
     if not dirs:
         raise ReportError("no RUN_DIR given: pass at least one run dir")
     target = _output(dirs, output)
-    runs = [load_run(d) for d in dirs]
-    _unique_names(runs)
-    write_atomic(target, text=page(runs, threshold=threshold, text_budget=text_budget))
+    with _gc_paused():
+        runs = [load_run(d) for d in dirs]
+        _unique_names(runs)
+        html = page(runs, threshold=threshold, max_size=max_size)
+    write_atomic(target, text=html)
     target.chmod(0o644)  # a page to share, not a secret
     return target
+
+
+@contextmanager
+def _gc_paused() -> Iterator[None]:
+    """No cyclic garbage collection inside: reading a run makes millions of containers that
+    all stay alive, and the collector would walk them again and again (about 20% of the CPU
+    time on 100,000 rows, bench/report.py)."""
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if enabled:
+            gc.enable()
 
 
 def _unique_names(runs: Sequence[RunData]) -> None:

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import math
+from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -26,7 +27,8 @@ _KNOWN = frozenset(
      "timing", "usage", "finish_reason")
 )  # fmt: skip
 _TIMING = frozenset(("started", "finished", "duration"))
-MIN_CAP = 200  # a text is never cut shorter than this, whatever the budget
+_USAGE = frozenset(("prompt_tokens", "completion_tokens", "total_tokens"))
+MIN_CAP = 100  # a text is never cut shorter than this, whatever the budget
 
 
 class ReportError(ValueError):
@@ -35,18 +37,27 @@ class ReportError(ValueError):
 
 def _number(value: object) -> float | None:
     """A finite float, or None for anything else (a missing field, a string, a NaN)."""
+    if type(value) is float:
+        return value if math.isfinite(value) else None
     if isinstance(value, bool) or not isinstance(value, int | float):
         return None
     number = float(value)
     return number if math.isfinite(number) else None
 
 
-def _tokens(usage: object, name: str) -> int | None:
-    if isinstance(usage, dict):
-        value = usage.get(name)
-        if isinstance(value, int) and not isinstance(value, bool):
-            return value
-    return None
+def _count(value: object) -> int | None:
+    return value if type(value) is int else None
+
+
+def _other_fields(row: dict[str, Any], usage: Any, timing: dict[str, Any]) -> dict[str, Any]:
+    """A row's fields that the columns do not hold, to show as they are."""
+    other = {k: v for k, v in row.items() if k not in _KNOWN}
+    if usage is not None and (type(usage) is not dict or usage.keys() - _USAGE):
+        other["usage"] = usage
+    timing = {k: v for k, v in timing.items() if k not in _TIMING}
+    if timing:
+        other["timing"] = timing
+    return other
 
 
 @attrs.define
@@ -54,8 +65,8 @@ class RunData:
     """One run, taken apart: its files' JSON, one list per row field, and the page's texts.
 
     Row columns hold one entry per whole row, in file order. Texts are indices into
-    `strings` (-1: none); `messages`, `task_data` and `extra` hold indices too, or raw
-    JSON (a message that is not a plain role/content pair, a non-string task field).
+    `strings` (-1: none); a message is `[role, content]` indices, or its raw JSON when it is
+    not a plain role/content pair. Task fields are columns too (`finish` builds them).
     """
 
     path: Path
@@ -69,13 +80,17 @@ class RunData:
     _index: dict[str, int] = attrs.Factory(dict)
     raw: list[Any] = attrs.Factory(list)  # raw JSON kept in the columns, cut once at the end
     cut: dict[int, int] = attrs.Factory(dict)  # string index -> its whole length, when cut
-    # tasks, in order of first appearance
+    cap: int | None = None  # the length texts were cut to, if any
+    _raw_chars: int | None = None
+    # tasks, in order of first appearance; fields: (name, "s" (string indices) or "j" (raw
+    # JSON), one value per task (None: the task has no such field, or it is null))
     task_keys: list[str] = attrs.Factory(list)
-    task_data: list[list[Any]] = attrs.Factory(list)  # [[field, str index | [raw]], ...]
+    task_fields: list[tuple[str, str, list[Any]]] = attrs.Factory(list)
     _task_index: dict[str, int] = attrs.Factory(dict)
+    _task_data: list[dict[str, Any] | None] = attrs.Factory(list)
     # rows
     line: list[int] = attrs.Factory(list)
-    id: list[int] = attrs.Factory(list)
+    id: list[str] = attrs.Factory(list)
     task: list[int] = attrs.Factory(list)
     rollout: list[int] = attrs.Factory(list)
     ok: list[bool] = attrs.Factory(list)
@@ -91,7 +106,7 @@ class RunData:
     prompt_tokens: list[int | None] = attrs.Factory(list)
     completion_tokens: list[int | None] = attrs.Factory(list)
     finish_reason: list[int] = attrs.Factory(list)
-    extra: list[dict[str, Any] | None] = attrs.Factory(list)
+    extra: dict[int, dict[str, Any]] = attrs.Factory(dict)  # row index -> its other fields
 
     @property
     def name(self) -> str:
@@ -101,119 +116,143 @@ class RunData:
         return len(self.line)
 
     def text(self, value: str) -> int:
-        """The index of `value` in `strings`, adding it once."""
-        index = self._index.get(value)
-        if index is None:
-            index = self._index[value] = len(self.strings)
-            self.strings.append(value)
-        return index
+        """The index of `value` in `strings` (which `finish` lists), adding it once."""
+        index = self._index
+        return index.setdefault(value, len(index))
 
-    def _keep_raw(self, value: Any) -> Any:
-        self.raw.append(value)
-        return value
+    def finish(self) -> None:
+        """End the reading: list `strings`, and build `task_fields` from the tasks read (a
+        field whose values are all strings or null becomes a column of string indices, any
+        other a column of raw JSON)."""
+        datas = self._task_data
+        names = dict.fromkeys(k for data in datas if data for k in data)
+        self.task_fields = []
+        for name in names:
+            values = [data.get(name) if data else None for data in datas]
+            if all(v is None or type(v) is str for v in values):
+                column = [None if v is None else self.text(v) for v in values]
+                self.task_fields.append((name, "s", column))
+            elif any(v is not None for v in values):
+                self.raw.append(values)
+                self.task_fields.append((name, "j", values))
+        self.strings = list(self._index)  # in index order: a dict keeps insertion order
 
-    def _value(self, value: Any) -> Any:
-        return self.text(value) if isinstance(value, str) else [self._keep_raw(value)]
-
-    def _message(self, message: Any) -> Any:
-        if (
-            isinstance(message, dict)
-            and len(message) == 2
-            and isinstance(message.get("role"), str)
-            and isinstance(message.get("content"), str)
-        ):
-            return [self.text(message["role"]), self.text(message["content"])]
-        return self._keep_raw(message)
-
-    def _task(self, task: Any) -> int:
-        key = task.get("key") if isinstance(task, dict) else None
-        key = key if isinstance(key, str) else json.dumps(key)
-        index = self._task_index.get(key)
-        if index is None:
-            index = self._task_index[key] = len(self.task_keys)
-            self.task_keys.append(key)
-            data = task.get("data") if isinstance(task, dict) else None
-            fields: list[Any] = []
-            if isinstance(data, dict):
-                for name, value in data.items():
-                    if name == "prompt" and isinstance(value, list):
-                        fields.append([name, {"messages": [self._message(m) for m in value]}])
-                    else:
-                        fields.append([name, self._value(value)])
-            self.task_data.append(fields)
-        return index
-
-    def add_row(self, row: dict[str, Any], line: int) -> None:
-        """Take one trace row apart into the columns; any field may be missing or odd."""
-        self.line.append(line)
-        self.id.append(self.text(str(row.get("id", ""))))
-        self.task.append(self._task(row.get("task")))
-        rollout = row.get("rollout")
-        self.rollout.append(rollout if isinstance(rollout, int) else 0)
-        self.ok.append(row.get("ok") is True)
-        self.reward.append(_number(row.get("reward")))
-        attempts = row.get("attempts")
-        self.attempts.append(attempts if isinstance(attempts, int) else 0)
-        timing = row.get("timing")
-        timing = timing if isinstance(timing, dict) else {}
-        self.started.append(_number(timing.get("started")))
-        self.finished.append(_number(timing.get("finished")))
-        self.duration.append(_number(timing.get("duration")))
-        types: list[str] = []
-        errors: list[list[int]] = []
-        raw_errors = row.get("errors")
-        for error in raw_errors if isinstance(raw_errors, list) else ():
-            if not isinstance(error, dict):
-                error = {"type": "?", "message": str(error)}
-            kind = str(error.get("type", "?"))
-            attempt = error.get("attempt")
-            types.append(kind)
-            errors.append([self.text(kind), self.text(str(error.get("message", ""))),
-                           attempt if isinstance(attempt, int) else 0])  # fmt: skip
-        self.error_types.append(types)
-        self.errors.append(errors)
-        completion = row.get("completion")
-        self.completion.append(self.text(completion) if isinstance(completion, str) else -1)
-        messages = row.get("messages")
-        self.messages.append(
-            [self._message(m) for m in messages] if isinstance(messages, list) else []
-        )
-        usage = row.get("usage")
-        self.prompt_tokens.append(_tokens(usage, "prompt_tokens"))
-        self.completion_tokens.append(_tokens(usage, "completion_tokens"))
-        reason = row.get("finish_reason")
-        self.finish_reason.append(self.text(reason) if isinstance(reason, str) else -1)
-        extra = {k: v for k, v in row.items() if k not in _KNOWN}
-        if usage is not None and (
-            not isinstance(usage, dict) or set(usage) - {"prompt_tokens", "completion_tokens"}
-        ):
-            extra["usage"] = usage
-        other_timing = {k: v for k, v in timing.items() if k not in _TIMING}
-        if other_timing:
-            extra["timing"] = other_timing
-        self.extra.append(self._keep_raw(extra) if extra else None)
+    def add_rows(self, numbered: Iterable[tuple[int, Any]]) -> None:
+        """Take rows apart into the columns: (line number, decoded JSON) pairs, where any
+        field may be missing or odd, and a value that is not an object is an unreadable line.
+        One loop with its appends bound once: it runs once per row of a large run."""
+        index = self._index
+        text = index.setdefault  # text(s, len(index)): the index of s, adding it once
+        tasks, task_keys, task_data = self._task_index, self.task_keys, self._task_data
+        raw, extra = self.raw, self.extra
+        add_line, add_id, add_task = self.line.append, self.id.append, self.task.append
+        add_rollout, add_ok, add_reward = self.rollout.append, self.ok.append, self.reward.append
+        add_attempts, add_types = self.attempts.append, self.error_types.append
+        add_started, add_finished = self.started.append, self.finished.append
+        add_duration, add_errors = self.duration.append, self.errors.append
+        add_completion, add_messages = self.completion.append, self.messages.append
+        add_prompt, add_generated = self.prompt_tokens.append, self.completion_tokens.append
+        add_reason = self.finish_reason.append
+        for line, row in numbered:
+            if type(row) is not dict:
+                self.unreadable.append(line)
+                continue
+            get = row.get
+            add_line(line)
+            add_id(str(get("id", "")))
+            task = get("task")
+            key = task.get("key") if type(task) is dict else None
+            if type(key) is not str:
+                key = json.dumps(key)
+            number = tasks.get(key)
+            if number is None:
+                number = tasks[key] = len(task_keys)
+                task_keys.append(key)
+                data = task.get("data") if type(task) is dict else None
+                task_data.append(data if type(data) is dict else None)
+            add_task(number)
+            rollout = get("rollout")
+            add_rollout(rollout if type(rollout) is int else 0)
+            add_ok(get("ok") is True)
+            add_reward(_number(get("reward")))
+            attempts = get("attempts")
+            add_attempts(attempts if type(attempts) is int else 0)
+            timing = get("timing")
+            if type(timing) is not dict:
+                timing = {}
+            add_started(_number(timing.get("started")))
+            add_finished(_number(timing.get("finished")))
+            add_duration(_number(timing.get("duration")))
+            types: list[str] = []
+            errors: list[list[int]] = []
+            raw_errors = get("errors")
+            if raw_errors and type(raw_errors) is list:
+                for error in raw_errors:
+                    if type(error) is not dict:
+                        error = {"type": "?", "message": str(error)}
+                    kind = str(error.get("type", "?"))
+                    message = str(error.get("message", ""))
+                    attempt = error.get("attempt")
+                    types.append(kind)
+                    errors.append([text(kind, len(index)), text(message, len(index)),
+                                   attempt if type(attempt) is int else 0])  # fmt: skip
+            add_types(types)
+            add_errors(errors)
+            completion = get("completion")
+            add_completion(text(completion, len(index)) if type(completion) is str else -1)
+            messages = get("messages")
+            encoded: list[Any] = []
+            if type(messages) is list:
+                for message in messages:
+                    if type(message) is dict and len(message) == 2:
+                        role, content = message.get("role"), message.get("content")
+                        if type(role) is str and type(content) is str:
+                            encoded.append([text(role, len(index)), text(content, len(index))])
+                            continue
+                    raw.append(message)  # not a plain role/content pair: kept as it is
+                    encoded.append(message)
+            add_messages(encoded)
+            usage = get("usage")
+            if type(usage) is dict:
+                add_prompt(_count(usage.get("prompt_tokens")))
+                add_generated(_count(usage.get("completion_tokens")))
+            else:
+                add_prompt(None)
+                add_generated(None)
+            reason = get("finish_reason")
+            add_reason(text(reason, len(index)) if type(reason) is str else -1)
+            if (
+                row.keys() - _KNOWN
+                or timing.keys() - _TIMING
+                or (usage is not None and (type(usage) is not dict or usage.keys() - _USAGE))
+            ):
+                extra[len(self.line) - 1] = other = _other_fields(row, usage, timing)
+                raw.append(other)
 
     def fit_texts(self, budget: int) -> int | None:
         """Cut the texts so that together they take about `budget` characters.
 
         Every text longer than one cap is cut to it (the shortest texts are never touched),
         the cap being the largest that fits the budget, and never under MIN_CAP. The cut
-        texts' whole lengths go to `cut`. Returns the cap, or None when nothing was cut.
+        texts' whole lengths go to `cut`. Returns the cap (`self.cap`), None when nothing
+        was cut. Called again with a smaller budget, it cuts further; never less.
         """
-        lengths = sorted(len(s) for s in self.strings)
-        total = sum(lengths)
-        for raw in self.raw:
-            total += _raw_chars(raw)
-        if total <= budget:
-            return None
-        cap = _water_level(lengths, budget)
-        cap = max(cap, MIN_CAP)
+        lengths = sorted(map(len, self.strings))
+        if self._raw_chars is None:  # their JSON's length: at least their texts' length
+            self._raw_chars = sum(len(orjson.dumps(raw)) for raw in self.raw)
+        if sum(lengths) + self._raw_chars <= budget:
+            return self.cap
+        cap = max(_water_level(lengths, budget), MIN_CAP)
+        if self.cap is not None and cap >= self.cap:
+            return self.cap
         for index, value in enumerate(self.strings):
             if len(value) > cap:
-                self.cut[index] = len(value)
+                self.cut.setdefault(index, len(value))
                 self.strings[index] = value[:cap]
         for raw in self.raw:
-            _cut_raw(raw, cap)
+            if len(orjson.dumps(raw)) > cap:  # else no text inside it is longer than the cap
+                _cut_raw(raw, cap)
+        self.cap = cap
         return cap
 
 
@@ -226,16 +265,6 @@ def _water_level(lengths: list[int], budget: int) -> int:
             return share
         remaining -= length
     return lengths[-1] if lengths else 0
-
-
-def _raw_chars(value: Any) -> int:
-    if isinstance(value, str):
-        return len(value)
-    if isinstance(value, dict):
-        return sum(_raw_chars(v) for v in value.values())
-    if isinstance(value, list):
-        return sum(_raw_chars(v) for v in value)
-    return 0
 
 
 def _cut_raw(value: Any, cap: int) -> None:
@@ -265,17 +294,19 @@ def read_lines(run: RunData, data: bytes) -> None:
     """Add the whole rows in `data` (a traces.jsonl's bytes) to `run`."""
     end = data.rfind(b"\n") + 1
     run.torn = bool(data[end:].strip())
-    for number, line in enumerate(data[:end].split(b"\n"), 1):
-        if not line.strip():
-            continue
-        try:
-            row = orjson.loads(line)
-        except orjson.JSONDecodeError:
-            row = None
-        if isinstance(row, dict):
-            run.add_row(row, number)
-        else:
-            run.unreadable.append(number)
+    run.add_rows(_decoded(data[:end].split(b"\n")))
+    run.finish()
+
+
+def _decoded(lines: list[bytes]) -> Iterator[tuple[int, Any]]:
+    """(line number, decoded JSON or None) for each non-blank line."""
+    loads, error = orjson.loads, orjson.JSONDecodeError
+    for number, line in enumerate(lines, 1):
+        if line and not line.isspace():
+            try:
+                yield number, loads(line)
+            except error:
+                yield number, None
 
 
 def load_run(path: str | Path) -> RunData:
@@ -314,6 +345,6 @@ def run_from_rows(
 ) -> RunData:
     """A RunData from rows in memory (as `Episode.to_row` gives them), for tests and tools."""
     run = RunData(Path(path), config=dict(config or {}), summary=summary)
-    for line, row in enumerate(rows, 1):
-        run.add_row(row, line)
+    run.add_rows(enumerate(rows, 1))
+    run.finish()
     return run

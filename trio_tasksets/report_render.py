@@ -291,7 +291,7 @@ def _tasks(fig: Figures, ident: str) -> str:
     )
 
 
-def _notes(run: RunData, fig: Figures, cap: int | None) -> str:
+def _notes(run: RunData, fig: Figures) -> str:
     notes = []
     if run.summary is None:
         notes.append(
@@ -309,15 +309,15 @@ def _notes(run: RunData, fig: Figures, cap: int | None) -> str:
                      f"left out (lines {lines}{', …' if len(run.unreadable) > 10 else ''}).")  # fmt: skip
     for mismatch in fig.mismatches:
         notes.append(f"summary.json and the rows disagree on {escape(mismatch)}.")
-    if cap is not None:
+    if run.cap is not None:
         notes.append(
-            f"{len(run.cut):,} texts longer than {cap:,} characters are cut in this page to "
+            f"{len(run.cut):,} texts longer than {run.cap:,} characters are cut in this page to "
             f"keep it small; each row names its line in traces.jsonl, which holds them whole."
         )
     return "".join(f'<p class="notice" role="note">{n}</p>' for n in notes)
 
 
-def run_section(index: int, run: RunData, fig: Figures, cap: int | None) -> str:
+def run_section(index: int, run: RunData, fig: Figures) -> str:
     """One run's article: header, notes, summary numbers, config, errors, charts, tasks."""
     ident = f"run{index}"
     status_class = "ok" if fig.status == "finished" and not fig.error else "warn"
@@ -329,7 +329,7 @@ def run_section(index: int, run: RunData, fig: Figures, cap: int | None) -> str:
         f'<article class="run" id="{ident}" aria-labelledby="{ident}-name">'
         f'<header class="run-head"><h2 id="{ident}-name">{escape(run.name)}</h2>'
         f'<span class="status {status_class}" data-figure="status">{escape(fig.status)}</span>'
-        f'<p class="path muted">{escape(str(run.path))}</p></header>{_notes(run, fig, cap)}'
+        f'<p class="path muted">{escape(str(run.path))}</p></header>{_notes(run, fig)}'
         f'<section class="card" aria-label="Summary of {escape(run.name)}">{_kpis(fig)}</section>'
         f'<div class="cards"><section class="card">{_config(run)}</section>'
         f'<section class="card">{_errors(run, fig)}</section>{charts}'
