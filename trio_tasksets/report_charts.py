@@ -184,7 +184,7 @@ class Plot:
 
     def mark(self, mark: Mark, row: int) -> None:
         x = self.x(mark.x)
-        anchor = "end" if x > WIDTH - 90 else "start"
+        anchor = "end" if x > WIDTH - 40 else "start"
         dx = -3 if anchor == "end" else 3
         self.parts.append(
             f'<line class="mark" x1="{x:.1f}" x2="{x:.1f}" y1="{TOP - 4}" y2="{HEIGHT - BOTTOM}"/>'

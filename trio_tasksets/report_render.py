@@ -149,7 +149,7 @@ def _config(run: RunData) -> str:
 
 def _errors(run: RunData, fig: Figures) -> str:
     if not fig.errors_by_type:
-        return '<p class="muted">No errors.</p>'
+        return '<table class="errors"><caption>Errors by type</caption></table><p class="muted">No errors.</p>'
     examples: dict[str, str] = {}
     for errors in run.errors:
         for kind, message, _ in errors:
@@ -158,13 +158,13 @@ def _errors(run: RunData, fig: Figures) -> str:
         f"<tr><th scope=row><code>{escape(kind)}</code></th>"
         f'<td class="n">{_figure("errors." + kind, count, fmt_count(count))}</td>'
         f'<td class="n">{fmt_count(fig.failed_by_type.get(kind, 0))}</td>'
-        f'<td class="msg">{escape(examples.get(kind, "")[:300])}</td></tr>'
+        f'<td class="first">{escape(examples.get(kind, "")[:300])}</td></tr>'
         for kind, count in fig.errors_by_type.items()
     )
     return (
         f'<table class="errors"><caption>Errors by type <span class="muted">(counts from '
         f"{escape(fig.errors_source)})</span></caption><thead><tr><th scope=col>type</th>"
-        f"<th scope=col>errors</th><th scope=col>failed rows</th>"
+        f'<th scope=col class="n">errors</th><th scope=col class="n">failed rows</th>'
         f"<th scope=col>first message</th></tr></thead><tbody>{rows}</tbody></table>"
     )
 
@@ -217,8 +217,9 @@ def _charts(fig: Figures, ident: str) -> list[tuple[str, str]]:
     if fig.latency is not None:
         plot = _hist_chart(fig.latency, f"{ident}-latency", "Latency", "episode duration", True)
         for row, (name, value) in enumerate(fig.percentiles.items()):
-            plot.mark(Mark(value, f"{name} {fmt_seconds(value)}"), row)
-        charts.append(("Latency (p50, p90, p99 marked)", plot.svg()))
+            plot.mark(Mark(value, name), row)
+        marks = ", ".join(f"{name} {fmt_seconds(v)}" for name, v in fig.percentiles.items())
+        charts.append((f"Latency ({marks})", plot.svg()))
     if fig.throughput is not None:
         tp = fig.throughput
         bars = [
@@ -284,10 +285,11 @@ def _tasks(fig: Figures, ident: str) -> str:
     return (
         f'<div class="pair"><table class="kv"><caption>pass@k over {len(tasks.rollouts):,} tasks '
         f'<span class="muted">(a rollout passes when {escape(rule)})</span></caption>'
-        f"<thead><tr><th scope=col>k</th><th scope=col>pass@k</th><th scope=col>tasks</th>"
+        f'<thead><tr><th scope=col>k</th><th scope=col class="n">pass@k</th>'
+        f'<th scope=col class="n">tasks</th>'
         f'</tr></thead><tbody>{rows}</tbody></table><table class="kv"><caption>Tasks by '
-        f"passing rollouts</caption><thead><tr><th scope=col>passed</th><th scope=col>tasks"
-        f"</th></tr></thead><tbody>{spread}</tbody></table></div>"
+        f"passing rollouts</caption><thead><tr><th scope=col>passed</th>"
+        f'<th scope=col class="n">tasks</th></tr></thead><tbody>{spread}</tbody></table></div>'
     )
 
 
@@ -332,8 +334,8 @@ def run_section(index: int, run: RunData, fig: Figures) -> str:
         f'<p class="path muted">{escape(str(run.path))}</p></header>{_notes(run, fig)}'
         f'<section class="card" aria-label="Summary of {escape(run.name)}">{_kpis(fig)}</section>'
         f'<div class="cards"><section class="card">{_config(run)}</section>'
-        f'<section class="card">{_errors(run, fig)}</section>{charts}'
-        f'<section class="card">{_tasks(fig, ident)}</section></div></article>'
+        f'<section class="card">{_errors(run, fig)}{_tasks(fig, ident)}</section>{charts}'
+        "</div></article>"
     )
 
 
