@@ -575,6 +575,13 @@ def test_in_chromium_the_page_shows_the_run_and_its_table_works(graded: Path, br
     assert row["id"] in detail.text
     assert detail.find_elements(By.TAG_NAME, "b") == []
 
+    # A link to a row opens it, on its page.
+    target = next(i for i, r in enumerate(rows, 1) if r["task"]["key"] == "t5")
+    browser.get(f"{out.resolve().as_uri()}#line={target}")
+    detail = browser.find_element(By.CSS_SELECTOR, "#table tr.detail")
+    assert f"line\n{target} of traces.jsonl" in detail.text
+    assert "KeyError: 'missing field'" in detail.text
+
     # The tasks view groups each task's rollouts.
     browser.find_element(By.CSS_SELECTOR, 'input[name="view"][value="tasks"]').click()
     assert count.get_attribute("data-matched") == "10"

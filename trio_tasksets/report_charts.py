@@ -20,13 +20,16 @@ WIDTH, HEIGHT = 520, 230
 LEFT, RIGHT, TOP, BOTTOM = 52, 14, 22, 40
 
 
-def nice_ticks(low: float, high: float, count: int = 5) -> list[float]:
-    """About `count` round tick values covering [low, high]."""
+def nice_ticks(low: float, high: float, count: int = 5, *, integer: bool = False) -> list[float]:
+    """About `count` round tick values covering [low, high] (whole numbers if `integer`)."""
     if not (math.isfinite(low) and math.isfinite(high)) or high <= low:
         return [low]
     raw = (high - low) / count
-    power = 10 ** math.floor(math.log10(raw))
-    step = next(f * power for f in (1, 2, 2.5, 5, 10) if f * power >= raw)
+    power = 10.0 ** math.floor(math.log10(raw))
+    factors = (1, 2, 5, 10) if integer else (1, 2, 2.5, 5, 10)
+    step = next(f * power for f in factors if f * power >= raw)
+    if integer:
+        step = max(step, 1.0)
     first = math.ceil(low / step - 1e-9) * step
     ticks = []
     value = first
@@ -100,6 +103,7 @@ class Plot:
     y_max: float
     x_format: str = "number"  # "number" or "seconds"
     categories: Sequence[str] | None = None  # category labels: x i is the i-th
+    y_integer: bool = False  # the y axis counts things: whole-number ticks
     parts: list[str] = attrs.Factory(list)
 
     def x(self, value: float) -> float:
@@ -116,7 +120,8 @@ class Plot:
 
     def _axes(self) -> str:
         out = []
-        for tick in nice_ticks(0, self.y_max or 1.0, 4):
+        count = 5 if self.y_integer else 4
+        for tick in nice_ticks(0, self.y_max or 1.0, count, integer=self.y_integer):
             y = self.y(tick)
             out.append(
                 f'<line class="grid" x1="{LEFT}" x2="{WIDTH - RIGHT}" y1="{y:.1f}" y2="{y:.1f}"/>'
@@ -137,10 +142,11 @@ class Plot:
             for tick in nice_ticks(*self.x_range, 5):
                 x = self.x(tick)
                 if LEFT - 1 <= x <= WIDTH - RIGHT + 1:
+                    anchor = "end" if x > WIDTH - RIGHT - 16 else "middle"  # stay inside
                     out.append(
                         f'<line class="axis" x1="{x:.1f}" x2="{x:.1f}" y1="{base}" '
                         f'y2="{base + 4}"/><text class="tick" x="{x:.1f}" y="{base + 15}" '
-                        f'text-anchor="middle">{escape(self._label(tick))}</text>'
+                        f'text-anchor="{anchor}">{escape(self._label(tick))}</text>'
                     )
         out.append(
             f'<line class="axis" x1="{LEFT}" x2="{WIDTH - RIGHT}" y1="{base}" y2="{base}"/>'

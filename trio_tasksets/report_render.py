@@ -204,7 +204,8 @@ def _hist_chart(hist: Histogram, ident: str, title: str, x_label: str, seconds: 
     start = 0.0 if labels is not None else (hist.edges or [0.0])[0]
     top = max((sum(v for v, _ in b.segments) for b in bars), default=1)
     plot = Plot(title, _describe(bars), x_label, "rows", ident, (start, end), top * 1.1,
-                x_format="seconds" if seconds else "number", categories=labels)  # fmt: skip
+                x_format="seconds" if seconds else "number", categories=labels,
+                y_integer=True)  # fmt: skip
     plot.bars(bars)
     return plot
 
@@ -249,7 +250,7 @@ def _flight_chart(fig: Figures, ident: str) -> tuple[str, str]:
     if window:
         what += f"; window from {window[0][1]:g} to {window[-1][1]:g} ({len(window)} changes)"
     plot = Plot("Concurrency", what, "time since start", "rollouts", f"{ident}-flight",
-                (0.0, end), top * 1.15, x_format="seconds")  # fmt: skip
+                (0.0, end), top * 1.15, x_format="seconds", y_integer=True)  # fmt: skip
     entries = []
     if fig.in_flight:
         plot.line(Line(tuple((t, float(n)) for t, n in fig.in_flight), "line-flight",
