@@ -148,8 +148,6 @@ def page(runs: Sequence[RunData], *, threshold: float = 1.0, max_size: int = MAX
     body = "".join(
         run_section(i, run, fig) for i, (run, fig) in enumerate(zip(runs, figures, strict=True))
     )
-    if len(runs) > 1:
-        body = compare_table(runs, figures) + body
     values = {
         "title": escape(f"{title} · trio-tasksets report"),
         "heading": "Eval report" if len(runs) == 1 else escape(f"Eval report: {len(runs)} runs"),
@@ -157,6 +155,7 @@ def page(runs: Sequence[RunData], *, threshold: float = 1.0, max_size: int = MAX
             f"trio-tasksets {_version()} · written {time.strftime('%Y-%m-%d %H:%M:%S %Z')}"
         ),
         "count": str(len(runs)),
+        "compare": compare_table(runs, figures) if len(runs) > 1 else "",
         "body": body,
         "data": _data(runs, data),
     }

@@ -342,7 +342,7 @@ def run_section(index: int, run: RunData, fig: Figures) -> str:
 
 def compare_table(runs: Sequence[RunData], figures: Sequence[Figures]) -> str:
     """The runs side by side: one column per run, one row per headline figure."""
-    head = "".join(f"<th scope=col>{escape(run.name)}</th>" for run in runs)
+    head = "".join(f'<th scope=col class="n">{escape(run.name)}</th>' for run in runs)
     lines = [
         ("finished", [fmt_count(f.finished) for f in figures]),
         ("ok", [fmt_count(f.ok) for f in figures]),
