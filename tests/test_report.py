@@ -228,7 +228,11 @@ def test_new_summary_fields_are_shown_when_present_and_never_required(graded: Pa
     summary.update(
         errors_by_type={"ValueError": 4, "KeyError": 2},
         usage={"prompt_tokens": 1234, "completion_tokens": 56},
-        window_history=[[0.0, 4, "start"], [0.5, 8, "grow"], [1.0, 2, "429"]],
+        window_history=[
+            [0.0, 4, "start"],
+            [0.5, 8, "grow"],
+            {"t": 1.0, "size": 2, "reason": "429"},
+        ],
         stopped="max_failures",
         error="6 episodes failed (--max-failures 6)",
     )

@@ -236,9 +236,9 @@ def _unique_names(runs: Sequence[RunData]) -> None:
 # --- the command line (wired into trio_tasksets.cli) --------------------------------------
 
 
-def add_report_command(commands: Any) -> None:
+def add_report_command(commands: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     """Add `report RUN_DIR [RUN_DIR ...] [-o FILE]` to the CLI's subcommands."""
-    parser: argparse.ArgumentParser = commands.add_parser(
+    parser = commands.add_parser(
         "report",
         help="write a run dir's HTML report",
         description=(

@@ -194,10 +194,20 @@ def _window(summary: dict[str, Any] | None) -> list[tuple[float, float, str]] | 
     for entry in history:
         if isinstance(entry, list | tuple) and len(entry) >= 2:
             t, size = entry[0], entry[1]
-            reason = str(entry[2]) if len(entry) > 2 else ""
-            if isinstance(t, int | float) and isinstance(size, int | float):
-                points.append((float(t), float(size), reason))
+            reason: object = entry[2] if len(entry) > 2 else ""
+        elif isinstance(entry, dict):  # the same, as {"t": ..., "size": ..., "reason": ...}
+            t = next((entry[k] for k in ("t", "time", "seconds") if k in entry), None)
+            size = next((entry[k] for k in ("size", "window") if k in entry), None)
+            reason = entry.get("reason", "")
+        else:
+            continue
+        if _finite(t) and _finite(size):
+            points.append((float(t), float(size), str(reason)))
     return points or None
+
+
+def _finite(value: object) -> bool:
+    return isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value)
 
 
 def _tasks(run: RunData, threshold: float) -> TaskFigures:
@@ -321,6 +331,8 @@ def compute(run: RunData, *, threshold: float = 1.0) -> Figures:
 
     s_usage = (summary or {}).get("usage")
     s_errors = (summary or {}).get("errors_by_type")
+    if isinstance(s_errors, dict):
+        s_errors = {str(k): v for k, v in s_errors.items() if type(v) is int}
     t0 = _start_time(run.config, started)
     throughput, in_flight, peak = _throughput(run, t0)
     latency, marks = _latency(durations)
