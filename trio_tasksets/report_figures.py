@@ -12,7 +12,7 @@ import bisect
 import math
 import statistics
 from collections import Counter
-from collections.abc import Callable
+from collections.abc import Callable, Iterable, Iterator
 from datetime import datetime
 from typing import Any
 
@@ -116,17 +116,24 @@ def _reward_hist(rewards: list[float]) -> Histogram | None:
     return _binned(rewards, min(rewards), max(rewards))
 
 
+def _bin_counts(values: Iterable[float], low: float, width: float, high: float) -> Counter[int]:
+    """How many values fall in each bin [low + i*width, low + (i+1)*width); -1 counts those
+    above `high`. (Counter counts in C: a loop here would cost ~0.1 s on 100,000 rows.)"""
+    scale = 1.0 / width
+    return Counter(int((v - low) * scale) if v <= high else -1 for v in values)
+
+
 def _binned(values: list[float], low: float, high: float) -> Histogram:
     if high <= low:
         high = low + 1.0
     width = (high - low) / BINS
     counts = [0] * BINS
     overflow = 0
-    for value in values:
-        if value > high:
-            overflow += 1
+    for index, count in _bin_counts(values, low, width, high).items():
+        if index < 0:
+            overflow += count
         else:
-            counts[min(int((value - low) / width), BINS - 1)] += 1
+            counts[min(index, BINS - 1)] += count
     return Histogram(
         counts=counts, edges=[low + i * width for i in range(BINS + 1)], overflow=overflow
     )
@@ -172,9 +179,10 @@ def _throughput(
     width = nice_step(last / min(max(len(ends) / 4, 10), 80))
     bins = int(last / width) + 1
     ok, failed = [0] * bins, [0] * bins
-    for good, end in zip(run.ok, run.finished, strict=True):
-        if end is not None:
-            (ok if good else failed)[min(max(int((end - t0) / width), 0), bins - 1)] += 1
+    for bars, wanted in ((ok, True), (failed, False)):
+        ends_of = (e for good, e in zip(run.ok, run.finished, strict=True) if good is wanted)
+        for index, count in _bin_counts(_present(ends_of), t0, width, math.inf).items():
+            bars[min(max(index, 0), bins - 1)] += count
     starts = sorted(s for s, _ in spans)
     finishes = sorted(f for _, f in spans)
     # Rows in flight: exact at its peak (it peaks at a start), sampled evenly for the chart.
@@ -204,6 +212,10 @@ def _window(summary: dict[str, Any] | None) -> list[tuple[float, float, str]] | 
         if _finite(t) and _finite(size):
             points.append((float(t), float(size), str(reason)))
     return points or None
+
+
+def _present(values: Iterable[float | None]) -> Iterator[float]:
+    return (v for v in values if v is not None)
 
 
 def _finite(value: object) -> bool:
@@ -296,7 +308,11 @@ def compute(run: RunData, *, threshold: float = 1.0) -> Figures:
     rewards = [r for r in run.reward if r is not None]
     clusters = [t for t, r in zip(run.task, run.reward, strict=True) if r is not None]
     rows_mean = statistics.fmean(rewards) if rewards else None
-    rows_std = statistics.pstdev(rewards) if rewards else None
+    rows_std = (  # as statistics.pstdev, which is exact but ~10x slower
+        math.sqrt(math.fsum((r - rows_mean) ** 2 for r in rewards) / len(rewards))
+        if rewards and rows_mean is not None
+        else None
+    )
     durations = [d for d in run.duration if d is not None]
     started = [s for s in run.started if s is not None]
     ends = [f for f in run.finished if f is not None]
