@@ -9,6 +9,8 @@ import math
 import re
 import shutil
 import statistics
+import subprocess
+import sys
 import tempfile
 from collections.abc import Iterable, Iterator
 from html.parser import HTMLParser
@@ -466,6 +468,22 @@ def test_cli_report_bad_paths_exit_2_with_a_clear_message(
     err = capsys.readouterr().err
     needle = "-o/--output" if case == "bad -o" else "RUN_DIR"
     assert needle in err
+
+
+def test_the_report_command_is_wired_into_python_m_trio_tasksets(graded: Path) -> None:
+    done = subprocess.run(
+        [sys.executable, "-m", "trio_tasksets", "report", str(graded)],
+        capture_output=True, text=True, timeout=60,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == str(graded / "report.html")
+    missing = subprocess.run(
+        [sys.executable, "-m", "trio_tasksets", "report", str(graded / "nope")],
+        capture_output=True, text=True, timeout=60,
+    )  # fmt: skip
+    assert missing.returncode == 2
+    assert "usage:" in missing.stderr
+    assert "does not exist" in missing.stderr
 
 
 # --- in a real browser -------------------------------------------------------------------

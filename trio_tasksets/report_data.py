@@ -290,23 +290,24 @@ def _read_json(path: Path) -> dict[str, Any] | None:
     return value
 
 
-def read_lines(run: RunData, data: bytes) -> None:
-    """Add the whole rows in `data` (a traces.jsonl's bytes) to `run`."""
-    end = data.rfind(b"\n") + 1
-    run.torn = bool(data[end:].strip())
-    run.add_rows(_decoded(data[:end].split(b"\n")))
-    run.finish()
-
-
-def _decoded(lines: list[bytes]) -> Iterator[tuple[int, Any]]:
-    """(line number, decoded JSON or None) for each non-blank line."""
+def read_lines(run: RunData, lines: Iterable[bytes]) -> None:
+    """Add the whole rows among `lines` (a traces.jsonl's lines, each with its newline) to
+    `run`; a last line without its newline is a row being written, or torn: left out."""
     loads, error = orjson.loads, orjson.JSONDecodeError
-    for number, line in enumerate(lines, 1):
-        if line and not line.isspace():
-            try:
-                yield number, loads(line)
-            except error:
-                yield number, None
+
+    def decoded() -> Iterator[tuple[int, Any]]:
+        for number, line in enumerate(lines, 1):
+            if not line.endswith(b"\n"):
+                run.torn = not line.isspace()
+                return
+            if not line.isspace():
+                try:
+                    yield number, loads(line)
+                except error:
+                    yield number, None
+
+    run.add_rows(decoded())
+    run.finish()
 
 
 def load_run(path: str | Path) -> RunData:
@@ -329,10 +330,10 @@ def load_run(path: str | Path) -> RunData:
     run.summary = _read_json(path / "summary.json")
     if traces.exists():
         try:
-            data = traces.read_bytes()
+            with traces.open("rb") as lines:  # line by line: a large run is never all in memory
+                read_lines(run, lines)
         except OSError as exc:
             raise ReportError(f"{traces}: cannot read it ({exc})") from exc
-        read_lines(run, data)
     return run
 
 
