@@ -190,8 +190,8 @@ def report(
     compare.html); an existing directory gets a report.html inside. A rollout counts as
     passing for pass@k when it is ok and its reward is >= `threshold`. The longest texts are
     cut so that the page stays near `max_size` bytes (each cut says so, and the row's line in
-    traces.jsonl holds it whole). A missing or unreadable run dir
-    raises `ReportError` (a ValueError).
+    traces.jsonl holds it whole). A missing or unreadable run dir raises `ReportError` (a
+    ValueError).
     """
     if isinstance(run_dirs, str | os.PathLike):
         run_dirs = [run_dirs]
