@@ -332,6 +332,21 @@ async def test_a_run_still_being_written_is_reported_from_its_whole_rows(
     assert (fig.finished, fig.status) == (6, "finished")
 
 
+def test_a_run_dir_with_no_whole_row_yet_is_reported(tmp_path: Path) -> None:
+    run_dir = tmp_path / "starting"
+    run_dir.mkdir()
+    (run_dir / "config.json").write_text(json.dumps({"identity": {"model": "m"}}))
+    out = tt.report(run_dir)
+    assert "no rewards yet" in out.read_text()
+    (run_dir / "traces.jsonl").write_bytes(b'{"id": "a", "task": {"key"')
+    run = load_run(run_dir)
+    assert (len(run), run.torn) == (0, True)
+    fig = compute(run)
+    assert (fig.finished, fig.reward_mean, fig.latency, fig.throughput) == (0, None, None, None)
+    assert fig.tasks.pass_at_k == []
+    assert "0 whole rows read so far" in tt.report(run_dir).read_text()
+
+
 @pytest.mark.parametrize("make", ["missing", "file", "empty dir"])
 def test_a_path_that_is_not_a_run_dir_is_a_clear_error(tmp_path: Path, make: str) -> None:
     path = tmp_path / "x"

@@ -58,6 +58,8 @@ def _kpis(fig: Figures) -> str:
             f"{_figure('reward_ci_high', high, f'{high:.3f}')} (t, {fig.reward_n:,} rewards, "
             f"clustered by {fig.ci_clusters:,} tasks)"
         )
+    elif fig.reward_n == 0:
+        ci = "no rewards yet"
     else:
         ci = "too few tasks for an interval"
     std = f"; std {fmt_reward(fig.reward_std)}" if fig.reward_std is not None else ""
