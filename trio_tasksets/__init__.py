@@ -11,6 +11,7 @@ tests) and `aio` (the asyncio bridge).
 from . import aio, testing
 from .env import Env, Episode, EpisodeError, EpisodeTask, RetryPolicy, RunSlot
 from .eval import EvalConfig, EvalConfigError, EvalResult, run_eval
+from .eval.report import report
 from .models import (
     Completion,
     EchoClient,
@@ -61,6 +62,7 @@ __all__ = [
     "aio",
     "as_completed",
     "merge",
+    "report",
     "run_eval",
     "run_stream",
     "take",

@@ -18,6 +18,7 @@ from ..eval import EvalConfigError
 from ..loading import TargetError
 from ..version import __version__
 from . import eval as eval_command
+from . import report as report_command
 from . import serve as serve_command
 from . import worker as worker_command
 from .options import PROG, CommandError, HelpFormatter, UsageError
@@ -37,6 +38,7 @@ def parser() -> argparse.ArgumentParser:
     eval_command.add_parser(commands)
     serve_command.add_parser(commands)
     worker_command.add_parsers(commands)
+    report_command.add_parser(commands)
     for sub in commands.choices.values():
         sub.formatter_class = HelpFormatter
         sub.add_argument("--debug", action="store_true", help="show the traceback of an error")
@@ -49,6 +51,7 @@ RUNNERS: dict[str, Callable[[argparse.Namespace], int]] = {
     "serve": serve_command.run,
     "worker": worker_command.run_worker_command,
     "enqueue": worker_command.run_enqueue,
+    "report": report_command.run,
 }
 
 

@@ -1,0 +1,351 @@
+"""Reading a run dir for `report`: its config, its summary and its rows, in one pass.
+
+A run may still be being written: `traces.jsonl` is read up to its last newline (a row is one
+`write()` that ends in a newline, so a tail without one is a row in flight or torn by a kill,
+and is left out), and a missing `summary.json` means the run has not ended. Rows are not kept
+as dicts: each one is taken apart at once into columns (for the figures) and a compact
+encoding of its texts (for the page), every distinct string stored once, so a 100,000-row run
+reads in about a second and the page carries each prompt once, not once per rollout.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Iterable, Iterator
+from pathlib import Path
+from typing import Any
+
+import attrs
+import orjson
+
+__all__ = ["ReportError", "RunData", "load_run", "run_from_rows"]
+
+# Row fields the report takes apart; any other field is kept and shown as it is.
+_KNOWN = frozenset(
+    ("id", "task", "rollout", "ok", "reward", "completion", "messages", "errors", "attempts",
+     "timing", "usage", "finish_reason")
+)  # fmt: skip
+_TIMING = frozenset(("started", "finished", "duration"))
+_USAGE = frozenset(("prompt_tokens", "completion_tokens", "total_tokens"))
+MIN_CAP = 100  # a text is never cut shorter than this, whatever the budget
+
+
+class ReportError(ValueError):
+    """A path that is not a run dir, or a file in it that cannot be read (CLI: exit 2)."""
+
+
+def _number(value: object) -> float | None:
+    """A finite float, or None for anything else (a missing field, a string, a NaN)."""
+    if type(value) is float:
+        return value if math.isfinite(value) else None
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        return None
+    number = float(value)
+    return number if math.isfinite(number) else None
+
+
+def _count(value: object) -> int | None:
+    return value if type(value) is int else None
+
+
+def _other_fields(row: dict[str, Any], usage: Any, timing: dict[str, Any]) -> dict[str, Any]:
+    """A row's fields that the columns do not hold, to show as they are."""
+    other = {k: v for k, v in row.items() if k not in _KNOWN}
+    if usage is not None and (type(usage) is not dict or usage.keys() - _USAGE):
+        other["usage"] = usage
+    timing = {k: v for k, v in timing.items() if k not in _TIMING}
+    if timing:
+        other["timing"] = timing
+    return other
+
+
+@attrs.define
+class RunData:
+    """One run, taken apart: its files' JSON, one list per row field, and the page's texts.
+
+    Row columns hold one entry per whole row, in file order. Texts are indices into
+    `strings` (-1: none); a message is `[role, content]` indices, or its raw JSON when it is
+    not a plain role/content pair. Task fields are columns too (`finish` builds them).
+    """
+
+    path: Path
+    config: dict[str, Any] = attrs.Factory(dict)
+    summary: dict[str, Any] | None = None
+    label: str | None = None  # the name shown, when the dir's own name is not enough
+    unreadable: list[int] = attrs.Factory(list)  # 1-based lines that are not a JSON object
+    torn: bool = False  # a last line without its newline was left out
+    # the texts, each distinct string once
+    strings: list[str] = attrs.Factory(list)
+    _index: dict[str, int] = attrs.Factory(dict)
+    raw: list[Any] = attrs.Factory(list)  # raw JSON kept in the columns, cut once at the end
+    cut: dict[int, int] = attrs.Factory(dict)  # string index -> its whole length, when cut
+    cap: int | None = None  # the length texts were cut to, if any
+    _raw_chars: int | None = None
+    # tasks, in order of first appearance; fields: (name, "s" (string indices) or "j" (raw
+    # JSON), one value per task (None: the task has no such field, or it is null))
+    task_keys: list[str] = attrs.Factory(list)
+    task_fields: list[tuple[str, str, list[Any]]] = attrs.Factory(list)
+    _task_index: dict[str, int] = attrs.Factory(dict)
+    _task_data: list[dict[str, Any] | None] = attrs.Factory(list)
+    # rows
+    line: list[int] = attrs.Factory(list)
+    id: list[str] = attrs.Factory(list)
+    task: list[int] = attrs.Factory(list)
+    rollout: list[int] = attrs.Factory(list)
+    ok: list[bool] = attrs.Factory(list)
+    reward: list[float | None] = attrs.Factory(list)
+    attempts: list[int] = attrs.Factory(list)
+    started: list[float | None] = attrs.Factory(list)  # seconds since the epoch
+    finished: list[float | None] = attrs.Factory(list)
+    duration: list[float | None] = attrs.Factory(list)
+    error_types: list[list[str]] = attrs.Factory(list)
+    errors: list[list[list[int]]] = attrs.Factory(list)  # [[type, message, attempt], ...]
+    completion: list[int] = attrs.Factory(list)
+    messages: list[list[Any]] = attrs.Factory(list)
+    prompt_tokens: list[int | None] = attrs.Factory(list)
+    completion_tokens: list[int | None] = attrs.Factory(list)
+    finish_reason: list[int] = attrs.Factory(list)
+    extra: dict[int, dict[str, Any]] = attrs.Factory(dict)  # row index -> its other fields
+
+    @property
+    def name(self) -> str:
+        return self.label or self.path.name or str(self.path)
+
+    def __len__(self) -> int:
+        return len(self.line)
+
+    def text(self, value: str) -> int:
+        """The index of `value` in `strings` (which `finish` lists), adding it once."""
+        index = self._index
+        return index.setdefault(value, len(index))
+
+    def finish(self) -> None:
+        """End the reading: list `strings`, and build `task_fields` from the tasks read (a
+        field whose values are all strings or null becomes a column of string indices, any
+        other a column of raw JSON)."""
+        datas = self._task_data
+        names = dict.fromkeys(k for data in datas if data for k in data)
+        self.task_fields = []
+        for name in names:
+            values = [data.get(name) if data else None for data in datas]
+            if all(v is None or type(v) is str for v in values):
+                column = [None if v is None else self.text(v) for v in values]
+                self.task_fields.append((name, "s", column))
+            elif any(v is not None for v in values):
+                self.raw.append(values)
+                self.task_fields.append((name, "j", values))
+        self.strings = list(self._index)  # in index order: a dict keeps insertion order
+
+    def add_rows(self, numbered: Iterable[tuple[int, Any]]) -> None:
+        """Take rows apart into the columns: (line number, decoded JSON) pairs, where any
+        field may be missing or odd, and a value that is not an object is an unreadable line.
+        One loop with its appends bound once: it runs once per row of a large run."""
+        index = self._index
+        text = index.setdefault  # text(s, len(index)): the index of s, adding it once
+        tasks, task_keys, task_data = self._task_index, self.task_keys, self._task_data
+        raw, extra = self.raw, self.extra
+        add_line, add_id, add_task = self.line.append, self.id.append, self.task.append
+        add_rollout, add_ok, add_reward = self.rollout.append, self.ok.append, self.reward.append
+        add_attempts, add_types = self.attempts.append, self.error_types.append
+        add_started, add_finished = self.started.append, self.finished.append
+        add_duration, add_errors = self.duration.append, self.errors.append
+        add_completion, add_messages = self.completion.append, self.messages.append
+        add_prompt, add_generated = self.prompt_tokens.append, self.completion_tokens.append
+        add_reason = self.finish_reason.append
+        for line, row in numbered:
+            if type(row) is not dict:
+                self.unreadable.append(line)
+                continue
+            get = row.get
+            add_line(line)
+            add_id(str(get("id", "")))
+            task = get("task")
+            key = task.get("key") if type(task) is dict else None
+            if type(key) is not str:
+                key = json.dumps(key)
+            number = tasks.get(key)
+            if number is None:
+                number = tasks[key] = len(task_keys)
+                task_keys.append(key)
+                data = task.get("data") if type(task) is dict else None
+                task_data.append(data if type(data) is dict else None)
+            add_task(number)
+            rollout = get("rollout")
+            add_rollout(rollout if type(rollout) is int else 0)
+            add_ok(get("ok") is True)
+            add_reward(_number(get("reward")))
+            attempts = get("attempts")
+            add_attempts(attempts if type(attempts) is int else 0)
+            timing = get("timing")
+            if type(timing) is not dict:
+                timing = {}
+            add_started(_number(timing.get("started")))
+            add_finished(_number(timing.get("finished")))
+            add_duration(_number(timing.get("duration")))
+            types: list[str] = []
+            errors: list[list[int]] = []
+            raw_errors = get("errors")
+            if raw_errors and type(raw_errors) is list:
+                for error in raw_errors:
+                    if type(error) is not dict:
+                        error = {"type": "?", "message": str(error)}
+                    kind = str(error.get("type", "?"))
+                    message = str(error.get("message", ""))
+                    attempt = error.get("attempt")
+                    types.append(kind)
+                    errors.append([text(kind, len(index)), text(message, len(index)),
+                                   attempt if type(attempt) is int else 0])  # fmt: skip
+            add_types(types)
+            add_errors(errors)
+            completion = get("completion")
+            add_completion(text(completion, len(index)) if type(completion) is str else -1)
+            messages = get("messages")
+            encoded: list[Any] = []
+            if type(messages) is list:
+                for message in messages:
+                    if type(message) is dict and len(message) == 2:
+                        role, content = message.get("role"), message.get("content")
+                        if type(role) is str and type(content) is str:
+                            encoded.append([text(role, len(index)), text(content, len(index))])
+                            continue
+                    raw.append(message)  # not a plain role/content pair: kept as it is
+                    encoded.append(message)
+            add_messages(encoded)
+            usage = get("usage")
+            if type(usage) is dict:
+                add_prompt(_count(usage.get("prompt_tokens")))
+                add_generated(_count(usage.get("completion_tokens")))
+            else:
+                add_prompt(None)
+                add_generated(None)
+            reason = get("finish_reason")
+            add_reason(text(reason, len(index)) if type(reason) is str else -1)
+            if (
+                row.keys() - _KNOWN
+                or timing.keys() - _TIMING
+                or (usage is not None and (type(usage) is not dict or usage.keys() - _USAGE))
+            ):
+                extra[len(self.line) - 1] = other = _other_fields(row, usage, timing)
+                raw.append(other)
+
+    def fit_texts(self, budget: int) -> int | None:
+        """Cut the texts so that together they take about `budget` characters.
+
+        Every text longer than one cap is cut to it (the shortest texts are never touched),
+        the cap being the largest that fits the budget, and never under MIN_CAP. The cut
+        texts' whole lengths go to `cut`. Returns the cap (`self.cap`), None when nothing
+        was cut. Called again with a smaller budget, it cuts further; never less.
+        """
+        lengths = sorted(map(len, self.strings))
+        if self._raw_chars is None:  # their JSON's length: at least their texts' length
+            self._raw_chars = sum(len(orjson.dumps(raw)) for raw in self.raw)
+        if sum(lengths) + self._raw_chars <= budget:
+            return self.cap
+        cap = max(_water_level(lengths, budget), MIN_CAP)
+        if self.cap is not None and cap >= self.cap:
+            return self.cap
+        for index, value in enumerate(self.strings):
+            if len(value) > cap:
+                self.cut.setdefault(index, len(value))
+                self.strings[index] = value[:cap]
+        for raw in self.raw:
+            if len(orjson.dumps(raw)) > cap:  # else no text inside it is longer than the cap
+                _cut_raw(raw, cap)
+        self.cap = cap
+        return cap
+
+
+def _water_level(lengths: list[int], budget: int) -> int:
+    """The largest cap c with sum(min(length, c)) <= budget (`lengths` sorted)."""
+    remaining = budget
+    for i, length in enumerate(lengths):
+        share = remaining // (len(lengths) - i)
+        if length > share:
+            return share
+        remaining -= length
+    return lengths[-1] if lengths else 0
+
+
+def _cut_raw(value: Any, cap: int) -> None:
+    if not isinstance(value, dict | list):
+        return
+    items = value.items() if isinstance(value, dict) else enumerate(value)
+    for key, item in list(items):
+        if isinstance(item, str) and len(item) > cap:
+            value[key] = f"{item[:cap]}… [cut: {len(item):,} characters in all]"
+        elif isinstance(item, dict | list):
+            _cut_raw(item, cap)
+
+
+def _read_json(path: Path) -> dict[str, Any] | None:
+    if not path.exists():
+        return None
+    try:
+        value = orjson.loads(path.read_bytes())
+    except (OSError, orjson.JSONDecodeError) as exc:
+        raise ReportError(f"{path}: cannot read it as JSON ({exc})") from exc
+    if not isinstance(value, dict):
+        raise ReportError(f"{path}: expected a JSON object, got {type(value).__name__}")
+    return value
+
+
+def read_lines(run: RunData, lines: Iterable[bytes]) -> None:
+    """Add the whole rows among `lines` (a traces.jsonl's lines, each with its newline) to
+    `run`; a last line without its newline is a row being written, or torn: left out."""
+    loads, error = orjson.loads, orjson.JSONDecodeError
+
+    def decoded() -> Iterator[tuple[int, Any]]:
+        for number, line in enumerate(lines, 1):
+            if not line.endswith(b"\n"):
+                run.torn = not line.isspace()
+                return
+            if not line.isspace():
+                try:
+                    yield number, loads(line)
+                except error:
+                    yield number, None
+
+    run.add_rows(decoded())
+    run.finish()
+
+
+def load_run(path: str | Path) -> RunData:
+    """Read the run dir at `path` (finished, or still being written)."""
+    path = Path(path)
+    if not path.is_dir():
+        what = "is not a directory" if path.exists() else "does not exist"
+        raise ReportError(
+            f"RUN_DIR {str(path)!r} {what}: pass a run dir (<output-dir>/<run-name>, as "
+            f"`trio-tasksets eval` prints it)"
+        )
+    traces = path / "traces.jsonl"
+    if not traces.exists() and not (path / "config.json").exists():
+        raise ReportError(
+            f"RUN_DIR {str(path)!r} is not a run dir: it holds neither traces.jsonl nor "
+            f"config.json (pass <output-dir>/<run-name>, as `trio-tasksets eval` prints it)"
+        )
+    run = RunData(path)
+    run.config = _read_json(path / "config.json") or {}
+    run.summary = _read_json(path / "summary.json")
+    if traces.exists():
+        try:
+            with traces.open("rb") as lines:  # line by line: a large run is never all in memory
+                read_lines(run, lines)
+        except OSError as exc:
+            raise ReportError(f"{traces}: cannot read it ({exc})") from exc
+    return run
+
+
+def run_from_rows(
+    rows: list[dict[str, Any]],
+    *,
+    summary: dict[str, Any] | None = None,
+    config: dict[str, Any] | None = None,
+    path: str | Path = "run",
+) -> RunData:
+    """A RunData from rows in memory (as `Episode.to_row` gives them), for tests and tools."""
+    run = RunData(Path(path), config=dict(config or {}), summary=summary)
+    run.add_rows(enumerate(rows, 1))
+    run.finish()
+    return run
