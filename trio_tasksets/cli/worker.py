@@ -168,6 +168,6 @@ async def _enqueue(url: str, stream: str, taskset: Any, n: int | None) -> list[s
 
     view = taskset.head(n) if n is not None else taskset
     if not view.streaming:
-        return await enqueue(url, stream, list(view))
+        return await enqueue(url, stream, list(view), declare=taskset)
     async with view.channel() as tasks:
-        return await enqueue(url, stream, tasks)
+        return await enqueue(url, stream, tasks, declare=taskset)

@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 import math
-from collections.abc import AsyncIterator
-from typing import Any
+from collections.abc import AsyncIterator, Callable
+from typing import Any, Generic, TypeVar
 
 import orjson
 import redis
@@ -13,15 +13,30 @@ from redis.exceptions import ResponseError
 from redis.typing import KeyT, StreamIdT
 
 from ..tasksets import Taskset, TasksetConfig
-from .entries import EntryRef, Log, MalformedEntry, RedisTask, check_url, decode_task, stderr_log
+from .entries import (
+    REFUSED_FIELD,
+    Delivery,
+    EntryRef,
+    Log,
+    MalformedEntry,
+    RedisTask,
+    check_url,
+    decode_entry,
+    is_nogroup,
+    plain_task,
+    stderr_log,
+)
 from .link import Link, Stopped, first_entry
 
+T = TypeVar("T")
 _RECLAIM_EVERY_CAP = 30.0
 
 # Deletes consumer ARGV[2] of group ARGV[1] only if it has no pending entry (deleting one that
 # has would drop its entries from the pending list: they would never be delivered again).
+# A group that is gone (Redis lost its data) has nothing to leave: 0.
 _LEAVE = """
-if #redis.call('XPENDING', KEYS[1], ARGV[1], '-', '+', 1, ARGV[2]) > 0 then return 0 end
+local held = redis.pcall('XPENDING', KEYS[1], ARGV[1], '-', '+', 1, ARGV[2])
+if held.err or #held > 0 then return 0 end
 redis.call('XGROUP', 'DELCONSUMER', KEYS[1], ARGV[1], ARGV[2])
 return 1
 """
@@ -103,7 +118,7 @@ class RedisStreamTaskset(Taskset[RedisTask, TasksetConfig]):
             link.close()
 
     async def stream(self) -> AsyncIterator[RedisTask]:
-        reader = _Reader(self)
+        reader = _Reader(self, plain_task)
         try:
             if not await reader.open():
                 return
@@ -112,12 +127,27 @@ class RedisStreamTaskset(Taskset[RedisTask, TasksetConfig]):
         finally:
             reader.close()
 
+    async def claims(self, build: Callable[[Delivery], T]) -> AsyncIterator[T]:
+        """What `stream()` does, for any kind of task: each claimed entry, decoded, goes
+        through `build`, and what it returns is yielded. An entry `build` rejects (raising
+        `MalformedEntry`, e.g. `Refused`) is dead-lettered with the reason and acknowledged,
+        and, if it names a reply-to stream, the reason is added there (field `refused`)."""
+        reader = _Reader(self, build)
+        try:
+            if not await reader.open():
+                return
+            while (item := await reader.next()) is not None:
+                yield item
+        finally:
+            reader.close()
 
-class _Reader:
+
+class _Reader(Generic[T]):
     """One stream() of a RedisStreamTaskset: its connection and its place in each phase."""
 
-    def __init__(self, taskset: RedisStreamTaskset) -> None:
+    def __init__(self, taskset: RedisStreamTaskset, build: Callable[[Delivery], T]) -> None:
         self._ts = taskset
+        self._build = build
         self._link = Link(taskset.url, read_timeout=taskset.block + 10.0, log=taskset.log)
         self._history: str | None = "0"  # cursor over this consumer's own pending entries
         self._cursor = "0-0"  # XAUTOCLAIM's scan cursor
@@ -143,7 +173,7 @@ class _Reader:
             if "BUSYGROUP" not in str(exc):
                 raise
 
-    async def next(self) -> RedisTask | None:
+    async def next(self) -> T | None:
         """The next task (claiming exactly one entry), or None once stopped."""
         while not self._ts.stopping:
             try:
@@ -151,9 +181,15 @@ class _Reader:
             except Stopped:
                 return None
             except ResponseError as exc:
-                if "NOGROUP" not in str(exc):
+                if not is_nogroup(exc):
                     raise
-                self._ts.log(f"group {self._ts.group} is gone (Redis lost its data?): recreating")
+                ts = self._ts
+                ts.log(
+                    f"group {ts.group} of {ts.stream_key} is gone (Redis restarted without its "
+                    f"data?): recreating it"
+                )
+                self._history = None  # a new group: nothing of ours is pending in it
+                self._cursor = "0-0"
                 await self.open()
                 continue
             if found is not None:
@@ -209,21 +245,31 @@ class _Reader:
 
         return first_entry(await self._link.call("waiting for entries", read, stop=ts._stop))
 
-    async def _task(self, entry_id: str, fields: dict[str, str] | None) -> RedisTask | None:
+    async def _task(self, entry_id: str, fields: dict[str, str] | None) -> T | None:
         ts = self._ts
         entry = EntryRef(ts.stream_key, ts.group, entry_id)
+        delivery: Delivery | None = None
         try:
-            return decode_task(entry, fields)
+            delivery = decode_entry(entry, fields)
+            return self._build(delivery)
         except MalformedEntry as exc:
-            ts.log(f"{exc}: moved to {ts.dead_letter} and acknowledged")
             error = str(exc)
+        ts.log(f"{error}: moved to {ts.dead_letter} and acknowledged")
+        reply_to = delivery.reply_to if delivery is not None else None
+        raw = orjson.dumps(fields or {}).decode()
 
         def bury(client: redis.Redis, _attempt: int) -> None:
-            raw = orjson.dumps(fields or {}).decode()
             with client.pipeline(transaction=True) as pipe:
                 pipe.xadd(ts.dead_letter, {"entry": entry_id, "error": error, "fields": raw})
                 pipe.xack(ts.stream_key, ts.group, entry_id)
-                pipe.execute()
+                if reply_to is not None and delivery is not None:
+                    notice = {"entry": entry_id, "stream": ts.stream_key, "key": delivery.key,
+                              "consumer": ts.consumer, REFUSED_FIELD: error}  # fmt: skip
+                    pipe.xadd(reply_to, notice)  # type: ignore[arg-type]
+                replies = pipe.execute(raise_on_error=False)
+            for reply in replies:
+                if isinstance(reply, Exception):  # e.g. WRONGTYPE: a reply-to that is no stream
+                    ts.log(f"dead-lettering {entry_id}: {reply}")
 
         await self._link.call("dead-lettering an entry", bury)
         return None

@@ -8,10 +8,22 @@ from typing import Any
 import attrs
 import orjson
 import redis
+from redis.exceptions import ResponseError
 from redis.typing import EncodableT, FieldT
 
 from ..env import Episode
-from .entries import TASK_FIELD, EntryRef, Log, check_url, encode_task, stderr_log
+from ..tasksets import Taskset
+from .entries import (
+    ENV_FIELD,
+    TASK_FIELD,
+    Declaration,
+    EntryRef,
+    Log,
+    check_url,
+    encode_task,
+    is_nogroup,
+    stderr_log,
+)
 from .link import Link
 
 # --- the results sink ----------------------------------------------------------------------
@@ -50,15 +62,18 @@ class RedisResults:
         self._link.close()
 
     async def publish(
-        self, episode: Episode, entry: EntryRef, **meta: str | int | float
+        self, episode: Episode, entry: EntryRef, *, to: str | None = None, **meta: str | int | float
     ) -> Published:
-        """XADD the episode's row and XACK `entry` in one MULTI/EXEC; call it only once the
-        episode is complete.
+        """XADD the episode's row to `to` (default: this sink's stream) and XACK `entry` in
+        one MULTI/EXEC; call it only once the episode is complete.
 
         Retries while Redis is unreachable and returns once the transaction has run: the
         episode is held, never dropped. A replay first checks that the entry is still pending;
         if it is not (the first try went through, or another worker finished it), nothing is
-        published. Cancellation abandons the attempt: the entry stays pending (at-least-once).
+        published. A group that is gone (Redis restarted without its data) took any earlier
+        try with it: the row is published, with nothing to acknowledge. If `to` cannot take
+        the row (not a stream), it goes to this sink's stream with a `reply_error` field.
+        Cancellation abandons the attempt: the entry stays pending (at-least-once).
         """
         fields: dict[FieldT, EncodableT] = {
             "key": episode.task.key,
@@ -68,27 +83,40 @@ class RedisResults:
         for name, value in meta.items():
             fields[name] = value
         fields["row"] = orjson.dumps(episode.to_row())
+        target = to if to is not None else self.stream
 
-        def transact(client: redis.Redis, attempt: int) -> Published:
+        def transact(client: redis.Redis, attempt: int) -> tuple[Published, str | None]:
             if attempt > 1 and not _pending(client, entry):
-                return Published(None, acked=False)
+                return Published(None, acked=False), None
             with client.pipeline(transaction=True) as pipe:
-                pipe.xadd(self.stream, fields)
+                pipe.xadd(target, fields)
                 pipe.xack(entry.stream, entry.group, entry.id)
                 added, acked = pipe.execute(raise_on_error=False)
+            note = None
             if isinstance(added, Exception):
-                raise added
+                if target == self.stream:
+                    raise added
+                note = f"cannot add the result of {entry.id} to {target} ({added}): sent to {self.stream}"
+                added = client.xadd(self.stream, {**fields, "reply_error": str(added)})
             if isinstance(acked, Exception):
-                self.log(f"published {added} but could not acknowledge {entry.id}: {acked}")
-                return Published(str(added), acked=False)
-            return Published(str(added), acked=bool(acked))
+                note = f"published {added} but could not acknowledge {entry.id}: {acked}"
+                return Published(str(added), acked=False), note
+            if not acked and _group_gone(client, entry):
+                note = (
+                    f"published {added}; group {entry.group} of {entry.stream} is gone (Redis "
+                    f"restarted without its data?), so there was nothing to acknowledge"
+                )
+                return Published(str(added), acked=False), note
+            if not acked:
+                note = (
+                    f"entry {entry.id} was already acknowledged: result {added} duplicates "
+                    f"one for task key {episode.task.key!r}"
+                )
+            return Published(str(added), acked=bool(acked)), note
 
-        done = await self._link.call(f"publishing the result of {entry.id}", transact)
-        if done.result_id is not None and not done.acked:
-            self.log(
-                f"entry {entry.id} was already acknowledged: result {done.result_id} duplicates "
-                f"one for task key {episode.task.key!r}"
-            )
+        done, note = await self._link.call(f"publishing the result of {entry.id}", transact)
+        if note is not None:
+            self.log(note)
         return done
 
     async def keep_alive(self, consumer: str, entries: Sequence[EntryRef]) -> int:
@@ -108,12 +136,14 @@ class RedisResults:
 
 
 # Resets the idle time of the entries ARGV[1] still owns (XCLAIM JUSTID keeps the delivery
-# count); an entry another consumer has reclaimed meanwhile is left alone.
+# count); an entry another consumer has reclaimed meanwhile is left alone, and so is one whose
+# group is gone (Redis restarted without its data).
 _KEEP_ALIVE = """
 local n = 0
 for i = 1, #KEYS do
   local group, id = ARGV[2 * i], ARGV[2 * i + 1]
-  local row = redis.call('XPENDING', KEYS[i], group, id, id, 1)[1]
+  local rows = redis.pcall('XPENDING', KEYS[i], group, id, id, 1)
+  local row = (not rows.err) and rows[1]
   if row and row[2] == ARGV[1] then
     redis.call('XCLAIM', KEYS[i], group, ARGV[1], 0, id, 'JUSTID')
     n = n + 1
@@ -124,8 +154,25 @@ return n
 
 
 def _pending(client: redis.Redis, entry: EntryRef) -> bool:
-    rows = client.xpending_range(entry.stream, entry.group, entry.id, entry.id, 1)
+    """Whether `entry` still waits for its result: pending in its group, or its group is gone
+    (with Redis's data, including the result of any earlier try)."""
+    try:
+        rows = client.xpending_range(entry.stream, entry.group, entry.id, entry.id, 1)
+    except ResponseError as exc:
+        if is_nogroup(exc):
+            return True
+        raise
     return bool(rows)
+
+
+def _group_gone(client: redis.Redis, entry: EntryRef) -> bool:
+    try:
+        client.xpending(entry.stream, entry.group)
+    except ResponseError as exc:
+        if is_nogroup(exc):
+            return True
+        raise
+    return False
 
 
 # --- producers -----------------------------------------------------------------------------
@@ -137,18 +184,28 @@ async def enqueue(
     tasks: Iterable[Any] | AsyncIterable[Any],
     *,
     batch: int = 500,
+    declare: Declaration | Taskset[Any, Any] | None = None,
     log: Log | None = None,
 ) -> list[str]:
     """XADD each task as an entry of `stream` (a `task` field, see `encode_task`); return the
     entry ids in order.
 
-    A sync iterable is sent in MULTI/EXEC batches of `batch`; an async iterable (a feed) one
-    entry as each task arrives. Every task of a batch is encoded before it is sent, so a task
-    that cannot travel raises TypeError before its batch is written. Connection failures are
-    retried like the worker's (a replayed batch may add duplicates, marked by task key).
+    `declare` (a `Declaration`, or the taskset the tasks come from) goes into each entry's
+    `env` field: a worker running another taskset refuses them (dead-letters them, saying
+    why) instead of scoring them with the wrong env. A taskset with `task_from_data` may
+    send tasks of any JSON data. A sync iterable is sent in MULTI/EXEC batches of `batch`;
+    an async iterable (a feed) one entry as each task arrives. Every task of a batch is
+    encoded before it is sent, so a task that cannot travel raises TypeError before its
+    batch is written. Connection failures are retried like the worker's (a replayed batch
+    may add duplicates, marked by task key).
     """
     if batch < 1:
         raise ValueError(f"batch must be >= 1, got {batch}")
+    any_data = False
+    if isinstance(declare, Taskset):
+        any_data = getattr(type(declare), "task_from_data", None) is not None
+        declare = Declaration.of_taskset(declare)
+    extra: dict[FieldT, EncodableT] = {} if declare is None else {ENV_FIELD: declare.to_json()}
     link = Link(url, read_timeout=10.0, log=log or stderr_log("trio_tasksets.redis"))
     ids: list[str] = []
 
@@ -156,7 +213,7 @@ async def enqueue(
         def add(client: redis.Redis, _attempt: int) -> list[Any]:
             with client.pipeline(transaction=len(chunk) > 1) as pipe:
                 for raw in chunk:
-                    pipe.xadd(stream, {TASK_FIELD: raw})
+                    pipe.xadd(stream, {TASK_FIELD: raw, **extra})
                 return pipe.execute()
 
         ids.extend(str(i) for i in await link.call(f"adding entries to {stream}", add))
@@ -164,11 +221,11 @@ async def enqueue(
     try:
         if isinstance(tasks, AsyncIterable):
             async for task in tasks:
-                await send([encode_task(task)])
+                await send([encode_task(task, any_data=any_data)])
         else:
             chunk: list[bytes] = []
             for task in tasks:
-                chunk.append(encode_task(task))
+                chunk.append(encode_task(task, any_data=any_data))
                 if len(chunk) >= batch:
                     await send(chunk)
                     chunk = []
