@@ -78,6 +78,19 @@ def add_parser(commands: Commands) -> argparse.ArgumentParser:
     run.add_argument("--workers", type=int, default=1, metavar="K", help="server processes")
     run.add_argument("--server-url", default=None, metavar="URL", help="use a running server")
     run.add_argument(
+        "--via",
+        default=None,
+        metavar="URL",
+        help="run the slots on `trio-tasksets worker`s through this Redis, e.g. "
+        "redis://127.0.0.1:6379/0 (the eval enqueues and collects; -c spans all workers)",
+    )
+    run.add_argument(
+        "--stream",
+        default=None,
+        metavar="S",
+        help="with --via: the workers' task stream (default tasks)",
+    )
+    run.add_argument(
         "--token-var",
         default=None,
         metavar="NAME",
@@ -125,6 +138,8 @@ def _build(args: argparse.Namespace) -> tuple[Env[Any], ModelContext, EvalConfig
         workers=args.workers,
         dashboard=not args.no_dashboard,
         server_url=args.server_url,
+        via=args.via,
+        stream=args.stream,
     )
     return env, ctx, eval_config
 

@@ -20,7 +20,15 @@ from ..env import Env, Episode, RunSlot
 from ..models import ModelContext
 from ..runner import pick_one, run_stream
 from ..traces import open_traces, write_atomic
-from .config import EvalConfig, EvalConfigError, EvalResult, preflight, run_dir_for, run_identity
+from .config import (
+    EvalConfig,
+    EvalConfigError,
+    EvalResult,
+    preflight,
+    run_dir_for,
+    run_identity,
+    via_stream,
+)
 from .plan import from_list, keep_resumable, plan_stream, static_slots
 from .served import SlotRunner, served_runner
 
@@ -48,6 +56,7 @@ def _summary(
 async def run_eval(env: Env[Any], ctx: ModelContext, config: EvalConfig) -> EvalResult:
     """Run an eval of `env` against the model in `ctx`; see the module docstring."""
     preflight(env, ctx, config)
+    redis_run_id = await _reach(config)
     identity = run_identity(env, ctx, config)
     run_dir = run_dir_for(env, ctx, config)
     streaming = env.taskset.streaming
@@ -80,7 +89,7 @@ async def run_eval(env: Env[Any], ctx: ModelContext, config: EvalConfig) -> Eval
     began = time.monotonic()
     interrupted = True
     try:
-        new = await _execute(env, ctx, config, slots, traces_path, progress, recorded)
+        new = await _execute(env, ctx, config, slots, traces_path, progress, recorded, redis_run_id)
         interrupted = False
     finally:
         done = kept + (recorded if interrupted else new)
@@ -96,11 +105,32 @@ async def run_eval(env: Env[Any], ctx: ModelContext, config: EvalConfig) -> Eval
     return EvalResult(episodes=done, run_dir=run_dir, summary=summary)
 
 
+async def _reach(config: EvalConfig) -> str | None:
+    """With `--via`: Redis's run id, or `EvalConfigError` if it cannot be reached."""
+    if config.via is None:
+        return None
+    from .via import reach
+
+    return await reach(config.via)
+
+
 def _slot_runner(
-    env: Env[Any], ctx: ModelContext, config: EvalConfig
+    env: Env[Any],
+    ctx: ModelContext,
+    config: EvalConfig,
+    progress: dashboard.Progress,
+    redis_run_id: str | None,
 ) -> AbstractAsyncContextManager[SlotRunner]:
-    """How each slot runs: in this process under `env.serving()`, or on an env server (one
-    `client.run` per slot; the taskset and the traces stay here)."""
+    """How each slot runs: in this process under `env.serving()`, on an env server (one
+    `client.run` per slot), or on workers through Redis (one entry per slot); the taskset
+    and the traces stay here."""
+    if config.via is not None:
+        from .via import via_runner
+
+        return via_runner(
+            env, ctx, url=config.via, stream=via_stream(config), progress=progress,
+            run_id=redis_run_id,
+        )  # fmt: skip
     if config.serve or config.server_url:
         return served_runner(
             env, ctx, workers=config.workers, server_url=config.server_url,
@@ -123,11 +153,12 @@ async def _execute(
     traces_path: Path,
     progress: dashboard.Progress,
     recorded: list[Episode],
+    redis_run_id: str | None = None,
 ) -> list[Episode]:
     """Run the planned (static) or streamed slots through `run_stream`, recording each episode."""
     try:
         async with (
-            _slot_runner(env, ctx, config) as run_slot,
+            _slot_runner(env, ctx, config, progress, redis_run_id) as run_slot,
             open_traces(traces_path) as writer,
             dashboard.show(progress, live=config.dashboard),
         ):
