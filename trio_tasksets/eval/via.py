@@ -3,9 +3,8 @@
 Each slot the eval's window lets run becomes one entry of the task stream (the task, its
 rollout, the eval's `Declaration`, and a reply-to stream of this session's own); the slot
 completes when a worker's result for that entry comes back on the reply-to stream. So the
-eval's `-c` spans every worker: at most `-c` entries of this session are enqueued and
-unanswered at any moment, since an answered entry is deleted from the task stream before
-its place in the window frees.
+eval's `-c` spans every worker: at most `-c` entries of this session are in the task stream
+at any moment, since the enqueue that takes a freed place first deletes the answered ones.
 
 * One row per slot: a slot completes on the first result for any of its entries; a second
   result (an entry reclaimed after a Redis outage longer than the workers' `--claim-idle`,
@@ -21,18 +20,20 @@ its place in the window frees.
   taken (their results go to the reply-to stream, which expires), and deletes the reply-to
   stream when nothing more can arrive on it.
 
-Slots are enqueued in batches (one pipelined round trip for whatever is ready) and results
-read in batches (`XREAD COUNT 1000 BLOCK`), answered entries deleted in one `XDEL` per batch.
+Slots are enqueued in batches (one pipelined round trip for whatever is ready, which first
+deletes the entries answered since the last one) and results read in batches
+(`XREAD COUNT 1000 BLOCK`): two round trips per batch of slots.
 """
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import inspect
 import math
 import time
 import uuid
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from contextlib import asynccontextmanager
 from typing import Any
 
@@ -106,11 +107,47 @@ async def reach(url: str) -> str:
         ) from None
 
 
-def _add(stream: str, rows: list[dict[str, str]], client: redis.Redis, _attempt: int) -> list[Any]:
+def _add(
+    stream: str, answered: list[str], rows: list[dict[str, str]], client: redis.Redis, _attempt: int
+) -> list[Any]:
+    """Delete the answered entries, then add the new ones: in this order on the server, so
+    the stream never holds more of this session's entries than its window."""
     with client.pipeline(transaction=False) as pipe:
+        if answered:
+            pipe.xdel(stream, *answered)
         for fields in rows:
             pipe.xadd(stream, fields)  # type: ignore[arg-type]
-        return pipe.execute()
+        replies = pipe.execute()
+    return replies[1:] if answered else replies
+
+
+def _check(stream: str, reply: str, answered: list[str], client: redis.Redis, _attempt: int) -> str:
+    """Redis's run id; keep the reply stream alive; delete the answered entries."""
+    with client.pipeline(transaction=False) as pipe:
+        pipe.info("server")
+        pipe.pexpire(reply, _REPLY_TTL_MS)
+        if answered:
+            pipe.xdel(stream, *answered)
+        info = pipe.execute()[0]
+    return str(info["run_id"])
+
+
+def _groups(client: redis.Redis, stream: str) -> list[dict[str, Any]]:
+    """The consumer groups of `stream` (none if it does not exist)."""
+    try:
+        return list(client.xinfo_groups(stream))
+    except ResponseError:  # no such key
+        return []
+
+
+def _held(client: redis.Redis, stream: str, ids: list[str]) -> set[str]:
+    """Those of `ids` pending in a group of `stream`: taken by a worker, not yet answered."""
+    first, last = min(ids, key=_id), max(ids, key=_id)
+    held: set[str] = set()
+    for group in _groups(client, stream):
+        rows = client.xpending_range(stream, str(group["name"]), first, last, len(ids))
+        held.update(str(row["message_id"]) for row in rows)
+    return held & set(ids)
 
 
 def _read(reply: str, last: str, client: redis.Redis, _attempt: int) -> Any:
@@ -206,11 +243,24 @@ class _Coordinator:
                     batch.append(self._queue.receive_nowait())
                 except trio.WouldBlock:
                     break
-            add = functools.partial(_add, self.stream, [slot.fields for slot in batch])
-            # Not abandoned on cancellation: the ids it added must be known, to delete them.
-            ids = await self._link.call(f"enqueuing slots to {self.stream}", add, abandon=False)
+            with self._answered() as answered:
+                add = functools.partial(_add, self.stream, answered, [s.fields for s in batch])
+                # Not abandoned on cancellation: the ids it added must be known, to delete them.
+                what = f"enqueuing slots to {self.stream}"
+                ids = await self._link.call(what, add, abandon=False)
             for slot, entry_id in zip(batch, ids, strict=True):
                 self._register(slot, str(entry_id))
+
+    @contextlib.contextmanager
+    def _answered(self) -> Iterator[list[str]]:
+        """The answered entries not yet deleted, taken for one call that deletes them (given
+        back if it does not complete)."""
+        answered, self._undeleted = self._undeleted, []
+        try:
+            yield answered
+        except BaseException:
+            self._undeleted[:0] = answered
+            raise
 
     def _register(self, slot: _Slot, entry_id: str) -> None:
         slot.entries.append(entry_id)
@@ -221,9 +271,7 @@ class _Coordinator:
         if answer is None:
             self._waiting[entry_id] = slot
             return
-        # Its answer came first (another thread read it): rare, so its delete can wait.
-        self._undeleted.append(entry_id)
-        self._take(slot, answer)
+        self._take(slot, answer)  # its answer came first (another thread read it): rare
         slot.done.set()
 
     def _take(self, slot: _Slot, answer: dict[str, str]) -> None:
@@ -235,8 +283,9 @@ class _Coordinator:
                 self._undeleted.append(entry_id)
 
     async def read_loop(self) -> None:
-        """Read the reply stream; delete answered entries from the task stream (before their
-        places in the window free), then complete their slots."""
+        """Read the reply stream and complete the slots answered. Their entries are deleted
+        from the task stream by the next enqueue (before what it adds), the watch or the
+        way out, whichever comes first."""
         last = "0-0"
         stream = self.stream
         while True:
@@ -251,30 +300,18 @@ class _Coordinator:
                 entry_id = fields.get("entry")
                 if entry_id is None or fields.get("stream") != stream:
                     continue  # not an answer to an entry of the task stream
+                self._undeleted.append(entry_id)
                 slot = self._waiting.pop(entry_id, None)
                 if slot is None:  # not registered yet, or answered already (a duplicate)
                     self._early[entry_id] = fields
                     continue
-                self._undeleted.append(entry_id)
                 self._take(slot, fields)
                 answered.append(slot)
-            await self._delete_answered()
             for slot in answered:
                 slot.done.set()
             if answered:
                 self._last_answer = time.monotonic()
                 self._progress.note = None
-
-    async def _delete_answered(self) -> None:
-        if not self._undeleted:
-            return
-        ids, stream = list(self._undeleted), self.stream
-
-        def delete(client: redis.Redis, _attempt: int) -> int:
-            return int(client.xdel(stream, *ids))
-
-        await self._link.call("deleting answered entries", delete)
-        del self._undeleted[: len(ids)]
 
     async def watch_loop(self) -> None:
         """Every few seconds: keep the reply stream's TTL, notice a Redis that lost its data
@@ -283,14 +320,9 @@ class _Coordinator:
         while True:
             await trio.sleep(self._watch_every)
 
-            def check(client: redis.Redis, _attempt: int) -> str:
-                with client.pipeline(transaction=False) as pipe:
-                    pipe.info("server")
-                    pipe.pexpire(reply, _REPLY_TTL_MS)
-                    info, _ = pipe.execute()
-                return str(info["run_id"])
-
-            run_id = await self._link.call("watching Redis", check)
+            with self._answered() as answered:  # those no enqueue took along
+                check = functools.partial(_check, self.stream, reply, answered)
+                run_id = await self._link.call("watching Redis", check)
             if run_id != self._run_id:
                 self._run_id = run_id
                 await self._recover()
@@ -334,14 +366,7 @@ class _Coordinator:
         oldest = min(self._waiting, key=_id)
 
         def look(client: redis.Redis, _attempt: int) -> tuple[list[dict[str, Any]], bool]:
-            try:
-                groups = list(client.xinfo_groups(stream))
-            except ResponseError:  # no such key: nothing reads it yet
-                return [], False
-            held = any(
-                client.xpending_range(stream, str(g["name"]), oldest, oldest, 1) for g in groups
-            )
-            return groups, held
+            return _groups(client, stream), bool(_held(client, stream, [oldest]))
 
         groups, held = await self._link.call("looking for workers", look)
         if not groups:
@@ -371,15 +396,7 @@ class _Coordinator:
         answered = list(self._undeleted)
 
         def clean(client: redis.Redis, _attempt: int) -> int:
-            groups: list[dict[str, Any]] = []
-            if unanswered:
-                try:
-                    groups = list(client.xinfo_groups(stream))
-                except ResponseError:
-                    groups = []
-            taken = max((_id(str(g.get("last-delivered-id", "0-0"))) for g in groups),
-                        default=(0, 0))  # fmt: skip
-            running = sum(1 for entry_id in unanswered if _id(entry_id) <= taken)
+            running = len(_held(client, stream, unanswered)) if unanswered else 0
             with client.pipeline(transaction=False) as pipe:
                 if unanswered or answered:
                     pipe.xdel(stream, *unanswered, *answered)
@@ -405,12 +422,13 @@ class _Coordinator:
         duplicates = len(self._early)  # answers to entries answered already
         if duplicates:
             self._log(f"dropped {duplicates} duplicate results (one row per slot)")
-        if unanswered:
+        if unanswered and not running:
+            self._log(f"deleted {len(unanswered)} unanswered slots from {stream} (none taken)")
+        elif unanswered:
             self._log(
-                f"deleted {len(unanswered)} unanswered slots from {stream}: "
-                f"{len(unanswered) - running} not yet taken; {running} taken by workers, "
-                f"which finish them into {reply} (nobody reads it; it expires in "
-                f"{_REPLY_TTL_MS // 60_000} min)"
+                f"deleted {len(unanswered)} unanswered slots from {stream}, so no worker takes "
+                f"them; {running} of them were running on workers, which finish them into "
+                f"{reply} (nobody reads it; it expires in {_REPLY_TTL_MS // 60_000} min)"
             )
 
 
