@@ -17,7 +17,7 @@ Workers are started (and registered in the group) before the clock starts, and s
 SIGTERM after (each must exit 0). The contenders alternate within each repeat; reported: the
 best and the median rollouts/s, the ratios the goals name (`via, 1 worker -c 64` against
 in-process: >= 0.9; 2 workers against 1, both `-c 32`: >= 1.8), and the CPU per slot in this
-process (the eval or the coordinator) and in the workers.
+process (the eval or the coordinator) and in the workers (from when they start consuming).
 
 The workers run this module (`python -m bench.via --worker ...`): `run_worker` with the
 benchmark's own env, as `trio-tasksets worker bench.via:Many` does.
@@ -107,11 +107,12 @@ def one_run(
     procs = [
         subprocess.Popen(
             [*cmd, "--window", str(contender.worker_window), "--consumer", f"w{i}"],
+            stdout=subprocess.PIPE,
             stderr=subprocess.DEVNULL,
+            text=True,
         )
         for i in range(contender.workers)
     ]
-    children = _cpu(resource.RUSAGE_CHILDREN)
     try:
         _wait(lambda: _consumers(r) == contender.workers, f"{contender.workers} workers", 60)
         with tempfile.TemporaryDirectory() as out:
@@ -129,8 +130,10 @@ def one_run(
     finally:
         for proc in procs:
             proc.send_signal(signal.SIGTERM)
-        codes = [proc.wait(timeout=60) for proc in procs]
-    worker_cpu = _cpu(resource.RUSAGE_CHILDREN) - children
+        reports = [proc.communicate(timeout=60)[0] for proc in procs]
+        codes = [proc.returncode for proc in procs]
+    # Each worker's CPU from the moment it started consuming: its start-up is not a slot's.
+    worker_cpu = sum(float(out.split()[-1]) for out in reports if out.strip())
     ok = sum(e.ok for e in result.episodes)
     if codes != [0] * contender.workers or len(result.episodes) != n or ok != n:
         raise RuntimeError(f"bad run: exit codes {codes}, {len(result.episodes)} rows, {ok} ok")
@@ -147,7 +150,9 @@ def _worker(argv: list[str]) -> int:
     config = WorkerConfig(args.url, STREAM, GROUP, RESULTS, consumer=args.consumer,
                           max_concurrent=args.window, dashboard=False)  # fmt: skip
     ctx = tt.ModelContext(tt.EchoClient(args.delay), "echo")
+    cpu = _cpu(resource.RUSAGE_SELF)  # from here on: the worker's own work, not its start-up
     trio.run(functools.partial(run_worker, config, ctx, env=tt.Env(Many()), log=lambda _: None))
+    print(f"cpu {_cpu(resource.RUSAGE_SELF) - cpu}", flush=True)
     return 0
 
 

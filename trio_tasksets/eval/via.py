@@ -70,6 +70,7 @@ QUIET = 10.0
 _WATCH_EVERY = 2.0  # seconds between checks of Redis (restart, workers, the reply TTL)
 _BLOCK = 0.5  # the longest one read of the reply stream waits
 _BATCH = 1000  # most entries per XADD pipeline or XREAD
+_COALESCE = 0.002  # seconds between two reads of answers: a slot waits 1 ms more, on average
 _REPLY_TTL_MS = 600_000  # the reply stream outlives a killed coordinator by 10 minutes
 _CLEANUP_WITHIN = 5.0  # seconds the way out spends deleting what this session left
 _LOG_EVERY = 60.0  # seconds between log lines repeating why no result comes
@@ -293,6 +294,10 @@ class _Coordinator:
             found = await self._link.call("reading results", read)
             if not found:
                 continue
+            if len(found[0][1]) < _BATCH:
+                # Let a few more answers come before the next read: results trickle in one by
+                # one, and a round trip per batch costs less than one per answer.
+                await trio.sleep(_COALESCE)
             got = found[0][1]
             last = str(got[-1][0])
             answered: list[_Slot] = []

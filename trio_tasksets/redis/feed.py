@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import collections
 import math
 from collections.abc import AsyncIterator, Callable
 from typing import Any, Generic, TypeVar
@@ -127,12 +128,18 @@ class RedisStreamTaskset(Taskset[RedisTask, TasksetConfig]):
         finally:
             reader.close()
 
-    async def claims(self, build: Callable[[Delivery], T]) -> AsyncIterator[T]:
+    async def claims(
+        self, build: Callable[[Delivery], T], *, room: Callable[[], int] | None = None
+    ) -> AsyncIterator[T]:
         """What `stream()` does, for any kind of task: each claimed entry, decoded, goes
         through `build`, and what it returns is yielded. An entry `build` rejects (raising
         `MalformedEntry`, e.g. `Refused`) is dead-lettered with the reason and acknowledged,
-        and, if it names a reply-to stream, the reason is added there (field `refused`)."""
-        reader = _Reader(self, build)
+        and, if it names a reply-to stream, the reason is added there (field `refused`).
+
+        `room()`, if given, says how many entries the consumer can take now (at least the
+        one being pulled): a read of new entries claims up to that many at once and yields
+        them one per pull, so a window that frees several places at once costs one read."""
+        reader = _Reader(self, build, room)
         try:
             if not await reader.open():
                 return
@@ -145,9 +152,16 @@ class RedisStreamTaskset(Taskset[RedisTask, TasksetConfig]):
 class _Reader(Generic[T]):
     """One stream() of a RedisStreamTaskset: its connection and its place in each phase."""
 
-    def __init__(self, taskset: RedisStreamTaskset, build: Callable[[Delivery], T]) -> None:
+    def __init__(
+        self,
+        taskset: RedisStreamTaskset,
+        build: Callable[[Delivery], T],
+        room: Callable[[], int] | None = None,
+    ) -> None:
         self._ts = taskset
         self._build = build
+        self._room = room
+        self._claimed: collections.deque[tuple[str, dict[str, str] | None]] = collections.deque()
         self._link = Link(taskset.url, read_timeout=taskset.block + 10.0, log=taskset.log)
         self._history: str | None = "0"  # cursor over this consumer's own pending entries
         self._cursor = "0-0"  # XAUTOCLAIM's scan cursor
@@ -174,8 +188,16 @@ class _Reader(Generic[T]):
                 raise
 
     async def next(self) -> T | None:
-        """The next task (claiming exactly one entry), or None once stopped."""
-        while not self._ts.stopping:
+        """The next task (claiming one entry, or taking one claimed by the last read), or None
+        once stopped and nothing claimed is left."""
+        while True:
+            if self._claimed:  # even if stop() came meanwhile: they are ours now, run them
+                task = await self._task(*self._claimed.popleft())
+                if task is not None:
+                    return task
+                continue
+            if self._ts.stopping:
+                return None
             try:
                 found = await self._step()
             except Stopped:
@@ -192,18 +214,16 @@ class _Reader(Generic[T]):
                 self._cursor = "0-0"
                 await self.open()
                 continue
-            if found is not None:
-                task = await self._task(*found)
-                if task is not None:
-                    return task  # even if stop() came meanwhile: it is ours now, run it
-        return None
+            self._claimed.extend(found)
 
-    async def _step(self) -> tuple[str, dict[str, str] | None] | None:
+    async def _step(self) -> list[tuple[str, dict[str, str] | None]]:
         if self._history is not None:
-            return await self._own_pending()
-        if trio.current_time() >= self._reclaim_at:
-            return await self._reclaim()
-        return await self._new()
+            found = await self._own_pending()
+        elif trio.current_time() >= self._reclaim_at:
+            found = await self._reclaim()
+        else:
+            return await self._new()
+        return [] if found is None else [found]
 
     async def _own_pending(self) -> tuple[str, dict[str, str] | None] | None:
         ts = self._ts
@@ -235,15 +255,19 @@ class _Reader(Generic[T]):
         ts.log(f"reclaimed entry {entry_id} of {ts.stream_key} (pending > {ts.claim_idle:g} s)")
         return str(entry_id), fields
 
-    async def _new(self) -> tuple[str, dict[str, str] | None] | None:
+    async def _new(self) -> list[tuple[str, dict[str, str] | None]]:
         ts = self._ts
         block_ms = max(1, int(ts.block * 1000))
         streams: dict[KeyT, StreamIdT] = {ts.stream_key: ">"}
+        count = 1 if self._room is None else max(1, self._room())
 
         def read(client: redis.Redis, _attempt: int) -> Any:
-            return client.xreadgroup(ts.group, ts.consumer, streams, count=1, block=block_ms)
+            return client.xreadgroup(ts.group, ts.consumer, streams, count=count, block=block_ms)
 
-        return first_entry(await self._link.call("waiting for entries", read, stop=ts._stop))
+        reply = await self._link.call("waiting for entries", read, stop=ts._stop)
+        if not reply:
+            return []
+        return [(str(entry_id), fields) for entry_id, fields in reply[0][1]]
 
     async def _task(self, entry_id: str, fields: dict[str, str] | None) -> T | None:
         ts = self._ts

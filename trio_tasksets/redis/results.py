@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterable, Iterable, Sequence
+from collections.abc import AsyncIterable, Iterable, Mapping, Sequence
 from typing import Any
 
 import attrs
@@ -40,6 +40,17 @@ class Published:
     acked: bool
 
 
+@attrs.frozen
+class Answer:
+    """An episode to publish: the task entry it answers, the stream it goes to (None: the
+    sink's own) and extra fields for its result entry."""
+
+    episode: Episode
+    entry: EntryRef
+    to: str | None = None
+    meta: Mapping[str, str | int | float] = attrs.field(factory=dict)
+
+
 class RedisResults:
     """Publishes finished episodes to a results stream, acknowledging their task entries.
 
@@ -75,49 +86,76 @@ class RedisResults:
         the row (not a stream), it goes to this sink's stream with a `reply_error` field.
         Cancellation abandons the attempt: the entry stays pending (at-least-once).
         """
-        fields: dict[FieldT, EncodableT] = {
-            "key": episode.task.key,
-            "entry": entry.id,
-            "stream": entry.stream,
-        }
-        for name, value in meta.items():
-            fields[name] = value
-        fields["row"] = orjson.dumps(episode.to_row())
-        target = to if to is not None else self.stream
-
-        def transact(client: redis.Redis, attempt: int) -> tuple[Published, str | None]:
-            if attempt > 1 and not _pending(client, entry):
-                return Published(None, acked=False), None
-            with client.pipeline(transaction=True) as pipe:
-                pipe.xadd(target, fields)
-                pipe.xack(entry.stream, entry.group, entry.id)
-                added, acked = pipe.execute(raise_on_error=False)
-            note = None
-            if isinstance(added, Exception):
-                if target == self.stream:
-                    raise added
-                note = f"cannot add the result of {entry.id} to {target} ({added}): sent to {self.stream}"
-                added = client.xadd(self.stream, {**fields, "reply_error": str(added)})
-            if isinstance(acked, Exception):
-                note = f"published {added} but could not acknowledge {entry.id}: {acked}"
-                return Published(str(added), acked=False), note
-            if not acked and _group_gone(client, entry):
-                note = (
-                    f"published {added}; group {entry.group} of {entry.stream} is gone (Redis "
-                    f"restarted without its data?), so there was nothing to acknowledge"
-                )
-                return Published(str(added), acked=False), note
-            if not acked:
-                note = (
-                    f"entry {entry.id} was already acknowledged: result {added} duplicates "
-                    f"one for task key {episode.task.key!r}"
-                )
-            return Published(str(added), acked=bool(acked)), note
-
-        done, note = await self._link.call(f"publishing the result of {entry.id}", transact)
-        if note is not None:
-            self.log(note)
+        [done] = await self.publish_many([Answer(episode, entry, to, meta)])
         return done
+
+    async def publish_many(self, answers: Sequence[Answer]) -> list[Published]:
+        """`publish` for several episodes in one MULTI/EXEC (one round trip): each row added
+        and its entry acknowledged, as `publish` does for one."""
+        rows = [_fields(answer) for answer in answers]
+        targets = [a.to if a.to is not None else self.stream for a in answers]
+
+        def transact(client: redis.Redis, attempt: int) -> list[tuple[Published, str | None]]:
+            todo = list(range(len(answers)))
+            if attempt > 1:  # a replay: only what is still pending (the first try may be in)
+                still = _pending_many(client, [a.entry for a in answers])
+                todo = [i for i in todo if still[i]]
+            outcome: list[tuple[Published, str | None]] = [(Published(None, False), None)] * len(
+                answers
+            )
+            if not todo:
+                return outcome
+            with client.pipeline(transaction=True) as pipe:
+                for i in todo:
+                    entry = answers[i].entry
+                    pipe.xadd(targets[i], rows[i])
+                    pipe.xack(entry.stream, entry.group, entry.id)
+                replies = pipe.execute(raise_on_error=False)
+            for n, i in enumerate(todo):
+                added, acked = replies[2 * n], replies[2 * n + 1]
+                outcome[i] = self._outcome(client, answers[i], targets[i], rows[i], added, acked)
+            return outcome
+
+        what = f"publishing {len(answers)} result{'s' if len(answers) > 1 else ''}"
+        done = await self._link.call(what, transact)
+        for _published, note in done:
+            if note is not None:
+                self.log(note)
+        return [published for published, _ in done]
+
+    def _outcome(
+        self,
+        client: redis.Redis,
+        answer: Answer,
+        target: str,
+        row: dict[FieldT, EncodableT],
+        added: Any,
+        acked: Any,
+    ) -> tuple[Published, str | None]:
+        """What one answer's XADD and XACK replies mean, and what to log about them."""
+        entry, note = answer.entry, None
+        if isinstance(added, Exception):
+            if target == self.stream:
+                raise added
+            note = (
+                f"cannot add the result of {entry.id} to {target} ({added}): sent to {self.stream}"
+            )
+            added = client.xadd(self.stream, {**row, "reply_error": str(added)})
+        if isinstance(acked, Exception):
+            note = f"published {added} but could not acknowledge {entry.id}: {acked}"
+            return Published(str(added), acked=False), note
+        if not acked and _group_gone(client, entry):
+            note = (
+                f"published {added}; group {entry.group} of {entry.stream} is gone (Redis "
+                f"restarted without its data?), so there was nothing to acknowledge"
+            )
+            return Published(str(added), acked=False), note
+        if not acked:
+            note = (
+                f"entry {entry.id} was already acknowledged: result {added} duplicates "
+                f"one for task key {answer.episode.task.key!r}"
+            )
+        return Published(str(added), acked=bool(acked)), note
 
     async def keep_alive(self, consumer: str, entries: Sequence[EntryRef]) -> int:
         """Reset the idle time of those `entries` that `consumer` still owns, so that no
@@ -153,16 +191,32 @@ return n
 """
 
 
-def _pending(client: redis.Redis, entry: EntryRef) -> bool:
-    """Whether `entry` still waits for its result: pending in its group, or its group is gone
-    (with Redis's data, including the result of any earlier try)."""
-    try:
-        rows = client.xpending_range(entry.stream, entry.group, entry.id, entry.id, 1)
-    except ResponseError as exc:
-        if is_nogroup(exc):
-            return True
-        raise
-    return bool(rows)
+def _pending_many(client: redis.Redis, entries: Sequence[EntryRef]) -> list[bool]:
+    """Whether each entry still waits for its result: pending in its group, or its group is
+    gone (with Redis's data, including the result of any earlier try)."""
+    with client.pipeline(transaction=False) as pipe:
+        for entry in entries:
+            pipe.xpending_range(entry.stream, entry.group, entry.id, entry.id, 1)
+        replies = pipe.execute(raise_on_error=False)
+    still: list[bool] = []
+    for reply in replies:
+        if isinstance(reply, ResponseError) and is_nogroup(reply):
+            still.append(True)
+        elif isinstance(reply, Exception):
+            raise reply
+        else:
+            still.append(bool(reply))
+    return still
+
+
+def _fields(answer: Answer) -> dict[FieldT, EncodableT]:
+    entry, episode = answer.entry, answer.episode
+    fields: dict[FieldT, EncodableT] = {"key": episode.task.key, "entry": entry.id,
+                                        "stream": entry.stream}  # fmt: skip
+    for name, value in answer.meta.items():
+        fields[name] = value
+    fields["row"] = orjson.dumps(episode.to_row())
+    return fields
 
 
 def _group_gone(client: redis.Redis, entry: EntryRef) -> bool:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import os
 import socket
 from collections.abc import AsyncIterator, Callable
@@ -27,7 +28,7 @@ from .entries import (
     stderr_log,
 )
 from .feed import RedisStreamTaskset
-from .results import RedisResults
+from .results import Answer, RedisResults
 
 COMMANDS = ("worker", "enqueue")
 _LEAVE_WITHIN = 2.0  # seconds a stopping worker spends trying to leave the group
@@ -78,6 +79,10 @@ class WorkerReport:
 
     def released(self, entry: EntryRef) -> None:
         self.entries.pop(entry.id, None)
+
+    def room(self) -> int:
+        """How many more entries the window takes now."""
+        return self.window - self.held
 
     def line(self) -> str:
         return (
@@ -199,15 +204,18 @@ async def run_worker(
     report = WorkerReport(window=config.max_concurrent)
     progress = dashboard.Progress(title=f"worker {config.consumer}", growing=True)
 
+    publisher = Publisher(results)
+
     async def run(claim: Claim) -> Episode:
         delivery = claim.delivery
         progress.started()
         try:
             episode = await env.run_slot(RunSlot(claim.task, delivery.rollout), ctx)
-            await results.publish(
-                episode, delivery.entry, to=delivery.reply_to, consumer=config.consumer,
-                in_flight=report.held,
-            )  # fmt: skip
+            meta: dict[str, str | int | float] = {
+                "consumer": config.consumer,
+                "in_flight": report.held,
+            }
+            await publisher.publish(Answer(episode, delivery.entry, delivery.reply_to, meta))
         except trio.Cancelled:
             report.cancelled += 1
             raise
@@ -239,8 +247,10 @@ async def run_worker(
                 if handle_signals:
                     await nursery.start(_on_signals, shut_down)
                 nursery.start_soon(_keep_alive, results, config, report)
+                nursery.start_soon(publisher.loop)
                 task_status.started(shut_down)
-                claims = _Claimed(taskset.claims(build), report, progress)
+                room = report.room
+                claims = _Claimed(taskset.claims(build, room=room), report, progress)
                 async with (
                     dashboard.show(progress, live=config.dashboard),
                     as_completed(claims, run, window=report.window) as done,
@@ -258,6 +268,33 @@ async def run_worker(
         await taskset.leave()  # only if it holds nothing: its name would be noise in the group
     say(report.line())
     return report
+
+
+class Publisher:
+    """Publishes the episodes that finish together in one transaction: `publish` waits
+    until its episode is published (its entry acknowledged), and `loop` (a task) sends
+    whatever is waiting, one `RedisResults.publish_many` round trip at a time."""
+
+    def __init__(self, results: RedisResults) -> None:
+        self._results = results
+        self._in, self._out = trio.open_memory_channel[tuple[Answer, trio.Event]](math.inf)
+
+    async def publish(self, answer: Answer) -> None:
+        done = trio.Event()
+        self._in.send_nowait((answer, done))
+        await done.wait()
+
+    async def loop(self) -> None:
+        async for first in self._out:
+            batch = [first]
+            while True:
+                try:
+                    batch.append(self._out.receive_nowait())
+                except trio.WouldBlock:
+                    break
+            await self._results.publish_many([answer for answer, _ in batch])
+            for _, done in batch:
+                done.set()
 
 
 async def _keep_alive(results: RedisResults, config: WorkerConfig, report: WorkerReport) -> None:
