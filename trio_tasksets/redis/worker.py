@@ -32,6 +32,7 @@ from .results import Answer, RedisResults
 
 COMMANDS = ("worker", "enqueue")
 _LEAVE_WITHIN = 2.0  # seconds a stopping worker spends trying to leave the group
+_COALESCE = 0.002  # seconds between two publishing round trips
 _EXTRA = "pip install 'trio-tasksets[redis]'"
 
 
@@ -295,6 +296,10 @@ class Publisher:
             await self._results.publish_many([answer for answer, _ in batch])
             for _, done in batch:
                 done.set()
+            # Let a few more finish before the next round trip: episodes end one by one, and
+            # one transaction for several costs less than one each (an episode waits 1 ms
+            # more on average; an episode that finishes alone goes at once).
+            await trio.sleep(_COALESCE)
 
 
 async def _keep_alive(results: RedisResults, config: WorkerConfig, report: WorkerReport) -> None:
