@@ -1007,3 +1007,27 @@ def test_eval_via_bad_settings_are_usage_errors(
         assert exit_info.value.code == 2
         assert message in capsys.readouterr().err
     assert not any(tmp_path.iterdir())  # no run dir
+
+
+def test_a_declaration_names_what_differs_and_the_fix() -> None:
+    from trio_tasksets.redis.entries import Declaration
+
+    echo = tt.ModelContext(tt.EchoClient(), "echo")
+    ours = Declaration.of(graded_env(), echo)
+    assert Declaration.from_json(ours.to_json()) == ours
+    assert ours.differs(Declaration.of(graded_env(), echo)) is None
+    # The same file in another checkout is the same class:
+    elsewhere = attrs.evolve(ours, taskset=ours.taskset.replace(str(ROOT), "/srv/other"))
+    assert elsewhere.taskset != ours.taskset
+    assert elsewhere.differs(ours) is None
+    # A declaration without env, model or sampling (from `enqueue`) checks the taskset only:
+    plain = Declaration.of_taskset(graded_env().taskset)
+    assert plain.differs(Declaration.of(graded_env("Graded"), echo)) is None
+    assert "system_prompt" not in (plain.config or {})  # each task carries its own
+    echo_tasks = Declaration.of(tt.Env(tt.builtin.EchoTaskset()), echo)
+    assert "start the worker with TASKSET echo" in str(echo_tasks.differs(ours))
+    other_model = Declaration.of(graded_env(), tt.ModelContext(tt.EchoClient(), "m2"))
+    assert "-m/--model" in str(other_model.differs(ours))
+    hot = Declaration.of(graded_env(), tt.ModelContext(tt.EchoClient(), "echo",
+                                                       tt.Sampling(temperature=0.7)))  # fmt: skip
+    assert "sampling" in str(hot.differs(ours))

@@ -19,6 +19,7 @@ import attrs
 import orjson
 import redis
 
+from ..builtin import BUILTIN
 from ..env import Env, task_data, task_key
 from ..envspec import TravelError, config_to_json
 from ..loading import object_spec
@@ -169,6 +170,14 @@ def _name(cls: type) -> str:
         return f"{cls.__module__}:{cls.__qualname__}"
 
 
+def taskset_arg(name: str) -> str:
+    """How a TASKSET argument names the class `name`: its built-in id if it has one."""
+    for builtin_id, cls in BUILTIN.items():
+        if name == f"{cls.__module__}:{cls.__qualname__}":
+            return builtin_id
+    return name
+
+
 def _same_class(a: str, b: str) -> bool:
     """The same class: the same name, or the same file name and class in two checkouts."""
     if a == b:
@@ -231,7 +240,7 @@ class Declaration:
         if not _same_class(self.taskset, own.taskset):
             return (
                 f"declared for taskset {self.taskset}, but this worker runs {own.taskset}: "
-                f"start the worker with TASKSET {self.taskset}"
+                f"start the worker with TASKSET {taskset_arg(self.taskset)}"
             )
         if None not in (self.config, own.config) and self.config != own.config:
             args = orjson.dumps(self.config).decode()

@@ -26,6 +26,7 @@ from .entries import (
     plain_task,
     redact,
     stderr_log,
+    taskset_arg,
 )
 from .feed import RedisStreamTaskset
 from .results import Answer, RedisResults
@@ -164,7 +165,7 @@ class Builder:
             if self._own is None:
                 reason = (
                     f"declared for taskset {theirs.taskset}, but this worker runs no TASKSET: "
-                    f"start the worker with TASKSET {theirs.taskset}"
+                    f"start the worker with TASKSET {taskset_arg(theirs.taskset)}"
                 )
             else:
                 reason = theirs.differs(self._own)
