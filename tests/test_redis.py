@@ -1031,3 +1031,19 @@ def test_a_declaration_names_what_differs_and_the_fix() -> None:
     hot = Declaration.of(graded_env(), tt.ModelContext(tt.EchoClient(), "echo",
                                                        tt.Sampling(temperature=0.7)))  # fmt: skip
     assert "sampling" in str(hot.differs(ours))
+
+
+def test_ctrl_c_on_eval_via_leaves_nothing_for_workers_and_exits_130(
+    server: Server, r: redis.Redis, names: Names, tmp_path: Path
+) -> None:
+    argv = eval_via(server.url, names, tmp_path, "-n", "5", "-c", "3", "--run-name", "stop")
+    coordinator = subprocess.Popen(argv, stderr=subprocess.PIPE, text=True)
+    until(lambda: r.xlen(names.stream) == 3, "3 slots enqueued (no worker runs them)")
+    coordinator.send_signal(signal.SIGINT)
+    _, err = coordinator.communicate(timeout=20)
+    assert coordinator.returncode == 130, err
+    assert r.xlen(names.stream) == 0  # a worker started now finds nothing of this eval
+    assert not r.keys(f"{names.stream}:reply:*")
+    assert "deleted 3 unanswered slots" in err
+    summary = json.loads((tmp_path / "stop" / "summary.json").read_text())
+    assert summary["interrupted"] is True
