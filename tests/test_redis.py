@@ -886,8 +886,13 @@ async def test_every_path_survives_a_group_that_is_gone(
         server.url, names.stream, names.group, "c", block=0.1, log=lines.append
     )
     assert not await feed.leave()  # the way out
+    # The group recreated by another worker, the entry lost: the result is still published.
+    r.xgroup_create(names.stream, names.group, id="0", mkstream=True)
+    again = await sink.publish(episode, entry, consumer="c")
+    assert again.result_id is not None
+    assert "is no longer in" in lines[-1]
     sink.close()
-    assert r.xlen(names.results) == 1
+    assert r.xlen(names.results) == 2
 
 
 # --- processes: Redis restarted empty, `eval --via` over two workers, resume --------------------

@@ -150,6 +150,13 @@ class RedisResults:
                 f"restarted without its data?), so there was nothing to acknowledge"
             )
             return Published(str(added), acked=False), note
+        if not acked and not client.xrange(entry.stream, entry.id, entry.id, count=1):
+            note = (
+                f"published {added}; entry {entry.id} is no longer in {entry.stream} (lost "
+                f"with Redis's data, or deleted once answered), so there was nothing to "
+                f"acknowledge"
+            )
+            return Published(str(added), acked=False), note
         if not acked:
             note = (
                 f"entry {entry.id} was already acknowledged: result {added} duplicates "
@@ -192,20 +199,24 @@ return n
 
 
 def _pending_many(client: redis.Redis, entries: Sequence[EntryRef]) -> list[bool]:
-    """Whether each entry still waits for its result: pending in its group, or its group is
-    gone (with Redis's data, including the result of any earlier try)."""
+    """Whether each entry still waits for its result (so a replay must publish it): pending
+    in its group, or no longer in its stream or its group at all (Redis lost its data, and
+    any earlier try's result with it; or the entry was deleted once answered, and a second
+    result is a duplicate the consumers drop). False: acknowledged and still there, so the
+    first try went through (or another worker answered it)."""
     with client.pipeline(transaction=False) as pipe:
         for entry in entries:
             pipe.xpending_range(entry.stream, entry.group, entry.id, entry.id, 1)
+            pipe.xrange(entry.stream, entry.id, entry.id, count=1)
         replies = pipe.execute(raise_on_error=False)
     still: list[bool] = []
-    for reply in replies:
-        if isinstance(reply, ResponseError) and is_nogroup(reply):
+    for held, present in zip(replies[::2], replies[1::2], strict=True):
+        if isinstance(held, ResponseError) and is_nogroup(held):
             still.append(True)
-        elif isinstance(reply, Exception):
-            raise reply
+        elif isinstance(held, Exception):
+            raise held
         else:
-            still.append(bool(reply))
+            still.append(bool(held) or not present)
     return still
 
 
