@@ -1052,3 +1052,26 @@ def test_ctrl_c_on_eval_via_leaves_nothing_for_workers_and_exits_130(
     assert "deleted 3 unanswered slots" in err
     summary = json.loads((tmp_path / "stop" / "summary.json").read_text())
     assert summary["interrupted"] is True
+
+
+async def test_eval_via_takes_the_next_n_of_a_stream_with_r_slots_each(
+    server: Server, names: Names, tmp_path: Path
+) -> None:
+    from trio_tasksets.builtin import EchoStreamConfig, EchoStreamTaskset
+
+    def feed() -> tt.Env[Any]:
+        return tt.Env(EchoStreamTaskset(EchoStreamConfig(gap=0.01)))
+
+    worker = in_process_worker(server, names)
+    ctx = tt.ModelContext(tt.EchoClient(), "echo")
+    via = eval_config(tmp_path, "stream", num_examples=4, rollouts_per_example=2,
+                      via=server.url, stream=names.stream)  # fmt: skip
+    async with trio.open_nursery() as nursery:
+        shut_down = await nursery.start(worker.run, feed())
+        with trio.fail_after(20):
+            result = await tt.run_eval(feed(), ctx, via)
+        shut_down("done")
+    assert sorted(comparable(trace_rows(result.run_dir))) == [
+        (f"echo-stream:{i}", r) for i in range(4) for r in range(2)
+    ]
+    assert result.summary["ok"] == 8
