@@ -250,6 +250,7 @@ async def enqueue(
     *,
     batch: int = 500,
     declare: Declaration | Taskset[Any, Any] | None = None,
+    any_data: bool | None = None,
     log: Log | None = None,
 ) -> list[str]:
     """XADD each task as an entry of `stream` (a `task` field, see `encode_task`); return the
@@ -257,8 +258,9 @@ async def enqueue(
 
     `declare` (a `Declaration`, or the taskset the tasks come from) goes into each entry's
     `env` field: a worker running another taskset refuses them (dead-letters them, saying
-    why) instead of scoring them with the wrong env. A taskset with `task_from_data` may
-    send tasks of any JSON data. A sync iterable is sent in MULTI/EXEC batches of `batch`;
+    why) instead of scoring them with the wrong env. `any_data`: the tasks may hold any JSON
+    data (their taskset class rebuilds them with `task_from_data`); by default, whether
+    `declare`'s class does. A sync iterable is sent in MULTI/EXEC batches of `batch`;
     an async iterable (a feed) one entry as each task arrives. Every task of a batch is
     encoded before it is sent, so a task that cannot travel raises TypeError before its
     batch is written. Connection failures are retried like the worker's (a replayed batch
@@ -266,10 +268,11 @@ async def enqueue(
     """
     if batch < 1:
         raise ValueError(f"batch must be >= 1, got {batch}")
-    any_data = False
     if isinstance(declare, Taskset):
-        any_data = getattr(type(declare), "task_from_data", None) is not None
+        if any_data is None:
+            any_data = getattr(type(declare), "task_from_data", None) is not None
         declare = Declaration.of_taskset(declare)
+    any_data = bool(any_data)
     extra: dict[FieldT, EncodableT] = {} if declare is None else {ENV_FIELD: declare.to_json()}
     link = Link(url, read_timeout=10.0, log=log or stderr_log("trio_tasksets.redis"))
     ids: list[str] = []
