@@ -682,6 +682,9 @@ def test_the_worker_scores_with_the_taskset_its_env_class_and_system_prompt(
         import trio_tasksets as tt
 
         class Scored(tt.Taskset[tt.Task, tt.TasksetConfig]):
+            def load(self):
+                return [tt.Task(f"Repeat exactly: {word}", answer=word) for word in ("a", "b", "c")]
+
             def reward(self, task, completion):
                 return 0.25
 
@@ -694,8 +697,7 @@ def test_the_worker_scores_with_the_taskset_its_env_class_and_system_prompt(
     tag = uuid.uuid4().hex[:8]
     stream, results = f"{tag}:tasks", f"{tag}:results"
     feed = ["--feed", redis_url, "--stream", stream]
-    phrases = '{"phrases": ["one", "two", "three"]}'
-    assert cli(tmp_path, "enqueue", *feed, "echo", "-a", phrases).returncode == 0
+    assert cli(tmp_path, "enqueue", *feed, "scored.py:Scored").returncode == 0
     worker = subprocess.Popen(
         command("worker", "scored.py:Scored", *feed, "--group", "g", "--results", results,
                 "--env-class", "scored.py:Tagged", "--system-prompt", "be brief",

@@ -46,6 +46,10 @@ pytestmark = pytest.mark.skipif(
     REDIS_SERVER is None, reason="redis-server is not on PATH (apt-get install -y redis-server)"
 )
 WORKER = [sys.executable, "-m", "trio_tasksets", "worker", "--no-dashboard"]
+ROOT = Path(__file__).resolve().parent.parent
+REDIS_ENV = str(ROOT / "tests" / "fixtures" / "redis_env.py")
+# A worker process running a TASKSET's env (until `trio-tasksets worker TASKSET` takes one):
+ENV_WORKER = [sys.executable, str(ROOT / "tests" / "fixtures" / "redis_worker.py")]
 
 
 # --- servers, names and polling ---------------------------------------------------------------
@@ -198,11 +202,16 @@ class Worker:
 def workers(tmp_path: Path) -> Iterator[Callable[..., Worker]]:
     started: list[Worker] = []
 
-    def start(url: str, names: Names, consumer: str, *options: str) -> Worker:
+    def start(
+        url: str, names: Names, consumer: str, *options: str, taskset: str | None = None
+    ) -> Worker:
+        """A worker process: `trio-tasksets worker`, or with `taskset` one that runs that
+        TASKSET's env (tests/fixtures/redis_worker.py)."""
         log_path = tmp_path / f"{consumer}.log"
+        command = WORKER if taskset is None else [*ENV_WORKER, taskset]
         with log_path.open("wb") as log:
             process = subprocess.Popen(
-                [*WORKER, "--feed", url, "--stream", names.stream, "--group", names.group,
+                [*command, "--feed", url, "--stream", names.stream, "--group", names.group,
                  "--results", names.results, "--consumer", consumer, *options],
                 stdout=subprocess.DEVNULL, stderr=log,
             )  # fmt: skip
@@ -604,3 +613,465 @@ def test_enqueue_command_pushes_the_next_n_of_a_stream(
     keys = [json.loads(f[TASK_FIELD])["key"] for f in entries(r, names.stream)]
     assert keys[-2:] == ["echo-stream:0", "echo-stream:1"]
     assert len(keys) == 10
+
+
+# --- the user's env on workers, and the eval over workers (issue 12) ---------------------------
+
+SAME = ("task", "rollout", "ok", "reward", "completion", "messages", "errors", "attempts")
+
+
+def comparable(rows: list[dict[str, Any]]) -> dict[tuple[str, int], dict[str, Any]]:
+    """Rows by slot, without what differs between any two runs (id, timing)."""
+    return {(row["task"]["key"], row["rollout"]): {k: row[k] for k in SAME} for row in rows}
+
+
+def trace_rows(run_dir: Path) -> list[dict[str, Any]]:
+    return [json.loads(line) for line in (run_dir / "traces.jsonl").read_text().splitlines()]
+
+
+def graded_env(spec: str = "TwoTurns", **config: Any) -> tt.Env[Any]:
+    from trio_tasksets.loading import resolve_target
+
+    taskset_cls, env_cls = resolve_target(f"{REDIS_ENV}:{spec}")
+    taskset = taskset_cls(taskset_cls._default_config().__class__(**config))
+    return (env_cls or tt.Env)(taskset)
+
+
+def eval_config(tmp_path: Path, name: str, **kw: Any) -> tt.EvalConfig:
+    return tt.EvalConfig(output_dir=str(tmp_path), run_name=name, dashboard=False, **kw)
+
+
+@attrs.define
+class InProcessWorker:
+    """`run_worker` in this trio run, with the given env; its log lines kept."""
+
+    config: WorkerConfig
+    lines: list[str] = attrs.Factory(list)
+
+    async def run(
+        self, env: tt.Env[Any] | None, *, task_status: trio.TaskStatus[Callable[[str], None]]
+    ) -> None:
+        ctx = tt.ModelContext(tt.EchoClient(delay=0.01), "echo")
+        await run_worker(self.config, ctx, env=env, handle_signals=False, log=self.lines.append,
+                         task_status=task_status)  # fmt: skip
+
+
+def only_entry(client: redis.Redis, stream: str) -> tuple[str, dict[str, str]]:
+    """The id and fields of the one entry of `stream`."""
+    [(entry_id, fields)] = cast(list[tuple[str, dict[str, str]]], client.xrange(stream))
+    return entry_id, fields
+
+
+def answer(
+    client: redis.Redis,
+    reply_to: str,
+    stream: str,
+    entry_id: str,
+    episode: tt.Episode,
+    times: int = 1,
+) -> None:
+    """Publish `episode` as a worker would, for the entry `entry_id` of `stream`, `times`
+    times in one transaction (a reader sees all of them or none)."""
+    row = json.dumps(episode.to_row())
+    key = episode.task.key
+    with client.pipeline(transaction=True) as pipe:
+        for _ in range(times):
+            pipe.xadd(reply_to, {"key": key, "entry": entry_id, "stream": stream, "row": row})
+        pipe.execute()
+
+
+def in_process_worker(server: Server, names: Names, consumer: str = "w") -> InProcessWorker:
+    return InProcessWorker(WorkerConfig(server.url, names.stream, names.group, names.results,
+                                        consumer=consumer, max_concurrent=8, dashboard=False))  # fmt: skip
+
+
+async def test_a_worker_runs_the_users_env_so_its_rows_equal_an_in_process_evals(
+    server: Server, r: redis.Redis, names: Names, tmp_path: Path
+) -> None:
+    ctx = tt.ModelContext(tt.EchoClient(), "echo")
+    local = await tt.run_eval(graded_env(), ctx, eval_config(tmp_path, "local", num_examples=10,
+                                                            rollouts_per_example=2))  # fmt: skip
+    worker = in_process_worker(server, names)
+    async with trio.open_nursery() as nursery:
+        shut_down = await nursery.start(worker.run, graded_env())
+        via = eval_config(tmp_path, "via", num_examples=10, rollouts_per_example=2,
+                          via=server.url, stream=names.stream)  # fmt: skip
+        remote = await tt.run_eval(graded_env(), ctx, via)
+        shut_down("done")
+    expected = comparable(trace_rows(local.run_dir))
+    got = comparable(trace_rows(remote.run_dir))
+    assert got == expected
+    assert len(got) == 20
+    # The taskset's own reward, its own task type and the Env subclass's two turns:
+    assert {row["reward"] for row in got.values()} == {0.5, 0.75, 1.0}
+    assert all(len(row["messages"]) == 4 for row in got.values())
+    assert all(set(row["task"]["data"]) == {"text", "answer", "level"} for row in got.values())
+    assert remote.summary["finished"] == 20
+    assert r.xlen(names.stream) == 0  # every answered entry deleted
+    assert not r.keys(f"{names.stream}:reply:*")  # and the reply stream, once all came back
+
+
+@pytest.mark.parametrize(
+    ("worker_env", "reason"),
+    [
+        (lambda: graded_env("Graded"), "--env-class"),  # the same taskset, a plain Env
+        (lambda: graded_env(bonus=0.5), '-a \'{"bonus":0.25,"size":40}\''),  # another config
+        (lambda: tt.Env(tt.builtin.EchoTaskset()), "TASKSET"),  # another taskset
+        (lambda: None, "runs no TASKSET"),  # no env at all
+    ],
+)
+async def test_a_worker_with_another_env_refuses_the_entries_and_the_eval_says_why(
+    server: Server,
+    r: redis.Redis,
+    names: Names,
+    tmp_path: Path,
+    worker_env: Callable[[], tt.Env[Any] | None],
+    reason: str,
+) -> None:
+    from trio_tasksets.eval.via import ViaError
+
+    worker = in_process_worker(server, names)
+    ctx = tt.ModelContext(tt.EchoClient(), "echo")
+    via = eval_config(tmp_path, "via", num_examples=1, via=server.url, stream=names.stream)
+    async with trio.open_nursery() as nursery:
+        shut_down = await nursery.start(worker.run, worker_env())
+        with pytest.raises(ViaError, match="refused") as refused, trio.fail_after(20):
+            await tt.run_eval(graded_env(), ctx, via)
+        shut_down("done")
+    assert reason in str(refused.value)
+    dead = entries(r, f"{names.stream}:dead")
+    assert len(dead) == 1
+    assert reason in dead[0]["error"]
+    assert r.xlen(names.results) == 0  # nothing scored with the wrong env
+    assert pending(r, names) == 0  # refused is acknowledged: no other worker retries it
+
+
+async def test_the_coordinator_keeps_one_row_per_slot_when_a_result_comes_twice(
+    server: Server, r: redis.Redis, names: Names
+) -> None:
+    from trio_tasksets.dashboard import Progress
+    from trio_tasksets.eval.via import via_runner
+
+    env, ctx = graded_env(), tt.ModelContext(tt.EchoClient(), "echo")
+    task = next(iter(env.taskset))
+    lines: list[str] = []
+    r.xgroup_create(names.stream, names.group, id="0", mkstream=True)
+    done: list[tt.Episode] = []
+    async with (
+        via_runner(env, ctx, url=server.url, stream=names.stream, progress=Progress(),
+                   log=lines.append) as run,
+        trio.open_nursery() as nursery,
+    ):  # fmt: skip
+
+        async def one() -> None:
+            done.append(await run(tt.RunSlot(task, 1)))
+
+        nursery.start_soon(one)
+        await wait_for(lambda: r.xlen(names.stream) == 1)
+        # A worker's result, published twice (an outage longer than --claim-idle):
+        r.xreadgroup(names.group, "w", {names.stream: ">"})
+        entry_id, fields = only_entry(r, names.stream)
+        episode = await env.run_slot(tt.RunSlot(task, int(fields["rollout"])), ctx)
+        answer(r, fields["reply_to"], names.stream, entry_id, episode, times=2)
+    assert [e.to_row() for e in done] == [episode.to_row()]
+    assert done[0].rollout == 1
+    assert r.xlen(names.stream) == 0
+    assert any("dropped 1 duplicate" in line for line in lines), lines
+
+
+async def test_with_no_worker_the_dashboard_says_so_and_stopping_leaves_nothing_behind(
+    server: Server, r: redis.Redis, names: Names
+) -> None:
+    from trio_tasksets.dashboard import Progress
+    from trio_tasksets.eval.via import via_runner
+
+    env, ctx = graded_env(), tt.ModelContext(tt.EchoClient(), "echo")
+    progress = Progress()
+    lines: list[str] = []
+    tasks = list(env.taskset)[:3]
+    with trio.move_on_after(30) as scope:
+        async with (
+            via_runner(env, ctx, url=server.url, stream=names.stream, progress=progress,
+                       log=lines.append, quiet=0.2, watch_every=0.05) as run,
+            trio.open_nursery() as nursery,
+        ):  # fmt: skip
+            for task in tasks:
+                nursery.start_soon(run, tt.RunSlot(task))
+            await wait_for(lambda: progress.note is not None)
+            assert "no worker reads" in str(progress.note)
+            assert "trio-tasksets worker" in str(progress.note)
+            assert r.xlen(names.stream) == 3
+            # A group appears, but nobody in it pulls:
+            r.xgroup_create(names.stream, names.group, id="0")
+            await wait_for(lambda: "no worker took one" in str(progress.note))
+            scope.cancel()  # as Ctrl-C does
+    assert r.xlen(names.stream) == 0  # nothing of this run left for a worker to pick up
+    assert not r.keys(f"{names.stream}:reply:*")
+    assert any("deleted 3 unanswered slots" in line for line in lines), lines
+    assert sum("no worker reads" in line for line in lines) == 1  # said once, not every tick
+
+
+async def test_a_redis_that_lost_its_data_gets_the_waiting_slots_again(
+    r: redis.Redis, names: Names, tmp_path: Path
+) -> None:
+    from trio_tasksets.dashboard import Progress
+    from trio_tasksets.eval.via import via_runner
+
+    own = Server(_free_port(), tmp_path)
+    own.start()
+    client = redis.Redis.from_url(own.url, decode_responses=True, socket_timeout=2.0)
+    env, ctx = graded_env(), tt.ModelContext(tt.EchoClient(), "echo")
+    task = next(iter(env.taskset))
+    lines: list[str] = []
+    done: list[tt.Episode] = []
+    try:
+        async with (
+            via_runner(env, ctx, url=own.url, stream=names.stream, progress=Progress(),
+                       log=lines.append, watch_every=0.05) as run,
+            trio.open_nursery() as nursery,
+        ):  # fmt: skip
+
+            async def one() -> None:
+                done.append(await run(tt.RunSlot(task)))
+
+            nursery.start_soon(one)
+            await wait_for(lambda: _xlen(client, names.stream) == 1)
+            first, _ = only_entry(client, names.stream)
+            assert own.process is not None
+            own.process.kill()  # SIGKILL: no chance to save anything
+            own.process.wait()
+            own.start()  # empty
+            await wait_for(lambda: _xlen(client, names.stream) == 1)
+            entry_id, fields = only_entry(client, names.stream)
+            assert entry_id != first
+            episode = await env.run_slot(tt.RunSlot(task), ctx)
+            answer(client, fields["reply_to"], names.stream, entry_id, episode)
+        assert [e.reward for e in done] == [episode.reward]
+        assert any("enqueued them again" in line for line in lines), lines
+    finally:
+        client.close()
+        own.stop()
+
+
+def _xlen(client: redis.Redis, stream: str) -> int:
+    try:
+        return int(client.xlen(stream))
+    except redis.RedisError:
+        return -1
+
+
+# --- NOGROUP on every path ----------------------------------------------------------------------
+
+
+async def test_every_path_survives_a_group_that_is_gone(
+    server: Server, r: redis.Redis, names: Names
+) -> None:
+    [entry_id] = push(r, names.stream, make_tasks(1))
+    r.xgroup_create(names.stream, names.group, id="0")
+    r.xreadgroup(names.group, "c", {names.stream: ">"})
+    entry = EntryRef(names.stream, names.group, entry_id)
+    r.xgroup_destroy(names.stream, names.group)  # as a Redis that restarted empty, then an XADD
+    lines: list[str] = []
+    sink = RedisResults(server.url, names.results, log=lines.append)
+    assert await sink.keep_alive("c", [entry]) == 0  # the keep-alive
+    episode = await tt.Env(tt.builtin.EchoTaskset()).run_slot(
+        tt.RunSlot(make_tasks(1)[0]), tt.ModelContext(tt.EchoClient(), "echo")
+    )
+    done = await sink.publish(episode, entry, consumer="c")  # the publish
+    assert done.result_id is not None
+    assert not done.acked
+    assert "is gone" in lines[-1]
+    r.delete(names.stream)  # the stream too
+    feed = RedisStreamTaskset(
+        server.url, names.stream, names.group, "c", block=0.1, log=lines.append
+    )
+    assert not await feed.leave()  # the way out
+    # The group recreated by another worker, the entry lost: the result is still published.
+    r.xgroup_create(names.stream, names.group, id="0", mkstream=True)
+    again = await sink.publish(episode, entry, consumer="c")
+    assert again.result_id is not None
+    assert "is no longer in" in lines[-1]
+    sink.close()
+    assert r.xlen(names.results) == 2
+
+
+# --- processes: Redis restarted empty, `eval --via` over two workers, resume --------------------
+
+
+def test_redis_killed_and_restarted_empty_mid_run_workers_recreate_the_group_and_go_on(
+    names: Names, workers: Callable[..., Worker], tmp_path: Path
+) -> None:
+    own = Server(_free_port(), tmp_path)  # no persistence: a restart loses everything
+    own.start()
+    client = redis.Redis.from_url(own.url, decode_responses=True, socket_timeout=2.0)
+    try:
+        push(client, names.stream, make_tasks(4))
+        # Episodes outlive the outage; the keep-alive runs every 0.3 s through it.
+        options = ("-c", "2", "--echo-delay", "1.0", "--claim-idle", "0.9")
+        worker = workers(own.url, names, "w", *options)
+        until(lambda: pending_of(client, names) == {"w": 2}, "2 episodes in flight")
+        assert own.process is not None
+        own.process.kill()  # SIGKILL
+        own.process.wait()
+        own.start()  # empty: no stream, no group
+        push(client, names.stream, make_tasks(3, "new"))  # enqueued after the restart
+        want = {"t:0", "t:1", "new:0", "new:1", "new:2"}
+
+        def done() -> bool:
+            got = set(by_key(results(client, names.results)))
+            return got == want and pending(client, names) == 0
+
+        until(done, "the 2 in-flight results and the 3 tasks enqueued after the restart")
+        assert worker.stop() == 0, worker.log
+        assert worker.process.returncode == 0
+        assert "is gone (Redis restarted without its data?): recreating it" in worker.log
+        assert "published 5 episodes" in worker.log
+    finally:
+        client.close()
+        own.stop()
+
+
+def eval_via(url: str, names: Names, out: Path, *options: str) -> list[str]:
+    return [sys.executable, "-m", "trio_tasksets", "eval", f"{REDIS_ENV}:TwoTurns",
+            "--via", url, "--stream", names.stream, "-o", str(out), "--no-dashboard",
+            *options]  # fmt: skip
+
+
+def test_eval_via_two_worker_processes_gives_every_row_with_at_most_c_outstanding(
+    server: Server, r: redis.Redis, names: Names, workers: Callable[..., Worker], tmp_path: Path
+) -> None:
+    spec = f"{REDIS_ENV}:TwoTurns"
+    pair = [workers(server.url, names, f"w{i}", "-c", "3", "--echo-delay", "0.02", taskset=spec)
+            for i in range(2)]  # fmt: skip
+    argv = eval_via(
+        server.url, names, tmp_path, "-n", "40", "-r", "2", "-c", "4", "--run-name", "via"
+    )
+    coordinator = subprocess.Popen(argv, stderr=subprocess.PIPE, text=True)
+    most = 0
+    while coordinator.poll() is None:  # XLEN: this eval's entries enqueued and unanswered
+        most = max(most, int(r.xlen(names.stream)))
+    _, err = coordinator.communicate()
+    assert coordinator.returncode == 0, err
+    rows = trace_rows(tmp_path / "via")
+    assert len(rows) == 80
+    assert len(comparable(rows)) == 80  # one row per slot
+    assert 1 <= most <= 4
+    assert r.xlen(names.stream) == 0
+    local = trio.run(tt.run_eval, graded_env(), tt.ModelContext(tt.EchoClient(), "echo"),
+                     eval_config(tmp_path, "local", num_examples=40, rollouts_per_example=2))  # fmt: skip
+    assert comparable(rows) == comparable(trace_rows(local.run_dir))
+    assert all(worker.stop() == 0 for worker in pair)
+    published = [int(w.log.split("published ")[1].split()[0]) for w in pair]
+    assert sum(published) == 80
+    assert min(published) > 0, published  # both workers served the eval
+
+
+def test_eval_via_resumed_after_the_coordinator_is_killed_runs_exactly_the_owed_slots(
+    server: Server, r: redis.Redis, names: Names, workers: Callable[..., Worker], tmp_path: Path
+) -> None:
+    from trio_tasksets.traces import read_rows
+
+    spec = f"{REDIS_ENV}:TwoTurns"
+    for i in range(2):
+        workers(server.url, names, f"w{i}", "-c", "2", "--echo-delay", "0.02", taskset=spec)
+    argv = eval_via(
+        server.url, names, tmp_path, "-n", "40", "-r", "2", "-c", "4", "--run-name", "run"
+    )
+    traces = tmp_path / "run" / "traces.jsonl"
+    first = subprocess.Popen(argv, stderr=subprocess.DEVNULL)
+    until(lambda: traces.exists() and len(traces.read_bytes().splitlines()) >= 20, "20 rows")
+    first.kill()  # SIGKILL: no clean-up at all
+    first.wait()
+    before = {row["id"] for row in read_rows(traces)[0] if row.get("ok")}
+    kept = len(before)
+    assert 20 <= kept < 80
+    second = subprocess.run([*argv, "--resume"], stderr=subprocess.PIPE, text=True, timeout=60)
+    assert second.returncode == 0, second.stderr
+    rows = trace_rows(tmp_path / "run")
+    assert len(rows) == 80
+    assert len(comparable(rows)) == 80
+    assert before <= {row["id"] for row in rows}  # what was done is kept...
+    assert len({row["id"] for row in rows} - before) == 80 - kept  # ...and the owed ran once
+    summary = json.loads((tmp_path / "run" / "summary.json").read_text())
+    assert summary["kept_from_resume"] == kept
+    assert summary["finished"] == 80
+
+
+def test_eval_via_bad_settings_are_usage_errors(
+    server: Server, capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    out = ["-o", str(tmp_path)]
+    for argv, message in [
+        (["eval", "echo", "--via", "http://h", *out], "--via"),
+        (["eval", "echo", "--stream", "s", *out], "--stream names the workers' stream"),
+        (["eval", "echo", "--via", "redis://127.0.0.1:1/0", *out], "cannot reach Redis"),
+        (["eval", "echo", "--via", server.url, "--serve", *out], "choose one"),
+    ]:
+        with pytest.raises(SystemExit) as exit_info:
+            cli_main(argv)
+        assert exit_info.value.code == 2
+        assert message in capsys.readouterr().err
+    assert not any(tmp_path.iterdir())  # no run dir
+
+
+def test_a_declaration_names_what_differs_and_the_fix() -> None:
+    from trio_tasksets.redis.entries import Declaration
+
+    echo = tt.ModelContext(tt.EchoClient(), "echo")
+    ours = Declaration.of(graded_env(), echo)
+    assert Declaration.from_json(ours.to_json()) == ours
+    assert ours.differs(Declaration.of(graded_env(), echo)) is None
+    # The same file in another checkout is the same class:
+    elsewhere = attrs.evolve(ours, taskset=ours.taskset.replace(str(ROOT), "/srv/other"))
+    assert elsewhere.taskset != ours.taskset
+    assert elsewhere.differs(ours) is None
+    # A declaration without env, model or sampling (from `enqueue`) checks the taskset only:
+    plain = Declaration.of_taskset(graded_env().taskset)
+    assert plain.differs(Declaration.of(graded_env("Graded"), echo)) is None
+    assert "system_prompt" not in (plain.config or {})  # each task carries its own
+    echo_tasks = Declaration.of(tt.Env(tt.builtin.EchoTaskset()), echo)
+    assert "start the worker with TASKSET echo" in str(echo_tasks.differs(ours))
+    other_model = Declaration.of(graded_env(), tt.ModelContext(tt.EchoClient(), "m2"))
+    assert "-m/--model" in str(other_model.differs(ours))
+    hot = Declaration.of(graded_env(), tt.ModelContext(tt.EchoClient(), "echo",
+                                                       tt.Sampling(temperature=0.7)))  # fmt: skip
+    assert "sampling" in str(hot.differs(ours))
+
+
+def test_ctrl_c_on_eval_via_leaves_nothing_for_workers_and_exits_130(
+    server: Server, r: redis.Redis, names: Names, tmp_path: Path
+) -> None:
+    argv = eval_via(server.url, names, tmp_path, "-n", "5", "-c", "3", "--run-name", "stop")
+    coordinator = subprocess.Popen(argv, stderr=subprocess.PIPE, text=True)
+    until(lambda: r.xlen(names.stream) == 3, "3 slots enqueued (no worker runs them)")
+    coordinator.send_signal(signal.SIGINT)
+    _, err = coordinator.communicate(timeout=20)
+    assert coordinator.returncode == 130, err
+    assert r.xlen(names.stream) == 0  # a worker started now finds nothing of this eval
+    assert not r.keys(f"{names.stream}:reply:*")
+    assert "deleted 3 unanswered slots" in err
+    # Nothing finished: no run dir is left behind (a rerun with the same name starts afresh).
+    assert not (tmp_path / "stop").exists()
+
+
+async def test_eval_via_takes_the_next_n_of_a_stream_with_r_slots_each(
+    server: Server, names: Names, tmp_path: Path
+) -> None:
+    from trio_tasksets.builtin import EchoStreamConfig, EchoStreamTaskset
+
+    def feed() -> tt.Env[Any]:
+        return tt.Env(EchoStreamTaskset(EchoStreamConfig(gap=0.01)))
+
+    worker = in_process_worker(server, names)
+    ctx = tt.ModelContext(tt.EchoClient(), "echo")
+    via = eval_config(tmp_path, "stream", num_examples=4, rollouts_per_example=2,
+                      via=server.url, stream=names.stream)  # fmt: skip
+    async with trio.open_nursery() as nursery:
+        shut_down = await nursery.start(worker.run, feed())
+        with trio.fail_after(20):
+            result = await tt.run_eval(feed(), ctx, via)
+        shut_down("done")
+    assert sorted(comparable(trace_rows(result.run_dir))) == [
+        (f"echo-stream:{i}", r) for i in range(4) for r in range(2)
+    ]
+    assert result.summary["ok"] == 8

@@ -63,6 +63,7 @@ class Progress:
     reward_sum: float = 0.0  # over finished slots
     carried: int = 0  # finished before this session (kept by a resume): not in the rate
     started_at: float = attrs.field(factory=time.monotonic)
+    note: str | None = None  # why nothing moves, when the runner knows (e.g. no worker)
 
     def planned(self, n: int = 1) -> None:
         """`n` more slots are planned (static: all at once; a stream: as tasks arrive)."""
@@ -106,11 +107,12 @@ class Progress:
     def line(self) -> str:
         """One plain-text status line, e.g.
         ``eval: 12/20 done, 3 running, 1 failed, reward 0.917, 4.1/s, 00:03``."""
-        return (
+        line = (
             f"{self.title}: {self.done}/{self._total_text()} done, {self.running} running, "
             f"{self.failed} failed, reward {_fmt_reward(self.reward_mean)}, "
             f"{_fmt_rate(self.rate)}, {_fmt_elapsed(self.elapsed)}"
         )
+        return line if self.note is None else f"{line}; {self.note}"
 
 
 # --- the live panel ------------------------------------------------------------------------
@@ -167,8 +169,11 @@ def _render(progress: Progress, max_width: int) -> RenderableType:
     title = Text(progress.title, style="bold")
     if growing:
         title.append("  (streaming)", style="dim italic")
+    rows: list[RenderableType] = [bar_row, Text(""), counts]
+    if progress.note is not None:
+        rows += [Text(""), Text(progress.note, style="bold yellow")]
     return Panel(
-        Group(bar_row, Text(""), counts),
+        Group(*rows),
         title=title,
         title_align="left",
         border_style="blue",

@@ -10,9 +10,9 @@ import attrs
 
 from .env import Env, RetryPolicy, answer_match
 from .loading import TravelError, load_object, object_spec
-from .tasksets import Taskset
+from .tasksets import Task, Taskset
 
-__all__ = ["EnvSpec", "TravelError", "config_from_json", "config_to_json"]
+__all__ = ["EnvSpec", "TravelError", "config_from_json", "config_to_json", "rebuild_task"]
 
 
 _INT_RANGE = (-(2**63), 2**64 - 1)  # what the server's JSON decoder (orjson) keeps exact
@@ -76,6 +76,16 @@ def config_from_json(taskset_cls: type[Taskset[Any, Any]], fields: dict[str, Any
         ):
             values[field.name] = tuple(values[field.name])
     return config_cls(**values)
+
+
+def rebuild_task(taskset_cls: type[Taskset[Any, Any]], key: str, data: dict[str, Any]) -> Any:
+    """The task that `key` and `data` (a task's `data`) stand for in another process:
+    `taskset_cls.task_from_data(data, key)` when the taskset class defines it, else
+    `tt.Task(**data, key=key)`. Raises what they raise (TypeError, ValueError, ...)."""
+    factory: Any = getattr(taskset_cls, "task_from_data", None)
+    if factory is not None:
+        return factory(data, key)
+    return Task(**data, key=key)
 
 
 def _reward_spec(env: Env[Any]) -> str | None:

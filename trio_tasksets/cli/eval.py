@@ -129,6 +129,17 @@ def add_parser(commands: Commands) -> argparse.ArgumentParser:
         help=f"with --server-url: the environment variable holding its token "
         f"(default: {TOKEN_VAR})",
     )  # fmt: skip
+    workers = ev.add_argument_group("over workers (trio-tasksets worker)")
+    workers.add_argument(
+        "--via", default=None, metavar="URL",
+        help="run the slots on `trio-tasksets worker`s through this Redis, e.g. "
+        "redis://127.0.0.1:6379/0 (the eval enqueues and collects; -c spans all workers; "
+        "default: none: run in this process)",
+    )  # fmt: skip
+    workers.add_argument(
+        "--stream", default=None, metavar="S",
+        help="with --via: the workers' task stream (default: tasks)",
+    )  # fmt: skip
     add_model_options(ev)
     return ev
 
@@ -188,6 +199,8 @@ def _build(args: argparse.Namespace) -> tuple[Env[Any], ModelContext, EvalConfig
         max_failures=args.max_failures,
         command=[*program(), *getattr(args, "argv", [])],
         api_key_var=api_key_var(args),
+        via=args.via,
+        stream=args.stream,
     )
     return env, ctx, config
 

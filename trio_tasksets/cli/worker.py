@@ -183,10 +183,14 @@ def _ping(url: str) -> None:
 
 
 async def _enqueue(url: str, stream: str, taskset: Any, n: int | None) -> list[str]:
+    from ..redis.entries import Declaration
     from ..redis.results import enqueue
 
+    # The taskset class only, not its -a config: workers may run the class with their own.
+    declare = Declaration(Declaration.of_taskset(taskset).taskset)
+    any_data = getattr(type(taskset), "task_from_data", None) is not None
     view = taskset.head(n) if n is not None else taskset
     if not view.streaming:
-        return await enqueue(url, stream, list(view))
+        return await enqueue(url, stream, list(view), declare=declare, any_data=any_data)
     async with view.channel() as tasks:
-        return await enqueue(url, stream, tasks)
+        return await enqueue(url, stream, tasks, declare=declare, any_data=any_data)

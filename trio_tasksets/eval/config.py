@@ -43,6 +43,8 @@ class EvalConfig:
     # failed ones exceed this fraction (a float in (0, 1)) of the planned slots (a stream: of
     # the finished ones). None: never stop early.
     max_failures: int | float | None = None
+    via: str | None = None  # --via (a Redis URL: the slots go to workers through it)
+    stream: str | None = None  # --stream (with --via: the workers' task stream; "tasks")
     # Recorded in config.json only (never compared by a resume): the command line that ran
     # the eval (default: sys.argv) and the name of the variable the model's API key came from.
     command: list[str] | None = None
@@ -113,6 +115,7 @@ def preflight(env: Env[Any], ctx: ModelContext, config: EvalConfig) -> None:
                 f"against; drop --resume)"
             )
     _check_served(env, ctx, config)
+    _check_via(config)
 
 
 def _check_served(env: Env[Any], ctx: ModelContext, config: EvalConfig) -> None:
@@ -130,6 +133,36 @@ def _check_served(env: Env[Any], ctx: ModelContext, config: EvalConfig) -> None:
         except TravelError as exc:
             flag = "--serve" if config.serve else "--server-url"
             raise EvalConfigError(f"{flag}: {exc}") from None
+
+
+def _check_via(config: EvalConfig) -> None:
+    """`--via`'s settings (the URL is parsed here; `via.reach` connects, before any write)."""
+    if config.via is None:
+        if config.stream is not None:
+            raise EvalConfigError("--stream names the workers' stream: it needs --via URL")
+        return
+    if config.serve or config.server_url:
+        flag = "--serve" if config.serve else "--server-url"
+        raise EvalConfigError(f"--via and {flag}: choose one (workers over Redis, or a server)")
+    if config.stream is not None and (not isinstance(config.stream, str) or not config.stream):
+        raise EvalConfigError(
+            f"--stream must name a stream, e.g. --stream tasks, got {config.stream!r}"
+        )
+    try:
+        from ..redis.entries import check_url  # redis-py is an optional extra
+    except ImportError as exc:
+        raise EvalConfigError(
+            f"--via needs redis-py ({exc}): pip install 'trio-tasksets[redis]'"
+        ) from None
+    try:
+        check_url(config.via)
+    except ValueError as exc:
+        raise EvalConfigError(f"--via: {exc}") from None
+
+
+def via_stream(config: EvalConfig) -> str:
+    """The task stream of a `--via` eval: `--stream`, else "tasks"."""
+    return config.stream if config.stream is not None else "tasks"
 
 
 def run_identity(env: Env[Any], ctx: ModelContext, config: EvalConfig) -> dict[str, Any]:

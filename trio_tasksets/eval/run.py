@@ -48,6 +48,7 @@ from .config import (
     preflight,
     run_dir_for,
     run_identity,
+    via_stream,
 )
 from .plan import from_list, keep_resumable, plan_stream, static_slots
 from .served import SlotRunner, served_runner
@@ -207,6 +208,7 @@ async def run_eval(
     signal's name. It must then run in the main thread.
     """
     preflight(env, ctx, config)
+    redis_run_id = await _reach(config)
     identity = run_identity(env, ctx, config)
     run_dir = run_dir_for(env, ctx, config)
     streaming = env.taskset.streaming
@@ -240,7 +242,9 @@ async def run_eval(
     new: list[Episode] | None = None
     began = time.monotonic()
     try:
-        new = await _execute(env, ctx, config, slots, traces_path, progress, tally, handle_signals)
+        new = await _execute(
+            env, ctx, config, slots, traces_path, progress, tally, handle_signals, redis_run_id
+        )
     except BaseException as exc:
         tally.ended_by(exc)
         raise
@@ -263,11 +267,32 @@ async def run_eval(
     return EvalResult(episodes=done, run_dir=run_dir, summary=summary)
 
 
+async def _reach(config: EvalConfig) -> str | None:
+    """With `--via`: Redis's run id, or `EvalConfigError` if it cannot be reached."""
+    if config.via is None:
+        return None
+    from .via import reach
+
+    return await reach(config.via)
+
+
 def _slot_runner(
-    env: Env[Any], ctx: ModelContext, config: EvalConfig
+    env: Env[Any],
+    ctx: ModelContext,
+    config: EvalConfig,
+    progress: dashboard.Progress,
+    redis_run_id: str | None,
 ) -> AbstractAsyncContextManager[SlotRunner]:
-    """How each slot runs: in this process under `env.serving()`, or on an env server (one
-    `client.run` per slot; the taskset and the traces stay here)."""
+    """How each slot runs: in this process under `env.serving()`, on an env server (one
+    `client.run` per slot), or on workers through Redis (one entry per slot); the taskset
+    and the traces stay here."""
+    if config.via is not None:
+        from .via import via_runner
+
+        return via_runner(
+            env, ctx, url=config.via, stream=via_stream(config), progress=progress,
+            run_id=redis_run_id,
+        )  # fmt: skip
     if config.serve or config.server_url:
         return served_runner(
             env, ctx, workers=config.workers, server_url=config.server_url,
@@ -301,12 +326,13 @@ async def _execute(
     progress: dashboard.Progress,
     tally: Tally,
     handle_signals: bool,
+    redis_run_id: str | None = None,
 ) -> list[Episode] | None:
     """Run the planned (static) or streamed slots through `run_stream`, recording each
     episode; the episodes in plan order, or None when the eval was stopped early."""
     try:
         async with (
-            _slot_runner(env, ctx, config) as run_slot,
+            _slot_runner(env, ctx, config, progress, redis_run_id) as run_slot,
             open_traces(traces_path) as writer,
             dashboard.show(progress, live=config.dashboard),
         ):

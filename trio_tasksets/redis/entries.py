@@ -1,9 +1,17 @@
-"""Tasks as Redis stream entries, and the feed URL."""
+"""Tasks as Redis stream entries, what produced them (`Declaration`), and the feed URL.
+
+A task entry has the field `task` (the JSON of `{"key", "data"}`) and, optionally:
+`env` (a `Declaration`: the taskset, its config, the env class, the model a producer meant
+the task for; a worker running another env refuses the entry), `rollout` (the slot's
+rollout, default 0) and `reply_to` (the stream its result goes to, instead of the worker's
+`--results`).
+"""
 
 from __future__ import annotations
 
 import sys
 from collections.abc import Callable, Mapping
+from pathlib import PurePath
 from typing import Any, TypeVar
 from urllib.parse import urlsplit, urlunsplit
 
@@ -11,8 +19,12 @@ import attrs
 import orjson
 import redis
 
-from ..env import task_data, task_key
-from ..tasksets import Task
+from ..builtin import BUILTIN
+from ..env import Env, task_data, task_key
+from ..envspec import TravelError, config_to_json
+from ..loading import object_spec
+from ..models import ModelContext
+from ..tasksets import Task, Taskset
 
 T = TypeVar("T")
 Log = Callable[[str], None]
@@ -20,6 +32,14 @@ Fields = Mapping[str, str]
 
 TASK_FIELD = "task"
 """The entry field holding a task: the JSON of `{"key": ..., "data": {...}}`."""
+ENV_FIELD = "env"
+"""The entry field holding the producer's `Declaration` (JSON), if it made one."""
+ROLLOUT_FIELD = "rollout"
+"""The entry field holding the slot's rollout number (default 0)."""
+REPLY_FIELD = "reply_to"
+"""The entry field naming the stream the task's result goes to (default: the worker's)."""
+REFUSED_FIELD = "refused"
+"""In a reply stream: a worker refused the entry named by `entry`, for this reason."""
 
 _TASK_DATA = frozenset({"prompt", "answer", "info", "system_prompt"})
 
@@ -47,30 +67,52 @@ class MalformedEntry(ValueError):
     """A stream entry that does not hold a task (moved to the dead-letter stream)."""
 
 
-def encode_task(task: Any) -> bytes:
+class Refused(MalformedEntry):
+    """An entry this worker will not run (declared for another env): dead-lettered, and the
+    reason is sent to its reply-to stream if it names one."""
+
+
+@attrs.frozen
+class Delivery:
+    """One claimed entry, decoded: the task's `key` and `data`, the slot's `rollout`, where
+    its result goes (`reply_to`, None: the worker's results stream) and the producer's
+    declaration as written (`declared`, None: the producer made none)."""
+
+    entry: EntryRef
+    key: str
+    data: dict[str, Any]
+    rollout: int = 0
+    reply_to: str | None = None
+    declared: str | None = None
+
+
+def encode_task(task: Any, *, any_data: bool = False) -> bytes:
     """The `task` field of an entry for `task`: JSON of its `key` and `data`.
 
     `data` must hold `prompt` and nothing beyond tt.Task's own fields (`prompt`, `answer`,
-    `info`, `system_prompt`), all JSON-serialisable; anything else raises TypeError naming the
-    task, before anything is written.
+    `info`, `system_prompt`), all JSON-serialisable; with `any_data` (the taskset rebuilds its
+    tasks with `task_from_data`) any JSON object will do. Anything else raises TypeError
+    naming the task, before anything is written.
     """
     key = task_key(task)
     data = task_data(task)
-    extra = sorted(set(data) - _TASK_DATA)
-    if "prompt" not in data or extra:
-        detail = f"fields beyond tt.Task's: {extra}" if extra else "no prompt"
-        raise TypeError(
-            f"task {key!r} ({type(task).__name__}) cannot travel through a stream: its data has "
-            f"{detail}; only tt.Task-shaped tasks (prompt, answer, info, system_prompt) can"
-        )
+    if not any_data:
+        extra = sorted(set(data) - _TASK_DATA)
+        if "prompt" not in data or extra:
+            detail = f"fields beyond tt.Task's: {extra}" if extra else "no prompt"
+            raise TypeError(
+                f"task {key!r} ({type(task).__name__}) cannot travel through a stream: its data "
+                f"has {detail}; only tt.Task-shaped tasks (prompt, answer, info, system_prompt) "
+                f"can, unless the taskset class defines task_from_data(data, key)"
+            )
     try:
         return orjson.dumps({"key": key, "data": data})
     except TypeError as exc:
         raise TypeError(f"task {key!r}: its data is not JSON-serialisable ({exc})") from None
 
 
-def decode_task(entry: EntryRef, fields: Fields | None) -> RedisTask:
-    """The task an entry holds; raises MalformedEntry (saying why) if it holds none."""
+def decode_entry(entry: EntryRef, fields: Fields | None) -> Delivery:
+    """What an entry holds; raises MalformedEntry (saying why) if it holds no task."""
     if not fields:
         raise MalformedEntry(f"entry {entry.id} has no fields (deleted from the stream?)")
     raw = fields.get(TASK_FIELD)
@@ -82,8 +124,22 @@ def decode_task(entry: EntryRef, fields: Fields | None) -> RedisTask:
         raise MalformedEntry(f"entry {entry.id}: {TASK_FIELD!r} is not JSON ({exc})") from None
     key = value.get("key") if isinstance(value, dict) else None
     data = value.get("data") if isinstance(value, dict) else None
-    if not isinstance(key, str) or not isinstance(data, dict) or "prompt" not in data:
+    if not isinstance(key, str) or not isinstance(data, dict):
         raise MalformedEntry(f"entry {entry.id}: {TASK_FIELD!r} is not a {{key, data}} task")
+    rollout = fields.get(ROLLOUT_FIELD, "0")
+    if not rollout.isdigit():  # an ASCII count: no sign, no spaces
+        raise MalformedEntry(f"entry {entry.id}: {ROLLOUT_FIELD!r} is not a count: {rollout!r}")
+    reply_to = fields.get(REPLY_FIELD)
+    if reply_to is not None and (not reply_to or reply_to == entry.stream):
+        raise MalformedEntry(f"entry {entry.id}: {REPLY_FIELD!r} must name another stream")
+    return Delivery(entry, key, data, int(rollout), reply_to, fields.get(ENV_FIELD))
+
+
+def plain_task(delivery: Delivery) -> RedisTask:
+    """The `RedisTask` a delivery holds; MalformedEntry unless its data is tt.Task-shaped."""
+    data, entry = delivery.data, delivery.entry
+    if "prompt" not in data:
+        raise MalformedEntry(f"entry {entry.id}: {TASK_FIELD!r} has no prompt")
     if set(data) - _TASK_DATA:
         raise MalformedEntry(
             f"entry {entry.id}: unknown task fields {sorted(set(data) - _TASK_DATA)}"
@@ -93,9 +149,122 @@ def decode_task(entry: EntryRef, fields: Fields | None) -> RedisTask:
         answer=data.get("answer"),
         info=data.get("info") or {},
         system_prompt=data.get("system_prompt"),
-        key=key,
+        key=delivery.key,
         entry=entry,
     )
+
+
+def decode_task(entry: EntryRef, fields: Fields | None) -> RedisTask:
+    """The task an entry holds; raises MalformedEntry (saying why) if it holds none."""
+    return plain_task(decode_entry(entry, fields))
+
+
+# --- what produced an entry ------------------------------------------------------------------
+
+
+def _name(cls: type) -> str:
+    """`object_spec`'s name for a class, else `module:qualname` (compared, never imported)."""
+    try:
+        return object_spec(cls, "the class")
+    except TravelError:
+        return f"{cls.__module__}:{cls.__qualname__}"
+
+
+def taskset_arg(name: str) -> str:
+    """How a TASKSET argument names the class `name`: its built-in id if it has one."""
+    for builtin_id, cls in BUILTIN.items():
+        if name == f"{cls.__module__}:{cls.__qualname__}":
+            return builtin_id
+    return name
+
+
+def _same_class(a: str, b: str) -> bool:
+    """The same class: the same name, or the same file name and class in two checkouts."""
+    if a == b:
+        return True
+    (where_a, _, name_a), (where_b, _, name_b) = a.rpartition(":"), b.rpartition(":")
+    files = where_a.endswith(".py") and where_b.endswith(".py")
+    return files and name_a == name_b and PurePath(where_a).name == PurePath(where_b).name
+
+
+@attrs.frozen
+class Declaration:
+    """What a producer meant its entries for: the taskset class (as `object_spec` names it),
+    its config (JSON fields, without `system_prompt`, which each task carries), and from an
+    eval the env class, the model and the sampling. A field left None is not declared (and
+    not checked). A worker refuses an entry whose declaration `differs` from its own."""
+
+    taskset: str
+    config: dict[str, Any] | None = None
+    env_class: str | None = None
+    model: str | None = None
+    sampling: dict[str, Any] | None = None
+
+    @classmethod
+    def of_taskset(cls, taskset: Taskset[Any, Any]) -> Declaration:
+        try:
+            config: dict[str, Any] | None = config_to_json(taskset)
+        except TravelError:
+            config = None  # not plain JSON: not declared, not checked
+        if config is not None:
+            config.pop("system_prompt", None)
+        return cls(_name(type(taskset)), config)
+
+    @classmethod
+    def of(cls, env: Env[Any], ctx: ModelContext | None = None) -> Declaration:
+        """The declaration of `env` (and of the model in `ctx`, if given)."""
+        base = cls.of_taskset(env.taskset)
+        sampling = None if ctx is None else orjson.loads(orjson.dumps(attrs.asdict(ctx.sampling)))
+        return attrs.evolve(
+            base,
+            env_class=_name(type(env)),
+            model=None if ctx is None else ctx.model,
+            sampling=sampling,
+        )
+
+    def to_json(self) -> str:
+        fields = {k: v for k, v in attrs.asdict(self).items() if v is not None}
+        return orjson.dumps(fields, option=orjson.OPT_SORT_KEYS).decode()
+
+    @classmethod
+    def from_json(cls, raw: str) -> Declaration:
+        """The declaration an entry carries; MalformedEntry if it is not one."""
+        try:
+            value = orjson.loads(raw)
+            return cls(**value)
+        except (orjson.JSONDecodeError, TypeError) as exc:
+            raise MalformedEntry(f"{ENV_FIELD!r} is not a declaration ({exc})") from None
+
+    def differs(self, own: Declaration) -> str | None:
+        """Why an entry declared so cannot run on a worker whose env is `own`, or None."""
+        if not _same_class(self.taskset, own.taskset):
+            return (
+                f"declared for taskset {self.taskset}, but this worker runs {own.taskset}: "
+                f"start the worker with TASKSET {taskset_arg(self.taskset)}"
+            )
+        if None not in (self.config, own.config) and self.config != own.config:
+            args = orjson.dumps(self.config).decode()
+            return (
+                f"declared with taskset config {args}, but this worker's is "
+                f"{orjson.dumps(own.config).decode()}: start the worker with -a '{args}'"
+            )
+        mine, theirs = self.env_class, own.env_class
+        if mine is not None and theirs is not None and not _same_class(mine, theirs):
+            return (
+                f"declared for env class {mine}, but this worker runs {theirs}: start the "
+                f"worker with --env-class {mine}"
+            )
+        if None not in (self.model, own.model) and self.model != own.model:
+            return (
+                f"declared for model {self.model!r}, but this worker runs {own.model!r}: give "
+                f"the eval and the worker the same -m/--model"
+            )
+        if None not in (self.sampling, own.sampling) and self.sampling != own.sampling:
+            return (
+                f"declared with sampling {self.sampling}, but this worker samples with "
+                f"{own.sampling}: give the eval and the worker the same sampling flags"
+            )
+        return None
 
 
 # --- the connection: one client, every call retried on connection failures -------------------
@@ -134,3 +303,8 @@ def stderr_log(prefix: str) -> Log:
         print(f"{prefix}: {message}", file=sys.stderr, flush=True)
 
     return log
+
+
+def is_nogroup(error: Exception) -> bool:
+    """A NOGROUP reply: the stream or its group is gone (Redis restarted without its data)."""
+    return str(error).startswith("NOGROUP")

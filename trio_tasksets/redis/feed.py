@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
+import collections
 import math
-from collections.abc import AsyncIterator
-from typing import Any
+from collections.abc import AsyncIterator, Callable
+from typing import Any, Generic, TypeVar
 
 import orjson
 import redis
@@ -13,15 +14,30 @@ from redis.exceptions import ResponseError
 from redis.typing import KeyT, StreamIdT
 
 from ..tasksets import Taskset, TasksetConfig
-from .entries import EntryRef, Log, MalformedEntry, RedisTask, check_url, decode_task, stderr_log
+from .entries import (
+    REFUSED_FIELD,
+    Delivery,
+    EntryRef,
+    Log,
+    MalformedEntry,
+    RedisTask,
+    check_url,
+    decode_entry,
+    is_nogroup,
+    plain_task,
+    stderr_log,
+)
 from .link import Link, Stopped, first_entry
 
+T = TypeVar("T")
 _RECLAIM_EVERY_CAP = 30.0
 
 # Deletes consumer ARGV[2] of group ARGV[1] only if it has no pending entry (deleting one that
 # has would drop its entries from the pending list: they would never be delivered again).
+# A group that is gone (Redis lost its data) has nothing to leave: 0.
 _LEAVE = """
-if #redis.call('XPENDING', KEYS[1], ARGV[1], '-', '+', 1, ARGV[2]) > 0 then return 0 end
+local held = redis.pcall('XPENDING', KEYS[1], ARGV[1], '-', '+', 1, ARGV[2])
+if held.err or #held > 0 then return 0 end
 redis.call('XGROUP', 'DELCONSUMER', KEYS[1], ARGV[1], ARGV[2])
 return 1
 """
@@ -103,7 +119,7 @@ class RedisStreamTaskset(Taskset[RedisTask, TasksetConfig]):
             link.close()
 
     async def stream(self) -> AsyncIterator[RedisTask]:
-        reader = _Reader(self)
+        reader = _Reader(self, plain_task)
         try:
             if not await reader.open():
                 return
@@ -112,12 +128,40 @@ class RedisStreamTaskset(Taskset[RedisTask, TasksetConfig]):
         finally:
             reader.close()
 
+    async def claims(
+        self, build: Callable[[Delivery], T], *, room: Callable[[], int] | None = None
+    ) -> AsyncIterator[T]:
+        """What `stream()` does, for any kind of task: each claimed entry, decoded, goes
+        through `build`, and what it returns is yielded. An entry `build` rejects (raising
+        `MalformedEntry`, e.g. `Refused`) is dead-lettered with the reason and acknowledged,
+        and, if it names a reply-to stream, the reason is added there (field `refused`).
 
-class _Reader:
+        `room()`, if given, says how many entries the consumer can take now (at least the
+        one being pulled): a read of new entries claims up to that many at once and yields
+        them one per pull, so a window that frees several places at once costs one read."""
+        reader = _Reader(self, build, room)
+        try:
+            if not await reader.open():
+                return
+            while (item := await reader.next()) is not None:
+                yield item
+        finally:
+            reader.close()
+
+
+class _Reader(Generic[T]):
     """One stream() of a RedisStreamTaskset: its connection and its place in each phase."""
 
-    def __init__(self, taskset: RedisStreamTaskset) -> None:
+    def __init__(
+        self,
+        taskset: RedisStreamTaskset,
+        build: Callable[[Delivery], T],
+        room: Callable[[], int] | None = None,
+    ) -> None:
         self._ts = taskset
+        self._build = build
+        self._room = room
+        self._claimed: collections.deque[tuple[str, dict[str, str] | None]] = collections.deque()
         self._link = Link(taskset.url, read_timeout=taskset.block + 10.0, log=taskset.log)
         self._history: str | None = "0"  # cursor over this consumer's own pending entries
         self._cursor = "0-0"  # XAUTOCLAIM's scan cursor
@@ -143,31 +187,43 @@ class _Reader:
             if "BUSYGROUP" not in str(exc):
                 raise
 
-    async def next(self) -> RedisTask | None:
-        """The next task (claiming exactly one entry), or None once stopped."""
-        while not self._ts.stopping:
+    async def next(self) -> T | None:
+        """The next task (claiming one entry, or taking one claimed by the last read), or None
+        once stopped and nothing claimed is left."""
+        while True:
+            if self._claimed:  # even if stop() came meanwhile: they are ours now, run them
+                task = await self._task(*self._claimed.popleft())
+                if task is not None:
+                    return task
+                continue
+            if self._ts.stopping:
+                return None
             try:
                 found = await self._step()
             except Stopped:
                 return None
             except ResponseError as exc:
-                if "NOGROUP" not in str(exc):
+                if not is_nogroup(exc):
                     raise
-                self._ts.log(f"group {self._ts.group} is gone (Redis lost its data?): recreating")
+                ts = self._ts
+                ts.log(
+                    f"group {ts.group} of {ts.stream_key} is gone (Redis restarted without its "
+                    f"data?): recreating it"
+                )
+                self._history = None  # a new group: nothing of ours is pending in it
+                self._cursor = "0-0"
                 await self.open()
                 continue
-            if found is not None:
-                task = await self._task(*found)
-                if task is not None:
-                    return task  # even if stop() came meanwhile: it is ours now, run it
-        return None
+            self._claimed.extend(found)
 
-    async def _step(self) -> tuple[str, dict[str, str] | None] | None:
+    async def _step(self) -> list[tuple[str, dict[str, str] | None]]:
         if self._history is not None:
-            return await self._own_pending()
-        if trio.current_time() >= self._reclaim_at:
-            return await self._reclaim()
-        return await self._new()
+            found = await self._own_pending()
+        elif trio.current_time() >= self._reclaim_at:
+            found = await self._reclaim()
+        else:
+            return await self._new()
+        return [] if found is None else [found]
 
     async def _own_pending(self) -> tuple[str, dict[str, str] | None] | None:
         ts = self._ts
@@ -199,31 +255,45 @@ class _Reader:
         ts.log(f"reclaimed entry {entry_id} of {ts.stream_key} (pending > {ts.claim_idle:g} s)")
         return str(entry_id), fields
 
-    async def _new(self) -> tuple[str, dict[str, str] | None] | None:
+    async def _new(self) -> list[tuple[str, dict[str, str] | None]]:
         ts = self._ts
         block_ms = max(1, int(ts.block * 1000))
         streams: dict[KeyT, StreamIdT] = {ts.stream_key: ">"}
+        count = 1 if self._room is None else max(1, self._room())
 
         def read(client: redis.Redis, _attempt: int) -> Any:
-            return client.xreadgroup(ts.group, ts.consumer, streams, count=1, block=block_ms)
+            return client.xreadgroup(ts.group, ts.consumer, streams, count=count, block=block_ms)
 
-        return first_entry(await self._link.call("waiting for entries", read, stop=ts._stop))
+        reply = await self._link.call("waiting for entries", read, stop=ts._stop)
+        if not reply:
+            return []
+        return [(str(entry_id), fields) for entry_id, fields in reply[0][1]]
 
-    async def _task(self, entry_id: str, fields: dict[str, str] | None) -> RedisTask | None:
+    async def _task(self, entry_id: str, fields: dict[str, str] | None) -> T | None:
         ts = self._ts
         entry = EntryRef(ts.stream_key, ts.group, entry_id)
+        delivery: Delivery | None = None
         try:
-            return decode_task(entry, fields)
+            delivery = decode_entry(entry, fields)
+            return self._build(delivery)
         except MalformedEntry as exc:
-            ts.log(f"{exc}: moved to {ts.dead_letter} and acknowledged")
             error = str(exc)
+        ts.log(f"{error}: moved to {ts.dead_letter} and acknowledged")
+        reply_to = delivery.reply_to if delivery is not None else None
+        raw = orjson.dumps(fields or {}).decode()
 
         def bury(client: redis.Redis, _attempt: int) -> None:
-            raw = orjson.dumps(fields or {}).decode()
             with client.pipeline(transaction=True) as pipe:
                 pipe.xadd(ts.dead_letter, {"entry": entry_id, "error": error, "fields": raw})
                 pipe.xack(ts.stream_key, ts.group, entry_id)
-                pipe.execute()
+                if reply_to is not None and delivery is not None:
+                    notice = {"entry": entry_id, "stream": ts.stream_key, "key": delivery.key,
+                              "consumer": ts.consumer, REFUSED_FIELD: error}  # fmt: skip
+                    pipe.xadd(reply_to, notice)  # type: ignore[arg-type]
+                replies = pipe.execute(raise_on_error=False)
+            for reply in replies:
+                if isinstance(reply, Exception):  # e.g. WRONGTYPE: a reply-to that is no stream
+                    ts.log(f"dead-lettering {entry_id}: {reply}")
 
         await self._link.call("dead-lettering an entry", bury)
         return None

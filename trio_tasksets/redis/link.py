@@ -52,18 +52,26 @@ class Link:
         self._log = log
 
     async def call(
-        self, what: str, fn: Callable[[redis.Redis, int], T], *, stop: trio.Event | None = None
+        self,
+        what: str,
+        fn: Callable[[redis.Redis, int], T],
+        *,
+        stop: trio.Event | None = None,
+        abandon: bool = True,
     ) -> T:
         """`fn(client, attempt)` in a thread, retried while Redis is unreachable.
 
         `attempt` counts from 1, so `fn` can tell a replay. Raises `Stopped` if `stop` is set
-        while waiting to retry.
+        while waiting to retry. Cancellation abandons the thread at once, unless `abandon` is
+        False: then an attempt in progress runs to its end (at most the read timeout) and its
+        result is returned, so the caller learns what it did (e.g. the ids it added); a
+        cancellation still stops the retries.
         """
         failures = 0
         while True:
             try:
                 result = await trio.to_thread.run_sync(
-                    fn, self.client, failures + 1, abandon_on_cancel=True
+                    fn, self.client, failures + 1, abandon_on_cancel=abandon
                 )
             except (RedisConnectionError, RedisTimeoutError) as exc:
                 failures += 1

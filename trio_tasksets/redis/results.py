@@ -2,16 +2,28 @@
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterable, Iterable, Sequence
+from collections.abc import AsyncIterable, Iterable, Mapping, Sequence
 from typing import Any
 
 import attrs
 import orjson
 import redis
+from redis.exceptions import ResponseError
 from redis.typing import EncodableT, FieldT
 
 from ..env import Episode
-from .entries import TASK_FIELD, EntryRef, Log, check_url, encode_task, stderr_log
+from ..tasksets import Taskset
+from .entries import (
+    ENV_FIELD,
+    TASK_FIELD,
+    Declaration,
+    EntryRef,
+    Log,
+    check_url,
+    encode_task,
+    is_nogroup,
+    stderr_log,
+)
 from .link import Link
 
 # --- the results sink ----------------------------------------------------------------------
@@ -26,6 +38,17 @@ class Published:
 
     result_id: str | None
     acked: bool
+
+
+@attrs.frozen
+class Answer:
+    """An episode to publish: the task entry it answers, the stream it goes to (None: the
+    sink's own) and extra fields for its result entry."""
+
+    episode: Episode
+    entry: EntryRef
+    to: str | None = None
+    meta: Mapping[str, str | int | float] = attrs.field(factory=dict)
 
 
 class RedisResults:
@@ -50,46 +73,96 @@ class RedisResults:
         self._link.close()
 
     async def publish(
-        self, episode: Episode, entry: EntryRef, **meta: str | int | float
+        self, episode: Episode, entry: EntryRef, *, to: str | None = None, **meta: str | int | float
     ) -> Published:
-        """XADD the episode's row and XACK `entry` in one MULTI/EXEC; call it only once the
-        episode is complete.
+        """XADD the episode's row to `to` (default: this sink's stream) and XACK `entry` in
+        one MULTI/EXEC; call it only once the episode is complete.
 
         Retries while Redis is unreachable and returns once the transaction has run: the
         episode is held, never dropped. A replay first checks that the entry is still pending;
         if it is not (the first try went through, or another worker finished it), nothing is
-        published. Cancellation abandons the attempt: the entry stays pending (at-least-once).
+        published. A group that is gone (Redis restarted without its data) took any earlier
+        try with it: the row is published, with nothing to acknowledge. If `to` cannot take
+        the row (not a stream), it goes to this sink's stream with a `reply_error` field.
+        Cancellation abandons the attempt: the entry stays pending (at-least-once).
         """
-        fields: dict[FieldT, EncodableT] = {
-            "key": episode.task.key,
-            "entry": entry.id,
-            "stream": entry.stream,
-        }
-        for name, value in meta.items():
-            fields[name] = value
-        fields["row"] = orjson.dumps(episode.to_row())
-
-        def transact(client: redis.Redis, attempt: int) -> Published:
-            if attempt > 1 and not _pending(client, entry):
-                return Published(None, acked=False)
-            with client.pipeline(transaction=True) as pipe:
-                pipe.xadd(self.stream, fields)
-                pipe.xack(entry.stream, entry.group, entry.id)
-                added, acked = pipe.execute(raise_on_error=False)
-            if isinstance(added, Exception):
-                raise added
-            if isinstance(acked, Exception):
-                self.log(f"published {added} but could not acknowledge {entry.id}: {acked}")
-                return Published(str(added), acked=False)
-            return Published(str(added), acked=bool(acked))
-
-        done = await self._link.call(f"publishing the result of {entry.id}", transact)
-        if done.result_id is not None and not done.acked:
-            self.log(
-                f"entry {entry.id} was already acknowledged: result {done.result_id} duplicates "
-                f"one for task key {episode.task.key!r}"
-            )
+        [done] = await self.publish_many([Answer(episode, entry, to, meta)])
         return done
+
+    async def publish_many(self, answers: Sequence[Answer]) -> list[Published]:
+        """`publish` for several episodes in one MULTI/EXEC (one round trip): each row added
+        and its entry acknowledged, as `publish` does for one."""
+        rows = [_fields(answer) for answer in answers]
+        targets = [a.to if a.to is not None else self.stream for a in answers]
+
+        def transact(client: redis.Redis, attempt: int) -> list[tuple[Published, str | None]]:
+            todo = list(range(len(answers)))
+            if attempt > 1:  # a replay: only what is still pending (the first try may be in)
+                still = _pending_many(client, [a.entry for a in answers])
+                todo = [i for i in todo if still[i]]
+            outcome: list[tuple[Published, str | None]] = [(Published(None, False), None)] * len(
+                answers
+            )
+            if not todo:
+                return outcome
+            with client.pipeline(transaction=True) as pipe:
+                for i in todo:
+                    entry = answers[i].entry
+                    pipe.xadd(targets[i], rows[i])
+                    pipe.xack(entry.stream, entry.group, entry.id)
+                replies = pipe.execute(raise_on_error=False)
+            for n, i in enumerate(todo):
+                added, acked = replies[2 * n], replies[2 * n + 1]
+                outcome[i] = self._outcome(client, answers[i], targets[i], rows[i], added, acked)
+            return outcome
+
+        what = f"publishing {len(answers)} result{'s' if len(answers) > 1 else ''}"
+        done = await self._link.call(what, transact)
+        for _published, note in done:
+            if note is not None:
+                self.log(note)
+        return [published for published, _ in done]
+
+    def _outcome(
+        self,
+        client: redis.Redis,
+        answer: Answer,
+        target: str,
+        row: dict[FieldT, EncodableT],
+        added: Any,
+        acked: Any,
+    ) -> tuple[Published, str | None]:
+        """What one answer's XADD and XACK replies mean, and what to log about them."""
+        entry, note = answer.entry, None
+        if isinstance(added, Exception):
+            if target == self.stream:
+                raise added
+            note = (
+                f"cannot add the result of {entry.id} to {target} ({added}): sent to {self.stream}"
+            )
+            added = client.xadd(self.stream, {**row, "reply_error": str(added)})
+        if isinstance(acked, Exception):
+            note = f"published {added} but could not acknowledge {entry.id}: {acked}"
+            return Published(str(added), acked=False), note
+        if not acked and _group_gone(client, entry):
+            note = (
+                f"published {added}; group {entry.group} of {entry.stream} is gone (Redis "
+                f"restarted without its data?), so there was nothing to acknowledge"
+            )
+            return Published(str(added), acked=False), note
+        if not acked and not client.xrange(entry.stream, entry.id, entry.id, count=1):
+            note = (
+                f"published {added}; entry {entry.id} is no longer in {entry.stream} (lost "
+                f"with Redis's data, or deleted once answered), so there was nothing to "
+                f"acknowledge"
+            )
+            return Published(str(added), acked=False), note
+        if not acked:
+            note = (
+                f"entry {entry.id} was already acknowledged: result {added} duplicates "
+                f"one for task key {answer.episode.task.key!r}"
+            )
+        return Published(str(added), acked=bool(acked)), note
 
     async def keep_alive(self, consumer: str, entries: Sequence[EntryRef]) -> int:
         """Reset the idle time of those `entries` that `consumer` still owns, so that no
@@ -108,12 +181,14 @@ class RedisResults:
 
 
 # Resets the idle time of the entries ARGV[1] still owns (XCLAIM JUSTID keeps the delivery
-# count); an entry another consumer has reclaimed meanwhile is left alone.
+# count); an entry another consumer has reclaimed meanwhile is left alone, and so is one whose
+# group is gone (Redis restarted without its data).
 _KEEP_ALIVE = """
 local n = 0
 for i = 1, #KEYS do
   local group, id = ARGV[2 * i], ARGV[2 * i + 1]
-  local row = redis.call('XPENDING', KEYS[i], group, id, id, 1)[1]
+  local rows = redis.pcall('XPENDING', KEYS[i], group, id, id, 1)
+  local row = (not rows.err) and rows[1]
   if row and row[2] == ARGV[1] then
     redis.call('XCLAIM', KEYS[i], group, ARGV[1], 0, id, 'JUSTID')
     n = n + 1
@@ -123,9 +198,46 @@ return n
 """
 
 
-def _pending(client: redis.Redis, entry: EntryRef) -> bool:
-    rows = client.xpending_range(entry.stream, entry.group, entry.id, entry.id, 1)
-    return bool(rows)
+def _pending_many(client: redis.Redis, entries: Sequence[EntryRef]) -> list[bool]:
+    """Whether each entry still waits for its result (so a replay must publish it): pending
+    in its group, or no longer in its stream or its group at all (Redis lost its data, and
+    any earlier try's result with it; or the entry was deleted once answered, and a second
+    result is a duplicate the consumers drop). False: acknowledged and still there, so the
+    first try went through (or another worker answered it)."""
+    with client.pipeline(transaction=False) as pipe:
+        for entry in entries:
+            pipe.xpending_range(entry.stream, entry.group, entry.id, entry.id, 1)
+            pipe.xrange(entry.stream, entry.id, entry.id, count=1)
+        replies = pipe.execute(raise_on_error=False)
+    still: list[bool] = []
+    for held, present in zip(replies[::2], replies[1::2], strict=True):
+        if isinstance(held, ResponseError) and is_nogroup(held):
+            still.append(True)
+        elif isinstance(held, Exception):
+            raise held
+        else:
+            still.append(bool(held) or not present)
+    return still
+
+
+def _fields(answer: Answer) -> dict[FieldT, EncodableT]:
+    entry, episode = answer.entry, answer.episode
+    fields: dict[FieldT, EncodableT] = {"key": episode.task.key, "entry": entry.id,
+                                        "stream": entry.stream}  # fmt: skip
+    for name, value in answer.meta.items():
+        fields[name] = value
+    fields["row"] = orjson.dumps(episode.to_row())
+    return fields
+
+
+def _group_gone(client: redis.Redis, entry: EntryRef) -> bool:
+    try:
+        client.xpending(entry.stream, entry.group)
+    except ResponseError as exc:
+        if is_nogroup(exc):
+            return True
+        raise
+    return False
 
 
 # --- producers -----------------------------------------------------------------------------
@@ -137,18 +249,31 @@ async def enqueue(
     tasks: Iterable[Any] | AsyncIterable[Any],
     *,
     batch: int = 500,
+    declare: Declaration | Taskset[Any, Any] | None = None,
+    any_data: bool | None = None,
     log: Log | None = None,
 ) -> list[str]:
     """XADD each task as an entry of `stream` (a `task` field, see `encode_task`); return the
     entry ids in order.
 
-    A sync iterable is sent in MULTI/EXEC batches of `batch`; an async iterable (a feed) one
-    entry as each task arrives. Every task of a batch is encoded before it is sent, so a task
-    that cannot travel raises TypeError before its batch is written. Connection failures are
-    retried like the worker's (a replayed batch may add duplicates, marked by task key).
+    `declare` (a `Declaration`, or the taskset the tasks come from) goes into each entry's
+    `env` field: a worker running another taskset refuses them (dead-letters them, saying
+    why) instead of scoring them with the wrong env. `any_data`: the tasks may hold any JSON
+    data (their taskset class rebuilds them with `task_from_data`); by default, whether
+    `declare`'s class does. A sync iterable is sent in MULTI/EXEC batches of `batch`;
+    an async iterable (a feed) one entry as each task arrives. Every task of a batch is
+    encoded before it is sent, so a task that cannot travel raises TypeError before its
+    batch is written. Connection failures are retried like the worker's (a replayed batch
+    may add duplicates, marked by task key).
     """
     if batch < 1:
         raise ValueError(f"batch must be >= 1, got {batch}")
+    if isinstance(declare, Taskset):
+        if any_data is None:
+            any_data = getattr(type(declare), "task_from_data", None) is not None
+        declare = Declaration.of_taskset(declare)
+    any_data = bool(any_data)
+    extra: dict[FieldT, EncodableT] = {} if declare is None else {ENV_FIELD: declare.to_json()}
     link = Link(url, read_timeout=10.0, log=log or stderr_log("trio_tasksets.redis"))
     ids: list[str] = []
 
@@ -156,7 +281,7 @@ async def enqueue(
         def add(client: redis.Redis, _attempt: int) -> list[Any]:
             with client.pipeline(transaction=len(chunk) > 1) as pipe:
                 for raw in chunk:
-                    pipe.xadd(stream, {TASK_FIELD: raw})
+                    pipe.xadd(stream, {TASK_FIELD: raw, **extra})
                 return pipe.execute()
 
         ids.extend(str(i) for i in await link.call(f"adding entries to {stream}", add))
@@ -164,11 +289,11 @@ async def enqueue(
     try:
         if isinstance(tasks, AsyncIterable):
             async for task in tasks:
-                await send([encode_task(task)])
+                await send([encode_task(task, any_data=any_data)])
         else:
             chunk: list[bytes] = []
             for task in tasks:
-                chunk.append(encode_task(task))
+                chunk.append(encode_task(task, any_data=any_data))
                 if len(chunk) >= batch:
                     await send(chunk)
                     chunk = []

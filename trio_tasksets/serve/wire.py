@@ -6,16 +6,16 @@ import copy
 import json
 import math
 import os
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from typing import Any
 
 import attrs
 import trio
 
 from ..env import RunSlot, task_data, task_key
-from ..envspec import TravelError
+from ..envspec import TravelError, rebuild_task
 from ..models import EchoClient, ModelClient, ModelContext, OpenAIClient, Sampling
-from ..tasksets import Task, Taskset
+from ..tasksets import Taskset
 
 TOKEN_VAR = "TT_SERVE_TOKEN"
 """The environment variable a spawned server reads its bearer token from, and the one an
@@ -388,13 +388,8 @@ def parse_run_request(body: object, *, plain_tasks: bool = True) -> RunRequest:
 def build_task(taskset_cls: type[Taskset[Any, Any]], key: str, data: dict[str, Any]) -> Any:
     """The task a request stands for: `taskset_cls.task_from_data(data, key)` when the
     taskset class defines it, else `tt.Task(**data, key=key)`; `WireError` if it fails."""
-    factory: Callable[[dict[str, Any], str], Any] | None = getattr(
-        taskset_cls, "task_from_data", None
-    )
     try:
-        if factory is not None:
-            return factory(data, key)
-        return Task(**data, key=key)
+        return rebuild_task(taskset_cls, key, data)
     except (TypeError, ValueError, KeyError) as exc:
         raise WireError("slot.task.data", f"cannot build a task from it: {exc}") from exc
 

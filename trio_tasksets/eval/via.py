@@ -1,0 +1,485 @@
+"""The eval as a coordinator over Redis workers (`--via URL [--stream S]`).
+
+Each slot the eval's window lets run becomes one entry of the task stream (the task, its
+rollout, the eval's `Declaration`, and a reply-to stream of this session's own); the slot
+completes when a worker's result for that entry comes back on the reply-to stream. So the
+eval's `-c` spans every worker: at most `-c` entries of this session are in the task stream
+at any moment, since the enqueue that takes a freed place first deletes the answered ones.
+
+* One row per slot: a slot completes on the first result for any of its entries; a second
+  result (an entry reclaimed after a Redis outage longer than the workers' `--claim-idle`,
+  or a slot re-enqueued after Redis lost its data) is counted and dropped.
+* Redis restarted without its data (its `run_id` changed and this session's entries are
+  gone): the slots still waiting are enqueued again.
+* No worker answering: after `QUIET` seconds without a result, the dashboard (and the log)
+  says why (no consumer group reads the stream, or none took a slot), and the eval waits.
+* A worker that refuses a slot (another taskset, env, model or sampling) ends the eval with
+  `ViaError` and the worker's reason.
+* On the way out (done, Ctrl-C, an error) the session deletes its unanswered entries from
+  the task stream, so no worker picks them up later, says how many a worker had already
+  taken (their results go to the reply-to stream, which expires), and deletes the reply-to
+  stream when nothing more can arrive on it.
+
+Slots are enqueued in batches (one pipelined round trip for whatever is ready, which first
+deletes the entries answered since the last one) and results read in batches
+(`XREAD COUNT 1000 BLOCK`): two round trips per batch of slots.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import inspect
+import math
+import time
+import uuid
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
+from contextlib import asynccontextmanager
+from typing import Any
+
+import attrs
+import orjson
+import redis
+import trio
+from redis.exceptions import RedisError, ResponseError
+
+from .. import dashboard
+from ..env import Env, Episode, RunSlot
+from ..models import ModelContext
+from ..redis.entries import (
+    ENV_FIELD,
+    REFUSED_FIELD,
+    REPLY_FIELD,
+    ROLLOUT_FIELD,
+    TASK_FIELD,
+    Declaration,
+    Log,
+    check_url,
+    encode_task,
+    redact,
+    stderr_log,
+)
+from ..redis.link import Link
+from .config import EvalConfigError
+from .served import SlotRunner
+
+__all__ = ["QUIET", "ViaError", "reach", "via_runner"]
+
+QUIET = 10.0
+"""Seconds without a result (slots waiting) before the dashboard says why."""
+_WATCH_EVERY = 2.0  # seconds between checks of Redis (restart, workers, the reply TTL)
+_BLOCK = 0.5  # the longest one read of the reply stream waits
+_BATCH = 1000  # most entries per XADD pipeline or XREAD
+_COALESCE = 0.001  # seconds between two reads of answers: a slot waits 0.5 ms more, on average
+_REPLY_TTL_MS = 600_000  # the reply stream outlives a killed coordinator by 10 minutes
+_CLEANUP_WITHIN = 5.0  # seconds the way out spends deleting what this session left
+_LOG_EVERY = 60.0  # seconds between log lines repeating why no result comes
+
+
+class ViaError(RuntimeError):
+    """A slot a worker refused (its reason says what differs and how to fix it)."""
+
+
+def _id(entry_id: str) -> tuple[int, int]:
+    ms, _, seq = entry_id.partition("-")
+    return int(ms), int(seq or 0)
+
+
+async def reach(url: str) -> str:
+    """Redis's `run_id` at `url`; `EvalConfigError` naming `--via` if it cannot be reached."""
+    try:
+        check_url(url)
+    except ValueError as exc:
+        raise EvalConfigError(f"--via: {exc}") from None
+
+    def ping() -> str:
+        client = redis.Redis.from_url(url, socket_connect_timeout=5.0, socket_timeout=5.0)
+        try:
+            return str(client.info("server")["run_id"])
+        finally:
+            client.close()
+
+    try:
+        return await trio.to_thread.run_sync(ping)
+    except RedisError as exc:
+        raise EvalConfigError(
+            f"--via {redact(url)}: cannot reach Redis ({type(exc).__name__}: {exc}); start "
+            f"redis-server there or fix the URL"
+        ) from None
+
+
+def _add(
+    stream: str, answered: list[str], rows: list[dict[str, str]], client: redis.Redis, _attempt: int
+) -> list[Any]:
+    """Delete the answered entries, then add the new ones: in this order on the server, so
+    the stream never holds more of this session's entries than its window."""
+    with client.pipeline(transaction=False) as pipe:
+        if answered:
+            pipe.xdel(stream, *answered)
+        for fields in rows:
+            pipe.xadd(stream, fields)  # type: ignore[arg-type]
+        replies = pipe.execute()
+    return replies[1:] if answered else replies
+
+
+def _check(stream: str, reply: str, answered: list[str], client: redis.Redis, _attempt: int) -> str:
+    """Redis's run id; keep the reply stream alive; delete the answered entries."""
+    with client.pipeline(transaction=False) as pipe:
+        pipe.info("server")
+        pipe.pexpire(reply, _REPLY_TTL_MS)
+        if answered:
+            pipe.xdel(stream, *answered)
+        info = pipe.execute()[0]
+    return str(info["run_id"])
+
+
+def _groups(client: redis.Redis, stream: str) -> list[dict[str, Any]]:
+    """The consumer groups of `stream` (none if it does not exist)."""
+    try:
+        return list(client.xinfo_groups(stream))
+    except ResponseError:  # no such key
+        return []
+
+
+def _held(client: redis.Redis, stream: str, ids: list[str]) -> set[str]:
+    """Those of `ids` pending in a group of `stream`: taken by a worker, not yet answered."""
+    first, last = min(ids, key=_id), max(ids, key=_id)
+    held: set[str] = set()
+    for group in _groups(client, stream):
+        rows = client.xpending_range(stream, str(group["name"]), first, last, len(ids))
+        held.update(str(row["message_id"]) for row in rows)
+    return held & set(ids)
+
+
+def _read(reply: str, last: str, client: redis.Redis, _attempt: int) -> Any:
+    return client.xread({reply: last}, count=_BATCH, block=int(_BLOCK * 1000))
+
+
+@attrs.define(eq=False)
+class _Slot:
+    """A slot on its way through the stream: its entry fields, the ids it was enqueued as
+    (more than one after a re-enqueue), and its answer."""
+
+    fields: dict[str, str]
+    entries: list[str] = attrs.Factory(list)
+    done: trio.Event = attrs.Factory(trio.Event)
+    answer: dict[str, str] | None = None
+
+
+class _Coordinator:
+    def __init__(
+        self,
+        env: Env[Any],
+        ctx: ModelContext,
+        url: str,
+        stream: str,
+        run_id: str,
+        progress: dashboard.Progress,
+        log: Log,
+        quiet: float = QUIET,
+        watch_every: float = _WATCH_EVERY,
+    ) -> None:
+        self.stream = stream
+        # The same {hash tag} as the task stream (a suffix keeps it): one Redis Cluster slot.
+        self.reply = f"{stream}:reply:{uuid.uuid4().hex[:12]}"
+        self.url = url
+        self._link = Link(url, read_timeout=_BLOCK + 10.0, log=log)
+        self._declared = Declaration.of(env, ctx).to_json()
+        self._any_data = getattr(type(env.taskset), "task_from_data", None) is not None
+        self._progress = progress
+        self._log = log
+        self._run_id = run_id
+        self._queue_in, self._queue = trio.open_memory_channel[_Slot](math.inf)
+        self._waiting: dict[str, _Slot] = {}  # entry id -> its slot, until answered
+        self._early: dict[str, dict[str, str]] = {}  # answers of ids not (yet) registered
+        self._undeleted: list[str] = []  # answered entries not yet deleted from the stream
+        self._last_answer = time.monotonic()
+        self._quiet = quiet
+        self._watch_every = watch_every
+        self._why: str | None = None  # the reason last logged for no result coming
+        self._logged_at = -math.inf
+        self.reenqueued = 0
+
+    # --- one slot -------------------------------------------------------------------------
+
+    async def run(
+        self,
+        slot: RunSlot[Any],
+        *,
+        on_complete: Callable[[Episode], Awaitable[None] | None] | None = None,
+    ) -> Episode:
+        fields = {
+            TASK_FIELD: encode_task(slot.task, any_data=self._any_data).decode(),
+            ROLLOUT_FIELD: str(slot.rollout),
+            REPLY_FIELD: self.reply,
+            ENV_FIELD: self._declared,
+        }
+        waiting = _Slot(fields)
+        self._queue_in.send_nowait(waiting)
+        await waiting.done.wait()
+        answer = waiting.answer
+        assert answer is not None
+        if REFUSED_FIELD in answer:
+            raise ViaError(
+                f"worker {answer.get('consumer', '?')} refused a slot of this eval "
+                f"(task {answer.get('key')!r}): {answer[REFUSED_FIELD]}"
+            )
+        episode = Episode.from_row(orjson.loads(answer["row"]))
+        slot.episode, slot.done = episode, True
+        if on_complete is not None:
+            result = on_complete(episode)
+            if inspect.isawaitable(result):
+                with trio.CancelScope(shield=True):
+                    await result
+        return episode
+
+    # --- the loops ------------------------------------------------------------------------
+
+    async def send_loop(self) -> None:
+        """Enqueue what is ready, one pipelined round trip per batch."""
+        async for first in self._queue:
+            batch = [first]
+            while len(batch) < _BATCH:
+                try:
+                    batch.append(self._queue.receive_nowait())
+                except trio.WouldBlock:
+                    break
+            with self._answered() as answered:
+                add = functools.partial(_add, self.stream, answered, [s.fields for s in batch])
+                # Not abandoned on cancellation: the ids it added must be known, to delete them.
+                what = f"enqueuing slots to {self.stream}"
+                ids = await self._link.call(what, add, abandon=False)
+            for slot, entry_id in zip(batch, ids, strict=True):
+                self._register(slot, str(entry_id))
+
+    @contextlib.contextmanager
+    def _answered(self) -> Iterator[list[str]]:
+        """The answered entries not yet deleted, taken for one call that deletes them (given
+        back if it does not complete)."""
+        answered, self._undeleted = self._undeleted, []
+        try:
+            yield answered
+        except BaseException:
+            self._undeleted[:0] = answered
+            raise
+
+    def _register(self, slot: _Slot, entry_id: str) -> None:
+        slot.entries.append(entry_id)
+        if slot.answer is not None:  # answered through an earlier entry meanwhile
+            self._undeleted.append(entry_id)
+            return
+        answer = self._early.pop(entry_id, None)
+        if answer is None:
+            self._waiting[entry_id] = slot
+            return
+        self._take(slot, answer)  # its answer came first (another thread read it): rare
+        slot.done.set()
+
+    def _take(self, slot: _Slot, answer: dict[str, str]) -> None:
+        """`answer` is the slot's: its other entries (enqueued again after a Redis restart)
+        are no longer needed."""
+        slot.answer = answer
+        for entry_id in slot.entries:
+            if self._waiting.pop(entry_id, None) is not None:
+                self._undeleted.append(entry_id)
+
+    async def read_loop(self) -> None:
+        """Read the reply stream and complete the slots answered. Their entries are deleted
+        from the task stream by the next enqueue (before what it adds), the watch or the
+        way out, whichever comes first."""
+        last = "0-0"
+        stream = self.stream
+        while True:
+            read = functools.partial(_read, self.reply, last)
+            found = await self._link.call("reading results", read)
+            if not found:
+                continue
+            if len(found[0][1]) < _BATCH:
+                # Let a few more answers come before the next read: results trickle in one by
+                # one, and a round trip per batch costs less than one per answer.
+                await trio.sleep(_COALESCE)
+            got = found[0][1]
+            last = str(got[-1][0])
+            answered: list[_Slot] = []
+            for _id, fields in got:
+                entry_id = fields.get("entry")
+                if entry_id is None or fields.get("stream") != stream:
+                    continue  # not an answer to an entry of the task stream
+                self._undeleted.append(entry_id)
+                slot = self._waiting.pop(entry_id, None)
+                if slot is None:  # not registered yet, or answered already (a duplicate)
+                    self._early[entry_id] = fields
+                    continue
+                self._take(slot, fields)
+                answered.append(slot)
+            for slot in answered:
+                slot.done.set()
+            if answered:
+                self._last_answer = time.monotonic()
+                self._progress.note = None
+
+    async def watch_loop(self) -> None:
+        """Every few seconds: keep the reply stream's TTL, notice a Redis that lost its data
+        (and enqueue the lost slots again), and say why no result comes."""
+        reply = self.reply
+        while True:
+            await trio.sleep(self._watch_every)
+
+            with self._answered() as answered:  # those no enqueue took along
+                check = functools.partial(_check, self.stream, reply, answered)
+                run_id = await self._link.call("watching Redis", check)
+            if run_id != self._run_id:
+                self._run_id = run_id
+                await self._recover()
+            quiet = time.monotonic() - self._last_answer
+            if self._waiting and quiet >= self._quiet:
+                why = await self._why_quiet()
+                waiting = len({id(s) for s in self._waiting.values()})
+                note = f"no result for {quiet:.0f} s, {waiting} slots waiting: {why}"
+                if why != self._why or time.monotonic() >= self._logged_at + _LOG_EVERY:
+                    self._log(note)  # when the reason changes, and once a minute
+                    self._why, self._logged_at = why, time.monotonic()
+                self._progress.note = note
+            else:
+                self._why = None
+
+    async def _recover(self) -> None:
+        """Redis restarted: enqueue again the waiting slots whose entries it lost."""
+        slots = {id(s): s for s in self._waiting.values()}.values()
+        latest = [(slot, slot.entries[-1]) for slot in slots]
+        stream = self.stream
+
+        def exists(client: redis.Redis, _attempt: int) -> list[bool]:
+            with client.pipeline(transaction=False) as pipe:
+                for _slot, entry_id in latest:
+                    pipe.xrange(stream, entry_id, entry_id, count=1)
+                return [bool(found) for found in pipe.execute()]
+
+        present = await self._link.call("checking entries after a Redis restart", exists)
+        lost = [slot for (slot, _), here in zip(latest, present, strict=True) if not here]
+        if lost:
+            self._log(
+                f"redis at {redact(self.url)} restarted without {len(lost)} waiting entries of "
+                f"this eval: enqueued them again"
+            )
+            self.reenqueued += len(lost)
+            for slot in lost:
+                self._queue_in.send_nowait(slot)
+
+    async def _why_quiet(self) -> str:
+        stream = self.stream
+        oldest = min(self._waiting, key=_id)
+
+        def look(client: redis.Redis, _attempt: int) -> tuple[list[dict[str, Any]], bool]:
+            return _groups(client, stream), bool(_held(client, stream, [oldest]))
+
+        groups, held = await self._link.call("looking for workers", look)
+        if not groups:
+            return (
+                f"no worker reads {stream} (no consumer group); start one: "
+                f"trio-tasksets worker TASKSET --feed URL --stream {stream} --group G "
+                f"--results R"
+            )
+        consumers = sum(int(g.get("consumers", 0)) for g in groups)
+        where = f"{consumers} consumers in {len(groups)} group(s) of {stream}"
+        if held:
+            return f"workers hold them ({where})"
+        if all(_id(oldest) <= _id(str(g.get("last-delivered-id", "0-0"))) for g in groups):
+            return (
+                f"every group of {stream} starts after these entries ({where}), so no worker "
+                f"will take them: create the group from the start (XGROUP CREATE ... 0)"
+            )
+        return f"no worker took one ({where}, none pulling: stopped, or busy with other work)"
+
+    # --- the way out ----------------------------------------------------------------------
+
+    async def close(self) -> None:
+        """Delete this session's unanswered entries (no worker picks them up later), say
+        what a worker had taken already, and delete the reply stream if nothing can come."""
+        unanswered = sorted(self._waiting, key=_id)
+        stream, reply = self.stream, self.reply
+        answered = list(self._undeleted)
+
+        def clean(client: redis.Redis, _attempt: int) -> int:
+            running = len(_held(client, stream, unanswered)) if unanswered else 0
+            with client.pipeline(transaction=False) as pipe:
+                if unanswered or answered:
+                    pipe.xdel(stream, *unanswered, *answered)
+                if running:
+                    pipe.pexpire(reply, _REPLY_TTL_MS)
+                else:
+                    pipe.delete(reply)
+                pipe.execute()
+            return running
+
+        try:
+            with trio.move_on_after(_CLEANUP_WITHIN) as scope:
+                running = await self._link.call("deleting this eval's entries", clean)
+        finally:
+            self._link.close()
+        if scope.cancelled_caught:
+            if unanswered:
+                self._log(
+                    f"redis at {redact(self.url)} unreachable: up to {len(unanswered)} "
+                    f"unanswered slots of this eval may remain in {stream}"
+                )
+            return
+        duplicates = len(self._early)  # answers to entries answered already
+        if duplicates:
+            self._log(f"dropped {duplicates} duplicate results (one row per slot)")
+        if unanswered and not running:
+            self._log(f"deleted {len(unanswered)} unanswered slots from {stream} (none taken)")
+        elif unanswered:
+            self._log(
+                f"deleted {len(unanswered)} unanswered slots from {stream}, so no worker takes "
+                f"them; {running} of them were running on workers, which finish them into "
+                f"{reply} (nobody reads it; it expires in {_REPLY_TTL_MS // 60_000} min)"
+            )
+
+
+@asynccontextmanager
+async def via_runner(
+    env: Env[Any],
+    ctx: ModelContext,
+    *,
+    url: str,
+    stream: str,
+    progress: dashboard.Progress,
+    run_id: str | None = None,
+    log: Log | None = None,
+    quiet: float = QUIET,
+    watch_every: float = _WATCH_EVERY,
+) -> AsyncIterator[SlotRunner]:
+    """What an eval runs each slot with over `--via`: one entry of `stream` per slot, its
+    answer read from a reply stream of this session's own (see the module docstring).
+
+    `run_id` is Redis's as `reach` found it (fetched now if None). Every `watch_every`
+    seconds Redis is checked; after `quiet` seconds without a result `progress.note` (and
+    the log, when the reason changes and once a minute) says why.
+    """
+    say = log if log is not None else stderr_log("trio-tasksets eval --via")
+    if run_id is None:
+        run_id = await reach(url)
+    coordinator = _Coordinator(
+        env, ctx, url, stream, run_id, progress, say, quiet=quiet, watch_every=watch_every
+    )
+    body_error: BaseException | None = None
+    try:
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(coordinator.send_loop)
+            nursery.start_soon(coordinator.read_loop)
+            nursery.start_soon(coordinator.watch_loop)
+            try:
+                yield coordinator.run
+            except BaseException as exc:
+                body_error = exc  # re-raised below, bare (not in the nursery's group)
+            finally:
+                nursery.cancel_scope.cancel()
+    finally:
+        with trio.CancelScope(shield=True):
+            await coordinator.close()
+    if body_error is not None:
+        try:
+            raise body_error
+        finally:
+            body_error = None
