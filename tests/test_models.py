@@ -22,6 +22,7 @@ import trio.testing
 from hypercorn.config import Config
 from hypercorn.trio import serve
 
+from trio_tasksets.http_transport import ConnectError
 from trio_tasksets.models import (
     Completion,
     EchoClient,
@@ -497,7 +498,7 @@ async def test_openai_unreachable_server() -> None:
     assert message.startswith(f"cannot reach {url}/chat/completions: ")
     assert "2 attempts" in message
     assert isinstance(info.value, ModelError)
-    assert isinstance(info.value.__cause__, httpx.TransportError)
+    assert isinstance(info.value.__cause__, ConnectError)
 
 
 @pytest.mark.parametrize(
