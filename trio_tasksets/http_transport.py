@@ -187,7 +187,8 @@ class HTTPClient:
 
     ``timeouts``: the default `Timeouts` of a request. ``max_connections``: at most this many
     open (None: as many as requests in flight). ``keepalive_expiry``: seconds an idle
-    connection is kept. ``max_response_bytes``: a longer body, before or after decoding,
+    connection is kept (under the 5 s after which uvicorn, and so vLLM and SGLang, close
+    one: a connection the server closes while we reuse it fails the request). ``max_response_bytes``: a longer body, before or after decoding,
     raises `ResponseTooLarge`. ``ca_bundle``: trust only these CA certificates (PEM file or
     directory); ``ssl_context``: or bring a whole context. ``proxy``: an ``http://`` proxy
     for every request; else, with ``trust_env``, the ``*_PROXY`` variables. ``headers``:
@@ -201,7 +202,7 @@ class HTTPClient:
         *,
         timeouts: Timeouts | None = None,
         max_connections: int | None = None,
-        keepalive_expiry: float = 5.0,
+        keepalive_expiry: float = 4.0,
         max_response_bytes: int = 64 * 2**20,
         ca_bundle: str | os.PathLike[str] | None = None,
         ssl_context: ssl.SSLContext | None = None,
@@ -369,17 +370,17 @@ class HTTPClient:
         if self._waiting:
             self._waiting.unpark()
 
-    async def _slot(self) -> None:
-        """Count a new connection, waiting under ``max_connections`` (an idle connection
-        to another origin is closed to make room)."""
+    def _room(self) -> bool:
+        """Whether another connection may open under ``max_connections``, closing an idle
+        one (of another origin: the caller found none of its own) to make room."""
         limit = self.max_connections
-        while limit is not None and self._open >= limit:
-            victim = next((q for q in self._idle.values() if q), None)
-            if victim is not None:
-                self._discard(victim.popleft())
-                continue
-            await self._waiting.park()
-        self._open += 1
+        if limit is None or self._open < limit:
+            return True
+        for idle in self._idle.values():
+            if idle:
+                self._discard(idle.popleft())
+                return True
+        return False
 
     async def _connect(self, route: Route, url: str) -> _Connection:
         proxy = route.proxy
@@ -540,9 +541,21 @@ class _Exchange:
             timeout=limit or 0.0,
         )
 
+    async def _connection(self) -> tuple[_Connection, bool]:
+        """A pooled connection (and True), else a fresh one (and False), waiting for one
+        under ``max_connections``."""
+        client = self.client
+        while True:
+            connection = client._take_idle(self.route)
+            if connection is not None:
+                return connection, True
+            if client._room():
+                return await self._fresh(), False
+            await client._waiting.park()
+
     async def _fresh(self) -> _Connection:
         client = self.client
-        await client._slot()
+        client._open += 1
         try:
             self._enter("connect", self.limits.connect)
             connection = await client._connect(self.route, self.url)
@@ -556,36 +569,40 @@ class _Exchange:
 
     async def run(self, outgoing: _Outgoing) -> Response:
         client = self.client
-        connection = client._take_idle(self.route)
-        if connection is not None:
-            try:
-                await self._send(connection, outgoing)
-            except _SendFailed as exc:
-                client._discard(connection)
-                if exc.sent:
-                    raise self._broken(exc) from exc
-                client._stale += 1
-                connection = None  # a pooled connection the server had closed: nothing sent
-            except BaseException:
-                client._discard(connection)
-                raise
-        if connection is None:
+        connection, reused = await self._connection()
+        try:
+            await self._send(connection, outgoing)
+        except _SendFailed as exc:
+            client._discard(connection)
+            if exc.sent or not reused:
+                raise self._broken(exc) from exc
+            # A pooled connection the server had reset: nothing went out, so once more on a
+            # fresh one.
+            client._stale += 1
             connection = await self._fresh()
             try:
                 await self._send(connection, outgoing)
-            except _SendFailed as exc:
+            except _SendFailed as again:
                 client._discard(connection)
-                raise self._broken(exc) from exc
+                raise self._broken(again) from again
             except BaseException:
                 client._discard(connection)
                 raise
+        except BaseException:
+            client._discard(connection)
+            raise
         try:
-            response = await self._receive(connection)
+            status, headers, body = await self._receive(connection)
         except BaseException:
             client._discard(connection)
             raise
         client._check_in(self.route, connection)
-        return response
+        for name, value in headers:
+            if name == b"content-encoding":
+                limit = client.max_response_bytes
+                body = decode_body(body, value.decode("latin-1"), limit=limit, url=self.url)
+                break
+        return Response(status, headers, body, self.url)
 
     def _broken(self, exc: _SendFailed) -> ConnectionClosed:
         return ConnectionClosed(
@@ -601,7 +618,9 @@ class _Exchange:
         self._enter("write", self.limits.write)
         await connection.send(b"".join((outgoing.head.data, outgoing.length, outgoing.body)))
 
-    async def _receive(self, connection: _Connection) -> Response:
+    async def _receive(
+        self, connection: _Connection
+    ) -> tuple[int, list[tuple[bytes, bytes]], bytes]:
         state = connection.h11
         limit = self.client.max_response_bytes
         read = self.limits.read
@@ -654,12 +673,7 @@ class _Exchange:
                     url=self.url,
                     request_sent=True,
                 )
-        body = b"".join(chunks)
-        for name, value in headers:
-            if name == b"content-encoding":
-                body = decode_body(body, value.decode("latin-1"), limit=limit, url=self.url)
-                break
-        return Response(status, headers, body, self.url)
+        return status, headers, b"".join(chunks)
 
     def _too_large(self, limit: int) -> ResponseTooLarge:
         return ResponseTooLarge(
