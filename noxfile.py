@@ -34,5 +34,5 @@ def bench(session: nox.Session) -> None:
     """Benchmarks, side by side in one process each; figures go in docs/benchmarks.md."""
     session.install("-e", ".[dev]")
     quick = ["--quick"] if "quick" in session.posargs else []
-    for bench in ("bench.runner", "bench.eval", "bench.serve", "bench.aio", "bench.redis"):
-        session.run("python", "-m", bench, *quick)
+    for bench in ("runner", "eval", "serve", "aio", "redis", "http"):
+        session.run("python", "-m", f"bench.{bench}", *quick)
