@@ -383,10 +383,10 @@ async def run_calls(http: HTTPClient, url: str, count: int, window: int) -> list
     return outcomes
 
 
-@pytest.mark.parametrize("window", [4, 64])
 async def test_connections_follow_the_window_over_2000_calls(
-    server: Server, window: int, autojump_clock: trio.testing.MockClock
+    server: Server, autojump_clock: trio.testing.MockClock
 ) -> None:
+    window = 32
     server.handler = lambda seen: Reply(body=seen.body, delay=0.01)
     async with HTTPClient() as http:
         outcomes = await run_calls(http, server.url + "/echo", 2000, window)
@@ -436,10 +436,12 @@ async def test_a_server_connection_close_is_honoured(server: Server) -> None:
         assert (http.stats.opened, http.stats.open) == (3, 0)
 
 
-async def test_pooled_connections_closed_by_the_server_are_replaced(server: Server) -> None:
+async def test_pooled_connections_closed_by_the_server_are_replaced(
+    server: Server, autojump_clock: trio.testing.MockClock
+) -> None:
     """The server closes every connection after its reply, without saying so: the next
     requests find the pooled connections dead before sending, and go on fresh ones."""
-    server.handler = lambda seen: Reply(close=True)
+    server.handler = lambda seen: Reply(close=True, delay=1.0)  # 8 in flight at once
     async with HTTPClient() as http:
         await run_calls(http, server.url, 8, window=8)
         await server.wait_open(0)
@@ -489,7 +491,7 @@ async def test_a_dead_connection_the_probe_missed(
 async def test_random_closes_under_load(
     server: Server, autojump_clock: trio.testing.MockClock
 ) -> None:
-    """2,000 calls, 16 at a time; the server closes a connection after a reply at random
+    """1,000 calls, 16 at a time; the server closes a connection after a reply at random
     (without saying so) and now and then reads a request and hangs up. No request reaches
     the server twice; every call that failed may have reached it (request_sent), and every
     one it dropped failed."""
@@ -505,7 +507,7 @@ async def test_random_closes_under_load(
 
     server.handler = handler
     async with HTTPClient() as http:
-        outcomes = await run_calls(http, server.url, 2000, window=16)
+        outcomes = await run_calls(http, server.url, 1000, window=16)
         stats = http.stats
     bodies = [s.body for s in server.seen]
     assert len(bodies) == len(set(bodies))  # never resent
@@ -517,10 +519,10 @@ async def test_random_closes_under_load(
     )
     assert failed & set(bodies) == dropped  # the other failures never reached the server:
     # a close racing a reuse, the request taken by the kernel but not by the server
-    assert len(failed) < 400
+    assert len(failed) < 200
     answered = {o.body for o in outcomes if not isinstance(o, HTTPError)}
     assert answered == set(bodies) - dropped
-    assert stats.stale > 100  # pooled connections found closed and replaced before sending
+    assert stats.stale > 50  # pooled connections found closed and replaced before sending
     assert stats.opened <= 16 + stats.stale + len(failed) + len(dropped)
 
 

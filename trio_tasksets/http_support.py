@@ -134,7 +134,7 @@ class Timeouts:
 # --- routes and proxies ----------------------------------------------------------------------
 
 
-@attrs.frozen
+@attrs.frozen(cache_hash=True)
 class Proxy:
     """An ``http://`` proxy: where to connect, and its ``Proxy-Authorization`` if any."""
 
@@ -144,9 +144,10 @@ class Proxy:
     shown: str  # the proxy URL without its password, for messages
 
 
-@attrs.frozen
+@attrs.frozen(cache_hash=True)
 class Route:
-    """Where the requests for one URL go and what their request line and Host say."""
+    """Where the requests for one URL go and what their request line and Host say.
+    Requests with the same ``key`` can share keep-alive connections."""
 
     scheme: str
     host: str
@@ -154,11 +155,7 @@ class Route:
     target: bytes
     host_header: bytes
     proxy: Proxy | None
-
-    @property
-    def key(self) -> tuple[str, str, int, Proxy | None]:
-        """Requests with the same key can share keep-alive connections."""
-        return (self.scheme, self.host, self.port, self.proxy)
+    key: tuple[str, str, int, Proxy | None]
 
 
 _DEFAULT_PORTS = {"http": 80, "https": 443}
@@ -268,7 +265,8 @@ def route_for(url: str, proxies: Proxies) -> Route:
     proxy = proxies.for_url(scheme, host, port)
     # Through a proxy, an http:// request names its whole URL; https:// ones are tunnelled.
     target = f"http://{netloc}{path}" if proxy is not None and scheme == "http" else path
-    return Route(scheme, host, port, target.encode("ascii"), netloc.encode("ascii"), proxy)
+    key = (scheme, host, port, proxy)
+    return Route(scheme, host, port, target.encode("ascii"), netloc.encode("ascii"), proxy, key)
 
 
 # --- TLS ------------------------------------------------------------------------------------

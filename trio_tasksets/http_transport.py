@@ -29,6 +29,7 @@ import math
 import os
 import re
 import select
+import socket
 import ssl
 from collections import deque
 from collections.abc import Mapping, Sequence
@@ -145,16 +146,18 @@ else:  # pragma: no cover - Windows
 
 
 class _Connection:
-    """One keep-alive connection: a trio socket, TLS over it if https, h11's state."""
+    """One keep-alive connection: a non-blocking socket, TLS over it if https, h11's state.
+    Plain connections use the socket itself and trio's wait_readable/wait_writable: trio's
+    socket wrapper adds a scheduler round trip to every send."""
 
-    __slots__ = ("h11", "idle_since", "readable", "sock", "tls")
+    __slots__ = ("h11", "idle_since", "raw", "readable", "tls")
 
-    def __init__(self, sock: trio.socket.SocketType, tls: trio.SSLStream[Any] | None) -> None:
+    def __init__(self, raw: socket.socket, tls: trio.SSLStream[Any] | None) -> None:
         self.h11 = h11.Connection(h11.CLIENT)
-        self.sock = sock
+        self.raw = raw
         self.tls = tls
         self.idle_since = 0.0
-        self.readable = _prober(sock.fileno())
+        self.readable = _prober(raw.fileno())
 
     async def send(self, data: bytes) -> None:
         """Send all of ``data``; `_SendFailed` tells whether any of it reached the kernel."""
@@ -167,19 +170,58 @@ class _Connection:
         view = memoryview(data)
         sent = 0
         try:
-            while sent < len(view):
-                sent += await self.sock.send(view[sent:])
+            while True:
+                try:
+                    sent += self.raw.send(view[sent:])
+                except BlockingIOError:
+                    await trio.lowlevel.wait_writable(self.raw)
+                    continue
+                if sent >= len(view):
+                    return
         except OSError as exc:
             raise _SendFailed(exc, sent=sent > 0) from exc
 
-    async def receive(self) -> bytes:
+    async def receive(self, wait: bool) -> bytes:
+        """The next bytes ("" at EOF). ``wait``: wait for readability before trying (the
+        first read of a response: it is a checkpoint then, and a recv saved)."""
         if self.tls is not None:
             data = await self.tls.receive_some(_RECEIVE)
             return data if isinstance(data, bytes) else bytes(data)
-        return await self.sock.recv(_RECEIVE)
+        while True:
+            if wait:
+                await trio.lowlevel.wait_readable(self.raw)
+            try:
+                return self.raw.recv(_RECEIVE)
+            except BlockingIOError:
+                wait = True
 
     def close(self) -> None:
-        self.sock.close()  # abrupt: a pooled connection has nothing in flight to flush
+        _close(self.raw)  # abrupt: a pooled connection has nothing in flight to flush
+
+
+def _close(raw: socket.socket) -> None:
+    trio.lowlevel.notify_closing(raw)
+    raw.close()
+
+
+async def _open_socket(host: str, port: int) -> socket.socket:
+    """A connected non-blocking TCP socket to ``host:port``, trying its addresses in turn."""
+    infos = await trio.socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
+    failures: list[str] = []
+    for family, kind, proto, _, address in infos:
+        raw = socket.socket(family, kind, proto)
+        try:
+            raw.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            await trio.socket.from_stdlib_socket(raw).connect(address)
+        except OSError as exc:
+            _close(raw)
+            failures.append(f"{address[0]}: {exc.strerror or exc}")
+            continue
+        except BaseException:
+            _close(raw)
+            raise
+        return raw
+    raise OSError(f"all attempts to connect to {host}:{port} failed ({'; '.join(failures)})")
 
 
 class HTTPClient:
@@ -386,13 +428,14 @@ class HTTPClient:
         proxy = route.proxy
         host, port = (proxy.host, proxy.port) if proxy is not None else (route.host, route.port)
         try:
-            stream = await trio.open_tcp_stream(host, port)
+            raw = await _open_socket(host, port)
         except OSError as exc:
             via = f" through proxy {proxy.shown}" if proxy is not None else ""
             raise ConnectError(f"cannot connect{via}: {exc}", url=url) from exc
         try:
             if route.scheme != "https":
-                return _Connection(stream.socket, None)
+                return _Connection(raw, None)
+            stream = trio.SocketStream(trio.socket.from_stdlib_socket(raw))
             if proxy is not None:
                 await _tunnel(stream, route, url)
             context = self._ssl if self._ssl is not None else tls_context()
@@ -401,9 +444,9 @@ class HTTPClient:
                 await tls.do_handshake()
             except trio.BrokenResourceError as exc:
                 raise ConnectError(_tls_failure(url, exc), url=url) from exc
-            return _Connection(stream.socket, tls)
+            return _Connection(raw, tls)
         except BaseException:
-            stream.socket.close()
+            _close(raw)
             raise
 
     async def aclose(self) -> None:
@@ -645,7 +688,7 @@ class _Exchange:
             if event is h11.NEED_DATA:
                 self._enter("read", read)
                 try:
-                    data = await connection.receive()
+                    data = await connection.receive(wait=not got_bytes)
                 except (OSError, trio.BrokenResourceError) as exc:
                     raise ConnectionClosed(
                         f"the connection broke while reading the response: {exc}",
