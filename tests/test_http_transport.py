@@ -24,6 +24,7 @@ import trio.testing
 import trustme
 
 import trio_tasksets.http_transport as http_transport
+import trio_tasksets.http_wire as http_wire
 from trio_tasksets.http_support import Proxies, _bypassed, proxies_from_env
 from trio_tasksets.http_transport import (
     ConnectError,
@@ -470,7 +471,7 @@ async def test_a_dead_connection_the_probe_missed(
     """With the idle probe blind: a connection the server reset refuses our bytes (nothing
     sent, so the request goes once more on a fresh connection); one it closed takes them,
     so the request may have reached the server and is not resent."""
-    monkeypatch.setattr(http_transport, "_prober", lambda fd: lambda: False)
+    monkeypatch.setattr(http_wire, "prober", lambda fd: lambda: False)
     answered = trio.Event()
     server.handler = lambda seen: Reply(close=True, close_when=answered, reset=reset)
     async with HTTPClient() as http:
