@@ -18,10 +18,12 @@ from typing import Any
 
 import attrs
 import h11
+import hypothesis
 import pytest
 import trio
 import trio.testing
 import trustme
+from hypothesis import strategies as st
 
 import trio_tasksets.http_transport as http_transport
 import trio_tasksets.http_wire as http_wire
@@ -33,6 +35,7 @@ from trio_tasksets.http_transport import (
     HTTPClient,
     HTTPError,
     HTTPTimeout,
+    ProtocolError,
     ProxyError,
     ResponseTooLarge,
     Timeouts,
@@ -791,3 +794,154 @@ def test_proxy_variables() -> None:
 )
 def test_no_proxy_entries(entries: str, host: str, port: int, bypassed: bool) -> None:
     assert _bypassed(tuple(e.strip() for e in entries.split(",")), host, port) is bypassed
+
+
+# --- reading responses: the fast path and h11 ------------------------------------------------
+
+
+async def canned_server(nursery: trio.Nursery, reply: bytes) -> str:
+    """Answers every request (read up to its blank line) with ``reply``, then waits."""
+
+    async def serve(stream: trio.SocketStream) -> None:
+        buffer = b""
+        while True:
+            while b"\r\n\r\n" not in buffer:
+                data = await stream.receive_some(65536)
+                if not data:
+                    return
+                buffer += data
+            buffer = buffer.split(b"\r\n\r\n", 1)[1]
+            await stream.send_all(reply)
+
+    listeners = await nursery.start(functools.partial(trio.serve_tcp, serve, 0, host="127.0.0.1"))
+    return f"http://127.0.0.1:{listeners[0].socket.getsockname()[1]}/"
+
+
+@pytest.mark.parametrize(
+    ("reply", "method", "body", "kept"),
+    [
+        (b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\nhi", "GET", b"hi", True),
+        (b"HTTP/1.1 503\r\ncontent-length:2\r\nRetry-After:  1 \r\n\r\nno", "GET", b"no", True),
+        (b"HTTP/1.0 200 OK\r\nContent-Length: 2\r\n\r\nhi", "GET", b"hi", False),
+        (
+            b"HTTP/1.1 100 Continue\r\n\r\nHTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\nhi",
+            "GET",
+            b"hi",
+            True,
+        ),
+        (b"HTTP/1.1 204 No Content\r\n\r\n", "GET", b"", True),
+        (b"HTTP/1.1 200 OK\nContent-Length: 2\n\nhi", "GET", b"hi", True),
+        (b"HTTP/1.1 200 OK\r\nContent-Length: 2, 2\r\n\r\nhi", "GET", b"hi", True),
+        (b"HTTP/1.1 200 OK\r\nX-A: 1\r\n  2\r\nContent-Length: 2\r\n\r\nhi", "GET", b"hi", True),
+        (b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\nhiEXTRA", "GET", b"hi", False),
+        (
+            b"HTTP/1.1 200 OK\r\nConnection: keep-alive, Close\r\nContent-Length: 2\r\n\r\nhi",
+            "GET",
+            b"hi",
+            False,
+        ),
+        (b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\n", "HEAD", b"", True),
+        (
+            b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n2\r\nhi\r\n0\r\n\r\n",
+            "GET",
+            b"hi",
+            True,
+        ),
+    ],
+)
+async def test_responses_of_every_shape(
+    nursery: trio.Nursery, reply: bytes, method: str, body: bytes, kept: bool
+) -> None:
+    url = await canned_server(nursery, reply)
+    async with HTTPClient() as http:
+        response = await http.request(method, url)
+        assert (response.body, http.stats.idle) == (body, 1 if kept else 0)
+
+
+@pytest.mark.parametrize(
+    "reply",
+    [
+        b"HTTP/1.1 200 OK\r\nContent-Length: x\r\n\r\n",
+        b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\nContent-Length: 3\r\n\r\nhi",
+        b"SMTP ready\r\n\r\n",
+        b"HTTP/1.1 200 OK\r\nX-Bad\r\n\r\n",
+    ],
+)
+async def test_invalid_responses_are_protocol_errors(nursery: trio.Nursery, reply: bytes) -> None:
+    url = await canned_server(nursery, reply)
+    async with HTTPClient() as http:
+        with pytest.raises(ProtocolError, match=r"not valid HTTP/1\.1") as info:
+            await http.request("GET", url)
+        assert info.value.url == url
+        assert http.stats.open == 0
+
+
+async def test_a_host_header_of_the_callers_wins(server: Server) -> None:
+    async with HTTPClient() as http:
+        await http.request("GET", server.url, headers=[("Host", "example.test")])
+    assert server.seen[0].headers["host"] == "example.test"
+
+
+def h11_reading(raw: bytes) -> tuple[int, list[tuple[bytes, bytes]], bytes, bool] | None:
+    """What h11 reads from ``raw`` as the response to a GET: status, headers, body and
+    keep-alive; None if it refuses it or it is incomplete."""
+    state = h11.Connection(h11.CLIENT)
+    state.send(h11.Request(method="GET", target="/", headers=[("host", "x")]))
+    state.send(h11.EndOfMessage())
+    state.receive_data(raw)
+    status, headers, body = 0, [], b""
+    try:
+        while True:
+            event = state.next_event()
+            if isinstance(event, h11.Response):
+                status, headers = event.status_code, list(event.headers)
+            elif isinstance(event, h11.Data):
+                body += event.data
+            elif isinstance(event, h11.EndOfMessage):
+                return status, headers, body, state.their_state is h11.DONE
+            elif not isinstance(event, h11.InformationalResponse):
+                return None
+    except h11.RemoteProtocolError:
+        return None
+
+
+_GOOD_NAMES = [b"X-Thing", b"Date", b"server", b"Connection", b"Content-Type", b"Retry-After"]
+_ODD_NAMES = [b"Transfer-Encoding", b"Bad Name", b" Folded", b"", b"X\x01"]
+_GOOD_VALUES = [b"close", b"keep-alive", b"Keep-Alive, close", b"abc  def", b"caf\xc3\xa9", b""]
+_ODD_VALUES = [b"chunked", b"a\x01b", b"\x7f", b"a\rb"]
+_LENGTHS = [b"%d"] * 15 + [b"0%d", b"+%d", b"%d, %d", b"-%d", b"%dx"]
+_STATUS_LINES = [b"HTTP/1.1 200 OK", b"HTTP/1.1 404", b"HTTP/1.1 200 ", b"HTTP/1.1 503 Busy",
+                 b"HTTP/1.0 200 OK", b"HTTP/1.1 204 x", b"HTTP/1.1 100 x", b"HTTP/1.1 200 O\x01K",
+                 b"HTTP/2 200 OK", b"http/1.1 200 OK"]  # fmt: skip
+_SEPARATORS = [b": ", b":", b":  ", b":\t", b" : ", b"\t:"]
+
+
+@st.composite
+def response_heads(draw: st.DrawFn) -> bytes:
+    """Mostly heads the fast path takes, with now and then one thing wrong or unusual."""
+    lines = [draw(st.sampled_from(_STATUS_LINES[:4] * 6 + _STATUS_LINES[4:]))]
+    names = st.sampled_from(_GOOD_NAMES * 12 + _ODD_NAMES)
+    values = st.sampled_from(_GOOD_VALUES * 12 + _ODD_VALUES)
+    separators = st.sampled_from(_SEPARATORS[:4] * 8 + _SEPARATORS[4:])
+    for name, value, separator in draw(st.lists(st.tuples(names, values, separators), max_size=5)):
+        lines.append(name + separator + value)
+    length = draw(st.integers(0, 12))
+    for _ in range(draw(st.sampled_from([1] * 10 + [0, 2]))):
+        spelled = draw(st.sampled_from(_LENGTHS))
+        value = spelled % ((length,) * spelled.count(b"%d"))
+        lines.insert(draw(st.integers(1, len(lines))), b"Content-Length" + draw(separators) + value)
+    return b"\r\n".join(lines)
+
+
+@hypothesis.settings(max_examples=300, deadline=None)
+@hypothesis.given(head=response_heads(), body=st.binary(min_size=12, max_size=12))
+def test_the_fast_path_reads_only_what_h11_reads_the_same(head: bytes, body: bytes) -> None:
+    """Differential: whatever `parse_simple_head` accepts, h11 reads to the same status,
+    headers, body and keep-alive."""
+    simple = http_wire.parse_simple_head(head)
+    hypothesis.event(f"fast path: {simple is not None}")
+    if simple is None:
+        return
+    status, headers, length, keep = simple
+    raw = head + b"\r\n\r\n" + body[:length]
+    assert h11_reading(raw) == (status, headers, body[:length], keep)

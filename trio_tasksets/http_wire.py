@@ -42,6 +42,7 @@ RECEIVE = 65536
 MAX_HEAD = 65536  # a response head longer than this goes to h11, which refuses it
 TOKEN = re.compile(rb"[-!#$%&'*+.^_`|~0-9A-Za-z]+")
 VALUE = re.compile(rb"[^\x00-\x08\x0a-\x1f\x7f]*")  # no control bytes but HTAB
+BLANK_LINE = re.compile(rb"\n\r?\n")  # where h11 ends a head
 STATUS = re.compile(rb"HTTP/1\.1 ([2-5][0-9][0-9])(?: [^\x00-\x08\x0a-\x1f\x7f]*)?")
 
 
@@ -266,7 +267,7 @@ async def read_response(
     or not all of it arrived) when the connection breaks."""
     buffer = bytearray()
     closed = False
-    while (end := buffer.find(b"\r\n\r\n")) < 0 and len(buffer) <= MAX_HEAD:
+    while (blank := BLANK_LINE.search(buffer)) is None and len(buffer) <= MAX_HEAD:
         before_read()
         data = await connection.receive(wait=not buffer)
         if not data:
@@ -274,7 +275,9 @@ async def read_response(
             break
         buffer += data
     simple = None
-    if end >= 0 and head.method not in ("HEAD", "CONNECT"):
+    # The head ends at the first blank line, as h11 finds it; the fast path wants CRLF CRLF.
+    end = blank.start() - 1 if blank is not None and blank.group() == b"\n\r\n" else -1
+    if end >= 0 and buffer[end] == 13 and head.method not in ("HEAD", "CONNECT"):
         simple = parse_simple_head(bytes(buffer[:end]))
     if simple is None:
         return await _read_with_h11(connection, head, limit, before_read, buffer, closed)
