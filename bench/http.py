@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import os
 import shutil
@@ -153,6 +154,7 @@ class _Tally:
         self.start_wall = time.perf_counter()
         self.start_cpu = time.process_time()
         self.stopped = False
+        self.on_stop: Callable[[], None] = lambda: None
 
     def claim(self) -> bool:
         if self.stopped or self.claimed >= self.n:
@@ -170,6 +172,7 @@ class _Tally:
             self.stopped = True
             self.wall = time.perf_counter() - self.start_wall
             self.cpu = time.process_time() - self.start_cpu
+            self.on_stop()
 
 
 def _check(reply: Any) -> None:
@@ -185,9 +188,10 @@ async def _trio_loop(call: Callable[[], Awaitable[None]], window: int, tally: _T
     async with trio.open_nursery() as nursery:
         for _ in range(window):
             nursery.start_soon(worker)
+        done = trio.Event()
+        tally.on_stop = done.set
         with trio.move_on_after(tally.seconds):
-            while not tally.stopped:
-                await trio.sleep(0.01)
+            await done.wait()
         tally.stop()
         nursery.cancel_scope.cancel()
 
@@ -198,10 +202,11 @@ async def _asyncio_loop(call: Callable[[], Awaitable[None]], window: int, tally:
             await call()
             tally.finish_one()
 
+    done = asyncio.Event()
+    tally.on_stop = done.set
     tasks = [asyncio.create_task(worker()) for _ in range(window)]
-    deadline = time.perf_counter() + tally.seconds
-    while not tally.stopped and time.perf_counter() < deadline:
-        await asyncio.sleep(0.01)
+    with contextlib.suppress(TimeoutError):
+        await asyncio.wait_for(done.wait(), tally.seconds)
     tally.stop()
     for task in tasks:
         task.cancel()
@@ -237,7 +242,7 @@ def _run_httpx(module_name: str) -> Runner:
 
         async def main() -> _Tally:
             limits = module.Limits(max_connections=window, max_keepalive_connections=window)
-            async with module.AsyncClient(limits=limits, timeout=120) as http:
+            async with module.AsyncClient(limits=limits, timeout=None) as http:
 
                 async def call() -> None:
                     response = await http.post(url, content=PAYLOAD, headers=HEADERS)
@@ -264,7 +269,7 @@ def _run_openai(url: str, window: int, n: int, seconds: float, warm: float) -> _
 
     async def main() -> _Tally:
         limits = httpx.Limits(max_connections=window, max_keepalive_connections=window)
-        http = openai.DefaultAsyncHttpxClient(limits=limits)
+        http = openai.DefaultAsyncHttpxClient(limits=limits, timeout=None)
         async with openai.AsyncOpenAI(
             base_url=base, api_key="sk-bench", max_retries=0, http_client=http
         ) as client:
@@ -371,13 +376,17 @@ def _available(name: str) -> bool:
     return True
 
 
-def _measure(name: str, url: str, window: int, n: int, seconds: float, warm: float) -> dict[str, Any]:
+def _measure(
+    name: str, url: str, window: int, n: int, seconds: float, warm: float
+) -> dict[str, Any]:
     command = [*_pinned(1), sys.executable, "-m", "bench.http", "--contender", name,
                "--url", url, "--window", str(window), "--n", str(n),
                "--seconds", str(seconds), "--warm", str(warm)]  # fmt: skip
     done = subprocess.run(command, capture_output=True, text=True, timeout=600, check=False)
     if done.returncode != 0:
-        raise RuntimeError(f"{name} failed:\n{done.stderr[-3000:]}")
+        last = (done.stderr.strip().splitlines() or ["no output"])[-1]
+        print(f"  {name} failed: {last}", file=sys.stderr)
+        return {"failed": last}
     result: dict[str, Any] = json.loads(done.stdout.strip().splitlines()[-1])
     return result
 
@@ -417,7 +426,7 @@ def main(argv: list[str] | None = None) -> int:
         for spec in args.scenario:
             latency, window, *rest = (int(x) for x in spec.split(":"))
             scenarios.append((latency, window, rest[0] if rest else 5000))
-    seconds, warm = (1.0, 0.3) if quick else (8.0, 1.0)
+    seconds, warm = (1.0, 0.3) if quick else (4.0, 1.0)
     names = [n for n in (args.only or CONTENDERS) if _available(n)]
     server = subprocess.Popen(
         [*_pinned(0), sys.executable, "-m", "bench.http", "--serve"],
@@ -448,34 +457,39 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-def _best(runs: list[dict[str, Any]]) -> dict[str, Any]:
-    """The best CPU per call and the best rate of the runs (interference only adds)."""
+def _best(runs: list[dict[str, Any]]) -> dict[str, Any] | None:
+    """The best CPU per call and the best rate of the runs (interference only adds); None
+    if every run failed."""
+    runs = [r for r in runs if "failed" not in r]
+    if not runs:
+        return None
     cpu = min(r["cpu"] / r["calls"] for r in runs)
     rate = max(r["calls"] / r["wall"] for r in runs)
     return {"calls": runs[0]["calls"], "cpu": cpu * runs[0]["calls"],
             "wall": runs[0]["calls"] / rate, "conns": max(r["conns"] for r in runs)}  # fmt: skip
 
 
-def _report(latency: int, window: int, n: int, results: dict[str, dict[str, Any]]) -> None:
+def _report(latency: int, window: int, n: int, results: dict[str, dict[str, Any] | None]) -> None:
     ideal = f", ideal {window / (latency / 1000):,.0f} calls/s" if latency else ""
     print(f"\n{latency} ms latency, {window} in flight (N <= {n:,}{ideal}; best of the runs)")
+    figures = {name: (r["cpu"] / r["calls"] * 1e6, r["calls"] / r["wall"], r)
+               for name, r in results.items() if r is not None}  # fmt: skip
+    base = figures.get(AIOHTTP)
     rows = []
-    base = results.get(AIOHTTP)
-    for name, r in results.items():
-        cpu_us = r["cpu"] / r["calls"] * 1e6
-        rate = r["calls"] / r["wall"]
-        versus = ""
-        if base:
-            base_cpu = base["cpu"] / base["calls"] * 1e6
-            versus = f"{cpu_us / base_cpu:.2f}x / {rate / (base['calls'] / base['wall']):.2f}x"
-        rows.append([name, f"{cpu_us:,.0f}", f"{rate:,.0f}", f"{r['calls']:,}",
+    for name in results:
+        if name not in figures:
+            rows.append([name, "failed", "", "", "", "", ""])
+            continue
+        cpu_us, rate, r = figures[name]
+        busy = f"{cpu_us * rate / 1e4:.0f} %"  # of one core: under 100, it waited for more work
+        versus = f"{cpu_us / base[0]:.2f}x / {rate / base[1]:.2f}x" if base else ""
+        rows.append([name, f"{cpu_us:,.0f}", f"{rate:,.0f}", busy, f"{r['calls']:,}",
                      str(r["conns"]), versus])  # fmt: skip
-    print(markdown_table(["client", "CPU µs/call", "calls/s", "calls", "conns",
+    print(markdown_table(["client", "CPU µs/call", "calls/s", "client CPU", "calls", "conns",
                           "vs aiohttp (CPU / rate)"], rows))  # fmt: skip
-    if base and PROJECT in results:
-        mine = results[PROJECT]
-        cpu_ratio = (mine["cpu"] / mine["calls"]) / (base["cpu"] / base["calls"])
-        rate_ratio = (mine["calls"] / mine["wall"]) / (base["calls"] / base["wall"])
+    mine = figures.get(PROJECT)
+    if base and mine:
+        cpu_ratio, rate_ratio = mine[0] / base[0], mine[1] / base[1]
         if window <= 64:
             print(goal_line(cpu_ratio <= 1.5, "CPU/call <= 1.5x aiohttp", f"{cpu_ratio:.2f}x"))
             print(goal_line(rate_ratio >= 0.9, "calls/s >= 0.9x aiohttp", f"{rate_ratio:.2f}x"))
