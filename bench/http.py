@@ -398,7 +398,7 @@ def _measure(
         return {"failed": last}
     result: dict[str, Any] = json.loads(done.stdout.strip().splitlines()[-1])
     if not result["calls"]:
-        return {"failed": f"no call done in {seconds:g} s"}
+        return {"failed": f"0 calls done in {seconds:g} s"}
     return result
 
 
@@ -469,28 +469,29 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-def _best(runs: list[dict[str, Any]]) -> dict[str, Any] | None:
-    """The best CPU per call and the best rate of the runs (interference only adds); None
-    if every run failed."""
+def _best(runs: list[dict[str, Any]]) -> dict[str, Any]:
+    """The best CPU per call and the best rate of the runs (interference only adds); the
+    first failure if every run failed."""
+    failed = [r for r in runs if "failed" in r]
     runs = [r for r in runs if "failed" not in r]
     if not runs:
-        return None
+        return failed[0]
     cpu = min(r["cpu"] / r["calls"] for r in runs)
     rate = max(r["calls"] / r["wall"] for r in runs)
     return {"calls": runs[0]["calls"], "cpu": cpu * runs[0]["calls"],
             "wall": runs[0]["calls"] / rate, "conns": max(r["conns"] for r in runs)}  # fmt: skip
 
 
-def _report(latency: int, window: int, n: int, results: dict[str, dict[str, Any] | None]) -> None:
+def _report(latency: int, window: int, n: int, results: dict[str, dict[str, Any]]) -> None:
     ideal = f", ideal {window / (latency / 1000):,.0f} calls/s" if latency else ""
     print(f"\n{latency} ms latency, {window} in flight (N <= {n:,}{ideal}; best of the runs)")
     figures = {name: (r["cpu"] / r["calls"] * 1e6, r["calls"] / r["wall"], r)
-               for name, r in results.items() if r is not None}  # fmt: skip
+               for name, r in results.items() if "failed" not in r}  # fmt: skip
     base = figures.get(AIOHTTP)
     rows = []
     for name in results:
         if name not in figures:
-            rows.append([name, "failed", "", "", "", "", ""])
+            rows.append([name, results[name]["failed"][:60], "", "", "", "", ""])
             continue
         cpu_us, rate, r = figures[name]
         busy = f"{cpu_us * rate / 1e4:.0f} %"  # of one core: under 100, it waited for more work
