@@ -1,6 +1,7 @@
 """Model clients against a fast fake OpenAI-compatible server: CPU per call and calls/s.
 
     python -m bench.http [--quick] [--repeat R] [--only NAME ...] [--scenario MS:WINDOW[:N] ...]
+    python -m bench.http --served    # the served path's own clients, see `served`
 
 The fake server is its own process (an asyncio protocol that answers every
 ``POST .../chat/completions`` with a fixed completion after the scenario's latency; pinned
@@ -35,6 +36,7 @@ import argparse
 import asyncio
 import contextlib
 import json
+import math
 import os
 import shutil
 import subprocess
@@ -54,6 +56,7 @@ PROJECT = "tt.run_eval + OpenAIClient"
 TRANSPORT = "trio + tt HTTPClient"
 AIOHTTP = "asyncio + aiohttp"
 CONTENDERS = [PROJECT, TRANSPORT, "trio + httpx", "trio + httpx2", "asyncio + openai", AIOHTTP]
+DRAIN = 5.0  # seconds a warm-up waits for its calls in flight before cancelling them
 QUICK_SKIPS = ("trio + httpx2", "asyncio + openai")  # the slowest to start; --only runs them
 MESSAGES = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "say 7"}]
 PAYLOAD = json.dumps({"model": "fake", "messages": MESSAGES}).encode()
@@ -155,7 +158,7 @@ class _Tally:
 
     def __init__(self, n: int, seconds: float, drain: bool = False) -> None:
         self.n, self.seconds = n, seconds
-        self.drain = drain  # at the time cap, let the calls in flight end (warm-up: no churn)
+        self.drain = drain  # at the time cap, let the calls in flight end (up to DRAIN s)
         self.claimed = self.done = 0
         self.wall = self.cpu = 0.0
         self.start_wall = time.perf_counter()
@@ -200,8 +203,7 @@ async def _trio_loop(call: Callable[[], Awaitable[None]], window: int, tally: _T
         with trio.move_on_after(tally.seconds):
             await done.wait()
         tally.stop()
-        if not tally.drain:
-            nursery.cancel_scope.cancel()
+        nursery.cancel_scope.deadline = trio.current_time() + (DRAIN if tally.drain else 0)
 
 
 async def _asyncio_loop(call: Callable[[], Awaitable[None]], window: int, tally: _Tally) -> None:
@@ -216,9 +218,10 @@ async def _asyncio_loop(call: Callable[[], Awaitable[None]], window: int, tally:
     with contextlib.suppress(TimeoutError):
         await asyncio.wait_for(done.wait(), tally.seconds)
     tally.stop()
+    if tally.drain:
+        await asyncio.wait(tasks, timeout=DRAIN)
     for task in tasks:
-        if not tally.drain:
-            task.cancel()
+        task.cancel()
     await asyncio.gather(*tasks, return_exceptions=True)
 
 
@@ -409,12 +412,67 @@ def _version(dist: str) -> str:
         return "-"
 
 
+def served(window: int = 64, n: int = 3000, repeat: int = 3) -> None:
+    """The served path's own HTTP client (`EnvClient`, ``transport="http"``: httpcore
+    connections in a list of its own) against `HTTPClient`, and the default WebSocket
+    transport: client CPU per call at ``window`` against one env server child (1 worker)."""
+    import trio_tasksets as tt
+    from trio_tasksets.client import EnvClient, spawn_server
+    from trio_tasksets.http_transport import HTTPClient
+
+    from .serve import Counted, CountConfig
+
+    async def main() -> None:
+        async with spawn_server(tt.Env(Counted(CountConfig(count=0)))) as server:
+            url, token = server.url, server.token
+            ctx = tt.ModelContext(tt.EchoClient(), "echo")
+            async with (
+                EnvClient(url, token=token, transport="http", max_connections=window) as http,
+                EnvClient(url, token=token) as ws,
+                HTTPClient() as transport,
+            ):
+
+                async def health_env() -> None:
+                    await http.health()
+
+                async def health_transport() -> None:
+                    auth = {"authorization": f"Bearer {token}"}
+                    assert (
+                        await transport.request("GET", url + "/health", headers=auth)
+                    ).status == 200
+
+                async def run_http() -> None:
+                    await http.run(tt.RunSlot(tt.Task("say 7", answer="7")), ctx)
+
+                async def run_ws() -> None:
+                    await ws.run(tt.RunSlot(tt.Task("say 7", answer="7")), ctx)
+
+                calls = {"GET /health, EnvClient (httpcore)": health_env,
+                         "GET /health, HTTPClient": health_transport,
+                         "run, EnvClient http (httpcore)": run_http,
+                         "run, EnvClient websocket": run_ws}  # fmt: skip
+                best: dict[str, tuple[float, float]] = {}
+                for _ in range(repeat):
+                    for name, call in calls.items():
+                        tally = _Tally(n, 30.0)
+                        await _trio_loop(call, window, tally)
+                        cpu, rate = tally.cpu / tally.done * 1e6, tally.done / tally.wall
+                        old = best.get(name, (math.inf, 0.0))
+                        best[name] = (min(old[0], cpu), max(old[1], rate))
+        rows = [[name, f"{cpu:,.0f}", f"{rate:,.0f}"] for name, (cpu, rate) in best.items()]
+        print(f"\nserved path, {window} in flight, 1 server worker (best of {repeat})")
+        print(markdown_table(["call", "client CPU µs/call", "calls/s"], rows))
+
+    trio.run(main)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--quick", action="store_true", help="a smoke run, about a minute")
     parser.add_argument("--only", nargs="+", choices=CONTENDERS, help="these contenders only")
     parser.add_argument("--scenario", nargs="+", help="LATENCY_MS:WINDOW[:N], e.g. 50:64:5000")
     parser.add_argument("--repeat", type=int, help="runs of each contender (default 3, quick 1)")
+    parser.add_argument("--served", action="store_true", help="the served path's clients only")
     parser.add_argument("--serve", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--contender", help=argparse.SUPPRESS)
     parser.add_argument("--url", help=argparse.SUPPRESS)
@@ -428,6 +486,9 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     if args.contender:
         return _contender(args)
+    if args.served:
+        served(repeat=args.repeat or 3)
+        return 0
 
     quick = args.quick
     scenarios = [(0, 64, 2000 if quick else 10_000), (50, 64, 1500 if quick else 5000),
