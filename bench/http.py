@@ -420,7 +420,7 @@ def served(window: int = 64, n: int = 3000, repeat: int = 3) -> None:
     from trio_tasksets.client import EnvClient, spawn_server
     from trio_tasksets.http_transport import HTTPClient
 
-    from .serve import Counted, CountConfig
+    from .serve import CountConfig, Counted
 
     async def main() -> None:
         async with spawn_server(tt.Env(Counted(CountConfig(count=0)))) as server:
