@@ -26,6 +26,7 @@ LAYERS: dict[str, int] = {
     "tasksets": 1,
     "testing": 2,
     "builtin": 2,
+    "transport": 2,
     "models": 3,
     "env": 4,
     "dashboard": 4,

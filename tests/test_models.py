@@ -35,9 +35,9 @@ from trio_tasksets.models import (
     ModelTimeoutError,
     OpenAIClient,
     Sampling,
-    _parse_retry_after,
     api_key_from_env,
 )
+from trio_tasksets.transport import ConnectError, parse_retry_after
 
 # ---------------------------------------------------------------------------------------
 # A scriptable OpenAI-compatible server
@@ -315,18 +315,18 @@ def test_api_key_from_env_missing(monkeypatch: pytest.MonkeyPatch, value: str | 
 # ---------------------------------------------------------------------------------------
 
 
-def test_parse_retry_after() -> None:
-    assert _parse_retry_after(None) is None
-    assert _parse_retry_after("") is None
-    assert _parse_retry_after("soon") is None
-    assert _parse_retry_after("nan") is None
-    assert _parse_retry_after("2") == 2.0
-    assert _parse_retry_after(" 0.5 ") == 0.5
-    assert _parse_retry_after("-3") == 0.0
+def testparse_retry_after() -> None:
+    assert parse_retry_after(None) is None
+    assert parse_retry_after("") is None
+    assert parse_retry_after("soon") is None
+    assert parse_retry_after("nan") is None
+    assert parse_retry_after("2") == 2.0
+    assert parse_retry_after(" 0.5 ") == 0.5
+    assert parse_retry_after("-3") == 0.0
     future = email.utils.formatdate(time.time() + 100, usegmt=True)
-    assert 95 <= (_parse_retry_after(future) or 0) <= 101
+    assert 95 <= (parse_retry_after(future) or 0) <= 101
     past = email.utils.formatdate(time.time() - 100, usegmt=True)
-    assert _parse_retry_after(past) == 0.0
+    assert parse_retry_after(past) == 0.0
 
 
 def test_retry_delay_full_jitter_capped() -> None:
@@ -502,7 +502,7 @@ async def test_openai_unreachable_server() -> None:
     assert message.startswith(f"cannot reach {url}/chat/completions: ")
     assert "2 attempts" in message
     assert isinstance(info.value, ModelError)
-    assert isinstance(info.value.__cause__, httpx.TransportError)
+    assert isinstance(info.value.__cause__, ConnectError)
 
 
 @pytest.mark.parametrize(

@@ -14,18 +14,28 @@ type names (``ModelConnectionError``, ``ModelTimeoutError``, ``ModelHTTPError``,
 from __future__ import annotations
 
 import contextvars
-import email.utils
-import math
 import os
 import random
 from collections.abc import Callable
-from datetime import UTC, datetime
 from types import TracebackType
-from typing import Any, Protocol, Self, runtime_checkable
+from typing import TYPE_CHECKING, Any, Protocol, Self, runtime_checkable
 
 import attrs
-import httpx
+import orjson
 import trio
+
+from .transport import (
+    DecodingError,
+    HTTPClient,
+    HTTPError,
+    HTTPTimeout,
+    ResponseTooLarge,
+    Timeouts,
+)
+from .transport import parse_retry_after as _parse_retry_after
+
+if TYPE_CHECKING:
+    import httpx  # only for a caller's own http_client; imported where used
 
 __all__ = [
     "Completion",
@@ -199,6 +209,10 @@ def _text_of(content: Any) -> str:
     return ""
 
 
+def _text(content: bytes) -> str:
+    return content.decode("utf-8", errors="replace")
+
+
 def _word_count(text: str) -> int:
     return len(text.split())
 
@@ -210,29 +224,6 @@ def _excerpt(text: str, limit: int = 200) -> str:
 
 def _plural(n: int, word: str) -> str:
     return f"{n} {word}" if n == 1 else f"{n} {word}s"
-
-
-def _parse_retry_after(value: str | None) -> float | None:
-    """Seconds to wait from a ``Retry-After`` header (delta-seconds or an HTTP date), or
-    ``None`` if absent or unparseable. Never negative."""
-    if value is None:
-        return None
-    value = value.strip()
-    if not value:
-        return None
-    try:
-        seconds = float(value)
-    except ValueError:
-        try:
-            when = email.utils.parsedate_to_datetime(value)
-        except (TypeError, ValueError, IndexError):
-            return None
-        if when.tzinfo is None:
-            when = when.replace(tzinfo=UTC)
-        seconds = (when - datetime.now(UTC)).total_seconds()
-    if not math.isfinite(seconds):
-        return None
-    return max(0.0, seconds)
 
 
 def api_key_from_env(var: str) -> str:
@@ -323,13 +314,17 @@ class OpenAIClient:
       ``Retry-After`` header, that many seconds, capped at ``max_backoff``.
     - Other 4xx raise :class:`ModelHTTPError` at once; exhausted retries raise
       :class:`ModelHTTPError`, :class:`ModelConnectionError` or :class:`ModelTimeoutError`;
-      a malformed 2xx body raises :class:`ModelResponseError`.
-    - ``timeout`` (seconds) applies to each request, also with a caller's ``http_client``.
+      a malformed 2xx body, or one over the transport's size limit, raises
+      :class:`ModelResponseError`.
+    - ``timeout`` (seconds) bounds connecting, sending and each wait for response bytes
+      of every request, also with a caller's ``http_client``.
     - ``trio.Cancelled`` propagates untouched.
 
-    The ``httpx.AsyncClient`` is created on first use with unbounded connection pooling
-    (the runner's window is the concurrency limit) and closed by :meth:`aclose` or
-    ``async with``; an ``http_client`` passed in is used as is and left open.
+    The transport is a `trio_tasksets.transport.HTTPClient` (trio + h11, a keep-alive
+    pool that holds about one connection per request in flight), created here and closed by
+    :meth:`aclose` or ``async with``. Pass ``http_client`` (an ``HTTPClient`` with your own
+    CA bundle, proxy or limits, or an ``httpx.AsyncClient``) to use it as is; it is left
+    open.
     """
 
     def __init__(
@@ -342,7 +337,7 @@ class OpenAIClient:
         backoff: float = 0.5,
         max_backoff: float = 30.0,
         headers: dict[str, str] | None = None,
-        http_client: httpx.AsyncClient | None = None,
+        http_client: HTTPClient | httpx.AsyncClient | None = None,
     ) -> None:
         if not base_url:
             raise ValueError("base_url must not be empty, e.g. http://127.0.0.1:8000/v1")
@@ -365,21 +360,20 @@ class OpenAIClient:
             self._headers["Authorization"] = f"Bearer {api_key}"
         if headers:
             self._headers.update(headers)
-        self._http: httpx.AsyncClient | None = http_client
+        self._timeouts = Timeouts(connect=timeout, read=timeout, write=timeout)
         self._owns_http = http_client is None
+        # Created now, without I/O, so that a proxy setting it cannot use fails here.
+        self._http: HTTPClient | httpx.AsyncClient | None = (
+            http_client if http_client is not None else HTTPClient(timeouts=self._timeouts)
+        )
         self._closed = False
 
     def __repr__(self) -> str:
         return f"OpenAIClient({self.base_url!r}, max_retries={self.max_retries})"
 
-    def _client(self) -> httpx.AsyncClient:
-        if self._closed:
+    def _client(self) -> HTTPClient | httpx.AsyncClient:
+        if self._closed or self._http is None:
             raise RuntimeError("OpenAIClient is closed")
-        if self._http is None:
-            self._http = httpx.AsyncClient(
-                timeout=httpx.Timeout(self.timeout),
-                limits=httpx.Limits(max_connections=None, max_keepalive_connections=256),
-            )
         return self._http
 
     def _retry_delay(self, retry: int, retry_after: float | None) -> float:
@@ -389,23 +383,47 @@ class OpenAIClient:
         cap = min(self.max_backoff, self.backoff * (2.0**retry))
         return random.uniform(0.0, cap)
 
+    async def _post(self, body: bytes) -> tuple[int, bytes, float | None]:
+        """One POST: (status, body, Retry-After seconds). Raises `HTTPError` subclasses
+        (the transport's, or httpx's errors translated to them)."""
+        client = self._client()
+        if isinstance(client, HTTPClient):
+            response = await client.request(
+                "POST", self.url, headers=self._headers, body=body, timeouts=self._timeouts
+            )
+            return response.status, response.body, response.retry_after
+        import httpx
+
+        try:
+            reply = await client.post(
+                self.url, content=body, headers=self._headers, timeout=httpx.Timeout(self.timeout)
+            )
+        except httpx.TimeoutException as exc:
+            raise HTTPTimeout(str(exc), url=self.url, phase="read", timeout=self.timeout) from exc
+        except httpx.TransportError as exc:
+            raise HTTPError(str(exc) or type(exc).__name__, url=self.url) from exc
+        return (
+            reply.status_code,
+            reply.content,
+            _parse_retry_after(reply.headers.get("retry-after")),
+        )
+
     async def chat(
         self, messages: list[dict[str, Any]], *, model: str, sampling: Sampling
     ) -> Completion:
         """POST one chat completion request, retrying per the class contract."""
-        client = self._client()
         payload: dict[str, Any] = {"model": model, "messages": messages}
         payload.update(sampling.to_request())
-        timeout = httpx.Timeout(self.timeout)
+        body = orjson.dumps(payload, option=orjson.OPT_NON_STR_KEYS)
         attempts = 0
         while True:
             attempts += 1
             retry_after: float | None = None
             try:
-                response = await client.post(
-                    self.url, json=payload, headers=self._headers, timeout=timeout
-                )
-            except httpx.TimeoutException as exc:
+                status, content, retry_after = await self._post(body)
+            except (ResponseTooLarge, DecodingError) as exc:
+                raise ModelResponseError(f"{self.url}: {exc.reason}", url=self.url) from exc
+            except HTTPTimeout as exc:
                 if attempts > self.max_retries:
                     raise ModelTimeoutError(
                         f"request to {self.url} timed out after {self.timeout:g}s "
@@ -413,35 +431,33 @@ class OpenAIClient:
                         url=self.url,
                         timeout=self.timeout,
                     ) from exc
-            except httpx.TransportError as exc:
+            except HTTPError as exc:
                 if attempts > self.max_retries:
-                    reason = str(exc) or type(exc).__name__
+                    cause = exc.__cause__ if type(exc) is HTTPError else exc  # httpx's own
                     raise ModelConnectionError(
-                        f"cannot reach {self.url}: {reason} ({_plural(attempts, 'attempt')})",
+                        f"cannot reach {self.url}: {exc.reason} ({_plural(attempts, 'attempt')})",
                         url=self.url,
-                    ) from exc
+                    ) from cause
             else:
-                status = response.status_code
                 if 200 <= status <= 299:
-                    return self._parse(response)
-                body = response.text
+                    return self._parse(content)
+                text = content.decode("utf-8", errors="replace")
                 if not _is_retryable_status(status) or attempts > self.max_retries:
                     raise ModelHTTPError(
                         f"{self.url} returned HTTP {status} after "
-                        f"{_plural(attempts, 'attempt')}: {_excerpt(body) or '<empty body>'}",
+                        f"{_plural(attempts, 'attempt')}: {_excerpt(text) or '<empty body>'}",
                         url=self.url,
                         status=status,
-                        body=body,
+                        body=text,
                         attempts=attempts,
                     )
-                retry_after = _parse_retry_after(response.headers.get("retry-after"))
             await trio.sleep(self._retry_delay(attempts - 1, retry_after))
 
-    def _parse(self, response: httpx.Response) -> Completion:
-        text = response.text
+    def _parse(self, content: bytes) -> Completion:
         try:
-            data = response.json()
-        except ValueError as exc:
+            data = orjson.loads(content)
+        except orjson.JSONDecodeError as exc:
+            text = content.decode("utf-8", errors="replace")
             raise ModelResponseError(
                 f"{self.url} returned a body that is not JSON: {_excerpt(text) or '<empty>'}",
                 url=self.url,
@@ -451,12 +467,13 @@ class OpenAIClient:
         message = choice.get("message") if isinstance(choice, dict) else None
         if not isinstance(choice, dict) or not isinstance(message, dict):
             raise ModelResponseError(
-                f"{self.url} returned no choices[0].message: {_excerpt(text)}", url=self.url
+                f"{self.url} returned no choices[0].message: {_excerpt(_text(content))}",
+                url=self.url,
             )
         raw_content = message.get("content")
         if raw_content is not None and not isinstance(raw_content, str | list):
             raise ModelResponseError(
-                f"{self.url} returned a non-text message content: {_excerpt(text)}",
+                f"{self.url} returned a non-text message content: {_excerpt(_text(content))}",
                 url=self.url,
             )
         raw_usage = data.get("usage")

@@ -1,0 +1,41 @@
+"""The HTTP/1.1 client the model clients use: trio + h11 with a keep-alive pool that follows
+its load (docs/models.md, and docs/benchmarks.md for why not httpx).
+
+Rooms: `client` (`HTTPClient`, the pool, deadlines), `connection` (one connection: sockets,
+request heads, responses), `support` (errors, timeouts, proxies, TLS, decoding). Nothing else
+of the package is imported here.
+"""
+
+from .client import (
+    ConnectError,
+    ConnectionClosed,
+    DecodingError,
+    HTTPClient,
+    HTTPError,
+    HTTPTimeout,
+    PoolStats,
+    ProtocolError,
+    ProxyError,
+    Response,
+    ResponseTooLarge,
+    Timeouts,
+    UnsupportedProxy,
+    parse_retry_after,
+)
+
+__all__ = [
+    "ConnectError",
+    "ConnectionClosed",
+    "DecodingError",
+    "HTTPClient",
+    "HTTPError",
+    "HTTPTimeout",
+    "PoolStats",
+    "ProtocolError",
+    "ProxyError",
+    "Response",
+    "ResponseTooLarge",
+    "Timeouts",
+    "UnsupportedProxy",
+    "parse_retry_after",
+]

@@ -1,0 +1,506 @@
+"""An HTTP/1.1 client for trio (h11 and a strict fast path), with a keep-alive pool that
+follows its load.
+
+`HTTPClient.request` sends one request and returns the whole `Response`. What it keeps of
+what httpx users rely on: https verified against the system trust store plus certifi's (or a
+``ca_bundle`` of your own); `Timeouts` for connect, write, read and the whole request;
+gzip and deflate bodies; chunked responses; ``HTTP_PROXY``/``HTTPS_PROXY``/``ALL_PROXY``/
+``NO_PROXY`` from the environment (``http://`` proxies; anything else is refused when the
+client is created, naming the variable); ``Retry-After`` parsed (`Response.retry_after`);
+a size limit on bodies; every error an `HTTPError` naming the URL.
+
+The pool keeps every connection a request has released, newest first, until it has been idle
+``keepalive_expiry`` seconds: under a steady load of N requests in flight it holds about N
+connections and opens no more (no churn), whatever N is. ``max_connections`` bounds the
+open ones (requests then wait for a free one). Before an idle connection is reused one
+``poll`` tells whether the server has closed it; a request whose pooled connection turns
+out dead, before any byte of it reached the kernel, is sent once more on a fresh connection.
+A request that may have reached the server is never resent: it fails with
+`ConnectionClosed` (``request_sent=True``), and the caller's retry policy decides.
+
+Why not httpx: see docs/benchmarks.md (HTTP client). This module, `connection` and
+`support` make the transport; nothing else of the package is imported.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import ssl
+from collections import deque
+from collections.abc import Mapping, Sequence
+from types import TracebackType
+from typing import Any, Self
+
+import attrs
+import h11
+import trio
+
+from .connection import (
+    Connection,
+    RequestHead,
+    ResponseTooLargeSignal,
+    SendFailed,
+    close_socket,
+    open_socket,
+    read_response,
+    request_head,
+    tunnel,
+)
+from .support import (
+    ConnectError,
+    ConnectionClosed,
+    DecodingError,
+    HTTPError,
+    HTTPTimeout,
+    ProtocolError,
+    Proxies,
+    ProxyError,
+    ResponseTooLarge,
+    Route,
+    Timeouts,
+    UnsupportedProxy,
+    decode_body,
+    parse_retry_after,
+    proxies_from_env,
+    route_for,
+    tls_context,
+)
+
+__all__ = [
+    "ConnectError",
+    "ConnectionClosed",
+    "DecodingError",
+    "HTTPClient",
+    "HTTPError",
+    "HTTPTimeout",
+    "PoolStats",
+    "ProtocolError",
+    "ProxyError",
+    "Response",
+    "ResponseTooLarge",
+    "Timeouts",
+    "UnsupportedProxy",
+    "parse_retry_after",
+]
+
+USER_AGENT = b"trio-tasksets"
+_CACHE = 256  # routes and request heads kept, each
+_NO_BODY = frozenset({"GET", "HEAD", "DELETE", "OPTIONS", "TRACE"})
+
+
+@attrs.frozen
+class Response:
+    """A whole response. ``headers``: lower-case names and values as bytes, in order;
+    ``body``: decoded (no gzip/deflate left)."""
+
+    status: int
+    headers: list[tuple[bytes, bytes]]
+    body: bytes
+    url: str
+
+    def header(self, name: str) -> str | None:
+        """The first value of header ``name`` (any case), or None."""
+        wanted = name.lower().encode("latin-1")
+        for key, value in self.headers:
+            if key == wanted:
+                return value.decode("latin-1")
+        return None
+
+    @property
+    def retry_after(self) -> float | None:
+        """Seconds the server asks to wait (``Retry-After``: seconds or an HTTP date)."""
+        return parse_retry_after(self.header("retry-after"))
+
+    @property
+    def text(self) -> str:
+        return self.body.decode("utf-8", errors="replace")
+
+    def json(self) -> Any:
+        """The body parsed as JSON; ``ValueError`` if it is not."""
+        return json.loads(self.body)
+
+
+@attrs.frozen
+class PoolStats:
+    """Connections ``opened`` since the client was created, ``open`` now, how many of
+    those are ``idle`` in the pool, and how many pooled ones were found ``stale`` (closed
+    by the server) when a request wanted them."""
+
+    opened: int
+    open: int
+    idle: int
+    stale: int
+
+
+class HTTPClient:
+    """HTTP/1.1 requests over pooled keep-alive connections (see the module docstring).
+
+    ``timeouts``: the default `Timeouts` of a request. ``max_connections``: at most this many
+    open (None: as many as requests in flight). ``keepalive_expiry``: seconds an idle
+    connection is kept (under the 5 s after which uvicorn, and so vLLM and SGLang, close
+    one: a close that races our reuse fails the request). ``max_response_bytes``: a longer
+    body, before or after decoding, raises `ResponseTooLarge`. ``ca_bundle``: trust only
+    these CA certificates (PEM file or directory); ``ssl_context``: or bring a whole context.
+    ``proxy``: an ``http://`` proxy for every request; else, with ``trust_env``, the
+    ``*_PROXY`` variables. ``headers``: sent with every request (a request's own win).
+
+    Use ``async with`` or `aclose`: idle connections close at once, busy ones when their
+    request ends."""
+
+    def __init__(
+        self,
+        *,
+        timeouts: Timeouts | None = None,
+        max_connections: int | None = None,
+        keepalive_expiry: float = 4.0,
+        max_response_bytes: int = 64 * 2**20,
+        ca_bundle: str | os.PathLike[str] | None = None,
+        ssl_context: ssl.SSLContext | None = None,
+        proxy: str | None = None,
+        trust_env: bool = True,
+        headers: Mapping[str, str] | None = None,
+    ) -> None:
+        if max_connections is not None and max_connections < 1:
+            raise ValueError(f"max_connections must be >= 1 or None, got {max_connections!r}")
+        if not keepalive_expiry >= 0:
+            raise ValueError(f"keepalive_expiry must be >= 0 seconds, got {keepalive_expiry!r}")
+        if max_response_bytes < 1:
+            raise ValueError(f"max_response_bytes must be >= 1, got {max_response_bytes!r}")
+        if ca_bundle is not None and ssl_context is not None:
+            raise ValueError("pass ca_bundle or ssl_context, not both")
+        self.timeouts = timeouts if timeouts is not None else Timeouts()
+        self.max_connections = max_connections
+        self.keepalive_expiry = keepalive_expiry
+        self.max_response_bytes = max_response_bytes
+        self._ssl = tls_context(ca_bundle) if ca_bundle is not None else ssl_context
+        if proxy is not None:
+            explicit = proxies_from_env({"all_proxy": proxy})
+            self._proxies = Proxies(explicit.http, explicit.https)
+        else:
+            self._proxies = proxies_from_env() if trust_env else Proxies()
+        base = {"user-agent": USER_AGENT, "accept": b"*/*", "accept-encoding": b"gzip, deflate"}
+        for name, value in (headers or {}).items():
+            base[name.lower()] = value.encode("latin-1")
+        self._base_headers = base
+        self._routes: dict[str, Route] = {}
+        self._heads: dict[tuple[object, ...], RequestHead] = {}
+        self._idle: dict[tuple[object, ...], deque[Connection]] = {}
+        self._open = 0
+        self._opened = 0
+        self._stale = 0
+        self._waiting = trio.lowlevel.ParkingLot()
+        self._closed = False
+
+    def __repr__(self) -> str:
+        return f"HTTPClient(max_connections={self.max_connections}, open={self._open})"
+
+    @property
+    def is_closed(self) -> bool:
+        return self._closed
+
+    @property
+    def stats(self) -> PoolStats:
+        idle = sum(len(q) for q in self._idle.values())
+        return PoolStats(opened=self._opened, open=self._open, idle=idle, stale=self._stale)
+
+    async def request(
+        self,
+        method: str,
+        url: str,
+        *,
+        headers: Mapping[str, str] | Sequence[tuple[str, str]] | None = None,
+        body: bytes = b"",
+        timeouts: Timeouts | None = None,
+    ) -> Response:
+        """Send one request and read the whole response (any status). Raises an `HTTPError`
+        subclass naming ``url`` when there is no usable response, ``ValueError`` for a URL
+        that is not absolute http(s) or a bad header, ``RuntimeError`` once closed."""
+        if self._closed:
+            raise RuntimeError(f"HTTPClient is closed; cannot request {url}")
+        route = self._routes.get(url)
+        if route is None:
+            route = self._route(url)
+        items = tuple(headers.items() if isinstance(headers, Mapping) else headers or ())
+        head = self._heads.get((method, route, items))
+        if head is None:
+            head = self._head(method, route, items)
+        if body or method not in _NO_BODY:
+            data = b"%scontent-length: %d\r\n\r\n%s" % (head.data, len(body), body)
+        else:
+            data = head.data + b"\r\n"
+        exchange = _Exchange(self, route, url, self.timeouts if timeouts is None else timeouts)
+        with exchange.scope:
+            return await exchange.run(head, data)
+        raise exchange.timed_out()
+
+    def _route(self, url: str) -> Route:
+        route = route_for(url, self._proxies)
+        if len(self._routes) >= _CACHE:
+            self._routes.clear()
+        self._routes[url] = route
+        return route
+
+    def _head(self, method: str, route: Route, items: tuple[tuple[str, str], ...]) -> RequestHead:
+        """The request head, checked once per header set (h11 checks every header of every
+        request it sends: about 35 µs a request)."""
+        fields = dict(self._base_headers)
+        for name, value in items:
+            fields[name.lower()] = value.encode("latin-1")
+        if route.proxy is not None and route.proxy.authorization and route.scheme == "http":
+            fields["proxy-authorization"] = route.proxy.authorization
+        head = request_head(method, route, fields)
+        if len(self._heads) >= _CACHE:
+            self._heads.clear()
+        self._heads[(method, route, items)] = head
+        return head
+
+    # --- the pool ---------------------------------------------------------------------------
+
+    def _take_idle(self, route: Route) -> Connection | None:
+        """The newest idle connection to ``route``, or None. One the server has closed is
+        closed here and None returned: the request then goes on a fresh connection."""
+        idle = self._idle.get(route.key)
+        if not idle:
+            return None
+        connection = idle.pop()
+        if trio.current_time() - connection.idle_since > self.keepalive_expiry:
+            self._discard(connection)  # the newest is expired: so are all the others
+            while idle:
+                self._discard(idle.pop())
+            return None
+        if connection.readable():
+            self._stale += 1
+            self._discard(connection)
+            return None
+        return connection
+
+    def _discard(self, connection: Connection) -> None:
+        connection.close()
+        self._open -= 1
+        if self._waiting:
+            self._waiting.unpark()
+
+    def _check_in(self, route: Route, connection: Connection) -> None:
+        """Back to the pool (the caller knows it can carry another request)."""
+        if self._closed:
+            self._discard(connection)
+            return
+        now = trio.current_time()
+        connection.idle_since = now
+        idle = self._idle.get(route.key)
+        if idle is None:
+            idle = self._idle[route.key] = deque()
+        while idle and now - idle[0].idle_since > self.keepalive_expiry:
+            self._discard(idle.popleft())
+        idle.append(connection)
+        if self._waiting:
+            self._waiting.unpark()
+
+    def _room(self) -> bool:
+        """Whether another connection may open under ``max_connections``, closing an idle
+        one (of another origin: the caller found none of its own) to make room."""
+        limit = self.max_connections
+        if limit is None or self._open < limit:
+            return True
+        for idle in self._idle.values():
+            if idle:
+                self._discard(idle.popleft())
+                return True
+        return False
+
+    async def _connect(self, route: Route, url: str) -> Connection:
+        proxy = route.proxy
+        host, port = (proxy.host, proxy.port) if proxy is not None else (route.host, route.port)
+        try:
+            raw = await open_socket(host, port)
+        except OSError as exc:
+            via = f" through proxy {proxy.shown}" if proxy is not None else ""
+            raise ConnectError(f"cannot connect{via}: {exc}", url=url) from exc
+        try:
+            if route.scheme != "https":
+                return Connection(raw, None)
+            stream = trio.SocketStream(trio.socket.from_stdlib_socket(raw))
+            if proxy is not None:
+                await tunnel(stream, route, url)
+            context = self._ssl if self._ssl is not None else tls_context()
+            tls = trio.SSLStream(stream, context, server_hostname=route.host, https_compatible=True)
+            try:
+                await tls.do_handshake()
+            except trio.BrokenResourceError as exc:
+                raise ConnectError(_tls_failure(exc), url=url) from exc
+            return Connection(raw, tls)
+        except BaseException:
+            close_socket(raw)
+            raise
+
+    async def aclose(self) -> None:
+        """Close the idle connections now and every busy one when its request ends.
+        Idempotent; a closed client refuses new requests."""
+        self._closed = True
+        for idle in self._idle.values():
+            while idle:
+                self._discard(idle.pop())
+        await trio.lowlevel.checkpoint()
+
+    async def __aenter__(self) -> Self:
+        return self
+
+    async def __aexit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        await self.aclose()
+
+
+def _tls_failure(exc: BaseException) -> str:
+    cause = exc.__cause__
+    if isinstance(cause, ssl.SSLCertVerificationError):
+        return (
+            f"TLS certificate verification failed: {cause.verify_message}; "
+            "if the server's certificate comes from a private CA, pass its PEM as ca_bundle"
+        )
+    return f"TLS handshake failed: {cause or exc}"
+
+
+class _Exchange:
+    """One request: its deadlines (one cancel scope, moved as the phase changes) and its
+    way through the pool."""
+
+    __slots__ = ("client", "end", "limits", "phase", "route", "scope", "url")
+
+    def __init__(self, client: HTTPClient, route: Route, url: str, limits: Timeouts) -> None:
+        self.client = client
+        self.route = route
+        self.url = url
+        self.limits = limits
+        self.end = trio.current_time() + limits.total if limits.total is not None else math.inf
+        self.scope = trio.CancelScope(deadline=self.end)
+        self.phase = "pool"
+
+    def _enter(self, phase: str, limit: float | None) -> None:
+        self.phase = phase
+        if limit is None:
+            self.scope.deadline = self.end
+        else:
+            self.scope.deadline = min(self.end, trio.current_time() + limit)
+
+    def _reading(self) -> None:
+        self._enter("read", self.limits.read)
+
+    def timed_out(self) -> HTTPTimeout:
+        phase = self.phase
+        if self.end != math.inf and trio.current_time() >= self.end:
+            phase = "total"
+        limits = self.limits
+        limit = {"connect": limits.connect, "write": limits.write, "read": limits.read}.get(
+            phase, limits.total
+        )
+        return HTTPTimeout(
+            f"{phase} timeout ({limit or 0:g}s)", url=self.url, phase=phase, timeout=limit or 0.0
+        )
+
+    async def _connection(self) -> tuple[Connection, bool]:
+        """A pooled connection (and True), else a fresh one (and False), waiting for one
+        under ``max_connections``."""
+        client = self.client
+        while True:
+            connection = client._take_idle(self.route)
+            if connection is not None:
+                return connection, True
+            if client._room():
+                return await self._fresh(), False
+            await client._waiting.park()
+
+    async def _fresh(self) -> Connection:
+        client = self.client
+        client._open += 1
+        try:
+            self._enter("connect", self.limits.connect)
+            connection = await client._connect(self.route, self.url)
+        except BaseException:
+            client._open -= 1
+            if client._waiting:
+                client._waiting.unpark()
+            raise
+        client._opened += 1
+        return connection
+
+    async def _send(self, connection: Connection, data: bytes) -> None:
+        self._enter("write", self.limits.write)
+        await connection.send(data)
+
+    async def run(self, head: RequestHead, data: bytes) -> Response:
+        client = self.client
+        connection, reused = await self._connection()
+        try:
+            await self._send(connection, data)
+        except SendFailed as exc:
+            client._discard(connection)
+            if exc.sent or not reused:
+                raise self._broken(exc) from exc
+            # A pooled connection the server had reset: nothing went out; once more, fresh.
+            client._stale += 1
+            connection = await self._fresh()
+            try:
+                await self._send(connection, data)
+            except SendFailed as again:
+                client._discard(connection)
+                raise self._broken(again) from again
+            except BaseException:
+                client._discard(connection)
+                raise
+        except BaseException:
+            client._discard(connection)
+            raise
+        limit = client.max_response_bytes
+        try:
+            status, headers, body, reusable = await read_response(
+                connection, head, limit, self._reading
+            )
+        except Exception as exc:
+            client._discard(connection)
+            error = self._read_error(exc)
+            if error is exc:
+                raise
+            raise error from exc
+        except BaseException:
+            client._discard(connection)
+            raise
+        if reusable:
+            client._check_in(self.route, connection)
+        else:
+            client._discard(connection)
+        for name, value in headers:
+            if name == b"content-encoding":
+                body = decode_body(body, value.decode("latin-1"), limit=limit, url=self.url)
+                break
+        return Response(status, headers, body, self.url)
+
+    def _broken(self, exc: SendFailed) -> ConnectionClosed:
+        return ConnectionClosed(
+            f"the connection broke while sending the request: {exc}",
+            url=self.url,
+            request_sent=exc.sent,
+        )
+
+    def _read_error(self, exc: Exception) -> Exception:
+        url = self.url
+        if isinstance(exc, ResponseTooLargeSignal):
+            limit = self.client.max_response_bytes
+            return ResponseTooLarge(
+                f"the response body is over the limit of {limit:,} bytes (max_response_bytes)",
+                url=url,
+                limit=limit,
+            )
+        if isinstance(exc, EOFError):
+            return ConnectionClosed(str(exc), url=url, request_sent=True)
+        if isinstance(exc, OSError | trio.BrokenResourceError):
+            reason = f"the connection broke while reading the response: {exc}"
+            return ConnectionClosed(reason, url=url, request_sent=True)
+        if isinstance(exc, h11.RemoteProtocolError):
+            return ProtocolError(f"the response is not valid HTTP/1.1: {exc}", url=url)
+        return exc
