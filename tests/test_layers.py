@@ -24,6 +24,7 @@ LAYERS: dict[str, int] = {
     "runner": 1,
     "limits": 1,
     "tasksets": 1,
+    "sources": 2,
     "testing": 2,
     "builtin": 2,
     "transport": 2,

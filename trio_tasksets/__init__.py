@@ -25,8 +25,9 @@ from .models import (
     OpenAIClient,
     Sampling,
 )
-from .runner import as_completed, merge, run_stream, take
+from .runner import as_completed, run_stream
 from .serve import EnvClient
+from .sources import merge, take
 from .tasksets import Task, Taskset, TasksetConfig
 from .version import __version__
 from .window import AdaptiveWindow, Window
