@@ -83,6 +83,24 @@ async def _send_json(send: Send, status: int, payload: object, headers: list[Any
     await send({"type": "http.response.body", "body": body})
 
 
+async def _answer_draining(
+    receive: Receive, send: Send, status: int, payload: object, headers: list[Any]
+) -> None:
+    """Answer a request whose body may be unread, reading (and dropping) what comes until
+    ``http.disconnect``. Hypercorn queues a few body chunks for the app and then stops
+    reading the socket; when the answer ends it queues ``http.disconnect`` behind them and
+    waits for room: an app that stopped reading would wait forever, and so would the
+    connection."""
+
+    async def drain() -> None:
+        while (await receive())["type"] != "http.disconnect":
+            pass
+
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(drain)
+        await _send_json(send, status, payload, headers)
+
+
 async def _lifespan(receive: Receive, send: Send) -> None:
     while True:
         message = await receive()
@@ -156,12 +174,13 @@ class ServerApp:
                 pass
             except Refused as refused:
                 self.refused(scope, refused.status, str(refused))
-                await _send_json(send, refused.status, {"error": str(refused)}, refused.headers)
+                error = {"error": str(refused)}
+                await _answer_draining(receive, send, refused.status, error, refused.headers)
             except Exception as exc:  # the env failed outside an episode: a bug in it
                 cause = pick_one(exc) if isinstance(exc, ExceptionGroup) else exc
                 traceback.print_exception(cause, file=sys.stderr)
                 message = f"the env failed outside an episode: {type(cause).__name__}: {cause}"
-                await _send_json(send, 500, {"error": message}, [])
+                await _answer_draining(receive, send, 500, {"error": message}, [])
 
     def refused(self, scope: Message, status: int, message: str) -> None:
         """Count and log one refused request (or WebSocket item)."""
@@ -305,7 +324,13 @@ class ServerApp:
             return
         await send({"type": "websocket.accept",
                     "headers": [(b"x-tt-pid", str(os.getpid()).encode())]})  # fmt: skip
-        await _WSSession(self, scope, send).serve(receive)
+        if await _WSSession(self, scope, send).serve(receive):
+            return
+        # The server closed it: read (and drop) until the client goes, for a while, so that
+        # hypercorn's queue for the app has room for the disconnect (see _answer_draining).
+        with trio.move_on_after(self.limits.header_timeout):
+            while (await receive())["type"] == "websocket.receive":
+                pass
 
 
 _ID_MAX = 128
@@ -315,6 +340,10 @@ _MAX_CONTEXTS = 64  # model contexts a connection keeps parsed (more are parsed 
 
 class _Unreadable(Exception):
     """A WebSocket message the server cannot answer item by item: it closes with 1007."""
+
+
+class _Stalled(Exception):
+    """The client has left its answers unread for the idle timeout."""
 
 
 class _WSSession:
@@ -331,7 +360,10 @@ class _WSSession:
     `Limits.max_queued` answers wait to be sent, no more of the connection's items are
     handled and no message is read (so hypercorn stops reading the socket, and the client's
     sends block); with nothing in flight, queued or received for `Limits.idle_timeout`
-    seconds the connection is closed with 1001."""
+    seconds the connection is closed with 1001. A client that leaves its answers unread
+    for `Limits.idle_timeout` seconds is *stalled*: its runs are cancelled, its answers
+    dropped, and its messages read and discarded until it goes (the answer being sent
+    cannot be taken back from hypercorn, and reading is how its departure is seen)."""
 
     def __init__(self, app: ServerApp, scope: Message, send: Send) -> None:
         self.app = app
@@ -347,36 +379,65 @@ class _WSSession:
         self.generation = app.clients.generation  # of the model clients `contexts` use
         self.max_runs = app.limits.max_runs
         self.max_queued = app.limits.max_queued
+        self.stalled = False
 
-    async def serve(self, receive: Receive) -> None:
+    async def serve(self, receive: Receive) -> bool:
+        """Serve the connection until it ends; True if the client went (a disconnect was
+        received), False if the server closed it (1007, idle: 1001)."""
+        gone = False  # stays so when the idle watchdog cancels this
         async with trio.open_nursery() as nursery:
             nursery.start_soon(self._flush)
             nursery.start_soon(self._close_when_idle, nursery.cancel_scope)
-            while True:
-                if len(self.out) >= self.max_queued:
-                    await self._wait_for_room()
-                message = await receive()
-                if message["type"] != "websocket.receive":
-                    break
-                self.last = trio.current_time()
-                data = message.get("bytes")
-                try:
-                    items = self._items(message.get("text") if data is None else data)
-                    for item in items:
-                        if len(self.out) >= self.max_queued:
-                            await self._wait_for_room()
-                        self._handle(item, nursery)
-                except _Unreadable as exc:
-                    self.app.refused(self.scope, 1007, str(exc))
-                    await self.send({"type": "websocket.close", "code": 1007,
-                                     "reason": str(exc)[:120]})  # fmt: skip
-                    break
+            try:
+                gone = await self._receive(receive, nursery)
+            except _Stalled:
+                await self._stall(receive)
+                gone = True
             nursery.cancel_scope.cancel()
+        return gone
+
+    async def _receive(self, receive: Receive, nursery: trio.Nursery) -> bool:
+        while True:
+            if len(self.out) >= self.max_queued:
+                await self._wait_for_room()
+            message = await receive()
+            if message["type"] != "websocket.receive":
+                return True
+            self.last = trio.current_time()
+            data = message.get("bytes")
+            try:
+                items = self._items(message.get("text") if data is None else data)
+                for item in items:
+                    if len(self.out) >= self.max_queued:
+                        await self._wait_for_room()
+                    self._handle(item, nursery)
+            except _Unreadable as exc:
+                self.app.refused(self.scope, 1007, str(exc))
+                await self.send({"type": "websocket.close", "code": 1007,
+                                 "reason": str(exc)[:120]})  # fmt: skip
+                return False
 
     async def _wait_for_room(self) -> None:
-        while len(self.out) >= self.max_queued:
-            self.room = trio.Event()
-            await self.room.wait()
+        """Until the queued answers are below `max_queued`; `_Stalled` after idle_timeout."""
+        with trio.move_on_after(self.app.limits.idle_timeout):
+            while len(self.out) >= self.max_queued:
+                self.room = trio.Event()
+                await self.room.wait()
+            return
+        raise _Stalled
+
+    async def _stall(self, receive: Receive) -> None:
+        """The client leaves its answers unread: cancel its runs, drop its answers, and read
+        and discard its messages until it goes."""
+        idle = self.app.limits.idle_timeout
+        self.app.refused(self.scope, 1008, f"its answers were not read for {idle:g}s: its "
+                                           f"runs are cancelled (--idle-timeout)")  # fmt: skip
+        self.stalled = True
+        self.out.clear()
+        for scope in self.running.values():
+            scope.cancel()
+        while (await receive())["type"] == "websocket.receive":
+            pass
 
     async def _close_when_idle(self, scope: trio.CancelScope) -> None:
         idle = self.app.limits.idle_timeout
@@ -401,6 +462,8 @@ class _WSSession:
         return decoded if isinstance(decoded, list) else [decoded]
 
     def _answer(self, ident: int | str, status: int, **fields: Any) -> None:
+        if self.stalled:
+            return
         answer = {"id": ident, "status": status, **fields}
         try:
             encoded = encode_answer(answer)

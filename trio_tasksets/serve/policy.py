@@ -10,7 +10,8 @@
 * `Limits`: what one connection may hold (runs in flight, queued answers) and for how long
   (header and idle timeouts), and how many model clients the server keeps open.
 * `ModelClients`: the server's model clients, one per distinct description, an LRU of at
-  most `Limits.model_clients`; an evicted client is closed once no run uses it.
+  most `Limits.model_clients`; an evicted client is closed once no run uses it. The clients
+  of one endpoint share its connection pool.
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ import hmac
 import logging
 from collections import OrderedDict
 from collections.abc import Iterable, Mapping
-from typing import Any
+from typing import TYPE_CHECKING, Any
 from urllib.parse import urlsplit
 
 import attrs
@@ -27,6 +28,9 @@ import trio
 
 from ..models import EchoClient, ModelClient, OpenAIClient
 from .wire import MAX_BODY_BYTES, ClientSpec, EchoSpec, Forbidden, OpenAISpec
+
+if TYPE_CHECKING:
+    import httpx
 
 log = logging.getLogger("trio_tasksets.serve")
 
@@ -246,7 +250,9 @@ class ModelPolicy:
         try:
             url = normalize_base_url(spec.base_url)
         except ValueError as exc:
-            raise Forbidden("ctx.client.base_url", str(exc)) from None
+            raise Forbidden(
+                "ctx.client.base_url", f"{exc}; the server reaches only its --allow-base-url"
+            ) from None
         if url not in self.base_urls:
             allowed = ", ".join(sorted(self.base_urls)) or "none"
             raise Forbidden(
@@ -259,14 +265,18 @@ class ModelPolicy:
             if self.api_key_var is None:
                 fix = f"start the server with --api-key-var {var} (the variable set there)"
             else:
-                fix = f"the server's key is in {self.api_key_var}: name that, or null for none"
+                fix = (
+                    f"the server's key is in {self.api_key_var} (its --api-key-var): name "
+                    f"that, or null for no key"
+                )
             raise Forbidden(
                 "ctx.client.api_key_var",
                 f"{var!r} is not the server's key variable; {fix}",
             )
 
-    def build(self, spec: ClientSpec) -> ModelClient:
-        """The model client `spec` stands for; call `check` first."""
+    def build(self, spec: ClientSpec, http_client: httpx.AsyncClient | None = None) -> ModelClient:
+        """The model client `spec` stands for (on `http_client`, if given); call `check`
+        first."""
         if isinstance(spec, EchoSpec):
             return EchoClient(delay=spec.delay)
         assert isinstance(spec, OpenAISpec)
@@ -277,6 +287,7 @@ class ModelPolicy:
             max_retries=spec.max_retries,
             backoff=spec.backoff,
             max_backoff=spec.max_backoff,
+            http_client=http_client,
         )
 
 
@@ -310,10 +321,13 @@ class Limits:
 
 
 class ModelClients:
-    """The server's model clients, at most `size` open (least recently used evicted). An
-    evicted client is closed by `reap` once the runs that use it (counted by `acquire` and
-    `release`) are done; an echo client holds nothing and is not counted. `generation`
-    changes on each eviction, so that a cache of contexts knows to drop its entries."""
+    """The server's model clients, one per distinct description, at most `size` kept (least
+    recently used evicted). The OpenAI clients of one endpoint share one HTTP connection
+    pool (made once per allowed endpoint, so a description that differs only in `timeout`
+    costs neither a pool nor its TLS set-up). An evicted client is closed by `reap` once the
+    runs that use it (counted by `acquire` and `release`) are done; an echo client holds
+    nothing and is not counted. `generation` changes on each eviction, so that a cache of
+    contexts knows to drop its entries."""
 
     def __init__(self, policy: ModelPolicy, size: int) -> None:
         self.policy = policy
@@ -322,6 +336,19 @@ class ModelClients:
         self._clients: OrderedDict[ClientSpec, ModelClient] = OrderedDict()
         self._users: dict[ModelClient, int] = {}  # open non-echo clients -> runs using them
         self._retired: list[ModelClient] = []
+        self._pools: dict[str, httpx.AsyncClient] = {}  # by normalized base URL
+
+    def _pool(self, spec: ClientSpec) -> httpx.AsyncClient | None:
+        if not isinstance(spec, OpenAISpec):
+            return None
+        import httpx
+
+        url = normalize_base_url(spec.base_url)
+        pool = self._pools.get(url)
+        if pool is None:  # as OpenAIClient makes its own; the timeout is set per request
+            limits = httpx.Limits(max_connections=None, max_keepalive_connections=256)
+            pool = self._pools[url] = httpx.AsyncClient(limits=limits)
+        return pool
 
     def __len__(self) -> int:
         return len(self._clients)
@@ -333,7 +360,7 @@ class ModelClients:
             self._clients.move_to_end(spec)
             return client
         self.policy.check(spec)
-        client = self._clients[spec] = self.policy.build(spec)
+        client = self._clients[spec] = self.policy.build(spec, self._pool(spec))
         if not isinstance(client, EchoClient):
             self._users[client] = 0
         while len(self._clients) > self.size:
@@ -374,11 +401,15 @@ class ModelClients:
                 await client.aclose()
 
     async def aclose(self) -> None:
-        """Close every client (shielded)."""
+        """Close every client and connection pool (shielded)."""
         clients = [*self._clients.values(), *self._retired]
+        pools = list(self._pools.values())
         self._clients.clear()
         self._retired.clear()
         self._users.clear()
+        self._pools.clear()
         with trio.CancelScope(shield=True):
             for client in clients:
                 await client.aclose()
+            for pool in pools:
+                await pool.aclose()
