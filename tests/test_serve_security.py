@@ -34,6 +34,7 @@ from wsproto import ConnectionType, WSConnection
 from wsproto.events import BytesMessage, CloseConnection, Request, TextMessage
 
 import trio_tasksets as tt
+from trio_tasksets.builtin import EchoTaskset
 from trio_tasksets.serve import EnvServerError
 from trio_tasksets.serve.policy import (
     Access,
@@ -1197,3 +1198,21 @@ def test_a_rewrite_keeps_the_files_mode(tmp_path: Path, mode: int) -> None:
     os.umask(umask)
     assert stat.S_IMODE(fresh.stat().st_mode) == 0o644 & ~umask
     assert [p.name for p in tmp_path.iterdir() if p.name.endswith(".tmp")] == []
+
+
+async def test_a_serve_eval_reaches_its_own_endpoint_with_its_key(
+    openai: FakeOpenAI, tmp_path: Path
+) -> None:
+    """`--serve` starts its child with --allow-base-url (the eval's endpoint) and
+    --api-key-var TT_SERVE_API_KEY (the eval's key, in the child's environment only)."""
+    env = tt.Env(EchoTaskset())
+    ctx = tt.ModelContext(tt.OpenAIClient(openai.url, "eval-key", max_retries=0), "m")
+    config = tt.EvalConfig(serve=True, output_dir=str(tmp_path), run_name="r", dashboard=False)
+    before = len(openai.received)
+    with trio.fail_after(60):
+        result = await tt.run_eval(env, ctx, config)
+    assert result.episodes
+    assert all(e.ok and e.completion == "hi" for e in result.episodes)
+    sent = openai.received[before:]
+    assert len(sent) == len(result.episodes)
+    assert {h.get("authorization") for h in sent} == {"Bearer eval-key"}

@@ -276,12 +276,12 @@ class ModelPolicy:
 
     def build(self, spec: ClientSpec, http_client: httpx.AsyncClient | None = None) -> ModelClient:
         """The model client `spec` stands for (on `http_client`, if given); call `check`
-        first."""
+        first. It reaches the allowed URL itself (normalized), not the request's spelling."""
         if isinstance(spec, EchoSpec):
             return EchoClient(delay=spec.delay)
         assert isinstance(spec, OpenAISpec)
         return OpenAIClient(
-            spec.base_url,
+            normalize_base_url(spec.base_url),
             self.api_key if spec.api_key_var is not None else None,
             timeout=spec.timeout,
             max_retries=spec.max_retries,
