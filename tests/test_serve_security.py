@@ -728,7 +728,7 @@ async def test_a_client_that_never_reads_cannot_grow_the_server(tmp_path: Path) 
                 running = (await health(server))["running"]
                 with trio.fail_after(20):  # the flooder stalls: one line, and its runs end
                     while True:
-                        if any("were not read for 3s" in line for line in server.refusals()):
+                        if any("answers not read for 3s" in line for line in server.refusals()):
                             break
                         await trio.sleep(0.05)
                 await serves_a_good_run(server)

@@ -379,7 +379,7 @@ class _WSSession:
         self.generation = app.clients.generation  # of the model clients `contexts` use
         self.max_runs = app.limits.max_runs
         self.max_queued = app.limits.max_queued
-        self.stalled = False
+        self.closing = False  # the server closes it: nothing more is sent
 
     async def serve(self, receive: Receive) -> bool:
         """Serve the connection until it ends; True if the client went (a disconnect was
@@ -413,8 +413,7 @@ class _WSSession:
                     self._handle(item, nursery)
             except _Unreadable as exc:
                 self.app.refused(self.scope, 1007, str(exc))
-                await self.send({"type": "websocket.close", "code": 1007,
-                                 "reason": str(exc)[:120]})  # fmt: skip
+                await self._close(1007, str(exc)[:120])
                 return False
 
     async def _wait_for_room(self) -> None:
@@ -426,18 +425,28 @@ class _WSSession:
             return
         raise _Stalled
 
+    async def _close(self, code: int, reason: str) -> None:
+        """Send the close frame (once); no answer is sent after it."""
+        if self.closing:
+            return
+        self.closing = True
+        self.out.clear()
+        await self.send({"type": "websocket.close", "code": code, "reason": reason})
+
     async def _stall(self, receive: Receive) -> None:
         """The client leaves its answers unread: cancel its runs, drop its answers, and read
-        and discard its messages until it goes."""
+        and discard its messages until it goes. The close frame (1008) goes out if it ever
+        reads again (a send hypercorn has begun cannot be taken back)."""
         idle = self.app.limits.idle_timeout
-        self.app.refused(self.scope, 1008, f"its answers were not read for {idle:g}s: its "
-                                           f"runs are cancelled (--idle-timeout)")  # fmt: skip
-        self.stalled = True
-        self.out.clear()
+        reason = f"answers not read for {idle:g}s (--idle-timeout)"
+        self.app.refused(self.scope, 1008, f"{reason}: its runs are cancelled")
         for scope in self.running.values():
             scope.cancel()
-        while (await receive())["type"] == "websocket.receive":
-            pass
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(self._close, 1008, reason)
+            while (await receive())["type"] == "websocket.receive":
+                pass
+            nursery.cancel_scope.cancel()
 
     async def _close_when_idle(self, scope: trio.CancelScope) -> None:
         idle = self.app.limits.idle_timeout
@@ -449,8 +458,7 @@ class _WSSession:
                 self.last = trio.current_time()  # busy: an answer will come, or a send end
             elif trio.current_time() >= self.last + idle:
                 break
-        await self.send({"type": "websocket.close", "code": 1001,
-                         "reason": f"idle for {idle:g}s"})  # fmt: skip
+        await self._close(1001, f"idle for {idle:g}s")
         scope.cancel()
 
     @staticmethod
@@ -462,7 +470,7 @@ class _WSSession:
         return decoded if isinstance(decoded, list) else [decoded]
 
     def _answer(self, ident: int | str, status: int, **fields: Any) -> None:
-        if self.stalled:
+        if self.closing:
             return
         answer = {"id": ident, "status": status, **fields}
         try:
@@ -576,6 +584,8 @@ class _WSSession:
                 self.wake.set()
             if len(self.out) < self.max_queued:
                 self.room.set()
+            if self.closing or not items:
+                continue
             self.sending = True
             await self.send({"type": "websocket.send", "bytes": b"[" + b",".join(items) + b"]"})
             self.sending = False
