@@ -13,11 +13,15 @@ Run from the project root: ``python -m bench.serve`` (``--quick`` for a smoke ru
   transport, then ``transport="http"``); the wall time of each ``client.run`` of an echo
   slot, at window 1 (pure latency) and at window 64 (under load, queueing included). p50
   and p99.
+* **CPU per slot**: the same pair over the WebSocket at window 64; the CPU time (user +
+  system) the client process and the server process spend per echo slot, median of the
+  repeats. Unlike the rates, it hardly moves when other processes share the cores.
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
 import tempfile
 import time
@@ -134,6 +138,38 @@ async def round_trips(n: int, window: int, transport: str = "websocket") -> list
     return times
 
 
+def _cpu_seconds(pid: int) -> float:
+    """User + system CPU seconds of process `pid` so far (Linux /proc)."""
+    with open(f"/proc/{pid}/stat") as stat:
+        fields = stat.read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+async def cpu_per_slot(n: int, repeats: int) -> tuple[float, float]:
+    """Median microseconds of CPU per echo slot: (client process, server process)."""
+    env = tt.Env(Counted(CountConfig(count=0)))
+    ctx = tt.ModelContext(tt.EchoClient(), "echo")
+    client_us: list[float] = []
+    server_us: list[float] = []
+
+    async def slots(count: int) -> AsyncIterator[tt.RunSlot[tt.Task]]:
+        for i in range(count):
+            yield tt.RunSlot(tt.Task(f"say {i}", answer=str(i), key=f"n:{i}"))
+
+    async with spawn_server(env) as server, tt.EnvClient(server.url, token=server.token) as client:
+
+        async def run(slot: tt.RunSlot[tt.Task]) -> None:
+            await client.run(slot, ctx)
+
+        await tt.run_stream(slots(n // 5), run, window=WINDOW)  # warm up
+        for _ in range(repeats):
+            client_before, server_before = time.process_time(), _cpu_seconds(server.pid)
+            await tt.run_stream(slots(n), run, window=WINDOW)
+            client_us.append((time.process_time() - client_before) / n * 1e6)
+            server_us.append((_cpu_seconds(server.pid) - server_before) / n * 1e6)
+    return statistics.median(client_us), statistics.median(server_us)
+
+
 def _version(dist: str) -> str:
     try:
         return metadata.version(dist)
@@ -195,6 +231,12 @@ def main(argv: list[str] | None = None) -> None:
                          f"{percentile(times, 0.5) * 1e3:.2f}",
                          f"{percentile(times, 0.99) * 1e3:.2f}"])  # fmt: skip
     lines.append(markdown_table(["transport", "window", "slots", "p50 ms", "p99 ms"], rows))
+    lines += ["", f"#### CPU per served slot (echo, WebSocket, window {WINDOW}, 1 worker)", ""]
+    client_us, server_us = trio.run(cpu_per_slot, n * 2, repeats)
+    lines.append(markdown_table(
+        ["process", "CPU µs per slot"], [["client", f"{client_us:.1f}"],
+                                         ["server", f"{server_us:.1f}"]],
+    ))  # fmt: skip
     print("\n".join(lines))
 
 

@@ -10,9 +10,11 @@ past deadlines while it runs, and one fsync per interval is a small, bounded pau
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
-import tempfile
+import secrets
+import stat
 from collections.abc import AsyncIterator, Iterable
 from contextlib import asynccontextmanager
 from pathlib import Path
@@ -116,10 +118,15 @@ def read_rows(path: Path) -> tuple[list[dict[str, Any]], int]:
 
 
 def write_atomic(path: Path, rows: Iterable[dict[str, Any]] | None = None, text: str = "") -> None:
-    """Replace `path` with `rows` (as JSON lines) or `text`, atomically and durably."""
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    """Replace `path` with `rows` (as JSON lines) or `text`, atomically and durably. The new
+    file keeps the mode of the one it replaces (a new one gets 0o644 less the umask, as
+    `open_traces` makes it)."""
+    tmp = path.parent / f".{path.name}.{secrets.token_hex(8)}.tmp"
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
     try:
         with os.fdopen(fd, "wb") as out:
+            with contextlib.suppress(FileNotFoundError):
+                os.fchmod(out.fileno(), stat.S_IMODE(os.stat(path).st_mode))
             if rows is not None:
                 for row in rows:
                     out.write(_encode(row))
@@ -129,7 +136,7 @@ def write_atomic(path: Path, rows: Iterable[dict[str, Any]] | None = None, text:
             os.fsync(out.fileno())
         os.replace(tmp, path)
     except BaseException:
-        Path(tmp).unlink(missing_ok=True)
+        tmp.unlink(missing_ok=True)
         raise
     dir_fd = os.open(path.parent, os.O_RDONLY)
     try:

@@ -12,6 +12,7 @@ import trio
 
 from ..envspec import EnvSpec
 from ..serve.app import ServerApp
+from ..serve.policy import Access, Limits, ModelPolicy
 from ..serve.process import bind_socket, is_loopback, serve_worker, supervise, url_of
 from ..serve.wire import MAX_BODY_BYTES, READY_PREFIX
 
@@ -20,13 +21,16 @@ if TYPE_CHECKING:
 
 from .options import CommandError, HelpFormatter, UsageError, add_env_options, build_env, env_spec
 
+DEFAULTS = Limits()
+
 
 def add_parser(commands: Commands) -> argparse.ArgumentParser:
     """Add `serve` to the CLI's subcommands."""
     sv: argparse.ArgumentParser = commands.add_parser(
         "serve",
         help="serve a taskset's env over HTTP (for --server-url or remote use)",
-        description="Run a taskset's env behind HTTP: GET /health and POST /run (docs/serve.md).",
+        description="Run a taskset's env behind HTTP: GET /health, POST /run and the "
+        "WebSocket /ws (docs/serve.md, docs/security.md).",
         formatter_class=HelpFormatter,
     )
     env = add_env_options(sv)
@@ -56,6 +60,72 @@ def add_parser(commands: Commands) -> argparse.ArgumentParser:
         metavar="N",
         help="larger request bodies get 413 (default 1 MiB)",
     )
+    access = sv.add_argument_group("who may talk to the server (docs/security.md)")
+    access.add_argument(
+        "--allow-host",
+        action="extend",
+        nargs="+",
+        default=[],
+        metavar="NAME",
+        help="Host names (NAME or NAME:PORT) served besides the bound one; required for a "
+        "wildcard --host; '*' serves any (behind a proxy that checks Host) (default: none)",
+    )
+    access.add_argument(
+        "--allow-origin",
+        action="extend",
+        nargs="+",
+        default=[],
+        metavar="ORIGIN",
+        help="browser Origins served (default none: a request from a web page is refused)",
+    )
+    models = sv.add_argument_group("what a run may reach (docs/security.md)")
+    models.add_argument(
+        "--api-key-var",
+        default=None,
+        metavar="NAME",
+        help="the environment variable holding the model API key (read once at start); a "
+        "run may use this key or none, never another variable (default: none)",
+    )
+    models.add_argument(
+        "--allow-base-url",
+        action="extend",
+        nargs="+",
+        default=[],
+        metavar="URL",
+        help="the OpenAI-compatible endpoints a run may reach (default none: echo only)",
+    )
+    limits = sv.add_argument_group("limits per connection (docs/security.md)")
+    limits.add_argument(
+        "--max-runs-per-connection",
+        type=int,
+        default=DEFAULTS.max_runs,
+        metavar="N",
+        help=f"runs in flight on one WebSocket (default {DEFAULTS.max_runs})",
+    )
+    limits.add_argument(
+        "--header-timeout",
+        type=float,
+        default=DEFAULTS.header_timeout,
+        metavar="S",
+        help="seconds for a request head (and then its body) to arrive; also the keep-alive "
+        f"idle time (default {DEFAULTS.header_timeout:g})",
+    )
+    limits.add_argument(
+        "--idle-timeout",
+        type=float,
+        default=DEFAULTS.idle_timeout,
+        metavar="S",
+        help="seconds a WebSocket may stay idle (nothing in flight, sent or received) "
+        f"before it is closed (default {DEFAULTS.idle_timeout:g})",
+    )
+    limits.add_argument(
+        "--max-model-clients",
+        type=int,
+        default=DEFAULTS.model_clients,
+        metavar="N",
+        help=f"model clients kept open, least recently used closed (default "
+        f"{DEFAULTS.model_clients})",
+    )
     env.add_argument(
         "--reward", default=None, metavar="SPEC",
         help="a reward function (default: the taskset's, else answer match)",
@@ -75,6 +145,28 @@ def add_parser(commands: Commands) -> argparse.ArgumentParser:
     return sv
 
 
+def _access(args: argparse.Namespace, port: int, token: str | None) -> Access:
+    return Access.for_bind(
+        args.host, port, loopback=is_loopback(args.host), allow_hosts=args.allow_host,
+        allow_origins=args.allow_origin, token=token,
+    )  # fmt: skip
+
+
+def _models(args: argparse.Namespace) -> ModelPolicy:
+    try:
+        return ModelPolicy.from_flags(args.allow_base_url, args.api_key_var, os.environ)
+    except ValueError as exc:
+        raise UsageError(str(exc)) from None
+
+
+def _limits(args: argparse.Namespace) -> Limits:
+    return Limits(
+        max_body=args.max_body_bytes, max_runs=args.max_runs_per_connection,
+        header_timeout=args.header_timeout, idle_timeout=args.idle_timeout,
+        model_clients=args.max_model_clients,
+    )  # fmt: skip
+
+
 def _token(args: argparse.Namespace) -> str | None:
     if args.token_var is None:
         if not is_loopback(args.host):
@@ -92,6 +184,15 @@ def _token(args: argparse.Namespace) -> str | None:
     return token
 
 
+def _check_wildcard(args: argparse.Namespace) -> None:
+    if args.host.strip("[]") in ("0.0.0.0", "::", "") and not args.allow_host:
+        raise UsageError(
+            f"--host {args.host or repr('')} listens on every address, so no name is the "
+            f"bound one: name the host names clients use with --allow-host NAME (or '*' "
+            f"behind a proxy that checks Host)"
+        )
+
+
 def _check_args(args: argparse.Namespace) -> None:
     if args.workers < 1:
         raise UsageError(f"--workers must be >= 1, got {args.workers}")
@@ -99,12 +200,32 @@ def _check_args(args: argparse.Namespace) -> None:
         raise UsageError(f"--port must be in 0..65535, got {args.port}")
     if args.max_body_bytes < 1:
         raise UsageError(f"--max-body-bytes must be >= 1, got {args.max_body_bytes}")
+    for flag, value in (("--max-runs-per-connection", args.max_runs_per_connection),
+                        ("--max-model-clients", args.max_model_clients)):  # fmt: skip
+        if value < 1:
+            raise UsageError(f"{flag} must be >= 1, got {value}")
+    for flag, seconds in (("--header-timeout", args.header_timeout),
+                          ("--idle-timeout", args.idle_timeout)):  # fmt: skip
+        if not seconds > 0:
+            raise UsageError(f"{flag} must be > 0 seconds, got {seconds}")
 
 
-def _worker_cmd(args: argparse.Namespace, spec: EnvSpec) -> list[str]:
+def _worker_cmd(args: argparse.Namespace, spec: EnvSpec, port: int) -> list[str]:
+    """A pool worker's command: the same env, flags and bound name (its socket by fd)."""
     cmd = [sys.executable, "-m", "trio_tasksets", "serve", *spec.argv(),
-           "--workers", str(args.workers), "--max-body-bytes", str(args.max_body_bytes),
-           "--die-with-parent"]  # fmt: skip
+           "--host", args.host, "--port", str(port), "--workers", str(args.workers),
+           "--max-body-bytes", str(args.max_body_bytes),
+           "--max-runs-per-connection", str(args.max_runs_per_connection),
+           "--header-timeout", repr(args.header_timeout),
+           "--idle-timeout", repr(args.idle_timeout),
+           "--max-model-clients", str(args.max_model_clients), "--die-with-parent"]  # fmt: skip
+    for flag, values in (("--allow-host", args.allow_host),
+                         ("--allow-origin", args.allow_origin),
+                         ("--allow-base-url", args.allow_base_url)):  # fmt: skip
+        if values:
+            cmd += [flag, *values]
+    if args.api_key_var:
+        cmd += ["--api-key-var", args.api_key_var]
     return [*cmd, "--token-var", args.token_var] if args.token_var else cmd
 
 
@@ -113,10 +234,14 @@ def run(args: argparse.Namespace) -> int:
     line raises `UsageError` (exit 2)."""
     _check_args(args)
     token = _token(args)
+    _check_wildcard(args)
+    models = _models(args)
+    limits = _limits(args)
     spec = env_spec(args)
     env = build_env(args, check_retry_names=not args.die_with_parent)
     if args.listen_fd is not None:  # a worker of a pool
-        app = ServerApp(env, token=token, max_body=args.max_body_bytes, workers=args.workers)
+        access = _access(args, args.port, token)
+        app = ServerApp(env, access=access, models=models, limits=limits, workers=args.workers)
         worker = partial(serve_worker, url=None, die_with_parent=args.die_with_parent)
         trio.run(worker, app, args.listen_fd)
         return 0
@@ -127,12 +252,13 @@ def run(args: argparse.Namespace) -> int:
             f"cannot listen on {args.host}:{args.port}: {exc.strerror}",
             fix="choose another --port (0: any free one)",
         ) from exc
-    url = url_of(args.host, sock.getsockname()[1])
+    port = sock.getsockname()[1]
+    url = url_of(args.host, port)
     if args.workers > 1:
         with sock:
-            cmd = _worker_cmd(args, spec)
+            cmd = _worker_cmd(args, spec, port)
             return trio.run(supervise, cmd, sock, args.workers, url, args.die_with_parent)
-    app = ServerApp(env, token=token, max_body=args.max_body_bytes)
+    app = ServerApp(env, access=_access(args, port, token), models=models, limits=limits)
     trio.run(
         partial(serve_worker, url=url, die_with_parent=args.die_with_parent), app, sock.detach()
     )

@@ -44,6 +44,11 @@ def _api_key(ctx: ModelContext) -> str | None:
     return openai_api_key(ctx.client) if isinstance(ctx.client, OpenAIClient) else None
 
 
+def _base_urls(ctx: ModelContext) -> list[str]:
+    """The endpoint a spawned server may reach: the eval's model's, if it has one."""
+    return [ctx.client.base_url] if isinstance(ctx.client, OpenAIClient) else []
+
+
 @asynccontextmanager
 async def served_runner(
     env: Env[Any], ctx: ModelContext, *, workers: int, server_url: str | None, window: int
@@ -51,15 +56,19 @@ async def served_runner(
     """What an eval runs each slot with on the served path: a spawned child (`server_url`
     None) or a running server, through one pooled `EnvClient` (one `run` per slot).
 
-    A remote server's token is read from ``$TT_SERVE_TOKEN``; it reads the model's API key
-    from its own ``$TT_SERVE_API_KEY``.
+    A spawned child may reach the eval's model endpoint only, with the eval's key
+    (``--allow-base-url``, ``--api-key-var TT_SERVE_API_KEY``). A remote server's token is
+    read from ``$TT_SERVE_TOKEN``; it must allow the model's endpoint itself and hold the
+    key in its own ``$TT_SERVE_API_KEY`` (started with ``--api-key-var TT_SERVE_API_KEY``).
     """
     async with contextlib.AsyncExitStack() as stack:
         server: ServerProcess | None = None
         token: str | None
         if server_url is None:
             server = await stack.enter_async_context(
-                spawn_server(env, workers=workers, api_key=_api_key(ctx))
+                spawn_server(
+                    env, workers=workers, api_key=_api_key(ctx), allow_base_urls=_base_urls(ctx)
+                )
             )
             url, token = server.url, server.token
         else:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import inspect
 import json
+import math
 import time
 from collections.abc import Awaitable, Callable
 from types import TracebackType
@@ -15,16 +16,19 @@ import trio
 from ..env import Episode, RetryPolicy, RunSlot
 from ..models import ModelContext
 from .errors import EnvServerError, transport_reason
-from .transport import HTTPConnections, Refused, WSConnection, WSGone
-from .wire import MAX_BODY_BYTES, WS_PATH, RunRequestEncoder
+from .transport import HTTPConnections, Refused, TooLarge, WSConnection, WSGone
+from .wire import MAX_ANSWER_BYTES, MAX_BODY_BYTES, WS_PATH, RunRequestEncoder
 
 
 class _WSPool:
     """The WebSocket connections of an `EnvClient`: opened on first use, one per server
     worker unless `size` is given (the kernel deals connections to the workers that accept
     them, so up to 4 per worker are tried to reach distinct workers, by the pid each worker
-    names at the handshake). A run goes on the connection with the fewest runs in flight. A
-    connection that ends is dropped; the next run opens new ones."""
+    names at the handshake). A run goes on the connection with the fewest runs in flight;
+    when every connection holds the server's ``max_runs`` (per connection, from
+    ``/health``), one more is opened. A connection that ends is dropped, and one idle for
+    half the server's ``idle_timeout`` is closed before the server would; the next run opens
+    new ones."""
 
     def __init__(self, client: EnvClient, size: int | None) -> None:
         self.client = client
@@ -32,40 +36,62 @@ class _WSPool:
         self.connections: list[WSConnection] = []
         self.available: bool | None = None  # None: not asked yet; False: use HTTP
         self.max_bytes = MAX_BODY_BYTES
+        self.max_runs: int | None = None
+        self.retire_after = math.inf  # seconds idle before a connection is closed here
+        self.target = WS_PATH
         self.closed = False
         self._lock = trio.Lock()
 
     def live(self) -> WSConnection | None:
-        """The open connection with the fewest runs in flight; None if none is open."""
+        """The open connection with the fewest runs in flight, if it has room for one more
+        (else None: all are full, or none is open)."""
         best: WSConnection | None = None
         for connection in self.connections:
             if connection.gone is None and (
-                best is None or len(connection.calls) < len(best.calls)
+                best is None or connection.outstanding < best.outstanding
             ):
                 best = connection
+        if best is None or not best.has_room():
+            return None
+        if not best.outstanding and trio.current_time() - best.idle_since > self.retire_after:
+            best.retire("closed by the client after it was idle")
+            return self.live()
         return best
 
     async def pick(self) -> WSConnection | None:
-        """A live connection (opened if needed), or None when the server has no ``/ws``."""
+        """A live connection with room (opened if needed), or None when the server has no
+        ``/ws``."""
         if self.closed:
             raise EnvServerError(f"{self.client.url}: the client was closed", url=self.client.url)
-        live = [c for c in self.connections if c.gone is None]
-        if not live:
-            async with self._lock:
-                live = [c for c in self.connections if c.gone is None]
-                if not live and self.available is not False:
-                    live = await self._open()
-                    if self.closed:  # aclose() ran while these were opening: theirs too
-                        with trio.CancelScope(shield=True):
-                            for connection in live:
-                                await connection.close()
-                        raise EnvServerError(
-                            f"{self.client.url}: the client was closed", url=self.client.url
-                        )
-                    self.connections = live
-        if not live:
-            return None
-        return min(live, key=lambda c: len(c.calls))
+        async with self._lock:
+            connection = self.live()
+            if connection is not None or self.available is False:
+                return connection
+            live = [c for c in self.connections if c.gone is None]
+            opened = await (self._open_one() if live else self._open())
+            if self.closed:  # aclose() ran while these were opening: theirs too
+                with trio.CancelScope(shield=True):
+                    for connection in opened:
+                        await connection.close()
+                raise EnvServerError(
+                    f"{self.client.url}: the client was closed", url=self.client.url
+                )
+            self.connections = [*live, *opened]
+            return self.live()
+
+    async def _connect(self) -> WSConnection:
+        client = self.client
+        host, port = client._connections.host, client._connections.port
+        return await WSConnection.open(
+            host, port, client._prefix + self.target, client._ws_headers, self.max_bytes,
+            max_message=client.max_message_bytes, limit=self.max_runs,
+        )  # fmt: skip
+
+    async def _open_one(self) -> list[WSConnection]:
+        """One more connection, when all are full."""
+        connection = await self._connect()
+        connection.start()
+        return [connection]
 
     async def _open(self) -> list[WSConnection]:
         client = self.client
@@ -75,18 +101,21 @@ class _WSPool:
             self.available = False  # a server without /ws: HTTP only
             return []
         self.available = True
+        self.target = target
         self.max_bytes = int(health.get("max_body", MAX_BODY_BYTES))
+        max_runs = health.get("max_runs")
+        self.max_runs = max_runs if type(max_runs) is int and max_runs > 0 else None
+        idle = health.get("idle_timeout")
+        if isinstance(idle, int | float) and idle > 0:
+            self.retire_after = idle / 2
         workers = int(health.get("workers", 1))
         size = self.size or workers
         wanted = min(size, workers)
-        host, port = client._connections.host, client._connections.port
         connections: list[WSConnection] = []
         seen: set[str] = set()
         try:
             for _ in range(size if self.size else 4 * workers):
-                connection = await WSConnection.open(
-                    host, port, client._prefix + target, client._ws_headers, self.max_bytes
-                )
+                connection = await self._connect()
                 if connection.pid in seen and len(seen) < wanted:
                     await connection.close()  # a worker we have: try for another
                     continue
@@ -118,9 +147,11 @@ class EnvClient:
     size limit uses ``POST /run`` instead. `transport="http"`: one ``POST /run`` per run on
     keep-alive connections, at most `max_connections` open (None: no bound; an eval sizes
     it to its window). `health()` is always HTTP. Runs are untimed (an episode may take
-    long); connecting times out after `connect_timeout`. Every failure to get an answer
-    raises `EnvServerError` naming `url`. `api_key_var` is the variable an OpenAI model's
-    description tells the server to read its key from. Use `async with` or `aclose()`.
+    long); connecting times out after `connect_timeout`. A message or answer from the
+    server over `max_message_bytes` ends that connection (its runs fail). Every failure to
+    get an answer raises `EnvServerError` naming `url`. `api_key_var` is the variable an
+    OpenAI model's description asks the server's key from: it must be the one the server
+    was started with (``--api-key-var``). Use `async with` or `aclose()`.
     """
 
     def __init__(
@@ -133,13 +164,17 @@ class EnvClient:
         connect_timeout: float = 10.0,
         transport: str = "websocket",
         connections: int | None = None,
+        max_message_bytes: int = MAX_ANSWER_BYTES,
     ) -> None:
         if transport not in ("websocket", "http"):
             raise ValueError(f"transport must be 'websocket' or 'http', got {transport!r}")
         if connections is not None and connections < 1:
             raise ValueError(f"connections must be >= 1, got {connections}")
+        if max_message_bytes < 1:
+            raise ValueError(f"max_message_bytes must be >= 1, got {max_message_bytes}")
         self.url = url.rstrip("/")
         self.transport = transport
+        self.max_message_bytes = max_message_bytes
         self._connect_timeout = connect_timeout
         self.api_key_var = api_key_var
         self._encoder = RunRequestEncoder(api_key_var)
@@ -149,8 +184,9 @@ class EnvClient:
         port = parts.port or (443 if parts.scheme == "https" else 80)
         self._prefix = parts.path
         self._connections = HTTPConnections(
-            parts.scheme, parts.hostname, port, max_connections, connect_timeout
-        )
+            parts.scheme, parts.hostname, port, max_connections, connect_timeout,
+            max_message_bytes,
+        )  # fmt: skip
         self._headers = [(b"host", parts.netloc.encode())]
         self._ws_headers: list[tuple[bytes, bytes]] = []
         token = token.strip() if token else None
@@ -173,6 +209,8 @@ class EnvClient:
             status, content = await self._connections.request(
                 method.encode(), target, headers, body
             )
+        except TooLarge as exc:
+            raise EnvServerError(f"env server {self.url}: {exc}", url=self.url) from None
         except Exception as exc:
             reason = transport_reason(exc)
             if reason is None:
@@ -205,6 +243,9 @@ class EnvClient:
         payload = await self._request("GET", "/health")
         if not isinstance(payload, dict):
             raise EnvServerError(f"env server {self.url}: /health is not an object", url=self.url)
+        keepalive = payload.get("header_timeout")
+        if isinstance(keepalive, int | float) and keepalive > 0:  # close idle ones first
+            self._connections.keepalive = min(self._connections.keepalive, keepalive / 2)
         return payload
 
     async def run(self, slot: RunSlot[Any], ctx: ModelContext) -> Episode:

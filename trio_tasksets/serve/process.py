@@ -67,6 +67,23 @@ async def _watch(stop: trio.Event, nursery: trio.Nursery, die_with_parent: bool)
         nursery.start_soon(_stop_on_stdin_eof, stop)
 
 
+APP_QUEUE = 4
+"""Messages (or body chunks) hypercorn queues for the app per connection (its default: 10)."""
+
+
+def _log_to_stderr() -> None:
+    """Refusals (`policy.log_refusal`) as one line each on stderr."""
+    import logging
+
+    logger = logging.getLogger("trio_tasksets.serve")
+    if not logger.handlers:
+        handler = logging.StreamHandler(sys.stderr)
+        handler.setFormatter(logging.Formatter("trio-tasksets serve[%(process)d]: %(message)s"))
+        logger.addHandler(handler)
+        logger.setLevel(logging.INFO)
+        logger.propagate = False
+
+
 def _announce(url: str) -> None:
     """Tell the parent the URL on stdout (one line); later stdout output goes to stderr."""
     print(f"{READY_PREFIX}{url}", flush=True)
@@ -85,8 +102,14 @@ async def serve_worker(
     config.bind = [f"fd://{fd}"]
     config.loglevel = "WARNING"
     config.graceful_timeout = graceful
-    config.keep_alive_timeout = 120  # longer than the client's keep-alive: it closes first
+    # Hypercorn's idle timer runs from a connection's start (or the end of its last answer)
+    # until a whole request head has arrived: it is both the header read timeout and the
+    # keep-alive idle timeout. (The client's keep-alive is shorter: it closes first.)
+    config.keep_alive_timeout = app.limits.header_timeout
     config.websocket_max_message_size = app.max_body  # over it: close code 1009
+    # Messages hypercorn holds for the app per connection before it stops reading the socket.
+    config.max_app_queue_size = APP_QUEUE
+    _log_to_stderr()
     stop = trio.Event()
     try:
         async with app.env.serving(), trio.open_nursery() as nursery:

@@ -8,7 +8,7 @@ import secrets
 import subprocess
 import sys
 import tempfile
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Sequence
 from contextlib import asynccontextmanager
 from typing import IO, Any
 
@@ -58,6 +58,7 @@ class ServerProcess:
 def _child_env(token: str, api_key: str | None) -> dict[str, str]:
     environ = dict(os.environ)
     environ[TOKEN_VAR] = token
+    environ.pop(API_KEY_VAR, None)  # the child's key is the one given, or none
     if api_key is not None:
         environ[API_KEY_VAR] = api_key
     # The child imports the same modules: give it this process's import path.
@@ -118,6 +119,7 @@ async def spawn_server(
     *,
     workers: int = 1,
     api_key: str | None = None,
+    allow_base_urls: Sequence[str] = (),
     startup_timeout: float = 60.0,
     grace: float = 5.0,
 ) -> AsyncIterator[ServerProcess]:
@@ -127,14 +129,20 @@ async def spawn_server(
 
     The child rebuilds the env from `EnvSpec.of(env)` (`TravelError` first if it cannot); it
     dies with this process even on SIGKILL (the death pipe on its stdin), and so do its
-    workers. `api_key` is put in the child's environment as ``TT_SERVE_API_KEY``. A child that
-    dies or stalls while starting raises `EnvServerError` with its stderr tail.
+    workers. Runs may reach the model endpoints `allow_base_urls` (``--allow-base-url``;
+    none: echo only) with `api_key`, which is put in the child's environment as
+    ``TT_SERVE_API_KEY`` (``--api-key-var TT_SERVE_API_KEY``). A child that dies or stalls
+    while starting raises `EnvServerError` with its stderr tail.
     """
     spec = EnvSpec.of(env)
     token = secrets.token_urlsafe(32)
     cmd = [sys.executable, "-m", "trio_tasksets", "serve", *spec.argv(), "--host", "127.0.0.1",
            "--port", "0", "--workers", str(workers), "--token-var", TOKEN_VAR,
            "--die-with-parent"]  # fmt: skip
+    if api_key is not None:
+        cmd += ["--api-key-var", API_KEY_VAR]
+    for url in allow_base_urls:
+        cmd.append(f"--allow-base-url={url}")
     with tempfile.TemporaryFile() as stderr:
         proc = await trio.lowlevel.open_process(
             cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=stderr,

@@ -28,12 +28,23 @@ class HTTPConnections:
     """
 
     def __init__(
-        self, scheme: str, host: str, port: int, limit: int | None, connect_timeout: float
+        self,
+        scheme: str,
+        host: str,
+        port: int,
+        limit: int | None,
+        connect_timeout: float,
+        max_answer: int,
     ) -> None:
         import httpcore
 
         self._origin = httpcore.Origin(scheme.encode(), host.encode(), port)
         self.host, self.port = host, port
+        self.max_answer = max_answer
+        # Shorter than the server's keep-alive (its --header-timeout, 10 s by default; set
+        # from /health when known): an idle connection is dropped here before the server
+        # could close it under a request.
+        self.keepalive = 4.0
         self._idle: list[httpcore.AsyncHTTPConnection] = []
         self._limiter = trio.CapacityLimiter(limit) if limit is not None else None
         self._extensions = {"timeout": {"connect": connect_timeout, "read": None,
@@ -47,9 +58,7 @@ class HTTPConnections:
             if not connection.has_expired():
                 return connection
             await connection.aclose()
-        # The client's keep-alive (60 s) is shorter than the server's (120 s): an idle
-        # connection is dropped here before the server could close it under a request.
-        return httpcore.AsyncHTTPConnection(self._origin, keepalive_expiry=60.0)
+        return httpcore.AsyncHTTPConnection(self._origin, keepalive_expiry=self.keepalive)
 
     async def request(
         self, method: bytes, target: bytes, headers: list[tuple[bytes, bytes]], body: bytes
@@ -67,7 +76,7 @@ class HTTPConnections:
             try:
                 response = await connection.handle_async_request(request)
                 try:
-                    content = await response.aread()
+                    content = await self._read(response)
                 finally:
                     await response.aclose()
             except BaseException:
@@ -79,6 +88,17 @@ class HTTPConnections:
             else:
                 await connection.aclose()
             return response.status, content
+
+    async def _read(self, response: httpcore.Response) -> bytes:
+        chunks: list[bytes] = []
+        size = 0
+        async for chunk in response.aiter_stream():
+            size += len(chunk)
+            if size > self.max_answer:
+                raise TooLarge(f"the server sent an answer over {self.max_answer} bytes "
+                               f"(the client's max_message_bytes)")  # fmt: skip
+            chunks.append(chunk)
+        return b"".join(chunks)
 
     async def aclose(self) -> None:
         idle, self._idle = self._idle, []
@@ -92,6 +112,13 @@ class HTTPConnections:
 
 class WSGone(Exception):
     """The WebSocket connection ended; the message says how."""
+
+
+class TooLarge(Exception):
+    """The server sent a message (or an HTTP answer) over the client's size limit."""
+
+
+_MAX_REFUSAL = 1 << 16  # bytes of a refused handshake's body the client reads
 
 
 async def handshake(stream: trio.SocketStream, ws: Any) -> Any:
@@ -112,8 +139,8 @@ async def handshake(stream: trio.SocketStream, ws: Any) -> Any:
                 status = event.status_code
             elif isinstance(event, RejectData):
                 body += event.data
-                if event.body_finished:
-                    raise Refused(status, body)
+                if event.body_finished or len(body) > _MAX_REFUSAL:
+                    raise Refused(status, body[:_MAX_REFUSAL])
 
 
 class WSConnection:
@@ -123,26 +150,49 @@ class WSConnection:
     what is queued as one message (a JSON array; what the runnable tasks add in the same
     scheduler tick goes together, at most `max_bytes`); the reader reschedules each call's
     task with its answer. Both run as one trio system task, so an `EnvClient` needs no
-    nursery; `close()` stops it.
+    nursery; `close()` stops it. A message from the server over `max_message` bytes ends
+    the connection. `outstanding` counts the runs the server may still hold (a cancelled one
+    until its answer comes): the caller keeps it under the server's `limit`.
     """
 
-    def __init__(self, stream: trio.SocketStream, ws: Any, max_bytes: int, pid: str) -> None:
+    def __init__(
+        self,
+        stream: trio.SocketStream,
+        ws: Any,
+        max_bytes: int,
+        pid: str,
+        *,
+        max_message: int,
+        limit: int | None = None,
+    ) -> None:
         self.stream = stream
         self.ws = ws
         self.pid = pid
         self.calls: dict[int, trio.lowlevel.Task] = {}  # the parked task of each call
+        self.cancelled: set[int] = set()  # runs cancelled here, not yet answered
+        self.limit = limit
+        self.idle_since = trio.current_time()  # when `outstanding` last fell to 0
         self.gone: str | None = None
         self._max_bytes = max_bytes
+        self._max_message = max_message
         self._next = 0
         self._out: list[bytes] = []
         self._wake = trio.Event()
         self._scope = trio.CancelScope()
         self._sending = trio.Lock()  # a pong from the reader and a message from the writer
 
+    @property
+    def outstanding(self) -> int:
+        """Runs sent (or queued) whose answer has not come."""
+        return len(self.calls) + len(self.cancelled)
+
+    def has_room(self) -> bool:
+        return self.limit is None or len(self.calls) + len(self.cancelled) < self.limit
+
     @classmethod
     async def open(
         cls, host: str, port: int, target: str, headers: list[tuple[bytes, bytes]],
-        max_bytes: int,
+        max_bytes: int, *, max_message: int, limit: int | None = None,
     ) -> WSConnection:  # fmt: skip
         """Connect and do the handshake; `Refused` for an HTTP answer instead of 101."""
         from wsproto import ConnectionType, WSConnection
@@ -160,8 +210,8 @@ class WSConnection:
         except BaseException:
             await trio.aclose_forcefully(stream)
             raise
-        pid = dict(accepted.extra_headers).get(b"x-tt-pid", b"").decode()
-        return cls(stream, ws, max_bytes, pid)
+        pid = dict(accepted.extra_headers).get(b"x-tt-pid", b"").decode(errors="replace")
+        return cls(stream, ws, max_bytes, pid, max_message=max_message, limit=limit)
 
     def start(self) -> None:
         trio.lowlevel.spawn_system_task(self._serve, name=f"tt-ws-{self.pid}")
@@ -190,11 +240,16 @@ class WSConnection:
     def cancel(self, ident: int) -> None:
         """Tell the server to cancel run `ident` (its answer, if any, is dropped)."""
         if self.calls.pop(ident, None) is not None and self.gone is None:
+            self.cancelled.add(ident)  # the server holds it until it answers (499)
             self._queue(b'{"op":"cancel","id":%d}' % ident)
 
     def _queue(self, item: bytes) -> None:
         self._out.append(item)
         self._wake.set()
+
+    def retire(self, reason: str) -> None:
+        """End the connection now (its system task closes the socket)."""
+        self._end(reason)
 
     async def close(self) -> None:
         self._end("the client was closed")
@@ -206,6 +261,7 @@ class WSConnection:
             self.gone = reason
         self._scope.cancel()
         calls, self.calls = self.calls, {}
+        self.cancelled.clear()
         for task in calls.values():
             trio.lowlevel.reschedule(task, outcome.Value(None))
 
@@ -253,6 +309,8 @@ class WSConnection:
         from wsproto.events import BytesMessage, CloseConnection, Ping, TextMessage
 
         parts: list[Any] = []
+        size = 0
+        limit = self._max_message
         while True:
             data = await self.stream.receive_some(1 << 16)
             if not data:
@@ -261,9 +319,14 @@ class WSConnection:
             for event in self.ws.events():
                 if isinstance(event, BytesMessage | TextMessage):
                     parts.append(event.data)
+                    size += len(event.data)
+                    if size > limit:
+                        raise WSGone(f"the server sent a message over {limit} bytes (the "
+                                     f"client's max_message_bytes)")  # fmt: skip
                     if event.message_finished:
                         self._dispatch(parts)
                         parts = []
+                        size = 0
                 elif isinstance(event, Ping):
                     async with self._sending:  # the writer may be sending: take turns
                         await self.stream.send_all(self.ws.send(event.response()))
@@ -283,11 +346,18 @@ class WSConnection:
             answers = orjson.loads(data)
         except orjson.JSONDecodeError as exc:
             raise WSGone(f"the server sent a message that is not JSON: {exc}") from None
+        calls = self.calls
         for answer in answers if isinstance(answers, list) else [answers]:
             ident = answer.get("id") if isinstance(answer, dict) else None
-            task = self.calls.pop(ident, None) if type(ident) is int else None
+            if type(ident) is not int:
+                continue
+            task = calls.pop(ident, None)
             if task is not None:
                 trio.lowlevel.reschedule(task, outcome.Value(answer))
+            elif self.cancelled:
+                self.cancelled.discard(ident)
+        if not calls and not self.cancelled:
+            self.idle_since = trio.current_time()
 
 
 class Refused(Exception):

@@ -5,11 +5,10 @@ from __future__ import annotations
 import copy
 import json
 import math
-import os
-from collections.abc import Mapping
 from typing import Any
 
 import attrs
+import orjson
 import trio
 
 from ..env import RunSlot, task_data, task_key
@@ -27,6 +26,13 @@ API_KEY_VAR = "TT_SERVE_API_KEY"
 MAX_BODY_BYTES = 1 << 20
 """Request bodies (and WebSocket messages) larger than this get 413 (close code 1009)."""
 
+MAX_DEPTH = 64
+"""How deeply a run request may nest (objects and arrays): deeper is refused (422) before the
+run starts, well inside what the row's encoders and the env's own recursion can take."""
+
+MAX_ANSWER_BYTES = 64 << 20
+"""The client's default limit on one message (or `POST /run` answer) from a server."""
+
 READY_PREFIX = "serving on "
 """A server's first stdout line: this prefix, then its URL."""
 
@@ -38,12 +44,52 @@ WS_MAX_BATCH = 16
 
 
 class WireError(ValueError):
-    """A request that does not match the wire format; `field` is the dotted path at fault."""
+    """A request that does not match the wire format; `field` is the dotted path at fault.
+    `status` is the HTTP status it is answered with (422)."""
+
+    status = 422
 
     def __init__(self, field: str, problem: str) -> None:
         super().__init__(f"{field}: {problem}")
         self.field = field
         self.problem = problem
+
+
+class Forbidden(WireError):
+    """A well-formed request for something the server was not started to allow (403): the
+    message names the flag that would allow it."""
+
+    status = 403
+
+
+def decode_json(data: bytes | str) -> object:
+    """Decode a request's JSON with orjson; `ValueError` (orjson's `JSONDecodeError`) for
+    anything that is not strict JSON: invalid UTF-8, lone surrogates, NaN, a number beyond a
+    double's range, nesting over 1024 levels. (An integer beyond 64 bits becomes a float.)"""
+    return orjson.loads(data)
+
+
+def check_depth(value: object, field: str, limit: int = MAX_DEPTH) -> None:
+    """`WireError` if `value` nests objects and arrays more than `limit` levels deep."""
+    if not _nesting_within(value, limit):
+        raise WireError(field, f"nests deeper than {limit} levels of objects and arrays")
+
+
+def _nesting_within(value: object, budget: int) -> bool:
+    kind = type(value)
+    if kind is dict:
+        items: Any = value.values()  # type: ignore[attr-defined]
+    elif kind is list:
+        items = value
+    else:
+        return True
+    if budget <= 0:
+        return False
+    for item in items:
+        kind = type(item)
+        if (kind is dict or kind is list) and not _nesting_within(item, budget - 1):
+            return False
+    return True
 
 
 # --- model client descriptions --------------------------------------------------------------
@@ -58,7 +104,9 @@ class EchoSpec:
 
 @attrs.frozen
 class OpenAISpec:
-    """An OpenAI-compatible endpoint; the key is read from `api_key_var` on the server."""
+    """An OpenAI-compatible endpoint. `api_key_var` asks for the server's key: it must be
+    null (no key) or the variable the server was started with (``--api-key-var``); the
+    server refuses any other, and any `base_url` it does not allow (``--allow-base-url``)."""
 
     base_url: str
     timeout: float = 120.0
@@ -104,29 +152,6 @@ def describe_client(client: ModelClient, *, api_key_var: str | None = None) -> C
     raise TravelError(
         f"model client {type(client).__name__} cannot travel to an env server (EchoClient and "
         f"OpenAIClient can); run in-process"
-    )
-
-
-def build_client(spec: ClientSpec, environ: Mapping[str, str] | None = None) -> ModelClient:
-    """The model client a description stands for (server side); the key from `environ`."""
-    if isinstance(spec, EchoSpec):
-        return EchoClient(delay=spec.delay)
-    key = None
-    if spec.api_key_var is not None:
-        key = (os.environ if environ is None else environ).get(spec.api_key_var, "").strip()
-        if not key:
-            raise WireError(
-                "ctx.client.api_key_var",
-                f"the server has no environment variable {spec.api_key_var} (set it where the "
-                f"server runs)",
-            )
-    return OpenAIClient(
-        spec.base_url,
-        key,
-        timeout=spec.timeout,
-        max_retries=spec.max_retries,
-        backoff=spec.backoff,
-        max_backoff=spec.max_backoff,
     )
 
 
@@ -320,6 +345,8 @@ def _parse_client(value: object) -> ClientSpec:
 _SLOT_FIELDS = frozenset({"task", "rollout"})
 _TASK_REF_FIELDS = frozenset({"key", "data"})
 _TASK_FIELDS = frozenset({"prompt", "answer", "info", "system_prompt"})
+# The nesting left for a value inside `slot.task.data` (the body, slot, task and data are 4).
+_DATA_BUDGET = MAX_DEPTH - 4
 
 
 def quick_slot(
@@ -328,8 +355,8 @@ def quick_slot(
     """The key, data and rollout of a well-formed ``slot`` field of a decoded run request, or
     None. A fast path for `parse_run_request`'s checks of the slot: it accepts only what they
     accept (exact JSON types, no unknown field), and for anything else (a bad field, or an
-    unusual shape) returns None, so that the caller runs `parse_run_request`, which decides
-    and names the field."""
+    unusual shape, or one nested too deeply) returns None, so that the caller runs
+    `parse_run_request`, which decides and names the field."""
     if type(value) is not dict or not value.keys() <= _SLOT_FIELDS:
         return None
     task = value.get("task")
@@ -341,22 +368,25 @@ def quick_slot(
     key, data = task["key"], task["data"]
     if type(key) is not str or type(data) is not dict:
         return None
-    if plain_tasks:
-        if not data.keys() <= _TASK_FIELDS:
+    if not plain_tasks:
+        return (key, data, rollout) if _nesting_within(data, _DATA_BUDGET + 1) else None
+    if not data.keys() <= _TASK_FIELDS:
+        return None
+    prompt = data.get("prompt")
+    if type(prompt) is list:
+        if not all(type(message) is dict for message in prompt):
             return None
-        prompt = data.get("prompt")
-        if type(prompt) is list:
-            if not all(type(message) is dict for message in prompt):
-                return None
-        elif type(prompt) is not str:
+        if not _nesting_within(prompt, _DATA_BUDGET):
             return None
-        for name in ("answer", "system_prompt"):
-            text = data.get(name)
-            if text is not None and type(text) is not str:
-                return None
-        info = data.get("info")
-        if info is not None and type(info) is not dict:
+    elif type(prompt) is not str:
+        return None
+    for name in ("answer", "system_prompt"):
+        text = data.get(name)
+        if text is not None and type(text) is not str:
             return None
+    info = data.get("info")
+    if info is not None and (type(info) is not dict or not _nesting_within(info, _DATA_BUDGET)):
+        return None
     return key, data, rollout
 
 
@@ -364,8 +394,10 @@ def parse_run_request(body: object, *, plain_tasks: bool = True) -> RunRequest:
     """Check a decoded `POST /run` body against the wire format; `WireError` names the field.
 
     With `plain_tasks` (the taskset has no `task_from_data`), `slot.task.data` must hold
-    `tt.Task` fields; otherwise it may be any object.
+    `tt.Task` fields; otherwise it may be any object. Nothing may nest deeper than
+    `MAX_DEPTH` levels.
     """
+    check_depth(body, "body")
     top = _object(body, "body", {"slot", "ctx"})
     slot = _object(_required(top, "slot", "body"), "slot", {"task", "rollout"})
     task = _object(_required(slot, "task", "slot"), "slot.task", {"key", "data"})
