@@ -50,6 +50,7 @@ Design:
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import inspect
 import sys
 import time
@@ -60,6 +61,7 @@ from typing import Any, ClassVar, TypeVar, TypeVarTuple, Unpack, cast
 import attrs
 import trio
 
+from .aio_host import guest_host_loop, host_loop
 from .env import Env, Episode, Message, RetryPolicy, Reward, RunSlot
 from .models import Completion, ModelContext, Sampling
 from .tasksets import Taskset, TasksetConfig, _aclose, _stream_view
@@ -113,7 +115,52 @@ def _trio_asyncio() -> Any:
             f"(trio guest mode), with asyncio sources and runs."
         ) from exc
     _keep_asyncio_loops(loop_module)
+    _rebind_stale_asyncio_names()
     return trio_asyncio
+
+
+_STALE_NAMES = ("get_running_loop", "_get_running_loop", "current_task")
+_rebound = False
+
+
+def _rebind_stale_asyncio_names() -> None:
+    """Point modules imported before trio-asyncio at its `asyncio.get_running_loop` & co.
+
+    trio-asyncio makes asyncio work inside trio by replacing `asyncio.get_running_loop`,
+    `asyncio._get_running_loop` and `asyncio.current_task` on import. A module that ran
+    ``from asyncio import get_running_loop`` *before* that import keeps the originals, which
+    find no loop inside trio-asyncio's: anyio's asyncio backend does (imported at pytest
+    start-up by anyio's plugin, or by any earlier httpx use, e.g. in guest mode), so httpx inside
+    a bridged env raised ``RuntimeError: no running event loop``. This rebinds, in every loaded
+    module, exactly those names still bound to the original functions (C or pure Python); the
+    replacements fall back to the originals outside trio, so nothing changes there. Runs once,
+    right after trio-asyncio is imported: modules imported later bind the replacements.
+    """
+    global _rebound
+    if _rebound:
+        return
+    _rebound = True
+    import asyncio.events
+    import asyncio.tasks
+
+    sources: list[Any] = [asyncio.events, asyncio.tasks]
+    with contextlib.suppress(ImportError):  # the C accelerator (CPython)
+        import _asyncio
+
+        sources.append(_asyncio)
+    rebind: dict[str, tuple[object, list[object]]] = {}
+    for name in _STALE_NAMES:
+        current = getattr(asyncio, name)
+        originals = [getattr(m, n) for m in sources for n in (name, f"_py_{name}") if hasattr(m, n)]
+        rebind[name] = (current, [fn for fn in originals if fn is not current])
+    for module in list(sys.modules.values()):
+        namespace = getattr(module, "__dict__", None)
+        if not isinstance(namespace, dict) or any(module is m for m in sources):
+            continue
+        for name, (current, originals) in rebind.items():
+            bound = namespace.get(name)
+            if bound is not None and any(bound is fn for fn in originals):
+                namespace[name] = current
 
 
 def _keep_asyncio_loops(loop_module: Any) -> None:
@@ -237,12 +284,14 @@ def _unwrap(
 @asynccontextmanager
 async def _open_loop() -> AsyncIterator[Any]:
     """`trio_asyncio.open_loop()`, with the ExceptionGroup layers it adds removed: what the
-    block raised comes out itself (python-trio/trio-asyncio#146)."""
-    trio_asyncio = _trio_asyncio()
+    block raised comes out itself (python-trio/trio-asyncio#146). Inside trio guest mode (an
+    asyncio host, e.g. `tt.aio.run_eval`), the host's own loop instead (`aio_host`)."""
+    host = guest_host_loop()
+    opened = _trio_asyncio().open_loop() if host is None else host_loop(host)
     body: BaseException | None = None
     chosen: BaseException | None = None
     try:
-        async with trio_asyncio.open_loop() as loop:
+        async with opened as loop:
             try:
                 yield loop
             except BaseException as exc:
@@ -498,20 +547,75 @@ async def _hold_serving(loop: Any, factory: Callable[[], Any]) -> AsyncIterator[
 # --- the bridged env ----------------------------------------------------------------------
 
 
+# How the bridge calls each part of the asyncio env protocol, and whether it must be async.
+_PROTOCOL: dict[str, tuple[tuple[str, ...], bool]] = {
+    "rollout": (("task", "ctx"), True),
+    "run_slot": (("slot", "ctx"), True),
+    "score": (("task", "completion"), False),
+    "serving": ((), False),
+}
+
+
+def _is_verifiers(obj: object, module: str, name: str) -> bool:
+    """`obj` is an instance of verifiers' `module.name` (checked without importing it)."""
+    return any(k.__module__ == module and k.__name__ == name for k in type(obj).__mro__)
+
+
+def _check_call(owner: str, name: str, fn: object, params: tuple[str, ...], is_async: bool) -> None:
+    """`fn` can be called as the protocol calls it: `TypeError` naming the mismatch."""
+    if not callable(fn):
+        raise TypeError(f"the asyncio env's {name} must be callable")
+    call = f"{name}({', '.join(params)})"
+    try:
+        signature = inspect.signature(fn)
+    except (TypeError, ValueError):  # no signature to check (a builtin): trust it
+        return
+    try:
+        signature.bind(*params)
+    except TypeError as exc:
+        raise TypeError(
+            f"{owner}.{name}{signature} cannot be called as {call}, as the asyncio env protocol "
+            f"calls it ({exc})"
+        ) from None
+    method = getattr(fn, "__call__", None)  # noqa: B004 - an object with an async __call__
+    if is_async and not (inspect.iscoroutinefunction(fn) or inspect.iscoroutinefunction(method)):
+        raise TypeError(f"{owner}.{name} must be a coroutine function (async def {call})")
+
+
 def _check_protocol(aio_env: object) -> None:
+    """Refuse, before any run, what does not satisfy the asyncio env protocol (module
+    docstring), naming what is missing or mismatched."""
+    owner = type(aio_env).__name__
     if isinstance(aio_env, Env):
         raise TypeError(
-            f"{type(aio_env).__name__} is already a trio env (a tt.Env): run it as it is; "
+            f"{owner} is already a trio env (a tt.Env): run it as it is; "
             f"bridge_env takes an asyncio env"
+        )
+    if _is_verifiers(aio_env, "verifiers.v1.env", "Env"):
+        raise TypeError(
+            f"{owner} is a verifiers v1 Env: its run_slot takes verifiers' RunSlot and returns "
+            f"verifiers' Episode, not the asyncio env protocol bridge_env drives. Run it with "
+            f"tt.aio.verifiers_env(env) (or tt.aio.verifiers_env('taskset-id', **env_config))"
         )
     if not hasattr(aio_env, "taskset"):
         raise TypeError(
             f"an asyncio env needs a `taskset` attribute (and optionally rollout, run_slot, "
-            f"score, serving, retries); {type(aio_env).__name__} has none"
+            f"score, serving, retries); {owner} has none"
         )
-    for name in ("rollout", "run_slot", "score", "serving"):
-        if hasattr(aio_env, name) and not callable(getattr(aio_env, name)):
-            raise TypeError(f"the asyncio env's {name} must be callable")
+    taskset = aio_env.taskset
+    if _is_verifiers(taskset, "verifiers.v1.taskset", "Taskset"):
+        raise TypeError(
+            f"{owner}.taskset is a verifiers Taskset ({type(taskset).__name__}): run verifiers "
+            f"envs with tt.aio.verifiers_env('taskset-id', **env_config)"
+        )
+    if not isinstance(taskset, Taskset):
+        for name in ("stream", "load"):
+            part = getattr(taskset, name, None)
+            if part is not None:
+                _check_call(f"{owner}.taskset", name, part, (), False)
+    for name, (params, is_async) in _PROTOCOL.items():
+        if hasattr(aio_env, name):
+            _check_call(owner, name, getattr(aio_env, name), params, is_async)
 
 
 def _check_rollout(result: object, aio_env: object) -> tuple[list[Message], str]:
