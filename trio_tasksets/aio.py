@@ -68,6 +68,7 @@ from .aio_env import (
     TrioAsyncioUnavailable,
     bridge_env,
 )
+from .aio_verifiers import verifiers_env
 from .env import Env
 from .eval import EvalConfig, EvalResult
 from .eval import run_eval as _trio_run_eval
@@ -85,6 +86,7 @@ __all__ = [
     "run_eval",
     "run_stream",
     "run_trio",
+    "verifiers_env",
 ]
 
 T = TypeVar("T")
