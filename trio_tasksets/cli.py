@@ -1,6 +1,6 @@
 """The command line: `trio-tasksets eval TASKSET [options]` (also `python -m trio_tasksets`).
 
-Exit codes: 0 done (failed episodes are data, not errors), 1 an error stopped the run,
+Exit codes: 0 done (failed episodes are data), 1 an error stopped the run or no episode succeeded,
 2 a usage error (found before any task is pulled or file written), 130 interrupted (Ctrl-C).
 """
 
@@ -38,7 +38,12 @@ def resolve_taskset(spec: str) -> type[Taskset[Any, Any]]:
 
 def resolve_target(spec: str) -> tuple[type[Taskset[Any, Any]], type[Env[Any]] | None]:
     """The taskset class TASKSET names, and the env class when it names an Env subclass with
-    a `taskset_class` (e.g. a `tt.aio.BridgedEnv` around an asyncio env), else None."""
+    a `taskset_class` (e.g. a `tt.aio.BridgedEnv` around an asyncio env), else None.
+    `vf:TASKSET_ID` names a verifiers v1 env (`trio_tasksets.aio_verifiers`)."""
+    if spec.startswith("vf:"):
+        from .aio_verifiers import VerifiersEnv, VerifiersTaskset
+
+        return VerifiersTaskset, VerifiersEnv
     if spec in BUILTIN:
         return BUILTIN[spec], None
     if ":" not in spec:
@@ -120,6 +125,12 @@ def _parser() -> argparse.ArgumentParser:
         metavar="TYPES",
         help="comma-separated exception type names never to retry",
     )
+    run.add_argument(
+        "--env-args",
+        default=None,
+        metavar="JSON",
+        help="with vf:TASKSET_ID: verifiers' env config keys (agent, taskset, retries...)",
+    )
     run.add_argument("--no-dashboard", action="store_true", help="plain log lines, no live view")
     run.add_argument("--serve", action="store_true", help="run the env in a server process")
     run.add_argument("--workers", type=int, default=1, metavar="K", help="server processes")
@@ -157,7 +168,13 @@ def _build(args: argparse.Namespace) -> tuple[Env[Any], ModelContext, EvalConfig
     if args.retries < 0:
         raise UsageError(f"--retries must be >= 0, got {args.retries}")
     retries = RetryPolicy(args.retries, _names(args.retry_on), _names(args.no_retry_on))
-    env: Env[Any] = (env_cls or Env)(cls(config), retries=retries)
+    env: Env[Any]
+    if args.taskset.startswith("vf:"):
+        env = _verifiers_env(args, config.system_prompt, retries)
+    elif args.env_args is not None:
+        raise UsageError("--env-args applies to a verifiers env: TASKSET vf:TASKSET_ID")
+    else:
+        env = (env_cls or Env)(cls(config), retries=retries)
     ctx = model_context(args)
     if args.token_var is not None:
         # The eval reads a --server-url's token from $TT_SERVE_TOKEN: point it at NAME.
@@ -182,13 +199,35 @@ def _build(args: argparse.Namespace) -> tuple[Env[Any], ModelContext, EvalConfig
     return env, ctx, eval_config
 
 
+def _verifiers_env(
+    args: argparse.Namespace, system_prompt: str | None, retries: RetryPolicy
+) -> Env[Any]:
+    """`vf:TASKSET_ID [--env-args JSON]`: a verifiers v1 env; its errors are usage errors."""
+    from .aio_verifiers import VerifiersEnv, VerifiersTaskset, env_from_cli
+
+    if args.base_url is None:
+        raise UsageError(
+            f"TASKSET {args.taskset}: verifiers' harness calls the model itself over HTTP: give "
+            f"-m MODEL --base-url URL (an OpenAI-compatible endpoint)"
+        )
+    try:
+        config = attrs.evolve(
+            env_from_cli(args.taskset, args.env_args), system_prompt=system_prompt
+        )
+        return VerifiersEnv(VerifiersTaskset(config), retries=retries)
+    except (ImportError, ValueError, TypeError) as exc:
+        raise UsageError(f"TASKSET {args.taskset}: {type(exc).__name__}: {exc}") from exc
+
+
 async def _eval(env: Env[Any], ctx: ModelContext, config: EvalConfig) -> dict[str, Any]:
     try:
         result = await run_eval(env, ctx, config)
     finally:
         with trio.CancelScope(shield=True):
             await ctx.client.aclose()
-    return {"run_dir": str(result.run_dir), **result.summary}
+    errors = [e for episode in result.episodes for e in episode.errors]
+    first = f"{errors[0].type}: {errors[0].message}" if errors else None
+    return {"run_dir": str(result.run_dir), **result.summary, "first_error": first}
 
 
 def _usage_exit(parser: argparse.ArgumentParser, message: str) -> NoReturn:
@@ -227,6 +266,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         f"{'-' if mean is None else f'{mean:.3f}'}, {summary['rollouts_per_s']:.1f} rollouts/s; "
         f"traces in {summary['run_dir']}/traces.jsonl"
     )
+    if summary["finished"] and not summary["ok"]:
+        # SPEC 4b: no episode succeeded is a failed run, never a quiet 0/N with exit 0.
+        print(
+            f"trio-tasksets: error: no episode succeeded; first error: {summary['first_error']}",
+            file=sys.stderr,
+        )
+        return 1
     return 0
 
 
