@@ -586,6 +586,44 @@ def test_bridge_env_refuses_what_is_not_an_asyncio_env() -> None:
         tt.aio.BridgedEnv()
 
 
+def test_bridge_env_checks_signatures_before_any_run() -> None:
+    class OneArgRunSlot:
+        taskset = QueueFeed()
+
+        async def run_slot(self, slot: tt.RunSlot[tt.Task]) -> tt.Episode:
+            raise AssertionError("never called")
+
+    class SyncRollout:
+        taskset = QueueFeed()
+
+        def rollout(self, task: tt.Task, ctx: Any) -> tuple[list[Any], str]:
+            raise AssertionError("never called")
+
+    class ServingWithArgs:
+        taskset = QueueFeed()
+
+        def serving(self, pool: int) -> Any:
+            raise AssertionError("never called")
+
+    class FeedNeedsArgs:
+        def stream(self, source: str) -> Any:
+            raise AssertionError("never called")
+
+    class OddFeed:
+        taskset = FeedNeedsArgs()
+
+    with pytest.raises(TypeError, match=r"OneArgRunSlot\.run_slot\(slot\).*run_slot\(slot, ctx\)"):
+        tt.aio.bridge_env(OneArgRunSlot())
+    with pytest.raises(TypeError, match=r"SyncRollout\.rollout must be a coroutine function"):
+        tt.aio.bridge_env(SyncRollout())
+    with pytest.raises(TypeError, match=r"ServingWithArgs\.serving\(pool\).*serving\(\)"):
+        tt.aio.bridge_env(ServingWithArgs())
+    with pytest.raises(
+        TypeError, match=r"OddFeed\.taskset\.stream\(source\) cannot be called as stream\(\)"
+    ):
+        tt.aio.bridge_env(OddFeed())
+
+
 # --- trio-asyncio missing (Python 3.14) ------------------------------------------------------
 
 

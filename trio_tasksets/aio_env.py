@@ -573,8 +573,13 @@ def _check_call(owner: str, name: str, fn: object, params: tuple[str, ...], is_a
     try:
         signature.bind(*params)
     except TypeError as exc:
+        empty = inspect.Parameter.empty
+        bare = signature.replace(
+            parameters=[p.replace(annotation=empty) for p in signature.parameters.values()],
+            return_annotation=empty,
+        )
         raise TypeError(
-            f"{owner}.{name}{signature} cannot be called as {call}, as the asyncio env protocol "
+            f"{owner}.{name}{bare} cannot be called as {call}, as the asyncio env protocol "
             f"calls it ({exc})"
         ) from None
     method = getattr(fn, "__call__", None)  # noqa: B004 - an object with an async __call__

@@ -392,6 +392,7 @@ class VerifiersEnv(BridgedEnv[VerifiersTask]):
 
     aio_env_class = _VerifiersAsyncioEnv
     taskset_class = VerifiersTaskset
+    taskset: VerifiersTaskset
 
     def __init__(
         self,
