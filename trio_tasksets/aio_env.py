@@ -56,12 +56,13 @@ import sys
 import time
 from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable, Iterable
 from contextlib import AbstractAsyncContextManager, asynccontextmanager
-from typing import Any, ClassVar, TypeVar, TypeVarTuple, Unpack, cast
+from contextvars import ContextVar
+from typing import Any, ClassVar, Literal, TypeVar, TypeVarTuple, Unpack, cast
 
 import attrs
 import trio
 
-from .aio_host import guest_host_loop, host_loop
+from .aio_host import guest_host_loop, host_loop, thread_loop
 from .env import Env, Episode, Message, RetryPolicy, Reward, RunSlot
 from .models import Completion, ModelContext, Sampling
 from .tasksets import Taskset, TasksetConfig, _aclose, _stream_view
@@ -281,13 +282,24 @@ def _unwrap(
     return chosen
 
 
+LoopKind = Literal["trio-asyncio", "thread"]
+_bridge_loop: ContextVar[Any] = ContextVar("trio_tasksets_bridge_loop", default=None)
+
+
 @asynccontextmanager
-async def _open_loop() -> AsyncIterator[Any]:
+async def _open_loop(kind: LoopKind = "trio-asyncio") -> AsyncIterator[Any]:
     """`trio_asyncio.open_loop()`, with the ExceptionGroup layers it adds removed: what the
     block raised comes out itself (python-trio/trio-asyncio#146). Inside trio guest mode (an
-    asyncio host, e.g. `tt.aio.run_eval`), the host's own loop instead (`aio_host`)."""
+    asyncio host, e.g. `tt.aio.run_eval`), the host's own loop instead; with `kind="thread"`,
+    a stdlib loop in a thread of its own (`aio_host`)."""
     host = guest_host_loop()
-    opened = _trio_asyncio().open_loop() if host is None else host_loop(host)
+    opened: AbstractAsyncContextManager[Any]
+    if host is not None:
+        opened = host_loop(host)
+    elif kind == "thread":
+        opened = thread_loop()
+    else:
+        opened = _trio_asyncio().open_loop()
     body: BaseException | None = None
     chosen: BaseException | None = None
     try:
@@ -364,6 +376,10 @@ class AsyncioTaskset(Taskset[TaskT, ConfigT]):
     (`TrioAsyncioUnavailable` from `channel()` where it cannot import); a static one does not.
     """
 
+    asyncio_loop: ClassVar[LoopKind] = "trio-asyncio"
+    """The loop `channel()` opens when no bridged env's `serving()` is running (see
+    `BridgedEnv.asyncio_loop`)."""
+
     def channel(self) -> AbstractAsyncContextManager[trio.abc.ReceiveChannel[TaskT]]:
         """The tasks as a trio channel, pulled from the asyncio `stream()` only on demand."""
         if not self.streaming:
@@ -372,13 +388,15 @@ class AsyncioTaskset(Taskset[TaskT, ConfigT]):
 
     @asynccontextmanager
     async def _asyncio_channel(self) -> AsyncIterator[trio.abc.ReceiveChannel[TaskT]]:
-        loop = _trio_asyncio().current_loop.get()
+        loop = _bridge_loop.get()
+        if loop is None and self.asyncio_loop == "trio-asyncio":
+            loop = _trio_asyncio().current_loop.get()
         if loop is not None:
             async with trio.as_safe_channel(self._bridged_tasks)(loop) as tasks:
                 yield tasks
             return
         async with (
-            _open_loop() as own,
+            _open_loop(self.asyncio_loop) as own,
             trio.as_safe_channel(self._bridged_tasks)(own) as tasks,
         ):
             yield tasks
@@ -496,10 +514,14 @@ async def _hold(loop: Any, factory: Callable[[], Any], held: _Held) -> None:
     """asyncio code: enter `factory()`, report, wait to be released, exit in the same task."""
     async with factory() as value:
         held.value = value
-        held.entered.set()  # a sync trio call: asyncio callbacks run inside trio's loop task
+        await loop.trio_as_future(_set, held.entered)  # (the loop may run in another thread)
         await loop.trio_as_future(held.release.wait)
         if held.body_error is not None:
             raise held.body_error  # the asyncio context manager sees what the block raised
+
+
+async def _set(event: trio.Event) -> None:
+    event.set()
 
 
 async def _run_holder(loop: Any, factory: Callable[[], Any], held: _Held) -> None:
@@ -663,6 +685,10 @@ class BridgedEnv(Env[TaskT]):
 
     aio_env_class: ClassVar[Callable[..., Any] | None] = None
     taskset_class: ClassVar[type[Taskset[Any, Any]] | None] = None
+    asyncio_loop: ClassVar[LoopKind] = "trio-asyncio"
+    """The asyncio loop `serving()` runs the env on under `trio.run`: trio-asyncio's, inside
+    trio (one thread, trio's clock), or ``"thread"``: a stdlib loop in a thread of its own
+    (native asyncio speed; the real clock). Under an asyncio host (guest mode), the host's."""
 
     def __init__(
         self,
@@ -672,7 +698,8 @@ class BridgedEnv(Env[TaskT]):
         reward: Reward | None = None,
         retries: RetryPolicy | None = None,
     ) -> None:
-        self._trio_asyncio = _trio_asyncio()  # fail here, clearly, where it cannot work
+        # Fail here, clearly, where it cannot work (a thread loop does not need it).
+        self._trio_asyncio = _trio_asyncio() if self.asyncio_loop == "trio-asyncio" else None
         if aio_env is None:
             factory = type(self).aio_env_class
             if factory is None:
@@ -710,8 +737,10 @@ class BridgedEnv(Env[TaskT]):
     @asynccontextmanager
     async def _serving(self) -> AsyncIterator[BridgedEnv[TaskT]]:
         factory = getattr(self.aio_env, "serving", None)
-        async with _open_loop() as loop:
+        async with _open_loop(self.asyncio_loop) as loop:
             self._loops.append(loop)
+            outer = _bridge_loop.get()
+            _bridge_loop.set(loop)  # for the channels of asyncio feeds read under this block
             try:
                 if factory is None:
                     yield self
@@ -719,10 +748,13 @@ class BridgedEnv(Env[TaskT]):
                     async with _hold_serving(loop, factory):
                         yield self
             finally:
+                _bridge_loop.set(outer)
                 self._loops.remove(loop)
 
     def _loop(self) -> Any:
-        current = self._trio_asyncio.current_loop.get()
+        current = _bridge_loop.get()
+        if current is None and self._trio_asyncio is not None:
+            current = self._trio_asyncio.current_loop.get()
         if self._loops:
             # Tasks outside the serving() block's task tree (a server's handlers) use its loop.
             return current if any(current is loop for loop in self._loops) else self._loops[-1]

@@ -2,9 +2,12 @@
 
 A verifiers v1 env (PyPI `verifiers` >= 0.4: a `vf.Taskset` plus a harness and a runtime, an
 asyncio `serving()` and an asyncio `run_slot`) becomes a `tt.Env` that `tt.run_eval`,
-`run_stream` with `env.run_slot`, `--serve` and the worker drive. It runs on the asyncio bridge
-(`tt.aio.BridgedEnv`, trio-asyncio): verifiers' `serving()` is held in one asyncio task for the
-env's `serving()`, each slot is one asyncio task running verifiers' own `Env.run_slot`.
+`run_stream` with `env.run_slot` and `--serve` drive. It runs on the asyncio bridge
+(`tt.aio.BridgedEnv`) with a native asyncio loop: under `trio.run`, a stdlib loop in a thread of
+its own (`asyncio_loop = "thread"`: verifiers runs as under vf-eval, without trio-asyncio's
+per-callback cost); under an asyncio host (`tt.aio.run_eval`), the host's loop. verifiers'
+`serving()` is held in one asyncio task for the env's `serving()`; each slot is one asyncio
+task running verifiers' own `Env.run_slot`.
 
 * **target**: a taskset id (the import name `vf-eval` takes; verifiers loads the module and
   the `Taskset` subclass it exports in `__all__`), or a verifiers `Env` instance.
@@ -26,7 +29,7 @@ reply), `messages` (the last trace's) and `errors` (the episode's, then each tra
 A verifiers taskset that defines ``async def stream(self)`` (the shape of verifiers PR #2582)
 is a streaming tt taskset: the eval needs `-n`, pulls exactly `n` tasks and closes the feed.
 
-Travel (``--serve``, the worker): the env is described by its taskset id and env config (plain
+Travel (``--serve``): the env is described by its taskset id and env config (plain
 JSON on `VerifiersConfig`), so a server process rebuilds it by name; an `Env` instance travels
 as its resolved config, the way verifiers' own env server rebuilds envs.
 
@@ -40,6 +43,7 @@ import importlib
 import inspect
 import json
 import os
+import threading
 import time
 from collections.abc import AsyncIterator, Iterator, Mapping
 from contextlib import AbstractAsyncContextManager
@@ -60,6 +64,7 @@ __all__ = [
     "VerifiersTask",
     "VerifiersTaskset",
     "VerifiersUnavailable",
+    "VerifiersUsageError",
     "env_from_cli",
     "verifiers_env",
 ]
@@ -211,6 +216,8 @@ class VerifiersTaskset(AsyncioTaskset[VerifiersTask, VerifiersConfig]):
     env with `vf_env=`.
     """
 
+    asyncio_loop = "thread"  # as VerifiersEnv's
+
     def __init__(self, config: VerifiersConfig | None = None, *, vf_env: Any = None) -> None:
         super().__init__(config)
         self.vf_env: Any = _build_env(self.config) if vf_env is None else vf_env
@@ -256,6 +263,7 @@ class VerifiersTaskset(AsyncioTaskset[VerifiersTask, VerifiersConfig]):
 # --- the model context ----------------------------------------------------------------------------
 
 _key_vars: dict[str, str] = {}
+_key_vars_lock = threading.Lock()  # envs' loops run in threads of their own
 
 
 def _api_key_var(client: OpenAIClient) -> str:
@@ -264,10 +272,11 @@ def _api_key_var(client: OpenAIClient) -> str:
     key = openai_api_key(client)
     if key is None:
         return NO_KEY_VAR
-    var = _key_vars.get(key)
-    if var is None:
-        var = _key_vars[key] = f"{KEY_VAR_PREFIX}{len(_key_vars) + 1}"
-    os.environ[var] = key
+    with _key_vars_lock:
+        var = _key_vars.get(key)
+        if var is None:
+            var = _key_vars[key] = f"{KEY_VAR_PREFIX}{len(_key_vars) + 1}"
+        os.environ[var] = key
     return var
 
 
@@ -392,6 +401,7 @@ class VerifiersEnv(BridgedEnv[VerifiersTask]):
 
     aio_env_class = _VerifiersAsyncioEnv
     taskset_class = VerifiersTaskset
+    asyncio_loop = "thread"  # verifiers runs on a native asyncio loop, as under vf-eval
     taskset: VerifiersTaskset
 
     def __init__(
