@@ -34,5 +34,7 @@ def bench(session: nox.Session) -> None:
     """Benchmarks, side by side in one process each; figures go in docs/benchmarks.md."""
     session.install("-e", ".[dev]")
     quick = ["--quick"] if "quick" in session.posargs else []
-    for bench in ("bench.runner", "bench.eval", "bench.serve", "bench.aio", "bench.redis"):
+    benches = ("bench.runner", "bench.eval", "bench.serve", "bench.aio", "bench.redis",
+               "bench.verifiers")  # fmt: skip
+    for bench in benches:
         session.run("python", "-m", bench, *quick)

@@ -849,3 +849,40 @@ async def test_a_thread_loop_cancellation_unwinds_the_asyncio_side_first() -> No
             assert scope.cancelled_caught
             assert env.aio_env.log == ["enter", "rollout cancelled"]  # unwound before we go on
     assert env.aio_env.log == ["enter", "rollout cancelled", "exit"]
+
+
+class FutureAioEnv(AioEnv):
+    """`AioEnv` whose rollout first awaits a bare `asyncio.Future()`: asyncio's C code binds it
+    to the thread's running loop, which in guest mode is the host's."""
+
+    async def rollout(
+        self, task: tt.Task, ctx: tt.aio.AsyncioModelContext
+    ) -> tuple[list[dict[str, Any]], str]:
+        future: asyncio.Future[None] = asyncio.Future()
+        asyncio.get_running_loop().call_soon(future.set_result, None)
+        await future
+        return await super().rollout(task, ctx)
+
+
+def test_a_bridged_env_under_an_asyncio_host_runs_on_the_host_loop(tmp_path: Path) -> None:
+    """`tt.aio.run_eval` from `asyncio.run` (trio guest mode): the env's feed, serving() and
+    rollouts run on the host's own loop (on a trio-asyncio loop inside the guest run, a bare
+    `asyncio.Future()` would be "attached to a different loop"), and `ctx.chat` calls back
+    into trio."""
+    feed = QueueFeed()
+    feed.put("say a", "say b", "say c")
+    aio_env = FutureAioEnv(feed, delay=0.0)
+    env = tt.aio.bridge_env(aio_env)
+
+    async def main() -> tt.EvalResult:
+        run = tt.aio.run_eval(env, ctx(), config(tmp_path, num_examples=3))
+        return await asyncio.wait_for(run, 30)
+
+    result = asyncio.run(main())
+    assert [(r["ok"], r["completion"]) for r in rows(result.run_dir)] == [
+        (True, "say a"),
+        (True, "say b"),
+        (True, "say c"),
+    ]
+    assert (feed.stats.pulled, feed.stats.finally_runs, feed.stats.foreign) == (3, 1, 0)
+    assert aio_env.log == ["serving: enter", "serving: exit"]
