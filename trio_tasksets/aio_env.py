@@ -6,7 +6,8 @@ the service pattern and the served path drive. It runs the asyncio code on an as
 runs *inside* trio (trio-asyncio's `open_loop`), so asyncio and trio share one thread, one
 clock (a MockClock drives `asyncio.sleep` too) and one cancellation tree.
 
-The asyncio env protocol (duck-typed: no base class):
+The asyncio env protocol (duck-typed: no base class; `bridge_env` checks it up front, the
+signatures included, and points a verifiers v1 Env to `tt.aio.verifiers_env`):
 
 * ``taskset`` (required): a `tt.aio.AsyncioTaskset` (a `tt.Taskset` whose `stream()` is asyncio
   code), any other `tt.Taskset` (static, or with a trio `stream()`), or any object with an
@@ -24,13 +25,16 @@ The asyncio env protocol (duck-typed: no base class):
 
 Design:
 
-* **The loop.** The bridged env's `serving()` opens the trio-asyncio loop and holds the asyncio
-  ``serving()`` in one long-lived asyncio task. `run_slot` (and `rollout`, `score`) run their
-  asyncio code on the loop of the `serving()` they run under; without one they raise
-  `RuntimeError` (asyncio objects such as an `asyncio.Semaphore` bind to one loop, and the
-  env's resources live in `serving()`). An `AsyncioTaskset`'s `channel()` reads on the
-  innermost running trio-asyncio loop (so under `serving()`, the env's) or, with none (e.g.
-  the main process of an ``--serve`` eval), on a loop of its own for the channel's life.
+* **The loop.** The bridged env's `serving()` opens the asyncio loop and holds the asyncio
+  ``serving()`` in one long-lived asyncio task. The loop is trio-asyncio's (inside trio), or,
+  with `BridgedEnv.asyncio_loop = "thread"`, a stdlib loop in a thread of its own; under an
+  asyncio host (trio guest mode) it is the host's (`aio_host`). `run_slot` (and `rollout`,
+  `score`) run their asyncio code on the loop of the `serving()` they run under; without one
+  they raise `RuntimeError` (asyncio objects such as an `asyncio.Semaphore` bind to one loop,
+  and the env's resources live in `serving()`). An `AsyncioTaskset`'s `channel()` reads on
+  the loop of the bridged env's `serving()` it runs under, else the innermost running
+  trio-asyncio loop, else (e.g. the main process of an ``--serve`` eval) on a loop of its own
+  for the channel's life.
 * **Calls.** Every call into asyncio (a pull, a close, a rollout, a score) is one asyncio task,
   awaited from trio. Trio cancellation cancels that task and waits until it has finished
   before `trio.Cancelled` is raised (so the asyncio side sees `CancelledError` and unwinds
