@@ -347,10 +347,9 @@ def test_the_anyio_case_httpx_in_guest_mode_first_then_httpx_in_a_bridged_env(
     server: ChatServer, tmp_path: Path
 ) -> None:
     """anyio's asyncio backend imported before trio-asyncio, by httpx used in guest mode
-    (`tt.aio.run_stream` from `asyncio.run`); then httpx inside a bridged env still works. In
-    a fresh process, so that the import order is the one under test. (This pytest process is
-    the other anyio case: anyio's pytest plugin imports the backend at start-up, before any
-    test imports trio-asyncio, and every verifiers test here runs httpx in a bridged env.)"""
+    (`tt.aio.run_stream` from `asyncio.run`); then httpx inside a bridged env (on
+    trio-asyncio's loop) still works. In a fresh process, so that the import order is the one
+    under test."""
     script = textwrap.dedent(
         f"""
         import asyncio, json, sys
@@ -401,6 +400,38 @@ def test_the_anyio_case_httpx_in_guest_mode_first_then_httpx_in_a_bridged_env(
     )
     assert done.returncode == 0, done.stderr[-3000:]
     assert json.loads(done.stdout.splitlines()[-1]) == ["1", "2", "4"]
+
+
+class HttpxAioEnv:
+    """An asyncio env (on trio-asyncio's loop) whose run_slot asks the model with httpx."""
+
+    def __init__(self, url: str) -> None:
+        self.url = url
+        self.taskset = tt.Taskset[tt.Task, tt.TasksetConfig]()
+
+    async def run_slot(self, slot: tt.RunSlot[tt.Task], ctx: Any) -> tt.Episode:
+        import httpx
+
+        body = {"model": MODEL, "messages": [{"role": "user", "content": slot.task.prompt}]}
+        async with httpx.AsyncClient() as client:
+            reply = await client.post(self.url + "/chat/completions", json=body)
+        episode = tt.Episode("e", tt.EpisodeTask(slot.task.key, {}), slot.rollout, ok=True)
+        episode.completion = reply.json()["choices"][0]["message"]["content"]
+        return episode
+
+
+@pytest.mark.skipif(
+    importlib.util.find_spec("trio_asyncio") is None, reason="bridge_env needs trio-asyncio"
+)
+async def test_the_anyio_case_inside_pytest_httpx_in_a_bridged_env(server: ChatServer) -> None:
+    """anyio's pytest plugin imports anyio's asyncio backend at start-up, before any test
+    imports trio-asyncio: httpx inside a bridged env on trio-asyncio's loop works all the same."""
+    assert "anyio._backends._asyncio" in sys.modules
+    env = tt.aio.bridge_env(HttpxAioEnv(server.url))
+    with trio.fail_after(LIMIT):
+        async with env.serving():
+            episode = await env.run_slot(tt.RunSlot(tt.Task("What is 2 + 2?")), ctx(server))
+    assert (episode.ok, episode.completion) == (True, "4")
 
 
 def test_importing_trio_tasksets_never_needs_verifiers(monkeypatch: pytest.MonkeyPatch) -> None:
