@@ -20,9 +20,11 @@ then times the eval call alone (wall and CPU):
 * ``tt.aio.run_eval from asyncio.run``: the trio runner in guest mode on an asyncio host,
   verifiers on the host loop (reported).
 
-They alternate (the order rotates every repeat); medians are the figures. Goal: the trio
-runner reaches >= 0.95x verifiers' own rollouts/s. The machine's other load moves the wall
-figures; CPU ms per rollout (the eval is CPU-bound: 20 ms replies, window 8) moves less.
+They alternate (the order rotates every repeat). The ratio is the median over repeats of each
+run's rollouts/s over verifiers' run of the same repeat (adjacent in time, so the machine's
+other load cancels out as far as it can). Goal: the trio runner reaches >= 0.95x verifiers'
+own rollouts/s. CPU ms per rollout (the eval is CPU-bound: 20 ms replies, window 8) moves
+less with the machine's load than the wall figures.
 """
 
 from __future__ import annotations
@@ -284,16 +286,21 @@ def measure(args: argparse.Namespace, url: str) -> None:
             if result["ok"] != args.n:
                 raise RuntimeError(f"{CONTENDERS[name]}: {result['ok']}/{args.n} ok")
             runs[name].append(result)
-    rate = {name: statistics.median(args.n / x["wall"] for x in runs[name]) for name in names}
+    rates = {name: [args.n / x["wall"] for x in runs[name]] for name in names}
+    # Paired: each run against verifiers' run of the same repeat (adjacent in time), so that a
+    # change of the machine's other load between repeats cancels out.
+    paired = {name: statistics.median(a / b for a, b in zip(rates[name], rates["vf"], strict=True))
+              for name in names}  # fmt: skip
     rows = []
     for name in names:
-        walls = [x["wall"] for x in runs[name]]
         cpu = statistics.median(x["cpu"] / args.n * 1e3 for x in runs[name])
-        rows.append([CONTENDERS[name], f"{rate[name]:.1f}", f"{args.n / min(walls):.1f}",
-                     f"{cpu:.2f}", f"{rate[name] / rate['vf']:.3f}x"])  # fmt: skip
-    headers = ["contender", "rollouts/s median", "(best)", "CPU ms/rollout", "vs verifiers"]
-    print(markdown_table(headers, rows))
-    ratio = rate["tt"] / rate["vf"]
+        rows.append([CONTENDERS[name], f"{statistics.median(rates[name]):.1f}",
+                     f"{max(rates[name]):.1f}", f"{cpu:.2f}", f"{paired[name]:.3f}x",
+                     " ".join(f"{x:.0f}" for x in rates[name])])  # fmt: skip
+    headers = ["contender", "rollouts/s median", "(best)", "CPU ms/rollout",
+               "vs verifiers (paired median)", "each run, rollouts/s"]  # fmt: skip
+    print(markdown_table(headers, rows, left=(0, 5)))
+    ratio = paired["tt"]
     print()
     print(
         goal_line(ratio >= GOAL, f"trio runner >= {GOAL}x verifiers' rollouts/s", f"{ratio:.3f}x")
