@@ -19,6 +19,7 @@ import os
 import subprocess
 import sys
 import textwrap
+import threading
 from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
@@ -586,6 +587,44 @@ def test_bridge_env_refuses_what_is_not_an_asyncio_env() -> None:
         tt.aio.BridgedEnv()
 
 
+def test_bridge_env_checks_signatures_before_any_run() -> None:
+    class OneArgRunSlot:
+        taskset = QueueFeed()
+
+        async def run_slot(self, slot: tt.RunSlot[tt.Task]) -> tt.Episode:
+            raise AssertionError("never called")
+
+    class SyncRollout:
+        taskset = QueueFeed()
+
+        def rollout(self, task: tt.Task, ctx: Any) -> tuple[list[Any], str]:
+            raise AssertionError("never called")
+
+    class ServingWithArgs:
+        taskset = QueueFeed()
+
+        def serving(self, pool: int) -> Any:
+            raise AssertionError("never called")
+
+    class FeedNeedsArgs:
+        def stream(self, source: str) -> Any:
+            raise AssertionError("never called")
+
+    class OddFeed:
+        taskset = FeedNeedsArgs()
+
+    with pytest.raises(TypeError, match=r"OneArgRunSlot\.run_slot\(slot\).*run_slot\(slot, ctx\)"):
+        tt.aio.bridge_env(OneArgRunSlot())
+    with pytest.raises(TypeError, match=r"SyncRollout\.rollout must be a coroutine function"):
+        tt.aio.bridge_env(SyncRollout())
+    with pytest.raises(TypeError, match=r"ServingWithArgs\.serving\(pool\).*serving\(\)"):
+        tt.aio.bridge_env(ServingWithArgs())
+    with pytest.raises(
+        TypeError, match=r"OddFeed\.taskset\.stream\(source\) cannot be called as stream\(\)"
+    ):
+        tt.aio.bridge_env(OddFeed())
+
+
 # --- trio-asyncio missing (Python 3.14) ------------------------------------------------------
 
 
@@ -712,3 +751,138 @@ async def test_served_path_rebuilds_the_bridged_env_by_name_in_a_server(tmp_path
     pids = {e.completion.rsplit("pid ", 1)[1].rstrip(")") for e in result.episodes if e.completion}
     assert len(pids) == 1
     assert pids != {str(os.getpid())}
+
+
+# --- asyncio_loop = "thread": a stdlib asyncio loop in a thread of its own --------------------
+# These run on the real clock: the env's asyncio code is on its own loop and clock, so an
+# autojump MockClock would see trio idle while the other thread works. They synchronise on
+# events that cross the bridge, never on sleeps; every wait is bounded.
+
+
+class GatedModel:
+    """A trio model client: each call records itself, then waits for `release`."""
+
+    def __init__(self) -> None:
+        self.arrived = trio.Event()
+        self.release = trio.Event()
+        self.threads: set[int] = set()
+
+    async def chat(
+        self, messages: list[dict[str, Any]], *, model: str, sampling: tt.Sampling
+    ) -> tt.Completion:
+        self.threads.add(threading.get_ident())
+        self.arrived.set()
+        await self.release.wait()
+        return tt.Completion(f"echo {messages[-1]['content']}")
+
+    async def aclose(self) -> None:
+        pass
+
+
+class ThreadedAioEnv:
+    """An asyncio env recording the threads its code runs in and how its rollouts end."""
+
+    def __init__(self) -> None:
+        self.taskset = tt.Taskset[tt.Task, tt.TasksetConfig]()
+        self.threads: set[int] = set()
+        self.log: list[str] = []
+
+    @contextlib.asynccontextmanager
+    async def serving(self) -> AsyncIterator[ThreadedAioEnv]:
+        self.threads.add(threading.get_ident())
+        self.log.append("enter")
+        yield self
+        self.threads.add(threading.get_ident())
+        self.log.append("exit")
+
+    async def rollout(
+        self, task: tt.Task, ctx: tt.aio.AsyncioModelContext
+    ) -> tuple[list[dict[str, Any]], str]:
+        self.threads.add(threading.get_ident())
+        asyncio.get_running_loop()  # a real running asyncio loop
+        if task.prompt == "boom":
+            raise Boom("boom")
+        try:
+            reply = await ctx.chat([{"role": "user", "content": task.prompt}])
+        except asyncio.CancelledError:
+            self.log.append("rollout cancelled")
+            raise
+        return [], reply.content
+
+
+class ThreadedEnv(tt.aio.BridgedEnv[tt.Task]):
+    aio_env_class = ThreadedAioEnv
+    asyncio_loop = "thread"
+
+
+async def test_a_thread_loop_runs_the_env_natively_in_its_own_thread_and_calls_back_to_trio() -> (
+    None
+):
+    env = ThreadedEnv()
+    model = GatedModel()
+    model.release.set()
+    with trio.fail_after(10):
+        async with env.serving():
+            ok = await env.run_slot(tt.RunSlot(tt.Task("hi")), tt.ModelContext(model, "m"))
+            failed = await env.run_slot(tt.RunSlot(tt.Task("boom")), tt.ModelContext(model, "m"))
+    aio_env = env.aio_env
+    (loop_thread,) = aio_env.threads  # serving and rollouts: one thread, not trio's
+    assert loop_thread != threading.get_ident()
+    assert model.threads == {threading.get_ident()}  # ctx.chat ran in trio
+    assert (ok.ok, ok.completion) == (True, "echo hi")
+    assert (failed.ok, [e.type for e in failed.errors]) == (False, ["Boom"])
+    assert aio_env.log == ["enter", "exit"]
+    assert loop_thread not in {t.ident for t in threading.enumerate()}  # joined
+
+
+async def test_a_thread_loop_cancellation_unwinds_the_asyncio_side_first() -> None:
+    env = ThreadedEnv()
+    model = GatedModel()  # never released: the rollout waits in ctx.chat
+    with trio.fail_after(10):
+        async with env.serving():
+            with trio.CancelScope() as scope:
+                async with trio.open_nursery() as nursery:
+                    slot = tt.RunSlot(tt.Task("hold"))
+                    nursery.start_soon(env.run_slot, slot, tt.ModelContext(model, "m"))
+                    await model.arrived.wait()
+                    scope.cancel()
+            assert scope.cancelled_caught
+            assert env.aio_env.log == ["enter", "rollout cancelled"]  # unwound before we go on
+    assert env.aio_env.log == ["enter", "rollout cancelled", "exit"]
+
+
+class FutureAioEnv(AioEnv):
+    """`AioEnv` whose rollout first awaits a bare `asyncio.Future()`: asyncio's C code binds it
+    to the thread's running loop, which in guest mode is the host's."""
+
+    async def rollout(
+        self, task: tt.Task, ctx: tt.aio.AsyncioModelContext
+    ) -> tuple[list[dict[str, Any]], str]:
+        future: asyncio.Future[None] = asyncio.Future()
+        asyncio.get_running_loop().call_soon(future.set_result, None)
+        await future
+        return await super().rollout(task, ctx)
+
+
+def test_a_bridged_env_under_an_asyncio_host_runs_on_the_host_loop(tmp_path: Path) -> None:
+    """`tt.aio.run_eval` from `asyncio.run` (trio guest mode): the env's feed, serving() and
+    rollouts run on the host's own loop (on a trio-asyncio loop inside the guest run, a bare
+    `asyncio.Future()` would be "attached to a different loop"), and `ctx.chat` calls back
+    into trio."""
+    feed = QueueFeed()
+    feed.put("say a", "say b", "say c")
+    aio_env = FutureAioEnv(feed, delay=0.0)
+    env = tt.aio.bridge_env(aio_env)
+
+    async def main() -> tt.EvalResult:
+        run = tt.aio.run_eval(env, ctx(), config(tmp_path, num_examples=3))
+        return await asyncio.wait_for(run, 30)
+
+    result = asyncio.run(main())
+    assert [(r["ok"], r["completion"]) for r in rows(result.run_dir)] == [
+        (True, "say a"),
+        (True, "say b"),
+        (True, "say c"),
+    ]
+    assert (feed.stats.pulled, feed.stats.finally_runs, feed.stats.foreign) == (3, 1, 0)
+    assert aio_env.log == ["serving: enter", "serving: exit"]

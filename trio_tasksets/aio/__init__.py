@@ -3,8 +3,10 @@
 * asyncio programs call the trio runner: `run_trio`, `run_stream`, `run_eval` in trio guest
   mode (`guest`, with `adapters` for asyncio sources and runs awaited from the guest);
 * trio programs drive an existing asyncio env: `bridge_env`, `BridgedEnv`, `AsyncioTaskset`
-  and `AsyncioModelContext` (`bridge_env`, on the trio-asyncio loop of `loop`). These rooms
-  import without trio-asyncio; guest mode never needs it.
+  and `AsyncioModelContext` (`bridge_env`, on the loop `loop` opens: trio-asyncio's, or
+  `host`'s stdlib loop in a thread or the asyncio host's), and `verifiers_env` for an
+  existing verifiers v1 env (`verifiers`). These rooms import without trio-asyncio and
+  without verifiers; guest mode never needs either.
 
 The design of each direction is in its room's docstring (`guest`, `bridge_env`).
 """
@@ -13,6 +15,7 @@ from .adapters import GuestRunStopped
 from .bridge_env import AsyncioModelContext, AsyncioTaskset, BridgedEnv, bridge_env
 from .guest import run_eval, run_stream, run_trio
 from .loop import AsyncioCancelled, TrioAsyncioUnavailable
+from .verifiers import verifiers_env
 
 __all__ = [
     "AsyncioCancelled",
@@ -25,4 +28,5 @@ __all__ = [
     "run_eval",
     "run_stream",
     "run_trio",
+    "verifiers_env",
 ]

@@ -6,7 +6,8 @@ the service pattern and the served path drive. It runs the asyncio code on an as
 runs *inside* trio (trio-asyncio's `open_loop`), so asyncio and trio share one thread, one
 clock (a MockClock drives `asyncio.sleep` too) and one cancellation tree.
 
-The asyncio env protocol (duck-typed: no base class):
+The asyncio env protocol (duck-typed: no base class; `bridge_env` checks it up front, the
+signatures included, and points a verifiers v1 Env to `tt.aio.verifiers_env`):
 
 * ``taskset`` (required): a `tt.aio.AsyncioTaskset` (a `tt.Taskset` whose `stream()` is asyncio
   code), any other `tt.Taskset` (static, or with a trio `stream()`), or any object with an
@@ -24,13 +25,16 @@ The asyncio env protocol (duck-typed: no base class):
 
 Design:
 
-* **The loop.** The bridged env's `serving()` opens the trio-asyncio loop and holds the asyncio
-  ``serving()`` in one long-lived asyncio task. `run_slot` (and `rollout`, `score`) run their
-  asyncio code on the loop of the `serving()` they run under; without one they raise
-  `RuntimeError` (asyncio objects such as an `asyncio.Semaphore` bind to one loop, and the
-  env's resources live in `serving()`). An `AsyncioTaskset`'s `channel()` reads on the
-  innermost running trio-asyncio loop (so under `serving()`, the env's) or, with none (e.g.
-  the main process of an ``--serve`` eval), on a loop of its own for the channel's life.
+* **The loop.** The bridged env's `serving()` opens the asyncio loop and holds the asyncio
+  ``serving()`` in one long-lived asyncio task. The loop is trio-asyncio's (inside trio), or,
+  with `BridgedEnv.asyncio_loop = "thread"`, a stdlib loop in a thread of its own; under an
+  asyncio host (trio guest mode) it is the host's (`trio_tasksets.aio.host`). `run_slot` (and `rollout`,
+  `score`) run their asyncio code on the loop of the `serving()` they run under; without one
+  they raise `RuntimeError` (asyncio objects such as an `asyncio.Semaphore` bind to one loop,
+  and the env's resources live in `serving()`). An `AsyncioTaskset`'s `channel()` reads on
+  the loop of the bridged env's `serving()` it runs under, else the innermost running
+  trio-asyncio loop, else (e.g. the main process of an ``--serve`` eval) on a loop of its own
+  for the channel's life.
 * **Calls.** Every call into asyncio (a pull, a close, a rollout, a score) is one asyncio task,
   awaited from trio. Trio cancellation cancels that task and waits until it has finished
   before `trio.Cancelled` is raised (so the asyncio side sees `CancelledError` and unwinds
@@ -61,14 +65,16 @@ import trio
 from ..env import Env, Episode, Message, RetryPolicy, Reward, RunSlot
 from ..models import Completion, ModelContext, Sampling
 from ..tasksets import Taskset, TasksetConfig, aclose_source, stream_view
-from .loop import add_note, call_aio, open_loop, trio_asyncio_module, unwrap
+from .loop import LoopKind, add_note, bridge_loop, call_aio, open_loop, trio_asyncio_module, unwrap
 
-# --- feeds ----------------------------------------------------------------------------------
-
+__all__ = ["AsyncioModelContext", "AsyncioTaskset", "BridgedEnv", "bridge_env"]
 
 T = TypeVar("T")
 TaskT = TypeVar("TaskT")
 ConfigT = TypeVar("ConfigT", bound=TasksetConfig)
+
+
+# --- feeds ----------------------------------------------------------------------------------
 
 
 async def _close_feed(loop: Any, feed: Any, primary: BaseException | None) -> None:
@@ -128,6 +134,10 @@ class AsyncioTaskset(Taskset[TaskT, ConfigT]):
     (`TrioAsyncioUnavailable` from `channel()` where it cannot import); a static one does not.
     """
 
+    asyncio_loop: ClassVar[LoopKind] = "trio-asyncio"
+    """The loop `channel()` opens when no bridged env's `serving()` is running (see
+    `BridgedEnv.asyncio_loop`)."""
+
     def channel(self) -> AbstractAsyncContextManager[trio.abc.ReceiveChannel[TaskT]]:
         """The tasks as a trio channel, pulled from the asyncio `stream()` only on demand."""
         if not self.streaming:
@@ -136,13 +146,15 @@ class AsyncioTaskset(Taskset[TaskT, ConfigT]):
 
     @asynccontextmanager
     async def _asyncio_channel(self) -> AsyncIterator[trio.abc.ReceiveChannel[TaskT]]:
-        loop = trio_asyncio_module().current_loop.get()
+        loop = bridge_loop.get()
+        if loop is None and self.asyncio_loop == "trio-asyncio":
+            loop = trio_asyncio_module().current_loop.get()
         if loop is not None:
             async with trio.as_safe_channel(self._bridged_tasks)(loop) as tasks:
                 yield tasks
             return
         async with (
-            open_loop() as own,
+            open_loop(self.asyncio_loop) as own,
             trio.as_safe_channel(self._bridged_tasks)(own) as tasks,
         ):
             yield tasks
@@ -260,10 +272,14 @@ async def _hold(loop: Any, factory: Callable[[], Any], held: _Held) -> None:
     """asyncio code: enter `factory()`, report, wait to be released, exit in the same task."""
     async with factory() as value:
         held.value = value
-        held.entered.set()  # a sync trio call: asyncio callbacks run inside trio's loop task
+        await loop.trio_as_future(_set, held.entered)  # (the loop may run in another thread)
         await loop.trio_as_future(held.release.wait)
         if held.body_error is not None:
             raise held.body_error  # the asyncio context manager sees what the block raised
+
+
+async def _set(event: trio.Event) -> None:
+    event.set()
 
 
 async def _run_holder(loop: Any, factory: Callable[[], Any], held: _Held) -> None:
@@ -311,20 +327,80 @@ async def _hold_serving(loop: Any, factory: Callable[[], Any]) -> AsyncIterator[
 # --- the bridged env ----------------------------------------------------------------------
 
 
+# How the bridge calls each part of the asyncio env protocol, and whether it must be async.
+_PROTOCOL: dict[str, tuple[tuple[str, ...], bool]] = {
+    "rollout": (("task", "ctx"), True),
+    "run_slot": (("slot", "ctx"), True),
+    "score": (("task", "completion"), False),
+    "serving": ((), False),
+}
+
+
+def _is_verifiers(obj: object, module: str, name: str) -> bool:
+    """`obj` is an instance of verifiers' `module.name` (checked without importing it)."""
+    return any(k.__module__ == module and k.__name__ == name for k in type(obj).__mro__)
+
+
+def _check_call(owner: str, name: str, fn: object, params: tuple[str, ...], is_async: bool) -> None:
+    """`fn` can be called as the protocol calls it: `TypeError` naming the mismatch."""
+    if not callable(fn):
+        raise TypeError(f"the asyncio env's {name} must be callable")
+    call = f"{name}({', '.join(params)})"
+    try:
+        signature = inspect.signature(fn)
+    except (TypeError, ValueError):  # no signature to check (a builtin): trust it
+        return
+    try:
+        signature.bind(*params)
+    except TypeError as exc:
+        empty = inspect.Parameter.empty
+        bare = signature.replace(
+            parameters=[p.replace(annotation=empty) for p in signature.parameters.values()],
+            return_annotation=empty,
+        )
+        raise TypeError(
+            f"{owner}.{name}{bare} cannot be called as {call}, as the asyncio env protocol "
+            f"calls it ({exc})"
+        ) from None
+    method = getattr(fn, "__call__", None)  # noqa: B004 - an object with an async __call__
+    if is_async and not (inspect.iscoroutinefunction(fn) or inspect.iscoroutinefunction(method)):
+        raise TypeError(f"{owner}.{name} must be a coroutine function (async def {call})")
+
+
 def _check_protocol(aio_env: object) -> None:
+    """Refuse, before any run, what does not satisfy the asyncio env protocol (module
+    docstring), naming what is missing or mismatched."""
+    owner = type(aio_env).__name__
     if isinstance(aio_env, Env):
         raise TypeError(
-            f"{type(aio_env).__name__} is already a trio env (a tt.Env): run it as it is; "
+            f"{owner} is already a trio env (a tt.Env): run it as it is; "
             f"bridge_env takes an asyncio env"
+        )
+    if _is_verifiers(aio_env, "verifiers.v1.env", "Env"):
+        raise TypeError(
+            f"{owner} is a verifiers v1 Env: its run_slot takes verifiers' RunSlot and returns "
+            f"verifiers' Episode, not the asyncio env protocol bridge_env drives. Run it with "
+            f"tt.aio.verifiers_env(env) (or tt.aio.verifiers_env('taskset-id', **env_config))"
         )
     if not hasattr(aio_env, "taskset"):
         raise TypeError(
             f"an asyncio env needs a `taskset` attribute (and optionally rollout, run_slot, "
-            f"score, serving, retries); {type(aio_env).__name__} has none"
+            f"score, serving, retries); {owner} has none"
         )
-    for name in ("rollout", "run_slot", "score", "serving"):
-        if hasattr(aio_env, name) and not callable(getattr(aio_env, name)):
-            raise TypeError(f"the asyncio env's {name} must be callable")
+    taskset = aio_env.taskset
+    if _is_verifiers(taskset, "verifiers.v1.taskset", "Taskset"):
+        raise TypeError(
+            f"{owner}.taskset is a verifiers Taskset ({type(taskset).__name__}): run verifiers "
+            f"envs with tt.aio.verifiers_env('taskset-id', **env_config)"
+        )
+    if not isinstance(taskset, Taskset):
+        for name in ("stream", "load"):
+            part = getattr(taskset, name, None)
+            if part is not None:
+                _check_call(f"{owner}.taskset", name, part, (), False)
+    for name, (params, is_async) in _PROTOCOL.items():
+        if hasattr(aio_env, name):
+            _check_call(owner, name, getattr(aio_env, name), params, is_async)
 
 
 def _check_rollout(result: object, aio_env: object) -> tuple[list[Message], str]:
@@ -367,6 +443,10 @@ class BridgedEnv(Env[TaskT]):
 
     aio_env_class: ClassVar[Callable[..., Any] | None] = None
     taskset_class: ClassVar[type[Taskset[Any, Any]] | None] = None
+    asyncio_loop: ClassVar[LoopKind] = "trio-asyncio"
+    """The asyncio loop `serving()` runs the env on under `trio.run`: trio-asyncio's, inside
+    trio (one thread, trio's clock), or ``"thread"``: a stdlib loop in a thread of its own
+    (native asyncio speed; the real clock). Under an asyncio host (guest mode), the host's."""
 
     def __init__(
         self,
@@ -376,7 +456,8 @@ class BridgedEnv(Env[TaskT]):
         reward: Reward | None = None,
         retries: RetryPolicy | None = None,
     ) -> None:
-        self._trio_asyncio = trio_asyncio_module()  # fail here, clearly, where it cannot work
+        # Fail here, clearly, where it cannot work (a thread loop does not need it).
+        self._trio_asyncio = trio_asyncio_module() if self.asyncio_loop == "trio-asyncio" else None
         if aio_env is None:
             factory = type(self).aio_env_class
             if factory is None:
@@ -414,8 +495,10 @@ class BridgedEnv(Env[TaskT]):
     @asynccontextmanager
     async def _serving(self) -> AsyncIterator[BridgedEnv[TaskT]]:
         factory = getattr(self.aio_env, "serving", None)
-        async with open_loop() as loop:
+        async with open_loop(self.asyncio_loop) as loop:
             self._loops.append(loop)
+            outer = bridge_loop.get()
+            bridge_loop.set(loop)  # for the channels of asyncio feeds read under this block
             try:
                 if factory is None:
                     yield self
@@ -423,10 +506,13 @@ class BridgedEnv(Env[TaskT]):
                     async with _hold_serving(loop, factory):
                         yield self
             finally:
+                bridge_loop.set(outer)
                 self._loops.remove(loop)
 
     def _loop(self) -> Any:
-        current = self._trio_asyncio.current_loop.get()
+        current = bridge_loop.get()
+        if current is None and self._trio_asyncio is not None:
+            current = self._trio_asyncio.current_loop.get()
         if self._loops:
             # Tasks outside the serving() block's task tree (a server's handlers) use its loop.
             return current if any(current is loop for loop in self._loops) else self._loops[-1]

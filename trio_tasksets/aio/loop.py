@@ -1,15 +1,20 @@
-"""The trio-asyncio loop a bridged env runs on, and calls into it."""
+"""The asyncio loop a bridged env runs on (trio-asyncio's, a stdlib loop in a thread, or an
+asyncio host's), and calls into it from trio."""
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import inspect
 import sys
 from collections.abc import AsyncIterator, Callable
-from contextlib import asynccontextmanager
-from typing import Any, TypeVar, TypeVarTuple, Unpack
+from contextlib import AbstractAsyncContextManager, asynccontextmanager
+from contextvars import ContextVar
+from typing import Any, Literal, TypeVar, TypeVarTuple, Unpack
 
 import trio
+
+from .host import guest_host_loop, host_loop, thread_loop
 
 T = TypeVar("T")
 Ts = TypeVarTuple("Ts")
@@ -49,7 +54,52 @@ def trio_asyncio_module() -> Any:
             f"(trio guest mode), with asyncio sources and runs."
         ) from exc
     _keep_asyncio_loops(loop_module)
+    _rebind_stale_asyncio_names()
     return trio_asyncio
+
+
+_STALE_NAMES = ("get_running_loop", "_get_running_loop", "current_task")
+_rebound = False
+
+
+def _rebind_stale_asyncio_names() -> None:
+    """Point modules imported before trio-asyncio at its `asyncio.get_running_loop` & co.
+
+    trio-asyncio makes asyncio work inside trio by replacing `asyncio.get_running_loop`,
+    `asyncio._get_running_loop` and `asyncio.current_task` on import. A module that ran
+    ``from asyncio import get_running_loop`` *before* that import keeps the originals, which
+    find no loop inside trio-asyncio's: anyio's asyncio backend does (imported at pytest
+    start-up by anyio's plugin, or by any earlier httpx use, e.g. in guest mode), so httpx inside
+    a bridged env raised ``RuntimeError: no running event loop``. This rebinds, in every loaded
+    module, exactly those names still bound to the original functions (C or pure Python); the
+    replacements fall back to the originals outside trio, so nothing changes there. Runs once,
+    right after trio-asyncio is imported: modules imported later bind the replacements.
+    """
+    global _rebound
+    if _rebound:
+        return
+    _rebound = True
+    import asyncio.events
+    import asyncio.tasks
+
+    sources: list[Any] = [asyncio.events, asyncio.tasks]
+    with contextlib.suppress(ImportError):  # the C accelerator (CPython)
+        import _asyncio
+
+        sources.append(_asyncio)
+    rebind: dict[str, tuple[object, list[object]]] = {}
+    for name in _STALE_NAMES:
+        current = getattr(asyncio, name)
+        originals = [getattr(m, n) for m in sources for n in (name, f"_py_{name}") if hasattr(m, n)]
+        rebind[name] = (current, [fn for fn in originals if fn is not current])
+    for module in list(sys.modules.values()):
+        namespace = getattr(module, "__dict__", None)
+        if not isinstance(namespace, dict) or any(module is m for m in sources):
+            continue
+        for name, (current, originals) in rebind.items():
+            bound = namespace.get(name)
+            if bound is not None and any(bound is fn for fn in originals):
+                namespace[name] = current
 
 
 def _keep_asyncio_loops(loop_module: Any) -> None:
@@ -168,15 +218,28 @@ def unwrap(group: BaseExceptionGroup[BaseException], *known: BaseException | Non
     return chosen
 
 
+LoopKind = Literal["trio-asyncio", "thread"]
+bridge_loop: ContextVar[Any] = ContextVar("trio_tasksets_bridge_loop", default=None)
+
+
 @asynccontextmanager
-async def open_loop() -> AsyncIterator[Any]:
+async def open_loop(kind: LoopKind = "trio-asyncio") -> AsyncIterator[Any]:
     """`trio_asyncio.open_loop()`, with the ExceptionGroup layers it adds removed: what the
-    block raised comes out itself (python-trio/trio-asyncio#146)."""
-    trio_asyncio = trio_asyncio_module()
+    block raised comes out itself (python-trio/trio-asyncio#146). Inside trio guest mode (an
+    asyncio host, e.g. `tt.aio.run_eval`), the host's own loop instead; with `kind="thread"`,
+    a stdlib loop in a thread of its own (`trio_tasksets.aio.host`)."""
+    host = guest_host_loop()
+    opened: AbstractAsyncContextManager[Any]
+    if host is not None:
+        opened = host_loop(host)
+    elif kind == "thread":
+        opened = thread_loop()
+    else:
+        opened = trio_asyncio_module().open_loop()
     body: BaseException | None = None
     chosen: BaseException | None = None
     try:
-        async with trio_asyncio.open_loop() as loop:
+        async with opened as loop:
             try:
                 yield loop
             except BaseException as exc:

@@ -134,6 +134,10 @@ def add_taskset_options(parser: argparse.ArgumentParser, *, optional: bool = Fal
     parser.add_argument("--taskset-config", dest="taskset_args", help=argparse.SUPPRESS)
 
 
+def _names_verifiers(args: argparse.Namespace) -> bool:
+    return str(getattr(args, "taskset", None) or "").startswith("vf:")
+
+
 def add_env_options(
     parser: argparse.ArgumentParser, *, optional_taskset: bool = False
 ) -> argparse._ArgumentGroup:
@@ -141,6 +145,11 @@ def add_env_options(
     `--retry-on`, `--no-retry-on`: what `build_env` builds the env from."""
     add_taskset_options(parser, optional=optional_taskset)
     env = parser.add_argument_group("the env")
+    env.add_argument(
+        "--env-args", default=None, metavar="JSON",
+        help="with TASKSET vf:TASKSET_ID: verifiers' own env config keys (agent, taskset, "
+        "retries...) as a JSON object (default: none)",
+    )  # fmt: skip
     env.add_argument(
         "--env-class", default=None, metavar="SPEC",
         help="an Env subclass (file.py:Class or pkg.mod:Class) that runs each slot "
@@ -332,6 +341,19 @@ def build_env(args: argparse.Namespace, *, check_retry_names: bool = True) -> En
     """The env the options describe: the user's Env subclass (or tt.Env) around the taskset,
     with the reward (`serve`'s `--reward`) and the retry policy. With `check_retry_names`, a
     `--retry-on`/`--no-retry-on` name that no loaded exception type has is warned about."""
+    if getattr(args, "env_args", None) is not None and not _names_verifiers(args):
+        raise UsageError(
+            "--env-args applies to a verifiers env", fix="name it as TASKSET vf:TASKSET_ID"
+        )
+    if _names_verifiers(args):
+        if args.taskset_args is not None or getattr(args, "env_class", None) is not None:
+            raise UsageError(
+                f"TASKSET {args.taskset} is a verifiers env: -a and --env-class do not apply",
+                fix="give verifiers' own config keys with --env-args JSON",
+            )
+        check_retry_flags(args)
+        policy = RetryPolicy(args.retries, names(args.retry_on), names(args.no_retry_on))
+        return _verifiers_env(args, _system_prompt(args), policy)
     spec = env_spec(args)
     taskset, target_env = _build_taskset(args, spec)
     env_cls: Any = target_env or Env
@@ -357,6 +379,28 @@ def build_env(args: argparse.Namespace, *, check_retry_names: bool = True) -> En
     if check_retry_names:
         _check_retry_names(args.command, spec.retries)
     return env
+
+
+def _verifiers_env(
+    args: argparse.Namespace, system_prompt: str | None, retries: RetryPolicy
+) -> Env[Any]:
+    """The verifiers env `vf:TASKSET_ID [--env-args JSON]` names; its errors are usage errors.
+
+    verifiers' harness calls the model itself over HTTP, so `--base-url` is required."""
+    from ..aio.verifiers import VerifiersEnv, VerifiersTaskset, env_from_cli  # imports verifiers
+
+    if args.base_url is None:
+        raise UsageError(
+            f"TASKSET {args.taskset}: verifiers' harness calls the model itself over HTTP",
+            fix="give -m MODEL --base-url URL (an OpenAI-compatible endpoint)",
+        )
+    try:
+        config = attrs.evolve(
+            env_from_cli(args.taskset, args.env_args), system_prompt=system_prompt
+        )
+        return VerifiersEnv(VerifiersTaskset(config), retries=retries)
+    except (ImportError, ValueError, TypeError) as exc:
+        raise UsageError(f"TASKSET {args.taskset}: {type(exc).__name__}: {exc}") from exc
 
 
 def _exception_names() -> set[str]:
