@@ -12,7 +12,8 @@ The design of each direction is in its room's docstring (`guest`, `bridge_env`).
 """
 
 from .adapters import GuestRunStopped
-from .bridge_env import AsyncioModelContext, AsyncioTaskset, BridgedEnv, bridge_env
+from .bridge_env import AsyncioModelContext, BridgedEnv, bridge_env
+from .feeds import AsyncioTaskset
 from .guest import run_eval, run_stream, run_trio
 from .loop import AsyncioCancelled, TrioAsyncioUnavailable
 from .verifiers import verifiers_env

@@ -55,7 +55,8 @@ from ..env import Episode, EpisodeError, EpisodeTask, RetryPolicy, Reward, RunSl
 from ..models import ModelContext, OpenAIClient, Sampling
 from ..serve.wire import openai_api_key
 from ..tasksets import TasksetConfig
-from .bridge_env import AsyncioModelContext, AsyncioTaskset, BridgedEnv
+from .bridge_env import AsyncioModelContext, BridgedEnv
+from .feeds import AsyncioTaskset
 
 __all__ = [
     "EXTRA",
