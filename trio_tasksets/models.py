@@ -29,8 +29,8 @@ from .http_transport import (
     HTTPTimeout,
     ResponseTooLarge,
     Timeouts,
+    parse_retry_after,
 )
-from .http_transport import parse_retry_after as _parse_retry_after
 
 if TYPE_CHECKING:
     import httpx  # only for a caller's own http_client; imported where used
@@ -196,6 +196,9 @@ def _plural(n: int, word: str) -> str:
     return f"{n} {word}" if n == 1 else f"{n} {word}s"
 
 
+_parse_retry_after = parse_retry_after  # moved to the transport; the old name still works
+
+
 def api_key_from_env(var: str) -> str:
     """Return the API key stored in environment variable ``var`` (surrounding whitespace
     stripped). Raises ``ValueError`` naming ``var`` when it is unset or empty."""
@@ -290,8 +293,8 @@ class OpenAIClient:
       of every request, also with a caller's ``http_client``.
     - ``trio.Cancelled`` propagates untouched.
 
-    The transport is a `trio_tasksets.http_transport.HTTPClient` (trio + h11, a keep-alive
-    pool that holds about one connection per request in flight), created here and closed by
+    The transport is a `trio_tasksets.http_transport.HTTPClient` (trio, a keep-alive pool
+    that holds about one connection per request in flight), created here and closed by
     :meth:`aclose` or ``async with``. Pass ``http_client`` (an ``HTTPClient`` with your own
     CA bundle, proxy or limits, or an ``httpx.AsyncClient``) to use it as is; it is left
     open.
