@@ -554,6 +554,16 @@ async def test_cancelled_request_drops_its_connection(
         assert (await http.request("GET", server.url)).status == 200
 
 
+async def test_a_request_in_a_cancelled_scope_sends_nothing(server: Server) -> None:
+    async with HTTPClient() as http:
+        await http.request("GET", server.url)
+        with trio.CancelScope() as scope:
+            scope.cancel()
+            await http.request("GET", server.url)
+        assert scope.cancelled_caught
+        assert (len(server.seen), http.stats.idle) == (1, 1)  # and the connection is kept
+
+
 # --- errors -----------------------------------------------------------------------------------
 
 
