@@ -27,7 +27,7 @@ from hypothesis import strategies as st
 
 import trio_tasksets.http_transport as http_transport
 import trio_tasksets.http_wire as http_wire
-from trio_tasksets.http_support import Proxies, _bypassed, proxies_from_env
+from trio_tasksets.http_support import Proxies, no_proxy_matches, proxies_from_env
 from trio_tasksets.http_transport import (
     ConnectError,
     ConnectionClosed,
@@ -803,7 +803,7 @@ def test_proxy_variables() -> None:
     ],
 )
 def test_no_proxy_entries(entries: str, host: str, port: int, bypassed: bool) -> None:
-    assert _bypassed(tuple(e.strip() for e in entries.split(",")), host, port) is bypassed
+    assert no_proxy_matches(tuple(e.strip() for e in entries.split(",")), host, port) is bypassed
 
 
 # --- reading responses: the fast path and h11 ------------------------------------------------
