@@ -28,6 +28,7 @@ __all__ = [
     "HTTPError",
     "HTTPTimeout",
     "ProtocolError",
+    "Proxies",
     "Proxy",
     "ProxyError",
     "ResponseTooLarge",
