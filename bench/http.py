@@ -21,9 +21,10 @@ again. Every contender first warms up (connections opened, code paths hot), then
 the calls done, the wall time and the process CPU time (``time.process_time``, all threads)
 up to the N-th call or the time cap (4 s; quick: 1 s), whichever is first. Each scenario runs
 every contender ``--repeat`` times (3; quick: 1), the order rotating, and reports the best
-CPU per call and the best rate (interference from other processes only adds). ``client
-CPU``: the share of its core the client used (under 100 %: it waited for the server or
-the latency, not for its own CPU). ``conns``: TCP connections the server accepted from the
+CPU per call and the best rate (interference from other processes only adds). ``calls/s
+per core``: 1e6 / CPU µs per call, the rate the client could reach with a core to itself.
+``client CPU``: the share of its core the client used (under 100 %: it waited for the
+server, the latency or its turn on a shared core, not for its own CPU). ``conns``: TCP connections the server accepted from the
 contender, warm-up included (churn: more than W). ``--quick`` (about a minute) leaves out httpx2 and
 openai, the slowest to run; ``--only`` runs any. Goals (issue 15), reported, never
 enforced: CPU/call <= 1.5x aiohttp's and calls/s >= 0.9x aiohttp's at 64 in flight;
@@ -552,15 +553,15 @@ def _report(latency: int, window: int, n: int, results: dict[str, dict[str, Any]
     rows = []
     for name in results:
         if name not in figures:
-            rows.append([name, results[name]["failed"][:60], "", "", "", "", ""])
+            rows.append([name, results[name]["failed"][:60], "", "", "", "", "", ""])
             continue
         cpu_us, rate, r = figures[name]
         busy = f"{cpu_us * rate / 1e4:.0f} %"  # of one core: under 100, it waited for more work
         versus = f"{cpu_us / base[0]:.2f}x / {rate / base[1]:.2f}x" if base else ""
-        rows.append([name, f"{cpu_us:,.0f}", f"{rate:,.0f}", busy, f"{r['calls']:,}",
-                     str(r["conns"]), versus])  # fmt: skip
-    print(markdown_table(["client", "CPU µs/call", "calls/s", "client CPU", "calls", "conns",
-                          "vs aiohttp (CPU / rate)"], rows))  # fmt: skip
+        rows.append([name, f"{cpu_us:,.0f}", f"{1e6 / cpu_us:,.0f}", f"{rate:,.0f}", busy,
+                     f"{r['calls']:,}", str(r["conns"]), versus])  # fmt: skip
+    print(markdown_table(["client", "CPU µs/call", "calls/s per core", "calls/s", "client CPU",
+                          "calls", "conns", "vs aiohttp (CPU / rate)"], rows))  # fmt: skip
     mine = figures.get(PROJECT)
     if base and mine:
         cpu_ratio, rate_ratio = mine[0] / base[0], mine[1] / base[1]

@@ -41,7 +41,7 @@ from trio_tasksets.transport.client import (
     Timeouts,
     UnsupportedProxy,
 )
-from trio_tasksets.transport.support import Proxies, _bypassed, proxies_from_env
+from trio_tasksets.transport.support import Proxies, no_proxy_matches, proxies_from_env
 
 # --- a scripted HTTP/1.1 server --------------------------------------------------------------
 
@@ -554,6 +554,16 @@ async def test_cancelled_request_drops_its_connection(
         assert (await http.request("GET", server.url)).status == 200
 
 
+async def test_a_request_in_a_cancelled_scope_sends_nothing(server: Server) -> None:
+    async with HTTPClient() as http:
+        await http.request("GET", server.url)
+        with trio.CancelScope() as scope:
+            scope.cancel()
+            await http.request("GET", server.url)
+        assert scope.cancelled_caught
+        assert (len(server.seen), http.stats.idle) == (1, 1)  # and the connection is kept
+
+
 # --- errors -----------------------------------------------------------------------------------
 
 
@@ -793,7 +803,7 @@ def test_proxy_variables() -> None:
     ],
 )
 def test_no_proxy_entries(entries: str, host: str, port: int, bypassed: bool) -> None:
-    assert _bypassed(tuple(e.strip() for e in entries.split(",")), host, port) is bypassed
+    assert no_proxy_matches(tuple(e.strip() for e in entries.split(",")), host, port) is bypassed
 
 
 # --- reading responses: the fast path and h11 ------------------------------------------------

@@ -31,8 +31,8 @@ from .transport import (
     HTTPTimeout,
     ResponseTooLarge,
     Timeouts,
+    parse_retry_after,
 )
-from .transport import parse_retry_after as _parse_retry_after
 
 if TYPE_CHECKING:
     import httpx  # only for a caller's own http_client; imported where used
@@ -320,8 +320,8 @@ class OpenAIClient:
       of every request, also with a caller's ``http_client``.
     - ``trio.Cancelled`` propagates untouched.
 
-    The transport is a `trio_tasksets.transport.HTTPClient` (trio + h11, a keep-alive
-    pool that holds about one connection per request in flight), created here and closed by
+    The transport is a `trio_tasksets.transport.HTTPClient` (trio, a keep-alive pool
+    that holds about one connection per request in flight), created here and closed by
     :meth:`aclose` or ``async with``. Pass ``http_client`` (an ``HTTPClient`` with your own
     CA bundle, proxy or limits, or an ``httpx.AsyncClient``) to use it as is; it is left
     open.
@@ -405,7 +405,7 @@ class OpenAIClient:
         return (
             reply.status_code,
             reply.content,
-            _parse_retry_after(reply.headers.get("retry-after")),
+            parse_retry_after(reply.headers.get("retry-after")),
         )
 
     async def chat(

@@ -219,6 +219,7 @@ class HTTPClient:
         that is not absolute http(s) or a bad header, ``RuntimeError`` once closed."""
         if self._closed:
             raise RuntimeError(f"HTTPClient is closed; cannot request {url}")
+        await trio.lowlevel.checkpoint_if_cancelled()  # not a byte out if already cancelled
         route = self._routes.get(url)
         if route is None:
             route = self._route(url)

@@ -1,4 +1,4 @@
-"""HTTP/1.1 on one connection, for `http_transport`: opening it (TCP, a proxy's ``CONNECT``),
+"""HTTP/1.1 on one connection, for `transport.client`: opening it (TCP, a proxy's ``CONNECT``),
 sending a request head checked once per header set, and reading a whole response.
 
 Responses are read by h11, except the common kind, which a strict fast path reads itself:
@@ -6,9 +6,9 @@ an ``HTTP/1.1`` status 200-599 (not 204 or 304) to a request other than HEAD or 
 with exactly one all-digit ``Content-Length``, no ``Transfer-Encoding``, and every header
 line a token, a colon and a value without control bytes. Anything else, however slight, is
 handed whole to h11, which then reads or refuses it. The reason is cost: h11 spends about
-95 µs of CPU on such a response (being told of the request included), about half of what
+100 µs of CPU on such a response (being told of the request included), about half of what
 aiohttp spends on a whole call, and the eval's goal leaves no room for it (see
-docs/benchmarks.md, HTTP client).
+docs/benchmarks.md, HTTP client). tests/test_http_transport.py holds the fast path to h11.
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """The parts of the HTTP transport that do no I/O: errors, timeouts, where a URL's requests
 go (proxies from the environment), TLS contexts, body decoding and ``Retry-After``.
 
-Depends on the standard library and attrs only; `http_transport` builds on it.
+Depends on the standard library and attrs only; `transport.client` builds on it.
 """
 
 from __future__ import annotations
@@ -28,6 +28,7 @@ __all__ = [
     "HTTPError",
     "HTTPTimeout",
     "ProtocolError",
+    "Proxies",
     "Proxy",
     "ProxyError",
     "ResponseTooLarge",
@@ -35,6 +36,7 @@ __all__ = [
     "Timeouts",
     "UnsupportedProxy",
     "decode_body",
+    "no_proxy_matches",
     "parse_retry_after",
     "proxies_from_env",
     "route_for",
@@ -191,7 +193,7 @@ class Proxies:
 
     def for_url(self, scheme: str, host: str, port: int) -> Proxy | None:
         proxy = self.http if scheme == "http" else self.https
-        if proxy is None or _bypassed(self.no_proxy, host, port):
+        if proxy is None or no_proxy_matches(self.no_proxy, host, port):
             return None
         return proxy
 
@@ -221,7 +223,7 @@ def proxies_from_env(environ: Mapping[str, str] | None = None) -> Proxies:
     return Proxies(found["http"], found["https"], entries)
 
 
-def _bypassed(entries: tuple[str, ...], host: str, port: int) -> bool:
+def no_proxy_matches(entries: tuple[str, ...], host: str, port: int) -> bool:
     """Whether ``NO_PROXY`` ``entries`` exempt ``host``: ``*``; a host or domain (also its
     subdomains, a leading dot optional), optionally with ``:port``; an IP or CIDR range."""
     host = host.lower().strip("[]")
