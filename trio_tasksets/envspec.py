@@ -15,22 +15,6 @@ from .tasksets import Task, Taskset
 __all__ = ["EnvSpec", "TravelError", "config_from_json", "config_to_json", "rebuild_task"]
 
 
-_INT_RANGE = (-(2**63), 2**64 - 1)  # what the server's JSON decoder (orjson) keeps exact
-
-
-def _check_ints(value: object) -> None:
-    """Refuse integers a served run would turn into floats (orjson: 64-bit at most)."""
-    if isinstance(value, int) and not isinstance(value, bool):
-        if not _INT_RANGE[0] <= value <= _INT_RANGE[1]:
-            raise ValueError(f"the integer {value} is outside the 64-bit range JSON can carry")
-    elif isinstance(value, dict):
-        for item in value.values():
-            _check_ints(item)
-    elif isinstance(value, list | tuple):
-        for item in value:
-            _check_ints(item)
-
-
 def _json_native(value: object) -> bool:
     if value is None or isinstance(value, str | bool | int):
         return True

@@ -426,7 +426,7 @@ def build_task(taskset_cls: type[Taskset[Any, Any]], key: str, data: dict[str, A
         raise WireError("slot.task.data", f"cannot build a task from it: {exc}") from exc
 
 
-# --- the env spec ---------------------------------------------------------------------------
+# --- numbers JSON carries exactly ------------------------------------------------------------
 
 
 _INT_RANGE = (-(2**63), 2**64 - 1)  # what the server's JSON decoder (orjson) keeps exact
