@@ -2,7 +2,7 @@
 
 * **Server** (`trio-tasksets serve TASKSET`): an ASGI app on hypercorn's trio worker with
   ``GET /health``, ``POST /run`` (one slot, its episode row back) and the WebSocket ``/ws``
-  (many runs multiplexed, answered by id; `_WSSession`). `env.serving()` is held for the
+  (many runs multiplexed, answered by id; `serve.session`). `env.serving()` is held for the
   server's life. ``--workers K`` runs K worker processes that share one listening socket,
   bound once by a supervisor process (see `docs/serve.md`).
 * **Cancellation**: on ``/ws`` by a ``{"op": "cancel", "id": ...}`` item (a closed WebSocket
@@ -14,8 +14,10 @@
   ``PR_SET_PDEATHSIG``: it fires when the parent *thread* exits, and trio spawns from a
   worker thread that retires when idle, which would stop a healthy child.
 
-Rooms: `wire` (the JSON wire format and its constants), `app` (the ASGI app), `process`
-(serving processes), `transport` and `client` (`EnvClient`), `spawn` (`spawn_server`).
+Rooms: `wire` (the JSON wire format and its constants), `policy` (who may call, what a run
+may reach, limits), `asgi`, `app` (the ASGI app) and `session` (one WebSocket), `process`
+(serving processes), `transport`, `errors` and `client` (`EnvClient`), `spawn`
+(`spawn_server`).
 The command is `trio_tasksets.cli.serve`; the eval's use of it is `trio_tasksets.eval.served`.
 """
 
