@@ -10,15 +10,20 @@
 * `ConnectionLimiter(limit)`: at most `limit` calls in flight per key (an endpoint), fixed
   (`int`) or adaptive (`AdaptiveBounds`: one `AdaptiveWindow` per key).
 * `EndpointLimits(connections=, rpm=, tpm=)`: the three together, per key, around one call.
+* `observe_calls(observer)`: within the block (this task and the tasks it starts), every
+  call through an `EndpointLimits` tells `observer.on_wait` what it waited for, and every
+  `report_outcome` (a model client's attempt: an HTTP status) reaches `observer.on_outcome`:
+  how an episode's row learns its waits, and an adaptive rollout window its 429s.
 
 All of them only read `trio.current_time()`, so they are exact on a `MockClock`.
 """
 
 from __future__ import annotations
 
+import contextvars
 import math
-from collections.abc import AsyncIterator, Hashable
-from contextlib import asynccontextmanager
+from collections.abc import AsyncIterator, Hashable, Iterator
+from contextlib import asynccontextmanager, contextmanager
 from typing import Any
 
 import attrs
@@ -28,12 +33,15 @@ from .window import AdaptiveBounds, AdaptiveWindow, Outcome, Window
 
 __all__ = [
     "Call",
+    "CallObserver",
     "ConnectionLimiter",
     "EndpointLimits",
     "Metered",
     "RateLimiter",
     "Slot",
     "TokenLimiter",
+    "observe_calls",
+    "report_outcome",
 ]
 
 
@@ -178,6 +186,11 @@ class ConnectionLimiter:
         self._adaptive = adaptive
         self._windows: dict[Hashable, Window] = {}
 
+    @property
+    def limit(self) -> int | AdaptiveBounds:
+        """What each key's window is: a fixed size, or adaptive bounds."""
+        return self._spec
+
     def window(self, key: Hashable) -> Window:
         """The window of `key` (made on first use)."""
         window = self._windows.get(key)
@@ -261,6 +274,16 @@ class EndpointLimits:
         self._tpm = _check_rate(tpm, "tpm") if tpm is not None else None
         self._rates: dict[Hashable, tuple[RateLimiter | None, TokenLimiter | None]] = {}
 
+    @property
+    def rpm(self) -> float | None:
+        """Requests per minute per key, or None (no limit)."""
+        return self._rpm
+
+    @property
+    def tpm(self) -> float | None:
+        """Tokens per minute per key, or None (no limit)."""
+        return self._tpm
+
     def rate_limiters(self, key: Hashable) -> tuple[RateLimiter | None, TokenLimiter | None]:
         """`key`'s (rpm, tpm) limiters, made on first use (None where unlimited)."""
         found = self._rates.get(key)
@@ -282,11 +305,13 @@ class EndpointLimits:
             if rpm is not None:
                 call.waited_rate += await rpm.acquire(1)
             if tpm is None:
+                _report_wait(call)
                 yield call
                 return
             async with tpm.reserve(reserve_tokens) as metered:
                 call.metered = metered
                 call.waited_rate += metered.waited
+                _report_wait(call)
                 yield call
 
 
@@ -299,3 +324,58 @@ async def _maybe_slot(
         return
     async with limiter.slot(key) as slot:
         yield slot
+
+
+# --- who hears about the calls ----------------------------------------------------------------
+
+
+class CallObserver:
+    """Hears about the model calls made under `observe_calls(observer)`. Subclass it and
+    override what you need (both do nothing here). Called synchronously, on the calling
+    task: keep them quick, and never raise."""
+
+    def on_wait(self, connection: float, rate: float) -> None:
+        """A call through `EndpointLimits` waited `connection` seconds for a connection slot
+        and `rate` seconds for the rpm/tpm limiters (both may be 0.0)."""
+
+    def on_outcome(self, outcome: Outcome, retry_after: float | None) -> None:
+        """One attempt of a model call ended so (`report_outcome`); `retry_after` is the
+        response's Retry-After in seconds, if any."""
+
+
+_observers: contextvars.ContextVar[tuple[CallObserver, ...]] = contextvars.ContextVar(
+    "trio_tasksets_call_observers", default=()
+)
+
+
+@contextmanager
+def observe_calls(observer: CallObserver) -> Iterator[None]:
+    """Within the block, by this task and the tasks it starts, every call's waits and
+    outcomes also go to `observer` (blocks nest: the inner and the outer observers hear)."""
+    token = _observers.set((*_observers.get(), observer))
+    try:
+        yield
+    finally:
+        _observers.reset(token)
+
+
+def report_outcome(outcome: Outcome | int, *, retry_after: float | None = None) -> None:
+    """Tell the observers of this context how one attempt of a model call ended: an
+    `Outcome`, or an HTTP status (see `Outcome.from_status`; a status that says nothing
+    about the endpoint's load, such as a 400, is not passed on). Model clients call it once
+    per attempt (`OpenAIClient` does)."""
+    observers = _observers.get()
+    if not observers:
+        return
+    if isinstance(outcome, int):
+        found = Outcome.from_status(outcome)
+        if found is None:
+            return
+        outcome = found
+    for observer in observers:
+        observer.on_outcome(outcome, retry_after)
+
+
+def _report_wait(call: Call) -> None:
+    for observer in _observers.get():
+        observer.on_wait(call.waited_connection, call.waited_rate)

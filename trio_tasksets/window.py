@@ -36,6 +36,7 @@ __all__ = [
     "WindowArgumentError",
     "build_window",
     "parse_window",
+    "window_spec",
 ]
 
 HISTORY_LIMIT = 10_000  # entries kept (the newest); a long-lived service must not grow forever
@@ -311,6 +312,7 @@ class AdaptiveWindow(Window):
         self.controller = AdaptiveController(
             min, max, start, cut, cooldown, growth, utilization, min_round
         )
+        self.start = start  # the size it started at (its CLI form is min-start-max)
         super().__init__(start)
 
     @property
@@ -408,3 +410,15 @@ def build_window(spec: int | AdaptiveBounds) -> Window:
     if isinstance(spec, AdaptiveBounds):
         return AdaptiveWindow(*spec)
     return Window(spec)
+
+
+def window_spec(window: int | AdaptiveBounds | Window) -> str:
+    """The CLI form of a window: `N`, or `MIN-START-MAX` (an `AdaptiveWindow`: its bounds
+    and the size it started at; a `Window`: its size now)."""
+    if isinstance(window, AdaptiveWindow):
+        return f"{window.min}-{window.start}-{window.max}"
+    if isinstance(window, Window):
+        return str(window.size)
+    if isinstance(window, tuple):
+        return "-".join(str(part) for part in window)
+    return str(window)
