@@ -215,14 +215,14 @@ async def test_one_task_may_hold_two_slots_of_one_endpoint(autojump_clock: MockC
 async def test_an_adaptive_endpoint_is_cut_by_its_own_429s_only(autojump_clock: MockClock) -> None:
     limits = ConnectionLimiter(AdaptiveBounds(1, 10, 20), cooldown=5)
     async with limits.slot("a") as slot:
-        slot.record(429, retry_after=1)
-        slot.record(Outcome.RATE_LIMITED)  # within the cooldown
+        slot.record(429, retry_after=1)  # the first 429: cut by the factor
+        slot.record(Outcome.RATE_LIMITED)  # within the cooldown, 1 in flight: capped (x0.8)
     async with limits.slot("b") as slot:
         slot.record(200)
     a, b = limits.window("a"), limits.window("b")
     assert isinstance(a, AdaptiveWindow)
-    assert (a.size, b.size) == (8, 10)
-    assert [reason for _, _, reason in a.history] == ["start", "429"]
+    assert (a.size, b.size) == (6, 10)
+    assert [reason for _, _, reason in a.history] == ["start", "429", "429 cap"]
 
 
 async def test_a_fixed_endpoint_ignores_outcomes(autojump_clock: MockClock) -> None:

@@ -410,11 +410,12 @@ class WindowFeed(CallObserver):
 
     Around each run, `with observe_calls(feed):` hands it the 429s, 5xx and timeouts of the
     model calls the run makes, as they come (a cut must not wait for the episode's retries
-    to end); then, while the run still holds its slot, `feed.ended(episode)` adds one
-    success for an episode that ended ok. Where the model calls are made in another process
-    (an env server, a worker), pass `remote=True`: `ended` then reads the episode's errors
-    instead (a 429 or 5xx `ModelHTTPError`, a model or rollout timeout). A window that is not
-    adaptive is left alone.
+    to end), and a run whose call waits out a 429 before its retry (`limits.rest`) lends its
+    place meanwhile (`AdaptiveWindow.rest`); then, while the run still holds its slot,
+    `feed.ended(episode)` adds one success for an episode that ended ok. Where the model
+    calls are made in another process (an env server, a worker), pass `remote=True`:
+    `ended` then reads the episode's errors instead (a 429 or 5xx `ModelHTTPError`, a model
+    or rollout timeout). A window that is not adaptive is left alone.
     """
 
     def __init__(self, window: Window | None, *, remote: bool = False) -> None:
@@ -424,6 +425,15 @@ class WindowFeed(CallObserver):
     def on_outcome(self, outcome: Outcome, retry_after: float | None) -> None:
         if self.window is not None and outcome is not Outcome.SUCCESS:
             self.window.record(outcome, retry_after=retry_after)
+
+    @asynccontextmanager
+    async def resting(self, outcome: Outcome | None) -> AsyncIterator[None]:
+        # Only after a 429: its cap keeps lending from piling runs up; a 5xx cuts nothing.
+        if self.window is None or outcome is not Outcome.RATE_LIMITED:
+            yield
+            return
+        async with self.window.rest():
+            yield
 
     def ended(self, episode: Episode) -> None:
         window = self.window

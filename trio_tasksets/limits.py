@@ -11,9 +11,11 @@
   (`int`) or adaptive (`AdaptiveBounds`: one `AdaptiveWindow` per key).
 * `EndpointLimits(connections=, rpm=, tpm=)`: the three together, per key, around one call.
 * `observe_calls(observer)`: within the block (this task and the tasks it starts), every
-  call through an `EndpointLimits` tells `observer.on_wait` what it waited for, and every
-  `report_outcome` (a model client's attempt: an HTTP status) reaches `observer.on_outcome`:
-  how an episode's row learns its waits, and an adaptive rollout window its 429s.
+  call through an `EndpointLimits` tells `observer.on_wait` what it waited for, every
+  `report_outcome` (a model client's attempt: an HTTP status) reaches `observer.on_outcome`,
+  and every `rest` (a client's wait before a retry) happens inside `observer.resting`: how
+  an episode's row learns its waits, and an adaptive rollout window its 429s (and lends the
+  place of a rollout waiting out a Retry-After).
 
 All of them only read `trio.current_time()`, so they are exact on a `MockClock`.
 """
@@ -23,7 +25,7 @@ from __future__ import annotations
 import contextvars
 import math
 from collections.abc import AsyncIterator, Hashable, Iterator
-from contextlib import asynccontextmanager, contextmanager
+from contextlib import AsyncExitStack, asynccontextmanager, contextmanager
 from typing import Any
 
 import attrs
@@ -42,6 +44,7 @@ __all__ = [
     "TokenLimiter",
     "observe_calls",
     "report_outcome",
+    "rest",
 ]
 
 
@@ -342,6 +345,12 @@ class CallObserver:
         """One attempt of a model call ended so (`report_outcome`); `retry_after` is the
         response's Retry-After in seconds, if any."""
 
+    @asynccontextmanager
+    async def resting(self, outcome: Outcome | None) -> AsyncIterator[None]:
+        """The block is a call's wait before its retry (`rest`), after an attempt that ended
+        with `outcome` (None: no answer, e.g. a refused connection). Nothing here."""
+        yield
+
 
 _observers: contextvars.ContextVar[tuple[CallObserver, ...]] = contextvars.ContextVar(
     "trio_tasksets_call_observers", default=()
@@ -374,6 +383,20 @@ def report_outcome(outcome: Outcome | int, *, retry_after: float | None = None) 
         outcome = found
     for observer in observers:
         observer.on_outcome(outcome, retry_after)
+
+
+async def rest(seconds: float, *, outcome: Outcome | None = None) -> None:
+    """Wait `seconds` before retrying a model call whose attempt ended with `outcome` (a 429,
+    a 5xx, a timeout), inside every observer's `resting` block: a model client's sleep
+    between attempts (`OpenAIClient` rests so). Without observers, `trio.sleep`."""
+    observers = _observers.get()
+    if not observers:
+        await trio.sleep(seconds)
+        return
+    async with AsyncExitStack() as stack:
+        for observer in observers:
+            await stack.enter_async_context(observer.resting(outcome))
+        await trio.sleep(seconds)
 
 
 def _report_wait(call: Call) -> None:

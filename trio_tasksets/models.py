@@ -24,7 +24,7 @@ import attrs
 import orjson
 import trio
 
-from .limits import Call, EndpointLimits, report_outcome
+from .limits import Call, EndpointLimits, report_outcome, rest
 from .transport import (
     DecodingError,
     HTTPClient,
@@ -457,11 +457,13 @@ class OpenAIClient:
         while True:
             attempts += 1
             retry_after: float | None = None
+            outcome: Outcome | None = None  # of this attempt, for the rest before a retry
             try:
                 status, content, retry_after, completion = await self._attempt(body, reserve)
             except (ResponseTooLarge, DecodingError) as exc:
                 raise ModelResponseError(f"{self.url}: {exc.reason}", url=self.url) from exc
             except HTTPTimeout as exc:
+                outcome = Outcome.TIMEOUT
                 if attempts > self.max_retries:
                     raise ModelTimeoutError(
                         f"request to {self.url} timed out after {self.timeout:g}s "
@@ -489,7 +491,10 @@ class OpenAIClient:
                         body=text,
                         attempts=attempts,
                     )
-            await trio.sleep(self._retry_delay(attempts - 1, retry_after))
+                outcome = Outcome.from_status(status)
+            # Outside the limits' gate: a rest holds no connection slot (and, for an adaptive
+            # rollout window, a rest after a 429 lends the rollout's place meanwhile).
+            await rest(self._retry_delay(attempts - 1, retry_after), outcome=outcome)
 
     async def _attempt(
         self, body: bytes, reserve: int | None
