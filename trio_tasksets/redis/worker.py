@@ -17,7 +17,7 @@ from ..envspec import rebuild_task
 from ..limits import EndpointLimits, observe_calls
 from ..models import ModelContext
 from ..runner import as_completed, pick_one
-from ..window import AdaptiveBounds, Window, build_window, window_spec
+from ..window import AdaptiveBounds, AdaptiveWindow, Window, build_window, window_spec
 from .entries import (
     Declaration,
     Delivery,
@@ -91,11 +91,12 @@ class WorkerReport:
         return self.window.size - self.held
 
     def line(self) -> str:
+        window = self.window
+        adapts = f" (adaptive {window_spec(window)})" if isinstance(window, AdaptiveWindow) else ""
         return (
             f"stopped: published {self.published} episodes; peak in flight "
-            f"{self.peak} (window {window_spec(self.window)}, now {self.window.size}); "
-            f"{self.cancelled} cancelled at the grace deadline (left pending for another "
-            f"worker)"
+            f"{self.peak}/{window.size}{adapts}; {self.cancelled} cancelled at the grace "
+            f"deadline (left pending for another worker)"
         )
 
 
