@@ -27,6 +27,7 @@ from trio_tasksets.window import (
     WindowArgumentError,
     build_window,
     parse_window,
+    window_spec,
 )
 
 
@@ -650,3 +651,88 @@ async def test_an_adaptive_window_finds_a_hidden_capacity(autojump_clock: MockCl
     assert window.size == capacity
     assert [size for _, size, _ in window.history][:6] == [8, 16, 32, 64, 51, 50]
     assert window.in_flight == window.resting == 0
+
+
+# --- resting runs lend their place ------------------------------------------------------------
+
+
+async def test_a_resting_run_lends_its_place_and_takes_one_back_in_turn(
+    autojump_clock: MockClock,
+) -> None:
+    """A run resting (on a 429's Retry-After) lets one more start; when it is done resting it
+    queues for a place behind the pull already waiting, so nothing runs above size + resting
+    and a resting run is never passed over by later pulls."""
+    window = AdaptiveWindow(1, 2, 8)
+    held = Held()
+    order: list[str] = []
+
+    async def rest_then_finish(item: int) -> int:
+        async with window.rest():
+            order.append(f"rest {item}")
+            await trio.sleep(1)
+        order.append(f"back {item}")
+        return await held.run(item)
+
+    async def run(item: int) -> int:
+        return await (rest_then_finish(item) if item == 0 else held.run(item))
+
+    feed = Feed(*range(5))
+    feed.end()
+    with trio.fail_after(60):
+        await resting_scenario(window, held, order, feed, run)
+    assert window.in_flight == 0
+    assert window.limiter.total_tokens == window.size == 2
+
+
+async def resting_scenario(
+    window: AdaptiveWindow, held: Held, order: list[str], feed: Feed[int], run: Any
+) -> None:
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(drive, "run_stream", feed, run, window)
+        await trio.testing.wait_all_tasks_blocked()
+        # 0 rests, lending its place: 1 and 2 run, 3 waits for a place.
+        assert held.running == {1, 2}
+        assert (window.size, window.resting, window.in_flight) == (2, 1, 3)
+        await trio.sleep(1.5)  # 0 is done resting: it queues behind the pull of 3
+        assert order == ["rest 0"]
+        assert window.resting == 1
+        held.release(1)  # a place frees: the waiting pull takes it (3 starts) ...
+        await trio.testing.wait_all_tasks_blocked()
+        assert held.running == {2, 3}
+        assert order == ["rest 0"]
+        held.release(2)  # ... the next one is 0's, before any later pull
+        await trio.testing.wait_all_tasks_blocked()
+        assert order == ["rest 0", "back 0"]
+        assert held.running == {0, 3}
+        assert (window.resting, window.in_flight) == (0, 2)
+        held.release(0)
+        await trio.testing.wait_all_tasks_blocked()
+        assert held.running == {3, 4}
+        for item in (3, 4):
+            held.release(item)
+
+
+async def test_a_rest_left_by_cancellation_gives_its_place_back(autojump_clock: MockClock) -> None:
+    window = AdaptiveWindow(1, 1, 4)
+    await window.acquire("run")
+    with trio.move_on_after(1):  # cancelled while resting
+        async with window.rest():
+            assert window.limiter.total_tokens == 2
+            await trio.sleep(5)
+    assert (window.resting, window.limiter.total_tokens) == (0, 1)
+    with trio.move_on_after(1):
+        async with window.rest():
+            await window.acquire("other")  # another run takes the lent place
+        # done resting, queueing for a place ("other" holds it): cancelled there
+    assert (window.resting, window.limiter.total_tokens, window.in_flight) == (0, 1, 2)
+    window.release("other")  # over-full until both are gone: nothing else may start
+    assert window.in_flight == 1
+    window.release("run")
+    assert window.in_flight == 0
+
+
+def test_window_spec_is_the_cli_form() -> None:
+    assert window_spec(32) == "32"
+    assert window_spec(AdaptiveBounds(1, 8, 512)) == "1-8-512"
+    assert window_spec(Window(5)) == "5"
+    assert window_spec(AdaptiveWindow(2, 4, 16)) == "2-4-16"
