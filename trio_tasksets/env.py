@@ -329,12 +329,17 @@ class Env(Generic[TaskT]):
         slot.started = time.time()
         began = trio.current_time()
         waits = _Waits()
+        timeout = self.rollout_timeout
         attempt = 0
         while True:
             attempt += 1
             try:
                 with observe_completions(episode.count), observe_calls(waits):
-                    messages, completion, reward = await self._one_attempt(task, ctx)
+                    if timeout is None:  # inline: this runs once per attempt of every episode
+                        messages, completion = await self.rollout(task, ctx)
+                        reward = _finite(await self.score(task, completion))
+                    else:
+                        messages, completion, reward = await self._timed(task, ctx, seconds=timeout)
             except Exception as exc:
                 episode.errors.append(EpisodeError(type(exc).__name__, str(exc), attempt))
                 if not self.retries.should_retry(exc, attempt):
@@ -362,20 +367,16 @@ class Env(Generic[TaskT]):
                     await result
         return episode
 
-    async def _one_attempt(
-        self, task: TaskT, ctx: ModelContext
+    async def _timed(
+        self, task: TaskT, ctx: ModelContext, *, seconds: float
     ) -> tuple[list[Message], str, float]:
-        """One attempt: the rollout and its score, within `rollout_timeout`."""
-        timeout = self.rollout_timeout
-        if timeout is None:
-            messages, completion = await self.rollout(task, ctx)
-            return messages, completion, _finite(await self.score(task, completion))
-        with trio.move_on_after(timeout):
+        """One attempt, the rollout and its score, within `seconds` (`rollout_timeout`)."""
+        with trio.move_on_after(seconds):
             messages, completion = await self.rollout(task, ctx)
             return messages, completion, _finite(await self.score(task, completion))
         report_outcome(Outcome.TIMEOUT)  # an adaptive rollout window pauses its growth
         raise RolloutTimeoutError(
-            f"the rollout took longer than its rollout_timeout of {timeout:g}s (cancelled)"
+            f"the rollout took longer than its rollout_timeout of {seconds:g}s (cancelled)"
         )
 
 

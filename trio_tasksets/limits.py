@@ -24,8 +24,8 @@ from __future__ import annotations
 
 import contextvars
 import math
-from collections.abc import AsyncIterator, Hashable, Iterator
-from contextlib import AsyncExitStack, asynccontextmanager, contextmanager
+from collections.abc import AsyncIterator, Hashable
+from contextlib import AsyncExitStack, asynccontextmanager
 from typing import Any
 
 import attrs
@@ -357,15 +357,22 @@ _observers: contextvars.ContextVar[tuple[CallObserver, ...]] = contextvars.Conte
 )
 
 
-@contextmanager
-def observe_calls(observer: CallObserver) -> Iterator[None]:
-    """Within the block, by this task and the tasks it starts, every call's waits and
-    outcomes also go to `observer` (blocks nest: the inner and the outer observers hear)."""
-    token = _observers.set((*_observers.get(), observer))
-    try:
-        yield
-    finally:
-        _observers.reset(token)
+class observe_calls:  # lower case: it reads as a call in `with observe_calls(...)`
+    """``with observe_calls(observer):`` within the block, by this task and the tasks it
+    starts, every call's waits, outcomes and rests also go to `observer` (blocks nest: the
+    inner and the outer observers hear). A class, not a generator: an episode enters one
+    per attempt."""
+
+    __slots__ = ("_observer", "_token")
+
+    def __init__(self, observer: CallObserver) -> None:
+        self._observer = observer
+
+    def __enter__(self) -> None:
+        self._token = _observers.set((*_observers.get(), self._observer))
+
+    def __exit__(self, *exc_info: object) -> None:
+        _observers.reset(self._token)
 
 
 def report_outcome(outcome: Outcome | int, *, retry_after: float | None = None) -> None:

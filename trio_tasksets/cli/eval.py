@@ -311,6 +311,8 @@ def _fix_for(error_type: str, message: str, args: argparse.Namespace, run_dir: P
         return f"nothing answers at --base-url {args.base_url}: start the server, or fix the URL"
     if error_type == "ModelTimeoutError":
         return "raise --timeout S, or lower -c/--max-concurrent"
+    if error_type == "RolloutTimeoutError":
+        return "raise --rollout-timeout S (or retry slow episodes with --retries K)"
     if error_type == "ModelResponseError":
         return "the endpoint does not answer as an OpenAI /chat/completions does: check --base-url"
     if error_type == "EnvServerError" and status == 401:
