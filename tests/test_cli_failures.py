@@ -493,7 +493,26 @@ def test_bad_taskset_args_are_usage_errors(tmp_path: Path, args: list[str], mess
      (["--max-failures", "0"], "argument --max-failures: takes N"),
      (["--max-failures", "1.5"], "argument --max-failures: takes N"),
      (["--max-failures", "some"], "argument --max-failures: takes N"),
-     (["-m", "gpt-x"], "-m/--model 'gpt-x' needs --base-url")],
+     (["-m", "gpt-x"], "-m/--model 'gpt-x' needs --base-url"),
+     (["-c", "8-4-16"],
+      "argument -c/--max-concurrent: MIN-START-MAX needs 1 <= MIN <= START <= MAX, got '8-4-16'"),
+     (["-c", "fast"], "argument -c/--max-concurrent: expected N or MIN-START-MAX"),
+     (["--max-connections", "0", "-m", "x", "--base-url", "http://127.0.0.1:9/v1"],
+      "argument --max-connections: N must be >= 1"),
+     (["--rpm", "0"], "argument --rpm: must be a number of units per minute > 0, got '0'"),
+     (["--tpm", "lots"], "argument --tpm: expected units per minute (a number > 0), got 'lots'"),
+     (["--rollout-timeout", "0"], "argument --rollout-timeout: must be a number of seconds > 0"),
+     (["--time-limit", "nan"], "argument --time-limit: must be a number of seconds > 0"),
+     (["--rpm", "60"], "--rpm does nothing with the echo model"),
+     (["--max-connections", "1-4-16"], "--max-connections does nothing with the echo model"),
+     (["--serve", "--tpm", "1000", "--max-connections", "4", "-m", "x",
+       "--base-url", "http://127.0.0.1:9/v1"],
+      "--max-connections, --tpm with --serve: the model calls are made by the env server child"),
+     (["--via", "redis://127.0.0.1:9/0", "--rpm", "60", "-m", "x",
+       "--base-url", "http://127.0.0.1:9/v1"],
+      "fix: drop --rpm here and give them to the workers (trio-tasksets worker)"),
+     (["--server-url", "http://127.0.0.1:9", "--rollout-timeout", "5"],
+      "--rollout-timeout with --server-url: the episodes run in the env server")],
 )  # fmt: skip
 def test_a_bad_or_idle_option_is_refused_before_any_work(
     tmp_path: Path, args: list[str], message: str
@@ -518,6 +537,30 @@ def test_warnings_name_the_close_match_and_a_short_taskset(tmp_path: Path) -> No
         "holds (8 tasks): the eval runs all 8"
     ) in done.stderr
     assert done.stdout.startswith("8/8 ok")
+
+
+def test_a_time_limit_drains_writes_the_summary_and_exits_0(tmp_path: Path) -> None:
+    run_dir = tmp_path / "out" / "t"
+    done = cli(tmp_path, *eval_args(tmp_path, FEEDS + ":Numbers", "-r", "10", "--echo-delay",
+                                    "0.25", "-c", "4", "--time-limit", "1", "--run-name", "t"))  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    summary = summary_of(run_dir)
+    assert (summary["stopped"], summary["error"], summary["interrupted"]) == (
+        "time_limit",
+        None,
+        True,
+    )
+    assert 0 < summary["finished"] == summary["ok"] == len(rows(run_dir)) < 2000
+    assert summary["window_history"] == [[0.0, 4, "start"]]
+    assert "trio-tasksets eval: stopped at --time-limit 1s: " in done.stderr
+    assert "resume: " in done.stderr
+    assert done.stdout.startswith(f"{summary['ok']}/{summary['finished']} ok")
+
+
+def test_a_time_limit_before_any_success_exits_1(tmp_path: Path) -> None:
+    done = cli(tmp_path, *eval_args(tmp_path, "echo", "--echo-delay", "30", "--time-limit", "0.5"))
+    assert done.returncode == 1, done.stderr
+    assert "no episode succeeded within --time-limit 0.5s" in error_line(done.stderr)
 
 
 def test_resume_without_a_run_name_says_which_run_it_picked(tmp_path: Path) -> None:
@@ -555,8 +598,11 @@ def test_version_and_help_show_every_default(tmp_path: Path) -> None:
             shown = formatter._get_help_string(action) or ""
             assert action.help, f"{name} {action.option_strings[-1]} has no help line"
             assert "default" in shown, f"{name} {action.option_strings[-1]}: {shown!r}"
-    help_text = cli(tmp_path, "eval", "--help").stdout
-    assert "the window: most rollouts in flight (default: 32)" in " ".join(help_text.split())
+    help_text = " ".join(cli(tmp_path, "eval", "--help").stdout.split())
+    assert (
+        "the window: most rollouts in flight; MIN-START-MAX (e.g. 1-8-512) adapts it" in help_text
+    )
+    assert "timeouts (default: 32)" in help_text
 
 
 # --- serve, worker, enqueue: the same error lines -----------------------------------------------

@@ -13,6 +13,8 @@ from rich.console import Console
 from trio.testing import MockClock
 
 from trio_tasksets.dashboard import Progress, show
+from trio_tasksets.limits import ConnectionLimiter
+from trio_tasksets.window import AdaptiveBounds, AdaptiveWindow, Window
 
 ANSI = re.compile(r"\x1b(\[[0-9;?]*[A-Za-z]|\][^\x07\x1b]*(\x07|\x1b\\))")
 TOP = "╭─ "  # the panel's top-left corner: one per drawn frame
@@ -96,6 +98,25 @@ def test_line_growing_and_before_any_result() -> None:
     progress = Progress(title="stream", growing=True)
     progress.planned(5)
     assert progress.line().startswith("stream: 0/5+ done, 0 running, 0 failed, reward -, 0.0/s, ")
+
+
+async def test_the_window_and_connection_limit_are_shown_as_they_move(
+    autojump_clock: MockClock,
+) -> None:
+    window = AdaptiveWindow(1, 8, 512)
+    connections = ConnectionLimiter(AdaptiveBounds(1, 4, 64))
+    progress = Progress(started_at=time.monotonic(), window=window, connections=connections)
+    assert progress.line().endswith("; window 8 (adapts 1-512), connections 4 (adapts 1-64)")
+    window.rate_limited()  # the first 429: cut to 6
+    connections.window("http://127.0.0.1:8000/v1").resize(12)
+    assert progress.limits_text() == "window 6 (adapts 1-512), connections 12 (adapts 1-64)"
+    fixed = Progress(window=Window(32), connections=ConnectionLimiter(16))
+    assert fixed.limits_text() == "window 32, connections 16"
+    assert Progress().limits_text() is None
+    console, buffer = make_console(terminal=True)
+    async with show(progress, live=True, console=console):
+        pass
+    assert "window 6 (adapts 1-512), connections 12" in last_frame(buffer)
 
 
 def test_line_shows_hours() -> None:

@@ -9,7 +9,11 @@ import trio
 from trio.testing import MockClock
 
 import trio_tasksets as tt
+from trio_tasksets.env import WindowFeed, error_outcome
+from trio_tasksets.envspec import EnvSpec
+from trio_tasksets.limits import CallObserver, observe_calls
 from trio_tasksets.models import Completion, Sampling
+from trio_tasksets.window import AdaptiveWindow, Outcome
 
 
 class Flaky:
@@ -256,3 +260,83 @@ async def test_usage_sums_every_model_call_of_every_attempt(autojump_clock: Mock
     assert episode.usage == {"prompt_tokens": 36, "completion_tokens": 10, "cached": 1}
     assert episode.finish_reason == "length"
     assert tt.Episode.from_row(episode.to_row()) == episode
+
+
+# --- rollout_timeout, waits in a row's timing, the window feed ---------------------------------
+
+
+async def test_a_rollout_over_its_timeout_is_cancelled_and_becomes_an_episode_error(
+    autojump_clock: MockClock,
+) -> None:
+    """Without retries the slow attempt is the episode's error; the adaptive rollout window
+    of the eval hears a timeout (growth pauses)."""
+    heard: list[Outcome] = []
+
+    class Watch(CallObserver):
+        def on_outcome(self, outcome: Outcome, retry_after: float | None) -> None:
+            heard.append(outcome)
+
+    env = tt.Env(Static(), rollout_timeout=2.5)
+    t0 = trio.current_time()
+    with observe_calls(Watch()):
+        episode = await env.run_slot(tt.RunSlot(Static().load()[0]), ctx(tt.EchoClient(delay=9)))
+    assert trio.current_time() - t0 == pytest.approx(2.5)
+    assert not episode.ok
+    assert [(e.type, e.attempt) for e in episode.errors] == [("RolloutTimeoutError", 1)]
+    assert isinstance(tt.env.RolloutTimeoutError("x"), TimeoutError)  # --retry-on TimeoutError
+    assert heard == [Outcome.TIMEOUT]
+    assert episode.timing["duration"] == pytest.approx(2.5)
+
+
+@pytest.mark.parametrize("bad", [0, -1, float("inf"), float("nan"), "5", True])
+def test_rollout_timeout_must_be_seconds_above_zero(bad: Any) -> None:
+    with pytest.raises(ValueError, match="rollout_timeout must be a number of seconds > 0"):
+        tt.Env(Static(), rollout_timeout=bad)
+
+
+def test_a_rollout_timeout_travels_in_the_env_spec() -> None:
+    env = tt.Env(Static(), rollout_timeout=7.5)
+    spec = EnvSpec.of(env)
+    assert spec.rollout_timeout == 7.5
+    argv = spec.argv()
+    assert argv[argv.index("--rollout-timeout") + 1] == "7.5"
+    assert spec.build(Static).rollout_timeout == 7.5
+    assert "--rollout-timeout" not in EnvSpec.of(tt.Env(Static())).argv()
+
+
+async def test_a_rows_timing_has_its_waits_and_old_rows_still_read(
+    autojump_clock: MockClock,
+) -> None:
+    episode = await tt.Env(Static()).run_slot(tt.RunSlot(Static().load()[0]), ctx(Flaky()))
+    row = episode.to_row()
+    assert row["timing"]["waited_connection"] == row["timing"]["waited_rate"] == 0.0
+    old = {**row, "timing": {"started": 1.0, "finished": 2.0, "duration": 1.0}}
+    assert tt.Episode.from_row(old).timing == {"started": 1.0, "finished": 2.0, "duration": 1.0}
+
+
+def test_an_episodes_errors_tell_a_remote_window_what_the_endpoint_said() -> None:
+    def error(kind: str, message: str) -> tt.EpisodeError:
+        return tt.EpisodeError(kind, message)
+
+    assert error_outcome(error("ModelHTTPError", "u returned HTTP 429 after 4 attempts: x")) is (
+        Outcome.RATE_LIMITED
+    )
+    assert error_outcome(error("ModelHTTPError", "u returned HTTP 503 after 1 attempt: x")) is (
+        Outcome.SERVER_ERROR
+    )
+    assert error_outcome(error("ModelHTTPError", "u returned HTTP 400 after 1 attempt")) is None
+    assert error_outcome(error("ModelTimeoutError", "timed out")) is Outcome.TIMEOUT
+    assert error_outcome(error("RolloutTimeoutError", "slow")) is Outcome.TIMEOUT
+    assert error_outcome(error("ValueError", "HTTP 429")) is None
+
+
+async def test_a_remote_window_feed_reads_the_episode(autojump_clock: MockClock) -> None:
+    window = AdaptiveWindow(1, 10, 20)
+    await window.acquire("run")
+    feed = WindowFeed(window, remote=True)
+    episode = tt.Episode("id", tt.EpisodeTask("k", {}), 0, ok=True)
+    episode.errors = [tt.EpisodeError("ModelHTTPError", "u returned HTTP 429 after 4 attempts")]
+    feed.ended(episode)  # a 429 (the first: the cut), then a success
+    assert window.size == 8
+    assert [reason for _, _, reason in window.history] == ["start", "429"]
+    assert WindowFeed(tt.Window(3)).window is None  # a fixed window is left alone

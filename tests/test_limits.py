@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
 from typing import Any
 
+import attrs
 import pytest
 import trio
 import trio.testing
@@ -12,10 +15,14 @@ from hypothesis import strategies as st
 from trio.testing import MockClock
 
 from trio_tasksets.limits import (
+    CallObserver,
     ConnectionLimiter,
     EndpointLimits,
     RateLimiter,
     TokenLimiter,
+    observe_calls,
+    report_outcome,
+    rest,
 )
 from trio_tasksets.window import AdaptiveBounds, AdaptiveWindow, Outcome, Window
 
@@ -215,14 +222,14 @@ async def test_one_task_may_hold_two_slots_of_one_endpoint(autojump_clock: MockC
 async def test_an_adaptive_endpoint_is_cut_by_its_own_429s_only(autojump_clock: MockClock) -> None:
     limits = ConnectionLimiter(AdaptiveBounds(1, 10, 20), cooldown=5)
     async with limits.slot("a") as slot:
-        slot.record(429, retry_after=1)
-        slot.record(Outcome.RATE_LIMITED)  # within the cooldown
+        slot.record(429, retry_after=1)  # the first 429: cut by the factor
+        slot.record(Outcome.RATE_LIMITED)  # within the cooldown, 1 in flight: capped (x0.8)
     async with limits.slot("b") as slot:
         slot.record(200)
     a, b = limits.window("a"), limits.window("b")
     assert isinstance(a, AdaptiveWindow)
-    assert (a.size, b.size) == (8, 10)
-    assert [reason for _, _, reason in a.history] == ["start", "429"]
+    assert (a.size, b.size) == (6, 10)
+    assert [reason for _, _, reason in a.history] == ["start", "429", "429 cap"]
 
 
 async def test_a_fixed_endpoint_ignores_outcomes(autojump_clock: MockClock) -> None:
@@ -273,3 +280,56 @@ async def test_endpoint_limits_with_no_limits_are_a_pass_through(
         call.record(200, tokens=5)
     assert call.waited == 0.0
     assert limits.rate_limiters("x") == (None, None)
+
+
+# --- observers ----------------------------------------------------------------------------------
+
+
+@attrs.define
+class Recorder(CallObserver):
+    name: str
+    log: list[tuple[str, str, Any]]
+
+    def on_wait(self, connection: float, rate: float) -> None:
+        self.log.append((self.name, "wait", (connection, rate)))
+
+    def on_outcome(self, outcome: Outcome, retry_after: float | None) -> None:
+        self.log.append((self.name, "outcome", (outcome, retry_after)))
+
+    @asynccontextmanager
+    async def resting(self, outcome: Outcome | None) -> AsyncIterator[None]:
+        self.log.append((self.name, "rest", (outcome, trio.current_time())))
+        yield
+        self.log.append((self.name, "rested", trio.current_time()))
+
+
+async def test_observers_nest_and_hear_waits_outcomes_and_rests_of_their_tasks(
+    autojump_clock: MockClock,
+) -> None:
+    log: list[tuple[str, str, Any]] = []
+    limits = EndpointLimits(rpm=60)
+    report_outcome(429)  # no observer: nothing to tell
+    await rest(0.0)
+    with observe_calls(Recorder("outer", log)):
+
+        async def call() -> None:
+            async with limits.call("e"):
+                report_outcome(429, retry_after=2.0)
+            await rest(2.0, outcome=Outcome.RATE_LIMITED)
+
+        async with trio.open_nursery() as nursery:  # a task started inside hears too
+            nursery.start_soon(call)
+        with observe_calls(Recorder("inner", log)):
+            async with limits.call("e"):
+                report_outcome(404)  # says nothing about load: not passed on
+                report_outcome(Outcome.SUCCESS)
+    assert log == [
+        ("outer", "wait", (0.0, 0.0)),
+        ("outer", "outcome", (Outcome.RATE_LIMITED, 2.0)),
+        ("outer", "rest", (Outcome.RATE_LIMITED, 0.0)),
+        ("outer", "rested", 2.0),
+        ("outer", "wait", (0.0, 0.0)),  # rpm: one a second, and 2 s went by
+        ("inner", "wait", (0.0, 0.0)),
+        ("outer", "outcome", (Outcome.SUCCESS, None)),
+        ("inner", "outcome", (Outcome.SUCCESS, None)),
+    ]

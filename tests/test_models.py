@@ -12,6 +12,7 @@ import socket
 import time
 from collections import deque
 from collections.abc import AsyncIterator, Awaitable, Callable
+from contextlib import asynccontextmanager
 from functools import partial
 from typing import Any
 
@@ -23,6 +24,7 @@ import trio.testing
 from hypercorn.config import Config
 from hypercorn.trio import serve
 
+from trio_tasksets.limits import CallObserver, EndpointLimits, observe_calls
 from trio_tasksets.models import (
     Completion,
     EchoClient,
@@ -38,6 +40,7 @@ from trio_tasksets.models import (
     api_key_from_env,
 )
 from trio_tasksets.transport import ConnectError, parse_retry_after
+from trio_tasksets.window import AdaptiveBounds, Outcome
 
 # ---------------------------------------------------------------------------------------
 # A scriptable OpenAI-compatible server
@@ -618,3 +621,63 @@ async def test_a_429_then_success_is_one_ok_episode(server: FakeOpenAI) -> None:
     assert episode.completion == "hello"
     assert episode.reward == 1.0
     assert len(server.received) == 2
+
+
+# ---------------------------------------------------------------------------------------
+# Limits on the calls (EndpointLimits) and what observers hear
+# ---------------------------------------------------------------------------------------
+
+
+async def test_limits_gate_each_attempt_and_a_rest_holds_no_connection(
+    server: FakeOpenAI,
+) -> None:
+    """Each attempt goes through the endpoint's gate (a connection slot, then rpm) and
+    reports its status (the adaptive window is cut by the 429); the wait before a retry
+    happens outside the gate, holding no connection."""
+    server.plan(Planned(429, headers={"retry-after": "0.05"}), Planned(503), Planned())
+    limits = EndpointLimits(connections=AdaptiveBounds(1, 4, 8), rpm=60_000)
+    assert limits.connections is not None
+    window = limits.connections.window("k")
+    heard: list[tuple[Any, ...]] = []
+
+    class Watch(CallObserver):
+        def on_wait(self, connection: float, rate: float) -> None:
+            heard.append(("wait", window.in_flight))
+
+        def on_outcome(self, outcome: Outcome, retry_after: float | None) -> None:
+            heard.append(("outcome", outcome, retry_after))
+
+        @asynccontextmanager
+        async def resting(self, outcome: Outcome | None) -> AsyncIterator[None]:
+            heard.append(("rest", outcome, window.in_flight))
+            yield
+
+    async with make_client(server, limits=limits, limits_key="k") as client:
+        with observe_calls(Watch()):
+            reply = await client.chat(MESSAGES, model="m", sampling=Sampling())
+    assert reply.content == "hello"
+    assert heard == [
+        ("wait", 1), ("outcome", Outcome.RATE_LIMITED, 0.05), ("rest", Outcome.RATE_LIMITED, 0),
+        ("wait", 1), ("outcome", Outcome.SERVER_ERROR, None), ("rest", Outcome.SERVER_ERROR, 0),
+        ("wait", 1), ("outcome", Outcome.SUCCESS, None),
+    ]  # fmt: skip
+    assert [reason for _, _, reason in window.history] == ["start", "429"]
+    assert window.in_flight == 0
+    rpm, _ = limits.rate_limiters("k")
+    assert rpm is not None
+    assert rpm.calls == 3
+
+
+async def test_without_limits_each_attempt_still_reports_its_outcome(server: FakeOpenAI) -> None:
+    server.plan(Planned(429, headers={"retry-after": "0"}), Planned())
+    outcomes: list[Outcome] = []
+
+    class Watch(CallObserver):
+        def on_outcome(self, outcome: Outcome, retry_after: float | None) -> None:
+            outcomes.append(outcome)
+
+    async with make_client(server) as client:
+        assert client.limits is None
+        with observe_calls(Watch()):
+            await client.chat(MESSAGES, model="m", sampling=Sampling())
+    assert outcomes == [Outcome.RATE_LIMITED, Outcome.SUCCESS]

@@ -40,6 +40,7 @@ from trio_tasksets.redis import (
 )
 from trio_tasksets.redis.worker import WorkerConfig, run_worker
 from trio_tasksets.testing import Gate
+from trio_tasksets.window import AdaptiveBounds
 
 REDIS_SERVER = shutil.which("redis-server")
 pytestmark = pytest.mark.skipif(
@@ -555,6 +556,26 @@ async def test_run_worker_in_process_stops_when_told(
     assert pending(r, names) == 0
     assert lines[-1].startswith("stopped: published 5 episodes; peak in flight 2/2")
     assert any(line.startswith("told: stopping") for line in lines)
+
+
+async def test_a_worker_with_an_adaptive_window_grows_it_while_episodes_succeed(
+    server: Server, r: redis.Redis, names: Names
+) -> None:
+    """`worker -c 1-1-4`: the window (episodes in flight, entries held) starts at 1 and
+    doubles per full round of successes, as an eval's does."""
+    push(r, names.stream, make_tasks(30))
+    config = WorkerConfig(server.url, names.stream, names.group, names.results, consumer="me",
+                          max_concurrent=AdaptiveBounds(1, 1, 4), dashboard=False)  # fmt: skip
+    lines: list[str] = []
+    ctx = tt.ModelContext(tt.EchoClient(delay=0.2), "echo")
+    async with trio.open_nursery() as nursery:
+        start = functools.partial(run_worker, config, ctx, handle_signals=False, log=lines.append)
+        shut_down = await nursery.start(start)
+        await wait_for(lambda: r.xlen(names.results) >= 30)
+        shut_down("told")
+    assert pending(r, names) == 0
+    assert "window 1-1-4" in lines[0]
+    assert lines[-1].startswith("stopped: published 30 episodes; peak in flight 4/4 (adaptive")
 
 
 def test_a_task_that_cannot_travel_is_refused_before_anything_is_written() -> None:

@@ -4,7 +4,8 @@
 `show(progress, live=...)` displays it for the duration of an ``async with`` block:
 
 * ``live=True`` on a terminal: a `rich.live.Live` panel (total, done, running, failed, reward
-  mean, rate, elapsed and a progress bar), redrawn by a trio task every
+  mean, rate, elapsed and a progress bar; the rollout window's size and the model calls'
+  connection limit when the run has them), redrawn by a trio task every
   ``1 / refresh_per_second`` seconds. rich's own refresh thread is off, so nothing runs
   outside trio and a `trio.testing.MockClock` drives the redraws.
 * otherwise (``live=False``, a pipe, a file, a dumb terminal): `Progress.line` every
@@ -31,6 +32,9 @@ from rich.panel import Panel
 from rich.progress_bar import ProgressBar
 from rich.table import Table
 from rich.text import Text
+
+from .limits import ConnectionLimiter
+from .window import AdaptiveWindow, Window
 
 __all__ = ["Progress", "show"]
 
@@ -64,6 +68,8 @@ class Progress:
     carried: int = 0  # finished before this session (kept by a resume): not in the rate
     started_at: float = attrs.field(factory=time.monotonic)
     note: str | None = None  # why nothing moves, when the runner knows (e.g. no worker)
+    window: Window | None = None  # the rollout window (-c): its size now is shown
+    connections: ConnectionLimiter | None = None  # model calls per endpoint (--max-connections)
 
     def planned(self, n: int = 1) -> None:
         """`n` more slots are planned (static: all at once; a stream: as tasks arrive)."""
@@ -104,15 +110,43 @@ class Progress:
     def _total_text(self) -> str:
         return f"{self.total}+" if self.growing else str(self.total)
 
+    def limits_text(self) -> str | None:
+        """The window and connection limits now, e.g. ``window 51 (adapts 1-512),
+        connections 40``; None when the run has neither."""
+        parts = []
+        if self.window is not None:
+            parts.append(f"window {_fmt_window(self.window)}")
+        if self.connections is not None:
+            windows = self.connections.windows.values()
+            sizes = ", ".join(_fmt_window(w) for w in windows)
+            parts.append(f"connections {sizes or _fmt_limit(self.connections)}")
+        return ", ".join(parts) or None
+
     def line(self) -> str:
         """One plain-text status line, e.g.
-        ``eval: 12/20 done, 3 running, 1 failed, reward 0.917, 4.1/s, 00:03``."""
+        ``eval: 12/20 done, 3 running, 1 failed, reward 0.917, 4.1/s, 00:03; window 32``."""
         line = (
             f"{self.title}: {self.done}/{self._total_text()} done, {self.running} running, "
             f"{self.failed} failed, reward {_fmt_reward(self.reward_mean)}, "
             f"{_fmt_rate(self.rate)}, {_fmt_elapsed(self.elapsed)}"
         )
+        limits = self.limits_text()
+        if limits is not None:
+            line = f"{line}; {limits}"
         return line if self.note is None else f"{line}; {self.note}"
+
+
+def _fmt_window(window: Window) -> str:
+    if isinstance(window, AdaptiveWindow):
+        return f"{window.size} (adapts {window.min}-{window.max})"
+    return str(window.size)
+
+
+def _fmt_limit(connections: ConnectionLimiter) -> str:
+    limit = connections.limit
+    if isinstance(limit, tuple):
+        return f"{limit.start} (adapts {limit.min}-{limit.max})"
+    return str(limit)
 
 
 # --- the live panel ------------------------------------------------------------------------
@@ -170,6 +204,9 @@ def _render(progress: Progress, max_width: int) -> RenderableType:
     if growing:
         title.append("  (streaming)", style="dim italic")
     rows: list[RenderableType] = [bar_row, Text(""), counts]
+    limits = progress.limits_text()
+    if limits is not None:
+        rows += [Text(limits, style="dim")]
     if progress.note is not None:
         rows += [Text(""), Text(progress.note, style="bold yellow")]
     return Panel(

@@ -5,6 +5,7 @@ from __future__ import annotations
 import inspect
 import math
 import random
+import re
 import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterable
@@ -14,10 +15,21 @@ from typing import Any, Generic, TypeVar
 import attrs
 import trio
 
+from .limits import CallObserver, observe_calls, report_outcome
 from .models import Completion, ModelContext, observe_completions
 from .tasksets import Taskset
+from .window import AdaptiveWindow, Outcome, Window
 
-__all__ = ["Env", "Episode", "EpisodeError", "EpisodeTask", "RetryPolicy", "RunSlot"]
+__all__ = [
+    "Env",
+    "Episode",
+    "EpisodeError",
+    "EpisodeTask",
+    "RetryPolicy",
+    "RolloutTimeoutError",
+    "RunSlot",
+    "WindowFeed",
+]
 
 TaskT = TypeVar("TaskT")
 Message = dict[str, Any]
@@ -59,6 +71,11 @@ class RetryPolicy:
         return random.uniform(0, min(self.max_backoff, self.backoff * 2.0 ** min(attempt - 1, 60)))
 
 
+class RolloutTimeoutError(TimeoutError):
+    """An attempt of an episode (its rollout and scoring) outlasted the env's
+    `rollout_timeout`: an episode error like any other, retried per the env's policy."""
+
+
 @attrs.frozen
 class EpisodeTask:
     """The task an episode ran: its `key` and its own fields (`data`)."""
@@ -83,7 +100,11 @@ class Episode:
     `ok` is False when every attempt failed; `errors` keeps every failed attempt's error,
     including those of attempts that a later retry made good. `usage` sums the token counts
     of every model reply of every attempt (what the episode cost); `finish_reason` is the
-    last reply's.
+    last reply's. `timing` holds `started` and `finished` (epoch seconds), `duration`
+    (seconds, every attempt and backoff included) and, of that duration, `waited_connection`
+    and `waited_rate`: the seconds its model calls waited for a connection slot and for the
+    rpm/tpm limiters (`trio_tasksets.limits.EndpointLimits`; 0.0 without limits; rows written
+    before these existed lack them).
     """
 
     id: str
@@ -246,7 +267,14 @@ class Env(Generic[TaskT]):
 
     The reward: `reward=` if given, else the taskset's own `reward(task, completion)` method if
     it has one, else `answer_match`. A reward may be sync or async.
+
+    `rollout_timeout` (seconds, or None: no bound) bounds each attempt of an episode, its
+    rollout and its scoring: an attempt that outlasts it is cancelled and becomes a
+    `RolloutTimeoutError`, retried per `retries` like any episode error. It is a plain
+    attribute: set it after construction to bound a subclass that does not pass it on.
     """
+
+    rollout_timeout: float | None = None  # also here, for a subclass that skips __init__
 
     def __init__(
         self,
@@ -254,9 +282,11 @@ class Env(Generic[TaskT]):
         *,
         reward: Reward | None = None,
         retries: RetryPolicy | None = None,
+        rollout_timeout: float | None = None,
     ) -> None:
         self.taskset = taskset
         self.retries = retries if retries is not None else RetryPolicy()
+        self.rollout_timeout = check_rollout_timeout(rollout_timeout)
         taskset_reward = getattr(taskset, "reward", None)
         self._reward: Reward = reward or taskset_reward or answer_match
 
@@ -298,13 +328,18 @@ class Env(Generic[TaskT]):
         slot.episode = episode
         slot.started = time.time()
         began = trio.current_time()
+        waits = _Waits()
+        timeout = self.rollout_timeout
         attempt = 0
         while True:
             attempt += 1
             try:
-                with observe_completions(episode.count):
-                    messages, completion = await self.rollout(task, ctx)
-                reward = _finite(await self.score(task, completion))
+                with observe_completions(episode.count), observe_calls(waits):
+                    if timeout is None:  # inline: this runs once per attempt of every episode
+                        messages, completion = await self.rollout(task, ctx)
+                        reward = _finite(await self.score(task, completion))
+                    else:
+                        messages, completion, reward = await self._timed(task, ctx, seconds=timeout)
             except Exception as exc:
                 episode.errors.append(EpisodeError(type(exc).__name__, str(exc), attempt))
                 if not self.retries.should_retry(exc, attempt):
@@ -321,6 +356,8 @@ class Env(Generic[TaskT]):
             "started": slot.started,
             "finished": time.time(),
             "duration": trio.current_time() - began,
+            "waited_connection": waits.connection,
+            "waited_rate": waits.rate,
         }
         slot.done = True
         if on_complete is not None:
@@ -329,6 +366,105 @@ class Env(Generic[TaskT]):
                 with trio.CancelScope(shield=True):
                     await result
         return episode
+
+    async def _timed(
+        self, task: TaskT, ctx: ModelContext, *, seconds: float
+    ) -> tuple[list[Message], str, float]:
+        """One attempt, the rollout and its score, within `seconds` (`rollout_timeout`)."""
+        with trio.move_on_after(seconds):
+            messages, completion = await self.rollout(task, ctx)
+            return messages, completion, _finite(await self.score(task, completion))
+        report_outcome(Outcome.TIMEOUT)  # an adaptive rollout window pauses its growth
+        raise RolloutTimeoutError(
+            f"the rollout took longer than its rollout_timeout of {seconds:g}s (cancelled)"
+        )
+
+
+def check_rollout_timeout(value: object) -> float | None:
+    """`value` as a rollout timeout: None, or a finite number of seconds > 0 (ValueError)."""
+    if value is None:
+        return None
+    if (
+        isinstance(value, bool)
+        or not isinstance(value, int | float)
+        or not math.isfinite(value)
+        or value <= 0
+    ):
+        raise ValueError(f"rollout_timeout must be a number of seconds > 0, or None, got {value!r}")
+    return float(value)
+
+
+@attrs.define
+class _Waits(CallObserver):
+    """What the model calls of one episode waited for, in seconds."""
+
+    connection: float = 0.0
+    rate: float = 0.0
+
+    def on_wait(self, connection: float, rate: float) -> None:
+        self.connection += connection
+        self.rate += rate
+
+
+class WindowFeed(CallObserver):
+    """Feeds an adaptive rollout window (a runner's `AdaptiveWindow`) from its runs.
+
+    Around each run, `with observe_calls(feed):` hands it the 429s, 5xx and timeouts of the
+    model calls the run makes, as they come (a cut must not wait for the episode's retries
+    to end), and a run whose call waits out a 429 before its retry (`limits.rest`) lends its
+    place meanwhile (`AdaptiveWindow.rest`); then, while the run still holds its slot,
+    `feed.ended(episode)` adds one success for an episode that ended ok. Where the model
+    calls are made in another process (an env server, a worker), pass `remote=True`:
+    `ended` then reads the episode's errors instead (a 429 or 5xx `ModelHTTPError`, a model
+    or rollout timeout). A window that is not adaptive is left alone.
+    """
+
+    def __init__(self, window: Window | None, *, remote: bool = False) -> None:
+        self.window = window if isinstance(window, AdaptiveWindow) else None
+        self.remote = remote
+
+    def on_outcome(self, outcome: Outcome, retry_after: float | None) -> None:
+        if self.window is not None and outcome is not Outcome.SUCCESS:
+            self.window.record(outcome, retry_after=retry_after)
+
+    @asynccontextmanager
+    async def resting(self, outcome: Outcome | None) -> AsyncIterator[None]:
+        # Only after a 429: its cap keeps lending from piling runs up; a 5xx cuts nothing.
+        if self.window is None or outcome is not Outcome.RATE_LIMITED:
+            yield
+            return
+        async with self.window.rest():
+            yield
+
+    def ended(self, episode: Episode) -> None:
+        window = self.window
+        if window is None:
+            return
+        if self.remote:
+            for error in episode.errors:
+                outcome = error_outcome(error)
+                if outcome is not None:
+                    window.record(outcome)
+        if episode.ok:
+            window.success()
+
+
+_TIMEOUT_ERRORS = frozenset({"ModelTimeoutError", "RolloutTimeoutError"})
+
+
+def error_outcome(error: EpisodeError) -> Outcome | None:
+    """What an episode error says about the endpoint's load: a `ModelHTTPError`'s status
+    (429 rate limited, 5xx server error), a model or rollout timeout; None otherwise."""
+    if error.type in _TIMEOUT_ERRORS:
+        return Outcome.TIMEOUT
+    if error.type == "ModelHTTPError":
+        found = _STATUS.search(error.message)
+        if found is not None:
+            return Outcome.from_status(int(found.group(1)))
+    return None
+
+
+_STATUS = re.compile(r"returned HTTP (\d{3})")
 
 
 @asynccontextmanager

@@ -86,13 +86,14 @@ def _reward_spec(env: Env[Any]) -> str | None:
 @attrs.frozen
 class EnvSpec:
     """How a server process rebuilds an env: `taskset_cls(config)` wrapped in
-    `env_class(taskset, reward=..., retries=...)`."""
+    `env_class(taskset, reward=..., retries=...)`, with its `rollout_timeout` set."""
 
     taskset: str
     config: dict[str, Any]
     env_class: str | None = None
     reward: str | None = None
     retries: RetryPolicy = attrs.field(factory=RetryPolicy)
+    rollout_timeout: float | None = None
 
     @classmethod
     def of(cls, env: Env[Any]) -> EnvSpec:
@@ -105,6 +106,7 @@ class EnvSpec:
             env_class=None if env_cls is Env else object_spec(env_cls, "the Env class"),
             reward=_reward_spec(env),
             retries=env.retries,
+            rollout_timeout=env.rollout_timeout,
         )
 
     def argv(self) -> list[str]:
@@ -118,6 +120,8 @@ class EnvSpec:
         args += ["--retries", str(r.max_retries), "--retry-on", ",".join(r.include),
                  "--no-retry-on", ",".join(r.exclude), "--retry-backoff", repr(r.backoff),
                  "--retry-max-backoff", repr(r.max_backoff)]  # fmt: skip
+        if self.rollout_timeout is not None:
+            args += ["--rollout-timeout", repr(self.rollout_timeout)]
         return args
 
     def build(self, taskset_cls: type[Taskset[Any, Any]]) -> Env[Any]:
@@ -130,4 +134,6 @@ class EnvSpec:
         if self.reward is not None:
             kwargs["reward"] = load_object(self.reward)
         env: Env[Any] = env_cls(taskset, **kwargs)
+        if self.rollout_timeout is not None:
+            env.rollout_timeout = self.rollout_timeout
         return env

@@ -10,15 +10,22 @@
 * `ConnectionLimiter(limit)`: at most `limit` calls in flight per key (an endpoint), fixed
   (`int`) or adaptive (`AdaptiveBounds`: one `AdaptiveWindow` per key).
 * `EndpointLimits(connections=, rpm=, tpm=)`: the three together, per key, around one call.
+* `observe_calls(observer)`: within the block (this task and the tasks it starts), every
+  call through an `EndpointLimits` tells `observer.on_wait` what it waited for, every
+  `report_outcome` (a model client's attempt: an HTTP status) reaches `observer.on_outcome`,
+  and every `rest` (a client's wait before a retry) happens inside `observer.resting`: how
+  an episode's row learns its waits, and an adaptive rollout window its 429s (and lends the
+  place of a rollout waiting out a Retry-After).
 
 All of them only read `trio.current_time()`, so they are exact on a `MockClock`.
 """
 
 from __future__ import annotations
 
+import contextvars
 import math
 from collections.abc import AsyncIterator, Hashable
-from contextlib import asynccontextmanager
+from contextlib import AsyncExitStack, asynccontextmanager
 from typing import Any
 
 import attrs
@@ -28,12 +35,16 @@ from .window import AdaptiveBounds, AdaptiveWindow, Outcome, Window
 
 __all__ = [
     "Call",
+    "CallObserver",
     "ConnectionLimiter",
     "EndpointLimits",
     "Metered",
     "RateLimiter",
     "Slot",
     "TokenLimiter",
+    "observe_calls",
+    "report_outcome",
+    "rest",
 ]
 
 
@@ -178,6 +189,11 @@ class ConnectionLimiter:
         self._adaptive = adaptive
         self._windows: dict[Hashable, Window] = {}
 
+    @property
+    def limit(self) -> int | AdaptiveBounds:
+        """What each key's window is: a fixed size, or adaptive bounds."""
+        return self._spec
+
     def window(self, key: Hashable) -> Window:
         """The window of `key` (made on first use)."""
         window = self._windows.get(key)
@@ -261,6 +277,16 @@ class EndpointLimits:
         self._tpm = _check_rate(tpm, "tpm") if tpm is not None else None
         self._rates: dict[Hashable, tuple[RateLimiter | None, TokenLimiter | None]] = {}
 
+    @property
+    def rpm(self) -> float | None:
+        """Requests per minute per key, or None (no limit)."""
+        return self._rpm
+
+    @property
+    def tpm(self) -> float | None:
+        """Tokens per minute per key, or None (no limit)."""
+        return self._tpm
+
     def rate_limiters(self, key: Hashable) -> tuple[RateLimiter | None, TokenLimiter | None]:
         """`key`'s (rpm, tpm) limiters, made on first use (None where unlimited)."""
         found = self._rates.get(key)
@@ -282,11 +308,13 @@ class EndpointLimits:
             if rpm is not None:
                 call.waited_rate += await rpm.acquire(1)
             if tpm is None:
+                _report_wait(call)
                 yield call
                 return
             async with tpm.reserve(reserve_tokens) as metered:
                 call.metered = metered
                 call.waited_rate += metered.waited
+                _report_wait(call)
                 yield call
 
 
@@ -299,3 +327,85 @@ async def _maybe_slot(
         return
     async with limiter.slot(key) as slot:
         yield slot
+
+
+# --- who hears about the calls ----------------------------------------------------------------
+
+
+class CallObserver:
+    """Hears about the model calls made under `observe_calls(observer)`. Subclass it and
+    override what you need (both do nothing here). Called synchronously, on the calling
+    task: keep them quick, and never raise."""
+
+    def on_wait(self, connection: float, rate: float) -> None:
+        """A call through `EndpointLimits` waited `connection` seconds for a connection slot
+        and `rate` seconds for the rpm/tpm limiters (both may be 0.0)."""
+
+    def on_outcome(self, outcome: Outcome, retry_after: float | None) -> None:
+        """One attempt of a model call ended so (`report_outcome`); `retry_after` is the
+        response's Retry-After in seconds, if any."""
+
+    @asynccontextmanager
+    async def resting(self, outcome: Outcome | None) -> AsyncIterator[None]:
+        """The block is a call's wait before its retry (`rest`), after an attempt that ended
+        with `outcome` (None: no answer, e.g. a refused connection). Nothing here."""
+        yield
+
+
+_observers: contextvars.ContextVar[tuple[CallObserver, ...]] = contextvars.ContextVar(
+    "trio_tasksets_call_observers", default=()
+)
+
+
+class observe_calls:  # lower case: it reads as a call in `with observe_calls(...)`
+    """``with observe_calls(observer):`` within the block, by this task and the tasks it
+    starts, every call's waits, outcomes and rests also go to `observer` (blocks nest: the
+    inner and the outer observers hear). A class, not a generator: an episode enters one
+    per attempt."""
+
+    __slots__ = ("_observer", "_token")
+
+    def __init__(self, observer: CallObserver) -> None:
+        self._observer = observer
+
+    def __enter__(self) -> None:
+        self._token = _observers.set((*_observers.get(), self._observer))
+
+    def __exit__(self, *exc_info: object) -> None:
+        _observers.reset(self._token)
+
+
+def report_outcome(outcome: Outcome | int, *, retry_after: float | None = None) -> None:
+    """Tell the observers of this context how one attempt of a model call ended: an
+    `Outcome`, or an HTTP status (see `Outcome.from_status`; a status that says nothing
+    about the endpoint's load, such as a 400, is not passed on). Model clients call it once
+    per attempt (`OpenAIClient` does)."""
+    observers = _observers.get()
+    if not observers:
+        return
+    if isinstance(outcome, int):
+        found = Outcome.from_status(outcome)
+        if found is None:
+            return
+        outcome = found
+    for observer in observers:
+        observer.on_outcome(outcome, retry_after)
+
+
+async def rest(seconds: float, *, outcome: Outcome | None = None) -> None:
+    """Wait `seconds` before retrying a model call whose attempt ended with `outcome` (a 429,
+    a 5xx, a timeout), inside every observer's `resting` block: a model client's sleep
+    between attempts (`OpenAIClient` rests so). Without observers, `trio.sleep`."""
+    observers = _observers.get()
+    if not observers:
+        await trio.sleep(seconds)
+        return
+    async with AsyncExitStack() as stack:
+        for observer in observers:
+            await stack.enter_async_context(observer.resting(outcome))
+        await trio.sleep(seconds)
+
+
+def _report_wait(call: Call) -> None:
+    for observer in _observers.get():
+        observer.on_wait(call.waited_connection, call.waited_rate)

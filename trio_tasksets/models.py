@@ -16,7 +16,7 @@ from __future__ import annotations
 import contextvars
 import os
 import random
-from collections.abc import Callable
+from collections.abc import Callable, Hashable
 from types import TracebackType
 from typing import TYPE_CHECKING, Any, Protocol, Self, runtime_checkable
 
@@ -24,6 +24,7 @@ import attrs
 import orjson
 import trio
 
+from .limits import Call, EndpointLimits, report_outcome, rest
 from .transport import (
     DecodingError,
     HTTPClient,
@@ -33,6 +34,7 @@ from .transport import (
     Timeouts,
     parse_retry_after,
 )
+from .window import Outcome
 
 if TYPE_CHECKING:
     import httpx  # only for a caller's own http_client; imported where used
@@ -294,6 +296,27 @@ class EchoClient:
 _RETRYABLE_STATUS = frozenset({429})
 
 
+def _tokens(usage: dict[str, int]) -> int | None:
+    """The tokens a reply's usage counts (prompt + completion, else the total), or None."""
+    if "prompt_tokens" in usage or "completion_tokens" in usage:
+        return usage.get("prompt_tokens", 0) + usage.get("completion_tokens", 0)
+    return usage.get("total_tokens")
+
+
+def _record(
+    call: Call | None,
+    outcome: Outcome | int,
+    retry_after: float | None = None,
+    *,
+    tokens: int | None = None,
+) -> None:
+    """One attempt's outcome: to its endpoint's limits (the adaptive window, tpm) and to
+    the observers of `trio_tasksets.limits.observe_calls`."""
+    if call is not None:
+        call.record(outcome, retry_after=retry_after, tokens=tokens)
+    report_outcome(outcome, retry_after=retry_after)
+
+
 def _is_retryable_status(status: int) -> bool:
     return status in _RETRYABLE_STATUS or 500 <= status <= 599
 
@@ -319,6 +342,14 @@ class OpenAIClient:
     - ``timeout`` (seconds) bounds connecting, sending and each wait for response bytes
       of every request, also with a caller's ``http_client``.
     - ``trio.Cancelled`` propagates untouched.
+    - ``limits`` (an `EndpointLimits`, shared by every client of the process that talks to
+      the endpoint) gates each attempt, under the key ``limits_key`` (default: ``base_url``;
+      the CLI uses ``(base_url, api_key_var)``): a connection slot, then rpm and tpm (with
+      ``max_tokens`` reserved when the request sets it, settled from the response's
+      ``usage``). Each attempt's status feeds the endpoint's adaptive window; the
+      Retry-After sleep before a retry happens outside the gate and never extends its
+      cooldown. Each attempt's outcome also goes to `trio_tasksets.limits.report_outcome`
+      (for an adaptive rollout window), with or without ``limits``.
 
     The transport is a `trio_tasksets.transport.HTTPClient` (trio, a keep-alive pool
     that holds about one connection per request in flight), created here and closed by
@@ -338,6 +369,8 @@ class OpenAIClient:
         max_backoff: float = 30.0,
         headers: dict[str, str] | None = None,
         http_client: HTTPClient | httpx.AsyncClient | None = None,
+        limits: EndpointLimits | None = None,
+        limits_key: Hashable | None = None,
     ) -> None:
         if not base_url:
             raise ValueError("base_url must not be empty, e.g. http://127.0.0.1:8000/v1")
@@ -367,6 +400,8 @@ class OpenAIClient:
             http_client if http_client is not None else HTTPClient(timeouts=self._timeouts)
         )
         self._closed = False
+        self.limits = limits
+        self.limits_key: Hashable = base_url if limits_key is None else limits_key
 
     def __repr__(self) -> str:
         return f"OpenAIClient({self.base_url!r}, max_retries={self.max_retries})"
@@ -415,15 +450,20 @@ class OpenAIClient:
         payload: dict[str, Any] = {"model": model, "messages": messages}
         payload.update(sampling.to_request())
         body = orjson.dumps(payload, option=orjson.OPT_NON_STR_KEYS)
+        reserve = payload.get("max_tokens")
+        if isinstance(reserve, bool) or not isinstance(reserve, int) or reserve < 0:
+            reserve = None
         attempts = 0
         while True:
             attempts += 1
             retry_after: float | None = None
+            outcome: Outcome | None = None  # of this attempt, for the rest before a retry
             try:
-                status, content, retry_after = await self._post(body)
+                status, content, retry_after, completion = await self._attempt(body, reserve)
             except (ResponseTooLarge, DecodingError) as exc:
                 raise ModelResponseError(f"{self.url}: {exc.reason}", url=self.url) from exc
             except HTTPTimeout as exc:
+                outcome = Outcome.TIMEOUT
                 if attempts > self.max_retries:
                     raise ModelTimeoutError(
                         f"request to {self.url} timed out after {self.timeout:g}s "
@@ -439,8 +479,8 @@ class OpenAIClient:
                         url=self.url,
                     ) from cause
             else:
-                if 200 <= status <= 299:
-                    return self._parse(content)
+                if completion is not None:
+                    return completion
                 text = content.decode("utf-8", errors="replace")
                 if not _is_retryable_status(status) or attempts > self.max_retries:
                     raise ModelHTTPError(
@@ -451,7 +491,39 @@ class OpenAIClient:
                         body=text,
                         attempts=attempts,
                     )
-            await trio.sleep(self._retry_delay(attempts - 1, retry_after))
+                outcome = Outcome.from_status(status)
+            # Outside the limits' gate: a rest holds no connection slot (and, for an adaptive
+            # rollout window, a rest after a 429 lends the rollout's place meanwhile).
+            await rest(self._retry_delay(attempts - 1, retry_after), outcome=outcome)
+
+    async def _attempt(
+        self, body: bytes, reserve: int | None
+    ) -> tuple[int, bytes, float | None, Completion | None]:
+        """One POST, under the endpoint's limits if there are any: (status, body,
+        Retry-After seconds, the completion of a 2xx). Its outcome is recorded."""
+        if self.limits is None:
+            return await self._post_recorded(body, None)
+        async with self.limits.call(self.limits_key, reserve_tokens=reserve) as call:
+            return await self._post_recorded(body, call)
+
+    async def _post_recorded(
+        self, body: bytes, call: Call | None
+    ) -> tuple[int, bytes, float | None, Completion | None]:
+        try:
+            status, content, retry_after = await self._post(body)
+        except HTTPTimeout:
+            _record(call, Outcome.TIMEOUT)
+            raise
+        if not 200 <= status <= 299:
+            _record(call, status, retry_after)
+            return status, content, retry_after, None
+        try:
+            completion = self._parse(content)
+        except ModelResponseError:
+            _record(call, status)
+            raise
+        _record(call, status, tokens=_tokens(completion.usage))
+        return status, content, retry_after, completion
 
     def _parse(self, content: bytes) -> Completion:
         try:

@@ -5,7 +5,8 @@
   wakes a waiting pull at once; shrinking cancels nothing, and nothing more is pulled until
   fewer than `size` are in flight. R1 holds against the current size.
 * `AdaptiveWindow(min, start, max)`: a Window that an `AdaptiveController` moves from the
-  outcomes you record (success, HTTP 429, 5xx, timeout).
+  outcomes you record (success, HTTP 429, 5xx, timeout). A run that must wait out a 429's
+  Retry-After lends its place meanwhile (`async with window.rest():`).
 * `AdaptiveController`: that controller alone, pure (no clock, no I/O): feed it outcomes with
   the time and the in-flight count, it answers with the new size.
 * `parse_window(text, flag=...)`: the CLI form `N` or `MIN-START-MAX`.
@@ -21,6 +22,8 @@ import enum
 import math
 import re
 from collections import deque
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
 from typing import NamedTuple
 
 import attrs
@@ -36,6 +39,7 @@ __all__ = [
     "WindowArgumentError",
     "build_window",
     "parse_window",
+    "window_spec",
 ]
 
 HISTORY_LIMIT = 10_000  # entries kept (the newest); a long-lived service must not grow forever
@@ -68,7 +72,9 @@ class Window:
     """
 
     def __init__(self, size: int) -> None:
-        self._limiter = trio.CapacityLimiter(_check_size(size, "size"))
+        self._size = _check_size(size, "size")
+        self._lent = 0  # places lent by resting runs (AdaptiveWindow.rest): tokens beyond size
+        self._limiter = trio.CapacityLimiter(size)
         self._epoch: float | None = None
         # (trio time, or None outside a run; size; reason)
         self._history: deque[tuple[float | None, int, str]] = deque(maxlen=HISTORY_LIMIT)
@@ -77,7 +83,7 @@ class Window:
     @property
     def size(self) -> int:
         """The most runs (or calls) in flight at once. Set it to resize (reason "set")."""
-        return int(self._limiter.total_tokens)
+        return self._size
 
     @size.setter
     def size(self, size: int) -> None:
@@ -108,6 +114,12 @@ class Window:
         return self._limiter.borrowed_tokens
 
     @property
+    def resting(self) -> int:
+        """Runs in flight that lent their place while resting (`AdaptiveWindow.rest`): the
+        limiter's `total_tokens` is `size + resting`. Always 0 for a plain Window."""
+        return self._lent
+
+    @property
     def limiter(self) -> trio.CapacityLimiter:
         """The `trio.CapacityLimiter` this window is (runners take their tokens from it).
         Never set its `total_tokens` directly (use `size`), or `history` misses the change."""
@@ -130,8 +142,9 @@ class Window:
         ]
 
     def _apply(self, size: int, reason: str) -> None:
-        if size != self.size:
-            self._limiter.total_tokens = size  # wakes waiting acquirers when it grows
+        if size != self._size:
+            self._size = size
+            self._limiter.total_tokens = size + self._lent  # growing wakes waiting acquirers
             self._record(size, reason)
 
     def _record(self, size: int, reason: str) -> None:
@@ -172,7 +185,8 @@ class Outcome(enum.Enum):
 
 @attrs.frozen
 class Change:
-    """A size the controller decided on, and why ("slow start", "grow" or "429")."""
+    """A size the controller decided on, and why ("slow start", "grow", "429" for the
+    multiplicative cut, "429 cap" for the cap at the calls the endpoint took)."""
 
     size: int
     reason: str
@@ -189,12 +203,21 @@ class AdaptiveController:
       `utilization * size` at some point in it (an under-used window proves nothing, so it
       does not grow). Until the first 429 a clean round doubles the size (slow start); after
       it, a clean round adds `max(1, growth * size)`.
-    * A 429 cuts the size to `floor(size * cut)`, at most once per `cooldown` seconds (the
-      429s still arriving from calls made under the old size do not cut again). Growth also
-      waits until no 429 has come for `cooldown` seconds: a call that got a 429 and waits
-      out its Retry-After still holds its slot, so rounds look full while the endpoint is
-      saturated (on a simulated endpoint of capacity 40 the window otherwise climbed to 107
-      with 5.6% of calls answered 429; with this rule it held at 51, then 40, under 2%).
+    * Every 429 caps the size at `in_flight - 1`, the calls in flight when the endpoint
+      refused this one (it took fewer than that), but cuts by no more than the factor in
+      one step (`max(in_flight - 1, floor(size * cut))`): reason "429 cap". From a full
+      window that is one less per 429, so a window a little over the endpoint's capacity
+      comes down to it exactly, one refused call for each place too many.
+    * The multiplicative cut, `floor(size * cut)` (reason "429"), comes on the first 429
+      (the end of slow start, whose last doubling may have overshot by up to half) and
+      after that only while 429s persist: when they have kept coming (no gap of `cooldown`
+      seconds) for `cooldown` seconds since the first of them, at most once per `cooldown`.
+      A growth step that one 429 answers is undone by the cap alone, so probing above the
+      capacity costs one refused call per place, not a fifth of the window (with a cut per
+      probe, a window probing a capacity of 40 averaged 0.87x of it; with the cap, 1.0x).
+    * Growth waits until no 429 has come for `cooldown` seconds (a run waiting out a
+      Retry-After still holds its slot unless it rests, `AdaptiveWindow.rest`, so rounds
+      may look full while the endpoint is saturated).
     * `Retry-After` is for the caller's retry: it never extends the cooldown (letting it do
       so froze inspect_ai's limit for good, inspect_ai #5137), so cuts go on every
       `cooldown` while 429s do, and growth resumes `cooldown` after the last one.
@@ -216,6 +239,7 @@ class AdaptiveController:
     _clean: bool = attrs.field(default=True, init=False)
     _last_cut: float = attrs.field(default=-math.inf, init=False)
     _last_429: float = attrs.field(default=-math.inf, init=False)
+    _overload_since: float = attrs.field(default=-math.inf, init=False)  # first of a 429 run
 
     def __attrs_post_init__(self) -> None:
         _check_bounds(self.min, self.size, self.max)
@@ -234,8 +258,9 @@ class AdaptiveController:
         self, outcome: Outcome, now: float, in_flight: int, retry_after: float | None = None
     ) -> Change | None:
         """Take one call's outcome at time `now` (seconds, any monotonic clock), with
-        `in_flight` calls in flight as it ended (itself included). Returns the new size if it
-        changed. `retry_after` is accepted and, by design, ignored (see the class)."""
+        `in_flight` calls in flight as it ended (itself included; for a window whose runs
+        rest, the ones not resting). Returns the new size if it changed. `retry_after` is
+        accepted and, by design, ignored (see the class)."""
         del retry_after
         self._peak = max(self._peak, in_flight)
         if outcome is Outcome.SUCCESS:
@@ -244,14 +269,23 @@ class AdaptiveController:
                 return self._end_round(now)
             return None
         self._clean = False
-        if outcome is Outcome.RATE_LIMITED:
-            self.slow_start = False
-            self._last_429 = now
-            if now - self._last_cut >= self.cooldown:
-                self._last_cut = now
-                self._new_round()
-                return self._set(max(self.min, math.floor(self.size * self.cut)), "429")
-        return None
+        if outcome is not Outcome.RATE_LIMITED:
+            return None
+        first = self.slow_start
+        self.slow_start = False
+        if now - self._last_429 >= self.cooldown:
+            self._overload_since = now  # the first 429 after a quiet cooldown
+        self._last_429 = now
+        cut = math.floor(self.size * self.cut)
+        size, reason = min(self.size, max(in_flight - 1, cut)), "429 cap"
+        persists = now - self._overload_since >= self.cooldown
+        if (first or persists) and now - self._last_cut >= self.cooldown:
+            self._last_cut = now
+            size, reason = cut, "429"
+        size = max(self.min, size)
+        if size < self.size:
+            self._new_round()
+        return self._set(size, reason)
 
     def _end_round(self, now: float) -> Change | None:
         grow = (
@@ -311,6 +345,7 @@ class AdaptiveWindow(Window):
         self.controller = AdaptiveController(
             min, max, start, cut, cooldown, growth, utilization, min_round
         )
+        self.start = start  # the size it started at (its CLI form is min-start-max)
         super().__init__(start)
 
     @property
@@ -331,16 +366,52 @@ class AdaptiveWindow(Window):
 
     def record(self, outcome: Outcome | int, *, retry_after: float | None = None) -> None:
         """Feed one call's outcome (an `Outcome`, or an HTTP status: see
-        `Outcome.from_status`; a status that says nothing about capacity is ignored)."""
+        `Outcome.from_status`; a status that says nothing about capacity is ignored). The
+        controller is told the runs in flight that are not resting."""
         if isinstance(outcome, int):
             status = outcome
             found = Outcome.from_status(status)
             if found is None:
                 return
             outcome = found
-        change = self.controller.record(outcome, trio.current_time(), self.in_flight, retry_after)
+        active = self.in_flight - self._lent
+        change = self.controller.record(outcome, trio.current_time(), active, retry_after)
         if change is not None:
             self._apply(change.size, change.reason)
+
+    @asynccontextmanager
+    async def rest(self) -> AsyncIterator[None]:
+        """For a run that holds a place and must wait (out a 429's Retry-After) before it
+        calls again: ``async with window.rest(): await trio.sleep(retry_after)``.
+
+        Its place is lent meanwhile: one more run may start (the window holds `size` runs
+        that are not resting, plus the resting ones). On leaving, the run waits for a place
+        to free up, in turn with the runners' pulls, and takes it back: a resting run is
+        never starved by fresh ones. Lending cannot pile runs up: the 429 that sent the run
+        to rest also capped the size at the calls then in flight, less one (see
+        `AdaptiveController`). Leaving by an exception gives the place back at once.
+        """
+        self._lent += 1
+        self._limiter.total_tokens = self._size + self._lent  # wakes a waiting pull
+        try:
+            yield
+        except BaseException:
+            self._unlend()
+            raise
+        token = object()
+        try:
+            await self._limiter.acquire_on_behalf_of(token)
+        except BaseException:
+            self._unlend()
+            raise
+        self._unlend()  # lowered first, so that the release below wakes no one
+        self._limiter.release_on_behalf_of(token)
+
+    def _unlend(self) -> None:
+        # Lowering total_tokens evicts no one: a window over-full after it lets nothing start
+        # until enough runs end (Window.acquire).
+        self._lent -= 1
+        self._limiter.total_tokens = self._size + self._lent
 
     def success(self) -> None:
         self.record(Outcome.SUCCESS)
@@ -408,3 +479,15 @@ def build_window(spec: int | AdaptiveBounds) -> Window:
     if isinstance(spec, AdaptiveBounds):
         return AdaptiveWindow(*spec)
     return Window(spec)
+
+
+def window_spec(window: int | AdaptiveBounds | Window) -> str:
+    """The CLI form of a window: `N`, or `MIN-START-MAX` (an `AdaptiveWindow`: its bounds
+    and the size it started at; a `Window`: its size now)."""
+    if isinstance(window, AdaptiveWindow):
+        return f"{window.min}-{window.start}-{window.max}"
+    if isinstance(window, Window):
+        return str(window.size)
+    if isinstance(window, tuple):
+        return "-".join(str(part) for part in window)
+    return str(window)

@@ -36,9 +36,12 @@ from .options import (
     UsageError,
     add_env_options,
     add_model_options,
+    add_time_limit_option,
+    add_window_option,
     api_key_var,
     build_env,
     check_retry_flags,
+    limit_flags,
     model_context,
     warn,
 )
@@ -86,10 +89,7 @@ def add_parser(commands: Commands) -> argparse.ArgumentParser:
     run.add_argument(
         "-r", "--rollouts-per-example", type=int, default=1, metavar="R", help="slots per task"
     )
-    run.add_argument(
-        "-c", "--max-concurrent", type=int, default=32, metavar="C",
-        help="the window: most rollouts in flight",
-    )  # fmt: skip
+    add_window_option(run, help="the window: most rollouts in flight")
     run.add_argument(
         "--shuffle", action="store_true", help="shuffle a static taskset before taking N"
     )
@@ -113,6 +113,10 @@ def add_parser(commands: Commands) -> argparse.ArgumentParser:
         help="stop (exit 1) once N episodes failed, or once more than FRACTION of the planned "
         "slots (of a stream: of the finished ones) failed (default: never stop early; exit 1 "
         "only when no episode succeeded)",
+    )  # fmt: skip
+    add_time_limit_option(
+        run, what="stop pulling, cancel the rollouts in flight and keep the finished rows "
+        "(summary.json: stopped \"time_limit\"; exit 0 if any episode succeeded)",
     )  # fmt: skip
     run.add_argument("--no-dashboard", action="store_true", help="plain log lines, no live view")
     served = ev.add_argument_group("the served path")
@@ -159,6 +163,37 @@ def _refuse_idle_options(args: argparse.Namespace) -> None:
             fix="add --server-url URL, or drop --token-var",
         )
     check_retry_flags(args)
+    _refuse_remote_limits(args)
+
+
+def _refuse_remote_limits(args: argparse.Namespace) -> None:
+    """The model-call limits act in the process that makes the calls: with --serve or
+    --server-url that is the env server, with --via the workers. `--rollout-timeout` travels
+    to a spawned server (--serve), not to a running one nor to workers."""
+    if args.serve:
+        flag, who, how = "--serve", "the env server child", ""
+    elif args.server_url is not None:
+        flag, who, how = "--server-url", "the env server", " (start it with trio-tasksets serve)"
+    elif args.via is not None:
+        flag, who, how = "--via", "the workers", " (start them with trio-tasksets worker)"
+    else:
+        return
+    given = limit_flags(args)
+    if given:
+        flags = ", ".join(given)
+        raise UsageError(
+            f"{flags} with {flag}: the model calls are made by {who}, where this eval's "
+            f"limits cannot act",
+            fix=f"drop {flags} here and give them to the workers (trio-tasksets worker)"
+            if flag == "--via"
+            else f"drop {flags}, or run in-process (without {flag})",
+        )
+    if args.rollout_timeout is not None and args.serve is False:
+        raise UsageError(
+            f"--rollout-timeout with {flag}: the episodes run in {who}, whose own "
+            f"--rollout-timeout bounds them",
+            fix=f"drop --rollout-timeout here{how}",
+        )
 
 
 def program() -> list[str]:
@@ -201,6 +236,7 @@ def _build(args: argparse.Namespace) -> tuple[Env[Any], ModelContext, EvalConfig
         api_key_var=api_key_var(args),
         via=args.via,
         stream=args.stream,
+        time_limit=args.time_limit,
     )
     return env, ctx, config
 
@@ -275,6 +311,8 @@ def _fix_for(error_type: str, message: str, args: argparse.Namespace, run_dir: P
         return f"nothing answers at --base-url {args.base_url}: start the server, or fix the URL"
     if error_type == "ModelTimeoutError":
         return "raise --timeout S, or lower -c/--max-concurrent"
+    if error_type == "RolloutTimeoutError":
+        return "raise --rollout-timeout S (or retry slow episodes with --retries K)"
     if error_type == "ModelResponseError":
         return "the endpoint does not answer as an OpenAI /chat/completions does: check --base-url"
     if error_type == "EnvServerError" and status == 401:
@@ -389,6 +427,21 @@ def run(args: argparse.Namespace) -> int:
         for line in _resume_lines(args, run_dir, env):
             print(line, file=sys.stderr)
         return EXIT_ON_SIGNAL[stopped]
+    if stopped == "time_limit":
+        print(
+            f"{PROG} eval: stopped at --time-limit {args.time_limit:g}s: "
+            f"{summary['finished']} of {summary['planned']} slots finished",
+            file=sys.stderr,
+        )
+        for line in _resume_lines(args, run_dir, env):
+            print(line, file=sys.stderr)
+        if not summary["ok"]:
+            raise CommandError(
+                f"no episode succeeded within --time-limit {args.time_limit:g}s "
+                f"({summary['failed']} failed)",
+                fix="raise --time-limit, or lower the work (-n)",
+            )
+        return 0
     if stopped is not None:  # max_failures
         raise CommandError(summary["error"], fix=fix, details=_resume_lines(args, run_dir, env))
     if summary["finished"] and not summary["ok"]:

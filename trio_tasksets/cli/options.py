@@ -1,10 +1,13 @@
 """What the commands share: their errors and help format, the env options (`eval`, `serve`,
-`worker`) and the model options (`eval`, `worker`).
+`worker`), the model options (`eval`, `worker`) and the run's limits (`eval`, `worker`).
 
 `add_env_options` / `build_env`: TASKSET, `-a/--taskset-args`, `--env-class`, the system
-prompt and the retry policy, built into the user's `Env`. `add_model_options` /
-`model_context`: the model client, its endpoint and key, and the sampling settings. Each
-builder checks its values and raises `UsageError` naming the flag and the fix.
+prompt, the retry policy and `--rollout-timeout`, built into the user's `Env`.
+`add_model_options` / `model_context`: the model client, its endpoint and key, the sampling
+settings, and the limits on its calls (`--max-connections`, `--rpm`, `--tpm`).
+`add_window_option` (`-c/--max-concurrent N|MIN-START-MAX`) and `add_time_limit_option`
+(`--time-limit S`). Each builder checks its values and raises `UsageError` naming the flag
+and the fix; a value argparse cannot parse is refused by argparse, naming the flag.
 """
 
 from __future__ import annotations
@@ -23,9 +26,11 @@ import attrs
 
 from ..env import Env, RetryPolicy
 from ..envspec import EnvSpec, config_from_json
+from ..limits import EndpointLimits
 from ..loading import LoadError, import_failure, load_object, resolve_target
 from ..models import EchoClient, ModelClient, ModelContext, OpenAIClient, Sampling, api_key_from_env
 from ..tasksets import Taskset, TasksetConfig
+from ..window import AdaptiveBounds, WindowArgumentError, parse_window
 
 __all__ = [
     "DEFAULT_API_KEY_VAR",
@@ -36,14 +41,20 @@ __all__ = [
     "add_env_options",
     "add_model_options",
     "add_taskset_options",
+    "add_time_limit_option",
+    "add_window_option",
     "api_key_var",
     "build_env",
     "build_taskset",
     "check_retry_flags",
+    "endpoint_limits",
     "env_spec",
+    "limit_flags",
     "model_context",
     "names",
+    "seconds",
     "warn",
+    "window_option",
 ]
 
 if TYPE_CHECKING:
@@ -112,6 +123,53 @@ def _given(args: argparse.Namespace, dest: str) -> bool:
     return getattr(args, dest, None) is not None
 
 
+# --- argparse types (argparse names the flag: "argument --rpm: must be ...") ------------------
+
+
+def window_option(text: str) -> int | AdaptiveBounds:
+    """`N` or `MIN-START-MAX` (`-c/--max-concurrent`, `--max-connections`)."""
+    try:
+        return parse_window(text, flag="")
+    except WindowArgumentError as exc:
+        raise argparse.ArgumentTypeError(str(exc).removeprefix(": ")) from None
+
+
+def _positive(text: str, unit: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected {unit} (a number > 0), got {text!r}") from None
+    if not (math.isfinite(value) and value > 0):
+        raise argparse.ArgumentTypeError(f"must be a number of {unit} > 0, got {text!r}")
+    return value
+
+
+def seconds(text: str) -> float:
+    """A duration in seconds, > 0 (`--rollout-timeout`, `--time-limit`)."""
+    return _positive(text, "seconds")
+
+
+def _per_minute(text: str) -> float:
+    return _positive(text, "units per minute")
+
+
+def add_window_option(group: argparse._ActionsContainer, *, help: str) -> None:
+    """`-c/--max-concurrent N|MIN-START-MAX` (default 32): an int or `AdaptiveBounds`."""
+    group.add_argument(
+        "-c", "--max-concurrent", type=window_option, default=32, metavar="N|MIN-START-MAX",
+        help=f"{help}; MIN-START-MAX (e.g. 1-8-512) adapts it: it grows while runs succeed, "
+        "is cut on HTTP 429 and pauses on 5xx and timeouts",
+    )  # fmt: skip
+
+
+def add_time_limit_option(group: argparse._ActionsContainer, *, what: str) -> None:
+    """`--time-limit S` (default: none)."""
+    group.add_argument(
+        "--time-limit", type=seconds, default=None, metavar="S",
+        help=f"after S seconds, {what} (default: no limit)",
+    )  # fmt: skip
+
+
 # --- the env: TASKSET and how each slot of it runs --------------------------------------------
 
 
@@ -176,6 +234,12 @@ def add_env_options(
         "--no-retry-on", default="", metavar="TYPES",
         help="comma-separated exception type names never to retry (default: none)",
     )  # fmt: skip
+    env.add_argument(
+        "--rollout-timeout", type=seconds, default=None, metavar="S",
+        help="bound each attempt of an episode (rollout and scoring) to S seconds: a slower "
+        "one is cancelled and becomes an episode error, RolloutTimeoutError, retried per "
+        "--retries (default: no bound)",
+    )  # fmt: skip
     return env
 
 
@@ -228,7 +292,10 @@ def env_spec(args: argparse.Namespace) -> EnvSpec:
     except ValueError as exc:
         raise UsageError(f"--retries/--retry-backoff: {exc}") from None
     env_class = getattr(args, "env_class", None)
-    return EnvSpec(args.taskset or "", fields, env_class, getattr(args, "reward", None), retries)
+    return EnvSpec(
+        args.taskset or "", fields, env_class, getattr(args, "reward", None), retries,
+        rollout_timeout=getattr(args, "rollout_timeout", None),
+    )  # fmt: skip
 
 
 def check_retry_flags(args: argparse.Namespace) -> None:
@@ -376,6 +443,8 @@ def build_env(args: argparse.Namespace, *, check_retry_names: bool = True) -> En
         raise UsageError(
             f"{env_cls.__name__}(taskset, ...) failed: {type(exc).__name__}: {exc}"
         ) from exc
+    if spec.rollout_timeout is not None:
+        env.rollout_timeout = spec.rollout_timeout  # an attribute: any Env subclass takes it
     if check_retry_names:
         _check_retry_names(args.command, spec.retries)
     return env
@@ -479,6 +548,21 @@ def add_model_options(parser: argparse.ArgumentParser) -> argparse._ArgumentGrou
         "--echo-delay", type=float, default=None, metavar="S",
         help="latency of the echo model, to watch the window work (default: 0)",
     )  # fmt: skip
+    model.add_argument(
+        "--max-connections", type=window_option, default=None, metavar="N|MIN-START-MAX",
+        help="most model calls in flight to the endpoint (--base-url and its key variable), "
+        "across every rollout of this process: a rollout's every call counts; MIN-START-MAX "
+        "adapts it on the calls' 429s (default: no bound)",
+    )  # fmt: skip
+    model.add_argument(
+        "--rpm", type=_per_minute, default=None, metavar="N",
+        help="most model calls started per minute, spread evenly (GCRA) (default: no limit)",
+    )  # fmt: skip
+    model.add_argument(
+        "--tpm", type=_per_minute, default=None, metavar="N",
+        help="most tokens per minute, metered from the replies' usage; --max-tokens is "
+        "reserved before each call (default: no limit)",
+    )  # fmt: skip
     return model
 
 
@@ -521,7 +605,9 @@ def model_context(args: argparse.Namespace) -> ModelContext:
     client: ModelClient
     sampling = _sampling(args)
     if _is_echo(args):
-        for flag, dest in (("--timeout", "timeout"), ("--api-key-var", "api_key_var")):
+        idle = (("--timeout", "timeout"), ("--api-key-var", "api_key_var"),
+                ("--max-connections", "max_connections"), ("--rpm", "rpm"), ("--tpm", "tpm"))  # fmt: skip
+        for flag, dest in idle:
             if _given(args, dest):
                 raise UsageError(
                     f"{flag} does nothing with the echo model",
@@ -554,5 +640,25 @@ def model_context(args: argparse.Namespace) -> ModelContext:
             raise UsageError(f"--api-key-var: {exc}") from None
     else:
         key = os.environ.get(DEFAULT_API_KEY_VAR, "").strip() or None
-    client = OpenAIClient(args.base_url, key, timeout=timeout)
+    limits = endpoint_limits(args)
+    client = OpenAIClient(
+        args.base_url, key, timeout=timeout, limits=limits,
+        limits_key=(args.base_url, args.api_key_var or DEFAULT_API_KEY_VAR),
+    )  # fmt: skip
     return ModelContext(client, args.model, sampling)
+
+
+def endpoint_limits(args: argparse.Namespace) -> EndpointLimits | None:
+    """The limits `--max-connections`, `--rpm` and `--tpm` set on the model's calls (one
+    `EndpointLimits` for the process: every rollout's calls share it), or None."""
+    connections = getattr(args, "max_connections", None)
+    rpm, tpm = getattr(args, "rpm", None), getattr(args, "tpm", None)
+    if connections is None and rpm is None and tpm is None:
+        return None
+    return EndpointLimits(connections=connections, rpm=rpm, tpm=tpm)
+
+
+def limit_flags(args: argparse.Namespace) -> list[str]:
+    """The model-call limit flags given (`--max-connections`, `--rpm`, `--tpm`)."""
+    flags = (("--max-connections", "max_connections"), ("--rpm", "rpm"), ("--tpm", "tpm"))
+    return [flag for flag, dest in flags if _given(args, dest)]

@@ -17,6 +17,8 @@ from .options import (
     add_env_options,
     add_model_options,
     add_taskset_options,
+    add_time_limit_option,
+    add_window_option,
     build_env,
     build_taskset,
     check_retry_flags,
@@ -57,10 +59,7 @@ def add_parsers(subparsers: Commands) -> None:
         "--consumer", default=None, metavar="NAME", help="this worker's name (default host-pid)"
     )
     worker.add_argument("--results", required=True, metavar="R", help="the results stream")
-    worker.add_argument(
-        "-c", "--max-concurrent", type=int, default=32, metavar="C",
-        help="the window: most episodes in flight, and most entries held",
-    )  # fmt: skip
+    add_window_option(worker, help="the window: most episodes in flight, and most entries held")
     worker.add_argument(
         "--claim-idle",
         type=float,
@@ -71,6 +70,9 @@ def add_parsers(subparsers: Commands) -> None:
     )
     worker.add_argument(
         "--grace", type=float, default=30.0, metavar="S", help="seconds for in-flight runs"
+    )
+    add_time_limit_option(
+        worker, what="shut down as on SIGTERM (in-flight runs get --grace seconds)"
     )
     worker.add_argument("--no-dashboard", action="store_true", help="plain log lines")
     add_model_options(worker)
@@ -115,7 +117,6 @@ def _worker_config(args: argparse.Namespace) -> WorkerConfig:
     _need(bool(args.results), "--results must name a stream, e.g. --results results")
     _need(args.results != args.stream, "--results must differ from --stream")
     _need(args.consumer is None or bool(args.consumer), "--consumer must not be empty")
-    _need(args.max_concurrent >= 1, f"-c/--max-concurrent must be >= 1, got {args.max_concurrent}")
     _need(args.claim_idle > 0, f"--claim-idle must be > 0 seconds, got {args.claim_idle}")
     _need(args.grace >= 0, f"--grace must be >= 0 seconds, got {args.grace}")
     _need(args.retries >= 0, f"--retries must be >= 0, got {args.retries}")
@@ -123,7 +124,7 @@ def _worker_config(args: argparse.Namespace) -> WorkerConfig:
         feed=args.feed, stream=args.stream, group=args.group, results=args.results,
         consumer=args.consumer or default_consumer(), max_concurrent=args.max_concurrent,
         claim_idle=args.claim_idle, grace=args.grace, retries=args.retries,
-        dashboard=not args.no_dashboard,
+        dashboard=not args.no_dashboard, time_limit=args.time_limit,
     )  # fmt: skip
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 import time
 from pathlib import Path
 from typing import Any
@@ -12,6 +13,7 @@ import attrs
 from ..env import Env, Episode
 from ..envspec import TravelError
 from ..models import ModelContext
+from ..window import AdaptiveBounds, AdaptiveWindow, Window, build_window
 from .served import check_travel
 
 
@@ -29,7 +31,10 @@ class EvalConfig:
 
     num_examples: int | None = None  # -n/--num-examples
     rollouts_per_example: int = 1  # -r/--rollouts-per-example
-    max_concurrent: int = 32  # -c/--max-concurrent
+    # -c/--max-concurrent: the rollout window. N, AdaptiveBounds(min, start, max) (the CLI's
+    # MIN-START-MAX: an AdaptiveWindow fed by the runs' 429s, 5xx, timeouts and successes),
+    # or a tt.Window (a tt.AdaptiveWindow) of your own.
+    max_concurrent: int | AdaptiveBounds | Window = 32
     shuffle: bool = False  # --shuffle
     seed: int = 0  # --seed
     resume: bool = False  # --resume
@@ -45,6 +50,9 @@ class EvalConfig:
     max_failures: int | float | None = None
     via: str | None = None  # --via (a Redis URL: the slots go to workers through it)
     stream: str | None = None  # --stream (with --via: the workers' task stream; "tasks")
+    # --time-limit: seconds after which the eval stops pulling, cancels the runs in flight,
+    # keeps the finished rows and ends with `stopped: "time_limit"`. None: no limit.
+    time_limit: float | None = None
     # Recorded in config.json only (never compared by a resume): the command line that ran
     # the eval (default: sys.argv) and the name of the variable the model's API key came from.
     command: list[str] | None = None
@@ -76,6 +84,30 @@ def _check_int(value: object, flag: str, minimum: int, *, optional: bool = False
         raise EvalConfigError(f"{flag} must be an integer >= {minimum}, got {value!r}")
 
 
+def check_window(value: object) -> None:
+    """`EvalConfigError` naming -c unless `value` is an int >= 1, `AdaptiveBounds` with
+    1 <= min <= start <= max, or a `tt.Window`."""
+    if isinstance(value, Window):
+        return
+    if isinstance(value, tuple):
+        try:
+            AdaptiveWindow(*value)
+        except (TypeError, ValueError) as exc:
+            raise EvalConfigError(
+                f"-c/--max-concurrent: adaptive bounds are (min, start, max) with 1 <= min <= "
+                f"start <= max, got {value!r} ({exc})"
+            ) from None
+        return
+    _check_int(value, "-c/--max-concurrent", 1)
+
+
+def eval_window(value: int | AdaptiveBounds | Window) -> Window:
+    """The rollout window an eval runs under: the `tt.Window` given, or a fresh one."""
+    if isinstance(value, Window):
+        return value
+    return build_window(AdaptiveBounds(*value) if isinstance(value, tuple) else value)
+
+
 def check_max_failures(value: object) -> None:
     """`EvalConfigError` unless `value` is None, an int >= 1 or a fraction in (0, 1)."""
     if value is None:
@@ -95,7 +127,15 @@ def preflight(env: Env[Any], ctx: ModelContext, config: EvalConfig) -> None:
     """Every check that needs no pull and no file write."""
     _check_int(config.num_examples, "-n/--num-examples", 0, optional=True)
     _check_int(config.rollouts_per_example, "-r/--rollouts-per-example", 1)
-    _check_int(config.max_concurrent, "-c/--max-concurrent", 1)
+    check_window(config.max_concurrent)
+    limit = config.time_limit
+    if limit is not None and (
+        isinstance(limit, bool)
+        or not isinstance(limit, int | float)
+        or not math.isfinite(limit)
+        or limit <= 0
+    ):
+        raise EvalConfigError(f"--time-limit must be a number of seconds > 0, got {limit!r}")
     _check_int(config.workers, "--workers", 1)
     check_max_failures(config.max_failures)
     taskset = env.taskset

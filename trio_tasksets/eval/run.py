@@ -4,13 +4,17 @@ An eval ends in one of three ways, and `summary.json` is written on each of them
 
 * it completes (every planned slot ran): `stopped` and `error` are null;
 * it is stopped early, and drains (stops pulling, cancels the runs in flight, keeps every
-  finished row): by `--max-failures`, or with ``handle_signals`` by SIGINT or SIGTERM. It
-  returns; `summary["stopped"]` says why;
+  finished row): by `--max-failures`, by `--time-limit`, or with ``handle_signals`` by
+  SIGINT or SIGTERM. It returns; `summary["stopped"]` says why;
 * something ends it that is not an episode's own failure (the feed raised, an env's
   `serving()` failed, an outside cancellation, a KeyboardInterrupt): the summary records it
   (`error`, or `stopped: "SIGINT"` / `"cancelled"`) and `run_eval` raises it.
 
 A run that did not complete and in which no episode finished leaves no run dir behind.
+
+The rollout window is `config.max_concurrent` as a `tt.Window`; an adaptive one is fed by
+the runs (`WindowFeed`), and `summary.json` keeps its `window_history` (and, when the model
+client has adaptive `--max-connections`, each endpoint's `connection_history`).
 """
 
 from __future__ import annotations
@@ -34,17 +38,20 @@ import attrs
 import trio
 
 from .. import dashboard
-from ..env import Env, Episode, RunSlot
+from ..env import Env, Episode, RunSlot, WindowFeed
+from ..limits import EndpointLimits, observe_calls
 from ..models import ModelContext
 from ..runner import pick_one, run_stream
 from ..traces import open_traces, write_atomic
 from ..version import __version__
+from ..window import Window, window_spec
 from .config import (
     RECORD_FIELDS,
     EvalConfig,
     EvalConfigError,
     EvalResult,
     EvalWarning,
+    eval_window,
     preflight,
     run_dir_for,
     run_identity,
@@ -65,7 +72,8 @@ class Tally:
     planned: int | None = None  # the static plan's slots (a fraction's base); None on a stream
     recorded: list[Episode] = attrs.Factory(list)  # new episodes, in completion order
     failed: int = 0
-    stopped: str | None = None  # "SIGINT" | "SIGTERM" | "max_failures" | "cancelled"
+    # "SIGINT" | "SIGTERM" | "max_failures" | "time_limit" | "cancelled"
+    stopped: str | None = None
     error: str | None = None  # what ended the run, as `Type: message`
     scope: trio.CancelScope | None = None  # cancelled to stop early
 
@@ -114,6 +122,40 @@ class Tally:
             self.error = f"{type(exc).__name__}: {exc}"
 
 
+def _waited(episodes: list[Episode]) -> dict[str, float]:
+    """Seconds the episodes' model calls waited, summed: for connections, for rpm/tpm."""
+    connection = rate = 0.0
+    for episode in episodes:
+        connection += episode.timing.get("waited_connection", 0.0)
+        rate += episode.timing.get("waited_rate", 0.0)
+    return {"connection": connection, "rate": rate}
+
+
+def endpoint_limits(ctx: ModelContext) -> EndpointLimits | None:
+    """The model client's `EndpointLimits` (an `OpenAIClient(limits=...)`), if it has any."""
+    limits = getattr(ctx.client, "limits", None)
+    return limits if isinstance(limits, EndpointLimits) else None
+
+
+def endpoint_name(key: object) -> str:
+    """An endpoint key as text: `(base_url, api_key_var)` as "URL (VAR)"."""
+    if isinstance(key, tuple) and len(key) == 2 and isinstance(key[0], str):
+        return key[0] if key[1] is None else f"{key[0]} ({key[1]})"
+    return str(key)
+
+
+def _histories(window: Window, ctx: ModelContext, t0: float) -> dict[str, Any]:
+    """`window_history`, and `connection_history` per endpoint when they adapt."""
+    found: dict[str, Any] = {"window_history": window.history_since(t0)}
+    limits = endpoint_limits(ctx)
+    if limits is not None and limits.connections is not None:
+        found["connection_history"] = {
+            endpoint_name(key): endpoint.history_since(t0)
+            for key, endpoint in limits.connections.windows.items()
+        }
+    return found
+
+
 def _usage(episodes: list[Episode]) -> dict[str, int]:
     total: dict[str, int] = {"prompt_tokens": 0, "completion_tokens": 0}
     for episode in episodes:
@@ -147,6 +189,7 @@ def _summary(
         "errors_by_type": dict(by_type.most_common()),
         "first_error": None if first is None else {"type": first.type, "message": first.message},
         "usage": _usage(episodes),
+        "waited_s": _waited(episodes),
     }
 
 
@@ -174,6 +217,9 @@ def _record_of(
     """config.json: how to reproduce the run (and what it cost to start)."""
     base_url = getattr(ctx.client, "base_url", None)
     settings = {k: v for k, v in attrs.asdict(config).items() if k not in RECORD_FIELDS}
+    settings["max_concurrent"] = window_spec(config.max_concurrent)
+    limits = endpoint_limits(ctx)
+    connections = None if limits is None else limits.connections
     return {
         "version": __version__,
         "command": list(sys.argv) if config.command is None else list(config.command),
@@ -182,6 +228,12 @@ def _record_of(
         "api_key_var": config.api_key_var,
         "identity": identity,
         "eval": settings,
+        "limits": {
+            "max_connections": None if connections is None else window_spec(connections.limit),
+            "rpm": None if limits is None else limits.rpm,
+            "tpm": None if limits is None else limits.tpm,
+            "rollout_timeout": env.rollout_timeout,
+        },
         "run_dir": str(run_dir),
     }
 
@@ -232,7 +284,14 @@ async def run_eval(
         write_atomic(traces_path, kept_rows)  # drop torn, failed and surplus rows, atomically
 
     kept = [Episode.from_row(row) for row in kept_rows]
-    progress = dashboard.Progress(title=run_dir.name, growing=streaming)
+    window = eval_window(config.max_concurrent)
+    limits = endpoint_limits(ctx)
+    progress = dashboard.Progress(
+        title=run_dir.name,
+        growing=streaming,
+        window=window,
+        connections=None if limits is None else limits.connections,
+    )
     progress.planned(planned)
     for episode in kept:
         progress.started()
@@ -241,10 +300,12 @@ async def run_eval(
     tally = Tally(config.max_failures, None if streaming else planned)
     new: list[Episode] | None = None
     began = time.monotonic()
+    t0 = trio.current_time()
     try:
         new = await _execute(
-            env, ctx, config, slots, traces_path, progress, tally, handle_signals, redis_run_id
-        )
+            env, ctx, config, slots, traces_path, progress, tally, handle_signals,
+            window, redis_run_id,
+        )  # fmt: skip
     except BaseException as exc:
         tally.ended_by(exc)
         raise
@@ -252,6 +313,7 @@ async def run_eval(
         complete = new is not None
         done = kept + (new if new is not None else tally.recorded)
         summary = _summary(done, progress.total, began, len(kept), tally, complete)
+        summary.update(_histories(window, ctx, t0))
         summary.update(identity)
         if not complete and not tally.recorded and not config.resume:
             _remove_run(run_dir, created)  # nothing finished: a rerun starts afresh
@@ -281,6 +343,7 @@ def _slot_runner(
     ctx: ModelContext,
     config: EvalConfig,
     progress: dashboard.Progress,
+    window: Window,
     redis_run_id: str | None,
 ) -> AbstractAsyncContextManager[SlotRunner]:
     """How each slot runs: in this process under `env.serving()`, on an env server (one
@@ -295,8 +358,7 @@ def _slot_runner(
         )  # fmt: skip
     if config.serve or config.server_url:
         return served_runner(
-            env, ctx, workers=config.workers, server_url=config.server_url,
-            window=config.max_concurrent,
+            env, ctx, workers=config.workers, server_url=config.server_url, window=window,
         )  # fmt: skip
     return _in_process(env, ctx)
 
@@ -317,6 +379,12 @@ async def _watch_signals(tally: Tally, *, task_status: trio.TaskStatus[None]) ->
             return
 
 
+async def _stop_at(tally: Tally, deadline: float) -> None:
+    """`--time-limit`: stop the eval (and drain it) at `deadline` (trio's clock)."""
+    await trio.sleep_until(deadline)
+    tally.stop("time_limit")
+
+
 async def _execute(
     env: Env[Any],
     ctx: ModelContext,
@@ -326,13 +394,20 @@ async def _execute(
     progress: dashboard.Progress,
     tally: Tally,
     handle_signals: bool,
+    window: Window,
     redis_run_id: str | None = None,
 ) -> list[Episode] | None:
-    """Run the planned (static) or streamed slots through `run_stream`, recording each
-    episode; the episodes in plan order, or None when the eval was stopped early."""
+    """Run the planned (static) or streamed slots through `run_stream` under `window`,
+    recording each episode; the episodes in plan order, or None when the eval was stopped
+    early."""
+    deadline = math.inf if config.time_limit is None else trio.current_time() + config.time_limit
+    # In this process the model calls' 429s reach an adaptive window as they come; elsewhere
+    # (an env server, workers) only through the episodes' errors.
+    remote = config.via is not None or config.serve or config.server_url is not None
+    feed = WindowFeed(window, remote=remote)
     try:
         async with (
-            _slot_runner(env, ctx, config, progress, redis_run_id) as run_slot,
+            _slot_runner(env, ctx, config, progress, window, redis_run_id) as run_slot,
             open_traces(traces_path) as writer,
             dashboard.show(progress, live=config.dashboard),
         ):
@@ -344,21 +419,28 @@ async def _execute(
 
             async def run(slot: RunSlot[Any]) -> Episode:
                 progress.started()
-                return await run_slot(slot, on_complete=record)
+                if feed.window is None:
+                    return await run_slot(slot, on_complete=record)
+                with observe_calls(feed):
+                    episode = await run_slot(slot, on_complete=record)
+                feed.ended(episode)  # the run still holds its place in the window
+                return episode
 
             episodes: list[Episode] | None = None
             with trio.CancelScope() as tally.scope:
                 async with trio.open_nursery() as nursery:
                     if handle_signals:
                         await nursery.start(_watch_signals, tally)
+                    if config.time_limit is not None:
+                        nursery.start_soon(_stop_at, tally, deadline)
                     if not env.taskset.streaming:
                         source = from_list(slots)
-                        episodes = await run_stream(source, run, window=config.max_concurrent)
+                        episodes = await run_stream(source, run, window=window)
                     else:
                         assert config.num_examples is not None
                         async with env.taskset.head(config.num_examples).channel() as tasks:
                             planned = plan_stream(tasks, config.rollouts_per_example, progress)
-                            episodes = await run_stream(planned, run, window=config.max_concurrent)
+                            episodes = await run_stream(planned, run, window=window)
                     nursery.cancel_scope.cancel()  # the signal watcher
             return None if tally.stopped is not None else episodes
     except BaseExceptionGroup as group:

@@ -11,12 +11,13 @@ from typing import Any, Protocol
 import trio
 
 from ..env import Env, Episode, RunSlot
-from ..envspec import EnvSpec
+from ..envspec import EnvSpec, TravelError
 from ..models import ModelContext, OpenAIClient
 from ..serve.client import EnvClient
 from ..serve.errors import EnvServerError
 from ..serve.spawn import ServerProcess, spawn_server
 from ..serve.wire import API_KEY_VAR, TOKEN_VAR, describe_client, openai_api_key
+from ..window import AdaptiveWindow, Window
 
 # === the eval's served path ==================================================================
 
@@ -38,6 +39,12 @@ def check_travel(env: Env[Any], ctx: ModelContext, *, spawn: bool) -> None:
     if spawn:
         EnvSpec.of(env)
     describe_client(ctx.client, api_key_var=API_KEY_VAR)
+    if getattr(ctx.client, "limits", None) is not None:
+        raise TravelError(
+            "the model client's limits (max connections, rpm, tpm) apply in the process "
+            "that makes the model calls, the env server's, and cannot travel to it: drop "
+            "them, or run in-process"
+        )
 
 
 def _api_key(ctx: ModelContext) -> str | None:
@@ -51,10 +58,16 @@ def _base_urls(ctx: ModelContext) -> list[str]:
 
 @asynccontextmanager
 async def served_runner(
-    env: Env[Any], ctx: ModelContext, *, workers: int, server_url: str | None, window: int
+    env: Env[Any],
+    ctx: ModelContext,
+    *,
+    workers: int,
+    server_url: str | None,
+    window: int | Window,
 ) -> AsyncIterator[SlotRunner]:
     """What an eval runs each slot with on the served path: a spawned child (`server_url`
-    None) or a running server, through one pooled `EnvClient` (one `run` per slot).
+    None) or a running server, through one pooled `EnvClient` (one `run` per slot), whose
+    HTTP connections are bounded by the window (an adaptive one: by its max).
 
     A spawned child may reach the eval's model endpoint only, with the eval's key
     (``--allow-base-url``, ``--api-key-var TT_SERVE_API_KEY``). A remote server's token is
@@ -74,7 +87,7 @@ async def served_runner(
         else:
             url, token = server_url, os.environ.get(TOKEN_VAR)
         client = await stack.enter_async_context(
-            EnvClient(url, token=token, api_key_var=API_KEY_VAR, max_connections=window)
+            EnvClient(url, token=token, api_key_var=API_KEY_VAR, max_connections=_bound(window))
         )
         if server is None:
             await _check_remote(client, env)
@@ -93,6 +106,13 @@ async def served_runner(
             if server is not None and errors:
                 await _tell_exit(errors, server)
             raise
+
+
+def _bound(window: int | Window) -> int | None:
+    """The most runs a window may ever let through at once (None: a Window may grow)."""
+    if isinstance(window, AdaptiveWindow):
+        return window.max
+    return None if isinstance(window, Window) else window
 
 
 async def _check_remote(client: EnvClient, env: Env[Any]) -> None:

@@ -12,10 +12,12 @@ import attrs
 import trio
 
 from .. import dashboard
-from ..env import Env, Episode, RetryPolicy, RunSlot
+from ..env import Env, Episode, RetryPolicy, RunSlot, WindowFeed
 from ..envspec import rebuild_task
+from ..limits import EndpointLimits, observe_calls
 from ..models import ModelContext
 from ..runner import as_completed, pick_one
+from ..window import AdaptiveBounds, AdaptiveWindow, Window, build_window, window_spec
 from .entries import (
     Declaration,
     Delivery,
@@ -51,21 +53,23 @@ class WorkerConfig:
     group: str  # --group
     results: str  # --results
     consumer: str = attrs.field(factory=default_consumer)  # --consumer
-    max_concurrent: int = 32  # -c/--max-concurrent
+    # -c/--max-concurrent: N, or AdaptiveBounds(min, start, max) for an AdaptiveWindow
+    max_concurrent: int | AdaptiveBounds = 32
     claim_idle: float = 60.0  # --claim-idle
     grace: float = 30.0  # --grace
     retries: int = 0  # --retries
     dashboard: bool = True  # --no-dashboard
     block: float = 0.5  # the longest one read waits (and a stop waits for it)
+    time_limit: float | None = None  # --time-limit: shut down (as on SIGTERM) after S seconds
 
 
 @attrs.define
 class WorkerReport:
     """What a worker did: episodes published, the most entries it held at once (claimed and
-    not yet acknowledged; never above `window`), and runs cancelled at the grace deadline.
-    `entries` are those held now, by entry id."""
+    not yet acknowledged; never above the `window`'s size), and runs cancelled at the grace
+    deadline. `entries` are those held now, by entry id."""
 
-    window: int
+    window: Window
     entries: dict[str, EntryRef] = attrs.Factory(dict)
     peak: int = 0
     published: int = 0
@@ -84,13 +88,15 @@ class WorkerReport:
 
     def room(self) -> int:
         """How many more entries the window takes now."""
-        return self.window - self.held
+        return self.window.size - self.held
 
     def line(self) -> str:
+        window = self.window
+        adapts = f" (adaptive {window_spec(window)})" if isinstance(window, AdaptiveWindow) else ""
         return (
             f"stopped: published {self.published} episodes; peak in flight "
-            f"{self.peak}/{self.window}; {self.cancelled} cancelled at the grace deadline "
-            f"(left pending for another worker)"
+            f"{self.peak}/{window.size}{adapts}; {self.cancelled} cancelled at the grace "
+            f"deadline (left pending for another worker)"
         )
 
 
@@ -184,6 +190,7 @@ async def run_worker(
     ctx: ModelContext,
     *,
     env: Env[Any] | None = None,
+    window: Window | None = None,
     handle_signals: bool = True,
     log: Log | None = None,
     task_status: trio.TaskStatus[Callable[[str], None]] = trio.TASK_STATUS_IGNORED,
@@ -198,6 +205,11 @@ async def run_worker(
     `nursery.start(run_worker, ...)` the started value is `shut_down(reason)`, which acts
     like a signal. Failures of the machinery (not of an episode, nor a Redis outage, which is
     retried) are raised.
+
+    `window` (default: one made from `config.max_concurrent`) bounds the episodes in flight
+    and the entries held; an `AdaptiveWindow` is fed by the episodes' model calls (their
+    429s, 5xx and timeouts) and successes. `config.time_limit` shuts the worker down (as a
+    signal does) after that many seconds.
     """
     say = log if log is not None else stderr_log(f"worker {config.consumer}")
     taskset = RedisStreamTaskset(
@@ -208,8 +220,15 @@ async def run_worker(
     build = Builder(env, ctx)
     if env is None:
         env = Env(taskset, retries=RetryPolicy(config.retries))
-    report = WorkerReport(window=config.max_concurrent)
-    progress = dashboard.Progress(title=f"worker {config.consumer}", growing=True)
+    if window is None:
+        window = build_window(config.max_concurrent)
+    report = WorkerReport(window=window)
+    limits = getattr(ctx.client, "limits", None)
+    progress = dashboard.Progress(
+        title=f"worker {config.consumer}", growing=True, window=window,
+        connections=limits.connections if isinstance(limits, EndpointLimits) else None,
+    )  # fmt: skip
+    feed = WindowFeed(window)
 
     publisher = Publisher(results)
 
@@ -217,7 +236,9 @@ async def run_worker(
         delivery = claim.delivery
         progress.started()
         try:
-            episode = await env.run_slot(RunSlot(claim.task, delivery.rollout), ctx)
+            with observe_calls(feed):
+                episode = await env.run_slot(RunSlot(claim.task, delivery.rollout), ctx)
+            feed.ended(episode)
             meta: dict[str, str | int | float] = {
                 "consumer": config.consumer,
                 "in_flight": report.held,
@@ -234,7 +255,7 @@ async def run_worker(
 
     say(
         f"consuming {config.stream} (group {config.group}) at {redact(config.feed)}; window "
-        f"{config.max_concurrent}; results to {config.results}; claim idle "
+        f"{window_spec(window)}; results to {config.results}; claim idle "
         f"{config.claim_idle:g} s; grace {config.grace:g} s"
     )
     error: BaseException | None = None
@@ -255,6 +276,8 @@ async def run_worker(
                     await nursery.start(_on_signals, shut_down)
                 nursery.start_soon(_keep_alive, results, config, report)
                 nursery.start_soon(publisher.loop)
+                if config.time_limit is not None:
+                    nursery.start_soon(_stop_after, config.time_limit, shut_down, taskset)
                 task_status.started(shut_down)
                 room = report.room
                 claims = _Claimed(taskset.claims(build, room=room), report, progress)
@@ -306,6 +329,15 @@ class Publisher:
             # one transaction for several costs less than one each (an episode waits 0.5 ms
             # more on average; an episode that finishes alone goes at once).
             await trio.sleep(_COALESCE)
+
+
+async def _stop_after(
+    seconds: float, shut_down: Callable[[str], None], taskset: RedisStreamTaskset
+) -> None:
+    """`--time-limit`: shut down as a first signal does (unless one came already)."""
+    await trio.sleep(seconds)
+    if not taskset.stopping:
+        shut_down(f"--time-limit {seconds:g}s reached")
 
 
 async def _keep_alive(results: RedisResults, config: WorkerConfig, report: WorkerReport) -> None:
