@@ -578,6 +578,21 @@ async def test_a_worker_with_an_adaptive_window_grows_it_while_episodes_succeed(
     assert lines[-1].startswith("stopped: published 30 episodes; peak in flight 4/4 (adaptive")
 
 
+async def test_a_worker_with_a_time_limit_shuts_down_as_on_sigterm(
+    server: Server, r: redis.Redis, names: Names
+) -> None:
+    push(r, names.stream, make_tasks(3))
+    config = WorkerConfig(server.url, names.stream, names.group, names.results, consumer="me",
+                          dashboard=False, time_limit=0.5)  # fmt: skip
+    lines: list[str] = []
+    ctx = tt.ModelContext(tt.EchoClient(), "echo")
+    with trio.fail_after(30):
+        report = await run_worker(config, ctx, handle_signals=False, log=lines.append)
+    assert report.published == 3
+    assert any(line.startswith("--time-limit 0.5s reached: stopping") for line in lines)
+    assert pending(r, names) == 0
+
+
 def test_a_task_that_cannot_travel_is_refused_before_anything_is_written() -> None:
     @attrs.frozen
     class Odd:

@@ -208,9 +208,9 @@ class AdaptiveController:
       one step (`max(in_flight - 1, floor(size * cut))`): reason "429 cap". From a full
       window that is one less per 429, so a window a little over the endpoint's capacity
       comes down to it exactly, one refused call for each place too many.
-    * The multiplicative cut, `floor(size * cut)` (reason "429"), comes on the first 429
-      (the end of slow start, whose last doubling may have overshot by up to half) and
-      after that only while 429s persist: when they have kept coming (no gap of `cooldown`
+    * The multiplicative cut, `floor(size * cut)` (reason "429"), comes on the 429 that ends
+      slow start (whose last doubling may have overshot by up to half) and after that only
+      while 429s persist: when they have kept coming (no gap of `cooldown`
       seconds) for `cooldown` seconds since the first of them, at most once per `cooldown`.
       A growth step that one 429 answers is undone by the cap alone, so probing above the
       capacity costs one refused call per place, not a fifth of the window (with a cut per
