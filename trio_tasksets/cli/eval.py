@@ -28,21 +28,16 @@ from ..eval import EvalConfig, EvalConfigError, EvalResult, EvalWarning, run_eva
 from ..eval.config import check_max_failures, preflight, run_dir_for
 from ..models import ModelContext
 from ..serve.wire import TOKEN_VAR
+from .env_options import add_env_options, build_env, check_retry_flags
+from .model_options import add_model_options, api_key_var, limit_flags, model_context
 from .options import (
     DEFAULT_API_KEY_VAR,
     PROG,
     CommandError,
     HelpFormatter,
     UsageError,
-    add_env_options,
-    add_model_options,
     add_time_limit_option,
     add_window_option,
-    api_key_var,
-    build_env,
-    check_retry_flags,
-    limit_flags,
-    model_context,
     warn,
 )
 

@@ -19,7 +19,8 @@ from ..serve.wire import MAX_BODY_BYTES, READY_PREFIX
 if TYPE_CHECKING:
     from .options import Commands
 
-from .options import CommandError, HelpFormatter, UsageError, add_env_options, build_env, env_spec
+from .env_options import add_env_options, build_env, env_spec
+from .options import CommandError, HelpFormatter, UsageError
 
 DEFAULTS = Limits()
 

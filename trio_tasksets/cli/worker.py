@@ -11,19 +11,15 @@ import trio
 
 from ..env import Env
 from ..models import ModelContext
-from .options import (
-    HelpFormatter,
-    UsageError,
+from .env_options import (
     add_env_options,
-    add_model_options,
     add_taskset_options,
-    add_time_limit_option,
-    add_window_option,
     build_env,
     build_taskset,
     check_retry_flags,
-    model_context,
 )
+from .model_options import add_model_options, model_context
+from .options import HelpFormatter, UsageError, add_time_limit_option, add_window_option
 
 if TYPE_CHECKING:
     from ..redis.worker import WorkerConfig, WorkerReport
