@@ -9,7 +9,7 @@ tests) and `aio` (the asyncio bridge).
 """
 
 from . import aio, testing
-from .env import Env, Episode, EpisodeError, EpisodeTask, RetryPolicy, RunSlot
+from .env import Env, Episode, EpisodeError, EpisodeTask, RetryPolicy, RolloutTimeoutError, RunSlot
 from .eval import EvalConfig, EvalConfigError, EvalResult, run_eval
 from .eval.report import report
 from .models import (
@@ -53,6 +53,7 @@ __all__ = [
     "ModelTimeoutError",
     "OpenAIClient",
     "RetryPolicy",
+    "RolloutTimeoutError",
     "RunSlot",
     "Sampling",
     "Task",
