@@ -1,31 +1,17 @@
-"""Model clients: the offline :class:`EchoClient` and the HTTP :class:`OpenAIClient`.
-
-Every client satisfies the :class:`ModelClient` protocol: an async ``chat`` that takes
-OpenAI-style messages and returns a :class:`Completion`, and an async ``aclose``.
-:class:`ModelContext` bundles a client with the model name and :class:`Sampling` settings
-an episode should use.
-
-Errors raised by :class:`OpenAIClient` are subclasses of :class:`ModelError` with distinct
-type names (``ModelConnectionError``, ``ModelTimeoutError``, ``ModelHTTPError``,
-``ModelResponseError``) so an env's retry policy can match them by name.
-``trio.Cancelled`` is never caught or converted.
-"""
+"""`OpenAIClient`: any OpenAI-compatible ``/v1/chat/completions`` endpoint, over the project's
+HTTP transport, with retries, `Retry-After` and the endpoint limits around each attempt."""
 
 from __future__ import annotations
 
-import contextvars
-import os
 import random
-from collections.abc import Callable, Hashable
+from collections.abc import Hashable
 from types import TracebackType
-from typing import TYPE_CHECKING, Any, Protocol, Self, runtime_checkable
+from typing import TYPE_CHECKING, Any, Self
 
-import attrs
 import orjson
-import trio
 
-from .limits import Call, EndpointLimits, report_outcome, rest
-from .transport import (
+from ..limits import Call, EndpointLimits, report_outcome, rest
+from ..transport import (
     DecodingError,
     HTTPClient,
     HTTPError,
@@ -34,263 +20,24 @@ from .transport import (
     Timeouts,
     parse_retry_after,
 )
-from .window import Outcome
+from ..window import Outcome
+from .base import (
+    Completion,
+    ModelConnectionError,
+    ModelHTTPError,
+    ModelResponseError,
+    ModelTimeoutError,
+    Sampling,
+    body_text,
+    excerpt,
+    plural,
+    text_of,
+)
 
 if TYPE_CHECKING:
     import httpx  # only for a caller's own http_client; imported where used
 
-__all__ = [
-    "Completion",
-    "EchoClient",
-    "ModelClient",
-    "ModelConnectionError",
-    "ModelContext",
-    "ModelError",
-    "ModelHTTPError",
-    "ModelResponseError",
-    "ModelTimeoutError",
-    "OpenAIClient",
-    "Sampling",
-    "api_key_from_env",
-    "observe_completions",
-]
-
-Message = dict[str, Any]
-
-# ---------------------------------------------------------------------------------------
-# Data
-# ---------------------------------------------------------------------------------------
-
-
-@attrs.frozen
-class Sampling:
-    """Sampling settings for a chat request; ``None`` means "use the server's default"."""
-
-    temperature: float | None = None
-    max_tokens: int | None = None
-    top_p: float | None = None
-    seed: int | None = None
-    extra: dict[str, Any] = attrs.field(factory=dict)
-
-    def to_request(self) -> dict[str, Any]:
-        """Return the OpenAI request fields that are set: ``None`` fields are omitted and
-        ``extra`` is merged last (so it may override the named fields)."""
-        fields: dict[str, Any] = {
-            "temperature": self.temperature,
-            "max_tokens": self.max_tokens,
-            "top_p": self.top_p,
-            "seed": self.seed,
-        }
-        request = {name: value for name, value in fields.items() if value is not None}
-        request.update(self.extra)
-        return request
-
-
-@attrs.frozen
-class Completion:
-    """One model reply: its text, token usage (e.g. ``prompt_tokens``,
-    ``completion_tokens``) and the server's ``finish_reason`` if it gave one."""
-
-    content: str
-    usage: dict[str, int] = attrs.field(factory=dict)
-    finish_reason: str | None = None
-
-
-@runtime_checkable
-class ModelClient(Protocol):
-    """What a model client provides. ``chat`` must be a real async call (it checkpoints),
-    must let ``trio.Cancelled`` propagate, and should raise :class:`ModelError` subclasses
-    for model failures. ``aclose`` releases the client's resources."""
-
-    async def chat(
-        self, messages: list[dict[str, Any]], *, model: str, sampling: Sampling
-    ) -> Completion: ...
-
-    async def aclose(self) -> None: ...
-
-
-@attrs.frozen
-class ModelContext:
-    """The model an episode talks to: a client, the model name and sampling settings."""
-
-    client: ModelClient
-    model: str
-    sampling: Sampling = attrs.field(factory=Sampling)
-
-    async def chat(self, messages: list[dict[str, Any]]) -> Completion:
-        """Send ``messages`` to ``client`` with this context's model and sampling (and show
-        the reply to the observer of :class:`observe_completions`, if any)."""
-        completion = await self.client.chat(messages, model=self.model, sampling=self.sampling)
-        observer = _observer.get()
-        if observer is not None:
-            observer(completion)
-        return completion
-
-
-_observer: contextvars.ContextVar[Callable[[Completion], None] | None] = contextvars.ContextVar(
-    "trio_tasksets_completion_observer", default=None
-)
-
-
-class observe_completions:  # lower case: it reads as a call in `with observe_completions(...)`
-    """``with observe_completions(record):`` every :meth:`ModelContext.chat` made inside the
-    block, by this task or by tasks it starts, passes its :class:`Completion` to ``record``
-    (how an episode sums its token usage over all its model calls)."""
-
-    __slots__ = ("_record", "_token")
-
-    def __init__(self, record: Callable[[Completion], None]) -> None:
-        self._record = record
-
-    def __enter__(self) -> None:
-        self._token = _observer.set(self._record)
-
-    def __exit__(self, *exc_info: object) -> None:
-        _observer.reset(self._token)
-
-
-# ---------------------------------------------------------------------------------------
-# Errors
-# ---------------------------------------------------------------------------------------
-
-
-class ModelError(Exception):
-    """Base class for errors talking to a model server."""
-
-    def __init__(self, message: str, *, url: str = "") -> None:
-        super().__init__(message)
-        self.url = url
-
-
-class ModelConnectionError(ModelError):
-    """The server could not be reached (refused, reset, DNS, ...). Retried by the client."""
-
-
-class ModelTimeoutError(ModelError):
-    """The request did not complete within the client's timeout. Retried by the client."""
-
-    def __init__(self, message: str, *, url: str = "", timeout: float = 0.0) -> None:
-        super().__init__(message, url=url)
-        self.timeout = timeout
-
-
-class ModelHTTPError(ModelError):
-    """The server answered with an error status. 429 and 5xx are retried first; other 4xx
-    are raised at once. ``status`` is the HTTP status, ``attempts`` the requests made."""
-
-    def __init__(
-        self, message: str, *, url: str = "", status: int = 0, body: str = "", attempts: int = 1
-    ) -> None:
-        super().__init__(message, url=url)
-        self.status = status
-        self.body = body
-        self.attempts = attempts
-
-
-class ModelResponseError(ModelError):
-    """The server answered 2xx but the body is not a usable chat completion. Not retried."""
-
-
-# ---------------------------------------------------------------------------------------
-# Helpers
-# ---------------------------------------------------------------------------------------
-
-
-def _text_of(content: Any) -> str:
-    """The text of a message ``content``: a string as is, a list of OpenAI content parts
-    as its text parts joined by a space, anything else (``None``) as ``""``."""
-    if isinstance(content, str):
-        return content
-    if isinstance(content, list):
-        texts = [
-            part["text"]
-            for part in content
-            if isinstance(part, dict) and isinstance(part.get("text"), str)
-        ]
-        return " ".join(texts)
-    return ""
-
-
-def _text(content: bytes) -> str:
-    return content.decode("utf-8", errors="replace")
-
-
-def _word_count(text: str) -> int:
-    return len(text.split())
-
-
-def _excerpt(text: str, limit: int = 200) -> str:
-    flat = " ".join(text.split())
-    return flat if len(flat) <= limit else flat[: limit - 3] + "..."
-
-
-def _plural(n: int, word: str) -> str:
-    return f"{n} {word}" if n == 1 else f"{n} {word}s"
-
-
-def api_key_from_env(var: str) -> str:
-    """Return the API key stored in environment variable ``var`` (surrounding whitespace
-    stripped). Raises ``ValueError`` naming ``var`` when it is unset or empty."""
-    value = os.environ.get(var, "").strip()
-    if not value:
-        raise ValueError(
-            f"environment variable {var} is not set or empty; set it with "
-            f"`export {var}=...` or name another variable with --api-key-var"
-        )
-    return value
-
-
-# ---------------------------------------------------------------------------------------
-# Clients
-# ---------------------------------------------------------------------------------------
-
-
-class EchoClient:
-    """The built-in offline model: replies with the text of the last ``user`` message
-    (``""`` if there is none). Waits ``delay`` seconds (``trio.sleep``, so a MockClock
-    controls it) and always checkpoints. Usage counts words: ``prompt_tokens`` over all
-    message contents, ``completion_tokens`` over the reply."""
-
-    def __init__(self, delay: float = 0.0) -> None:
-        if not delay >= 0:
-            raise ValueError(f"delay must be >= 0, got {delay!r}")
-        self.delay = delay
-
-    def __repr__(self) -> str:
-        return f"EchoClient(delay={self.delay!r})"
-
-    async def chat(
-        self, messages: list[dict[str, Any]], *, model: str, sampling: Sampling
-    ) -> Completion:
-        """Echo the last user message; ``model`` and ``sampling`` are ignored."""
-        if self.delay > 0:
-            await trio.sleep(self.delay)
-        await trio.lowlevel.checkpoint()
-        reply = ""
-        for message in reversed(messages):
-            if message.get("role") == "user":
-                reply = _text_of(message.get("content"))
-                break
-        prompt_tokens = sum(_word_count(_text_of(m.get("content"))) for m in messages)
-        return Completion(
-            content=reply,
-            usage={"prompt_tokens": prompt_tokens, "completion_tokens": _word_count(reply)},
-            finish_reason="stop",
-        )
-
-    async def aclose(self) -> None:
-        """Nothing to release."""
-
-    async def __aenter__(self) -> Self:
-        return self
-
-    async def __aexit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
-        await self.aclose()
+__all__ = ["OpenAIClient"]
 
 
 _RETRYABLE_STATUS = frozenset({429})
@@ -467,7 +214,7 @@ class OpenAIClient:
                 if attempts > self.max_retries:
                     raise ModelTimeoutError(
                         f"request to {self.url} timed out after {self.timeout:g}s "
-                        f"({_plural(attempts, 'attempt')})",
+                        f"({plural(attempts, 'attempt')})",
                         url=self.url,
                         timeout=self.timeout,
                     ) from exc
@@ -475,7 +222,7 @@ class OpenAIClient:
                 if attempts > self.max_retries:
                     cause = exc.__cause__ if type(exc) is HTTPError else exc  # httpx's own
                     raise ModelConnectionError(
-                        f"cannot reach {self.url}: {exc.reason} ({_plural(attempts, 'attempt')})",
+                        f"cannot reach {self.url}: {exc.reason} ({plural(attempts, 'attempt')})",
                         url=self.url,
                     ) from cause
             else:
@@ -485,7 +232,7 @@ class OpenAIClient:
                 if not _is_retryable_status(status) or attempts > self.max_retries:
                     raise ModelHTTPError(
                         f"{self.url} returned HTTP {status} after "
-                        f"{_plural(attempts, 'attempt')}: {_excerpt(text) or '<empty body>'}",
+                        f"{plural(attempts, 'attempt')}: {excerpt(text) or '<empty body>'}",
                         url=self.url,
                         status=status,
                         body=text,
@@ -531,7 +278,7 @@ class OpenAIClient:
         except orjson.JSONDecodeError as exc:
             text = content.decode("utf-8", errors="replace")
             raise ModelResponseError(
-                f"{self.url} returned a body that is not JSON: {_excerpt(text) or '<empty>'}",
+                f"{self.url} returned a body that is not JSON: {excerpt(text) or '<empty>'}",
                 url=self.url,
             ) from exc
         choices = data.get("choices") if isinstance(data, dict) else None
@@ -539,13 +286,13 @@ class OpenAIClient:
         message = choice.get("message") if isinstance(choice, dict) else None
         if not isinstance(choice, dict) or not isinstance(message, dict):
             raise ModelResponseError(
-                f"{self.url} returned no choices[0].message: {_excerpt(_text(content))}",
+                f"{self.url} returned no choices[0].message: {excerpt(body_text(content))}",
                 url=self.url,
             )
         raw_content = message.get("content")
         if raw_content is not None and not isinstance(raw_content, str | list):
             raise ModelResponseError(
-                f"{self.url} returned a non-text message content: {_excerpt(_text(content))}",
+                f"{self.url} returned a non-text message content: {excerpt(body_text(content))}",
                 url=self.url,
             )
         raw_usage = data.get("usage")
@@ -558,7 +305,7 @@ class OpenAIClient:
             }
         finish_reason = choice.get("finish_reason")
         return Completion(
-            content=_text_of(raw_content),
+            content=text_of(raw_content),
             usage=usage,
             finish_reason=finish_reason if isinstance(finish_reason, str) else None,
         )

@@ -1,0 +1,60 @@
+"""`EchoClient`: the built-in offline model (replies with the last user message)."""
+
+from __future__ import annotations
+
+from types import TracebackType
+from typing import Any, Self
+
+import trio
+
+from .base import Completion, Sampling, text_of, word_count
+
+__all__ = ["EchoClient"]
+
+
+class EchoClient:
+    """The built-in offline model: replies with the text of the last ``user`` message
+    (``""`` if there is none). Waits ``delay`` seconds (``trio.sleep``, so a MockClock
+    controls it) and always checkpoints. Usage counts words: ``prompt_tokens`` over all
+    message contents, ``completion_tokens`` over the reply."""
+
+    def __init__(self, delay: float = 0.0) -> None:
+        if not delay >= 0:
+            raise ValueError(f"delay must be >= 0, got {delay!r}")
+        self.delay = delay
+
+    def __repr__(self) -> str:
+        return f"EchoClient(delay={self.delay!r})"
+
+    async def chat(
+        self, messages: list[dict[str, Any]], *, model: str, sampling: Sampling
+    ) -> Completion:
+        """Echo the last user message; ``model`` and ``sampling`` are ignored."""
+        if self.delay > 0:
+            await trio.sleep(self.delay)
+        await trio.lowlevel.checkpoint()
+        reply = ""
+        for message in reversed(messages):
+            if message.get("role") == "user":
+                reply = text_of(message.get("content"))
+                break
+        prompt_tokens = sum(word_count(text_of(m.get("content"))) for m in messages)
+        return Completion(
+            content=reply,
+            usage={"prompt_tokens": prompt_tokens, "completion_tokens": word_count(reply)},
+            finish_reason="stop",
+        )
+
+    async def aclose(self) -> None:
+        """Nothing to release."""
+
+    async def __aenter__(self) -> Self:
+        return self
+
+    async def __aexit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        await self.aclose()
