@@ -47,7 +47,7 @@ from typing import Any, ClassVar
 
 import trio
 
-from .common import env_info, goal_line, markdown_table
+from .common import env_info, goal_line, markdown_table, next_request
 
 LATENCY = 0.05
 RETRY_AFTER = "1"
@@ -98,20 +98,9 @@ class _Capacity(asyncio.Protocol):
 
     def data_received(self, data: bytes) -> None:
         self.buffer += data
-        while True:
-            end = self.buffer.find(b"\r\n\r\n")
-            if end < 0:
-                return
-            head = self.buffer[:end].lower()
-            at = head.find(b"\r\ncontent-length:")
-            length = 0
-            if at >= 0:
-                stop = head.find(b"\r\n", at + 2)
-                length = int(head[at + 17 : stop if stop > 0 else len(head)])
-            if len(self.buffer) < end + 4 + length:
-                return
-            self.buffer = self.buffer[end + 4 + length :]
-            self._answer(head.split(b" ", 2)[1])
+        while (request := next_request(self.buffer)) is not None:
+            path, self.buffer = request
+            self._answer(path)
 
     def _answer(self, path: bytes) -> None:
         cls = _Capacity

@@ -98,3 +98,20 @@ def markdown_table(
 def goal_line(ok: bool, goal: str, detail: str) -> str:
     """One goal, reported (never enforced): PASS or MISS, then what was measured."""
     return f"  [{'PASS' if ok else 'MISS'}] {goal}: {detail}"
+
+
+def next_request(buffer: bytes) -> tuple[bytes, bytes] | None:
+    """The path of the first whole HTTP/1.1 request in `buffer` and the bytes after it, or None
+    while it is incomplete: the fake model servers' parser (bodies by Content-Length only)."""
+    end = buffer.find(b"\r\n\r\n")
+    if end < 0:
+        return None
+    head = buffer[:end].lower()
+    at = head.find(b"\r\ncontent-length:")
+    length = 0
+    if at >= 0:
+        stop = head.find(b"\r\n", at + 2)
+        length = int(head[at + 17 : stop if stop > 0 else len(head)])
+    if len(buffer) < end + 4 + length:
+        return None
+    return head.split(b" ", 2)[1], buffer[end + 4 + length :]

@@ -51,7 +51,7 @@ from typing import Any
 
 import trio
 
-from .common import goal_line, markdown_table
+from .common import goal_line, markdown_table, next_request
 
 PROJECT = "tt.run_eval + OpenAIClient"
 TRANSPORT = "trio + tt HTTPClient"
@@ -108,20 +108,8 @@ class _Server(asyncio.Protocol):
 
     def data_received(self, data: bytes) -> None:
         self.buffer += data
-        while True:
-            end = self.buffer.find(b"\r\n\r\n")
-            if end < 0:
-                return
-            head = self.buffer[:end].lower()
-            at = head.find(b"\r\ncontent-length:")
-            length = 0
-            if at >= 0:
-                stop = head.find(b"\r\n", at + 2)
-                length = int(head[at + 17 : stop if stop > 0 else len(head)])
-            if len(self.buffer) < end + 4 + length:
-                return
-            self.buffer = self.buffer[end + 4 + length :]
-            path = head.split(b" ", 2)[1]
+        while (request := next_request(self.buffer)) is not None:
+            path, self.buffer = request
             if path == b"/stats":
                 stats = {"opened": _Server.opened, "open": _Server.open}
                 self.transport.write(_http(json.dumps(stats).encode()))
