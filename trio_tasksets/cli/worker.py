@@ -1,6 +1,7 @@
 """`trio-tasksets worker` (consume a Redis stream) and `trio-tasksets enqueue` (feed one).
 
-These import redis-py only when they run (`pip install 'trio-tasksets[redis]'`)."""
+These import the Redis client (hiredis, `pip install 'trio-tasksets[redis]'`) only when they
+run."""
 
 from __future__ import annotations
 
@@ -97,7 +98,7 @@ def _check_feed(args: argparse.Namespace) -> None:
     try:
         from ..redis.entries import check_url
     except ImportError as exc:
-        raise UsageError(f"{args.command} needs redis-py ({exc})", fix=_EXTRA) from None
+        raise UsageError(f"{args.command} needs hiredis ({exc})", fix=_EXTRA) from None
     try:
         check_url(args.feed)
     except ValueError as exc:
@@ -163,20 +164,17 @@ def run_enqueue(args: argparse.Namespace) -> int:
 
 
 def _ping(url: str) -> None:
-    import redis
-
     from ..redis.entries import redact
+    from ..redis.link import server_run_id
+    from ..redis.resp import RedisError
 
-    client = redis.Redis.from_url(url, socket_connect_timeout=5.0, socket_timeout=5.0)
     try:
-        client.ping()
-    except redis.RedisError as exc:
+        trio.run(server_run_id, url)
+    except RedisError as exc:
         raise UsageError(
             f"--feed {redact(url)}: cannot reach Redis ({type(exc).__name__}: {exc})",
             fix="start redis-server there, or fix the URL",
         ) from None
-    finally:
-        client.close()
 
 
 async def _enqueue(url: str, stream: str, taskset: Any, n: int | None) -> list[str]:

@@ -189,10 +189,10 @@ def _check_via(config: EvalConfig) -> None:
             f"--stream must name a stream, e.g. --stream tasks, got {config.stream!r}"
         )
     try:
-        from ..redis.entries import check_url  # redis-py is an optional extra
+        from ..redis.entries import check_url  # hiredis is an optional extra
     except ImportError as exc:
         raise EvalConfigError(
-            f"--via needs redis-py ({exc}): pip install 'trio-tasksets[redis]'"
+            f"--via needs hiredis ({exc}): pip install 'trio-tasksets[redis]'"
         ) from None
     try:
         check_url(config.via)

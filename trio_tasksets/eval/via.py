@@ -39,9 +39,7 @@ from typing import Any
 
 import attrs
 import orjson
-import redis
 import trio
-from redis.exceptions import RedisError, ResponseError
 
 from .. import dashboard
 from ..env import Env, Episode, RunSlot
@@ -59,7 +57,8 @@ from ..redis.entries import (
     redact,
     stderr_log,
 )
-from ..redis.link import Link
+from ..redis.link import Link, server_run_id
+from ..redis.resp import Command, Connection, RedisError, ReplyError, first_stream, info
 from .config import EvalConfigError
 from .served import SlotRunner
 
@@ -92,15 +91,8 @@ async def reach(url: str) -> str:
     except ValueError as exc:
         raise EvalConfigError(f"--via: {exc}") from None
 
-    def ping() -> str:
-        client = redis.Redis.from_url(url, socket_connect_timeout=5.0, socket_timeout=5.0)
-        try:
-            return str(client.info("server")["run_id"])
-        finally:
-            client.close()
-
     try:
-        return await trio.to_thread.run_sync(ping)
+        return await server_run_id(url)
     except RedisError as exc:
         raise EvalConfigError(
             f"--via {redact(url)}: cannot reach Redis ({type(exc).__name__}: {exc}); start "
@@ -108,51 +100,54 @@ async def reach(url: str) -> str:
         ) from None
 
 
-def _add(
-    stream: str, answered: list[str], rows: list[dict[str, str]], client: redis.Redis, _attempt: int
+async def _add(
+    stream: str, answered: list[str], rows: list[dict[str, str]], redis: Connection, _attempt: int
 ) -> list[Any]:
     """Delete the answered entries, then add the new ones: in this order on the server, so
     the stream never holds more of this session's entries than its window."""
-    with client.pipeline(transaction=False) as pipe:
-        if answered:
-            pipe.xdel(stream, *answered)
-        for fields in rows:
-            pipe.xadd(stream, fields)  # type: ignore[arg-type]
-        replies = pipe.execute()
+    commands: list[Command] = [("XDEL", stream, *answered)] if answered else []
+    for fields in rows:
+        commands.append(("XADD", stream, "*", *(part for pair in fields.items() for part in pair)))
+    replies = await redis.pipeline(commands)
     return replies[1:] if answered else replies
 
 
-def _check(stream: str, reply: str, answered: list[str], client: redis.Redis, _attempt: int) -> str:
+async def _check(
+    stream: str, reply: str, answered: list[str], redis: Connection, _attempt: int
+) -> str:
     """Redis's run id; keep the reply stream alive; delete the answered entries."""
-    with client.pipeline(transaction=False) as pipe:
-        pipe.info("server")
-        pipe.pexpire(reply, _REPLY_TTL_MS)
-        if answered:
-            pipe.xdel(stream, *answered)
-        info = pipe.execute()[0]
-    return str(info["run_id"])
+    commands: list[Command] = [("INFO", "server"), ("PEXPIRE", reply, _REPLY_TTL_MS)]
+    if answered:
+        commands.append(("XDEL", stream, *answered))
+    replies = await redis.pipeline(commands)
+    return info(replies[0])["run_id"]
 
 
-def _groups(client: redis.Redis, stream: str) -> list[dict[str, Any]]:
+async def _groups(redis: Connection, stream: str) -> list[dict[str, Any]]:
     """The consumer groups of `stream` (none if it does not exist)."""
     try:
-        return list(client.xinfo_groups(stream))
-    except ResponseError:  # no such key
+        groups = await redis.execute("XINFO", "GROUPS", stream)
+    except ReplyError:  # no such key
         return []
+    return [dict(zip(flat[::2], flat[1::2], strict=True)) for flat in groups]
 
 
-def _held(client: redis.Redis, stream: str, ids: list[str]) -> set[str]:
+async def _held(redis: Connection, stream: str, ids: list[str]) -> set[str]:
     """Those of `ids` pending in a group of `stream`: taken by a worker, not yet answered."""
     first, last = min(ids, key=_id), max(ids, key=_id)
     held: set[str] = set()
-    for group in _groups(client, stream):
-        rows = client.xpending_range(stream, str(group["name"]), first, last, len(ids))
-        held.update(str(row["message_id"]) for row in rows)
+    for group in await _groups(redis, stream):
+        rows = await redis.execute("XPENDING", stream, str(group["name"]), first, last, len(ids))
+        held.update(str(row[0]) for row in rows)
     return held & set(ids)
 
 
-def _read(reply: str, last: str, client: redis.Redis, _attempt: int) -> Any:
-    return client.xread({reply: last}, count=_BATCH, block=int(_BLOCK * 1000))
+async def _read(reply: str, last: str, redis: Connection, _attempt: int) -> Any:
+    return first_stream(
+        await redis.execute(
+            "XREAD", "COUNT", _BATCH, "BLOCK", int(_BLOCK * 1000), "STREAMS", reply, last
+        )
+    )
 
 
 @attrs.define(eq=False)
@@ -291,17 +286,18 @@ class _Coordinator:
         stream = self.stream
         while True:
             read = functools.partial(_read, self.reply, last)
-            found = await self._link.call("reading results", read)
-            if not found:
+            got = await self._link.call("reading results", read)
+            if not got:
                 continue
-            if len(found[0][1]) < _BATCH:
+            if len(got) < _BATCH:
                 # Let a few more answers come before the next read: results trickle in one by
                 # one, and a round trip per batch costs less than one per answer.
                 await trio.sleep(_COALESCE)
-            got = found[0][1]
-            last = str(got[-1][0])
+            last = got[-1][0]
             answered: list[_Slot] = []
             for _id, fields in got:
+                if fields is None:
+                    continue
                 entry_id = fields.get("entry")
                 if entry_id is None or fields.get("stream") != stream:
                     continue  # not an answer to an entry of the task stream
@@ -349,11 +345,11 @@ class _Coordinator:
         latest = [(slot, slot.entries[-1]) for slot in slots]
         stream = self.stream
 
-        def exists(client: redis.Redis, _attempt: int) -> list[bool]:
-            with client.pipeline(transaction=False) as pipe:
-                for _slot, entry_id in latest:
-                    pipe.xrange(stream, entry_id, entry_id, count=1)
-                return [bool(found) for found in pipe.execute()]
+        async def exists(redis: Connection, _attempt: int) -> list[bool]:
+            commands = [
+                ("XRANGE", stream, entry_id, entry_id, "COUNT", 1) for _, entry_id in latest
+            ]
+            return [bool(found) for found in await redis.pipeline(commands)]
 
         present = await self._link.call("checking entries after a Redis restart", exists)
         lost = [slot for (slot, _), here in zip(latest, present, strict=True) if not here]
@@ -370,8 +366,8 @@ class _Coordinator:
         stream = self.stream
         oldest = min(self._waiting, key=_id)
 
-        def look(client: redis.Redis, _attempt: int) -> tuple[list[dict[str, Any]], bool]:
-            return _groups(client, stream), bool(_held(client, stream, [oldest]))
+        async def look(redis: Connection, _attempt: int) -> tuple[list[dict[str, Any]], bool]:
+            return await _groups(redis, stream), bool(await _held(redis, stream, [oldest]))
 
         groups, held = await self._link.call("looking for workers", look)
         if not groups:
@@ -400,16 +396,16 @@ class _Coordinator:
         stream, reply = self.stream, self.reply
         answered = list(self._undeleted)
 
-        def clean(client: redis.Redis, _attempt: int) -> int:
-            running = len(_held(client, stream, unanswered)) if unanswered else 0
-            with client.pipeline(transaction=False) as pipe:
-                if unanswered or answered:
-                    pipe.xdel(stream, *unanswered, *answered)
-                if running:
-                    pipe.pexpire(reply, _REPLY_TTL_MS)
-                else:
-                    pipe.delete(reply)
-                pipe.execute()
+        async def clean(redis: Connection, _attempt: int) -> int:
+            running = len(await _held(redis, stream, unanswered)) if unanswered else 0
+            commands: list[Command] = []
+            if unanswered or answered:
+                commands.append(("XDEL", stream, *unanswered, *answered))
+            if running:
+                commands.append(("PEXPIRE", reply, _REPLY_TTL_MS))
+            else:
+                commands.append(("DEL", reply))
+            await redis.pipeline(commands)
             return running
 
         try:

@@ -17,7 +17,6 @@ from urllib.parse import urlsplit, urlunsplit
 
 import attrs
 import orjson
-import redis
 
 from ..builtin import BUILTIN
 from ..env import Env, task_data, task_key
@@ -25,6 +24,7 @@ from ..envspec import TravelError, config_to_json
 from ..loading import object_spec
 from ..models import ModelContext
 from ..tasksets import Task, Taskset
+from .resp import Address
 
 T = TypeVar("T")
 Log = Callable[[str], None]
@@ -271,7 +271,7 @@ class Declaration:
 
 
 def check_url(url: str) -> None:
-    """Raise ValueError, saying what is wrong, unless `url` is a Redis URL redis-py accepts.
+    """Raise ValueError, saying what is wrong, unless `url` is a Redis URL (`resp.Address`).
 
     Parses only: nothing connects.
     """
@@ -281,7 +281,7 @@ def check_url(url: str) -> None:
             f"rediss://... (TLS) or unix:///path/to/redis.sock"
         )
     try:
-        redis.ConnectionPool.from_url(url)
+        Address.parse(url)
     except ValueError as exc:
         raise ValueError(f"{url!r} is not a valid Redis URL: {exc}") from None
 

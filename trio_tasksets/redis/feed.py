@@ -8,10 +8,7 @@ from collections.abc import AsyncIterator, Callable
 from typing import Any, Generic, TypeVar
 
 import orjson
-import redis
 import trio
-from redis.exceptions import ResponseError
-from redis.typing import KeyT, StreamIdT
 
 from ..tasksets import Taskset, TasksetConfig
 from .entries import (
@@ -28,6 +25,7 @@ from .entries import (
     stderr_log,
 )
 from .link import Link, Stopped, first_entry
+from .resp import Command, Connection, ReplyError, entries, first_stream
 
 T = TypeVar("T")
 _RECLAIM_EVERY_CAP = 30.0
@@ -110,8 +108,8 @@ class RedisStreamTaskset(Taskset[RedisTask, TasksetConfig]):
         link = Link(self.url, read_timeout=10.0, log=self.log)
         keys, args = [self.stream_key], [self.group, self.consumer]
 
-        def leave(client: redis.Redis, _attempt: int) -> bool:
-            return bool(client.register_script(_LEAVE)(keys=keys, args=args, client=client))
+        async def leave(redis: Connection, _attempt: int) -> bool:
+            return bool(await redis.execute("EVAL", _LEAVE, 1, *keys, *args))
 
         try:
             return await link.call("leaving the group", leave)
@@ -179,11 +177,11 @@ class _Reader(Generic[T]):
             return False
         return True
 
-    def _create_group(self, client: redis.Redis, _attempt: int) -> None:
+    async def _create_group(self, redis: Connection, _attempt: int) -> None:
         ts = self._ts
         try:
-            client.xgroup_create(ts.stream_key, ts.group, id="0", mkstream=True)
-        except ResponseError as exc:
+            await redis.execute("XGROUP", "CREATE", ts.stream_key, ts.group, "0", "MKSTREAM")
+        except ReplyError as exc:
             if "BUSYGROUP" not in str(exc):
                 raise
 
@@ -202,7 +200,7 @@ class _Reader(Generic[T]):
                 found = await self._step()
             except Stopped:
                 return None
-            except ResponseError as exc:
+            except ReplyError as exc:
                 if not is_nogroup(exc):
                     raise
                 ts = self._ts
@@ -227,10 +225,13 @@ class _Reader(Generic[T]):
 
     async def _own_pending(self) -> tuple[str, dict[str, str] | None] | None:
         ts = self._ts
-        streams: dict[KeyT, StreamIdT] = {ts.stream_key: self._history or "0"}
+        since = self._history or "0"
 
-        def read(client: redis.Redis, _attempt: int) -> Any:
-            return client.xreadgroup(ts.group, ts.consumer, streams, count=1)
+        async def read(redis: Connection, _attempt: int) -> Any:
+            return await redis.execute(
+                "XREADGROUP", "GROUP", ts.group, ts.consumer, "COUNT", 1,
+                "STREAMS", ts.stream_key, since,
+            )  # fmt: skip
 
         found = first_entry(
             await self._link.call("reading own pending entries", read, stop=ts._stop)
@@ -242,32 +243,43 @@ class _Reader(Generic[T]):
         ts, cursor = self._ts, self._cursor
         idle_ms = max(1, int(ts.claim_idle * 1000))
 
-        def claim(client: redis.Redis, _attempt: int) -> list[Any]:
-            return client.xautoclaim(ts.stream_key, ts.group, ts.consumer, idle_ms, cursor, 1)
+        async def claim(redis: Connection, _attempt: int) -> list[Any]:
+            command = (
+                "XAUTOCLAIM",
+                ts.stream_key,
+                ts.group,
+                ts.consumer,
+                idle_ms,
+                cursor,
+                "COUNT",
+                1,
+            )
+            return list(await redis.execute(*command))
 
         reply = await self._link.call("reclaiming idle entries", claim, stop=ts._stop)
         self._cursor = str(reply[0])
         if self._cursor == "0-0":  # the pass is complete
             self._reclaim_at = trio.current_time() + self._reclaim_every
-        if not reply[1]:
+        found = entries(reply[1])
+        if not found:
             return None
-        entry_id, fields = reply[1][0]
+        entry_id, fields = found[0]
         ts.log(f"reclaimed entry {entry_id} of {ts.stream_key} (pending > {ts.claim_idle:g} s)")
         return str(entry_id), fields
 
     async def _new(self) -> list[tuple[str, dict[str, str] | None]]:
         ts = self._ts
         block_ms = max(1, int(ts.block * 1000))
-        streams: dict[KeyT, StreamIdT] = {ts.stream_key: ">"}
         count = 1 if self._room is None else max(1, self._room())
 
-        def read(client: redis.Redis, _attempt: int) -> Any:
-            return client.xreadgroup(ts.group, ts.consumer, streams, count=count, block=block_ms)
+        async def read(redis: Connection, _attempt: int) -> Any:
+            return await redis.execute(
+                "XREADGROUP", "GROUP", ts.group, ts.consumer, "COUNT", count, "BLOCK", block_ms,
+                "STREAMS", ts.stream_key, ">",
+            )  # fmt: skip
 
         reply = await self._link.call("waiting for entries", read, stop=ts._stop)
-        if not reply:
-            return []
-        return [(str(entry_id), fields) for entry_id, fields in reply[0][1]]
+        return first_stream(reply)
 
     async def _task(self, entry_id: str, fields: dict[str, str] | None) -> T | None:
         ts = self._ts
@@ -282,17 +294,19 @@ class _Reader(Generic[T]):
         reply_to = delivery.reply_to if delivery is not None else None
         raw = orjson.dumps(fields or {}).decode()
 
-        def bury(client: redis.Redis, _attempt: int) -> None:
-            with client.pipeline(transaction=True) as pipe:
-                pipe.xadd(ts.dead_letter, {"entry": entry_id, "error": error, "fields": raw})
-                pipe.xack(ts.stream_key, ts.group, entry_id)
-                if reply_to is not None and delivery is not None:
-                    notice = {"entry": entry_id, "stream": ts.stream_key, "key": delivery.key,
-                              "consumer": ts.consumer, REFUSED_FIELD: error}  # fmt: skip
-                    pipe.xadd(reply_to, notice)  # type: ignore[arg-type]
-                replies = pipe.execute(raise_on_error=False)
+        async def bury(redis: Connection, _attempt: int) -> None:
+            commands: list[Command] = [
+                ("XADD", ts.dead_letter, "*", "entry", entry_id, "error", error, "fields", raw),
+                ("XACK", ts.stream_key, ts.group, entry_id),
+            ]
+            if reply_to is not None and delivery is not None:
+                commands.append(
+                    ("XADD", reply_to, "*", "entry", entry_id, "stream", ts.stream_key,
+                     "key", delivery.key, "consumer", ts.consumer, REFUSED_FIELD, error)
+                )  # fmt: skip
+            replies = await redis.pipeline(commands, transaction=True, raise_errors=False)
             for reply in replies:
-                if isinstance(reply, Exception):  # e.g. WRONGTYPE: a reply-to that is no stream
+                if isinstance(reply, ReplyError):  # e.g. WRONGTYPE: a reply-to that is no stream
                     ts.log(f"dead-lettering {entry_id}: {reply}")
 
         await self._link.call("dead-lettering an entry", bury)

@@ -3,35 +3,18 @@
 from __future__ import annotations
 
 import random
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from typing import Any, TypeVar
 
-import redis
 import trio
-from redis.backoff import NoBackoff
-from redis.exceptions import ConnectionError as RedisConnectionError
-from redis.exceptions import ResponseError
-from redis.exceptions import TimeoutError as RedisTimeoutError
-from redis.retry import Retry
 
 from .entries import Log, redact
+from .resp import Address, Connection, ReplyError, Unreachable, first_stream, info
 
 T = TypeVar("T")
 _BACKOFF_FIRST = 0.1
 _BACKOFF_CAP = 3.0
-
-
-def connect(url: str, read_timeout: float) -> redis.Redis:
-    # No client-side retries: a replayed MULTI/EXEC could publish twice. Link retries instead,
-    # with a log line and a check before replaying a publish.
-    return redis.Redis.from_url(
-        url,
-        protocol=2,  # the RESP2 reply shapes, the same in every redis-py >= 5
-        decode_responses=True,
-        retry=Retry(NoBackoff(), 0),
-        socket_timeout=read_timeout,
-        socket_connect_timeout=5.0,
-    )
+_CONNECT_TIMEOUT = 5.0
 
 
 class Stopped(Exception):
@@ -39,55 +22,73 @@ class Stopped(Exception):
 
 
 class Link:
-    """A redis-py client whose calls run in worker threads and survive outages.
+    """A Redis connection (`resp.Connection`) whose calls survive outages.
 
-    `call` retries connection and timeout errors forever (capped, jittered exponential backoff,
-    one log line per failure naming the URL, one when Redis answers again). Other errors
-    (a ResponseError) are raised. Cancellation abandons the thread at once.
+    `call` retries `Unreachable` forever (capped, jittered exponential backoff, one log line
+    per failure naming the URL, one when Redis answers again) on a new connection. Other errors
+    (a `ReplyError`) are raised. No call is replayed behind the caller's back: `fn` is told
+    which attempt it is. Calls may run at once: each holds a connection of its own while it
+    runs (kept for the next call after), so there are as many as calls at once.
     """
 
     def __init__(self, url: str, *, read_timeout: float, log: Log) -> None:
         self.url = redact(url)
-        self.client = connect(url, read_timeout)
+        self._address = Address.parse(url)
+        self._read_timeout = read_timeout
+        self._idle: list[Connection] = []
         self._log = log
 
     async def call(
         self,
         what: str,
-        fn: Callable[[redis.Redis, int], T],
+        fn: Callable[[Connection, int], Awaitable[T]],
         *,
         stop: trio.Event | None = None,
         abandon: bool = True,
     ) -> T:
-        """`fn(client, attempt)` in a thread, retried while Redis is unreachable.
+        """`await fn(connection, attempt)`, retried while Redis is unreachable.
 
         `attempt` counts from 1, so `fn` can tell a replay. Raises `Stopped` if `stop` is set
-        while waiting to retry. Cancellation abandons the thread at once, unless `abandon` is
-        False: then an attempt in progress runs to its end (at most the read timeout) and its
-        result is returned, so the caller learns what it did (e.g. the ids it added); a
-        cancellation still stops the retries.
+        while waiting to retry. Cancellation abandons the attempt at once (its connection is
+        closed), unless `abandon` is False: then an attempt in progress runs to its end (at
+        most the read timeout per reply) and its result is returned, so the caller learns what
+        it did (e.g. the ids it added); a cancellation still stops the retries.
         """
         failures = 0
         while True:
             try:
-                result = await trio.to_thread.run_sync(
-                    fn, self.client, failures + 1, abandon_on_cancel=abandon
-                )
-            except (RedisConnectionError, RedisTimeoutError) as exc:
+                with trio.CancelScope(shield=not abandon):
+                    connection = await self._connect()
+                    try:
+                        result = await fn(connection, failures + 1)
+                    finally:
+                        if not connection.closed:
+                            self._idle.append(connection)
+            except Unreachable as exc:
+                self.close()  # the others are likely broken too
                 failures += 1
                 delay = min(_BACKOFF_CAP, _BACKOFF_FIRST * 2 ** (failures - 1))
                 delay *= random.uniform(0.5, 1.0)
                 self._log(
-                    f"redis at {self.url} unreachable while {what} "
-                    f"({type(exc).__name__}: {exc}); retry {failures} in {delay:.1f} s"
+                    f"redis at {self.url} unreachable while {what} ({exc}); retry {failures} "
+                    f"in {delay:.1f} s"
                 )
                 await _wait(delay, stop)
                 continue
-            except ResponseError:
+            except ReplyError:
                 self._back(failures, what)  # Redis answered, with an error
                 raise
             self._back(failures, what)
             return result
+
+    async def _connect(self) -> Connection:
+        while self._idle:
+            connection = self._idle.pop()
+            if not connection.closed:
+                return connection
+        return await Connection.open(
+            self._address, connect_timeout=_CONNECT_TIMEOUT, read_timeout=self._read_timeout
+        )
 
     def _back(self, failures: int, what: str) -> None:
         if failures:
@@ -97,7 +98,10 @@ class Link:
             )
 
     def close(self) -> None:
-        self.client.close()
+        """Close the idle connections (the next call opens a new one)."""
+        idle, self._idle = self._idle, []
+        for connection in idle:
+            connection.close()
 
 
 async def _wait(delay: float, stop: trio.Event | None) -> None:
@@ -110,12 +114,20 @@ async def _wait(delay: float, stop: trio.Event | None) -> None:
         raise Stopped
 
 
-def first_entry(response: Any) -> tuple[str, dict[str, str] | None] | None:
+def first_entry(reply: Any) -> tuple[str, dict[str, str] | None] | None:
     """The one entry of an XREADGROUP COUNT 1 reply, or None (a timeout or an empty history)."""
-    if not response:
-        return None
-    entries = response[0][1]
-    if not entries:
-        return None
-    entry_id, fields = entries[0]
-    return str(entry_id), fields
+    found = first_stream(reply)
+    return found[0] if found else None
+
+
+async def server_run_id(url: str) -> str:
+    """The `run_id` of the Redis at `url` (it changes when Redis restarts): one connection, no
+    retry, 5 s at most for each step. Raises `resp.RedisError` (`Unreachable`, or a
+    `ReplyError` such as a refused login)."""
+    connection = await Connection.open(
+        Address.parse(url), connect_timeout=_CONNECT_TIMEOUT, read_timeout=_CONNECT_TIMEOUT
+    )
+    try:
+        return info(await connection.execute("INFO", "server"))["run_id"]
+    finally:
+        connection.close()

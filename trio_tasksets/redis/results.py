@@ -7,9 +7,6 @@ from typing import Any
 
 import attrs
 import orjson
-import redis
-from redis.exceptions import ResponseError
-from redis.typing import EncodableT, FieldT
 
 from ..env import Episode
 from ..tasksets import Taskset
@@ -25,6 +22,7 @@ from .entries import (
     stderr_log,
 )
 from .link import Link
+from .resp import Arg, Command, Connection, ReplyError
 
 # --- the results sink ----------------------------------------------------------------------
 
@@ -95,25 +93,27 @@ class RedisResults:
         rows = [_fields(answer) for answer in answers]
         targets = [a.to if a.to is not None else self.stream for a in answers]
 
-        def transact(client: redis.Redis, attempt: int) -> list[tuple[Published, str | None]]:
+        async def transact(redis: Connection, attempt: int) -> list[tuple[Published, str | None]]:
             todo = list(range(len(answers)))
             if attempt > 1:  # a replay: only what is still pending (the first try may be in)
-                still = _pending_many(client, [a.entry for a in answers])
+                still = await _pending_many(redis, [a.entry for a in answers])
                 todo = [i for i in todo if still[i]]
             outcome: list[tuple[Published, str | None]] = [(Published(None, False), None)] * len(
                 answers
             )
             if not todo:
                 return outcome
-            with client.pipeline(transaction=True) as pipe:
-                for i in todo:
-                    entry = answers[i].entry
-                    pipe.xadd(targets[i], rows[i])
-                    pipe.xack(entry.stream, entry.group, entry.id)
-                replies = pipe.execute(raise_on_error=False)
+            commands: list[Command] = []
+            for i in todo:
+                entry = answers[i].entry
+                commands.append(("XADD", targets[i], "*", *rows[i]))
+                commands.append(("XACK", entry.stream, entry.group, entry.id))
+            replies = await redis.pipeline(commands, transaction=True, raise_errors=False)
             for n, i in enumerate(todo):
                 added, acked = replies[2 * n], replies[2 * n + 1]
-                outcome[i] = self._outcome(client, answers[i], targets[i], rows[i], added, acked)
+                outcome[i] = await self._outcome(
+                    redis, answers[i], targets[i], rows[i], added, acked
+                )
             return outcome
 
         what = f"publishing {len(answers)} result{'s' if len(answers) > 1 else ''}"
@@ -123,34 +123,36 @@ class RedisResults:
                 self.log(note)
         return [published for published, _ in done]
 
-    def _outcome(
+    async def _outcome(
         self,
-        client: redis.Redis,
+        redis: Connection,
         answer: Answer,
         target: str,
-        row: dict[FieldT, EncodableT],
+        row: list[Arg],
         added: Any,
         acked: Any,
     ) -> tuple[Published, str | None]:
         """What one answer's XADD and XACK replies mean, and what to log about them."""
         entry, note = answer.entry, None
-        if isinstance(added, Exception):
+        if isinstance(added, ReplyError):
             if target == self.stream:
                 raise added
             note = (
                 f"cannot add the result of {entry.id} to {target} ({added}): sent to {self.stream}"
             )
-            added = client.xadd(self.stream, {**row, "reply_error": str(added)})
-        if isinstance(acked, Exception):
+            added = await redis.execute("XADD", self.stream, "*", *row, "reply_error", str(added))
+        if isinstance(acked, ReplyError):
             note = f"published {added} but could not acknowledge {entry.id}: {acked}"
             return Published(str(added), acked=False), note
-        if not acked and _group_gone(client, entry):
+        if not acked and await _group_gone(redis, entry):
             note = (
                 f"published {added}; group {entry.group} of {entry.stream} is gone (Redis "
                 f"restarted without its data?), so there was nothing to acknowledge"
             )
             return Published(str(added), acked=False), note
-        if not acked and not client.xrange(entry.stream, entry.id, entry.id, count=1):
+        if not acked and not await redis.execute(
+            "XRANGE", entry.stream, entry.id, entry.id, "COUNT", 1
+        ):
             note = (
                 f"published {added}; entry {entry.id} is no longer in {entry.stream} (lost "
                 f"with Redis's data, or deleted once answered), so there was nothing to "
@@ -174,8 +176,8 @@ class RedisResults:
         keys = [entry.stream for entry in entries]
         args = [consumer, *(part for e in entries for part in (e.group, e.id))]
 
-        def touch(client: redis.Redis, _attempt: int) -> int:
-            return int(client.register_script(_KEEP_ALIVE)(keys=keys, args=args, client=client))
+        async def touch(redis: Connection, _attempt: int) -> int:
+            return int(await redis.execute("EVAL", _KEEP_ALIVE, len(keys), *keys, *args))
 
         return await self._link.call("keeping in-flight entries alive", touch)
 
@@ -198,42 +200,41 @@ return n
 """
 
 
-def _pending_many(client: redis.Redis, entries: Sequence[EntryRef]) -> list[bool]:
+async def _pending_many(redis: Connection, entries: Sequence[EntryRef]) -> list[bool]:
     """Whether each entry still waits for its result (so a replay must publish it): pending
     in its group, or no longer in its stream or its group at all (Redis lost its data, and
     any earlier try's result with it; or the entry was deleted once answered, and a second
     result is a duplicate the consumers drop). False: acknowledged and still there, so the
     first try went through (or another worker answered it)."""
-    with client.pipeline(transaction=False) as pipe:
-        for entry in entries:
-            pipe.xpending_range(entry.stream, entry.group, entry.id, entry.id, 1)
-            pipe.xrange(entry.stream, entry.id, entry.id, count=1)
-        replies = pipe.execute(raise_on_error=False)
+    commands: list[Command] = []
+    for entry in entries:
+        commands.append(("XPENDING", entry.stream, entry.group, entry.id, entry.id, 1))
+        commands.append(("XRANGE", entry.stream, entry.id, entry.id, "COUNT", 1))
+    replies = await redis.pipeline(commands, raise_errors=False)
     still: list[bool] = []
     for held, present in zip(replies[::2], replies[1::2], strict=True):
-        if isinstance(held, ResponseError) and is_nogroup(held):
+        if isinstance(held, ReplyError) and is_nogroup(held):
             still.append(True)
-        elif isinstance(held, Exception):
+        elif isinstance(held, ReplyError):
             raise held
         else:
             still.append(bool(held) or not present)
     return still
 
 
-def _fields(answer: Answer) -> dict[FieldT, EncodableT]:
+def _fields(answer: Answer) -> list[Arg]:
+    """The result entry's fields, flat: `key`, `entry`, `stream`, the meta fields, `row`."""
     entry, episode = answer.entry, answer.episode
-    fields: dict[FieldT, EncodableT] = {"key": episode.task.key, "entry": entry.id,
-                                        "stream": entry.stream}  # fmt: skip
-    for name, value in answer.meta.items():
-        fields[name] = value
+    fields: dict[str, Arg] = {"key": episode.task.key, "entry": entry.id, "stream": entry.stream}
+    fields.update(answer.meta)
     fields["row"] = orjson.dumps(episode.to_row())
-    return fields
+    return [part for pair in fields.items() for part in pair]
 
 
-def _group_gone(client: redis.Redis, entry: EntryRef) -> bool:
+async def _group_gone(redis: Connection, entry: EntryRef) -> bool:
     try:
-        client.xpending(entry.stream, entry.group)
-    except ResponseError as exc:
+        await redis.execute("XPENDING", entry.stream, entry.group)
+    except ReplyError as exc:
         if is_nogroup(exc):
             return True
         raise
@@ -273,16 +274,14 @@ async def enqueue(
             any_data = getattr(type(declare), "task_from_data", None) is not None
         declare = Declaration.of_taskset(declare)
     any_data = bool(any_data)
-    extra: dict[FieldT, EncodableT] = {} if declare is None else {ENV_FIELD: declare.to_json()}
+    extra: list[Arg] = [] if declare is None else [ENV_FIELD, declare.to_json()]
     link = Link(url, read_timeout=10.0, log=log or stderr_log("trio_tasksets.redis"))
     ids: list[str] = []
 
     async def send(chunk: list[bytes]) -> None:
-        def add(client: redis.Redis, _attempt: int) -> list[Any]:
-            with client.pipeline(transaction=len(chunk) > 1) as pipe:
-                for raw in chunk:
-                    pipe.xadd(stream, {TASK_FIELD: raw, **extra})
-                return pipe.execute()
+        async def add(redis: Connection, _attempt: int) -> list[Any]:
+            commands = [("XADD", stream, "*", TASK_FIELD, raw, *extra) for raw in chunk]
+            return await redis.pipeline(commands, transaction=len(chunk) > 1)
 
         ids.extend(str(i) for i in await link.call(f"adding entries to {stream}", add))
 

@@ -36,7 +36,6 @@ from .results import Answer, RedisResults
 COMMANDS = ("worker", "enqueue")
 _LEAVE_WITHIN = 2.0  # seconds a stopping worker spends trying to leave the group
 _COALESCE = 0.001  # seconds between two publishing round trips
-_EXTRA = "pip install 'trio-tasksets[redis]'"
 
 
 def default_consumer() -> str:

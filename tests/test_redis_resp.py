@@ -1,0 +1,352 @@
+"""The Redis connection (`trio_tasksets.redis.resp`) against a real redis-server (plain TCP, TLS
+with a trustme CA, a unix socket, an ACL user) and against servers that misbehave on purpose.
+What it wrote is checked with redis-py, a client we did not write."""
+
+from __future__ import annotations
+
+import shutil
+import socket
+import ssl
+import subprocess
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import attrs
+import pytest
+import redis
+import trio
+import trustme
+
+from trio_tasksets.redis.link import Link, server_run_id
+from trio_tasksets.redis.resp import Address, Connection, ReplyError, Unreachable, pack
+
+REDIS_SERVER = shutil.which("redis-server")
+needs_server = pytest.mark.skipif(
+    REDIS_SERVER is None, reason="redis-server is not on PATH (apt-get install -y redis-server)"
+)
+USER, PASSWORD = "alice", "s3cret:@/%"  # characters a URL must escape
+ESCAPED = "s3cret%3A%40%2F%25"
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+@attrs.frozen
+class Servers:
+    port: int
+    tls_port: int
+    unix: Path
+    ca: Path
+
+    @property
+    def url(self) -> str:
+        return f"redis://127.0.0.1:{self.port}"
+
+    def client(self, db: int = 0) -> redis.Redis:
+        return redis.Redis(port=self.port, db=db)
+
+
+@pytest.fixture(scope="module")
+def servers(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Servers]:
+    """One redis-server listening on TCP, TLS and a unix socket, with an ACL user."""
+    if REDIS_SERVER is None:
+        pytest.skip("redis-server is not on PATH")
+    d = tmp_path_factory.mktemp("resp")
+    ca = trustme.CA()
+    cert = ca.issue_cert("127.0.0.1", "localhost")
+    cert.private_key_pem.write_to_path(d / "key.pem")
+    cert.cert_chain_pems[0].write_to_path(d / "cert.pem")
+    ca.cert_pem.write_to_path(d / "ca.pem")
+    found = Servers(_free_port(), _free_port(), d / "redis.sock", d / "ca.pem")
+    process = subprocess.Popen(
+        [REDIS_SERVER, "--port", str(found.port), "--bind", "127.0.0.1", "--save", "",
+         "--appendonly", "no", "--dir", str(d), "--unixsocket", str(found.unix),
+         "--tls-port", str(found.tls_port), "--tls-cert-file", str(d / "cert.pem"),
+         "--tls-key-file", str(d / "key.pem"), "--tls-ca-cert-file", str(d / "ca.pem"),
+         "--tls-auth-clients", "no"],
+        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+    )  # fmt: skip
+    client = found.client()
+    deadline = time.monotonic() + 10
+    while True:
+        try:
+            client.ping()
+            break
+        except redis.ConnectionError:
+            if time.monotonic() > deadline:
+                process.kill()
+                pytest.fail("redis-server did not start")
+            time.sleep(0.02)
+    client.acl_setuser(USER, enabled=True, passwords=[f"+{PASSWORD}"], keys="*",
+                       commands=["+@all"])  # fmt: skip
+    client.close()
+    yield found
+    process.terminate()
+    process.wait(timeout=10)
+
+
+# --- URLs ---------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("url", "expected"),
+    [
+        ("redis://h", Address(host="h")),
+        ("redis://h:7000/3", Address(host="h", port=7000, db=3)),
+        ("redis://h?db=2", Address(host="h", db=2)),
+        (f"redis://{USER}:{ESCAPED}@h/0", Address(host="h", username=USER, password=PASSWORD)),
+        ("redis://:pw@h", Address(host="h", password="pw")),
+        ("rediss://h", Address(host="h", tls=True)),
+        ("rediss://h?ssl_cert_reqs=none", Address(host="h", tls=True, cert_reqs=ssl.CERT_NONE)),
+        ("rediss://h?ssl_ca_certs=/ca.pem", Address(host="h", tls=True, ca_certs="/ca.pem")),
+        ("unix:///run/redis.sock?db=4", Address(path="/run/redis.sock", db=4)),
+    ],
+)
+def test_address_parse(url: str, expected: Address) -> None:
+    assert Address.parse(url) == expected
+
+
+@pytest.mark.parametrize(
+    ("url", "says"),
+    [
+        ("http://h", "scheme 'http'"),
+        ("redis://h?timeout=3", "unknown query parameter timeout"),
+        ("redis://h/x", "bad db or port"),
+        ("redis://h:99999", "bad db or port"),
+        ("redis://", "no host"),
+        ("unix://", "needs a socket path"),
+        ("rediss://h?ssl_cert_reqs=maybe", "ssl_cert_reqs must be"),
+    ],
+)
+def test_address_parse_refuses(url: str, says: str) -> None:
+    with pytest.raises(ValueError, match=says):
+        Address.parse(url)
+
+
+def test_pack_is_binary_safe() -> None:
+    assert pack(["SET", "k", b"a\r\nb", 7, 0.5]) == (
+        b"*5\r\n$3\r\nSET\r\n$1\r\nk\r\n$4\r\na\r\nb\r\n$1\r\n7\r\n$3\r\n0.5\r\n"
+    )
+
+
+# --- a real server ---------------------------------------------------------------------------
+
+
+@needs_server
+async def test_commands_pipelines_and_errors(servers: Servers) -> None:
+    connection = await Connection.open(Address.parse(servers.url))
+    try:
+        value = "é\r\n✓ " * 1000
+        assert await connection.execute("SET", "resp:k", value) == "OK"
+        assert await connection.execute("GET", "resp:k") == value
+        assert await connection.execute("DEL", "resp:n") in (0, 1)
+        replies = await connection.pipeline([("INCR", "resp:n"), ("INCR", "resp:n")])
+        assert replies == [1, 2]
+        # An error reply is raised after every reply is read: the connection stays usable.
+        with pytest.raises(ReplyError, match="WRONGTYPE"):
+            await connection.pipeline([("LPUSH", "resp:k", "x"), ("INCR", "resp:n")])
+        assert await connection.execute("GET", "resp:n") == "3"
+        mixed = await connection.pipeline([("LPUSH", "resp:k", "x"), ("PING",)], raise_errors=False)
+        assert isinstance(mixed[0], ReplyError)
+        assert mixed[1] == "PONG"
+        assert connection.closed is False
+    finally:
+        connection.close()
+    assert connection.closed
+
+
+@needs_server
+async def test_invalid_utf8_is_replaced_not_fatal(servers: Servers) -> None:
+    servers.client().set("resp:bytes", b"ok\xff\xfe")
+    connection = await Connection.open(Address.parse(servers.url))
+    try:
+        assert await connection.execute("GET", "resp:bytes") == "ok\ufffd\ufffd"
+    finally:
+        connection.close()
+
+
+@needs_server
+async def test_transaction_runs_together_or_not_at_all(servers: Servers) -> None:
+    plain = servers.client()
+    plain.delete("resp:s", "resp:str")
+    plain.set("resp:str", "v")
+    connection = await Connection.open(Address.parse(servers.url))
+    try:
+        # A command failing while EXEC runs: its error in place, the others applied.
+        replies = await connection.pipeline(
+            [("XADD", "resp:s", "*", "f", "1"), ("XADD", "resp:str", "*", "f", "2")],
+            transaction=True,
+            raise_errors=False,
+        )
+        assert isinstance(replies[0], str)
+        assert isinstance(replies[1], ReplyError)
+        assert "WRONGTYPE" in str(replies[1])
+        assert plain.xlen("resp:s") == 1
+        # A command refused while queueing: the whole transaction is discarded.
+        with pytest.raises(ReplyError):
+            await connection.pipeline(
+                [("XADD", "resp:s", "*", "f", "3"), ("NOSUCHCOMMAND",)], transaction=True
+            )
+        assert plain.xlen("resp:s") == 1
+        assert await connection.execute("PING") == "PONG"
+    finally:
+        connection.close()
+        plain.close()
+
+
+@needs_server
+async def test_db_and_acl_login(servers: Servers) -> None:
+    url = f"redis://{USER}:{ESCAPED}@127.0.0.1:{servers.port}/3"
+    connection = await Connection.open(Address.parse(url))
+    try:
+        await connection.execute("SET", "resp:in-db-3", "yes")
+        assert await connection.execute("ACL", "WHOAMI") == USER
+    finally:
+        connection.close()
+    assert servers.client(db=3).get("resp:in-db-3") == b"yes"
+    assert servers.client(db=0).get("resp:in-db-3") is None
+
+
+@needs_server
+async def test_refused_login_is_raised_not_retried(servers: Servers) -> None:
+    url = f"redis://{USER}:wrong@127.0.0.1:{servers.port}/0"
+    with pytest.raises(ReplyError, match="WRONGPASS"):
+        await Connection.open(Address.parse(url))
+    logged: list[str] = []
+    link = Link(url, read_timeout=1.0, log=logged.append)
+
+    async def ping(connection: Connection, _attempt: int) -> object:
+        return await connection.execute("PING")
+
+    with trio.fail_after(5), pytest.raises(ReplyError, match="WRONGPASS"):
+        await link.call("pinging", ping)
+    assert logged == []  # no retry loop on a refusal
+    with pytest.raises(ReplyError, match="WRONGPASS"):
+        await server_run_id(url)
+
+
+@needs_server
+async def test_unix_socket_and_tls(servers: Servers) -> None:
+    for url in (
+        f"unix://{servers.unix}?db=1",
+        f"rediss://127.0.0.1:{servers.tls_port}/1?ssl_ca_certs={servers.ca}",
+        f"rediss://127.0.0.1:{servers.tls_port}/1?ssl_cert_reqs=none",
+    ):
+        connection = await Connection.open(Address.parse(url))
+        try:
+            assert await connection.execute("SET", "resp:via", url) == "OK"
+        finally:
+            connection.close()
+        assert servers.client(db=1).get("resp:via") == url.encode()
+    # A certificate nobody vouches for: refused, named.
+    with pytest.raises(Unreachable, match="CERTIFICATE_VERIFY_FAILED"):
+        await Connection.open(Address.parse(f"rediss://127.0.0.1:{servers.tls_port}"))
+
+
+@needs_server
+async def test_cancelled_call_closes_its_connection_and_the_link_goes_on(servers: Servers) -> None:
+    link = Link(servers.url, read_timeout=30.0, log=print)
+    held: list[Connection] = []
+
+    async def block(connection: Connection, _attempt: int) -> object:
+        held.append(connection)
+        return await connection.execute("BLPOP", "resp:never", 30)
+
+    with trio.move_on_after(0.2) as scope:
+        await link.call("blocking", block)
+    assert scope.cancelled_caught
+    assert held[0].closed  # its reply would come later: it can never be reused
+
+    async def ping(connection: Connection, _attempt: int) -> object:
+        held.append(connection)
+        return await connection.execute("PING")
+
+    with trio.fail_after(5):
+        assert await link.call("pinging", ping) == "PONG"
+    assert held[1] is not held[0]
+    link.close()
+    assert held[1].closed
+
+
+@needs_server
+async def test_an_attempt_not_abandoned_runs_to_its_end(servers: Servers) -> None:
+    link = Link(servers.url, read_timeout=5.0, log=print)
+
+    async def slow(connection: Connection, _attempt: int) -> object:
+        return await connection.execute("BLPOP", "resp:never", 0.3)
+
+    with trio.CancelScope() as scope:
+        scope.cancel()
+        assert await link.call("waiting", slow, abandon=False) is None  # BLPOP timed out
+    link.close()
+
+
+# --- servers that misbehave on purpose -------------------------------------------------------
+
+
+async def _serve(handler: object, nursery: trio.Nursery) -> int:
+    listeners = await nursery.start(trio.serve_tcp, handler, 0)
+    return int(listeners[0].socket.getsockname()[1])
+
+
+async def test_no_reply_times_out_and_closes(autojump_clock: trio.testing.MockClock) -> None:
+    async def silent(stream: trio.SocketStream) -> None:
+        await trio.sleep_forever()
+
+    async with trio.open_nursery() as nursery:
+        port = await _serve(silent, nursery)
+        connection = await Connection.open(
+            Address.parse(f"redis://127.0.0.1:{port}"), read_timeout=2.0
+        )
+        start = trio.current_time()
+        with pytest.raises(Unreachable, match=r"no reply from 127\.0\.0\.1:\d+ within 2 s"):
+            await connection.execute("PING")
+        assert trio.current_time() - start == pytest.approx(2.0)
+        assert connection.closed
+        with pytest.raises(Unreachable, match="closed"):
+            await connection.execute("PING")
+        nursery.cancel_scope.cancel()
+
+
+async def test_a_server_that_hangs_up_or_talks_nonsense(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    async def half(stream: trio.SocketStream) -> None:
+        await stream.receive_some()
+        await stream.send_all(b"$10\r\nabc")  # a bulk string cut short, then gone
+        await stream.aclose()
+
+    async def nonsense(stream: trio.SocketStream) -> None:
+        await stream.receive_some()
+        await stream.send_all(b"?what\r\n")
+
+    async with trio.open_nursery() as nursery:
+        for handler, says in ((half, "closed the connection"), (nonsense, "broke the protocol")):
+            port = await _serve(handler, nursery)
+            connection = await Connection.open(Address.parse(f"redis://127.0.0.1:{port}"))
+            with trio.fail_after(5), pytest.raises(Unreachable, match=says):
+                await connection.execute("PING")
+            assert connection.closed
+        nursery.cancel_scope.cancel()
+
+
+async def test_nothing_listening_is_unreachable_and_the_link_retries(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    port = _free_port()
+    with pytest.raises(Unreachable, match=r"cannot connect to 127\.0\.0\.1"):
+        await Connection.open(Address.parse(f"redis://127.0.0.1:{port}"))
+    logged: list[str] = []
+    link = Link(f"redis://127.0.0.1:{port}", read_timeout=1.0, log=logged.append)
+
+    async def ping(connection: Connection, _attempt: int) -> object:
+        return await connection.execute("PING")
+
+    with trio.move_on_after(10.0):
+        await link.call("pinging", ping)
+    assert len(logged) >= 4  # backing off: 0.1 s, 0.2, 0.4, ... (jittered)
+    assert all(f"redis at redis://127.0.0.1:{port} unreachable while pinging" in m for m in logged)

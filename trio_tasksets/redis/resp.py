@@ -1,0 +1,283 @@
+"""One Redis connection on trio: commands, pipelines and MULTI/EXEC over RESP2.
+
+Commands are packed here and replies parsed by hiredis (Redis's own C parser); the socket is
+trio's, so a command costs no thread hop. Why not redis-py (in a worker thread) or coredis:
+docs/benchmarks.md, "The Redis client". Replies keep RESP2's shapes, strings decoded as UTF-8
+(an invalid byte becomes U+FFFD); an error reply is a `ReplyError`.
+"""
+
+from __future__ import annotations
+
+import ssl
+from collections.abc import Sequence
+from typing import Any
+from urllib.parse import parse_qsl, unquote, urlsplit
+
+import attrs
+import hiredis
+import trio
+
+Arg = str | bytes | int | float
+Command = Sequence[Arg]
+
+_DEFAULT_PORT = 6379
+_READ_SIZE = 65536
+_QUERY = frozenset({"db", "ssl_cert_reqs", "ssl_ca_certs"})
+_CERT_REQS = {"none": ssl.CERT_NONE, "optional": ssl.CERT_OPTIONAL, "required": ssl.CERT_REQUIRED}
+_MORE = object()  # hiredis: no whole reply buffered yet
+
+
+class RedisError(Exception):
+    """A Redis call failed."""
+
+
+class ReplyError(RedisError):
+    """Redis answered with an error (`NOGROUP ...`, `WRONGTYPE ...`, `BUSYGROUP ...`)."""
+
+
+class Unreachable(RedisError):
+    """Redis could not be reached, or the connection broke or timed out during a call (which
+    may or may not have run). The connection is closed; open a new one to go on."""
+
+
+@attrs.frozen
+class Address:
+    """Where a Redis is and how to log in: parsed from a `redis://`, `rediss://` (TLS) or
+    `unix://` URL (`Address.parse`)."""
+
+    host: str = "localhost"
+    port: int = _DEFAULT_PORT
+    path: str | None = None  # a unix socket
+    db: int = 0
+    username: str | None = None
+    password: str | None = None
+    tls: bool = False
+    cert_reqs: ssl.VerifyMode = ssl.CERT_REQUIRED
+    ca_certs: str | None = None
+
+    @classmethod
+    def parse(cls, url: str) -> Address:
+        """The address `url` names; ValueError saying what is wrong. Query parameters: `db`,
+        and for rediss:// `ssl_cert_reqs` (none, optional, required) and `ssl_ca_certs`."""
+        parts = urlsplit(url)
+        if parts.scheme not in ("redis", "rediss", "unix"):
+            raise ValueError(f"scheme {parts.scheme!r}: use redis://, rediss:// or unix://")
+        query = dict(parse_qsl(parts.query, keep_blank_values=True))
+        unknown = sorted(set(query) - _QUERY)
+        if unknown:
+            raise ValueError(f"unknown query parameter {', '.join(unknown)}: known are db, "
+                             f"ssl_cert_reqs, ssl_ca_certs")  # fmt: skip
+        db_text = query.get("db")
+        if parts.scheme != "unix" and parts.path not in ("", "/"):
+            db_text = parts.path.lstrip("/")
+        try:
+            db = int(db_text) if db_text is not None else 0
+            port = parts.port
+        except ValueError as exc:
+            raise ValueError(f"bad db or port ({exc})") from None
+        if db < 0:
+            raise ValueError(f"db must be >= 0, got {db}")
+        reqs = query.get("ssl_cert_reqs", "required").lower()
+        if reqs not in _CERT_REQS:
+            raise ValueError(f"ssl_cert_reqs must be none, optional or required, got {reqs!r}")
+        if parts.scheme == "unix" and not parts.path:
+            raise ValueError("unix:// needs a socket path: unix:///path/to/redis.sock")
+        if parts.scheme != "unix" and not parts.hostname:
+            raise ValueError("no host: redis://host[:port][/db]")
+        return cls(
+            host=parts.hostname or "localhost",
+            port=port or _DEFAULT_PORT,
+            path=unquote(parts.path) if parts.scheme == "unix" else None,
+            db=db,
+            username=unquote(parts.username) if parts.username else None,
+            password=unquote(parts.password) if parts.password is not None else None,
+            tls=parts.scheme == "rediss",
+            cert_reqs=_CERT_REQS[reqs],
+            ca_certs=query.get("ssl_ca_certs"),
+        )
+
+    def ssl_context(self) -> ssl.SSLContext:
+        context = ssl.create_default_context(cafile=self.ca_certs)
+        if self.cert_reqs != ssl.CERT_REQUIRED:
+            context.check_hostname = False
+        context.verify_mode = self.cert_reqs
+        return context
+
+    def __str__(self) -> str:
+        return f"unix://{self.path}" if self.path else f"{self.host}:{self.port}"
+
+
+def pack(command: Command) -> bytes:
+    """`command` in RESP (an array of bulk strings)."""
+    out = [b"*%d\r\n" % len(command)]
+    for arg in command:
+        if isinstance(arg, str):
+            data = arg.encode()
+        elif isinstance(arg, bytes):
+            data = arg
+        elif isinstance(arg, int):
+            data = b"%d" % arg
+        else:
+            data = repr(float(arg)).encode()
+        out.append(b"$%d\r\n%s\r\n" % (len(data), data))
+    return b"".join(out)
+
+
+class Connection:
+    """One connection to Redis, used by one task at a time.
+
+    A call that fails in transit (a broken socket, no reply within `read_timeout`, a
+    cancellation) raises (`Unreachable`, or the cancellation) and leaves the connection closed:
+    its replies can no longer be matched to its commands.
+    """
+
+    def __init__(self, stream: trio.abc.Stream, address: Address, read_timeout: float) -> None:
+        self._stream = stream
+        self._address = address
+        self._read_timeout = read_timeout
+        self._reader = hiredis.Reader(
+            encoding="utf-8", errors="replace", replyError=ReplyError, notEnoughData=_MORE
+        )
+        self.closed = False
+
+    @classmethod
+    async def open(
+        cls, address: Address, *, connect_timeout: float = 5.0, read_timeout: float = 10.0
+    ) -> Connection:
+        """Connect, log in (AUTH) and select the db. `Unreachable` if Redis cannot be reached
+        within `connect_timeout`; `ReplyError` if it refuses the login."""
+        try:
+            with trio.fail_after(connect_timeout):
+                stream: trio.abc.Stream
+                if address.path is not None:
+                    stream = await trio.open_unix_socket(address.path)
+                else:
+                    stream = await trio.open_tcp_stream(address.host, address.port)
+                if address.tls:
+                    stream = trio.SSLStream(
+                        stream, address.ssl_context(), server_hostname=address.host
+                    )
+                    await stream.do_handshake()
+        except trio.TooSlowError:
+            raise Unreachable(f"no connection to {address} within {connect_timeout:g} s") from None
+        except (OSError, trio.BrokenResourceError) as exc:
+            raise Unreachable(f"cannot connect to {address}: {_reason(exc)}") from None
+        connection = cls(stream, address, read_timeout)
+        hello: list[Command] = []
+        if address.password is not None:
+            login = [address.username] if address.username else []
+            hello.append(["AUTH", *login, address.password])
+        if address.db:
+            hello.append(["SELECT", address.db])
+        if hello:
+            try:
+                await connection.pipeline(hello)
+            except BaseException:
+                connection.close()
+                raise
+        return connection
+
+    async def execute(self, *command: Arg) -> Any:
+        """Run one command; its reply, or `ReplyError`."""
+        [reply] = await self.pipeline([command])
+        return reply
+
+    async def pipeline(
+        self, commands: Sequence[Command], *, transaction: bool = False, raise_errors: bool = True
+    ) -> list[Any]:
+        """Send `commands` at once and read their replies (one round trip).
+
+        `transaction`: wrapped in MULTI/EXEC, so they run together; the replies are EXEC's.
+        `raise_errors`: raise the first error reply (after reading them all); else error
+        replies are returned in place, as `ReplyError` instances.
+        """
+        if transaction:
+            commands = [("MULTI",), *commands, ("EXEC",)]
+        replies = await self._roundtrip(b"".join(pack(c) for c in commands), len(commands))
+        if transaction:
+            executed = replies[-1]
+            for reply in replies[:-1]:  # MULTI's OK, then each QUEUED
+                if isinstance(reply, ReplyError):
+                    raise reply  # refused while queueing: EXEC discarded them all
+            if not isinstance(executed, list):
+                raise executed if isinstance(executed, ReplyError) else ReplyError("EXEC aborted")
+            replies = executed
+        if raise_errors:
+            for reply in replies:
+                if isinstance(reply, ReplyError):
+                    raise reply
+        return list(replies)
+
+    async def _roundtrip(self, data: bytes, count: int) -> list[Any]:
+        if self.closed:
+            raise Unreachable(f"connection to {self._address} is closed")
+        done = False
+        try:
+            try:
+                await self._stream.send_all(data)
+                replies: list[Any] = []
+                with trio.move_on_after(self._read_timeout) as waited:
+                    while len(replies) < count:
+                        reply = self._reader.gets()
+                        if reply is _MORE:
+                            chunk = await self._stream.receive_some(_READ_SIZE)
+                            if not chunk:
+                                raise Unreachable(f"{self._address} closed the connection")
+                            self._reader.feed(bytes(chunk))
+                        else:
+                            replies.append(reply)
+            except (OSError, trio.BrokenResourceError, trio.ClosedResourceError) as exc:
+                raise Unreachable(f"connection to {self._address} failed: {_reason(exc)}") from None
+            except hiredis.ProtocolError as exc:
+                raise Unreachable(f"{self._address} broke the protocol: {exc}") from None
+            if waited.cancelled_caught:
+                raise Unreachable(f"no reply from {self._address} within {self._read_timeout:g} s")
+            done = True
+            return replies
+        finally:
+            if not done:
+                self.close()
+
+    def close(self) -> None:
+        """Close the socket now (no goodbye: Redis needs none)."""
+        if self.closed:
+            return
+        self.closed = True
+        stream: Any = self._stream
+        while not isinstance(stream, trio.SocketStream):
+            inner = getattr(stream, "transport_stream", None)
+            if inner is None:
+                return
+            stream = inner
+        stream.socket.close()
+
+
+def _reason(exc: BaseException) -> str:
+    while exc.__cause__ is not None and isinstance(exc, trio.BrokenResourceError):
+        exc = exc.__cause__
+    return f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
+
+
+def fields(flat: Sequence[Any] | None) -> dict[str, Any] | None:
+    """A flat `[name, value, name, value, ...]` reply as a dict (None stays None: an entry
+    deleted from its stream)."""
+    if flat is None:
+        return None
+    return dict(zip(flat[::2], flat[1::2], strict=True))
+
+
+def entries(reply: Sequence[Any] | None) -> list[tuple[str, dict[str, Any] | None]]:
+    """The entries of an XRANGE reply, or of one stream of an XREAD/XREADGROUP reply:
+    `(id, fields)`, fields None for an entry deleted meanwhile."""
+    return [(str(entry_id), fields(flat)) for entry_id, flat in reply or ()]
+
+
+def first_stream(reply: Sequence[Any] | None) -> list[tuple[str, dict[str, Any] | None]]:
+    """The entries of the first (only) stream of an XREAD/XREADGROUP reply (None: none came)."""
+    return entries(reply[0][1]) if reply else []
+
+
+def info(text: str) -> dict[str, str]:
+    """An INFO reply as a dict of its `name:value` lines."""
+    pairs = (line.partition(":") for line in text.splitlines() if line and line[0] != "#")
+    return {name: value for name, _, value in pairs}
