@@ -34,7 +34,7 @@ def bench(session: nox.Session) -> None:
     """Benchmarks, side by side in one process each; figures go in docs/benchmarks.md."""
     session.install("-e", ".[dev]")
     quick = ["--quick"] if "quick" in session.posargs else []
-    benches = ("runner", "eval", "serve", "aio", "redis", "via", "report", "http", "verifiers",
-               "adaptive")  # fmt: skip
+    benches = ("runner", "eval", "serve", "aio", "redis", "redis_client", "via", "report", "http",
+               "verifiers", "adaptive")  # fmt: skip
     for bench in benches:
         session.run("python", "-m", f"bench.{bench}", *quick)

@@ -1,14 +1,25 @@
-"""Shared helpers for the benchmarks: environment info, statistics, tables, goal lines."""
+"""Shared helpers for the benchmarks: environment info, statistics, tables, goal lines, a
+redis-server of the benchmark's own."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import platform
+import shutil
+import socket
 import statistics
+import subprocess
 import sys
-from collections.abc import Collection, Sequence
+import tempfile
+import time
+from collections.abc import Callable, Collection, Iterator, Sequence
 from dataclasses import dataclass, field
 from importlib import metadata
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    import redis
 
 __all__ = [
     "Timings",
@@ -16,6 +27,8 @@ __all__ = [
     "goal_line",
     "markdown_table",
     "per_item_us",
+    "redis_server",
+    "wait_until",
 ]
 
 
@@ -35,6 +48,7 @@ def env_info() -> list[tuple[str, str]]:
         ("trio", _version("trio")),
         ("aiometer", _version("aiometer")),
         ("anyio", _version("anyio")),
+        ("hiredis", _version("hiredis")),
     ]
 
 
@@ -115,3 +129,48 @@ def next_request(buffer: bytes) -> tuple[bytes, bytes] | None:
     if len(buffer) < end + 4 + length:
         return None
     return head.split(b" ", 2)[1], buffer[end + 4 + length :]
+
+
+def wait_until(predicate: Callable[[], bool], what: str, timeout: float) -> None:
+    """Poll `predicate` every 5 ms; RuntimeError naming `what` after `timeout` seconds."""
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"timed out after {timeout} s waiting for {what}")
+        time.sleep(0.005)
+
+
+@contextlib.contextmanager
+def redis_server(bench: str) -> Iterator[tuple[str, redis.Redis]]:
+    """A redis-server of `bench`'s own (loopback, a free port, no persistence), up: its URL and
+    a redis-py client of it (`decode_responses`); stopped on the way out."""
+    import redis
+
+    binary = shutil.which("redis-server")
+    if binary is None:
+        raise SystemExit(f"{bench} needs redis-server on PATH (apt-get install redis-server)")
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = int(s.getsockname()[1])
+    url = f"redis://127.0.0.1:{port}/0"
+
+    def pings() -> bool:
+        try:
+            return bool(client.ping())
+        except redis.RedisError:
+            return False
+
+    with tempfile.TemporaryDirectory() as directory:
+        server = subprocess.Popen(
+            [binary, "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly",
+             "no", "--dir", directory],
+            stdout=subprocess.DEVNULL,
+        )  # fmt: skip
+        client = redis.Redis.from_url(url, decode_responses=True)
+        try:
+            wait_until(pings, "redis-server", 10)
+            yield url, client
+        finally:
+            client.close()
+            server.terminate()
+            server.wait(timeout=10)

@@ -20,14 +20,12 @@ from __future__ import annotations
 
 import argparse
 import resource
-import shutil
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable
 from typing import cast
 
 import attrs
@@ -37,7 +35,7 @@ import trio
 import trio_tasksets as tt
 from trio_tasksets.redis import TASK_FIELD, encode_task
 
-from .common import env_info, markdown_table
+from .common import env_info, markdown_table, redis_server, wait_until
 
 STREAM, GROUP, RESULTS = "bench:tasks", "bench:workers", "bench:results"
 
@@ -58,23 +56,9 @@ class Run:
     redis_cpu: float  # seconds, redis-server
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 def _redis_cpu(r: redis.Redis) -> float:
     info = r.info("cpu")
     return float(info["used_cpu_user"]) + float(info["used_cpu_sys"])
-
-
-def _wait(predicate: Callable[[], bool], what: str, timeout: float) -> None:
-    deadline = time.monotonic() + timeout
-    while not predicate():
-        if time.monotonic() > deadline:
-            raise RuntimeError(f"timed out after {timeout} s waiting for {what}")
-        time.sleep(0.005)
 
 
 def _consumers(r: redis.Redis) -> int:
@@ -99,7 +83,7 @@ def one_run(
         for i in range(workers)
     ]
     try:
-        _wait(lambda: _consumers(r) == workers, f"{workers} workers", 30)
+        wait_until(lambda: _consumers(r) == workers, f"{workers} workers", 30)
         redis_before = _redis_cpu(r)
         start = time.perf_counter()
         for i in range(0, len(payloads), 1000):
@@ -108,7 +92,7 @@ def one_run(
                     pipe.xadd(STREAM, {TASK_FIELD: raw})
                 pipe.execute()
         enqueued = time.perf_counter() - start
-        _wait(lambda: r.xlen(RESULTS) >= len(payloads), "every result", 600)
+        wait_until(lambda: r.xlen(RESULTS) >= len(payloads), "every result", 600)
         seconds = time.perf_counter() - start
         redis_cpu = _redis_cpu(r) - redis_before
     finally:
@@ -138,19 +122,6 @@ async def _eval(n: int, window: int, delay: float) -> float:
         elapsed = time.perf_counter() - start
         assert len(result.episodes) == n
         return elapsed
-
-
-def _start_server(directory: str) -> tuple[subprocess.Popen[bytes], str]:
-    binary = shutil.which("redis-server")
-    if binary is None:
-        raise SystemExit("bench.redis needs redis-server on PATH (apt-get install redis-server)")
-    port = _free_port()
-    server = subprocess.Popen(
-        [binary, "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",
-         "--dir", directory],
-        stdout=subprocess.DEVNULL,
-    )  # fmt: skip
-    return server, f"redis://127.0.0.1:{port}/0"
 
 
 def _report(n: int, window: int, best: dict[int, Run], eval_seconds: float, delay: float) -> None:
@@ -188,35 +159,20 @@ def main(argv: list[str] | None = None) -> int:
         args.n, args.workers, args.repeat = 2000, [1, 2], 1
     Many.size = args.n
     payloads = [encode_task(t) for t in Many()]
-    print(" ".join(f"{k}={v}" for k, v in env_info()), f"redis-py={redis.__version__}")
-    with tempfile.TemporaryDirectory() as directory:
-        server, url = _start_server(directory)
-        r = redis.Redis.from_url(url, decode_responses=True)
-        try:
-            _wait(lambda: _ping(r), "redis-server", 10)
-            print(f"redis-server {r.info('server')['redis_version']}, n={args.n}, "
-                  f"-c {args.window}, echo delay {args.delay:g} s, best of {args.repeat}")  # fmt: skip
-            best: dict[int, Run] = {}
-            for _ in range(args.repeat):
-                for workers in args.workers:
-                    run = one_run(url, r, payloads, workers, args.window, args.delay)
-                    print(f"  {workers} worker(s): {run.seconds:.2f} s", flush=True)
-                    if workers not in best or run.seconds < best[workers].seconds:
-                        best[workers] = run
-        finally:
-            r.close()
-            server.terminate()
-            server.wait(timeout=10)
+    print(" ".join(f"{k}={v}" for k, v in env_info()))
+    with redis_server("bench.redis") as (url, r):
+        print(f"redis-server {r.info('server')['redis_version']}, n={args.n}, "
+              f"-c {args.window}, echo delay {args.delay:g} s, best of {args.repeat}")  # fmt: skip
+        best: dict[int, Run] = {}
+        for _ in range(args.repeat):
+            for workers in args.workers:
+                run = one_run(url, r, payloads, workers, args.window, args.delay)
+                print(f"  {workers} worker(s): {run.seconds:.2f} s", flush=True)
+                if workers not in best or run.seconds < best[workers].seconds:
+                    best[workers] = run
     eval_seconds = min(trio.run(_eval, args.n, args.window, args.delay) for _ in range(args.repeat))
     _report(args.n, args.window, best, eval_seconds, args.delay)
     return 0
-
-
-def _ping(r: redis.Redis) -> bool:
-    try:
-        return bool(r.ping())
-    except redis.RedisError:
-        return False
 
 
 if __name__ == "__main__":

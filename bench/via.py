@@ -28,15 +28,13 @@ from __future__ import annotations
 import argparse
 import functools
 import resource
-import shutil
 import signal
-import socket
 import statistics
 import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable
 
 import attrs
 import redis
@@ -45,7 +43,7 @@ import trio
 import trio_tasksets as tt
 from trio_tasksets.redis.worker import WorkerConfig, run_worker
 
-from .common import env_info, goal_line, markdown_table
+from .common import env_info, goal_line, markdown_table, redis_server, wait_until
 
 STREAM, GROUP, RESULTS = "bench:via", "bench:workers", "bench:results"
 
@@ -69,20 +67,6 @@ class Timing:
     seconds: list[float] = attrs.Factory(list)
     cpu: list[float] = attrs.Factory(list)  # this process
     worker_cpu: list[float] = attrs.Factory(list)  # the worker processes
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-def _wait(predicate: Callable[[], bool], what: str, timeout: float) -> None:
-    deadline = time.monotonic() + timeout
-    while not predicate():
-        if time.monotonic() > deadline:
-            raise RuntimeError(f"timed out after {timeout} s waiting for {what}")
-        time.sleep(0.01)
 
 
 def _consumers(r: redis.Redis) -> int:
@@ -114,7 +98,7 @@ def one_run(
         for i in range(contender.workers)
     ]
     try:
-        _wait(lambda: _consumers(r) == contender.workers, f"{contender.workers} workers", 60)
+        wait_until(lambda: _consumers(r) == contender.workers, f"{contender.workers} workers", 60)
         with tempfile.TemporaryDirectory() as out:
             config = tt.EvalConfig(
                 max_concurrent=window, output_dir=out, run_name="bench", dashboard=False,
@@ -156,26 +140,6 @@ def _worker(argv: list[str]) -> int:
     return 0
 
 
-def _start_server(directory: str) -> tuple[subprocess.Popen[bytes], str]:
-    binary = shutil.which("redis-server")
-    if binary is None:
-        raise SystemExit("bench.via needs redis-server on PATH (apt-get install redis-server)")
-    port = _free_port()
-    server = subprocess.Popen(
-        [binary, "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",
-         "--dir", directory],
-        stdout=subprocess.DEVNULL,
-    )  # fmt: skip
-    return server, f"redis://127.0.0.1:{port}/0"
-
-
-def _ping(r: redis.Redis) -> bool:
-    try:
-        return bool(r.ping())
-    except redis.RedisError:
-        return False
-
-
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if argv[:1] == ["--worker"]:
@@ -198,28 +162,20 @@ def main(argv: list[str] | None = None) -> int:
         Contender(f"via, 2 workers -c {half}", 2, half),
     ]
     timings = {c.name: Timing() for c in contenders}
-    print(" ".join(f"{k}={v}" for k, v in env_info()), f"redis-py={redis.__version__}")
-    with tempfile.TemporaryDirectory() as directory:
-        server, url = _start_server(directory)
-        r = redis.Redis.from_url(url, decode_responses=True)
-        try:
-            _wait(lambda: _ping(r), "redis-server", 10)
-            print(f"redis-server {r.info('server')['redis_version']}, n={args.n}, eval "
-                  f"-c {args.window}, echo delay {args.delay:g} s, {args.repeat} repeats")  # fmt: skip
-            for _ in range(args.repeat):
-                for contender in contenders:
-                    seconds, cpu, worker_cpu = one_run(
-                        url, r, contender, args.n, args.window, args.delay
-                    )
-                    timing = timings[contender.name]
-                    timing.seconds.append(seconds)
-                    timing.cpu.append(cpu)
-                    timing.worker_cpu.append(worker_cpu)
-                    print(f"  {contender.name}: {args.n / seconds:,.0f} rollouts/s", flush=True)
-        finally:
-            r.close()
-            server.terminate()
-            server.wait(timeout=10)
+    print(" ".join(f"{k}={v}" for k, v in env_info()))
+    with redis_server("bench.via") as (url, r):
+        print(f"redis-server {r.info('server')['redis_version']}, n={args.n}, eval "
+              f"-c {args.window}, echo delay {args.delay:g} s, {args.repeat} repeats")  # fmt: skip
+        for _ in range(args.repeat):
+            for contender in contenders:
+                seconds, cpu, worker_cpu = one_run(
+                    url, r, contender, args.n, args.window, args.delay
+                )
+                timing = timings[contender.name]
+                timing.seconds.append(seconds)
+                timing.cpu.append(cpu)
+                timing.worker_cpu.append(worker_cpu)
+                print(f"  {contender.name}: {args.n / seconds:,.0f} rollouts/s", flush=True)
     _report(args.n, args.window, args.delay, contenders, timings)
     return 0
 

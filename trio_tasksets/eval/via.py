@@ -267,7 +267,7 @@ class _Coordinator:
         if answer is None:
             self._waiting[entry_id] = slot
             return
-        self._take(slot, answer)  # its answer came first (another thread read it): rare
+        self._take(slot, answer)  # answered before its enqueue returned: rare
         slot.done.set()
 
     def _take(self, slot: _Slot, answer: dict[str, str]) -> None:

@@ -13,16 +13,18 @@
 * `enqueue(url, stream, tasks)`: XADDs tasks as entries, one field `task` holding the JSON of
   `{"key", "data"}`, which reads back as an equal `tt.Task` (a `RedisTask`).
 
-The client is redis-py's synchronous client; each command runs in a trio worker thread
-(`trio.to_thread.run_sync`). A blocking read waits at most `block` seconds, so a graceful stop
-(`RedisStreamTaskset.stop()`) ends the stream within `block` without abandoning a read that may
-already have claimed an entry; a hard cancellation abandons the thread at once. Every call
-retries connection failures (Redis restarted or unreachable) with capped, jittered exponential
-backoff and a log line naming the URL; redis-py's own retries are off so that no transaction is
-replayed behind our back. docs/distributed.md explains the choice and the guarantees.
+The client is the project's own connection (`resp`: RESP over trio sockets, replies parsed by
+hiredis), so a command costs no thread hop. A blocking read waits at most `block` seconds, so a
+graceful stop (`RedisStreamTaskset.stop()`) ends the stream within `block` without abandoning a
+read that may already have claimed an entry; a hard cancellation abandons the call at once and
+closes its connection. Every call retries connection failures (Redis restarted or unreachable)
+with capped, jittered exponential backoff and a log line naming the URL; nothing is replayed
+behind the caller's back, so no transaction runs twice unseen. docs/distributed.md explains
+the choice and the guarantees.
 
-Rooms: `entries` (tasks as entries), `link` (one resilient connection), `feed`
-(`RedisStreamTaskset`), `results` (`RedisResults`, `enqueue`), `worker` (`run_worker`).
+Rooms: `resp` (one connection), `entries` (tasks as entries), `link` (a connection that
+survives outages), `feed` (`RedisStreamTaskset`), `results` (`RedisResults`, `enqueue`),
+`worker` (`run_worker`).
 """
 
 from .entries import (
