@@ -350,3 +350,26 @@ async def test_nothing_listening_is_unreachable_and_the_link_retries(
         await link.call("pinging", ping)
     assert len(logged) >= 4  # backing off: 0.1 s, 0.2, 0.4, ... (jittered)
     assert all(f"redis at redis://127.0.0.1:{port} unreachable while pinging" in m for m in logged)
+
+
+@needs_server
+async def test_an_idle_connection_redis_dropped_is_replaced_quietly(servers: Servers) -> None:
+    logged: list[str] = []
+    link = Link(servers.url, read_timeout=5.0, log=logged.append)
+    used: list[Connection] = []
+
+    async def whoami(connection: Connection, _attempt: int) -> int:
+        used.append(connection)
+        return int(await connection.execute("CLIENT", "ID"))
+
+    with trio.fail_after(5):
+        first = await link.call("asking", whoami)
+    killer = servers.client()
+    assert killer.client_kill_filter(_id=str(first)) == 1  # as Redis's `timeout` setting would
+    killer.close()
+    with trio.fail_after(5):
+        second = await link.call("asking", whoami)
+    assert second != first
+    assert used[0].closed
+    assert logged == []  # no failed call, no "unreachable" line
+    link.close()

@@ -62,7 +62,7 @@ class Link:
                     try:
                         result = await fn(connection, failures + 1)
                     finally:
-                        if not connection.closed:
+                        if not connection.stale():
                             self._idle.append(connection)
             except Unreachable as exc:
                 self.close()  # the others are likely broken too
@@ -84,8 +84,9 @@ class Link:
     async def _connect(self) -> Connection:
         while self._idle:
             connection = self._idle.pop()
-            if not connection.closed:
+            if not connection.stale():
                 return connection
+            connection.close()
         return await Connection.open(
             self._address, connect_timeout=_CONNECT_TIMEOUT, read_timeout=self._read_timeout
         )

@@ -8,6 +8,7 @@ docs/benchmarks.md, "The Redis client". Replies keep RESP2's shapes, strings dec
 
 from __future__ import annotations
 
+import select
 import ssl
 from collections.abc import Sequence
 from typing import Any
@@ -133,6 +134,7 @@ class Connection:
 
     def __init__(self, stream: trio.abc.Stream, address: Address, read_timeout: float) -> None:
         self._stream = stream
+        self._socket = _socket_of(stream)
         self._address = address
         self._read_timeout = read_timeout
         self._reader = hiredis.Reader(
@@ -238,18 +240,39 @@ class Connection:
             if not done:
                 self.close()
 
+    def stale(self) -> bool:
+        """Whether the idle connection can no longer be used: closed, or Redis hung up (its
+        `timeout` setting, a restart) or sent something unasked. A reused connection is checked
+        first, so an idle hang-up costs a new connection, not a failed call."""
+        if self.closed:
+            return True
+        try:
+            return _readable(self._socket.fileno())
+        except (OSError, ValueError):
+            return True
+
     def close(self) -> None:
         """Close the socket now (no goodbye: Redis needs none)."""
-        if self.closed:
-            return
-        self.closed = True
-        stream: Any = self._stream
-        while not isinstance(stream, trio.SocketStream):
-            inner = getattr(stream, "transport_stream", None)
-            if inner is None:
-                return
-            stream = inner
-        stream.socket.close()
+        if not self.closed:
+            self.closed = True
+            self._socket.close()
+
+
+def _readable(fd: int) -> bool:
+    if hasattr(select, "poll"):  # select() cannot take a descriptor above 1023
+        poller = select.poll()
+        poller.register(fd, select.POLLIN)
+        return bool(poller.poll(0))
+    readable, _, _ = select.select([fd], [], [], 0)
+    return bool(readable)
+
+
+def _socket_of(stream: trio.abc.Stream) -> trio.socket.SocketType:
+    """The socket under `stream` (under TLS, the transport's)."""
+    while not isinstance(stream, trio.SocketStream):
+        assert isinstance(stream, trio.SSLStream), stream
+        stream = stream.transport_stream
+    return stream.socket
 
 
 def _reason(exc: BaseException) -> str:
