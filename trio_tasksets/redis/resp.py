@@ -276,8 +276,12 @@ def _socket_of(stream: trio.abc.Stream) -> trio.socket.SocketType:
 
 
 def _reason(exc: BaseException) -> str:
-    while exc.__cause__ is not None and isinstance(exc, trio.BrokenResourceError):
-        exc = exc.__cause__
+    """What went wrong underneath: TLS's own error, or the first of trio's connect attempts."""
+    cause = exc.__cause__
+    if isinstance(exc, trio.BrokenResourceError) and cause is not None:
+        exc = cause
+    elif isinstance(cause, BaseExceptionGroup) and cause.exceptions:
+        exc = cause.exceptions[0]
     return f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
 
 
