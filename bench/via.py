@@ -149,10 +149,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--delay", type=float, default=0.05, help="echo model latency (s)")
     parser.add_argument("--window", type=int, default=64, help="the eval's -c")
     parser.add_argument("--repeat", type=int, default=3)
-    parser.add_argument("--quick", action="store_true", help="smoke run: n=600, 1 repeat")
+    parser.add_argument("--quick", action="store_true", help="smoke run: n=1500, 1 repeat")
     args = parser.parse_args(argv)
     if args.quick:
-        args.n, args.repeat = 600, 1
+        args.n, args.repeat = 1500, 1
     Many.size = args.n
     half = max(args.window // 2, 1)
     contenders = [
