@@ -244,16 +244,8 @@ class _Reader(Generic[T]):
         idle_ms = max(1, int(ts.claim_idle * 1000))
 
         async def claim(redis: Connection, _attempt: int) -> list[Any]:
-            command = (
-                "XAUTOCLAIM",
-                ts.stream_key,
-                ts.group,
-                ts.consumer,
-                idle_ms,
-                cursor,
-                "COUNT",
-                1,
-            )
+            command = ("XAUTOCLAIM", ts.stream_key, ts.group, ts.consumer, idle_ms, cursor,
+                       "COUNT", 1)  # fmt: skip
             return list(await redis.execute(*command))
 
         reply = await self._link.call("reclaiming idle entries", claim, stop=ts._stop)

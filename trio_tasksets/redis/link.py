@@ -62,7 +62,7 @@ class Link:
                     try:
                         result = await fn(connection, failures + 1)
                     finally:
-                        if not connection.stale():
+                        if not connection.closed:  # reused only if not stale by then
                             self._idle.append(connection)
             except Unreachable as exc:
                 self.close()  # the others are likely broken too
