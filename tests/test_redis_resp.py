@@ -309,6 +309,16 @@ async def test_no_reply_times_out_and_closes(autojump_clock: trio.testing.MockCl
         assert connection.closed
         with pytest.raises(Unreachable, match="closed"):
             await connection.execute("PING")
+        # A peer that never reads: the send itself is under the deadline.
+        connection = await Connection.open(
+            Address.parse(f"redis://127.0.0.1:{port}"), read_timeout=2.0
+        )
+        with trio.fail_after(30), pytest.raises(Unreachable, match="within 2 s"):
+            await connection.execute("SET", "k", b"x" * (64 << 20))
+        assert connection.closed
+        # A TLS handshake nobody answers: bounded by the connect timeout.
+        with pytest.raises(Unreachable, match=r"no connection to 127\.0\.0\.1:\d+ within 3 s"):
+            await Connection.open(Address.parse(f"rediss://127.0.0.1:{port}"), connect_timeout=3)
         nursery.cancel_scope.cancel()
 
 

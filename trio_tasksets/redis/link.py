@@ -51,7 +51,7 @@ class Link:
         `attempt` counts from 1, so `fn` can tell a replay. Raises `Stopped` if `stop` is set
         while waiting to retry. Cancellation abandons the attempt at once (its connection is
         closed), unless `abandon` is False: then an attempt in progress runs to its end (at
-        most the read timeout per reply) and its result is returned, so the caller learns what
+        most the read timeout per round trip) and its result is returned, so the caller learns what
         it did (e.g. the ids it added); a cancellation still stops the retries.
         """
         failures = 0

@@ -127,8 +127,8 @@ def pack(command: Command) -> bytes:
 class Connection:
     """One connection to Redis, used by one task at a time.
 
-    A call that fails in transit (a broken socket, no reply within `read_timeout`, a
-    cancellation) raises (`Unreachable`, or the cancellation) and leaves the connection closed:
+    A call that fails in transit (a broken socket, no whole reply within `read_timeout` of
+    sending, a cancellation) raises (`Unreachable`, or the cancellation) and leaves the connection closed:
     its replies can no longer be matched to its commands.
     """
 
@@ -148,9 +148,9 @@ class Connection:
     ) -> Connection:
         """Connect, log in (AUTH) and select the db. `Unreachable` if Redis cannot be reached
         within `connect_timeout`; `ReplyError` if it refuses the login."""
+        stream: trio.abc.Stream | None = None
         try:
             with trio.fail_after(connect_timeout):
-                stream: trio.abc.Stream
                 if address.path is not None:
                     stream = await trio.open_unix_socket(address.path)
                 else:
@@ -160,10 +160,16 @@ class Connection:
                         stream, address.ssl_context(), server_hostname=address.host
                     )
                     await stream.do_handshake()
-        except trio.TooSlowError:
-            raise Unreachable(f"no connection to {address} within {connect_timeout:g} s") from None
-        except (OSError, trio.BrokenResourceError) as exc:
-            raise Unreachable(f"cannot connect to {address}: {_reason(exc)}") from None
+        except BaseException as exc:
+            if stream is not None:
+                _socket_of(stream).close()  # a TLS handshake that failed or timed out
+            if isinstance(exc, trio.TooSlowError):
+                raise Unreachable(
+                    f"no connection to {address} within {connect_timeout:g} s"
+                ) from None
+            if isinstance(exc, (OSError, trio.BrokenResourceError)):
+                raise Unreachable(f"cannot connect to {address}: {_reason(exc)}") from None
+            raise
         connection = cls(stream, address, read_timeout)
         hello: list[Command] = []
         if address.password is not None:
@@ -216,9 +222,9 @@ class Connection:
         done = False
         try:
             try:
-                await self._stream.send_all(data)
                 replies: list[Any] = []
                 with trio.move_on_after(self._read_timeout) as waited:
+                    await self._stream.send_all(data)
                     while len(replies) < count:
                         reply = self._reader.gets()
                         if reply is _MORE:
