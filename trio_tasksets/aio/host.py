@@ -54,8 +54,9 @@ def guest_host_loop() -> asyncio.AbstractEventLoop | None:
     return loop
 
 
-class HostLoop:
-    """The host's asyncio loop, with the trio-asyncio loop methods the bridge calls."""
+class _Bridge:
+    """An asyncio loop and the trio run it serves: the nursery its trio tasks start in, and
+    the token that schedules a callback in trio from any thread."""
 
     def __init__(
         self, loop: asyncio.AbstractEventLoop, nursery: trio.Nursery, token: trio.lowlevel.TrioToken
@@ -64,9 +65,22 @@ class HostLoop:
         self._nursery = nursery
         self._token = token
 
-    def _soon(self, fn: Callable[[Unpack[Ts]], object], *args: *Ts) -> None:
+    def _to_trio(self, fn: Callable[[Unpack[Ts]], object], *args: *Ts) -> None:
+        """`fn(*args)` soon, in trio (dropped if the run has ended)."""
         with contextlib.suppress(trio.RunFinishedError):
             self._token.run_sync_soon(fn, *args)
+
+
+def _raise_unwound(task: asyncio.Task[Any]) -> None:
+    """After a trio cancellation cancelled `task` and it ended: the real error it raised while
+    it unwound, if any (else the caller re-raises `trio.Cancelled`)."""
+    error = None if task.cancelled() else task.exception()
+    if isinstance(error, Exception):
+        raise error from None
+
+
+class HostLoop(_Bridge):
+    """The host's asyncio loop, with the trio-asyncio loop methods the bridge calls."""
 
     async def run_aio_coroutine(self, coro: Coroutine[Any, Any, Any]) -> Any:
         """From trio: run `coro` as an asyncio task on the host loop; its result or error.
@@ -78,16 +92,14 @@ class HostLoop:
         # coroutine here, inside a trio tick.
         task: asyncio.Task[Any] = asyncio.Task(coro, loop=self.loop)
         done = trio.Event()
-        task.add_done_callback(lambda _: self._soon(done.set))
+        task.add_done_callback(lambda _: self._to_trio(done.set))
         try:
             await done.wait()
         except trio.Cancelled:
             task.cancel()
             with trio.CancelScope(shield=True):
                 await done.wait()
-            error = None if task.cancelled() else task.exception()
-            if isinstance(error, Exception):
-                raise error from None
+            _raise_unwound(task)
             raise
         return task.result()
 
@@ -114,10 +126,10 @@ class HostLoop:
 
         def cancelled(done: asyncio.Future[Any]) -> None:
             if done.cancelled():
-                self._soon(scope.cancel)
+                self._to_trio(scope.cancel)
 
         future.add_done_callback(cancelled)
-        self._soon(self._nursery.start_soon, run)
+        self._to_trio(self._nursery.start_soon, run)
         return future
 
 
@@ -129,21 +141,10 @@ async def host_loop(loop: asyncio.AbstractEventLoop) -> AsyncIterator[HostLoop]:
         nursery.cancel_scope.cancel()
 
 
-class ThreadLoop:
+class ThreadLoop(_Bridge):
     """A stdlib asyncio loop running in a thread of its own, with the trio-asyncio loop
     methods the bridge calls. Both methods may be called from their own side only:
     `run_aio_coroutine` from trio, `trio_as_future` from the loop's thread."""
-
-    def __init__(
-        self, loop: asyncio.AbstractEventLoop, nursery: trio.Nursery, token: trio.lowlevel.TrioToken
-    ) -> None:
-        self.loop = loop
-        self._nursery = nursery
-        self._token = token
-
-    def _to_trio(self, fn: Callable[[Unpack[Ts]], object], *args: *Ts) -> None:
-        with contextlib.suppress(trio.RunFinishedError):
-            self._token.run_sync_soon(fn, *args)
 
     async def run_aio_coroutine(self, coro: Coroutine[Any, Any, Any]) -> Any:
         """From trio: run `coro` as an asyncio task on the loop's thread (in a copy of the
@@ -167,10 +168,7 @@ class ThreadLoop:
             self.loop.call_soon_threadsafe(cancel)
             with trio.CancelScope(shield=True):
                 await done.wait()
-            task = started[0]
-            error = None if task.cancelled() else task.exception()
-            if isinstance(error, Exception):
-                raise error from None
+            _raise_unwound(started[0])
             raise
         return started[0].result()
 
