@@ -212,6 +212,25 @@ class RunSlot(Generic[TaskT]):
     started: float | None = None
 
 
+OnComplete = Callable[[Episode], Awaitable[None] | None]
+"""A slot's completion callback: sync, or async (then awaited shielded from cancellation)."""
+
+
+async def complete_slot(
+    slot: RunSlot[Any], episode: Episode, on_complete: OnComplete | None
+) -> Episode:
+    """Record `episode` as `slot`'s, then call `on_complete(episode)` once. An awaitable it
+    returns runs shielded, so the row is recorded even while the run is being cancelled (a
+    sync callback cannot be cancelled). Returns `episode`."""
+    slot.episode, slot.done = episode, True
+    if on_complete is not None:
+        result = on_complete(episode)
+        if inspect.isawaitable(result):
+            with trio.CancelScope(shield=True):
+                await result
+    return episode
+
+
 def _finite(reward: float) -> float:
     """The reward, or ValueError (an episode error) for a NaN or an infinity, which would
     poison every mean it enters and cannot be written as JSON."""
@@ -311,7 +330,7 @@ class Env(Generic[TaskT]):
         slot: RunSlot[TaskT],
         ctx: ModelContext,
         *,
-        on_complete: Callable[[Episode], Awaitable[None] | None] | None = None,
+        on_complete: OnComplete | None = None,
     ) -> Episode:
         """Run one slot to its episode, retrying the whole episode per `self.retries`.
 
@@ -359,13 +378,7 @@ class Env(Generic[TaskT]):
             "waited_connection": waits.connection,
             "waited_rate": waits.rate,
         }
-        slot.done = True
-        if on_complete is not None:
-            result = on_complete(episode)  # a sync callback cannot be cancelled: no scope needed
-            if inspect.isawaitable(result):
-                with trio.CancelScope(shield=True):
-                    await result
-        return episode
+        return await complete_slot(slot, episode, on_complete)
 
     async def _timed(
         self, task: TaskT, ctx: ModelContext, *, seconds: float

@@ -62,7 +62,7 @@ from typing import Any, ClassVar, TypeVar, cast
 import attrs
 import trio
 
-from ..env import Env, Episode, Message, RetryPolicy, Reward, RunSlot
+from ..env import Env, Episode, Message, OnComplete, RetryPolicy, Reward, RunSlot, complete_slot
 from ..models import Completion, ModelContext, Sampling
 from ..tasksets import Taskset, TasksetConfig
 from .feeds import as_taskset
@@ -409,7 +409,7 @@ class BridgedEnv(Env[TaskT]):
         slot: RunSlot[TaskT],
         ctx: ModelContext,
         *,
-        on_complete: Callable[[Episode], Awaitable[None] | None] | None = None,
+        on_complete: OnComplete | None = None,
     ) -> Episode:
         """`Env.run_slot` over the bridged `rollout`/`score`, or, if the asyncio env has its own
         `run_slot(slot, ctx)`, that one as an asyncio task (what it raises propagates, as a
@@ -426,14 +426,7 @@ class BridgedEnv(Env[TaskT]):
                 f"{type(self.aio_env).__name__}.run_slot must return a tt.Episode, got "
                 f"{type(episode).__name__}"
             )
-        slot.episode = episode
-        slot.done = True
-        if on_complete is not None:
-            result = on_complete(episode)
-            if inspect.isawaitable(result):
-                with trio.CancelScope(shield=True):
-                    await result
-        return episode
+        return await complete_slot(slot, episode, on_complete)
 
 
 def bridge_env(

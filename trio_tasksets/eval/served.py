@@ -4,13 +4,13 @@ from __future__ import annotations
 
 import contextlib
 import os
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable
 from contextlib import asynccontextmanager
 from typing import Any, Protocol
 
 import trio
 
-from ..env import Env, Episode, RunSlot
+from ..env import Env, Episode, OnComplete, RunSlot
 from ..envspec import EnvSpec, TravelError
 from ..models import ModelContext, OpenAIClient
 from ..serve.client import EnvClient
@@ -29,7 +29,7 @@ class SlotRunner(Protocol):
         self,
         slot: RunSlot[Any],
         *,
-        on_complete: Callable[[Episode], Awaitable[None] | None] | None = None,
+        on_complete: OnComplete | None = None,
     ) -> Awaitable[Episode]: ...
 
 
@@ -95,7 +95,7 @@ async def served_runner(
         def run(
             slot: RunSlot[Any],
             *,
-            on_complete: Callable[[Episode], Awaitable[None] | None] | None = None,
+            on_complete: OnComplete | None = None,
         ) -> Awaitable[Episode]:
             return client.run_slot(slot, ctx, on_complete=on_complete, retries=env.retries)
 

@@ -29,11 +29,10 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import inspect
 import math
 import time
 import uuid
-from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
+from collections.abc import AsyncIterator, Iterator
 from contextlib import asynccontextmanager
 from typing import Any
 
@@ -42,7 +41,7 @@ import orjson
 import trio
 
 from .. import dashboard
-from ..env import Env, Episode, RunSlot
+from ..env import Env, Episode, OnComplete, RunSlot, complete_slot
 from ..models import ModelContext
 from ..redis.entries import (
     ENV_FIELD,
@@ -201,7 +200,7 @@ class _Coordinator:
         self,
         slot: RunSlot[Any],
         *,
-        on_complete: Callable[[Episode], Awaitable[None] | None] | None = None,
+        on_complete: OnComplete | None = None,
     ) -> Episode:
         fields = {
             TASK_FIELD: encode_task(slot.task, any_data=self._any_data).decode(),
@@ -220,13 +219,7 @@ class _Coordinator:
                 f"(task {answer.get('key')!r}): {answer[REFUSED_FIELD]}"
             )
         episode = Episode.from_row(orjson.loads(answer["row"]))
-        slot.episode, slot.done = episode, True
-        if on_complete is not None:
-            result = on_complete(episode)
-            if inspect.isawaitable(result):
-                with trio.CancelScope(shield=True):
-                    await result
-        return episode
+        return await complete_slot(slot, episode, on_complete)
 
     # --- the loops ------------------------------------------------------------------------
 

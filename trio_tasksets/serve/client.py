@@ -2,18 +2,16 @@
 
 from __future__ import annotations
 
-import inspect
 import json
 import math
 import time
-from collections.abc import Awaitable, Callable
 from types import TracebackType
 from typing import Any, Self
 from urllib.parse import urlsplit
 
 import trio
 
-from ..env import Episode, RetryPolicy, RunSlot
+from ..env import Episode, OnComplete, RetryPolicy, RunSlot, complete_slot
 from ..models import ModelContext
 from .errors import EnvServerError, transport_reason
 from .transport import HTTPConnections, Refused, TooLarge, WSConnection, WSGone
@@ -305,7 +303,7 @@ class EnvClient:
         slot: RunSlot[Any],
         ctx: ModelContext,
         *,
-        on_complete: Callable[[Episode], Awaitable[None] | None] | None = None,
+        on_complete: OnComplete | None = None,
         retries: RetryPolicy | None = None,
     ) -> Episode:
         """`Env.run_slot` through the server: one `run` per slot (more only on a retry), the
@@ -326,14 +324,7 @@ class EnvClient:
                 if not retry_server_error(retries, exc, attempt):
                     raise
                 await trio.sleep(retries.delay(attempt) if retries is not None else 0)
-        slot.episode = episode
-        slot.done = True
-        if on_complete is not None:
-            result = on_complete(episode)  # a sync callback cannot be cancelled: no scope needed
-            if result is not None and inspect.isawaitable(result):
-                with trio.CancelScope(shield=True):
-                    await result
-        return episode
+        return await complete_slot(slot, episode, on_complete)
 
     async def aclose(self) -> None:
         """Close the WebSockets (runs still waiting on them fail) and the idle HTTP
