@@ -8,6 +8,7 @@ import shutil
 import socket
 import ssl
 import subprocess
+import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -383,3 +384,30 @@ async def test_an_idle_connection_redis_dropped_is_replaced_quietly(servers: Ser
     assert used[0].closed
     assert logged == []  # no failed call, no "unreachable" line
     link.close()
+
+
+@needs_server
+@pytest.mark.parametrize(
+    "command",
+    [
+        ["worker", "echo", "--stream", "t", "--group", "g", "--results", "r", "--no-dashboard",
+         "--feed"],
+        ["enqueue", "echo", "--stream", "t", "--feed"],
+        ["eval", "echo", "--no-dashboard", "--via"],
+    ],
+)  # fmt: skip
+def test_a_refused_login_exits_2_naming_the_flag_and_the_fix(
+    servers: Servers, command: list[str], tmp_path: Path
+) -> None:
+    url = f"redis://{USER}:not-it@127.0.0.1:{servers.port}/0"
+    done = subprocess.run(
+        [sys.executable, "-m", "trio_tasksets", *command, url],
+        capture_output=True, text=True, timeout=60, cwd=tmp_path,
+    )  # fmt: skip
+    assert done.returncode == 2, done.stderr
+    line = done.stderr.strip().splitlines()[-1]
+    flag = command[-1]
+    assert f"{flag} redis://{USER}:***@127.0.0.1:{servers.port}/0: Redis refused the login" in line
+    assert "WRONGPASS" in line
+    assert "give the password in the URL" in line
+    assert "not-it" not in done.stderr

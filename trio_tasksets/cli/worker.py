@@ -126,10 +126,17 @@ def _worker_config(args: argparse.Namespace) -> WorkerConfig:
 
 
 async def _work(config: WorkerConfig, ctx: ModelContext, env: Env[Any]) -> WorkerReport:
-    try:
-        from ..redis.worker import run_worker
+    from ..redis.link import login_refused, unusable
+    from ..redis.resp import ReplyError
+    from ..redis.worker import run_worker
 
+    try:
         return await run_worker(config, ctx, env=env)
+    except ReplyError as exc:
+        if login_refused(exc):
+            message, fix = unusable("--feed", config.feed, exc)
+            raise UsageError(message, fix=fix) from None
+        raise
     finally:
         with trio.CancelScope(shield=True):
             await ctx.client.aclose()
@@ -164,17 +171,14 @@ def run_enqueue(args: argparse.Namespace) -> int:
 
 
 def _ping(url: str) -> None:
-    from ..redis.entries import redact
-    from ..redis.link import server_run_id
+    from ..redis.link import server_run_id, unusable
     from ..redis.resp import RedisError
 
     try:
         trio.run(server_run_id, url)
     except RedisError as exc:
-        raise UsageError(
-            f"--feed {redact(url)}: cannot reach Redis ({type(exc).__name__}: {exc})",
-            fix="start redis-server there, or fix the URL",
-        ) from None
+        message, fix = unusable("--feed", url, exc)
+        raise UsageError(message, fix=fix) from None
 
 
 async def _enqueue(url: str, stream: str, taskset: Any, n: int | None) -> list[str]:

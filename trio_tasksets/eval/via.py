@@ -56,7 +56,7 @@ from ..redis.entries import (
     redact,
     stderr_log,
 )
-from ..redis.link import Link, server_run_id
+from ..redis.link import Link, server_run_id, unusable
 from ..redis.resp import Command, Connection, RedisError, ReplyError, first_stream, info
 from .config import EvalConfigError
 from .served import SlotRunner
@@ -93,10 +93,8 @@ async def reach(url: str) -> str:
     try:
         return await server_run_id(url)
     except RedisError as exc:
-        raise EvalConfigError(
-            f"--via {redact(url)}: cannot reach Redis ({type(exc).__name__}: {exc}); start "
-            f"redis-server there or fix the URL"
-        ) from None
+        message, fix = unusable("--via", url, exc)
+        raise EvalConfigError(f"{message}; {fix}") from None
 
 
 async def _add(

@@ -9,7 +9,7 @@ from typing import Any, TypeVar
 import trio
 
 from .entries import Log, redact
-from .resp import Address, Connection, ReplyError, Unreachable, first_stream, info
+from .resp import Address, Connection, RedisError, ReplyError, Unreachable, first_stream, info
 
 T = TypeVar("T")
 _BACKOFF_FIRST = 0.1
@@ -132,3 +132,26 @@ async def server_run_id(url: str) -> str:
         return info(await connection.execute("INFO", "server"))["run_id"]
     finally:
         connection.close()
+
+
+_LOGIN_REFUSED = ("NOAUTH", "WRONGPASS", "ERR AUTH", "ERR invalid password", "ERR invalid username")
+
+
+def login_refused(error: BaseException) -> bool:
+    """Redis refused the login: a wrong or missing password (no retry mends that)."""
+    return isinstance(error, ReplyError) and str(error).startswith(_LOGIN_REFUSED)
+
+
+def unusable(flag: str, url: str, error: RedisError) -> tuple[str, str]:
+    """What to tell someone whose `flag` URL failed with `error`: the message and the fix
+    (a refused login names the URL's password; anything else, reaching Redis)."""
+    if login_refused(error):
+        return (
+            f"{flag} {redact(url)}: Redis refused the login ({error})",
+            "give the password in the URL: redis://[user]:password@host[:port][/db] "
+            "(%-escape : @ / %)",
+        )
+    return (
+        f"{flag} {redact(url)}: cannot reach Redis ({type(error).__name__}: {error})",
+        "start redis-server there, or fix the URL",
+    )
