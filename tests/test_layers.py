@@ -25,6 +25,7 @@ LAYERS: dict[str, int] = {
     "limits": 1,
     "tasksets": 1,
     "sources": 2,
+    "training": 2,
     "testing": 2,
     "builtin": 2,
     "transport": 2,

@@ -24,11 +24,13 @@ from .models import (
     ModelTimeoutError,
     OpenAIClient,
     Sampling,
+    Tokens,
 )
 from .runner import as_completed, run_stream
 from .serve import EnvClient
 from .sources import merge, take
 from .tasksets import Task, Taskset, TasksetConfig
+from .training import Staleness, first
 from .version import __version__
 from .window import AdaptiveWindow, Window
 
@@ -56,13 +58,16 @@ __all__ = [
     "RolloutTimeoutError",
     "RunSlot",
     "Sampling",
+    "Staleness",
     "Task",
     "Taskset",
     "TasksetConfig",
+    "Tokens",
     "Window",
     "__version__",
     "aio",
     "as_completed",
+    "first",
     "merge",
     "report",
     "run_eval",

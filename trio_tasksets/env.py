@@ -16,8 +16,9 @@ import attrs
 import trio
 
 from .limits import CallObserver, observe_calls, report_outcome
-from .models import Completion, ModelContext, observe_completions
+from .models import Completion, ModelContext, Tokens, observe_completions
 from .tasksets import Taskset
+from .training import current_run
 from .window import AdaptiveWindow, Outcome, Window
 
 __all__ = [
@@ -119,14 +120,23 @@ class Episode:
     timing: dict[str, float] = attrs.Factory(dict)
     usage: dict[str, int] = attrs.Factory(dict)
     finish_reason: str | None = None
+    # Training fields (SPEC 10); a row holds each only when it is set.
+    tokens: list[dict[str, Any]] = attrs.Factory(list)  # each model call's `Tokens.to_dict()`
+    group: str | None = None  # the id shared by the rollouts of one group (`--group`)
+    advantage: float | None = None  # set by `Env.score_group` (e.g. GRPO's)
+    policy_version: int | None = None  # the `tt.Staleness` version when the slot started
+    stale: bool = False  # finished more than `max_lag` versions behind (withheld)
 
     def count(self, completion: Completion) -> None:
-        """Add one model reply's token usage, and keep its finish reason."""
+        """Add one model reply's token usage, keep its finish reason, and its token ids and
+        logprobs when the server returned them (one `tokens` entry per model call)."""
         usage = self.usage
         for name, value in completion.usage.items():
             usage[name] = usage.get(name, 0) + value
         if completion.finish_reason is not None:
             self.finish_reason = completion.finish_reason
+        if completion.tokens is not None:
+            self.tokens.append(completion.tokens.to_dict())
 
     def to_row(self) -> dict[str, Any]:
         """The trace row: the episode's fields under the same names, JSON-ready."""
@@ -146,7 +156,21 @@ class Episode:
             "timing": self.timing,
             "usage": self.usage,
             "finish_reason": self.finish_reason,
+            **self._training_fields(),
         }
+
+    def _training_fields(self) -> dict[str, Any]:
+        """The row's training fields that are set (none for a plain eval's rows)."""
+        fields: dict[str, Any] = {}
+        if self.tokens:
+            fields["tokens"] = self.tokens
+        if self.group is not None:
+            fields["group"] = self.group
+            fields["advantage"] = self.advantage
+        if self.policy_version is not None:
+            fields["policy_version"] = self.policy_version
+            fields["stale"] = self.stale
+        return fields
 
     @classmethod
     def from_row(cls, row: dict[str, Any]) -> Episode:
@@ -164,6 +188,13 @@ class Episode:
             timing=dict(row.get("timing", {})),
             usage={str(k): int(v) for k, v in (row.get("usage") or {}).items()},
             finish_reason=None if row.get("finish_reason") is None else str(row["finish_reason"]),
+            tokens=[Tokens.from_dict(t).to_dict() for t in row.get("tokens") or []],
+            group=None if row.get("group") is None else str(row["group"]),
+            advantage=None if row.get("advantage") is None else float(row["advantage"]),
+            policy_version=(
+                None if row.get("policy_version") is None else int(row["policy_version"])
+            ),
+            stale=bool(row.get("stale", False)),
         )
 
     @classmethod
@@ -194,11 +225,15 @@ class Episode:
                 and type(get("usage")) is dict
                 and all(type(v) is int for v in row["usage"].values())
                 and (finish is None or type(finish) is str)
+                and _TRAINING_KEYS.isdisjoint(row)  # else from_row reads them
             ):
                 return cls(row["id"], EpisodeTask(task["key"], task["data"]), row["rollout"],
                            row["ok"], row["reward"], completion, row["messages"], errors,
                            row["attempts"], row["timing"], row["usage"], finish)  # fmt: skip
         return cls.from_row(row)  # type: ignore[arg-type]  # not a dict: it raises
+
+
+_TRAINING_KEYS = frozenset({"tokens", "group", "advantage", "policy_version", "stale"})
 
 
 @attrs.define(eq=False)
@@ -344,6 +379,9 @@ class Env(Generic[TaskT]):
             task=EpisodeTask(key=task_key(task), data=task_data(task)),
             rollout=slot.rollout,
         )
+        live = current_run()  # a tt.Staleness wrapper's run: the policy version
+        if live is not None:
+            episode.policy_version = live.version
         slot.episode = episode
         slot.started = time.time()
         began = trio.current_time()
@@ -378,6 +416,8 @@ class Env(Generic[TaskT]):
             "waited_connection": waits.connection,
             "waited_rate": waits.rate,
         }
+        if live is not None:
+            episode.stale = live.stale  # withheld: finished more than max_lag behind
         return await complete_slot(slot, episode, on_complete)
 
     async def _timed(
