@@ -1,6 +1,7 @@
 """trio_tasksets: streaming tasksets and a windowed runner on Trio.
 
-The flat public API (SPEC): the runner (`run_stream`, `as_completed`, `take`, `merge`),
+The flat public API (SPEC): the runner (`run_stream`, `as_completed`, `take`, `merge`,
+`fan_out`),
 tasksets (`Task`, `TasksetConfig`, `Taskset`), envs and models (`Env`, `RunSlot`, `Episode`,
 `RetryPolicy`, `Sampling`, `ModelContext`, `EchoClient`, `OpenAIClient`), the served path's
 `EnvClient` and the eval
@@ -26,7 +27,7 @@ from .models import (
     Sampling,
     Tokens,
 )
-from .runner import as_completed, run_stream
+from .runner import as_completed, fan_out, run_stream
 from .serve import EnvClient
 from .sources import merge, take
 from .tasksets import Task, Taskset, TasksetConfig
@@ -67,6 +68,7 @@ __all__ = [
     "__version__",
     "aio",
     "as_completed",
+    "fan_out",
     "first",
     "merge",
     "report",
