@@ -34,6 +34,7 @@ LAYERS: dict[str, int] = {
     "dashboard": 4,
     "traces": 4,
     "loading": 5,
+    "groups": 5,
     "envspec": 6,
     "serve": 7,
     "redis": 7,

@@ -360,6 +360,12 @@ class Env(Generic[TaskT]):
             value = await value
         return float(value)
 
+    async def score_group(self, task: TaskT, episodes: list[Episode]) -> None:
+        """Score a group (`--group`: a task's `-r` rollouts), once all are done and ok: set
+        each episode's `reward` and `advantage` as you like (e.g. GRPO's reward minus the
+        group mean). Default: nothing (each keeps its own reward; `advantage` stays None).
+        Raising fails the group (every row `ok=False` with the cause)."""
+
     async def run_slot(
         self,
         slot: RunSlot[TaskT],

@@ -61,7 +61,12 @@ async def first(
         raise ValueError(f"n must be >= 0, got {n}")
     if accept is not None and not callable(accept):
         raise TypeError(f"accept must be a callable taking a result, or None, got {accept!r}")
-    results = as_completed(source, run, window=window)  # checks source, run, window
+    as_completed(source, run, window=window)  # checks source, run and window, starts nothing
+    if isinstance(window, int):
+        # A tt.Window, so that the rollouts of a group run inside `run` (a fan_out under
+        # window.prioritized) take freed places before the next pull.
+        window = Window(window)
+    results = as_completed(source, run, window=window)
     kept: list[R] = []
     if n == 0:
         with trio.CancelScope(shield=True):

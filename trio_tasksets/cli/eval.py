@@ -86,6 +86,12 @@ def add_parser(commands: Commands) -> argparse.ArgumentParser:
     )
     add_window_option(run, help="the window: most rollouts in flight")
     run.add_argument(
+        "--group", action="store_true",
+        help="a task's -r rollouts are one group: they run together, Env.score_group scores "
+        "them, their rows are written together (with `group` and `advantage`), and one that "
+        "fails after its retries fails the group",
+    )  # fmt: skip
+    run.add_argument(
         "--shuffle", action="store_true", help="shuffle a static taskset before taking N"
     )
     run.add_argument(
@@ -232,6 +238,7 @@ def _build(args: argparse.Namespace) -> tuple[Env[Any], ModelContext, EvalConfig
         via=args.via,
         stream=args.stream,
         time_limit=args.time_limit,
+        group=args.group,
     )
     return env, ctx, config
 

@@ -53,6 +53,9 @@ class EvalConfig:
     # --time-limit: seconds after which the eval stops pulling, cancels the runs in flight,
     # keeps the finished rows and ends with `stopped: "time_limit"`. None: no limit.
     time_limit: float | None = None
+    # --group: a task's rollouts are one group (SPEC 10): run together, scored together by
+    # Env.score_group, written together; one failing after its retries fails the group.
+    group: bool = False
     # Recorded in config.json only (never compared by a resume): the command line that ran
     # the eval (default: sys.argv) and the name of the variable the model's API key came from.
     command: list[str] | None = None
@@ -74,7 +77,7 @@ class EvalResult:
 
 # The saved config keys that decide which slots a run owes; a resume must match them all.
 IDENTITY = ("taskset", "taskset_config", "model", "sampling", "num_examples",
-             "rollouts_per_example", "shuffle", "seed")  # fmt: skip
+             "rollouts_per_example", "shuffle", "seed", "group")  # fmt: skip
 
 
 def _check_int(value: object, flag: str, minimum: int, *, optional: bool = False) -> None:
@@ -137,6 +140,8 @@ def preflight(env: Env[Any], ctx: ModelContext, config: EvalConfig) -> None:
     ):
         raise EvalConfigError(f"--time-limit must be a number of seconds > 0, got {limit!r}")
     _check_int(config.workers, "--workers", 1)
+    if not isinstance(config.group, bool):
+        raise EvalConfigError(f"--group is a switch (True or False), got {config.group!r}")
     check_max_failures(config.max_failures)
     taskset = env.taskset
     name = type(taskset).__name__
@@ -208,7 +213,7 @@ def via_stream(config: EvalConfig) -> str:
 def run_identity(env: Env[Any], ctx: ModelContext, config: EvalConfig) -> dict[str, Any]:
     taskset = env.taskset
     cls = type(taskset)
-    return {
+    identity: dict[str, Any] = {
         "taskset": f"{cls.__module__}:{cls.__qualname__}",
         "taskset_config": json.loads(json.dumps(attrs.asdict(taskset.config), default=str)),
         "model": ctx.model,
@@ -218,6 +223,9 @@ def run_identity(env: Env[Any], ctx: ModelContext, config: EvalConfig) -> dict[s
         "shuffle": config.shuffle,
         "seed": config.seed,
     }
+    if config.group:  # absent otherwise: runs saved before groups existed still resume
+        identity["group"] = True
+    return identity
 
 
 def default_run_name(env: Env[Any], ctx: ModelContext) -> str:

@@ -39,6 +39,7 @@ import trio
 
 from .. import dashboard
 from ..env import Env, Episode, RunSlot, WindowFeed
+from ..groups import Group, OpenGroups, cause_first, group_slots, run_group
 from ..limits import EndpointLimits, observe_calls
 from ..models import ModelContext
 from ..runner import pick_one, run_stream
@@ -57,7 +58,7 @@ from .config import (
     run_identity,
     via_stream,
 )
-from .plan import from_list, keep_resumable, plan_stream, static_slots
+from .plan import from_groups, from_list, keep_resumable, plan_groups, plan_stream, static_slots
 from .served import SlotRunner, served_runner
 
 # What each file of a run dir is called; a run that leaves no row behind removes them.
@@ -270,7 +271,7 @@ async def run_eval(
         _say_if_short(env, config, slots)
     kept_rows: list[dict[str, Any]] = []
     if config.resume:
-        kept_rows, slots = keep_resumable(run_dir, identity, slots)
+        kept_rows, slots = keep_resumable(run_dir, identity, slots, groups=config.group)
     elif run_dir.exists() and any(run_dir.iterdir()):
         raise EvalConfigError(
             f"{run_dir} already holds a run: pass --resume to continue it, or choose another "
@@ -426,6 +427,21 @@ async def _execute(
                 feed.ended(episode)  # the run still holds its place in the window
                 return episode
 
+            async def rollout(slot: RunSlot[Any]) -> Episode:  # of a group: no row yet
+                progress.started()
+                if feed.window is None:
+                    return await run_slot(slot)
+                with observe_calls(feed):
+                    episode = await run_slot(slot)
+                feed.ended(episode)
+                return episode
+
+            async def run_one_group(group: Group) -> list[Episode]:
+                done = await run_group(env, group, rollout)
+                for episode in cause_first(done):  # the group's rows, together
+                    record(episode)
+                return done
+
             episodes: list[Episode] | None = None
             with trio.CancelScope() as tally.scope:
                 async with trio.open_nursery() as nursery:
@@ -433,14 +449,25 @@ async def _execute(
                         await nursery.start(_watch_signals, tally)
                     if config.time_limit is not None:
                         nursery.start_soon(_stop_at, tally, deadline)
-                    if not env.taskset.streaming:
+                    opened = OpenGroups(window)  # a group's rollouts before a new task
+                    if config.group and not env.taskset.streaming:
+                        grouped = opened.gate(from_groups(group_slots(slots)))
+                        done = await run_stream(grouped, run_one_group, window=window)
+                        episodes = [episode for group in done for episode in group]
+                    elif not env.taskset.streaming:
                         source = from_list(slots)
                         episodes = await run_stream(source, run, window=window)
                     else:
                         assert config.num_examples is not None
+                        r = config.rollouts_per_example
                         async with env.taskset.head(config.num_examples).channel() as tasks:
-                            planned = plan_stream(tasks, config.rollouts_per_example, progress)
-                            episodes = await run_stream(planned, run, window=window)
+                            if config.group:
+                                groups = opened.gate(plan_groups(tasks, r, progress))
+                                done = await run_stream(groups, run_one_group, window=window)
+                                episodes = [episode for group in done for episode in group]
+                            else:
+                                planned = plan_stream(tasks, r, progress)
+                                episodes = await run_stream(planned, run, window=window)
                     nursery.cancel_scope.cancel()  # the signal watcher
             return None if tally.stopped is not None else episodes
     except BaseExceptionGroup as group:

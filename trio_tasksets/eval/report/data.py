@@ -106,6 +106,7 @@ class RunData:
     prompt_tokens: list[int | None] = attrs.Factory(list)
     completion_tokens: list[int | None] = attrs.Factory(list)
     finish_reason: list[int] = attrs.Factory(list)
+    group: list[str | None] = attrs.Factory(list)  # `--group`: the row's group id
     extra: dict[int, dict[str, Any]] = attrs.Factory(dict)  # row index -> its other fields
 
     @property
@@ -152,7 +153,7 @@ class RunData:
         add_duration, add_errors = self.duration.append, self.errors.append
         add_completion, add_messages = self.completion.append, self.messages.append
         add_prompt, add_generated = self.prompt_tokens.append, self.completion_tokens.append
-        add_reason = self.finish_reason.append
+        add_reason, add_group = self.finish_reason.append, self.group.append
         for line, row in numbered:
             if type(row) is not dict:
                 self.unreadable.append(line)
@@ -221,6 +222,8 @@ class RunData:
                 add_generated(None)
             reason = get("finish_reason")
             add_reason(text(reason, len(index)) if type(reason) is str else -1)
+            group = get("group")
+            add_group(group if type(group) is str else None)
             if (
                 row.keys() - _KNOWN
                 or timing.keys() - _TIMING
