@@ -423,3 +423,21 @@ async def test_the_report_groups_rows_and_shows_the_spread(
     html = tt.report(result.run_dir).read_text()
     assert "3 groups" in html
     assert 'data-figure="groups_flat" data-value="3"' in html
+
+
+async def test_group_feed_under_first_closes_the_tasks(autojump_clock: MockClock) -> None:
+    from trio_tasksets.groups import group_feed
+
+    feed = tt.testing.Feed(*(tt.Task(prompt=f"t{i}") for i in range(100)))
+    script = Scripted({(f"t{i}", r): 1.0 + i % 3 for i in range(100) for r in range(3)})
+    env = Grpo(tt.testing.FeedTaskset())
+    window = tt.Window(4)
+    groups = group_feed(feed, 3, window)
+    got = await tt.first(2, groups, lambda g: run_group(env, g, script), window=window)
+    assert len(got) == 2
+    assert all(len(group) == 3 for group in got)
+    assert feed.closed
+    assert script.live == set()
+    assert script.peak <= 4
+    with pytest.raises(ValueError, match="rollouts must be an int >= 1"):
+        group_feed(feed, 0, window)

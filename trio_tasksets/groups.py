@@ -31,7 +31,15 @@ from .env import Env, Episode, EpisodeError, EpisodeTask, RunSlot, task_data, ta
 from .runner import close_iterator, fan_out
 from .window import Window, prioritized
 
-__all__ = ["Group", "GroupFailedError", "OpenGroups", "cause_first", "group_slots", "run_group"]
+__all__ = [
+    "Group",
+    "GroupFailedError",
+    "OpenGroups",
+    "cause_first",
+    "group_feed",
+    "group_slots",
+    "run_group",
+]
 
 RunRollout = Callable[[RunSlot[Any]], Awaitable[Episode]]
 
@@ -123,6 +131,34 @@ def group_slots(slots: list[RunSlot[Any]]) -> list[Group]:
         else:
             groups.append(Group(slot.task, [slot]))
     return groups
+
+
+def group_feed(
+    tasks: AsyncIterable[Any], rollouts: int, window: Window | None
+) -> AsyncIterator[Group]:
+    """A feed of tasks as a feed of groups of `rollouts` slots each, for a runner over
+    `window` (the same `tt.Window` the runner is given): the next task is pulled only once
+    every open group's rollouts have started (`OpenGroups.gate`). Closing it closes `tasks`.
+    Run each group with `run_group`."""
+    if isinstance(rollouts, bool) or not isinstance(rollouts, int) or rollouts < 1:
+        raise ValueError(f"rollouts must be an int >= 1, got {rollouts!r}")
+    return OpenGroups(window).gate(_as_groups(tasks, rollouts))
+
+
+async def _as_groups(tasks: AsyncIterable[Any], rollouts: int) -> AsyncIterator[Group]:
+    iterator = aiter(tasks)
+    try:
+        while True:
+            try:
+                task = await anext(iterator)
+            except StopAsyncIteration:
+                return
+            yield Group(task, [RunSlot(task, rollout) for rollout in range(rollouts)])
+    finally:
+        with trio.CancelScope(shield=True):
+            error = await close_iterator(iterator, tasks)
+        if error is not None:
+            raise error
 
 
 class _RolloutFailed(Exception):

@@ -143,6 +143,7 @@ class Staleness:
         self._changed = trio.Event()
         self.cancelled = 0  # runs cancelled as stale
         self.withheld = 0  # runs marked stale and left to finish
+        self.pauses = 0  # pulls of `feed` that waited for the trainer
 
     def __repr__(self) -> str:
         return (
@@ -218,6 +219,8 @@ class Staleness:
 
     async def wait_until_fed(self) -> None:
         """Return once `feed` may pull (at once unless the trainer is behind)."""
+        if self.behind:
+            self.pauses += 1
         while self.behind:
             await self._changed.wait()
 
