@@ -127,3 +127,12 @@ def test_a_group_failing_after_retries(tmp_path: Path) -> None:
     assert summary["failed"] == 3
     assert summary["first_error"]["type"] == "RuntimeError"
     assert "RuntimeError" in done.stdout + done.stderr
+
+
+def test_group_over_the_served_path(tmp_path: Path) -> None:
+    done = run(tmp_path, "--env-class", f"{tmp_path / 'envs.py'}:Grpo", "--group", "-r", "3",
+               "--serve")  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    groups = by_group(rows(tmp_path))
+    assert sorted(len(members) for members in groups.values()) == [3, 3, 3]
+    assert all(r["advantage"] == 0.0 for members in groups.values() for r in members)
