@@ -441,3 +441,21 @@ async def test_group_feed_under_first_closes_the_tasks(autojump_clock: MockClock
     assert script.peak <= 4
     with pytest.raises(ValueError, match="rollouts must be an int >= 1"):
         group_feed(feed, 0, window)
+
+
+async def test_a_group_waiting_for_its_last_rollouts_lends_its_place(
+    autojump_clock: MockClock,
+) -> None:
+    groups = make_groups([2, 2])
+    script = Scripted({("t0", 0): 1, ("t0", 1): 10, ("t1", 0): 1, ("t1", 1): 1})
+    env = Grpo(tt.testing.FeedTaskset())
+    window = tt.Window(2)
+    gate = OpenGroups(window)
+    await tt.run_stream(
+        gate.gate(source(groups)), lambda g: run_group(env, g, script), window=window
+    )
+    # t0/0 ends at 1 and t0 waits for t0/1 until 10: its place goes to t1 meanwhile
+    assert script.starts[("t1", 0)] == 1.0
+    assert script.peak == 2
+    assert window.in_flight == 0
+    assert window.limiter.total_tokens == 2  # every lent place given back

@@ -164,3 +164,31 @@ async def test_echo_fills_no_tokens() -> None:
     )
     await trio.lowlevel.checkpoint()
     assert reply.tokens is None
+
+
+def test_return_tokens_travels_to_an_env_server() -> None:
+    from trio_tasksets.serve.wire import WireError, encode_run_request, parse_run_request
+
+    ctx = tt.ModelContext(tt.EchoClient(), "echo", Sampling(return_tokens=True))
+    body = json.loads(encode_run_request(tt.RunSlot(tt.Task("x")), ctx))
+    assert parse_run_request(body).sampling == ctx.sampling
+    body["ctx"]["sampling"]["return_tokens"] = "yes"
+    with pytest.raises(WireError) as caught:
+        parse_run_request(body)
+    assert caught.value.field == "ctx.sampling.return_tokens"
+
+
+def test_rows_with_training_fields_read_back_from_an_env_server() -> None:
+    episode = tt.Episode(
+        id="e", task=tt.EpisodeTask("k", {"prompt": "p"}), rollout=0, ok=True, reward=1.0,
+        tokens=[Tokens([1], [2], [-0.5]).to_dict()], group="g", advantage=0.5,
+        policy_version=3, stale=True,
+    )  # fmt: skip
+    row = json.loads(json.dumps(episode.to_row()))
+    back = tt.Episode._from_fresh_row(row)
+    assert back == episode
+    plain = tt.Episode(id="e", task=tt.EpisodeTask("k", {}), rollout=0)
+    assert set(plain.to_row()) == {
+        "id", "task", "rollout", "ok", "reward", "completion", "messages", "errors",
+        "attempts", "timing", "usage", "finish_reason",
+    }  # fmt: skip

@@ -4,7 +4,10 @@
 nursery and one cancel scope (a `fan_out`), so inside a windowed runner each live rollout
 holds one place of the window (`-c` counts live rollouts) and the group's waiting rollouts
 take freed places before the runner pulls a new task (`window.prioritized`, prefix-cache
-friendly: an open group is finished before the next one opens). When every rollout is done,
+friendly: an open group is finished before the next one opens). Once all of a group's
+rollouts have started, the place its run holds (the runner's, which `fan_out` lends to the
+group's rollouts one after the other) is lent while the last ones finish (`Window.lend`), so
+no place idles during a group's tail. When every rollout is done,
 `env.score_group(task, episodes)` runs once (it may set each episode's `reward` and
 `advantage`); every episode gets the group's id (`Episode.group`).
 
@@ -195,14 +198,33 @@ async def run_group(env: Env[Any], group: Group, run_rollout: RunRollout) -> lis
     done: dict[int, Episode] = {}
 
     opened = group.opened
+    window = None if opened is None else opened.window
+    caller = trio.lowlevel.current_task()
+    size = len(group.slots)
+    started = 0
+    ended = 0
+    siblings = trio.Event()  # set when every rollout has ended
 
     async def rollout(index: int, slot: RunSlot[Any]) -> Episode:
+        nonlocal started, ended
+        started += 1
         if opened is not None:
             opened.started(group)
-        episode = await run_rollout(slot)
+        try:
+            episode = await run_rollout(slot)
+        finally:
+            ended += 1
+            if ended == size:
+                siblings.set()
         done[index] = episode
         if not episode.ok:
             raise _RolloutFailed(episode)
+        # The group's own place (the runner's, lent to its rollouts by fan_out) runs no
+        # rollout once all have started: lend it while the others finish, so none idles.
+        alone = started == size and not siblings.is_set()
+        if window is not None and alone and trio.lowlevel.current_task() is caller:
+            async with window.lend(take_back=False):
+                await siblings.wait()
         return episode
 
     thunks = [functools.partial(rollout, i, slot) for i, slot in enumerate(group.slots)]

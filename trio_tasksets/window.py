@@ -148,13 +148,18 @@ class Window:
         self._limiter.release_on_behalf_of(borrower)
 
     @asynccontextmanager
-    async def lend(self) -> AsyncIterator[None]:
+    async def lend(self, *, take_back: bool = True) -> AsyncIterator[None]:
         """For the holder of a place that must wait for something other than its own work
         (a 429's Retry-After, a runner's pull waiting for an open group's rollouts to
         start): ``async with window.lend(): ...``. Its place is lent meanwhile: one more may
         start (the window holds `size` places that are not lent, plus the lent ones). On
         leaving, the holder waits for a place to free up, in turn with the runners' pulls,
-        and takes it back; leaving by an exception gives the place back at once."""
+        and takes it back; leaving by an exception gives the place back at once.
+
+        `take_back=False` is for a holder that releases its place right after the block (a
+        group's run once all its rollouts are done): the lent place is given back at once,
+        and the window is over-full by one until that release, so nothing starts meanwhile.
+        """
         self._lent += 1
         self._limiter.total_tokens = self._size + self._lent  # wakes a waiting acquirer
         try:
@@ -162,6 +167,9 @@ class Window:
         except BaseException:
             self._unlend()
             raise
+        if not take_back:
+            self._unlend()
+            return
         token = object()
         try:
             await self._limiter.acquire_on_behalf_of(token)
