@@ -20,17 +20,15 @@ import hmac
 import logging
 from collections import OrderedDict
 from collections.abc import Iterable, Mapping
-from typing import TYPE_CHECKING, Any
+from typing import Any
 from urllib.parse import urlsplit
 
 import attrs
 import trio
 
 from ..models import EchoClient, ModelClient, OpenAIClient
+from ..transport import HTTPClient
 from .wire import MAX_BODY_BYTES, ClientSpec, EchoSpec, Forbidden, OpenAISpec
-
-if TYPE_CHECKING:
-    import httpx
 
 log = logging.getLogger("trio_tasksets.serve")
 
@@ -274,7 +272,7 @@ class ModelPolicy:
                 f"{var!r} is not the server's key variable; {fix}",
             )
 
-    def build(self, spec: ClientSpec, http_client: httpx.AsyncClient | None = None) -> ModelClient:
+    def build(self, spec: ClientSpec, http_client: HTTPClient | None = None) -> ModelClient:
         """The model client `spec` stands for (on `http_client`, if given); call `check`
         first. It reaches the allowed URL itself (normalized), not the request's spelling."""
         if isinstance(spec, EchoSpec):
@@ -336,18 +334,15 @@ class ModelClients:
         self._clients: OrderedDict[ClientSpec, ModelClient] = OrderedDict()
         self._users: dict[ModelClient, int] = {}  # open non-echo clients -> runs using them
         self._retired: list[ModelClient] = []
-        self._pools: dict[str, httpx.AsyncClient] = {}  # by normalized base URL
+        self._pools: dict[str, HTTPClient] = {}  # by normalized base URL
 
-    def _pool(self, spec: ClientSpec) -> httpx.AsyncClient | None:
+    def _pool(self, spec: ClientSpec) -> HTTPClient | None:
         if not isinstance(spec, OpenAISpec):
             return None
-        import httpx
-
         url = normalize_base_url(spec.base_url)
         pool = self._pools.get(url)
-        if pool is None:  # as OpenAIClient makes its own; the timeout is set per request
-            limits = httpx.Limits(max_connections=None, max_keepalive_connections=256)
-            pool = self._pools[url] = httpx.AsyncClient(limits=limits)
+        if pool is None:  # as OpenAIClient makes its own; the timeouts are set per request
+            pool = self._pools[url] = HTTPClient()
         return pool
 
     def __len__(self) -> int:
