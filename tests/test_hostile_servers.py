@@ -21,6 +21,7 @@ import pytest
 import trio
 
 import trio_tasksets as tt
+from trio_tasksets.transport import HTTPClient, ProtocolError
 
 FIXTURES = Path(__file__).resolve().parent / "fixtures"
 if str(FIXTURES) not in sys.path:
@@ -230,3 +231,68 @@ async def test_a_gzip_bomb_from_an_allowed_endpoint_fails_the_run_and_not_the_se
                 assert peak_rss_mb(server.pid) < 300
                 echo = await client.run(slot(), tt.ModelContext(tt.EchoClient(), "echo"))
                 assert echo.ok
+
+
+# --- D4: bytes after a complete response; D7: the head limit ---------------------------------
+
+COMPLETION = (
+    b'{"choices": [{"message": {"role": "assistant", "content": "4"}, "finish_reason": "stop"}]}'
+)
+
+
+def framed(body: bytes, *, chunked: bool) -> bytes:
+    """A 200 response with `body`: Content-Length (the fast path) or chunked (h11's path)."""
+    if chunked:
+        return (
+            b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ntransfer-encoding: chunked"
+            b"\r\n\r\n%x\r\n%s\r\n0\r\n\r\n" % (len(body), body)
+        )
+    return b"HTTP/1.1 200 OK\r\ncontent-length: %d\r\n\r\n%s" % (len(body), body)
+
+
+@pytest.mark.parametrize("chunked", [False, True], ids=["fast path", "h11"])
+@pytest.mark.parametrize("after", [b"\x00junk\r\n\r\n", b"HTTP/1.1 200", b"0\r\n\r\n"])
+async def test_bytes_after_a_complete_response_close_the_connection_and_are_never_reposted(
+    chunked: bool, after: bytes
+) -> None:
+    """D4: junk h11 could not parse after a complete response made it a ProtocolError, and
+    `OpenAIClient` POSTed it again (a second charge); a partial head left over was pooled as
+    reusable. Now the complete response is returned, once, and its connection closed: the
+    next call opens another and reads its own answer."""
+    with RawHTTP(lambda _: framed(COMPLETION, chunked=chunked) + after) as endpoint:
+        async with tt.OpenAIClient(endpoint.url, max_retries=3, backoff=0) as client:
+            with trio.fail_after(20):
+                for calls in (1, 2):
+                    completion = await client.chat([], model="m", sampling=tt.Sampling())
+                    assert completion.content == "4"
+                    assert (endpoint.requests, endpoint.connections) == (calls, calls)
+
+
+def head_of(size: int, *, chunked: bool) -> bytes:
+    """A response head of exactly `size` bytes, its blank line included (padded with an
+    ``x-pad`` header)."""
+    start = b"HTTP/1.1 200 OK\r\n" + (
+        b"transfer-encoding: chunked\r\n" if chunked else b"content-length: 2\r\n"
+    )
+    pad = size - len(start) - len(b"x-pad: \r\n\r\n")
+    return start + b"x-pad: " + b"a" * pad + b"\r\n\r\n"
+
+
+@pytest.mark.parametrize("chunked", [False, True], ids=["fast path", "h11"])
+async def test_a_response_head_may_be_64_kib_and_not_a_byte_more(chunked: bool) -> None:
+    """D7: the fast path checked the head's size before each 64 KiB read, so heads up to
+    about 128 KiB passed. Now a head of exactly 64 KiB (its blank line included) is read on
+    either path, and one byte more is a ProtocolError naming the limit."""
+    body = b"2\r\nok\r\n0\r\n\r\n" if chunked else b"ok"
+    for size, ok in ((65536, True), (65537, False), (100_000, False)):
+        reply = head_of(size, chunked=chunked) + body
+        assert reply.index(b"\r\n\r\n") + 4 == size
+        with RawHTTP(lambda _, reply=reply: reply) as server:  # type: ignore[misc]
+            async with HTTPClient() as http:
+                with trio.fail_after(20):
+                    if ok:
+                        response = await http.request("GET", server.url)
+                        assert (response.status, response.body) == (200, b"ok")
+                    else:
+                        with pytest.raises(ProtocolError, match="over 65536 bytes"):
+                            await http.request("GET", server.url)
