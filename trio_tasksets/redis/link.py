@@ -9,7 +9,16 @@ from typing import Any, TypeVar
 import trio
 
 from .entries import Log, redact
-from .resp import Address, Connection, RedisError, ReplyError, Unreachable, first_stream, info
+from .resp import (
+    MAX_REPLY_BYTES,
+    Address,
+    Connection,
+    RedisError,
+    ReplyError,
+    Unreachable,
+    first_stream,
+    info,
+)
 
 T = TypeVar("T")
 _BACKOFF_FIRST = 0.1
@@ -28,13 +37,19 @@ class Link:
     per failure naming the URL, one when Redis answers again) on a new connection. Other errors
     (a `ReplyError`) are raised. No call is replayed behind the caller's back: `fn` is told
     which attempt it is. Calls may run at once: each holds a connection of its own while it
-    runs (kept for the next call after), so there are as many as calls at once.
+    runs (kept for the next call after), so there are as many as calls at once. A reply over
+    `max_reply_bytes` is `Unreachable` (the connection is closed).
     """
 
-    def __init__(self, url: str, *, read_timeout: float, log: Log) -> None:
+    def __init__(
+        self, url: str, *, read_timeout: float, log: Log, max_reply_bytes: int = MAX_REPLY_BYTES
+    ) -> None:
+        if max_reply_bytes < 1:
+            raise ValueError(f"max_reply_bytes must be >= 1, got {max_reply_bytes!r}")
         self.url = redact(url)
         self._address = Address.parse(url)
         self._read_timeout = read_timeout
+        self._max_reply = max_reply_bytes
         self._idle: list[Connection] = []
         self._log = log
 
@@ -88,7 +103,10 @@ class Link:
                 return connection
             connection.close()
         return await Connection.open(
-            self._address, connect_timeout=_CONNECT_TIMEOUT, read_timeout=self._read_timeout
+            self._address,
+            connect_timeout=_CONNECT_TIMEOUT,
+            read_timeout=self._read_timeout,
+            max_reply_bytes=self._max_reply,
         )
 
     def _back(self, failures: int, what: str) -> None:
