@@ -5,9 +5,13 @@ started with TLS. Every wait is bounded (`trio.fail_after`, or a subprocess time
 
 from __future__ import annotations
 
+import os
 import socket
+import subprocess
+import sys
 import threading
 from collections.abc import Callable
+from pathlib import Path
 
 import pytest
 import trio
@@ -134,3 +138,69 @@ async def test_a_reply_over_max_reply_bytes_fails_at_once_not_at_the_read_timeou
         assert connection.closed
     with pytest.raises(ValueError, match="max_reply_bytes"):
         Link("redis://127.0.0.1/0", read_timeout=1.0, log=print, max_reply_bytes=0)
+
+
+# --- D6: odd Redis-compatible servers --------------------------------------------------------
+
+
+def ok_to_everything(command: list[bytes], n: int) -> bytes:
+    return b"+OK\r\n"
+
+
+def info_without_run_id(command: list[bytes], n: int) -> bytes:
+    if command[0].upper() == b"INFO":
+        return bulk("# Server\r\nredis_version:7.2.0\r\nredis_mode:standalone\r\n")
+    return b"+OK\r\n"
+
+
+def streams_answer_ok(command: list[bytes], n: int) -> bytes:
+    """INFO as Redis answers it; every other command +OK (XREADGROUP included)."""
+    if command[0].upper() == b"INFO":
+        return bulk("# Server\r\nredis_version:7.2.0\r\nrun_id:0123abcd\r\n")
+    return b"+OK\r\n"
+
+
+def run_cli(tmp_path: Path, *argv: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "trio_tasksets", *argv],
+        capture_output=True, text=True, timeout=60, cwd=tmp_path,
+        env={**os.environ, "COLUMNS": "200"},
+    )  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    ("command", "answer", "said"),
+    [
+        ("eval", ok_to_everything, "answered INFO server with 'OK', which has no run_id"),
+        ("eval", info_without_run_id, "which has no run_id"),
+        ("worker", ok_to_everything, "answered INFO server with 'OK', which has no run_id"),
+        ("worker", info_without_run_id, "which has no run_id"),
+        ("worker", streams_answer_ok, "answered a stream read with 'OK'"),
+    ],
+)
+def test_an_odd_redis_compatible_server_is_named_with_what_it_answered(
+    tmp_path: Path, command: str, answer: Answer, said: str
+) -> None:
+    """D6: `eval --via` against a server whose INFO has no run_id exited 1 with KeyError and
+    a fix line pointing at a run dir that did not exist; a `worker` against a server that
+    answers +OK to everything exited 1 with IndexError. Now both exit 2 naming the server,
+    what it answered and a fix, and no run dir is made or named."""
+    with RawRedis(answer) as server:
+        out = tmp_path / "runs"
+        if command == "eval":
+            argv = ["eval", "echo", "--via", server.url, "-o", str(out), "--no-dashboard"]
+            flag = "--via"
+        else:
+            argv = ["worker", "--feed", server.url, "--stream", "s", "--group", "g",
+                    "--results", "r", "--no-dashboard"]  # fmt: skip
+            flag = "--feed"
+        done = run_cli(tmp_path, *argv)
+    error = done.stderr.strip().splitlines()[-1]
+    assert done.returncode == 2, done.stderr
+    assert error.startswith(f"trio-tasksets {command}: error: {flag} {server.url}: "), error
+    assert f"127.0.0.1:{server.port}" in error
+    assert said in error
+    assert f"point {flag} at a redis-server" in error
+    assert "Traceback" not in done.stderr
+    assert not out.exists() or not any(out.iterdir())  # no run dir, and none named
+    assert "traces.jsonl" not in done.stderr

@@ -13,11 +13,12 @@ from .resp import (
     MAX_REPLY_BYTES,
     Address,
     Connection,
+    OddServer,
     RedisError,
     ReplyError,
     Unreachable,
     first_stream,
-    info,
+    run_id,
 )
 
 T = TypeVar("T")
@@ -141,13 +142,13 @@ def first_entry(reply: Any) -> tuple[str, dict[str, str] | None] | None:
 
 async def server_run_id(url: str) -> str:
     """The `run_id` of the Redis at `url` (it changes when Redis restarts): one connection, no
-    retry, 5 s at most for each step. Raises `resp.RedisError` (`Unreachable`, or a
-    `ReplyError` such as a refused login)."""
+    retry, 5 s at most for each step. Raises `resp.RedisError` (`Unreachable`, a
+    `ReplyError` such as a refused login, or `OddServer` for an INFO without a run_id)."""
     connection = await Connection.open(
         Address.parse(url), connect_timeout=_CONNECT_TIMEOUT, read_timeout=_CONNECT_TIMEOUT
     )
     try:
-        return info(await connection.execute("INFO", "server"))["run_id"]
+        return run_id(await connection.execute("INFO", "server"), connection.address)
     finally:
         connection.close()
 
@@ -163,6 +164,12 @@ def login_refused(error: BaseException) -> bool:
 def unusable(flag: str, url: str, error: RedisError) -> tuple[str, str]:
     """What to tell someone whose `flag` URL failed with `error`: the message and the fix
     (a refused login names the URL's password; anything else, reaching Redis)."""
+    if isinstance(error, OddServer):
+        return (
+            f"{flag} {redact(url)}: {error}",
+            f"point {flag} at a redis-server (5.0 or later: streams, INFO run_id), not at a "
+            f"proxy or a Redis look-alike",
+        )
     if login_refused(error):
         return (
             f"{flag} {redact(url)}: Redis refused the login ({error})",

@@ -42,6 +42,11 @@ class ReplyError(RedisError):
     """Redis answered with an error (`NOGROUP ...`, `WRONGTYPE ...`, `BUSYGROUP ...`)."""
 
 
+class OddServer(RedisError):
+    """The server answered what no Redis answers (a proxy, or a Redis look-alike without
+    streams): the message names the server and what it answered."""
+
+
 class Unreachable(RedisError):
     """Redis could not be reached, or the connection broke or timed out during a call (which
     may or may not have run). The connection is closed; open a new one to go on."""
@@ -288,6 +293,10 @@ class Connection:
             if not done:
                 self.close()
 
+    @property
+    def address(self) -> Address:
+        return self._address
+
     def stale(self) -> bool:
         """Whether the idle connection can no longer be used: closed, or Redis hung up (its
         `timeout` setting, a restart) or sent something unasked. A reused connection is checked
@@ -333,6 +342,11 @@ def _reason(exc: BaseException) -> str:
     return f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
 
 
+def _shown(reply: Any) -> str:
+    text = repr(reply)
+    return text if len(text) <= 120 else text[:117] + "..."
+
+
 def fields(flat: Sequence[Any] | None) -> dict[str, Any] | None:
     """A flat `[name, value, name, value, ...]` reply as a dict (None stays None: an entry
     deleted from its stream)."""
@@ -343,13 +357,36 @@ def fields(flat: Sequence[Any] | None) -> dict[str, Any] | None:
 
 def entries(reply: Sequence[Any] | None) -> list[tuple[str, dict[str, Any] | None]]:
     """The entries of an XRANGE reply, or of one stream of an XREAD/XREADGROUP reply:
-    `(id, fields)`, fields None for an entry deleted meanwhile."""
-    return [(str(entry_id), fields(flat)) for entry_id, flat in reply or ()]
+    `(id, fields)`, fields None for an entry deleted meanwhile. `OddServer` for a reply of
+    another shape."""
+    if reply is not None and not isinstance(reply, list):
+        raise OddServer(f"the server answered a stream read with {_shown(reply)}")
+    try:
+        return [(str(entry_id), fields(flat)) for entry_id, flat in reply or ()]
+    except (TypeError, ValueError) as exc:
+        raise OddServer(f"the server answered a stream read with {_shown(reply)}") from exc
 
 
 def first_stream(reply: Sequence[Any] | None) -> list[tuple[str, dict[str, Any] | None]]:
-    """The entries of the first (only) stream of an XREAD/XREADGROUP reply (None: none came)."""
-    return entries(reply[0][1]) if reply else []
+    """The entries of the first (only) stream of an XREAD/XREADGROUP reply (None: none came);
+    `OddServer` for a reply of another shape."""
+    if not reply:
+        return []
+    if not isinstance(reply, list) or not isinstance(reply[0], list) or len(reply[0]) != 2:
+        raise OddServer(f"the server answered a stream read with {_shown(reply)}")
+    return entries(reply[0][1])
+
+
+def run_id(reply: Any, server: object) -> str:
+    """The `run_id` of an ``INFO server`` reply from `server`; `OddServer` naming it and
+    what it answered if there is none."""
+    found = info(reply).get("run_id") if isinstance(reply, str) else None
+    if not found:
+        raise OddServer(
+            f"{server} answered INFO server with {_shown(reply)}, which has no run_id: it is "
+            f"not a Redis server (a proxy, or a Redis look-alike?)"
+        )
+    return found
 
 
 def info(text: str) -> dict[str, str]:
