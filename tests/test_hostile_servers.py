@@ -21,6 +21,7 @@ import pytest
 import trio
 
 import trio_tasksets as tt
+from trio_tasksets.serve import EnvServerError
 from trio_tasksets.transport import HTTPClient, ProtocolError
 
 FIXTURES = Path(__file__).resolve().parent / "fixtures"
@@ -296,3 +297,52 @@ async def test_a_response_head_may_be_64_kib_and_not_a_byte_more(chunked: bool) 
                     else:
                         with pytest.raises(ProtocolError, match="over 65536 bytes"):
                             await http.request("GET", server.url)
+
+
+# --- D5: a run cannot make the server hammer its endpoint --------------------------------------
+
+
+def test_the_policy_caps_retries_and_raises_a_small_backoff() -> None:
+    from trio_tasksets.serve.policy import ModelPolicy
+    from trio_tasksets.serve.wire import Forbidden, OpenAISpec
+
+    policy = ModelPolicy.from_flags(
+        ["http://127.0.0.1:9/v1"], None, {}, max_retries=4, min_backoff=0.25
+    )
+    spec = OpenAISpec("http://127.0.0.1:9/v1", max_retries=4, backoff=0.0, max_backoff=0.0)
+    policy.check(spec)
+    client = policy.build(spec)
+    assert isinstance(client, tt.OpenAIClient)
+    assert (client.max_retries, client.backoff, client.max_backoff) == (4, 0.25, 0.25)
+    with pytest.raises(Forbidden, match="--max-model-retries 5"):
+        policy.check(attrs.evolve(spec, max_retries=5))
+    for flag, kwargs in [("--max-model-retries", {"max_retries": -1}),
+                         ("--min-model-backoff", {"min_backoff": -0.5})]:  # fmt: skip
+        with pytest.raises(ValueError, match=flag):
+            ModelPolicy.from_flags([], None, {}, **kwargs)  # type: ignore[arg-type]
+
+
+async def test_a_run_asking_for_more_retries_than_the_cap_is_refused_before_any_request(
+    serve: Callable[..., Served],
+) -> None:
+    """D5: ``ctx.client.max_retries`` had no bound and ``backoff`` could be 0: one run made
+    the server send 1,025 requests in 3 s to its allowed endpoint, with its key. Now a run
+    over the server's ``--max-model-retries`` is refused with 403 naming the flag, before
+    any request; one within it makes at most its retries + 1 requests."""
+    failing = b"HTTP/1.1 500 Internal Server Error\r\ncontent-length: 4\r\n\r\nnope"
+    with RawHTTP(lambda _: failing) as endpoint:
+        server = serve(
+            f"--allow-base-url={endpoint.url}", "--max-model-retries", "2",
+            "--min-model-backoff", "0.01",
+        )  # fmt: skip
+        greedy = tt.ModelContext(tt.OpenAIClient(endpoint.url, max_retries=1024, backoff=0), "m")
+        modest = tt.ModelContext(tt.OpenAIClient(endpoint.url, max_retries=2, backoff=0), "m")
+        with trio.fail_after(60):
+            async with tt.EnvClient(server.url) as client:
+                with pytest.raises(EnvServerError, match="--max-model-retries 1024") as info:
+                    await client.run(slot(), greedy)
+                assert info.value.status == 403
+                assert endpoint.requests == 0
+                episode = await client.run(slot(), modest)
+        assert not episode.ok
+        assert endpoint.requests == 3
