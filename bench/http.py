@@ -1,7 +1,7 @@
 """Model clients against a fast fake OpenAI-compatible server: CPU per call and calls/s.
 
     python -m bench.http [--quick] [--repeat R] [--only NAME ...] [--scenario MS:WINDOW[:N] ...]
-    python -m bench.http --served    # the served path's own clients, see `served`
+    python -m bench.http --served [--quick]   # the served path's clients, see `served`
 
 The fake server is its own process (an asyncio protocol that answers every
 ``POST .../chat/completions`` with a fixed completion after the scenario's latency; pinned
@@ -547,8 +547,9 @@ def main(argv: list[str] | None = None) -> int:
     if args.contender:
         return _contender(args)
     if args.served:
-        served(repeat=args.repeat or 3)
-        served_model_calls(repeat=args.repeat or 3)
+        repeat = args.repeat or (1 if args.quick else 3)
+        served(n=500 if args.quick else 3000, repeat=repeat)
+        served_model_calls(n=300 if args.quick else 2000, repeat=repeat)
         return 0
 
     quick = args.quick
