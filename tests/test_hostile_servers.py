@@ -346,3 +346,10 @@ async def test_a_run_asking_for_more_retries_than_the_cap_is_refused_before_any_
                 episode = await client.run(slot(), modest)
         assert not episode.ok
         assert endpoint.requests == 3
+
+
+async def test_a_closed_env_client_says_so_over_http_too() -> None:
+    client = tt.EnvClient("http://127.0.0.1:9", transport="http")
+    await client.aclose()
+    with pytest.raises(EnvServerError, match="the client was closed"):
+        await client.health()

@@ -202,6 +202,8 @@ class EnvClient:
 
     async def _request(self, method: str, path: str, body: bytes = b"") -> Any:
         headers = self._headers if not body else self._json_headers
+        if self._connections.closed:
+            raise EnvServerError(f"{self.url}: the client was closed", url=self.url)
         try:
             status, content = await self._connections.request(method, path, headers, body)
         except TooLarge as exc:

@@ -47,6 +47,10 @@ class HTTPConnections:
         )
 
     @property
+    def closed(self) -> bool:
+        return self._http.is_closed
+
+    @property
     def keepalive(self) -> float:
         return self._http.keepalive_expiry
 
