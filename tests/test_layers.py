@@ -19,6 +19,7 @@ PACKAGE = Path(__file__).resolve().parent.parent / "trio_tasksets"
 # SIDEWAYS, and any room of a lower layer. Shims of moved modules sit at the top (they only
 # re-export).
 LAYERS: dict[str, int] = {
+    "_exceptions": 0,
     "version": 0,
     "window": 0,
     "runner": 1,
@@ -34,6 +35,7 @@ LAYERS: dict[str, int] = {
     "traces": 4,
     "loading": 5,
     "envspec": 6,
+    "backend": 6,
     "serve": 7,
     "redis": 7,
     "eval": 8,

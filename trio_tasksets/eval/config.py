@@ -10,15 +10,12 @@ from typing import Any
 
 import attrs
 
+from .._exceptions import EvalConfigError as EvalConfigError  # its home is _exceptions
 from ..env import Env, Episode
 from ..envspec import TravelError
 from ..models import ModelContext
 from ..window import AdaptiveBounds, AdaptiveWindow, Window, build_window
 from .served import check_travel
-
-
-class EvalConfigError(ValueError):
-    """A bad eval setting, found before any task is pulled or file written (CLI: exit 2)."""
 
 
 class EvalWarning(UserWarning):

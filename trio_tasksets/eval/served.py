@@ -6,10 +6,11 @@ import contextlib
 import os
 from collections.abc import AsyncIterator, Awaitable
 from contextlib import asynccontextmanager
-from typing import Any, Protocol
+from typing import Any
 
 import trio
 
+from ..backend import SlotRunner
 from ..env import Env, Episode, OnComplete, RunSlot
 from ..envspec import EnvSpec, TravelError
 from ..models import ModelContext, OpenAIClient
@@ -19,18 +20,7 @@ from ..serve.spawn import ServerProcess, spawn_server
 from ..serve.wire import API_KEY_VAR, TOKEN_VAR, describe_client, openai_api_key
 from ..window import AdaptiveWindow, Window
 
-# === the eval's served path ==================================================================
-
-
-class SlotRunner(Protocol):
-    """Run one slot to its episode, `on_complete` once (as `Env.run_slot`)."""
-
-    def __call__(
-        self,
-        slot: RunSlot[Any],
-        *,
-        on_complete: OnComplete | None = None,
-    ) -> Awaitable[Episode]: ...
+__all__ = ["SlotRunner", "check_travel", "served_runner"]
 
 
 def check_travel(env: Env[Any], ctx: ModelContext, *, spawn: bool) -> None:
