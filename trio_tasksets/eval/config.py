@@ -14,8 +14,8 @@ from .._exceptions import EvalConfigError as EvalConfigError  # its home is _exc
 from ..env import Env, Episode
 from ..envspec import TravelError
 from ..models import ModelContext
+from ..serve.slots import check_travel
 from ..window import AdaptiveBounds, AdaptiveWindow, Window, build_window
-from .served import check_travel
 
 
 class EvalWarning(UserWarning):

@@ -42,6 +42,7 @@ from ..env import Env, Episode, RunSlot, WindowFeed
 from ..limits import EndpointLimits, observe_calls
 from ..models import ModelContext
 from ..runner import pick_one, run_stream
+from ..serve.slots import SlotRunner, served_runner
 from ..traces import open_traces, write_atomic
 from ..version import __version__
 from ..window import Window, window_spec
@@ -58,7 +59,6 @@ from .config import (
     via_stream,
 )
 from .plan import from_list, keep_resumable, plan_stream, static_slots
-from .served import SlotRunner, served_runner
 
 # What each file of a run dir is called; a run that leaves no row behind removes them.
 _FILES = ("config.json", "traces.jsonl", "summary.json")
@@ -333,7 +333,7 @@ async def _reach(config: EvalConfig) -> str | None:
     """With `--via`: Redis's run id, or `EvalConfigError` if it cannot be reached."""
     if config.via is None:
         return None
-    from .via import reach
+    from ..redis.coordinator import reach
 
     return await reach(config.via)
 
@@ -350,7 +350,7 @@ def _slot_runner(
     `client.run` per slot), or on workers through Redis (one entry per slot); the taskset
     and the traces stay here."""
     if config.via is not None:
-        from .via import via_runner
+        from ..redis.coordinator import via_runner
 
         return via_runner(
             env, ctx, url=config.via, stream=via_stream(config), progress=progress,

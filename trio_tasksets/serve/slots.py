@@ -14,11 +14,11 @@ from ..backend import SlotRunner
 from ..env import Env, Episode, OnComplete, RunSlot
 from ..envspec import EnvSpec, TravelError
 from ..models import ModelContext, OpenAIClient
-from ..serve.client import EnvClient
-from ..serve.errors import EnvServerError
-from ..serve.spawn import ServerProcess, spawn_server
-from ..serve.wire import API_KEY_VAR, TOKEN_VAR, describe_client, openai_api_key
 from ..window import AdaptiveWindow, Window
+from .client import EnvClient
+from .errors import EnvServerError
+from .spawn import ServerProcess, spawn_server
+from .wire import API_KEY_VAR, TOKEN_VAR, describe_client, openai_api_key
 
 __all__ = ["SlotRunner", "check_travel", "served_runner"]
 

@@ -41,9 +41,11 @@ import orjson
 import trio
 
 from .. import dashboard
+from .._exceptions import EvalConfigError
+from ..backend import SlotRunner
 from ..env import Env, Episode, OnComplete, RunSlot, complete_slot
 from ..models import ModelContext
-from ..redis.entries import (
+from .entries import (
     ENV_FIELD,
     REFUSED_FIELD,
     REPLY_FIELD,
@@ -56,10 +58,8 @@ from ..redis.entries import (
     redact,
     stderr_log,
 )
-from ..redis.link import Link, server_run_id, unusable
-from ..redis.resp import Command, Connection, RedisError, ReplyError, first_stream, info
-from .config import EvalConfigError
-from .served import SlotRunner
+from .link import Link, server_run_id, unusable
+from .resp import Command, Connection, RedisError, ReplyError, first_stream, info
 
 __all__ = ["QUIET", "ViaError", "reach", "via_runner"]
 
