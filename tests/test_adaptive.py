@@ -324,7 +324,7 @@ async def test_a_time_limit_drains_the_eval_and_says_so(
 
 async def test_limits_on_model_calls_cannot_travel_to_an_env_server(tmp_path: Path) -> None:
     client = Scripted().client(limits=EndpointLimits(rpm=60))
-    with pytest.raises(tt.EvalConfigError, match="--serve: the model client's limits"):
+    with pytest.raises(tt.EvalConfigError, match="serve: the model client's limits"):
         await tt.run_eval(tt.Env(calls(3)), tt.ModelContext(client, "m"),
                           config(tmp_path, serve=True))  # fmt: skip
     assert not (tmp_path / "out").exists()

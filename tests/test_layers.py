@@ -116,6 +116,23 @@ def test_imports_point_down_and_take_no_private_names(path: Path) -> None:
         )
 
 
+# Rooms that must not import each other although the layers would allow it: the eval runs its
+# slots through a `backend.SlotBackend`, each one in the room of its transport.
+APART: dict[str, set[str]] = {"eval": {"serve", "redis"}}
+
+
+@pytest.mark.parametrize("room", sorted(APART))
+def test_rooms_kept_apart_do_not_import_each_other(room: str) -> None:
+    found = [
+        f"{path.relative_to(PACKAGE)}:{line}: imports {target}"
+        for path in _sources()
+        if _room(_module_name(path)) == room
+        for target, names, line in _imports(path)
+        if set(_target_room(target, names)) & APART[room]
+    ]
+    assert not found, f"{room} must not import {sorted(APART[room])}: {found}"
+
+
 def test_no_import_cycle_between_modules() -> None:
     graph: dict[str, set[str]] = {}
     modules = {_module_name(path) for path in _sources()}

@@ -297,7 +297,7 @@ async def test_run_eval_refuses_what_cannot_travel_before_any_file(tmp_path: Pat
     env = tt.Env(EchoTaskset(), reward=lambda task, completion: 1.0)
     ctx = tt.ModelContext(tt.EchoClient(), "echo")
     config = tt.EvalConfig(serve=True, output_dir=str(tmp_path / "out"), dashboard=False)
-    with pytest.raises(tt.EvalConfigError, match=r"--serve: .*lambda"):
+    with pytest.raises(tt.EvalConfigError, match=r"serve: .*lambda"):
         await tt.run_eval(env, ctx, config)
     assert not (tmp_path / "out").exists()
 

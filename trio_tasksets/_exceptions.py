@@ -24,12 +24,15 @@ class TrioTasksetsError(Exception):
 class ConfigError(TrioTasksetsError, ValueError):
     """A bad setting, found before any task is pulled or file written (CLI: exit 2).
 
-    `parameter` names the setting as the library spells it (``num_examples``), or is None
-    when the error is about several at once (the message names them)."""
+    `parameter` names the setting as the library spells it (``num_examples``); when the
+    error is about several at once, `parameters` names them all (`parameter` is the first).
+    The message mentions each by that name, so the command line can show its flag."""
 
-    def __init__(self, message: str, *, parameter: str | None = None) -> None:
+    def __init__(self, message: str, *, parameter: str | tuple[str, ...] | None = None) -> None:
         super().__init__(message)
-        self.parameter = parameter
+        names = (parameter,) if isinstance(parameter, str) else tuple(parameter or ())
+        self.parameters: tuple[str, ...] = names
+        self.parameter: str | None = names[0] if names else None
 
 
 class EvalConfigError(ConfigError):

@@ -127,21 +127,26 @@ def backend_for(
         if serve or server_url is not None:
             other = "serve" if serve else "server_url"
             raise EvalConfigError(
-                f"via and {other}: choose one (workers over Redis, or a server)", parameter="via"
+                f"via and {other}: choose one (workers over Redis, or a server)",
+                parameter=("via", other),
             )
         if workers != 1:
             raise EvalConfigError(
-                "workers applies to a spawned server (serve=True)", parameter="workers"
+                "workers applies to a server spawned with serve, not to via",
+                parameter=("workers", "serve", "via"),
             )
         needs = "via needs hiredis: pip install 'trio-tasksets[redis]'"
         cls = _backend_class("via", needs=needs)
         return cls(via) if stream is None else cls(via, stream=stream)  # type: ignore[no-any-return]
     if stream is not None:
-        raise EvalConfigError("stream names the workers' stream: it needs via", parameter="stream")
+        raise EvalConfigError(
+            "stream names the workers' stream: it needs via", parameter=("stream", "via")
+        )
     if serve or server_url is not None:
         if serve and server_url is not None:
             raise EvalConfigError(
-                "serve and server_url: choose one (spawn a server, or use one)", parameter="serve"
+                "serve and server_url: choose one (spawn a server, or use one)",
+                parameter=("serve", "server_url"),
             )
         cls = _backend_class("served", needs="the served path cannot be imported")
         return cls(server_url=server_url, workers=workers, token=server_token)  # type: ignore[no-any-return]
@@ -151,6 +156,6 @@ def backend_for(
         )
     if workers != 1:
         raise EvalConfigError(
-            "workers applies to a spawned server: add serve=True", parameter="workers"
+            "workers applies to a spawned server: add serve", parameter=("workers", "serve")
         )
     return InProcess()

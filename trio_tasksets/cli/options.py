@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import math
+import re
 import sys
 from typing import TYPE_CHECKING
 
@@ -70,6 +71,39 @@ class UsageError(CommandError):
     """A bad command line, found before any work: the command's usage, then the line (exit 2)."""
 
     exit_code = 2
+
+
+# The library's parameter names, as the command line spells them: a ConfigError names its
+# parameters, and the CLI shows their flags instead.
+PARAMETER_FLAGS = {
+    "num_examples": "-n/--num-examples",
+    "rollouts_per_example": "-r/--rollouts-per-example",
+    "max_concurrent": "-c/--max-concurrent",
+    "output_dir": "-o/--output-dir",
+    "run_name": "--run-name",
+    "time_limit": "--time-limit",
+    "max_failures": "--max-failures",
+    "rollout_timeout": "--rollout-timeout",
+    "serve": "--serve",
+    "workers": "--workers",
+    "server_url": "--server-url",
+    "via": "--via",
+    "stream": "--stream",
+    "shuffle": "--shuffle",
+    "resume": "--resume",
+}
+
+
+def flag_message(error: BaseException) -> str:
+    """A library error's message as the command line says it: in a `ConfigError`, the
+    first mention of each parameter it names (``num_examples``) becomes its flag
+    (``-n/--num-examples``)."""
+    text = str(error)
+    for name in getattr(error, "parameters", ()):
+        flag = PARAMETER_FLAGS.get(name)
+        if flag is not None:
+            text = re.sub(rf"(?<![\w/'-]){name}(?![\w'-])", flag, text, count=1)
+    return text
 
 
 def warn(command: str, message: str) -> None:

@@ -11,10 +11,9 @@ from typing import Any
 import attrs
 
 from .._exceptions import EvalConfigError as EvalConfigError  # its home is _exceptions
+from ..backend import InProcess, SlotBackend, backend_for
 from ..env import Env, Episode
-from ..envspec import TravelError
 from ..models import ModelContext
-from ..serve.slots import check_travel
 from ..window import AdaptiveBounds, AdaptiveWindow, Window, build_window
 
 
@@ -47,6 +46,11 @@ class EvalConfig:
     max_failures: int | float | None = None
     via: str | None = None  # --via (a Redis URL: the slots go to workers through it)
     stream: str | None = None  # --stream (with --via: the workers' task stream; "tasks")
+    # With server_url: the server's bearer token (the CLI's --token-var; never recorded).
+    server_token: str | None = attrs.field(default=None, repr=False)
+    # Where the slots run, as an object (a tt.backend.SlotBackend): instead of serve /
+    # workers / server_url / via / stream, which name the built-in ones.
+    backend: SlotBackend | None = None
     # --time-limit: seconds after which the eval stops pulling, cancels the runs in flight,
     # keeps the finished rows and ends with `stopped: "time_limit"`. None: no limit.
     time_limit: float | None = None
@@ -55,9 +59,34 @@ class EvalConfig:
     command: list[str] | None = None
     api_key_var: str | None = None
 
+    def slot_backend(self) -> SlotBackend:
+        """Where the slots run, chosen once: `backend` if given, else the built-in backend
+        that `serve`, `workers`, `server_url`, `via` and `stream` name (`EvalConfigError`,
+        naming the parameter, when they contradict each other or a value is bad)."""
+        flat = backend_for(
+            serve=self.serve, workers=self.workers, server_url=self.server_url,
+            server_token=self.server_token, via=self.via, stream=self.stream,
+        )  # fmt: skip
+        if self.backend is None:
+            return flat
+        if not isinstance(self.backend, SlotBackend):
+            raise EvalConfigError(
+                f"backend must be a SlotBackend (check, reach, open, remote), got "
+                f"{type(self.backend).__name__}",
+                parameter="backend",
+            )
+        if not isinstance(flat, InProcess):
+            raise EvalConfigError(
+                "backend and serve/server_url/via: choose one (the backend says where slots run)",
+                parameter="backend",
+            )
+        return self.backend
+
 
 # EvalConfig fields that describe the record, not the run: config.json keeps them apart.
 RECORD_FIELDS = ("command", "api_key_var")
+# EvalConfig fields never written to config.json (a secret; an object, recorded as its repr).
+UNRECORDED_FIELDS = ("server_token", "backend")
 
 
 @attrs.define
@@ -120,8 +149,8 @@ def check_max_failures(value: object) -> None:
     )
 
 
-def preflight(env: Env[Any], ctx: ModelContext, config: EvalConfig) -> None:
-    """Every check that needs no pull and no file write."""
+def preflight(env: Env[Any], ctx: ModelContext, config: EvalConfig) -> SlotBackend:
+    """Every check that needs no pull and no file write; the backend the slots run on."""
     _check_int(config.num_examples, "-n/--num-examples", 0, optional=True)
     _check_int(config.rollouts_per_example, "-r/--rollouts-per-example", 1)
     check_window(config.max_concurrent)
@@ -133,7 +162,6 @@ def preflight(env: Env[Any], ctx: ModelContext, config: EvalConfig) -> None:
         or limit <= 0
     ):
         raise EvalConfigError(f"--time-limit must be a number of seconds > 0, got {limit!r}")
-    _check_int(config.workers, "--workers", 1)
     check_max_failures(config.max_failures)
     taskset = env.taskset
     name = type(taskset).__name__
@@ -151,55 +179,9 @@ def preflight(env: Env[Any], ctx: ModelContext, config: EvalConfig) -> None:
                 f"taskset {name} {kind}: cannot resume (there is no list of tasks to compare "
                 f"against; drop --resume)"
             )
-    _check_served(env, ctx, config)
-    _check_via(config)
-
-
-def _check_served(env: Env[Any], ctx: ModelContext, config: EvalConfig) -> None:
-    """The served path's settings, and that the env and the model can travel to a server."""
-    if config.serve and config.server_url:
-        raise EvalConfigError("--serve and --server-url: choose one (spawn a server, or use one)")
-    if config.workers != 1 and not config.serve:
-        raise EvalConfigError("--workers applies to a spawned server: add --serve")
-    url = config.server_url
-    if url is not None and not url.startswith(("http://", "https://")):
-        raise EvalConfigError(f"--server-url must be an http:// or https:// URL, got {url!r}")
-    if config.serve or url:
-        try:
-            check_travel(env, ctx, spawn=config.serve)
-        except TravelError as exc:
-            flag = "--serve" if config.serve else "--server-url"
-            raise EvalConfigError(f"{flag}: {exc}") from None
-
-
-def _check_via(config: EvalConfig) -> None:
-    """`--via`'s settings (the URL is parsed here; `via.reach` connects, before any write)."""
-    if config.via is None:
-        if config.stream is not None:
-            raise EvalConfigError("--stream names the workers' stream: it needs --via URL")
-        return
-    if config.serve or config.server_url:
-        flag = "--serve" if config.serve else "--server-url"
-        raise EvalConfigError(f"--via and {flag}: choose one (workers over Redis, or a server)")
-    if config.stream is not None and (not isinstance(config.stream, str) or not config.stream):
-        raise EvalConfigError(
-            f"--stream must name a stream, e.g. --stream tasks, got {config.stream!r}"
-        )
-    try:
-        from ..redis.entries import check_url  # hiredis is an optional extra
-    except ImportError as exc:
-        raise EvalConfigError(
-            f"--via needs hiredis ({exc}): pip install 'trio-tasksets[redis]'"
-        ) from None
-    try:
-        check_url(config.via)
-    except ValueError as exc:
-        raise EvalConfigError(f"--via: {exc}") from None
-
-
-def via_stream(config: EvalConfig) -> str:
-    """The task stream of a `--via` eval: `--stream`, else "tasks"."""
-    return config.stream if config.stream is not None else "tasks"
+    backend = config.slot_backend()
+    backend.check(env, ctx)
+    return backend
 
 
 def run_identity(env: Env[Any], ctx: ModelContext, config: EvalConfig) -> dict[str, Any]:

@@ -19,7 +19,6 @@ client has adaptive `--max-connections`, each endpoint's `connection_history`).
 
 from __future__ import annotations
 
-import functools
 import json
 import math
 import signal
@@ -28,8 +27,6 @@ import sys
 import time
 import warnings
 from collections import Counter
-from collections.abc import AsyncIterator
-from contextlib import AbstractAsyncContextManager, asynccontextmanager
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
@@ -38,16 +35,17 @@ import attrs
 import trio
 
 from .. import dashboard
+from ..backend import SlotBackend
 from ..env import Env, Episode, RunSlot, WindowFeed
 from ..limits import EndpointLimits, observe_calls
 from ..models import ModelContext
 from ..runner import pick_one, run_stream
-from ..serve.slots import SlotRunner, served_runner
 from ..traces import open_traces, write_atomic
 from ..version import __version__
 from ..window import Window, window_spec
 from .config import (
     RECORD_FIELDS,
+    UNRECORDED_FIELDS,
     EvalConfig,
     EvalConfigError,
     EvalResult,
@@ -56,7 +54,6 @@ from .config import (
     preflight,
     run_dir_for,
     run_identity,
-    via_stream,
 )
 from .plan import from_list, keep_resumable, plan_stream, static_slots
 
@@ -216,7 +213,10 @@ def _record_of(
 ) -> dict[str, Any]:
     """config.json: how to reproduce the run (and what it cost to start)."""
     base_url = getattr(ctx.client, "base_url", None)
-    settings = {k: v for k, v in attrs.asdict(config).items() if k not in RECORD_FIELDS}
+    skip = (*RECORD_FIELDS, *UNRECORDED_FIELDS)
+    settings = {k: v for k, v in attrs.asdict(config, recurse=False).items() if k not in skip}
+    if config.backend is not None:
+        settings["backend"] = repr(config.backend)
     settings["max_concurrent"] = window_spec(config.max_concurrent)
     limits = endpoint_limits(ctx)
     connections = None if limits is None else limits.connections
@@ -259,8 +259,7 @@ async def run_eval(
     (a second one interrupts the drain); it then returns with `summary["stopped"]` set to the
     signal's name. It must then run in the main thread.
     """
-    preflight(env, ctx, config)
-    redis_run_id = await _reach(config)
+    backend = await preflight(env, ctx, config).reach()
     identity = run_identity(env, ctx, config)
     run_dir = run_dir_for(env, ctx, config)
     streaming = env.taskset.streaming
@@ -304,7 +303,7 @@ async def run_eval(
     try:
         new = await _execute(
             env, ctx, config, slots, traces_path, progress, tally, handle_signals,
-            window, redis_run_id,
+            window, backend,
         )  # fmt: skip
     except BaseException as exc:
         tally.ended_by(exc)
@@ -327,46 +326,6 @@ async def run_eval(
                 else:
                     raise
     return EvalResult(episodes=done, run_dir=run_dir, summary=summary)
-
-
-async def _reach(config: EvalConfig) -> str | None:
-    """With `--via`: Redis's run id, or `EvalConfigError` if it cannot be reached."""
-    if config.via is None:
-        return None
-    from ..redis.coordinator import reach
-
-    return await reach(config.via)
-
-
-def _slot_runner(
-    env: Env[Any],
-    ctx: ModelContext,
-    config: EvalConfig,
-    progress: dashboard.Progress,
-    window: Window,
-    redis_run_id: str | None,
-) -> AbstractAsyncContextManager[SlotRunner]:
-    """How each slot runs: in this process under `env.serving()`, on an env server (one
-    `client.run` per slot), or on workers through Redis (one entry per slot); the taskset
-    and the traces stay here."""
-    if config.via is not None:
-        from ..redis.coordinator import via_runner
-
-        return via_runner(
-            env, ctx, url=config.via, stream=via_stream(config), progress=progress,
-            run_id=redis_run_id,
-        )  # fmt: skip
-    if config.serve or config.server_url:
-        return served_runner(
-            env, ctx, workers=config.workers, server_url=config.server_url, window=window,
-        )  # fmt: skip
-    return _in_process(env, ctx)
-
-
-@asynccontextmanager
-async def _in_process(env: Env[Any], ctx: ModelContext) -> AsyncIterator[SlotRunner]:
-    async with env.serving():
-        yield functools.partial(env.run_slot, ctx=ctx)
 
 
 async def _watch_signals(tally: Tally, *, task_status: trio.TaskStatus[None]) -> None:
@@ -395,7 +354,7 @@ async def _execute(
     tally: Tally,
     handle_signals: bool,
     window: Window,
-    redis_run_id: str | None = None,
+    backend: SlotBackend,
 ) -> list[Episode] | None:
     """Run the planned (static) or streamed slots through `run_stream` under `window`,
     recording each episode; the episodes in plan order, or None when the eval was stopped
@@ -403,11 +362,10 @@ async def _execute(
     deadline = math.inf if config.time_limit is None else trio.current_time() + config.time_limit
     # In this process the model calls' 429s reach an adaptive window as they come; elsewhere
     # (an env server, workers) only through the episodes' errors.
-    remote = config.via is not None or config.serve or config.server_url is not None
-    feed = WindowFeed(window, remote=remote)
+    feed = WindowFeed(window, remote=backend.remote)
     try:
         async with (
-            _slot_runner(env, ctx, config, progress, window, redis_run_id) as run_slot,
+            backend.open(env, ctx, window=window, progress=progress) as run_slot,
             open_traces(traces_path) as writer,
             dashboard.show(progress, live=config.dashboard),
         ):

@@ -1,5 +1,8 @@
 """The eval as a coordinator over Redis workers (`--via URL [--stream S]`).
 
+`ViaBackend(url, stream="tasks")` is the eval's `SlotBackend` for it (``EvalConfig(via=URL,
+stream=S)``); `via_runner` is what it opens.
+
 Each slot the eval's window lets run becomes one entry of the task stream (the task, its
 rollout, the eval's `Declaration`, and a reply-to stream of this session's own); the slot
 completes when a worker's result for that entry comes back on the reply-to stream. So the
@@ -33,7 +36,7 @@ import math
 import time
 import uuid
 from collections.abc import AsyncIterator, Iterator
-from contextlib import asynccontextmanager
+from contextlib import AbstractAsyncContextManager, asynccontextmanager
 from typing import Any
 
 import attrs
@@ -45,6 +48,7 @@ from .._exceptions import EvalConfigError
 from ..backend import SlotRunner
 from ..env import Env, Episode, OnComplete, RunSlot, complete_slot
 from ..models import ModelContext
+from ..window import Window
 from .entries import (
     ENV_FIELD,
     REFUSED_FIELD,
@@ -61,7 +65,7 @@ from .entries import (
 from .link import Link, server_run_id, unusable
 from .resp import Command, Connection, RedisError, ReplyError, first_stream, info
 
-__all__ = ["QUIET", "ViaError", "reach", "via_runner"]
+__all__ = ["QUIET", "ViaBackend", "ViaError", "reach", "via_runner"]
 
 QUIET = 10.0
 """Seconds without a result (slots waiting) before the dashboard says why."""
@@ -84,17 +88,63 @@ def _id(entry_id: str) -> tuple[int, int]:
 
 
 async def reach(url: str) -> str:
-    """Redis's `run_id` at `url`; `EvalConfigError` naming `--via` if it cannot be reached."""
-    try:
-        check_url(url)
-    except ValueError as exc:
-        raise EvalConfigError(f"--via: {exc}") from None
-
+    """Redis's `run_id` at `url`; `EvalConfigError` naming ``via`` if it cannot be reached."""
+    _check_via(None, None, url)
     try:
         return await server_run_id(url)
     except RedisError as exc:
-        message, fix = unusable("--via", url, exc)
-        raise EvalConfigError(f"{message}; {fix}") from None
+        message, fix = unusable("via", url, exc)
+        raise EvalConfigError(f"{message}; {fix}", parameter="via") from None
+
+
+def _check_via(instance: object, attribute: attrs.Attribute[str] | None, value: str) -> None:
+    try:
+        check_url(value)  # a non-str is refused too, and said to be no Redis URL
+    except ValueError as exc:
+        raise EvalConfigError(f"via: {exc}", parameter="via") from None
+
+
+def _check_stream(instance: object, attribute: attrs.Attribute[str], value: str) -> None:
+    if not isinstance(value, str) or not value:
+        raise EvalConfigError(
+            f"stream must name a stream, e.g. stream='tasks', got {value!r}", parameter="stream"
+        )
+
+
+@attrs.frozen
+class ViaBackend:
+    """Each slot as one entry of the Redis stream `stream` at `url`, run by whichever
+    worker takes it (see the module docstring); the eval's window spans every worker.
+
+    `reach` connects before any file is written (`EvalConfigError` naming ``via`` if Redis
+    cannot be reached or refuses the login) and returns the backend with Redis's `run_id`,
+    by which the coordinator notices a restart that lost its data.
+    """
+
+    url: str = attrs.field(validator=_check_via)
+    stream: str = attrs.field(default="tasks", validator=_check_stream)
+    run_id: str | None = None
+    quiet: float = QUIET
+    watch_every: float = _WATCH_EVERY
+    log: Log | None = attrs.field(default=None, eq=False, repr=False)
+
+    @property
+    def remote(self) -> bool:
+        return True
+
+    def check(self, env: Env[Any], ctx: ModelContext) -> None:
+        pass
+
+    async def reach(self) -> ViaBackend:
+        return attrs.evolve(self, run_id=await reach(self.url))
+
+    def open(
+        self, env: Env[Any], ctx: ModelContext, *, window: Window, progress: dashboard.Progress
+    ) -> AbstractAsyncContextManager[SlotRunner]:
+        return via_runner(
+            env, ctx, url=self.url, stream=self.stream, progress=progress, run_id=self.run_id,
+            log=self.log, quiet=self.quiet, watch_every=self.watch_every,
+        )  # fmt: skip
 
 
 async def _add(

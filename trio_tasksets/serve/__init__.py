@@ -23,6 +23,7 @@ The command is `trio_tasksets.cli.serve`.
 
 from .client import EnvClient
 from .errors import EnvServerError
+from .slots import ServedBackend
 from .spawn import ServerProcess, spawn_server
 
-__all__ = ["EnvClient", "EnvServerError", "ServerProcess", "spawn_server"]
+__all__ = ["EnvClient", "EnvServerError", "ServedBackend", "ServerProcess", "spawn_server"]
