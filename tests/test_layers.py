@@ -21,6 +21,7 @@ PACKAGE = Path(__file__).resolve().parent.parent / "trio_tasksets"
 LAYERS: dict[str, int] = {
     "_exceptions": 0,
     "version": 0,
+    "backoff": 0,
     "window": 0,
     "runner": 1,
     "limits": 1,

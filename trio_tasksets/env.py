@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import inspect
 import math
-import random
 import re
 import time
 import uuid
@@ -15,6 +14,7 @@ from typing import Any, Generic, TypeVar
 import attrs
 import trio
 
+from .backoff import Backoff
 from .limits import CallObserver, observe_calls, report_outcome
 from .models import Completion, ModelContext, observe_completions
 from .tasksets import Taskset
@@ -67,8 +67,8 @@ class RetryPolicy:
         return not self.include or bool(names & set(self.include))
 
     def delay(self, attempt: int) -> float:
-        # The exponent is capped: 2.0**1024 overflows a float long before max_backoff applies.
-        return random.uniform(0, min(self.max_backoff, self.backoff * 2.0 ** min(attempt - 1, 60)))
+        """Seconds to wait after attempt number `attempt` failed (the project's `Backoff`)."""
+        return Backoff(self.backoff, self.max_backoff).delay(attempt)
 
 
 class RolloutTimeoutError(TimeoutError):
