@@ -202,6 +202,7 @@ async def test_a_429_reaches_an_adaptive_window(
     assert result.summary["ok"] == 4
     [failed] = [row for row in trace_rows(result.run_dir) if row["errors"]]
     assert failed["errors"][0]["type"] == "ModelHTTPError"
+    assert failed["errors"][0]["status"] == 429  # data, not text: read by the remote window
     reasons = [reason for _, _, reason in result.summary["window_history"]]
     assert any(reason.startswith("429") for reason in reasons), reasons
 
