@@ -19,7 +19,7 @@ PACKAGE = Path(__file__).resolve().parent.parent / "trio_tasksets"
 # SIDEWAYS, and any room of a lower layer. Shims of moved modules sit at the top (they only
 # re-export).
 LAYERS: dict[str, int] = {
-    "_exceptions": 0,
+    "_exceptions": -1,
     "version": 0,
     "backoff": 0,
     "window": 0,

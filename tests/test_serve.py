@@ -32,7 +32,7 @@ from trio_tasksets.builtin import EchoConfig, EchoTaskset
 from trio_tasksets.envspec import EnvSpec, TravelError, config_from_json
 from trio_tasksets.serve import EnvServerError, spawn_server
 from trio_tasksets.serve.client import retry_server_error
-from trio_tasksets.serve.transport import Refused, handshake
+from trio_tasksets.serve.transport import HandshakeRefused, handshake
 from trio_tasksets.serve.wire import (
     EchoSpec,
     OpenAISpec,
@@ -587,7 +587,7 @@ async def test_an_unreadable_websocket_message_closes_that_connection_and_the_se
 async def test_a_websocket_without_the_right_token_is_refused_with_401(
     server: str, token: str | None, needle: str
 ) -> None:
-    with trio.fail_after(10), pytest.raises(Refused) as refused:
+    with trio.fail_after(10), pytest.raises(HandshakeRefused) as refused:
         await RawWS.connect(server, token=token)
     assert refused.value.status == 401
     assert needle in str(refused.value)

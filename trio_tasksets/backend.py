@@ -104,12 +104,12 @@ BACKENDS = {
 }
 
 
-def _backend_class(name: str, *, needs: str) -> Any:
+def _backend_class(name: str, *, needs: str, parameter: str) -> Any:
     module, attribute = BACKENDS[name]
     try:
         return getattr(importlib.import_module(module), attribute)
     except ImportError as exc:
-        raise EvalConfigError(f"{needs} ({exc})", parameter=name) from None
+        raise EvalConfigError(f"{needs} ({exc})", parameter=parameter) from None
 
 
 def backend_for(
@@ -127,35 +127,37 @@ def backend_for(
         if serve or server_url is not None:
             other = "serve" if serve else "server_url"
             raise EvalConfigError(
-                f"via and {other}: choose one (workers over Redis, or a server)",
+                f"{{via}} and {{{other}}}: choose one (workers over Redis, or a server)",
                 parameter=("via", other),
             )
         if workers != 1:
             raise EvalConfigError(
-                "workers applies to a server spawned with serve, not to via",
+                "{workers} applies to a server spawned with {serve}, not to {via}",
                 parameter=("workers", "serve", "via"),
             )
-        needs = "via needs hiredis: pip install 'trio-tasksets[redis]'"
-        cls = _backend_class("via", needs=needs)
+        needs = "{via} needs hiredis: pip install 'trio-tasksets[redis]'"
+        cls = _backend_class("via", needs=needs, parameter="via")
         return cls(via) if stream is None else cls(via, stream=stream)  # type: ignore[no-any-return]
     if stream is not None:
         raise EvalConfigError(
-            "stream names the workers' stream: it needs via", parameter=("stream", "via")
+            "{stream} names the workers' stream: it needs {via}", parameter=("stream", "via")
         )
     if serve or server_url is not None:
         if serve and server_url is not None:
             raise EvalConfigError(
-                "serve and server_url: choose one (spawn a server, or use one)",
+                "{serve} and {server_url}: choose one (spawn a server, or use one)",
                 parameter=("serve", "server_url"),
             )
-        cls = _backend_class("served", needs="the served path cannot be imported")
+        name = "serve" if serve else "server_url"
+        needs = f"{{{name}}}: the served path cannot be imported"
+        cls = _backend_class("served", needs=needs, parameter=name)
         return cls(server_url=server_url, workers=workers, token=server_token)  # type: ignore[no-any-return]
     if isinstance(workers, bool) or not isinstance(workers, int) or workers < 1:
         raise EvalConfigError(
-            f"workers must be an integer >= 1, got {workers!r}", parameter="workers"
+            f"{{workers}} must be an integer >= 1, got {workers!r}", parameter="workers"
         )
     if workers != 1:
         raise EvalConfigError(
-            "workers applies to a spawned server: add serve", parameter=("workers", "serve")
+            "{workers} applies to a spawned server: add {serve}", parameter=("workers", "serve")
         )
     return InProcess()

@@ -13,6 +13,7 @@ from typing import Any, Generic, TypeVar
 import attrs
 import trio
 
+from ._exceptions import TrioTasksetsError
 from .backoff import Backoff
 from .limits import CallObserver, observe_calls, report_outcome
 from .models import Completion, ModelContext, ModelHTTPError, observe_completions
@@ -70,7 +71,7 @@ class RetryPolicy:
         return Backoff(self.backoff, self.max_backoff).delay(attempt)
 
 
-class RolloutTimeoutError(TimeoutError):
+class RolloutTimeoutError(TrioTasksetsError, TimeoutError):
     """An attempt of an episode (its rollout and scoring) outlasted the env's
     `rollout_timeout`: an episode error like any other, retried per the env's policy."""
 

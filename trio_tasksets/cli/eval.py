@@ -38,6 +38,7 @@ from .options import (
     UsageError,
     add_time_limit_option,
     add_window_option,
+    flag_message,
     warn,
 )
 
@@ -61,7 +62,7 @@ def _max_failures(text: str) -> int | float:
     try:
         check_max_failures(value)
     except EvalConfigError as exc:
-        raise argparse.ArgumentTypeError(str(exc).removeprefix("--max-failures ")) from None
+        raise argparse.ArgumentTypeError(str(exc).removeprefix("max_failures ")) from None
     return value
 
 
@@ -370,7 +371,7 @@ def _warnings_as_lines() -> Iterator[None]:
         file: TextIO | None = None,
         line: str | None = None,
     ) -> None:
-        warn("eval", str(message))
+        warn("eval", flag_message(message) if isinstance(message, Warning) else message)
 
     with warnings.catch_warnings():
         warnings.simplefilter("always", EvalWarning)

@@ -15,7 +15,6 @@ import traceback
 from collections.abc import Callable, Sequence
 
 from .._exceptions import ConfigError
-from ..loading import TargetError
 from ..version import __version__
 from . import eval as eval_command
 from . import report as report_command
@@ -67,7 +66,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     command = args.command
     try:
         return RUNNERS[command](args)
-    except (UsageError, TargetError, ConfigError) as exc:
+    except (UsageError, ConfigError) as exc:  # a TASKSET that does not resolve is one too
         _traceback(args, exc)
         args.tt_subparser.print_usage(sys.stderr)
         error = exc if isinstance(exc, UsageError) else UsageError(flag_message(exc))

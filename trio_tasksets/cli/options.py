@@ -15,10 +15,10 @@ from __future__ import annotations
 
 import argparse
 import math
-import re
 import sys
 from typing import TYPE_CHECKING
 
+from .._exceptions import ConfigError, EvalWarning, TrioTasksetsError
 from ..window import AdaptiveBounds, WindowArgumentError, parse_window
 
 __all__ = [
@@ -49,7 +49,7 @@ TASKSET_HELP = "echo, echo-stream, path/to/file.py:Class or package.module:Class
 # --- errors and help ------------------------------------------------------------------------
 
 
-class CommandError(Exception):
+class CommandError(TrioTasksetsError):
     """A failure the user can act on, shown as one line (exit 1):
     ``trio-tasksets COMMAND: error: MESSAGE; fix: FIX``, then any `details` lines."""
 
@@ -94,16 +94,13 @@ PARAMETER_FLAGS = {
 }
 
 
-def flag_message(error: BaseException) -> str:
-    """A library error's message as the command line says it: in a `ConfigError`, the
-    first mention of each parameter it names (``num_examples``) becomes its flag
-    (``-n/--num-examples``)."""
-    text = str(error)
-    for name in getattr(error, "parameters", ()):
-        flag = PARAMETER_FLAGS.get(name)
-        if flag is not None:
-            text = re.sub(rf"(?<![\w/'-]){name}(?![\w'-])", flag, text, count=1)
-    return text
+def flag_message(error: BaseException | Warning) -> str:
+    """A library error's (or warning's) message as the command line says it: a
+    `ConfigError` (an `EvalWarning`) with each parameter it names (``num_examples``) spelled
+    as its flag (``-n/--num-examples``)."""
+    if isinstance(error, ConfigError | EvalWarning):
+        return error.spelled(PARAMETER_FLAGS)
+    return str(error)
 
 
 def warn(command: str, message: str) -> None:

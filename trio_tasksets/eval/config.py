@@ -10,15 +10,12 @@ from typing import Any
 
 import attrs
 
-from .._exceptions import EvalConfigError as EvalConfigError  # its home is _exceptions
+from .._exceptions import EvalConfigError as EvalConfigError  # their home is _exceptions
+from .._exceptions import EvalWarning as EvalWarning
 from ..backend import InProcess, SlotBackend, backend_for
 from ..env import Env, Episode
 from ..models import ModelContext
-from ..window import AdaptiveBounds, AdaptiveWindow, Window, build_window
-
-
-class EvalWarning(UserWarning):
-    """A setting that works, but not as written (`-n` larger than a static taskset)."""
+from ..window import AdaptiveBounds, Window, WindowArgumentError, build_window
 
 
 @attrs.define
@@ -103,35 +100,28 @@ IDENTITY = ("taskset", "taskset_config", "model", "sampling", "num_examples",
              "rollouts_per_example", "shuffle", "seed")  # fmt: skip
 
 
-def _check_int(value: object, flag: str, minimum: int, *, optional: bool = False) -> None:
+def _check_int(value: object, name: str, minimum: int, *, optional: bool = False) -> None:
     if optional and value is None:
         return
     if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
-        raise EvalConfigError(f"{flag} must be an integer >= {minimum}, got {value!r}")
-
-
-def check_window(value: object) -> None:
-    """`EvalConfigError` naming -c unless `value` is an int >= 1, `AdaptiveBounds` with
-    1 <= min <= start <= max, or a `tt.Window`."""
-    if isinstance(value, Window):
-        return
-    if isinstance(value, tuple):
-        try:
-            AdaptiveWindow(*value)
-        except (TypeError, ValueError) as exc:
-            raise EvalConfigError(
-                f"-c/--max-concurrent: adaptive bounds are (min, start, max) with 1 <= min <= "
-                f"start <= max, got {value!r} ({exc})"
-            ) from None
-        return
-    _check_int(value, "-c/--max-concurrent", 1)
+        raise EvalConfigError(
+            f"{{{name}}} must be an integer >= {minimum}, got {value!r}", parameter=name
+        )
 
 
 def eval_window(value: int | AdaptiveBounds | Window) -> Window:
-    """The rollout window an eval runs under: the `tt.Window` given, or a fresh one."""
-    if isinstance(value, Window):
-        return value
-    return build_window(AdaptiveBounds(*value) if isinstance(value, tuple) else value)
+    """The rollout window an eval runs under: the `tt.Window` given, or a fresh one
+    (`build_window`); `EvalConfigError` naming `max_concurrent` for a bad value."""
+    try:
+        return build_window(value, parameter="max_concurrent")
+    except WindowArgumentError as exc:
+        raise EvalConfigError(exc.template, parameter=exc.parameters) from None
+
+
+def check_window(value: object) -> None:
+    """`EvalConfigError` naming `max_concurrent` unless `value` is an int >= 1,
+    `AdaptiveBounds` with 1 <= min <= start <= max, or a `tt.Window`."""
+    eval_window(value)  # type: ignore[arg-type]  # checked there
 
 
 def check_max_failures(value: object) -> None:
@@ -144,15 +134,16 @@ def check_max_failures(value: object) -> None:
     elif isinstance(value, float) and 0 < value < 1:
         return
     raise EvalConfigError(
-        f"--max-failures takes N (an integer >= 1: stop once N episodes failed) or a FRACTION "
-        f"between 0 and 1 (stop once more than that share failed), got {value!r}"
+        f"{{max_failures}} takes N (an integer >= 1: stop once N episodes failed) or a FRACTION "
+        f"between 0 and 1 (stop once more than that share failed), got {value!r}",
+        parameter="max_failures",
     )
 
 
 def preflight(env: Env[Any], ctx: ModelContext, config: EvalConfig) -> SlotBackend:
     """Every check that needs no pull and no file write; the backend the slots run on."""
-    _check_int(config.num_examples, "-n/--num-examples", 0, optional=True)
-    _check_int(config.rollouts_per_example, "-r/--rollouts-per-example", 1)
+    _check_int(config.num_examples, "num_examples", 0, optional=True)
+    _check_int(config.rollouts_per_example, "rollouts_per_example", 1)
     check_window(config.max_concurrent)
     limit = config.time_limit
     if limit is not None and (
@@ -161,7 +152,10 @@ def preflight(env: Env[Any], ctx: ModelContext, config: EvalConfig) -> SlotBacke
         or not math.isfinite(limit)
         or limit <= 0
     ):
-        raise EvalConfigError(f"--time-limit must be a number of seconds > 0, got {limit!r}")
+        raise EvalConfigError(
+            f"{{time_limit}} must be a number of seconds > 0, got {limit!r}",
+            parameter="time_limit",
+        )
     check_max_failures(config.max_failures)
     taskset = env.taskset
     name = type(taskset).__name__
@@ -169,15 +163,19 @@ def preflight(env: Env[Any], ctx: ModelContext, config: EvalConfig) -> SlotBacke
         kind = "streams its tasks" if taskset.streaming else "is INFINITE"
         if config.num_examples is None:
             raise EvalConfigError(
-                f"taskset {name} {kind}: bound the run with -n/--num-examples N "
-                f"(the eval takes the next N tasks and ends)"
+                f"taskset {name} {kind}: bound the run with {{num_examples}} N "
+                f"(the eval takes the next N tasks and ends)",
+                parameter="num_examples",
             )
         if taskset.streaming and config.shuffle:
-            raise EvalConfigError(f"taskset {name} {kind}: cannot shuffle (drop --shuffle)")
+            raise EvalConfigError(
+                f"taskset {name} {kind}: cannot shuffle (drop {{shuffle}})", parameter="shuffle"
+            )
         if taskset.streaming and config.resume:
             raise EvalConfigError(
                 f"taskset {name} {kind}: cannot resume (there is no list of tasks to compare "
-                f"against; drop --resume)"
+                f"against; drop {{resume}})",
+                parameter="resume",
             )
     backend = config.slot_backend()
     backend.check(env, ctx)
@@ -233,13 +231,16 @@ def run_dir_for(env: Env[Any], ctx: ModelContext, config: EvalConfig) -> Path:
         latest = latest_run(env, ctx, config.output_dir)
         if latest is None:
             raise EvalConfigError(
-                f"--resume: {config.output_dir} holds no run of taskset "
+                f"{{resume}}: {config.output_dir} holds no run of taskset "
                 f"{type(env.taskset).__name__} with model {ctx.model!r}; name the run to "
-                f"resume with --run-name (or -o/--output-dir)"
+                f"resume with {{run_name}} (or {{output_dir}})",
+                parameter=("resume", "run_name", "output_dir"),
             )
         return latest
     if name is None:
         name = default_run_name(env, ctx)
     if not name or "/" in name or name in (".", ".."):
-        raise EvalConfigError(f"--run-name must be a plain directory name, got {name!r}")
+        raise EvalConfigError(
+            f"{{run_name}} must be a plain directory name, got {name!r}", parameter="run_name"
+        )
     return Path(config.output_dir) / name

@@ -243,9 +243,11 @@ def _say_if_short(env: Env[Any], config: EvalConfig, slots: list[RunSlot[Any]]) 
     tasks = len(slots) // config.rollouts_per_example
     if n is not None and tasks < n:
         warnings.warn(
-            f"-n/--num-examples {n} is more than taskset {type(env.taskset).__name__} holds "
-            f"({tasks} tasks): the eval runs all {tasks}",
-            EvalWarning,
+            EvalWarning(
+                f"{{num_examples}} {n} is more than taskset {type(env.taskset).__name__} "
+                f"holds ({tasks} tasks): the eval runs all {tasks}",
+                parameter="num_examples",
+            ),
             stacklevel=3,
         )
 
@@ -272,8 +274,9 @@ async def run_eval(
         kept_rows, slots = keep_resumable(run_dir, identity, slots)
     elif run_dir.exists() and any(run_dir.iterdir()):
         raise EvalConfigError(
-            f"{run_dir} already holds a run: pass --resume to continue it, or choose another "
-            f"--run-name / -o/--output-dir"
+            f"{run_dir} already holds a run: pass {{resume}} to continue it, or choose another "
+            f"{{run_name}} / {{output_dir}}",
+            parameter=("resume", "run_name", "output_dir"),
         )
     created = _make_dir(run_dir)
     record = _record_of(env, ctx, config, identity, run_dir)

@@ -44,7 +44,7 @@ import orjson
 import trio
 
 from .. import dashboard
-from .._exceptions import EvalConfigError
+from .._exceptions import EvalConfigError, TrioTasksetsError
 from ..backend import SlotRunner
 from ..env import Env, Episode, OnComplete, RunSlot, complete_slot
 from ..models import ModelContext
@@ -78,7 +78,7 @@ _CLEANUP_WITHIN = 5.0  # seconds the way out spends deleting what this session l
 _LOG_EVERY = 60.0  # seconds between log lines repeating why no result comes
 
 
-class ViaError(RuntimeError):
+class ViaError(TrioTasksetsError, RuntimeError):
     """A slot a worker refused (its reason says what differs and how to fix it)."""
 
 
@@ -93,7 +93,7 @@ async def reach(url: str) -> str:
     try:
         return await server_run_id(url)
     except RedisError as exc:
-        message, fix = unusable("via", url, exc)
+        message, fix = unusable("{via}", url, exc)
         raise EvalConfigError(f"{message}; {fix}", parameter="via") from None
 
 
@@ -101,13 +101,13 @@ def _check_via(instance: object, attribute: attrs.Attribute[str] | None, value: 
     try:
         check_url(value)  # a non-str is refused too, and said to be no Redis URL
     except ValueError as exc:
-        raise EvalConfigError(f"via: {exc}", parameter="via") from None
+        raise EvalConfigError(f"{{via}}: {exc}", parameter="via") from None
 
 
 def _check_stream(instance: object, attribute: attrs.Attribute[str], value: str) -> None:
     if not isinstance(value, str) or not value:
         raise EvalConfigError(
-            f"stream must name a stream, e.g. stream='tasks', got {value!r}", parameter="stream"
+            f"{{stream}} must name a stream, e.g. tasks, got {value!r}", parameter="stream"
         )
 
 

@@ -7,6 +7,7 @@ from typing import Any, TypeVar
 
 import trio
 
+from .._exceptions import TrioTasksetsError
 from ..backoff import Backoff
 from .entries import Log, redact
 from .resp import Address, Connection, RedisError, ReplyError, Unreachable, first_stream, info
@@ -17,7 +18,7 @@ REDIS_BACKOFF = Backoff(0.1, 3.0, jitter=0.5)
 _CONNECT_TIMEOUT = 5.0
 
 
-class Stopped(Exception):
+class Stopped(TrioTasksetsError):
     """The stop event fired while a call was waiting to retry."""
 
 

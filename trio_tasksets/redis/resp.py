@@ -18,6 +18,8 @@ import attrs
 import hiredis
 import trio
 
+from .._exceptions import TrioTasksetsError
+
 Arg = str | bytes | int | float
 Command = Sequence[Arg]
 
@@ -32,7 +34,7 @@ _CERT_REQS = {"none": ssl.CERT_NONE, "optional": ssl.CERT_OPTIONAL, "required": 
 _MORE = object()  # hiredis: no whole reply buffered yet
 
 
-class RedisError(Exception):
+class RedisError(TrioTasksetsError):
     """A Redis call failed."""
 
 

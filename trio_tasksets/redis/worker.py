@@ -22,9 +22,9 @@ from .entries import (
     Declaration,
     Delivery,
     EntryRef,
+    EntryRefused,
     Log,
     MalformedEntry,
-    Refused,
     plain_task,
     redact,
     stderr_log,
@@ -134,7 +134,7 @@ class _Claimed:
 
 class Builder:
     """Turns a delivery into a `Claim` for `env` (None: the plain default env), refusing an
-    entry declared for another env (`Refused`, with the reason and the fix)."""
+    entry declared for another env (`EntryRefused`, with the reason and the fix)."""
 
     def __init__(self, env: Env[Any] | None, ctx: ModelContext) -> None:
         self._env = env
@@ -146,14 +146,14 @@ class Builder:
         if delivery.declared is not None:
             reason = self._verdict(delivery.declared)
             if reason is not None:
-                raise Refused(f"entry {entry.id}: {reason}")
+                raise EntryRefused(f"entry {entry.id}: {reason}")
         if self._env is None:
             return Claim(delivery, plain_task(delivery))
         taskset_cls = type(self._env.taskset)
         try:
             task = rebuild_task(taskset_cls, delivery.key, delivery.data)
         except Exception as exc:  # the taskset's own task_from_data: this entry only
-            raise Refused(
+            raise EntryRefused(
                 f"entry {entry.id}: {taskset_cls.__name__} cannot build a task from its data "
                 f"({type(exc).__name__}: {exc})"
             ) from None
@@ -220,7 +220,7 @@ async def run_worker(
     if env is None:
         env = Env(taskset, retries=RetryPolicy(config.retries))
     if window is None:
-        window = build_window(config.max_concurrent)
+        window = build_window(config.max_concurrent, parameter="max_concurrent")
     report = WorkerReport(window=window)
     limits = getattr(ctx.client, "limits", None)
     progress = dashboard.Progress(

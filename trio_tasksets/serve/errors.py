@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+from .._exceptions import TrioTasksetsError
 
-class EnvServerError(Exception):
+
+class EnvServerError(TrioTasksetsError):
     """The env server could not be reached, went away, or refused a request.
 
     `url` is the server's; `status` the HTTP status it answered with (None when there was no

@@ -46,7 +46,7 @@ def check_travel(env: Env[Any], ctx: ModelContext, *, spawn: bool) -> None:
 def _check_workers(instance: object, attribute: attrs.Attribute[int], value: object) -> None:
     if isinstance(value, bool) or not isinstance(value, int) or value < 1:
         raise EvalConfigError(
-            f"workers must be an integer >= 1, got {value!r}", parameter="workers"
+            f"{{workers}} must be an integer >= 1, got {value!r}", parameter="workers"
         )
 
 
@@ -57,7 +57,8 @@ def _check_server_url(
         return
     if not isinstance(value, str) or not value.startswith(("http://", "https://")):
         raise EvalConfigError(
-            f"server_url must be an http:// or https:// URL, got {value!r}", parameter="server_url"
+            f"{{server_url}} must be an http:// or https:// URL, got {value!r}",
+            parameter="server_url",
         )
 
 
@@ -80,7 +81,7 @@ class ServedBackend:
     def __attrs_post_init__(self) -> None:
         if self.server_url is not None and self.workers != 1:
             raise EvalConfigError(
-                "workers applies to a server spawned with serve, not to server_url",
+                "{workers} applies to a server spawned with {serve}, not to {server_url}",
                 parameter=("workers", "serve", "server_url"),
             )
 
@@ -100,7 +101,7 @@ class ServedBackend:
             check_travel(env, ctx, spawn=self.spawn)
         except TravelError as exc:
             name = "serve" if self.spawn else "server_url"
-            raise EvalConfigError(f"{name}: {exc}", parameter=name) from None
+            raise EvalConfigError(f"{{{name}}}: {exc}", parameter=name) from None
 
     async def reach(self) -> ServedBackend:
         return self

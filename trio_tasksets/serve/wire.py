@@ -11,6 +11,7 @@ import attrs
 import orjson
 import trio
 
+from .._exceptions import TrioTasksetsError
 from ..env import RunSlot, task_data, task_key
 from ..envspec import TravelError, rebuild_task
 from ..models import EchoClient, ModelClient, ModelContext, OpenAIClient, Sampling
@@ -43,7 +44,7 @@ WS_PATH = "/ws"
 WS_MAX_BATCH = 16
 
 
-class WireError(ValueError):
+class WireError(TrioTasksetsError, ValueError):
     """A request that does not match the wire format; `field` is the dotted path at fault.
     `status` is the HTTP status it is answered with (422)."""
 
