@@ -24,6 +24,8 @@ LAYERS: dict[str, int] = {
     "backoff": 0,
     "window": 0,
     "runner": 1,
+    "drain": 1,
+    "batching": 1,
     "limits": 1,
     "tasksets": 1,
     "sources": 2,

@@ -19,9 +19,9 @@ client has adaptive `--max-connections`, each endpoint's `connection_history`).
 
 from __future__ import annotations
 
+import functools
 import json
 import math
-import signal
 import statistics
 import sys
 import time
@@ -36,6 +36,7 @@ import trio
 
 from .. import dashboard
 from ..backend import SlotBackend
+from ..drain import stop_on
 from ..env import Env, Episode, RunSlot, WindowFeed
 from ..limits import EndpointLimits, observe_calls
 from ..models import ModelContext
@@ -331,22 +332,6 @@ async def run_eval(
     return EvalResult(episodes=done, run_dir=run_dir, summary=summary)
 
 
-async def _watch_signals(tally: Tally, *, task_status: trio.TaskStatus[None]) -> None:
-    """Stop the eval on the first SIGINT or SIGTERM. Leaving the receiver restores the
-    handlers, so a second signal interrupts the drain itself."""
-    with trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
-        task_status.started()
-        async for signum in signals:
-            tally.stop(signal.Signals(signum).name)
-            return
-
-
-async def _stop_at(tally: Tally, deadline: float) -> None:
-    """`--time-limit`: stop the eval (and drain it) at `deadline` (trio's clock)."""
-    await trio.sleep_until(deadline)
-    tally.stop("time_limit")
-
-
 async def _execute(
     env: Env[Any],
     ctx: ModelContext,
@@ -390,10 +375,14 @@ async def _execute(
             episodes: list[Episode] | None = None
             with trio.CancelScope() as tally.scope:
                 async with trio.open_nursery() as nursery:
-                    if handle_signals:
-                        await nursery.start(_watch_signals, tally)
-                    if config.time_limit is not None:
-                        nursery.start_soon(_stop_at, tally, deadline)
+                    if handle_signals or config.time_limit is not None:
+                        # The first SIGINT/SIGTERM stops the eval (a second interrupts the
+                        # drain); --time-limit counts from the start (the backend's too).
+                        await nursery.start(functools.partial(
+                            stop_on, tally.stop, signals=handle_signals, once=True,
+                            time_limit=None if config.time_limit is None
+                            else max(0.0, deadline - trio.current_time()),
+                        ))  # fmt: skip
                     if not env.taskset.streaming:
                         source = from_list(slots)
                         episodes = await run_stream(source, run, window=window)

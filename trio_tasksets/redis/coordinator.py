@@ -46,6 +46,7 @@ import trio
 from .. import dashboard
 from .._exceptions import EvalConfigError, TrioTasksetsError
 from ..backend import SlotRunner
+from ..batching import take_ready
 from ..env import Env, Episode, OnComplete, RunSlot, complete_slot
 from ..models import ModelContext
 from ..window import Window
@@ -274,12 +275,7 @@ class _Coordinator:
     async def send_loop(self) -> None:
         """Enqueue what is ready, one pipelined round trip per batch."""
         async for first in self._queue:
-            batch = [first]
-            while len(batch) < _BATCH:
-                try:
-                    batch.append(self._queue.receive_nowait())
-                except trio.WouldBlock:
-                    break
+            batch = take_ready(self._queue, first, _BATCH)
             with self._answered() as answered:
                 add = functools.partial(_add, self.stream, answered, [s.fields for s in batch])
                 # Not abandoned on cancellation: the ids it added must be known, to delete them.
