@@ -413,9 +413,16 @@ async def fan_out(thunks: Iterable[Callable[[], Awaitable[R]]]) -> list[R]:
     before anything runs, when `thunks` is not iterable or holds something not callable.
     """
     calls = _check_thunks(thunks)
-    if not calls:
-        await trio.lowlevel.checkpoint()
-        return []
+    if len(calls) <= 1:
+        # Nothing to run beside it: the caller's place runs it, inline (its failure raised
+        # itself, a cancellation propagating as ever).
+        if not calls:
+            await trio.lowlevel.checkpoint()
+            return []
+        awaitable = calls[0]()
+        if not inspect.isawaitable(awaitable):
+            raise _thunk_not_awaitable(0, calls[0], awaitable)
+        return [await awaitable]
     places = _places.get()
     results: list[Any] = [_UNSET] * len(calls)
     failures: list[BaseException] = []
