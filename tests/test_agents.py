@@ -10,7 +10,6 @@ loop's own cases (each tool failure, each limit, timeouts, cancellation) run on
 from __future__ import annotations
 
 import json
-import os
 import shutil
 import socket
 import subprocess
@@ -445,6 +444,21 @@ def test_the_calculator_through_the_cli_in_process_and_served(tmp_path: Path) ->
         assert row["messages"][3]["content"] == row["task"]["data"]["answer"]
 
 
+@pytest.mark.parametrize("where", ["in process", "--serve"])
+def test_a_fan_out_env_keeps_c_model_calls_in_flight(tmp_path: Path, where: str) -> None:
+    """Best-of-4 over 6 tasks at -c 3: 3 model calls at once at the server, not 12, also
+    when the rollouts run in an env server."""
+    with ChatServer(delay=0.3) as server:
+        done = cli(
+            tmp_path, "eval", f"{CALC}:Sums", "--env-class", f"{CALC}:BestOf4", "-m", "m",
+            "--base-url", server.url, "-c", "3", "-o", str(tmp_path), "--no-dashboard",
+            "--run-name", "b", *(["--serve"] if where == "--serve" else []),
+        )  # fmt: skip
+        assert done.returncode == 0, done.stderr
+        assert len(server.requests) == 24
+        assert server.peak == 3
+
+
 REDIS_SERVER = shutil.which("redis-server")
 
 
@@ -485,31 +499,46 @@ def test_the_calculator_via_redis_workers_gives_the_same_rows(
     with ChatServer(tools=True) as server:
         model = ["-m", "m", "--base-url", server.url]
         log = (tmp_path / "worker.log").open("wb")
-        worker = subprocess.Popen(
-            [sys.executable, "-m", "trio_tasksets", "worker", f"{CALC}:Sums", "--env-class",
-             f"{CALC}:CalcEnv", "--feed", redis_url, "--stream", "tasks", "--group", "g",
-             "--results", "results", "--no-dashboard", *model],
-            stdout=subprocess.DEVNULL, stderr=log, env={**os.environ},
-        )  # fmt: skip
-        try:
-            via = cli(
-                tmp_path, "eval", f"{CALC}:Sums", "--env-class", f"{CALC}:CalcEnv", *model,
-                "-n", "3", "-o", str(tmp_path), "--no-dashboard", "--run-name", "via",
-                "--via", redis_url, "--stream", "tasks",
+
+        def worker(taskset: str, stream: str) -> subprocess.Popen[bytes]:
+            return subprocess.Popen(
+                [sys.executable, "-m", "trio_tasksets", "worker", f"{CALC}:{taskset}",
+                 "--env-class", f"{CALC}:CalcEnv", "--feed", redis_url, "--stream", stream,
+                 "--group", "g", "--results", f"{stream}:results", "--no-dashboard", *model],
+                stdout=subprocess.DEVNULL, stderr=log,
             )  # fmt: skip
-            assert via.returncode == 0, via.stderr + (tmp_path / "worker.log").read_text()
+
+        def via(taskset: str, stream: str, name: str) -> subprocess.CompletedProcess[str]:
+            return cli(
+                tmp_path, "eval", f"{CALC}:{taskset}", "--env-class", f"{CALC}:CalcEnv",
+                *model, "-n", "3", "-o", str(tmp_path), "--no-dashboard", "--run-name", name,
+                "--via", redis_url, "--stream", stream,
+            )  # fmt: skip
+
+        workers = [worker("Sums", "tasks"), worker("Continued", "more")]
+        try:
+            done = via("Sums", "tasks", "via")
+            assert done.returncode == 0, done.stderr + (tmp_path / "worker.log").read_text()
+            continued = via("Continued", "more", "continued")
+            assert continued.returncode == 0, continued.stderr
             local = cli(
                 tmp_path, "eval", f"{CALC}:Sums", "--env-class", f"{CALC}:CalcEnv", *model,
                 "-n", "3", "-o", str(tmp_path), "--no-dashboard", "--run-name", "local",
             )  # fmt: skip
             assert local.returncode == 0, local.stderr
         finally:
-            worker.terminate()
-            worker.wait(timeout=30)
+            for process in workers:
+                process.terminate()
+                process.wait(timeout=30)
             log.close()
     rows = trace(tmp_path / "via")
     check_calculator_rows(rows, 3)
     assert comparable(rows) == comparable(trace(tmp_path / "local"))
+    # the tool round in the tasks' own messages went to the worker and back
+    for row in trace(tmp_path / "continued"):
+        assert (row["ok"], row["reward"], row["turns"]) == (True, 1.0, 1)
+        assert row["messages"][2] == {"role": "tool", "tool_call_id": "call_0_0",
+                                      "content": row["task"]["data"]["answer"]}  # fmt: skip
 
 
 # --- the report -------------------------------------------------------------------------------

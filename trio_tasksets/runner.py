@@ -33,7 +33,7 @@ import trio
 
 from .window import Window
 
-__all__ = ["as_completed", "fan_out", "run_stream"]
+__all__ = ["ElasticPlaces", "as_completed", "fan_out", "run_stream"]
 
 T = TypeVar("T")
 R = TypeVar("R")
@@ -476,6 +476,52 @@ async def fan_out(thunks: Iterable[Callable[[], Awaitable[R]]]) -> list[R]:
     if error is not None:
         raise error
     return cast(list[R], results)
+
+
+class ElasticPlaces:
+    """A window for runs that a service starts one by one, outside `run_stream` (an env
+    server's requests): each run brings its own place, so the window is as large as the
+    runs in flight, and the fan_outs inside them draw from it. The runs' admission is
+    bounded elsewhere (an env server's runs by the eval's `-c`); their fan-outs are then
+    bounded by the same number, at any depth.
+
+    ``async with places.run():`` around a run. A run may wait for its place while thunks
+    of the runs before it hold the free ones: it starts when one ends, in turn.
+    """
+
+    def __init__(self) -> None:
+        self._limiter = trio.CapacityLimiter(1)  # trio's floor; the size is max(1, runs)
+        self._runs = 0
+
+    @property
+    def runs(self) -> int:
+        return self._runs
+
+    @property
+    def in_flight(self) -> int:
+        """Places held: runs working, and their thunks."""
+        return self._limiter.borrowed_tokens
+
+    @asynccontextmanager
+    async def run(self) -> AsyncGenerator[None, None]:
+        limiter = self._limiter
+        self._runs += 1
+        limiter.total_tokens = max(1, self._runs)
+        me = object()
+        try:
+            try:
+                limiter.acquire_on_behalf_of_nowait(me)
+            except trio.WouldBlock:
+                await limiter.acquire_on_behalf_of(me)
+            token = _places.set((limiter, limiter.acquire_on_behalf_of))
+            try:
+                yield
+            finally:
+                _places.reset(token)
+                limiter.release_on_behalf_of(me)
+        finally:
+            self._runs -= 1
+            limiter.total_tokens = max(1, self._runs)
 
 
 async def _draw_places(
