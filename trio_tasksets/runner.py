@@ -502,26 +502,53 @@ class ElasticPlaces:
         """Places held: runs working, and their thunks."""
         return self._limiter.borrowed_tokens
 
-    @asynccontextmanager
-    async def run(self) -> AsyncGenerator[None, None]:
-        limiter = self._limiter
+    def run(self) -> AbstractAsyncContextManager[None]:
+        """``async with places.run():`` holds one place for the run inside, which is the
+        window its fan_outs draw from."""
+        return _ElasticRun(self)
+
+    def _enter(self) -> None:
         self._runs += 1
-        limiter.total_tokens = max(1, self._runs)
-        me = object()
+        if self._runs > 1:  # (trio's floor is 1: the first run finds it there)
+            self._limiter.total_tokens = self._runs
+
+    def _leave(self) -> None:
+        self._runs -= 1
+        if self._runs >= 1:
+            self._limiter.total_tokens = self._runs
+
+
+class _ElasticRun:
+    """One run's place of an `ElasticPlaces` (a class, not a generator: it is on the served
+    path of every slot)."""
+
+    __slots__ = ("_held", "_places", "_token")
+
+    def __init__(self, places: ElasticPlaces) -> None:
+        self._places = places
+        self._held = False
+
+    async def __aenter__(self) -> None:
+        places = self._places
+        limiter = places._limiter
+        places._enter()
         try:
             try:
-                limiter.acquire_on_behalf_of_nowait(me)
+                limiter.acquire_on_behalf_of_nowait(self)
             except trio.WouldBlock:
-                await limiter.acquire_on_behalf_of(me)
-            token = _places.set((limiter, limiter.acquire_on_behalf_of))
-            try:
-                yield
-            finally:
-                _places.reset(token)
-                limiter.release_on_behalf_of(me)
-        finally:
-            self._runs -= 1
-            limiter.total_tokens = max(1, self._runs)
+                await limiter.acquire_on_behalf_of(self)
+        except BaseException:
+            places._leave()
+            raise
+        self._held = True
+        self._token = _places.set((limiter, limiter.acquire_on_behalf_of))
+
+    async def __aexit__(self, *exc_info: object) -> None:
+        if self._held:
+            _places.reset(self._token)
+            self._places._limiter.release_on_behalf_of(self)
+            self._held = False
+        self._places._leave()
 
 
 async def _draw_places(
