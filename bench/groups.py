@@ -210,7 +210,12 @@ class Jittered(tt.EchoClient):
         self.calls = 0
 
     async def chat(
-        self, messages: list[dict[str, Any]], *, model: str, sampling: tt.Sampling
+        self,
+        messages: list[dict[str, Any]],
+        *,
+        model: str,
+        sampling: tt.Sampling,
+        tools: list[dict[str, Any]] | None = None,
     ) -> tt.Completion:
         self.calls += 1
         await trio.sleep(self.latencies[self.calls % len(self.latencies)])

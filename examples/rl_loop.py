@@ -54,7 +54,12 @@ class FakePolicy:
         self.calls = 0
 
     async def chat(
-        self, messages: list[dict[str, Any]], *, model: str, sampling: tt.Sampling
+        self,
+        messages: list[dict[str, Any]],
+        *,
+        model: str,
+        sampling: tt.Sampling,
+        tools: list[dict[str, Any]] | None = None,
     ) -> tt.Completion:
         self.live += 1
         self.calls += 1

@@ -283,7 +283,12 @@ class Alternating(tt.EchoClient):
         self.count = 0
 
     async def chat(
-        self, messages: list[dict[str, Any]], *, model: str, sampling: tt.Sampling
+        self,
+        messages: list[dict[str, Any]],
+        *,
+        model: str,
+        sampling: tt.Sampling,
+        tools: list[dict[str, Any]] | None = None,
     ) -> tt.Completion:
         await trio.sleep(1)
         self.count += 1
@@ -369,7 +374,12 @@ async def test_eval_group_failing_after_retries(autojump_clock: MockClock, tmp_p
         calls = 0
 
         async def chat(
-            self, messages: list[dict[str, Any]], *, model: str, sampling: tt.Sampling
+            self,
+            messages: list[dict[str, Any]],
+            *,
+            model: str,
+            sampling: tt.Sampling,
+            tools: list[dict[str, Any]] | None = None,
         ) -> tt.Completion:
             Flaky.calls += 1
             await trio.sleep(1 if "say 1" in str(messages) else 50)
@@ -404,7 +414,12 @@ async def test_the_report_groups_rows_and_shows_the_spread(
 
     class Same(tt.EchoClient):  # "say 0" always right, "say 1" always wrong: no spread
         async def chat(
-            self, messages: list[dict[str, Any]], *, model: str, sampling: tt.Sampling
+            self,
+            messages: list[dict[str, Any]],
+            *,
+            model: str,
+            sampling: tt.Sampling,
+            tools: list[dict[str, Any]] | None = None,
         ) -> tt.Completion:
             await trio.sleep(1)
             return tt.Completion("0")

@@ -15,6 +15,7 @@ from .base import (
     ModelTimeoutError,
     Sampling,
     Tokens,
+    ToolCall,
     api_key_from_env,
     observe_completions,
 )
@@ -34,6 +35,7 @@ __all__ = [
     "OpenAIClient",
     "Sampling",
     "Tokens",
+    "ToolCall",
     "api_key_from_env",
     "observe_completions",
 ]
