@@ -76,6 +76,12 @@ class RolloutTimeoutError(TimeoutError):
     `rollout_timeout`: an episode error like any other, retried per the env's policy."""
 
 
+class DeadlineExceededError(TimeoutError):
+    """A slot's deadline, carried from the process that asked for it (an eval's `--via`
+    entry), passed: the slot was cut there, or not run at all when it came too late. An
+    episode error like any other (SPEC 12)."""
+
+
 @attrs.frozen
 class EpisodeTask:
     """The task an episode ran: its `key` and its own fields (`data`)."""

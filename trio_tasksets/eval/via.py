@@ -44,6 +44,7 @@ from .. import dashboard
 from ..env import Env, Episode, OnComplete, RunSlot, complete_slot
 from ..models import ModelContext
 from ..redis.entries import (
+    DEADLINE_FIELD,
     ENV_FIELD,
     REFUSED_FIELD,
     REPLY_FIELD,
@@ -52,6 +53,7 @@ from ..redis.entries import (
     Declaration,
     Log,
     check_url,
+    deadline_field,
     encode_task,
     redact,
     stderr_log,
@@ -206,6 +208,9 @@ class _Coordinator:
             REPLY_FIELD: self.reply,
             ENV_FIELD: self._declared,
         }
+        deadline = deadline_field()  # SPEC 12: the worker runs it under the time left
+        if deadline is not None:
+            fields[DEADLINE_FIELD] = deadline
         waiting = _Slot(fields)
         self._queue_in.send_nowait(waiting)
         await waiting.done.wait()

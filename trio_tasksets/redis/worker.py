@@ -5,6 +5,8 @@ from __future__ import annotations
 import math
 import os
 import socket
+import time
+import uuid
 from collections.abc import AsyncIterator, Callable
 from typing import Any
 
@@ -12,7 +14,18 @@ import attrs
 import trio
 
 from .. import dashboard
-from ..env import Env, Episode, RetryPolicy, RunSlot, WindowFeed
+from ..env import (
+    DeadlineExceededError,
+    Env,
+    Episode,
+    EpisodeError,
+    EpisodeTask,
+    RetryPolicy,
+    RunSlot,
+    WindowFeed,
+    task_data,
+    task_key,
+)
 from ..envspec import rebuild_task
 from ..limits import EndpointLimits, observe_calls
 from ..models import ModelContext
@@ -236,7 +249,8 @@ async def run_worker(
         progress.started()
         try:
             with observe_calls(feed):
-                episode = await env.run_slot(RunSlot(claim.task, delivery.rollout), ctx)
+                slot = RunSlot(claim.task, delivery.rollout)
+                episode = await run_by(env, slot, ctx, delivery.deadline)
             feed.ended(episode)
             meta: dict[str, str | int | float] = {
                 "consumer": config.consumer,
@@ -297,6 +311,37 @@ async def run_worker(
         await taskset.leave()  # only if it holds nothing: its name would be noise in the group
     say(report.line())
     return report
+
+
+async def run_by(
+    env: Env[Any], slot: RunSlot[Any], ctx: ModelContext, deadline: float | None
+) -> Episode:
+    """`env.run_slot(slot, ctx)` under the time left until `deadline` (epoch seconds, an
+    entry's `deadline`; None: no bound). A slot cut at its deadline, or taken after it (then
+    not run), ends as a failed episode whose last error is a `DeadlineExceededError`."""
+    if deadline is None:
+        return await env.run_slot(slot, ctx)
+    left = deadline - time.time()
+    if left > 0:
+        with trio.move_on_after(left):
+            return await env.run_slot(slot, ctx)
+        message = "the entry's deadline passed while it ran: the episode was cancelled"
+    else:
+        message = f"the entry's deadline had passed {-left:.3g}s before a worker took it: not run"
+    episode = slot.episode
+    if episode is None:
+        task = slot.task
+        episode = Episode(uuid.uuid4().hex, EpisodeTask(task_key(task), task_data(task)),
+                          slot.rollout)  # fmt: skip
+    attempt = len(episode.errors) + 1  # the attempt it was in, or the first one
+    episode.ok = False
+    episode.errors.append(EpisodeError(DeadlineExceededError.__name__, message, attempt))
+    episode.attempts = attempt if left > 0 else 0
+    now = time.time()
+    started = slot.started if slot.started is not None else now
+    episode.timing = {"started": started, "finished": now, "duration": now - started}
+    slot.episode, slot.done = episode, True
+    return episode
 
 
 class Publisher:

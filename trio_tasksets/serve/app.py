@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import os
 import sys
 import traceback
@@ -16,13 +17,14 @@ from ..runner import pick_one
 from ..tasksets import Taskset
 from .asgi import Message, Receive, Send, ServerStats, encode_answer
 from .policy import Access, Limits, ModelClients, ModelPolicy, Refused, log_refusal
-from .session import WSSession
+from .session import WSSession, deadline_passed
 from .wire import (
     WS_PATH,
     WireError,
     build_task,
     decode_json,
     parse_run_request,
+    time_left,
 )
 
 _JSON = [(b"content-type", b"application/json")]
@@ -225,11 +227,16 @@ class ServerApp:
         except ValueError as exc:
             raise Refused(400, f"the body is not JSON: {exc}") from None
         try:
+            left = time_left(decoded)
             slot, ctx = self.prepare(decoded)
         except WireError as exc:
             raise Refused(exc.status, str(exc)) from None
-        episode = await self.episode(slot, ctx, receive)
-        if episode is not None:
+        # The caller's deadline, enforced here too (SPEC 12): its disconnect may never come.
+        with trio.move_on_after(math.inf if left is None else left) as limit:
+            episode = await self.episode(slot, ctx, receive)
+        if limit.cancelled_caught:
+            await _send_json(send, 504, {"error": deadline_passed()}, [])
+        elif episode is not None:
             await _send_json(send, 200, episode.to_row(), [])
 
     async def episode(
