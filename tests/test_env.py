@@ -176,7 +176,7 @@ def test_episode_row_round_trip() -> None:
     row = episode.to_row()
     assert set(row) == {
         "id", "task", "rollout", "ok", "reward", "completion", "messages", "errors",
-        "attempts", "timing", "usage", "finish_reason",
+        "attempts", "timing", "usage", "finish_reason", "stop_reason",
     }  # fmt: skip
     assert row["task"] == {"key": "k", "data": episode.task.data}
     assert row["errors"] == [{"type": "Boom", "message": "x", "attempt": 1}]

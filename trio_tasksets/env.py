@@ -8,14 +8,14 @@ import random
 import re
 import time
 import uuid
-from collections.abc import AsyncIterator, Awaitable, Callable, Iterable
-from contextlib import AbstractAsyncContextManager, asynccontextmanager
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Iterator
+from contextlib import AbstractAsyncContextManager, asynccontextmanager, contextmanager
 from typing import Any, Generic, TypeVar
 
 import attrs
 import trio
 
-from .limits import CallObserver, observe_calls, report_outcome
+from .limits import CallObserver, observe_calls, parked, report_outcome
 from .models import Completion, ModelContext, observe_completions
 from .tasksets import Taskset
 from .window import AdaptiveWindow, Outcome, Window
@@ -110,7 +110,10 @@ class Episode:
     (seconds, every attempt and backoff included) and, of that duration, `waited_connection`
     and `waited_rate`: the seconds its model calls waited for a connection slot and for the
     rpm/tpm limiters (`trio_tasksets.limits.EndpointLimits`; 0.0 without limits; rows written
-    before these existed lack them).
+    before these existed lack them), and `working`: the duration less every wait of the
+    runner's own (`limits.parked`: limiters, rests before a retry, retry backoff).
+    `stop_reason` says why a rollout ended early but normally (scored, `ok`):
+    `"working_limit"` (`Env(working_limit=)`); None when it ran to its end.
     """
 
     id: str
@@ -125,6 +128,7 @@ class Episode:
     timing: dict[str, float] = attrs.Factory(dict)
     usage: dict[str, int] = attrs.Factory(dict)
     finish_reason: str | None = None
+    stop_reason: str | None = None
 
     def count(self, completion: Completion) -> None:
         """Add one model reply's token usage, and keep its finish reason."""
@@ -152,6 +156,7 @@ class Episode:
             "timing": self.timing,
             "usage": self.usage,
             "finish_reason": self.finish_reason,
+            "stop_reason": self.stop_reason,
         }
 
     @classmethod
@@ -170,6 +175,7 @@ class Episode:
             timing=dict(row.get("timing", {})),
             usage={str(k): int(v) for k, v in (row.get("usage") or {}).items()},
             finish_reason=None if row.get("finish_reason") is None else str(row["finish_reason"]),
+            stop_reason=None if row.get("stop_reason") is None else str(row["stop_reason"]),
         )
 
     @classmethod
@@ -182,7 +188,7 @@ class Episode:
         if type(row) is dict:
             get = row.get
             task, completion, errors = get("task"), get("completion"), get("errors")
-            finish = get("finish_reason")
+            finish, stop = get("finish_reason"), get("stop_reason")
             if (
                 type(task) is dict
                 and type(task.get("key")) is str
@@ -200,10 +206,12 @@ class Episode:
                 and type(get("usage")) is dict
                 and all(type(v) is int for v in row["usage"].values())
                 and (finish is None or type(finish) is str)
+                and (stop is None or type(stop) is str)
             ):
                 return cls(row["id"], EpisodeTask(task["key"], task["data"]), row["rollout"],
                            row["ok"], row["reward"], completion, row["messages"], errors,
-                           row["attempts"], row["timing"], row["usage"], finish)  # fmt: skip
+                           row["attempts"], row["timing"], row["usage"], finish,
+                           stop)  # fmt: skip
         return cls.from_row(row)  # type: ignore[arg-type]  # not a dict: it raises
 
 
@@ -297,9 +305,18 @@ class Env(Generic[TaskT]):
     rollout and its scoring: an attempt that outlasts it is cancelled and becomes a
     `RolloutTimeoutError`, retried per `retries` like any episode error. It is a plain
     attribute: set it after construction to bound a subclass that does not pass it on.
+
+    `working_limit` (seconds, or None) bounds each attempt's *working* time: its wall time
+    less the time it was parked in the runner's own waits (`limits.parked`: connection,
+    rpm and tpm limiters, Retry-After rests, retry backoff), stopped while such a wait is
+    in progress. An attempt that reaches it is cut and ends normally: scored on the last
+    model reply it had received (`""` if none), `ok`, with `stop_reason: "working_limit"`.
+    While any task of the rollout is parked, the rollout counts as parked. Also a plain
+    attribute.
     """
 
     rollout_timeout: float | None = None  # also here, for a subclass that skips __init__
+    working_limit: float | None = None
 
     def __init__(
         self,
@@ -308,10 +325,12 @@ class Env(Generic[TaskT]):
         reward: Reward | None = None,
         retries: RetryPolicy | None = None,
         rollout_timeout: float | None = None,
+        working_limit: float | None = None,
     ) -> None:
         self.taskset = taskset
         self.retries = retries if retries is not None else RetryPolicy()
         self.rollout_timeout = check_rollout_timeout(rollout_timeout)
+        self.working_limit = check_working_limit(working_limit)
         taskset_reward = getattr(taskset, "reward", None)
         self._reward: Reward = reward or taskset_reward or answer_match
 
@@ -355,26 +374,32 @@ class Env(Generic[TaskT]):
         began = trio.current_time()
         waits = _Waits()
         timeout = self.rollout_timeout
+        limit = self.working_limit
         attempt = 0
         while True:
             attempt += 1
+            stop: str | None = None
             try:
-                with observe_completions(episode.count), observe_calls(waits):
-                    if timeout is None:  # inline: this runs once per attempt of every episode
+                if timeout is None and limit is None:  # inline: once per attempt of every episode
+                    with observe_completions(episode.count), observe_calls(waits):
                         messages, completion = await self.rollout(task, ctx)
                         reward = _finite(await self.score(task, completion))
-                    else:
-                        messages, completion, reward = await self._timed(task, ctx, seconds=timeout)
+                else:
+                    messages, completion, reward, stop = await self._bounded(
+                        task, ctx, episode, waits
+                    )
             except Exception as exc:
                 episode.errors.append(EpisodeError(type(exc).__name__, str(exc), attempt))
                 if not self.retries.should_retry(exc, attempt):
                     break
-                await trio.sleep(self.retries.delay(attempt))
+                with observe_calls(waits), parked("retry"):
+                    await trio.sleep(self.retries.delay(attempt))
             else:
                 episode.ok = True
                 episode.reward = reward
                 episode.completion = completion
                 episode.messages = messages
+                episode.stop_reason = stop
                 break
         episode.attempts = attempt
         episode.timing = {
@@ -384,15 +409,35 @@ class Env(Generic[TaskT]):
             "waited_connection": waits.connection,
             "waited_rate": waits.rate,
         }
+        episode.timing["working"] = episode.timing["duration"] - waits.parked_so_far()
         return await complete_slot(slot, episode, on_complete)
 
-    async def _timed(
-        self, task: TaskT, ctx: ModelContext, *, seconds: float
-    ) -> tuple[list[Message], str, float]:
-        """One attempt, the rollout and its score, within `seconds` (`rollout_timeout`)."""
-        with trio.move_on_after(seconds):
-            messages, completion = await self.rollout(task, ctx)
-            return messages, completion, _finite(await self.score(task, completion))
+    async def _bounded(
+        self, task: TaskT, ctx: ModelContext, episode: Episode, waits: _Waits
+    ) -> tuple[list[Message], str, float, str | None]:
+        """One attempt, the rollout and its score, within `rollout_timeout` (wall time) and
+        `working_limit` (working time: the rollout is cut, then scored)."""
+        seconds, limit = self.rollout_timeout, self.working_limit
+        replies: list[Completion] = []
+
+        def record(completion: Completion) -> None:
+            episode.count(completion)
+            replies.append(completion)
+
+        stop: str | None = None
+        with trio.move_on_after(math.inf if seconds is None else seconds):
+            with observe_completions(record), observe_calls(waits):
+                if limit is None:
+                    messages, completion = await self.rollout(task, ctx)
+                else:
+                    with waits.working(limit) as work:
+                        messages, completion = await self.rollout(task, ctx)
+                    if work.cancelled_caught:
+                        stop = "working_limit"
+                        completion = replies[-1].content if replies else ""
+                        messages = _partial(task, replies)
+                return messages, completion, _finite(await self.score(task, completion)), stop
+        assert seconds is not None
         report_outcome(Outcome.TIMEOUT)  # an adaptive rollout window pauses its growth
         raise RolloutTimeoutError(
             f"the rollout took longer than its rollout_timeout of {seconds:g}s (cancelled)"
@@ -413,16 +458,82 @@ def check_rollout_timeout(value: object) -> float | None:
     return float(value)
 
 
+def check_working_limit(value: object) -> float | None:
+    """`value` as a working limit: None, or a finite number of seconds > 0 (ValueError)."""
+    if value is None:
+        return None
+    if (
+        isinstance(value, bool)
+        or not isinstance(value, int | float)
+        or not math.isfinite(value)
+        or value <= 0
+    ):
+        raise ValueError(f"working_limit must be a number of seconds > 0, or None, got {value!r}")
+    return float(value)
+
+
+def _partial(task: Any, replies: list[Completion]) -> list[Message]:
+    """The messages of a rollout cut at its working limit: the task's chat messages (when
+    it has a prompt) and the model replies it had received."""
+    try:
+        messages = chat_messages(task)
+    except AttributeError:
+        messages = []
+    return [*messages, *({"role": "assistant", "content": r.content} for r in replies)]
+
+
 @attrs.define
 class _Waits(CallObserver):
-    """What the model calls of one episode waited for, in seconds."""
+    """What one episode waited for, in seconds: its model calls' connection slots and rate
+    limiters (`on_wait`), and every wait of the runner's own (`parked`: the union of those
+    intervals, a wait in progress included). `working(limit)` is a cancel scope whose
+    deadline is `limit` seconds of working time away, moved as waits begin and end."""
 
     connection: float = 0.0
     rate: float = 0.0
+    parked: float = 0.0
+    depth: int = 0  # waits in progress (several tasks of one rollout may wait at once)
+    since: float = 0.0  # when the current parked interval began
+    scope: trio.CancelScope | None = None
+    work_began: float = 0.0
+    parked_before: float = 0.0  # `parked` when the working scope began
+    limit: float = 0.0
 
     def on_wait(self, connection: float, rate: float) -> None:
         self.connection += connection
         self.rate += rate
+
+    def on_park(self, kind: str) -> None:
+        self.depth += 1
+        if self.depth == 1:
+            self.since = trio.current_time()
+            if self.scope is not None:
+                self.scope.deadline = math.inf  # the working clock stops
+
+    def on_unpark(self, kind: str, seconds: float) -> None:
+        self.depth -= 1
+        if self.depth == 0:
+            self.parked += trio.current_time() - self.since
+            if self.scope is not None:
+                self.scope.deadline = self._working_deadline()
+
+    def parked_so_far(self) -> float:
+        now = trio.current_time()
+        return self.parked + (now - self.since if self.depth else 0.0)
+
+    def _working_deadline(self) -> float:
+        return self.work_began + self.limit + (self.parked - self.parked_before)
+
+    @contextmanager
+    def working(self, limit: float) -> Iterator[trio.CancelScope]:
+        self.work_began, self.parked_before, self.limit = trio.current_time(), self.parked, limit
+        scope = trio.CancelScope(deadline=math.inf if self.depth else self._working_deadline())
+        self.scope = scope
+        try:
+            with scope:
+                yield scope
+        finally:
+            self.scope = None
 
 
 class WindowFeed(CallObserver):

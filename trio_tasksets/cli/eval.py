@@ -183,12 +183,13 @@ def _refuse_remote_limits(args: argparse.Namespace) -> None:
             if flag == "--via"
             else f"drop {flags}, or run in-process (without {flag})",
         )
-    if args.rollout_timeout is not None and args.serve is False:
-        raise UsageError(
-            f"--rollout-timeout with {flag}: the episodes run in {who}, whose own "
-            f"--rollout-timeout bounds them",
-            fix=f"drop --rollout-timeout here{how}",
-        )
+    for name, dest in (("--rollout-timeout", "rollout_timeout"),
+                       ("--working-limit", "working_limit")):  # fmt: skip
+        if getattr(args, dest, None) is not None and args.serve is False:
+            raise UsageError(
+                f"{name} with {flag}: the episodes run in {who}, whose own {name} bounds them",
+                fix=f"drop {name} here{how}",
+            )
 
 
 def program() -> list[str]:

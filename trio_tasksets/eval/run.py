@@ -233,6 +233,7 @@ def _record_of(
             "rpm": None if limits is None else limits.rpm,
             "tpm": None if limits is None else limits.tpm,
             "rollout_timeout": env.rollout_timeout,
+            "working_limit": env.working_limit,
         },
         "run_dir": str(run_dir),
     }
@@ -379,12 +380,6 @@ async def _watch_signals(tally: Tally, *, task_status: trio.TaskStatus[None]) ->
             return
 
 
-async def _stop_at(tally: Tally, deadline: float) -> None:
-    """`--time-limit`: stop the eval (and drain it) at `deadline` (trio's clock)."""
-    await trio.sleep_until(deadline)
-    tally.stop("time_limit")
-
-
 async def _execute(
     env: Env[Any],
     ctx: ModelContext,
@@ -427,12 +422,12 @@ async def _execute(
                 return episode
 
             episodes: list[Episode] | None = None
-            with trio.CancelScope() as tally.scope:
+            # --time-limit is this scope's deadline: every rollout sees it as its effective
+            # deadline, so its model requests and remote episodes never outlive it (SPEC 12).
+            with trio.CancelScope(deadline=deadline) as tally.scope:
                 async with trio.open_nursery() as nursery:
                     if handle_signals:
                         await nursery.start(_watch_signals, tally)
-                    if config.time_limit is not None:
-                        nursery.start_soon(_stop_at, tally, deadline)
                     if not env.taskset.streaming:
                         source = from_list(slots)
                         episodes = await run_stream(source, run, window=window)
@@ -442,6 +437,8 @@ async def _execute(
                             planned = plan_stream(tasks, config.rollouts_per_example, progress)
                             episodes = await run_stream(planned, run, window=window)
                     nursery.cancel_scope.cancel()  # the signal watcher
+            if tally.scope.cancelled_caught and tally.stopped is None:
+                tally.stopped = "time_limit"  # the scope's deadline passed
             return None if tally.stopped is not None else episodes
     except BaseExceptionGroup as group:
         # The context managers' nurseries wrap what passes through them: hand on the one

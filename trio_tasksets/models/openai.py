@@ -253,7 +253,8 @@ class OpenAIClient:
                 outcome = Outcome.from_status(status)
             # Outside the limits' gate: a rest holds no connection slot (and, for an adaptive
             # rollout window, a rest after a 429 lends the rollout's place meanwhile).
-            await rest(self._retry_delay(attempts - 1, retry_after), outcome=outcome)
+            kind = "backoff" if retry_after is None else "retry_after"
+            await rest(self._retry_delay(attempts - 1, retry_after), outcome=outcome, kind=kind)
 
     async def _attempt(
         self, body: bytes, reserve: int | None
