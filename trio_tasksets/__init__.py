@@ -9,7 +9,16 @@ tests) and `aio` (the asyncio bridge).
 """
 
 from . import aio, testing
-from .env import Env, Episode, EpisodeError, EpisodeTask, RetryPolicy, RolloutTimeoutError, RunSlot
+from .env import (
+    Env,
+    Episode,
+    EpisodeError,
+    EpisodeTask,
+    RetryPolicy,
+    RolloutTimeoutError,
+    RunSlot,
+    StalledError,
+)
 from .eval import EvalConfig, EvalConfigError, EvalResult, run_eval
 from .eval.report import report
 from .models import (
@@ -56,6 +65,7 @@ __all__ = [
     "RolloutTimeoutError",
     "RunSlot",
     "Sampling",
+    "StalledError",
     "Task",
     "Taskset",
     "TasksetConfig",

@@ -28,6 +28,7 @@ __all__ = [
     "RetryPolicy",
     "RolloutTimeoutError",
     "RunSlot",
+    "StalledError",
     "WindowFeed",
 ]
 
@@ -74,6 +75,12 @@ class RetryPolicy:
 class RolloutTimeoutError(TimeoutError):
     """An attempt of an episode (its rollout and scoring) outlasted the env's
     `rollout_timeout`: an episode error like any other, retried per the env's policy."""
+
+
+class StalledError(TimeoutError):
+    """An attempt made no progress (no model or tool call finished) for the env's
+    `stall_timeout` seconds of working time: cancelled, an episode error retried per the
+    env's policy like any other (SPEC 12)."""
 
 
 class DeadlineExceededError(TimeoutError):
@@ -313,10 +320,16 @@ class Env(Generic[TaskT]):
     model reply it had received (`""` if none), `ok`, with `stop_reason: "working_limit"`.
     While any task of the rollout is parked, the rollout counts as parked. Also a plain
     attribute.
+
+    `stall_timeout` (seconds, or None) cancels an attempt in which no model or tool call
+    finished (`ModelContext.chat` returning, `limits.report_progress`) for that many seconds
+    of working time (parked waits do not count): it becomes a `StalledError`, retried per
+    `retries`. Also a plain attribute.
     """
 
     rollout_timeout: float | None = None  # also here, for a subclass that skips __init__
     working_limit: float | None = None
+    stall_timeout: float | None = None
 
     def __init__(
         self,
@@ -326,11 +339,13 @@ class Env(Generic[TaskT]):
         retries: RetryPolicy | None = None,
         rollout_timeout: float | None = None,
         working_limit: float | None = None,
+        stall_timeout: float | None = None,
     ) -> None:
         self.taskset = taskset
         self.retries = retries if retries is not None else RetryPolicy()
         self.rollout_timeout = check_rollout_timeout(rollout_timeout)
         self.working_limit = check_working_limit(working_limit)
+        self.stall_timeout = check_working_limit(stall_timeout, "stall_timeout")
         taskset_reward = getattr(taskset, "reward", None)
         self._reward: Reward = reward or taskset_reward or answer_match
 
@@ -374,13 +389,13 @@ class Env(Generic[TaskT]):
         began = trio.current_time()
         waits = _Waits()
         timeout = self.rollout_timeout
-        limit = self.working_limit
+        bounded = timeout is not None or self.working_limit is not None or self.stall_timeout
         attempt = 0
         while True:
             attempt += 1
             stop: str | None = None
             try:
-                if timeout is None and limit is None:  # inline: once per attempt of every episode
+                if not bounded:  # inline: this runs once per attempt of every episode
                     with observe_completions(episode.count), observe_calls(waits):
                         messages, completion = await self.rollout(task, ctx)
                         reward = _finite(await self.score(task, completion))
@@ -417,25 +432,28 @@ class Env(Generic[TaskT]):
     ) -> tuple[list[Message], str, float, str | None]:
         """One attempt, the rollout and its score, within `rollout_timeout` (wall time) and
         `working_limit` (working time: the rollout is cut, then scored)."""
-        seconds, limit = self.rollout_timeout, self.working_limit
+        seconds, limit, stall = self.rollout_timeout, self.working_limit, self.stall_timeout
         replies: list[Completion] = []
 
         def record(completion: Completion) -> None:
             episode.count(completion)
             replies.append(completion)
+            waits.on_progress()
 
         stop: str | None = None
         with trio.move_on_after(math.inf if seconds is None else seconds):
             with observe_completions(record), observe_calls(waits):
-                if limit is None:
+                with waits.working(limit, stall) as (work, stalled):
                     messages, completion = await self.rollout(task, ctx)
-                else:
-                    with waits.working(limit) as work:
-                        messages, completion = await self.rollout(task, ctx)
-                    if work.cancelled_caught:
-                        stop = "working_limit"
-                        completion = replies[-1].content if replies else ""
-                        messages = _partial(task, replies)
+                if stalled.cancelled_caught:
+                    raise StalledError(
+                        f"no model or tool call finished for {stall:g}s of working time "
+                        f"(stall_timeout; cancelled)"
+                    )
+                if work.cancelled_caught:
+                    stop = "working_limit"
+                    completion = replies[-1].content if replies else ""
+                    messages = _partial(task, replies)
                 return messages, completion, _finite(await self.score(task, completion)), stop
         assert seconds is not None
         report_outcome(Outcome.TIMEOUT)  # an adaptive rollout window pauses its growth
@@ -458,8 +476,9 @@ def check_rollout_timeout(value: object) -> float | None:
     return float(value)
 
 
-def check_working_limit(value: object) -> float | None:
-    """`value` as a working limit: None, or a finite number of seconds > 0 (ValueError)."""
+def check_working_limit(value: object, name: str = "working_limit") -> float | None:
+    """`value` as a working limit (or `name`): None, or a finite number of seconds > 0
+    (ValueError naming it)."""
     if value is None:
         return None
     if (
@@ -468,7 +487,7 @@ def check_working_limit(value: object) -> float | None:
         or not math.isfinite(value)
         or value <= 0
     ):
-        raise ValueError(f"working_limit must be a number of seconds > 0, or None, got {value!r}")
+        raise ValueError(f"{name} must be a number of seconds > 0, or None, got {value!r}")
     return float(value)
 
 
@@ -486,8 +505,9 @@ def _partial(task: Any, replies: list[Completion]) -> list[Message]:
 class _Waits(CallObserver):
     """What one episode waited for, in seconds: its model calls' connection slots and rate
     limiters (`on_wait`), and every wait of the runner's own (`parked`: the union of those
-    intervals, a wait in progress included). `working(limit)` is a cancel scope whose
-    deadline is `limit` seconds of working time away, moved as waits begin and end."""
+    intervals, a wait in progress included). `working(limit, stall)` gives two cancel
+    scopes: one `limit` seconds of working time away, one `stall` seconds of working time
+    after the last progress (`on_progress`); their deadlines move as waits begin and end."""
 
     connection: float = 0.0
     rate: float = 0.0
@@ -497,7 +517,11 @@ class _Waits(CallObserver):
     scope: trio.CancelScope | None = None
     work_began: float = 0.0
     parked_before: float = 0.0  # `parked` when the working scope began
-    limit: float = 0.0
+    limit: float = math.inf
+    stall_scope: trio.CancelScope | None = None
+    stall: float = math.inf
+    progress_at: float = 0.0  # when a call last finished (or the attempt began)
+    parked_at_progress: float = 0.0  # `parked_so_far()` then
 
     def on_wait(self, connection: float, rate: float) -> None:
         self.connection += connection
@@ -509,6 +533,7 @@ class _Waits(CallObserver):
             self.since = trio.current_time()
             if self.scope is not None:
                 self.scope.deadline = math.inf  # the working clock stops
+                self.stall_scope.deadline = math.inf  # type: ignore[union-attr]
 
     def on_unpark(self, kind: str, seconds: float) -> None:
         self.depth -= 1
@@ -516,6 +541,12 @@ class _Waits(CallObserver):
             self.parked += trio.current_time() - self.since
             if self.scope is not None:
                 self.scope.deadline = self._working_deadline()
+                self.stall_scope.deadline = self._stall_deadline()  # type: ignore[union-attr]
+
+    def on_progress(self) -> None:
+        self.progress_at, self.parked_at_progress = trio.current_time(), self.parked_so_far()
+        if self.stall_scope is not None and not self.depth:
+            self.stall_scope.deadline = self._stall_deadline()
 
     def parked_so_far(self) -> float:
         now = trio.current_time()
@@ -524,16 +555,27 @@ class _Waits(CallObserver):
     def _working_deadline(self) -> float:
         return self.work_began + self.limit + (self.parked - self.parked_before)
 
+    def _stall_deadline(self) -> float:
+        return self.progress_at + self.stall + (self.parked - self.parked_at_progress)
+
     @contextmanager
-    def working(self, limit: float) -> Iterator[trio.CancelScope]:
-        self.work_began, self.parked_before, self.limit = trio.current_time(), self.parked, limit
-        scope = trio.CancelScope(deadline=math.inf if self.depth else self._working_deadline())
-        self.scope = scope
+    def working(
+        self, limit: float | None, stall: float | None
+    ) -> Iterator[tuple[trio.CancelScope, trio.CancelScope]]:
+        now = trio.current_time()
+        self.work_began, self.parked_before = now, self.parked
+        self.limit = math.inf if limit is None else limit
+        self.stall = math.inf if stall is None else stall
+        self.progress_at, self.parked_at_progress = now, self.parked_so_far()
+        parked = bool(self.depth)
+        work = trio.CancelScope(deadline=math.inf if parked else self._working_deadline())
+        stalled = trio.CancelScope(deadline=math.inf if parked else self._stall_deadline())
+        self.scope, self.stall_scope = work, stalled
         try:
-            with scope:
-                yield scope
+            with work, stalled:
+                yield work, stalled
         finally:
-            self.scope = None
+            self.scope = self.stall_scope = None
 
 
 class WindowFeed(CallObserver):

@@ -86,8 +86,8 @@ def _reward_spec(env: Env[Any]) -> str | None:
 @attrs.frozen
 class EnvSpec:
     """How a server process rebuilds an env: `taskset_cls(config)` wrapped in
-    `env_class(taskset, reward=..., retries=...)`, with its `rollout_timeout` and
-    `working_limit` set."""
+    `env_class(taskset, reward=..., retries=...)`, with its `rollout_timeout`,
+    `working_limit` and `stall_timeout` set."""
 
     taskset: str
     config: dict[str, Any]
@@ -96,6 +96,7 @@ class EnvSpec:
     retries: RetryPolicy = attrs.field(factory=RetryPolicy)
     rollout_timeout: float | None = None
     working_limit: float | None = None
+    stall_timeout: float | None = None
 
     @classmethod
     def of(cls, env: Env[Any]) -> EnvSpec:
@@ -110,6 +111,7 @@ class EnvSpec:
             retries=env.retries,
             rollout_timeout=env.rollout_timeout,
             working_limit=env.working_limit,
+            stall_timeout=env.stall_timeout,
         )
 
     def argv(self) -> list[str]:
@@ -127,6 +129,8 @@ class EnvSpec:
             args += ["--rollout-timeout", repr(self.rollout_timeout)]
         if self.working_limit is not None:
             args += ["--working-limit", repr(self.working_limit)]
+        if self.stall_timeout is not None:
+            args += ["--stall-timeout", repr(self.stall_timeout)]
         return args
 
     def build(self, taskset_cls: type[Taskset[Any, Any]]) -> Env[Any]:
@@ -143,4 +147,6 @@ class EnvSpec:
             env.rollout_timeout = self.rollout_timeout
         if self.working_limit is not None:
             env.working_limit = self.working_limit
+        if self.stall_timeout is not None:
+            env.stall_timeout = self.stall_timeout
         return env

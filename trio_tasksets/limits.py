@@ -49,6 +49,7 @@ __all__ = [
     "observe_calls",
     "parked",
     "report_outcome",
+    "report_progress",
     "rest",
 ]
 
@@ -369,6 +370,9 @@ class CallObserver:
     def on_unpark(self, kind: str, seconds: float) -> None:
         """That wait ended after `seconds`."""
 
+    def on_progress(self) -> None:
+        """A model or tool call of the rollout finished (`report_progress`)."""
+
 
 _observers: contextvars.ContextVar[tuple[CallObserver, ...]] = contextvars.ContextVar(
     "trio_tasksets_call_observers", default=()
@@ -391,6 +395,14 @@ class observe_calls:  # lower case: it reads as a call in `with observe_calls(..
 
     def __exit__(self, *exc_info: object) -> None:
         _observers.reset(self._token)
+
+
+def report_progress() -> None:
+    """Tell the observers of this context that a model or tool call finished: what a
+    `--stall-timeout` watches (`ModelContext.chat` reports each reply; a tool runner calls
+    this as each tool call returns)."""
+    for observer in _observers.get():
+        observer.on_progress()
 
 
 def report_outcome(outcome: Outcome | int, *, retry_after: float | None = None) -> None:

@@ -109,6 +109,11 @@ def add_parser(commands: Commands) -> argparse.ArgumentParser:
         "slots (of a stream: of the finished ones) failed (default: never stop early; exit 1 "
         "only when no episode succeeded)",
     )  # fmt: skip
+    run.add_argument(
+        "--max-consecutive-failures", type=int, default=None, metavar="N",
+        help="stop (exit 1) after N failed episodes in a row: a dead service fails every one "
+        "(default: never)",
+    )  # fmt: skip
     add_time_limit_option(
         run, what="stop pulling, cancel the rollouts in flight and keep the finished rows "
         "(summary.json: stopped \"time_limit\"; exit 0 if any episode succeeded)",
@@ -184,7 +189,8 @@ def _refuse_remote_limits(args: argparse.Namespace) -> None:
             else f"drop {flags}, or run in-process (without {flag})",
         )
     for name, dest in (("--rollout-timeout", "rollout_timeout"),
-                       ("--working-limit", "working_limit")):  # fmt: skip
+                       ("--working-limit", "working_limit"),
+                       ("--stall-timeout", "stall_timeout")):  # fmt: skip
         if getattr(args, dest, None) is not None and args.serve is False:
             raise UsageError(
                 f"{name} with {flag}: the episodes run in {who}, whose own {name} bounds them",
@@ -228,6 +234,7 @@ def _build(args: argparse.Namespace) -> tuple[Env[Any], ModelContext, EvalConfig
         dashboard=not args.no_dashboard,
         server_url=args.server_url,
         max_failures=args.max_failures,
+        max_consecutive_failures=args.max_consecutive_failures,
         command=[*program(), *getattr(args, "argv", [])],
         api_key_var=api_key_var(args),
         via=args.via,
@@ -307,6 +314,11 @@ def _fix_for(error_type: str, message: str, args: argparse.Namespace, run_dir: P
         return f"nothing answers at --base-url {args.base_url}: start the server, or fix the URL"
     if error_type == "ModelTimeoutError":
         return "raise --timeout S, or lower -c/--max-concurrent"
+    if error_type == "StalledError":
+        return (
+            "a rollout waited on something that never finished: see the row's messages; "
+            "raise --stall-timeout S, or retry stalls with --retries K"
+        )
     if error_type == "RolloutTimeoutError":
         return "raise --rollout-timeout S (or retry slow episodes with --retries K)"
     if error_type == "ModelResponseError":

@@ -53,6 +53,9 @@ class EvalConfig:
     # --time-limit: seconds after which the eval stops pulling, cancels the runs in flight,
     # keeps the finished rows and ends with `stopped: "time_limit"`. None: no limit.
     time_limit: float | None = None
+    # --max-consecutive-failures: stop (exit 1) after this many failed episodes in a row (in
+    # the order they finished): a dead service fails every one. None: never.
+    max_consecutive_failures: int | None = None
     # Recorded in config.json only (never compared by a resume): the command line that ran
     # the eval (default: sys.argv) and the name of the variable the model's API key came from.
     command: list[str] | None = None
@@ -138,6 +141,7 @@ def preflight(env: Env[Any], ctx: ModelContext, config: EvalConfig) -> None:
         raise EvalConfigError(f"--time-limit must be a number of seconds > 0, got {limit!r}")
     _check_int(config.workers, "--workers", 1)
     check_max_failures(config.max_failures)
+    _check_int(config.max_consecutive_failures, "--max-consecutive-failures", 1, optional=True)
     taskset = env.taskset
     name = type(taskset).__name__
     if taskset.streaming or taskset.INFINITE:

@@ -69,21 +69,36 @@ class Tally:
     """What the eval has recorded so far, and whether (and why) it was told to stop."""
 
     max_failures: int | float | None = None
+    max_consecutive: int | None = None  # --max-consecutive-failures
+    consecutive: int = 0  # failed episodes in a row, the latest last
     planned: int | None = None  # the static plan's slots (a fraction's base); None on a stream
     recorded: list[Episode] = attrs.Factory(list)  # new episodes, in completion order
     failed: int = 0
-    # "SIGINT" | "SIGTERM" | "max_failures" | "time_limit" | "cancelled"
+    # "SIGINT" | "SIGTERM" | "max_failures" | "max_consecutive_failures" | "time_limit" |
+    # "cancelled"
     stopped: str | None = None
     error: str | None = None  # what ended the run, as `Type: message`
     scope: trio.CancelScope | None = None  # cancelled to stop early
 
     def record(self, episode: Episode) -> None:
         self.recorded.append(episode)
-        if not episode.ok:
-            self.failed += 1
-            if self.max_failures is not None and self.stopped is None and self._over():
-                self.error = self._limit_message()
-                self.stop("max_failures")
+        if episode.ok:
+            self.consecutive = 0
+            return
+        self.failed += 1
+        self.consecutive += 1
+        if self.max_failures is not None and self.stopped is None and self._over():
+            self.error = self._limit_message()
+            self.stop("max_failures")
+        limit = self.max_consecutive
+        if limit is not None and self.stopped is None and self.consecutive >= limit:
+            last = episode.errors[-1] if episode.errors else None
+            said = f"; the last: {last.type}: {last.message}" if last is not None else ""
+            self.error = (
+                f"--max-consecutive-failures {limit}: {self.consecutive} episodes failed in "
+                f"a row{said}"
+            )
+            self.stop("max_consecutive_failures")
 
     def _over(self) -> bool:
         if isinstance(self.max_failures, int):
@@ -234,6 +249,7 @@ def _record_of(
             "tpm": None if limits is None else limits.tpm,
             "rollout_timeout": env.rollout_timeout,
             "working_limit": env.working_limit,
+            "stall_timeout": env.stall_timeout,
         },
         "run_dir": str(run_dir),
     }
@@ -298,7 +314,8 @@ async def run_eval(
         progress.started()
         progress.finished(episode.ok, episode.reward)
     progress.carried = len(kept)
-    tally = Tally(config.max_failures, None if streaming else planned)
+    tally = Tally(config.max_failures, config.max_consecutive_failures,
+                  planned=None if streaming else planned)  # fmt: skip
     new: list[Episode] | None = None
     began = time.monotonic()
     t0 = trio.current_time()
@@ -410,6 +427,8 @@ async def _execute(
             def record(episode: Episode) -> None:
                 writer.write(episode.to_row())
                 progress.finished(episode.ok, episode.reward)
+                if episode.errors:
+                    progress.stalled += sum(e.type == "StalledError" for e in episode.errors)
                 tally.record(episode)
 
             async def run(slot: RunSlot[Any]) -> Episode:
