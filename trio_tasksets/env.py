@@ -4,9 +4,12 @@ from __future__ import annotations
 
 import inspect
 import math
+import os
 import random
 import re
+import sys
 import time
+import traceback
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Iterator
 from contextlib import AbstractAsyncContextManager, asynccontextmanager, contextmanager
@@ -99,11 +102,39 @@ class EpisodeTask:
 
 @attrs.frozen
 class EpisodeError:
-    """One failed attempt: the exception's type name and message."""
+    """One failed attempt: the exception's type name and message, and, for an error raised
+    by the user's own code (a reward, a rollout, a tool, a taskset's `task_from_data`),
+    `traceback`: the formatted frames of that code, those of this package and of trio left
+    out (None for the package's own errors: model, timeout and stall errors)."""
 
     type: str
     message: str
     attempt: int = 1
+    traceback: str | None = None
+
+
+_OWN_CODE = tuple(
+    os.path.dirname(module.__file__) + os.sep
+    for module in (sys.modules[__name__.rpartition(".")[0]], trio)
+    if module.__file__ is not None
+)
+
+
+def user_traceback(error: BaseException) -> str | None:
+    """The traceback of `error` in the user's frames, or None when this package (or trio)
+    raised it. Frames of this package and of trio are left out; the rest (the user's code and
+    the libraries it called) are formatted as Python does, with the error's last line."""
+    frames = traceback.extract_tb(error.__traceback__)
+    if not frames or frames[-1].filename.startswith(_OWN_CODE):
+        return None
+    kept = traceback.StackSummary.from_list(
+        [frame for frame in frames if not frame.filename.startswith(_OWN_CODE)]
+    )
+    return (
+        "Traceback (most recent call last, the user's frames):\n"
+        + "".join(kept.format())
+        + "".join(traceback.format_exception_only(type(error), error))
+    )
 
 
 @attrs.define
@@ -156,9 +187,7 @@ class Episode:
             "reward": self.reward,
             "completion": self.completion,
             "messages": self.messages,
-            "errors": [
-                {"type": e.type, "message": e.message, "attempt": e.attempt} for e in self.errors
-            ],
+            "errors": [_error_row(e) for e in self.errors],
             "attempts": self.attempts,
             "timing": self.timing,
             "usage": self.usage,
@@ -250,6 +279,13 @@ async def complete_slot(
             with trio.CancelScope(shield=True):
                 await result
     return episode
+
+
+def _error_row(error: EpisodeError) -> dict[str, Any]:
+    row: dict[str, Any] = {"type": error.type, "message": error.message, "attempt": error.attempt}
+    if error.traceback is not None:
+        row["traceback"] = error.traceback
+    return row
 
 
 def _finite(reward: float) -> float:
@@ -404,7 +440,8 @@ class Env(Generic[TaskT]):
                         task, ctx, episode, waits
                     )
             except Exception as exc:
-                episode.errors.append(EpisodeError(type(exc).__name__, str(exc), attempt))
+                error = EpisodeError(type(exc).__name__, str(exc), attempt, user_traceback(exc))
+                episode.errors.append(error)
                 if not self.retries.should_retry(exc, attempt):
                     break
                 with observe_calls(waits), parked("retry"):

@@ -286,6 +286,32 @@ def _print_summary(summary: dict[str, Any], run_dir: Path) -> None:
         )
 
 
+def _print_tracebacks(summary: dict[str, Any], run_dir: Path, *, debug: bool) -> None:
+    """On stderr: the first error's traceback (the user's frames, when the error came from
+    their code); with `--debug`, every failed attempt's that has one, from the rows."""
+    if not debug:
+        first = summary.get("first_error") or {}
+        if first.get("traceback"):
+            print(f"first error ({first['type']}), in your code:", file=sys.stderr)
+            print(first["traceback"].rstrip(), file=sys.stderr)
+        return
+    try:
+        lines = (run_dir / "traces.jsonl").read_text().splitlines()
+    except OSError:
+        return
+    for line in lines:
+        try:
+            row = json.loads(line)
+        except ValueError:
+            continue  # a torn last line
+        for error in row.get("errors") or ():
+            if isinstance(error, dict) and error.get("traceback"):
+                key = row.get("task", {}).get("key")
+                print(f"task {key!r}, rollout {row.get('rollout')}, attempt "
+                      f"{error.get('attempt')}: {error['type']}", file=sys.stderr)  # fmt: skip
+                print(str(error["traceback"]).rstrip(), file=sys.stderr)
+
+
 def _fix_for(error_type: str, message: str, args: argparse.Namespace, run_dir: Path) -> str:
     """What the user can do about an error, from its type and (HTTP) status."""
     found = re.search(r"HTTP (\d{3})", message)
@@ -427,6 +453,7 @@ def run(args: argparse.Namespace) -> int:
         ) from exc
     summary = result.summary
     _print_summary(summary, run_dir)
+    _print_tracebacks(summary, run_dir, debug=getattr(args, "debug", False))
     stopped = summary["stopped"]
     first = summary.get("first_error") or {}
     fix = _fix_for(first.get("type", ""), first.get("message", ""), args, run_dir)

@@ -22,6 +22,7 @@ from __future__ import annotations
 import functools
 import json
 import math
+import re
 import signal
 import statistics
 import sys
@@ -38,7 +39,7 @@ import attrs
 import trio
 
 from .. import dashboard
-from ..env import Env, Episode, RunSlot, WindowFeed
+from ..env import Env, Episode, EpisodeError, RunSlot, WindowFeed
 from ..limits import EndpointLimits, observe_calls
 from ..models import ModelContext
 from ..runner import pick_one, run_stream
@@ -71,6 +72,9 @@ class Tally:
     max_failures: int | float | None = None
     max_consecutive: int | None = None  # --max-consecutive-failures
     consecutive: int = 0  # failed episodes in a row, the latest last
+    # The model endpoint's URL while it is not known to answer (None: known, or no URL):
+    # the first episode to finish tells (see `dead_endpoint`).
+    unproven: str | None = None
     planned: int | None = None  # the static plan's slots (a fraction's base); None on a stream
     recorded: list[Episode] = attrs.Factory(list)  # new episodes, in completion order
     failed: int = 0
@@ -82,6 +86,12 @@ class Tally:
 
     def record(self, episode: Episode) -> None:
         self.recorded.append(episode)
+        if self.unproven is not None:
+            dead = dead_endpoint(episode)
+            if dead is not None and self.stopped is None:
+                self.error = f"the model endpoint {self.unproven} is dead: {dead}"
+                self.stop("dead_endpoint")
+            self.unproven = None
         if episode.ok:
             self.consecutive = 0
             return
@@ -135,6 +145,25 @@ class Tally:
             self.stopped = self.stopped or "cancelled"
         elif self.error is None:
             self.error = f"{type(exc).__name__}: {exc}"
+
+
+def dead_endpoint(episode: Episode) -> str | None:
+    """Why the first episode of a run to finish says its endpoint is dead, or None: it failed
+    because the endpoint could not be reached (refused, DNS, TLS: `ModelConnectionError`,
+    after the client's retries) or refused the key (HTTP 401 or 403). Nothing has answered
+    before it, so no slot would do better: the eval stops (`stopped: "dead_endpoint"`)
+    instead of spending every slot on it."""
+    if episode.ok or not episode.errors:
+        return None
+    last = episode.errors[-1]
+    if last.type == "ModelConnectionError" or (
+        last.type == "ModelHTTPError" and _AUTH.search(last.message) is not None
+    ):
+        return f"{last.type}: {last.message}"
+    return None
+
+
+_AUTH = re.compile(r"returned HTTP 40[13]\b")
 
 
 def _waited(episodes: list[Episode]) -> dict[str, float]:
@@ -202,10 +231,17 @@ def _summary(
         "stopped": tally.stopped,
         "error": tally.error,
         "errors_by_type": dict(by_type.most_common()),
-        "first_error": None if first is None else {"type": first.type, "message": first.message},
+        "first_error": None if first is None else _first_error(first),
         "usage": _usage(episodes),
         "waited_s": _waited(episodes),
     }
+
+
+def _first_error(error: EpisodeError) -> dict[str, Any]:
+    first: dict[str, Any] = {"type": error.type, "message": error.message}
+    if error.traceback is not None:
+        first["traceback"] = error.traceback  # the user's frames (an error of their code)
+    return first
 
 
 def _make_dir(run_dir: Path) -> list[Path]:
@@ -316,6 +352,8 @@ async def run_eval(
     progress.carried = len(kept)
     tally = Tally(config.max_failures, config.max_consecutive_failures,
                   planned=None if streaming else planned)  # fmt: skip
+    base_url = getattr(ctx.client, "base_url", None)
+    tally.unproven = base_url if isinstance(base_url, str) and not kept else None
     new: list[Episode] | None = None
     began = time.monotonic()
     t0 = trio.current_time()
