@@ -475,7 +475,6 @@ class Env(Generic[TaskT]):
         def record(completion: Completion) -> None:
             episode.count(completion)
             replies.append(completion)
-            waits.on_progress()
 
         stop: str | None = None
         with trio.move_on_after(math.inf if seconds is None else seconds):
@@ -580,7 +579,7 @@ class _Waits(CallObserver):
                 self.scope.deadline = self._working_deadline()
                 self.stall_scope.deadline = self._stall_deadline()  # type: ignore[union-attr]
 
-    def on_progress(self) -> None:
+    def on_progress(self, kind: str = "model") -> None:
         self.progress_at, self.parked_at_progress = trio.current_time(), self.parked_so_far()
         if self.stall_scope is not None and not self.depth:
             self.stall_scope.deadline = self._stall_deadline()

@@ -370,8 +370,9 @@ class CallObserver:
     def on_unpark(self, kind: str, seconds: float) -> None:
         """That wait ended after `seconds`."""
 
-    def on_progress(self) -> None:
-        """A model or tool call of the rollout finished (`report_progress`)."""
+    def on_progress(self, kind: str) -> None:
+        """A model call (`kind` "model") or a tool call ("tool") finished
+        (`report_progress`)."""
 
 
 _observers: contextvars.ContextVar[tuple[CallObserver, ...]] = contextvars.ContextVar(
@@ -397,12 +398,12 @@ class observe_calls:  # lower case: it reads as a call in `with observe_calls(..
         _observers.reset(self._token)
 
 
-def report_progress() -> None:
-    """Tell the observers of this context that a model or tool call finished: what a
-    `--stall-timeout` watches (`ModelContext.chat` reports each reply; a tool runner calls
-    this as each tool call returns)."""
+def report_progress(kind: str = "tool") -> None:
+    """Tell the observers of this context that a call finished: what a `--stall-timeout`
+    watches, and the run's count of model calls. `ModelContext.chat` reports each reply
+    (`kind="model"`); a tool runner calls this as each tool call returns."""
     for observer in _observers.get():
-        observer.on_progress()
+        observer.on_progress(kind)
 
 
 def report_outcome(outcome: Outcome | int, *, retry_after: float | None = None) -> None:

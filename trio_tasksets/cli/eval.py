@@ -36,6 +36,7 @@ from .options import (
     CommandError,
     HelpFormatter,
     UsageError,
+    add_metrics_option,
     add_time_limit_option,
     add_window_option,
     warn,
@@ -119,6 +120,7 @@ def add_parser(commands: Commands) -> argparse.ArgumentParser:
         "(summary.json: stopped \"time_limit\"; exit 0 if any episode succeeded)",
     )  # fmt: skip
     run.add_argument("--no-dashboard", action="store_true", help="plain log lines, no live view")
+    add_metrics_option(run)
     served = ev.add_argument_group("the served path")
     served.add_argument("--serve", action="store_true", help="run the env in a server process")
     served.add_argument(
@@ -235,6 +237,7 @@ def _build(args: argparse.Namespace) -> tuple[Env[Any], ModelContext, EvalConfig
         server_url=args.server_url,
         max_failures=args.max_failures,
         max_consecutive_failures=args.max_consecutive_failures,
+        metrics_port=args.metrics_port,
         command=[*program(), *getattr(args, "argv", [])],
         api_key_var=api_key_var(args),
         via=args.via,

@@ -142,6 +142,16 @@ def add_window_option(group: argparse._ActionsContainer, *, help: str) -> None:
     )  # fmt: skip
 
 
+def add_metrics_option(parser: argparse.ArgumentParser | argparse._ArgumentGroup) -> None:
+    """`--metrics-port N` (eval, worker, serve): Prometheus text at 127.0.0.1:N/metrics."""
+    parser.add_argument(
+        "--metrics-port", type=int, default=None, metavar="N",
+        help="serve the run's counters and health (scheduler lag, in flight, waits) as "
+        "Prometheus text at http://127.0.0.1:N/metrics while it runs; 0 picks a free port "
+        "(printed) (default: none; needs the metrics extra)",
+    )  # fmt: skip
+
+
 def add_time_limit_option(group: argparse._ActionsContainer, *, what: str) -> None:
     """`--time-limit S` (default: none)."""
     group.add_argument(

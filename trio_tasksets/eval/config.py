@@ -12,6 +12,7 @@ import attrs
 
 from ..env import Env, Episode
 from ..envspec import TravelError
+from ..metrics import check_metrics
 from ..models import ModelContext
 from ..window import AdaptiveBounds, AdaptiveWindow, Window, build_window
 from .served import check_travel
@@ -56,6 +57,9 @@ class EvalConfig:
     # --max-consecutive-failures: stop (exit 1) after this many failed episodes in a row (in
     # the order they finished): a dead service fails every one. None: never.
     max_consecutive_failures: int | None = None
+    # --metrics-port: serve the run's counters and health as Prometheus text on 127.0.0.1 at
+    # this port (0: a free one, printed) while it runs. None: no metrics server.
+    metrics_port: int | None = None
     # Recorded in config.json only (never compared by a resume): the command line that ran
     # the eval (default: sys.argv) and the name of the variable the model's API key came from.
     command: list[str] | None = None
@@ -104,6 +108,18 @@ def check_window(value: object) -> None:
     _check_int(value, "-c/--max-concurrent", 1)
 
 
+def check_metrics_port(port: object, flag: str = "--metrics-port") -> None:
+    """`EvalConfigError` naming `flag` unless `port` is None or a port 0-65535 and
+    prometheus_client is installed."""
+    if port is None:
+        return
+    if isinstance(port, bool) or not isinstance(port, int) or not 0 <= port <= 65535:
+        raise EvalConfigError(f"{flag} must be a port number 0-65535 (0: a free one), got {port!r}")
+    missing = check_metrics()
+    if missing is not None:
+        raise EvalConfigError(f"{flag} needs prometheus_client: {missing}")
+
+
 def eval_window(value: int | AdaptiveBounds | Window) -> Window:
     """The rollout window an eval runs under: the `tt.Window` given, or a fresh one."""
     if isinstance(value, Window):
@@ -142,6 +158,7 @@ def preflight(env: Env[Any], ctx: ModelContext, config: EvalConfig) -> None:
     _check_int(config.workers, "--workers", 1)
     check_max_failures(config.max_failures)
     _check_int(config.max_consecutive_failures, "--max-consecutive-failures", 1, optional=True)
+    check_metrics_port(config.metrics_port)
     taskset = env.taskset
     name = type(taskset).__name__
     if taskset.streaming or taskset.INFINITE:

@@ -40,6 +40,7 @@ import trio
 
 from .. import dashboard
 from ..env import Env, Episode, EpisodeError, RunSlot, WindowFeed
+from ..health import Health
 from ..limits import EndpointLimits, observe_calls
 from ..models import ModelContext
 from ..runner import pick_one, run_stream
@@ -350,6 +351,8 @@ async def run_eval(
         progress.started()
         progress.finished(episode.ok, episode.reward)
     progress.carried = len(kept)
+    health = Health()
+    progress.health = health.lag_text
     tally = Tally(config.max_failures, config.max_consecutive_failures,
                   planned=None if streaming else planned)  # fmt: skip
     base_url = getattr(ctx.client, "base_url", None)
@@ -360,7 +363,7 @@ async def run_eval(
     try:
         new = await _execute(
             env, ctx, config, slots, traces_path, progress, tally, handle_signals,
-            window, redis_run_id,
+            window, health, redis_run_id,
         )  # fmt: skip
     except BaseException as exc:
         tally.ended_by(exc)
@@ -370,6 +373,7 @@ async def run_eval(
         done = kept + (new if new is not None else tally.recorded)
         summary = _summary(done, progress.total, began, len(kept), tally, complete)
         summary.update(_histories(window, ctx, t0))
+        summary["health"] = health.snapshot()
         summary.update(identity)
         if not complete and not tally.recorded and not config.resume:
             _remove_run(run_dir, created)  # nothing finished: a rerun starts afresh
@@ -435,6 +439,14 @@ async def _watch_signals(tally: Tally, *, task_status: trio.TaskStatus[None]) ->
             return
 
 
+async def _start_metrics(nursery: trio.Nursery, metrics: Any, port: int | None) -> None:
+    """`--metrics-port`: serve `metrics` in `nursery`, and say where (on stderr)."""
+    from ..metrics import serve_metrics
+
+    bound = await nursery.start(serve_metrics, metrics, port or 0)
+    print(f"trio-tasksets: metrics on http://127.0.0.1:{bound}/metrics", file=sys.stderr)
+
+
 async def _execute(
     env: Env[Any],
     ctx: ModelContext,
@@ -445,6 +457,7 @@ async def _execute(
     tally: Tally,
     handle_signals: bool,
     window: Window,
+    health: Health,
     redis_run_id: str | None = None,
 ) -> list[Episode] | None:
     """Run the planned (static) or streamed slots through `run_stream` under `window`,
@@ -455,6 +468,11 @@ async def _execute(
     # (an env server, workers) only through the episodes' errors.
     remote = config.via is not None or config.serve or config.server_url is not None
     feed = WindowFeed(window, remote=remote)
+    metrics = None
+    if config.metrics_port is not None:
+        from ..metrics import Metrics
+
+        metrics = Metrics(health, window=window)
     try:
         async with (
             _slot_runner(env, ctx, config, progress, window, redis_run_id) as run_slot,
@@ -467,16 +485,23 @@ async def _execute(
                 progress.finished(episode.ok, episode.reward)
                 if episode.errors:
                     progress.stalled += sum(e.type == "StalledError" for e in episode.errors)
+                if metrics is not None:
+                    last = episode.errors[-1].type if episode.errors else None
+                    metrics.record(episode.ok, last, episode.usage)
                 tally.record(episode)
 
             async def run(slot: RunSlot[Any]) -> Episode:
                 progress.started()
-                if feed.window is None:
-                    return await run_slot(slot, on_complete=record)
-                with observe_calls(feed):
-                    episode = await run_slot(slot, on_complete=record)
-                feed.ended(episode)  # the run still holds its place in the window
-                return episode
+                health.started()
+                try:
+                    if feed.window is None:
+                        return await run_slot(slot, on_complete=record)
+                    with observe_calls(feed):
+                        episode = await run_slot(slot, on_complete=record)
+                    feed.ended(episode)  # the run still holds its place in the window
+                    return episode
+                finally:
+                    health.finished()
 
             episodes: list[Episode] | None = None
             # --time-limit is this scope's deadline: every rollout sees it as its effective
@@ -485,15 +510,19 @@ async def _execute(
                 async with trio.open_nursery() as nursery:
                     if handle_signals:
                         await nursery.start(_watch_signals, tally)
-                    if not env.taskset.streaming:
-                        source = from_list(slots)
-                        episodes = await run_stream(source, run, window=window)
-                    else:
-                        assert config.num_examples is not None
-                        async with env.taskset.head(config.num_examples).channel() as tasks:
-                            planned = plan_stream(tasks, config.rollouts_per_example, progress)
-                            episodes = await run_stream(planned, run, window=window)
-                    nursery.cancel_scope.cancel()  # the signal watcher
+                    nursery.start_soon(health.probe)
+                    if metrics is not None:
+                        await _start_metrics(nursery, metrics, config.metrics_port)
+                    with observe_calls(health):  # the waits and model calls of every run
+                        if not env.taskset.streaming:
+                            source = from_list(slots)
+                            episodes = await run_stream(source, run, window=window)
+                        else:
+                            assert config.num_examples is not None
+                            async with env.taskset.head(config.num_examples).channel() as tasks:
+                                planned = plan_stream(tasks, config.rollouts_per_example, progress)
+                                episodes = await run_stream(planned, run, window=window)
+                    nursery.cancel_scope.cancel()  # the signal watcher, the probe, the metrics
             if tally.scope.cancelled_caught and tally.stopped is None:
                 tally.stopped = "time_limit"  # the scope's deadline passed
             return None if tally.stopped is not None else episodes

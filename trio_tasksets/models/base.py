@@ -24,6 +24,8 @@ from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
 import attrs
 
+from ..limits import report_progress
+
 if TYPE_CHECKING:
     pass  # only for a caller's own http_client; imported where used
 
@@ -116,6 +118,7 @@ class ModelContext:
         observer = _observer.get()
         if observer is not None:
             observer(completion)
+        report_progress("model")  # for a stall timeout, and the run's count of calls
         return completion
 
 
