@@ -4,6 +4,7 @@ scraped over HTTP."""
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import re
@@ -190,3 +191,65 @@ def test_a_bad_metrics_port_is_a_usage_error(tmp_path: Path, bad: str) -> None:
     done = subprocess.run(argv, capture_output=True, text=True, timeout=60)
     assert done.returncode == 2
     assert "--metrics-port must be a port number" in done.stderr
+
+
+async def test_worker_metrics_port(tmp_path: Path) -> None:
+    pytest.importorskip("hiredis")
+    from test_redis import REDIS_SERVER
+
+    if REDIS_SERVER is None:
+        pytest.skip("redis-server is not on PATH")
+    import redis
+    from test_redis import Server as RedisServer
+    from test_redis import _free_port, make_tasks, push
+
+    from trio_tasksets.redis.worker import WorkerConfig, run_worker
+
+    server = RedisServer(_free_port(), tmp_path)
+    server.start()
+    try:
+        r = redis.Redis.from_url(server.url, decode_responses=True)
+        push(r, "tasks", make_tasks(3))
+        config = WorkerConfig(server.url, "tasks", "workers", "results", consumer="me",
+                              dashboard=False, metrics_port=0)  # fmt: skip
+        lines: list[str] = []
+        ctx = tt.ModelContext(tt.EchoClient(), "echo")
+        async with trio.open_nursery() as nursery:
+            start = functools.partial(run_worker, config, ctx, handle_signals=False,
+                                      log=lines.append)  # fmt: skip
+            shut_down = await nursery.start(start)
+            with trio.fail_after(20):
+                while r.xlen("results") < 3:  # noqa: ASYNC110  (Redis state: polled)
+                    await trio.sleep(0.02)
+            (line,) = [line for line in lines if line.startswith("metrics on ")]
+            port = int(line.rsplit(":", 1)[1].split("/")[0])
+            with trio.fail_after(10):
+                status, text = await _scrape(port)
+            shut_down("told")
+        r.close()
+    finally:
+        server.stop()
+    assert status == 200
+    assert _value(text, 'trio_tasksets_episodes_total{error_type="",outcome="ok"}') == 3
+    assert _value(text, "trio_tasksets_model_calls_total") == 3
+
+
+def test_serve_metrics_port(tmp_path: Path) -> None:
+    from test_serve_security import good_request, start
+
+    server = start(tmp_path / "stderr", "--metrics-port", "0")
+    try:
+        found = re.search(r"metrics on http://127\.0\.0\.1:(\d+)/metrics", server.log.read_text())
+        assert found is not None, server.log.read_text()
+        port = int(found.group(1))
+        import httpx
+
+        response = httpx.post(server.url + "/run", json=good_request(), timeout=20)
+        assert response.status_code == 200, response.text
+        status, text = trio.run(_scrape, port)
+    finally:
+        server.stop()
+    assert status == 200
+    assert _value(text, 'trio_tasksets_served_total{outcome="served"}') == 1
+    assert _value(text, 'trio_tasksets_episodes_total{error_type="",outcome="ok"}') == 1
+    assert _value(text, "trio_tasksets_model_calls_total") == 1

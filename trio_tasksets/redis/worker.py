@@ -27,6 +27,7 @@ from ..env import (
     task_key,
 )
 from ..envspec import rebuild_task
+from ..health import Health
 from ..limits import EndpointLimits, observe_calls
 from ..models import ModelContext
 from ..runner import as_completed, pick_one
@@ -73,6 +74,7 @@ class WorkerConfig:
     dashboard: bool = True  # --no-dashboard
     block: float = 0.5  # the longest one read waits (and a stop waits for it)
     time_limit: float | None = None  # --time-limit: shut down (as on SIGTERM) after S seconds
+    metrics_port: int | None = None  # --metrics-port: Prometheus text on 127.0.0.1 (0: any)
 
 
 @attrs.define
@@ -241,16 +243,27 @@ async def run_worker(
         connections=limits.connections if isinstance(limits, EndpointLimits) else None,
     )  # fmt: skip
     feed = WindowFeed(window)
+    health = Health()
+    progress.health = health.lag_text
+    metrics = None
+    if config.metrics_port is not None:
+        from ..metrics import Metrics
+
+        metrics = Metrics(health, window=window)
 
     publisher = Publisher(results)
 
     async def run(claim: Claim) -> Episode:
         delivery = claim.delivery
         progress.started()
+        health.started()
         try:
-            with observe_calls(feed):
+            with observe_calls(health), observe_calls(feed):
                 slot = RunSlot(claim.task, delivery.rollout)
                 episode = await run_by(env, slot, ctx, delivery.deadline)
+            if metrics is not None:
+                last = episode.errors[-1].type if episode.errors else None
+                metrics.record(episode.ok, last, episode.usage)
             feed.ended(episode)
             meta: dict[str, str | int | float] = {
                 "consumer": config.consumer,
@@ -261,6 +274,7 @@ async def run_worker(
             report.cancelled += 1
             raise
         finally:
+            health.finished()
             report.released(delivery.entry)
         report.published += 1
         progress.finished(episode.ok, episode.reward)
@@ -289,6 +303,12 @@ async def run_worker(
                     await nursery.start(_on_signals, shut_down)
                 nursery.start_soon(_keep_alive, results, config, report)
                 nursery.start_soon(publisher.loop)
+                nursery.start_soon(health.probe)
+                if metrics is not None:
+                    from ..metrics import serve_metrics
+
+                    bound = await nursery.start(serve_metrics, metrics, config.metrics_port)
+                    say(f"metrics on http://127.0.0.1:{bound}/metrics")
                 if config.time_limit is not None:
                     nursery.start_soon(_stop_after, config.time_limit, shut_down, taskset)
                 task_status.started(shut_down)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import math
 import os
 import sys
@@ -12,6 +13,9 @@ import attrs
 import trio
 
 from ..env import Env, Episode, RunSlot
+from ..health import Health
+from ..limits import observe_calls
+from ..metrics import Metrics
 from ..models import ModelContext
 from ..runner import pick_one
 from ..tasksets import Taskset
@@ -28,6 +32,7 @@ from .wire import (
 )
 
 _JSON = [(b"content-type", b"application/json")]
+_NOTHING = contextlib.nullcontext()
 
 
 # === the server ==============================================================================
@@ -127,6 +132,10 @@ class ServerApp:
         self._workers = workers
         self.taskset_cls: type[Taskset[Any, Any]] = type(env.taskset)
         self.plain_tasks = getattr(self.taskset_cls, "task_from_data", None) is None
+        # --metrics-port: the worker's health (its runs' waits, model calls, in flight) and
+        # metrics (each answered episode), when it serves them.
+        self.run_health: Health | None = None
+        self.metrics: Metrics | None = None
 
     async def __call__(self, scope: Message, receive: Receive, send: Send) -> None:
         if scope["type"] == "lifespan":
@@ -248,14 +257,18 @@ class ServerApp:
         episode: Episode | None = None
         stats = self.stats
         stats.running += 1
+        health = self.run_health
+        if health is not None:
+            health.started()
         try:
-            if receive is None:
-                episode = await self.env.run_slot(slot, ctx)
-            else:
-                async with trio.open_nursery() as nursery:
-                    nursery.start_soon(_cancel_on_disconnect, receive, nursery.cancel_scope)
+            with observe_calls(health) if health is not None else _NOTHING:
+                if receive is None:
                     episode = await self.env.run_slot(slot, ctx)
-                    nursery.cancel_scope.cancel()
+                else:
+                    async with trio.open_nursery() as nursery:
+                        nursery.start_soon(_cancel_on_disconnect, receive, nursery.cancel_scope)
+                        episode = await self.env.run_slot(slot, ctx)
+                        nursery.cancel_scope.cancel()
         except Exception:
             stats.failed += 1
             raise
@@ -264,6 +277,8 @@ class ServerApp:
             raise
         finally:
             stats.running -= 1
+            if health is not None:
+                health.finished()
             clients = self.clients
             clients.release(ctx.client)
             if clients.retiring:
@@ -272,6 +287,9 @@ class ServerApp:
             stats.cancelled += 1
         else:
             stats.served += 1
+            if self.metrics is not None:
+                last = episode.errors[-1].type if episode.errors else None
+                self.metrics.record(episode.ok, last, episode.usage)
         return episode
 
     def _check_handshake(self, scope: Message) -> None:
