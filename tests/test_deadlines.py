@@ -8,12 +8,14 @@ clock, so a 34-second trickle costs milliseconds.
 from __future__ import annotations
 
 import functools
+from pathlib import Path
 from typing import Any
 
 import pytest
 import trio
 import trio.testing
 
+import trio_tasksets as tt
 from trio_tasksets.models import ModelTimeoutError, OpenAIClient, Sampling
 from trio_tasksets.transport import HTTPClient, Response
 
@@ -123,3 +125,28 @@ async def test_the_request_timeout_is_cut_to_the_time_left(
             await client.chat([{"role": "user", "content": "hi"}], model="m", sampling=Sampling())
     assert seen[0] == pytest.approx(2.0)
     assert seen[1] == 120.0
+
+
+async def test_a_time_limit_is_the_rollouts_effective_deadline(
+    tmp_path: Path, autojump_clock: trio.testing.MockClock
+) -> None:
+    """--time-limit is a deadline every rollout sees, so its model requests, served runs
+    and --via entries carry it; the eval still drains with stopped: "time_limit"."""
+    seen: list[float] = []
+
+    class Sees(tt.Env[tt.Task]):
+        async def rollout(self, task: tt.Task, ctx: tt.ModelContext) -> tuple[list[Any], str]:
+            seen.append(trio.current_effective_deadline() - trio.current_time())
+            await trio.sleep(4.0)
+            return [], str(task.prompt)
+
+    class Two(tt.Taskset[tt.Task, tt.TasksetConfig]):
+        def load(self) -> list[tt.Task]:
+            return [tt.Task("a"), tt.Task("b"), tt.Task("c")]
+
+    config = tt.EvalConfig(output_dir=str(tmp_path), run_name="run", dashboard=False,
+                           max_concurrent=1, time_limit=10.0)  # fmt: skip
+    result = await tt.run_eval(Sees(Two()), tt.ModelContext(tt.EchoClient(), "echo"), config)
+    assert seen == pytest.approx([10.0, 6.0, 2.0])
+    assert result.summary["stopped"] == "time_limit"
+    assert result.summary["finished"] == 2
