@@ -580,13 +580,16 @@ class _Waits(CallObserver):
                 self.stall_scope.deadline = self._stall_deadline()  # type: ignore[union-attr]
 
     def on_progress(self, kind: str = "model") -> None:
+        if self.stall_scope is None:  # no stall timeout: nothing to move (every model reply)
+            return
         self.progress_at, self.parked_at_progress = trio.current_time(), self.parked_so_far()
-        if self.stall_scope is not None and not self.depth:
+        if not self.depth:
             self.stall_scope.deadline = self._stall_deadline()
 
     def parked_so_far(self) -> float:
-        now = trio.current_time()
-        return self.parked + (now - self.since if self.depth else 0.0)
+        if not self.depth:
+            return self.parked
+        return self.parked + (trio.current_time() - self.since)
 
     def _working_deadline(self) -> float:
         return self.work_began + self.limit + (self.parked - self.parked_before)
