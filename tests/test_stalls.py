@@ -170,8 +170,9 @@ async def test_a_success_resets_the_count(
 async def test_max_consecutive_failures_is_checked(tmp_path: Path) -> None:
     for bad in (0, -2, 1.5, True):
         config = tt.EvalConfig(output_dir=str(tmp_path), max_consecutive_failures=bad)  # type: ignore[arg-type]
-        with pytest.raises(tt.EvalConfigError, match="--max-consecutive-failures"):
+        with pytest.raises(tt.EvalConfigError, match="max_consecutive_failures") as info:
             await tt.run_eval(tt.Env(Some()), CTX, config)
+        assert info.value.parameter == "max_consecutive_failures"
 
 
 def test_cli_max_consecutive_failures_exits_1(tmp_path: Path) -> None:

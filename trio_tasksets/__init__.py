@@ -1,14 +1,17 @@
 """trio_tasksets: streaming tasksets and a windowed runner on Trio.
 
-The flat public API (SPEC): the runner (`run_stream`, `as_completed`, `take`, `merge`),
+The flat public API (SPEC): the runner (`run_stream`, `as_completed`, `take`, `merge`,
+`fan_out`),
 tasksets (`Task`, `TasksetConfig`, `Taskset`), envs and models (`Env`, `RunSlot`, `Episode`,
 `RetryPolicy`, `Sampling`, `ModelContext`, `EchoClient`, `OpenAIClient`), the served path's
 `EnvClient` and the eval
-(`EvalConfig`, `run_eval`, `EvalResult`). Submodules: `testing` (helpers for deterministic
+(`EvalConfig`, `run_eval`, `EvalResult`). Every exception the library defines is a
+`TrioTasksetsError` (the tree: `trio_tasksets._exceptions`); a bad setting is a `ConfigError`. Submodules: `testing` (helpers for deterministic
 tests) and `aio` (the asyncio bridge).
 """
 
 from . import aio, testing
+from ._exceptions import ConfigError, TrioTasksetsError
 from .env import (
     Env,
     Episode,
@@ -34,7 +37,7 @@ from .models import (
     OpenAIClient,
     Sampling,
 )
-from .runner import as_completed, run_stream
+from .runner import as_completed, fan_out, run_stream
 from .serve import EnvClient
 from .sources import merge, take
 from .tasksets import Task, Taskset, TasksetConfig
@@ -44,6 +47,7 @@ from .window import AdaptiveWindow, Window
 __all__ = [
     "AdaptiveWindow",
     "Completion",
+    "ConfigError",
     "EchoClient",
     "Env",
     "EnvClient",
@@ -69,10 +73,12 @@ __all__ = [
     "Task",
     "Taskset",
     "TasksetConfig",
+    "TrioTasksetsError",
     "Window",
     "__version__",
     "aio",
     "as_completed",
+    "fan_out",
     "merge",
     "report",
     "run_eval",

@@ -24,6 +24,7 @@ from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
 import attrs
 
+from .._exceptions import TrioTasksetsError
 from ..limits import report_progress
 
 if TYPE_CHECKING:
@@ -149,7 +150,7 @@ class observe_completions:  # lower case: it reads as a call in `with observe_co
 # ---------------------------------------------------------------------------------------
 
 
-class ModelError(Exception):
+class ModelError(TrioTasksetsError):
     """Base class for errors talking to a model server."""
 
     def __init__(self, message: str, *, url: str = "") -> None:
