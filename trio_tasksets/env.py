@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextvars
 import inspect
 import math
 import os
@@ -33,6 +34,7 @@ __all__ = [
     "RunSlot",
     "StalledError",
     "WindowFeed",
+    "note_rollout",
 ]
 
 TaskT = TypeVar("TaskT")
@@ -175,8 +177,12 @@ class Episode:
     rpm/tpm limiters (`trio_tasksets.limits.EndpointLimits`; 0.0 without limits; rows written
     before these existed lack them), and `working`: the duration less every wait of the
     runner's own (`limits.parked`: limiters, rests before a retry, retry backoff).
-    `stop_reason` says why a rollout ended early but normally (scored, `ok`):
-    `"working_limit"` (`Env(working_limit=)`); None when it ran to its end.
+
+    Of the attempt the row reports (the last): `turns` counts its model replies, `tool_calls`
+    the tool calls those replies asked for, and `stop_reason` names the limit that ended its
+    rollout (`"max_turns"`, `"token_limit"`, `"working_limit"`: `Env(working_limit=)`; None
+    when the model finished on its own): a tool env (`tt.ToolEnv`) sets them, and any
+    rollout loop may (`note_rollout`).
     """
 
     id: str
@@ -191,6 +197,8 @@ class Episode:
     timing: dict[str, float] = attrs.Factory(dict)
     usage: dict[str, int] = attrs.Factory(dict)
     finish_reason: str | None = None
+    turns: int = 0
+    tool_calls: int = 0
     stop_reason: str | None = None
 
     def count(self, completion: Completion) -> None:
@@ -217,6 +225,8 @@ class Episode:
             "timing": self.timing,
             "usage": self.usage,
             "finish_reason": self.finish_reason,
+            "turns": self.turns,
+            "tool_calls": self.tool_calls,
             "stop_reason": self.stop_reason,
         }
 
@@ -236,6 +246,8 @@ class Episode:
             timing=dict(row.get("timing", {})),
             usage={str(k): int(v) for k, v in (row.get("usage") or {}).items()},
             finish_reason=None if row.get("finish_reason") is None else str(row["finish_reason"]),
+            turns=int(row.get("turns") or 0),
+            tool_calls=int(row.get("tool_calls") or 0),
             stop_reason=None if row.get("stop_reason") is None else str(row["stop_reason"]),
         )
 
@@ -267,12 +279,14 @@ class Episode:
                 and type(get("usage")) is dict
                 and all(type(v) is int for v in row["usage"].values())
                 and (finish is None or type(finish) is str)
+                and type(get("turns")) is int
+                and type(get("tool_calls")) is int
                 and (stop is None or type(stop) is str)
             ):
                 return cls(row["id"], EpisodeTask(task["key"], task["data"]), row["rollout"],
                            row["ok"], row["reward"], completion, row["messages"], errors,
                            row["attempts"], row["timing"], row["usage"], finish,
-                           stop)  # fmt: skip
+                           row["turns"], row["tool_calls"], stop)  # fmt: skip
         return cls.from_row(row)  # type: ignore[arg-type]  # not a dict: it raises
 
 
@@ -411,7 +425,7 @@ class Env(Generic[TaskT]):
         """Run one attempt of an episode; return the full message list and the completion."""
         messages = chat_messages(task)
         reply = await ctx.chat(messages)
-        return [*messages, {"role": "assistant", "content": reply.content}], reply.content
+        return [*messages, reply.message], reply.content
 
     async def score(self, task: TaskT, completion: str) -> float:
         value = self._reward(task, completion)
@@ -447,16 +461,15 @@ class Env(Generic[TaskT]):
         attempt = 0
         while True:
             attempt += 1
-            stop: str | None = None
+            stats = _Rollout(episode)
+            token = _rollout.set(stats)
             try:
                 if not bounded:  # inline: this runs once per attempt of every episode
-                    with observe_completions(episode.count), observe_calls(waits):
+                    with observe_completions(stats.count), observe_calls(waits):
                         messages, completion = await self.rollout(task, ctx)
                         reward = _finite(await self.score(task, completion))
                 else:
-                    messages, completion, reward, stop = await self._bounded(
-                        task, ctx, episode, waits
-                    )
+                    messages, completion, reward = await self._bounded(task, ctx, stats, waits)
             except Exception as exc:
                 episode.errors.append(EpisodeError.of(exc, attempt))
                 if not self.retries.should_retry(exc, attempt):
@@ -468,8 +481,11 @@ class Env(Generic[TaskT]):
                 episode.reward = reward
                 episode.completion = completion
                 episode.messages = messages
-                episode.stop_reason = stop
                 break
+            finally:
+                _rollout.reset(token)
+        episode.turns, episode.tool_calls = stats.turns, stats.tool_calls
+        episode.stop_reason = stats.stop_reason
         episode.attempts = attempt
         episode.timing = {
             "started": slot.started,
@@ -482,18 +498,18 @@ class Env(Generic[TaskT]):
         return await complete_slot(slot, episode, on_complete)
 
     async def _bounded(
-        self, task: TaskT, ctx: ModelContext, episode: Episode, waits: _Waits
-    ) -> tuple[list[Message], str, float, str | None]:
+        self, task: TaskT, ctx: ModelContext, stats: _Rollout, waits: _Waits
+    ) -> tuple[list[Message], str, float]:
         """One attempt, the rollout and its score, within `rollout_timeout` (wall time) and
-        `working_limit` (working time: the rollout is cut, then scored)."""
+        `working_limit` (working time: the rollout is cut, then scored, its `stop_reason`
+        "working_limit"), cancelled as a `StalledError` after `stall_timeout`."""
         seconds, limit, stall = self.rollout_timeout, self.working_limit, self.stall_timeout
         replies: list[Completion] = []
 
         def record(completion: Completion) -> None:
-            episode.count(completion)
+            stats.count(completion)
             replies.append(completion)
 
-        stop: str | None = None
         with trio.move_on_after(math.inf if seconds is None else seconds):
             with observe_completions(record), observe_calls(waits):
                 with waits.working(limit, stall) as (work, stalled):
@@ -504,15 +520,55 @@ class Env(Generic[TaskT]):
                         f"(stall_timeout; cancelled)"
                     )
                 if work.cancelled_caught:
-                    stop = "working_limit"
+                    stats.stop_reason = "working_limit"
                     completion = replies[-1].content if replies else ""
                     messages = _partial(task, replies)
-                return messages, completion, _finite(await self.score(task, completion)), stop
+                return messages, completion, _finite(await self.score(task, completion))
         assert seconds is not None
         report_outcome(Outcome.TIMEOUT)  # an adaptive rollout window pauses its growth
         raise RolloutTimeoutError(
             f"the rollout took longer than its rollout_timeout of {seconds:g}s (cancelled)"
         )
+
+
+class _Rollout:
+    """What one attempt's rollout did: its model replies (`turns`), the tool calls they
+    asked for, and the limit that stopped it (`note_rollout`)."""
+
+    __slots__ = ("count_usage", "stop_reason", "tool_calls", "turns")
+
+    def __init__(self, episode: Episode) -> None:
+        self.count_usage = episode.count
+        self.turns = 0
+        self.tool_calls = 0
+        self.stop_reason: str | None = None
+
+    def count(self, completion: Completion) -> None:
+        self.count_usage(completion)
+        self.turns += 1
+        self.tool_calls += len(completion.tool_calls)
+
+
+_rollout: contextvars.ContextVar[_Rollout | None] = contextvars.ContextVar(
+    "trio_tasksets_rollout", default=None
+)
+
+
+def note_rollout(
+    *, stop_reason: str | None = None, turns: int | None = None, tool_calls: int | None = None
+) -> None:
+    """Tell the episode being run how its rollout went, for its row: `stop_reason`, the
+    limit that ended it (None: the model finished); `turns` and `tool_calls`, to replace the
+    counts of the replies seen (every `ModelContext.chat` of the attempt, sub-runs' included)
+    by the loop's own. Outside `Env.run_slot` it does nothing."""
+    stats = _rollout.get()
+    if stats is None:
+        return
+    stats.stop_reason = stop_reason
+    if turns is not None:
+        stats.turns = turns
+    if tool_calls is not None:
+        stats.tool_calls = tool_calls
 
 
 def check_rollout_timeout(value: object) -> float | None:
