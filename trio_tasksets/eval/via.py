@@ -56,7 +56,7 @@ from ..redis.entries import (
     redact,
     stderr_log,
 )
-from ..redis.link import Link, server_run_id, unusable
+from ..redis.link import Link, loading, server_run_id, unusable
 from ..redis.resp import Command, Connection, RedisError, ReplyError, first_stream, run_id
 from .config import EvalConfigError
 from .served import SlotRunner
@@ -124,7 +124,9 @@ async def _groups(redis: Connection, stream: str) -> list[dict[str, Any]]:
     """The consumer groups of `stream` (none if it does not exist)."""
     try:
         groups = await redis.execute("XINFO", "GROUPS", stream)
-    except ReplyError:  # no such key
+    except ReplyError as exc:  # no such key; a LOADING Redis is retried by the Link
+        if loading(exc):
+            raise
         return []
     return [dict(zip(flat[::2], flat[1::2], strict=True)) for flat in groups]
 
