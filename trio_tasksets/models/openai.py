@@ -3,13 +3,13 @@ HTTP transport, with retries, `Retry-After` and the endpoint limits around each 
 
 from __future__ import annotations
 
-import random
 from collections.abc import Hashable
 from types import TracebackType
 from typing import TYPE_CHECKING, Any, Self
 
 import orjson
 
+from ..backoff import Backoff
 from ..limits import Call, EndpointLimits, report_outcome, rest
 from ..transport import (
     DecodingError,
@@ -30,6 +30,7 @@ from .base import (
     Sampling,
     body_text,
     excerpt,
+    parse_tool_calls,
     plural,
     text_of,
 )
@@ -159,11 +160,9 @@ class OpenAIClient:
         return self._http
 
     def _retry_delay(self, retry: int, retry_after: float | None) -> float:
-        """Seconds to sleep before retry number ``retry`` (0-based)."""
-        if retry_after is not None:
-            return min(retry_after, self.max_backoff)
-        cap = min(self.max_backoff, self.backoff * (2.0**retry))
-        return random.uniform(0.0, cap)
+        """Seconds to sleep before retry number ``retry`` (0-based): the server's
+        Retry-After up to `max_backoff`, else the project's `Backoff`."""
+        return Backoff(self.backoff, self.max_backoff).delay(retry + 1, retry_after=retry_after)
 
     async def _post(self, body: bytes) -> tuple[int, bytes, float | None]:
         """One POST: (status, body, Retry-After seconds). Raises `HTTPError` subclasses
@@ -191,10 +190,19 @@ class OpenAIClient:
         )
 
     async def chat(
-        self, messages: list[dict[str, Any]], *, model: str, sampling: Sampling
+        self,
+        messages: list[dict[str, Any]],
+        *,
+        model: str,
+        sampling: Sampling,
+        tools: list[dict[str, Any]] | None = None,
     ) -> Completion:
-        """POST one chat completion request, retrying per the class contract."""
+        """POST one chat completion request, retrying per the class contract. ``tools``
+        (OpenAI function schemas) go as the request's ``tools``. The reply is whole: its
+        message as sent (``tool_calls`` and unknown fields kept) and its parsed tool calls."""
         payload: dict[str, Any] = {"model": model, "messages": messages}
+        if tools is not None:
+            payload["tools"] = tools
         payload.update(sampling.to_request())
         body = orjson.dumps(payload, option=orjson.OPT_NON_STR_KEYS)
         reserve = payload.get("max_tokens")
@@ -304,10 +312,14 @@ class OpenAIClient:
                 if isinstance(v, int) and not isinstance(v, bool)
             }
         finish_reason = choice.get("finish_reason")
+        if "role" not in message:
+            message["role"] = "assistant"  # so that it can be sent back as is
         return Completion(
             content=text_of(raw_content),
             usage=usage,
             finish_reason=finish_reason if isinstance(finish_reason, str) else None,
+            message=message,
+            tool_calls=parse_tool_calls(message),
         )
 
     async def aclose(self) -> None:
