@@ -65,7 +65,7 @@ from .entries import (
     redact,
     stderr_log,
 )
-from .link import Link, server_run_id, unusable
+from .link import Link, loading, server_run_id, unusable
 from .resp import Command, Connection, RedisError, ReplyError, first_stream, run_id
 
 __all__ = ["QUIET", "ViaBackend", "ViaError", "reach", "via_runner"]
@@ -177,7 +177,9 @@ async def _groups(redis: Connection, stream: str) -> list[dict[str, Any]]:
     """The consumer groups of `stream` (none if it does not exist)."""
     try:
         groups = await redis.execute("XINFO", "GROUPS", stream)
-    except ReplyError:  # no such key
+    except ReplyError as exc:  # no such key; a LOADING Redis is retried by the Link
+        if loading(exc):
+            raise
         return []
     return [dict(zip(flat[::2], flat[1::2], strict=True)) for flat in groups]
 
