@@ -6,11 +6,13 @@ tasksets (`Task`, `TasksetConfig`, `Taskset`), envs and models (`Env`, `RunSlot`
 `RetryPolicy`, `Sampling`, `ModelContext`, `Completion`, `ToolCall`, `EchoClient`,
 `OpenAIClient`), agents (`tool`, `Tool`, `ToolEnv`, `fan_out`), the served path's
 `EnvClient` and the eval
-(`EvalConfig`, `run_eval`, `EvalResult`). Submodules: `testing` (helpers for deterministic
+(`EvalConfig`, `run_eval`, `EvalResult`). Every exception the library defines is a
+`TrioTasksetsError` (the tree: `trio_tasksets._exceptions`); a bad setting is a `ConfigError`. Submodules: `testing` (helpers for deterministic
 tests, `ScriptedClient`), `tools` (`tools.shell`) and `aio` (the asyncio bridge).
 """
 
 from . import aio, testing, tools
+from ._exceptions import ConfigError, TrioTasksetsError
 from .agents import ToolEnv
 from .env import Env, Episode, EpisodeError, EpisodeTask, RetryPolicy, RolloutTimeoutError, RunSlot
 from .eval import EvalConfig, EvalConfigError, EvalResult, run_eval
@@ -40,6 +42,7 @@ from .window import AdaptiveWindow, Window
 __all__ = [
     "AdaptiveWindow",
     "Completion",
+    "ConfigError",
     "EchoClient",
     "Env",
     "EnvClient",
@@ -67,6 +70,7 @@ __all__ = [
     "Tool",
     "ToolCall",
     "ToolEnv",
+    "TrioTasksetsError",
     "Window",
     "__version__",
     "aio",
