@@ -27,6 +27,7 @@ from typing import Any, Generic, Self, TypeVar
 import attrs
 import trio
 
+from ._exceptions import TrioTasksetsError
 from .models import Completion, Sampling
 from .tasksets import Task, Taskset, TasksetConfig
 
@@ -293,7 +294,7 @@ class ScriptedCall:
     tools: list[dict[str, Any]] | None
 
 
-class ScriptExhausted(RuntimeError):
+class ScriptExhausted(TrioTasksetsError, RuntimeError):
     """A `ScriptedClient` was called more often than its script has replies."""
 
 

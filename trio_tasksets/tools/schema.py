@@ -24,6 +24,8 @@ from typing import Any, Literal, TypeVar, overload
 import attrs
 import trio
 
+from .._exceptions import TrioTasksetsError
+
 __all__ = ["Tool", "ToolArgumentError", "tool"]
 
 F = TypeVar("F", bound=Callable[..., Any])
@@ -31,7 +33,7 @@ F = TypeVar("F", bound=Callable[..., Any])
 _NAME = re.compile(r"^[A-Za-z0-9_-]{1,64}$")  # what OpenAI accepts as a function name
 
 
-class ToolArgumentError(ValueError):
+class ToolArgumentError(TrioTasksetsError, ValueError):
     """Arguments that do not fit a tool's schema; the message names the argument and says
     what was expected (a tool env shows it to the model)."""
 
