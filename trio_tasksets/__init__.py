@@ -7,8 +7,9 @@ tasksets (`Task`, `TasksetConfig`, `Taskset`), envs and models (`Env`, `RunSlot`
 `OpenAIClient`), agents (`tool`, `Tool`, `ToolEnv`, `fan_out`), the served path's
 `EnvClient` and the eval
 (`EvalConfig`, `run_eval`, `EvalResult`). Every exception the library defines is a
-`TrioTasksetsError` (the tree: `trio_tasksets._exceptions`); a bad setting is a `ConfigError`. Submodules: `testing` (helpers for deterministic
-tests, `ScriptedClient`), `tools` (`tools.shell`) and `aio` (the asyncio bridge).
+`TrioTasksetsError` (the tree: `trio_tasksets._exceptions`); a bad setting is a `ConfigError`.
+Submodules: `testing` (helpers for deterministic tests, `ScriptedClient`), `tools`
+(`tools.shell`) and `aio` (the asyncio bridge).
 """
 
 from . import aio, testing, tools

@@ -37,7 +37,8 @@ TrioTasksetsError
 ├── WSGone, TooLarge                    the served transport's connection ended / overflowed
 ├── RedisError                          the Redis connection (redis.resp)
 │   ├── ReplyError
-│   └── Unreachable
+│   ├── Unreachable
+│   └── OddServer                       a server that answers what no Redis answers
 ├── Stopped                             a Redis call told to stop while waiting to retry
 ├── MalformedEntry (ValueError)         a stream entry that holds no task (redis.entries)
 │   └── EntryRefused                    an entry declared for another env
