@@ -147,18 +147,21 @@ class EnvSpec:
 
     def build(
         self,
-        taskset: Taskset[Any, Any] | None = None,
+        taskset: Taskset[Any, Any] | type[Taskset[Any, Any]] | None = None,
         *,
         target_env: type[Env[Any]] | None = None,
     ) -> Env[Any]:
-        """The env, in this process: `taskset` (default: the class `self.taskset` names,
-        built from `self.config`) wrapped in the env class (`env_class`, else `target_env`,
+        """The env, in this process: `taskset` (a taskset built already; a taskset class,
+        built from `self.config`; default: the class `self.taskset` names) wrapped in the env class (`env_class`, else `target_env`,
         the Env subclass TASKSET named, else `tt.Env`) with the reward, retries and
         rollout timeout. A part that cannot be loaded or built raises `ConfigError` naming
         it (``taskset``, ``config``, ``env_class``, ``reward``)."""
-        if taskset is None:
-            taskset_cls, found = resolve_target(self.taskset)
-            target_env = target_env or found
+        if taskset is None or isinstance(taskset, type):
+            if taskset is None:
+                taskset_cls, found = resolve_target(self.taskset)
+                target_env = target_env or found
+            else:
+                taskset_cls = taskset
             try:
                 taskset = taskset_cls(config_from_json(taskset_cls, self.config))
             except (TypeError, ValueError) as exc:
