@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextvars
 import inspect
 import math
 import time
@@ -29,6 +30,7 @@ __all__ = [
     "RolloutTimeoutError",
     "RunSlot",
     "WindowFeed",
+    "note_rollout",
 ]
 
 TaskT = TypeVar("TaskT")
@@ -126,6 +128,11 @@ class Episode:
     and `waited_rate`: the seconds its model calls waited for a connection slot and for the
     rpm/tpm limiters (`trio_tasksets.limits.EndpointLimits`; 0.0 without limits; rows written
     before these existed lack them).
+
+    Of the attempt the row reports (the last): `turns` counts its model replies, `tool_calls`
+    the tool calls those replies asked for, and `stop_reason` names the limit that ended its
+    rollout (`"max_turns"`, `"token_limit"`; None when the model finished on its own): a
+    tool env (`tt.ToolEnv`) sets them, and any rollout loop may (`note_rollout`).
     """
 
     id: str
@@ -140,6 +147,9 @@ class Episode:
     timing: dict[str, float] = attrs.Factory(dict)
     usage: dict[str, int] = attrs.Factory(dict)
     finish_reason: str | None = None
+    turns: int = 0
+    tool_calls: int = 0
+    stop_reason: str | None = None
 
     def count(self, completion: Completion) -> None:
         """Add one model reply's token usage, and keep its finish reason."""
@@ -165,6 +175,9 @@ class Episode:
             "timing": self.timing,
             "usage": self.usage,
             "finish_reason": self.finish_reason,
+            "turns": self.turns,
+            "tool_calls": self.tool_calls,
+            "stop_reason": self.stop_reason,
         }
 
     @classmethod
@@ -183,6 +196,9 @@ class Episode:
             timing=dict(row.get("timing", {})),
             usage={str(k): int(v) for k, v in (row.get("usage") or {}).items()},
             finish_reason=None if row.get("finish_reason") is None else str(row["finish_reason"]),
+            turns=int(row.get("turns") or 0),
+            tool_calls=int(row.get("tool_calls") or 0),
+            stop_reason=None if row.get("stop_reason") is None else str(row["stop_reason"]),
         )
 
     @classmethod
@@ -195,7 +211,7 @@ class Episode:
         if type(row) is dict:
             get = row.get
             task, completion, errors = get("task"), get("completion"), get("errors")
-            finish = get("finish_reason")
+            finish, stop = get("finish_reason"), get("stop_reason")
             if (
                 type(task) is dict
                 and type(task.get("key")) is str
@@ -213,10 +229,14 @@ class Episode:
                 and type(get("usage")) is dict
                 and all(type(v) is int for v in row["usage"].values())
                 and (finish is None or type(finish) is str)
+                and type(get("turns")) is int
+                and type(get("tool_calls")) is int
+                and (stop is None or type(stop) is str)
             ):
                 return cls(row["id"], EpisodeTask(task["key"], task["data"]), row["rollout"],
                            row["ok"], row["reward"], completion, row["messages"], errors,
-                           row["attempts"], row["timing"], row["usage"], finish)  # fmt: skip
+                           row["attempts"], row["timing"], row["usage"], finish,
+                           row["turns"], row["tool_calls"], stop)  # fmt: skip
         return cls.from_row(row)  # type: ignore[arg-type]  # not a dict: it raises
 
 
@@ -336,7 +356,7 @@ class Env(Generic[TaskT]):
         """Run one attempt of an episode; return the full message list and the completion."""
         messages = chat_messages(task)
         reply = await ctx.chat(messages)
-        return [*messages, {"role": "assistant", "content": reply.content}], reply.content
+        return [*messages, reply.message], reply.content
 
     async def score(self, task: TaskT, completion: str) -> float:
         value = self._reward(task, completion)
@@ -371,8 +391,10 @@ class Env(Generic[TaskT]):
         attempt = 0
         while True:
             attempt += 1
+            stats = _Rollout(episode)
+            token = _rollout.set(stats)
             try:
-                with observe_completions(episode.count), observe_calls(waits):
+                with observe_completions(stats.count), observe_calls(waits):
                     if timeout is None:  # inline: this runs once per attempt of every episode
                         messages, completion = await self.rollout(task, ctx)
                         reward = _finite(await self.score(task, completion))
@@ -389,6 +411,10 @@ class Env(Generic[TaskT]):
                 episode.completion = completion
                 episode.messages = messages
                 break
+            finally:
+                _rollout.reset(token)
+        episode.turns, episode.tool_calls = stats.turns, stats.tool_calls
+        episode.stop_reason = stats.stop_reason
         episode.attempts = attempt
         episode.timing = {
             "started": slot.started,
@@ -410,6 +436,46 @@ class Env(Generic[TaskT]):
         raise RolloutTimeoutError(
             f"the rollout took longer than its rollout_timeout of {seconds:g}s (cancelled)"
         )
+
+
+class _Rollout:
+    """What one attempt's rollout did: its model replies (`turns`), the tool calls they
+    asked for, and the limit that stopped it (`note_rollout`)."""
+
+    __slots__ = ("count_usage", "stop_reason", "tool_calls", "turns")
+
+    def __init__(self, episode: Episode) -> None:
+        self.count_usage = episode.count
+        self.turns = 0
+        self.tool_calls = 0
+        self.stop_reason: str | None = None
+
+    def count(self, completion: Completion) -> None:
+        self.count_usage(completion)
+        self.turns += 1
+        self.tool_calls += len(completion.tool_calls)
+
+
+_rollout: contextvars.ContextVar[_Rollout | None] = contextvars.ContextVar(
+    "trio_tasksets_rollout", default=None
+)
+
+
+def note_rollout(
+    *, stop_reason: str | None = None, turns: int | None = None, tool_calls: int | None = None
+) -> None:
+    """Tell the episode being run how its rollout went, for its row: `stop_reason`, the
+    limit that ended it (None: the model finished); `turns` and `tool_calls`, to replace the
+    counts of the replies seen (every `ModelContext.chat` of the attempt, sub-runs' included)
+    by the loop's own. Outside `Env.run_slot` it does nothing."""
+    stats = _rollout.get()
+    if stats is None:
+        return
+    stats.stop_reason = stop_reason
+    if turns is not None:
+        stats.turns = turns
+    if tool_calls is not None:
+        stats.tool_calls = tool_calls
 
 
 def check_rollout_timeout(value: object) -> float | None:

@@ -56,6 +56,7 @@ from .config import (
     run_dir_for,
     run_identity,
 )
+from .lock import LOCK_NAME, RunDirLock
 from .plan import from_list, keep_resumable, plan_stream, static_slots
 
 # What each file of a run dir is called; a run that leaves no row behind removes them.
@@ -200,7 +201,7 @@ def _make_dir(run_dir: Path) -> list[Path]:
 
 def _remove_run(run_dir: Path, created: list[Path]) -> None:
     """Take back what a run that left no row wrote: its files, and the directories it made."""
-    for name in _FILES:
+    for name in (*_FILES, LOCK_NAME):
         (run_dir / name).unlink(missing_ok=True)
     for directory in created:
         try:
@@ -261,7 +262,17 @@ async def run_eval(
     With `handle_signals` (the command line), SIGINT and SIGTERM stop the eval and drain it
     (a second one interrupts the drain); it then returns with `summary["stopped"]` set to the
     signal's name. It must then run in the main thread.
+
+    One eval at a time writes a run dir: another one meanwhile (a second ``--resume``) is
+    refused with `EvalConfigError` naming the holder (`RunDirLock`).
     """
+    with RunDirLock() as lock:
+        return await _run_eval(env, ctx, config, handle_signals, lock)
+
+
+async def _run_eval(
+    env: Env[Any], ctx: ModelContext, config: EvalConfig, handle_signals: bool, lock: RunDirLock
+) -> EvalResult:
     backend = await preflight(env, ctx, config).reach()
     identity = run_identity(env, ctx, config)
     run_dir = run_dir_for(env, ctx, config)
@@ -272,6 +283,8 @@ async def run_eval(
         _say_if_short(env, config, slots)
     kept_rows: list[dict[str, Any]] = []
     if config.resume:
+        if run_dir.is_dir():
+            lock.take(run_dir)  # before reading it: no other eval writes it meanwhile
         kept_rows, slots = keep_resumable(run_dir, identity, slots)
     elif run_dir.exists() and any(run_dir.iterdir()):
         raise EvalConfigError(
@@ -280,6 +293,7 @@ async def run_eval(
             parameter=("resume", "run_name", "output_dir"),
         )
     created = _make_dir(run_dir)
+    lock.take(run_dir)
     record = _record_of(env, ctx, config, identity, run_dir)
     write_atomic(run_dir / "config.json", text=json.dumps(record, indent=2, default=str))
     traces_path = run_dir / "traces.jsonl"

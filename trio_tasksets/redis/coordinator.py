@@ -64,7 +64,7 @@ from .entries import (
     stderr_log,
 )
 from .link import Link, server_run_id, unusable
-from .resp import Command, Connection, RedisError, ReplyError, first_stream, info
+from .resp import Command, Connection, RedisError, ReplyError, first_stream, run_id
 
 __all__ = ["QUIET", "ViaBackend", "ViaError", "reach", "via_runner"]
 
@@ -168,7 +168,7 @@ async def _check(
     if answered:
         commands.append(("XDEL", stream, *answered))
     replies = await redis.pipeline(commands)
-    return info(replies[0])["run_id"]
+    return run_id(replies[0], redis.address)
 
 
 async def _groups(redis: Connection, stream: str) -> list[dict[str, Any]]:
