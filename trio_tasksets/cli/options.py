@@ -93,6 +93,9 @@ PARAMETER_FLAGS = {
     "stream": "--stream",
     "shuffle": "--shuffle",
     "resume": "--resume",
+    "config": "-a/--taskset-args",
+    "env_class": "--env-class",
+    "reward": "--reward",
 }
 
 
