@@ -15,7 +15,16 @@ Submodules: `testing` (helpers for deterministic tests, `ScriptedClient`), `tool
 from . import aio, testing, tools
 from ._exceptions import ConfigError, TrioTasksetsError
 from .agents import ToolEnv
-from .env import Env, Episode, EpisodeError, EpisodeTask, RetryPolicy, RolloutTimeoutError, RunSlot
+from .env import (
+    Env,
+    Episode,
+    EpisodeError,
+    EpisodeTask,
+    RetryPolicy,
+    RolloutTimeoutError,
+    RunSlot,
+    StalledError,
+)
 from .eval import EvalConfig, EvalConfigError, EvalResult, run_eval
 from .eval.report import report
 from .models import (
@@ -68,6 +77,7 @@ __all__ = [
     "RunSlot",
     "Sampling",
     "Staleness",
+    "StalledError",
     "Task",
     "Taskset",
     "TasksetConfig",
