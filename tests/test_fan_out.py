@@ -582,10 +582,13 @@ async def test_failures_noted_in_a_nested_fan_out_reach_the_error_raised(
     async def inner() -> None:
         await tt.fan_out([fails_on_cancel("A"), fails_on_cancel("B")])
 
+    async def waits() -> None:
+        await trio.sleep(100)
+
     async def run(index: int) -> None:
         if index == 0:
             await first(index)
-        await tt.fan_out([inner, functools.partial(trio.sleep, 100)])
+        await tt.fan_out([inner, waits])
 
     for window in (None, 4):
         with pytest.raises(Boom, match="first") as info:
