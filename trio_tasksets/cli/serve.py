@@ -254,7 +254,9 @@ def _worker_cmd(args: argparse.Namespace, spec: EnvSpec, port: int) -> list[str]
            "--max-runs-per-connection", str(args.max_runs_per_connection),
            "--header-timeout", repr(args.header_timeout),
            "--idle-timeout", repr(args.idle_timeout),
-           "--max-model-clients", str(args.max_model_clients), "--die-with-parent"]  # fmt: skip
+           "--max-model-clients", str(args.max_model_clients),
+           "--max-model-retries", str(args.max_model_retries),
+           "--min-model-backoff", repr(args.min_model_backoff), "--die-with-parent"]  # fmt: skip
     for flag, values in (("--allow-host", args.allow_host),
                          ("--allow-origin", args.allow_origin),
                          ("--allow-base-url", args.allow_base_url)):  # fmt: skip
