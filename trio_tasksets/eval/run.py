@@ -153,6 +153,10 @@ def _histories(window: Window, ctx: ModelContext, t0: float) -> dict[str, Any]:
             endpoint_name(key): endpoint.history_since(t0)
             for key, endpoint in limits.connections.windows.items()
         }
+    stats = getattr(ctx.client, "endpoint_stats", None)
+    endpoints = stats() if callable(stats) else None
+    if endpoints:  # many --base-url: calls, errors, latency per endpoint
+        found["endpoints"] = endpoints
     return found
 
 
@@ -216,6 +220,8 @@ def _record_of(
 ) -> dict[str, Any]:
     """config.json: how to reproduce the run (and what it cost to start)."""
     base_url = getattr(ctx.client, "base_url", None)
+    urls = getattr(ctx.client, "base_urls", None)
+    many = {"base_urls": urls} if isinstance(urls, list) and len(urls) > 1 else {}
     settings = {k: v for k, v in attrs.asdict(config).items() if k not in RECORD_FIELDS}
     settings["max_concurrent"] = window_spec(config.max_concurrent)
     limits = endpoint_limits(ctx)
@@ -225,6 +231,7 @@ def _record_of(
         "command": list(sys.argv) if config.command is None else list(config.command),
         "started_at": datetime.now(UTC).isoformat(timespec="milliseconds"),
         "base_url": base_url if isinstance(base_url, str) else None,
+        **many,
         "api_key_var": config.api_key_var,
         "identity": identity,
         "eval": settings,
