@@ -436,3 +436,64 @@ async def test_an_ejected_endpoint_is_probed_back(autojump_clock: Any) -> None:
                 assert not stats[b.url]["ejected"]
                 assert back.calls > 0
     assert math.isfinite(stats[a.url]["latency_mean_s"])
+
+
+# --- the command line ----------------------------------------------------------------------
+
+
+def test_base_url_repeats_into_one_client_over_every_endpoint() -> None:
+    from trio_tasksets.cli.main import parser
+    from trio_tasksets.cli.model_options import model_context
+    from trio_tasksets.cli.options import UsageError
+
+    urls = ["http://127.0.0.1:8001/v1", "http://127.0.0.1:8002/v1"]
+    args = parser().parse_args(
+        ["eval", "echo", "-m", "m", "--base-url", urls[0], "--base-url", urls[1]]
+    )
+    client = model_context(args).client
+    assert isinstance(client, tt.OpenAIClient)
+    assert client.base_urls == urls
+    assert client.pool is not None
+    assert client.pool.urls == urls
+    single = model_context(parser().parse_args(["eval", "echo", "-m", "m", "--base-url", urls[0]]))
+    assert isinstance(single.client, tt.OpenAIClient)
+    assert single.client.pool is None  # one endpoint: the client as before
+    twice = parser().parse_args(
+        ["eval", "echo", "-m", "m", "--base-url", urls[0], "--base-url", urls[0]]
+    )
+    with pytest.raises(UsageError, match="twice"):
+        model_context(twice)
+    bad = parser().parse_args(["eval", "echo", "-m", "m", "--base-url", urls[0], "--base-url", "x"])
+    with pytest.raises(UsageError, match="--base-url must be an http"):
+        model_context(bad)
+
+
+def test_engine_metrics_needs_an_adaptive_window(tmp_path: Path) -> None:
+    from trio_tasksets.eval import EvalConfigError
+    from trio_tasksets.eval.config import preflight
+
+    env = tt.Env(Calls(1))
+    ctx = tt.ModelContext(tt.EchoClient(), "echo")
+    with pytest.raises(EvalConfigError, match="MIN-START-MAX"):
+        preflight(env, ctx, tt.EvalConfig(max_concurrent=8, engine_metrics="http://h/metrics"))
+    with pytest.raises(EvalConfigError, match="http:// or https://"):
+        preflight(env, ctx, tt.EvalConfig(max_concurrent=AdaptiveBounds(1, 8, 64),
+                                          engine_metrics="h:1/metrics"))  # fmt: skip
+
+
+async def test_an_eval_reads_the_engines_metrics_into_its_window(
+    autojump_clock: Any, tmp_path: Path
+) -> None:
+    async with SimEngine(capacity=48, kv_budget=64) as engine:
+        metrics = engine.url.removesuffix("/v1") + "/metrics"
+        window = AdaptiveWindow(1, 8, 1024)
+        async with tt.OpenAIClient(engine.url) as model:
+            config = tt.EvalConfig(max_concurrent=window, output_dir=str(tmp_path),
+                                   run_name="m", dashboard=False, engine_metrics=metrics)  # fmt: skip
+            result = await tt.run_eval(tt.Env(Calls(2000)), tt.ModelContext(model, "sim"), config)
+        share = engine.preemptions / engine.calls
+    assert result.summary["ok"] == 2000
+    reasons = {reason for _, _, reason in window.history}
+    assert reasons & {"preemption", "kv cache", "engine queue"}
+    assert window.size <= 48
+    assert share < 0.05

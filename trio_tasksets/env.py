@@ -17,6 +17,7 @@ import trio
 
 from .limits import CallObserver, observe_calls, report_outcome
 from .models import Completion, ModelContext, observe_completions
+from .models.pool import sticky
 from .tasksets import Taskset
 from .window import AdaptiveWindow, Outcome, Window
 
@@ -353,7 +354,8 @@ class Env(Generic[TaskT]):
         while True:
             attempt += 1
             try:
-                with observe_completions(episode.count), observe_calls(waits):
+                # sticky: with many endpoints, an attempt's calls stay on one (its prefix cache)
+                with observe_completions(episode.count), observe_calls(waits), sticky(episode.id):
                     if timeout is None:  # inline: this runs once per attempt of every episode
                         messages, completion = await self.rollout(task, ctx)
                         reward = _finite(await self.score(task, completion))

@@ -53,6 +53,9 @@ class EvalConfig:
     # --time-limit: seconds after which the eval stops pulling, cancels the runs in flight,
     # keeps the finished rows and ends with `stopped: "time_limit"`. None: no limit.
     time_limit: float | None = None
+    # --engine-metrics: the Prometheus /metrics URL of the engine behind the model (vLLM,
+    # SGLang); an adaptive -c reads the engine's own load from it every second.
+    engine_metrics: str | None = None
     # Recorded in config.json only (never compared by a resume): the command line that ran
     # the eval (default: sys.argv) and the name of the variable the model's API key came from.
     command: list[str] | None = None
@@ -137,6 +140,7 @@ def preflight(env: Env[Any], ctx: ModelContext, config: EvalConfig) -> None:
     ):
         raise EvalConfigError(f"--time-limit must be a number of seconds > 0, got {limit!r}")
     _check_int(config.workers, "--workers", 1)
+    _check_engine_metrics(config)
     check_max_failures(config.max_failures)
     taskset = env.taskset
     name = type(taskset).__name__
@@ -156,6 +160,22 @@ def preflight(env: Env[Any], ctx: ModelContext, config: EvalConfig) -> None:
             )
     _check_served(env, ctx, config)
     _check_via(config)
+
+
+def _check_engine_metrics(config: EvalConfig) -> None:
+    url = config.engine_metrics
+    if url is None:
+        return
+    if not isinstance(url, str) or not url.startswith(("http://", "https://")):
+        raise EvalConfigError(
+            f"--engine-metrics must be an http:// or https:// URL, got {url!r} "
+            f"(e.g. http://127.0.0.1:8000/metrics)"
+        )
+    if not isinstance(config.max_concurrent, AdaptiveBounds | AdaptiveWindow):
+        raise EvalConfigError(
+            "--engine-metrics moves an adaptive window: give -c/--max-concurrent as "
+            "MIN-START-MAX (e.g. 1-8-1024)"
+        )
 
 
 def _check_served(env: Env[Any], ctx: ModelContext, config: EvalConfig) -> None:

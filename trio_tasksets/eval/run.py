@@ -41,10 +41,11 @@ from .. import dashboard
 from ..env import Env, Episode, RunSlot, WindowFeed
 from ..limits import EndpointLimits, observe_calls
 from ..models import ModelContext
+from ..models.engine import EngineMetrics
 from ..runner import pick_one, run_stream
 from ..traces import open_traces, write_atomic
 from ..version import __version__
-from ..window import Window, window_spec
+from ..window import AdaptiveWindow, Window, window_spec
 from .config import (
     RECORD_FIELDS,
     EvalConfig,
@@ -440,6 +441,8 @@ async def _execute(
                         await nursery.start(_watch_signals, tally)
                     if config.time_limit is not None:
                         nursery.start_soon(_stop_at, tally, deadline)
+                    if config.engine_metrics is not None and isinstance(window, AdaptiveWindow):
+                        nursery.start_soon(EngineMetrics(config.engine_metrics).feed, window)
                     if not env.taskset.streaming:
                         source = from_list(slots)
                         episodes = await run_stream(source, run, window=window)
@@ -448,7 +451,7 @@ async def _execute(
                         async with env.taskset.head(config.num_examples).channel() as tasks:
                             planned = plan_stream(tasks, config.rollouts_per_example, progress)
                             episodes = await run_stream(planned, run, window=window)
-                    nursery.cancel_scope.cancel()  # the signal watcher
+                    nursery.cancel_scope.cancel()  # the signal watcher, the metrics reader
             return None if tally.stopped is not None else episodes
     except BaseExceptionGroup as group:
         # The context managers' nurseries wrap what passes through them: hand on the one

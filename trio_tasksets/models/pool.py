@@ -59,6 +59,7 @@ class OpenAIClient(Protocol):
 
     async def aclose(self) -> None: ...
 
+
 __all__ = ["EndpointPool", "EndpointStats", "sticky"]
 
 DEFAULT_WINDOW = AdaptiveBounds(1, 8, 1024)
