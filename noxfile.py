@@ -35,6 +35,6 @@ def bench(session: nox.Session) -> None:
     session.install("-e", ".[dev]")
     quick = ["--quick"] if "quick" in session.posargs else []
     benches = ("runner", "eval", "serve", "aio", "redis", "redis_client", "via", "report", "http",
-               "verifiers", "adaptive")  # fmt: skip
+               "verifiers", "adaptive", "engines")  # fmt: skip
     for bench in benches:
         session.run("python", "-m", f"bench.{bench}", *quick)

@@ -277,7 +277,7 @@ def test_engine_metrics_cut_on_a_queue_preemptions_and_a_full_cache_and_freeze_w
         51, "engine queue"
     )  # 16 waiting; at most x0.8
     assert c.engine(EngineLoad(48, 0, 0.7, 3), 2.0) == tt.window.Change(45, "preemption")  # a tenth
-    assert c.engine(EngineLoad(46, 0, 0.95, 3), 3.0) == tt.window.Change(40, "kv cache")
+    assert c.engine(EngineLoad(46, 0, 0.99, 3), 3.0) == tt.window.Change(40, "kv cache")
     assert c.engine(EngineLoad(40, 0, 0.5, 3), 4.0) is None
 
     def full_round(now: float) -> Any:
@@ -288,8 +288,15 @@ def test_engine_metrics_cut_on_a_queue_preemptions_and_a_full_cache_and_freeze_w
 
     assert full_round(4.5) == tt.window.Change(42, "grow")  # room: it grows by 5 %
     assert full_round(20.0) is None  # the last reading is 16 s old: frozen
-    c.engine(EngineLoad(40, 0, 0.85, 3), 21.0)  # KV over kv_grow: no growth, no cut
+    c.engine(EngineLoad(40, 0, 0.95, 3), 21.0)  # KV over kv_grow: no growth, no cut
     assert full_round(21.5) is None
+    # counting the requests finished, a preemption now and then (<= 1 %) cuts nothing
+    c = AdaptiveController(1, 1024, 40)
+    c.engine(EngineLoad(40, 0, 0.9, 0, finished=0), 0.0)
+    assert c.engine(EngineLoad(40, 0, 0.9, 1, finished=200), 1.0) is None
+    assert c.engine(EngineLoad(40, 0, 0.9, 5, finished=400), 2.0) == tt.window.Change(
+        36, "preemption"
+    )
 
 
 # --- rate limits pace, they do not cut ------------------------------------------------------

@@ -205,6 +205,7 @@ class EngineLoad:
     waiting: float | None = None
     kv_usage: float | None = None
     preemptions: float | None = None
+    finished: float | None = None  # requests finished so far (a counter)
 
 
 @attrs.define
@@ -259,10 +260,11 @@ class AdaptiveController:
 
     With the engine's own metrics (`engine()`, e.g. every second), they replace the latency
     signal: growth needs the last reading to show no waiting calls, KV usage under `kv_grow`
-    and no new preemption, and it freezes once the readings are `engine_stale` seconds old;
+    and no new preemptions, and it freezes once the readings are `engine_stale` seconds old;
     a waiting queue seen on two readings in a row cuts by the calls waiting (reason "engine
-    queue"), a new preemption or KV usage at `kv_high` cuts by a tenth (reasons
-    "preemption", "kv cache"); each cut by at most the factor `cut`.
+    queue"), new preemptions (more than `preemption_share` of the requests finished since
+    the last reading, when the engine counts those; else any) or KV usage at `kv_high` cut
+    by a tenth (reasons "preemption", "kv cache"); each cut by at most the factor `cut`.
 
     429s that do not come from concurrency (`Outcome.REQUEST_RATE`, a request-rate limit
     the server names in its headers) neither cut nor cap: the window's `Pacer` spreads the
@@ -286,8 +288,9 @@ class AdaptiveController:
     min_gain: float = attrs.field(default=0.3, kw_only=True)
     probe: float = attrs.field(default=0.25, kw_only=True)
     queueing: float = attrs.field(default=1.5, kw_only=True)
-    kv_grow: float = attrs.field(default=0.8, kw_only=True)
-    kv_high: float = attrs.field(default=0.9, kw_only=True)
+    kv_grow: float = attrs.field(default=0.9, kw_only=True)
+    kv_high: float = attrs.field(default=0.98, kw_only=True)
+    preemption_share: float = attrs.field(default=0.01, kw_only=True)
     engine_stale: float = attrs.field(default=5.0, kw_only=True)
     paced: bool = attrs.field(default=False, kw_only=True)  # set by the window's Pacer
     _successes: int = attrs.field(default=0, init=False)
@@ -314,6 +317,8 @@ class AdaptiveController:
     _engine_ok: bool = attrs.field(default=False, init=False)
     _engine_queue: bool = attrs.field(default=False, init=False)
     _preempted: float | None = attrs.field(default=None, init=False)
+    _finished: float | None = attrs.field(default=None, init=False)
+    _preempted_seen: float | None = attrs.field(default=None, init=False)
 
     def __attrs_post_init__(self) -> None:
         _check_bounds(self.min, self.size, self.max)
@@ -419,14 +424,25 @@ class AdaptiveController:
             and self._preempted is not None
             and load.preemptions > self._preempted
         )
+        if preempted and load.finished is not None and self._finished is not None:
+            # a preemption now and then is the engine using its cache; more than
+            # `preemption_share` of the requests finished since the last reading is not
+            assert load.preemptions is not None
+            assert self._preempted is not None
+            done = max(1.0, load.finished - self._finished)
+            preempted = (load.preemptions - self._preempted) / done > self.preemption_share
         if load.preemptions is not None:
             self._preempted = load.preemptions
+        if load.finished is not None:
+            self._finished = load.finished
         waiting = load.waiting or 0.0
         queue = waiting > 0 and self._engine_queue  # on two readings in a row
         self._engine_queue = waiting > 0
         kv = load.kv_usage
         high = kv is not None and kv >= self.kv_high
-        self._engine_ok = waiting <= 0 and not preempted and (kv is None or kv < self.kv_grow)
+        fresh = load.preemptions is not None and load.preemptions > (self._preempted_seen or 0)
+        self._preempted_seen = load.preemptions
+        self._engine_ok = waiting <= 0 and not fresh and (kv is None or kv < self.kv_grow)
         if queue:
             excess, reason = math.ceil(waiting), "engine queue"
         elif preempted or high:

@@ -6,7 +6,8 @@
   ``vllm:num_requests_waiting``, ``vllm:kv_cache_usage_perc`` or the older
   ``vllm:gpu_cache_usage_perc``, ``vllm:num_preemptions_total``) or SGLang's
   (``sglang:num_running_reqs``, ``sglang:num_queue_reqs``, ``sglang:token_usage``,
-  ``sglang:num_retracted_requests_total``). Label sets (models, data-parallel ranks) are
+  ``sglang:num_retracted_requests_total``), and the requests finished
+  (``vllm:request_success_total``, ``sglang:num_requests_total``). Label sets (models, data-parallel ranks) are
   summed; the KV usage is the highest of them.
 * `EngineMetrics(url)`: reads one engine's `/metrics` over the project's HTTP transport;
   `await metrics.feed(window)` reads it every `interval` seconds into an `AdaptiveWindow`
@@ -33,6 +34,7 @@ RUNNING = ("vllm:num_requests_running", "sglang:num_running_reqs")
 WAITING = ("vllm:num_requests_waiting", "sglang:num_queue_reqs")
 KV_USAGE = ("vllm:kv_cache_usage_perc", "vllm:gpu_cache_usage_perc", "sglang:token_usage")
 PREEMPTIONS = ("vllm:num_preemptions_total", "sglang:num_retracted_requests_total")
+FINISHED = ("vllm:request_success_total", "sglang:num_requests_total")
 
 
 class EngineMetricsError(ValueError):
@@ -66,6 +68,7 @@ def parse_engine_metrics(text: str) -> EngineLoad:
         waiting=first(WAITING, sums),
         kv_usage=first(KV_USAGE, highest),
         preemptions=first(PREEMPTIONS, sums),
+        finished=first(FINISHED, sums),
     )
     if load == EngineLoad():
         raise EngineMetricsError(

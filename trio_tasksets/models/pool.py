@@ -9,8 +9,9 @@ with the same options) and hands each `chat` to it. The rules:
   `limits` say otherwise), moved by that endpoint's 429s and latencies alone.
 * **Least loaded.** A call goes to the endpoint whose window is least used: the fewest
   calls routed to it and not yet answered, as a fraction of its window's size (ties: the
-  one with fewer calls so far). An endpoint with room is always chosen over a full one, so
-  none idles while another queues.
+  one with fewer calls so far). While every live endpoint's window is full, calls wait in
+  the pool, in one queue, and each goes to the first endpoint that frees a place: none
+  idles while another queues.
 * **Sticky.** All calls made under one `sticky()` block go to the endpoint the first one
   went to (its prefix cache holds their shared prefix). The eval runs each rollout in its
   own block; an enclosing block (a group's) wins over the inner ones, so a group's
@@ -185,10 +186,21 @@ class EndpointPool:
         self.endpoints = [_Endpoint(i, client) for i, client in enumerate(clients)]
         self.probe_after = probe_after
         self.max_probe_after = max_probe_after
+        self._freed = trio.Event()  # set (and replaced) whenever a call leaves an endpoint
 
     @property
     def urls(self) -> list[str]:
         return [endpoint.client.base_url for endpoint in self.endpoints]
+
+    async def _room(self, tried: set[int]) -> None:
+        """Wait while every live endpoint's window is full: the calls queue here, in one
+        queue, and each goes to whichever endpoint frees a place first."""
+        while True:
+            now = trio.current_time()
+            live = [e for e in self.endpoints if e.index not in tried and e.usable(now)]
+            if not live or any(e.has_room() for e in live):
+                return
+            await self._freed.wait()
 
     def _pick(self, tried: set[int]) -> _Endpoint | None:
         now = trio.current_time()
@@ -218,6 +230,7 @@ class EndpointPool:
         tried: set[int] = set()
         error: BaseException | None = None
         while True:
+            await self._room(tried)
             endpoint = self._pick(tried)
             if endpoint is None:  # every endpoint failed this call
                 assert error is not None
@@ -244,6 +257,8 @@ class EndpointPool:
                 endpoint.pending -= 1
                 if probe:
                     endpoint.probing = False
+                self._freed.set()  # a place is free: the calls waiting for one pick again
+                self._freed = trio.Event()
             endpoint.stats.latencies.append(trio.current_time() - started)
             if endpoint.ejected_until > -math.inf:  # a probe answered: it is back
                 endpoint.ejected_until = -math.inf
