@@ -21,7 +21,8 @@ single-call rollouts over `tt.OpenAIClient`, dashboard off, traces written.
 * pool: four engines of capacities 8, 16, 32, 64 (KV unbounded), one eval with
   `--base-url` x4, `-c 1024` (each endpoint's own adaptive window bounds it), against the
   sum of each engine's own throughput at a fixed window of its capacity. Goals: >= 0.9x the
-  sum; no endpoint idle while another queues (sampled every 10 ms).
+  sum; no endpoint idle (nothing running) while another has calls waiting (sampled every
+  10 ms).
 * kill: the same four, one (32) killed a third of the way through: every slot answered,
   the dead endpoint's calls retried elsewhere.
 """
@@ -111,11 +112,11 @@ async def rate_sweep(n: int) -> dict[str, dict[str, Any]]:
 
 
 async def _watch_idle(engines: list[SimEngine], found: dict[str, int]) -> None:
-    """Every 10 ms: is an engine idle (room, nothing waiting) while another queues?"""
+    """Every 10 ms: is an engine idle (nothing running) while another queues?"""
     while True:
         await trio.sleep(0.01)
         queued = any(e.waiting > 0 for e in engines)
-        idle = any(e.running < e.capacity and e.waiting == 0 for e in engines)
+        idle = any(e.running == 0 and e.waiting == 0 for e in engines)
         busy = any(e.running > 0 for e in engines)
         if busy:
             found["samples"] += 1

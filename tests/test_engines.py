@@ -235,7 +235,7 @@ async def test_against_an_engine_that_queues_the_window_stops_where_throughput_d
 
 def test_a_probe_that_does_not_pay_is_undone_and_growth_waits() -> None:
     """The controller on a model of a full engine: 40 calls at most, 0.2 s each alone."""
-    c = AdaptiveController(1, 1024, 32, slow_start=False)
+    c = AdaptiveController(1, 1024, 32, slow_start=False, probe_above=1.0)  # probe at once
     now = 0.0
 
     def round_at(size: int) -> Any:

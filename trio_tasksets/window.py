@@ -246,8 +246,9 @@ class AdaptiveController:
     capacity, none of this applies):
 
     * Each round's throughput is estimated by Little's law, ``X = mean in flight / mean
-      latency`` (latencies average out far better than completion counts). A growth step
-      is a probe: the round after it settles (its calls started at the old size), the next
+      latency`` (latencies average out far better than completion counts). While a round's
+      mean latency stays under `probe_above` times the lowest seen, the size grows as it
+      would without the latency signal. Past that, a growth step is a probe: the round after it settles (its calls started at the old size), the next
       one measures, and the step is kept only if it paid: ``(X_new / X_old - 1) /
       (size_new / size_old - 1) >= min_gain`` (the throughput rose by at least `min_gain`
       of the proportional rise). Otherwise the size goes back (reason "no gain"); a failed
@@ -288,6 +289,7 @@ class AdaptiveController:
     min_gain: float = attrs.field(default=0.3, kw_only=True)
     probe: float = attrs.field(default=0.25, kw_only=True)
     queueing: float = attrs.field(default=1.5, kw_only=True)
+    probe_above: float = attrs.field(default=1.2, kw_only=True)
     kv_grow: float = attrs.field(default=0.9, kw_only=True)
     kv_high: float = attrs.field(default=0.98, kw_only=True)
     preemption_share: float = attrs.field(default=0.01, kw_only=True)
@@ -307,6 +309,7 @@ class AdaptiveController:
     _probe_from: tuple[int, float] | None = attrs.field(default=None, init=False)
     _ref_latency: float | None = attrs.field(default=None, init=False)
     _hold_until: float = attrs.field(default=-math.inf, init=False)
+    _min_latency: float = attrs.field(default=math.inf, init=False)
     # 429s that do not depend on concurrency
     _before_429s: int = attrs.field(default=0, init=False)  # the size when they began
     _ok_since_429: int = attrs.field(default=0, init=False)
@@ -336,6 +339,8 @@ class AdaptiveController:
             raise ValueError(f"min_gain must be in [0, 1], got {self.min_gain}")
         if not self.probe > 0:
             raise ValueError(f"probe must be > 0 (a fraction of the size), got {self.probe}")
+        if not self.probe_above >= 1:
+            raise ValueError(f"probe_above must be >= 1 (a latency factor), got {self.probe_above}")
         if not self.queueing > 1:
             raise ValueError(f"queueing must be > 1 (a latency factor), got {self.queueing}")
         if not 0 < self.kv_grow <= self.kv_high <= 1:
@@ -483,6 +488,7 @@ class AdaptiveController:
             measured = None
         elif measured is not None and not self._answers_429:
             throughput, latency = measured
+            self._min_latency = min(self._min_latency, latency)
             if settle:  # its calls started at the old size: measure the next round
                 self._probe_from = probe_from
                 grow = False
@@ -508,8 +514,12 @@ class AdaptiveController:
             grow = grow and now >= self._hold_until
         if not grow:
             return None
-        if self._answers_429:
-            measured = None
+        if self._answers_429 or (
+            measured is not None
+            and probe_from is None
+            and measured[1] < self.probe_above * self._min_latency
+        ):
+            measured = None  # latency as low as ever: grow as without the latency signal
         if self.slow_start:
             change = self._set(min(self.max, 2 * self.size), "slow start", measured)
         else:
