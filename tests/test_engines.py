@@ -504,3 +504,35 @@ async def test_an_eval_reads_the_engines_metrics_into_its_window(
     assert reasons & {"preemption", "kv cache", "engine queue"}
     assert window.size <= 48
     assert share < 0.05
+
+
+# --- the served path -----------------------------------------------------------------------
+
+
+def test_many_endpoints_travel_to_an_env_server_and_each_must_be_allowed() -> None:
+    from trio_tasksets.serve.policy import ModelPolicy
+    from trio_tasksets.serve.wire import (
+        Forbidden,
+        decode_json,
+        encode_run_request,
+        parse_run_request,
+    )
+
+    urls = ["http://127.0.0.1:8001/v1", "http://127.0.0.1:8002/v1"]
+    slot = tt.RunSlot(tt.Task("say 7", answer="7", key="k"), 0)
+    ctx = tt.ModelContext(tt.OpenAIClient(urls), "m")
+    request = parse_run_request(decode_json(encode_run_request(slot, ctx)))
+    assert request.client.base_urls == tuple(urls)  # type: ignore[union-attr]
+    one = parse_run_request(decode_json(encode_run_request(slot, tt.ModelContext(
+        tt.OpenAIClient(urls[0]), "m"))))  # fmt: skip
+    assert "base_urls" not in encode_run_request(slot, tt.ModelContext(
+        tt.OpenAIClient(urls[0]), "m")).decode()  # fmt: skip
+    assert one.client.base_urls == ()  # type: ignore[union-attr]
+    with pytest.raises(Forbidden, match="8002"):
+        ModelPolicy.from_flags(urls[:1], None, {}).check(request.client)
+    policy = ModelPolicy.from_flags(urls, None, {})
+    policy.check(request.client)
+    client = policy.build(request.client)
+    assert isinstance(client, tt.OpenAIClient)
+    assert client.base_urls == urls
+    assert client.pool is not None
