@@ -261,9 +261,11 @@ class AdaptiveController:
 
     With the engine's own metrics (`engine()`, e.g. every second), they replace the latency
     signal: growth needs the last reading to show no waiting calls, KV usage under `kv_grow`
-    and no new preemptions, and it freezes once the readings are `engine_stale` seconds old;
-    a waiting queue seen on two readings in a row cuts by the calls waiting (reason "engine
-    queue"), new preemptions (more than `preemption_share` of the requests finished since
+    and no preemptions too many (below), at most one step per reading (each step is seen by
+    the engine before the next), and it freezes once the readings are `engine_stale` seconds
+    old;
+    a waiting queue (more than a tenth of the running calls, or one) seen on two readings in
+    a row cuts by the calls waiting (reason "engine queue"), new preemptions (more than `preemption_share` of the requests finished since
     the last reading, when the engine counts those; else any) or KV usage at `kv_high` cut
     by a tenth (reasons "preemption", "kv cache"); each cut by at most the factor `cut`.
 
@@ -290,7 +292,7 @@ class AdaptiveController:
     probe: float = attrs.field(default=0.25, kw_only=True)
     queueing: float = attrs.field(default=1.5, kw_only=True)
     probe_above: float = attrs.field(default=1.2, kw_only=True)
-    kv_grow: float = attrs.field(default=0.9, kw_only=True)
+    kv_grow: float = attrs.field(default=0.95, kw_only=True)
     kv_high: float = attrs.field(default=0.98, kw_only=True)
     preemption_share: float = attrs.field(default=0.01, kw_only=True)
     engine_stale: float = attrs.field(default=5.0, kw_only=True)
@@ -321,7 +323,7 @@ class AdaptiveController:
     _engine_queue: bool = attrs.field(default=False, init=False)
     _preempted: float | None = attrs.field(default=None, init=False)
     _finished: float | None = attrs.field(default=None, init=False)
-    _preempted_seen: float | None = attrs.field(default=None, init=False)
+    _grown_at: float = attrs.field(default=-math.inf, init=False)
 
     def __attrs_post_init__(self) -> None:
         _check_bounds(self.min, self.size, self.max)
@@ -441,13 +443,14 @@ class AdaptiveController:
         if load.finished is not None:
             self._finished = load.finished
         waiting = load.waiting or 0.0
-        queue = waiting > 0 and self._engine_queue  # on two readings in a row
-        self._engine_queue = waiting > 0
+        # calls that arrived since the engine's last step wait for the next: a queue is more
+        # than a tenth of the running ones (or one), on two readings in a row
+        queued = waiting > max(1.0, 0.1 * (load.running or 0.0))
+        queue = queued and self._engine_queue
+        self._engine_queue = queued
         kv = load.kv_usage
         high = kv is not None and kv >= self.kv_high
-        fresh = load.preemptions is not None and load.preemptions > (self._preempted_seen or 0)
-        self._preempted_seen = load.preemptions
-        self._engine_ok = waiting <= 0 and not fresh and (kv is None or kv < self.kv_grow)
+        self._engine_ok = not queued and not preempted and (kv is None or kv < self.kv_grow)
         if queue:
             excess, reason = math.ceil(waiting), "engine queue"
         elif preempted or high:
@@ -484,7 +487,12 @@ class AdaptiveController:
         probe_from = self._probe_from
         self._new_round()
         if self._engine_at > -math.inf:  # the engine's metrics replace the latency signal
-            grow = grow and self._engine_ok and now - self._engine_at <= self.engine_stale
+            grow = (
+                grow
+                and self._engine_ok
+                and now - self._engine_at <= self.engine_stale
+                and self._engine_at > self._grown_at  # one step per reading, seen after it
+            )
             measured = None
         elif measured is not None and not self._answers_429:
             throughput, latency = measured
@@ -514,6 +522,7 @@ class AdaptiveController:
             grow = grow and now >= self._hold_until
         if not grow:
             return None
+        self._grown_at = now
         if self._answers_429 or (
             measured is not None
             and probe_from is None
