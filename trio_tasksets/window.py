@@ -17,7 +17,6 @@ summary (`window_history`).
 
 from __future__ import annotations
 
-import argparse
 import enum
 import math
 import re
@@ -28,6 +27,8 @@ from typing import Any, NamedTuple
 
 import attrs
 import trio
+
+from ._exceptions import ConfigError
 
 __all__ = [
     "AdaptiveBounds",
@@ -255,9 +256,9 @@ class AdaptiveController:
       doubling ends slow start and probing goes on at once by smaller steps, a failed small
       step makes growth wait `cooldown` seconds before the next probe. After slow start a
       probe adds `max(1, probe * size)` (a step big enough to measure).
-    * Queueing at a steady size: a round whose mean latency exceeds `queueing` times the
-      latency measured when the size was taken cuts to `floor(size * cut)` (reason
-      "latency").
+    * Queueing at a steady size: two rounds in a row whose mean latency exceeds `queueing`
+      times the latency measured when the size was taken cut to `floor(size * cut)` (reason
+      "latency"; one such round only pauses growth).
 
     With the engine's own metrics (`engine()`, e.g. every second), they replace the latency
     signal: growth needs the last reading to show no waiting calls, KV usage under `kv_grow`
@@ -312,6 +313,7 @@ class AdaptiveController:
     _ref_latency: float | None = attrs.field(default=None, init=False)
     _hold_until: float = attrs.field(default=-math.inf, init=False)
     _min_latency: float = attrs.field(default=math.inf, init=False)
+    _slow_rounds: int = attrs.field(default=0, init=False)
     # 429s that do not depend on concurrency
     _before_429s: int = attrs.field(default=0, init=False)  # the size when they began
     _ok_since_429: int = attrs.field(default=0, init=False)
@@ -516,9 +518,15 @@ class AdaptiveController:
             elif self._ref_latency is None:
                 self._ref_latency = latency
             elif latency > self.queueing * self._ref_latency:
-                self._ref_latency = None
-                self._settle = True
-                return self._set(max(self.min, math.floor(self.size * self.cut)), "latency")
+                self._slow_rounds += 1
+                if self._slow_rounds >= 2:  # two rounds in a row: not one noisy round
+                    self._slow_rounds = 0
+                    self._ref_latency = None
+                    self._settle = True
+                    return self._set(max(self.min, math.floor(self.size * self.cut)), "latency")
+                grow = False
+            else:
+                self._slow_rounds = 0
             grow = grow and now >= self._hold_until
         if not grow:
             return None
@@ -831,9 +839,10 @@ class AdaptiveBounds(NamedTuple):
     max: int
 
 
-class WindowArgumentError(ValueError, argparse.ArgumentTypeError):
-    """A bad `N|MIN-START-MAX`. A ValueError; also an argparse.ArgumentTypeError, so an
-    argparse `type=` keeps this message instead of its generic "invalid value"."""
+class WindowArgumentError(ConfigError):
+    """A bad window: a `N|MIN-START-MAX` that does not parse, or a size or bounds that
+    `build_window` refuses (a `ConfigError`, so a ValueError; the command line's argparse
+    types turn it into their usage error, see `trio_tasksets.cli.options`)."""
 
 
 _FORM = re.compile(r"\s*(\d+)\s*(?:-\s*(\d+)\s*-\s*(\d+)\s*)?")
@@ -861,10 +870,30 @@ def parse_window(text: str, *, flag: str = "-c/--max-concurrent") -> int | Adapt
     return bounds
 
 
-def build_window(spec: int | AdaptiveBounds) -> Window:
-    """A fresh window for a parsed spec: `Window(n)` or `AdaptiveWindow(*bounds)`."""
-    if isinstance(spec, AdaptiveBounds):
-        return AdaptiveWindow(*spec)
+def build_window(
+    spec: int | AdaptiveBounds | tuple[int, int, int] | Window, *, parameter: str = "window"
+) -> Window:
+    """The one window constructor: a `Window` given is used as is; `N` makes `Window(N)`;
+    `(min, start, max)` (an `AdaptiveBounds`, as `parse_window` reads ``MIN-START-MAX``) makes
+    `AdaptiveWindow(min, start, max)`. Anything else raises `WindowArgumentError` naming
+    `parameter` (the setting the window came from, e.g. ``max_concurrent``)."""
+    if isinstance(spec, Window):
+        return spec
+    if isinstance(spec, tuple):
+        try:
+            return AdaptiveWindow(*spec)
+        except (TypeError, ValueError) as exc:
+            raise WindowArgumentError(
+                f"{{{parameter}}}: adaptive bounds are (min, start, max) with 1 <= min <= "
+                f"start <= max, got {spec!r} ({exc})",
+                parameter=parameter,
+            ) from None
+    if isinstance(spec, bool) or not isinstance(spec, int) or spec < 1:
+        raise WindowArgumentError(
+            f"{{{parameter}}} must be an integer >= 1, (min, start, max) bounds or a "
+            f"tt.Window, got {spec!r}",
+            parameter=parameter,
+        )
     return Window(spec)
 
 

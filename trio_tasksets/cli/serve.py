@@ -12,7 +12,7 @@ import trio
 
 from ..envspec import EnvSpec
 from ..serve.app import ServerApp
-from ..serve.policy import Access, Limits, ModelPolicy
+from ..serve.policy import MAX_MODEL_RETRIES, MIN_MODEL_BACKOFF, Access, Limits, ModelPolicy
 from ..serve.process import bind_socket, is_loopback, serve_worker, supervise, url_of
 from ..serve.wire import MAX_BODY_BYTES, READY_PREFIX
 
@@ -20,7 +20,7 @@ if TYPE_CHECKING:
     from .options import Commands
 
 from .env_options import add_env_options, build_env, env_spec
-from .options import CommandError, HelpFormatter, UsageError
+from .options import CommandError, HelpFormatter, UsageError, add_metrics_option, flag_message
 
 DEFAULTS = Limits()
 
@@ -35,6 +35,8 @@ def add_parser(commands: Commands) -> argparse.ArgumentParser:
         formatter_class=HelpFormatter,
     )
     env = add_env_options(sv)
+    # How a spawned server (and a pool's workers) get their env: the EnvSpec as data.
+    sv.add_argument("--env-spec", default=None, metavar="JSON", help=argparse.SUPPRESS)
     sv.add_argument(
         "--host",
         default="127.0.0.1",
@@ -47,6 +49,7 @@ def add_parser(commands: Commands) -> argparse.ArgumentParser:
         help=f"port (0: the OS picks one; the '{READY_PREFIX}URL' line on stdout tells it)",
     )
     sv.add_argument("--workers", type=int, default=1, metavar="K", help="worker processes")
+    add_metrics_option(sv)
     sv.add_argument(
         "--token-var",
         default=None,
@@ -94,6 +97,22 @@ def add_parser(commands: Commands) -> argparse.ArgumentParser:
         default=[],
         metavar="URL",
         help="the OpenAI-compatible endpoints a run may reach (default none: echo only)",
+    )
+    models.add_argument(
+        "--max-model-retries",
+        type=int,
+        default=MAX_MODEL_RETRIES,
+        metavar="N",
+        help="the most retries a run's model client may ask for; a run asking more is refused "
+        f"with 403 (default {MAX_MODEL_RETRIES})",
+    )
+    models.add_argument(
+        "--min-model-backoff",
+        type=float,
+        default=MIN_MODEL_BACKOFF,
+        metavar="S",
+        help="seconds: a run's model client backoff below this is raised to it (default "
+        f"{MIN_MODEL_BACKOFF:g})",
     )
     limits = sv.add_argument_group("limits per connection (docs/security.md)")
     limits.add_argument(
@@ -155,7 +174,10 @@ def _access(args: argparse.Namespace, port: int, token: str | None) -> Access:
 
 def _models(args: argparse.Namespace) -> ModelPolicy:
     try:
-        return ModelPolicy.from_flags(args.allow_base_url, args.api_key_var, os.environ)
+        return ModelPolicy.from_flags(
+            args.allow_base_url, args.api_key_var, os.environ,
+            max_retries=args.max_model_retries, min_backoff=args.min_model_backoff,
+        )  # fmt: skip
     except ValueError as exc:
         raise UsageError(str(exc)) from None
 
@@ -197,6 +219,18 @@ def _check_wildcard(args: argparse.Namespace) -> None:
 def _check_args(args: argparse.Namespace) -> None:
     if args.workers < 1:
         raise UsageError(f"--workers must be >= 1, got {args.workers}")
+    if args.metrics_port is not None:
+        if args.workers > 1:
+            raise UsageError(
+                "--metrics-port with --workers K: each worker process has its own counts",
+                fix="run K servers of --workers 1, each with its own --metrics-port",
+            )
+        from ..eval.config import EvalConfigError, check_metrics_port
+
+        try:
+            check_metrics_port(args.metrics_port)
+        except EvalConfigError as exc:
+            raise UsageError(flag_message(exc)) from None
     if not 0 <= args.port <= 65535:
         raise UsageError(f"--port must be in 0..65535, got {args.port}")
     if args.max_body_bytes < 1:
@@ -213,7 +247,8 @@ def _check_args(args: argparse.Namespace) -> None:
 
 def _worker_cmd(args: argparse.Namespace, spec: EnvSpec, port: int) -> list[str]:
     """A pool worker's command: the same env, flags and bound name (its socket by fd)."""
-    cmd = [sys.executable, "-m", "trio_tasksets", "serve", *spec.argv(),
+    cmd = [sys.executable, "-m", "trio_tasksets", "serve", spec.taskset,
+           "--env-spec", spec.to_json(),
            "--host", args.host, "--port", str(port), "--workers", str(args.workers),
            "--max-body-bytes", str(args.max_body_bytes),
            "--max-runs-per-connection", str(args.max_runs_per_connection),
@@ -260,7 +295,7 @@ def run(args: argparse.Namespace) -> int:
             cmd = _worker_cmd(args, spec, port)
             return trio.run(supervise, cmd, sock, args.workers, url, args.die_with_parent)
     app = ServerApp(env, access=_access(args, port, token), models=models, limits=limits)
-    trio.run(
-        partial(serve_worker, url=url, die_with_parent=args.die_with_parent), app, sock.detach()
-    )
+    serve = partial(serve_worker, url=url, die_with_parent=args.die_with_parent,
+                    metrics_port=args.metrics_port)  # fmt: skip
+    trio.run(serve, app, sock.detach())
     return 0

@@ -55,7 +55,12 @@ class OpenAIClient(Protocol):
     limits_key: Hashable
 
     async def chat(
-        self, messages: list[dict[str, Any]], *, model: str, sampling: Sampling
+        self,
+        messages: list[dict[str, Any]],
+        *,
+        model: str,
+        sampling: Sampling,
+        tools: list[dict[str, Any]] | None = None,
     ) -> Completion: ...
 
     async def aclose(self) -> None: ...
@@ -222,7 +227,12 @@ class EndpointPool:
         return chosen
 
     async def chat(
-        self, messages: list[dict[str, Any]], *, model: str, sampling: Sampling
+        self,
+        messages: list[dict[str, Any]],
+        *,
+        model: str,
+        sampling: Sampling,
+        tools: list[dict[str, Any]] | None = None,
     ) -> Completion:
         """One chat completion on the least loaded live endpoint (or this context's sticky
         one); a failure to connect or a timeout ejects the endpoint and retries the call on
@@ -244,7 +254,9 @@ class EndpointPool:
             endpoint.stats.calls += 1
             started = now
             try:
-                completion = await endpoint.client.chat(messages, model=model, sampling=sampling)
+                completion = await endpoint.client.chat(
+                    messages, model=model, sampling=sampling, tools=tools
+                )
             except (ModelConnectionError, ModelTimeoutError) as exc:
                 endpoint.stats.errors += 1
                 self._eject(endpoint)

@@ -2,22 +2,33 @@
 
 from __future__ import annotations
 
-import random
 from collections.abc import Awaitable, Callable
 from typing import Any, TypeVar
 
 import trio
 
+from .._exceptions import TrioTasksetsError
+from ..backoff import Backoff
 from .entries import Log, redact
-from .resp import Address, Connection, RedisError, ReplyError, Unreachable, first_stream, info
+from .resp import (
+    MAX_REPLY_BYTES,
+    Address,
+    Connection,
+    OddServer,
+    RedisError,
+    ReplyError,
+    Unreachable,
+    first_stream,
+    run_id,
+)
 
 T = TypeVar("T")
-_BACKOFF_FIRST = 0.1
-_BACKOFF_CAP = 3.0
+# Between attempts through an outage: 0.1 s doubling up to 3 s, each wait in [cap/2, cap].
+REDIS_BACKOFF = Backoff(0.1, 3.0, jitter=0.5)
 _CONNECT_TIMEOUT = 5.0
 
 
-class Stopped(Exception):
+class Stopped(TrioTasksetsError):
     """The stop event fired while a call was waiting to retry."""
 
 
@@ -25,16 +36,23 @@ class Link:
     """A Redis connection (`resp.Connection`) whose calls survive outages.
 
     `call` retries `Unreachable` forever (capped, jittered exponential backoff, one log line
-    per failure naming the URL, one when Redis answers again) on a new connection. Other errors
-    (a `ReplyError`) are raised. No call is replayed behind the caller's back: `fn` is told
+    per failure naming the URL, one when Redis answers again) on a new connection, and so a
+    ``LOADING`` reply (a Redis restarted from its AOF or RDB answers that to every command
+    until its data is loaded: it ran nothing). Other errors (a `ReplyError`) are raised. No call is replayed behind the caller's back: `fn` is told
     which attempt it is. Calls may run at once: each holds a connection of its own while it
-    runs (kept for the next call after), so there are as many as calls at once.
+    runs (kept for the next call after), so there are as many as calls at once. A reply over
+    `max_reply_bytes` is `Unreachable` (the connection is closed).
     """
 
-    def __init__(self, url: str, *, read_timeout: float, log: Log) -> None:
+    def __init__(
+        self, url: str, *, read_timeout: float, log: Log, max_reply_bytes: int = MAX_REPLY_BYTES
+    ) -> None:
+        if max_reply_bytes < 1:
+            raise ValueError(f"max_reply_bytes must be >= 1, got {max_reply_bytes!r}")
         self.url = redact(url)
         self._address = Address.parse(url)
         self._read_timeout = read_timeout
+        self._max_reply = max_reply_bytes
         self._idle: list[Connection] = []
         self._log = log
 
@@ -64,20 +82,19 @@ class Link:
                     finally:
                         if not connection.closed:  # reused only if not stale by then
                             self._idle.append(connection)
-            except Unreachable as exc:
+            except (Unreachable, ReplyError) as exc:
+                if isinstance(exc, ReplyError) and not loading(exc):
+                    self._back(failures, what)  # Redis answered, with an error
+                    raise
                 self.close()  # the others are likely broken too
                 failures += 1
-                delay = min(_BACKOFF_CAP, _BACKOFF_FIRST * 2 ** (failures - 1))
-                delay *= random.uniform(0.5, 1.0)
+                delay = REDIS_BACKOFF.delay(failures)
                 self._log(
                     f"redis at {self.url} unreachable while {what} ({exc}); retry {failures} "
                     f"in {delay:.1f} s"
                 )
                 await _wait(delay, stop)
                 continue
-            except ReplyError:
-                self._back(failures, what)  # Redis answered, with an error
-                raise
             self._back(failures, what)
             return result
 
@@ -88,7 +105,10 @@ class Link:
                 return connection
             connection.close()
         return await Connection.open(
-            self._address, connect_timeout=_CONNECT_TIMEOUT, read_timeout=self._read_timeout
+            self._address,
+            connect_timeout=_CONNECT_TIMEOUT,
+            read_timeout=self._read_timeout,
+            max_reply_bytes=self._max_reply,
         )
 
     def _back(self, failures: int, what: str) -> None:
@@ -123,15 +143,20 @@ def first_entry(reply: Any) -> tuple[str, dict[str, str] | None] | None:
 
 async def server_run_id(url: str) -> str:
     """The `run_id` of the Redis at `url` (it changes when Redis restarts): one connection, no
-    retry, 5 s at most for each step. Raises `resp.RedisError` (`Unreachable`, or a
-    `ReplyError` such as a refused login)."""
+    retry, 5 s at most for each step. Raises `resp.RedisError` (`Unreachable`, a
+    `ReplyError` such as a refused login, or `OddServer` for an INFO without a run_id)."""
     connection = await Connection.open(
         Address.parse(url), connect_timeout=_CONNECT_TIMEOUT, read_timeout=_CONNECT_TIMEOUT
     )
     try:
-        return info(await connection.execute("INFO", "server"))["run_id"]
+        return run_id(await connection.execute("INFO", "server"), connection.address)
     finally:
         connection.close()
+
+
+def loading(error: BaseException) -> bool:
+    """Redis is loading its data after a restart (it refused the command: retry it)."""
+    return isinstance(error, ReplyError) and str(error).startswith("LOADING")
 
 
 _LOGIN_REFUSED = ("NOAUTH", "WRONGPASS", "ERR AUTH", "ERR invalid password", "ERR invalid username")
@@ -145,6 +170,12 @@ def login_refused(error: BaseException) -> bool:
 def unusable(flag: str, url: str, error: RedisError) -> tuple[str, str]:
     """What to tell someone whose `flag` URL failed with `error`: the message and the fix
     (a refused login names the URL's password; anything else, reaching Redis)."""
+    if isinstance(error, OddServer):
+        return (
+            f"{flag} {redact(url)}: {error}",
+            f"point {flag} at a redis-server (5.0 or later: streams, INFO run_id), not at a "
+            f"proxy or a Redis look-alike",
+        )
     if login_refused(error):
         return (
             f"{flag} {redact(url)}: Redis refused the login ({error})",
