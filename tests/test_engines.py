@@ -536,3 +536,14 @@ def test_many_endpoints_travel_to_an_env_server_and_each_must_be_allowed() -> No
     assert isinstance(client, tt.OpenAIClient)
     assert client.base_urls == urls
     assert client.pool is not None
+
+
+def test_an_enclosing_sticky_block_a_groups_wins_over_its_rollouts() -> None:
+    from trio_tasksets.models.pool import sticky_key
+
+    with sticky(("group", "g")):
+        with sticky("rollout-1"):
+            assert sticky_key() == ("group", "g")
+        with sticky("rollout-2", replace=True):
+            assert sticky_key() == "rollout-2"
+    assert sticky_key() is None

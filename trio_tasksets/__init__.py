@@ -39,6 +39,7 @@ from .models import (
     ModelTimeoutError,
     OpenAIClient,
     Sampling,
+    Tokens,
     ToolCall,
 )
 from .runner import as_completed, fan_out, run_stream
@@ -46,6 +47,7 @@ from .serve import EnvClient
 from .sources import merge, take
 from .tasksets import Task, Taskset, TasksetConfig
 from .tools import Tool, tool
+from .training import Staleness, first
 from .version import __version__
 from .window import AdaptiveWindow, Window
 
@@ -74,10 +76,12 @@ __all__ = [
     "RolloutTimeoutError",
     "RunSlot",
     "Sampling",
+    "Staleness",
     "StalledError",
     "Task",
     "Taskset",
     "TasksetConfig",
+    "Tokens",
     "Tool",
     "ToolCall",
     "ToolEnv",
@@ -87,6 +91,7 @@ __all__ = [
     "aio",
     "as_completed",
     "fan_out",
+    "first",
     "merge",
     "report",
     "run_eval",

@@ -88,6 +88,12 @@ def add_parser(commands: Commands) -> argparse.ArgumentParser:
     )
     add_window_option(run, help="the window: most rollouts in flight")
     run.add_argument(
+        "--group", action="store_true",
+        help="a task's -r rollouts are one group: they run together, Env.score_group scores "
+        "them, their rows are written together (with `group` and `advantage`), and one that "
+        "fails after its retries fails the group",
+    )  # fmt: skip
+    run.add_argument(
         "--shuffle", action="store_true", help="shuffle a static taskset before taking N"
     )
     run.add_argument(
@@ -244,6 +250,7 @@ def _build(args: argparse.Namespace) -> tuple[Env[Any], ModelContext, EvalConfig
         stream=args.stream,
         time_limit=args.time_limit,
         engine_metrics=args.engine_metrics,
+        group=args.group,
     )
     return env, ctx, config
 

@@ -66,6 +66,11 @@ def add_model_options(parser: argparse.ArgumentParser) -> argparse._ArgumentGrou
         "(default: none)",
     )  # fmt: skip
     model.add_argument(
+        "--return-tokens", action="store_true",
+        help="ask the server for token ids and logprobs (vLLM's return_token_ids and "
+        "logprobs); rows keep them per model call under `tokens`",
+    )  # fmt: skip
+    model.add_argument(
         "--echo-delay", type=float, default=None, metavar="S",
         help="latency of the echo model, to watch the window work (default: 0)",
     )  # fmt: skip
@@ -133,7 +138,8 @@ def _sampling(args: argparse.Namespace) -> Sampling:
     if max_tokens is not None and max_tokens < 1:
         raise UsageError(f"--max-tokens must be >= 1, got {max_tokens}")
     return Sampling(temperature=temperature, max_tokens=max_tokens, top_p=top_p,
-                    seed=args.sampling_seed)  # fmt: skip
+                    seed=args.sampling_seed,
+                    return_tokens=args.return_tokens)  # fmt: skip
 
 
 def api_key_var(args: argparse.Namespace) -> str | None:

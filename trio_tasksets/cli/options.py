@@ -97,6 +97,7 @@ PARAMETER_FLAGS = {
     "config": "-a/--taskset-args",
     "env_class": "--env-class",
     "reward": "--reward",
+    "group": "--group",
 }
 
 

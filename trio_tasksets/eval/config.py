@@ -61,6 +61,9 @@ class EvalConfig:
     # --engine-metrics: the Prometheus /metrics URL of the engine behind the model (vLLM,
     # SGLang); an adaptive -c reads the engine's own load from it every second.
     engine_metrics: str | None = None
+    # --group: a task's rollouts are one group (SPEC 10): run together, scored together by
+    # Env.score_group, written together; one failing after its retries fails the group.
+    group: bool = False
     # Recorded in config.json only (never compared by a resume): the command line that ran
     # the eval (default: sys.argv) and the name of the variable the model's API key came from.
     command: list[str] | None = None
@@ -107,7 +110,7 @@ class EvalResult:
 
 # The saved config keys that decide which slots a run owes; a resume must match them all.
 IDENTITY = ("taskset", "taskset_config", "model", "sampling", "num_examples",
-             "rollouts_per_example", "shuffle", "seed")  # fmt: skip
+             "rollouts_per_example", "shuffle", "seed", "group")  # fmt: skip
 
 
 def _check_int(value: object, name: str, minimum: int, *, optional: bool = False) -> None:
@@ -183,6 +186,10 @@ def preflight(env: Env[Any], ctx: ModelContext, config: EvalConfig) -> SlotBacke
             f"{{time_limit}} must be a number of seconds > 0, got {limit!r}",
             parameter="time_limit",
         )
+    if not isinstance(config.group, bool):
+        raise EvalConfigError(
+            f"{{group}} is a switch (True or False), got {config.group!r}", parameter="group"
+        )
     check_max_failures(config.max_failures)
     _check_int(config.max_consecutive_failures, "max_consecutive_failures", 1, optional=True)
     check_metrics_port(config.metrics_port)
@@ -233,7 +240,7 @@ def _check_engine_metrics(config: EvalConfig) -> None:
 def run_identity(env: Env[Any], ctx: ModelContext, config: EvalConfig) -> dict[str, Any]:
     taskset = env.taskset
     cls = type(taskset)
-    return {
+    identity: dict[str, Any] = {
         "taskset": f"{cls.__module__}:{cls.__qualname__}",
         "taskset_config": json.loads(json.dumps(attrs.asdict(taskset.config), default=str)),
         "model": ctx.model,
@@ -243,6 +250,9 @@ def run_identity(env: Env[Any], ctx: ModelContext, config: EvalConfig) -> dict[s
         "shuffle": config.shuffle,
         "seed": config.seed,
     }
+    if config.group:  # absent otherwise: runs saved before groups existed still resume
+        identity["group"] = True
+    return identity
 
 
 def default_run_name(env: Env[Any], ctx: ModelContext) -> str:

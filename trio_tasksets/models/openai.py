@@ -29,6 +29,7 @@ from .base import (
     ModelResponseError,
     ModelTimeoutError,
     Sampling,
+    Tokens,
     body_text,
     excerpt,
     parse_tool_calls,
@@ -92,6 +93,8 @@ class OpenAIClient:
     - POSTs ``{"model", "messages", **sampling.to_request()}`` to
       ``{base_url}/chat/completions``, with ``Authorization: Bearer <api_key>`` when a key
       is given, plus ``headers``.
+    - A reply's token ids and logprobs, in vLLM's shape (asked for with
+      ``Sampling(return_tokens=True)``), become ``Completion.tokens``.
     - 429, 5xx, connection errors and timeouts are retried up to ``max_retries`` times
       (``max_retries + 1`` attempts in all), sleeping with full-jitter exponential backoff
       (``uniform(0, min(max_backoff, backoff * 2**retry))``) or, when the response has a
@@ -385,7 +388,30 @@ class OpenAIClient:
             finish_reason=finish_reason if isinstance(finish_reason, str) else None,
             message=message,
             tool_calls=parse_tool_calls(message),
+            tokens=self._tokens(data, choice, content),
         )
+
+    def _tokens(
+        self, data: dict[str, Any], choice: dict[str, Any], content: bytes
+    ) -> Tokens | None:
+        """The reply's token ids and logprobs in vLLM's shape (`prompt_token_ids` at the top,
+        `choices[0].token_ids`, `choices[0].logprobs.content[].logprob`), or None when it has
+        none of them. Present but malformed: `ModelResponseError` (never a silent drop)."""
+        prompt_ids = data.get("prompt_token_ids")
+        completion_ids = choice.get("token_ids")
+        logprobs = choice.get("logprobs")
+        entries = logprobs.get("content") if isinstance(logprobs, dict) else None
+        if prompt_ids is None and completion_ids is None and entries is None:
+            return None
+        try:
+            values = [] if entries is None else [entry["logprob"] for entry in entries]
+            return Tokens(list(prompt_ids or []), list(completion_ids or []), values)
+        except (TypeError, KeyError, ValueError) as exc:
+            raise ModelResponseError(
+                f"{self.url} returned malformed token ids or logprobs ({exc}): "
+                f"{excerpt(body_text(content))}",
+                url=self.url,
+            ) from None
 
     async def aclose(self) -> None:
         """Close the HTTP client if this object created it. Idempotent."""
