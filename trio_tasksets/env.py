@@ -21,6 +21,7 @@ from ._exceptions import TrioTasksetsError
 from .backoff import Backoff
 from .limits import CallObserver, observe_calls, parked, report_outcome
 from .models import Completion, ModelContext, ModelHTTPError, Tokens, observe_completions
+from .models.pool import sticky
 from .tasksets import Taskset
 from .training import current_run
 from .window import AdaptiveWindow, Outcome, Window
@@ -508,12 +509,14 @@ class Env(Generic[TaskT]):
             stats = _Rollout(episode)
             token = _rollout.set(stats)
             try:
+                # sticky: with many endpoints, an attempt's calls stay on one (its prefix cache)
                 if not bounded:  # inline: this runs once per attempt of every episode
-                    with observe_completions(stats.count), observe_calls(waits):
+                    with observe_completions(stats.count), observe_calls(waits), sticky(episode.id):
                         messages, completion = await self.rollout(task, ctx)
                         reward = _finite(await self.score(task, completion))
                 else:
-                    messages, completion, reward = await self._bounded(task, ctx, stats, waits)
+                    with sticky(episode.id):
+                        messages, completion, reward = await self._bounded(task, ctx, stats, waits)
             except Exception as exc:
                 episode.errors.append(EpisodeError.of(exc, attempt))
                 if not self.retries.should_retry(exc, attempt):
@@ -741,8 +744,10 @@ class WindowFeed(CallObserver):
 
     Around each run, `with observe_calls(feed):` hands it the 429s, 5xx and timeouts of the
     model calls the run makes, as they come (a cut must not wait for the episode's retries
-    to end), and a run whose call waits out a 429 before its retry (`limits.rest`) lends its
-    place meanwhile (`AdaptiveWindow.rest`); then, while the run still holds its slot,
+    to end), with each call's latency (the window's latency signal), paces each call while
+    a request-rate limit answers 429 (`AdaptiveWindow.pace`), and a run whose call waits
+    out a 429 before its retry (`limits.rest`) lends its place meanwhile
+    (`AdaptiveWindow.rest`); then, while the run still holds its slot,
     `feed.ended(episode)` adds one success for an episode that ended ok. Where the model
     calls are made in another process (an env server, a worker), pass `remote=True`:
     `ended` then reads the episode's errors instead (a 429 or 5xx `ModelHTTPError`, a model
@@ -755,8 +760,21 @@ class WindowFeed(CallObserver):
         self.remote = remote
 
     def on_outcome(self, outcome: Outcome, retry_after: float | None) -> None:
-        if self.window is not None and outcome is not Outcome.SUCCESS:
-            self.window.record(outcome, retry_after=retry_after)
+        self.on_call(outcome, retry_after, None)
+
+    def on_call(self, outcome: Outcome, retry_after: float | None, latency: float | None) -> None:
+        # A call's success is its latency only (the episode's end counts the success); a
+        # 429 or 5xx is recorded as it comes, with its latency (when the call started).
+        if self.window is None:
+            return
+        if outcome is not Outcome.SUCCESS:
+            self.window.record(outcome, retry_after=retry_after, latency=latency)
+        elif latency is not None:
+            self.window.observe_latency(latency)
+
+    async def pacing(self) -> None:
+        if self.window is not None:
+            await self.window.pace()
 
     @asynccontextmanager
     async def resting(self, outcome: Outcome | None) -> AsyncIterator[None]:

@@ -31,6 +31,7 @@ import attrs
 import trio
 
 from .env import Env, Episode, EpisodeError, EpisodeTask, RunSlot, task_data, task_key
+from .models.pool import sticky
 from .runner import close_iterator, fan_out
 from .window import Window, prioritized
 
@@ -229,7 +230,9 @@ async def run_group(env: Env[Any], group: Group, run_rollout: RunRollout) -> lis
 
     thunks = [functools.partial(rollout, i, slot) for i, slot in enumerate(group.slots)]
     try:
-        return await _run(env, group, thunks, done)
+        # with many endpoints, the whole group on one (the rollouts share the task's prefix)
+        with sticky(("group", group.id)):
+            return await _run(env, group, thunks, done)
     finally:
         if opened is not None:
             opened.closed(group)  # ended, failed or cancelled: it waits for nothing more

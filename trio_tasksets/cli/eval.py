@@ -126,6 +126,12 @@ def add_parser(commands: Commands) -> argparse.ArgumentParser:
         run, what="stop pulling, cancel the rollouts in flight and keep the finished rows "
         "(summary.json: stopped \"time_limit\"; exit 0 if any episode succeeded)",
     )  # fmt: skip
+    run.add_argument(
+        "--engine-metrics", default=None, metavar="URL",
+        help="the engine's Prometheus /metrics (vLLM, SGLang), e.g. "
+        "http://127.0.0.1:8000/metrics: an adaptive -c reads its load (waiting requests, KV "
+        "cache, preemptions) every second (default: none: latency and 429s only)",
+    )  # fmt: skip
     run.add_argument("--no-dashboard", action="store_true", help="plain log lines, no live view")
     add_metrics_option(run)
     served = ev.add_argument_group("the served path")
@@ -243,6 +249,7 @@ def _build(args: argparse.Namespace) -> tuple[Env[Any], ModelContext, EvalConfig
         via=args.via,
         stream=args.stream,
         time_limit=args.time_limit,
+        engine_metrics=args.engine_metrics,
         group=args.group,
     )
     return env, ctx, config

@@ -86,6 +86,7 @@ PARAMETER_FLAGS = {
     "rollout_timeout": "--rollout-timeout",
     "max_consecutive_failures": "--max-consecutive-failures",
     "metrics_port": "--metrics-port",
+    "engine_metrics": "--engine-metrics",
     "serve": "--serve",
     "workers": "--workers",
     "server_url": "--server-url",

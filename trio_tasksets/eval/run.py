@@ -43,10 +43,11 @@ from ..groups import Group, OpenGroups, cause_first, group_slots, run_group
 from ..health import Health
 from ..limits import EndpointLimits, observe_calls
 from ..models import ModelContext
+from ..models.engine import EngineMetrics
 from ..runner import pick_one, run_stream
 from ..traces import open_traces, write_atomic
 from ..version import __version__
-from ..window import Window, window_spec
+from ..window import AdaptiveWindow, Window, window_spec
 from .config import (
     RECORD_FIELDS,
     UNRECORDED_FIELDS,
@@ -198,6 +199,10 @@ def _histories(window: Window, ctx: ModelContext, t0: float) -> dict[str, Any]:
             endpoint_name(key): endpoint.history_since(t0)
             for key, endpoint in limits.connections.windows.items()
         }
+    stats = getattr(ctx.client, "endpoint_stats", None)
+    endpoints = stats() if callable(stats) else None
+    if endpoints:  # many --base-url: calls, errors, latency per endpoint
+        found["endpoints"] = endpoints
     return found
 
 
@@ -268,6 +273,8 @@ def _record_of(
 ) -> dict[str, Any]:
     """config.json: how to reproduce the run (and what it cost to start)."""
     base_url = getattr(ctx.client, "base_url", None)
+    urls = getattr(ctx.client, "base_urls", None)
+    many = {"base_urls": urls} if isinstance(urls, list) and len(urls) > 1 else {}
     skip = (*RECORD_FIELDS, *UNRECORDED_FIELDS)
     settings = {k: v for k, v in attrs.asdict(config, recurse=False).items() if k not in skip}
     if config.backend is not None:
@@ -280,6 +287,7 @@ def _record_of(
         "command": list(sys.argv) if config.command is None else list(config.command),
         "started_at": datetime.now(UTC).isoformat(timespec="milliseconds"),
         "base_url": base_url if isinstance(base_url, str) else None,
+        **many,
         "api_key_var": config.api_key_var,
         "identity": identity,
         "eval": settings,
@@ -503,6 +511,8 @@ async def _execute(
                             else max(0.0, deadline - trio.current_time()),
                         ))  # fmt: skip
                     nursery.start_soon(health.probe)
+                    if config.engine_metrics is not None and isinstance(window, AdaptiveWindow):
+                        nursery.start_soon(EngineMetrics(config.engine_metrics).feed, window)
                     if metrics is not None:
                         await _start_metrics(nursery, metrics, config.metrics_port)
                     opened = OpenGroups(window)  # a group's rollouts before a new task
