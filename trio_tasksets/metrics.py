@@ -44,7 +44,7 @@ def check_metrics() -> str | None:
     try:
         import prometheus_client  # noqa: F401
     except ImportError:
-        return "pip install 'trio-tasksets[metrics]' (prometheus_client)"
+        return "pip install 'prometheus-client>=0.20' (a dependency of trio-tasksets)"
     return None
 
 
