@@ -1,8 +1,8 @@
 """The Redis Streams feed, results sink and worker (issue 6), against a real redis-server.
 
-The session starts its own `redis-server` on a free loopback port (no persistence) and stops it
-at the end; the restart test runs a second, persistent one (AOF) that it stops and starts on
-the same port. Workers are real processes (`python -m trio_tasksets worker`).
+The session's `redis-server` (tests/conftest.py: on free loopback ports, no persistence) serves
+most tests, each on streams of its own; the restart test runs a second, persistent one (AOF)
+that it stops and starts on the same port. Workers are real processes (`python -m trio_tasksets worker`).
 Every wait polls Redis state (XLEN, XPENDING, XINFO) or a worker's log under a deadline.
 """
 
@@ -26,6 +26,7 @@ import attrs
 import pytest
 import redis
 import trio
+from redis_server import RedisServer as Server
 
 import trio_tasksets as tt
 from trio_tasksets.cli import main as cli_main
@@ -71,52 +72,10 @@ def until(predicate: Callable[[], bool], what: str, timeout: float = 20.0) -> No
         time.sleep(0.02)
 
 
-@attrs.define
-class Server:
-    """A redis-server process on a fixed port; `stop()` and `start()` again keep its data if
-    started with `persistent=True` (AOF, fsync always; SIGTERM makes it flush)."""
-
-    port: int
-    directory: Path
-    persistent: bool = False
-    process: subprocess.Popen[bytes] | None = None
-
-    @property
-    def url(self) -> str:
-        return f"redis://127.0.0.1:{self.port}/0"
-
-    def start(self) -> None:
-        assert REDIS_SERVER is not None
-        aof = ["--appendonly", "yes", "--appendfsync", "always"] if self.persistent else []
-        self.process = subprocess.Popen(
-            [REDIS_SERVER, "--port", str(self.port), "--bind", "127.0.0.1", "--save", "",
-             "--appendonly", "no", *aof, "--dir", str(self.directory)],
-            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-        )  # fmt: skip
-        client = redis.Redis.from_url(self.url, socket_timeout=1.0)
-        until(lambda: _pings(client), f"redis-server on port {self.port}", timeout=10)
-        client.close()
-
-    def stop(self) -> None:
-        if self.process is not None and self.process.poll() is None:
-            self.process.terminate()
-            self.process.wait(timeout=10)
-        self.process = None
-
-
-def _pings(client: redis.Redis) -> bool:
-    try:
-        return bool(client.ping())
-    except redis.RedisError:
-        return False
-
-
-@pytest.fixture(scope="session")
-def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
-    srv = Server(_free_port(), tmp_path_factory.mktemp("redis"))
-    srv.start()
-    yield srv
-    srv.stop()
+@pytest.fixture
+def server(redis_server: Server) -> Server:
+    """The session's redis-server (tests/conftest.py)."""
+    return redis_server
 
 
 @pytest.fixture
