@@ -22,9 +22,11 @@ import textwrap
 import time
 import uuid
 from collections.abc import Callable
+from functools import partial
 from pathlib import Path
 from typing import Any, cast
 
+import forkserver
 import pytest
 import trio
 from chat_server import ChatServer
@@ -80,21 +82,15 @@ def eval_args(tmp_path: Path, *args: str) -> list[str]:
 async def acli(
     tmp_path: Path, *args: str, env: dict[str, str] | None = None
 ) -> subprocess.CompletedProcess[str]:
-    """Run the command while this test's trio loop keeps serving the model."""
+    """`cli` from a trio test: in a thread, while this test's trio loop goes on."""
     with trio.fail_after(120):
-        done = await trio.run_process(
-            command(*args), capture_stdout=True, capture_stderr=True, check=False,
-            env=environ() if env is None else env, cwd=tmp_path,
-        )  # fmt: skip
-    return subprocess.CompletedProcess(
-        done.args, done.returncode, done.stdout.decode(), done.stderr.decode()
-    )
+        return await trio.to_thread.run_sync(partial(cli, tmp_path, *args, env=env))
 
 
 def cli(
     tmp_path: Path, *args: str, env: dict[str, str] | None = None
 ) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
+    return forkserver.run(
         command(*args), capture_output=True, text=True, timeout=120, cwd=tmp_path,
         env=environ() if env is None else env,
     )  # fmt: skip
@@ -280,7 +276,7 @@ def test_a_signal_drains_writes_the_summary_and_the_printed_command_resumes(
     args = eval_args(tmp_path, FEEDS + ":Numbers", "-n", "60", "-r", "2", "-c", "4",
                      "--echo-delay", "0.05", "--run-name", "t")  # fmt: skip
     traces = tmp_path / "out" / "t" / "traces.jsonl"
-    proc = subprocess.Popen(command(*args), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+    proc = forkserver.popen(command(*args), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                             text=True, cwd=tmp_path, env=environ())  # fmt: skip
     wait_for(lambda: line_count(traces) >= 8)
     proc.send_signal(sig)
@@ -296,7 +292,7 @@ def test_a_signal_drains_writes_the_summary_and_the_printed_command_resumes(
     resume = _resume_command(err)
     assert resume[-3:] == ["--run-name", "t", "--resume"]
 
-    again = subprocess.run(resume, capture_output=True, text=True, timeout=120, cwd=tmp_path,
+    again = forkserver.run(resume, capture_output=True, text=True, timeout=120, cwd=tmp_path,
                            env=environ())  # fmt: skip
     assert again.returncode == 0, again.stderr
     written = rows(tmp_path / "out" / "t")
@@ -307,7 +303,7 @@ def test_sigterm_on_a_stream_says_it_cannot_be_resumed(tmp_path: Path) -> None:
     args = eval_args(tmp_path, "echo-stream", "-n", "1000", "-a", '{"gap": 0.01}',
                      "--run-name", "s")  # fmt: skip
     traces = tmp_path / "out" / "s" / "traces.jsonl"
-    proc = subprocess.Popen(command(*args), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+    proc = forkserver.popen(command(*args), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                             text=True, cwd=tmp_path, env=environ())  # fmt: skip
     wait_for(lambda: line_count(traces) >= 3)
     proc.send_signal(signal.SIGTERM)
@@ -603,7 +599,7 @@ def test_enqueue_and_worker_errors_are_one_line(tmp_path: Path) -> None:
 
 
 def _serve(token_var: str, token: str) -> tuple[subprocess.Popen[str], str]:
-    proc = subprocess.Popen(
+    proc = forkserver.popen(
         command("serve", "echo", "--port", "0", "--token-var", token_var),
         stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
         env=environ(**{token_var: token}),
@@ -672,7 +668,7 @@ def test_the_worker_scores_with_the_taskset_its_env_class_and_system_prompt(
     stream, results = f"{tag}:tasks", f"{tag}:results"
     feed = ["--feed", redis_url, "--stream", stream]
     assert cli(tmp_path, "enqueue", *feed, "scored.py:Scored").returncode == 0
-    worker = subprocess.Popen(
+    worker = forkserver.popen(
         command("worker", "scored.py:Scored", *feed, "--group", "g", "--results", results,
                 "--env-class", "scored.py:Tagged", "--system-prompt", "be brief",
                 "--no-dashboard"),

@@ -23,6 +23,7 @@ from pathlib import Path
 from typing import Any, cast
 
 import attrs
+import forkserver
 import pytest
 import redis
 import trio
@@ -170,7 +171,7 @@ def workers(tmp_path: Path) -> Iterator[Callable[..., Worker]]:
         log_path = tmp_path / f"{consumer}.log"
         command = WORKER if taskset is None else [*ENV_WORKER, taskset]
         with log_path.open("wb") as log:
-            process = subprocess.Popen(
+            process = forkserver.popen(
                 [*command, "--feed", url, "--stream", names.stream, "--group", names.group,
                  "--results", names.results, "--consumer", consumer, *options],
                 stdout=subprocess.DEVNULL, stderr=log,
@@ -941,7 +942,7 @@ def test_eval_via_two_worker_processes_gives_every_row_with_at_most_c_outstandin
     argv = eval_via(
         server.url, names, tmp_path, "-n", "40", "-r", "2", "-c", "4", "--run-name", "via"
     )
-    coordinator = subprocess.Popen(argv, stderr=subprocess.PIPE, text=True)
+    coordinator = forkserver.popen(argv, stderr=subprocess.PIPE, text=True)
     most = 0
     while coordinator.poll() is None:  # XLEN: this eval's entries enqueued and unanswered
         most = max(most, int(r.xlen(names.stream)))
@@ -973,14 +974,14 @@ def test_eval_via_resumed_after_the_coordinator_is_killed_runs_exactly_the_owed_
         server.url, names, tmp_path, "-n", "40", "-r", "2", "-c", "4", "--run-name", "run"
     )
     traces = tmp_path / "run" / "traces.jsonl"
-    first = subprocess.Popen(argv, stderr=subprocess.DEVNULL)
+    first = forkserver.popen(argv, stderr=subprocess.DEVNULL)
     until(lambda: traces.exists() and len(traces.read_bytes().splitlines()) >= 20, "20 rows")
     first.kill()  # SIGKILL: no clean-up at all
     first.wait()
     before = {row["id"] for row in read_rows(traces)[0] if row.get("ok")}
     kept = len(before)
     assert 20 <= kept < 80
-    second = subprocess.run([*argv, "--resume"], stderr=subprocess.PIPE, text=True, timeout=60)
+    second = forkserver.run([*argv, "--resume"], stderr=subprocess.PIPE, text=True, timeout=60)
     assert second.returncode == 0, second.stderr
     rows = trace_rows(tmp_path / "run")
     assert len(rows) == 80
@@ -1037,7 +1038,7 @@ def test_ctrl_c_on_eval_via_leaves_nothing_for_workers_and_exits_130(
     server: Server, r: redis.Redis, names: Names, tmp_path: Path
 ) -> None:
     argv = eval_via(server.url, names, tmp_path, "-n", "5", "-c", "3", "--run-name", "stop")
-    coordinator = subprocess.Popen(argv, stderr=subprocess.PIPE, text=True)
+    coordinator = forkserver.popen(argv, stderr=subprocess.PIPE, text=True)
     until(lambda: r.xlen(names.stream) == 3, "3 slots enqueued (no worker runs them)")
     coordinator.send_signal(signal.SIGINT)
     _, err = coordinator.communicate(timeout=20)

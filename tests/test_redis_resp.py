@@ -6,10 +6,10 @@ from __future__ import annotations
 
 import shutil
 import ssl
-import subprocess
 import sys
 from pathlib import Path
 
+import forkserver
 import pytest
 import trio
 from redis_server import RedisServer, free_port
@@ -348,7 +348,7 @@ def test_a_refused_login_exits_2_naming_the_flag_and_the_fix(
     servers: RedisServer, command: list[str], tmp_path: Path
 ) -> None:
     url = f"redis://{USER}:not-it@127.0.0.1:{servers.port}/0"
-    done = subprocess.run(
+    done = forkserver.run(
         [sys.executable, "-m", "trio_tasksets", *command, url],
         capture_output=True, text=True, timeout=60, cwd=tmp_path,
     )  # fmt: skip

@@ -13,13 +13,13 @@ import os
 import random
 import socket
 import stat
-import subprocess
 import sys
 from collections.abc import AsyncIterator, Callable, Iterator
 from pathlib import Path
 from typing import Any
 
 import attrs
+import forkserver
 import httpx
 import orjson
 import pytest
@@ -555,7 +555,7 @@ def test_a_server_refuses_to_start_with_an_unsafe_or_bad_flag(
     args: list[str], env: dict[str, str], needle: str
 ) -> None:
     environ = {k: v for k, v in os.environ.items() if k != "TT_SURELY_UNSET"}
-    done = subprocess.run(
+    done = forkserver.run(
         [sys.executable, "-m", "trio_tasksets", "serve", "echo", "--port", "0", *args],
         capture_output=True, text=True, timeout=60, env={**environ, **env},
     )  # fmt: skip
