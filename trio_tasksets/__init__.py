@@ -1,17 +1,26 @@
 """trio_tasksets: streaming tasksets and a windowed runner on Trio.
 
-The flat public API (SPEC): the runner (`run_stream`, `as_completed`, `take`, `merge`),
-tasksets (`Task`, `TasksetConfig`, `Taskset`), envs and models (`Env`, `RunSlot`, `Episode`,
-`RetryPolicy`, `Sampling`, `ModelContext`, `EchoClient`, `OpenAIClient`), the served path's
-`EnvClient` and the eval
-(`EvalConfig`, `run_eval`, `EvalResult`). Submodules: `testing` (helpers for deterministic
-tests) and `aio` (the asyncio bridge).
+The flat public API (SPEC, and every name the docs use): the runner (`run_stream`,
+`as_completed`, `take`, `merge`), tasksets (`Task`, `TasksetConfig`, `Taskset`, the built-in
+`EchoTaskset` and `EchoStreamTaskset`), envs and models (`Env`, `RunSlot`, `Episode`,
+`RetryPolicy`, `Sampling`, `ModelContext`, `EchoClient`, `OpenAIClient` and its `HTTPClient`,
+the model errors), windows and limits on model calls (`Window`, `AdaptiveWindow`,
+`AdaptiveBounds`, `EndpointLimits`, `RateLimiter`; for a model client of your own
+`report_outcome`, `rest`, `observe_calls`), the served path (`EnvClient`, `EnvServerError`,
+`spawn_server`) and the eval (`EvalConfig`, `run_eval`, `EvalResult`, `report`).
+
+Public submodules: `aio` (the asyncio bridge), `testing` (helpers for deterministic tests)
+and `trio_tasksets.redis` (the Redis feed, imported by name). The `__all__` of each is its
+public API, pinned by `tests/test_exports.py`; every other module is an implementation detail
+that a 0.x release may move or make private (CHANGELOG.md).
 """
 
 from . import aio, testing
+from .builtin import EchoStreamConfig, EchoStreamTaskset, EchoTaskset
 from .env import Env, Episode, EpisodeError, EpisodeTask, RetryPolicy, RolloutTimeoutError, RunSlot
 from .eval import EvalConfig, EvalConfigError, EvalResult, run_eval
 from .eval.report import report
+from .limits import CallObserver, EndpointLimits, RateLimiter, observe_calls, report_outcome, rest
 from .models import (
     Completion,
     EchoClient,
@@ -24,26 +33,36 @@ from .models import (
     ModelTimeoutError,
     OpenAIClient,
     Sampling,
+    api_key_from_env,
 )
 from .runner import as_completed, run_stream
-from .serve import EnvClient
+from .serve import EnvClient, EnvServerError, spawn_server
 from .sources import merge, take
 from .tasksets import Task, Taskset, TasksetConfig
+from .transport import HTTPClient, Timeouts
 from .version import __version__
-from .window import AdaptiveWindow, Window
+from .window import AdaptiveBounds, AdaptiveWindow, Window, build_window, parse_window
 
 __all__ = [
+    "AdaptiveBounds",
     "AdaptiveWindow",
+    "CallObserver",
     "Completion",
     "EchoClient",
+    "EchoStreamConfig",
+    "EchoStreamTaskset",
+    "EchoTaskset",
+    "EndpointLimits",
     "Env",
     "EnvClient",
+    "EnvServerError",
     "Episode",
     "EpisodeError",
     "EpisodeTask",
     "EvalConfig",
     "EvalConfigError",
     "EvalResult",
+    "HTTPClient",
     "ModelClient",
     "ModelConnectionError",
     "ModelContext",
@@ -52,6 +71,7 @@ __all__ = [
     "ModelResponseError",
     "ModelTimeoutError",
     "OpenAIClient",
+    "RateLimiter",
     "RetryPolicy",
     "RolloutTimeoutError",
     "RunSlot",
@@ -59,14 +79,22 @@ __all__ = [
     "Task",
     "Taskset",
     "TasksetConfig",
+    "Timeouts",
     "Window",
     "__version__",
     "aio",
+    "api_key_from_env",
     "as_completed",
+    "build_window",
     "merge",
+    "observe_calls",
+    "parse_window",
     "report",
+    "report_outcome",
+    "rest",
     "run_eval",
     "run_stream",
+    "spawn_server",
     "take",
     "testing",
 ]
