@@ -8,6 +8,11 @@
   on free ports: TCP, TLS and a unix socket. Tests share it, so each uses keys of its own
   (a uuid prefix) and never flushes it; a test that stops a server starts its own.
 - `trio-tasksets serve` processes: `start_env_server` of `tests/fixtures/env_server.py`.
+- Python commands (`python -m trio_tasksets ...`, `python FILE.py`): `forkserver.run` /
+  `forkserver.popen` (`tests/fixtures/forkserver.py`) fork them from a Python that imported
+  trio_tasksets once, instead of paying the interpreter's start-up each time.
+
+The suite runs on two workers (`pytest -n 2`, pytest-xdist): session fixtures are per worker.
 
 `tests/fixtures` is put on `sys.path` here, so that test files import these helpers by their
 module names (``from chat_server import ChatServer``), as the fixture processes do.
