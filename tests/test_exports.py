@@ -74,6 +74,7 @@ FLAT = [
     "api_key_from_env",
     "as_completed",
     "build_window",
+    "fan_out",
     "merge",
     "observe_calls",
     "parse_window",

@@ -1,7 +1,7 @@
 """trio_tasksets: streaming tasksets and a windowed runner on Trio.
 
 The flat public API (SPEC, and every name the docs use): the runner (`run_stream`,
-`as_completed`, `take`, `merge`), tasksets (`Task`, `TasksetConfig`, `Taskset`, the built-in
+`as_completed`, `take`, `merge`, `fan_out`), tasksets (`Task`, `TasksetConfig`, `Taskset`, the built-in
 `EchoTaskset` and `EchoStreamTaskset`), envs and models (`Env`, `RunSlot`, `Episode`,
 `RetryPolicy`, `Sampling`, `ModelContext`, `EchoClient`, `OpenAIClient` and its `HTTPClient`,
 the model errors), windows and limits on model calls (`Window`, `AdaptiveWindow`,
@@ -35,7 +35,7 @@ from .models import (
     Sampling,
     api_key_from_env,
 )
-from .runner import as_completed, run_stream
+from .runner import as_completed, fan_out, run_stream
 from .serve import EnvClient, EnvServerError, spawn_server
 from .sources import merge, take
 from .tasksets import Task, Taskset, TasksetConfig
@@ -86,6 +86,7 @@ __all__ = [
     "api_key_from_env",
     "as_completed",
     "build_window",
+    "fan_out",
     "merge",
     "observe_calls",
     "parse_window",

@@ -57,6 +57,7 @@ from .config import (
     run_identity,
     via_stream,
 )
+from .lock import LOCK_NAME, RunDirLock
 from .plan import from_list, keep_resumable, plan_stream, static_slots
 from .served import SlotRunner, served_runner
 
@@ -202,7 +203,7 @@ def _make_dir(run_dir: Path) -> list[Path]:
 
 def _remove_run(run_dir: Path, created: list[Path]) -> None:
     """Take back what a run that left no row wrote: its files, and the directories it made."""
-    for name in _FILES:
+    for name in (*_FILES, LOCK_NAME):
         (run_dir / name).unlink(missing_ok=True)
     for directory in created:
         try:
@@ -258,7 +259,17 @@ async def run_eval(
     With `handle_signals` (the command line), SIGINT and SIGTERM stop the eval and drain it
     (a second one interrupts the drain); it then returns with `summary["stopped"]` set to the
     signal's name. It must then run in the main thread.
+
+    One eval at a time writes a run dir: another one meanwhile (a second ``--resume``) is
+    refused with `EvalConfigError` naming the holder (`RunDirLock`).
     """
+    with RunDirLock() as lock:
+        return await _run_eval(env, ctx, config, handle_signals, lock)
+
+
+async def _run_eval(
+    env: Env[Any], ctx: ModelContext, config: EvalConfig, handle_signals: bool, lock: RunDirLock
+) -> EvalResult:
     preflight(env, ctx, config)
     redis_run_id = await _reach(config)
     identity = run_identity(env, ctx, config)
@@ -270,6 +281,8 @@ async def run_eval(
         _say_if_short(env, config, slots)
     kept_rows: list[dict[str, Any]] = []
     if config.resume:
+        if run_dir.is_dir():
+            lock.take(run_dir)  # before reading it: no other eval writes it meanwhile
         kept_rows, slots = keep_resumable(run_dir, identity, slots)
     elif run_dir.exists() and any(run_dir.iterdir()):
         raise EvalConfigError(
@@ -277,6 +290,7 @@ async def run_eval(
             f"--run-name / -o/--output-dir"
         )
     created = _make_dir(run_dir)
+    lock.take(run_dir)
     record = _record_of(env, ctx, config, identity, run_dir)
     write_atomic(run_dir / "config.json", text=json.dumps(record, indent=2, default=str))
     traces_path = run_dir / "traces.jsonl"
