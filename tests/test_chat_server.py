@@ -37,6 +37,7 @@ def test_a_script_answers_in_order_then_the_usual_answer(chat: ChatServer) -> No
     assert answers[2][1]["x-a"] == "b"
     assert answers[2][1]["retry-after"] is None  # not on a 200
     assert answers[3][2]["choices"][0]["message"]["content"] == "2"
+    trio.run(chat.wait_answered, 4)  # counted once written, maybe after the client read it
     assert (chat.ok, chat.answered, chat.connections) == (2, 4, 4)
     assert [r.headers["authorization"] for r in chat.received] == ["Bearer k"] * 4
     assert chat.received[0].json()["messages"][0]["content"] == "What is 1 + 1?"
@@ -69,6 +70,7 @@ def test_over_capacity_is_429_at_once_and_not_in_flight() -> None:
             assert (server.limited, server.peak) == (1, 1)
         finally:
             first.join(10)
+        trio.run(server.wait_answered, 2)  # counted once written, maybe after the client read it
         assert (server.ok, server.in_flight) == (1, 0)
 
 

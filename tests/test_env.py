@@ -13,6 +13,7 @@ from trio_tasksets.env import WindowFeed, error_outcome
 from trio_tasksets.envspec import EnvSpec
 from trio_tasksets.limits import CallObserver, observe_calls
 from trio_tasksets.models import Completion, Sampling
+from trio_tasksets.testing import ScriptedClient
 from trio_tasksets.window import AdaptiveWindow, Outcome
 
 
@@ -172,11 +173,14 @@ def test_episode_row_round_trip() -> None:
         attempts=2,
         usage={"prompt_tokens": 7, "completion_tokens": 2},
         finish_reason="length",
+        turns=3,
+        tool_calls=4,
+        stop_reason="max_turns",
     )
     row = episode.to_row()
     assert set(row) == {
         "id", "task", "rollout", "ok", "reward", "completion", "messages", "errors",
-        "attempts", "timing", "usage", "finish_reason",
+        "attempts", "timing", "usage", "finish_reason", "turns", "tool_calls", "stop_reason",
     }  # fmt: skip
     assert row["task"] == {"key": "k", "data": episode.task.data}
     assert row["errors"] == [{"type": "Boom", "message": "x", "attempt": 1}]
@@ -228,19 +232,13 @@ def test_backoff_never_overflows_however_many_attempts() -> None:
 async def test_usage_sums_every_model_call_of_every_attempt(autojump_clock: MockClock) -> None:
     """An episode's `usage` adds up each reply's token counts over a multi-call rollout and a
     retried attempt; its `finish_reason` is the last reply's."""
-    replies = iter(
+    client = ScriptedClient(
         [Completion("a", {"prompt_tokens": 5, "completion_tokens": 1}, "stop"),
          Completion("b", {"prompt_tokens": 7, "completion_tokens": 2}, "length"),
          Completion("c", {"prompt_tokens": 11, "completion_tokens": 3}, "stop"),
-         Completion("HI", {"prompt_tokens": 13, "completion_tokens": 4, "cached": 1}, "length")]
+         Completion("HI", {"prompt_tokens": 13, "completion_tokens": 4, "cached": 1}, "length")],
+        delay=1,
     )  # fmt: skip
-
-    class Scripted(Flaky):
-        async def chat(
-            self, messages: list[dict[str, Any]], *, model: str, sampling: Sampling
-        ) -> Completion:
-            await trio.sleep(1)
-            return next(replies)
 
     class TwoCalls(tt.Env[tt.Task]):
         attempts = 0
@@ -254,11 +252,15 @@ async def test_usage_sums_every_model_call_of_every_attempt(autojump_clock: Mock
             return [], second.content
 
     env = TwoCalls(Static(), retries=tt.RetryPolicy(1, backoff=0))
-    episode = await env.run_slot(tt.RunSlot(next(iter(env.taskset))), ctx(Scripted()))
+    episode = await env.run_slot(tt.RunSlot(next(iter(env.taskset))), ctx(client))
     assert episode.ok
     assert episode.attempts == 2
     assert episode.usage == {"prompt_tokens": 36, "completion_tokens": 10, "cached": 1}
     assert episode.finish_reason == "length"
+    assert (episode.turns, episode.tool_calls) == (2, 0)  # the last attempt's model calls
+    assert [call.messages for call in client.calls[2:]] == [
+        [{"role": "user", "content": "1"}], [{"role": "user", "content": "c"}]
+    ]  # fmt: skip
     assert tt.Episode.from_row(episode.to_row()) == episode
 
 
@@ -315,19 +317,26 @@ async def test_a_rows_timing_has_its_waits_and_old_rows_still_read(
 
 
 def test_an_episodes_errors_tell_a_remote_window_what_the_endpoint_said() -> None:
-    def error(kind: str, message: str) -> tt.EpisodeError:
-        return tt.EpisodeError(kind, message)
+    def error(kind: str, message: str, status: int | None = None) -> tt.EpisodeError:
+        return tt.EpisodeError(kind, message, status=status)
 
-    assert error_outcome(error("ModelHTTPError", "u returned HTTP 429 after 4 attempts: x")) is (
-        Outcome.RATE_LIMITED
-    )
-    assert error_outcome(error("ModelHTTPError", "u returned HTTP 503 after 1 attempt: x")) is (
-        Outcome.SERVER_ERROR
-    )
-    assert error_outcome(error("ModelHTTPError", "u returned HTTP 400 after 1 attempt")) is None
+    assert error_outcome(error("ModelHTTPError", "rate limited", 429)) is Outcome.RATE_LIMITED
+    assert error_outcome(error("ModelHTTPError", "busy", 503)) is Outcome.SERVER_ERROR
+    assert error_outcome(error("ModelHTTPError", "bad request", 400)) is None
     assert error_outcome(error("ModelTimeoutError", "timed out")) is Outcome.TIMEOUT
     assert error_outcome(error("RolloutTimeoutError", "slow")) is Outcome.TIMEOUT
+    # The status is data: a message that merely mentions one says nothing.
     assert error_outcome(error("ValueError", "HTTP 429")) is None
+    assert error_outcome(error("ModelHTTPError", "u returned HTTP 429 after 4 attempts")) is None
+
+
+def test_an_http_status_is_kept_on_the_episode_error_and_its_row() -> None:
+    exc = tt.ModelHTTPError("u returned HTTP 429", status=429)
+    recorded = tt.EpisodeError.of(exc, 2)
+    assert recorded == tt.EpisodeError("ModelHTTPError", "u returned HTTP 429", 2, 429)
+    assert recorded.to_dict()["status"] == 429
+    assert "status" not in tt.EpisodeError.of(ValueError("x"), 1).to_dict()  # only when set
+    assert tt.EpisodeError(**recorded.to_dict()) == recorded  # a row reads back
 
 
 async def test_a_remote_window_feed_reads_the_episode(autojump_clock: MockClock) -> None:
@@ -335,7 +344,7 @@ async def test_a_remote_window_feed_reads_the_episode(autojump_clock: MockClock)
     await window.acquire("run")
     feed = WindowFeed(window, remote=True)
     episode = tt.Episode("id", tt.EpisodeTask("k", {}), 0, ok=True)
-    episode.errors = [tt.EpisodeError("ModelHTTPError", "u returned HTTP 429 after 4 attempts")]
+    episode.errors = [tt.EpisodeError("ModelHTTPError", "u returned HTTP 429", status=429)]
     feed.ended(episode)  # a 429 (the first: the cut), then a success
     assert window.size == 8
     assert [reason for _, _, reason in window.history] == ["start", "429"]

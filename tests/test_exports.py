@@ -1,7 +1,8 @@
 """The public API is deliberate (as trio's `test_exports` and httpx's `test_exported_members`).
 
 The public names are `__all__` of `trio_tasksets` (the flat API), of its public submodules
-(`trio_tasksets.aio`, `trio_tasksets.testing`, `trio_tasksets.redis`), pinned below: adding or
+(`trio_tasksets.aio`, `trio_tasksets.testing`, `trio_tasksets.tools`, `trio_tasksets.redis`),
+pinned below: adding or
 dropping one is a change to this file and to CHANGELOG.md. Every other module of the package
 is an implementation detail (a 0.x release may move it or make it private), so:
 
@@ -36,6 +37,7 @@ FLAT = [
     "AdaptiveWindow",
     "CallObserver",
     "Completion",
+    "ConfigError",
     "EchoClient",
     "EchoStreamConfig",
     "EchoStreamTaskset",
@@ -64,10 +66,15 @@ FLAT = [
     "RolloutTimeoutError",
     "RunSlot",
     "Sampling",
+    "StalledError",
     "Task",
     "Taskset",
     "TasksetConfig",
     "Timeouts",
+    "Tool",
+    "ToolCall",
+    "ToolEnv",
+    "TrioTasksetsError",
     "Window",
     "__version__",
     "aio",
@@ -77,15 +84,19 @@ FLAT = [
     "fan_out",
     "merge",
     "observe_calls",
+    "parked",
     "parse_window",
     "report",
     "report_outcome",
+    "report_progress",
     "rest",
     "run_eval",
     "run_stream",
     "spawn_server",
     "take",
     "testing",
+    "tool",
+    "tools",
 ]
 
 PUBLIC_SUBMODULES = {
@@ -102,7 +113,16 @@ PUBLIC_SUBMODULES = {
         "run_trio",
         "verifiers_env",
     ],
-    "testing": ["Feed", "FeedTaskset", "Gate"],
+    "testing": [
+        "Feed",
+        "FeedTaskset",
+        "Gate",
+        "ScriptExhausted",
+        "ScriptedCall",
+        "ScriptedClient",
+        "reply",
+    ],
+    "tools": ["Tool", "ToolArgumentError", "shell", "tool"],
     "redis": [
         "EntryRef",
         "MalformedEntry",
@@ -111,6 +131,7 @@ PUBLIC_SUBMODULES = {
         "RedisStreamTaskset",
         "RedisTask",
         "TASK_FIELD",
+        "ViaBackend",
         "check_url",
         "decode_task",
         "encode_task",

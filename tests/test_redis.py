@@ -27,7 +27,7 @@ import forkserver
 import pytest
 import redis
 import trio
-from redis_server import RedisServer as Server
+from redis_server import RedisServer
 
 import trio_tasksets as tt
 from trio_tasksets.cli import main as cli_main
@@ -45,6 +45,7 @@ from trio_tasksets.testing import Gate
 from trio_tasksets.window import AdaptiveBounds
 
 REDIS_SERVER = shutil.which("redis-server")
+Server = RedisServer  # the name other test files import from here
 pytestmark = pytest.mark.skipif(
     REDIS_SERVER is None, reason="redis-server is not on PATH (apt-get install -y redis-server)"
 )
@@ -724,7 +725,7 @@ async def test_a_worker_with_another_env_refuses_the_entries_and_the_eval_says_w
     worker_env: Callable[[], tt.Env[Any] | None],
     reason: str,
 ) -> None:
-    from trio_tasksets.eval.via import ViaError
+    from trio_tasksets.redis.coordinator import ViaError
 
     worker = in_process_worker(server, names)
     ctx = tt.ModelContext(tt.EchoClient(), "echo")
@@ -746,7 +747,7 @@ async def test_the_coordinator_keeps_one_row_per_slot_when_a_result_comes_twice(
     server: Server, r: redis.Redis, names: Names
 ) -> None:
     from trio_tasksets.dashboard import Progress
-    from trio_tasksets.eval.via import via_runner
+    from trio_tasksets.redis.coordinator import via_runner
 
     env, ctx = graded_env(), tt.ModelContext(tt.EchoClient(), "echo")
     task = next(iter(env.taskset))
@@ -779,7 +780,7 @@ async def test_with_no_worker_the_dashboard_says_so_and_stopping_leaves_nothing_
     server: Server, r: redis.Redis, names: Names
 ) -> None:
     from trio_tasksets.dashboard import Progress
-    from trio_tasksets.eval.via import via_runner
+    from trio_tasksets.redis.coordinator import via_runner
 
     env, ctx = graded_env(), tt.ModelContext(tt.EchoClient(), "echo")
     progress = Progress()
@@ -811,7 +812,7 @@ async def test_a_redis_that_lost_its_data_gets_the_waiting_slots_again(
     r: redis.Redis, names: Names, tmp_path: Path
 ) -> None:
     from trio_tasksets.dashboard import Progress
-    from trio_tasksets.eval.via import via_runner
+    from trio_tasksets.redis.coordinator import via_runner
 
     own = Server(_free_port(), tmp_path)
     own.start()

@@ -86,7 +86,8 @@ def _reward_spec(env: Env[Any]) -> str | None:
 @attrs.frozen
 class EnvSpec:
     """How a server process rebuilds an env: `taskset_cls(config)` wrapped in
-    `env_class(taskset, reward=..., retries=...)`, with its `rollout_timeout` set."""
+    `env_class(taskset, reward=..., retries=...)`, with its `rollout_timeout`,
+    `working_limit` and `stall_timeout` set."""
 
     taskset: str
     config: dict[str, Any]
@@ -94,6 +95,8 @@ class EnvSpec:
     reward: str | None = None
     retries: RetryPolicy = attrs.field(factory=RetryPolicy)
     rollout_timeout: float | None = None
+    working_limit: float | None = None
+    stall_timeout: float | None = None
 
     @classmethod
     def of(cls, env: Env[Any]) -> EnvSpec:
@@ -107,6 +110,8 @@ class EnvSpec:
             reward=_reward_spec(env),
             retries=env.retries,
             rollout_timeout=env.rollout_timeout,
+            working_limit=env.working_limit,
+            stall_timeout=env.stall_timeout,
         )
 
     def argv(self) -> list[str]:
@@ -122,6 +127,10 @@ class EnvSpec:
                  "--retry-max-backoff", repr(r.max_backoff)]  # fmt: skip
         if self.rollout_timeout is not None:
             args += ["--rollout-timeout", repr(self.rollout_timeout)]
+        if self.working_limit is not None:
+            args += ["--working-limit", repr(self.working_limit)]
+        if self.stall_timeout is not None:
+            args += ["--stall-timeout", repr(self.stall_timeout)]
         return args
 
     def build(self, taskset_cls: type[Taskset[Any, Any]]) -> Env[Any]:
@@ -136,4 +145,8 @@ class EnvSpec:
         env: Env[Any] = env_cls(taskset, **kwargs)
         if self.rollout_timeout is not None:
             env.rollout_timeout = self.rollout_timeout
+        if self.working_limit is not None:
+            env.working_limit = self.working_limit
+        if self.stall_timeout is not None:
+            env.stall_timeout = self.stall_timeout
         return env

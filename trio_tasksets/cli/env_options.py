@@ -95,6 +95,19 @@ def add_env_options(
         "one is cancelled and becomes an episode error, RolloutTimeoutError, retried per "
         "--retries (default: no bound)",
     )  # fmt: skip
+    env.add_argument(
+        "--working-limit", type=seconds, default=None, metavar="S",
+        help="bound each attempt's working time to S seconds: wall time less its waits on "
+        "the limiters (--max-connections, --rpm, --tpm), Retry-After and retry backoff; "
+        "an attempt that reaches it is cut and scored, stop_reason \"working_limit\" "
+        "(default: no bound)",
+    )  # fmt: skip
+    env.add_argument(
+        "--stall-timeout", type=seconds, default=None, metavar="S",
+        help="cancel an attempt in which no model or tool call finished for S seconds of "
+        "working time: it becomes an episode error, StalledError, retried per --retries "
+        "(default: no bound)",
+    )  # fmt: skip
     return env
 
 
@@ -150,6 +163,8 @@ def env_spec(args: argparse.Namespace) -> EnvSpec:
     return EnvSpec(
         args.taskset or "", fields, env_class, getattr(args, "reward", None), retries,
         rollout_timeout=getattr(args, "rollout_timeout", None),
+        working_limit=getattr(args, "working_limit", None),
+        stall_timeout=getattr(args, "stall_timeout", None),
     )  # fmt: skip
 
 
@@ -300,6 +315,10 @@ def build_env(args: argparse.Namespace, *, check_retry_names: bool = True) -> En
         ) from exc
     if spec.rollout_timeout is not None:
         env.rollout_timeout = spec.rollout_timeout  # an attribute: any Env subclass takes it
+    if spec.working_limit is not None:
+        env.working_limit = spec.working_limit
+    if spec.stall_timeout is not None:
+        env.stall_timeout = spec.stall_timeout
     if check_retry_names:
         _check_retry_names(args.command, spec.retries)
     return env

@@ -18,6 +18,7 @@ import math
 import sys
 from typing import TYPE_CHECKING
 
+from .._exceptions import ConfigError, EvalWarning, TrioTasksetsError
 from ..window import AdaptiveBounds, WindowArgumentError, parse_window
 
 __all__ = [
@@ -48,7 +49,7 @@ TASKSET_HELP = "echo, echo-stream, path/to/file.py:Class or package.module:Class
 # --- errors and help ------------------------------------------------------------------------
 
 
-class CommandError(Exception):
+class CommandError(TrioTasksetsError):
     """A failure the user can act on, shown as one line (exit 1):
     ``trio-tasksets COMMAND: error: MESSAGE; fix: FIX``, then any `details` lines."""
 
@@ -70,6 +71,38 @@ class UsageError(CommandError):
     """A bad command line, found before any work: the command's usage, then the line (exit 2)."""
 
     exit_code = 2
+
+
+# The library's parameter names, as the command line spells them: a ConfigError names its
+# parameters, and the CLI shows their flags instead.
+PARAMETER_FLAGS = {
+    "num_examples": "-n/--num-examples",
+    "rollouts_per_example": "-r/--rollouts-per-example",
+    "max_concurrent": "-c/--max-concurrent",
+    "output_dir": "-o/--output-dir",
+    "run_name": "--run-name",
+    "time_limit": "--time-limit",
+    "max_failures": "--max-failures",
+    "rollout_timeout": "--rollout-timeout",
+    "max_consecutive_failures": "--max-consecutive-failures",
+    "metrics_port": "--metrics-port",
+    "serve": "--serve",
+    "workers": "--workers",
+    "server_url": "--server-url",
+    "via": "--via",
+    "stream": "--stream",
+    "shuffle": "--shuffle",
+    "resume": "--resume",
+}
+
+
+def flag_message(error: BaseException | Warning) -> str:
+    """A library error's (or warning's) message as the command line says it: a
+    `ConfigError` (an `EvalWarning`) with each parameter it names (``num_examples``) spelled
+    as its flag (``-n/--num-examples``)."""
+    if isinstance(error, ConfigError | EvalWarning):
+        return error.spelled(PARAMETER_FLAGS)
+    return str(error)
 
 
 def warn(command: str, message: str) -> None:
@@ -139,6 +172,16 @@ def add_window_option(group: argparse._ActionsContainer, *, help: str) -> None:
         "-c", "--max-concurrent", type=window_option, default=32, metavar="N|MIN-START-MAX",
         help=f"{help}; MIN-START-MAX (e.g. 1-8-512) adapts it: it grows while runs succeed, "
         "is cut on HTTP 429 and pauses on 5xx and timeouts",
+    )  # fmt: skip
+
+
+def add_metrics_option(parser: argparse.ArgumentParser | argparse._ArgumentGroup) -> None:
+    """`--metrics-port N` (eval, worker, serve): Prometheus text at 127.0.0.1:N/metrics."""
+    parser.add_argument(
+        "--metrics-port", type=int, default=None, metavar="N",
+        help="serve the run's counters and health (scheduler lag, in flight, waits) as "
+        "Prometheus text at http://127.0.0.1:N/metrics while it runs; 0 picks a free port "
+        "(printed) (default: none; needs the metrics extra)",
     )  # fmt: skip
 
 

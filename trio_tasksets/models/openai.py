@@ -3,13 +3,14 @@ HTTP transport, with retries, `Retry-After` and the endpoint limits around each 
 
 from __future__ import annotations
 
-import random
 from collections.abc import Hashable
 from types import TracebackType
 from typing import TYPE_CHECKING, Any, Self
 
 import orjson
+import trio
 
+from ..backoff import Backoff
 from ..limits import Call, EndpointLimits, report_outcome, rest
 from ..transport import (
     DecodingError,
@@ -30,6 +31,7 @@ from .base import (
     Sampling,
     body_text,
     excerpt,
+    parse_tool_calls,
     plural,
     text_of,
 )
@@ -86,8 +88,12 @@ class OpenAIClient:
       :class:`ModelHTTPError`, :class:`ModelConnectionError` or :class:`ModelTimeoutError`;
       a malformed 2xx body, or one over the transport's size limit, raises
       :class:`ModelResponseError`.
-    - ``timeout`` (seconds) bounds connecting, sending and each wait for response bytes
-      of every request, also with a caller's ``http_client``.
+    - ``timeout`` (seconds) bounds each request as a whole: from taking a connection to
+      the last byte of the response (a server trickling bytes cannot hold it longer), also
+      with a caller's ``http_client``; each attempt has its own. An attempt never outlasts
+      the caller's ``trio.current_effective_deadline()``: its timeout is cut to the time
+      left, and when that deadline passes the call ends with ``trio.Cancelled`` (the
+      caller's own scope), not a retry.
     - ``trio.Cancelled`` propagates untouched.
     - ``limits`` (an `EndpointLimits`, shared by every client of the process that talks to
       the endpoint) gates each attempt, under the key ``limits_key`` (default: ``base_url``;
@@ -140,7 +146,7 @@ class OpenAIClient:
             self._headers["Authorization"] = f"Bearer {api_key}"
         if headers:
             self._headers.update(headers)
-        self._timeouts = Timeouts(connect=timeout, read=timeout, write=timeout)
+        self._timeouts = Timeouts(connect=timeout, read=timeout, write=timeout, total=timeout)
         self._owns_http = http_client is None
         # Created now, without I/O, so that a proxy setting it cannot use fails here.
         self._http: HTTPClient | httpx.AsyncClient | None = (
@@ -159,26 +165,29 @@ class OpenAIClient:
         return self._http
 
     def _retry_delay(self, retry: int, retry_after: float | None) -> float:
-        """Seconds to sleep before retry number ``retry`` (0-based)."""
-        if retry_after is not None:
-            return min(retry_after, self.max_backoff)
-        cap = min(self.max_backoff, self.backoff * (2.0**retry))
-        return random.uniform(0.0, cap)
+        """Seconds to sleep before retry number ``retry`` (0-based): the server's
+        Retry-After up to `max_backoff`, else the project's `Backoff`."""
+        return Backoff(self.backoff, self.max_backoff).delay(retry + 1, retry_after=retry_after)
 
     async def _post(self, body: bytes) -> tuple[int, bytes, float | None]:
         """One POST: (status, body, Retry-After seconds). Raises `HTTPError` subclasses
         (the transport's, or httpx's errors translated to them)."""
         client = self._client()
+        timeouts, timeout = self._timeouts, self.timeout
+        left = trio.current_effective_deadline() - trio.current_time()
+        if left < timeout:  # the caller's deadline comes first: no request outlives it
+            timeout = max(left, 1e-6)
+            timeouts = Timeouts(connect=timeout, read=timeout, write=timeout, total=timeout)
         if isinstance(client, HTTPClient):
             response = await client.request(
-                "POST", self.url, headers=self._headers, body=body, timeouts=self._timeouts
+                "POST", self.url, headers=self._headers, body=body, timeouts=timeouts
             )
             return response.status, response.body, response.retry_after
         import httpx
 
         try:
             reply = await client.post(
-                self.url, content=body, headers=self._headers, timeout=httpx.Timeout(self.timeout)
+                self.url, content=body, headers=self._headers, timeout=httpx.Timeout(timeout)
             )
         except httpx.TimeoutException as exc:
             raise HTTPTimeout(str(exc), url=self.url, phase="read", timeout=self.timeout) from exc
@@ -191,10 +200,19 @@ class OpenAIClient:
         )
 
     async def chat(
-        self, messages: list[dict[str, Any]], *, model: str, sampling: Sampling
+        self,
+        messages: list[dict[str, Any]],
+        *,
+        model: str,
+        sampling: Sampling,
+        tools: list[dict[str, Any]] | None = None,
     ) -> Completion:
-        """POST one chat completion request, retrying per the class contract."""
+        """POST one chat completion request, retrying per the class contract. ``tools``
+        (OpenAI function schemas) go as the request's ``tools``. The reply is whole: its
+        message as sent (``tool_calls`` and unknown fields kept) and its parsed tool calls."""
         payload: dict[str, Any] = {"model": model, "messages": messages}
+        if tools is not None:
+            payload["tools"] = tools
         payload.update(sampling.to_request())
         body = orjson.dumps(payload, option=orjson.OPT_NON_STR_KEYS)
         reserve = payload.get("max_tokens")
@@ -211,6 +229,8 @@ class OpenAIClient:
                 raise ModelResponseError(f"{self.url}: {exc.reason}", url=self.url) from exc
             except HTTPTimeout as exc:
                 outcome = Outcome.TIMEOUT
+                if trio.current_time() >= trio.current_effective_deadline():
+                    await trio.lowlevel.checkpoint()  # the caller's deadline: its Cancelled
                 if attempts > self.max_retries:
                     raise ModelTimeoutError(
                         f"request to {self.url} timed out after {self.timeout:g}s "
@@ -241,7 +261,8 @@ class OpenAIClient:
                 outcome = Outcome.from_status(status)
             # Outside the limits' gate: a rest holds no connection slot (and, for an adaptive
             # rollout window, a rest after a 429 lends the rollout's place meanwhile).
-            await rest(self._retry_delay(attempts - 1, retry_after), outcome=outcome)
+            kind = "backoff" if retry_after is None else "retry_after"
+            await rest(self._retry_delay(attempts - 1, retry_after), outcome=outcome, kind=kind)
 
     async def _attempt(
         self, body: bytes, reserve: int | None
@@ -304,10 +325,14 @@ class OpenAIClient:
                 if isinstance(v, int) and not isinstance(v, bool)
             }
         finish_reason = choice.get("finish_reason")
+        if "role" not in message:
+            message["role"] = "assistant"  # so that it can be sent back as is
         return Completion(
             content=text_of(raw_content),
             usage=usage,
             finish_reason=finish_reason if isinstance(finish_reason, str) else None,
+            message=message,
+            tool_calls=parse_tool_calls(message),
         )
 
     async def aclose(self) -> None:

@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
-import random
 from collections.abc import Awaitable, Callable
 from typing import Any, TypeVar
 
 import trio
 
+from .._exceptions import TrioTasksetsError
+from ..backoff import Backoff
 from .entries import Log, redact
 from .resp import (
     MAX_REPLY_BYTES,
@@ -22,12 +23,12 @@ from .resp import (
 )
 
 T = TypeVar("T")
-_BACKOFF_FIRST = 0.1
-_BACKOFF_CAP = 3.0
+# Between attempts through an outage: 0.1 s doubling up to 3 s, each wait in [cap/2, cap].
+REDIS_BACKOFF = Backoff(0.1, 3.0, jitter=0.5)
 _CONNECT_TIMEOUT = 5.0
 
 
-class Stopped(Exception):
+class Stopped(TrioTasksetsError):
     """The stop event fired while a call was waiting to retry."""
 
 
@@ -35,8 +36,9 @@ class Link:
     """A Redis connection (`resp.Connection`) whose calls survive outages.
 
     `call` retries `Unreachable` forever (capped, jittered exponential backoff, one log line
-    per failure naming the URL, one when Redis answers again) on a new connection. Other errors
-    (a `ReplyError`) are raised. No call is replayed behind the caller's back: `fn` is told
+    per failure naming the URL, one when Redis answers again) on a new connection, and so a
+    ``LOADING`` reply (a Redis restarted from its AOF or RDB answers that to every command
+    until its data is loaded: it ran nothing). Other errors (a `ReplyError`) are raised. No call is replayed behind the caller's back: `fn` is told
     which attempt it is. Calls may run at once: each holds a connection of its own while it
     runs (kept for the next call after), so there are as many as calls at once. A reply over
     `max_reply_bytes` is `Unreachable` (the connection is closed).
@@ -80,20 +82,19 @@ class Link:
                     finally:
                         if not connection.closed:  # reused only if not stale by then
                             self._idle.append(connection)
-            except Unreachable as exc:
+            except (Unreachable, ReplyError) as exc:
+                if isinstance(exc, ReplyError) and not loading(exc):
+                    self._back(failures, what)  # Redis answered, with an error
+                    raise
                 self.close()  # the others are likely broken too
                 failures += 1
-                delay = min(_BACKOFF_CAP, _BACKOFF_FIRST * 2 ** (failures - 1))
-                delay *= random.uniform(0.5, 1.0)
+                delay = REDIS_BACKOFF.delay(failures)
                 self._log(
                     f"redis at {self.url} unreachable while {what} ({exc}); retry {failures} "
                     f"in {delay:.1f} s"
                 )
                 await _wait(delay, stop)
                 continue
-            except ReplyError:
-                self._back(failures, what)  # Redis answered, with an error
-                raise
             self._back(failures, what)
             return result
 
@@ -151,6 +152,11 @@ async def server_run_id(url: str) -> str:
         return run_id(await connection.execute("INFO", "server"), connection.address)
     finally:
         connection.close()
+
+
+def loading(error: BaseException) -> bool:
+    """Redis is loading its data after a restart (it refused the command: retry it)."""
+    return isinstance(error, ReplyError) and str(error).startswith("LOADING")
 
 
 _LOGIN_REFUSED = ("NOAUTH", "WRONGPASS", "ERR AUTH", "ERR invalid password", "ERR invalid username")

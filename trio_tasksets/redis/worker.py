@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import functools
 import math
 import os
 import socket
+import time
+import uuid
 from collections.abc import AsyncIterator, Callable
 from typing import Any
 
@@ -12,8 +15,22 @@ import attrs
 import trio
 
 from .. import dashboard
-from ..env import Env, Episode, RetryPolicy, RunSlot, WindowFeed
+from ..batching import take_ready
+from ..drain import stop_on
+from ..env import (
+    DeadlineExceededError,
+    Env,
+    Episode,
+    EpisodeError,
+    EpisodeTask,
+    RetryPolicy,
+    RunSlot,
+    WindowFeed,
+    task_data,
+    task_key,
+)
 from ..envspec import rebuild_task
+from ..health import Health
 from ..limits import EndpointLimits, observe_calls
 from ..models import ModelContext
 from ..runner import as_completed, pick_one
@@ -22,9 +39,9 @@ from .entries import (
     Declaration,
     Delivery,
     EntryRef,
+    EntryRefused,
     Log,
     MalformedEntry,
-    Refused,
     plain_task,
     redact,
     stderr_log,
@@ -36,6 +53,7 @@ from .results import Answer, RedisResults
 COMMANDS = ("worker", "enqueue")
 _LEAVE_WITHIN = 2.0  # seconds a stopping worker spends trying to leave the group
 _COALESCE = 0.001  # seconds between two publishing round trips
+_PUBLISH_BATCH = 10_000  # most episodes in one publishing transaction (a window's worth)
 
 
 def default_consumer() -> str:
@@ -60,6 +78,7 @@ class WorkerConfig:
     dashboard: bool = True  # --no-dashboard
     block: float = 0.5  # the longest one read waits (and a stop waits for it)
     time_limit: float | None = None  # --time-limit: shut down (as on SIGTERM) after S seconds
+    metrics_port: int | None = None  # --metrics-port: Prometheus text on 127.0.0.1 (0: any)
 
 
 @attrs.define
@@ -134,7 +153,7 @@ class _Claimed:
 
 class Builder:
     """Turns a delivery into a `Claim` for `env` (None: the plain default env), refusing an
-    entry declared for another env (`Refused`, with the reason and the fix)."""
+    entry declared for another env (`EntryRefused`, with the reason and the fix)."""
 
     def __init__(self, env: Env[Any] | None, ctx: ModelContext) -> None:
         self._env = env
@@ -146,14 +165,14 @@ class Builder:
         if delivery.declared is not None:
             reason = self._verdict(delivery.declared)
             if reason is not None:
-                raise Refused(f"entry {entry.id}: {reason}")
+                raise EntryRefused(f"entry {entry.id}: {reason}")
         if self._env is None:
             return Claim(delivery, plain_task(delivery))
         taskset_cls = type(self._env.taskset)
         try:
             task = rebuild_task(taskset_cls, delivery.key, delivery.data)
         except Exception as exc:  # the taskset's own task_from_data: this entry only
-            raise Refused(
+            raise EntryRefused(
                 f"entry {entry.id}: {taskset_cls.__name__} cannot build a task from its data "
                 f"({type(exc).__name__}: {exc})"
             ) from None
@@ -220,7 +239,7 @@ async def run_worker(
     if env is None:
         env = Env(taskset, retries=RetryPolicy(config.retries))
     if window is None:
-        window = build_window(config.max_concurrent)
+        window = build_window(config.max_concurrent, parameter="max_concurrent")
     report = WorkerReport(window=window)
     limits = getattr(ctx.client, "limits", None)
     progress = dashboard.Progress(
@@ -228,15 +247,27 @@ async def run_worker(
         connections=limits.connections if isinstance(limits, EndpointLimits) else None,
     )  # fmt: skip
     feed = WindowFeed(window)
+    health = Health()
+    progress.health = health.lag_text
+    metrics = None
+    if config.metrics_port is not None:
+        from ..metrics import Metrics
+
+        metrics = Metrics(health, window=window)
 
     publisher = Publisher(results)
 
     async def run(claim: Claim) -> Episode:
         delivery = claim.delivery
         progress.started()
+        health.started()
         try:
-            with observe_calls(feed):
-                episode = await env.run_slot(RunSlot(claim.task, delivery.rollout), ctx)
+            with observe_calls(health), observe_calls(feed):
+                slot = RunSlot(claim.task, delivery.rollout)
+                episode = await run_by(env, slot, ctx, delivery.deadline)
+            if metrics is not None:
+                last = episode.errors[-1].type if episode.errors else None
+                metrics.record(episode.ok, last, episode.usage)
             feed.ended(episode)
             meta: dict[str, str | int | float] = {
                 "consumer": config.consumer,
@@ -247,6 +278,7 @@ async def run_worker(
             report.cancelled += 1
             raise
         finally:
+            health.finished()
             report.released(delivery.entry)
         report.published += 1
         progress.finished(episode.ok, episode.reward)
@@ -270,13 +302,30 @@ async def run_worker(
                 taskset.stop()
                 everything.deadline = min(everything.deadline, trio.current_time() + config.grace)
 
+            limit = config.time_limit
+            reached = "" if limit is None else f"--time-limit {limit:g}s reached"
+
+            def on_stop(reason: str) -> None:
+                if reason == reached and taskset.stopping:
+                    return  # a signal came first: the time limit is no second one
+                shut_down(reason)
+
             async with env.serving(), trio.open_nursery() as nursery:
-                if handle_signals:
-                    await nursery.start(_on_signals, shut_down)
+                if handle_signals or limit is not None:
+                    # Every signal shuts down (a second one cancels what runs), as does the
+                    # time limit (as a first signal would).
+                    await nursery.start(functools.partial(
+                        stop_on, on_stop, signals=handle_signals, time_limit=limit,
+                        time_reason=reached,
+                    ))  # fmt: skip
                 nursery.start_soon(_keep_alive, results, config, report)
                 nursery.start_soon(publisher.loop)
-                if config.time_limit is not None:
-                    nursery.start_soon(_stop_after, config.time_limit, shut_down, taskset)
+                nursery.start_soon(health.probe)
+                if metrics is not None:
+                    from ..metrics import serve_metrics
+
+                    bound = await nursery.start(serve_metrics, metrics, config.metrics_port)
+                    say(f"metrics on http://127.0.0.1:{bound}/metrics")
                 task_status.started(shut_down)
                 room = report.room
                 claims = _Claimed(taskset.claims(build, room=room), report, progress)
@@ -299,6 +348,37 @@ async def run_worker(
     return report
 
 
+async def run_by(
+    env: Env[Any], slot: RunSlot[Any], ctx: ModelContext, deadline: float | None
+) -> Episode:
+    """`env.run_slot(slot, ctx)` under the time left until `deadline` (epoch seconds, an
+    entry's `deadline`; None: no bound). A slot cut at its deadline, or taken after it (then
+    not run), ends as a failed episode whose last error is a `DeadlineExceededError`."""
+    if deadline is None:
+        return await env.run_slot(slot, ctx)
+    left = deadline - time.time()
+    if left > 0:
+        with trio.move_on_after(left):
+            return await env.run_slot(slot, ctx)
+        message = "the entry's deadline passed while it ran: the episode was cancelled"
+    else:
+        message = f"the entry's deadline had passed {-left:.3g}s before a worker took it: not run"
+    episode = slot.episode
+    if episode is None:
+        task = slot.task
+        episode = Episode(uuid.uuid4().hex, EpisodeTask(task_key(task), task_data(task)),
+                          slot.rollout)  # fmt: skip
+    attempt = len(episode.errors) + 1  # the attempt it was in, or the first one
+    episode.ok = False
+    episode.errors.append(EpisodeError(DeadlineExceededError.__name__, message, attempt))
+    episode.attempts = attempt if left > 0 else 0
+    now = time.time()
+    started = slot.started if slot.started is not None else now
+    episode.timing = {"started": started, "finished": now, "duration": now - started}
+    slot.episode, slot.done = episode, True
+    return episode
+
+
 class Publisher:
     """Publishes the episodes that finish together in one transaction: `publish` waits
     until its episode is published (its entry acknowledged), and `loop` (a task) sends
@@ -315,12 +395,7 @@ class Publisher:
 
     async def loop(self) -> None:
         async for first in self._out:
-            batch = [first]
-            while True:
-                try:
-                    batch.append(self._out.receive_nowait())
-                except trio.WouldBlock:
-                    break
+            batch = take_ready(self._out, first, _PUBLISH_BATCH)
             await self._results.publish_many([answer for answer, _ in batch])
             for _, done in batch:
                 done.set()
@@ -330,29 +405,9 @@ class Publisher:
             await trio.sleep(_COALESCE)
 
 
-async def _stop_after(
-    seconds: float, shut_down: Callable[[str], None], taskset: RedisStreamTaskset
-) -> None:
-    """`--time-limit`: shut down as a first signal does (unless one came already)."""
-    await trio.sleep(seconds)
-    if not taskset.stopping:
-        shut_down(f"--time-limit {seconds:g}s reached")
-
-
 async def _keep_alive(results: RedisResults, config: WorkerConfig, report: WorkerReport) -> None:
     """Every claim_idle / 3 s, reset the idle time of the entries held, so that no worker
     reclaims an entry whose episode is still running here, however long it runs."""
     while True:
         await trio.sleep(config.claim_idle / 3)
         await results.keep_alive(config.consumer, list(report.entries.values()))
-
-
-async def _on_signals(
-    shut_down: Callable[[str], None], *, task_status: trio.TaskStatus[None]
-) -> None:
-    import signal
-
-    with trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
-        task_status.started()
-        async for signum in signals:
-            shut_down(signal.Signals(signum).name)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import contextlib
+import math
 import os
 import sys
 import traceback
@@ -11,21 +13,26 @@ import attrs
 import trio
 
 from ..env import Env, Episode, RunSlot
+from ..health import Health
+from ..limits import observe_calls
+from ..metrics import Metrics
 from ..models import ModelContext
-from ..runner import pick_one
+from ..runner import ElasticPlaces, pick_one
 from ..tasksets import Taskset
 from .asgi import Message, Receive, Send, ServerStats, encode_answer
-from .policy import Access, Limits, ModelClients, ModelPolicy, Refused, log_refusal
-from .session import WSSession
+from .policy import Access, Limits, ModelClients, ModelPolicy, RequestRefused, log_refusal
+from .session import WSSession, deadline_passed
 from .wire import (
     WS_PATH,
     WireError,
     build_task,
     decode_json,
     parse_run_request,
+    time_left,
 )
 
 _JSON = [(b"content-type", b"application/json")]
+_NOTHING = contextlib.nullcontext()
 
 
 # === the server ==============================================================================
@@ -116,6 +123,9 @@ class ServerApp:
         workers: int = 1,
     ) -> None:
         self.env = env
+        # The runs' fan_outs draw from a window as large as the runs in flight: the eval's
+        # -c, which admits the runs, bounds their fan-outs too.
+        self.places = ElasticPlaces()
         self.stats = ServerStats()
         self.access = access
         self.limits = limits = Limits() if limits is None else limits
@@ -125,6 +135,10 @@ class ServerApp:
         self._workers = workers
         self.taskset_cls: type[Taskset[Any, Any]] = type(env.taskset)
         self.plain_tasks = getattr(self.taskset_cls, "task_from_data", None) is None
+        # --metrics-port: the worker's health (its runs' waits, model calls, in flight) and
+        # metrics (each answered episode), when it serves them.
+        self.run_health: Health | None = None
+        self.metrics: Metrics | None = None
 
     async def __call__(self, scope: Message, receive: Receive, send: Send) -> None:
         if scope["type"] == "lifespan":
@@ -136,7 +150,7 @@ class ServerApp:
                 await self._route(scope, receive, send)
             except _Disconnected:
                 pass
-            except Refused as refused:
+            except RequestRefused as refused:
                 self.refused(scope, refused.status, str(refused))
                 error = {"error": str(refused)}
                 await _answer_draining(receive, send, refused.status, error, refused.headers)
@@ -167,10 +181,10 @@ class ServerApp:
         self.access.check(scope["headers"])
         path, method = scope["path"], scope["method"]
         if path not in self.ROUTES:
-            raise Refused(404, f"no such path {path!r} (the paths are /health and /run)")
+            raise RequestRefused(404, f"no such path {path!r} (the paths are /health and /run)")
         allowed = self.ROUTES[path]
         if method != allowed:
-            raise Refused(
+            raise RequestRefused(
                 405, f"{path} takes {allowed}, not {method}", (b"allow", allowed.encode())
             )
         if path == "/health":
@@ -182,7 +196,7 @@ class ServerApp:
         limit = self.limits.max_body
         length = dict(scope["headers"]).get(b"content-length")
         if length is not None and length.isdigit() and int(length) > limit:
-            raise Refused(413, f"request body of {int(length)} bytes is over the {limit} limit "
+            raise RequestRefused(413, f"request body of {int(length)} bytes is over the {limit} limit "
                                f"(--max-body-bytes)")  # fmt: skip
         chunks: list[bytes] = []
         size = 0
@@ -195,12 +209,12 @@ class ServerApp:
                 chunk = message.get("body", b"")
                 size += len(chunk)
                 if size > limit:
-                    raise Refused(413, f"request body is over the {limit} byte limit "
+                    raise RequestRefused(413, f"request body is over the {limit} byte limit "
                                        f"(--max-body-bytes)")  # fmt: skip
                 chunks.append(chunk)
                 if not message.get("more_body", False):
                     return b"".join(chunks)
-        raise Refused(408, f"the request body did not arrive within {timeout:g}s "
+        raise RequestRefused(408, f"the request body did not arrive within {timeout:g}s "
                            f"(--header-timeout)")  # fmt: skip
 
     def prepare(self, decoded: object) -> tuple[RunSlot[Any], ModelContext]:
@@ -217,19 +231,24 @@ class ServerApp:
     async def _run(self, scope: Message, receive: Receive, send: Send) -> None:
         is_json, given = _is_json(scope["headers"])
         if not is_json:
-            raise Refused(415, f"POST /run takes Content-Type: application/json, got "
+            raise RequestRefused(415, f"POST /run takes Content-Type: application/json, got "
                                f"{given or 'none'!r}")  # fmt: skip
         body = await self._body(scope, receive)
         try:
             decoded = decode_json(body)
         except ValueError as exc:
-            raise Refused(400, f"the body is not JSON: {exc}") from None
+            raise RequestRefused(400, f"the body is not JSON: {exc}") from None
         try:
+            left = time_left(decoded)
             slot, ctx = self.prepare(decoded)
         except WireError as exc:
-            raise Refused(exc.status, str(exc)) from None
-        episode = await self.episode(slot, ctx, receive)
-        if episode is not None:
+            raise RequestRefused(exc.status, str(exc)) from None
+        # The caller's deadline, enforced here too (SPEC 12): its disconnect may never come.
+        with trio.move_on_after(math.inf if left is None else left) as limit:
+            episode = await self.episode(slot, ctx, receive)
+        if limit.cancelled_caught:
+            await _send_json(send, 504, {"error": deadline_passed()}, [])
+        elif episode is not None:
             await _send_json(send, 200, episode.to_row(), [])
 
     async def episode(
@@ -241,14 +260,20 @@ class ServerApp:
         episode: Episode | None = None
         stats = self.stats
         stats.running += 1
+        health = self.run_health
+        if health is not None:
+            health.started()
         try:
-            if receive is None:
-                episode = await self.env.run_slot(slot, ctx)
-            else:
-                async with trio.open_nursery() as nursery:
-                    nursery.start_soon(_cancel_on_disconnect, receive, nursery.cancel_scope)
-                    episode = await self.env.run_slot(slot, ctx)
-                    nursery.cancel_scope.cancel()
+            with observe_calls(health) if health is not None else _NOTHING:
+                if receive is None:
+                    async with self.places.run():
+                        episode = await self.env.run_slot(slot, ctx)
+                else:
+                    async with trio.open_nursery() as nursery:
+                        nursery.start_soon(_cancel_on_disconnect, receive, nursery.cancel_scope)
+                        async with self.places.run():
+                            episode = await self.env.run_slot(slot, ctx)
+                        nursery.cancel_scope.cancel()
         except Exception:
             stats.failed += 1
             raise
@@ -257,6 +282,8 @@ class ServerApp:
             raise
         finally:
             stats.running -= 1
+            if health is not None:
+                health.finished()
             clients = self.clients
             clients.release(ctx.client)
             if clients.retiring:
@@ -265,12 +292,15 @@ class ServerApp:
             stats.cancelled += 1
         else:
             stats.served += 1
+            if self.metrics is not None:
+                last = episode.errors[-1].type if episode.errors else None
+                self.metrics.record(episode.ok, last, episode.usage)
         return episode
 
     def _check_handshake(self, scope: Message) -> None:
         self.access.check(scope["headers"])
         if scope["path"] != WS_PATH:
-            raise Refused(404, f"no WebSocket at {scope['path']!r} (it is at {WS_PATH})")
+            raise RequestRefused(404, f"no WebSocket at {scope['path']!r} (it is at {WS_PATH})")
 
     async def _websocket(self, scope: Message, receive: Receive, send: Send) -> None:
         """``/ws``: many runs multiplexed over one WebSocket (see `WSSession`)."""
@@ -278,7 +308,7 @@ class ServerApp:
             return
         try:
             self._check_handshake(scope)
-        except Refused as refused:  # refused at the handshake, as an HTTP answer
+        except RequestRefused as refused:  # refused at the handshake, as an HTTP answer
             self.refused(scope, refused.status, str(refused))
             body = encode_answer({"error": str(refused)})
             headers = [*_JSON, (b"content-length", str(len(body)).encode()), *refused.headers]

@@ -5,7 +5,6 @@ from __future__ import annotations
 import contextlib
 import ipaddress
 import os
-import signal
 import socket
 import subprocess
 import sys
@@ -13,6 +12,7 @@ from typing import Any
 
 import trio
 
+from ..drain import stop_on
 from .app import ServerApp
 from .wire import READY_PREFIX
 
@@ -45,12 +45,6 @@ def bind_socket(host: str, port: int) -> socket.socket:
     return sock
 
 
-async def _stop_on_signals(stop: trio.Event) -> None:
-    with trio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as signals:
-        async for _ in signals:
-            stop.set()
-
-
 async def _stop_on_stdin_eof(stop: trio.Event) -> None:
     """The death pipe: the parent holds our stdin's write end; EOF means it is gone."""
     fd = sys.stdin.fileno()
@@ -62,7 +56,7 @@ async def _stop_on_stdin_eof(stop: trio.Event) -> None:
 
 
 async def _watch(stop: trio.Event, nursery: trio.Nursery, die_with_parent: bool) -> None:
-    nursery.start_soon(_stop_on_signals, stop)
+    nursery.start_soon(stop_on, lambda _reason: stop.set())
     if die_with_parent:
         nursery.start_soon(_stop_on_stdin_eof, stop)
 
@@ -91,10 +85,17 @@ def _announce(url: str) -> None:
 
 
 async def serve_worker(
-    app: ServerApp, fd: int, *, url: str | None, die_with_parent: bool, graceful: float = 3.0
+    app: ServerApp,
+    fd: int,
+    *,
+    url: str | None,
+    die_with_parent: bool,
+    graceful: float = 3.0,
+    metrics_port: int | None = None,
 ) -> None:
     """Serve `app` on the listening socket `fd` until SIGTERM/SIGINT (or stdin EOF with
-    `die_with_parent`), holding `env.serving()` throughout; announce `url` once listening."""
+    `die_with_parent`), holding `env.serving()` throughout; announce `url` once listening.
+    With `metrics_port`, also serve the worker's metrics there (`trio_tasksets.metrics`)."""
     from hypercorn.config import Config
     from hypercorn.trio import serve
 
@@ -121,10 +122,27 @@ async def serve_worker(
                 nursery.cancel_scope.cancel()
 
             await nursery.start(run_server)
+            if metrics_port is not None:
+                await _serve_metrics(app, nursery, metrics_port)
             if url is not None:
                 _announce(url)
     finally:
         await app.aclose()
+
+
+async def _serve_metrics(app: ServerApp, nursery: trio.Nursery, port: int) -> None:
+    from ..health import Health
+    from ..metrics import Metrics, serve_metrics
+
+    app.run_health = health = Health()
+    stats = app.stats
+    app.metrics = metrics = Metrics(health, extra=lambda: {
+        "served": stats.served, "failed": stats.failed, "cancelled": stats.cancelled,
+        "rejected": stats.rejected,
+    })  # fmt: skip
+    nursery.start_soon(health.probe)
+    bound = await nursery.start(serve_metrics, metrics, port)
+    print(f"metrics on http://127.0.0.1:{bound}/metrics", file=sys.stderr, flush=True)
 
 
 # --- K workers: a supervisor process that owns the socket ------------------------------------
