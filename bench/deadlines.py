@@ -58,13 +58,13 @@ class _Today(tt.OpenAIClient):
         t = self.timeout
         self._timeouts = Timeouts(connect=t, read=t, write=t)
 
-    async def _post(self, body: bytes) -> tuple[int, bytes, float | None]:
+    async def _post(self, body: bytes) -> tuple[int, bytes, float | None, bool]:
         client = self._client()
         assert isinstance(client, HTTPClient)
         response = await client.request(
             "POST", self.url, headers=self._headers, body=body, timeouts=self._timeouts
         )
-        return response.status, response.body, response.retry_after
+        return response.status, response.body, response.retry_after, False  # not a rate 429
 
 
 def _quiet(kind: str = "tool") -> None:

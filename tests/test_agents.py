@@ -313,6 +313,31 @@ async def test_tool_calls_run_on_the_evals_window(autojump_clock: MockClock) -> 
     assert trio.current_time() == 6  # 12 calls, 2 at a time
 
 
+async def test_finished_tool_calls_are_progress_for_the_stall_timeout(
+    autojump_clock: MockClock,
+) -> None:
+    # One turn asks for three 3 s tool calls; at window 1 they run one after the other, so
+    # 9 s pass between the two model replies while a tool call finishes every 3 s: a 5 s
+    # stall timeout must not fire.
+    @tt.tool
+    async def slow() -> str:
+        """Think for 3 s."""
+        await trio.sleep(3)
+        return "done"
+
+    script = [reply(tool_calls=[("slow", {})] * 3), reply("5")]
+    env = tt.ToolEnv(One(), [slow], stall_timeout=5)
+
+    async def slots() -> Any:
+        yield tt.RunSlot(next(iter(env.taskset)))
+
+    [episode] = await tt.run_stream(
+        slots(), lambda s: env.run_slot(s, ctx(ScriptedClient(script))), window=1
+    )
+    assert episode.ok, episode.errors
+    assert episode.tool_calls == 3
+
+
 async def test_a_cancelled_eval_cancels_the_tool_and_leaves_no_row(
     autojump_clock: MockClock, tmp_path: Path
 ) -> None:

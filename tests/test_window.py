@@ -406,7 +406,7 @@ def test_the_size_stays_within_bounds_and_moves_only_as_the_rules_allow(
     low, extra, more = bounds
     c = AdaptiveController(min=low, max=low + extra + more, size=low + extra)
     now = 0.0
-    last_cut = last_429 = since = -math.inf
+    last_cut = last_429 = since = independent_until = -math.inf
     seen_429 = False
     for outcome, gap, load in script:
         now += gap
@@ -415,6 +415,11 @@ def test_the_size_stays_within_bounds_and_moves_only_as_the_rules_allow(
         change = c.record(outcome, now, in_flight)
         assert c.min <= c.size <= c.max
         first = False
+        if outcome is Outcome.RATE_LIMITED and now < independent_until:
+            outcome = Outcome.REQUEST_RATE  # 429s found not to depend on concurrency
+        if outcome is Outcome.REQUEST_RATE:
+            assert change is None  # paced, never cut
+            continue
         if outcome is Outcome.RATE_LIMITED:
             first, seen_429 = not seen_429, True
             if now - last_429 >= c.cooldown:
@@ -434,6 +439,11 @@ def test_the_size_stays_within_bounds_and_moves_only_as_the_rules_allow(
             assert outcome is Outcome.RATE_LIMITED
             cap = max(c.min, in_flight - 1, math.floor(before * c.cut))
             assert c.size == cap < before
+        elif change.reason == "429 not concurrency":
+            assert outcome is Outcome.RATE_LIMITED
+            assert before == c.min
+            assert in_flight <= c.min < c.size
+            independent_until = now + 4 * c.cooldown
         else:
             assert outcome is Outcome.SUCCESS
             assert c.size > before

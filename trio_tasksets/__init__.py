@@ -57,6 +57,7 @@ from .models import (
     ModelTimeoutError,
     OpenAIClient,
     Sampling,
+    Tokens,
     ToolCall,
     api_key_from_env,
 )
@@ -65,6 +66,7 @@ from .serve import EnvClient, EnvServerError, spawn_server
 from .sources import merge, take
 from .tasksets import Task, Taskset, TasksetConfig
 from .tools import Tool, tool
+from .training import Staleness, first
 from .transport import HTTPClient, Timeouts
 from .version import __version__
 from .window import AdaptiveBounds, AdaptiveWindow, Window, build_window, parse_window
@@ -103,11 +105,13 @@ __all__ = [
     "RolloutTimeoutError",
     "RunSlot",
     "Sampling",
+    "Staleness",
     "StalledError",
     "Task",
     "Taskset",
     "TasksetConfig",
     "Timeouts",
+    "Tokens",
     "Tool",
     "ToolCall",
     "ToolEnv",
@@ -119,6 +123,7 @@ __all__ = [
     "as_completed",
     "build_window",
     "fan_out",
+    "first",
     "merge",
     "observe_calls",
     "parked",

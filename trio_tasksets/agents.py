@@ -25,6 +25,7 @@ import trio
 
 from ._exceptions import ConfigError
 from .env import Env, Message, chat_messages, note_rollout
+from .limits import report_progress
 from .models import ModelContext, ToolCall
 from .runner import fan_out
 from .tasksets import Taskset
@@ -132,6 +133,7 @@ class ToolEnv(Env[TaskT]):
             text = f"Error: there is no tool named {call.name!r} (the tools: {names})"
         else:
             text = await self.answer(call, found)
+        report_progress("tool")  # a call that finished is progress, for --stall-timeout
         return {"role": "tool", "tool_call_id": call.id, "content": text}
 
     async def answer(self, call: ToolCall, tool: Tool) -> str:

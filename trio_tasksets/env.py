@@ -20,8 +20,10 @@ import trio
 from ._exceptions import TrioTasksetsError
 from .backoff import Backoff
 from .limits import CallObserver, observe_calls, parked, report_outcome
-from .models import Completion, ModelContext, ModelHTTPError, observe_completions
+from .models import Completion, ModelContext, ModelHTTPError, Tokens, observe_completions
+from .models.pool import sticky
 from .tasksets import Taskset
+from .training import current_run
 from .window import AdaptiveWindow, Outcome, Window
 
 __all__ = [
@@ -200,14 +202,23 @@ class Episode:
     turns: int = 0
     tool_calls: int = 0
     stop_reason: str | None = None
+    # Training fields (SPEC 10); a row holds each only when it is set.
+    tokens: list[dict[str, Any]] = attrs.Factory(list)  # each model call's `Tokens.to_dict()`
+    group: str | None = None  # the id shared by the rollouts of one group (`--group`)
+    advantage: float | None = None  # set by `Env.score_group` (e.g. GRPO's)
+    policy_version: int | None = None  # the `tt.Staleness` version when the slot started
+    stale: bool = False  # finished more than `max_lag` versions behind (withheld)
 
     def count(self, completion: Completion) -> None:
-        """Add one model reply's token usage, and keep its finish reason."""
+        """Add one model reply's token usage, keep its finish reason, and its token ids and
+        logprobs when the server returned them (one `tokens` entry per model call)."""
         usage = self.usage
         for name, value in completion.usage.items():
             usage[name] = usage.get(name, 0) + value
         if completion.finish_reason is not None:
             self.finish_reason = completion.finish_reason
+        if completion.tokens is not None:
+            self.tokens.append(completion.tokens.to_dict())
 
     def to_row(self) -> dict[str, Any]:
         """The trace row: the episode's fields under the same names, JSON-ready."""
@@ -228,7 +239,21 @@ class Episode:
             "turns": self.turns,
             "tool_calls": self.tool_calls,
             "stop_reason": self.stop_reason,
+            **self._training_fields(),
         }
+
+    def _training_fields(self) -> dict[str, Any]:
+        """The row's training fields that are set (none for a plain eval's rows)."""
+        fields: dict[str, Any] = {}
+        if self.tokens:
+            fields["tokens"] = self.tokens
+        if self.group is not None:
+            fields["group"] = self.group
+            fields["advantage"] = self.advantage
+        if self.policy_version is not None:
+            fields["policy_version"] = self.policy_version
+            fields["stale"] = self.stale
+        return fields
 
     @classmethod
     def from_row(cls, row: dict[str, Any]) -> Episode:
@@ -249,6 +274,13 @@ class Episode:
             turns=int(row.get("turns") or 0),
             tool_calls=int(row.get("tool_calls") or 0),
             stop_reason=None if row.get("stop_reason") is None else str(row["stop_reason"]),
+            tokens=[Tokens.from_dict(t).to_dict() for t in row.get("tokens") or []],
+            group=None if row.get("group") is None else str(row["group"]),
+            advantage=None if row.get("advantage") is None else float(row["advantage"]),
+            policy_version=(
+                None if row.get("policy_version") is None else int(row["policy_version"])
+            ),
+            stale=bool(row.get("stale", False)),
         )
 
     @classmethod
@@ -282,12 +314,16 @@ class Episode:
                 and type(get("turns")) is int
                 and type(get("tool_calls")) is int
                 and (stop is None or type(stop) is str)
+                and _TRAINING_KEYS.isdisjoint(row)  # else from_row reads them
             ):
                 return cls(row["id"], EpisodeTask(task["key"], task["data"]), row["rollout"],
                            row["ok"], row["reward"], completion, row["messages"], errors,
                            row["attempts"], row["timing"], row["usage"], finish,
                            row["turns"], row["tool_calls"], stop)  # fmt: skip
         return cls.from_row(row)  # type: ignore[arg-type]  # not a dict: it raises
+
+
+_TRAINING_KEYS = frozenset({"tokens", "group", "advantage", "policy_version", "stale"})
 
 
 @attrs.define(eq=False)
@@ -433,6 +469,12 @@ class Env(Generic[TaskT]):
             value = await value
         return float(value)
 
+    async def score_group(self, task: TaskT, episodes: list[Episode]) -> None:
+        """Score a group (`--group`: a task's `-r` rollouts), once all are done and ok: set
+        each episode's `reward` and `advantage` as you like (e.g. GRPO's reward minus the
+        group mean). Default: nothing (each keeps its own reward; `advantage` stays None).
+        Raising fails the group (every row `ok=False` with the cause)."""
+
     async def run_slot(
         self,
         slot: RunSlot[TaskT],
@@ -452,6 +494,9 @@ class Env(Generic[TaskT]):
             task=EpisodeTask(key=task_key(task), data=task_data(task)),
             rollout=slot.rollout,
         )
+        live = current_run()  # a tt.Staleness wrapper's run: the policy version
+        if live is not None:
+            episode.policy_version = live.version
         slot.episode = episode
         slot.started = time.time()
         began = trio.current_time()
@@ -464,12 +509,14 @@ class Env(Generic[TaskT]):
             stats = _Rollout(episode)
             token = _rollout.set(stats)
             try:
+                # sticky: with many endpoints, an attempt's calls stay on one (its prefix cache)
                 if not bounded:  # inline: this runs once per attempt of every episode
-                    with observe_completions(stats.count), observe_calls(waits):
+                    with observe_completions(stats.count), observe_calls(waits), sticky(episode.id):
                         messages, completion = await self.rollout(task, ctx)
                         reward = _finite(await self.score(task, completion))
                 else:
-                    messages, completion, reward = await self._bounded(task, ctx, stats, waits)
+                    with sticky(episode.id):
+                        messages, completion, reward = await self._bounded(task, ctx, stats, waits)
             except Exception as exc:
                 episode.errors.append(EpisodeError.of(exc, attempt))
                 if not self.retries.should_retry(exc, attempt):
@@ -495,6 +542,8 @@ class Env(Generic[TaskT]):
             "waited_rate": waits.rate,
         }
         episode.timing["working"] = episode.timing["duration"] - waits.parked_so_far()
+        if live is not None:
+            episode.stale = live.stale  # withheld: finished more than max_lag behind
         return await complete_slot(slot, episode, on_complete)
 
     async def _bounded(
@@ -695,8 +744,10 @@ class WindowFeed(CallObserver):
 
     Around each run, `with observe_calls(feed):` hands it the 429s, 5xx and timeouts of the
     model calls the run makes, as they come (a cut must not wait for the episode's retries
-    to end), and a run whose call waits out a 429 before its retry (`limits.rest`) lends its
-    place meanwhile (`AdaptiveWindow.rest`); then, while the run still holds its slot,
+    to end), with each call's latency (the window's latency signal), paces each call while
+    a request-rate limit answers 429 (`AdaptiveWindow.pace`), and a run whose call waits
+    out a 429 before its retry (`limits.rest`) lends its place meanwhile
+    (`AdaptiveWindow.rest`); then, while the run still holds its slot,
     `feed.ended(episode)` adds one success for an episode that ended ok. Where the model
     calls are made in another process (an env server, a worker), pass `remote=True`:
     `ended` then reads the episode's errors instead (a 429 or 5xx `ModelHTTPError`, a model
@@ -709,8 +760,21 @@ class WindowFeed(CallObserver):
         self.remote = remote
 
     def on_outcome(self, outcome: Outcome, retry_after: float | None) -> None:
-        if self.window is not None and outcome is not Outcome.SUCCESS:
-            self.window.record(outcome, retry_after=retry_after)
+        self.on_call(outcome, retry_after, None)
+
+    def on_call(self, outcome: Outcome, retry_after: float | None, latency: float | None) -> None:
+        # A call's success is its latency only (the episode's end counts the success); a
+        # 429 or 5xx is recorded as it comes, with its latency (when the call started).
+        if self.window is None:
+            return
+        if outcome is not Outcome.SUCCESS:
+            self.window.record(outcome, retry_after=retry_after, latency=latency)
+        elif latency is not None:
+            self.window.observe_latency(latency)
+
+    async def pacing(self) -> None:
+        if self.window is not None:
+            await self.window.pace()
 
     @asynccontextmanager
     async def resting(self, outcome: Outcome | None) -> AsyncIterator[None]:

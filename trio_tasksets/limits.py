@@ -17,7 +17,8 @@
   an episode's row learns its waits, and an adaptive rollout window its 429s (and lends the
   place of a rollout waiting out a Retry-After).
 * `parked(kind)`: the block is one of the runner's own waits (`"connection"`, `"rpm"`,
-  `"tpm"`, `"retry_after"`, `"backoff"`, `"retry"`); the observers hear it begin
+  `"tpm"`, `"retry_after"`, `"backoff"`, `"retry"`, `"pace"`: a request-rate limit's
+  pacing); the observers hear it begin
   (`on_park`) and end (`on_unpark`), so a working-time clock stops while it lasts (SPEC 12).
   The limiters here and `rest` wait inside one.
 
@@ -28,7 +29,8 @@ from __future__ import annotations
 
 import contextvars
 import math
-from collections.abc import AsyncIterator, Hashable
+import re
+from collections.abc import AsyncIterator, Hashable, Iterable
 from contextlib import AsyncExitStack, asynccontextmanager
 from typing import Any
 
@@ -47,10 +49,12 @@ __all__ = [
     "Slot",
     "TokenLimiter",
     "observe_calls",
+    "pace",
     "parked",
     "report_outcome",
     "report_progress",
     "rest",
+    "says_request_rate",
 ]
 
 
@@ -160,6 +164,34 @@ class Metered:
         self.limiter.meter(tokens - self.reserved)
 
 
+# --- what a 429 says ----------------------------------------------------------------------------
+
+_REMAINING_ZERO = re.compile(r"(?:^|[,;\s])remaining\s*=\s*0(?![\d.])")
+
+
+def says_request_rate(headers: Iterable[tuple[str, str]]) -> bool:
+    """Whether a 429's headers say a request or token *rate* budget is spent (so the 429 is a
+    request-rate limit, `Outcome.REQUEST_RATE`, not a concurrency limit): a header whose
+    name has both "ratelimit" and "remaining" with the value 0 (OpenAI's and Azure's
+    ``x-ratelimit-remaining-requests`` / ``-tokens``, Anthropic's
+    ``anthropic-ratelimit-requests-remaining``, the IETF draft's ``RateLimit-Remaining``),
+    or the IETF draft's structured ``RateLimit: ...remaining=0``. ``Retry-After`` alone says
+    nothing either way: concurrency limits send it too."""
+    for name, value in headers:
+        lowered = name.lower()
+        if "ratelimit" not in lowered:
+            continue
+        if "remaining" in lowered:
+            try:
+                if float(value.strip()) <= 0:
+                    return True
+            except ValueError:
+                continue
+        elif lowered == "ratelimit" and _REMAINING_ZERO.search(value.lower()):
+            return True
+    return False
+
+
 # --- concurrency per endpoint ---------------------------------------------------------------
 
 
@@ -171,10 +203,17 @@ class Slot:
     window: Window
     waited: float
 
-    def record(self, outcome: Outcome | int, *, retry_after: float | None = None) -> None:
-        """An `Outcome` or an HTTP status (see `Outcome.from_status`)."""
+    def record(
+        self,
+        outcome: Outcome | int,
+        *,
+        retry_after: float | None = None,
+        latency: float | None = None,
+    ) -> None:
+        """An `Outcome` or an HTTP status (see `Outcome.from_status`), and the call's
+        `latency` in seconds if known (the adaptive window's latency signal)."""
         if isinstance(self.window, AdaptiveWindow):
-            self.window.record(outcome, retry_after=retry_after)
+            self.window.record(outcome, retry_after=retry_after, latency=latency)
 
 
 class ConnectionLimiter:
@@ -228,6 +267,9 @@ class ConnectionLimiter:
         window = self.window(key)
         token = object()  # one per call: a task may hold several slots at once
         start = trio.current_time()
+        if isinstance(window, AdaptiveWindow):
+            with parked("pace"):  # a request-rate limit's pacing, before a place is held
+                await window.pace()
         with parked("connection"):
             await window.acquire(token)
         try:
@@ -259,11 +301,13 @@ class Call:
         *,
         retry_after: float | None = None,
         tokens: int | None = None,
+        latency: float | None = None,
     ) -> None:
-        """The call's outcome (an `Outcome` or HTTP status) for an adaptive connection window,
-        and the tokens it used (`usage.prompt_tokens + usage.completion_tokens`) for tpm."""
+        """The call's outcome (an `Outcome` or HTTP status) and `latency` (seconds) for an
+        adaptive connection window, and the tokens it used (`usage.prompt_tokens +
+        usage.completion_tokens`) for tpm."""
         if self.slot is not None:
-            self.slot.record(outcome, retry_after=retry_after)
+            self.slot.record(outcome, retry_after=retry_after, latency=latency)
         if tokens is not None and self.metered is not None:
             self.metered.used(tokens)
 
@@ -358,6 +402,16 @@ class CallObserver:
         """One attempt of a model call ended so (`report_outcome`); `retry_after` is the
         response's Retry-After in seconds, if any."""
 
+    def on_call(self, outcome: Outcome, retry_after: float | None, latency: float | None) -> None:
+        """`on_outcome`, with the attempt's `latency` in seconds when the client measured it
+        (an adaptive window's latency signal). By default: `on_outcome(outcome,
+        retry_after)`."""
+        self.on_outcome(outcome, retry_after)
+
+    async def pacing(self) -> None:
+        """Awaited before each attempt of a model call (`pace`): an observer that paces the
+        calls (a request-rate limit's 429s) waits here. Nothing here."""
+
     @asynccontextmanager
     async def resting(self, outcome: Outcome | None) -> AsyncIterator[None]:
         """The block is a call's wait before its retry (`rest`), after an attempt that ended
@@ -406,11 +460,13 @@ def report_progress(kind: str = "tool") -> None:
         observer.on_progress(kind)
 
 
-def report_outcome(outcome: Outcome | int, *, retry_after: float | None = None) -> None:
+def report_outcome(
+    outcome: Outcome | int, *, retry_after: float | None = None, latency: float | None = None
+) -> None:
     """Tell the observers of this context how one attempt of a model call ended: an
     `Outcome`, or an HTTP status (see `Outcome.from_status`; a status that says nothing
-    about the endpoint's load, such as a 400, is not passed on). Model clients call it once
-    per attempt (`OpenAIClient` does)."""
+    about the endpoint's load, such as a 400, is not passed on), and its `latency` in
+    seconds if measured. Model clients call it once per attempt (`OpenAIClient` does)."""
     observers = _observers.get()
     if not observers:
         return
@@ -420,7 +476,19 @@ def report_outcome(outcome: Outcome | int, *, retry_after: float | None = None) 
             return
         outcome = found
     for observer in observers:
-        observer.on_outcome(outcome, retry_after)
+        observer.on_call(outcome, retry_after, latency)
+
+
+async def pace() -> None:
+    """Wait, before an attempt of a model call, for every observer that paces the calls of
+    this context (`CallObserver.pacing`). Model clients call it before each attempt
+    (`OpenAIClient` does); without observers it returns at once, without a checkpoint."""
+    observers = _observers.get()
+    if not observers:
+        return
+    with parked("pace"):
+        for observer in observers:
+            await observer.pacing()
 
 
 async def rest(seconds: float, *, outcome: Outcome | None = None, kind: str = "backoff") -> None:

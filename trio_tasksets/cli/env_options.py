@@ -12,11 +12,20 @@ from typing import Any
 
 import attrs
 
+from .._exceptions import ConfigError
 from ..env import Env, RetryPolicy
 from ..envspec import EnvSpec, config_from_json
-from ..loading import LoadError, import_failure, load_object, resolve_target
+from ..loading import TravelError, resolve_target
 from ..tasksets import Taskset, TasksetConfig
-from .options import TASKSET_HELP, UsageError, names, seconds, warn
+from .options import (
+    PARAMETER_FLAGS,
+    TASKSET_HELP,
+    UsageError,
+    flag_message,
+    names,
+    seconds,
+    warn,
+)
 
 __all__ = [
     "add_env_options",
@@ -139,7 +148,19 @@ def _system_prompt(args: argparse.Namespace) -> str | None:
 
 
 def env_spec(args: argparse.Namespace) -> EnvSpec:
-    """The env the options describe, by names and JSON (what `serve` hands its workers)."""
+    """The env the options describe, by names and JSON (what `serve` hands its workers); a
+    spawned server's `--env-spec JSON` (`EnvSpec.to_json`) is that spec whole."""
+    given = getattr(args, "env_spec", None)
+    if given is not None:
+        try:
+            spec = EnvSpec.from_json(given)
+        except TravelError as exc:
+            raise UsageError(f"--env-spec: {exc}") from None
+        if spec.taskset != args.taskset:
+            raise UsageError(
+                f"--env-spec describes taskset {spec.taskset}, not TASKSET {args.taskset}"
+            )
+        return spec
     fields = _taskset_fields(args)
     prompt = _system_prompt(args)
     if prompt is not None:
@@ -177,16 +198,6 @@ def check_retry_flags(args: argparse.Namespace) -> None:
                 raise UsageError(
                     f"{flag} does nothing without --retries", fix="add --retries K (K >= 1)"
                 )
-
-
-def _load(spec: str, flag: str) -> Any:
-    try:
-        return load_object(spec)
-    except LoadError as exc:
-        raise UsageError(f"{flag} {spec}: {exc}") from exc
-    except Exception as exc:
-        where = spec.rpartition(":")[0]
-        raise UsageError(f"{flag} {spec}: {import_failure(exc, where)}") from exc
 
 
 def _check_fields(cls: type[Taskset[Any, Any]], fields: dict[str, Any]) -> None:
@@ -293,32 +304,10 @@ def build_env(args: argparse.Namespace, *, check_retry_names: bool = True) -> En
         return _verifiers_env(args, _system_prompt(args), policy)
     spec = env_spec(args)
     taskset, target_env = _build_taskset(args, spec)
-    env_cls: Any = target_env or Env
-    if spec.env_class is not None:
-        if target_env is not None:
-            raise UsageError(
-                f"TASKSET {args.taskset} names an Env class already; --env-class "
-                f"{spec.env_class} would replace it",
-                fix="drop --env-class, or name the taskset class as TASKSET",
-            )
-        env_cls = _load(spec.env_class, "--env-class")
-        if not (isinstance(env_cls, type) and issubclass(env_cls, Env)):
-            raise UsageError(f"--env-class {spec.env_class}: not a subclass of tt.Env")
-    kwargs: dict[str, Any] = {"retries": spec.retries}
-    if spec.reward is not None:
-        kwargs["reward"] = _load(spec.reward, "--reward")
     try:
-        env: Env[Any] = env_cls(taskset, **kwargs)
-    except Exception as exc:
-        raise UsageError(
-            f"{env_cls.__name__}(taskset, ...) failed: {type(exc).__name__}: {exc}"
-        ) from exc
-    if spec.rollout_timeout is not None:
-        env.rollout_timeout = spec.rollout_timeout  # an attribute: any Env subclass takes it
-    if spec.working_limit is not None:
-        env.working_limit = spec.working_limit
-    if spec.stall_timeout is not None:
-        env.stall_timeout = spec.stall_timeout
+        env = spec.build(taskset, target_env=target_env)  # the one env builder
+    except ConfigError as exc:
+        raise UsageError(flag_message(exc), fix=exc.spelled_fix(PARAMETER_FLAGS)) from exc
     if check_retry_names:
         _check_retry_names(args.command, spec.retries)
     return env

@@ -88,6 +88,12 @@ def add_parser(commands: Commands) -> argparse.ArgumentParser:
     )
     add_window_option(run, help="the window: most rollouts in flight")
     run.add_argument(
+        "--group", action="store_true",
+        help="a task's -r rollouts are one group: they run together, Env.score_group scores "
+        "them, their rows are written together (with `group` and `advantage`), and one that "
+        "fails after its retries fails the group",
+    )  # fmt: skip
+    run.add_argument(
         "--shuffle", action="store_true", help="shuffle a static taskset before taking N"
     )
     run.add_argument(
@@ -119,6 +125,12 @@ def add_parser(commands: Commands) -> argparse.ArgumentParser:
     add_time_limit_option(
         run, what="stop pulling, cancel the rollouts in flight and keep the finished rows "
         "(summary.json: stopped \"time_limit\"; exit 0 if any episode succeeded)",
+    )  # fmt: skip
+    run.add_argument(
+        "--engine-metrics", default=None, metavar="URL",
+        help="the engine's Prometheus /metrics (vLLM, SGLang), e.g. "
+        "http://127.0.0.1:8000/metrics: an adaptive -c reads its load (waiting requests, KV "
+        "cache, preemptions) every second (default: none: latency and 429s only)",
     )  # fmt: skip
     run.add_argument("--no-dashboard", action="store_true", help="plain log lines, no live view")
     add_metrics_option(run)
@@ -237,6 +249,8 @@ def _build(args: argparse.Namespace) -> tuple[Env[Any], ModelContext, EvalConfig
         via=args.via,
         stream=args.stream,
         time_limit=args.time_limit,
+        engine_metrics=args.engine_metrics,
+        group=args.group,
     )
     return env, ctx, config
 

@@ -12,7 +12,14 @@ from ..limits import EndpointLimits
 from ..models import EchoClient, ModelClient, ModelContext, OpenAIClient, Sampling, api_key_from_env
 from .options import DEFAULT_API_KEY_VAR, UsageError, given, per_minute, window_option
 
-__all__ = ["add_model_options", "api_key_var", "endpoint_limits", "limit_flags", "model_context"]
+__all__ = [
+    "add_model_options",
+    "api_key_var",
+    "base_urls",
+    "endpoint_limits",
+    "limit_flags",
+    "model_context",
+]
 
 
 def add_model_options(parser: argparse.ArgumentParser) -> argparse._ArgumentGroup:
@@ -23,9 +30,10 @@ def add_model_options(parser: argparse.ArgumentParser) -> argparse._ArgumentGrou
         help="model name; 'echo' is the built-in offline model (replies with the prompt)",
     )  # fmt: skip
     model.add_argument(
-        "--base-url", default=None, metavar="URL",
+        "--base-url", default=None, metavar="URL", action=_BaseURLs,
         help="an OpenAI-compatible endpoint, e.g. http://127.0.0.1:8000/v1 (default: none; "
-        "needed by every model but echo)",
+        "needed by every model but echo); repeat it for many endpoints: calls go to the least "
+        "loaded, a rollout's calls to one, a dead one is taken out and probed back",
     )  # fmt: skip
     model.add_argument(
         "--api-key-var", default=None, metavar="VAR",
@@ -58,6 +66,11 @@ def add_model_options(parser: argparse.ArgumentParser) -> argparse._ArgumentGrou
         "(default: none)",
     )  # fmt: skip
     model.add_argument(
+        "--return-tokens", action="store_true",
+        help="ask the server for token ids and logprobs (vLLM's return_token_ids and "
+        "logprobs); rows keep them per model call under `tokens`",
+    )  # fmt: skip
+    model.add_argument(
         "--echo-delay", type=float, default=None, metavar="S",
         help="latency of the echo model, to watch the window work (default: 0)",
     )  # fmt: skip
@@ -77,6 +90,30 @@ def add_model_options(parser: argparse.ArgumentParser) -> argparse._ArgumentGrou
         "reserved before each call (default: no limit)",
     )  # fmt: skip
     return model
+
+
+class _BaseURLs(argparse.Action):
+    """`--base-url` may be repeated: `base_url` is the first URL (what the single-endpoint
+    code reads), `base_urls` every one, in order."""
+
+    def __call__(
+        self,
+        parser: argparse.ArgumentParser,
+        namespace: argparse.Namespace,
+        values: object,
+        option_string: str | None = None,
+    ) -> None:
+        urls = [*(getattr(namespace, "base_urls", None) or []), str(values)]
+        namespace.base_urls = urls
+        namespace.base_url = urls[0]
+
+
+def base_urls(args: argparse.Namespace) -> list[str]:
+    """Every `--base-url` given, in order (empty: none)."""
+    urls = getattr(args, "base_urls", None)
+    if urls:
+        return list(urls)
+    return [] if args.base_url is None else [args.base_url]
 
 
 def _is_echo(args: argparse.Namespace) -> bool:
@@ -101,7 +138,8 @@ def _sampling(args: argparse.Namespace) -> Sampling:
     if max_tokens is not None and max_tokens < 1:
         raise UsageError(f"--max-tokens must be >= 1, got {max_tokens}")
     return Sampling(temperature=temperature, max_tokens=max_tokens, top_p=top_p,
-                    seed=args.sampling_seed)  # fmt: skip
+                    seed=args.sampling_seed,
+                    return_tokens=args.return_tokens)  # fmt: skip
 
 
 def api_key_var(args: argparse.Namespace) -> str | None:
@@ -137,7 +175,13 @@ def model_context(args: argparse.Namespace) -> ModelContext:
             fix="add --base-url http://127.0.0.1:8000/v1 (or https://api.openai.com/v1), "
             "or use -m echo",
         )
-    _check_base_url(args.base_url)
+    urls = base_urls(args)
+    for url in urls:
+        _check_base_url(url)
+    if len(set(urls)) != len(urls):
+        raise UsageError(
+            f"--base-url names an endpoint twice: {urls}", fix="give each endpoint once"
+        )
     if given(args, "echo_delay"):
         raise UsageError(
             "--echo-delay applies to the echo model only", fix="drop it (or drop --base-url)"
@@ -155,7 +199,7 @@ def model_context(args: argparse.Namespace) -> ModelContext:
         key = os.environ.get(DEFAULT_API_KEY_VAR, "").strip() or None
     limits = endpoint_limits(args)
     client = OpenAIClient(
-        args.base_url, key, timeout=timeout, limits=limits,
+        urls if len(urls) > 1 else args.base_url, key, timeout=timeout, limits=limits,
         limits_key=(args.base_url, args.api_key_var or DEFAULT_API_KEY_VAR),
     )  # fmt: skip
     return ModelContext(client, args.model, sampling)

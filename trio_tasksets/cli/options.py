@@ -86,6 +86,7 @@ PARAMETER_FLAGS = {
     "rollout_timeout": "--rollout-timeout",
     "max_consecutive_failures": "--max-consecutive-failures",
     "metrics_port": "--metrics-port",
+    "engine_metrics": "--engine-metrics",
     "serve": "--serve",
     "workers": "--workers",
     "server_url": "--server-url",
@@ -93,6 +94,10 @@ PARAMETER_FLAGS = {
     "stream": "--stream",
     "shuffle": "--shuffle",
     "resume": "--resume",
+    "config": "-a/--taskset-args",
+    "env_class": "--env-class",
+    "reward": "--reward",
+    "group": "--group",
 }
 
 

@@ -35,6 +35,8 @@ def add_parser(commands: Commands) -> argparse.ArgumentParser:
         formatter_class=HelpFormatter,
     )
     env = add_env_options(sv)
+    # How a spawned server (and a pool's workers) get their env: the EnvSpec as data.
+    sv.add_argument("--env-spec", default=None, metavar="JSON", help=argparse.SUPPRESS)
     sv.add_argument(
         "--host",
         default="127.0.0.1",
@@ -245,13 +247,16 @@ def _check_args(args: argparse.Namespace) -> None:
 
 def _worker_cmd(args: argparse.Namespace, spec: EnvSpec, port: int) -> list[str]:
     """A pool worker's command: the same env, flags and bound name (its socket by fd)."""
-    cmd = [sys.executable, "-m", "trio_tasksets", "serve", *spec.argv(),
+    cmd = [sys.executable, "-m", "trio_tasksets", "serve", spec.taskset,
+           "--env-spec", spec.to_json(),
            "--host", args.host, "--port", str(port), "--workers", str(args.workers),
            "--max-body-bytes", str(args.max_body_bytes),
            "--max-runs-per-connection", str(args.max_runs_per_connection),
            "--header-timeout", repr(args.header_timeout),
            "--idle-timeout", repr(args.idle_timeout),
-           "--max-model-clients", str(args.max_model_clients), "--die-with-parent"]  # fmt: skip
+           "--max-model-clients", str(args.max_model_clients),
+           "--max-model-retries", str(args.max_model_retries),
+           "--min-model-backoff", repr(args.min_model_backoff), "--die-with-parent"]  # fmt: skip
     for flag, values in (("--allow-host", args.allow_host),
                          ("--allow-origin", args.allow_origin),
                          ("--allow-base-url", args.allow_base_url)):  # fmt: skip

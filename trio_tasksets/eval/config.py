@@ -16,7 +16,7 @@ from ..backend import InProcess, SlotBackend, backend_for
 from ..env import Env, Episode
 from ..metrics import check_metrics
 from ..models import ModelContext
-from ..window import AdaptiveBounds, Window, WindowArgumentError, build_window
+from ..window import AdaptiveBounds, AdaptiveWindow, Window, WindowArgumentError, build_window
 
 
 @attrs.define
@@ -58,6 +58,12 @@ class EvalConfig:
     # --metrics-port: serve the run's counters and health as Prometheus text on 127.0.0.1 at
     # this port (0: a free one, printed) while it runs. None: no metrics server.
     metrics_port: int | None = None
+    # --engine-metrics: the Prometheus /metrics URL of the engine behind the model (vLLM,
+    # SGLang); an adaptive -c reads the engine's own load from it every second.
+    engine_metrics: str | None = None
+    # --group: a task's rollouts are one group (SPEC 10): run together, scored together by
+    # Env.score_group, written together; one failing after its retries fails the group.
+    group: bool = False
     # Recorded in config.json only (never compared by a resume): the command line that ran
     # the eval (default: sys.argv) and the name of the variable the model's API key came from.
     command: list[str] | None = None
@@ -104,7 +110,7 @@ class EvalResult:
 
 # The saved config keys that decide which slots a run owes; a resume must match them all.
 IDENTITY = ("taskset", "taskset_config", "model", "sampling", "num_examples",
-             "rollouts_per_example", "shuffle", "seed")  # fmt: skip
+             "rollouts_per_example", "shuffle", "seed", "group")  # fmt: skip
 
 
 def _check_int(value: object, name: str, minimum: int, *, optional: bool = False) -> None:
@@ -180,9 +186,14 @@ def preflight(env: Env[Any], ctx: ModelContext, config: EvalConfig) -> SlotBacke
             f"{{time_limit}} must be a number of seconds > 0, got {limit!r}",
             parameter="time_limit",
         )
+    if not isinstance(config.group, bool):
+        raise EvalConfigError(
+            f"{{group}} is a switch (True or False), got {config.group!r}", parameter="group"
+        )
     check_max_failures(config.max_failures)
     _check_int(config.max_consecutive_failures, "max_consecutive_failures", 1, optional=True)
     check_metrics_port(config.metrics_port)
+    _check_engine_metrics(config)
     taskset = env.taskset
     name = type(taskset).__name__
     if taskset.streaming or taskset.INFINITE:
@@ -208,10 +219,28 @@ def preflight(env: Env[Any], ctx: ModelContext, config: EvalConfig) -> SlotBacke
     return backend
 
 
+def _check_engine_metrics(config: EvalConfig) -> None:
+    url = config.engine_metrics
+    if url is None:
+        return
+    if not isinstance(url, str) or not url.startswith(("http://", "https://")):
+        raise EvalConfigError(
+            f"{{engine_metrics}} must be an http:// or https:// URL, got {url!r} "
+            f"(e.g. http://127.0.0.1:8000/metrics)",
+            parameter="engine_metrics",
+        )
+    if not isinstance(config.max_concurrent, AdaptiveBounds | AdaptiveWindow):
+        raise EvalConfigError(
+            "{engine_metrics} moves an adaptive window: give {max_concurrent} as "
+            "MIN-START-MAX (e.g. 1-8-1024)",
+            parameter=("engine_metrics", "max_concurrent"),
+        )
+
+
 def run_identity(env: Env[Any], ctx: ModelContext, config: EvalConfig) -> dict[str, Any]:
     taskset = env.taskset
     cls = type(taskset)
-    return {
+    identity: dict[str, Any] = {
         "taskset": f"{cls.__module__}:{cls.__qualname__}",
         "taskset_config": json.loads(json.dumps(attrs.asdict(taskset.config), default=str)),
         "model": ctx.model,
@@ -221,6 +250,9 @@ def run_identity(env: Env[Any], ctx: ModelContext, config: EvalConfig) -> dict[s
         "shuffle": config.shuffle,
         "seed": config.seed,
     }
+    if config.group:  # absent otherwise: runs saved before groups existed still resume
+        identity["group"] = True
+    return identity
 
 
 def default_run_name(env: Env[Any], ctx: ModelContext) -> str:

@@ -39,13 +39,15 @@ from .. import dashboard
 from ..backend import SlotBackend
 from ..drain import stop_on
 from ..env import Env, Episode, EpisodeError, RunSlot, WindowFeed
+from ..groups import Group, OpenGroups, cause_first, group_slots, run_group
 from ..health import Health
 from ..limits import EndpointLimits, observe_calls
 from ..models import ModelContext
+from ..models.engine import EngineMetrics
 from ..runner import pick_one, run_stream
 from ..traces import open_traces, write_atomic
 from ..version import __version__
-from ..window import Window, window_spec
+from ..window import AdaptiveWindow, Window, window_spec
 from .config import (
     RECORD_FIELDS,
     UNRECORDED_FIELDS,
@@ -59,7 +61,7 @@ from .config import (
     run_identity,
 )
 from .lock import LOCK_NAME, RunDirLock
-from .plan import from_list, keep_resumable, plan_stream, static_slots
+from .plan import from_groups, from_list, keep_resumable, plan_groups, plan_stream, static_slots
 
 # What each file of a run dir is called; a run that leaves no row behind removes them.
 _FILES = ("config.json", "traces.jsonl", "summary.json")
@@ -197,6 +199,10 @@ def _histories(window: Window, ctx: ModelContext, t0: float) -> dict[str, Any]:
             endpoint_name(key): endpoint.history_since(t0)
             for key, endpoint in limits.connections.windows.items()
         }
+    stats = getattr(ctx.client, "endpoint_stats", None)
+    endpoints = stats() if callable(stats) else None
+    if endpoints:  # many --base-url: calls, errors, latency per endpoint
+        found["endpoints"] = endpoints
     return found
 
 
@@ -267,6 +273,8 @@ def _record_of(
 ) -> dict[str, Any]:
     """config.json: how to reproduce the run (and what it cost to start)."""
     base_url = getattr(ctx.client, "base_url", None)
+    urls = getattr(ctx.client, "base_urls", None)
+    many = {"base_urls": urls} if isinstance(urls, list) and len(urls) > 1 else {}
     skip = (*RECORD_FIELDS, *UNRECORDED_FIELDS)
     settings = {k: v for k, v in attrs.asdict(config, recurse=False).items() if k not in skip}
     if config.backend is not None:
@@ -279,6 +287,7 @@ def _record_of(
         "command": list(sys.argv) if config.command is None else list(config.command),
         "started_at": datetime.now(UTC).isoformat(timespec="milliseconds"),
         "base_url": base_url if isinstance(base_url, str) else None,
+        **many,
         "api_key_var": config.api_key_var,
         "identity": identity,
         "eval": settings,
@@ -339,7 +348,7 @@ async def _run_eval(
     if config.resume:
         if run_dir.is_dir():
             lock.take(run_dir)  # before reading it: no other eval writes it meanwhile
-        kept_rows, slots = keep_resumable(run_dir, identity, slots)
+        kept_rows, slots = keep_resumable(run_dir, identity, slots, groups=config.group)
     elif run_dir.exists() and any(run_dir.iterdir()):
         raise EvalConfigError(
             f"{run_dir} already holds a run: pass {{resume}} to continue it, or choose another "
@@ -469,6 +478,25 @@ async def _execute(
                 finally:
                     health.finished()
 
+            async def rollout(slot: RunSlot[Any]) -> Episode:  # of a group: no row yet
+                progress.started()
+                health.started()
+                try:
+                    if feed.window is None:
+                        return await run_slot(slot)
+                    with observe_calls(feed):
+                        episode = await run_slot(slot)
+                    feed.ended(episode)
+                    return episode
+                finally:
+                    health.finished()
+
+            async def run_one_group(group: Group) -> list[Episode]:
+                done = await run_group(env, group, rollout)
+                for episode in cause_first(done):  # the group's rows, together
+                    record(episode)
+                return done
+
             episodes: list[Episode] | None = None
             # --time-limit is this scope's deadline: every rollout sees it as its effective
             # deadline, so its model requests and remote episodes never outlive it (SPEC 12).
@@ -483,17 +511,30 @@ async def _execute(
                             else max(0.0, deadline - trio.current_time()),
                         ))  # fmt: skip
                     nursery.start_soon(health.probe)
+                    if config.engine_metrics is not None and isinstance(window, AdaptiveWindow):
+                        nursery.start_soon(EngineMetrics(config.engine_metrics).feed, window)
                     if metrics is not None:
                         await _start_metrics(nursery, metrics, config.metrics_port)
+                    opened = OpenGroups(window)  # a group's rollouts before a new task
+                    r = config.rollouts_per_example
                     with observe_calls(health):  # the waits and model calls of every run
-                        if not env.taskset.streaming:
+                        if config.group and not env.taskset.streaming:
+                            grouped = opened.gate(from_groups(group_slots(slots)))
+                            done = await run_stream(grouped, run_one_group, window=window)
+                            episodes = [episode for group in done for episode in group]
+                        elif not env.taskset.streaming:
                             source = from_list(slots)
                             episodes = await run_stream(source, run, window=window)
                         else:
                             assert config.num_examples is not None
                             async with env.taskset.head(config.num_examples).channel() as tasks:
-                                planned = plan_stream(tasks, config.rollouts_per_example, progress)
-                                episodes = await run_stream(planned, run, window=window)
+                                if config.group:
+                                    groups = opened.gate(plan_groups(tasks, r, progress))
+                                    done = await run_stream(groups, run_one_group, window=window)
+                                    episodes = [episode for group in done for episode in group]
+                                else:
+                                    planned = plan_stream(tasks, r, progress)
+                                    episodes = await run_stream(planned, run, window=window)
                     nursery.cancel_scope.cancel()  # the signal watcher, the probe, the metrics
             if tally.scope.cancelled_caught and tally.stopped is None:
                 tally.stopped = "time_limit"  # the scope's deadline passed first

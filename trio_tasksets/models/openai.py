@@ -3,7 +3,7 @@ HTTP transport, with retries, `Retry-After` and the endpoint limits around each 
 
 from __future__ import annotations
 
-from collections.abc import Hashable
+from collections.abc import Hashable, Sequence
 from types import TracebackType
 from typing import TYPE_CHECKING, Any, Self
 
@@ -11,7 +11,7 @@ import orjson
 import trio
 
 from ..backoff import Backoff
-from ..limits import Call, EndpointLimits, report_outcome, rest
+from ..limits import Call, EndpointLimits, pace, report_outcome, rest, says_request_rate
 from ..transport import (
     DecodingError,
     HTTPClient,
@@ -29,12 +29,14 @@ from .base import (
     ModelResponseError,
     ModelTimeoutError,
     Sampling,
+    Tokens,
     body_text,
     excerpt,
     parse_tool_calls,
     plural,
     text_of,
 )
+from .pool import EndpointPool, pool_limits
 
 if TYPE_CHECKING:
     import httpx  # only for a caller's own http_client; imported where used
@@ -58,12 +60,23 @@ def _record(
     retry_after: float | None = None,
     *,
     tokens: int | None = None,
+    latency: float | None = None,
 ) -> None:
     """One attempt's outcome: to its endpoint's limits (the adaptive window, tpm) and to
     the observers of `trio_tasksets.limits.observe_calls`."""
     if call is not None:
-        call.record(outcome, retry_after=retry_after, tokens=tokens)
-    report_outcome(outcome, retry_after=retry_after)
+        call.record(outcome, retry_after=retry_after, tokens=tokens, latency=latency)
+    report_outcome(outcome, retry_after=retry_after, latency=latency)
+
+
+def _endpoint_key(url: str, first: str, key: Hashable | None) -> Hashable:
+    """The limits key of one endpoint of a list: `url`, or the caller's key with the first
+    URL replaced by this one (the CLI's `(base_url, api_key_var)`)."""
+    if key is None:
+        return url
+    if isinstance(key, tuple) and key and key[0] == first:
+        return (url, *key[1:])
+    return (url, key)
 
 
 def _is_retryable_status(status: int) -> bool:
@@ -80,6 +93,8 @@ class OpenAIClient:
     - POSTs ``{"model", "messages", **sampling.to_request()}`` to
       ``{base_url}/chat/completions``, with ``Authorization: Bearer <api_key>`` when a key
       is given, plus ``headers``.
+    - A reply's token ids and logprobs, in vLLM's shape (asked for with
+      ``Sampling(return_tokens=True)``), become ``Completion.tokens``.
     - 429, 5xx, connection errors and timeouts are retried up to ``max_retries`` times
       (``max_retries + 1`` attempts in all), sleeping with full-jitter exponential backoff
       (``uniform(0, min(max_backoff, backoff * 2**retry))``) or, when the response has a
@@ -95,6 +110,11 @@ class OpenAIClient:
       left, and when that deadline passes the call ends with ``trio.Cancelled`` (the
       caller's own scope), not a retry.
     - ``trio.Cancelled`` propagates untouched.
+    - ``base_url`` may be a list of endpoints: the client then routes each call through an
+      `trio_tasksets.models.pool.EndpointPool` of one client per URL (same options): least
+      loaded, sticky per rollout and group, a dead endpoint ejected and probed back, a
+      window and figures per endpoint (`endpoint_stats()`). ``base_url`` is then the first
+      URL and ``base_urls`` all of them. A list of one is a single endpoint.
     - ``limits`` (an `EndpointLimits`, shared by every client of the process that talks to
       the endpoint) gates each attempt, under the key ``limits_key`` (default: ``base_url``;
       the CLI uses ``(base_url, api_key_var)``): a connection slot, then rpm and tpm (with
@@ -113,7 +133,7 @@ class OpenAIClient:
 
     def __init__(
         self,
-        base_url: str,
+        base_url: str | Sequence[str],
         api_key: str | None = None,
         *,
         timeout: float = 120.0,
@@ -127,6 +147,11 @@ class OpenAIClient:
     ) -> None:
         if not base_url:
             raise ValueError("base_url must not be empty, e.g. http://127.0.0.1:8000/v1")
+        urls = [base_url] if isinstance(base_url, str) else list(base_url)
+        if not all(isinstance(url, str) and url for url in urls):
+            raise ValueError(f"base_url must be a URL or a list of URLs, got {base_url!r}")
+        base_url = urls[0]
+        self.base_urls = urls
         if not timeout > 0:
             raise ValueError(f"timeout must be > 0, got {timeout!r}")
         if max_retries < 0:
@@ -155,9 +180,27 @@ class OpenAIClient:
         self._closed = False
         self.limits = limits
         self.limits_key: Hashable = base_url if limits_key is None else limits_key
+        self.pool: EndpointPool | None = None
+        if len(urls) > 1:
+            shared = pool_limits(limits)
+            self.limits = shared
+            self.pool = EndpointPool([
+                OpenAIClient(
+                    url, api_key, timeout=timeout, max_retries=max_retries, backoff=backoff,
+                    max_backoff=max_backoff, headers=headers, http_client=self._http,
+                    limits=shared, limits_key=_endpoint_key(url, base_url, limits_key),
+                )
+                for url in urls
+            ])  # fmt: skip
 
     def __repr__(self) -> str:
-        return f"OpenAIClient({self.base_url!r}, max_retries={self.max_retries})"
+        urls = self.base_url if self.pool is None else self.base_urls
+        return f"OpenAIClient({urls!r}, max_retries={self.max_retries})"
+
+    def endpoint_stats(self) -> dict[str, dict[str, Any]] | None:
+        """Per endpoint of a list of `base_url`s: calls, errors, ejections, latency and
+        window (`EndpointPool.stats`); None for a single endpoint."""
+        return None if self.pool is None else self.pool.stats()
 
     def _client(self) -> HTTPClient | httpx.AsyncClient:
         if self._closed or self._http is None:
@@ -169,9 +212,10 @@ class OpenAIClient:
         Retry-After up to `max_backoff`, else the project's `Backoff`."""
         return Backoff(self.backoff, self.max_backoff).delay(retry + 1, retry_after=retry_after)
 
-    async def _post(self, body: bytes) -> tuple[int, bytes, float | None]:
-        """One POST: (status, body, Retry-After seconds). Raises `HTTPError` subclasses
-        (the transport's, or httpx's errors translated to them)."""
+    async def _post(self, body: bytes) -> tuple[int, bytes, float | None, bool]:
+        """One POST: (status, body, Retry-After seconds, whether it is a 429 whose headers
+        name a spent rate budget: `says_request_rate`). Raises `HTTPError` subclasses (the
+        transport's, or httpx's errors translated to them)."""
         client = self._client()
         timeouts, timeout = self._timeouts, self.timeout
         left = trio.current_effective_deadline() - trio.current_time()
@@ -182,7 +226,11 @@ class OpenAIClient:
             response = await client.request(
                 "POST", self.url, headers=self._headers, body=body, timeouts=timeouts
             )
-            return response.status, response.body, response.retry_after
+            request_rate = response.status == 429 and says_request_rate(
+                (name.decode("latin-1"), value.decode("latin-1"))
+                for name, value in response.headers
+            )
+            return response.status, response.body, response.retry_after, request_rate
         import httpx
 
         try:
@@ -197,6 +245,7 @@ class OpenAIClient:
             reply.status_code,
             reply.content,
             parse_retry_after(reply.headers.get("retry-after")),
+            reply.status_code == 429 and says_request_rate(reply.headers.items()),
         )
 
     async def chat(
@@ -210,6 +259,8 @@ class OpenAIClient:
         """POST one chat completion request, retrying per the class contract. ``tools``
         (OpenAI function schemas) go as the request's ``tools``. The reply is whole: its
         message as sent (``tool_calls`` and unknown fields kept) and its parsed tool calls."""
+        if self.pool is not None:
+            return await self.pool.chat(messages, model=model, sampling=sampling, tools=tools)
         payload: dict[str, Any] = {"model": model, "messages": messages}
         if tools is not None:
             payload["tools"] = tools
@@ -269,6 +320,7 @@ class OpenAIClient:
     ) -> tuple[int, bytes, float | None, Completion | None]:
         """One POST, under the endpoint's limits if there are any: (status, body,
         Retry-After seconds, the completion of a 2xx). Its outcome is recorded."""
+        await pace()  # a request-rate limit's pacing (an adaptive window's), before any limit
         if self.limits is None:
             return await self._post_recorded(body, None)
         async with self.limits.call(self.limits_key, reserve_tokens=reserve) as call:
@@ -277,20 +329,23 @@ class OpenAIClient:
     async def _post_recorded(
         self, body: bytes, call: Call | None
     ) -> tuple[int, bytes, float | None, Completion | None]:
+        started = trio.current_time()
         try:
-            status, content, retry_after = await self._post(body)
+            status, content, retry_after, request_rate = await self._post(body)
         except HTTPTimeout:
             _record(call, Outcome.TIMEOUT)
             raise
+        latency = trio.current_time() - started
         if not 200 <= status <= 299:
-            _record(call, status, retry_after)
+            outcome: Outcome | int = Outcome.REQUEST_RATE if request_rate else status
+            _record(call, outcome, retry_after, latency=latency)
             return status, content, retry_after, None
         try:
             completion = self._parse(content)
         except ModelResponseError:
             _record(call, status)
             raise
-        _record(call, status, tokens=_tokens(completion.usage))
+        _record(call, status, tokens=_tokens(completion.usage), latency=latency)
         return status, content, retry_after, completion
 
     def _parse(self, content: bytes) -> Completion:
@@ -333,11 +388,36 @@ class OpenAIClient:
             finish_reason=finish_reason if isinstance(finish_reason, str) else None,
             message=message,
             tool_calls=parse_tool_calls(message),
+            tokens=self._tokens(data, choice, content),
         )
+
+    def _tokens(
+        self, data: dict[str, Any], choice: dict[str, Any], content: bytes
+    ) -> Tokens | None:
+        """The reply's token ids and logprobs in vLLM's shape (`prompt_token_ids` at the top,
+        `choices[0].token_ids`, `choices[0].logprobs.content[].logprob`), or None when it has
+        none of them. Present but malformed: `ModelResponseError` (never a silent drop)."""
+        prompt_ids = data.get("prompt_token_ids")
+        completion_ids = choice.get("token_ids")
+        logprobs = choice.get("logprobs")
+        entries = logprobs.get("content") if isinstance(logprobs, dict) else None
+        if prompt_ids is None and completion_ids is None and entries is None:
+            return None
+        try:
+            values = [] if entries is None else [entry["logprob"] for entry in entries]
+            return Tokens(list(prompt_ids or []), list(completion_ids or []), values)
+        except (TypeError, KeyError, ValueError) as exc:
+            raise ModelResponseError(
+                f"{self.url} returned malformed token ids or logprobs ({exc}): "
+                f"{excerpt(body_text(content))}",
+                url=self.url,
+            ) from None
 
     async def aclose(self) -> None:
         """Close the HTTP client if this object created it. Idempotent."""
         self._closed = True
+        if self.pool is not None:
+            await self.pool.aclose()  # its clients share this one's HTTP client
         http, self._http = self._http, None
         if http is not None and self._owns_http:
             await http.aclose()

@@ -268,19 +268,20 @@ class ModelPolicy:
         """`Forbidden` unless `spec` is allowed (see the class docstring)."""
         if isinstance(spec, EchoSpec):
             return
-        try:
-            url = normalize_base_url(spec.base_url)
-        except ValueError as exc:
-            raise Forbidden(
-                "ctx.client.base_url", f"{exc}; the server reaches only its --allow-base-url"
-            ) from None
-        if url not in self.base_urls:
-            allowed = ", ".join(sorted(self.base_urls)) or "none"
-            raise Forbidden(
-                "ctx.client.base_url",
-                f"{spec.base_url!r} is not an endpoint this server may reach (allowed: "
-                f"{allowed}); start the server with --allow-base-url {url}",
-            )
+        for requested in (spec.base_url, *spec.base_urls):  # many endpoints: each one
+            try:
+                url = normalize_base_url(requested)
+            except ValueError as exc:
+                raise Forbidden(
+                    "ctx.client.base_url", f"{exc}; the server reaches only its --allow-base-url"
+                ) from None
+            if url not in self.base_urls:
+                allowed = ", ".join(sorted(self.base_urls)) or "none"
+                raise Forbidden(
+                    "ctx.client.base_url",
+                    f"{requested!r} is not an endpoint this server may reach (allowed: "
+                    f"{allowed}); start the server with --allow-base-url {url}",
+                )
         var = spec.api_key_var
         if var is not None and var != self.api_key_var:
             if self.api_key_var is None:
@@ -308,8 +309,9 @@ class ModelPolicy:
         if isinstance(spec, EchoSpec):
             return EchoClient(delay=spec.delay)
         assert isinstance(spec, OpenAISpec)
+        urls = [normalize_base_url(url) for url in spec.base_urls]
         return OpenAIClient(
-            normalize_base_url(spec.base_url),
+            urls if len(urls) > 1 else normalize_base_url(spec.base_url),
             self.api_key if spec.api_key_var is not None else None,
             timeout=spec.timeout,
             max_retries=spec.max_retries,

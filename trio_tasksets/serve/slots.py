@@ -120,8 +120,8 @@ def _api_key(ctx: ModelContext) -> str | None:
 
 
 def _base_urls(ctx: ModelContext) -> list[str]:
-    """The endpoint a spawned server may reach: the eval's model's, if it has one."""
-    return [ctx.client.base_url] if isinstance(ctx.client, OpenAIClient) else []
+    """The endpoints a spawned server may reach: the eval's model's (each of many), if any."""
+    return list(ctx.client.base_urls) if isinstance(ctx.client, OpenAIClient) else []
 
 
 @asynccontextmanager

@@ -116,6 +116,8 @@ class OpenAISpec:
     backoff: float = 0.5
     max_backoff: float = 30.0
     api_key_var: str | None = None
+    # many endpoints (`OpenAIClient([...])`): every one, `base_url` first; () for one
+    base_urls: tuple[str, ...] = ()
 
 
 ClientSpec = EchoSpec | OpenAISpec
@@ -150,6 +152,7 @@ def describe_client(client: ModelClient, *, api_key_var: str | None = None) -> C
             backoff=client.backoff,
             max_backoff=client.max_backoff,
             api_key_var=api_key_var if has_key else None,
+            base_urls=tuple(client.base_urls) if len(client.base_urls) > 1 else (),
         )
     raise TravelError(
         f"model client {type(client).__name__} cannot travel to an env server (EchoClient and "
@@ -194,7 +197,10 @@ class RunRequestEncoder:
             and cached[2] == ctx.sampling.extra
         ):
             return cached[3]
-        client = {"type": "echo" if isinstance(spec, EchoSpec) else "openai", **attrs.asdict(spec)}
+        fields = attrs.asdict(spec)
+        if not fields.get("base_urls", True):
+            del fields["base_urls"]  # one endpoint: the wire as before
+        client = {"type": "echo" if isinstance(spec, EchoSpec) else "openai", **fields}
         value = {"model": ctx.model, "sampling": attrs.asdict(ctx.sampling), "client": client}
         encoded = _dumps(value)
         self._ctx = (ctx, spec, copy.deepcopy(ctx.sampling.extra), encoded)
@@ -335,14 +341,19 @@ def _task_fields(data: dict[str, Any], field: str) -> None:
 
 def _parse_sampling(value: object) -> Sampling:
     field = "ctx.sampling"
-    obj = _object(value, field, {"temperature", "max_tokens", "top_p", "seed", "extra"})
+    names = {"temperature", "max_tokens", "top_p", "seed", "extra", "return_tokens"}
+    obj = _object(value, field, names)
     extra = obj.get("extra")
+    return_tokens = obj.get("return_tokens", False)
+    if not isinstance(return_tokens, bool):
+        raise WireError(f"{field}.return_tokens", f"expected true or false, got {return_tokens!r}")
     return Sampling(
         temperature=_number(obj.get("temperature"), f"{field}.temperature", optional=True),
         max_tokens=_int(obj.get("max_tokens"), f"{field}.max_tokens", optional=True),
         top_p=_number(obj.get("top_p"), f"{field}.top_p", optional=True),
         seed=_int(obj.get("seed"), f"{field}.seed", optional=True),
         extra={} if extra is None else _object(extra, f"{field}.extra"),
+        return_tokens=return_tokens,
     )
 
 
@@ -355,8 +366,13 @@ def _parse_client(value: object) -> ClientSpec:
         return EchoSpec(_number(obj.get("delay", 0.0), f"{field}.delay", minimum=0.0))
     if kind != "openai":
         raise WireError(f"{field}.type", f"expected 'echo' or 'openai', got {kind!r}")
-    names = {"type", "base_url", "timeout", "max_retries", "backoff", "max_backoff", "api_key_var"}
+    names = {"type", "base_url", "timeout", "max_retries", "backoff", "max_backoff", "api_key_var",
+             "base_urls"}  # fmt: skip
     _object(obj, field, names)
+    urls = obj.get("base_urls", [])
+    if not isinstance(urls, list) or len(urls) > 64:
+        raise WireError(f"{field}.base_urls", "expected a list of at most 64 URLs")
+    base_urls = tuple(_str(url, f"{field}.base_urls[{i}]") for i, url in enumerate(urls))
     timeout = _number(obj.get("timeout", 120.0), f"{field}.timeout", minimum=0.0)
     if timeout <= 0:
         raise WireError(f"{field}.timeout", f"must be > 0, got {timeout}")
@@ -367,6 +383,7 @@ def _parse_client(value: object) -> ClientSpec:
         backoff=_number(obj.get("backoff", 0.5), f"{field}.backoff", minimum=0.0),
         max_backoff=_number(obj.get("max_backoff", 30.0), f"{field}.max_backoff", minimum=0.0),
         api_key_var=_str(obj.get("api_key_var"), f"{field}.api_key_var", optional=True),
+        base_urls=base_urls,
     )
 
 
