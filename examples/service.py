@@ -23,7 +23,7 @@ from collections.abc import AsyncIterator
 import trio
 
 import trio_tasksets as tt
-from trio_tasksets.builtin import EchoStreamConfig, EchoStreamTaskset
+from trio_tasksets import EchoStreamConfig, EchoStreamTaskset
 
 
 class Feed:

@@ -2,7 +2,8 @@
 (`--max-connections`, `--rpm`, `--tpm`), `--rollout-timeout` and `--time-limit`, through
 `run_eval` and `OpenAIClient`.
 
-One test talks to a real model server on 127.0.0.1 (hypercorn, real clock). The others run
+One test talks to a real model server on 127.0.0.1 (the suite's fake, the `chat` fixture, on
+the real clock). The others run
 on virtual time, where the spacing of calls can be asserted exactly: there the model server
 is an `httpx.MockTransport` handler given to `OpenAIClient(http_client=...)` (a real server
 cannot run on a MockClock), so everything from `OpenAIClient.chat` up is the real code.
@@ -11,7 +12,7 @@ cannot run on a MockClock), so everything from `OpenAIClient.chat` up is the rea
 from __future__ import annotations
 
 import json
-from collections.abc import AsyncIterator, Callable, Iterable
+from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
@@ -19,17 +20,12 @@ import attrs
 import httpx
 import pytest
 import trio
-from hypercorn.config import Config
-from hypercorn.trio import serve
+from chat_server import ChatServer
 from trio.testing import MockClock
 
 import trio_tasksets as tt
 from trio_tasksets.limits import EndpointLimits
 from trio_tasksets.window import AdaptiveBounds, AdaptiveWindow
-
-Scope = dict[str, Any]
-Receive = Callable[[], Any]
-Send = Callable[[dict[str, Any]], Any]
 
 
 class Calls(tt.Taskset[tt.Task, tt.TasksetConfig]):
@@ -70,63 +66,18 @@ def summary(tmp_path: Path) -> dict[str, Any]:
 # --- a real model server with a hidden capacity ----------------------------------------------
 
 
-@attrs.define
-class Capacity:
-    """An OpenAI-compatible ASGI app: a completion takes `latency` seconds holding one of
-    `capacity` places; a request above that is answered 429 at once, `Retry-After` set."""
-
-    capacity: int
-    latency: float
-    retry_after: str = "0.05"
-    url: str = ""
-    active: int = 0
-    peak: int = 0
-    ok: int = 0
-    limited: int = 0
-
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] == "lifespan":
-            while (await receive())["type"] != "lifespan.shutdown":
-                await send({"type": "lifespan.startup.complete"})
-            await send({"type": "lifespan.shutdown.complete"})
-            return
-        while (await receive()).get("more_body"):
-            pass
-        if self.active >= self.capacity:
-            self.limited += 1
-            headers = [(b"content-type", b"application/json"),
-                       (b"retry-after", self.retry_after.encode())]  # fmt: skip
-            await send({"type": "http.response.start", "status": 429, "headers": headers})
-            await send({"type": "http.response.body", "body": b'{"error": "busy"}'})
-            return
-        self.active += 1
-        self.peak = max(self.peak, self.active)
-        try:
-            await trio.sleep(self.latency)
-        finally:
-            self.active -= 1
-        self.ok += 1
-        body = json.dumps(reply()).encode()
-        await send({"type": "http.response.start", "status": 200,
-                    "headers": [(b"content-type", b"application/json")]})  # fmt: skip
-        await send({"type": "http.response.body", "body": body})
-
-
 @pytest.fixture
-async def capacity_5() -> AsyncIterator[Capacity]:
-    app = Capacity(capacity=5, latency=0.02)
-    hyper = Config()
-    hyper.bind = ["127.0.0.1:0"]
-    hyper.accesslog = None
-    async with trio.open_nursery() as nursery:
-        binds: list[str] = await nursery.start(serve, app, hyper)
-        app.url = binds[0] + "/v1"
-        yield app
-        nursery.cancel_scope.cancel()
+def capacity_5(chat: ChatServer) -> ChatServer:
+    """The suite's fake with a hidden capacity: a completion takes 0.02 s holding one of 5
+    places; a request above that is answered 429 at once, `Retry-After: 0.05`."""
+    chat.capacity, chat.delay, chat.retry_after = 5, 0.02, "0.05"
+    chat.answer = lambda _: "7"
+    chat.usage = {"prompt_tokens": 3, "completion_tokens": 1}
+    return chat
 
 
 async def test_the_adaptive_window_converges_on_a_real_servers_capacity(
-    capacity_5: Capacity, tmp_path: Path
+    capacity_5: ChatServer, tmp_path: Path
 ) -> None:
     """`-c 1-2-64` against a server that answers 429 above 5 calls at once: slow start
     overshoots (to 8, unless the machine is slow enough to hide that), the first 429 cuts by

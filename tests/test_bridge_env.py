@@ -25,6 +25,7 @@ from pathlib import Path
 from typing import Any
 
 import attrs
+import forkserver
 import pytest
 import trio
 import trio.testing
@@ -693,7 +694,7 @@ def test_on_a_python_where_trio_asyncio_fails_to_import_the_package_still_works(
         print("guest mode:", asyncio.run(main()))
         """
     )
-    done = subprocess.run(
+    done = forkserver.run(
         [sys.executable, "-c", script], capture_output=True, text=True, timeout=60, cwd=ROOT
     )
     assert done.returncode == 0, done.stderr
@@ -707,7 +708,7 @@ def test_on_a_python_where_trio_asyncio_fails_to_import_the_package_still_works(
 
 def _cli(tmp_path: Path, *args: str) -> subprocess.CompletedProcess[str]:
     env = {**os.environ, "TT_PULL_LOG": str(tmp_path / "pulls.log")}
-    return subprocess.run(
+    return forkserver.run(
         [sys.executable, "-m", "trio_tasksets", "eval", *args, "-o", str(tmp_path / "out"),
          "--no-dashboard"],
         capture_output=True, text=True, timeout=60, env=env, cwd=tmp_path,

@@ -12,6 +12,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import forkserver
 import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -24,7 +25,7 @@ def command(*args: str) -> list[str]:
 
 def run(tmp_path: Path, *args: str, timeout: float = 60) -> subprocess.CompletedProcess[str]:
     env = {**os.environ, "TT_PULL_LOG": str(tmp_path / "pulls.log")}
-    return subprocess.run(
+    return forkserver.run(
         command(*args, "-o", str(tmp_path / "out"), "--no-dashboard"),
         capture_output=True, text=True, timeout=timeout, env=env, cwd=tmp_path,
     )  # fmt: skip
@@ -108,7 +109,7 @@ def test_static_n5_r2_gives_10_rows(tmp_path: Path) -> None:
 
 
 def start(tmp_path: Path, *args: str) -> subprocess.Popen[str]:
-    return subprocess.Popen(
+    return forkserver.popen(
         command(*args, "-o", str(tmp_path / "out"), "--no-dashboard"),
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=tmp_path,
     )  # fmt: skip

@@ -4,7 +4,7 @@ Exit codes and the lines that explain them, the drain on SIGTERM/SIGINT with the
 that resumes, what config.json and summary.json record, the checks made before any work,
 and the shared env options (`-a`, a taskset file's sibling imports, `--env-class`). The
 model is a real OpenAI-compatible HTTP server on 127.0.0.1 that each test starts and tells
-what to answer (200, 401, 404, 500, ...).
+what to answer (200, 401, 404, 500, ...): the suite's fake (the `chat` fixture).
 """
 
 from __future__ import annotations
@@ -14,7 +14,6 @@ import json
 import os
 import select
 import shlex
-import shutil
 import signal
 import socket
 import subprocess
@@ -22,15 +21,16 @@ import sys
 import textwrap
 import time
 import uuid
-from collections.abc import AsyncIterator, Callable, Iterator
+from collections.abc import Callable
+from functools import partial
 from pathlib import Path
 from typing import Any, cast
 
-import attrs
+import forkserver
 import pytest
 import trio
-from hypercorn.config import Config
-from hypercorn.trio import serve
+from chat_server import ChatServer
+from redis_server import RedisServer
 
 import trio_tasksets as tt
 from trio_tasksets.cli.main import parser
@@ -40,65 +40,21 @@ ROOT = Path(__file__).resolve().parent.parent
 FEEDS = str(ROOT / "tests" / "fixtures" / "feeds.py")
 KEY_VAR = "OPENAI_API_KEY"
 
-Scope = dict[str, Any]
-Receive = Callable[[], Any]
-Send = Callable[[dict[str, Any]], Any]
-
 
 # --- an OpenAI-compatible model server the tests start ----------------------------------------
 
 
-@attrs.define
-class ModelServer:
-    """Answers every POST /v1/chat/completions with `status` (only those whose last user
-    message contains `fail_on`, when it is set; the others get 200). A 200 echoes the last
-    user message with `usage` and `finish_reason`. Each request's headers are kept."""
-
-    url: str = ""
-    status: int = 200
-    fail_on: str | None = None
-    usage: dict[str, int] = attrs.Factory(lambda: {"prompt_tokens": 5, "completion_tokens": 2})
-    finish_reason: str = "stop"
-    received: list[dict[str, str]] = attrs.Factory(list)
-
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] == "lifespan":
-            while (message := await receive())["type"] != "lifespan.shutdown":
-                await send({"type": "lifespan.startup.complete"})
-            await send({"type": "lifespan.shutdown.complete"})
-            return
-        body = b""
-        while True:
-            message = await receive()
-            body += message.get("body", b"")
-            if not message.get("more_body"):
-                break
-        self.received.append({k.decode(): v.decode() for k, v in scope["headers"]})
-        content = json.loads(body)["messages"][-1]["content"]
-        status = self.status if self.fail_on is None or self.fail_on in content else 200
-        answer: dict[str, Any] = {"error": {"message": f"nope ({status})"}}
-        if status == 200:
-            answer = {
-                "choices": [{"message": {"role": "assistant", "content": content},
-                             "finish_reason": self.finish_reason}],
-                "usage": self.usage,
-            }  # fmt: skip
-        headers = [(b"content-type", b"application/json")]
-        await send({"type": "http.response.start", "status": status, "headers": headers})
-        await send({"type": "http.response.body", "body": json.dumps(answer).encode()})
+def echo(text: str) -> str:
+    return text
 
 
 @pytest.fixture
-async def model() -> AsyncIterator[ModelServer]:
-    app = ModelServer()
-    config = Config()
-    config.bind = ["127.0.0.1:0"]
-    config.accesslog = None
-    async with trio.open_nursery() as nursery:
-        binds: list[str] = await nursery.start(serve, app, config)
-        app.url = binds[0] + "/v1"
-        yield app
-        nursery.cancel_scope.cancel()
+def model(chat: ChatServer) -> ChatServer:
+    """The suite's fake model server, echoing the last user message (so an echo taskset's
+    episodes score 1), `usage` as below; tests set `status` (and `fail_on`) to fail calls."""
+    chat.answer = echo
+    chat.usage = {"prompt_tokens": 5, "completion_tokens": 2}
+    return chat
 
 
 # --- running the command ------------------------------------------------------------------------
@@ -126,21 +82,15 @@ def eval_args(tmp_path: Path, *args: str) -> list[str]:
 async def acli(
     tmp_path: Path, *args: str, env: dict[str, str] | None = None
 ) -> subprocess.CompletedProcess[str]:
-    """Run the command while this test's trio loop keeps serving the model."""
+    """`cli` from a trio test: in a thread, while this test's trio loop goes on."""
     with trio.fail_after(120):
-        done = await trio.run_process(
-            command(*args), capture_stdout=True, capture_stderr=True, check=False,
-            env=environ() if env is None else env, cwd=tmp_path,
-        )  # fmt: skip
-    return subprocess.CompletedProcess(
-        done.args, done.returncode, done.stdout.decode(), done.stderr.decode()
-    )
+        return await trio.to_thread.run_sync(partial(cli, tmp_path, *args, env=env))
 
 
 def cli(
     tmp_path: Path, *args: str, env: dict[str, str] | None = None
 ) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
+    return forkserver.run(
         command(*args), capture_output=True, text=True, timeout=120, cwd=tmp_path,
         env=environ() if env is None else env,
     )  # fmt: skip
@@ -173,7 +123,7 @@ def line_count(path: Path) -> int:
     return path.read_bytes().count(b"\n") if path.exists() else 0
 
 
-def http_model(model: ModelServer) -> tuple[str, ...]:
+def http_model(model: ChatServer) -> tuple[str, ...]:
     return ("-m", "test-model", "--base-url", model.url)
 
 
@@ -181,7 +131,7 @@ def http_model(model: ModelServer) -> tuple[str, ...]:
 
 
 async def test_a_401_on_every_call_exits_1_naming_the_key_variable(
-    model: ModelServer, tmp_path: Path
+    model: ChatServer, tmp_path: Path
 ) -> None:
     model.status = 401
     done = await acli(tmp_path, *eval_args(tmp_path, "echo", *http_model(model), "--run-name", "a"))
@@ -221,7 +171,7 @@ async def test_a_401_on_every_call_exits_1_naming_the_key_variable(
      (429, "fix: the server is rate-limiting")],
 )  # fmt: skip
 async def test_every_call_failing_exits_1_with_the_fix_for_its_status(
-    model: ModelServer, tmp_path: Path, status: int, fix: str
+    model: ChatServer, tmp_path: Path, status: int, fix: str
 ) -> None:
     model.status = status
     done = await acli(tmp_path, *eval_args(tmp_path, "echo", "-n", "1", *http_model(model)))
@@ -242,7 +192,7 @@ async def test_nothing_answering_at_the_base_url_is_explained(tmp_path: Path) ->
 
 
 async def test_some_failures_exit_0_and_are_counted_next_to_the_summary(
-    model: ModelServer, tmp_path: Path
+    model: ChatServer, tmp_path: Path
 ) -> None:
     model.status, model.fail_on = 400, "ping"
     done = await acli(tmp_path, *eval_args(tmp_path, "echo", *http_model(model)))
@@ -258,14 +208,14 @@ async def test_some_failures_exit_0_and_are_counted_next_to_the_summary(
 
 
 async def test_the_key_reaches_the_server_and_usage_is_summed_from_its_answers(
-    model: ModelServer, tmp_path: Path
+    model: ChatServer, tmp_path: Path
 ) -> None:
     model.usage = {"prompt_tokens": 5, "completion_tokens": 2, "total_tokens": 7}
     model.finish_reason = "length"
     args = eval_args(tmp_path, "echo", "-n", "3", *http_model(model), "--run-name", "k")
     done = await acli(tmp_path, *args, env=environ(OPENAI_API_KEY="sk-secret-1"))
     assert done.returncode == 0, done.stderr
-    assert [h.get("authorization") for h in model.received] == ["Bearer sk-secret-1"] * 3
+    assert [r.headers.get("authorization") for r in model.received] == ["Bearer sk-secret-1"] * 3
     run_dir = tmp_path / "out" / "k"
     assert summary_of(run_dir)["usage"] == {
         "prompt_tokens": 15, "completion_tokens": 6, "total_tokens": 21,
@@ -285,12 +235,12 @@ async def test_the_key_reaches_the_server_and_usage_is_summed_from_its_answers(
 
 
 async def test_without_the_key_variable_no_header_is_sent(
-    model: ModelServer, tmp_path: Path
+    model: ChatServer, tmp_path: Path
 ) -> None:
     args = eval_args(tmp_path, "echo", "-n", "1", *http_model(model), "--run-name", "n")
     done = await acli(tmp_path, *args)
     assert done.returncode == 0, done.stderr
-    assert "authorization" not in model.received[0]
+    assert "authorization" not in model.received[0].headers
     saved = json.loads((tmp_path / "out" / "n" / "config.json").read_text())
     assert saved["api_key_var"] is None
     # A variable named with --api-key-var is used instead of OPENAI_API_KEY.
@@ -298,14 +248,14 @@ async def test_without_the_key_variable_no_header_is_sent(
                                            "--api-key-var", "MY_KEY"),
                       env=environ(MY_KEY="sk-mine", OPENAI_API_KEY="sk-other"))  # fmt: skip
     assert done.returncode == 0, done.stderr
-    assert model.received[-1]["authorization"] == "Bearer sk-mine"
+    assert model.received[-1].headers["authorization"] == "Bearer sk-mine"
 
 
 # --- stopping early: --max-failures, SIGTERM, SIGINT ------------------------------------------
 
 
 async def test_max_failures_stops_exits_1_and_prints_the_resume_command(
-    model: ModelServer, tmp_path: Path
+    model: ChatServer, tmp_path: Path
 ) -> None:
     model.status = 404  # not 401: that, on the first calls, is a dead endpoint (SPEC 12)
     args = eval_args(tmp_path, "echo", "-c", "1", "--max-failures", "2", *http_model(model),
@@ -333,7 +283,7 @@ def test_a_signal_drains_writes_the_summary_and_the_printed_command_resumes(
     args = eval_args(tmp_path, FEEDS + ":Numbers", "-n", "60", "-r", "2", "-c", "4",
                      "--echo-delay", "0.05", "--run-name", "t")  # fmt: skip
     traces = tmp_path / "out" / "t" / "traces.jsonl"
-    proc = subprocess.Popen(command(*args), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+    proc = forkserver.popen(command(*args), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                             text=True, cwd=tmp_path, env=environ())  # fmt: skip
     wait_for(lambda: line_count(traces) >= 8)
     proc.send_signal(sig)
@@ -349,7 +299,7 @@ def test_a_signal_drains_writes_the_summary_and_the_printed_command_resumes(
     resume = _resume_command(err)
     assert resume[-3:] == ["--run-name", "t", "--resume"]
 
-    again = subprocess.run(resume, capture_output=True, text=True, timeout=120, cwd=tmp_path,
+    again = forkserver.run(resume, capture_output=True, text=True, timeout=120, cwd=tmp_path,
                            env=environ())  # fmt: skip
     assert again.returncode == 0, again.stderr
     written = rows(tmp_path / "out" / "t")
@@ -360,7 +310,7 @@ def test_sigterm_on_a_stream_says_it_cannot_be_resumed(tmp_path: Path) -> None:
     args = eval_args(tmp_path, "echo-stream", "-n", "1000", "-a", '{"gap": 0.01}',
                      "--run-name", "s")  # fmt: skip
     traces = tmp_path / "out" / "s" / "traces.jsonl"
-    proc = subprocess.Popen(command(*args), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+    proc = forkserver.popen(command(*args), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                             text=True, cwd=tmp_path, env=environ())  # fmt: skip
     wait_for(lambda: line_count(traces) >= 3)
     proc.send_signal(signal.SIGTERM)
@@ -656,7 +606,7 @@ def test_enqueue_and_worker_errors_are_one_line(tmp_path: Path) -> None:
 
 
 def _serve(token_var: str, token: str) -> tuple[subprocess.Popen[str], str]:
-    proc = subprocess.Popen(
+    proc = forkserver.popen(
         command("serve", "echo", "--port", "0", "--token-var", token_var),
         stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
         env=environ(**{token_var: token}),
@@ -692,37 +642,11 @@ def test_a_401_from_an_env_server_names_the_token_variable(tmp_path: Path) -> No
 
 # --- the worker takes the shared env options ----------------------------------------------------
 
-REDIS_SERVER = shutil.which("redis-server")
-
 
 @pytest.fixture
-def redis_url(tmp_path: Path) -> Iterator[str]:
-    if REDIS_SERVER is None:
-        pytest.skip("redis-server is not on PATH (apt-get install -y redis-server)")
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    proc = subprocess.Popen(
-        [REDIS_SERVER, "--port", str(port), "--bind", "127.0.0.1", "--save", "",
-         "--appendonly", "no", "--dir", str(tmp_path)],
-        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-    )  # fmt: skip
-    url = f"redis://127.0.0.1:{port}/0"
-    import redis
-
-    client = redis.Redis.from_url(url, socket_timeout=1.0)
-
-    def pings() -> bool:
-        try:
-            return bool(client.ping())
-        except redis.RedisError:
-            return False
-
-    wait_for(pings, timeout=10)
-    client.close()
-    yield url
-    proc.terminate()
-    proc.wait(timeout=10)
+def redis_url(redis_server: RedisServer) -> str:
+    """The session's redis-server (tests/conftest.py); this test's streams have a uuid tag."""
+    return redis_server.url
 
 
 def test_the_worker_scores_with_the_taskset_its_env_class_and_system_prompt(
@@ -751,7 +675,7 @@ def test_the_worker_scores_with_the_taskset_its_env_class_and_system_prompt(
     stream, results = f"{tag}:tasks", f"{tag}:results"
     feed = ["--feed", redis_url, "--stream", stream]
     assert cli(tmp_path, "enqueue", *feed, "scored.py:Scored").returncode == 0
-    worker = subprocess.Popen(
+    worker = forkserver.popen(
         command("worker", "scored.py:Scored", *feed, "--group", "g", "--results", results,
                 "--env-class", "scored.py:Tagged", "--system-prompt", "be brief",
                 "--no-dashboard"),

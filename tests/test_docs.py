@@ -3,7 +3,8 @@
 Rules (docs/testing.md explains them to authors):
 
 * A fenced block opened with ```python is a complete program: it runs in a subprocess
-  (`python example.py`, cwd a fresh temporary directory, 60 s timeout) and must exit 0.
+  (`python example.py`, cwd a fresh temporary directory, 60 s timeout) and must exit 0
+  (forked from a Python that has imported trio_tasksets: `tests/fixtures/forkserver.py`).
 * A block whose nearest non-blank line above it is `<!-- no-run -->` is not run (signatures,
   sketches, code that needs a network or a server).
 * A ```text block that directly follows a run block (only blank lines between) is that
@@ -22,6 +23,7 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
+import forkserver
 import pytest
 
 DOCS = Path(__file__).resolve().parent.parent / "docs"
@@ -125,7 +127,7 @@ def test_doc_example_runs(block: Block, tmp_path: Path) -> None:
     script = tmp_path / "example.py"
     script.write_text(block.code, encoding="utf-8")
     try:
-        done = subprocess.run(
+        done = forkserver.run(
             [sys.executable, str(script)],
             cwd=tmp_path,
             env=_env(),

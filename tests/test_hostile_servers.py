@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 import attrs
+import forkserver
 import pytest
 import trio
 
@@ -63,7 +64,7 @@ def serve(tmp_path: Path) -> Iterator[Callable[..., Served]]:
     def start(*args: str) -> Served:
         log = tmp_path / f"serve-{len(started)}.stderr"
         with log.open("w") as stderr:
-            proc = subprocess.Popen(
+            proc = forkserver.popen(
                 [sys.executable, "-m", "trio_tasksets", "serve", "echo", "--port", "0", *args],
                 stdout=subprocess.PIPE, stderr=stderr, text=True,
             )  # fmt: skip

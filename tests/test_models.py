@@ -1,17 +1,15 @@
 """Tests for trio_tasksets.models: Sampling, ModelContext, EchoClient, OpenAIClient.
 
-The OpenAIClient tests talk to a real OpenAI-compatible HTTP server (a scripted ASGI app
-served by hypercorn's trio worker on 127.0.0.1).
+The OpenAIClient tests talk to a real OpenAI-compatible HTTP server on 127.0.0.1: the suite's
+fake (`tests/fixtures/chat_server.py`, the `chat` fixture), scripted per test.
 """
 
 from __future__ import annotations
 
 import email.utils
-import json
 import socket
 import time
-from collections import deque
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from functools import partial
 from typing import Any
@@ -21,8 +19,7 @@ import httpx
 import pytest
 import trio
 import trio.testing
-from hypercorn.config import Config
-from hypercorn.trio import serve
+from chat_server import ChatServer, Reply
 
 from trio_tasksets.limits import CallObserver, EndpointLimits, observe_calls
 from trio_tasksets.models import (
@@ -43,13 +40,8 @@ from trio_tasksets.transport import ConnectError, parse_retry_after
 from trio_tasksets.window import AdaptiveBounds, Outcome
 
 # ---------------------------------------------------------------------------------------
-# A scriptable OpenAI-compatible server
+# The scripted OpenAI-compatible server
 # ---------------------------------------------------------------------------------------
-
-Scope = dict[str, Any]
-ASGIMessage = dict[str, Any]
-Receive = Callable[[], Awaitable[ASGIMessage]]
-Send = Callable[[ASGIMessage], Awaitable[None]]
 
 
 def completion_body(
@@ -69,85 +61,15 @@ def completion_body(
     }
 
 
-@attrs.define
-class Planned:
-    """One planned response: status, extra headers, body (JSON-encoded unless bytes)."""
-
-    status: int = 200
-    body: Any = attrs.field(factory=completion_body)
-    headers: dict[str, str] = attrs.field(factory=dict)
-    delay: float = 0.0
-
-
-@attrs.define
-class Received:
-    path: str
-    headers: dict[str, str]
-    body: bytes
-    at: float
-
-    def json(self) -> Any:
-        return json.loads(self.body)
-
-
-@attrs.define
-class FakeOpenAI:
-    """ASGI app: pops a planned response per request (default: a 200 completion) and
-    records every request it receives."""
-
-    url: str = ""
-    planned: deque[Planned] = attrs.field(factory=deque)
-    received: list[Received] = attrs.field(factory=list)
-    arrived: trio.Event = attrs.field(factory=trio.Event)  # set by the first request
-    answered: trio.Event = attrs.field(factory=trio.Event)  # set once an answer is sent
-
-    def plan(self, *responses: Planned) -> None:
-        self.planned.extend(responses)
-
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] == "lifespan":
-            while True:
-                message = await receive()
-                if message["type"] == "lifespan.startup":
-                    await send({"type": "lifespan.startup.complete"})
-                elif message["type"] == "lifespan.shutdown":
-                    await send({"type": "lifespan.shutdown.complete"})
-                    return
-        assert scope["type"] == "http"
-        body = b""
-        while True:
-            message = await receive()
-            body += message.get("body", b"")
-            if not message.get("more_body", False):
-                break
-        headers = {k.decode("latin-1"): v.decode("latin-1") for k, v in scope["headers"]}
-        self.received.append(Received(scope["path"], headers, body, trio.current_time()))
-        self.arrived.set()
-        plan = self.planned.popleft() if self.planned else Planned()
-        if plan.delay:
-            await trio.sleep(plan.delay)
-        raw = plan.body if isinstance(plan.body, bytes) else json.dumps(plan.body).encode()
-        out_headers = [(b"content-type", b"application/json")]
-        out_headers += [(k.encode(), v.encode()) for k, v in plan.headers.items()]
-        await send({"type": "http.response.start", "status": plan.status, "headers": out_headers})
-        await send({"type": "http.response.body", "body": raw})
-        self.answered.set()
-
-
 @pytest.fixture
-async def server() -> AsyncIterator[FakeOpenAI]:
-    app = FakeOpenAI()
-    config = Config()
-    config.bind = ["127.0.0.1:0"]
-    config.accesslog = None
-    async with trio.open_nursery() as nursery:
-        binds: list[str] = await nursery.start(serve, app, config)
-        app.url = binds[0] + "/v1"
-        yield app
-        nursery.cancel_scope.cancel()
+def server(chat: ChatServer) -> ChatServer:
+    """The suite's fake, answering "hello" (as `completion_body()`) unless scripted."""
+    chat.answer = lambda _: "hello"
+    chat.usage = {"prompt_tokens": 3, "completion_tokens": 1}
+    return chat
 
 
-def make_client(server: FakeOpenAI, **kwargs: Any) -> OpenAIClient:
+def make_client(server: ChatServer, **kwargs: Any) -> OpenAIClient:
     kwargs.setdefault("backoff", 0.001)
     return OpenAIClient(server.url, **kwargs)
 
@@ -358,9 +280,9 @@ def test_openai_client_validates_arguments() -> None:
 # ---------------------------------------------------------------------------------------
 
 
-async def test_openai_success_forwards_request(server: FakeOpenAI) -> None:
-    server.plan(
-        Planned(
+async def test_openai_success_forwards_request(server: ChatServer) -> None:
+    server.script(
+        Reply(
             body=completion_body(
                 "Hi there",
                 usage={"prompt_tokens": 7, "completion_tokens": 2, "details": {"x": 1}},
@@ -387,8 +309,8 @@ async def test_openai_success_forwards_request(server: FakeOpenAI) -> None:
     }
 
 
-async def test_openai_no_key_no_auth_header_and_null_content(server: FakeOpenAI) -> None:
-    server.plan(Planned(body=completion_body(None)))
+async def test_openai_no_key_no_auth_header_and_null_content(server: ChatServer) -> None:
+    server.script(Reply(body=completion_body(None)))
     async with make_client(server) as client:
         result = await client.chat(MESSAGES, model="m", sampling=Sampling())
     assert result.content == ""
@@ -396,7 +318,7 @@ async def test_openai_no_key_no_auth_header_and_null_content(server: FakeOpenAI)
     assert server.received[0].json() == {"model": "m", "messages": MESSAGES}
 
 
-async def test_openai_reuses_client_for_many_concurrent_requests(server: FakeOpenAI) -> None:
+async def test_openai_reuses_client_for_many_concurrent_requests(server: ChatServer) -> None:
     results: list[str] = []
     async with make_client(server) as client:
 
@@ -413,10 +335,10 @@ async def test_openai_reuses_client_for_many_concurrent_requests(server: FakeOpe
         await client.chat(MESSAGES, model="m", sampling=Sampling())
 
 
-async def test_openai_429_honours_retry_after(server: FakeOpenAI) -> None:
-    server.plan(
-        Planned(status=429, body={"error": "slow down"}, headers={"Retry-After": "0.05"}),
-        Planned(body=completion_body("after wait")),
+async def test_openai_429_honours_retry_after(server: ChatServer) -> None:
+    server.script(
+        Reply(status=429, body={"error": "slow down"}, headers={"Retry-After": "0.05"}),
+        Reply(body=completion_body("after wait")),
     )
     async with make_client(server, max_retries=3, backoff=0.0) as client:
         start = trio.current_time()
@@ -428,8 +350,8 @@ async def test_openai_429_honours_retry_after(server: FakeOpenAI) -> None:
     assert elapsed >= 0.05
 
 
-async def test_openai_retry_after_capped_by_max_backoff(server: FakeOpenAI) -> None:
-    server.plan(Planned(status=503, headers={"Retry-After": "100"}), Planned())
+async def test_openai_retry_after_capped_by_max_backoff(server: ChatServer) -> None:
+    server.script(Reply(status=503, headers={"Retry-After": "100"}), Reply())
     async with make_client(server, max_backoff=0.05) as client:
         start = trio.current_time()
         result = await client.chat(MESSAGES, model="m", sampling=Sampling())
@@ -439,9 +361,9 @@ async def test_openai_retry_after_capped_by_max_backoff(server: FakeOpenAI) -> N
     assert 0.05 <= elapsed < 2.0
 
 
-async def test_openai_5xx_exhausts_retries(server: FakeOpenAI) -> None:
-    server.plan(*[Planned(status=503, body={"error": "overloaded"}) for _ in range(3)])
-    server.plan(Planned())  # would succeed, but must not be reached
+async def test_openai_5xx_exhausts_retries(server: ChatServer) -> None:
+    server.script(*[Reply(status=503, body={"error": "overloaded"}) for _ in range(3)])
+    server.script(Reply())  # would succeed, but must not be reached
     async with make_client(server, max_retries=2) as client:
         with pytest.raises(ModelHTTPError) as info:
             await client.chat(MESSAGES, model="m", sampling=Sampling())
@@ -456,8 +378,8 @@ async def test_openai_5xx_exhausts_retries(server: FakeOpenAI) -> None:
     assert "overloaded" in message
 
 
-async def test_openai_400_is_not_retried(server: FakeOpenAI) -> None:
-    server.plan(Planned(status=400, body={"error": {"message": "bad model name"}}), Planned())
+async def test_openai_400_is_not_retried(server: ChatServer) -> None:
+    server.script(Reply(status=400, body={"error": {"message": "bad model name"}}), Reply())
     async with make_client(server, max_retries=3) as client:
         with pytest.raises(ModelHTTPError) as info:
             await client.chat(MESSAGES, model="m", sampling=Sampling())
@@ -467,8 +389,8 @@ async def test_openai_400_is_not_retried(server: FakeOpenAI) -> None:
     assert len(server.received) == 1
 
 
-async def test_openai_timeout(server: FakeOpenAI) -> None:
-    server.plan(Planned(delay=5.0))
+async def test_openai_timeout(server: ChatServer) -> None:
+    server.script(Reply(delay=5.0))
     async with make_client(server, timeout=0.2, max_retries=0) as client:
         start = trio.current_time()
         with pytest.raises(ModelTimeoutError) as info:
@@ -481,8 +403,8 @@ async def test_openai_timeout(server: FakeOpenAI) -> None:
     assert len(server.received) == 1
 
 
-async def test_openai_timeout_then_retry_succeeds(server: FakeOpenAI) -> None:
-    server.plan(Planned(delay=5.0), Planned(body=completion_body("second try")))
+async def test_openai_timeout_then_retry_succeeds(server: ChatServer) -> None:
+    server.script(Reply(delay=5.0), Reply(body=completion_body("second try")))
     async with make_client(server, timeout=0.2, max_retries=1) as client:
         result = await client.chat(MESSAGES, model="m", sampling=Sampling())
     assert result.content == "second try"
@@ -519,8 +441,8 @@ async def test_openai_unreachable_server() -> None:
         [1, 2, 3],
     ],
 )
-async def test_openai_malformed_response(server: FakeOpenAI, body: Any) -> None:
-    server.plan(Planned(body=body))
+async def test_openai_malformed_response(server: ChatServer, body: Any) -> None:
+    server.script(Reply(body=body))
     async with make_client(server) as client:
         with pytest.raises(ModelResponseError, match="/v1/chat/completions"):
             await client.chat(MESSAGES, model="m", sampling=Sampling())
@@ -528,8 +450,8 @@ async def test_openai_malformed_response(server: FakeOpenAI, body: Any) -> None:
 
 
 @pytest.mark.parametrize("max_retries", [0, 3])
-async def test_openai_cancellation_propagates(server: FakeOpenAI, max_retries: int) -> None:
-    server.plan(Planned(delay=5.0))
+async def test_openai_cancellation_propagates(server: ChatServer, max_retries: int) -> None:
+    server.script(Reply(delay=5.0))
     seen: list[BaseException] = []
     async with make_client(server, max_retries=max_retries) as client:
 
@@ -543,7 +465,7 @@ async def test_openai_cancellation_propagates(server: FakeOpenAI, max_retries: i
         start = trio.current_time()
         async with trio.open_nursery() as nursery:
             nursery.start_soon(call)
-            await server.arrived.wait()  # the request is at the server: cancel it there
+            await server.wait_received()  # the request is at the server: cancel it there
             nursery.cancel_scope.cancel()
         elapsed = trio.current_time() - start
         assert len(seen) == 1
@@ -555,20 +477,20 @@ async def test_openai_cancellation_propagates(server: FakeOpenAI, max_retries: i
         assert result.content == "hello"
 
 
-async def test_openai_cancellation_during_backoff(server: FakeOpenAI) -> None:
-    server.plan(Planned(status=429, headers={"Retry-After": "10"}), Planned())
+async def test_openai_cancellation_during_backoff(server: ChatServer) -> None:
+    server.script(Reply(status=429, headers={"Retry-After": "10"}), Reply())
     async with make_client(server, max_retries=3) as client:
         start = trio.current_time()
         async with trio.open_nursery() as nursery:
             nursery.start_soon(partial(client.chat, MESSAGES, model="m", sampling=Sampling()))
-            await server.answered.wait()  # the 429 is sent: the client reads it, then waits 10 s
+            await server.wait_answered()  # the 429 is sent: the client reads it, then waits 10 s
             await trio.testing.wait_all_tasks_blocked()
             nursery.cancel_scope.cancel()
         assert trio.current_time() - start < 5.0  # not Retry-After's 10 s
     assert len(server.received) == 1
 
 
-async def test_openai_external_http_client_left_open(server: FakeOpenAI) -> None:
+async def test_openai_external_http_client_left_open(server: ChatServer) -> None:
     async with httpx.AsyncClient() as http:
         client = OpenAIClient(server.url, http_client=http)
         result = await client.chat(MESSAGES, model="m", sampling=Sampling())
@@ -577,7 +499,7 @@ async def test_openai_external_http_client_left_open(server: FakeOpenAI) -> None
         assert not http.is_closed
 
 
-async def test_openai_owned_http_client_closed(server: FakeOpenAI) -> None:
+async def test_openai_owned_http_client_closed(server: ChatServer) -> None:
     client = make_client(server)
     await client.chat(MESSAGES, model="m", sampling=Sampling())
     http = client._http
@@ -592,10 +514,10 @@ async def test_openai_owned_http_client_closed(server: FakeOpenAI) -> None:
 # ---------------------------------------------------------------------------------------
 
 
-async def test_5xx_exhaustion_is_recorded_on_the_episode(server: FakeOpenAI) -> None:
+async def test_5xx_exhaustion_is_recorded_on_the_episode(server: ChatServer) -> None:
     import trio_tasksets as tt
 
-    server.plan(*[Planned(status=502, body={"error": "bad gateway"}) for _ in range(2)])
+    server.script(*[Reply(status=502, body={"error": "bad gateway"}) for _ in range(2)])
     env = tt.Env(tt.testing.FeedTaskset())
     async with make_client(server, max_retries=1) as client:
         ctx = tt.ModelContext(client, "m")
@@ -607,10 +529,10 @@ async def test_5xx_exhaustion_is_recorded_on_the_episode(server: FakeOpenAI) -> 
     assert len(server.received) == 2
 
 
-async def test_a_429_then_success_is_one_ok_episode(server: FakeOpenAI) -> None:
+async def test_a_429_then_success_is_one_ok_episode(server: ChatServer) -> None:
     import trio_tasksets as tt
 
-    server.plan(Planned(status=429, headers={"Retry-After": "0"}), Planned())
+    server.script(Reply(status=429, headers={"Retry-After": "0"}), Reply())
     env = tt.Env(tt.testing.FeedTaskset())
     async with make_client(server, max_retries=2) as client:
         episode = await env.run_slot(
@@ -629,12 +551,12 @@ async def test_a_429_then_success_is_one_ok_episode(server: FakeOpenAI) -> None:
 
 
 async def test_limits_gate_each_attempt_and_a_rest_holds_no_connection(
-    server: FakeOpenAI,
+    server: ChatServer,
 ) -> None:
     """Each attempt goes through the endpoint's gate (a connection slot, then rpm) and
     reports its status (the adaptive window is cut by the 429); the wait before a retry
     happens outside the gate, holding no connection."""
-    server.plan(Planned(429, headers={"retry-after": "0.05"}), Planned(503), Planned())
+    server.script(Reply(429, headers={"retry-after": "0.05"}), Reply(503), Reply())
     limits = EndpointLimits(connections=AdaptiveBounds(1, 4, 8), rpm=60_000)
     assert limits.connections is not None
     window = limits.connections.window("k")
@@ -668,8 +590,8 @@ async def test_limits_gate_each_attempt_and_a_rest_holds_no_connection(
     assert rpm.calls == 3
 
 
-async def test_without_limits_each_attempt_still_reports_its_outcome(server: FakeOpenAI) -> None:
-    server.plan(Planned(429, headers={"retry-after": "0"}), Planned())
+async def test_without_limits_each_attempt_still_reports_its_outcome(server: ChatServer) -> None:
+    server.script(Reply(429, headers={"retry-after": "0"}), Reply())
     outcomes: list[Outcome] = []
 
     class Watch(CallObserver):
@@ -688,19 +610,19 @@ async def test_without_limits_each_attempt_still_reports_its_outcome(server: Fak
 # ---------------------------------------------------------------------------------------
 
 
-async def test_malformed_token_ids_are_a_response_error(server: FakeOpenAI) -> None:
+async def test_malformed_token_ids_are_a_response_error(server: ChatServer) -> None:
     body = completion_body("hi")
     body["choices"][0]["token_ids"] = ["not", "ids"]
-    server.plan(Planned(body=body))
+    server.script(Reply(body=body))
     async with make_client(server) as client:
         with pytest.raises(ModelResponseError, match="malformed token ids"):
             await client.chat(MESSAGES, model="m", sampling=Sampling(return_tokens=True))
 
 
-async def test_logprobs_alone_fill_the_tokens(server: FakeOpenAI) -> None:
+async def test_logprobs_alone_fill_the_tokens(server: ChatServer) -> None:
     body = completion_body("hi")
     body["choices"][0]["logprobs"] = {"content": [{"token": "hi", "logprob": -0.5}]}
-    server.plan(Planned(body=body))
+    server.script(Reply(body=body))
     async with make_client(server) as client:
         reply = await client.chat(MESSAGES, model="m", sampling=Sampling())
     assert reply.tokens is not None

@@ -1,8 +1,8 @@
 """The Redis Streams feed, results sink and worker (issue 6), against a real redis-server.
 
-The session starts its own `redis-server` on a free loopback port (no persistence) and stops it
-at the end; the restart test runs a second, persistent one (AOF) that it stops and starts on
-the same port. Workers are real processes (`python -m trio_tasksets worker`).
+The session's `redis-server` (tests/conftest.py: on free loopback ports, no persistence) serves
+most tests, each on streams of its own; the restart test runs a second, persistent one (AOF)
+that it stops and starts on the same port. Workers are real processes (`python -m trio_tasksets worker`).
 Every wait polls Redis state (XLEN, XPENDING, XINFO) or a worker's log under a deadline.
 """
 
@@ -23,9 +23,11 @@ from pathlib import Path
 from typing import Any, cast
 
 import attrs
+import forkserver
 import pytest
 import redis
 import trio
+from redis_server import RedisServer
 
 import trio_tasksets as tt
 from trio_tasksets.cli import main as cli_main
@@ -43,6 +45,7 @@ from trio_tasksets.testing import Gate
 from trio_tasksets.window import AdaptiveBounds
 
 REDIS_SERVER = shutil.which("redis-server")
+Server = RedisServer  # the name other test files import from here
 pytestmark = pytest.mark.skipif(
     REDIS_SERVER is None, reason="redis-server is not on PATH (apt-get install -y redis-server)"
 )
@@ -71,52 +74,10 @@ def until(predicate: Callable[[], bool], what: str, timeout: float = 20.0) -> No
         time.sleep(0.02)
 
 
-@attrs.define
-class Server:
-    """A redis-server process on a fixed port; `stop()` and `start()` again keep its data if
-    started with `persistent=True` (AOF, fsync always; SIGTERM makes it flush)."""
-
-    port: int
-    directory: Path
-    persistent: bool = False
-    process: subprocess.Popen[bytes] | None = None
-
-    @property
-    def url(self) -> str:
-        return f"redis://127.0.0.1:{self.port}/0"
-
-    def start(self) -> None:
-        assert REDIS_SERVER is not None
-        aof = ["--appendonly", "yes", "--appendfsync", "always"] if self.persistent else []
-        self.process = subprocess.Popen(
-            [REDIS_SERVER, "--port", str(self.port), "--bind", "127.0.0.1", "--save", "",
-             "--appendonly", "no", *aof, "--dir", str(self.directory)],
-            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-        )  # fmt: skip
-        client = redis.Redis.from_url(self.url, socket_timeout=1.0)
-        until(lambda: _pings(client), f"redis-server on port {self.port}", timeout=10)
-        client.close()
-
-    def stop(self) -> None:
-        if self.process is not None and self.process.poll() is None:
-            self.process.terminate()
-            self.process.wait(timeout=10)
-        self.process = None
-
-
-def _pings(client: redis.Redis) -> bool:
-    try:
-        return bool(client.ping())
-    except redis.RedisError:
-        return False
-
-
-@pytest.fixture(scope="session")
-def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
-    srv = Server(_free_port(), tmp_path_factory.mktemp("redis"))
-    srv.start()
-    yield srv
-    srv.stop()
+@pytest.fixture
+def server(redis_server: Server) -> Server:
+    """The session's redis-server (tests/conftest.py)."""
+    return redis_server
 
 
 @pytest.fixture
@@ -211,7 +172,7 @@ def workers(tmp_path: Path) -> Iterator[Callable[..., Worker]]:
         log_path = tmp_path / f"{consumer}.log"
         command = WORKER if taskset is None else [*ENV_WORKER, taskset]
         with log_path.open("wb") as log:
-            process = subprocess.Popen(
+            process = forkserver.popen(
                 [*command, "--feed", url, "--stream", names.stream, "--group", names.group,
                  "--results", names.results, "--consumer", consumer, *options],
                 stdout=subprocess.DEVNULL, stderr=log,
@@ -982,7 +943,7 @@ def test_eval_via_two_worker_processes_gives_every_row_with_at_most_c_outstandin
     argv = eval_via(
         server.url, names, tmp_path, "-n", "40", "-r", "2", "-c", "4", "--run-name", "via"
     )
-    coordinator = subprocess.Popen(argv, stderr=subprocess.PIPE, text=True)
+    coordinator = forkserver.popen(argv, stderr=subprocess.PIPE, text=True)
     most = 0
     while coordinator.poll() is None:  # XLEN: this eval's entries enqueued and unanswered
         most = max(most, int(r.xlen(names.stream)))
@@ -1014,14 +975,14 @@ def test_eval_via_resumed_after_the_coordinator_is_killed_runs_exactly_the_owed_
         server.url, names, tmp_path, "-n", "40", "-r", "2", "-c", "4", "--run-name", "run"
     )
     traces = tmp_path / "run" / "traces.jsonl"
-    first = subprocess.Popen(argv, stderr=subprocess.DEVNULL)
+    first = forkserver.popen(argv, stderr=subprocess.DEVNULL)
     until(lambda: traces.exists() and len(traces.read_bytes().splitlines()) >= 20, "20 rows")
     first.kill()  # SIGKILL: no clean-up at all
     first.wait()
     before = {row["id"] for row in read_rows(traces)[0] if row.get("ok")}
     kept = len(before)
     assert 20 <= kept < 80
-    second = subprocess.run([*argv, "--resume"], stderr=subprocess.PIPE, text=True, timeout=60)
+    second = forkserver.run([*argv, "--resume"], stderr=subprocess.PIPE, text=True, timeout=60)
     assert second.returncode == 0, second.stderr
     rows = trace_rows(tmp_path / "run")
     assert len(rows) == 80
@@ -1078,7 +1039,7 @@ def test_ctrl_c_on_eval_via_leaves_nothing_for_workers_and_exits_130(
     server: Server, r: redis.Redis, names: Names, tmp_path: Path
 ) -> None:
     argv = eval_via(server.url, names, tmp_path, "-n", "5", "-c", "3", "--run-name", "stop")
-    coordinator = subprocess.Popen(argv, stderr=subprocess.PIPE, text=True)
+    coordinator = forkserver.popen(argv, stderr=subprocess.PIPE, text=True)
     until(lambda: r.xlen(names.stream) == 3, "3 slots enqueued (no worker runs them)")
     coordinator.send_signal(signal.SIGINT)
     _, err = coordinator.communicate(timeout=20)

@@ -13,6 +13,7 @@ import threading
 from collections.abc import Callable
 from pathlib import Path
 
+import forkserver
 import pytest
 import trio
 
@@ -161,7 +162,7 @@ def streams_answer_ok(command: list[bytes], n: int) -> bytes:
 
 
 def run_cli(tmp_path: Path, *argv: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
+    return forkserver.run(
         [sys.executable, "-m", "trio_tasksets", *argv],
         capture_output=True, text=True, timeout=60, cwd=tmp_path,
         env={**os.environ, "COLUMNS": "200"},

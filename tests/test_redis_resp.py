@@ -5,19 +5,14 @@ What it wrote is checked with redis-py, a client we did not write."""
 from __future__ import annotations
 
 import shutil
-import socket
 import ssl
-import subprocess
 import sys
-import time
-from collections.abc import Iterator
 from pathlib import Path
 
-import attrs
+import forkserver
 import pytest
-import redis
 import trio
-import trustme
+from redis_server import RedisServer, free_port
 
 from trio_tasksets.redis.link import Link, server_run_id
 from trio_tasksets.redis.resp import Address, Connection, ReplyError, Unreachable, pack
@@ -30,64 +25,15 @@ USER, PASSWORD = "alice", "s3cret:@/%"  # characters a URL must escape
 ESCAPED = "s3cret%3A%40%2F%25"
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-@attrs.frozen
-class Servers:
-    port: int
-    tls_port: int
-    unix: Path
-    ca: Path
-
-    @property
-    def url(self) -> str:
-        return f"redis://127.0.0.1:{self.port}"
-
-    def client(self, db: int = 0) -> redis.Redis:
-        return redis.Redis(port=self.port, db=db)
-
-
 @pytest.fixture(scope="module")
-def servers(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Servers]:
-    """One redis-server listening on TCP, TLS and a unix socket, with an ACL user."""
-    if REDIS_SERVER is None:
-        pytest.skip("redis-server is not on PATH")
-    d = tmp_path_factory.mktemp("resp")
-    ca = trustme.CA()
-    cert = ca.issue_cert("127.0.0.1", "localhost")
-    cert.private_key_pem.write_to_path(d / "key.pem")
-    cert.cert_chain_pems[0].write_to_path(d / "cert.pem")
-    ca.cert_pem.write_to_path(d / "ca.pem")
-    found = Servers(_free_port(), _free_port(), d / "redis.sock", d / "ca.pem")
-    process = subprocess.Popen(
-        [REDIS_SERVER, "--port", str(found.port), "--bind", "127.0.0.1", "--save", "",
-         "--appendonly", "no", "--dir", str(d), "--unixsocket", str(found.unix),
-         "--tls-port", str(found.tls_port), "--tls-cert-file", str(d / "cert.pem"),
-         "--tls-key-file", str(d / "key.pem"), "--tls-ca-cert-file", str(d / "ca.pem"),
-         "--tls-auth-clients", "no"],
-        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-    )  # fmt: skip
-    client = found.client()
-    deadline = time.monotonic() + 10
-    while True:
-        try:
-            client.ping()
-            break
-        except redis.ConnectionError:
-            if time.monotonic() > deadline:
-                process.kill()
-                pytest.fail("redis-server did not start")
-            time.sleep(0.02)
+def servers(redis_server: RedisServer) -> RedisServer:
+    """The session's redis-server (TCP, TLS with a trustme CA, a unix socket), with an ACL
+    user added."""
+    client = redis_server.client()
     client.acl_setuser(USER, enabled=True, passwords=[f"+{PASSWORD}"], keys="*",
                        commands=["+@all"])  # fmt: skip
     client.close()
-    yield found
-    process.terminate()
-    process.wait(timeout=10)
+    return redis_server
 
 
 # --- URLs ---------------------------------------------------------------------------------------
@@ -138,7 +84,7 @@ def test_pack_is_binary_safe() -> None:
 
 
 @needs_server
-async def test_commands_pipelines_and_errors(servers: Servers) -> None:
+async def test_commands_pipelines_and_errors(servers: RedisServer) -> None:
     connection = await Connection.open(Address.parse(servers.url))
     try:
         value = "é\r\n✓ " * 1000
@@ -161,7 +107,7 @@ async def test_commands_pipelines_and_errors(servers: Servers) -> None:
 
 
 @needs_server
-async def test_invalid_utf8_is_replaced_not_fatal(servers: Servers) -> None:
+async def test_invalid_utf8_is_replaced_not_fatal(servers: RedisServer) -> None:
     servers.client().set("resp:bytes", b"ok\xff\xfe")
     connection = await Connection.open(Address.parse(servers.url))
     try:
@@ -171,7 +117,7 @@ async def test_invalid_utf8_is_replaced_not_fatal(servers: Servers) -> None:
 
 
 @needs_server
-async def test_transaction_runs_together_or_not_at_all(servers: Servers) -> None:
+async def test_transaction_runs_together_or_not_at_all(servers: RedisServer) -> None:
     plain = servers.client()
     plain.delete("resp:s", "resp:str")
     plain.set("resp:str", "v")
@@ -200,7 +146,7 @@ async def test_transaction_runs_together_or_not_at_all(servers: Servers) -> None
 
 
 @needs_server
-async def test_db_and_acl_login(servers: Servers) -> None:
+async def test_db_and_acl_login(servers: RedisServer) -> None:
     url = f"redis://{USER}:{ESCAPED}@127.0.0.1:{servers.port}/3"
     connection = await Connection.open(Address.parse(url))
     try:
@@ -213,7 +159,7 @@ async def test_db_and_acl_login(servers: Servers) -> None:
 
 
 @needs_server
-async def test_refused_login_is_raised_not_retried(servers: Servers) -> None:
+async def test_refused_login_is_raised_not_retried(servers: RedisServer) -> None:
     url = f"redis://{USER}:wrong@127.0.0.1:{servers.port}/0"
     with pytest.raises(ReplyError, match="WRONGPASS"):
         await Connection.open(Address.parse(url))
@@ -231,7 +177,7 @@ async def test_refused_login_is_raised_not_retried(servers: Servers) -> None:
 
 
 @needs_server
-async def test_unix_socket_and_tls(servers: Servers) -> None:
+async def test_unix_socket_and_tls(servers: RedisServer) -> None:
     for url in (
         f"unix://{servers.unix}?db=1",
         f"rediss://127.0.0.1:{servers.tls_port}/1?ssl_ca_certs={servers.ca}",
@@ -249,7 +195,9 @@ async def test_unix_socket_and_tls(servers: Servers) -> None:
 
 
 @needs_server
-async def test_cancelled_call_closes_its_connection_and_the_link_goes_on(servers: Servers) -> None:
+async def test_cancelled_call_closes_its_connection_and_the_link_goes_on(
+    servers: RedisServer,
+) -> None:
     link = Link(servers.url, read_timeout=30.0, log=print)
     held: list[Connection] = []
 
@@ -274,7 +222,7 @@ async def test_cancelled_call_closes_its_connection_and_the_link_goes_on(servers
 
 
 @needs_server
-async def test_an_attempt_not_abandoned_runs_to_its_end(servers: Servers) -> None:
+async def test_an_attempt_not_abandoned_runs_to_its_end(servers: RedisServer) -> None:
     link = Link(servers.url, read_timeout=5.0, log=print)
 
     async def slow(connection: Connection, _attempt: int) -> object:
@@ -348,7 +296,7 @@ async def test_a_server_that_hangs_up_or_talks_nonsense(
 async def test_nothing_listening_is_unreachable_and_the_link_retries(
     autojump_clock: trio.testing.MockClock,
 ) -> None:
-    port = _free_port()
+    port = free_port()
     with pytest.raises(Unreachable, match=r"cannot connect to 127\.0\.0\.1"):
         await Connection.open(Address.parse(f"redis://127.0.0.1:{port}"))
     logged: list[str] = []
@@ -364,7 +312,7 @@ async def test_nothing_listening_is_unreachable_and_the_link_retries(
 
 
 @needs_server
-async def test_an_idle_connection_redis_dropped_is_replaced_quietly(servers: Servers) -> None:
+async def test_an_idle_connection_redis_dropped_is_replaced_quietly(servers: RedisServer) -> None:
     logged: list[str] = []
     link = Link(servers.url, read_timeout=5.0, log=logged.append)
     used: list[Connection] = []
@@ -397,10 +345,10 @@ async def test_an_idle_connection_redis_dropped_is_replaced_quietly(servers: Ser
     ],
 )  # fmt: skip
 def test_a_refused_login_exits_2_naming_the_flag_and_the_fix(
-    servers: Servers, command: list[str], tmp_path: Path
+    servers: RedisServer, command: list[str], tmp_path: Path
 ) -> None:
     url = f"redis://{USER}:not-it@127.0.0.1:{servers.port}/0"
-    done = subprocess.run(
+    done = forkserver.run(
         [sys.executable, "-m", "trio_tasksets", *command, url],
         capture_output=True, text=True, timeout=60, cwd=tmp_path,
     )  # fmt: skip

@@ -9,7 +9,6 @@ import math
 import re
 import shutil
 import statistics
-import subprocess
 import sys
 import tempfile
 from collections.abc import Iterable, Iterator
@@ -17,6 +16,7 @@ from html.parser import HTMLParser
 from pathlib import Path
 from typing import Any
 
+import forkserver
 import pytest
 import trio
 from trio.testing import MockClock
@@ -486,13 +486,13 @@ def test_cli_report_bad_paths_exit_2_with_a_clear_message(
 
 
 def test_the_report_command_is_wired_into_python_m_trio_tasksets(graded: Path) -> None:
-    done = subprocess.run(
+    done = forkserver.run(
         [sys.executable, "-m", "trio_tasksets", "report", str(graded)],
         capture_output=True, text=True, timeout=60,
     )  # fmt: skip
     assert done.returncode == 0, done.stderr
     assert done.stdout.strip() == str(graded / "report.html")
-    missing = subprocess.run(
+    missing = forkserver.run(
         [sys.executable, "-m", "trio_tasksets", "report", str(graded / "nope")],
         capture_output=True, text=True, timeout=60,
     )  # fmt: skip

@@ -13,6 +13,7 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
+import forkserver
 import pytest
 import trio
 
@@ -30,14 +31,14 @@ def command(tmp_path: Path, *args: str) -> list[str]:
 
 
 def start(tmp_path: Path, *args: str) -> subprocess.Popen[str]:
-    return subprocess.Popen(
+    return forkserver.popen(
         command(tmp_path, *args), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
         cwd=tmp_path,
     )  # fmt: skip
 
 
 def run(tmp_path: Path, *args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
+    return forkserver.run(
         command(tmp_path, *args), capture_output=True, text=True, timeout=60, cwd=tmp_path
     )
 

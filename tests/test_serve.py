@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Any
 
 import attrs
+import forkserver
 import httpx
 import orjson
 import pytest
@@ -75,7 +76,7 @@ def start_server(*args: str, token: bool = True) -> tuple[subprocess.Popen[str],
     refused request) goes to a file, which no test has to drain."""
     extra = ["--token-var", TOKEN_VAR] if token else []
     with tempfile.TemporaryFile() as stderr:  # the child keeps its own descriptor
-        proc = subprocess.Popen(
+        proc = forkserver.popen(
             [sys.executable, "-m", "trio_tasksets", "serve", *args, "--port", "0", *extra],
             stdout=subprocess.PIPE, stderr=stderr, text=True,
             env={**os.environ, TOKEN_VAR: TOKEN},
@@ -107,7 +108,7 @@ def run_eval_cli(
     tmp_path: Path, *args: str, timeout: float = 60
 ) -> subprocess.CompletedProcess[str]:
     env = {**os.environ, "TT_PULL_LOG": str(tmp_path / "pulls.log")}
-    return subprocess.run(
+    return forkserver.run(
         eval_command(tmp_path, *args), capture_output=True, text=True, timeout=timeout, env=env,
         cwd=tmp_path,
     )  # fmt: skip
@@ -620,11 +621,11 @@ async def test_the_http_transport_still_runs_slots(server: str) -> None:
 
 def test_a_non_loopback_bind_needs_a_token() -> None:
     serve = [sys.executable, "-m", "trio_tasksets", "serve", "echo", "--port", "0"]
-    done = subprocess.run([*serve, "--host", "0.0.0.0"], capture_output=True, text=True, timeout=30)
+    done = forkserver.run([*serve, "--host", "0.0.0.0"], capture_output=True, text=True, timeout=30)
     assert done.returncode == 2
     assert "--token-var" in done.stderr
     env = {k: v for k, v in os.environ.items() if k != "TT_SURELY_UNSET"}
-    done = subprocess.run(
+    done = forkserver.run(
         [*serve, "--host", "0.0.0.0", "--token-var", "TT_SURELY_UNSET"],
         capture_output=True, text=True, timeout=30, env=env,
     )  # fmt: skip
@@ -633,7 +634,7 @@ def test_a_non_loopback_bind_needs_a_token() -> None:
 
 
 def test_a_pool_started_by_hand_serves_and_stops_cleanly_on_sigterm() -> None:
-    proc = subprocess.Popen(
+    proc = forkserver.popen(
         [sys.executable, "-m", "trio_tasksets", "serve", "echo", "--port", "0", "--workers", "2"],
         stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
     )  # fmt: skip
@@ -696,7 +697,7 @@ def test_server_url_checks_the_token_and_the_taskset_before_any_slot(
     assert done.returncode == 1
     assert f"env server {server} answered GET /health with HTTP 401" in done.stderr
     env = {**os.environ, TOKEN_VAR: TOKEN}
-    done = subprocess.run(
+    done = forkserver.run(
         eval_command(tmp_path, f"{FEEDS}:Numbers", "-n", "2", "--server-url", server,
                      "--token-var", TOKEN_VAR, "--run-name", "m"),
         capture_output=True, text=True, timeout=60, env=env,
@@ -714,7 +715,7 @@ def test_killing_the_server_mid_run_ends_the_eval_with_an_error_naming_it(
         traces = tmp_path / "out" / "k" / "traces.jsonl"
         args = (f"{FEEDS}:Numbers", "-n", "200", "-c", "4", "--echo-delay", "0.05",
                 "--server-url", url, "--token-var", TOKEN_VAR, "--run-name", "k")  # fmt: skip
-        run = subprocess.Popen(
+        run = forkserver.popen(
             eval_command(tmp_path, *args), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
             text=True, env={**os.environ, TOKEN_VAR: TOKEN},
         )  # fmt: skip
@@ -734,7 +735,7 @@ def test_the_server_children_die_when_the_eval_is_sigkilled(tmp_path: Path) -> N
     traces = tmp_path / "out" / "p" / "traces.jsonl"
     args = (f"{FEEDS}:Numbers", "-n", "200", "-c", "4", "--echo-delay", "0.05", "--serve",
             "--workers", "2", "--run-name", "p")  # fmt: skip
-    run = subprocess.Popen(
+    run = forkserver.popen(
         eval_command(tmp_path, *args), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
     )
     try:

@@ -9,25 +9,23 @@ write their stderr (one line per refused request) to a file the tests read.
 from __future__ import annotations
 
 import contextlib
-import json
 import os
 import random
-import select
 import socket
 import stat
-import subprocess
 import sys
-import threading
 from collections.abc import AsyncIterator, Callable, Iterator
-from functools import partial
 from pathlib import Path
 from typing import Any
 
 import attrs
+import forkserver
 import httpx
 import orjson
 import pytest
 import trio
+from chat_server import ChatServer
+from env_server import EnvServer, start_env_server
 from hypercorn.config import Config
 from hypercorn.trio import serve
 from wsproto import ConnectionType, WSConnection
@@ -60,58 +58,16 @@ TOKEN_VAR = "TT_TEST_SECURITY_TOKEN"
 SECRET = "s3cret-that-must-not-leave"
 KEY = "model-key-0123"
 RSS_BOUND_MB = 100  # what a client that never reads may add to a server's resident memory
+Server = EnvServer  # the name other test files import from here
 
 
 # --- servers ---------------------------------------------------------------------------------
 
 
-@attrs.define
-class Server:
-    """A `trio-tasksets serve` process, its URL and its stderr file."""
-
-    proc: subprocess.Popen[str]
-    url: str
-    log: Path
-
-    @property
-    def port(self) -> int:
-        return int(self.url.rsplit(":", 1)[1])
-
-    @property
-    def pid(self) -> int:
-        return self.proc.pid
-
-    def refusals(self) -> list[str]:
-        return [line for line in self.log.read_text().splitlines() if " refused " in line]
-
-    def stop(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(timeout=10)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
-        if self.proc.stdout is not None:
-            self.proc.stdout.close()
-
-
 def start(log: Path, *args: str, token: bool = False, env: dict[str, str] | None = None) -> Server:
     """`trio-tasksets serve echo ARGS` on 127.0.0.1 and a free port."""
     extra = ["--token-var", TOKEN_VAR] if token else []
-    with log.open("w") as stderr:
-        proc = subprocess.Popen(
-            [sys.executable, "-m", "trio_tasksets", "serve", "echo", "--port", "0", *extra, *args],
-            stdout=subprocess.PIPE, stderr=stderr, text=True,
-            env={**os.environ, TOKEN_VAR: TOKEN, **(env or {})},
-        )  # fmt: skip
-    assert proc.stdout is not None
-    ready, _, _ = select.select([proc.stdout], [], [], 30)
-    line = proc.stdout.readline().strip() if ready else ""
-    if not line.startswith("serving on http://127.0.0.1:"):
-        proc.kill()
-        raise AssertionError(f"the server did not start: {line!r} {log.read_text()}")
-    return Server(proc, line.removeprefix("serving on "), log)
+    return start_env_server(log, "echo", *extra, *args, env={TOKEN_VAR: TOKEN, **(env or {})})
 
 
 @pytest.fixture(scope="module")
@@ -244,60 +200,13 @@ def run_item(ident: int | str, body: object) -> dict[str, Any]:
 # --- the fake model endpoint, and a listener that must hear nothing ----------------------------
 
 
-@attrs.define
-class FakeOpenAI:
-    """An OpenAI-compatible endpoint on 127.0.0.1 in a thread of its own (so that servers
-    started once per module can be told its URL): answers every request with a completion
-    and records each request's headers."""
-
-    url: str = ""
-    received: list[dict[str, str]] = attrs.field(factory=list)
-
-    async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
-        if scope["type"] == "lifespan":
-            while (await receive())["type"] != "lifespan.shutdown":
-                await send({"type": "lifespan.startup.complete"})
-            await send({"type": "lifespan.shutdown.complete"})
-            return
-        while (await receive()).get("more_body", False):
-            pass
-        headers = {k.decode(): v.decode() for k, v in scope["headers"]}
-        self.received.append(headers)
-        body = {"choices": [{"message": {"role": "assistant", "content": "hi"},
-                             "finish_reason": "stop"}], "usage": {}}  # fmt: skip
-        await send({"type": "http.response.start", "status": 200,
-                    "headers": [(b"content-type", b"application/json")]})  # fmt: skip
-        await send({"type": "http.response.body", "body": json.dumps(body).encode()})
-
-
 @pytest.fixture(scope="module")
-def openai() -> Iterator[FakeOpenAI]:
-    app = FakeOpenAI()
-    ready = threading.Event()
-    handles: dict[str, Any] = {}
-
-    async def main() -> None:
-        config = Config()
-        config.bind = ["127.0.0.1:0"]
-        config.accesslog = None
-        config.loglevel = "WARNING"
-        config.keep_alive_timeout = 300  # longer than the clients' keep-alive: they close first
-        stop = trio.Event()
-        handles.update(token=trio.lowlevel.current_trio_token(), stop=stop)
-        async with trio.open_nursery() as nursery:
-            asgi: Any = app
-            binds = await nursery.start(partial(serve, asgi, config, shutdown_trigger=stop.wait))
-            app.url = binds[0] + "/v1"
-            ready.set()
-
-    thread = threading.Thread(target=trio.run, args=(main,), daemon=True)
-    thread.start()
-    assert ready.wait(20), "the fake model endpoint did not start"
-    try:
-        yield app
-    finally:
-        handles["token"].run_sync_soon(handles["stop"].set)
-        thread.join(10)
+def openai() -> Iterator[ChatServer]:
+    """The suite's fake model endpoint, one for the module (servers started once per module
+    are told its URL), answering "hi" with no usage. Its threads keep a connection open as
+    long as the client does: the clients close first."""
+    with ChatServer(answer=lambda _: "hi", usage={}) as chat:
+        yield chat
 
 
 @contextlib.contextmanager
@@ -324,7 +233,7 @@ def silent_listener() -> Iterator[tuple[str, Callable[[], int]]]:
 
 
 @pytest.fixture(scope="module")
-def guarded(openai: FakeOpenAI, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
+def guarded(openai: ChatServer, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
     """May reach the fake endpoint only, with the key in TT_TEST_KEY; holds a secret too."""
     server = start(
         tmp_path_factory.mktemp("guarded") / "stderr",
@@ -481,7 +390,7 @@ async def test_evicted_model_clients_are_closed_once_no_run_uses_them() -> None:
 
 
 async def test_a_run_cannot_send_a_server_secret_to_an_endpoint_it_names(
-    guarded: Server, basic: Server, openai: FakeOpenAI
+    guarded: Server, basic: Server, openai: ChatServer
 ) -> None:
     """The exfiltration of issue 11: a run names a secret variable and a listener. Refused
     with 403 naming the flag, on POST /run and on the WebSocket, before any outbound
@@ -520,11 +429,11 @@ async def test_a_run_cannot_send_a_server_secret_to_an_endpoint_it_names(
     assert response.status_code == 200, response.text
     assert response.json()["completion"] == "hi"
     sent = openai.received[before:]
-    assert [h.get("authorization") for h in sent] == [f"Bearer {KEY}"]
-    assert all(SECRET not in value for h in sent for value in h.values())
+    assert [r.headers.get("authorization") for r in sent] == [f"Bearer {KEY}"]
+    assert all(SECRET not in value for r in sent for value in r.headers.values())
     keyless = await post_run(guarded, openai_request(openai.url, None))
     assert keyless.status_code == 200
-    assert "authorization" not in openai.received[-1]
+    assert "authorization" not in openai.received[-1].headers
 
 
 # --- who may talk to the server ----------------------------------------------------------------
@@ -645,7 +554,7 @@ def test_a_server_refuses_to_start_with_an_unsafe_or_bad_flag(
     args: list[str], env: dict[str, str], needle: str
 ) -> None:
     environ = {k: v for k, v in os.environ.items() if k != "TT_SURELY_UNSET"}
-    done = subprocess.run(
+    done = forkserver.run(
         [sys.executable, "-m", "trio_tasksets", "serve", "echo", "--port", "0", *args],
         capture_output=True, text=True, timeout=60, env={**environ, **env},
     )  # fmt: skip
@@ -747,7 +656,7 @@ async def test_a_client_that_never_reads_cannot_grow_the_server(tmp_path: Path) 
 
 
 async def test_a_thousand_model_client_descriptions_keep_fds_and_memory_bounded(
-    guarded: Server, openai: FakeOpenAI
+    guarded: Server, openai: ChatServer
 ) -> None:
     """Issue 11: 1,000 descriptions differing only in `timeout` took 860 MB and 1,000 fds.
     They now share the endpoint's connection pool, and at most 16 clients are kept."""
@@ -1200,7 +1109,7 @@ def test_a_rewrite_keeps_the_files_mode(tmp_path: Path, mode: int) -> None:
 
 
 async def test_a_serve_eval_reaches_its_own_endpoint_with_its_key(
-    openai: FakeOpenAI, tmp_path: Path
+    openai: ChatServer, tmp_path: Path
 ) -> None:
     """`--serve` starts its child with --allow-base-url (the eval's endpoint) and
     --api-key-var TT_SERVE_API_KEY (the eval's key, in the child's environment only)."""
@@ -1214,4 +1123,4 @@ async def test_a_serve_eval_reaches_its_own_endpoint_with_its_key(
     assert all(e.ok and e.completion == "hi" for e in result.episodes)
     sent = openai.received[before:]
     assert len(sent) == len(result.episodes)
-    assert {h.get("authorization") for h in sent} == {"Bearer eval-key"}
+    assert {r.headers.get("authorization") for r in sent} == {"Bearer eval-key"}

@@ -8,12 +8,14 @@ import subprocess
 import sys
 from pathlib import Path
 
+import forkserver
+
 ROOT = Path(__file__).resolve().parent.parent
 SERVICE = [sys.executable, str(ROOT / "examples" / "service.py"), "--gap", "0.02"]
 
 
 def test_service_publishes_a_bounded_number_of_episodes() -> None:
-    done = subprocess.run(
+    done = forkserver.run(
         [*SERVICE, "--max-episodes", "5", "-c", "3"], capture_output=True, text=True, timeout=60
     )
     assert done.returncode == 0, done.stderr
@@ -24,7 +26,7 @@ def test_service_publishes_a_bounded_number_of_episodes() -> None:
 
 
 def test_sigterm_stops_pulling_finishes_in_flight_and_exits_0() -> None:
-    proc = subprocess.Popen(
+    proc = forkserver.popen(
         [*SERVICE, "-c", "4"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
     )
     assert proc.stdout is not None

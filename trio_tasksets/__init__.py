@@ -1,20 +1,28 @@
 """trio_tasksets: streaming tasksets and a windowed runner on Trio.
 
-The flat public API (SPEC): the runner (`run_stream`, `as_completed`, `take`, `merge`,
-`fan_out`),
-tasksets (`Task`, `TasksetConfig`, `Taskset`), envs and models (`Env`, `RunSlot`, `Episode`,
+The flat public API (SPEC, and every name the docs use): the runner (`run_stream`,
+`as_completed`, `take`, `merge`, `fan_out`), tasksets (`Task`, `TasksetConfig`, `Taskset`, the
+built-in `EchoTaskset` and `EchoStreamTaskset`), envs and models (`Env`, `RunSlot`, `Episode`,
 `RetryPolicy`, `Sampling`, `ModelContext`, `Completion`, `ToolCall`, `EchoClient`,
-`OpenAIClient`), agents (`tool`, `Tool`, `ToolEnv`, `fan_out`), the served path's
-`EnvClient` and the eval
-(`EvalConfig`, `run_eval`, `EvalResult`). Every exception the library defines is a
-`TrioTasksetsError` (the tree: `trio_tasksets._exceptions`); a bad setting is a `ConfigError`.
-Submodules: `testing` (helpers for deterministic tests, `ScriptedClient`), `tools`
-(`tools.shell`) and `aio` (the asyncio bridge).
+`OpenAIClient` and its `HTTPClient`, the model errors), agents (`tool`, `Tool`, `ToolEnv`,
+`fan_out`), windows and limits on model calls (`Window`, `AdaptiveWindow`, `AdaptiveBounds`,
+`EndpointLimits`, `RateLimiter`; for a model client of your own `report_outcome`, `rest`,
+`observe_calls`; for a tool runner `parked`, `report_progress`), the served path (`EnvClient`,
+`EnvServerError`, `spawn_server`) and the eval (`EvalConfig`, `run_eval`, `EvalResult`,
+`report`). Every exception the library defines is a `TrioTasksetsError` (the tree:
+`trio_tasksets._exceptions`); a bad setting is a `ConfigError`.
+
+Public submodules: `aio` (the asyncio bridge), `testing` (helpers for deterministic tests,
+`ScriptedClient`), `tools` (`tools.shell`) and `trio_tasksets.redis` (the Redis feed, imported
+by name). The `__all__` of each is its public API, pinned by `tests/test_exports.py`; every
+other module is an implementation detail that a 0.x release may move or make private
+(CHANGELOG.md).
 """
 
 from . import aio, testing, tools
 from ._exceptions import ConfigError, TrioTasksetsError
 from .agents import ToolEnv
+from .builtin import EchoStreamConfig, EchoStreamTaskset, EchoTaskset
 from .env import (
     Env,
     Episode,
@@ -27,6 +35,16 @@ from .env import (
 )
 from .eval import EvalConfig, EvalConfigError, EvalResult, run_eval
 from .eval.report import report
+from .limits import (
+    CallObserver,
+    EndpointLimits,
+    RateLimiter,
+    observe_calls,
+    parked,
+    report_outcome,
+    report_progress,
+    rest,
+)
 from .models import (
     Completion,
     EchoClient,
@@ -41,29 +59,39 @@ from .models import (
     Sampling,
     Tokens,
     ToolCall,
+    api_key_from_env,
 )
 from .runner import as_completed, fan_out, run_stream
-from .serve import EnvClient
+from .serve import EnvClient, EnvServerError, spawn_server
 from .sources import merge, take
 from .tasksets import Task, Taskset, TasksetConfig
 from .tools import Tool, tool
 from .training import Staleness, first
+from .transport import HTTPClient, Timeouts
 from .version import __version__
-from .window import AdaptiveWindow, Window
+from .window import AdaptiveBounds, AdaptiveWindow, Window, build_window, parse_window
 
 __all__ = [
+    "AdaptiveBounds",
     "AdaptiveWindow",
+    "CallObserver",
     "Completion",
     "ConfigError",
     "EchoClient",
+    "EchoStreamConfig",
+    "EchoStreamTaskset",
+    "EchoTaskset",
+    "EndpointLimits",
     "Env",
     "EnvClient",
+    "EnvServerError",
     "Episode",
     "EpisodeError",
     "EpisodeTask",
     "EvalConfig",
     "EvalConfigError",
     "EvalResult",
+    "HTTPClient",
     "ModelClient",
     "ModelConnectionError",
     "ModelContext",
@@ -72,6 +100,7 @@ __all__ = [
     "ModelResponseError",
     "ModelTimeoutError",
     "OpenAIClient",
+    "RateLimiter",
     "RetryPolicy",
     "RolloutTimeoutError",
     "RunSlot",
@@ -81,6 +110,7 @@ __all__ = [
     "Task",
     "Taskset",
     "TasksetConfig",
+    "Timeouts",
     "Tokens",
     "Tool",
     "ToolCall",
@@ -89,13 +119,22 @@ __all__ = [
     "Window",
     "__version__",
     "aio",
+    "api_key_from_env",
     "as_completed",
+    "build_window",
     "fan_out",
     "first",
     "merge",
+    "observe_calls",
+    "parked",
+    "parse_window",
     "report",
+    "report_outcome",
+    "report_progress",
+    "rest",
     "run_eval",
     "run_stream",
+    "spawn_server",
     "take",
     "testing",
     "tool",

@@ -1,0 +1,54 @@
+"""Fixtures shared by the test files.
+
+- `chat`: the suite's one fake OpenAI-compatible model server (`tests/fixtures/chat_server.py`),
+  a fresh one per test on a free port of 127.0.0.1, scripted through its attributes and
+  `script(...)` (latency, statuses, Retry-After, a capacity, what it answers). A module that
+  needs one server for several tests starts a `ChatServer` in a module-scoped fixture.
+- `redis_server`: one real `redis-server` for the session (`tests/fixtures/redis_server.py`),
+  on free ports: TCP, TLS and a unix socket. Tests share it, so each uses keys of its own
+  (a uuid prefix) and never flushes it; a test that stops a server starts its own.
+- `trio-tasksets serve` processes: `start_env_server` of `tests/fixtures/env_server.py`.
+- Python commands (`python -m trio_tasksets ...`, `python FILE.py`): `forkserver.run` /
+  `forkserver.popen` (`tests/fixtures/forkserver.py`) fork them from a Python that imported
+  trio_tasksets once, instead of paying the interpreter's start-up each time.
+
+The suite runs on two workers (`pytest -n 2`, pytest-xdist): session fixtures are per worker.
+
+`tests/fixtures` is put on `sys.path` here, so that test files import these helpers by their
+module names (``from chat_server import ChatServer``), as the fixture processes do.
+"""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+FIXTURES = Path(__file__).resolve().parent / "fixtures"
+if str(FIXTURES) not in sys.path:
+    sys.path.insert(0, str(FIXTURES))
+
+from chat_server import ChatServer  # noqa: E402
+from redis_server import REDIS_SERVER, RedisServer  # noqa: E402
+
+
+@pytest.fixture
+def chat() -> Iterator[ChatServer]:
+    """A fake OpenAI-compatible server for this test (`chat.url` is its base URL)."""
+    with ChatServer() as server:
+        yield server
+
+
+@pytest.fixture(scope="session")
+def redis_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RedisServer]:
+    """The session's redis-server (skips the test when redis-server is not installed)."""
+    if REDIS_SERVER is None:
+        pytest.skip("redis-server is not on PATH (apt-get install -y redis-server)")
+    server = RedisServer.on_free_ports(tmp_path_factory.mktemp("redis"), tls=True, unix=True)
+    server.start()
+    try:
+        yield server
+    finally:
+        server.stop()
