@@ -14,6 +14,8 @@ TrioTasksetsError
 │   ├── UnsupportedProxy                a proxy setting the transport cannot use
 │   └── VerifiersUsageError             a bad vf: command line (aio.verifiers)
 ├── LoadError (ValueError)              an object spec that failed to import (loading)
+├── EngineMetricsError (ValueError)     an engine's /metrics that cannot be read (models.engine)
+├── GroupFailedError                    a group's rollout failed after its retries (groups)
 ├── ModelError                          talking to a model server (models)
 │   ├── ModelConnectionError
 │   ├── ModelTimeoutError

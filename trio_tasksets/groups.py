@@ -30,6 +30,7 @@ from typing import Any
 import attrs
 import trio
 
+from ._exceptions import TrioTasksetsError
 from .env import Env, Episode, EpisodeError, EpisodeTask, RunSlot, task_data, task_key
 from .models.pool import sticky
 from .runner import close_iterator, fan_out
@@ -48,7 +49,7 @@ __all__ = [
 RunRollout = Callable[[RunSlot[Any]], Awaitable[Episode]]
 
 
-class GroupFailedError(Exception):
+class GroupFailedError(TrioTasksetsError):
     """The type name on the rows of a failed group's other rollouts: the group failed
     because one rollout failed after its retries (or `score_group` raised)."""
 

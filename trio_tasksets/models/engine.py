@@ -25,6 +25,7 @@ from urllib.parse import urlsplit
 import trio
 from prometheus_client.parser import text_string_to_metric_families
 
+from .._exceptions import TrioTasksetsError
 from ..transport import HTTPClient, HTTPError, Timeouts
 from ..window import AdaptiveWindow, EngineLoad
 
@@ -37,7 +38,7 @@ PREEMPTIONS = ("vllm:num_preemptions_total", "sglang:num_retracted_requests_tota
 FINISHED = ("vllm:request_success_total", "sglang:num_requests_total")
 
 
-class EngineMetricsError(ValueError):
+class EngineMetricsError(TrioTasksetsError, ValueError):
     """Metrics text that is not Prometheus text, or that names none of the known metrics."""
 
 
