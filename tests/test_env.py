@@ -172,11 +172,12 @@ def test_episode_row_round_trip() -> None:
         attempts=2,
         usage={"prompt_tokens": 7, "completion_tokens": 2},
         finish_reason="length",
+        metrics={"exact": 1.0},
     )
     row = episode.to_row()
     assert set(row) == {
         "id", "task", "rollout", "ok", "reward", "completion", "messages", "errors",
-        "attempts", "timing", "usage", "finish_reason",
+        "attempts", "timing", "usage", "finish_reason", "metrics",
     }  # fmt: skip
     assert row["task"] == {"key": "k", "data": episode.task.data}
     assert row["errors"] == [{"type": "Boom", "message": "x", "attempt": 1}]

@@ -8,7 +8,7 @@ import random
 import re
 import time
 import uuid
-from collections.abc import AsyncIterator, Awaitable, Callable, Iterable
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Mapping
 from contextlib import AbstractAsyncContextManager, asynccontextmanager
 from typing import Any, Generic, TypeVar
 
@@ -33,7 +33,11 @@ __all__ = [
 
 TaskT = TypeVar("TaskT")
 Message = dict[str, Any]
-Reward = Callable[[Any, str], float | Awaitable[float]]
+Score = float | Mapping[str, float]
+"""What a reward gives: a number, or named metrics with the reward as their `reward` entry."""
+Reward = Callable[[Any, str], Score | Awaitable[Score]]
+WeightedRewards = Mapping[str, Reward | tuple[Reward, float]]
+"""Several named reward functions, each with a weight (1.0 when not given)."""
 
 
 def _type_names(names: Iterable[str]) -> tuple[str, ...]:
@@ -104,7 +108,9 @@ class Episode:
     (seconds, every attempt and backoff included) and, of that duration, `waited_connection`
     and `waited_rate`: the seconds its model calls waited for a connection slot and for the
     rpm/tpm limiters (`trio_tasksets.limits.EndpointLimits`; 0.0 without limits; rows written
-    before these existed lack them).
+    before these existed lack them). `metrics` are the episode's named metrics besides its
+    `reward` (what a reward returning a mapping gave, each weighted reward function's own
+    value, a verifiers episode's per-reward breakdown); empty when there are none.
     """
 
     id: str
@@ -119,6 +125,7 @@ class Episode:
     timing: dict[str, float] = attrs.Factory(dict)
     usage: dict[str, int] = attrs.Factory(dict)
     finish_reason: str | None = None
+    metrics: dict[str, float] = attrs.Factory(dict)
 
     def count(self, completion: Completion) -> None:
         """Add one model reply's token usage, and keep its finish reason."""
@@ -146,6 +153,7 @@ class Episode:
             "timing": self.timing,
             "usage": self.usage,
             "finish_reason": self.finish_reason,
+            "metrics": self.metrics,
         }
 
     @classmethod
@@ -164,6 +172,7 @@ class Episode:
             timing=dict(row.get("timing", {})),
             usage={str(k): int(v) for k, v in (row.get("usage") or {}).items()},
             finish_reason=None if row.get("finish_reason") is None else str(row["finish_reason"]),
+            metrics={str(k): float(v) for k, v in (row.get("metrics") or {}).items()},
         )
 
     @classmethod
@@ -177,6 +186,7 @@ class Episode:
             get = row.get
             task, completion, errors = get("task"), get("completion"), get("errors")
             finish = get("finish_reason")
+            metrics = get("metrics", {})
             if (
                 type(task) is dict
                 and type(task.get("key")) is str
@@ -194,10 +204,13 @@ class Episode:
                 and type(get("usage")) is dict
                 and all(type(v) is int for v in row["usage"].values())
                 and (finish is None or type(finish) is str)
+                and type(metrics) is dict
+                and all(type(v) is float for v in metrics.values())
             ):
                 return cls(row["id"], EpisodeTask(task["key"], task["data"]), row["rollout"],
                            row["ok"], row["reward"], completion, row["messages"], errors,
-                           row["attempts"], row["timing"], row["usage"], finish)  # fmt: skip
+                           row["attempts"], row["timing"], row["usage"], finish,
+                           metrics)  # fmt: skip
         return cls.from_row(row)  # type: ignore[arg-type]  # not a dict: it raises
 
 
@@ -237,6 +250,63 @@ def _finite(reward: float) -> float:
     if not math.isfinite(reward):
         raise ValueError(f"the reward is {reward!r}: a reward must be a finite number")
     return reward
+
+
+def split_score(value: object) -> tuple[float, dict[str, float]]:
+    """A reward's result as (reward, named metrics): a number is the reward itself; a
+    mapping holds named metrics, its `reward` entry the reward. ValueError (an episode error)
+    for a mapping without `reward` or a non-finite value, TypeError for a value that is not a
+    number."""
+    if isinstance(value, Mapping):
+        if "reward" not in value:
+            raise ValueError(
+                f"a reward that returns a mapping must give its reward as the 'reward' entry "
+                f"(the others are named metrics), got the keys {sorted(map(str, value))}"
+            )
+        metrics: dict[str, float] = {}
+        for name, number in value.items():
+            if isinstance(number, bool) or not isinstance(number, int | float):
+                raise TypeError(f"metric {name!r} is {number!r}: a metric must be a number")
+            if not math.isfinite(number):
+                raise ValueError(f"metric {name!r} is {number!r}: a metric must be finite")
+            metrics[str(name)] = float(number)
+        return metrics.pop("reward"), metrics
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        raise TypeError(f"a reward must be a number or a mapping of metrics, got {value!r}")
+    return _finite(float(value)), {}
+
+
+def weighted_reward(rewards: WeightedRewards) -> Reward:
+    """One reward from several named ones (as a verifiers rubric): each `name: fn` or
+    `name: (fn, weight)` (weight 1.0 when not given; a fn may be sync or async and return a
+    number). The episode's reward is the weighted sum; its metrics are each fn's own,
+    unweighted value, under its name. `tt.Env(taskset, reward={...})` builds one."""
+    if not rewards:
+        raise ValueError("reward=: a mapping of named rewards needs at least one")
+    parts: list[tuple[str, Reward, float]] = []
+    for name, spec in rewards.items():
+        fn, weight = spec if isinstance(spec, tuple) else (spec, 1.0)
+        if not callable(fn):
+            raise TypeError(f"reward {name!r}: expected a function (task, completion), got {fn!r}")
+        if isinstance(weight, bool) or not isinstance(weight, int | float):
+            raise TypeError(f"reward {name!r}: the weight must be a number, got {weight!r}")
+        if name == "reward":
+            raise ValueError("reward=: 'reward' names the weighted sum: name the parts otherwise")
+        parts.append((str(name), fn, float(weight)))
+
+    async def weighted(task: Any, completion: str) -> dict[str, float]:
+        scores: dict[str, float] = {}
+        total = 0.0
+        for name, fn, weight in parts:
+            value = fn(task, completion)
+            if inspect.isawaitable(value):
+                value = await value
+            score, _ = split_score(value)
+            scores[name] = score
+            total += weight * score
+        return {"reward": total, **scores}
+
+    return weighted
 
 
 def task_key(task: Any) -> str:
@@ -299,7 +369,7 @@ class Env(Generic[TaskT]):
         self,
         taskset: Taskset[TaskT, Any],
         *,
-        reward: Reward | None = None,
+        reward: Reward | WeightedRewards | None = None,
         retries: RetryPolicy | None = None,
         rollout_timeout: float | None = None,
     ) -> None:
@@ -307,6 +377,8 @@ class Env(Generic[TaskT]):
         self.retries = retries if retries is not None else RetryPolicy()
         self.rollout_timeout = check_rollout_timeout(rollout_timeout)
         taskset_reward = getattr(taskset, "reward", None)
+        if isinstance(reward, Mapping):
+            reward = weighted_reward(reward)
         self._reward: Reward = reward or taskset_reward or answer_match
 
     def serving(self) -> AbstractAsyncContextManager[Env[TaskT]]:
@@ -319,11 +391,12 @@ class Env(Generic[TaskT]):
         reply = await ctx.chat(messages)
         return [*messages, {"role": "assistant", "content": reply.content}], reply.content
 
-    async def score(self, task: TaskT, completion: str) -> float:
+    async def score(self, task: TaskT, completion: str) -> Score:
+        """The reward of a completion: a number, or named metrics with a `reward` entry."""
         value = self._reward(task, completion)
         if inspect.isawaitable(value):
             value = await value
-        return float(value)
+        return value if isinstance(value, Mapping) else float(value)
 
     async def run_slot(
         self,
@@ -356,9 +429,11 @@ class Env(Generic[TaskT]):
                 with observe_completions(episode.count), observe_calls(waits):
                     if timeout is None:  # inline: this runs once per attempt of every episode
                         messages, completion = await self.rollout(task, ctx)
-                        reward = _finite(await self.score(task, completion))
+                        reward, metrics = split_score(await self.score(task, completion))
                     else:
-                        messages, completion, reward = await self._timed(task, ctx, seconds=timeout)
+                        messages, completion, (reward, metrics) = await self._timed(
+                            task, ctx, seconds=timeout
+                        )
             except Exception as exc:
                 episode.errors.append(EpisodeError(type(exc).__name__, str(exc), attempt))
                 if not self.retries.should_retry(exc, attempt):
@@ -367,6 +442,7 @@ class Env(Generic[TaskT]):
             else:
                 episode.ok = True
                 episode.reward = reward
+                episode.metrics = metrics
                 episode.completion = completion
                 episode.messages = messages
                 break
@@ -382,11 +458,11 @@ class Env(Generic[TaskT]):
 
     async def _timed(
         self, task: TaskT, ctx: ModelContext, *, seconds: float
-    ) -> tuple[list[Message], str, float]:
+    ) -> tuple[list[Message], str, tuple[float, dict[str, float]]]:
         """One attempt, the rollout and its score, within `seconds` (`rollout_timeout`)."""
         with trio.move_on_after(seconds):
             messages, completion = await self.rollout(task, ctx)
-            return messages, completion, _finite(await self.score(task, completion))
+            return messages, completion, split_score(await self.score(task, completion))
         report_outcome(Outcome.TIMEOUT)  # an adaptive rollout window pauses its growth
         raise RolloutTimeoutError(
             f"the rollout took longer than its rollout_timeout of {seconds:g}s (cancelled)"

@@ -67,6 +67,33 @@ def object_spec(obj: Any, what: str) -> str:
     return f"{module_name}:{qualname}"
 
 
+def taskset_label(taskset: Taskset[Any, Any]) -> str:
+    """How a run names its taskset (`config.json`, `summary.json`, the report): the
+    taskset's own `taskset_id` when it has one (a verifiers env: `vf:ID`), `file.py:Class`
+    for a class of a file TASKSET named by path (not the loader's internal module name),
+    else `package.module:Class`."""
+    own = getattr(taskset, "taskset_id", None)
+    if isinstance(own, str) and own:
+        return own
+    cls = type(taskset)
+    module = cls.__module__
+    if module.startswith(FILE_MODULE_PREFIX):
+        path = _module_file(module)
+        if path is not None:
+            return f"{Path(path).name}:{cls.__qualname__}"
+    return f"{module}:{cls.__qualname__}"
+
+
+def taskset_short_name(taskset: Taskset[Any, Any]) -> str:
+    """The taskset's part of a default run name: its class name, or for a taskset with a
+    `taskset_id` (`vf:ID`) that id's last part (so that runs of two verifiers tasksets are
+    told apart, and `--resume` finds the run of the same one)."""
+    own = getattr(taskset, "taskset_id", None)
+    if isinstance(own, str) and own:
+        return own.rpartition(":")[2].replace("/", "_") or type(taskset).__name__
+    return type(taskset).__name__
+
+
 def _exec_file_module(module_name: str, path: Path) -> Any:
     """Run the file as module `module_name`, its folder first on `sys.path` while it runs (so
     that it imports its sibling modules); a module that fails is not left in sys.modules."""
@@ -117,10 +144,12 @@ def _where(filename: str, line: int | None) -> str:
 
 def _is_machinery(filename: str) -> bool:
     """A frame of the import system or of this package: not where a user looks."""
-    return filename.startswith("<") or Path(filename).resolve().is_relative_to(_PACKAGE_DIR)
+    path = Path(filename).resolve()
+    return filename.startswith("<") or any(path.is_relative_to(d) for d in _MACHINERY_DIRS)
 
 
 _PACKAGE_DIR = Path(__file__).resolve().parent
+_MACHINERY_DIRS = (_PACKAGE_DIR, Path(importlib.__file__).resolve().parent)
 
 
 def import_failure(exc: BaseException, where: str) -> str:
@@ -143,6 +172,29 @@ def import_failure(exc: BaseException, where: str) -> str:
     if mine is not raised:
         text += f" (raised at {_where(raised.filename, raised.lineno)})"
     return text
+
+
+def _missing_module(exc: ModuleNotFoundError, spec: str) -> str | None:
+    """For `module:Class` naming a module that is not on the import path (not one it
+    imports): what is missing, and the fix (the file form, or `PYTHONPATH=.` when the module
+    is a file or package of the current folder, which a console script's path lacks)."""
+    where, _, cls = spec.rpartition(":")
+    name = exc.name or ""
+    if not name or not (where == name or where.startswith(f"{name}.")):
+        return None
+    top = name.split(".")[0]
+    here = Path.cwd()
+    if (here / f"{top}.py").is_file() or (here / top / "__init__.py").is_file():
+        as_file = where.replace(".", "/") + ".py"
+        return (
+            f"TASKSET {spec!r}: no module named {name!r} on the import path; {top} is in the "
+            f"current folder, which is not on it: name the file instead ({as_file}:{cls}), "
+            f"or run with PYTHONPATH=."
+        )
+    return (
+        f"TASKSET {spec!r}: no module named {name!r} on the import path: install its package, "
+        f"add its folder to PYTHONPATH, or name the file (path/to/file.py:Class)"
+    )
 
 
 def resolve_taskset(spec: str) -> type[Taskset[Any, Any]]:
@@ -168,6 +220,11 @@ def resolve_target(spec: str) -> tuple[type[Taskset[Any, Any]], type[Env[Any]] |
         cls = load_object(spec)
     except LoadError as exc:
         raise TargetError(f"TASKSET {spec!r}: cannot load it: {exc}") from exc
+    except ModuleNotFoundError as exc:
+        missing = _missing_module(exc, spec)
+        if missing is None:
+            raise TargetError(f"TASKSET {spec!r}: {import_failure(exc, where)}") from exc
+        raise TargetError(missing) from exc
     except Exception as exc:  # the module raised while it ran: one line, not a traceback
         raise TargetError(f"TASKSET {spec!r}: {import_failure(exc, where)}") from exc
     if isinstance(cls, type) and issubclass(cls, Env):

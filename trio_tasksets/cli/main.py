@@ -10,6 +10,7 @@ written), 130 SIGINT, 143 SIGTERM (`eval` drains on both first).
 from __future__ import annotations
 
 import argparse
+import difflib
 import sys
 import traceback
 from collections.abc import Callable, Sequence
@@ -60,9 +61,27 @@ def _traceback(args: argparse.Namespace, exc: BaseException) -> None:
         traceback.print_exception(exc, file=sys.stderr)
 
 
+def _parse(words: list[str]) -> argparse.Namespace:
+    """The parsed command line; an unknown option is refused by its command's parser (its
+    usage, exit 2) naming the option it is closest to (`--num-example` -> `--num-examples`):
+    the commands do not take abbreviations, so that a resume command stays exact."""
+    top = parser()
+    args, extras = top.parse_known_args(words)
+    if extras:
+        sub: argparse.ArgumentParser = getattr(args, "tt_subparser", top)
+        known = [flag for action in sub._actions for flag in action.option_strings]
+        for word in extras:
+            name = word.partition("=")[0]
+            close = difflib.get_close_matches(name, known, n=1, cutoff=0.75)
+            if name.startswith("-") and close:
+                sub.error(f"unrecognized arguments: {' '.join(extras)} (did you mean {close[0]}?)")
+        sub.error(f"unrecognized arguments: {' '.join(extras)}")
+    return args
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     words = list(sys.argv[1:] if argv is None else argv)
-    args = parser().parse_args(words)
+    args = _parse(words)
     args.argv = words
     command = args.command
     try:

@@ -110,11 +110,17 @@ def api_key_var(args: argparse.Namespace) -> str | None:
     return var if os.environ.get(var, "").strip() else None
 
 
-def model_context(args: argparse.Namespace) -> ModelContext:
+def model_context(args: argparse.Namespace, *, remote: bool = False) -> ModelContext:
     """The model the options name; a bad value, or an option that would do nothing with this
-    model, is a `UsageError` naming its flag."""
+    model, is a `UsageError` naming its flag.
+
+    `remote`: the model calls are made by other processes with their own endpoint (`eval
+    --via`: the workers'), so only the model's name and sampling are used here; the
+    context's client is the offline echo model, never called."""
     client: ModelClient
     sampling = _sampling(args)
+    if remote and not _is_echo(args):
+        return ModelContext(EchoClient(), args.model, sampling)
     if _is_echo(args):
         idle = (("--timeout", "timeout"), ("--api-key-var", "api_key_var"),
                 ("--max-connections", "max_connections"), ("--rpm", "rpm"), ("--tpm", "tpm"))  # fmt: skip

@@ -12,6 +12,7 @@ import attrs
 
 from ..env import Env, Episode
 from ..envspec import TravelError
+from ..loading import taskset_label, taskset_short_name
 from ..models import ModelContext
 from ..window import AdaptiveBounds, AdaptiveWindow, Window, build_window
 from .served import check_travel
@@ -207,9 +208,8 @@ def via_stream(config: EvalConfig) -> str:
 
 def run_identity(env: Env[Any], ctx: ModelContext, config: EvalConfig) -> dict[str, Any]:
     taskset = env.taskset
-    cls = type(taskset)
     return {
-        "taskset": f"{cls.__module__}:{cls.__qualname__}",
+        "taskset": taskset_label(taskset),
         "taskset_config": json.loads(json.dumps(attrs.asdict(taskset.config), default=str)),
         "model": ctx.model,
         "sampling": json.loads(json.dumps(attrs.asdict(ctx.sampling), default=str)),
@@ -221,9 +221,10 @@ def run_identity(env: Env[Any], ctx: ModelContext, config: EvalConfig) -> dict[s
 
 
 def default_run_name(env: Env[Any], ctx: ModelContext) -> str:
-    """`<Taskset>-<model>-<YYYYmmdd-HHMMSS>`, the run name when none is given."""
+    """`<Taskset>-<model>-<YYYYmmdd-HHMMSS>`, the run name when none is given (`<Taskset>`:
+    the class name, or a verifiers env's taskset id)."""
     stamp = time.strftime("%Y%m%d-%H%M%S")
-    return f"{type(env.taskset).__name__}-{ctx.model}-{stamp}".replace("/", "_")
+    return f"{taskset_short_name(env.taskset)}-{ctx.model}-{stamp}".replace("/", "_")
 
 
 def latest_run(env: Env[Any], ctx: ModelContext, output_dir: str) -> Path | None:

@@ -58,6 +58,7 @@ from .config import (
     via_stream,
 )
 from .plan import from_list, keep_resumable, plan_stream, static_slots
+from .report.stats import reward_interval
 from .served import SlotRunner, served_runner
 
 # What each file of a run dir is called; a run that leaves no row behind removes them.
@@ -156,12 +157,45 @@ def _histories(window: Window, ctx: ModelContext, t0: float) -> dict[str, Any]:
     return found
 
 
+USAGE_FIELDS = ("prompt_tokens", "completion_tokens")
+"""The token counts `summary.json`'s `usage` sums. A server's `total_tokens` (their sum) and
+its detail fields stay in the rows: summing them too would count every token twice."""
+
+
 def _usage(episodes: list[Episode]) -> dict[str, int]:
-    total: dict[str, int] = {"prompt_tokens": 0, "completion_tokens": 0}
+    prompt = completion = 0
     for episode in episodes:
-        for name, value in episode.usage.items():
-            total[name] = total.get(name, 0) + value
-    return total
+        usage = episode.usage
+        prompt += usage.get("prompt_tokens", 0)
+        completion += usage.get("completion_tokens", 0)
+    return {"prompt_tokens": prompt, "completion_tokens": completion}
+
+
+def metric_summary(episodes: list[Episode]) -> dict[str, dict[str, Any]]:
+    """`summary.json`'s `metrics`: for each named metric the episodes carry, its `mean`,
+    `std`, `n` and 95% interval (`ci`: [low, high], or null with fewer than two tasks;
+    `ci_method` as the report's reward interval: "wilson" for 0/1 values, ...)."""
+    values: dict[str, list[float]] = {}
+    clusters: dict[str, list[int]] = {}
+    tasks: dict[str, int] = {}
+    for episode in episodes:
+        if not episode.metrics:
+            continue
+        task = tasks.setdefault(episode.task.key, len(tasks))
+        for name, value in episode.metrics.items():
+            values.setdefault(name, []).append(value)
+            clusters.setdefault(name, []).append(task)
+    found: dict[str, dict[str, Any]] = {}
+    for name, numbers in values.items():
+        interval = reward_interval(numbers, clusters[name])
+        found[name] = {
+            "mean": statistics.fmean(numbers),
+            "std": statistics.pstdev(numbers),
+            "n": len(numbers),
+            "ci": None if interval is None else [interval.low, interval.high],
+            "ci_method": None if interval is None else interval.method,
+        }
+    return found
 
 
 def _summary(
@@ -190,6 +224,7 @@ def _summary(
         "first_error": None if first is None else {"type": first.type, "message": first.message},
         "usage": _usage(episodes),
         "waited_s": _waited(episodes),
+        "metrics": metric_summary(episodes),
     }
 
 
