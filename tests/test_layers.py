@@ -27,6 +27,7 @@ LAYERS: dict[str, int] = {
     "sources": 2,
     "testing": 2,
     "builtin": 2,
+    "datasets": 2,
     "transport": 2,
     "models": 3,
     "env": 4,

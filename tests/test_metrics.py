@@ -104,11 +104,10 @@ def test_weighted_rewards_are_checked_when_the_env_is_built() -> None:
 
 async def test_metrics_survive_a_resume_and_the_report_shows_each(tmp_path: Path) -> None:
     first = await tt.run_eval(tt.Env(Words(), reward=named), ECHO, config(tmp_path))
-    again = await tt.run_eval(
-        tt.Env(Words(), reward=named), ECHO, config(tmp_path, resume=True)
-    )
+    again = await tt.run_eval(tt.Env(Words(), reward=named), ECHO, config(tmp_path, resume=True))
     assert again.summary["kept_from_resume"] == 6
     assert again.summary["metrics"] == first.summary["metrics"]
+
     def by_key(result: tt.EvalResult) -> dict[str, dict[str, float]]:
         return {e.task.key: e.metrics for e in result.episodes}
 

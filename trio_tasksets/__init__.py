@@ -1,7 +1,8 @@
 """trio_tasksets: streaming tasksets and a windowed runner on Trio.
 
 The flat public API (SPEC): the runner (`run_stream`, `as_completed`, `take`, `merge`),
-tasksets (`Task`, `TasksetConfig`, `Taskset`), envs and models (`Env`, `RunSlot`, `Episode`,
+tasksets (`Task`, `TasksetConfig`, `Taskset`; the loaders `JsonlTaskset`, `CsvTaskset`,
+`HFTaskset`), envs and models (`Env`, `RunSlot`, `Episode`,
 `RetryPolicy`, `Sampling`, `ModelContext`, `EchoClient`, `OpenAIClient`), the served path's
 `EnvClient` and the eval
 (`EvalConfig`, `run_eval`, `EvalResult`). Submodules: `testing` (helpers for deterministic
@@ -9,6 +10,15 @@ tests) and `aio` (the asyncio bridge).
 """
 
 from . import aio, testing
+from .datasets import (
+    CsvConfig,
+    CsvTaskset,
+    DatasetError,
+    HFConfig,
+    HFTaskset,
+    JsonlConfig,
+    JsonlTaskset,
+)
 from .env import Env, Episode, EpisodeError, EpisodeTask, RetryPolicy, RolloutTimeoutError, RunSlot
 from .eval import EvalConfig, EvalConfigError, EvalResult, run_eval
 from .eval.report import report
@@ -35,6 +45,9 @@ from .window import AdaptiveWindow, Window
 __all__ = [
     "AdaptiveWindow",
     "Completion",
+    "CsvConfig",
+    "CsvTaskset",
+    "DatasetError",
     "EchoClient",
     "Env",
     "EnvClient",
@@ -44,6 +57,10 @@ __all__ = [
     "EvalConfig",
     "EvalConfigError",
     "EvalResult",
+    "HFConfig",
+    "HFTaskset",
+    "JsonlConfig",
+    "JsonlTaskset",
     "ModelClient",
     "ModelConnectionError",
     "ModelContext",

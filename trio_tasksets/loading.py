@@ -2,19 +2,23 @@
 
 `object_spec(obj)` names an object so that another process (an env server, a worker) can
 import it; `load_object(spec)` imports it. `resolve_target(TASKSET)` is what every command
-does with its TASKSET argument (a built-in id, `path/to/file.py:Class`, `package.module:Class`).
+does with its TASKSET argument (a built-in id, `path/to/file.py:Class`, `package.module:Class`,
+a data file `data.jsonl` / `data.csv` / `hf:NAME[:SPLIT]`, whose config fields `env_options`
+sets).
 """
 
 from __future__ import annotations
 
 import importlib
 import importlib.util
+import re
 import sys
 import traceback
 from pathlib import Path
 from typing import Any
 
 from .builtin import BUILTIN
+from .datasets import DATA_SUFFIXES, data_target
 from .env import Env
 from .tasksets import Taskset
 
@@ -86,12 +90,17 @@ def taskset_label(taskset: Taskset[Any, Any]) -> str:
 
 def taskset_short_name(taskset: Taskset[Any, Any]) -> str:
     """The taskset's part of a default run name: its class name, or for a taskset with a
-    `taskset_id` (`vf:ID`) that id's last part (so that runs of two verifiers tasksets are
-    told apart, and `--resume` finds the run of the same one)."""
+    `taskset_id` (`vf:ID`, a data file, `hf:NAME:SPLIT`) that id (so that runs of two are
+    told apart, and `--resume` finds the run of the same one): `vf:owner/my-tasks` ->
+    `owner_my-tasks`, `hf:gsm8k:test` -> `gsm8k_test`, `data/arith.jsonl` -> `arith`."""
     own = getattr(taskset, "taskset_id", None)
-    if isinstance(own, str) and own:
-        return own.rpartition(":")[2].replace("/", "_") or type(taskset).__name__
-    return type(taskset).__name__
+    if not (isinstance(own, str) and own):
+        return type(taskset).__name__
+    kind, colon, rest = own.partition(":")
+    text = rest if colon and kind in ("vf", "hf") else own
+    if Path(text).suffix.lower() in DATA_SUFFIXES:
+        text = Path(text).stem
+    return re.sub(r"[^A-Za-z0-9._-]+", "_", text).strip("_") or type(taskset).__name__
 
 
 def _exec_file_module(module_name: str, path: Path) -> Any:
@@ -207,11 +216,19 @@ def resolve_target(spec: str) -> tuple[type[Taskset[Any, Any]], type[Env[Any]] |
     a `taskset_class` (e.g. a `tt.aio.BridgedEnv` around an asyncio env), else None."""
     if spec in BUILTIN:
         return BUILTIN[spec], None
+    data = data_target(spec)
+    if data is not None:
+        cls, fields = data
+        path = fields.get("path")
+        if path is not None and not Path(path).is_file():
+            raise TargetError(f"TASKSET {spec!r}: no file {path}")
+        return cls, None
     if ":" not in spec:
         known = ", ".join(sorted(BUILTIN))
         raise TargetError(
             f"TASKSET {spec!r} is not a built-in id ({known}), nor path/to/file.py:Class, "
-            f"nor package.module:Class"
+            f"nor package.module:Class, nor a data file (data.jsonl, data.csv, "
+            f"hf:NAME[:SPLIT])"
         )
     where, _, name = spec.rpartition(":")
     if where.endswith(".py") and not Path(where).is_file():

@@ -12,6 +12,7 @@ from typing import Any
 
 import attrs
 
+from ..datasets import JsonlTaskset, data_target
 from ..env import Env, RetryPolicy
 from ..envspec import EnvSpec, config_from_json
 from ..loading import LoadError, import_failure, load_object, resolve_target
@@ -45,6 +46,51 @@ def add_taskset_options(parser: argparse.ArgumentParser, *, optional: bool = Fal
     )  # fmt: skip
     # The name `--serve` has passed to its server child since before -a existed.
     parser.add_argument("--taskset-config", dest="taskset_args", help=argparse.SUPPRESS)
+    data = parser.add_argument_group("a data file TASKSET (data.jsonl, data.csv, hf:NAME)")
+    data.add_argument(
+        "--prompt-field", default=None, metavar="NAME",
+        help="the record field that is the prompt (default: prompt, else question)",
+    )  # fmt: skip
+    data.add_argument(
+        "--answer-field", default=None, metavar="NAME",
+        help="the record field that is the answer (default: answer); the other fields go to "
+        "the task's info",
+    )  # fmt: skip
+    data.add_argument(
+        "--follow", action="store_true",
+        help="with data.jsonl: a feed that follows the file as lines are appended (needs -n)",
+    )  # fmt: skip
+
+
+def _data_fields(args: argparse.Namespace) -> dict[str, Any]:
+    """The config fields a data file TASKSET and its flags set (`--prompt-field`,
+    `--answer-field`, `--follow`); those flags on another TASKSET are a usage error."""
+    target = getattr(args, "taskset", None)
+    found = None if target is None else data_target(target)
+    flags = {"prompt_field": getattr(args, "prompt_field", None),
+             "answer_field": getattr(args, "answer_field", None)}  # fmt: skip
+    follow = bool(getattr(args, "follow", False))
+    given_flags = [f"--{k.replace('_', '-')}" for k, v in flags.items() if v is not None]
+    if follow:
+        given_flags.append("--follow")
+    if found is None:
+        if given_flags:
+            raise UsageError(
+                f"{', '.join(given_flags)} applies to a data file TASKSET (data.jsonl, "
+                f"data.csv, hf:NAME[:SPLIT])",
+                fix=f"drop {', '.join(given_flags)}, or name a data file as TASKSET",
+            )
+        return {}
+    cls, fields = found
+    if follow and cls is not JsonlTaskset:
+        raise UsageError(
+            f"--follow follows a growing JSONL file; TASKSET {target} is not one",
+            fix="drop --follow, or name a .jsonl file",
+        )
+    fields.update({k: v for k, v in flags.items() if v is not None})
+    if follow:
+        fields["follow"] = True
+    return fields
 
 
 def _names_verifiers(args: argparse.Namespace) -> bool:
@@ -127,7 +173,7 @@ def _system_prompt(args: argparse.Namespace) -> str | None:
 
 def env_spec(args: argparse.Namespace) -> EnvSpec:
     """The env the options describe, by names and JSON (what `serve` hands its workers)."""
-    fields = _taskset_fields(args)
+    fields = {**_data_fields(args), **_taskset_fields(args)}
     prompt = _system_prompt(args)
     if prompt is not None:
         if "system_prompt" in fields:
