@@ -26,6 +26,7 @@ __all__ = [
     "build_taskset",
     "check_retry_flags",
     "env_spec",
+    "load_reward",
 ]
 
 
@@ -210,6 +211,18 @@ def check_retry_flags(args: argparse.Namespace) -> None:
                 )
 
 
+def load_reward(spec: str, flag: str = "--reward") -> Any:
+    """The reward function `spec` names (`file.py:function`, `pkg.mod:function`); a usage
+    error naming `flag` if it names nothing callable."""
+    reward = _load(spec, flag)
+    if not callable(reward) and not isinstance(reward, dict):
+        raise UsageError(
+            f"{flag} {spec}: not a function (task, completion) -> reward, got "
+            f"{type(reward).__name__}"
+        )
+    return reward
+
+
 def _load(spec: str, flag: str) -> Any:
     try:
         return load_object(spec)
@@ -314,6 +327,13 @@ def build_env(args: argparse.Namespace, *, check_retry_names: bool = True) -> En
             "--env-args applies to a verifiers env", fix="name it as TASKSET vf:TASKSET_ID"
         )
     if _names_verifiers(args):
+        if getattr(args, "reward", None) is not None:
+            raise UsageError(
+                f"TASKSET {args.taskset} is a verifiers env: it scores its episodes itself "
+                f"(its @vf.reward methods), so --reward does not apply",
+                fix="drop --reward (rescore its rows with trio-tasksets rescore RUN_DIR "
+                "--reward SPEC)",
+            )
         if args.taskset_args is not None or getattr(args, "env_class", None) is not None:
             raise UsageError(
                 f"TASKSET {args.taskset} is a verifiers env: -a and --env-class do not apply",
@@ -337,7 +357,7 @@ def build_env(args: argparse.Namespace, *, check_retry_names: bool = True) -> En
             raise UsageError(f"--env-class {spec.env_class}: not a subclass of tt.Env")
     kwargs: dict[str, Any] = {"retries": spec.retries}
     if spec.reward is not None:
-        kwargs["reward"] = _load(spec.reward, "--reward")
+        kwargs["reward"] = load_reward(spec.reward)
     try:
         env: Env[Any] = env_cls(taskset, **kwargs)
     except Exception as exc:

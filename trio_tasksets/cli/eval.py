@@ -75,7 +75,13 @@ def add_parser(commands: Commands) -> argparse.ArgumentParser:
         formatter_class=HelpFormatter,
         allow_abbrev=False,  # the resume command rewrites --run-name and --resume by name
     )
-    add_env_options(ev)
+    env = add_env_options(ev)
+    env.add_argument(
+        "--reward", default=None, metavar="SPEC",
+        help="score with this reward (file.py:function or pkg.mod:function: (task, completion) "
+        "-> a number or {'reward': ..., name: metric}) (default: the taskset's, else answer "
+        "match)",
+    )  # fmt: skip
     run = ev.add_argument_group("the run")
     run.add_argument(
         "-n", "--num-examples", type=int, default=None, metavar="N",
@@ -197,6 +203,12 @@ def _refuse_remote_limits(args: argparse.Namespace) -> None:
                 f"eval never uses {'them' if len(unused) > 1 else 'it'}",
                 fix=f"drop {flags} here (give the workers -m MODEL --base-url URL)",
             )
+    if flag == "--via" and getattr(args, "reward", None) is not None:
+        raise UsageError(
+            "--reward with --via: the workers score the episodes, with their own TASKSET's reward",
+            fix="drop --reward here (or rescore the run: trio-tasksets rescore RUN_DIR "
+            "--reward SPEC)",
+        )
     if args.rollout_timeout is not None and args.serve is False:
         raise UsageError(
             f"--rollout-timeout with {flag}: the episodes run in {who}, whose own "
@@ -302,6 +314,11 @@ def _print_summary(summary: dict[str, Any], run_dir: Path) -> None:
             f"{sum(by_type.values())} failed: {counts}; first error: {first['type']}: "
             f"{_excerpt(first['message'])}"
         )
+
+
+def print_summary(summary: dict[str, Any], run_dir: Path) -> None:
+    """The one-line summary (and the failures by type) of a run, as `eval` prints it."""
+    _print_summary(summary, run_dir)
 
 
 def _fix_for(error_type: str, message: str, args: argparse.Namespace, run_dir: Path) -> str | None:

@@ -20,6 +20,7 @@ from ..loading import TargetError
 from ..version import __version__
 from . import eval as eval_command
 from . import report as report_command
+from . import rescore as rescore_command
 from . import serve as serve_command
 from . import worker as worker_command
 from .options import PROG, CommandError, HelpFormatter, UsageError
@@ -40,6 +41,7 @@ def parser() -> argparse.ArgumentParser:
     serve_command.add_parser(commands)
     worker_command.add_parsers(commands)
     report_command.add_parser(commands)
+    rescore_command.add_parser(commands)
     for sub in commands.choices.values():
         sub.formatter_class = HelpFormatter
         sub.add_argument("--debug", action="store_true", help="show the traceback of an error")
@@ -53,6 +55,7 @@ RUNNERS: dict[str, Callable[[argparse.Namespace], int]] = {
     "worker": worker_command.run_worker_command,
     "enqueue": worker_command.run_enqueue,
     "report": report_command.run,
+    "rescore": rescore_command.run,
 }
 
 

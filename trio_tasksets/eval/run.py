@@ -228,6 +228,14 @@ def _summary(
     }
 
 
+def summarize(episodes: list[Episode], planned: int) -> dict[str, Any]:
+    """The figures of `summary.json` for `episodes` of a run that completed (what a rescore
+    writes: its duration and rate are the original run's)."""
+    tally = Tally(recorded=list(episodes))
+    tally.failed = sum(1 for e in episodes if not e.ok)
+    return _summary(episodes, planned, time.monotonic(), 0, tally, True)
+
+
 def _make_dir(run_dir: Path) -> list[Path]:
     """Create `run_dir` (and its parents); the directories this created, innermost first."""
     created = [p for p in (run_dir, *run_dir.parents) if not p.exists()]
