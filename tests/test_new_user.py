@@ -427,3 +427,62 @@ def test_a_misspelt_option_is_answered_with_the_close_one(
     err = capsys.readouterr().err
     assert "unrecognized arguments: --frobnicate" in err
     assert "did you mean" not in err
+
+
+# --- -S/--sampling-args, and options that do nothing with the echo model ---------------------
+
+
+def test_sampling_args_reach_every_request_tools_and_response_format_included(
+    server: ChatServer, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    tools = [{"type": "function", "function": {"name": "add", "parameters": {"type": "object"}}}]
+    extra = {"response_format": {"type": "json_object"}, "tools": tools, "stop": ["\n"],
+             "max_tokens": 5, "logprobs": True}  # fmt: skip
+    server.reset()
+    code = cli("eval", "echo", "-n", "2", "-m", "m", "--base-url", server.url,
+               "--temperature", "0.5", "-S", json.dumps(extra), "-o", str(tmp_path),
+               "--run-name", "s", "--no-dashboard")  # fmt: skip
+    assert code == 0, capsys.readouterr().err
+    assert len(server.requests) == 2
+    for body in server.requests:
+        assert body["temperature"] == 0.5
+        assert {k: body[k] for k in extra} == extra
+    identity = json.loads((tmp_path / "s" / "config.json").read_text())["identity"]
+    assert identity["sampling"]["max_tokens"] == 5  # a named field: --tpm reserves it
+    assert identity["sampling"]["extra"] == {k: v for k, v in extra.items() if k != "max_tokens"}
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [(["-S", "{"], "-S/--sampling-args is not JSON"),
+     (["-S", "[1]"], "-S/--sampling-args must be a JSON object"),
+     (["-S", '{"stream": true}'], "-S/--sampling-args: 'stream' is set by the client"),
+     (["-S", '{"temperature": 1}', "--temperature", "0"],
+      "--temperature and -S/--sampling-args 'temperature' both set temperature"),
+     (["-S", '{"max_tokens": "many"}'], "'max_tokens' must be a number")],
+)  # fmt: skip
+def test_bad_sampling_args_are_usage_errors(
+    capsys: pytest.CaptureFixture[str], args: list[str], message: str
+) -> None:
+    code = cli("eval", "echo", "-m", "m", "--base-url", "http://127.0.0.1:9/v1", *args,
+               "--no-dashboard")  # fmt: skip
+    assert code == 2
+    assert message in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    "args",
+    [["--timeout", "5"], ["--max-tokens", "5"], ["--temperature", "0"], ["--top-p", "0.5"],
+     ["--sampling-seed", "1"], ["-S", '{"stop": ["x"]}']],
+)  # fmt: skip
+def test_options_that_do_nothing_with_echo_are_refused_alike(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], args: list[str]
+) -> None:
+    assert cli("eval", "echo", *args, "-o", str(tmp_path), "--no-dashboard") == 2
+    err = capsys.readouterr().err
+    assert (
+        f"{args[0] if args[0] != '-S' else '-S/--sampling-args'} does nothing with the echo model"
+        in err
+    )
+    assert "fix: drop" in err
+    assert not tmp_path.joinpath("outputs").exists()
