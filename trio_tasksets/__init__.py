@@ -1,6 +1,6 @@
 """trio_tasksets: streaming tasksets and a windowed runner on Trio.
 
-The flat public API (SPEC): the runner (`run_stream`, `as_completed`, `take`, `merge`),
+The flat public API (SPEC): the runner (`run_stream`, `as_completed`, `take`, `until`, `merge`),
 tasksets (`Task`, `TasksetConfig`, `Taskset`; the loaders `JsonlTaskset`, `CsvTaskset`,
 `HFTaskset`), envs and models (`Env`, `RunSlot`, `Episode`,
 `RetryPolicy`, `Sampling`, `ModelContext`, `EchoClient`, `OpenAIClient`), the served path's
@@ -19,7 +19,16 @@ from .datasets import (
     JsonlConfig,
     JsonlTaskset,
 )
-from .env import Env, Episode, EpisodeError, EpisodeTask, RetryPolicy, RolloutTimeoutError, RunSlot
+from .env import (
+    Env,
+    Episode,
+    EpisodeError,
+    EpisodeTask,
+    RetryPolicy,
+    RolloutTimeoutError,
+    RunSlot,
+    chat_messages,
+)
 from .eval import EvalConfig, EvalConfigError, EvalResult, run_eval
 from .eval.report import report
 from .models import (
@@ -37,7 +46,7 @@ from .models import (
 )
 from .runner import as_completed, run_stream
 from .serve import EnvClient
-from .sources import merge, take
+from .sources import merge, take, until
 from .tasksets import Task, Taskset, TasksetConfig
 from .version import __version__
 from .window import AdaptiveWindow, Window
@@ -80,10 +89,12 @@ __all__ = [
     "__version__",
     "aio",
     "as_completed",
+    "chat_messages",
     "merge",
     "report",
     "run_eval",
     "run_stream",
     "take",
     "testing",
+    "until",
 ]

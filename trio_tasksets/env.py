@@ -29,6 +29,7 @@ __all__ = [
     "RolloutTimeoutError",
     "RunSlot",
     "WindowFeed",
+    "chat_messages",
 ]
 
 TaskT = TypeVar("TaskT")
@@ -326,7 +327,10 @@ def task_data(task: Any) -> dict[str, Any]:
 
 
 def chat_messages(task: Any) -> list[Message]:
-    """The messages a single-turn chat sends: the system prompt first, then the prompt."""
+    """`tt.chat_messages(task)`: the first messages of a task's chat, what every rollout
+    starts from (the single-turn default sends exactly these): the system prompt first (when
+    the task has one), then the prompt (a str as one user message, a list of messages as
+    they are, copied). A multi-turn rollout appends the model's replies and its own turns."""
     messages: list[Message] = []
     system = getattr(task, "system_prompt", None)
     if system:
@@ -355,7 +359,12 @@ class Env(Generic[TaskT]):
     for resources that live as long as a service (a sandbox pool, a browser).
 
     The reward: `reward=` if given, else the taskset's own `reward(task, completion)` method if
-    it has one, else `answer_match`. A reward may be sync or async.
+    it has one, else `answer_match`. A reward may be sync or async, and return a number or
+    named metrics with a `reward` entry; `reward={name: fn or (fn, weight)}` sums several.
+
+    The taskset may be left out (`tt.Env(reward=...)`): a service whose tasks come from its
+    own channel calls `run_slot(tt.RunSlot(task), ctx)` with them (`env.taskset` is then an
+    empty `tt.Taskset`).
 
     `rollout_timeout` (seconds, or None: no bound) bounds each attempt of an episode, its
     rollout and its scoring: an attempt that outlasts it is cancelled and becomes a
@@ -367,13 +376,14 @@ class Env(Generic[TaskT]):
 
     def __init__(
         self,
-        taskset: Taskset[TaskT, Any],
+        taskset: Taskset[TaskT, Any] | None = None,
         *,
         reward: Reward | WeightedRewards | None = None,
         retries: RetryPolicy | None = None,
         rollout_timeout: float | None = None,
     ) -> None:
-        self.taskset = taskset
+        # No taskset: a service whose tasks come from its own channel (an empty one stands in).
+        self.taskset: Taskset[TaskT, Any] = taskset if taskset is not None else Taskset()
         self.retries = retries if retries is not None else RetryPolicy()
         self.rollout_timeout = check_rollout_timeout(rollout_timeout)
         taskset_reward = getattr(taskset, "reward", None)

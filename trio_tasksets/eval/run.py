@@ -41,7 +41,7 @@ from .. import dashboard
 from ..env import Env, Episode, RunSlot, WindowFeed
 from ..limits import EndpointLimits, observe_calls
 from ..models import ModelContext
-from ..runner import pick_one, run_stream
+from ..runner import pick_one, require_trio, run_stream
 from ..traces import open_traces, write_atomic
 from ..version import __version__
 from ..window import Window, window_spec
@@ -300,8 +300,10 @@ async def run_eval(
 
     With `handle_signals` (the command line), SIGINT and SIGTERM stop the eval and drain it
     (a second one interrupts the drain); it then returns with `summary["stopped"]` set to the
-    signal's name. It must then run in the main thread.
+    signal's name. It must then run in the main thread. Awaited from asyncio it raises a
+    RuntimeError naming `tt.aio.run_eval`.
     """
+    require_trio("run_eval")
     preflight(env, ctx, config)
     redis_run_id = await _reach(config)
     identity = run_identity(env, ctx, config)
