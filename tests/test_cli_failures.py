@@ -335,7 +335,10 @@ def test_a_signal_drains_writes_the_summary_and_the_printed_command_resumes(
     assert summary["interrupted"] is True
     assert traces.read_text().endswith("\n")
     assert summary["finished"] == len(rows(tmp_path / "out" / "t")) < 120
-    assert out.startswith(f"{summary['ok']}/{summary['finished']} ok")
+    # a stopped run says how much of its plan it did: not "28/28 ok" alone (issue 25)
+    assert out.startswith(
+        f"{summary['ok']}/{summary['finished']} ok ({summary['finished']} of 120 planned)"
+    )
     assert f"trio-tasksets eval: stopped by {sig.name}" in err
     resume = _resume_command(err)
     assert resume[-3:] == ["--run-name", "t", "--resume"]

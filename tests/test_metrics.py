@@ -129,3 +129,7 @@ async def test_rows_without_metrics_have_an_empty_mapping_and_no_summary_entries
     result = await tt.run_eval(tt.Env(Words()), ECHO, config(tmp_path))
     assert {json.dumps(r["metrics"]) for r in rows(result.run_dir)} == {"{}"}
     assert result.summary["metrics"] == {}
+    run = load_run(result.run_dir)
+    # an empty `metrics` is not carried along as an unknown field of every row
+    assert not any("metrics" in other for other in run.extra.values())
+    assert compute(run).metrics == {}

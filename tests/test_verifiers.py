@@ -489,3 +489,21 @@ def test_a_local_taskset_module_loads_from_the_current_folder_and_runs_are_named
         assert f"resuming {out}/{names[0]}" in capsys.readouterr().err
     finally:
         sys.modules.pop("local_vf_tasks", None)
+
+
+def test_cli_vf_over_workers_needs_no_base_url(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """`eval vf:ID --via URL -m MODEL`: the workers call the model, so no --base-url is asked
+    for (here the Redis is unreachable: that is the error, exit 2, before any run)."""
+    argv = ["eval", "vf:vf_arith", "--env-args", json.dumps(ENV), "-m", MODEL, "--via",
+            "redis://127.0.0.1:9/0", "-o", str(tmp_path), "--no-dashboard"]  # fmt: skip
+    try:
+        code = cli.main(argv)
+    except SystemExit as exc:
+        code = int(exc.code or 0)
+    assert code == 2
+    line = next(x for x in capsys.readouterr().err.splitlines() if ": error: " in x)
+    assert "--base-url" not in line
+    assert "--via redis://127.0.0.1:9/0: cannot reach Redis" in line
+    assert not any(tmp_path.iterdir())

@@ -376,10 +376,11 @@ def _verifiers_env(
 ) -> Env[Any]:
     """The verifiers env `vf:TASKSET_ID [--env-args JSON]` names; its errors are usage errors.
 
-    verifiers' harness calls the model itself over HTTP, so `--base-url` is required."""
+    verifiers' harness calls the model itself over HTTP, so `--base-url` is required (but
+    with `--via`, where the workers call it with their own)."""
     from ..aio.verifiers import VerifiersEnv, VerifiersTaskset, env_from_cli  # imports verifiers
 
-    if args.base_url is None:
+    if args.base_url is None and getattr(args, "via", None) is None:  # --via: the workers'
         raise UsageError(
             f"TASKSET {args.taskset}: verifiers' harness calls the model itself over HTTP",
             fix="give -m MODEL --base-url URL (an OpenAI-compatible endpoint)",
