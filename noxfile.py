@@ -38,3 +38,4 @@ def bench(session: nox.Session) -> None:
                "verifiers", "adaptive")  # fmt: skip
     for bench in benches:
         session.run("python", "-m", f"bench.{bench}", *quick)
+    session.run("python", "-m", "bench.http", "--served", *quick)  # the served path's clients

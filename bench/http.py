@@ -1,7 +1,7 @@
 """Model clients against a fast fake OpenAI-compatible server: CPU per call and calls/s.
 
     python -m bench.http [--quick] [--repeat R] [--only NAME ...] [--scenario MS:WINDOW[:N] ...]
-    python -m bench.http --served    # the served path's own clients, see `served`
+    python -m bench.http --served [--quick]   # the served path's clients, see `served`
 
 The fake server is its own process (an asyncio protocol that answers every
 ``POST .../chat/completions`` with a fixed completion after the scenario's latency; pinned
@@ -401,9 +401,80 @@ def _version(dist: str) -> str:
         return "-"
 
 
+def _proc_cpu(pid: int) -> float:
+    """User + system CPU seconds of process `pid` so far (Linux /proc)."""
+    with open(f"/proc/{pid}/stat") as stat:
+        fields = stat.read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def served_model_calls(window: int = 64, n: int = 2000, repeat: int = 3) -> None:
+    """CPU per model call: an `OpenAIClient` in this process against the env server's own
+    (a run of an OpenAI model on a server child, 1 worker, its CPU per run less its CPU per
+    echo run), both against the fake chat server, ``window`` in flight."""
+    import trio_tasksets as tt
+    from trio_tasksets.client import EnvClient, spawn_server
+
+    from .serve import CountConfig, Counted
+
+    fake = subprocess.Popen(
+        [sys.executable, "-m", "bench.http", "--serve"],
+        stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    assert fake.stdout is not None
+    base_url = f"http://127.0.0.1:{int(fake.stdout.readline())}/v1"
+
+    async def main() -> dict[str, float]:
+        env = tt.Env(Counted(CountConfig(count=0)))
+        model = tt.OpenAIClient(base_url, max_retries=0)
+        echo_ctx = tt.ModelContext(tt.EchoClient(), "echo")
+        model_ctx = tt.ModelContext(model, "fake")
+        best = {"in-process": math.inf, "served": math.inf}
+        async with (
+            spawn_server(env, allow_base_urls=[base_url]) as server,
+            EnvClient(server.url, token=server.token) as client,
+            model,
+        ):
+
+            async def chat() -> None:
+                await model.chat(MESSAGES, model="fake", sampling=tt.Sampling())
+
+            async def per_run(ctx: tt.ModelContext) -> float:
+                async def run() -> None:
+                    episode = await client.run(tt.RunSlot(tt.Task("say 7", answer="7")), ctx)
+                    assert episode.ok, episode.errors
+
+                await _trio_loop(run, window, _Tally(n // 5, 30.0))  # warm up
+                before = _proc_cpu(server.pid)
+                tally = _Tally(n, 60.0)
+                await _trio_loop(run, window, tally)
+                return (_proc_cpu(server.pid) - before) / tally.done
+
+            for _ in range(repeat):
+                await _trio_loop(chat, window, _Tally(n // 5, 30.0))
+                tally = _Tally(n, 60.0)
+                await _trio_loop(chat, window, tally)
+                best["in-process"] = min(best["in-process"], tally.cpu / tally.done * 1e6)
+                extra = await per_run(model_ctx) - await per_run(echo_ctx)
+                best["served"] = min(best["served"], extra * 1e6)
+        return best
+
+    try:
+        best = trio.run(main)
+    finally:
+        assert fake.stdin is not None
+        fake.stdin.close()
+        fake.wait(timeout=10)
+    rows = [["in-process `OpenAIClient.chat` (client CPU)", f"{best['in-process']:,.0f}"],
+            ["env server's model call (server CPU per run, less an echo run's)",
+             f"{best['served']:,.0f}"]]  # fmt: skip
+    print(f"\nmodel calls, {window} in flight, 1 server worker (best of {repeat})")
+    print(markdown_table(["model call", "CPU µs/call"], rows))
+
+
 def served(window: int = 64, n: int = 3000, repeat: int = 3) -> None:
-    """The served path's own HTTP client (`EnvClient`, ``transport="http"``: httpcore
-    connections in a list of its own) against `HTTPClient`, and the default WebSocket
+    """The served path's own HTTP client (`EnvClient`, ``transport="http"``: the project's
+    transport since issue 26, httpcore before) against `HTTPClient`, and the default WebSocket
     transport: client CPU per call at ``window`` against one env server child (1 worker)."""
     import trio_tasksets as tt
     from trio_tasksets.client import EnvClient, spawn_server
@@ -436,9 +507,9 @@ def served(window: int = 64, n: int = 3000, repeat: int = 3) -> None:
                 async def run_ws() -> None:
                     await ws.run(tt.RunSlot(tt.Task("say 7", answer="7")), ctx)
 
-                calls = {"GET /health, EnvClient (httpcore)": health_env,
+                calls = {"GET /health, EnvClient http": health_env,
                          "GET /health, HTTPClient": health_transport,
-                         "run, EnvClient http (httpcore)": run_http,
+                         "run, EnvClient http": run_http,
                          "run, EnvClient websocket": run_ws}  # fmt: skip
                 best: dict[str, tuple[float, float]] = {}
                 for _ in range(repeat):
@@ -476,7 +547,9 @@ def main(argv: list[str] | None = None) -> int:
     if args.contender:
         return _contender(args)
     if args.served:
-        served(repeat=args.repeat or 3)
+        repeat = args.repeat or (1 if args.quick else 3)
+        served(n=500 if args.quick else 3000, repeat=repeat)
+        served_model_calls(n=300 if args.quick else 2000, repeat=repeat)
         return 0
 
     quick = args.quick

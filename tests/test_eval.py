@@ -55,7 +55,7 @@ async def test_static_n5_r2_gives_10_rows_with_the_spec_fields(
     assert len(written) == 10
     assert set(written[0]) == {
         "id", "task", "rollout", "ok", "reward", "completion", "messages", "errors",
-        "attempts", "timing", "usage", "finish_reason",
+        "attempts", "timing", "usage", "finish_reason", "metrics",
     }  # fmt: skip
     assert set(written[0]["task"]) == {"key", "data"}
     assert set(written[0]["task"]["data"]) == {"prompt", "answer", "info", "system_prompt"}

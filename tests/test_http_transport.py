@@ -955,3 +955,58 @@ def test_the_fast_path_reads_only_what_h11_reads_the_same(head: bytes, body: byt
     status, headers, length, keep = simple
     raw = head + b"\r\n\r\n" + body[:length]
     assert h11_reading(raw) == (status, headers, body[:length], keep)
+
+
+def _read_on_both_paths(raw: bytes) -> list[tuple[int, list[tuple[bytes, bytes]], bytes, bool]]:
+    """`read_response` (the fast path where it applies) and h11's path alone, each reading
+    ``raw`` (sent whole, the connection left open) as the response to a GET."""
+    head = http_wire.RequestHead(b"GET / HTTP/1.1\r\n", "GET", False)
+    results = []
+
+    async def read(fast: bool) -> tuple[int, list[tuple[bytes, bytes]], bytes, bool]:
+        ours, theirs = socket.socketpair()
+        with ours, theirs:
+            theirs.sendall(raw)
+            ours.setblocking(False)
+            connection = http_wire.Connection(ours, None)
+            with trio.fail_after(10):
+                if fast:
+                    return await http_wire.read_response(connection, head, 1 << 20, lambda: None)
+                return await http_wire._read_with_h11(
+                    connection, head, 1 << 20, lambda: None, bytearray(), False
+                )
+
+    for fast in (True, False):
+        results.append(trio.run(read, fast))
+    return results
+
+
+_AFTER = [b"", b"", b"junk", b"HTTP/1.1 200", b"HTTP/1.1 200 OK\r\ncontent-length: 0\r\n\r\n",
+          b"\r\n", b"\x00\xff", b"0\r\n\r\n"]  # fmt: skip
+
+
+@hypothesis.settings(max_examples=150, deadline=None)
+@hypothesis.given(
+    head=response_heads(),
+    body=st.binary(min_size=12, max_size=12),
+    after=st.sampled_from(_AFTER) | st.binary(min_size=1, max_size=8),
+)
+def test_both_paths_return_a_complete_response_whatever_bytes_follow_it(
+    head: bytes, body: bytes, after: bytes
+) -> None:
+    """Differential, with bytes after a complete response (issue 26, D4): whenever h11 reads
+    a complete response, the fast path and h11's path both return it, whatever follows it,
+    and neither calls the connection reusable when anything does (it is closed, never
+    reused with those bytes, and the request is not sent again)."""
+    complete = None
+    for length in range(13):
+        candidate = head + b"\r\n\r\n" + body[:length]
+        reading = h11_reading(candidate)
+        if reading is not None and reading[2] == body[:length]:
+            complete = candidate, reading
+            break
+    hypothesis.assume(complete is not None)
+    assert complete is not None
+    raw, (status, headers, content, keep) = complete
+    for result in _read_on_both_paths(raw + after):
+        assert result == (status, headers, content, keep and not after)

@@ -1,8 +1,8 @@
 """trio_tasksets: streaming tasksets and a windowed runner on Trio.
 
-The flat public API (SPEC): the runner (`run_stream`, `as_completed`, `take`, `until`, `merge`),
-tasksets (`Task`, `TasksetConfig`, `Taskset`; the loaders `JsonlTaskset`, `CsvTaskset`,
-`HFTaskset`), envs and models (`Env`, `RunSlot`, `Episode`,
+The flat public API (SPEC): the runner (`run_stream`, `as_completed`, `take`, `until`, `merge`,
+`fan_out`), tasksets (`Task`, `TasksetConfig`, `Taskset`; the loaders `JsonlTaskset`,
+`CsvTaskset`, `HFTaskset`), envs and models (`Env`, `RunSlot`, `Episode`,
 `RetryPolicy`, `Sampling`, `ModelContext`, `EchoClient`, `OpenAIClient`), the served path's
 `EnvClient` and the eval
 (`EvalConfig`, `run_eval`, `EvalResult`). Submodules: `testing` (helpers for deterministic
@@ -44,7 +44,7 @@ from .models import (
     OpenAIClient,
     Sampling,
 )
-from .runner import as_completed, run_stream
+from .runner import as_completed, fan_out, run_stream
 from .serve import EnvClient
 from .sources import merge, take, until
 from .tasksets import Task, Taskset, TasksetConfig
@@ -90,6 +90,7 @@ __all__ = [
     "aio",
     "as_completed",
     "chat_messages",
+    "fan_out",
     "merge",
     "report",
     "run_eval",

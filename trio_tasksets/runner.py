@@ -19,12 +19,14 @@ Guarantees (SPEC section 1, R1-R8):
 
 from __future__ import annotations
 
+import contextvars
 import inspect
 import itertools
 import math
 import reprlib
 import sys
-from collections.abc import AsyncGenerator, AsyncIterable, Awaitable, Callable
+from collections import deque
+from collections.abc import AsyncGenerator, AsyncIterable, Awaitable, Callable, Iterable
 from contextlib import AbstractAsyncContextManager, asynccontextmanager
 from typing import Any, TypeVar, cast
 
@@ -32,7 +34,7 @@ import trio
 
 from .window import Window
 
-__all__ = ["as_completed", "run_stream"]
+__all__ = ["as_completed", "fan_out", "run_stream"]
 
 T = TypeVar("T")
 R = TypeVar("R")
@@ -250,6 +252,9 @@ async def _drive(
             # close is shielded without entering a scope after the source's own (see close_iterator).
             held: int | None = None  # a token taken for a pull, not yet handed to a run
             with trio.CancelScope() as guard:
+                # The runs (spawned from here, so they inherit it) and the fan_outs inside them
+                # draw their places from this window.
+                places = _places.set((limiter, acquire) if bounded else None)
                 try:
                     index = 0
                     while True:
@@ -281,6 +286,7 @@ async def _drive(
                         held = None
                         index += 1
                 finally:
+                    _places.reset(places)
                     if held is not None:
                         limiter.release_on_behalf_of(held)
                     # Close here, in the nursery body: the task that pulled, after its last
@@ -402,3 +408,169 @@ async def _as_completed(
         error = pick_one(group)
     if error is not None:
         raise error
+
+
+# --- fan_out: one window at any depth -------------------------------------------------------
+
+# The window the current run draws its places from: (its limiter, how to wait for a token),
+# or None outside any window (and inside a runner with `window=None`). `_drive` sets it in the
+# task that spawns the runs, so every run, and every task a run's fan_outs spawn, inherits it.
+_Places = tuple[trio.CapacityLimiter, Callable[[Any], Awaitable[None]]]
+_places: contextvars.ContextVar[_Places | None] = contextvars.ContextVar(
+    "trio_tasksets_window_places", default=None
+)
+
+
+async def fan_out(thunks: Iterable[Callable[[], Awaitable[R]]]) -> list[R]:
+    """Run every thunk (a callable taking no argument and returning an awaitable)
+    concurrently and return their results in thunk order.
+
+    Inside a run driven by `run_stream`, `as_completed` or an eval, the thunks run **on the
+    enclosing window** (SPEC 9, N1-N4), so one budget bounds live work at any depth:
+
+    * each running thunk holds a place of the window; the caller, while it waits for them,
+      holds none: `window=w` means at most `w` thunks or runs doing work at once, however
+      deeply fan_outs nest (a `tt.Window` or `tt.AdaptiveWindow` included: its current size
+      bounds new places);
+    * the caller's own place is lent to its first thunk (and, as each finishes, to the next
+      one not yet started), so a fan-out makes progress at `window=1` and under any nesting;
+      the other thunks wait for a free place in turn with the runner's pulls (first come,
+      first served), and give it back when they end;
+    * the first thunk that fails cancels its siblings, waits for them to unwind and is
+      re-raised *itself* (not an ExceptionGroup; a second failure is attached to it as a
+      note); cancelling the caller cancels every thunk; KeyboardInterrupt stays itself.
+
+    Outside any window (or under `window=None`) the thunks run unbounded. Raises TypeError,
+    before anything runs, when `thunks` is not iterable or holds something not callable.
+    """
+    calls = _check_thunks(thunks)
+    if not calls:
+        await trio.lowlevel.checkpoint()
+        return []
+    places = _places.get()
+    results: list[Any] = [_UNSET] * len(calls)
+    failures: list[BaseException] = []
+    pending = deque(enumerate(calls))
+    error: BaseException | None = None
+    try:
+        async with trio.open_nursery() as nursery:
+            scope = nursery.cancel_scope
+
+            async def child(index: int, thunk: Callable[[], Awaitable[R]]) -> None:
+                awaitable: Any = _UNSET
+                try:
+                    awaitable = thunk()
+                    results[index] = await awaitable
+                except Exception as exc:
+                    if not (awaitable is _UNSET or inspect.isawaitable(awaitable)):
+                        explained = _thunk_not_awaitable(index, thunk, awaitable)
+                        explained.__cause__ = exc
+                        exc = explained
+                    _fail(failures, exc, scope)
+                except trio.Cancelled:
+                    raise
+                except BaseException as exc:
+                    _fail(failures, exc, scope)
+                    raise
+
+            if places is None:
+                for index, thunk in itertools.islice(pending, 1, None):
+                    nursery.start_soon(child, index, thunk)
+                first = pending.popleft()
+                pending.clear()
+                await child(*first)
+            else:
+                drawing = trio.CancelScope()
+                if len(pending) > 1:
+                    nursery.start_soon(
+                        _draw_places, places, drawing, nursery, pending, failures, child
+                    )
+                # This task holds the caller's place: it runs the thunks not yet started, one
+                # after the other, while places are drawn from the window for the others.
+                while pending and not failures:
+                    await child(*pending.popleft())
+                drawing.cancel()
+    except BaseExceptionGroup as group:
+        error = pick_one(group)
+    if failures and not isinstance(error, KeyboardInterrupt):
+        first_failure = failures[0]
+        if not (error is None or isinstance(error, trio.Cancelled) or _among(error, failures)):
+            add_note(first_failure, "while the other thunks unwound", error)
+        error = first_failure
+    if error is not None:
+        raise error
+    return cast(list[R], results)
+
+
+async def _draw_places(
+    places: _Places,
+    drawing: trio.CancelScope,
+    nursery: trio.Nursery,
+    pending: deque[tuple[int, Callable[[], Awaitable[R]]]],
+    failures: list[BaseException],
+    child: Callable[[int, Callable[[], Awaitable[R]]], Awaitable[None]],
+) -> None:
+    """Take a place of the window for each thunk not yet started and start the thunk on it,
+    until none is left (the caller's place may take them first) or one has failed. Runs in
+    the fan-out's nursery under `drawing`, which the caller cancels once nothing is pending."""
+    limiter, acquire = places
+
+    async def on_place(index: int, thunk: Callable[[], Awaitable[R]], borrower: object) -> None:
+        try:
+            await child(index, thunk)
+        finally:
+            limiter.release_on_behalf_of(borrower)
+
+    with drawing:
+        while pending and not failures:
+            borrower = object()
+            try:
+                limiter.acquire_on_behalf_of_nowait(borrower)
+            except trio.WouldBlock:
+                await acquire(borrower)
+            if not pending or failures:
+                limiter.release_on_behalf_of(borrower)
+                return
+            index, thunk = pending.popleft()
+            nursery.start_soon(on_place, index, thunk, borrower)
+
+
+def _fail(failures: list[BaseException], exc: BaseException, scope: trio.CancelScope) -> None:
+    if failures:
+        add_note(failures[0], "while the other thunks unwound", exc)
+    else:
+        scope.cancel()
+    failures.append(exc)
+
+
+def _check_thunks(thunks: object) -> list[Callable[[], Awaitable[Any]]]:
+    if not hasattr(type(thunks), "__iter__") or isinstance(thunks, (str, bytes)):
+        raise TypeError(
+            f"thunks must be an iterable of callables taking no argument, got "
+            f"{type(thunks).__name__}"
+        )
+    calls = list(cast(Iterable[Any], thunks))
+    for index, thunk in enumerate(calls):
+        if not callable(thunk):
+            hint = ""
+            if inspect.isawaitable(thunk):
+                hint = (
+                    ": pass the function, not the awaitable it returns "
+                    "(`lambda: fetch(x)` or `functools.partial(fetch, x)`, not `fetch(x)`)"
+                )
+                if inspect.iscoroutine(thunk):
+                    thunk.close()  # never awaited: do not warn about it later
+            raise TypeError(
+                f"thunks[{index}] must be a callable taking no argument, got "
+                f"{type(thunk).__name__}{hint}"
+            )
+    return calls
+
+
+def _thunk_not_awaitable(index: int, thunk: object, returned: object) -> TypeError:
+    name = getattr(thunk, "__qualname__", type(thunk).__name__)
+    return TypeError(
+        f"thunks[{index}] must return an awaitable: {name}() returned "
+        f"{type(returned).__name__}; define it with `async def`, or wrap a sync function "
+        f"`fn` as `lambda: trio.to_thread.run_sync(fn)`"
+    )

@@ -12,7 +12,7 @@ import trio
 
 from ..envspec import EnvSpec
 from ..serve.app import ServerApp
-from ..serve.policy import Access, Limits, ModelPolicy
+from ..serve.policy import MAX_MODEL_RETRIES, MIN_MODEL_BACKOFF, Access, Limits, ModelPolicy
 from ..serve.process import bind_socket, is_loopback, serve_worker, supervise, url_of
 from ..serve.wire import MAX_BODY_BYTES, READY_PREFIX
 
@@ -95,6 +95,22 @@ def add_parser(commands: Commands) -> argparse.ArgumentParser:
         metavar="URL",
         help="the OpenAI-compatible endpoints a run may reach (default none: echo only)",
     )
+    models.add_argument(
+        "--max-model-retries",
+        type=int,
+        default=MAX_MODEL_RETRIES,
+        metavar="N",
+        help="the most retries a run's model client may ask for; a run asking more is refused "
+        f"with 403 (default {MAX_MODEL_RETRIES})",
+    )
+    models.add_argument(
+        "--min-model-backoff",
+        type=float,
+        default=MIN_MODEL_BACKOFF,
+        metavar="S",
+        help="seconds: a run's model client backoff below this is raised to it (default "
+        f"{MIN_MODEL_BACKOFF:g})",
+    )
     limits = sv.add_argument_group("limits per connection (docs/security.md)")
     limits.add_argument(
         "--max-runs-per-connection",
@@ -155,7 +171,10 @@ def _access(args: argparse.Namespace, port: int, token: str | None) -> Access:
 
 def _models(args: argparse.Namespace) -> ModelPolicy:
     try:
-        return ModelPolicy.from_flags(args.allow_base_url, args.api_key_var, os.environ)
+        return ModelPolicy.from_flags(
+            args.allow_base_url, args.api_key_var, os.environ,
+            max_retries=args.max_model_retries, min_backoff=args.min_model_backoff,
+        )  # fmt: skip
     except ValueError as exc:
         raise UsageError(str(exc)) from None
 

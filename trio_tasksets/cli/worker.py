@@ -132,12 +132,21 @@ def _worker_config(args: argparse.Namespace) -> WorkerConfig:
 
 
 async def _work(config: WorkerConfig, ctx: ModelContext, env: Env[Any]) -> WorkerReport:
-    from ..redis.link import login_refused, unusable
-    from ..redis.resp import ReplyError
+    from ..redis.link import login_refused, server_run_id, unusable
+    from ..redis.resp import OddServer, RedisError, ReplyError
     from ..redis.worker import run_worker
 
     try:
+        try:
+            await server_run_id(config.feed)  # an odd server is named before any work
+        except OddServer:
+            raise
+        except RedisError:
+            pass  # unreachable, or a refused login: run_worker waits, or says so
         return await run_worker(config, ctx, env=env)
+    except OddServer as exc:
+        message, fix = unusable("--feed", config.feed, exc)
+        raise UsageError(message, fix=fix) from None
     except ReplyError as exc:
         if login_refused(exc):
             message, fix = unusable("--feed", config.feed, exc)

@@ -57,6 +57,7 @@ from .config import (
     run_identity,
     via_stream,
 )
+from .lock import LOCK_NAME, RunDirLock
 from .plan import from_list, keep_resumable, plan_stream, static_slots
 from .report.stats import reward_interval
 from .served import SlotRunner, served_runner
@@ -245,7 +246,7 @@ def _make_dir(run_dir: Path) -> list[Path]:
 
 def _remove_run(run_dir: Path, created: list[Path]) -> None:
     """Take back what a run that left no row wrote: its files, and the directories it made."""
-    for name in _FILES:
+    for name in (*_FILES, LOCK_NAME):
         (run_dir / name).unlink(missing_ok=True)
     for directory in created:
         try:
@@ -302,8 +303,18 @@ async def run_eval(
     (a second one interrupts the drain); it then returns with `summary["stopped"]` set to the
     signal's name. It must then run in the main thread. Awaited from asyncio it raises a
     RuntimeError naming `tt.aio.run_eval`.
+
+    One eval at a time writes a run dir: another one meanwhile (a second ``--resume``) is
+    refused with `EvalConfigError` naming the holder (`RunDirLock`).
     """
     require_trio("run_eval")
+    with RunDirLock() as lock:
+        return await _run_eval(env, ctx, config, handle_signals, lock)
+
+
+async def _run_eval(
+    env: Env[Any], ctx: ModelContext, config: EvalConfig, handle_signals: bool, lock: RunDirLock
+) -> EvalResult:
     preflight(env, ctx, config)
     redis_run_id = await _reach(config)
     identity = run_identity(env, ctx, config)
@@ -315,6 +326,8 @@ async def run_eval(
         _say_if_short(env, config, slots)
     kept_rows: list[dict[str, Any]] = []
     if config.resume:
+        if run_dir.is_dir():
+            lock.take(run_dir)  # before reading it: no other eval writes it meanwhile
         kept_rows, slots = keep_resumable(run_dir, identity, slots)
     elif run_dir.exists() and any(run_dir.iterdir()):
         raise EvalConfigError(
@@ -322,6 +335,7 @@ async def run_eval(
             f"--run-name / -o/--output-dir"
         )
     created = _make_dir(run_dir)
+    lock.take(run_dir)
     record = _record_of(env, ctx, config, identity, run_dir)
     write_atomic(run_dir / "config.json", text=json.dumps(record, indent=2, default=str))
     traces_path = run_dir / "traces.jsonl"

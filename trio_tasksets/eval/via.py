@@ -57,7 +57,7 @@ from ..redis.entries import (
     stderr_log,
 )
 from ..redis.link import Link, server_run_id, unusable
-from ..redis.resp import Command, Connection, RedisError, ReplyError, first_stream, info
+from ..redis.resp import Command, Connection, RedisError, ReplyError, first_stream, run_id
 from .config import EvalConfigError
 from .served import SlotRunner
 
@@ -117,7 +117,7 @@ async def _check(
     if answered:
         commands.append(("XDEL", stream, *answered))
     replies = await redis.pipeline(commands)
-    return info(replies[0])["run_id"]
+    return run_id(replies[0], redis.address)
 
 
 async def _groups(redis: Connection, stream: str) -> list[dict[str, Any]]:

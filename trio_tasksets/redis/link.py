@@ -9,7 +9,17 @@ from typing import Any, TypeVar
 import trio
 
 from .entries import Log, redact
-from .resp import Address, Connection, RedisError, ReplyError, Unreachable, first_stream, info
+from .resp import (
+    MAX_REPLY_BYTES,
+    Address,
+    Connection,
+    OddServer,
+    RedisError,
+    ReplyError,
+    Unreachable,
+    first_stream,
+    run_id,
+)
 
 T = TypeVar("T")
 _BACKOFF_FIRST = 0.1
@@ -28,13 +38,19 @@ class Link:
     per failure naming the URL, one when Redis answers again) on a new connection. Other errors
     (a `ReplyError`) are raised. No call is replayed behind the caller's back: `fn` is told
     which attempt it is. Calls may run at once: each holds a connection of its own while it
-    runs (kept for the next call after), so there are as many as calls at once.
+    runs (kept for the next call after), so there are as many as calls at once. A reply over
+    `max_reply_bytes` is `Unreachable` (the connection is closed).
     """
 
-    def __init__(self, url: str, *, read_timeout: float, log: Log) -> None:
+    def __init__(
+        self, url: str, *, read_timeout: float, log: Log, max_reply_bytes: int = MAX_REPLY_BYTES
+    ) -> None:
+        if max_reply_bytes < 1:
+            raise ValueError(f"max_reply_bytes must be >= 1, got {max_reply_bytes!r}")
         self.url = redact(url)
         self._address = Address.parse(url)
         self._read_timeout = read_timeout
+        self._max_reply = max_reply_bytes
         self._idle: list[Connection] = []
         self._log = log
 
@@ -88,7 +104,10 @@ class Link:
                 return connection
             connection.close()
         return await Connection.open(
-            self._address, connect_timeout=_CONNECT_TIMEOUT, read_timeout=self._read_timeout
+            self._address,
+            connect_timeout=_CONNECT_TIMEOUT,
+            read_timeout=self._read_timeout,
+            max_reply_bytes=self._max_reply,
         )
 
     def _back(self, failures: int, what: str) -> None:
@@ -123,13 +142,13 @@ def first_entry(reply: Any) -> tuple[str, dict[str, str] | None] | None:
 
 async def server_run_id(url: str) -> str:
     """The `run_id` of the Redis at `url` (it changes when Redis restarts): one connection, no
-    retry, 5 s at most for each step. Raises `resp.RedisError` (`Unreachable`, or a
-    `ReplyError` such as a refused login)."""
+    retry, 5 s at most for each step. Raises `resp.RedisError` (`Unreachable`, a
+    `ReplyError` such as a refused login, or `OddServer` for an INFO without a run_id)."""
     connection = await Connection.open(
         Address.parse(url), connect_timeout=_CONNECT_TIMEOUT, read_timeout=_CONNECT_TIMEOUT
     )
     try:
-        return info(await connection.execute("INFO", "server"))["run_id"]
+        return run_id(await connection.execute("INFO", "server"), connection.address)
     finally:
         connection.close()
 
@@ -145,6 +164,12 @@ def login_refused(error: BaseException) -> bool:
 def unusable(flag: str, url: str, error: RedisError) -> tuple[str, str]:
     """What to tell someone whose `flag` URL failed with `error`: the message and the fix
     (a refused login names the URL's password; anything else, reaching Redis)."""
+    if isinstance(error, OddServer):
+        return (
+            f"{flag} {redact(url)}: {error}",
+            f"point {flag} at a redis-server (5.0 or later: streams, INFO run_id), not at a "
+            f"proxy or a Redis look-alike",
+        )
     if login_refused(error):
         return (
             f"{flag} {redact(url)}: Redis refused the login ({error})",

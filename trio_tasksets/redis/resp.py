@@ -30,6 +30,8 @@ _SMALL_SEND = 16384
 _QUERY = frozenset({"db", "ssl_cert_reqs", "ssl_ca_certs"})
 _CERT_REQS = {"none": ssl.CERT_NONE, "optional": ssl.CERT_OPTIONAL, "required": ssl.CERT_REQUIRED}
 _MORE = object()  # hiredis: no whole reply buffered yet
+MAX_REPLY_BYTES = 64 * 2**20
+"""Bytes one reply may take on the wire by default (`Connection.open`'s `max_reply_bytes`)."""
 
 
 class RedisError(Exception):
@@ -38,6 +40,11 @@ class RedisError(Exception):
 
 class ReplyError(RedisError):
     """Redis answered with an error (`NOGROUP ...`, `WRONGTYPE ...`, `BUSYGROUP ...`)."""
+
+
+class OddServer(RedisError):
+    """The server answered what no Redis answers (a proxy, or a Redis look-alike without
+    streams): the message names the server and what it answered."""
 
 
 class Unreachable(RedisError):
@@ -133,14 +140,26 @@ class Connection:
 
     A call that fails in transit (a broken socket, not sent and answered within
     `read_timeout`, a cancellation) raises (`Unreachable`, or the cancellation) and leaves the
-    connection closed: its replies can no longer be matched to its commands.
+    connection closed: its replies can no longer be matched to its commands. So does a
+    server that sends more replies than it was sent commands (a misbehaving server or
+    proxy: every later reply would be off by one), and one whose reply takes more than
+    `max_reply_bytes` (within one read of 64 KiB) before it is whole.
     """
 
-    def __init__(self, stream: trio.abc.Stream, address: Address, read_timeout: float) -> None:
+    def __init__(
+        self,
+        stream: trio.abc.Stream,
+        address: Address,
+        read_timeout: float,
+        max_reply_bytes: int = MAX_REPLY_BYTES,
+    ) -> None:
+        if max_reply_bytes < 1:
+            raise ValueError(f"max_reply_bytes must be >= 1, got {max_reply_bytes!r}")
         self._stream = stream
         self._socket = _socket_of(stream)
         self._address = address
         self._read_timeout = read_timeout
+        self._max_reply = max_reply_bytes
         self._reader = hiredis.Reader(
             encoding="utf-8", errors="replace", replyError=ReplyError, notEnoughData=_MORE
         )
@@ -148,10 +167,17 @@ class Connection:
 
     @classmethod
     async def open(
-        cls, address: Address, *, connect_timeout: float = 5.0, read_timeout: float = 10.0
+        cls,
+        address: Address,
+        *,
+        connect_timeout: float = 5.0,
+        read_timeout: float = 10.0,
+        max_reply_bytes: int = MAX_REPLY_BYTES,
     ) -> Connection:
         """Connect, log in (AUTH) and select the db. `Unreachable` if Redis cannot be reached
         within `connect_timeout`; `ReplyError` if it refuses the login."""
+        if max_reply_bytes < 1:
+            raise ValueError(f"max_reply_bytes must be >= 1, got {max_reply_bytes!r}")
         stream: trio.abc.Stream | None = None
         try:
             with trio.fail_after(connect_timeout):
@@ -174,7 +200,7 @@ class Connection:
             if isinstance(exc, (OSError, trio.BrokenResourceError)):
                 raise Unreachable(f"cannot connect to {address}: {_reason(exc)}") from None
             raise
-        connection = cls(stream, address, read_timeout)
+        connection = cls(stream, address, read_timeout, max_reply_bytes)
         hello: list[Command] = []
         if address.password is not None:
             login = [address.username] if address.username else []
@@ -233,15 +259,28 @@ class Connection:
                 with trio.move_on_after(self._read_timeout) as waited:
                     if not small:
                         await self._stream.send_all(data)
+                    pending = 0  # bytes received since the last whole reply
                     while len(replies) < count:
                         reply = self._reader.gets()
                         if reply is _MORE:
+                            if pending > self._max_reply:
+                                raise Unreachable(
+                                    f"{self._address} sent a reply over {self._max_reply:,} "
+                                    f"bytes (max_reply_bytes)"
+                                )
                             chunk = await self._stream.receive_some(_READ_SIZE)
                             if not chunk:
                                 raise Unreachable(f"{self._address} closed the connection")
                             self._reader.feed(bytes(chunk))
+                            pending += len(chunk)
                         else:
                             replies.append(reply)
+                            pending = 0
+                    if self._reader.has_data():
+                        raise Unreachable(
+                            f"{self._address} sent more replies than it was sent commands "
+                            f"(a misbehaving server or proxy); the connection is closed"
+                        )
             except (OSError, trio.BrokenResourceError, trio.ClosedResourceError) as exc:
                 raise Unreachable(f"connection to {self._address} failed: {_reason(exc)}") from None
             except hiredis.ProtocolError as exc:
@@ -254,11 +293,15 @@ class Connection:
             if not done:
                 self.close()
 
+    @property
+    def address(self) -> Address:
+        return self._address
+
     def stale(self) -> bool:
         """Whether the idle connection can no longer be used: closed, or Redis hung up (its
         `timeout` setting, a restart) or sent something unasked. A reused connection is checked
         first, so an idle hang-up costs a new connection, not a failed call."""
-        if self.closed:
+        if self.closed or self._reader.has_data():
             return True
         try:
             return _readable(self._socket.fileno())
@@ -299,6 +342,11 @@ def _reason(exc: BaseException) -> str:
     return f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
 
 
+def _shown(reply: Any) -> str:
+    text = repr(reply)
+    return text if len(text) <= 120 else text[:117] + "..."
+
+
 def fields(flat: Sequence[Any] | None) -> dict[str, Any] | None:
     """A flat `[name, value, name, value, ...]` reply as a dict (None stays None: an entry
     deleted from its stream)."""
@@ -309,13 +357,36 @@ def fields(flat: Sequence[Any] | None) -> dict[str, Any] | None:
 
 def entries(reply: Sequence[Any] | None) -> list[tuple[str, dict[str, Any] | None]]:
     """The entries of an XRANGE reply, or of one stream of an XREAD/XREADGROUP reply:
-    `(id, fields)`, fields None for an entry deleted meanwhile."""
-    return [(str(entry_id), fields(flat)) for entry_id, flat in reply or ()]
+    `(id, fields)`, fields None for an entry deleted meanwhile. `OddServer` for a reply of
+    another shape."""
+    if reply is not None and not isinstance(reply, list):
+        raise OddServer(f"the server answered a stream read with {_shown(reply)}")
+    try:
+        return [(str(entry_id), fields(flat)) for entry_id, flat in reply or ()]
+    except (TypeError, ValueError) as exc:
+        raise OddServer(f"the server answered a stream read with {_shown(reply)}") from exc
 
 
 def first_stream(reply: Sequence[Any] | None) -> list[tuple[str, dict[str, Any] | None]]:
-    """The entries of the first (only) stream of an XREAD/XREADGROUP reply (None: none came)."""
-    return entries(reply[0][1]) if reply else []
+    """The entries of the first (only) stream of an XREAD/XREADGROUP reply (None: none came);
+    `OddServer` for a reply of another shape."""
+    if not reply:
+        return []
+    if not isinstance(reply, list) or not isinstance(reply[0], list) or len(reply[0]) != 2:
+        raise OddServer(f"the server answered a stream read with {_shown(reply)}")
+    return entries(reply[0][1])
+
+
+def run_id(reply: Any, server: object) -> str:
+    """The `run_id` of an ``INFO server`` reply from `server`; `OddServer` naming it and
+    what it answered if there is none."""
+    found = info(reply).get("run_id") if isinstance(reply, str) else None
+    if not found:
+        raise OddServer(
+            f"{server} answered INFO server with {_shown(reply)}, which has no run_id: it is "
+            f"not a Redis server (a proxy, or a Redis look-alike?)"
+        )
+    return found
 
 
 def info(text: str) -> dict[str, str]:

@@ -13,6 +13,7 @@ import trio
 
 from ..env import Episode, OnComplete, RetryPolicy, RunSlot, complete_slot
 from ..models import ModelContext
+from ..transport import HTTPError
 from .errors import EnvServerError, transport_reason
 from .transport import HTTPConnections, Refused, TooLarge, WSConnection, WSGone
 from .wire import MAX_ANSWER_BYTES, MAX_BODY_BYTES, WS_PATH, RunRequestEncoder
@@ -182,15 +183,16 @@ class EnvClient:
         port = parts.port or (443 if parts.scheme == "https" else 80)
         self._prefix = parts.path
         self._connections = HTTPConnections(
-            parts.scheme, parts.hostname, port, max_connections, connect_timeout,
+            self.url, parts.hostname, port, max_connections, connect_timeout,
             max_message_bytes,
         )  # fmt: skip
-        self._headers = [(b"host", parts.netloc.encode())]
+        self._headers: dict[str, str] = {}
         self._ws_headers: list[tuple[bytes, bytes]] = []
         token = token.strip() if token else None
         if token:
-            self._headers.append((b"authorization", f"Bearer {token}".encode()))
+            self._headers["authorization"] = f"Bearer {token}"
             self._ws_headers.append((b"authorization", f"Bearer {token}".encode()))
+        self._json_headers = {**self._headers, "content-type": "application/json"}
         self._ws = _WSPool(self, connections)
         if transport == "http" or parts.scheme != "http":
             self._ws.available = False
@@ -199,20 +201,15 @@ class EnvClient:
         return f"EnvClient({self.url!r})"
 
     async def _request(self, method: str, path: str, body: bytes = b"") -> Any:
-        headers = [*self._headers, (b"content-length", str(len(body)).encode())]
-        if body:
-            headers.append((b"content-type", b"application/json"))
-        target = (self._prefix + path).encode()
+        headers = self._headers if not body else self._json_headers
+        if self._connections.closed:
+            raise EnvServerError(f"{self.url}: the client was closed", url=self.url)
         try:
-            status, content = await self._connections.request(
-                method.encode(), target, headers, body
-            )
+            status, content = await self._connections.request(method, path, headers, body)
         except TooLarge as exc:
             raise EnvServerError(f"env server {self.url}: {exc}", url=self.url) from None
-        except Exception as exc:
+        except HTTPError as exc:
             reason = transport_reason(exc)
-            if reason is None:
-                raise
             raise EnvServerError(f"env server {self.url} is gone: {reason}", url=self.url) from exc
         try:
             payload = json.loads(content)

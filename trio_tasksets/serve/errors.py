@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from ..transport import ConnectError, ConnectionClosed, HTTPError, HTTPTimeout, ProtocolError
+
 
 class EnvServerError(Exception):
     """The env server could not be reached, went away, or refused a request.
@@ -22,14 +24,12 @@ class EnvServerError(Exception):
         return self.status is None or self.status >= 500
 
 
-def transport_reason(exc: Exception) -> str | None:
-    """Why a request got no answer, for an httpcore transport error; None for any other."""
-    import httpcore
-
-    detail = str(exc) or type(exc).__name__
-    if isinstance(exc, httpcore.ConnectError | httpcore.ConnectTimeout):
-        return f"connection refused or unreachable ({detail})"
-    if isinstance(exc, httpcore.NetworkError | httpcore.RemoteProtocolError):
-        return f"the connection was closed or reset mid-request ({detail})"
-    other = (httpcore.ProtocolError, httpcore.TimeoutException, httpcore.UnsupportedProtocol)
-    return f"{type(exc).__name__}: {detail}" if isinstance(exc, other) else None
+def transport_reason(exc: HTTPError) -> str:
+    """Why a request got no answer, from the transport's error."""
+    if isinstance(exc, HTTPTimeout):
+        return exc.reason
+    if isinstance(exc, ConnectError):
+        return f"connection refused or unreachable ({exc.reason})"
+    if isinstance(exc, ConnectionClosed | ProtocolError):
+        return f"the connection was closed or reset mid-request ({exc.reason})"
+    return f"{type(exc).__name__}: {exc.reason}"

@@ -20,19 +20,22 @@ import hmac
 import logging
 from collections import OrderedDict
 from collections.abc import Iterable, Mapping
-from typing import TYPE_CHECKING, Any
+from typing import Any
 from urllib.parse import urlsplit
 
 import attrs
 import trio
 
 from ..models import EchoClient, ModelClient, OpenAIClient
+from ..transport import HTTPClient
 from .wire import MAX_BODY_BYTES, ClientSpec, EchoSpec, Forbidden, OpenAISpec
 
-if TYPE_CHECKING:
-    import httpx
-
 log = logging.getLogger("trio_tasksets.serve")
+
+MAX_MODEL_RETRIES = 10
+"""``--max-model-retries``'s default: the most retries a run's model client may ask for."""
+MIN_MODEL_BACKOFF = 0.1
+"""``--min-model-backoff``'s default: seconds; a run's smaller backoff is raised to it."""
 
 ANY = "*"
 """``--allow-host '*'`` / ``--allow-origin '*'``: any value (behind a proxy that checks it)."""
@@ -218,18 +221,35 @@ class ModelPolicy:
     - ``api_key_var`` must be null (no key) or the server's own `api_key_var`: else
       `Forbidden` naming ``--api-key-var``. The key was read from the server's environment
       at start; a request cannot make the server read any other variable.
+    - ``max_retries`` must be at most `max_retries` (``--max-model-retries``): else
+      `Forbidden` naming it, so one run cannot make the server hammer its endpoint with
+      its key. `build` raises ``backoff`` and ``max_backoff`` to at least `min_backoff`
+      (``--min-model-backoff``).
     """
 
     base_urls: frozenset[str] = frozenset()
     api_key_var: str | None = None
     api_key: str | None = attrs.field(default=None, repr=False)
+    max_retries: int = attrs.field(default=MAX_MODEL_RETRIES, validator=attrs.validators.ge(0))
+    min_backoff: float = attrs.field(default=MIN_MODEL_BACKOFF, validator=attrs.validators.ge(0))
 
     @classmethod
     def from_flags(
-        cls, base_urls: Iterable[str], api_key_var: str | None, environ: Mapping[str, str]
+        cls,
+        base_urls: Iterable[str],
+        api_key_var: str | None,
+        environ: Mapping[str, str],
+        *,
+        max_retries: int = MAX_MODEL_RETRIES,
+        min_backoff: float = MIN_MODEL_BACKOFF,
     ) -> ModelPolicy:
-        """The policy of ``--allow-base-url`` and ``--api-key-var``; `ValueError` naming the
-        flag for a URL that is not one, or a variable that is not set."""
+        """The policy of ``--allow-base-url``, ``--api-key-var``, ``--max-model-retries``
+        and ``--min-model-backoff``; `ValueError` naming the flag for a URL that is not one,
+        a variable that is not set, or a negative number."""
+        if max_retries < 0:
+            raise ValueError(f"--max-model-retries must be >= 0, got {max_retries}")
+        if not min_backoff >= 0:
+            raise ValueError(f"--min-model-backoff must be >= 0 seconds, got {min_backoff}")
         urls = set()
         for url in base_urls:
             try:
@@ -241,7 +261,7 @@ class ModelPolicy:
             key = environ.get(api_key_var, "").strip()
             if not key:
                 raise ValueError(f"--api-key-var: environment variable {api_key_var} is not set")
-        return cls(frozenset(urls), api_key_var, key)
+        return cls(frozenset(urls), api_key_var, key, max_retries, min_backoff)
 
     def check(self, spec: ClientSpec) -> None:
         """`Forbidden` unless `spec` is allowed (see the class docstring)."""
@@ -273,8 +293,15 @@ class ModelPolicy:
                 "ctx.client.api_key_var",
                 f"{var!r} is not the server's key variable; {fix}",
             )
+        if spec.max_retries > self.max_retries:
+            raise Forbidden(
+                "ctx.client.max_retries",
+                f"{spec.max_retries} retries is over this server's cap of {self.max_retries} "
+                f"(its --max-model-retries): ask for at most {self.max_retries}, or start the "
+                f"server with --max-model-retries {spec.max_retries}",
+            )
 
-    def build(self, spec: ClientSpec, http_client: httpx.AsyncClient | None = None) -> ModelClient:
+    def build(self, spec: ClientSpec, http_client: HTTPClient | None = None) -> ModelClient:
         """The model client `spec` stands for (on `http_client`, if given); call `check`
         first. It reaches the allowed URL itself (normalized), not the request's spelling."""
         if isinstance(spec, EchoSpec):
@@ -285,8 +312,8 @@ class ModelPolicy:
             self.api_key if spec.api_key_var is not None else None,
             timeout=spec.timeout,
             max_retries=spec.max_retries,
-            backoff=spec.backoff,
-            max_backoff=spec.max_backoff,
+            backoff=max(spec.backoff, self.min_backoff),
+            max_backoff=max(spec.max_backoff, self.min_backoff),
             http_client=http_client,
         )
 
@@ -336,18 +363,15 @@ class ModelClients:
         self._clients: OrderedDict[ClientSpec, ModelClient] = OrderedDict()
         self._users: dict[ModelClient, int] = {}  # open non-echo clients -> runs using them
         self._retired: list[ModelClient] = []
-        self._pools: dict[str, httpx.AsyncClient] = {}  # by normalized base URL
+        self._pools: dict[str, HTTPClient] = {}  # by normalized base URL
 
-    def _pool(self, spec: ClientSpec) -> httpx.AsyncClient | None:
+    def _pool(self, spec: ClientSpec) -> HTTPClient | None:
         if not isinstance(spec, OpenAISpec):
             return None
-        import httpx
-
         url = normalize_base_url(spec.base_url)
         pool = self._pools.get(url)
-        if pool is None:  # as OpenAIClient makes its own; the timeout is set per request
-            limits = httpx.Limits(max_connections=None, max_keepalive_connections=256)
-            pool = self._pools[url] = httpx.AsyncClient(limits=limits)
+        if pool is None:  # as OpenAIClient makes its own; the timeouts are set per request
+            pool = self._pools[url] = HTTPClient()
         return pool
 
     def __len__(self) -> int:

@@ -2,109 +2,78 @@
 
 from __future__ import annotations
 
-import contextlib
 import json
 import socket
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import orjson
 import outcome
 import trio
 
 from ..runner import pick_one
+from ..transport import HTTPClient, ResponseTooLarge, Timeouts
 from .wire import WS_MAX_BATCH, coalesce
-
-if TYPE_CHECKING:
-    import httpcore  # imported where used: it imports anyio, which `import trio_tasksets` should not
 
 
 class HTTPConnections:
-    """Keep-alive HTTP/1.1 connections to one origin: one request per connection at a time,
-    an idle one reused (last in, first out), at most `limit` open.
-
-    Not httpcore's `AsyncConnectionPool`: its request-to-connection assignment scans every
-    connection on every event (O(connections x requests) per request, encode/httpcore#1035),
-    which at a window of 64 made the client cost 3x the server. httpcore still speaks HTTP.
-    """
+    """The HTTP side of an `EnvClient`: the project's transport (`HTTPClient`) to one env
+    server, keep-alive connections reused (newest first), at most `limit` open. Requests
+    are untimed once connected (a run may take long); connecting times out after
+    `connect_timeout`; an answer over `max_answer` bytes (before or after decoding) raises
+    `TooLarge`. A cancelled request closes its connection (the server cancels the run).
+    Proxies from the environment are not used: neither is by the WebSocket beside it."""
 
     def __init__(
         self,
-        scheme: str,
+        base: str,
         host: str,
         port: int,
         limit: int | None,
         connect_timeout: float,
         max_answer: int,
     ) -> None:
-        import httpcore
-
-        self._origin = httpcore.Origin(scheme.encode(), host.encode(), port)
+        self.base = base
         self.host, self.port = host, port
         self.max_answer = max_answer
         # Shorter than the server's keep-alive (its --header-timeout, 10 s by default; set
         # from /health when known): an idle connection is dropped here before the server
         # could close it under a request.
-        self.keepalive = 4.0
-        self._idle: list[httpcore.AsyncHTTPConnection] = []
-        self._limiter = trio.CapacityLimiter(limit) if limit is not None else None
-        self._extensions = {"timeout": {"connect": connect_timeout, "read": None,
-                                        "write": None, "pool": None}}  # fmt: skip
+        self._http = HTTPClient(
+            timeouts=Timeouts(connect=connect_timeout, read=None, write=None),
+            max_connections=limit,
+            keepalive_expiry=4.0,
+            max_response_bytes=max_answer,
+            trust_env=False,
+        )
 
-    async def _take(self) -> httpcore.AsyncHTTPConnection:
-        import httpcore
+    @property
+    def closed(self) -> bool:
+        return self._http.is_closed
 
-        while self._idle:
-            connection = self._idle.pop()
-            if not connection.has_expired():
-                return connection
-            await connection.aclose()
-        return httpcore.AsyncHTTPConnection(self._origin, keepalive_expiry=self.keepalive)
+    @property
+    def keepalive(self) -> float:
+        return self._http.keepalive_expiry
+
+    @keepalive.setter
+    def keepalive(self, seconds: float) -> None:
+        self._http.keepalive_expiry = seconds
 
     async def request(
-        self, method: bytes, target: bytes, headers: list[tuple[bytes, bytes]], body: bytes
+        self, method: str, path: str, headers: dict[str, str], body: bytes
     ) -> tuple[int, bytes]:
-        """One request on a connection of its own; the status and the whole body."""
-        import httpcore
-
-        origin = self._origin
-        url = httpcore.URL(scheme=origin.scheme, host=origin.host, port=origin.port, target=target)
-        async with self._limiter if self._limiter is not None else contextlib.nullcontext():
-            connection = await self._take()
-            request = httpcore.Request(
-                method, url, headers=headers, content=body, extensions=self._extensions
+        """One request (`path` under the server's URL); the status and the whole body.
+        Raises `TooLarge`, or the transport's `HTTPError` when no answer came."""
+        try:
+            response = await self._http.request(
+                method, self.base + path, headers=headers, body=body
             )
-            try:
-                response = await connection.handle_async_request(request)
-                try:
-                    content = await self._read(response)
-                finally:
-                    await response.aclose()
-            except BaseException:
-                with trio.CancelScope(shield=True):
-                    await connection.aclose()  # a cancelled request leaves it unusable
-                raise
-            if connection.is_available():
-                self._idle.append(connection)
-            else:
-                await connection.aclose()
-            return response.status, content
-
-    async def _read(self, response: httpcore.Response) -> bytes:
-        chunks: list[bytes] = []
-        size = 0
-        async for chunk in response.aiter_stream():
-            size += len(chunk)
-            if size > self.max_answer:
-                raise TooLarge(f"the server sent an answer over {self.max_answer} bytes "
-                               f"(the client's max_message_bytes)")  # fmt: skip
-            chunks.append(chunk)
-        return b"".join(chunks)
+        except ResponseTooLarge:
+            raise TooLarge(f"the server sent an answer over {self.max_answer} bytes "
+                           f"(the client's max_message_bytes)") from None  # fmt: skip
+        return response.status, response.body
 
     async def aclose(self) -> None:
-        idle, self._idle = self._idle, []
-        with trio.CancelScope(shield=True):
-            for connection in idle:
-                await connection.aclose()
+        await self._http.aclose()
 
 
 # --- the WebSocket transport -----------------------------------------------------------------

@@ -39,7 +39,7 @@ __all__ = [
 ]
 
 RECEIVE = 65536
-MAX_HEAD = 65536  # a response head longer than this goes to h11, which refuses it
+MAX_HEAD = 65536  # bytes of a response head, its blank line included: a longer one is refused
 TOKEN = re.compile(rb"[-!#$%&'*+.^_`|~0-9A-Za-z]+")
 VALUE = re.compile(rb"[^\x00-\x08\x0a-\x1f\x7f]*")  # no control bytes but HTAB
 BLANK_LINE = re.compile(rb"\n\r?\n")  # where h11 ends a head
@@ -262,18 +262,25 @@ async def read_response(
 ) -> tuple[int, Headers, bytes, bool]:
     """Read the response to ``head``: (status, headers, body, whether the connection can
     carry another request). Calls ``before_read`` before each read (to arm its deadline).
-    Raises `ResponseTooLargeSignal` for a body over ``limit``, h11's RemoteProtocolError
-    for an invalid response, and OSError, trio.BrokenResourceError or `EOFError` (nothing
+    A head is at most `MAX_HEAD` bytes (64 KiB, its blank line included) on either path. A
+    complete response is returned whatever bytes follow it (those make the connection not
+    reusable: it is closed, and the request is never sent again). Raises
+    `ResponseTooLargeSignal` for a body over ``limit``, h11's RemoteProtocolError for an
+    invalid response (or a head over `MAX_HEAD`), and OSError, trio.BrokenResourceError or `EOFError` (nothing
     or not all of it arrived) when the connection breaks."""
     buffer = bytearray()
     closed = False
-    while (blank := BLANK_LINE.search(buffer)) is None and len(buffer) <= MAX_HEAD:
+    while (blank := BLANK_LINE.search(buffer)) is None:
+        if len(buffer) > MAX_HEAD:
+            raise h11.RemoteProtocolError(f"the response head is over {MAX_HEAD} bytes")
         before_read()
         data = await connection.receive(wait=not buffer)
         if not data:
             closed = True
             break
         buffer += data
+    if blank is not None and blank.end() > MAX_HEAD:  # the head, its blank line included
+        raise h11.RemoteProtocolError(f"the response head is over {MAX_HEAD} bytes")
     simple = None
     # The head ends at the first blank line, as h11 finds it; the fast path wants CRLF CRLF.
     end = blank.start() - 1 if blank is not None and blank.group() == b"\n\r\n" else -1
@@ -312,7 +319,7 @@ async def _read_with_h11(
     eof: bool,
 ) -> tuple[int, Headers, bytes, bool]:
     """`read_response` by h11, from what is in ``buffer`` (and EOF, if ``eof``) on."""
-    state = h11.Connection(h11.CLIENT)
+    state = h11.Connection(h11.CLIENT, max_incomplete_event_size=MAX_HEAD)
     state.send(_announcement(head.method, head.close))
     state.send(h11.EndOfMessage())
     if buffer:
@@ -356,8 +363,10 @@ async def _read_with_h11(
             break
         elif type(event) is h11.ConnectionClosed:  # pragma: no cover - h11 raises instead
             raise EOFError("the server closed the connection mid-response")
-    reusable = state.our_state is h11.DONE and state.their_state is h11.DONE
-    if reusable:
-        state.start_next_cycle()
-        reusable = state.next_event() is h11.NEED_DATA  # nothing left over
+    # A complete response is returned whatever follows it; bytes after it (junk h11 would
+    # refuse, or the start of an answer nobody asked for) make the connection not reusable.
+    left, closed = state.trailing_data
+    reusable = (
+        state.our_state is h11.DONE and state.their_state is h11.DONE and not left and not closed
+    )
     return status, headers, b"".join(chunks), reusable

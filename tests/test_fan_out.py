@@ -1,0 +1,530 @@
+"""`tt.fan_out` (SPEC 9, N1-N4): concurrent thunks on the enclosing window, at any depth.
+
+Unit tests pin each point on small hand-built cases; the property tests draw random trees of
+nested fan-outs (work before and after each fan-out, failures, a subtree cancelled by its own
+deadline, an outside cancellation) under random windows (an int, a `tt.Window`, a
+`tt.AdaptiveWindow`, none) and check, on trio's MockClock:
+
+* N1: at every instant, the thunks and runs doing work <= the window's size;
+* N2: no deadlock, and more: the window is never idle while work waits (the call ends no
+  later than the sum of all the work), and at window 1 the whole tree runs one step at a time
+  (it ends exactly at the sum);
+* N3: the first failure (in virtual time) is what the call raises, itself (never a group);
+  every thunk still running when its run or its subtree is cancelled is cancelled, and
+  nothing runs once the call has returned;
+* N4: results come back in thunk order.
+
+Every duration is whole virtual seconds; deadlines fall on half seconds, so they never tie with
+work ending.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+import os
+from collections.abc import AsyncGenerator, Awaitable, Callable
+from dataclasses import dataclass, field
+
+import pytest
+import trio
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from trio.testing import MockClock
+
+import trio_tasksets as tt
+
+HANG = 100_000
+
+SETTINGS = settings(
+    suppress_health_check=[HealthCheck.function_scoped_fixture],
+    deadline=None,
+    max_examples=int(os.environ.get("TT_PROPERTY_EXAMPLES", "200")),
+)
+
+
+class Boom(Exception):
+    pass
+
+
+# --- unit tests -----------------------------------------------------------------------------
+
+
+async def test_outside_any_window_runs_unbounded_and_returns_in_thunk_order(
+    autojump_clock: MockClock,
+) -> None:
+    running = 0
+    peak = 0
+
+    async def job(i: int) -> int:
+        nonlocal running, peak
+        running += 1
+        peak = max(peak, running)
+        await trio.sleep(10 - i)  # the last finishes first
+        running -= 1
+        return i * i
+
+    start = trio.current_time()
+    results = await tt.fan_out([functools.partial(job, i) for i in range(10)])
+    assert results == [i * i for i in range(10)]
+    assert peak == 10
+    assert trio.current_time() - start == 10
+
+
+async def test_no_thunks_is_an_empty_list() -> None:
+    assert await tt.fan_out([]) == []
+    assert await tt.fan_out(iter(())) == []
+
+
+async def test_bad_thunks_are_refused_before_anything_runs() -> None:
+    ran = []
+
+    async def job() -> None:
+        ran.append(1)
+
+    with pytest.raises(TypeError, match=r"thunks\[1\] must be a callable.*pass the function"):
+        await tt.fan_out([job, job()])  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match="thunks must be an iterable"):
+        await tt.fan_out(3)  # type: ignore[arg-type]
+    assert ran == []
+    with pytest.raises(TypeError, match=r"thunks\[0\] must return an awaitable"):
+        await tt.fan_out([lambda: 3])  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("window", [1, 2, 3])
+async def test_a_run_waiting_on_its_children_holds_no_place(
+    autojump_clock: MockClock, window: int
+) -> None:
+    """N1 and N2: four runs of a best-of-4 under window w keep exactly w thunks working."""
+    working = 0
+    peak = 0
+
+    async def attempt() -> str:
+        nonlocal working, peak
+        working += 1
+        peak = max(peak, working)
+        await trio.sleep(1)
+        working -= 1
+        return "a"
+
+    async def best_of_4(_: int) -> list[str]:
+        return await tt.fan_out([attempt] * 4)
+
+    start = trio.current_time()
+    results = await tt.run_stream(_count(4), best_of_4, window=window)
+    assert results == [["a"] * 4] * 4
+    assert peak == window
+    assert trio.current_time() - start == math.ceil(16 / window)
+
+
+async def test_window_one_nests_without_deadlock(autojump_clock: MockClock) -> None:
+    async def leaf() -> int:
+        await trio.sleep(1)
+        return 1
+
+    async def node(depth: int) -> int:
+        if depth == 0:
+            return await leaf()
+        return sum(await tt.fan_out([lambda: node(depth - 1)] * 2))
+
+    with trio.fail_after(100):
+        assert await tt.run_stream(_count(2), lambda _: node(4), window=1) == [16, 16]
+    assert trio.current_time() == 32  # one at a time: nothing idle, nothing concurrent
+
+
+async def test_a_growing_window_wakes_waiting_children(autojump_clock: MockClock) -> None:
+    window = tt.Window(1)
+    working = 0
+    peak = 0
+
+    async def job() -> None:
+        nonlocal working, peak
+        working += 1
+        peak = max(peak, working)
+        await trio.sleep(10)
+        working -= 1
+
+    async def grow() -> None:
+        await trio.sleep(5)
+        window.size = 4
+
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(grow)
+        await tt.run_stream(_count(1), lambda _: tt.fan_out([job] * 4), window=window)
+    assert peak == 4
+    assert trio.current_time() == 15  # the first from 0, the other three from 5
+    assert window.in_flight == 0
+
+
+async def test_an_adaptive_window_bounds_children(autojump_clock: MockClock) -> None:
+    window = tt.AdaptiveWindow(1, 2, 8)
+    working = 0
+    peak = 0
+
+    async def job() -> None:
+        nonlocal working, peak
+        working += 1
+        peak = max(peak, working)
+        await trio.sleep(1)
+        working -= 1
+
+    await tt.run_stream(_count(3), lambda _: tt.fan_out([job] * 3), window=window)
+    assert peak == 2
+    assert window.in_flight == 0
+
+
+async def test_a_runner_without_a_window_masks_an_outer_one(autojump_clock: MockClock) -> None:
+    """Inside `run_stream(window=None)` a fan-out is unbounded, even under an outer window."""
+    working = 0
+    peak = 0
+
+    async def job() -> None:
+        nonlocal working, peak
+        working += 1
+        peak = max(peak, working)
+        await trio.sleep(1)
+        working -= 1
+
+    async def inner(_: int) -> None:
+        await tt.run_stream(_count(1), lambda _: tt.fan_out([job] * 5), window=None)
+
+    await tt.run_stream(_count(1), inner, window=1)
+    assert peak == 5
+
+
+async def test_the_first_failure_is_raised_itself_and_cancels_siblings(
+    autojump_clock: MockClock,
+) -> None:
+    cancelled = []
+    boom = Boom("first")
+
+    async def slow(i: int) -> None:
+        try:
+            await trio.sleep(100)
+        except trio.Cancelled:
+            cancelled.append(i)
+            raise
+
+    async def fails() -> None:
+        await trio.sleep(1)
+        raise boom
+
+    async def later() -> None:
+        await trio.sleep(2)
+        raise Boom("second")
+
+    for window in (None, 1, 3):
+        cancelled.clear()
+        with pytest.raises(Boom) as info:
+            await tt.run_stream(
+                _count(1),
+                lambda _: tt.fan_out([lambda: slow(0), fails, later, lambda: slow(3)]),
+                window=window,
+            )
+        assert info.value is boom
+        # at window 1 the caller's place runs them in turn: slow(0) ends, fails() fails and
+        # nothing else has started; at window 3 slow(3) is still waiting for a place
+        assert sorted(cancelled) == {None: [0, 3], 1: [], 3: [0]}[window]
+
+
+async def test_a_failure_while_the_siblings_unwind_is_noted(autojump_clock: MockClock) -> None:
+    async def fails() -> None:
+        await trio.sleep(1)
+        raise Boom("first")
+
+    async def fails_on_cancel() -> None:
+        try:
+            await trio.sleep(100)
+        except trio.Cancelled:
+            raise Boom("cleanup") from None
+
+    for window in (None, 2):
+        with pytest.raises(Boom, match="first") as info:
+            await tt.run_stream(
+                _count(1), lambda _: tt.fan_out([fails_on_cancel, fails]), window=window
+            )
+        assert any("Boom was also raised: cleanup" in note for note in info.value.__notes__)
+
+
+async def test_keyboard_interrupt_stays_itself(autojump_clock: MockClock) -> None:
+    async def interrupted() -> None:
+        await trio.sleep(1)
+        raise KeyboardInterrupt
+
+    async def interrupted_while_unwinding() -> None:
+        try:
+            await trio.sleep(100)
+        except trio.Cancelled:
+            raise KeyboardInterrupt from None
+
+    async def fails() -> None:
+        await trio.sleep(1)
+        raise Boom("x")
+
+    async def slow() -> None:
+        await trio.sleep(100)
+
+    with pytest.raises(KeyboardInterrupt):
+        await tt.fan_out([slow, interrupted])
+    with pytest.raises(KeyboardInterrupt):
+        await tt.fan_out([interrupted_while_unwinding, fails])
+
+
+async def test_cancelling_the_run_cancels_every_child(autojump_clock: MockClock) -> None:
+    window = tt.Window(3)
+    started = []
+    cancelled = []
+
+    async def child(i: int) -> None:
+        started.append(i)
+        try:
+            await trio.sleep(100)
+        except trio.Cancelled:
+            cancelled.append(i)
+            raise
+
+    with trio.move_on_after(5) as scope:
+        await tt.run_stream(
+            _count(1),
+            lambda _: tt.fan_out([functools.partial(child, i) for i in range(6)]),
+            window=window,
+        )
+    assert scope.cancelled_caught
+    assert sorted(started) == [0, 1, 2]  # the run's place and two more
+    assert sorted(cancelled) == [0, 1, 2]
+    assert window.in_flight == 0  # every place given back
+
+
+async def test_a_failed_children_give_their_places_back(autojump_clock: MockClock) -> None:
+    window = tt.Window(2)
+
+    async def fails() -> None:
+        await trio.sleep(1)
+        raise Boom("x")
+
+    async def run(i: int) -> str:
+        if i == 0:
+            try:
+                await tt.fan_out([fails, fails, fails])
+            except Boom:
+                return "caught"
+        await trio.sleep(3)
+        return "done"
+
+    assert await tt.run_stream(_count(3), run, window=window) == ["caught", "done", "done"]
+    assert window.in_flight == 0
+
+
+async def _count(n: int) -> AsyncGenerator[int, None]:
+    for i in range(n):
+        yield i
+
+
+# --- property tests over random trees -------------------------------------------------------
+
+
+@dataclass
+class Node:
+    before: int  # virtual seconds of work before the fan-out
+    children: list[Node] | None  # the fan-out, if any
+    after: int  # work after it
+    fail: str | None = None  # "before" (instead of the fan-out) or "after" (at the end)
+    deadline: int | None = None  # the fan-out runs under move_on_after(deadline + 0.5)
+    id: int = -1
+    parent: Node | None = field(default=None, repr=False)
+
+    def walk(self) -> list[Node]:
+        out = [self]
+        for child in self.children or []:
+            out.extend(child.walk())
+        return out
+
+    def work(self) -> int:
+        return self.before + self.after + sum(c.work() for c in self.children or [])
+
+
+def nodes() -> st.SearchStrategy[Node]:
+    leaf = st.builds(
+        Node,
+        before=st.integers(0, 3),
+        children=st.none(),
+        after=st.just(0),
+        fail=st.sampled_from([None, None, None, None, "before"]),
+    )
+
+    def extend(inner: st.SearchStrategy[Node]) -> st.SearchStrategy[Node]:
+        return st.builds(
+            Node,
+            before=st.integers(0, 2),
+            children=st.lists(inner, min_size=0, max_size=4),
+            after=st.integers(0, 2),
+            fail=st.sampled_from([None, None, None, None, None, "before", "after"]),
+            deadline=st.none() | st.none() | st.integers(0, 8),
+        )
+
+    return st.recursive(leaf, extend, max_leaves=16)
+
+
+WindowKind = str
+
+
+@dataclass(frozen=True)
+class Forest:
+    roots: list[Node]
+    window: int | None
+    kind: WindowKind  # "int", "Window", "Adaptive"
+    cancel_at: int | None  # outside cancellation at cancel_at + 0.5
+
+
+@st.composite
+def forests(draw: st.DrawFn) -> Forest:
+    roots = draw(st.lists(nodes(), min_size=1, max_size=5))
+    counter = 0
+    for root in roots:
+        for node in root.walk():
+            node.id = counter
+            counter += 1
+            for child in node.children or []:
+                child.parent = node
+    window = draw(st.none() | st.integers(1, 2) | st.integers(1, 5))
+    kind = draw(st.sampled_from(["int", "Window", "Adaptive"]))
+    cancel_at = draw(st.none() | st.none() | st.integers(0, 20))
+    return Forest(roots, window, kind, cancel_at)
+
+
+@dataclass
+class Probe:
+    bound: int | None
+    working: int = 0
+    peak: int = 0
+    entered: set[int] = field(default_factory=set)
+    exited: dict[int, float] = field(default_factory=dict)
+    cancelled: set[int] = field(default_factory=set)
+    completed: set[int] = field(default_factory=set)
+    raised: list[tuple[float, Boom]] = field(default_factory=list)
+    problems: list[str] = field(default_factory=list)
+
+    async def work(self, seconds: int) -> None:
+        self.working += 1
+        self.peak = max(self.peak, self.working)
+        if self.bound is not None and self.working > self.bound:
+            self.problems.append(f"{self.working} working > window {self.bound}")
+        try:
+            await trio.sleep(seconds)
+        finally:
+            self.working -= 1
+
+
+def thunk_for(node: Node, probe: Probe) -> Callable[[], Awaitable[int]]:
+    async def run() -> int:
+        probe.entered.add(node.id)
+        try:
+            await probe.work(node.before)
+            if node.fail == "before":
+                raise _boom(node, probe)
+            if node.children is not None:
+                thunks = [thunk_for(child, probe) for child in node.children]
+                if node.deadline is None:
+                    results = await tt.fan_out(thunks)
+                    if results != [child.id for child in node.children]:
+                        probe.problems.append(f"node {node.id}: results {results} out of order")
+                else:
+                    with trio.move_on_after(node.deadline + 0.5):
+                        await tt.fan_out(thunks)
+                    # N3: everything under this fan-out is over once it returns
+                    now = trio.current_time()
+                    for below in node.walk()[1:]:
+                        if below.id in probe.entered and probe.exited.get(below.id, math.inf) > now:
+                            probe.problems.append(f"{below.id} outlived {node.id}'s fan-out")
+            await probe.work(node.after)
+            if node.fail == "after":
+                raise _boom(node, probe)
+        except trio.Cancelled:
+            probe.cancelled.add(node.id)
+            raise
+        else:
+            probe.completed.add(node.id)
+            return node.id
+        finally:
+            probe.exited[node.id] = trio.current_time()
+
+    return run
+
+
+def _boom(node: Node, probe: Probe) -> Boom:
+    exc = Boom(f"node {node.id}")
+    probe.raised.append((trio.current_time(), exc))
+    return exc
+
+
+def _window(forest: Forest) -> int | tt.Window | None:
+    if forest.window is None or forest.kind == "int":
+        return forest.window
+    if forest.kind == "Window":
+        return tt.Window(forest.window)
+    return tt.AdaptiveWindow(1, forest.window, forest.window + 3)  # nothing moves it here
+
+
+@SETTINGS
+@given(forest=forests())
+async def test_fan_out_trees_hold_their_invariants(
+    autojump_clock: MockClock, forest: Forest
+) -> None:
+    probe = Probe(forest.window)
+    window = _window(forest)
+    roots = forest.roots
+    t0 = trio.current_time()
+    error: BaseException | None = None
+    results: list[int] | None = None
+
+    async def run(index: int) -> int:
+        return await thunk_for(roots[index], probe)()
+
+    with trio.fail_after(HANG):
+        cancel = math.inf if forest.cancel_at is None else forest.cancel_at + 0.5
+        with trio.move_on_after(cancel):
+            try:
+                results = await tt.run_stream(_count(len(roots)), run, window=window)
+            except Boom as exc:
+                error = exc
+    elapsed = trio.current_time() - t0
+    assert probe.problems == []
+    # N1
+    if forest.window is not None:
+        assert probe.peak <= forest.window
+    # nothing still running, every place given back
+    assert probe.working == 0
+    assert probe.entered == set(probe.exited)
+    if isinstance(window, tt.Window):
+        assert window.in_flight == 0
+    # N2: never idle while work waits; at window 1, strictly one step at a time
+    total = sum(root.work() for root in roots)
+    assert elapsed <= total
+    finished = forest.cancel_at is None and not probe.raised
+    if (
+        forest.window == 1
+        and finished
+        and not any(node.deadline is not None for root in roots for node in root.walk())
+    ):
+        assert elapsed == total
+    # N3: the first failure itself
+    if probe.raised:
+        first_at = min(at for at, _ in probe.raised) - t0
+        if error is not None:
+            assert any(error is exc for at, exc in probe.raised if at - t0 == first_at)
+            assert elapsed == first_at  # raised at once, nothing waited for
+            notes = "\n".join(getattr(error, "__notes__", []))
+            for at, other in probe.raised:
+                if at - t0 == first_at and other is not error:
+                    assert f"was also raised: {other}" in notes
+        else:
+            pytest.fail(f"a failure was raised at {first_at} but the call did not raise")
+    elif forest.cancel_at is None:
+        assert error is None
+        assert results == [root.id for root in roots]
+    # N3: cancelling the run cancels every child still running
+    if forest.cancel_at is not None and error is None and results is None:
+        assert elapsed == forest.cancel_at + 0.5
+        for node_id in probe.entered - probe.completed:
+            assert node_id in probe.cancelled
+            assert probe.exited[node_id] - t0 <= elapsed

@@ -1,0 +1,236 @@
+"""Real middlemen (issue 26): HTTP and HTTPS through a real forward proxy (Debian's tinyproxy
+on 127.0.0.1; https through its CONNECT tunnel to a local TLS server with a throwaway trustme
+CA), and ``rediss://`` against a real redis-server started with TLS. Every wait is bounded.
+"""
+
+from __future__ import annotations
+
+import shutil
+import socket
+import ssl
+import subprocess
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import pytest
+import trio
+import trustme
+
+import trio_tasksets as tt
+from trio_tasksets.redis.link import Link
+from trio_tasksets.redis.resp import Address, Connection, Unreachable
+from trio_tasksets.transport import ConnectError, HTTPClient
+
+TINYPROXY = shutil.which("tinyproxy")
+REDIS_SERVER = shutil.which("redis-server")
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def until(predicate: Callable[[], bool], what: str, timeout: float = 20.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not predicate():  # another process: polled
+        if time.monotonic() > deadline:
+            pytest.fail(f"timed out waiting for {what}")
+        time.sleep(0.05)
+
+
+def accepts(port: int) -> bool:
+    try:
+        socket.create_connection(("127.0.0.1", port), timeout=1).close()
+    except OSError:
+        return False
+    return True
+
+
+@pytest.fixture(scope="module")
+def ca() -> trustme.CA:
+    return trustme.CA()
+
+
+# --- a real forward proxy --------------------------------------------------------------------
+
+
+class Proxy:
+    def __init__(self, port: int, log: Path, process: subprocess.Popen[bytes]) -> None:
+        self.port, self.log, self.process = port, log, process
+        self.url = f"http://127.0.0.1:{port}"
+
+    def requests(self) -> list[str]:
+        """The request lines tinyproxy logged (``CONNECT host:port HTTP/1.1``, ``GET url ...``)."""
+        return [line.split("): ", 1)[1] for line in self.log.read_text().splitlines()
+                if "Request (file descriptor" in line]  # fmt: skip
+
+
+@pytest.fixture
+def proxy(tmp_path: Path) -> Iterator[Proxy]:
+    if TINYPROXY is None:
+        pytest.fail("tinyproxy is not installed: apt-get install tinyproxy (.ci/run does)")
+    port = free_port()
+    config = tmp_path / "tinyproxy.conf"
+    config.write_text(
+        f"Port {port}\nListen 127.0.0.1\nTimeout 30\nMaxClients 32\nAllow 127.0.0.1\n"
+        "LogLevel Connect\n"
+    )
+    log = tmp_path / "tinyproxy.log"
+    with log.open("wb") as out:
+        process = subprocess.Popen([TINYPROXY, "-d", "-c", str(config)], stdout=out, stderr=out)
+    try:
+        until(lambda: accepts(port), f"tinyproxy on port {port}")
+        yield Proxy(port, log, process)
+    finally:
+        process.terminate()
+        process.wait(timeout=10)
+
+
+REPLY = (
+    b'{"choices": [{"message": {"role": "assistant", "content": "4"}, "finish_reason": "stop"}]}'
+)
+
+
+async def origin(nursery: trio.Nursery, context: ssl.SSLContext | None) -> int:
+    """An HTTP/1.1 server on 127.0.0.1 (TLS with `context`) answering every request with a
+    chat completion; its port."""
+
+    async def serve(stream: trio.abc.Stream) -> None:
+        buffer = b""
+        try:
+            while True:
+                while b"\r\n\r\n" not in buffer:
+                    data = await stream.receive_some(65536)
+                    if not data:
+                        return
+                    buffer += data
+                head, _, buffer = buffer.partition(b"\r\n\r\n")
+                length = 0
+                for line in head.split(b"\r\n")[1:]:
+                    name, _, value = line.partition(b":")
+                    if name.strip().lower() == b"content-length":
+                        length = int(value)
+                while len(buffer) < length:
+                    buffer += await stream.receive_some(65536)
+                buffer = buffer[length:]
+                await stream.send_all(
+                    b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\n"
+                    b"content-length: %d\r\n\r\n%s" % (len(REPLY), REPLY)
+                )
+        except (trio.BrokenResourceError, trio.ClosedResourceError):
+            return
+
+    if context is None:
+        listeners = await nursery.start(trio.serve_tcp, serve, 0)
+    else:
+        listeners = await nursery.start(trio.serve_ssl_over_tcp, serve, 0, context)
+    return int(listeners[0].transport_listener.socket.getsockname()[1]
+               if context is not None else listeners[0].socket.getsockname()[1])  # fmt: skip
+
+
+def server_context(ca: trustme.CA) -> ssl.SSLContext:
+    context = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+    ca.issue_cert("localhost", "127.0.0.1").configure_cert(context)
+    return context
+
+
+def client_context(ca: trustme.CA) -> ssl.SSLContext:
+    context = ssl.create_default_context()
+    ca.configure_trust(context)
+    return context
+
+
+async def test_https_through_a_real_proxy_goes_through_its_connect_tunnel(
+    proxy: Proxy, ca: trustme.CA, nursery: trio.Nursery, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``HTTPS_PROXY`` from the environment: a CONNECT tunnel through tinyproxy, TLS to the
+    origin inside it (the origin's certificate verified against the test CA)."""
+    port = await origin(nursery, server_context(ca))
+    monkeypatch.setenv("HTTPS_PROXY", proxy.url)
+    for name in ("NO_PROXY", "no_proxy", "https_proxy", "ALL_PROXY", "all_proxy"):
+        monkeypatch.delenv(name, raising=False)
+    with trio.fail_after(20):
+        async with HTTPClient(ssl_context=client_context(ca)) as http:
+            for _ in range(3):
+                response = await http.request("POST", f"https://localhost:{port}/v1", body=b"{}")
+                assert (response.status, response.body) == (200, REPLY)
+            assert http.stats.opened == 1  # one tunnel, kept alive
+    assert proxy.requests() == [f"CONNECT localhost:{port} HTTP/1.1"]
+
+
+async def test_an_openai_client_reaches_http_through_a_real_proxy(
+    proxy: Proxy, nursery: trio.Nursery, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``HTTP_PROXY``: plain http goes to the proxy in absolute form; what the client
+    sees is the origin's answer. Without the proxy running, the error names it."""
+    port = await origin(nursery, None)
+    monkeypatch.setenv("HTTP_PROXY", proxy.url)
+    for name in ("NO_PROXY", "no_proxy", "http_proxy", "ALL_PROXY", "all_proxy"):
+        monkeypatch.delenv(name, raising=False)
+    url = f"http://127.0.0.1:{port}/v1"
+    with trio.fail_after(20):
+        async with tt.OpenAIClient(url, max_retries=0) as client:
+            completion = await client.chat([], model="m", sampling=tt.Sampling())
+        assert completion.content == "4"
+        assert proxy.requests() == [f"POST {url}/chat/completions HTTP/1.1"]
+        proxy.process.terminate()
+        proxy.process.wait(timeout=10)
+        async with HTTPClient() as http:
+            with pytest.raises(ConnectError, match=f"through proxy http://127.0.0.1:{proxy.port}"):
+                await http.request("GET", url)
+
+
+# --- rediss:// against a real redis-server with TLS --------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def tls_redis(tmp_path_factory: pytest.TempPathFactory, ca: trustme.CA) -> Iterator[int]:
+    if REDIS_SERVER is None:
+        pytest.fail("redis-server is not installed (.ci/run installs it)")
+    directory = tmp_path_factory.mktemp("tls-redis")
+    cert = ca.issue_cert("localhost", "127.0.0.1")
+    cert.private_key_pem.write_to_path(str(directory / "key.pem"))
+    cert.cert_chain_pems[0].write_to_path(str(directory / "cert.pem"))
+    ca.cert_pem.write_to_path(str(directory / "ca.pem"))
+    port = free_port()
+    process = subprocess.Popen(
+        [REDIS_SERVER, "--port", "0", "--tls-port", str(port), "--bind", "127.0.0.1",
+         "--tls-cert-file", str(directory / "cert.pem"),
+         "--tls-key-file", str(directory / "key.pem"),
+         "--tls-ca-cert-file", str(directory / "ca.pem"), "--tls-auth-clients", "no",
+         "--save", "", "--appendonly", "no", "--dir", str(directory)],
+        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+    )  # fmt: skip
+    try:
+        until(lambda: accepts(port), f"redis-server with TLS on port {port}")
+        yield port
+    finally:
+        process.terminate()
+        process.wait(timeout=10)
+
+
+async def test_rediss_reaches_a_real_redis_with_tls(
+    tls_redis: int, ca: trustme.CA, tmp_path: Path
+) -> None:
+    """``rediss://`` with ``ssl_ca_certs``: commands and a `Link` round trip over TLS; the
+    certificate is verified (a client that does not trust the CA cannot connect)."""
+    ca_file = tmp_path / "ca.pem"
+    ca.cert_pem.write_to_path(str(ca_file))
+    url = f"rediss://localhost:{tls_redis}/0?ssl_ca_certs={ca_file}"
+    with trio.fail_after(20):
+        connection = await Connection.open(Address.parse(url))
+        try:
+            assert await connection.execute("PING") == "PONG"
+            await connection.execute("SET", "tls:k", "over tls")
+            assert await connection.execute("GET", "tls:k") == "over tls"
+        finally:
+            connection.close()
+        link = Link(url, read_timeout=5.0, log=print)
+        info = await link.call("asking", lambda c, _: c.execute("INFO", "server"))
+        link.close()
+        assert "run_id:" in info
+        untrusted = f"rediss://localhost:{tls_redis}/0"  # the system's CAs only
+        with pytest.raises(Unreachable, match=r"CERTIFICATE_VERIFY_FAILED|certificate verify"):
+            await Connection.open(Address.parse(untrusted))
