@@ -31,6 +31,7 @@ from .env import (
 )
 from .eval import EvalConfig, EvalConfigError, EvalResult, run_eval
 from .eval.report import report
+from .eval.rescore import rescore
 from .models import (
     Completion,
     EchoClient,
@@ -93,6 +94,7 @@ __all__ = [
     "fan_out",
     "merge",
     "report",
+    "rescore",
     "run_eval",
     "run_stream",
     "take",

@@ -320,10 +320,12 @@ def _among(error: BaseException, errors: list[BaseException]) -> bool:
 # --- the public API -----------------------------------------------------------------------
 
 
-def require_trio(api: str) -> None:
-    """RuntimeError naming `tt.aio.<api>` when `tt.<api>` is awaited outside a trio run
-    (from asyncio: `asyncio.run`, a notebook, a web server), instead of trio's own
-    `AttributeError: 'RunContext' object has no attribute 'runner'`."""
+def require_trio(api: str, instead: str | None = None) -> None:
+    """RuntimeError naming what to use (`instead`, default `await tt.aio.<api>(...)`) when
+    `tt.<api>` is awaited outside a trio run (from asyncio: `asyncio.run`, a notebook, a web
+    server), instead of trio's own `AttributeError: 'RunContext' object has no attribute
+    'runner'`."""
+    use = instead if instead is not None else f"`await tt.aio.{api}(...)`"
     try:
         trio.lowlevel.current_task()
     except RuntimeError:
@@ -338,12 +340,11 @@ def require_trio(api: str) -> None:
     if hosted:
         raise RuntimeError(
             f"tt.{api} was awaited from asyncio (asyncio.run, a notebook, a web server), but "
-            f"it runs on trio: use `await tt.aio.{api}(...)`, which runs it on the running "
-            f"asyncio loop (trio guest mode)"
+            f"it runs on trio: use {use}, which runs it on the running asyncio loop (trio "
+            f"guest mode)"
         )
     raise RuntimeError(
-        f"tt.{api} must be awaited inside a trio run (trio.run(main)); from asyncio use "
-        f"`await tt.aio.{api}(...)`"
+        f"tt.{api} must be awaited inside a trio run (trio.run(main)); from asyncio use {use}"
     )
 
 
@@ -388,7 +389,11 @@ def as_completed(
 async def _as_completed(
     source: AsyncIterable[T], run: Callable[[T], Awaitable[R]], window: int | Window | None
 ) -> AsyncGenerator[trio.abc.ReceiveChannel[tuple[int, R]], None]:
-    require_trio("as_completed")
+    require_trio(
+        "as_completed",
+        "`await tt.aio.run_stream(...)`, or `await tt.aio.run_trio(fn)` for a trio function "
+        "`fn` that uses tt.as_completed",
+    )
     send, receive = trio.open_memory_channel[tuple[int, R]](0)
 
     async def produce() -> None:
