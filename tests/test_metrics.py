@@ -133,3 +133,35 @@ async def test_rows_without_metrics_have_an_empty_mapping_and_no_summary_entries
     # an empty `metrics` is not carried along as an unknown field of every row
     assert not any("metrics" in other for other in run.extra.values())
     assert compute(run).metrics == {}
+
+
+async def test_a_tasksets_weighted_rewards_and_the_served_path_carry_metrics(
+    tmp_path: Path,
+) -> None:
+    """A taskset may declare `reward = {name: fn or (fn, weight)}`; with --serve (the env in
+    a server process) the rows' metrics come back over the wire the same."""
+    (tmp_path / "scored.py").write_text(
+        "import trio_tasksets as tt\n\n"
+        "def exact(task, completion):\n    return float('yes' in completion)\n\n"
+        "def length(task, completion):\n    return float(len(completion))\n\n"
+        "class Scored(tt.Taskset):\n"
+        "    reward = {'exact': exact, 'length': (length, 0.0)}\n\n"
+        "    def load(self):\n"
+        "        return [tt.Task(f'say {w}', answer='yes', key=w) for w in ('yes', 'no')]\n"
+    )
+    from trio_tasksets.loading import load_object
+
+    scored = load_object(f"{tmp_path / 'scored.py'}:Scored")
+    here = await tt.run_eval(tt.Env(scored()), ECHO, config(tmp_path))
+    served = await tt.run_eval(
+        tt.Env(scored()),
+        ECHO,
+        tt.EvalConfig(output_dir=str(tmp_path), run_name="s", dashboard=False, serve=True),
+    )
+    for result in (here, served):
+        by_key = {e.task.key: e for e in result.episodes}
+        assert by_key["yes"].reward == 1.0
+        assert by_key["yes"].metrics == {"exact": 1.0, "length": 7.0}
+        assert by_key["no"].metrics == {"exact": 0.0, "length": 6.0}
+    assert rows(served.run_dir)[0]["metrics"] in ({"exact": 1.0, "length": 7.0},
+                                                  {"exact": 0.0, "length": 6.0})  # fmt: skip

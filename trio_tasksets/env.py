@@ -307,6 +307,7 @@ def weighted_reward(rewards: WeightedRewards) -> Reward:
             total += weight * score
         return {"reward": total, **scores}
 
+    weighted.rewards = rewards  # type: ignore[attr-defined]  # what it sums (envspec reads it)
     return weighted
 
 
@@ -386,9 +387,11 @@ class Env(Generic[TaskT]):
         self.taskset: Taskset[TaskT, Any] = taskset if taskset is not None else Taskset()
         self.retries = retries if retries is not None else RetryPolicy()
         self.rollout_timeout = check_rollout_timeout(rollout_timeout)
-        taskset_reward = getattr(taskset, "reward", None)
+        taskset_reward = getattr(self.taskset, "reward", None)
         if isinstance(reward, Mapping):
             reward = weighted_reward(reward)
+        if isinstance(taskset_reward, Mapping):  # a taskset's `reward = {name: fn, ...}`
+            taskset_reward = weighted_reward(taskset_reward)
         self._reward: Reward = reward or taskset_reward or answer_match
 
     def serving(self) -> AbstractAsyncContextManager[Env[TaskT]]:
