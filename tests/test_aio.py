@@ -925,6 +925,6 @@ def test_run_eval_from_asyncio_refuses_bad_settings_unwrapped(tmp_path: Path) ->
         ctx = tt.ModelContext(tt.EchoClient(), "echo")
         await aio.run_eval(env, ctx, tt.EvalConfig(output_dir=str(tmp_path), dashboard=False))
 
-    with pytest.raises(tt.EvalConfigError, match="-n/--num-examples"):
+    with pytest.raises(tt.EvalConfigError, match="num_examples"):
         asyncio.run(main())
     assert not any(tmp_path.iterdir())

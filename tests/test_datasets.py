@@ -183,7 +183,7 @@ async def test_follow_takes_exactly_n_under_an_eval(
             nursery.start_soon(append_later)
             result = await tt.run_eval(env, tt.ModelContext(tt.EchoClient(), "echo"), config)
     assert [e.completion for e in result.episodes] == ["p0", "p1", "late"]
-    with pytest.raises(tt.EvalConfigError, match="-n/--num-examples"):
+    with pytest.raises(tt.EvalConfigError, match="num_examples"):
         await tt.run_eval(env, tt.ModelContext(tt.EchoClient(), "echo"),
                           tt.EvalConfig(output_dir=str(tmp_path), dashboard=False))  # fmt: skip
 

@@ -316,19 +316,26 @@ async def test_a_rows_timing_has_its_waits_and_old_rows_still_read(
 
 
 def test_an_episodes_errors_tell_a_remote_window_what_the_endpoint_said() -> None:
-    def error(kind: str, message: str) -> tt.EpisodeError:
-        return tt.EpisodeError(kind, message)
+    def error(kind: str, message: str, status: int | None = None) -> tt.EpisodeError:
+        return tt.EpisodeError(kind, message, status=status)
 
-    assert error_outcome(error("ModelHTTPError", "u returned HTTP 429 after 4 attempts: x")) is (
-        Outcome.RATE_LIMITED
-    )
-    assert error_outcome(error("ModelHTTPError", "u returned HTTP 503 after 1 attempt: x")) is (
-        Outcome.SERVER_ERROR
-    )
-    assert error_outcome(error("ModelHTTPError", "u returned HTTP 400 after 1 attempt")) is None
+    assert error_outcome(error("ModelHTTPError", "rate limited", 429)) is Outcome.RATE_LIMITED
+    assert error_outcome(error("ModelHTTPError", "busy", 503)) is Outcome.SERVER_ERROR
+    assert error_outcome(error("ModelHTTPError", "bad request", 400)) is None
     assert error_outcome(error("ModelTimeoutError", "timed out")) is Outcome.TIMEOUT
     assert error_outcome(error("RolloutTimeoutError", "slow")) is Outcome.TIMEOUT
+    # The status is data: a message that merely mentions one says nothing.
     assert error_outcome(error("ValueError", "HTTP 429")) is None
+    assert error_outcome(error("ModelHTTPError", "u returned HTTP 429 after 4 attempts")) is None
+
+
+def test_an_http_status_is_kept_on_the_episode_error_and_its_row() -> None:
+    exc = tt.ModelHTTPError("u returned HTTP 429", status=429)
+    recorded = tt.EpisodeError.of(exc, 2)
+    assert recorded == tt.EpisodeError("ModelHTTPError", "u returned HTTP 429", 2, 429)
+    assert recorded.to_dict()["status"] == 429
+    assert "status" not in tt.EpisodeError.of(ValueError("x"), 1).to_dict()  # only when set
+    assert tt.EpisodeError(**recorded.to_dict()) == recorded  # a row reads back
 
 
 async def test_a_remote_window_feed_reads_the_episode(autojump_clock: MockClock) -> None:
@@ -336,7 +343,7 @@ async def test_a_remote_window_feed_reads_the_episode(autojump_clock: MockClock)
     await window.acquire("run")
     feed = WindowFeed(window, remote=True)
     episode = tt.Episode("id", tt.EpisodeTask("k", {}), 0, ok=True)
-    episode.errors = [tt.EpisodeError("ModelHTTPError", "u returned HTTP 429 after 4 attempts")]
+    episode.errors = [tt.EpisodeError("ModelHTTPError", "u returned HTTP 429", status=429)]
     feed.ended(episode)  # a 429 (the first: the cut), then a success
     assert window.size == 8
     assert [reason for _, _, reason in window.history] == ["start", "429"]

@@ -764,7 +764,7 @@ async def test_a_worker_with_another_env_refuses_the_entries_and_the_eval_says_w
     worker_env: Callable[[], tt.Env[Any] | None],
     reason: str,
 ) -> None:
-    from trio_tasksets.eval.via import ViaError
+    from trio_tasksets.redis.coordinator import ViaError
 
     worker = in_process_worker(server, names)
     ctx = tt.ModelContext(tt.EchoClient(), "echo")
@@ -786,7 +786,7 @@ async def test_the_coordinator_keeps_one_row_per_slot_when_a_result_comes_twice(
     server: Server, r: redis.Redis, names: Names
 ) -> None:
     from trio_tasksets.dashboard import Progress
-    from trio_tasksets.eval.via import via_runner
+    from trio_tasksets.redis.coordinator import via_runner
 
     env, ctx = graded_env(), tt.ModelContext(tt.EchoClient(), "echo")
     task = next(iter(env.taskset))
@@ -819,7 +819,7 @@ async def test_with_no_worker_the_dashboard_says_so_and_stopping_leaves_nothing_
     server: Server, r: redis.Redis, names: Names
 ) -> None:
     from trio_tasksets.dashboard import Progress
-    from trio_tasksets.eval.via import via_runner
+    from trio_tasksets.redis.coordinator import via_runner
 
     env, ctx = graded_env(), tt.ModelContext(tt.EchoClient(), "echo")
     progress = Progress()
@@ -851,7 +851,7 @@ async def test_a_redis_that_lost_its_data_gets_the_waiting_slots_again(
     r: redis.Redis, names: Names, tmp_path: Path
 ) -> None:
     from trio_tasksets.dashboard import Progress
-    from trio_tasksets.eval.via import via_runner
+    from trio_tasksets.redis.coordinator import via_runner
 
     own = Server(_free_port(), tmp_path)
     own.start()

@@ -158,8 +158,9 @@ async def test_rescore_refuses_what_is_not_a_run_dir_and_an_existing_target(
 
     config = tt.EvalConfig(output_dir=str(tmp_path), run_name="e", dashboard=False)
     run_dir = (await tt.run_eval(tt.Env(EchoTaskset()), ctx, config)).run_dir
-    with pytest.raises(tt.EvalConfigError, match="already holds a run"):
+    with pytest.raises(tt.EvalConfigError, match="already holds a run") as held:
         await rescore(run_dir, lambda t, c: 1.0, run_name="e")
+    assert "choose another run_name or output_dir" in str(held.value)
 
 
 def test_cli_rescore_of_a_missing_run_dir_exits_2(

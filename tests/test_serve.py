@@ -32,7 +32,7 @@ from trio_tasksets.builtin import EchoConfig, EchoTaskset
 from trio_tasksets.envspec import EnvSpec, TravelError, config_from_json
 from trio_tasksets.serve import EnvServerError, spawn_server
 from trio_tasksets.serve.client import retry_server_error
-from trio_tasksets.serve.transport import Refused, handshake
+from trio_tasksets.serve.transport import HandshakeRefused, handshake
 from trio_tasksets.serve.wire import (
     EchoSpec,
     OpenAISpec,
@@ -297,7 +297,7 @@ async def test_run_eval_refuses_what_cannot_travel_before_any_file(tmp_path: Pat
     env = tt.Env(EchoTaskset(), reward=lambda task, completion: 1.0)
     ctx = tt.ModelContext(tt.EchoClient(), "echo")
     config = tt.EvalConfig(serve=True, output_dir=str(tmp_path / "out"), dashboard=False)
-    with pytest.raises(tt.EvalConfigError, match=r"--serve: .*lambda"):
+    with pytest.raises(tt.EvalConfigError, match=r"serve: .*lambda"):
         await tt.run_eval(env, ctx, config)
     assert not (tmp_path / "out").exists()
 
@@ -587,7 +587,7 @@ async def test_an_unreadable_websocket_message_closes_that_connection_and_the_se
 async def test_a_websocket_without_the_right_token_is_refused_with_401(
     server: str, token: str | None, needle: str
 ) -> None:
-    with trio.fail_after(10), pytest.raises(Refused) as refused:
+    with trio.fail_after(10), pytest.raises(HandshakeRefused) as refused:
         await RawWS.connect(server, token=token)
     assert refused.value.status == 401
     assert needle in str(refused.value)

@@ -40,11 +40,10 @@ from trio_tasksets.serve.policy import (
     Access,
     ModelClients,
     ModelPolicy,
-    Refused,
+    RequestRefused,
     normalize_base_url,
 )
-from trio_tasksets.serve.transport import Refused as HandshakeRefused
-from trio_tasksets.serve.transport import handshake
+from trio_tasksets.serve.transport import HandshakeRefused, handshake
 from trio_tasksets.serve.wire import (
     MAX_DEPTH,
     EchoSpec,
@@ -402,7 +401,7 @@ def test_access_checks_host_and_origin(host: str, origin: str | None, status: in
     if status == 200:
         access.check(headers)
     else:
-        with pytest.raises(Refused) as caught:
+        with pytest.raises(RequestRefused) as caught:
             access.check(headers)
         assert caught.value.status == status
         assert ("--allow-origin" if origin else "--allow-host") in str(caught.value)
@@ -413,11 +412,11 @@ def test_access_wants_one_host_and_a_bearer_token_in_any_case() -> None:
     for auth in (b"Bearer t0k", b"bearer t0k", b"BEARER  t0k ", b"BeArEr t0k"):
         access.check([(b"host", b"127.0.0.1"), (b"authorization", auth)])
     for auth, needle in ((b"Basic t0k", "wrong"), (b"Bearer t0kx", "wrong"), (b"", "missing")):
-        with pytest.raises(Refused, match=needle) as caught:
+        with pytest.raises(RequestRefused, match=needle) as caught:
             access.check([(b"host", b"localhost"), (b"authorization", auth)])
         assert caught.value.status == 401
     for headers in ([], [(b"host", b"127.0.0.1"), (b"host", b"127.0.0.1")]):
-        with pytest.raises(Refused, match="one Host") as caught:
+        with pytest.raises(RequestRefused, match="one Host") as caught:
             access.check(headers)
         assert caught.value.status == 400
 

@@ -261,7 +261,7 @@ async def test_a_streaming_verifiers_taskset_runs_exactly_n_of_a_never_ending_fe
     Pulls.pulled = Pulls.closed = 0
     env = tt.aio.verifiers_env("vf_arith_stream", **ENV)
     assert env.taskset.streaming
-    with pytest.raises(tt.EvalConfigError, match="-n/--num-examples"):
+    with pytest.raises(tt.EvalConfigError, match="num_examples"):
         await tt.run_eval(env, ctx(server), config(tmp_path))
     assert Pulls.pulled == 0
     with trio.fail_after(LIMIT):

@@ -567,13 +567,27 @@ def test_parse_window_names_the_flag_and_the_form(text: str, match: str) -> None
 
 
 def test_parse_window_keeps_its_message_under_argparse(capsys: pytest.CaptureFixture[str]) -> None:
+    from trio_tasksets.cli.options import window_option  # the CLI's argparse type of it
+
     parser = argparse.ArgumentParser(prog="tt")
-    parser.add_argument("-c", type=parse_window)
+    parser.add_argument("-c", type=window_option)
     assert parser.parse_args(["-c", "1-8-64"]).c == AdaptiveBounds(1, 8, 64)
     with pytest.raises(SystemExit):
         parser.parse_args(["-c", "8-4-16"])
     assert "1 <= MIN <= START <= MAX, got '8-4-16'" in capsys.readouterr().err
     assert issubclass(WindowArgumentError, ValueError)
+    assert issubclass(WindowArgumentError, tt.TrioTasksetsError)
+
+
+def test_build_window_is_the_one_constructor_and_names_the_parameter() -> None:
+    own = tt.Window(3)
+    assert build_window(own) is own
+    assert build_window(4).size == 4
+    assert isinstance(build_window((1, 2, 8)), AdaptiveWindow)
+    for bad in (0, True, 2.5, "4", (4, 2, 8), (1, 2)):
+        with pytest.raises(WindowArgumentError, match=r"^max_connections") as info:
+            build_window(bad, parameter="max_connections")  # type: ignore[arg-type]
+        assert info.value.parameter == "max_connections"
 
 
 async def test_a_token_handed_over_in_the_instant_of_a_shrink_is_queued_again(

@@ -5,11 +5,13 @@ The flat public API (SPEC): the runner (`run_stream`, `as_completed`, `take`, `u
 `CsvTaskset`, `HFTaskset`), envs and models (`Env`, `RunSlot`, `Episode`,
 `RetryPolicy`, `Sampling`, `ModelContext`, `EchoClient`, `OpenAIClient`), the served path's
 `EnvClient` and the eval
-(`EvalConfig`, `run_eval`, `EvalResult`). Submodules: `testing` (helpers for deterministic
+(`EvalConfig`, `run_eval`, `EvalResult`). Every exception the library defines is a
+`TrioTasksetsError` (the tree: `trio_tasksets._exceptions`); a bad setting is a `ConfigError`. Submodules: `testing` (helpers for deterministic
 tests) and `aio` (the asyncio bridge).
 """
 
 from . import aio, testing
+from ._exceptions import ConfigError, TrioTasksetsError
 from .datasets import (
     CsvConfig,
     CsvTaskset,
@@ -55,6 +57,7 @@ from .window import AdaptiveWindow, Window
 __all__ = [
     "AdaptiveWindow",
     "Completion",
+    "ConfigError",
     "CsvConfig",
     "CsvTaskset",
     "DatasetError",
@@ -86,6 +89,7 @@ __all__ = [
     "Task",
     "Taskset",
     "TasksetConfig",
+    "TrioTasksetsError",
     "Window",
     "__version__",
     "aio",

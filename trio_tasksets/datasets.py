@@ -36,6 +36,7 @@ from typing import Any, TextIO
 import attrs
 import trio
 
+from ._exceptions import TrioTasksetsError
 from .tasksets import Task, Taskset, TasksetConfig
 
 __all__ = [
@@ -57,7 +58,7 @@ HF_EXTRA = "pip install 'trio-tasksets[hf]'"
 PROMPT_FIELDS = ("prompt", "question")  # tried in order when no prompt field is named
 
 
-class DatasetError(ValueError):
+class DatasetError(TrioTasksetsError, ValueError):
     """A record that cannot be a task (no prompt field, not a JSON object), or a dataset that
     cannot be read; the message names the file (and line) and the fix."""
 

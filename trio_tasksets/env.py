@@ -4,8 +4,6 @@ from __future__ import annotations
 
 import inspect
 import math
-import random
-import re
 import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Mapping
@@ -15,8 +13,10 @@ from typing import Any, Generic, TypeVar
 import attrs
 import trio
 
+from ._exceptions import TrioTasksetsError
+from .backoff import Backoff
 from .limits import CallObserver, observe_calls, report_outcome
-from .models import Completion, ModelContext, observe_completions
+from .models import Completion, ModelContext, ModelHTTPError, observe_completions
 from .tasksets import Taskset
 from .window import AdaptiveWindow, Outcome, Window
 
@@ -72,11 +72,11 @@ class RetryPolicy:
         return not self.include or bool(names & set(self.include))
 
     def delay(self, attempt: int) -> float:
-        # The exponent is capped: 2.0**1024 overflows a float long before max_backoff applies.
-        return random.uniform(0, min(self.max_backoff, self.backoff * 2.0 ** min(attempt - 1, 60)))
+        """Seconds to wait after attempt number `attempt` failed (the project's `Backoff`)."""
+        return Backoff(self.backoff, self.max_backoff).delay(attempt)
 
 
-class RolloutTimeoutError(TimeoutError):
+class RolloutTimeoutError(TrioTasksetsError, TimeoutError):
     """An attempt of an episode (its rollout and scoring) outlasted the env's
     `rollout_timeout`: an episode error like any other, retried per the env's policy."""
 
@@ -91,11 +91,32 @@ class EpisodeTask:
 
 @attrs.frozen
 class EpisodeError:
-    """One failed attempt: the exception's type name and message."""
+    """One failed attempt: the exception's type name and message, and `status`, the HTTP
+    status the model endpoint answered with when the attempt ended on one (a
+    `ModelHTTPError`'s; None otherwise). A row keeps `status` only when it is set; it is what
+    tells an adaptive window on another process (an env server's, a worker's) about a 429."""
 
     type: str
     message: str
     attempt: int = 1
+    status: int | None = None
+
+    @classmethod
+    def of(cls, exc: BaseException, attempt: int) -> EpisodeError:
+        """The record of attempt number `attempt`, which raised `exc`."""
+        status = exc.status if isinstance(exc, ModelHTTPError) else None
+        return cls(type(exc).__name__, str(exc), attempt, status)
+
+    def to_dict(self) -> dict[str, Any]:
+        """The error as a row holds it."""
+        found: dict[str, Any] = {
+            "type": self.type,
+            "message": self.message,
+            "attempt": self.attempt,
+        }
+        if self.status is not None:
+            found["status"] = self.status
+        return found
 
 
 @attrs.define
@@ -147,9 +168,7 @@ class Episode:
             "reward": self.reward,
             "completion": self.completion,
             "messages": self.messages,
-            "errors": [
-                {"type": e.type, "message": e.message, "attempt": e.attempt} for e in self.errors
-            ],
+            "errors": [e.to_dict() for e in self.errors],
             "attempts": self.attempts,
             "timing": self.timing,
             "usage": self.usage,
@@ -448,7 +467,7 @@ class Env(Generic[TaskT]):
                             task, ctx, seconds=timeout
                         )
             except Exception as exc:
-                episode.errors.append(EpisodeError(type(exc).__name__, str(exc), attempt))
+                episode.errors.append(EpisodeError.of(exc, attempt))
                 if not self.retries.should_retry(exc, attempt):
                     break
                 await trio.sleep(self.retries.delay(attempt))
@@ -518,7 +537,8 @@ class WindowFeed(CallObserver):
     `feed.ended(episode)` adds one success for an episode that ended ok. Where the model
     calls are made in another process (an env server, a worker), pass `remote=True`:
     `ended` then reads the episode's errors instead (a 429 or 5xx `ModelHTTPError`, a model
-    or rollout timeout). A window that is not adaptive is left alone.
+    or rollout timeout, by the errors' `status` and type). A window that is not adaptive is
+    left alone.
     """
 
     def __init__(self, window: Window | None, *, remote: bool = False) -> None:
@@ -555,18 +575,11 @@ _TIMEOUT_ERRORS = frozenset({"ModelTimeoutError", "RolloutTimeoutError"})
 
 
 def error_outcome(error: EpisodeError) -> Outcome | None:
-    """What an episode error says about the endpoint's load: a `ModelHTTPError`'s status
-    (429 rate limited, 5xx server error), a model or rollout timeout; None otherwise."""
+    """What an episode error says about the endpoint's load: its `status` (429 rate
+    limited, 5xx server error), a model or rollout timeout; None otherwise."""
     if error.type in _TIMEOUT_ERRORS:
         return Outcome.TIMEOUT
-    if error.type == "ModelHTTPError":
-        found = _STATUS.search(error.message)
-        if found is not None:
-            return Outcome.from_status(int(found.group(1)))
-    return None
-
-
-_STATUS = re.compile(r"returned HTTP (\d{3})")
+    return None if error.status is None else Outcome.from_status(error.status)
 
 
 @asynccontextmanager

@@ -17,6 +17,7 @@ import traceback
 from pathlib import Path
 from typing import Any
 
+from ._exceptions import ConfigError, TrioTasksetsError
 from .builtin import BUILTIN
 from .datasets import DATA_SUFFIXES, data_target
 from .env import Env
@@ -25,15 +26,15 @@ from .tasksets import Taskset
 FILE_MODULE_PREFIX = "_trio_tasksets_user_"  # the module name a file loaded by path gets
 
 
-class TravelError(ValueError):
+class TravelError(ConfigError):
     """Something of the env or the model context cannot be rebuilt in another process."""
 
 
-class TargetError(ValueError):
+class TargetError(ConfigError):
     """A TASKSET argument that names nothing this process can load (the CLI: exit 2)."""
 
 
-class LoadError(ValueError):
+class LoadError(TrioTasksetsError, ValueError):
     """`load_object`'s spec names nothing: a malformed spec, or no such name in the module."""
 
 

@@ -17,7 +17,6 @@ summary (`window_history`).
 
 from __future__ import annotations
 
-import argparse
 import enum
 import math
 import re
@@ -28,6 +27,8 @@ from typing import NamedTuple
 
 import attrs
 import trio
+
+from ._exceptions import ConfigError
 
 __all__ = [
     "AdaptiveBounds",
@@ -444,9 +445,10 @@ class AdaptiveBounds(NamedTuple):
     max: int
 
 
-class WindowArgumentError(ValueError, argparse.ArgumentTypeError):
-    """A bad `N|MIN-START-MAX`. A ValueError; also an argparse.ArgumentTypeError, so an
-    argparse `type=` keeps this message instead of its generic "invalid value"."""
+class WindowArgumentError(ConfigError):
+    """A bad window: a `N|MIN-START-MAX` that does not parse, or a size or bounds that
+    `build_window` refuses (a `ConfigError`, so a ValueError; the command line's argparse
+    types turn it into their usage error, see `trio_tasksets.cli.options`)."""
 
 
 _FORM = re.compile(r"\s*(\d+)\s*(?:-\s*(\d+)\s*-\s*(\d+)\s*)?")
@@ -474,10 +476,30 @@ def parse_window(text: str, *, flag: str = "-c/--max-concurrent") -> int | Adapt
     return bounds
 
 
-def build_window(spec: int | AdaptiveBounds) -> Window:
-    """A fresh window for a parsed spec: `Window(n)` or `AdaptiveWindow(*bounds)`."""
-    if isinstance(spec, AdaptiveBounds):
-        return AdaptiveWindow(*spec)
+def build_window(
+    spec: int | AdaptiveBounds | tuple[int, int, int] | Window, *, parameter: str = "window"
+) -> Window:
+    """The one window constructor: a `Window` given is used as is; `N` makes `Window(N)`;
+    `(min, start, max)` (an `AdaptiveBounds`, as `parse_window` reads ``MIN-START-MAX``) makes
+    `AdaptiveWindow(min, start, max)`. Anything else raises `WindowArgumentError` naming
+    `parameter` (the setting the window came from, e.g. ``max_concurrent``)."""
+    if isinstance(spec, Window):
+        return spec
+    if isinstance(spec, tuple):
+        try:
+            return AdaptiveWindow(*spec)
+        except (TypeError, ValueError) as exc:
+            raise WindowArgumentError(
+                f"{{{parameter}}}: adaptive bounds are (min, start, max) with 1 <= min <= "
+                f"start <= max, got {spec!r} ({exc})",
+                parameter=parameter,
+            ) from None
+    if isinstance(spec, bool) or not isinstance(spec, int) or spec < 1:
+        raise WindowArgumentError(
+            f"{{{parameter}}} must be an integer >= 1, (min, start, max) bounds or a "
+            f"tt.Window, got {spec!r}",
+            parameter=parameter,
+        )
     return Window(spec)
 
 

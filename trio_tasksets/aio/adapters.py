@@ -11,6 +11,7 @@ from typing import Generic, TypeVar, TypeVarTuple, Unpack
 
 import trio
 
+from .._exceptions import TrioTasksetsError
 from .loop import AsyncioCancelled
 
 T = TypeVar("T")
@@ -18,7 +19,7 @@ R = TypeVar("R")
 Ts = TypeVarTuple("Ts")
 
 
-class GuestRunStopped(RuntimeError):
+class GuestRunStopped(TrioTasksetsError, RuntimeError):
     """The shared trio guest run ended before this call finished (e.g. a TrioInternalError)."""
 
 

@@ -14,13 +14,14 @@ from typing import Any, Literal, TypeVar, TypeVarTuple, Unpack
 
 import trio
 
+from .._exceptions import TrioTasksetsError
 from .host import guest_host_loop, host_loop, thread_loop
 
 T = TypeVar("T")
 Ts = TypeVarTuple("Ts")
 
 
-class AsyncioCancelled(RuntimeError):
+class AsyncioCancelled(TrioTasksetsError, RuntimeError):
     """An asyncio task of the bridge (a pull, a run, a rollout...) was cancelled, but not by trio.
 
     The asyncio code cancelled itself (or something outside trio cancelled its task). Raised
@@ -29,7 +30,7 @@ class AsyncioCancelled(RuntimeError):
     """
 
 
-class TrioAsyncioUnavailable(ImportError):
+class TrioAsyncioUnavailable(TrioTasksetsError, ImportError):
     """trio-asyncio cannot be imported on this Python, so an asyncio env cannot run under trio.
 
     At present trio-asyncio does not support Python 3.14 (python-trio/trio-asyncio#160), and

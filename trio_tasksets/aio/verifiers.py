@@ -56,6 +56,7 @@ from typing import Any
 
 import attrs
 
+from .._exceptions import ConfigError, TrioTasksetsError
 from ..env import Episode, EpisodeError, EpisodeTask, RetryPolicy, Reward, RunSlot
 from ..models import ModelContext, OpenAIClient, Sampling
 from ..serve.wire import openai_api_key
@@ -87,11 +88,11 @@ KEY_VAR_PREFIX = "TT_VERIFIERS_API_KEY_"
 (verifiers' subprocess runtime strips every variable whose name holds ``API_KEY``)."""
 
 
-class VerifiersUnavailable(ImportError):
+class VerifiersUnavailable(TrioTasksetsError, ImportError):
     """`verifiers` (v1, >= 0.4) is not installed; the message names the extra to install."""
 
 
-class VerifiersUsageError(ValueError):
+class VerifiersUsageError(ConfigError):
     """A bad `vf:` command line (`--env-args`, `--retries`...): the CLI's usage error."""
 
 

@@ -38,6 +38,7 @@ from .options import (
     UsageError,
     add_time_limit_option,
     add_window_option,
+    flag_message,
     given,
     warn,
 )
@@ -62,7 +63,7 @@ def _max_failures(text: str) -> int | float:
     try:
         check_max_failures(value)
     except EvalConfigError as exc:
-        raise argparse.ArgumentTypeError(str(exc).removeprefix("--max-failures ")) from None
+        raise argparse.ArgumentTypeError(str(exc).removeprefix("max_failures ")) from None
     return value
 
 
@@ -230,15 +231,7 @@ def _build(args: argparse.Namespace) -> tuple[Env[Any], ModelContext, EvalConfig
     _refuse_idle_options(args)
     env = build_env(args)
     ctx = model_context(args, remote=args.via is not None)
-    if args.token_var is not None:
-        # The eval reads a --server-url's token from $TT_SERVE_TOKEN: point it at NAME.
-        token = os.environ.get(args.token_var, "").strip()
-        if not token:
-            raise UsageError(
-                f"--token-var: environment variable {args.token_var} is not set",
-                fix=f"export {args.token_var}=<the server's token>",
-            )
-        os.environ[TOKEN_VAR] = token
+    token = _server_token(args)
     config = EvalConfig(
         num_examples=args.num_examples,
         rollouts_per_example=args.rollouts_per_example,
@@ -252,6 +245,7 @@ def _build(args: argparse.Namespace) -> tuple[Env[Any], ModelContext, EvalConfig
         workers=args.workers,
         dashboard=not args.no_dashboard,
         server_url=args.server_url,
+        server_token=token,
         max_failures=args.max_failures,
         command=[*program(), *getattr(args, "argv", [])],
         api_key_var=api_key_var(args),
@@ -260,6 +254,21 @@ def _build(args: argparse.Namespace) -> tuple[Env[Any], ModelContext, EvalConfig
         time_limit=args.time_limit,
     )
     return env, ctx, config
+
+
+def _server_token(args: argparse.Namespace) -> str | None:
+    """A --server-url's bearer token, read here from $TT_SERVE_TOKEN or the variable
+    --token-var names; it goes to the eval as a field (`EvalConfig.server_token`)."""
+    if args.server_url is None:
+        return None
+    var = args.token_var or TOKEN_VAR
+    token = os.environ.get(var, "").strip()
+    if not token and args.token_var is not None:
+        raise UsageError(
+            f"--token-var: environment variable {var} is not set",
+            fix=f"export {var}=<the server's token>",
+        )
+    return token or None
 
 
 def _name_the_run(env: Env[Any], ctx: ModelContext, config: EvalConfig) -> Path:
@@ -360,7 +369,7 @@ def _fix_for(error_type: str, message: str, args: argparse.Namespace, run_dir: P
         return "the endpoint does not answer as an OpenAI /chat/completions does: check --base-url"
     if error_type == "EnvServerError" and status == 401:
         var = args.token_var or TOKEN_VAR
-        if os.environ.get(TOKEN_VAR):
+        if os.environ.get(var):
             return (
                 f"the env server refused the token in ${var}: check it (or name another "
                 "variable with --token-var)"
@@ -456,7 +465,7 @@ def _warnings_as_lines() -> Iterator[None]:
         file: TextIO | None = None,
         line: str | None = None,
     ) -> None:
-        warn("eval", str(message))
+        warn("eval", flag_message(message) if isinstance(message, Warning) else message)
 
     with warnings.catch_warnings():
         warnings.simplefilter("always", EvalWarning)

@@ -15,15 +15,14 @@ import sys
 import traceback
 from collections.abc import Callable, Sequence
 
-from ..eval import EvalConfigError
-from ..loading import TargetError
+from .._exceptions import ConfigError
 from ..version import __version__
 from . import eval as eval_command
 from . import report as report_command
 from . import rescore as rescore_command
 from . import serve as serve_command
 from . import worker as worker_command
-from .options import PROG, CommandError, HelpFormatter, UsageError
+from .options import PROG, CommandError, HelpFormatter, UsageError, flag_message
 
 __all__ = ["main"]
 
@@ -89,10 +88,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     command = args.command
     try:
         return RUNNERS[command](args)
-    except (UsageError, TargetError, EvalConfigError) as exc:
+    except (UsageError, ConfigError) as exc:  # a TASKSET that does not resolve is one too
         _traceback(args, exc)
         args.tt_subparser.print_usage(sys.stderr)
-        error = exc if isinstance(exc, UsageError) else UsageError(str(exc))
+        error = exc if isinstance(exc, UsageError) else UsageError(flag_message(exc))
         print(error.line(command), file=sys.stderr)
         raise SystemExit(2) from None  # as argparse ends on a usage error
     except CommandError as exc:

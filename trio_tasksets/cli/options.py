@@ -18,6 +18,7 @@ import math
 import sys
 from typing import TYPE_CHECKING
 
+from .._exceptions import ConfigError, EvalWarning, TrioTasksetsError
 from ..window import AdaptiveBounds, WindowArgumentError, parse_window
 
 __all__ = [
@@ -51,7 +52,7 @@ TASKSET_HELP = (
 # --- errors and help ------------------------------------------------------------------------
 
 
-class CommandError(Exception):
+class CommandError(TrioTasksetsError):
     """A failure the user can act on, shown as one line (exit 1):
     ``trio-tasksets COMMAND: error: MESSAGE; fix: FIX``, then any `details` lines."""
 
@@ -73,6 +74,36 @@ class UsageError(CommandError):
     """A bad command line, found before any work: the command's usage, then the line (exit 2)."""
 
     exit_code = 2
+
+
+# The library's parameter names, as the command line spells them: a ConfigError names its
+# parameters, and the CLI shows their flags instead.
+PARAMETER_FLAGS = {
+    "num_examples": "-n/--num-examples",
+    "rollouts_per_example": "-r/--rollouts-per-example",
+    "max_concurrent": "-c/--max-concurrent",
+    "output_dir": "-o/--output-dir",
+    "run_name": "--run-name",
+    "time_limit": "--time-limit",
+    "max_failures": "--max-failures",
+    "rollout_timeout": "--rollout-timeout",
+    "serve": "--serve",
+    "workers": "--workers",
+    "server_url": "--server-url",
+    "via": "--via",
+    "stream": "--stream",
+    "shuffle": "--shuffle",
+    "resume": "--resume",
+}
+
+
+def flag_message(error: BaseException | Warning) -> str:
+    """A library error's (or warning's) message as the command line says it: a
+    `ConfigError` (an `EvalWarning`) with each parameter it names (``num_examples``) spelled
+    as its flag (``-n/--num-examples``)."""
+    if isinstance(error, ConfigError | EvalWarning):
+        return error.spelled(PARAMETER_FLAGS)
+    return str(error)
 
 
 def warn(command: str, message: str) -> None:

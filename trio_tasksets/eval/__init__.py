@@ -11,7 +11,9 @@
 Both go through `run_stream`. Each finished episode is appended to `traces.jsonl` at once.
 
 Rooms: `config` (settings and the checks before any work), `plan` (slots, resume), `run`
-(`run_eval`), `served` (the `--serve` slot runner).
+(`run_eval`). Where each slot runs is a `trio_tasksets.backend.SlotBackend`, chosen once
+(`EvalConfig.slot_backend()`); the served and Redis backends live with their transports
+(`serve.slots`, `redis.coordinator`), which this package never imports.
 """
 
 from .config import EvalConfig, EvalConfigError, EvalResult, EvalWarning, latest_run

@@ -10,20 +10,13 @@ from typing import Any
 
 import attrs
 
+from .._exceptions import EvalConfigError as EvalConfigError  # their home is _exceptions
+from .._exceptions import EvalWarning as EvalWarning
+from ..backend import InProcess, SlotBackend, backend_for
 from ..env import Env, Episode
-from ..envspec import TravelError
 from ..loading import taskset_label, taskset_short_name
 from ..models import ModelContext
-from ..window import AdaptiveBounds, AdaptiveWindow, Window, build_window
-from .served import check_travel
-
-
-class EvalConfigError(ValueError):
-    """A bad eval setting, found before any task is pulled or file written (CLI: exit 2)."""
-
-
-class EvalWarning(UserWarning):
-    """A setting that works, but not as written (`-n` larger than a static taskset)."""
+from ..window import AdaptiveBounds, Window, WindowArgumentError, build_window
 
 
 @attrs.define
@@ -51,6 +44,11 @@ class EvalConfig:
     max_failures: int | float | None = None
     via: str | None = None  # --via (a Redis URL: the slots go to workers through it)
     stream: str | None = None  # --stream (with --via: the workers' task stream; "tasks")
+    # With server_url: the server's bearer token (the CLI's --token-var; never recorded).
+    server_token: str | None = attrs.field(default=None, repr=False)
+    # Where the slots run, as an object (a tt.backend.SlotBackend): instead of serve /
+    # workers / server_url / via / stream, which name the built-in ones.
+    backend: SlotBackend | None = None
     # --time-limit: seconds after which the eval stops pulling, cancels the runs in flight,
     # keeps the finished rows and ends with `stopped: "time_limit"`. None: no limit.
     time_limit: float | None = None
@@ -59,9 +57,34 @@ class EvalConfig:
     command: list[str] | None = None
     api_key_var: str | None = None
 
+    def slot_backend(self) -> SlotBackend:
+        """Where the slots run, chosen once: `backend` if given, else the built-in backend
+        that `serve`, `workers`, `server_url`, `via` and `stream` name (`EvalConfigError`,
+        naming the parameter, when they contradict each other or a value is bad)."""
+        flat = backend_for(
+            serve=self.serve, workers=self.workers, server_url=self.server_url,
+            server_token=self.server_token, via=self.via, stream=self.stream,
+        )  # fmt: skip
+        if self.backend is None:
+            return flat
+        if not isinstance(self.backend, SlotBackend):
+            raise EvalConfigError(
+                f"backend must be a SlotBackend (check, reach, open, remote), got "
+                f"{type(self.backend).__name__}",
+                parameter="backend",
+            )
+        if not isinstance(flat, InProcess):
+            raise EvalConfigError(
+                "backend and serve/server_url/via: choose one (the backend says where slots run)",
+                parameter="backend",
+            )
+        return self.backend
+
 
 # EvalConfig fields that describe the record, not the run: config.json keeps them apart.
 RECORD_FIELDS = ("command", "api_key_var")
+# EvalConfig fields never written to config.json (a secret; an object, recorded as its repr).
+UNRECORDED_FIELDS = ("server_token", "backend")
 
 
 @attrs.define
@@ -78,35 +101,28 @@ IDENTITY = ("taskset", "taskset_config", "model", "sampling", "num_examples",
              "rollouts_per_example", "shuffle", "seed")  # fmt: skip
 
 
-def _check_int(value: object, flag: str, minimum: int, *, optional: bool = False) -> None:
+def _check_int(value: object, name: str, minimum: int, *, optional: bool = False) -> None:
     if optional and value is None:
         return
     if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
-        raise EvalConfigError(f"{flag} must be an integer >= {minimum}, got {value!r}")
-
-
-def check_window(value: object) -> None:
-    """`EvalConfigError` naming -c unless `value` is an int >= 1, `AdaptiveBounds` with
-    1 <= min <= start <= max, or a `tt.Window`."""
-    if isinstance(value, Window):
-        return
-    if isinstance(value, tuple):
-        try:
-            AdaptiveWindow(*value)
-        except (TypeError, ValueError) as exc:
-            raise EvalConfigError(
-                f"-c/--max-concurrent: adaptive bounds are (min, start, max) with 1 <= min <= "
-                f"start <= max, got {value!r} ({exc})"
-            ) from None
-        return
-    _check_int(value, "-c/--max-concurrent", 1)
+        raise EvalConfigError(
+            f"{{{name}}} must be an integer >= {minimum}, got {value!r}", parameter=name
+        )
 
 
 def eval_window(value: int | AdaptiveBounds | Window) -> Window:
-    """The rollout window an eval runs under: the `tt.Window` given, or a fresh one."""
-    if isinstance(value, Window):
-        return value
-    return build_window(AdaptiveBounds(*value) if isinstance(value, tuple) else value)
+    """The rollout window an eval runs under: the `tt.Window` given, or a fresh one
+    (`build_window`); `EvalConfigError` naming `max_concurrent` for a bad value."""
+    try:
+        return build_window(value, parameter="max_concurrent")
+    except WindowArgumentError as exc:
+        raise EvalConfigError(exc.template, parameter=exc.parameters) from None
+
+
+def check_window(value: object) -> None:
+    """`EvalConfigError` naming `max_concurrent` unless `value` is an int >= 1,
+    `AdaptiveBounds` with 1 <= min <= start <= max, or a `tt.Window`."""
+    eval_window(value)  # type: ignore[arg-type]  # checked there
 
 
 def check_max_failures(value: object) -> None:
@@ -119,15 +135,16 @@ def check_max_failures(value: object) -> None:
     elif isinstance(value, float) and 0 < value < 1:
         return
     raise EvalConfigError(
-        f"--max-failures takes N (an integer >= 1: stop once N episodes failed) or a FRACTION "
-        f"between 0 and 1 (stop once more than that share failed), got {value!r}"
+        f"{{max_failures}} takes N (an integer >= 1: stop once N episodes failed) or a FRACTION "
+        f"between 0 and 1 (stop once more than that share failed), got {value!r}",
+        parameter="max_failures",
     )
 
 
-def preflight(env: Env[Any], ctx: ModelContext, config: EvalConfig) -> None:
-    """Every check that needs no pull and no file write."""
-    _check_int(config.num_examples, "-n/--num-examples", 0, optional=True)
-    _check_int(config.rollouts_per_example, "-r/--rollouts-per-example", 1)
+def preflight(env: Env[Any], ctx: ModelContext, config: EvalConfig) -> SlotBackend:
+    """Every check that needs no pull and no file write; the backend the slots run on."""
+    _check_int(config.num_examples, "num_examples", 0, optional=True)
+    _check_int(config.rollouts_per_example, "rollouts_per_example", 1)
     check_window(config.max_concurrent)
     limit = config.time_limit
     if limit is not None and (
@@ -136,8 +153,10 @@ def preflight(env: Env[Any], ctx: ModelContext, config: EvalConfig) -> None:
         or not math.isfinite(limit)
         or limit <= 0
     ):
-        raise EvalConfigError(f"--time-limit must be a number of seconds > 0, got {limit!r}")
-    _check_int(config.workers, "--workers", 1)
+        raise EvalConfigError(
+            f"{{time_limit}} must be a number of seconds > 0, got {limit!r}",
+            parameter="time_limit",
+        )
     check_max_failures(config.max_failures)
     taskset = env.taskset
     name = type(taskset).__name__
@@ -145,65 +164,23 @@ def preflight(env: Env[Any], ctx: ModelContext, config: EvalConfig) -> None:
         kind = "streams its tasks" if taskset.streaming else "is INFINITE"
         if config.num_examples is None:
             raise EvalConfigError(
-                f"taskset {name} {kind}: bound the run with -n/--num-examples N "
-                f"(the eval takes the next N tasks and ends)"
+                f"taskset {name} {kind}: bound the run with {{num_examples}} N "
+                f"(the eval takes the next N tasks and ends)",
+                parameter="num_examples",
             )
         if taskset.streaming and config.shuffle:
-            raise EvalConfigError(f"taskset {name} {kind}: cannot shuffle (drop --shuffle)")
+            raise EvalConfigError(
+                f"taskset {name} {kind}: cannot shuffle (drop {{shuffle}})", parameter="shuffle"
+            )
         if taskset.streaming and config.resume:
             raise EvalConfigError(
                 f"taskset {name} {kind}: cannot resume (there is no list of tasks to compare "
-                f"against; drop --resume)"
+                f"against; drop {{resume}})",
+                parameter="resume",
             )
-    _check_served(env, ctx, config)
-    _check_via(config)
-
-
-def _check_served(env: Env[Any], ctx: ModelContext, config: EvalConfig) -> None:
-    """The served path's settings, and that the env and the model can travel to a server."""
-    if config.serve and config.server_url:
-        raise EvalConfigError("--serve and --server-url: choose one (spawn a server, or use one)")
-    if config.workers != 1 and not config.serve:
-        raise EvalConfigError("--workers applies to a spawned server: add --serve")
-    url = config.server_url
-    if url is not None and not url.startswith(("http://", "https://")):
-        raise EvalConfigError(f"--server-url must be an http:// or https:// URL, got {url!r}")
-    if config.serve or url:
-        try:
-            check_travel(env, ctx, spawn=config.serve)
-        except TravelError as exc:
-            flag = "--serve" if config.serve else "--server-url"
-            raise EvalConfigError(f"{flag}: {exc}") from None
-
-
-def _check_via(config: EvalConfig) -> None:
-    """`--via`'s settings (the URL is parsed here; `via.reach` connects, before any write)."""
-    if config.via is None:
-        if config.stream is not None:
-            raise EvalConfigError("--stream names the workers' stream: it needs --via URL")
-        return
-    if config.serve or config.server_url:
-        flag = "--serve" if config.serve else "--server-url"
-        raise EvalConfigError(f"--via and {flag}: choose one (workers over Redis, or a server)")
-    if config.stream is not None and (not isinstance(config.stream, str) or not config.stream):
-        raise EvalConfigError(
-            f"--stream must name a stream, e.g. --stream tasks, got {config.stream!r}"
-        )
-    try:
-        from ..redis.entries import check_url  # hiredis is an optional extra
-    except ImportError as exc:
-        raise EvalConfigError(
-            f"--via needs hiredis ({exc}): pip install 'trio-tasksets[redis]'"
-        ) from None
-    try:
-        check_url(config.via)
-    except ValueError as exc:
-        raise EvalConfigError(f"--via: {exc}") from None
-
-
-def via_stream(config: EvalConfig) -> str:
-    """The task stream of a `--via` eval: `--stream`, else "tasks"."""
-    return config.stream if config.stream is not None else "tasks"
+    backend = config.slot_backend()
+    backend.check(env, ctx)
+    return backend
 
 
 def run_identity(env: Env[Any], ctx: ModelContext, config: EvalConfig) -> dict[str, Any]:
@@ -255,13 +232,16 @@ def run_dir_for(env: Env[Any], ctx: ModelContext, config: EvalConfig) -> Path:
         latest = latest_run(env, ctx, config.output_dir)
         if latest is None:
             raise EvalConfigError(
-                f"--resume: {config.output_dir} holds no run of taskset "
+                f"{{resume}}: {config.output_dir} holds no run of taskset "
                 f"{type(env.taskset).__name__} with model {ctx.model!r}; name the run to "
-                f"resume with --run-name (or -o/--output-dir)"
+                f"resume with {{run_name}} (or {{output_dir}})",
+                parameter=("resume", "run_name", "output_dir"),
             )
         return latest
     if name is None:
         name = default_run_name(env, ctx)
     if not name or "/" in name or name in (".", ".."):
-        raise EvalConfigError(f"--run-name must be a plain directory name, got {name!r}")
+        raise EvalConfigError(
+            f"{{run_name}} must be a plain directory name, got {name!r}", parameter="run_name"
+        )
     return Path(config.output_dir) / name

@@ -54,7 +54,8 @@ class RunDirLock:
             raise EvalConfigError(
                 f"{run_dir} is in use by another eval ({holder}): two evals of one run dir "
                 f"would both run its owed slots; wait for that one to end (or stop it), then "
-                f"--resume"
+                f"{{resume}}",
+                parameter="resume",
             ) from None
         except BaseException:
             handle.close()

@@ -40,16 +40,18 @@ def keep_resumable(
     config_path = run_dir / "config.json"
     if not config_path.exists():
         raise EvalConfigError(
-            f"--resume: {run_dir} holds no run to resume (no config.json); drop --resume "
-            f"to start it"
+            f"{{resume}}: {run_dir} holds no run to resume (no config.json); drop {{resume}} "
+            f"to start it",
+            parameter="resume",
         )
     saved = json.loads(config_path.read_text()).get("identity", {})
     differ = sorted(k for k in IDENTITY if saved.get(k) != identity.get(k))
     if differ:
         detail = ", ".join(f"{k}: saved {saved.get(k)!r}, now {identity.get(k)!r}" for k in differ)
         raise EvalConfigError(
-            f"--resume: the saved config of {run_dir} differs ({detail}); resume with the "
-            f"same settings, or start a new run with another --run-name"
+            f"{{resume}}: the saved config of {run_dir} differs ({detail}); resume with the "
+            f"same settings, or start a new run with another {{run_name}}",
+            parameter=("resume", "run_name"),
         )
     rows, _bad = read_rows(run_dir / "traces.jsonl")
     # A row stands for a slot by its task's key, its rollout and the task's own data (two

@@ -84,11 +84,14 @@ async def rescore(
     stamp = time.strftime("%Y%m%d-%H%M%S")
     name = run_name if run_name is not None else f"{source.name}-rescored-{stamp}"
     if not name or "/" in name or name in (".", ".."):
-        raise EvalConfigError(f"--run-name must be a plain directory name, got {name!r}")
+        raise EvalConfigError(
+            f"{{run_name}} must be a plain directory name, got {name!r}", parameter="run_name"
+        )
     target = Path(output_dir if output_dir is not None else source.parent) / name
     if target.exists() and any(target.iterdir()):
         raise EvalConfigError(
-            f"{target} already holds a run: choose another --run-name or -o/--output-dir"
+            f"{target} already holds a run: choose another {{run_name}} or {{output_dir}}",
+            parameter=("run_name", "output_dir"),
         )
 
     async def one(row: dict[str, Any]) -> Episode:

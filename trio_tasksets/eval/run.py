@@ -22,14 +22,11 @@ from __future__ import annotations
 import functools
 import json
 import math
-import signal
 import statistics
 import sys
 import time
 import warnings
 from collections import Counter
-from collections.abc import AsyncIterator
-from contextlib import AbstractAsyncContextManager, asynccontextmanager
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
@@ -38,6 +35,8 @@ import attrs
 import trio
 
 from .. import dashboard
+from ..backend import SlotBackend
+from ..drain import stop_on
 from ..env import Env, Episode, RunSlot, WindowFeed
 from ..limits import EndpointLimits, observe_calls
 from ..models import ModelContext
@@ -47,6 +46,7 @@ from ..version import __version__
 from ..window import Window, window_spec
 from .config import (
     RECORD_FIELDS,
+    UNRECORDED_FIELDS,
     EvalConfig,
     EvalConfigError,
     EvalResult,
@@ -55,12 +55,10 @@ from .config import (
     preflight,
     run_dir_for,
     run_identity,
-    via_stream,
 )
 from .lock import LOCK_NAME, RunDirLock
 from .plan import from_list, keep_resumable, plan_stream, static_slots
 from .report.stats import reward_interval
-from .served import SlotRunner, served_runner
 
 # What each file of a run dir is called; a run that leaves no row behind removes them.
 _FILES = ("config.json", "traces.jsonl", "summary.json")
@@ -260,7 +258,10 @@ def _record_of(
 ) -> dict[str, Any]:
     """config.json: how to reproduce the run (and what it cost to start)."""
     base_url = getattr(ctx.client, "base_url", None)
-    settings = {k: v for k, v in attrs.asdict(config).items() if k not in RECORD_FIELDS}
+    skip = (*RECORD_FIELDS, *UNRECORDED_FIELDS)
+    settings = {k: v for k, v in attrs.asdict(config, recurse=False).items() if k not in skip}
+    if config.backend is not None:
+        settings["backend"] = repr(config.backend)
     settings["max_concurrent"] = window_spec(config.max_concurrent)
     limits = endpoint_limits(ctx)
     connections = None if limits is None else limits.connections
@@ -287,9 +288,11 @@ def _say_if_short(env: Env[Any], config: EvalConfig, slots: list[RunSlot[Any]]) 
     tasks = len(slots) // config.rollouts_per_example
     if n is not None and tasks < n:
         warnings.warn(
-            f"-n/--num-examples {n} is more than taskset {type(env.taskset).__name__} holds "
-            f"({tasks} tasks): the eval runs all {tasks}",
-            EvalWarning,
+            EvalWarning(
+                f"{{num_examples}} {n} is more than taskset {type(env.taskset).__name__} "
+                f"holds ({tasks} tasks): the eval runs all {tasks}",
+                parameter="num_examples",
+            ),
             stacklevel=3,
         )
 
@@ -315,8 +318,7 @@ async def run_eval(
 async def _run_eval(
     env: Env[Any], ctx: ModelContext, config: EvalConfig, handle_signals: bool, lock: RunDirLock
 ) -> EvalResult:
-    preflight(env, ctx, config)
-    redis_run_id = await _reach(config)
+    backend = await preflight(env, ctx, config).reach()
     identity = run_identity(env, ctx, config)
     run_dir = run_dir_for(env, ctx, config)
     streaming = env.taskset.streaming
@@ -331,8 +333,9 @@ async def _run_eval(
         kept_rows, slots = keep_resumable(run_dir, identity, slots)
     elif run_dir.exists() and any(run_dir.iterdir()):
         raise EvalConfigError(
-            f"{run_dir} already holds a run: pass --resume to continue it, or choose another "
-            f"--run-name / -o/--output-dir"
+            f"{run_dir} already holds a run: pass {{resume}} to continue it, or choose another "
+            f"{{run_name}} / {{output_dir}}",
+            parameter=("resume", "run_name", "output_dir"),
         )
     created = _make_dir(run_dir)
     lock.take(run_dir)
@@ -363,7 +366,7 @@ async def _run_eval(
     try:
         new = await _execute(
             env, ctx, config, slots, traces_path, progress, tally, handle_signals,
-            window, redis_run_id,
+            window, backend,
         )  # fmt: skip
     except BaseException as exc:
         tally.ended_by(exc)
@@ -388,62 +391,6 @@ async def _run_eval(
     return EvalResult(episodes=done, run_dir=run_dir, summary=summary)
 
 
-async def _reach(config: EvalConfig) -> str | None:
-    """With `--via`: Redis's run id, or `EvalConfigError` if it cannot be reached."""
-    if config.via is None:
-        return None
-    from .via import reach
-
-    return await reach(config.via)
-
-
-def _slot_runner(
-    env: Env[Any],
-    ctx: ModelContext,
-    config: EvalConfig,
-    progress: dashboard.Progress,
-    window: Window,
-    redis_run_id: str | None,
-) -> AbstractAsyncContextManager[SlotRunner]:
-    """How each slot runs: in this process under `env.serving()`, on an env server (one
-    `client.run` per slot), or on workers through Redis (one entry per slot); the taskset
-    and the traces stay here."""
-    if config.via is not None:
-        from .via import via_runner
-
-        return via_runner(
-            env, ctx, url=config.via, stream=via_stream(config), progress=progress,
-            run_id=redis_run_id,
-        )  # fmt: skip
-    if config.serve or config.server_url:
-        return served_runner(
-            env, ctx, workers=config.workers, server_url=config.server_url, window=window,
-        )  # fmt: skip
-    return _in_process(env, ctx)
-
-
-@asynccontextmanager
-async def _in_process(env: Env[Any], ctx: ModelContext) -> AsyncIterator[SlotRunner]:
-    async with env.serving():
-        yield functools.partial(env.run_slot, ctx=ctx)
-
-
-async def _watch_signals(tally: Tally, *, task_status: trio.TaskStatus[None]) -> None:
-    """Stop the eval on the first SIGINT or SIGTERM. Leaving the receiver restores the
-    handlers, so a second signal interrupts the drain itself."""
-    with trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
-        task_status.started()
-        async for signum in signals:
-            tally.stop(signal.Signals(signum).name)
-            return
-
-
-async def _stop_at(tally: Tally, deadline: float) -> None:
-    """`--time-limit`: stop the eval (and drain it) at `deadline` (trio's clock)."""
-    await trio.sleep_until(deadline)
-    tally.stop("time_limit")
-
-
 async def _execute(
     env: Env[Any],
     ctx: ModelContext,
@@ -454,7 +401,7 @@ async def _execute(
     tally: Tally,
     handle_signals: bool,
     window: Window,
-    redis_run_id: str | None = None,
+    backend: SlotBackend,
 ) -> list[Episode] | None:
     """Run the planned (static) or streamed slots through `run_stream` under `window`,
     recording each episode; the episodes in plan order, or None when the eval was stopped
@@ -462,11 +409,10 @@ async def _execute(
     deadline = math.inf if config.time_limit is None else trio.current_time() + config.time_limit
     # In this process the model calls' 429s reach an adaptive window as they come; elsewhere
     # (an env server, workers) only through the episodes' errors.
-    remote = config.via is not None or config.serve or config.server_url is not None
-    feed = WindowFeed(window, remote=remote)
+    feed = WindowFeed(window, remote=backend.remote)
     try:
         async with (
-            _slot_runner(env, ctx, config, progress, window, redis_run_id) as run_slot,
+            backend.open(env, ctx, window=window, progress=progress) as run_slot,
             open_traces(traces_path) as writer,
             dashboard.show(progress, live=config.dashboard),
         ):
@@ -488,10 +434,14 @@ async def _execute(
             episodes: list[Episode] | None = None
             with trio.CancelScope() as tally.scope:
                 async with trio.open_nursery() as nursery:
-                    if handle_signals:
-                        await nursery.start(_watch_signals, tally)
-                    if config.time_limit is not None:
-                        nursery.start_soon(_stop_at, tally, deadline)
+                    if handle_signals or config.time_limit is not None:
+                        # The first SIGINT/SIGTERM stops the eval (a second interrupts the
+                        # drain); --time-limit counts from the start (the backend's too).
+                        await nursery.start(functools.partial(
+                            stop_on, tally.stop, signals=handle_signals, once=True,
+                            time_limit=None if config.time_limit is None
+                            else max(0.0, deadline - trio.current_time()),
+                        ))  # fmt: skip
                     if not env.taskset.streaming:
                         source = from_list(slots)
                         episodes = await run_stream(source, run, window=window)

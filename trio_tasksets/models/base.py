@@ -24,6 +24,8 @@ from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
 import attrs
 
+from .._exceptions import TrioTasksetsError
+
 if TYPE_CHECKING:
     pass  # only for a caller's own http_client; imported where used
 
@@ -146,7 +148,7 @@ class observe_completions:  # lower case: it reads as a call in `with observe_co
 # ---------------------------------------------------------------------------------------
 
 
-class ModelError(Exception):
+class ModelError(TrioTasksetsError):
     """Base class for errors talking to a model server."""
 
     def __init__(self, message: str, *, url: str = "") -> None:

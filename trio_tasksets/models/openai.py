@@ -3,13 +3,13 @@ HTTP transport, with retries, `Retry-After` and the endpoint limits around each 
 
 from __future__ import annotations
 
-import random
 from collections.abc import Hashable
 from types import TracebackType
 from typing import TYPE_CHECKING, Any, Self
 
 import orjson
 
+from ..backoff import Backoff
 from ..limits import Call, EndpointLimits, report_outcome, rest
 from ..transport import (
     DecodingError,
@@ -159,11 +159,9 @@ class OpenAIClient:
         return self._http
 
     def _retry_delay(self, retry: int, retry_after: float | None) -> float:
-        """Seconds to sleep before retry number ``retry`` (0-based)."""
-        if retry_after is not None:
-            return min(retry_after, self.max_backoff)
-        cap = min(self.max_backoff, self.backoff * (2.0**retry))
-        return random.uniform(0.0, cap)
+        """Seconds to sleep before retry number ``retry`` (0-based): the server's
+        Retry-After up to `max_backoff`, else the project's `Backoff`."""
+        return Backoff(self.backoff, self.max_backoff).delay(retry + 1, retry_after=retry_after)
 
     async def _post(self, body: bytes) -> tuple[int, bytes, float | None]:
         """One POST: (status, body, Retry-After seconds). Raises `HTTPError` subclasses

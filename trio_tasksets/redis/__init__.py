@@ -24,9 +24,10 @@ the choice and the guarantees.
 
 Rooms: `resp` (one connection), `entries` (tasks as entries), `link` (a connection that
 survives outages), `feed` (`RedisStreamTaskset`), `results` (`RedisResults`, `enqueue`),
-`worker` (`run_worker`).
+`worker` (`run_worker`), `coordinator` (`ViaBackend`: an eval's slots over workers, `--via`).
 """
 
+from .coordinator import ViaBackend
 from .entries import (
     TASK_FIELD,
     EntryRef,
@@ -47,6 +48,7 @@ __all__ = [
     "RedisResults",
     "RedisStreamTaskset",
     "RedisTask",
+    "ViaBackend",
     "check_url",
     "decode_task",
     "encode_task",

@@ -18,6 +18,7 @@ from urllib.parse import urlsplit, urlunsplit
 import attrs
 import orjson
 
+from .._exceptions import TrioTasksetsError
 from ..builtin import BUILTIN
 from ..env import Env, task_data, task_key
 from ..envspec import TravelError, config_to_json
@@ -63,11 +64,11 @@ class RedisTask(Task):
     entry: EntryRef = attrs.field(kw_only=True, eq=False)
 
 
-class MalformedEntry(ValueError):
+class MalformedEntry(TrioTasksetsError, ValueError):
     """A stream entry that does not hold a task (moved to the dead-letter stream)."""
 
 
-class Refused(MalformedEntry):
+class EntryRefused(MalformedEntry):
     """An entry this worker will not run (declared for another env): dead-lettered, and the
     reason is sent to its reply-to stream if it names one."""
 

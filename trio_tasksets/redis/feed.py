@@ -131,7 +131,7 @@ class RedisStreamTaskset(Taskset[RedisTask, TasksetConfig]):
     ) -> AsyncIterator[T]:
         """What `stream()` does, for any kind of task: each claimed entry, decoded, goes
         through `build`, and what it returns is yielded. An entry `build` rejects (raising
-        `MalformedEntry`, e.g. `Refused`) is dead-lettered with the reason and acknowledged,
+        `MalformedEntry`, e.g. `EntryRefused`) is dead-lettered with the reason and acknowledged,
         and, if it names a reply-to stream, the reason is added there (field `refused`).
 
         `room()`, if given, says how many entries the consumer can take now (at least the

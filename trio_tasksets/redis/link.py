@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
-import random
 from collections.abc import Awaitable, Callable
 from typing import Any, TypeVar
 
 import trio
 
+from .._exceptions import TrioTasksetsError
+from ..backoff import Backoff
 from .entries import Log, redact
 from .resp import (
     MAX_REPLY_BYTES,
@@ -22,12 +23,12 @@ from .resp import (
 )
 
 T = TypeVar("T")
-_BACKOFF_FIRST = 0.1
-_BACKOFF_CAP = 3.0
+# Between attempts through an outage: 0.1 s doubling up to 3 s, each wait in [cap/2, cap].
+REDIS_BACKOFF = Backoff(0.1, 3.0, jitter=0.5)
 _CONNECT_TIMEOUT = 5.0
 
 
-class Stopped(Exception):
+class Stopped(TrioTasksetsError):
     """The stop event fired while a call was waiting to retry."""
 
 
@@ -83,8 +84,7 @@ class Link:
             except Unreachable as exc:
                 self.close()  # the others are likely broken too
                 failures += 1
-                delay = min(_BACKOFF_CAP, _BACKOFF_FIRST * 2 ** (failures - 1))
-                delay *= random.uniform(0.5, 1.0)
+                delay = REDIS_BACKOFF.delay(failures)
                 self._log(
                     f"redis at {self.url} unreachable while {what} ({exc}); retry {failures} "
                     f"in {delay:.1f} s"

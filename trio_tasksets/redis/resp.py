@@ -18,6 +18,8 @@ import attrs
 import hiredis
 import trio
 
+from .._exceptions import TrioTasksetsError
+
 Arg = str | bytes | int | float
 Command = Sequence[Arg]
 
@@ -34,7 +36,7 @@ MAX_REPLY_BYTES = 64 * 2**20
 """Bytes one reply may take on the wire by default (`Connection.open`'s `max_reply_bytes`)."""
 
 
-class RedisError(Exception):
+class RedisError(TrioTasksetsError):
     """A Redis call failed."""
 
 

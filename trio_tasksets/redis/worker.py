@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import math
 import os
 import socket
@@ -12,6 +13,8 @@ import attrs
 import trio
 
 from .. import dashboard
+from ..batching import take_ready
+from ..drain import stop_on
 from ..env import Env, Episode, RetryPolicy, RunSlot, WindowFeed
 from ..envspec import rebuild_task
 from ..limits import EndpointLimits, observe_calls
@@ -22,9 +25,9 @@ from .entries import (
     Declaration,
     Delivery,
     EntryRef,
+    EntryRefused,
     Log,
     MalformedEntry,
-    Refused,
     plain_task,
     redact,
     stderr_log,
@@ -36,6 +39,7 @@ from .results import Answer, RedisResults
 COMMANDS = ("worker", "enqueue")
 _LEAVE_WITHIN = 2.0  # seconds a stopping worker spends trying to leave the group
 _COALESCE = 0.001  # seconds between two publishing round trips
+_PUBLISH_BATCH = 10_000  # most episodes in one publishing transaction (a window's worth)
 
 
 def default_consumer() -> str:
@@ -134,7 +138,7 @@ class _Claimed:
 
 class Builder:
     """Turns a delivery into a `Claim` for `env` (None: the plain default env), refusing an
-    entry declared for another env (`Refused`, with the reason and the fix)."""
+    entry declared for another env (`EntryRefused`, with the reason and the fix)."""
 
     def __init__(self, env: Env[Any] | None, ctx: ModelContext) -> None:
         self._env = env
@@ -146,14 +150,14 @@ class Builder:
         if delivery.declared is not None:
             reason = self._verdict(delivery.declared)
             if reason is not None:
-                raise Refused(f"entry {entry.id}: {reason}")
+                raise EntryRefused(f"entry {entry.id}: {reason}")
         if self._env is None:
             return Claim(delivery, plain_task(delivery))
         taskset_cls = type(self._env.taskset)
         try:
             task = rebuild_task(taskset_cls, delivery.key, delivery.data)
         except Exception as exc:  # the taskset's own task_from_data: this entry only
-            raise Refused(
+            raise EntryRefused(
                 f"entry {entry.id}: {taskset_cls.__name__} cannot build a task from its data "
                 f"({type(exc).__name__}: {exc})"
             ) from None
@@ -220,7 +224,7 @@ async def run_worker(
     if env is None:
         env = Env(taskset, retries=RetryPolicy(config.retries))
     if window is None:
-        window = build_window(config.max_concurrent)
+        window = build_window(config.max_concurrent, parameter="max_concurrent")
     report = WorkerReport(window=window)
     limits = getattr(ctx.client, "limits", None)
     progress = dashboard.Progress(
@@ -270,13 +274,24 @@ async def run_worker(
                 taskset.stop()
                 everything.deadline = min(everything.deadline, trio.current_time() + config.grace)
 
+            limit = config.time_limit
+            reached = "" if limit is None else f"--time-limit {limit:g}s reached"
+
+            def on_stop(reason: str) -> None:
+                if reason == reached and taskset.stopping:
+                    return  # a signal came first: the time limit is no second one
+                shut_down(reason)
+
             async with env.serving(), trio.open_nursery() as nursery:
-                if handle_signals:
-                    await nursery.start(_on_signals, shut_down)
+                if handle_signals or limit is not None:
+                    # Every signal shuts down (a second one cancels what runs), as does the
+                    # time limit (as a first signal would).
+                    await nursery.start(functools.partial(
+                        stop_on, on_stop, signals=handle_signals, time_limit=limit,
+                        time_reason=reached,
+                    ))  # fmt: skip
                 nursery.start_soon(_keep_alive, results, config, report)
                 nursery.start_soon(publisher.loop)
-                if config.time_limit is not None:
-                    nursery.start_soon(_stop_after, config.time_limit, shut_down, taskset)
                 task_status.started(shut_down)
                 room = report.room
                 claims = _Claimed(taskset.claims(build, room=room), report, progress)
@@ -315,12 +330,7 @@ class Publisher:
 
     async def loop(self) -> None:
         async for first in self._out:
-            batch = [first]
-            while True:
-                try:
-                    batch.append(self._out.receive_nowait())
-                except trio.WouldBlock:
-                    break
+            batch = take_ready(self._out, first, _PUBLISH_BATCH)
             await self._results.publish_many([answer for answer, _ in batch])
             for _, done in batch:
                 done.set()
@@ -330,29 +340,9 @@ class Publisher:
             await trio.sleep(_COALESCE)
 
 
-async def _stop_after(
-    seconds: float, shut_down: Callable[[str], None], taskset: RedisStreamTaskset
-) -> None:
-    """`--time-limit`: shut down as a first signal does (unless one came already)."""
-    await trio.sleep(seconds)
-    if not taskset.stopping:
-        shut_down(f"--time-limit {seconds:g}s reached")
-
-
 async def _keep_alive(results: RedisResults, config: WorkerConfig, report: WorkerReport) -> None:
     """Every claim_idle / 3 s, reset the idle time of the entries held, so that no worker
     reclaims an entry whose episode is still running here, however long it runs."""
     while True:
         await trio.sleep(config.claim_idle / 3)
         await results.keep_alive(config.consumer, list(report.entries.values()))
-
-
-async def _on_signals(
-    shut_down: Callable[[str], None], *, task_status: trio.TaskStatus[None]
-) -> None:
-    import signal
-
-    with trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
-        task_status.started()
-        async for signum in signals:
-            shut_down(signal.Signals(signum).name)

@@ -17,12 +17,13 @@
 Rooms: `wire` (the JSON wire format and its constants), `policy` (who may call, what a run
 may reach, limits), `asgi`, `app` (the ASGI app) and `session` (one WebSocket), `process`
 (serving processes), `transport`, `errors` and `client` (`EnvClient`), `spawn`
-(`spawn_server`).
-The command is `trio_tasksets.cli.serve`; the eval's use of it is `trio_tasksets.eval.served`.
+(`spawn_server`), `slots` (the eval's slots on a server: `--serve`, `--server-url`).
+The command is `trio_tasksets.cli.serve`.
 """
 
 from .client import EnvClient
 from .errors import EnvServerError
+from .slots import ServedBackend
 from .spawn import ServerProcess, spawn_server
 
-__all__ = ["EnvClient", "EnvServerError", "ServerProcess", "spawn_server"]
+__all__ = ["EnvClient", "EnvServerError", "ServedBackend", "ServerProcess", "spawn_server"]

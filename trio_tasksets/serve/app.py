@@ -15,7 +15,7 @@ from ..models import ModelContext
 from ..runner import pick_one
 from ..tasksets import Taskset
 from .asgi import Message, Receive, Send, ServerStats, encode_answer
-from .policy import Access, Limits, ModelClients, ModelPolicy, Refused, log_refusal
+from .policy import Access, Limits, ModelClients, ModelPolicy, RequestRefused, log_refusal
 from .session import WSSession
 from .wire import (
     WS_PATH,
@@ -136,7 +136,7 @@ class ServerApp:
                 await self._route(scope, receive, send)
             except _Disconnected:
                 pass
-            except Refused as refused:
+            except RequestRefused as refused:
                 self.refused(scope, refused.status, str(refused))
                 error = {"error": str(refused)}
                 await _answer_draining(receive, send, refused.status, error, refused.headers)
@@ -167,10 +167,10 @@ class ServerApp:
         self.access.check(scope["headers"])
         path, method = scope["path"], scope["method"]
         if path not in self.ROUTES:
-            raise Refused(404, f"no such path {path!r} (the paths are /health and /run)")
+            raise RequestRefused(404, f"no such path {path!r} (the paths are /health and /run)")
         allowed = self.ROUTES[path]
         if method != allowed:
-            raise Refused(
+            raise RequestRefused(
                 405, f"{path} takes {allowed}, not {method}", (b"allow", allowed.encode())
             )
         if path == "/health":
@@ -182,7 +182,7 @@ class ServerApp:
         limit = self.limits.max_body
         length = dict(scope["headers"]).get(b"content-length")
         if length is not None and length.isdigit() and int(length) > limit:
-            raise Refused(413, f"request body of {int(length)} bytes is over the {limit} limit "
+            raise RequestRefused(413, f"request body of {int(length)} bytes is over the {limit} limit "
                                f"(--max-body-bytes)")  # fmt: skip
         chunks: list[bytes] = []
         size = 0
@@ -195,12 +195,12 @@ class ServerApp:
                 chunk = message.get("body", b"")
                 size += len(chunk)
                 if size > limit:
-                    raise Refused(413, f"request body is over the {limit} byte limit "
+                    raise RequestRefused(413, f"request body is over the {limit} byte limit "
                                        f"(--max-body-bytes)")  # fmt: skip
                 chunks.append(chunk)
                 if not message.get("more_body", False):
                     return b"".join(chunks)
-        raise Refused(408, f"the request body did not arrive within {timeout:g}s "
+        raise RequestRefused(408, f"the request body did not arrive within {timeout:g}s "
                            f"(--header-timeout)")  # fmt: skip
 
     def prepare(self, decoded: object) -> tuple[RunSlot[Any], ModelContext]:
@@ -217,17 +217,17 @@ class ServerApp:
     async def _run(self, scope: Message, receive: Receive, send: Send) -> None:
         is_json, given = _is_json(scope["headers"])
         if not is_json:
-            raise Refused(415, f"POST /run takes Content-Type: application/json, got "
+            raise RequestRefused(415, f"POST /run takes Content-Type: application/json, got "
                                f"{given or 'none'!r}")  # fmt: skip
         body = await self._body(scope, receive)
         try:
             decoded = decode_json(body)
         except ValueError as exc:
-            raise Refused(400, f"the body is not JSON: {exc}") from None
+            raise RequestRefused(400, f"the body is not JSON: {exc}") from None
         try:
             slot, ctx = self.prepare(decoded)
         except WireError as exc:
-            raise Refused(exc.status, str(exc)) from None
+            raise RequestRefused(exc.status, str(exc)) from None
         episode = await self.episode(slot, ctx, receive)
         if episode is not None:
             await _send_json(send, 200, episode.to_row(), [])
@@ -270,7 +270,7 @@ class ServerApp:
     def _check_handshake(self, scope: Message) -> None:
         self.access.check(scope["headers"])
         if scope["path"] != WS_PATH:
-            raise Refused(404, f"no WebSocket at {scope['path']!r} (it is at {WS_PATH})")
+            raise RequestRefused(404, f"no WebSocket at {scope['path']!r} (it is at {WS_PATH})")
 
     async def _websocket(self, scope: Message, receive: Receive, send: Send) -> None:
         """``/ws``: many runs multiplexed over one WebSocket (see `WSSession`)."""
@@ -278,7 +278,7 @@ class ServerApp:
             return
         try:
             self._check_handshake(scope)
-        except Refused as refused:  # refused at the handshake, as an HTTP answer
+        except RequestRefused as refused:  # refused at the handshake, as an HTTP answer
             self.refused(scope, refused.status, str(refused))
             body = encode_answer({"error": str(refused)})
             headers = [*_JSON, (b"content-length", str(len(body)).encode()), *refused.headers]

@@ -15,7 +15,7 @@ from ..env import Episode, OnComplete, RetryPolicy, RunSlot, complete_slot
 from ..models import ModelContext
 from ..transport import HTTPError
 from .errors import EnvServerError, transport_reason
-from .transport import HTTPConnections, Refused, TooLarge, WSConnection, WSGone
+from .transport import HandshakeRefused, HTTPConnections, TooLarge, WSConnection, WSGone
 from .wire import MAX_ANSWER_BYTES, MAX_BODY_BYTES, WS_PATH, RunRequestEncoder
 
 
@@ -271,7 +271,7 @@ class EnvClient:
                 return await self._ws.pick()
         except trio.TooSlowError:
             reason = f"the WebSocket handshake took over {self._connect_timeout:g}s"
-        except Refused as exc:
+        except HandshakeRefused as exc:
             raise EnvServerError(
                 f"env server {self.url} refused the WebSocket with HTTP {exc.status}: {exc}",
                 url=self.url,

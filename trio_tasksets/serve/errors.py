@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
+from .._exceptions import TrioTasksetsError
 from ..transport import ConnectError, ConnectionClosed, HTTPError, HTTPTimeout, ProtocolError
 
 
-class EnvServerError(Exception):
+class EnvServerError(TrioTasksetsError):
     """The env server could not be reached, went away, or refused a request.
 
     `url` is the server's; `status` the HTTP status it answered with (None when there was no

@@ -26,6 +26,7 @@ from urllib.parse import urlsplit
 import attrs
 import trio
 
+from .._exceptions import TrioTasksetsError
 from ..models import EchoClient, ModelClient, OpenAIClient
 from ..transport import HTTPClient
 from .wire import MAX_BODY_BYTES, ClientSpec, EchoSpec, Forbidden, OpenAISpec
@@ -41,7 +42,7 @@ ANY = "*"
 """``--allow-host '*'`` / ``--allow-origin '*'``: any value (behind a proxy that checks it)."""
 
 
-class Refused(Exception):
+class RequestRefused(TrioTasksetsError):
     """A request refused before it is read: `status`, a message, extra response headers."""
 
     def __init__(self, status: int, message: str, *headers: tuple[bytes, bytes]) -> None:
@@ -123,7 +124,7 @@ class Access:
         )
 
     def check(self, headers: Iterable[tuple[bytes, bytes]]) -> None:
-        """`Refused` unless the request's headers pass (see the class docstring)."""
+        """`RequestRefused` unless the request's headers pass (see the class docstring)."""
         host: bytes | None = None
         origin: bytes | None = None
         auth: bytes | None = None
@@ -137,7 +138,7 @@ class Access:
             elif name == b"authorization":
                 auth = value
         if host is None or hosts > 1:
-            raise Refused(400, "a request needs exactly one Host header")
+            raise RequestRefused(400, "a request needs exactly one Host header")
         self._check_host(host.decode("latin-1"))
         if origin is not None:
             self._check_origin(origin.decode("latin-1"))
@@ -157,7 +158,7 @@ class Access:
                 return
             if port is not None and f"[{name}]:{port}" in allowed:
                 return
-        raise Refused(
+        raise RequestRefused(
             403,
             f"Host {value!r} is not this server's name (it serves "
             f"{_host_port(min(self.names), self.port)}); to serve requests for that name, "
@@ -168,7 +169,7 @@ class Access:
         allowed = self.allowed_origins
         if ANY in allowed or value.strip().lower().rstrip("/") in allowed:
             return
-        raise Refused(
+        raise RequestRefused(
             403,
             f"Origin {value!r} is refused: requests from web pages are not served (start the "
             f"server with --allow-origin {value.strip() or 'ORIGIN'} to allow that page)",
@@ -178,10 +179,10 @@ class Access:
         scheme, _, given = (auth or b"").strip().partition(b" ")
         if scheme.lower() != b"bearer" or not given.strip():
             reason = "missing Authorization: Bearer token" if not auth else "wrong bearer token"
-            raise Refused(401, reason, (b"www-authenticate", b"Bearer"))
+            raise RequestRefused(401, reason, (b"www-authenticate", b"Bearer"))
         assert self.token is not None
         if not hmac.compare_digest(given.strip(), self.token):
-            raise Refused(401, "wrong bearer token", (b"www-authenticate", b"Bearer"))
+            raise RequestRefused(401, "wrong bearer token", (b"www-authenticate", b"Bearer"))
 
 
 def _host_port(name: str, port: int) -> str:

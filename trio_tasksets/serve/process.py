@@ -5,7 +5,6 @@ from __future__ import annotations
 import contextlib
 import ipaddress
 import os
-import signal
 import socket
 import subprocess
 import sys
@@ -13,6 +12,7 @@ from typing import Any
 
 import trio
 
+from ..drain import stop_on
 from .app import ServerApp
 from .wire import READY_PREFIX
 
@@ -45,12 +45,6 @@ def bind_socket(host: str, port: int) -> socket.socket:
     return sock
 
 
-async def _stop_on_signals(stop: trio.Event) -> None:
-    with trio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as signals:
-        async for _ in signals:
-            stop.set()
-
-
 async def _stop_on_stdin_eof(stop: trio.Event) -> None:
     """The death pipe: the parent holds our stdin's write end; EOF means it is gone."""
     fd = sys.stdin.fileno()
@@ -62,7 +56,7 @@ async def _stop_on_stdin_eof(stop: trio.Event) -> None:
 
 
 async def _watch(stop: trio.Event, nursery: trio.Nursery, die_with_parent: bool) -> None:
-    nursery.start_soon(_stop_on_signals, stop)
+    nursery.start_soon(stop_on, lambda _reason: stop.set())
     if die_with_parent:
         nursery.start_soon(_stop_on_stdin_eof, stop)
 

@@ -10,6 +10,7 @@ import orjson
 import outcome
 import trio
 
+from .._exceptions import TrioTasksetsError
 from ..runner import pick_one
 from ..transport import HTTPClient, ResponseTooLarge, Timeouts
 from .wire import WS_MAX_BATCH, coalesce
@@ -79,11 +80,11 @@ class HTTPConnections:
 # --- the WebSocket transport -----------------------------------------------------------------
 
 
-class WSGone(Exception):
+class WSGone(TrioTasksetsError):
     """The WebSocket connection ended; the message says how."""
 
 
-class TooLarge(Exception):
+class TooLarge(TrioTasksetsError):
     """The server sent a message (or an HTTP answer) over the client's size limit."""
 
 
@@ -92,7 +93,7 @@ _MAX_REFUSAL = 1 << 16  # bytes of a refused handshake's body the client reads
 
 async def handshake(stream: trio.SocketStream, ws: Any) -> Any:
     """Read the server's answer to the upgrade request: wsproto's `AcceptConnection`, or
-    `Refused` for an HTTP status with its body."""
+    `HandshakeRefused` for an HTTP status with its body."""
     from wsproto.events import AcceptConnection, RejectConnection, RejectData
 
     status, body = 0, b""
@@ -109,7 +110,7 @@ async def handshake(stream: trio.SocketStream, ws: Any) -> Any:
             elif isinstance(event, RejectData):
                 body += event.data
                 if event.body_finished or len(body) > _MAX_REFUSAL:
-                    raise Refused(status, body[:_MAX_REFUSAL])
+                    raise HandshakeRefused(status, body[:_MAX_REFUSAL])
 
 
 class WSConnection:
@@ -163,7 +164,7 @@ class WSConnection:
         cls, host: str, port: int, target: str, headers: list[tuple[bytes, bytes]],
         max_bytes: int, *, max_message: int, limit: int | None = None,
     ) -> WSConnection:  # fmt: skip
-        """Connect and do the handshake; `Refused` for an HTTP answer instead of 101."""
+        """Connect and do the handshake; `HandshakeRefused` for an HTTP answer instead of 101."""
         from wsproto import ConnectionType, WSConnection
         from wsproto.events import Request
 
@@ -329,7 +330,7 @@ class WSConnection:
             self.idle_since = trio.current_time()
 
 
-class Refused(Exception):
+class HandshakeRefused(TrioTasksetsError):
     """The server answered the WebSocket handshake with an HTTP status instead of 101."""
 
     def __init__(self, status: int, body: bytes) -> None:

@@ -9,8 +9,9 @@ from typing import Any
 
 import attrs
 import orjson
-import trio
 
+from .. import batching
+from .._exceptions import TrioTasksetsError
 from ..env import RunSlot, task_data, task_key
 from ..envspec import TravelError, rebuild_task
 from ..models import EchoClient, ModelClient, ModelContext, OpenAIClient, Sampling
@@ -43,7 +44,7 @@ WS_PATH = "/ws"
 WS_MAX_BATCH = 16
 
 
-class WireError(ValueError):
+class WireError(TrioTasksetsError, ValueError):
     """A request that does not match the wire format; `field` is the dotted path at fault.
     `status` is the HTTP status it is answered with (422)."""
 
@@ -448,11 +449,5 @@ def _check_ints(value: object) -> None:
 # --- batching ------------------------------------------------------------------------------
 
 
-async def coalesce(pending: list[Any], limit: int) -> None:
-    """Yield to the scheduler while `pending` keeps growing (until it holds `limit`): what the
-    tasks that are runnable now add goes into the same message. Bounded: one tick that adds
-    nothing ends it, so a busy process still flushes."""
-    count = -1
-    while count != len(pending) and len(pending) < limit:
-        count = len(pending)
-        await trio.lowlevel.cancel_shielded_checkpoint()
+# The served path's WebSocket writers batch with the project's one helper (`batching`).
+coalesce = batching.coalesce

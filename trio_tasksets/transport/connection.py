@@ -24,6 +24,7 @@ import attrs
 import h11
 import trio
 
+from .._exceptions import TrioTasksetsError
 from .support import ConnectError, ProtocolError, ProxyError, Route
 
 __all__ = [
@@ -46,7 +47,7 @@ BLANK_LINE = re.compile(rb"\n\r?\n")  # where h11 ends a head
 STATUS = re.compile(rb"HTTP/1\.1 ([2-5][0-9][0-9])(?: [^\x00-\x08\x0a-\x1f\x7f]*)?")
 
 
-class SendFailed(Exception):
+class SendFailed(TrioTasksetsError):
     """Sending failed; ``sent``: some of the request may have reached the kernel."""
 
     def __init__(self, cause: BaseException, sent: bool) -> None:
@@ -54,7 +55,7 @@ class SendFailed(Exception):
         self.sent = sent
 
 
-class ResponseTooLargeSignal(Exception):
+class ResponseTooLargeSignal(TrioTasksetsError):
     """The body is over the limit (the caller raises its own error naming the URL)."""
 
 

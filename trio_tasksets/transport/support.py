@@ -21,6 +21,8 @@ from urllib.parse import unquote, urlsplit
 
 import attrs
 
+from .._exceptions import ConfigError, TrioTasksetsError
+
 __all__ = [
     "ConnectError",
     "ConnectionClosed",
@@ -47,7 +49,7 @@ __all__ = [
 # --- errors ---------------------------------------------------------------------------------
 
 
-class HTTPError(Exception):
+class HTTPError(TrioTasksetsError):
     """A request got no usable response. ``url`` is the URL requested, ``reason`` what
     went wrong; the message is ``"{url}: {reason}"``."""
 
@@ -107,7 +109,7 @@ class DecodingError(HTTPError):
     """The body's ``Content-Encoding`` is unsupported or its bytes do not decode."""
 
 
-class UnsupportedProxy(ValueError):
+class UnsupportedProxy(ConfigError):
     """A proxy setting this transport cannot use (raised when the client is created)."""
 
 

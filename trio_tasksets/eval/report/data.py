@@ -19,6 +19,8 @@ from typing import Any
 import attrs
 import orjson
 
+from ..._exceptions import TrioTasksetsError
+
 __all__ = ["ReportError", "RunData", "load_run", "run_from_rows"]
 
 # Row fields the report takes apart; any other field is kept and shown as it is.
@@ -31,7 +33,7 @@ _USAGE = frozenset(("prompt_tokens", "completion_tokens", "total_tokens"))
 MIN_CAP = 100  # a text is never cut shorter than this, whatever the budget
 
 
-class ReportError(ValueError):
+class ReportError(TrioTasksetsError, ValueError):
     """A path that is not a run dir, or a file in it that cannot be read (CLI: exit 2)."""
 
 

@@ -1,5 +1,8 @@
 """The eval as a coordinator over Redis workers (`--via URL [--stream S]`).
 
+`ViaBackend(url, stream="tasks")` is the eval's `SlotBackend` for it (``EvalConfig(via=URL,
+stream=S)``); `via_runner` is what it opens.
+
 Each slot the eval's window lets run becomes one entry of the task stream (the task, its
 rollout, the eval's `Declaration`, and a reply-to stream of this session's own); the slot
 completes when a worker's result for that entry comes back on the reply-to stream. So the
@@ -33,7 +36,7 @@ import math
 import time
 import uuid
 from collections.abc import AsyncIterator, Iterator
-from contextlib import asynccontextmanager
+from contextlib import AbstractAsyncContextManager, asynccontextmanager
 from typing import Any
 
 import attrs
@@ -41,9 +44,13 @@ import orjson
 import trio
 
 from .. import dashboard
+from .._exceptions import EvalConfigError, TrioTasksetsError
+from ..backend import SlotRunner
+from ..batching import take_ready
 from ..env import Env, Episode, OnComplete, RunSlot, complete_slot
 from ..models import ModelContext
-from ..redis.entries import (
+from ..window import Window
+from .entries import (
     ENV_FIELD,
     REFUSED_FIELD,
     REPLY_FIELD,
@@ -56,12 +63,10 @@ from ..redis.entries import (
     redact,
     stderr_log,
 )
-from ..redis.link import Link, server_run_id, unusable
-from ..redis.resp import Command, Connection, RedisError, ReplyError, first_stream, run_id
-from .config import EvalConfigError
-from .served import SlotRunner
+from .link import Link, server_run_id, unusable
+from .resp import Command, Connection, RedisError, ReplyError, first_stream, run_id
 
-__all__ = ["QUIET", "ViaError", "reach", "via_runner"]
+__all__ = ["QUIET", "ViaBackend", "ViaError", "reach", "via_runner"]
 
 QUIET = 10.0
 """Seconds without a result (slots waiting) before the dashboard says why."""
@@ -74,7 +79,7 @@ _CLEANUP_WITHIN = 5.0  # seconds the way out spends deleting what this session l
 _LOG_EVERY = 60.0  # seconds between log lines repeating why no result comes
 
 
-class ViaError(RuntimeError):
+class ViaError(TrioTasksetsError, RuntimeError):
     """A slot a worker refused (its reason says what differs and how to fix it)."""
 
 
@@ -84,17 +89,63 @@ def _id(entry_id: str) -> tuple[int, int]:
 
 
 async def reach(url: str) -> str:
-    """Redis's `run_id` at `url`; `EvalConfigError` naming `--via` if it cannot be reached."""
-    try:
-        check_url(url)
-    except ValueError as exc:
-        raise EvalConfigError(f"--via: {exc}") from None
-
+    """Redis's `run_id` at `url`; `EvalConfigError` naming ``via`` if it cannot be reached."""
+    _check_via(None, None, url)
     try:
         return await server_run_id(url)
     except RedisError as exc:
-        message, fix = unusable("--via", url, exc)
-        raise EvalConfigError(f"{message}; {fix}") from None
+        message, fix = unusable("{via}", url, exc)
+        raise EvalConfigError(f"{message}; {fix}", parameter="via") from None
+
+
+def _check_via(instance: object, attribute: attrs.Attribute[str] | None, value: str) -> None:
+    try:
+        check_url(value)  # a non-str is refused too, and said to be no Redis URL
+    except ValueError as exc:
+        raise EvalConfigError(f"{{via}}: {exc}", parameter="via") from None
+
+
+def _check_stream(instance: object, attribute: attrs.Attribute[str], value: str) -> None:
+    if not isinstance(value, str) or not value:
+        raise EvalConfigError(
+            f"{{stream}} must name a stream, e.g. tasks, got {value!r}", parameter="stream"
+        )
+
+
+@attrs.frozen
+class ViaBackend:
+    """Each slot as one entry of the Redis stream `stream` at `url`, run by whichever
+    worker takes it (see the module docstring); the eval's window spans every worker.
+
+    `reach` connects before any file is written (`EvalConfigError` naming ``via`` if Redis
+    cannot be reached or refuses the login) and returns the backend with Redis's `run_id`,
+    by which the coordinator notices a restart that lost its data.
+    """
+
+    url: str = attrs.field(validator=_check_via)
+    stream: str = attrs.field(default="tasks", validator=_check_stream)
+    run_id: str | None = None
+    quiet: float = QUIET
+    watch_every: float = _WATCH_EVERY
+    log: Log | None = attrs.field(default=None, eq=False, repr=False)
+
+    @property
+    def remote(self) -> bool:
+        return True
+
+    def check(self, env: Env[Any], ctx: ModelContext) -> None:
+        pass
+
+    async def reach(self) -> ViaBackend:
+        return attrs.evolve(self, run_id=await reach(self.url))
+
+    def open(
+        self, env: Env[Any], ctx: ModelContext, *, window: Window, progress: dashboard.Progress
+    ) -> AbstractAsyncContextManager[SlotRunner]:
+        return via_runner(
+            env, ctx, url=self.url, stream=self.stream, progress=progress, run_id=self.run_id,
+            log=self.log, quiet=self.quiet, watch_every=self.watch_every,
+        )  # fmt: skip
 
 
 async def _add(
@@ -224,12 +275,7 @@ class _Coordinator:
     async def send_loop(self) -> None:
         """Enqueue what is ready, one pipelined round trip per batch."""
         async for first in self._queue:
-            batch = [first]
-            while len(batch) < _BATCH:
-                try:
-                    batch.append(self._queue.receive_nowait())
-                except trio.WouldBlock:
-                    break
+            batch = take_ready(self._queue, first, _BATCH)
             with self._answered() as answered:
                 add = functools.partial(_add, self.stream, answered, [s.fields for s in batch])
                 # Not abandoned on cancellation: the ids it added must be known, to delete them.
