@@ -13,6 +13,7 @@ from trio_tasksets.env import WindowFeed, error_outcome
 from trio_tasksets.envspec import EnvSpec
 from trio_tasksets.limits import CallObserver, observe_calls
 from trio_tasksets.models import Completion, Sampling
+from trio_tasksets.testing import ScriptedClient
 from trio_tasksets.window import AdaptiveWindow, Outcome
 
 
@@ -172,12 +173,16 @@ def test_episode_row_round_trip() -> None:
         attempts=2,
         usage={"prompt_tokens": 7, "completion_tokens": 2},
         finish_reason="length",
+        turns=3,
+        tool_calls=4,
+        stop_reason="max_turns",
         metrics={"exact": 1.0},
     )
     row = episode.to_row()
     assert set(row) == {
         "id", "task", "rollout", "ok", "reward", "completion", "messages", "errors",
-        "attempts", "timing", "usage", "finish_reason", "metrics",
+        "attempts", "timing", "usage", "finish_reason", "turns", "tool_calls", "stop_reason",
+        "metrics",
     }  # fmt: skip
     assert row["task"] == {"key": "k", "data": episode.task.data}
     assert row["errors"] == [{"type": "Boom", "message": "x", "attempt": 1}]
@@ -229,19 +234,13 @@ def test_backoff_never_overflows_however_many_attempts() -> None:
 async def test_usage_sums_every_model_call_of_every_attempt(autojump_clock: MockClock) -> None:
     """An episode's `usage` adds up each reply's token counts over a multi-call rollout and a
     retried attempt; its `finish_reason` is the last reply's."""
-    replies = iter(
+    client = ScriptedClient(
         [Completion("a", {"prompt_tokens": 5, "completion_tokens": 1}, "stop"),
          Completion("b", {"prompt_tokens": 7, "completion_tokens": 2}, "length"),
          Completion("c", {"prompt_tokens": 11, "completion_tokens": 3}, "stop"),
-         Completion("HI", {"prompt_tokens": 13, "completion_tokens": 4, "cached": 1}, "length")]
+         Completion("HI", {"prompt_tokens": 13, "completion_tokens": 4, "cached": 1}, "length")],
+        delay=1,
     )  # fmt: skip
-
-    class Scripted(Flaky):
-        async def chat(
-            self, messages: list[dict[str, Any]], *, model: str, sampling: Sampling
-        ) -> Completion:
-            await trio.sleep(1)
-            return next(replies)
 
     class TwoCalls(tt.Env[tt.Task]):
         attempts = 0
@@ -255,11 +254,15 @@ async def test_usage_sums_every_model_call_of_every_attempt(autojump_clock: Mock
             return [], second.content
 
     env = TwoCalls(Static(), retries=tt.RetryPolicy(1, backoff=0))
-    episode = await env.run_slot(tt.RunSlot(next(iter(env.taskset))), ctx(Scripted()))
+    episode = await env.run_slot(tt.RunSlot(next(iter(env.taskset))), ctx(client))
     assert episode.ok
     assert episode.attempts == 2
     assert episode.usage == {"prompt_tokens": 36, "completion_tokens": 10, "cached": 1}
     assert episode.finish_reason == "length"
+    assert (episode.turns, episode.tool_calls) == (2, 0)  # the last attempt's model calls
+    assert [call.messages for call in client.calls[2:]] == [
+        [{"role": "user", "content": "1"}], [{"role": "user", "content": "c"}]
+    ]  # fmt: skip
     assert tt.Episode.from_row(episode.to_row()) == episode
 
 

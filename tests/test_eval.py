@@ -55,8 +55,10 @@ async def test_static_n5_r2_gives_10_rows_with_the_spec_fields(
     assert len(written) == 10
     assert set(written[0]) == {
         "id", "task", "rollout", "ok", "reward", "completion", "messages", "errors",
-        "attempts", "timing", "usage", "finish_reason", "metrics",
+        "attempts", "timing", "usage", "finish_reason", "turns", "tool_calls", "stop_reason",
+        "metrics",
     }  # fmt: skip
+    assert {(r["turns"], r["tool_calls"], r["stop_reason"]) for r in written} == {(1, 0, None)}
     assert set(written[0]["task"]) == {"key", "data"}
     assert set(written[0]["task"]["data"]) == {"prompt", "answer", "info", "system_prompt"}
     assert sorted((r["task"]["data"]["prompt"], r["rollout"]) for r in written) == sorted(

@@ -528,3 +528,33 @@ async def test_fan_out_trees_hold_their_invariants(
         for node_id in probe.entered - probe.completed:
             assert node_id in probe.cancelled
             assert probe.exited[node_id] - t0 <= elapsed
+
+
+async def test_elastic_places_bound_fan_outs_by_the_runs_in_flight(
+    autojump_clock: MockClock,
+) -> None:
+    """An env server's runs (`ElasticPlaces`): each brings a place, their fan-outs share them."""
+    from trio_tasksets.runner import ElasticPlaces
+
+    places = ElasticPlaces()
+    working = peak = 0
+
+    async def job() -> None:
+        nonlocal working, peak
+        working += 1
+        peak = max(peak, working)
+        await trio.sleep(1)
+        working -= 1
+
+    async def request() -> None:
+        async with places.run():
+            await tt.fan_out([job] * 3)
+
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(request)
+        nursery.start_soon(request)
+    assert peak == 2
+    assert trio.current_time() == 3
+    assert (places.runs, places.in_flight) == (0, 0)
+    assert await tt.fan_out([job] * 4) == [None] * 4  # outside: unbounded again
+    assert peak == 4

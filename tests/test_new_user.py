@@ -326,15 +326,21 @@ def test_eval_via_needs_no_base_url_and_keeps_no_run_dir_without_workers(
     assert not (tmp_path / "r").exists()
 
 
-def test_eval_via_refuses_endpoint_options_the_workers_own(
+def test_eval_via_says_the_endpoint_options_are_the_workers(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
+    """A --base-url given to an `eval --via` (as the docs once required) is said to be unused,
+    and the eval goes on (here to an unreachable Redis: exit 2, no run dir)."""
     code = cli("eval", "echo", "--via", "redis://127.0.0.1:9/0", "-m", "m", "--base-url",
                "http://127.0.0.1:9/v1", "-o", str(tmp_path), "--no-dashboard")  # fmt: skip
     assert code == 2
     err = capsys.readouterr().err
-    assert "--base-url with --via: the workers call the model with their own" in err
-    assert "fix: drop --base-url here" in err
+    assert (
+        "warning: --base-url with --via: the workers call the model with their own, so this "
+        "eval does not use it" in err
+    )
+    assert "error: --via redis://127.0.0.1:9/0: cannot reach Redis" in err
+    assert not any(tmp_path.iterdir())
 
 
 def test_worker_defaults_are_what_eval_via_assumes(

@@ -3,15 +3,18 @@
 The flat public API (SPEC): the runner (`run_stream`, `as_completed`, `take`, `until`, `merge`,
 `fan_out`), tasksets (`Task`, `TasksetConfig`, `Taskset`; the loaders `JsonlTaskset`,
 `CsvTaskset`, `HFTaskset`), envs and models (`Env`, `RunSlot`, `Episode`,
-`RetryPolicy`, `Sampling`, `ModelContext`, `EchoClient`, `OpenAIClient`), the served path's
+`RetryPolicy`, `Sampling`, `ModelContext`, `Completion`, `ToolCall`, `EchoClient`,
+`OpenAIClient`, `chat_messages`), agents (`tool`, `Tool`, `ToolEnv`, `fan_out`), the served path's
 `EnvClient` and the eval
 (`EvalConfig`, `run_eval`, `EvalResult`). Every exception the library defines is a
-`TrioTasksetsError` (the tree: `trio_tasksets._exceptions`); a bad setting is a `ConfigError`. Submodules: `testing` (helpers for deterministic
-tests) and `aio` (the asyncio bridge).
+`TrioTasksetsError` (the tree: `trio_tasksets._exceptions`); a bad setting is a `ConfigError`.
+Submodules: `testing` (helpers for deterministic tests, `ScriptedClient`), `tools`
+(`tools.shell`) and `aio` (the asyncio bridge).
 """
 
-from . import aio, testing
+from . import aio, testing, tools
 from ._exceptions import ConfigError, TrioTasksetsError
+from .agents import ToolEnv
 from .datasets import (
     CsvConfig,
     CsvTaskset,
@@ -46,11 +49,13 @@ from .models import (
     ModelTimeoutError,
     OpenAIClient,
     Sampling,
+    ToolCall,
 )
 from .runner import as_completed, fan_out, run_stream
 from .serve import EnvClient
 from .sources import merge, take, until
 from .tasksets import Task, Taskset, TasksetConfig
+from .tools import Tool, tool
 from .version import __version__
 from .window import AdaptiveWindow, Window
 
@@ -89,6 +94,9 @@ __all__ = [
     "Task",
     "Taskset",
     "TasksetConfig",
+    "Tool",
+    "ToolCall",
+    "ToolEnv",
     "TrioTasksetsError",
     "Window",
     "__version__",
@@ -103,5 +111,7 @@ __all__ = [
     "run_stream",
     "take",
     "testing",
+    "tool",
+    "tools",
     "until",
 ]

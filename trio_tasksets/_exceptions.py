@@ -37,13 +37,16 @@ TrioTasksetsError
 ├── WSGone, TooLarge                    the served transport's connection ended / overflowed
 ├── RedisError                          the Redis connection (redis.resp)
 │   ├── ReplyError
-│   └── Unreachable
+│   ├── Unreachable
+│   └── OddServer                       a server that answers what no Redis answers
 ├── Stopped                             a Redis call told to stop while waiting to retry
 ├── MalformedEntry (ValueError)         a stream entry that holds no task (redis.entries)
 │   └── EntryRefused                    an entry declared for another env
 ├── ViaError (RuntimeError)             a worker refused a slot of an --via eval
 ├── ReportError (ValueError)            a run dir the report cannot read (eval.report)
 ├── DatasetError (ValueError)           a record that cannot be a task, a dataset unread (datasets)
+├── ToolArgumentError (ValueError)      arguments that do not fit a tool's schema (tools)
+├── ScriptExhausted (RuntimeError)      a ScriptedClient called past its script (testing)
 ├── CommandError                        a command-line failure (cli; exit 1)
 │   └── UsageError                      a bad command line (exit 2)
 ├── GuestRunStopped (RuntimeError)      the trio guest run ended early (aio)

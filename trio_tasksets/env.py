@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextvars
 import inspect
 import math
 import time
@@ -30,6 +31,7 @@ __all__ = [
     "RunSlot",
     "WindowFeed",
     "chat_messages",
+    "note_rollout",
 ]
 
 TaskT = TypeVar("TaskT")
@@ -130,9 +132,16 @@ class Episode:
     (seconds, every attempt and backoff included) and, of that duration, `waited_connection`
     and `waited_rate`: the seconds its model calls waited for a connection slot and for the
     rpm/tpm limiters (`trio_tasksets.limits.EndpointLimits`; 0.0 without limits; rows written
-    before these existed lack them). `metrics` are the episode's named metrics besides its
-    `reward` (what a reward returning a mapping gave, each weighted reward function's own
-    value, a verifiers episode's per-reward breakdown); empty when there are none.
+    before these existed lack them).
+
+    Of the attempt the row reports (the last): `turns` counts its model replies, `tool_calls`
+    the tool calls those replies asked for, and `stop_reason` names the limit that ended its
+    rollout (`"max_turns"`, `"token_limit"`; None when the model finished on its own): a
+    tool env (`tt.ToolEnv`) sets them, and any rollout loop may (`note_rollout`).
+
+    `metrics` are the episode's named metrics besides its `reward` (what a reward returning
+    a mapping gave, each weighted reward function's own value, a verifiers episode's
+    per-reward breakdown); empty when there are none.
     """
 
     id: str
@@ -147,6 +156,9 @@ class Episode:
     timing: dict[str, float] = attrs.Factory(dict)
     usage: dict[str, int] = attrs.Factory(dict)
     finish_reason: str | None = None
+    turns: int = 0
+    tool_calls: int = 0
+    stop_reason: str | None = None
     metrics: dict[str, float] = attrs.Factory(dict)
 
     def count(self, completion: Completion) -> None:
@@ -173,6 +185,9 @@ class Episode:
             "timing": self.timing,
             "usage": self.usage,
             "finish_reason": self.finish_reason,
+            "turns": self.turns,
+            "tool_calls": self.tool_calls,
+            "stop_reason": self.stop_reason,
             "metrics": self.metrics,
         }
 
@@ -192,6 +207,9 @@ class Episode:
             timing=dict(row.get("timing", {})),
             usage={str(k): int(v) for k, v in (row.get("usage") or {}).items()},
             finish_reason=None if row.get("finish_reason") is None else str(row["finish_reason"]),
+            turns=int(row.get("turns") or 0),
+            tool_calls=int(row.get("tool_calls") or 0),
+            stop_reason=None if row.get("stop_reason") is None else str(row["stop_reason"]),
             metrics={str(k): float(v) for k, v in (row.get("metrics") or {}).items()},
         )
 
@@ -205,7 +223,7 @@ class Episode:
         if type(row) is dict:
             get = row.get
             task, completion, errors = get("task"), get("completion"), get("errors")
-            finish = get("finish_reason")
+            finish, stop = get("finish_reason"), get("stop_reason")
             metrics = get("metrics", {})
             if (
                 type(task) is dict
@@ -224,13 +242,16 @@ class Episode:
                 and type(get("usage")) is dict
                 and all(type(v) is int for v in row["usage"].values())
                 and (finish is None or type(finish) is str)
+                and type(get("turns")) is int
+                and type(get("tool_calls")) is int
+                and (stop is None or type(stop) is str)
                 and type(metrics) is dict
                 and all(type(v) is float for v in metrics.values())
             ):
                 return cls(row["id"], EpisodeTask(task["key"], task["data"]), row["rollout"],
                            row["ok"], row["reward"], completion, row["messages"], errors,
                            row["attempts"], row["timing"], row["usage"], finish,
-                           metrics)  # fmt: skip
+                           row["turns"], row["tool_calls"], stop, metrics)  # fmt: skip
         return cls.from_row(row)  # type: ignore[arg-type]  # not a dict: it raises
 
 
@@ -421,7 +442,7 @@ class Env(Generic[TaskT]):
         """Run one attempt of an episode; return the full message list and the completion."""
         messages = chat_messages(task)
         reply = await ctx.chat(messages)
-        return [*messages, {"role": "assistant", "content": reply.content}], reply.content
+        return [*messages, reply.message], reply.content
 
     async def score(self, task: TaskT, completion: str) -> Score:
         """The reward of a completion: a number, or named metrics with a `reward` entry."""
@@ -457,8 +478,10 @@ class Env(Generic[TaskT]):
         attempt = 0
         while True:
             attempt += 1
+            stats = _Rollout(episode)
+            token = _rollout.set(stats)
             try:
-                with observe_completions(episode.count), observe_calls(waits):
+                with observe_completions(stats.count), observe_calls(waits):
                     if timeout is None:  # inline: this runs once per attempt of every episode
                         messages, completion = await self.rollout(task, ctx)
                         reward, metrics = split_score(await self.score(task, completion))
@@ -478,6 +501,10 @@ class Env(Generic[TaskT]):
                 episode.completion = completion
                 episode.messages = messages
                 break
+            finally:
+                _rollout.reset(token)
+        episode.turns, episode.tool_calls = stats.turns, stats.tool_calls
+        episode.stop_reason = stats.stop_reason
         episode.attempts = attempt
         episode.timing = {
             "started": slot.started,
@@ -499,6 +526,46 @@ class Env(Generic[TaskT]):
         raise RolloutTimeoutError(
             f"the rollout took longer than its rollout_timeout of {seconds:g}s (cancelled)"
         )
+
+
+class _Rollout:
+    """What one attempt's rollout did: its model replies (`turns`), the tool calls they
+    asked for, and the limit that stopped it (`note_rollout`)."""
+
+    __slots__ = ("count_usage", "stop_reason", "tool_calls", "turns")
+
+    def __init__(self, episode: Episode) -> None:
+        self.count_usage = episode.count
+        self.turns = 0
+        self.tool_calls = 0
+        self.stop_reason: str | None = None
+
+    def count(self, completion: Completion) -> None:
+        self.count_usage(completion)
+        self.turns += 1
+        self.tool_calls += len(completion.tool_calls)
+
+
+_rollout: contextvars.ContextVar[_Rollout | None] = contextvars.ContextVar(
+    "trio_tasksets_rollout", default=None
+)
+
+
+def note_rollout(
+    *, stop_reason: str | None = None, turns: int | None = None, tool_calls: int | None = None
+) -> None:
+    """Tell the episode being run how its rollout went, for its row: `stop_reason`, the
+    limit that ended it (None: the model finished); `turns` and `tool_calls`, to replace the
+    counts of the replies seen (every `ModelContext.chat` of the attempt, sub-runs' included)
+    by the loop's own. Outside `Env.run_slot` it does nothing."""
+    stats = _rollout.get()
+    if stats is None:
+        return
+    stats.stop_reason = stop_reason
+    if turns is not None:
+        stats.turns = turns
+    if tool_calls is not None:
+        stats.tool_calls = tool_calls
 
 
 def check_rollout_timeout(value: object) -> float | None:

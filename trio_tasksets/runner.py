@@ -34,7 +34,7 @@ import trio
 
 from .window import Window
 
-__all__ = ["as_completed", "fan_out", "run_stream"]
+__all__ = ["ElasticPlaces", "as_completed", "fan_out", "run_stream"]
 
 T = TypeVar("T")
 R = TypeVar("R")
@@ -449,9 +449,16 @@ async def fan_out(thunks: Iterable[Callable[[], Awaitable[R]]]) -> list[R]:
     before anything runs, when `thunks` is not iterable or holds something not callable.
     """
     calls = _check_thunks(thunks)
-    if not calls:
-        await trio.lowlevel.checkpoint()
-        return []
+    if len(calls) <= 1:
+        # Nothing to run beside it: the caller's place runs it, inline (its failure raised
+        # itself, a cancellation propagating as ever).
+        if not calls:
+            await trio.lowlevel.checkpoint()
+            return []
+        awaitable = calls[0]()
+        if not inspect.isawaitable(awaitable):
+            raise _thunk_not_awaitable(0, calls[0], awaitable)
+        return [await awaitable]
     places = _places.get()
     results: list[Any] = [_UNSET] * len(calls)
     failures: list[BaseException] = []
@@ -505,6 +512,79 @@ async def fan_out(thunks: Iterable[Callable[[], Awaitable[R]]]) -> list[R]:
     if error is not None:
         raise error
     return cast(list[R], results)
+
+
+class ElasticPlaces:
+    """A window for runs that a service starts one by one, outside `run_stream` (an env
+    server's requests): each run brings its own place, so the window is as large as the
+    runs in flight, and the fan_outs inside them draw from it. The runs' admission is
+    bounded elsewhere (an env server's runs by the eval's `-c`); their fan-outs are then
+    bounded by the same number, at any depth.
+
+    ``async with places.run():`` around a run. A run may wait for its place while thunks
+    of the runs before it hold the free ones: it starts when one ends, in turn.
+    """
+
+    def __init__(self) -> None:
+        self._limiter = trio.CapacityLimiter(1)  # trio's floor; the size is max(1, runs)
+        self._runs = 0
+
+    @property
+    def runs(self) -> int:
+        return self._runs
+
+    @property
+    def in_flight(self) -> int:
+        """Places held: runs working, and their thunks."""
+        return self._limiter.borrowed_tokens
+
+    def run(self) -> AbstractAsyncContextManager[None]:
+        """``async with places.run():`` holds one place for the run inside, which is the
+        window its fan_outs draw from."""
+        return _ElasticRun(self)
+
+    def _enter(self) -> None:
+        self._runs += 1
+        if self._runs > 1:  # (trio's floor is 1: the first run finds it there)
+            self._limiter.total_tokens = self._runs
+
+    def _leave(self) -> None:
+        self._runs -= 1
+        if self._runs >= 1:
+            self._limiter.total_tokens = self._runs
+
+
+class _ElasticRun:
+    """One run's place of an `ElasticPlaces` (a class, not a generator: it is on the served
+    path of every slot)."""
+
+    __slots__ = ("_held", "_places", "_token")
+
+    def __init__(self, places: ElasticPlaces) -> None:
+        self._places = places
+        self._held = False
+
+    async def __aenter__(self) -> None:
+        places = self._places
+        limiter = places._limiter
+        places._enter()
+        try:
+            try:
+                limiter.acquire_on_behalf_of_nowait(self)
+            except trio.WouldBlock:
+                await limiter.acquire_on_behalf_of(self)
+        except BaseException:
+            places._leave()
+            raise
+        self._held = True
+        self._token = _places.set((limiter, limiter.acquire_on_behalf_of))
+
+    async def __aexit__(self, *exc_info: object) -> None:
+        if self._held:
+            _places.reset(self._token)
+            self._places._limiter.release_on_behalf_of(self)
+            self._held = False
+        self._places._leave()
 
 
 async def _draw_places(

@@ -5,6 +5,9 @@
   pulled and closed from one task.
 * `FeedTaskset`: a streaming taskset whose `stream()` reads such a feed.
 * `Gate`: holds runs until opened; records how many are running and the peak.
+* `ScriptedClient`: a model client that answers from a script (completions, tool calls
+  included, or functions of the messages and tools) and records every call in `.calls`;
+  `reply(...)` builds a scripted reply, tool calls included.
 
 Use them on trio's MockClock (pytest-trio's `autojump_clock`), with every wait on a quiet feed
 under `trio.fail_after`.
@@ -12,17 +15,31 @@ under `trio.fail_after`.
 
 from __future__ import annotations
 
+import copy
+import inspect
+import json
 import math
-from collections.abc import AsyncGenerator, Awaitable, Callable
+from collections.abc import AsyncGenerator, Awaitable, Callable, Sequence
 from contextlib import asynccontextmanager
-from typing import Generic, TypeVar
+from types import TracebackType
+from typing import Any, Generic, Self, TypeVar
 
 import attrs
 import trio
 
+from ._exceptions import TrioTasksetsError
+from .models import Completion, Sampling
 from .tasksets import Task, Taskset, TasksetConfig
 
-__all__ = ["Feed", "FeedTaskset", "Gate"]
+__all__ = [
+    "Feed",
+    "FeedTaskset",
+    "Gate",
+    "ScriptExhausted",
+    "ScriptedCall",
+    "ScriptedClient",
+    "reply",
+]
 
 T = TypeVar("T")
 R = TypeVar("R")
@@ -227,3 +244,151 @@ class Gate:
 
     async def wait_started(self, n: int) -> None:
         await self._changed.until(lambda: self.started >= n)
+
+
+# --- a scripted model ---------------------------------------------------------------------
+
+
+def reply(
+    content: str | None = "",
+    *,
+    tool_calls: Sequence[tuple[str, dict[str, Any] | str]] = (),
+    usage: dict[str, int] | None = None,
+    finish_reason: str | None = None,
+    **message_fields: Any,
+) -> Completion:
+    """A model reply as an OpenAI-compatible server would send it: `content`, and one tool
+    call per ``(name, arguments)`` in `tool_calls` (arguments as a dict, or as the raw text
+    the model wrote, e.g. invalid JSON), with ids ``call_0``, ``call_1``, ... Extra keyword
+    arguments become fields of the message (``reasoning_content=...``). `finish_reason`
+    defaults to ``"tool_calls"`` when there are calls, else ``"stop"``."""
+    message: dict[str, Any] = {"role": "assistant", "content": content, **message_fields}
+    if tool_calls:
+        message["tool_calls"] = [
+            {
+                "id": f"call_{i}",
+                "type": "function",
+                "function": {
+                    "name": name,
+                    "arguments": arguments if isinstance(arguments, str) else json.dumps(arguments),
+                },
+            }
+            for i, (name, arguments) in enumerate(tool_calls)
+        ]
+    return Completion(
+        content=content or "",
+        usage=dict(usage or {}),
+        finish_reason=finish_reason or ("tool_calls" if tool_calls else "stop"),
+        message=message,
+    )
+
+
+@attrs.frozen
+class ScriptedCall:
+    """One call a `ScriptedClient` answered: the messages (a deep copy, as they were then),
+    the model, the sampling and the tools it was given."""
+
+    messages: list[dict[str, Any]]
+    model: str
+    sampling: Sampling
+    tools: list[dict[str, Any]] | None
+
+
+class ScriptExhausted(TrioTasksetsError, RuntimeError):
+    """A `ScriptedClient` was called more often than its script has replies."""
+
+
+Answer = Completion | str | dict[str, Any]
+ScriptStep = Answer | Callable[[list[dict[str, Any]], list[dict[str, Any]] | None], Any]
+
+
+class ScriptedClient:
+    """A `ModelClient` that answers from a script, for tests (SPEC 9).
+
+    `replies` is either a sequence, answered in call order (one step per call, across every
+    rollout using the client), or one function answering every call. A step is a
+    `Completion` (see `reply` for one with tool calls), a str (a reply with that text), a
+    dict (the assistant message as a server would send it), or a function of
+    ``(messages, tools)``, sync or async, returning one of those (it may sleep, or raise to
+    play a failing model). Every call is recorded in `calls` (a `ScriptedCall`), before it is
+    answered. A call past the end of the script raises `ScriptExhausted`. Each call
+    checkpoints, and waits `delay` seconds first (`trio.sleep`: a MockClock controls it).
+    """
+
+    def __init__(self, replies: Sequence[ScriptStep] | ScriptStep, *, delay: float = 0.0) -> None:
+        if not delay >= 0:
+            raise ValueError(f"delay must be >= 0, got {delay!r}")
+        if callable(replies) or isinstance(replies, Completion | str | dict):
+            self._steps: list[ScriptStep] | None = None
+            self._every: ScriptStep | None = replies
+        else:
+            self._steps = list(replies)
+            self._every = None
+        self.delay = delay
+        self.calls: list[ScriptedCall] = []
+
+    def __repr__(self) -> str:
+        size = "a function" if self._steps is None else f"{len(self._steps)} replies"
+        return f"ScriptedClient({size}, calls={len(self.calls)})"
+
+    async def chat(
+        self,
+        messages: list[dict[str, Any]],
+        *,
+        model: str,
+        sampling: Sampling,
+        tools: list[dict[str, Any]] | None = None,
+    ) -> Completion:
+        index = len(self.calls)
+        self.calls.append(ScriptedCall(copy.deepcopy(messages), model, sampling, tools))
+        if self.delay > 0:
+            await trio.sleep(self.delay)
+        await trio.lowlevel.checkpoint()
+        if self._steps is None:
+            step = self._every
+        elif index < len(self._steps):
+            step = self._steps[index]
+        else:
+            raise ScriptExhausted(
+                f"ScriptedClient: the script has {len(self._steps)} replies, and call "
+                f"{index + 1} was made (messages: {messages[-1:]!r})"
+            )
+        answer: Any = step
+        if callable(step):
+            answer = step(messages, tools)
+            if inspect.isawaitable(answer):
+                answer = await answer
+        return _completion(answer)
+
+    async def aclose(self) -> None:
+        """Nothing to release."""
+
+    async def __aenter__(self) -> Self:
+        return self
+
+    async def __aexit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        await self.aclose()
+
+
+def _completion(answer: object) -> Completion:
+    if isinstance(answer, Completion):
+        return answer
+    if isinstance(answer, str):
+        return reply(answer)
+    if isinstance(answer, dict):
+        message = {"role": "assistant", **answer}
+        content = message.get("content")
+        return Completion(
+            content=content if isinstance(content, str) else "",
+            finish_reason="tool_calls" if message.get("tool_calls") else "stop",
+            message=message,
+        )
+    raise TypeError(
+        f"ScriptedClient: a script step gave {type(answer).__name__}; give a Completion "
+        f"(testing.reply(...)), a str or an assistant message dict"
+    )

@@ -53,6 +53,7 @@ Design:
 
 from __future__ import annotations
 
+import functools
 import inspect
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
@@ -110,9 +111,19 @@ class AsyncioModelContext:
     def sampling(self) -> Sampling:
         return self.context.sampling
 
-    async def chat(self, messages: list[dict[str, Any]]) -> Completion:
-        """Send `messages` to the model (asyncio-flavored); see the class docstring."""
-        return cast(Completion, await self.loop.trio_as_future(self.context.chat, messages))
+    async def chat(
+        self,
+        messages: list[dict[str, Any]],
+        *,
+        tools: list[dict[str, Any]] | None = None,
+        **sampling_overrides: Any,
+    ) -> Completion:
+        """Send `messages` to the model (asyncio-flavored), with `tools` and sampling
+        overrides as `tt.ModelContext.chat` takes them; see the class docstring."""
+        call = self.context.chat
+        if tools is not None or sampling_overrides:
+            call = functools.partial(call, tools=tools, **sampling_overrides)
+        return cast(Completion, await self.loop.trio_as_future(call, messages))
 
 
 # --- serving(): an asyncio context manager held by one asyncio task ---------------------------

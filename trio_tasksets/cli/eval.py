@@ -197,12 +197,13 @@ def _refuse_remote_limits(args: argparse.Namespace) -> None:
         endpoint = (("--base-url", "base_url"), ("--api-key-var", "api_key_var"),
                     ("--timeout", "timeout"), ("--echo-delay", "echo_delay"))  # fmt: skip
         unused = [name for name, dest in endpoint if given(args, dest)]
-        if unused:
+        if unused:  # said, not refused: commands written when --via required them still run
             flags = ", ".join(unused)
-            raise UsageError(
-                f"{flags} with --via: the workers call the model with their own, so this "
-                f"eval never uses {'them' if len(unused) > 1 else 'it'}",
-                fix=f"drop {flags} here (give the workers -m MODEL --base-url URL)",
+            warn(
+                "eval",
+                f"{flags} with --via: the workers call the model with their own, so this eval "
+                f"does not use {'them' if len(unused) > 1 else 'it'} (drop {flags} here; give "
+                f"the workers -m MODEL --base-url URL)",
             )
     if flag == "--via" and getattr(args, "reward", None) is not None:
         raise UsageError(

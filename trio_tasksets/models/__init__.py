@@ -14,6 +14,7 @@ from .base import (
     ModelResponseError,
     ModelTimeoutError,
     Sampling,
+    ToolCall,
     api_key_from_env,
     observe_completions,
 )
@@ -32,6 +33,7 @@ __all__ = [
     "ModelTimeoutError",
     "OpenAIClient",
     "Sampling",
+    "ToolCall",
     "api_key_from_env",
     "observe_completions",
 ]

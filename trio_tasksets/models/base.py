@@ -18,9 +18,11 @@ type names (``ModelConnectionError``, ``ModelTimeoutError``, ``ModelHTTPError``,
 from __future__ import annotations
 
 import contextvars
+import inspect
+import json
 import os
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Any, Protocol, cast, runtime_checkable
 
 import attrs
 
@@ -40,10 +42,13 @@ __all__ = [
     "ModelResponseError",
     "ModelTimeoutError",
     "Sampling",
+    "ToolCall",
     "api_key_from_env",
     "body_text",
     "excerpt",
     "observe_completions",
+    "override_sampling",
+    "parse_tool_calls",
     "plural",
     "text_of",
     "word_count",
@@ -81,20 +86,120 @@ class Sampling:
 
 
 @attrs.frozen
+class ToolCall:
+    """One tool call of a model reply, as OpenAI-compatible servers send it
+    (``{"id", "type": "function", "function": {"name", "arguments"}}``).
+
+    `raw_arguments` is the arguments' text exactly as the model wrote it; `arguments` is that
+    text decoded when it is a JSON object, else ``{}`` (a tool env then answers the model
+    that its arguments are not valid JSON: `arguments_error`)."""
+
+    id: str
+    name: str
+    arguments: dict[str, Any] = attrs.field(factory=dict)
+    raw_arguments: str = "{}"
+
+    @property
+    def arguments_error(self) -> str | None:
+        """Why `raw_arguments` is not a JSON object, or None when it is one (or when
+        `arguments` holds the call's arguments already)."""
+        if self.arguments:
+            return None
+        return _arguments_error(self.raw_arguments)
+
+    def to_message(self) -> dict[str, Any]:
+        """The call as an assistant message's ``tool_calls`` entry."""
+        return {
+            "id": self.id,
+            "type": "function",
+            "function": {"name": self.name, "arguments": self.raw_arguments},
+        }
+
+
+def _arguments_error(raw: str) -> str | None:
+    return _decode_arguments(raw)[1]
+
+
+def _decode_arguments(raw: str) -> tuple[dict[str, Any], str | None]:
+    """(the arguments, None), or ({}, why the text is not a JSON object)."""
+    if not raw.strip():
+        return {}, None  # some servers send "" for a call without arguments
+    try:
+        value = json.loads(raw)
+    except ValueError as exc:
+        return {}, f"the arguments are not valid JSON ({exc})"
+    if not isinstance(value, dict):
+        return {}, f"the arguments must be a JSON object, got {type(value).__name__}"
+    return value, None
+
+
+def parse_tool_calls(message: dict[str, Any]) -> list[ToolCall]:
+    """The `ToolCall`s of an assistant message's ``tool_calls`` ([] when it has none). An
+    entry that is not an object is skipped (it stays in the message); a missing id or name is
+    ``""``; arguments given as an object (some servers do) are kept and encoded as text."""
+    raw_calls = message.get("tool_calls")
+    if not isinstance(raw_calls, list):
+        return []
+    calls: list[ToolCall] = []
+    for entry in raw_calls:
+        if not isinstance(entry, dict):
+            continue
+        function = entry.get("function")
+        function = function if isinstance(function, dict) else {}
+        name, ident, raw = function.get("name"), entry.get("id"), function.get("arguments")
+        if isinstance(raw, dict):
+            arguments: dict[str, Any] = raw
+            raw = json.dumps(raw)
+        else:
+            raw = raw if isinstance(raw, str) else ("" if raw is None else json.dumps(raw))
+            arguments = _decode_arguments(raw)[0]
+        calls.append(
+            ToolCall(
+                id=ident if isinstance(ident, str) else "",
+                name=name if isinstance(name, str) else "",
+                arguments=arguments,
+                raw_arguments=raw,
+            )
+        )
+    return calls
+
+
+def _default_message(completion: Completion) -> dict[str, Any]:
+    return {"role": "assistant", "content": completion.content}
+
+
+def _message_tool_calls(completion: Completion) -> list[ToolCall]:
+    return parse_tool_calls(completion.message)
+
+
+@attrs.frozen
 class Completion:
-    """One model reply: its text, token usage (e.g. ``prompt_tokens``,
-    ``completion_tokens``) and the server's ``finish_reason`` if it gave one."""
+    """One model reply, whole.
+
+    `content` is its text, `usage` its token counts (e.g. ``prompt_tokens``,
+    ``completion_tokens``), `finish_reason` the server's if it gave one. `message` is the
+    assistant message as the server sent it (role, content, ``tool_calls``, reasoning
+    fields and any other field kept): append it to the messages as is to continue the
+    conversation. It defaults to ``{"role": "assistant", "content": content}``.
+    `tool_calls` are the `ToolCall`s parsed from ``message["tool_calls"]`` ([] when none);
+    given explicitly, they are what a tool env runs."""
 
     content: str
     usage: dict[str, int] = attrs.field(factory=dict)
     finish_reason: str | None = None
+    message: dict[str, Any] = attrs.field(default=attrs.Factory(_default_message, takes_self=True))
+    tool_calls: list[ToolCall] = attrs.field(
+        default=attrs.Factory(_message_tool_calls, takes_self=True)
+    )
 
 
 @runtime_checkable
 class ModelClient(Protocol):
     """What a model client provides. ``chat`` must be a real async call (it checkpoints),
     must let ``trio.Cancelled`` propagate, and should raise :class:`ModelError` subclasses
-    for model failures. ``aclose`` releases the client's resources."""
+    for model failures. ``aclose`` releases the client's resources. A client that serves
+    tool-calling envs also takes ``tools: list[dict] | None = None`` (keyword), passed only
+    when a caller gives tools (`ModelContext.chat`)."""
 
     async def chat(
         self, messages: list[dict[str, Any]], *, model: str, sampling: Sampling
@@ -111,14 +216,72 @@ class ModelContext:
     model: str
     sampling: Sampling = attrs.field(factory=Sampling)
 
-    async def chat(self, messages: list[dict[str, Any]]) -> Completion:
-        """Send ``messages`` to ``client`` with this context's model and sampling (and show
-        the reply to the observer of :class:`observe_completions`, if any)."""
-        completion = await self.client.chat(messages, model=self.model, sampling=self.sampling)
+    async def chat(
+        self,
+        messages: list[dict[str, Any]],
+        *,
+        tools: list[dict[str, Any]] | None = None,
+        **sampling_overrides: Any,
+    ) -> Completion:
+        """Send ``messages`` to ``client`` with this context's model and sampling, and return
+        the whole reply (and show it to the observer of :class:`observe_completions`, if
+        any).
+
+        ``tools`` (OpenAI function schemas, e.g. ``[tool.schema for tool in tools]``) go to
+        the client as ``tools=``; a client whose ``chat`` takes no ``tools`` gets a clear
+        TypeError. ``sampling_overrides`` replace this context's sampling for this call:
+        `Sampling`'s own fields by name (``temperature=0``), any other name into its
+        ``extra`` request fields (``tool_choice="required"``)."""
+        sampling = self.sampling
+        if sampling_overrides:
+            sampling = override_sampling(sampling, sampling_overrides)
+        if tools is None:
+            completion = await self.client.chat(messages, model=self.model, sampling=sampling)
+        else:
+            completion = await self._chat_with_tools(messages, tools, sampling)
         observer = _observer.get()
         if observer is not None:
             observer(completion)
         return completion
+
+    async def _chat_with_tools(
+        self, messages: list[dict[str, Any]], tools: list[dict[str, Any]], sampling: Sampling
+    ) -> Completion:
+        chat: Any = self.client.chat
+        try:
+            return cast(
+                Completion, await chat(messages, model=self.model, sampling=sampling, tools=tools)
+            )
+        except TypeError as exc:
+            if _takes_tools(chat):
+                raise
+            raise TypeError(
+                f"ModelContext.chat(tools=...): the model client {type(self.client).__name__} "
+                f"takes no `tools`; give its chat a `tools: list[dict] | None = None` "
+                f"parameter (OpenAIClient sends them as the request's `tools`)"
+            ) from exc
+
+
+def _takes_tools(chat: Callable[..., Any]) -> bool:
+    try:
+        parameters = inspect.signature(chat).parameters.values()
+    except (TypeError, ValueError):
+        return True  # cannot tell: let its own error through
+    return any(p.name == "tools" or p.kind is p.VAR_KEYWORD for p in parameters)
+
+
+_SAMPLING_FIELDS = frozenset({"temperature", "max_tokens", "top_p", "seed"})
+
+
+def override_sampling(sampling: Sampling, overrides: dict[str, Any]) -> Sampling:
+    """`sampling` with `overrides`: its own fields by name, anything else into `extra`."""
+    named = {k: v for k, v in overrides.items() if k in _SAMPLING_FIELDS}
+    extra = {k: v for k, v in overrides.items() if k not in _SAMPLING_FIELDS}
+    if "extra" in extra:
+        raise TypeError("chat(): pass extra request fields by name, not as extra=")
+    if extra:
+        named["extra"] = {**sampling.extra, **extra}
+    return attrs.evolve(sampling, **named)
 
 
 _observer: contextvars.ContextVar[Callable[[Completion], None] | None] = contextvars.ContextVar(

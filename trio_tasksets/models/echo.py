@@ -27,9 +27,15 @@ class EchoClient:
         return f"EchoClient(delay={self.delay!r})"
 
     async def chat(
-        self, messages: list[dict[str, Any]], *, model: str, sampling: Sampling
+        self,
+        messages: list[dict[str, Any]],
+        *,
+        model: str,
+        sampling: Sampling,
+        tools: list[dict[str, Any]] | None = None,
     ) -> Completion:
-        """Echo the last user message; ``model`` and ``sampling`` are ignored."""
+        """Echo the last user message; ``model``, ``sampling`` and ``tools`` are ignored (it
+        never calls a tool, so a tool env's rollout with it ends after one turn)."""
         if self.delay > 0:
             await trio.sleep(self.delay)
         await trio.lowlevel.checkpoint()

@@ -30,6 +30,7 @@ from .base import (
     Sampling,
     body_text,
     excerpt,
+    parse_tool_calls,
     plural,
     text_of,
 )
@@ -189,10 +190,19 @@ class OpenAIClient:
         )
 
     async def chat(
-        self, messages: list[dict[str, Any]], *, model: str, sampling: Sampling
+        self,
+        messages: list[dict[str, Any]],
+        *,
+        model: str,
+        sampling: Sampling,
+        tools: list[dict[str, Any]] | None = None,
     ) -> Completion:
-        """POST one chat completion request, retrying per the class contract."""
+        """POST one chat completion request, retrying per the class contract. ``tools``
+        (OpenAI function schemas) go as the request's ``tools``. The reply is whole: its
+        message as sent (``tool_calls`` and unknown fields kept) and its parsed tool calls."""
         payload: dict[str, Any] = {"model": model, "messages": messages}
+        if tools is not None:
+            payload["tools"] = tools
         payload.update(sampling.to_request())
         body = orjson.dumps(payload, option=orjson.OPT_NON_STR_KEYS)
         reserve = payload.get("max_tokens")
@@ -303,10 +313,14 @@ class OpenAIClient:
                 if isinstance(v, int) and not isinstance(v, bool)
             }
         finish_reason = choice.get("finish_reason")
+        if "role" not in message:
+            message["role"] = "assistant"  # so that it can be sent back as is
         return Completion(
             content=text_of(raw_content),
             usage=usage,
             finish_reason=finish_reason if isinstance(finish_reason, str) else None,
+            message=message,
+            tool_calls=parse_tool_calls(message),
         )
 
     async def aclose(self) -> None:

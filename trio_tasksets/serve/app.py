@@ -12,7 +12,7 @@ import trio
 
 from ..env import Env, Episode, RunSlot
 from ..models import ModelContext
-from ..runner import pick_one
+from ..runner import ElasticPlaces, pick_one
 from ..tasksets import Taskset
 from .asgi import Message, Receive, Send, ServerStats, encode_answer
 from .policy import Access, Limits, ModelClients, ModelPolicy, RequestRefused, log_refusal
@@ -116,6 +116,9 @@ class ServerApp:
         workers: int = 1,
     ) -> None:
         self.env = env
+        # The runs' fan_outs draw from a window as large as the runs in flight: the eval's
+        # -c, which admits the runs, bounds their fan-outs too.
+        self.places = ElasticPlaces()
         self.stats = ServerStats()
         self.access = access
         self.limits = limits = Limits() if limits is None else limits
@@ -243,11 +246,13 @@ class ServerApp:
         stats.running += 1
         try:
             if receive is None:
-                episode = await self.env.run_slot(slot, ctx)
+                async with self.places.run():
+                    episode = await self.env.run_slot(slot, ctx)
             else:
                 async with trio.open_nursery() as nursery:
                     nursery.start_soon(_cancel_on_disconnect, receive, nursery.cancel_scope)
-                    episode = await self.env.run_slot(slot, ctx)
+                    async with self.places.run():
+                        episode = await self.env.run_slot(slot, ctx)
                     nursery.cancel_scope.cancel()
         except Exception:
             stats.failed += 1

@@ -82,6 +82,9 @@ def payload(run: RunData, fig: Figures) -> dict[str, Any]:
             "pt": run.prompt_tokens,
             "ct": run.completion_tokens,
             "fr": run.finish_reason,
+            "tn": run.turns,
+            "tc": run.tool_calls,
+            "sr": run.stop_reason,
             "extra": run.extra,
         },
     }

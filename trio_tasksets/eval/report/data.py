@@ -26,11 +26,21 @@ __all__ = ["ReportError", "RunData", "load_run", "run_from_rows"]
 # Row fields the report takes apart; any other field is kept and shown as it is.
 _KNOWN = frozenset(
     ("id", "task", "rollout", "ok", "reward", "completion", "messages", "errors", "attempts",
-     "timing", "usage", "finish_reason", "metrics")
+     "timing", "usage", "finish_reason", "turns", "tool_calls", "stop_reason", "metrics")
 )  # fmt: skip
 _TIMING = frozenset(("started", "finished", "duration"))
 _USAGE = frozenset(("prompt_tokens", "completion_tokens", "total_tokens"))
 MIN_CAP = 100  # a text is never cut shorter than this, whatever the budget
+
+
+def _plain(message: dict[str, Any]) -> bool:
+    """A message that is a role and a content, its other fields empty (null, [], {}: how
+    some servers send a reply with no tool call), shown as the plain pair."""
+    return all(
+        value is None or value == [] or value == {}
+        for key, value in message.items()
+        if key != "role" and key != "content"
+    )
 
 
 class ReportError(TrioTasksetsError, ValueError):
@@ -111,6 +121,9 @@ class RunData:
     prompt_tokens: list[int | None] = attrs.Factory(list)
     completion_tokens: list[int | None] = attrs.Factory(list)
     finish_reason: list[int] = attrs.Factory(list)
+    turns: list[int] = attrs.Factory(list)  # model replies of the row's attempt
+    tool_calls: list[int] = attrs.Factory(list)
+    stop_reason: list[int] = attrs.Factory(list)  # a string's index, or -1
     extra: dict[int, dict[str, Any]] = attrs.Factory(dict)  # row index -> its other fields
 
     @property
@@ -158,6 +171,8 @@ class RunData:
         add_completion, add_messages = self.completion.append, self.messages.append
         add_prompt, add_generated = self.prompt_tokens.append, self.completion_tokens.append
         add_reason = self.finish_reason.append
+        add_turns, add_calls = self.turns.append, self.tool_calls.append
+        add_stop = self.stop_reason.append
         for line, row in numbered:
             if type(row) is not dict:
                 self.unreadable.append(line)
@@ -209,7 +224,7 @@ class RunData:
             encoded: list[Any] = []
             if type(messages) is list:
                 for message in messages:
-                    if type(message) is dict and len(message) == 2:
+                    if type(message) is dict and (len(message) == 2 or _plain(message)):
                         role, content = message.get("role"), message.get("content")
                         if type(role) is str and type(content) is str:
                             encoded.append([text(role, len(index)), text(content, len(index))])
@@ -226,6 +241,10 @@ class RunData:
                 add_generated(None)
             reason = get("finish_reason")
             add_reason(text(reason, len(index)) if type(reason) is str else -1)
+            turns, calls, stop = get("turns"), get("tool_calls"), get("stop_reason")
+            add_turns(turns if type(turns) is int else 0)
+            add_calls(calls if type(calls) is int else 0)
+            add_stop(text(stop, len(index)) if type(stop) is str else -1)
             if (
                 row.keys() - _KNOWN
                 or get("metrics")

@@ -1,0 +1,577 @@
+"""Agents (SPEC 9): whole replies, `tt.ToolEnv`, and tool calls on every path a reply travels.
+
+Real parts: the fake OpenAI server (`tests/fixtures/chat_server.py`, tools mode: parallel
+`add` calls in the OpenAI format) behind `tt.OpenAIClient`, the CLI in a subprocess, served
+env servers (`--serve`), Redis workers (`--via`), a real /bin/sh for the shell tool. The
+loop's own cases (each tool failure, each limit, timeouts, cancellation) run on
+`ScriptedClient` and trio's MockClock.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import trio
+from trio.testing import MockClock
+
+import trio_tasksets as tt
+from trio_tasksets.testing import ScriptedClient, reply
+
+ROOT = Path(__file__).resolve().parent.parent
+FIXTURES = ROOT / "tests" / "fixtures"
+sys.path.insert(0, str(FIXTURES))
+
+from calc_env import CalcEnv, Sums  # noqa: E402
+from chat_server import ChatServer  # noqa: E402
+
+CALC = str(FIXTURES / "calc_env.py")
+
+
+class One(tt.Taskset[tt.Task, tt.TasksetConfig]):
+    def load(self) -> list[tt.Task]:
+        return [tt.Task("What is 2 + 3?", answer="5")]
+
+
+def ctx(client: tt.ModelClient) -> tt.ModelContext:
+    return tt.ModelContext(client, "m")
+
+
+async def run_one(env: tt.Env[Any], client: tt.ModelClient) -> tt.Episode:
+    return await env.run_slot(tt.RunSlot(next(iter(env.taskset))), ctx(client))
+
+
+@tt.tool
+async def add(a: int, b: int) -> int:
+    """Add."""
+    return a + b
+
+
+# --- whole replies ------------------------------------------------------------------------
+
+
+def test_a_completion_keeps_its_message_and_parses_its_tool_calls() -> None:
+    plain = tt.Completion("hi")
+    assert plain.message == {"role": "assistant", "content": "hi"}
+    assert plain.tool_calls == []
+    message = {
+        "role": "assistant",
+        "content": None,
+        "reasoning_content": "hm",
+        "tool_calls": [
+            {"id": "c1", "type": "function", "function": {"name": "add", "arguments": '{"a": 1}'}},
+            {"id": "c2", "type": "function", "function": {"name": "add", "arguments": "{oops"}},
+            {"id": "c3", "type": "function", "function": {"name": "add", "arguments": {"a": 2}}},
+            "junk",
+        ],
+    }
+    calls = tt.Completion("", message=message).tool_calls
+    assert [(c.id, c.name, c.arguments) for c in calls] == [
+        ("c1", "add", {"a": 1}),
+        ("c2", "add", {}),
+        ("c3", "add", {"a": 2}),
+    ]
+    assert calls[0].arguments_error is None
+    assert calls[1].raw_arguments == "{oops"
+    assert "not valid JSON" in (calls[1].arguments_error or "")
+    assert calls[2].raw_arguments == '{"a": 2}'
+    assert tt.ToolCall("x", "f", {}, "[1]").arguments_error == (
+        "the arguments must be a JSON object, got list"
+    )
+
+
+async def test_openai_client_returns_the_whole_reply_and_sends_the_tools() -> None:
+    with ChatServer(tools=True, parallel_calls=3) as server:
+        async with tt.OpenAIClient(server.url, max_retries=0) as client:
+            context = ctx(client)
+            first = await context.chat(
+                [{"role": "user", "content": "What is 2 + 3?"}],
+                tools=[add.schema],
+                temperature=0.5,
+                tool_choice="auto",
+            )
+    assert server.requests[0]["tools"] == [add.schema]
+    assert server.requests[0]["temperature"] == 0.5
+    assert server.requests[0]["tool_choice"] == "auto"
+    assert first.content == ""
+    assert first.message["content"] is None
+    assert first.message["reasoning_content"] == "I will call add."  # unknown fields kept
+    assert first.finish_reason == "tool_calls"
+    assert [(c.id, c.name, c.arguments) for c in first.tool_calls] == [
+        ("call_0_0", "add", {"a": 2, "b": 3}),
+        ("call_0_1", "add", {"a": 3, "b": 2}),
+        ("call_0_2", "add", {"a": 2, "b": 3}),
+    ]
+
+
+async def test_a_client_without_tools_gets_a_clear_error() -> None:
+    class Old:
+        async def chat(
+            self, messages: list[dict[str, Any]], *, model: str, sampling: tt.Sampling
+        ) -> tt.Completion:
+            return tt.Completion("x")
+
+        async def aclose(self) -> None:
+            pass
+
+    with pytest.raises(TypeError, match="takes no `tools`"):
+        await tt.ModelContext(Old(), "m").chat([], tools=[add.schema])
+    assert (await tt.ModelContext(Old(), "m").chat([])).content == "x"
+
+
+async def test_sampling_overrides_are_per_call() -> None:
+    client = ScriptedClient("ok")
+    context = tt.ModelContext(client, "m", tt.Sampling(temperature=1.0, extra={"stop": ["x"]}))
+    await context.chat([], temperature=0.0, seed=3, logprobs=True)
+    await context.chat([])
+    assert client.calls[0].sampling == tt.Sampling(
+        temperature=0.0, seed=3, extra={"stop": ["x"], "logprobs": True}
+    )
+    assert client.calls[1].sampling == context.sampling
+
+
+# --- ScriptedClient -------------------------------------------------------------------------
+
+
+async def test_scripted_client_answers_in_order_and_records_every_call() -> None:
+    async def later(messages: list[dict[str, Any]], tools: Any) -> str:
+        await trio.lowlevel.checkpoint()
+        return f"saw {len(messages)} messages and {len(tools or [])} tools"
+
+    client = ScriptedClient(["one", {"content": "two", "refusal": None}, later])
+    assert (
+        await client.chat([{"role": "user", "content": "a"}], model="m", sampling=tt.Sampling())
+    ).content == "one"
+    second = await client.chat([], model="m", sampling=tt.Sampling(), tools=[add.schema])
+    assert second.message == {"role": "assistant", "content": "two", "refusal": None}
+    third = await client.chat([{}, {}], model="m", sampling=tt.Sampling(), tools=[{}])
+    assert third.content == "saw 2 messages and 1 tools"
+    assert [c.messages for c in client.calls] == [[{"role": "user", "content": "a"}], [], [{}, {}]]
+    assert client.calls[1].tools == [add.schema]
+    with pytest.raises(tt.testing.ScriptExhausted, match="the script has 3 replies"):
+        await client.chat([], model="m", sampling=tt.Sampling())
+
+
+# --- the loop -------------------------------------------------------------------------------
+
+
+async def test_the_tool_loop_answers_every_call_in_order() -> None:
+    client = ScriptedClient(
+        [
+            reply(tool_calls=[("add", {"a": 2, "b": 3}), ("add", {"a": 3, "b": 2})]),
+            reply("it is 5"),
+        ]
+    )
+    episode = await run_one(tt.ToolEnv(One(), [add]), client)
+    assert episode.ok, episode.errors
+    assert (episode.reward, episode.turns, episode.tool_calls, episode.stop_reason) == (
+        1.0, 2, 2, None
+    )  # fmt: skip
+    roles = [(m["role"], m.get("tool_call_id")) for m in episode.messages]
+    assert roles == [
+        ("user", None), ("assistant", None), ("tool", "call_0"), ("tool", "call_1"),
+        ("assistant", None),
+    ]  # fmt: skip
+    assert [m["content"] for m in episode.messages[2:4]] == ["5", "5"]
+    # the second turn sent the whole conversation, and the schemas every turn
+    assert client.calls[1].messages == episode.messages[:4]
+    assert client.calls[0].tools == client.calls[1].tools == [add.schema]
+
+
+async def test_every_kind_of_tool_failure_answers_the_model_and_the_episode_goes_on(
+    autojump_clock: MockClock,
+) -> None:
+    hung = trio.Event()
+
+    @tt.tool
+    async def boom(x: int) -> int:
+        """Fails."""
+        raise RuntimeError(f"no {x}")
+
+    @tt.tool
+    async def hang() -> str:
+        """Never answers."""
+        try:
+            await trio.sleep_forever()
+        finally:
+            hung.set()  # cancelled at tool_timeout
+
+    client = ScriptedClient(
+        [
+            reply(
+                tool_calls=[
+                    ("boom", {"x": 1}),
+                    ("nope", {}),
+                    ("add", '{"a": 1,'),
+                    ("add", {"a": "one", "b": 2}),
+                    ("add", {"a": 1}),
+                    ("hang", {}),
+                    ("add", {"a": 1, "b": 1}),
+                ]
+            ),
+            reply("done"),
+        ]
+    )
+    env = tt.ToolEnv(One(), [add, boom, hang], tool_timeout=5)
+    start = trio.current_time()
+    episode = await run_one(env, client)
+    assert trio.current_time() - start == 5  # the calls ran concurrently; the hang was cut
+    assert hung.is_set()
+    assert episode.ok
+    assert episode.errors == []
+    answers = [m["content"] for m in episode.messages if m["role"] == "tool"]
+    assert answers == [
+        "Error: boom raised RuntimeError: no 1",
+        "Error: there is no tool named 'nope' (the tools: add, boom, hang)",
+        answers[2],
+        "Error: add: a: expected an integer, got string 'one'",
+        "Error: add: missing argument 'b'",
+        "Error: hang timed out after 5s and was cancelled",
+        "2",
+    ]
+    assert answers[2].startswith("Error: add: the arguments are not valid JSON")
+    assert episode.tool_calls == 7
+    assert episode.turns == 2
+
+
+async def test_max_turns_ends_the_rollout_normally_and_it_is_scored() -> None:
+    client = ScriptedClient(
+        lambda messages, tools: reply("5?", tool_calls=[("add", {"a": 2, "b": 3})])
+    )
+    episode = await run_one(tt.ToolEnv(One(), [add], max_turns=3), client)
+    assert episode.ok
+    assert (episode.turns, episode.tool_calls, episode.stop_reason) == (3, 3, "max_turns")
+    assert episode.reward == 1.0  # scored: "5?" holds the answer
+    assert episode.messages[-1]["role"] == "tool"  # every call is answered
+    assert len(client.calls) == 3
+
+
+async def test_token_limit_sums_the_usage_of_the_rollout() -> None:
+    step = reply(
+        "",
+        tool_calls=[("add", {"a": 1, "b": 1})],
+        usage={"prompt_tokens": 30, "completion_tokens": 5},
+    )
+    client = ScriptedClient([step, step, step, reply("never")])
+    episode = await run_one(tt.ToolEnv(One(), [add], token_limit=70), client)
+    assert (episode.turns, episode.stop_reason, episode.reward) == (2, "token_limit", 0.0)
+    assert episode.usage == {"prompt_tokens": 60, "completion_tokens": 10}
+    assert episode.ok
+
+
+async def test_the_limits_are_checked() -> None:
+    for kwargs, flag in [
+        ({"max_turns": 0}, "max_turns"),
+        ({"token_limit": 0}, "token_limit"),
+        ({"tool_timeout": -1}, "tool_timeout"),
+    ]:
+        with pytest.raises(ValueError, match=flag):
+            tt.ToolEnv(One(), [add], **kwargs)
+    with pytest.raises(ValueError, match="two tools are named 'add'"):
+        tt.ToolEnv(One(), [add, add])
+
+
+async def test_tool_calls_run_on_the_evals_window(autojump_clock: MockClock) -> None:
+    """-c bounds the tools too: 3 rollouts of 4 parallel calls each, window 2."""
+    working = peak = 0
+
+    @tt.tool
+    async def slow() -> str:
+        """Slow."""
+        nonlocal working, peak
+        working += 1
+        peak = max(peak, working)
+        await trio.sleep(1)
+        working -= 1
+        return "ok"
+
+    def script(messages: list[dict[str, Any]], tools: Any) -> tt.Completion:
+        if messages[-1]["role"] == "tool":
+            return reply("5")
+        return reply(tool_calls=[("slow", {})] * 4)
+
+    env = tt.ToolEnv(One(), [slow])
+    task = next(iter(One()))
+
+    async def slots() -> Any:
+        for rollout in range(3):
+            yield tt.RunSlot(task, rollout)
+
+    episodes = await tt.run_stream(
+        slots(), lambda s: env.run_slot(s, ctx(ScriptedClient(script))), window=2
+    )
+    assert all(e.ok and e.tool_calls == 4 for e in episodes)
+    assert peak == 2
+    assert trio.current_time() == 6  # 12 calls, 2 at a time
+
+
+async def test_a_cancelled_eval_cancels_the_tool_and_leaves_no_row(
+    autojump_clock: MockClock, tmp_path: Path
+) -> None:
+    cancelled = trio.Event()
+
+    @tt.tool
+    async def wait() -> str:
+        """Waits."""
+        try:
+            await trio.sleep(100)
+        except trio.Cancelled:
+            cancelled.set()
+            raise
+        return "late"
+
+    env = tt.ToolEnv(One(), [wait])
+    client = ScriptedClient([reply(tool_calls=[("wait", {})]), reply("5")])
+    config = tt.EvalConfig(dashboard=False, output_dir=str(tmp_path), run_name="c")
+    with trio.move_on_after(10):
+        await tt.run_eval(env, ctx(client), config)
+    assert cancelled.is_set()
+    assert len(client.calls) == 1
+    traces = tmp_path / "c" / "traces.jsonl"
+    assert not traces.exists() or traces.read_text() == ""
+
+
+@pytest.mark.skipif(sys.platform == "win32", reason="process groups are POSIX")
+async def test_a_cancelled_eval_mid_shell_leaves_no_process(tmp_path: Path) -> None:
+    shell = tt.tools.shell(cwd=tmp_path, timeout=60, grace=0.2)
+    script = "trap '' TERM; sleep 60 & echo $! > child; wait"
+    client = ScriptedClient([reply(tool_calls=[("shell", {"command": script})]), reply("5")])
+    env = tt.ToolEnv(One(), [shell])
+    config = tt.EvalConfig(dashboard=False, output_dir=str(tmp_path), run_name="s")
+    with trio.move_on_after(1.0):
+        await tt.run_eval(env, ctx(client), config)
+    child = int((tmp_path / "child").read_text())
+    with trio.fail_after(5):
+        while _alive(child):  # noqa: ASYNC110 (a process's state: no event to wait on)
+            await trio.sleep(0.01)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except FileNotFoundError:
+        return False
+    return state != "Z"
+
+
+# --- a calculator solved in two turns, on every path ----------------------------------------
+
+
+def comparable(rows: list[dict[str, Any]]) -> list[tuple[Any, ...]]:
+    """What must agree between paths: each row's task, messages, reward and counts."""
+    return sorted(
+        (r["task"]["key"], r["rollout"], r["ok"], r["reward"], json.dumps(r["messages"]),
+         r["turns"], r["tool_calls"], r["stop_reason"])
+        for r in rows
+    )  # fmt: skip
+
+
+def check_calculator_rows(rows: list[dict[str, Any]], n: int) -> None:
+    assert len(rows) == n
+    for row in rows:
+        assert row["ok"], row
+        assert row["reward"] == 1.0, row
+        assert (row["turns"], row["tool_calls"], row["stop_reason"]) == (2, 2, None)
+        _user, asked, first, second, final = row["messages"]
+        ids = [call["id"] for call in asked["tool_calls"]]
+        assert ids == ["call_0_0", "call_0_1"]
+        assert [first["tool_call_id"], second["tool_call_id"]] == ids
+        assert (
+            first["content"]
+            == second["content"]
+            == final["content"]
+            == row["task"]["data"]["answer"]
+        )
+        assert asked["reasoning_content"] == "I will call add."
+
+
+async def test_the_calculator_through_python(tmp_path: Path) -> None:
+    with ChatServer(tools=True) as server:
+        async with tt.OpenAIClient(server.url, max_retries=0) as client:
+            config = tt.EvalConfig(
+                num_examples=3, dashboard=False, output_dir=str(tmp_path), run_name="py"
+            )
+            result = await tt.run_eval(CalcEnv(Sums()), ctx(client), config)
+    rows = [json.loads(line) for line in (result.run_dir / "traces.jsonl").read_text().splitlines()]
+    check_calculator_rows(rows, 3)
+    assert len(server.requests) == 6  # two turns each
+    assert all(body["tools"][0]["function"]["name"] == "add" for body in server.requests)
+    # resume reads them back whole
+    episodes = [tt.Episode.from_row(row) for row in rows]
+    assert [e.to_row() for e in episodes] == rows
+
+
+def cli(tmp_path: Path, *args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "trio_tasksets", *args],
+        capture_output=True, text=True, timeout=120, cwd=tmp_path,
+    )  # fmt: skip
+
+
+def trace(run_dir: Path) -> list[dict[str, Any]]:
+    return [json.loads(line) for line in (run_dir / "traces.jsonl").read_text().splitlines()]
+
+
+def test_the_calculator_through_the_cli_in_process_and_served(tmp_path: Path) -> None:
+    with ChatServer(tools=True) as server:
+        base = [
+            "eval", f"{CALC}:Sums", "--env-class", f"{CALC}:CalcEnv", "-m", "m",
+            "--base-url", server.url, "-n", "4", "-o", str(tmp_path), "--no-dashboard",
+        ]  # fmt: skip
+        local = cli(tmp_path, *base, "--run-name", "local")
+        assert local.returncode == 0, local.stderr
+        served = cli(tmp_path, *base, "--run-name", "served", "--serve")
+        assert served.returncode == 0, served.stderr
+        # tasks that hold a tool round already: the calls travel in the request too
+        base[1] = f"{CALC}:Continued"
+        continued = cli(tmp_path, *base, "--run-name", "continued", "--serve")
+        assert continued.returncode == 0, continued.stderr
+    rows = trace(tmp_path / "local")
+    check_calculator_rows(rows, 4)
+    assert comparable(trace(tmp_path / "served")) == comparable(rows)
+    for row in trace(tmp_path / "continued"):
+        assert (row["ok"], row["reward"], row["turns"], row["tool_calls"]) == (True, 1.0, 1, 0)
+        assert row["messages"][1]["tool_calls"][0]["id"] == "call_0_0"
+        assert row["messages"][2]["tool_call_id"] == "call_0_0"
+        assert row["messages"][3]["content"] == row["task"]["data"]["answer"]
+
+
+@pytest.mark.parametrize("where", ["in process", "--serve"])
+def test_a_fan_out_env_keeps_c_model_calls_in_flight(tmp_path: Path, where: str) -> None:
+    """Best-of-4 over 6 tasks at -c 3: 3 model calls at once at the server, not 12, also
+    when the rollouts run in an env server."""
+    with ChatServer(delay=0.3) as server:
+        done = cli(
+            tmp_path, "eval", f"{CALC}:Sums", "--env-class", f"{CALC}:BestOf4", "-m", "m",
+            "--base-url", server.url, "-c", "3", "-o", str(tmp_path), "--no-dashboard",
+            "--run-name", "b", *(["--serve"] if where == "--serve" else []),
+        )  # fmt: skip
+        assert done.returncode == 0, done.stderr
+        assert len(server.requests) == 24
+        assert server.peak == 3
+
+
+REDIS_SERVER = shutil.which("redis-server")
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+@pytest.fixture
+def redis_url(tmp_path: Path) -> Iterator[str]:
+    if REDIS_SERVER is None:
+        pytest.skip("redis-server is not installed")
+    port = _free_port()
+    process = subprocess.Popen(
+        [REDIS_SERVER, "--port", str(port), "--bind", "127.0.0.1", "--save", "",
+         "--appendonly", "no", "--dir", str(tmp_path)],
+        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+    )  # fmt: skip
+    deadline = time.monotonic() + 10
+    while True:
+        try:
+            socket.create_connection(("127.0.0.1", port), timeout=0.2).close()
+            break
+        except OSError:
+            if time.monotonic() > deadline:
+                process.kill()
+                pytest.fail("redis-server did not start")
+            time.sleep(0.02)
+    yield f"redis://127.0.0.1:{port}/0"
+    process.terminate()
+    process.wait(timeout=10)
+
+
+def test_the_calculator_via_redis_workers_gives_the_same_rows(
+    tmp_path: Path, redis_url: str
+) -> None:
+    with ChatServer(tools=True) as server:
+        model = ["-m", "m", "--base-url", server.url]
+        log = (tmp_path / "worker.log").open("wb")
+
+        def worker(taskset: str, stream: str) -> subprocess.Popen[bytes]:
+            return subprocess.Popen(
+                [sys.executable, "-m", "trio_tasksets", "worker", f"{CALC}:{taskset}",
+                 "--env-class", f"{CALC}:CalcEnv", "--feed", redis_url, "--stream", stream,
+                 "--group", "g", "--results", f"{stream}:results", "--no-dashboard", *model],
+                stdout=subprocess.DEVNULL, stderr=log,
+            )  # fmt: skip
+
+        def via(taskset: str, stream: str, name: str) -> subprocess.CompletedProcess[str]:
+            return cli(
+                tmp_path, "eval", f"{CALC}:{taskset}", "--env-class", f"{CALC}:CalcEnv",
+                *model, "-n", "3", "-o", str(tmp_path), "--no-dashboard", "--run-name", name,
+                "--via", redis_url, "--stream", stream,
+            )  # fmt: skip
+
+        workers = [worker("Sums", "tasks"), worker("Continued", "more")]
+        try:
+            done = via("Sums", "tasks", "via")
+            assert done.returncode == 0, done.stderr + (tmp_path / "worker.log").read_text()
+            continued = via("Continued", "more", "continued")
+            assert continued.returncode == 0, continued.stderr
+            local = cli(
+                tmp_path, "eval", f"{CALC}:Sums", "--env-class", f"{CALC}:CalcEnv", *model,
+                "-n", "3", "-o", str(tmp_path), "--no-dashboard", "--run-name", "local",
+            )  # fmt: skip
+            assert local.returncode == 0, local.stderr
+        finally:
+            for process in workers:
+                process.terminate()
+                process.wait(timeout=30)
+            log.close()
+    rows = trace(tmp_path / "via")
+    check_calculator_rows(rows, 3)
+    assert comparable(rows) == comparable(trace(tmp_path / "local"))
+    # the tool round in the tasks' own messages went to the worker and back
+    for row in trace(tmp_path / "continued"):
+        assert (row["ok"], row["reward"], row["turns"]) == (True, 1.0, 1)
+        assert row["messages"][2] == {"role": "tool", "tool_call_id": "call_0_0",
+                                      "content": row["task"]["data"]["answer"]}  # fmt: skip
+
+
+# --- the report -------------------------------------------------------------------------------
+
+
+def test_the_report_shows_tool_calls_with_their_arguments_and_answers(tmp_path: Path) -> None:
+    from trio_tasksets.eval.report.data import run_from_rows
+
+    row = tt.Episode(
+        "e", tt.EpisodeTask("k", {"prompt": "p"}), 0, ok=True, reward=1.0, completion="5",
+        messages=[
+            {"role": "user", "content": "p"},
+            reply(tool_calls=[("add", {"a": 2, "b": 3})]).message,
+            {"role": "tool", "tool_call_id": "call_0", "content": "5"},
+            {"role": "assistant", "content": "5", "tool_calls": None},
+        ],
+        turns=2, tool_calls=1, stop_reason="max_turns",
+    ).to_row()  # fmt: skip
+    run = run_from_rows([row])
+    assert run.turns == [2]
+    assert run.tool_calls == [1]
+    assert run.strings[run.stop_reason[0]] == "max_turns"
+    assert run.extra == {}  # no field left over
+    messages = run.messages[0]
+    assert messages[1]["tool_calls"][0]["function"]["arguments"] == '{"a": 2, "b": 3}'
+    assert messages[2] == {"role": "tool", "tool_call_id": "call_0", "content": "5"}
+    assert isinstance(messages[3], list)  # an empty tool_calls field: shown as the plain pair
+    html = tt.report(_run_dir(tmp_path, [row])).read_text()
+    assert "tool call ${call && call.id}" in html  # the renderer of tool calls is on the page
+
+
+def _run_dir(tmp_path: Path, rows: list[dict[str, Any]]) -> Path:
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    (run_dir / "traces.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return run_dir

@@ -1,0 +1,11 @@
+"""Tools a model may call: `tt.tool` (a typed function becomes a `tt.Tool`) and the tools
+the project ships (`shell`: a command in a working directory, its process group killed on
+timeout or cancel). `tt.ToolEnv` runs them; docs/agents.md shows them together.
+
+Rooms: `schema` (`Tool`, `tool`, `ToolArgumentError`), `shell`.
+"""
+
+from .schema import Tool, ToolArgumentError, tool
+from .shell import shell
+
+__all__ = ["Tool", "ToolArgumentError", "shell", "tool"]
