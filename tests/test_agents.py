@@ -313,6 +313,31 @@ async def test_tool_calls_run_on_the_evals_window(autojump_clock: MockClock) -> 
     assert trio.current_time() == 6  # 12 calls, 2 at a time
 
 
+async def test_finished_tool_calls_are_progress_for_the_stall_timeout(
+    autojump_clock: MockClock,
+) -> None:
+    # One turn asks for three 3 s tool calls; at window 1 they run one after the other, so
+    # 9 s pass between the two model replies while a tool call finishes every 3 s: a 5 s
+    # stall timeout must not fire.
+    @tt.tool
+    async def slow() -> str:
+        """Think for 3 s."""
+        await trio.sleep(3)
+        return "done"
+
+    script = [reply(tool_calls=[("slow", {})] * 3), reply("5")]
+    env = tt.ToolEnv(One(), [slow], stall_timeout=5)
+
+    async def slots() -> Any:
+        yield tt.RunSlot(next(iter(env.taskset)))
+
+    [episode] = await tt.run_stream(
+        slots(), lambda s: env.run_slot(s, ctx(ScriptedClient(script))), window=1
+    )
+    assert episode.ok, episode.errors
+    assert episode.tool_calls == 3
+
+
 async def test_a_cancelled_eval_cancels_the_tool_and_leaves_no_row(
     autojump_clock: MockClock, tmp_path: Path
 ) -> None:
@@ -575,3 +600,46 @@ def _run_dir(tmp_path: Path, rows: list[dict[str, Any]]) -> Path:
     run_dir.mkdir()
     (run_dir / "traces.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
     return run_dir
+
+
+CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
+CHROMEDRIVER = shutil.which("chromedriver")
+
+
+async def test_in_chromium_an_expanded_row_shows_the_tool_calls(tmp_path: Path) -> None:
+    if CHROMIUM is None or CHROMEDRIVER is None:
+        pytest.skip("the browser test needs chromium and chromedriver on PATH")
+    from selenium import webdriver
+    from selenium.webdriver.chrome.service import Service
+    from selenium.webdriver.common.by import By
+
+    client = ScriptedClient([reply(tool_calls=[("add", {"a": 2, "b": 3})]), reply("it is 5")])
+    config = tt.EvalConfig(dashboard=False, output_dir=str(tmp_path), run_name="r")
+    result = await tt.run_eval(tt.ToolEnv(One(), [add]), ctx(client), config)
+    page = tt.report(result.run_dir).resolve().as_uri()
+    options = webdriver.ChromeOptions()
+    options.binary_location = CHROMIUM
+    for flag in ("--headless", "--no-sandbox", "--disable-gpu", "--no-first-run",
+                 f"--user-data-dir={tmp_path / 'profile'}"):  # fmt: skip
+        options.add_argument(flag)
+    options.set_capability("goog:loggingPrefs", {"browser": "ALL"})
+    driver = await trio.to_thread.run_sync(
+        lambda: webdriver.Chrome(options=options, service=Service(CHROMEDRIVER))
+    )
+    try:
+
+        def look() -> tuple[str, list[Any]]:
+            driver.get(page)
+            driver.find_element(By.CSS_SELECTOR, "#table tbody tr.main button.expand").click()
+            detail = driver.find_element(By.CSS_SELECTOR, "#table tr.detail")
+            return detail.text, driver.get_log("browser")  # type: ignore[no-untyped-call]
+
+        text, log = await trio.to_thread.run_sync(look)
+    finally:
+        await trio.to_thread.run_sync(driver.quit)
+    assert [e for e in log if e["level"] == "SEVERE"] == []
+    assert "tool call call_0: add" in text
+    assert '"a": 2,\n  "b": 3' in text  # the arguments, as JSON
+    assert "tool · answers call_0\n5" in text
+    assert "turns\n2" in text
+    assert "tool calls\n1" in text

@@ -75,9 +75,13 @@ def test_a_config_error_names_parameters_and_the_cli_spells_flags() -> None:
     assert error.parameter == "num_examples"
     assert flag_message(error) == "-n/--num-examples must be >= 0; --workers {x}"
     assert flag_message(ValueError("{num_examples}")) == "{num_examples}"  # not a ConfigError
-    assert set(PARAMETER_FLAGS) <= {field.name for field in tt.EvalConfig.__attrs_attrs__} | {
-        "rollout_timeout"
+    # Every parameter the CLI spells is a field of EvalConfig or of EnvSpec (the env's).
+    from trio_tasksets.envspec import EnvSpec
+
+    fields = {f.name for f in tt.EvalConfig.__attrs_attrs__} | {
+        f.name for f in EnvSpec.__attrs_attrs__
     }
+    assert set(PARAMETER_FLAGS) <= fields
 
 
 async def test_eval_config_errors_name_the_parameter(tmp_path: Path) -> None:

@@ -39,7 +39,7 @@ HANG = 100_000
 SETTINGS = settings(
     suppress_health_check=[HealthCheck.function_scoped_fixture],
     deadline=None,
-    max_examples=int(os.environ.get("TT_PROPERTY_EXAMPLES", "200")),
+    max_examples=int(os.environ.get("TT_PROPERTY_EXAMPLES", "150")),
 )
 
 
@@ -558,3 +558,41 @@ async def test_elastic_places_bound_fan_outs_by_the_runs_in_flight(
     assert (places.runs, places.in_flight) == (0, 0)
     assert await tt.fan_out([job] * 4) == [None] * 4  # outside: unbounded again
     assert peak == 4
+
+
+async def test_failures_noted_in_a_nested_fan_out_reach_the_error_raised(
+    autojump_clock: MockClock,
+) -> None:
+    # One run fails; the other run's nested fan_out fails twice while it unwinds (two thunks
+    # whose cleanup raises). The second is noted on the first, which is noted on the error
+    # the runner raises: a note of a note is copied up, never dropped.
+    async def first(_: int) -> None:
+        await trio.sleep(1)
+        raise Boom("first")
+
+    def fails_on_cancel(name: str) -> Callable[[], Awaitable[None]]:
+        async def thunk() -> None:
+            try:
+                await trio.sleep(100)
+            except trio.Cancelled:
+                raise Boom(name) from None
+
+        return thunk
+
+    async def inner() -> None:
+        await tt.fan_out([fails_on_cancel("A"), fails_on_cancel("B")])
+
+    async def waits() -> None:
+        await trio.sleep(100)
+
+    async def run(index: int) -> None:
+        if index == 0:
+            await first(index)
+        await tt.fan_out([inner, waits])
+
+    for window in (None, 4):
+        with pytest.raises(Boom, match="first") as info:
+            await tt.run_stream(_count(2), run, window=window)
+        notes = "\n".join(info.value.__notes__)
+        assert "Boom was also raised: A" in notes, notes
+        assert "Boom was also raised: B" in notes, notes

@@ -348,6 +348,24 @@ async def test_a_run_asking_for_more_retries_than_the_cap_is_refused_before_any_
         assert endpoint.requests == 3
 
 
+async def test_every_worker_of_a_pool_keeps_the_retry_cap(serve: Callable[..., Served]) -> None:
+    """D5 with ``--workers 2``: each pool worker enforces the ``--max-model-retries`` and
+    ``--min-model-backoff`` the server was started with, not the defaults (10)."""
+    failing = b"HTTP/1.1 500 Internal Server Error\r\ncontent-length: 4\r\n\r\nnope"
+    with RawHTTP(lambda _: failing) as endpoint:
+        server = serve(
+            f"--allow-base-url={endpoint.url}", "--max-model-retries", "2", "--workers", "2"
+        )
+        over = tt.ModelContext(tt.OpenAIClient(endpoint.url, max_retries=5, backoff=0), "m")
+        with trio.fail_after(60):
+            for _ in range(6):  # new connections: the kernel spreads them over both workers
+                async with tt.EnvClient(server.url, transport="http") as client:
+                    with pytest.raises(EnvServerError, match="--max-model-retries 5") as info:
+                        await client.run(slot(), over)
+                    assert info.value.status == 403
+        assert endpoint.requests == 0
+
+
 async def test_a_closed_env_client_says_so_over_http_too() -> None:
     client = tt.EnvClient("http://127.0.0.1:9", transport="http")
     await client.aclose()

@@ -681,3 +681,28 @@ async def test_without_limits_each_attempt_still_reports_its_outcome(server: Fak
         with observe_calls(Watch()):
             await client.chat(MESSAGES, model="m", sampling=Sampling())
     assert outcomes == [Outcome.RATE_LIMITED, Outcome.SUCCESS]
+
+
+# ---------------------------------------------------------------------------------------
+# Token ids and logprobs (SPEC 10; the happy path against vLLM's shape: tests/test_tokens.py)
+# ---------------------------------------------------------------------------------------
+
+
+async def test_malformed_token_ids_are_a_response_error(server: FakeOpenAI) -> None:
+    body = completion_body("hi")
+    body["choices"][0]["token_ids"] = ["not", "ids"]
+    server.plan(Planned(body=body))
+    async with make_client(server) as client:
+        with pytest.raises(ModelResponseError, match="malformed token ids"):
+            await client.chat(MESSAGES, model="m", sampling=Sampling(return_tokens=True))
+
+
+async def test_logprobs_alone_fill_the_tokens(server: FakeOpenAI) -> None:
+    body = completion_body("hi")
+    body["choices"][0]["logprobs"] = {"content": [{"token": "hi", "logprob": -0.5}]}
+    server.plan(Planned(body=body))
+    async with make_client(server) as client:
+        reply = await client.chat(MESSAGES, model="m", sampling=Sampling())
+    assert reply.tokens is not None
+    assert (reply.tokens.prompt_ids, reply.tokens.completion_ids) == ([], [])
+    assert reply.tokens.completion_logprobs == [-0.5]

@@ -1112,3 +1112,37 @@ async def test_eval_via_takes_the_next_n_of_a_stream_with_r_slots_each(
         (f"echo-stream:{i}", r) for i in range(4) for r in range(2)
     ]
     assert result.summary["ok"] == 8
+
+
+async def test_eval_via_with_groups_writes_each_group_together(
+    server: Server, names: Names, tmp_path: Path
+) -> None:
+    from trio_tasksets.builtin import EchoStreamConfig, EchoStreamTaskset
+
+    class Grpo(tt.Env[Any]):
+        scored: list[int] = []  # noqa: RUF012
+
+        async def score_group(self, task: Any, episodes: list[tt.Episode]) -> None:
+            Grpo.scored.append(len(episodes))
+            for episode in episodes:
+                episode.advantage = 0.0
+
+    def feed() -> tt.Env[Any]:
+        return Grpo(EchoStreamTaskset(EchoStreamConfig(gap=0.01)))
+
+    worker = in_process_worker(server, names)
+    ctx = tt.ModelContext(tt.EchoClient(), "echo")
+    via = eval_config(tmp_path, "groups", num_examples=3, rollouts_per_example=4, group=True,
+                      max_concurrent=3, via=server.url, stream=names.stream)  # fmt: skip
+    async with trio.open_nursery() as nursery:
+        shut_down = await nursery.start(worker.run, feed())
+        with trio.fail_after(20):
+            result = await tt.run_eval(feed(), ctx, via)
+        shut_down("done")
+    rows = trace_rows(result.run_dir)
+    assert len(rows) == 12
+    assert Grpo.scored == [4, 4, 4]  # scored in the coordinator, once per group
+    order = [row["group"] for row in rows]
+    assert len(set(order)) == 3
+    assert all(order[i] == order[i - 1] for i in range(1, 12) if i % 4)  # written together
+    assert all(row["advantage"] == 0.0 and row["ok"] for row in rows)

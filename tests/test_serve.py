@@ -271,8 +271,10 @@ def test_the_env_spec_rebuilds_the_same_env() -> None:
     spec = EnvSpec.of(env)
     assert spec.taskset == "trio_tasksets.builtin:EchoTaskset"
     assert spec.reward == f"{__name__}:module_reward"
-    rebuilt = EnvSpec.of(spec.build(EchoTaskset))
+    rebuilt = EnvSpec.of(spec.build())  # the taskset class resolved by its name
     assert rebuilt == spec
+    assert EnvSpec.of(spec.build(EchoTaskset(config))) == spec  # or built already
+    assert EnvSpec.from_json(spec.to_json()) == spec  # and it travels as data
     assert config_from_json(EchoTaskset, spec.config) == config  # the tuple comes back
 
 

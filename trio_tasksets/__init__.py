@@ -32,6 +32,7 @@ from .env import (
     RetryPolicy,
     RolloutTimeoutError,
     RunSlot,
+    StalledError,
     chat_messages,
 )
 from .eval import EvalConfig, EvalConfigError, EvalResult, run_eval
@@ -49,6 +50,7 @@ from .models import (
     ModelTimeoutError,
     OpenAIClient,
     Sampling,
+    Tokens,
     ToolCall,
 )
 from .runner import as_completed, fan_out, run_stream
@@ -56,6 +58,7 @@ from .serve import EnvClient
 from .sources import merge, take, until
 from .tasksets import Task, Taskset, TasksetConfig
 from .tools import Tool, tool
+from .training import Staleness, first
 from .version import __version__
 from .window import AdaptiveWindow, Window
 
@@ -91,9 +94,12 @@ __all__ = [
     "RolloutTimeoutError",
     "RunSlot",
     "Sampling",
+    "Staleness",
+    "StalledError",
     "Task",
     "Taskset",
     "TasksetConfig",
+    "Tokens",
     "Tool",
     "ToolCall",
     "ToolEnv",
@@ -104,6 +110,7 @@ __all__ = [
     "as_completed",
     "chat_messages",
     "fan_out",
+    "first",
     "merge",
     "report",
     "rescore",

@@ -20,6 +20,8 @@ TrioTasksetsError
 │   ├── ModelHTTPError                  .status: the HTTP status
 │   └── ModelResponseError
 ├── RolloutTimeoutError (TimeoutError)  an attempt outlasted rollout_timeout (env)
+├── StalledError (TimeoutError)         an attempt made no progress for stall_timeout (env)
+├── DeadlineExceededError (TimeoutError) a slot's deadline passed before or while it ran (env)
 ├── HTTPError                           the project's HTTP client (transport)
 │   ├── ConnectError
 │   │   └── ProxyError
@@ -79,24 +81,38 @@ class TrioTasksetsError(Exception):
 class _Spelled(Exception):
     """A message written with marks (``{num_examples}``) for the parameters it names."""
 
-    def __init__(self, message: str, *, parameter: str | tuple[str, ...] | None = None) -> None:
+    def __init__(
+        self,
+        message: str,
+        *,
+        parameter: str | tuple[str, ...] | None = None,
+        fix: str | None = None,
+    ) -> None:
         names = (parameter,) if isinstance(parameter, str) else tuple(parameter or ())
         self.parameters: tuple[str, ...] = names
         self.parameter: str | None = names[0] if names else None
         self.template = message
+        self.fix = fix  # what to do about it (marked like the message), if there is a rule
         super().__init__(self.spelled({}))
 
     def spelled(self, spelling: Mapping[str, str]) -> str:
         """The message with each parameter's mark spelled as `spelling` says (a name it
         lacks: the name itself)."""
+        return _spell(self.template, self.parameters, spelling)
 
-        def spell(match: re.Match[str]) -> str:
-            name = match.group(1)
-            if name not in self.parameters:
-                return match.group(0)  # braces that are not a mark (a value's repr)
-            return spelling.get(name, name)
+    def spelled_fix(self, spelling: Mapping[str, str]) -> str | None:
+        """`fix`, spelled as `spelled` spells the message."""
+        return None if self.fix is None else _spell(self.fix, self.parameters, spelling)
 
-        return _MARK.sub(spell, self.template)
+
+def _spell(template: str, parameters: tuple[str, ...], spelling: Mapping[str, str]) -> str:
+    def spell(match: re.Match[str]) -> str:
+        name = match.group(1)
+        if name not in parameters:
+            return match.group(0)  # braces that are not a mark (a value's repr)
+        return spelling.get(name, name)
+
+    return _MARK.sub(spell, template)
 
 
 class ConfigError(_Spelled, TrioTasksetsError, ValueError):

@@ -8,8 +8,16 @@ from typing import Any
 
 import attrs
 
+from ._exceptions import ConfigError
 from .env import Env, RetryPolicy, answer_match
-from .loading import TravelError, load_object, object_spec
+from .loading import (
+    LoadError,
+    TravelError,
+    import_failure,
+    load_object,
+    object_spec,
+    resolve_target,
+)
 from .tasksets import Task, Taskset
 
 __all__ = ["EnvSpec", "TravelError", "config_from_json", "config_to_json", "rebuild_task"]
@@ -88,8 +96,13 @@ def _reward_spec(env: Env[Any]) -> str | None:
 
 @attrs.frozen
 class EnvSpec:
-    """How a server process rebuilds an env: `taskset_cls(config)` wrapped in
-    `env_class(taskset, reward=..., retries=...)`, with its `rollout_timeout` set."""
+    """How another process rebuilds an env: `taskset_cls(config)` wrapped in
+    `env_class(taskset, reward=..., retries=...)`, with its `rollout_timeout`,
+    `working_limit` and `stall_timeout` set.
+
+    It travels as data (`to_json` / `from_json`: a spawned server gets it whole, never
+    re-encoded as command-line flags), and `build` is the one way an env is made from one,
+    for the command line's options as for a spawned server."""
 
     taskset: str
     config: dict[str, Any]
@@ -97,6 +110,8 @@ class EnvSpec:
     reward: str | None = None
     retries: RetryPolicy = attrs.field(factory=RetryPolicy)
     rollout_timeout: float | None = None
+    working_limit: float | None = None
+    stall_timeout: float | None = None
 
     @classmethod
     def of(cls, env: Env[Any]) -> EnvSpec:
@@ -110,33 +125,97 @@ class EnvSpec:
             reward=_reward_spec(env),
             retries=env.retries,
             rollout_timeout=env.rollout_timeout,
+            working_limit=env.working_limit,
+            stall_timeout=env.stall_timeout,
         )
 
-    def argv(self) -> list[str]:
-        """The `trio-tasksets serve` arguments that rebuild this env."""
+    def to_json(self) -> str:
+        """The spec as one JSON object (`from_json` reads it back equal)."""
         r = self.retries
-        args = [self.taskset, "--taskset-config", json.dumps(self.config)]
-        if self.env_class is not None:
-            args += ["--env-class", self.env_class]
-        if self.reward is not None:
-            args += ["--reward", self.reward]
-        args += ["--retries", str(r.max_retries), "--retry-on", ",".join(r.include),
-                 "--no-retry-on", ",".join(r.exclude), "--retry-backoff", repr(r.backoff),
-                 "--retry-max-backoff", repr(r.max_backoff)]  # fmt: skip
-        if self.rollout_timeout is not None:
-            args += ["--rollout-timeout", repr(self.rollout_timeout)]
-        return args
+        return json.dumps({
+            "taskset": self.taskset, "config": self.config, "env_class": self.env_class,
+            "reward": self.reward, "rollout_timeout": self.rollout_timeout,
+            "working_limit": self.working_limit, "stall_timeout": self.stall_timeout,
+            "retries": {"max_retries": r.max_retries, "include": list(r.include),
+                        "exclude": list(r.exclude), "backoff": r.backoff,
+                        "max_backoff": r.max_backoff},
+        })  # fmt: skip
 
-    def build(self, taskset_cls: type[Taskset[Any, Any]]) -> Env[Any]:
-        """The env, in this process (`taskset_cls` is `self.taskset`, already resolved)."""
-        taskset = taskset_cls(config_from_json(taskset_cls, self.config))
-        env_cls = Env if self.env_class is None else load_object(self.env_class)
-        if not (isinstance(env_cls, type) and issubclass(env_cls, Env)):
-            raise TypeError(f"--env-class {self.env_class}: not an Env subclass")
+    @classmethod
+    def from_json(cls, text: str) -> EnvSpec:
+        """The spec `to_json` wrote; `TravelError` for anything else."""
+        try:
+            data = json.loads(text)
+            retries = RetryPolicy(**data.pop("retries"))
+            spec = cls(**data, retries=retries)
+        except (ValueError, TypeError, KeyError, AttributeError) as exc:
+            raise TravelError(f"not an env spec ({type(exc).__name__}: {exc})") from None
+        if not isinstance(spec.taskset, str) or not isinstance(spec.config, dict):
+            raise TravelError("not an env spec (taskset must be a string, config an object)")
+        return spec
+
+    def build(
+        self,
+        taskset: Taskset[Any, Any] | type[Taskset[Any, Any]] | None = None,
+        *,
+        target_env: type[Env[Any]] | None = None,
+    ) -> Env[Any]:
+        """The env, in this process: `taskset` (a taskset built already; a taskset class,
+        built from `self.config`; default: the class `self.taskset` names) wrapped in the env class (`env_class`, else `target_env`,
+        the Env subclass TASKSET named, else `tt.Env`) with the reward, retries and
+        rollout timeout. A part that cannot be loaded or built raises `ConfigError` naming
+        it (``taskset``, ``config``, ``env_class``, ``reward``)."""
+        if taskset is None or isinstance(taskset, type):
+            if taskset is None:
+                taskset_cls, found = resolve_target(self.taskset)
+                target_env = target_env or found
+            else:
+                taskset_cls = taskset
+            try:
+                taskset = taskset_cls(config_from_json(taskset_cls, self.config))
+            except (TypeError, ValueError) as exc:
+                raise ConfigError(f"{{config}}: {exc}", parameter="config") from exc
+        env_cls: Any = target_env or Env
+        if self.env_class is not None:
+            if target_env is not None:
+                raise ConfigError(
+                    f"TASKSET {self.taskset} names an Env class already; {{env_class}} "
+                    f"{self.env_class} would replace it",
+                    parameter="env_class",
+                    fix="drop {env_class}, or name the taskset class as TASKSET",
+                )
+            env_cls = _load(self.env_class, "env_class")
+            if not (isinstance(env_cls, type) and issubclass(env_cls, Env)):
+                raise ConfigError(
+                    f"{{env_class}} {self.env_class}: not a subclass of tt.Env",
+                    parameter="env_class",
+                )
         kwargs: dict[str, Any] = {"retries": self.retries}
         if self.reward is not None:
-            kwargs["reward"] = load_object(self.reward)
-        env: Env[Any] = env_cls(taskset, **kwargs)
+            kwargs["reward"] = _load(self.reward, "reward")
+        try:
+            env: Env[Any] = env_cls(taskset, **kwargs)
+        except Exception as exc:
+            raise ConfigError(
+                f"{env_cls.__name__}(taskset, ...) failed: {type(exc).__name__}: {exc}",
+                parameter="env_class",
+            ) from exc
         if self.rollout_timeout is not None:
             env.rollout_timeout = self.rollout_timeout
+        if self.working_limit is not None:
+            env.working_limit = self.working_limit
+        if self.stall_timeout is not None:
+            env.stall_timeout = self.stall_timeout
         return env
+
+
+def _load(spec: str, parameter: str) -> Any:
+    """The object `spec` names; `ConfigError` naming `parameter` if it cannot be loaded."""
+    try:
+        return load_object(spec)
+    except LoadError as exc:
+        raise ConfigError(f"{{{parameter}}} {spec}: {exc}", parameter=parameter) from exc
+    except Exception as exc:
+        where = spec.rpartition(":")[0]
+        message = f"{{{parameter}}} {spec}: {import_failure(exc, where)}"
+        raise ConfigError(message, parameter=parameter) from exc

@@ -139,7 +139,13 @@ async def close_iterator(iterator: object, source: object) -> BaseException | No
 
 
 def add_note(error: BaseException, when: str, extra: BaseException) -> None:
+    """Attach `extra` to `error` as a note, with the failures already noted on `extra` (a
+    nested fan_out's siblings that failed at the same time), so none is lost one level up."""
     error.add_note(f"trio_tasksets: {when}, {type(extra).__name__} was also raised: {extra}")
+    kept = getattr(error, "__notes__", [])
+    for note in getattr(extra, "__notes__", ()):
+        if note.startswith("trio_tasksets: ") and note not in kept:
+            error.add_note(note)
 
 
 def _leaves(group: BaseExceptionGroup[BaseException]) -> list[BaseException]:

@@ -17,12 +17,13 @@ summary (`window_history`).
 
 from __future__ import annotations
 
+import contextvars
 import enum
 import math
 import re
 from collections import deque
-from collections.abc import AsyncIterator
-from contextlib import asynccontextmanager
+from collections.abc import AsyncIterator, Iterator
+from contextlib import asynccontextmanager, contextmanager
 from typing import NamedTuple
 
 import attrs
@@ -40,6 +41,7 @@ __all__ = [
     "WindowArgumentError",
     "build_window",
     "parse_window",
+    "prioritized",
     "window_spec",
 ]
 
@@ -61,6 +63,24 @@ def _now() -> float | None:
     return trio.current_time() if trio.lowlevel.in_trio_run() else None
 
 
+_prioritized: contextvars.ContextVar[bool] = contextvars.ContextVar(
+    "trio_tasksets_prioritized", default=False
+)
+
+
+@contextmanager
+def prioritized() -> Iterator[None]:
+    """Inside this block (and in the tasks it starts), a `Window.acquire` is served before
+    every waiter outside one: how a group's waiting rollout takes a freed place before the
+    runner pulls a new task (SPEC 10). Waiters inside such blocks are served first come,
+    first served among themselves."""
+    token = _prioritized.set(True)
+    try:
+        yield
+    finally:
+        _prioritized.reset(token)
+
+
 class Window:
     """A runner window whose `size` may change while runners use it.
 
@@ -76,6 +96,8 @@ class Window:
         self._size = _check_size(size, "size")
         self._lent = 0  # places lent by resting runs (AdaptiveWindow.rest): tokens beyond size
         self._limiter = trio.CapacityLimiter(size)
+        self._urgent = 0  # prioritized acquirers waiting (see `prioritized`)
+        self._calm = trio.Event()  # set (and replaced) when the last of them is served
         self._epoch: float | None = None
         # (trio time, or None outside a run; size; reason)
         self._history: deque[tuple[float | None, int, str]] = deque(maxlen=HISTORY_LIMIT)
@@ -96,17 +118,76 @@ class Window:
 
     async def acquire(self, borrower: object) -> None:
         """Take a token for `borrower` (any hashable, unique among current holders), waiting
-        until fewer than `size` are held. Give it back with `release(borrower)`."""
+        until fewer than `size` are held. Give it back with `release(borrower)`.
+
+        A task under `prioritized()` (a group's rollouts) takes a freed token before any
+        other waiter (a runner's next pull), whoever queued first."""
         limiter = self._limiter
-        await limiter.acquire_on_behalf_of(borrower)
-        # A token handed over (by a release) in the same instant as a shrink: give it back
-        # and queue again, so that nothing starts while the window is over-full.
-        while limiter.borrowed_tokens > limiter.total_tokens:
-            limiter.release_on_behalf_of(borrower)
-            await limiter.acquire_on_behalf_of(borrower)
+        urgent = _prioritized.get()
+        if urgent:
+            self._urgent += 1
+        try:
+            while True:
+                if not urgent:
+                    while self._urgent:  # a group's waiting rollout goes first
+                        await self._calm.wait()
+                await limiter.acquire_on_behalf_of(borrower)
+                # A token handed over (by a release) in the same instant as a shrink, or to
+                # this waiter while a prioritized one queued behind it: give it back (to the
+                # next in line) and queue again.
+                if limiter.borrowed_tokens <= limiter.total_tokens and (urgent or not self._urgent):
+                    return
+                limiter.release_on_behalf_of(borrower)
+        finally:
+            if urgent:
+                self._urgent -= 1
+                if not self._urgent:
+                    self._calm.set()
+                    self._calm = trio.Event()
 
     def release(self, borrower: object) -> None:
         self._limiter.release_on_behalf_of(borrower)
+
+    @asynccontextmanager
+    async def lend(self, *, take_back: bool = True) -> AsyncIterator[None]:
+        """For the holder of a place that must wait for something other than its own work
+        (a 429's Retry-After, a runner's pull waiting for an open group's rollouts to
+        start): ``async with window.lend(): ...``. Its place is lent meanwhile: one more may
+        start (the window holds `size` places that are not lent, plus the lent ones). On
+        leaving, the holder waits for a place to free up, in turn with the runners' pulls,
+        and takes it back; leaving by an exception gives the place back at once.
+
+        `take_back=False` is for a holder that releases its place right after the block (a
+        group's run once all its rollouts are done): the lent place is given back at once,
+        and the window is over-full by one until that release, so nothing starts meanwhile.
+        """
+        self._lent += 1
+        self._limiter.total_tokens = self._size + self._lent  # wakes a waiting acquirer
+        try:
+            yield
+        except BaseException:
+            self._unlend()
+            raise
+        if not take_back:
+            self._unlend()
+            return
+        token = object()
+        try:
+            try:  # a free place: taken without a trip through the scheduler
+                self._limiter.acquire_on_behalf_of_nowait(token)
+            except trio.WouldBlock:
+                await self._limiter.acquire_on_behalf_of(token)
+        except BaseException:
+            self._unlend()
+            raise
+        self._unlend()  # lowered first, so that the release below wakes no one
+        self._limiter.release_on_behalf_of(token)
+
+    def _unlend(self) -> None:
+        # Lowering total_tokens evicts no one: a window over-full after it lets nothing start
+        # until enough runs end (Window.acquire).
+        self._lent -= 1
+        self._limiter.total_tokens = self._size + self._lent
 
     @property
     def in_flight(self) -> int:
@@ -392,27 +473,8 @@ class AdaptiveWindow(Window):
         to rest also capped the size at the calls then in flight, less one (see
         `AdaptiveController`). Leaving by an exception gives the place back at once.
         """
-        self._lent += 1
-        self._limiter.total_tokens = self._size + self._lent  # wakes a waiting pull
-        try:
+        async with self.lend():
             yield
-        except BaseException:
-            self._unlend()
-            raise
-        token = object()
-        try:
-            await self._limiter.acquire_on_behalf_of(token)
-        except BaseException:
-            self._unlend()
-            raise
-        self._unlend()  # lowered first, so that the release below wakes no one
-        self._limiter.release_on_behalf_of(token)
-
-    def _unlend(self) -> None:
-        # Lowering total_tokens evicts no one: a window over-full after it lets nothing start
-        # until enough runs end (Window.acquire).
-        self._lent -= 1
-        self._limiter.total_tokens = self._size + self._lent
 
     def success(self) -> None:
         self.record(Outcome.SUCCESS)

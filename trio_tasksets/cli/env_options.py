@@ -12,12 +12,21 @@ from typing import Any
 
 import attrs
 
+from .._exceptions import ConfigError
 from ..datasets import JsonlTaskset, data_target
 from ..env import Env, RetryPolicy
 from ..envspec import EnvSpec, config_from_json
-from ..loading import LoadError, import_failure, load_object, resolve_target
+from ..loading import LoadError, TravelError, import_failure, load_object, resolve_target
 from ..tasksets import Taskset, TasksetConfig
-from .options import TASKSET_HELP, UsageError, names, seconds, warn
+from .options import (
+    PARAMETER_FLAGS,
+    TASKSET_HELP,
+    UsageError,
+    flag_message,
+    names,
+    seconds,
+    warn,
+)
 
 __all__ = [
     "add_env_options",
@@ -142,6 +151,19 @@ def add_env_options(
         "one is cancelled and becomes an episode error, RolloutTimeoutError, retried per "
         "--retries (default: no bound)",
     )  # fmt: skip
+    env.add_argument(
+        "--working-limit", type=seconds, default=None, metavar="S",
+        help="bound each attempt's working time to S seconds: wall time less its waits on "
+        "the limiters (--max-connections, --rpm, --tpm), Retry-After and retry backoff; "
+        "an attempt that reaches it is cut and scored, stop_reason \"working_limit\" "
+        "(default: no bound)",
+    )  # fmt: skip
+    env.add_argument(
+        "--stall-timeout", type=seconds, default=None, metavar="S",
+        help="cancel an attempt in which no model or tool call finished for S seconds of "
+        "working time: it becomes an episode error, StalledError, retried per --retries "
+        "(default: no bound)",
+    )  # fmt: skip
     return env
 
 
@@ -173,7 +195,19 @@ def _system_prompt(args: argparse.Namespace) -> str | None:
 
 
 def env_spec(args: argparse.Namespace) -> EnvSpec:
-    """The env the options describe, by names and JSON (what `serve` hands its workers)."""
+    """The env the options describe, by names and JSON (what `serve` hands its workers); a
+    spawned server's `--env-spec JSON` (`EnvSpec.to_json`) is that spec whole."""
+    given = getattr(args, "env_spec", None)
+    if given is not None:
+        try:
+            spec = EnvSpec.from_json(given)
+        except TravelError as exc:
+            raise UsageError(f"--env-spec: {exc}") from None
+        if spec.taskset != args.taskset:
+            raise UsageError(
+                f"--env-spec describes taskset {spec.taskset}, not TASKSET {args.taskset}"
+            )
+        return spec
     fields = {**_data_fields(args), **_taskset_fields(args)}
     prompt = _system_prompt(args)
     if prompt is not None:
@@ -197,6 +231,8 @@ def env_spec(args: argparse.Namespace) -> EnvSpec:
     return EnvSpec(
         args.taskset or "", fields, env_class, getattr(args, "reward", None), retries,
         rollout_timeout=getattr(args, "rollout_timeout", None),
+        working_limit=getattr(args, "working_limit", None),
+        stall_timeout=getattr(args, "stall_timeout", None),
     )  # fmt: skip
 
 
@@ -213,24 +249,19 @@ def check_retry_flags(args: argparse.Namespace) -> None:
 
 def load_reward(spec: str, flag: str = "--reward") -> Any:
     """The reward function `spec` names (`file.py:function`, `pkg.mod:function`); a usage
-    error naming `flag` if it names nothing callable."""
-    reward = _load(spec, flag)
+    error naming `flag` if it names nothing callable (`rescore`'s --reward)."""
+    try:
+        reward = load_object(spec)
+    except LoadError as exc:
+        raise UsageError(f"{flag} {spec}: {exc}") from exc
+    except Exception as exc:
+        raise UsageError(f"{flag} {spec}: {import_failure(exc, spec.rpartition(':')[0])}") from exc
     if not callable(reward) and not isinstance(reward, dict):
         raise UsageError(
             f"{flag} {spec}: not a function (task, completion) -> reward, got "
             f"{type(reward).__name__}"
         )
     return reward
-
-
-def _load(spec: str, flag: str) -> Any:
-    try:
-        return load_object(spec)
-    except LoadError as exc:
-        raise UsageError(f"{flag} {spec}: {exc}") from exc
-    except Exception as exc:
-        where = spec.rpartition(":")[0]
-        raise UsageError(f"{flag} {spec}: {import_failure(exc, where)}") from exc
 
 
 def _check_fields(cls: type[Taskset[Any, Any]], fields: dict[str, Any]) -> None:
@@ -344,28 +375,10 @@ def build_env(args: argparse.Namespace, *, check_retry_names: bool = True) -> En
         return _verifiers_env(args, _system_prompt(args), policy)
     spec = env_spec(args)
     taskset, target_env = _build_taskset(args, spec)
-    env_cls: Any = target_env or Env
-    if spec.env_class is not None:
-        if target_env is not None:
-            raise UsageError(
-                f"TASKSET {args.taskset} names an Env class already; --env-class "
-                f"{spec.env_class} would replace it",
-                fix="drop --env-class, or name the taskset class as TASKSET",
-            )
-        env_cls = _load(spec.env_class, "--env-class")
-        if not (isinstance(env_cls, type) and issubclass(env_cls, Env)):
-            raise UsageError(f"--env-class {spec.env_class}: not a subclass of tt.Env")
-    kwargs: dict[str, Any] = {"retries": spec.retries}
-    if spec.reward is not None:
-        kwargs["reward"] = load_reward(spec.reward)
     try:
-        env: Env[Any] = env_cls(taskset, **kwargs)
-    except Exception as exc:
-        raise UsageError(
-            f"{env_cls.__name__}(taskset, ...) failed: {type(exc).__name__}: {exc}"
-        ) from exc
-    if spec.rollout_timeout is not None:
-        env.rollout_timeout = spec.rollout_timeout  # an attribute: any Env subclass takes it
+        env = spec.build(taskset, target_env=target_env)  # the one env builder
+    except ConfigError as exc:
+        raise UsageError(flag_message(exc), fix=exc.spelled_fix(PARAMETER_FLAGS)) from exc
     if check_retry_names:
         _check_retry_names(args.command, spec.retries)
     return env

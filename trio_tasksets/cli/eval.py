@@ -36,6 +36,7 @@ from .options import (
     CommandError,
     HelpFormatter,
     UsageError,
+    add_metrics_option,
     add_time_limit_option,
     add_window_option,
     flag_message,
@@ -94,6 +95,12 @@ def add_parser(commands: Commands) -> argparse.ArgumentParser:
     )
     add_window_option(run, help="the window: most rollouts in flight")
     run.add_argument(
+        "--group", action="store_true",
+        help="a task's -r rollouts are one group: they run together, Env.score_group scores "
+        "them, their rows are written together (with `group` and `advantage`), and one that "
+        "fails after its retries fails the group",
+    )  # fmt: skip
+    run.add_argument(
         "--shuffle", action="store_true", help="shuffle a static taskset before taking N"
     )
     run.add_argument(
@@ -117,11 +124,17 @@ def add_parser(commands: Commands) -> argparse.ArgumentParser:
         "slots (of a stream: of the finished ones) failed (default: never stop early; exit 1 "
         "only when no episode succeeded)",
     )  # fmt: skip
+    run.add_argument(
+        "--max-consecutive-failures", type=int, default=None, metavar="N",
+        help="stop (exit 1) after N failed episodes in a row: a dead service fails every one "
+        "(default: never)",
+    )  # fmt: skip
     add_time_limit_option(
         run, what="stop pulling, cancel the rollouts in flight and keep the finished rows "
         "(summary.json: stopped \"time_limit\"; exit 0 if any episode succeeded)",
     )  # fmt: skip
     run.add_argument("--no-dashboard", action="store_true", help="plain log lines, no live view")
+    add_metrics_option(run)
     served = ev.add_argument_group("the served path")
     served.add_argument("--serve", action="store_true", help="run the env in a server process")
     served.add_argument(
@@ -211,12 +224,14 @@ def _refuse_remote_limits(args: argparse.Namespace) -> None:
             fix="drop --reward here (or rescore the run: trio-tasksets rescore RUN_DIR "
             "--reward SPEC)",
         )
-    if args.rollout_timeout is not None and args.serve is False:
-        raise UsageError(
-            f"--rollout-timeout with {flag}: the episodes run in {who}, whose own "
-            f"--rollout-timeout bounds them",
-            fix=f"drop --rollout-timeout here{how}",
-        )
+    for name, dest in (("--rollout-timeout", "rollout_timeout"),
+                       ("--working-limit", "working_limit"),
+                       ("--stall-timeout", "stall_timeout")):  # fmt: skip
+        if getattr(args, dest, None) is not None and args.serve is False:
+            raise UsageError(
+                f"{name} with {flag}: the episodes run in {who}, whose own {name} bounds them",
+                fix=f"drop {name} here{how}",
+            )
 
 
 def program() -> list[str]:
@@ -248,11 +263,14 @@ def _build(args: argparse.Namespace) -> tuple[Env[Any], ModelContext, EvalConfig
         server_url=args.server_url,
         server_token=token,
         max_failures=args.max_failures,
+        max_consecutive_failures=args.max_consecutive_failures,
+        metrics_port=args.metrics_port,
         command=[*program(), *getattr(args, "argv", [])],
         api_key_var=api_key_var(args),
         via=args.via,
         stream=args.stream,
         time_limit=args.time_limit,
+        group=args.group,
     )
     return env, ctx, config
 
@@ -331,6 +349,32 @@ def print_summary(summary: dict[str, Any], run_dir: Path) -> None:
     _print_summary(summary, run_dir)
 
 
+def _print_tracebacks(summary: dict[str, Any], run_dir: Path, *, debug: bool) -> None:
+    """On stderr: the first error's traceback (the user's frames, when the error came from
+    their code); with `--debug`, every failed attempt's that has one, from the rows."""
+    if not debug:
+        first = summary.get("first_error") or {}
+        if first.get("traceback"):
+            print(f"first error ({first['type']}), in your code:", file=sys.stderr)
+            print(first["traceback"].rstrip(), file=sys.stderr)
+        return
+    try:
+        lines = (run_dir / "traces.jsonl").read_text().splitlines()
+    except OSError:
+        return
+    for line in lines:
+        try:
+            row = json.loads(line)
+        except ValueError:
+            continue  # a torn last line
+        for error in row.get("errors") or ():
+            if isinstance(error, dict) and error.get("traceback"):
+                key = row.get("task", {}).get("key")
+                print(f"task {key!r}, rollout {row.get('rollout')}, attempt "
+                      f"{error.get('attempt')}: {error['type']}", file=sys.stderr)  # fmt: skip
+                print(str(error["traceback"]).rstrip(), file=sys.stderr)
+
+
 def _fix_for(error_type: str, message: str, args: argparse.Namespace, run_dir: Path) -> str | None:
     """What the user can do about an error, from its type and (HTTP) status; where the rows
     are only when a run dir holds them."""
@@ -364,6 +408,11 @@ def _fix_for(error_type: str, message: str, args: argparse.Namespace, run_dir: P
         return f"nothing answers at --base-url {args.base_url}: start the server, or fix the URL"
     if error_type == "ModelTimeoutError":
         return "raise --timeout S, or lower -c/--max-concurrent"
+    if error_type == "StalledError":
+        return (
+            "a rollout waited on something that never finished: see the row's messages; "
+            "raise --stall-timeout S, or retry stalls with --retries K"
+        )
     if error_type == "RolloutTimeoutError":
         return "raise --rollout-timeout S (or retry slow episodes with --retries K)"
     if error_type == "ModelResponseError":
@@ -518,6 +567,7 @@ def run(args: argparse.Namespace) -> int:
         ) from exc
     summary = result.summary
     _print_summary(summary, run_dir)
+    _print_tracebacks(summary, run_dir, debug=getattr(args, "debug", False))
     stopped = summary["stopped"]
     first = summary.get("first_error") or {}
     fix = _fix_for(first.get("type", ""), first.get("message", ""), args, run_dir)

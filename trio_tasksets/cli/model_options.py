@@ -36,7 +36,9 @@ def add_model_options(parser: argparse.ArgumentParser) -> argparse._ArgumentGrou
     )  # fmt: skip
     model.add_argument(
         "--timeout", type=float, default=None, metavar="S",
-        help="per-request timeout in seconds, for --base-url (default: 120)",
+        help="bound each model request as a whole, from connecting to the reply's last byte, "
+        "to S seconds (each retry has its own S; never past the rollout's deadline) "
+        "(default: 120)",
     )  # fmt: skip
     model.add_argument(
         "--temperature", type=float, default=None, metavar="T", help="sampling temperature >= 0 "
@@ -63,6 +65,11 @@ def add_model_options(parser: argparse.ArgumentParser) -> argparse._ArgumentGrou
         "'{\"response_format\": {\"type\": \"json_object\"}, \"tools\": [...], "
         "\"stop\": [\"\\n\"]}' (temperature, max_tokens, top_p, seed here count as their "
         "flags) (default: none)",
+    )  # fmt: skip
+    model.add_argument(
+        "--return-tokens", action="store_true",
+        help="ask the server for token ids and logprobs (vLLM's return_token_ids and "
+        "logprobs); rows keep them per model call under `tokens`",
     )  # fmt: skip
     model.add_argument(
         "--echo-delay", type=float, default=None, metavar="S",
@@ -161,7 +168,8 @@ def _sampling(args: argparse.Namespace) -> Sampling:
     if max_tokens is not None and max_tokens < 1:
         raise UsageError(f"--max-tokens must be >= 1, got {max_tokens}")
     return Sampling(temperature=temperature, max_tokens=max_tokens, top_p=top_p,
-                    seed=seed, extra=extra)  # fmt: skip
+                    seed=seed, extra=extra,
+                    return_tokens=args.return_tokens)  # fmt: skip
 
 
 def api_key_var(args: argparse.Namespace) -> str | None:

@@ -20,7 +20,7 @@ if TYPE_CHECKING:
     from .options import Commands
 
 from .env_options import add_env_options, build_env, env_spec
-from .options import CommandError, HelpFormatter, UsageError
+from .options import CommandError, HelpFormatter, UsageError, add_metrics_option, flag_message
 
 DEFAULTS = Limits()
 
@@ -35,6 +35,8 @@ def add_parser(commands: Commands) -> argparse.ArgumentParser:
         formatter_class=HelpFormatter,
     )
     env = add_env_options(sv)
+    # How a spawned server (and a pool's workers) get their env: the EnvSpec as data.
+    sv.add_argument("--env-spec", default=None, metavar="JSON", help=argparse.SUPPRESS)
     sv.add_argument(
         "--host",
         default="127.0.0.1",
@@ -47,6 +49,7 @@ def add_parser(commands: Commands) -> argparse.ArgumentParser:
         help=f"port (0: the OS picks one; the '{READY_PREFIX}URL' line on stdout tells it)",
     )
     sv.add_argument("--workers", type=int, default=1, metavar="K", help="worker processes")
+    add_metrics_option(sv)
     sv.add_argument(
         "--token-var",
         default=None,
@@ -216,6 +219,18 @@ def _check_wildcard(args: argparse.Namespace) -> None:
 def _check_args(args: argparse.Namespace) -> None:
     if args.workers < 1:
         raise UsageError(f"--workers must be >= 1, got {args.workers}")
+    if args.metrics_port is not None:
+        if args.workers > 1:
+            raise UsageError(
+                "--metrics-port with --workers K: each worker process has its own counts",
+                fix="run K servers of --workers 1, each with its own --metrics-port",
+            )
+        from ..eval.config import EvalConfigError, check_metrics_port
+
+        try:
+            check_metrics_port(args.metrics_port)
+        except EvalConfigError as exc:
+            raise UsageError(flag_message(exc)) from None
     if not 0 <= args.port <= 65535:
         raise UsageError(f"--port must be in 0..65535, got {args.port}")
     if args.max_body_bytes < 1:
@@ -232,13 +247,16 @@ def _check_args(args: argparse.Namespace) -> None:
 
 def _worker_cmd(args: argparse.Namespace, spec: EnvSpec, port: int) -> list[str]:
     """A pool worker's command: the same env, flags and bound name (its socket by fd)."""
-    cmd = [sys.executable, "-m", "trio_tasksets", "serve", *spec.argv(),
+    cmd = [sys.executable, "-m", "trio_tasksets", "serve", spec.taskset,
+           "--env-spec", spec.to_json(),
            "--host", args.host, "--port", str(port), "--workers", str(args.workers),
            "--max-body-bytes", str(args.max_body_bytes),
            "--max-runs-per-connection", str(args.max_runs_per_connection),
            "--header-timeout", repr(args.header_timeout),
            "--idle-timeout", repr(args.idle_timeout),
-           "--max-model-clients", str(args.max_model_clients), "--die-with-parent"]  # fmt: skip
+           "--max-model-clients", str(args.max_model_clients),
+           "--max-model-retries", str(args.max_model_retries),
+           "--min-model-backoff", repr(args.min_model_backoff), "--die-with-parent"]  # fmt: skip
     for flag, values in (("--allow-host", args.allow_host),
                          ("--allow-origin", args.allow_origin),
                          ("--allow-base-url", args.allow_base_url)):  # fmt: skip
@@ -279,7 +297,7 @@ def run(args: argparse.Namespace) -> int:
             cmd = _worker_cmd(args, spec, port)
             return trio.run(supervise, cmd, sock, args.workers, url, args.die_with_parent)
     app = ServerApp(env, access=_access(args, port, token), models=models, limits=limits)
-    trio.run(
-        partial(serve_worker, url=url, die_with_parent=args.die_with_parent), app, sock.detach()
-    )
+    serve = partial(serve_worker, url=url, die_with_parent=args.die_with_parent,
+                    metrics_port=args.metrics_port)  # fmt: skip
+    trio.run(serve, app, sock.detach())
     return 0

@@ -15,6 +15,7 @@ from .._exceptions import EvalWarning as EvalWarning
 from ..backend import InProcess, SlotBackend, backend_for
 from ..env import Env, Episode
 from ..loading import taskset_label, taskset_short_name
+from ..metrics import check_metrics
 from ..models import ModelContext
 from ..window import AdaptiveBounds, Window, WindowArgumentError, build_window
 
@@ -52,6 +53,15 @@ class EvalConfig:
     # --time-limit: seconds after which the eval stops pulling, cancels the runs in flight,
     # keeps the finished rows and ends with `stopped: "time_limit"`. None: no limit.
     time_limit: float | None = None
+    # --max-consecutive-failures: stop (exit 1) after this many failed episodes in a row (in
+    # the order they finished): a dead service fails every one. None: never.
+    max_consecutive_failures: int | None = None
+    # --metrics-port: serve the run's counters and health as Prometheus text on 127.0.0.1 at
+    # this port (0: a free one, printed) while it runs. None: no metrics server.
+    metrics_port: int | None = None
+    # --group: a task's rollouts are one group (SPEC 10): run together, scored together by
+    # Env.score_group, written together; one failing after its retries fails the group.
+    group: bool = False
     # Recorded in config.json only (never compared by a resume): the command line that ran
     # the eval (default: sys.argv) and the name of the variable the model's API key came from.
     command: list[str] | None = None
@@ -98,7 +108,7 @@ class EvalResult:
 
 # The saved config keys that decide which slots a run owes; a resume must match them all.
 IDENTITY = ("taskset", "taskset_config", "model", "sampling", "num_examples",
-             "rollouts_per_example", "shuffle", "seed")  # fmt: skip
+             "rollouts_per_example", "shuffle", "seed", "group")  # fmt: skip
 
 
 def _check_int(value: object, name: str, minimum: int, *, optional: bool = False) -> None:
@@ -107,6 +117,23 @@ def _check_int(value: object, name: str, minimum: int, *, optional: bool = False
     if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
         raise EvalConfigError(
             f"{{{name}}} must be an integer >= {minimum}, got {value!r}", parameter=name
+        )
+
+
+def check_metrics_port(port: object) -> None:
+    """`EvalConfigError` naming `metrics_port` unless `port` is None or a port 0-65535 and
+    prometheus_client is installed."""
+    if port is None:
+        return
+    if isinstance(port, bool) or not isinstance(port, int) or not 0 <= port <= 65535:
+        raise EvalConfigError(
+            f"{{metrics_port}} must be a port number 0-65535 (0: a free one), got {port!r}",
+            parameter="metrics_port",
+        )
+    missing = check_metrics()
+    if missing is not None:
+        raise EvalConfigError(
+            f"{{metrics_port}} needs prometheus_client: {missing}", parameter="metrics_port"
         )
 
 
@@ -157,7 +184,13 @@ def preflight(env: Env[Any], ctx: ModelContext, config: EvalConfig) -> SlotBacke
             f"{{time_limit}} must be a number of seconds > 0, got {limit!r}",
             parameter="time_limit",
         )
+    if not isinstance(config.group, bool):
+        raise EvalConfigError(
+            f"{{group}} is a switch (True or False), got {config.group!r}", parameter="group"
+        )
     check_max_failures(config.max_failures)
+    _check_int(config.max_consecutive_failures, "max_consecutive_failures", 1, optional=True)
+    check_metrics_port(config.metrics_port)
     taskset = env.taskset
     name = type(taskset).__name__
     if taskset.streaming or taskset.INFINITE:
@@ -185,7 +218,7 @@ def preflight(env: Env[Any], ctx: ModelContext, config: EvalConfig) -> SlotBacke
 
 def run_identity(env: Env[Any], ctx: ModelContext, config: EvalConfig) -> dict[str, Any]:
     taskset = env.taskset
-    return {
+    identity: dict[str, Any] = {
         "taskset": taskset_label(taskset),
         "taskset_config": json.loads(json.dumps(attrs.asdict(taskset.config), default=str)),
         "model": ctx.model,
@@ -195,6 +228,9 @@ def run_identity(env: Env[Any], ctx: ModelContext, config: EvalConfig) -> dict[s
         "shuffle": config.shuffle,
         "seed": config.seed,
     }
+    if config.group:  # absent otherwise: runs saved before groups existed still resume
+        identity["group"] = True
+    return identity
 
 
 def default_run_name(env: Env[Any], ctx: ModelContext) -> str:

@@ -12,6 +12,7 @@ import trio
 
 from .. import dashboard
 from ..env import Env, Episode, RunSlot, task_data, task_key
+from ..groups import Group, group_slots
 from ..traces import read_rows
 from .config import IDENTITY, EvalConfig, EvalConfigError
 
@@ -34,9 +35,11 @@ def static_slots(env: Env[Any], config: EvalConfig) -> list[RunSlot[Any]]:
 
 
 def keep_resumable(
-    run_dir: Path, identity: dict[str, Any], slots: list[RunSlot[Any]]
+    run_dir: Path, identity: dict[str, Any], slots: list[RunSlot[Any]], *, groups: bool = False
 ) -> tuple[list[dict[str, Any]], list[RunSlot[Any]]]:
-    """The whole ok rows of a matching run that planned slots still need, and the owed slots."""
+    """The whole ok rows of a matching run that planned slots still need, and the owed slots.
+    With `groups`, a group (a task's run of consecutive slots) is one unit: a group with a
+    missing or failed row is owed whole, and its other rows are dropped."""
     config_path = run_dir / "config.json"
     if not config_path.exists():
         raise EvalConfigError(
@@ -66,6 +69,7 @@ def keep_resumable(
             slot_id = (episode.task.key, episode.rollout, _canonical(episode.task.data))
             by_slot.setdefault(slot_id, []).append(row)
     chosen: set[int] = set()  # ids of the row objects kept, to keep them in file order
+    by_id = {id(row): row for row in rows}
     owed: list[RunSlot[Any]] = []
     for slot in slots:
         slot_id = (task_key(slot.task), slot.rollout, _canonical(task_data(slot.task)))
@@ -74,7 +78,23 @@ def keep_resumable(
             chosen.add(id(matching.pop(0)))
         else:
             owed.append(slot)
+    if groups:
+        owed_ids = {id(slot) for slot in owed}
+        owed = []
+        for group in group_slots(slots):
+            if any(id(slot) in owed_ids for slot in group.slots):
+                owed.extend(group.slots)
+        dropped = {_slot_id(slot) for slot in owed}
+        chosen = {i for i in chosen if _row_slot(by_id[i]) not in dropped}
     return [row for row in rows if id(row) in chosen], owed
+
+
+def _slot_id(slot: RunSlot[Any]) -> tuple[str, int, str]:
+    return (task_key(slot.task), slot.rollout, _canonical(task_data(slot.task)))
+
+
+def _row_slot(row: dict[str, Any]) -> tuple[str, int, str]:
+    return (str(row["task"]["key"]), int(row["rollout"]), _canonical(dict(row["task"]["data"])))
 
 
 def _canonical(data: dict[str, Any]) -> str:
@@ -85,6 +105,21 @@ def _canonical(data: dict[str, Any]) -> str:
 async def from_list(slots: list[RunSlot[Any]]) -> AsyncIterator[RunSlot[Any]]:
     for slot in slots:
         yield slot
+
+
+async def plan_groups(
+    tasks: trio.abc.ReceiveChannel[Any], rollouts: int, progress: dashboard.Progress
+) -> AsyncIterator[Group]:
+    """A task's `rollouts` slots as one group, as each task arrives (`--group`)."""
+    async for task in tasks:
+        progress.planned(rollouts)
+        yield Group(task, [RunSlot(task, rollout) for rollout in range(rollouts)])
+    progress.stop_growing()
+
+
+async def from_groups(groups: list[Group]) -> AsyncIterator[Group]:
+    for group in groups:
+        yield group
 
 
 async def plan_stream(

@@ -27,6 +27,7 @@ from typing import TYPE_CHECKING, Any, Protocol, cast, runtime_checkable
 import attrs
 
 from .._exceptions import TrioTasksetsError
+from ..limits import report_progress
 
 if TYPE_CHECKING:
     pass  # only for a caller's own http_client; imported where used
@@ -42,6 +43,7 @@ __all__ = [
     "ModelResponseError",
     "ModelTimeoutError",
     "Sampling",
+    "Tokens",
     "ToolCall",
     "api_key_from_env",
     "body_text",
@@ -70,9 +72,13 @@ class Sampling:
     top_p: float | None = None
     seed: int | None = None
     extra: dict[str, Any] = attrs.field(factory=dict)
+    # Ask for token ids and logprobs (vLLM's `return_token_ids` and `logprobs`), for a
+    # trainer: each reply's `Completion.tokens`, and the rows' `tokens`.
+    return_tokens: bool = attrs.field(default=False, validator=attrs.validators.instance_of(bool))
 
     def to_request(self) -> dict[str, Any]:
-        """Return the OpenAI request fields that are set: ``None`` fields are omitted and
+        """Return the OpenAI request fields that are set: ``None`` fields are omitted,
+        ``return_tokens`` adds ``return_token_ids: true`` and ``logprobs: true``, and
         ``extra`` is merged last (so it may override the named fields)."""
         fields: dict[str, Any] = {
             "temperature": self.temperature,
@@ -81,8 +87,62 @@ class Sampling:
             "seed": self.seed,
         }
         request = {name: value for name, value in fields.items() if value is not None}
+        if self.return_tokens:
+            request["return_token_ids"] = True
+            request["logprobs"] = True
         request.update(self.extra)
         return request
+
+
+def _int_list(instance: object, attribute: attrs.Attribute[Any], value: object) -> None:
+    if not isinstance(value, list) or not all(
+        isinstance(v, int) and not isinstance(v, bool) for v in value
+    ):
+        raise TypeError(f"Tokens.{attribute.name} must be a list of ints, got {value!r:.80}")
+
+
+def _float_list(instance: object, attribute: attrs.Attribute[Any], value: object) -> None:
+    if not isinstance(value, list) or not all(
+        isinstance(v, float | int) and not isinstance(v, bool) for v in value
+    ):
+        raise TypeError(f"Tokens.{attribute.name} must be a list of floats, got {value!r:.80}")
+
+
+@attrs.frozen
+class Tokens:
+    """The token ids and logprobs of one model call, for a trainer: the prompt's ids as the
+    server tokenized it, the reply's ids, and each reply token's logprob. A part the server
+    did not send is ``[]``; when both are sent, ``completion_logprobs`` has one entry per
+    ``completion_ids`` entry (else ``ValueError``)."""
+
+    prompt_ids: list[int] = attrs.field(factory=list, validator=_int_list)
+    completion_ids: list[int] = attrs.field(factory=list, validator=_int_list)
+    completion_logprobs: list[float] = attrs.field(factory=list, validator=_float_list)
+
+    def __attrs_post_init__(self) -> None:
+        ids, logprobs = self.completion_ids, self.completion_logprobs
+        if ids and logprobs and len(ids) != len(logprobs):
+            raise ValueError(
+                f"Tokens: {len(ids)} completion_ids but {len(logprobs)} completion_logprobs "
+                f"(one logprob per completion token)"
+            )
+
+    def to_dict(self) -> dict[str, Any]:
+        """JSON-ready, under the field names (a row's ``tokens`` entry)."""
+        return {
+            "prompt_ids": self.prompt_ids,
+            "completion_ids": self.completion_ids,
+            "completion_logprobs": self.completion_logprobs,
+        }
+
+    @classmethod
+    def from_dict(cls, value: dict[str, Any]) -> Tokens:
+        """The inverse of `to_dict` (a missing part is ``[]``)."""
+        return cls(
+            list(value.get("prompt_ids") or []),
+            list(value.get("completion_ids") or []),
+            [float(v) for v in value.get("completion_logprobs") or []],
+        )
 
 
 @attrs.frozen
@@ -182,7 +242,9 @@ class Completion:
     fields and any other field kept): append it to the messages as is to continue the
     conversation. It defaults to ``{"role": "assistant", "content": content}``.
     `tool_calls` are the `ToolCall`s parsed from ``message["tool_calls"]`` ([] when none);
-    given explicitly, they are what a tool env runs."""
+    given explicitly, they are what a tool env runs. `tokens` holds the reply's token ids and
+    logprobs when the server returned them (``Sampling(return_tokens=True)`` asks for them),
+    else None."""
 
     content: str
     usage: dict[str, int] = attrs.field(factory=dict)
@@ -191,6 +253,7 @@ class Completion:
     tool_calls: list[ToolCall] = attrs.field(
         default=attrs.Factory(_message_tool_calls, takes_self=True)
     )
+    tokens: Tokens | None = None
 
 
 @runtime_checkable
@@ -242,6 +305,7 @@ class ModelContext:
         observer = _observer.get()
         if observer is not None:
             observer(completion)
+        report_progress("model")  # for a stall timeout, and the run's count of calls
         return completion
 
     async def _chat_with_tools(

@@ -136,7 +136,9 @@ async def spawn_server(
     """
     spec = EnvSpec.of(env)
     token = secrets.token_urlsafe(32)
-    cmd = [sys.executable, "-m", "trio_tasksets", "serve", *spec.argv(), "--host", "127.0.0.1",
+    # The env travels as data (its spec's JSON), never re-encoded as flags.
+    cmd = [sys.executable, "-m", "trio_tasksets", "serve", spec.taskset, "--env-spec",
+           spec.to_json(), "--host", "127.0.0.1",
            "--port", "0", "--workers", str(workers), "--token-var", TOKEN_VAR,
            "--die-with-parent"]  # fmt: skip
     if api_key is not None:

@@ -9,6 +9,7 @@ from typing import Any
 
 import attrs
 import orjson
+import trio
 
 from .. import batching
 from .._exceptions import TrioTasksetsError
@@ -200,7 +201,9 @@ class RunRequestEncoder:
         return encoded
 
     def encode(self, slot: RunSlot[Any], ctx: ModelContext) -> bytes:
-        """The JSON body of `POST /run` for `slot` under `ctx`."""
+        """The JSON body of `POST /run` for `slot` under `ctx`; called in a trio task with
+        a finite `trio.current_effective_deadline()`, it carries the seconds left as
+        `time_left` (SPEC 12: the server runs the episode under it)."""
         task = slot.task
         try:
             ctx_json = self._ctx_json(ctx)
@@ -213,7 +216,31 @@ class RunRequestEncoder:
                 f"task {task_key(task)!r}: its data or the sampling settings are not JSON, so "
                 f"they cannot go to an env server: {exc}"
             ) from exc
+        try:
+            left = trio.current_effective_deadline() - trio.current_time()
+        except RuntimeError:  # a sync caller, outside trio: no deadline
+            left = math.inf
+        if left != math.inf:
+            return b'{"slot":%b,"ctx":%b,"time_left":%r}' % (task_json, ctx_json, max(left, 0.0))
         return b'{"slot":%b,"ctx":%b}' % (task_json, ctx_json)
+
+
+TIME_LEFT = "time_left"
+"""The run request field holding the seconds the run has left (its caller's deadline)."""
+
+
+def time_left(body: object) -> float | None:
+    """A decoded run request's `time_left`: None when absent, else a finite number of
+    seconds >= 0 (`WireError` naming the field otherwise)."""
+    if type(body) is not dict:
+        return None
+    value = body.get(TIME_LEFT)
+    if value is None:
+        return None
+    if type(value) not in (int, float) or not math.isfinite(value) or value < 0:
+        shown = repr(value) if type(value) in (int, float) else _kind(value)
+        raise WireError(TIME_LEFT, f"expected a number of seconds >= 0, got {shown}")
+    return float(value)
 
 
 # --- run requests: parse and validate (server side) ------------------------------------------
@@ -308,14 +335,19 @@ def _task_fields(data: dict[str, Any], field: str) -> None:
 
 def _parse_sampling(value: object) -> Sampling:
     field = "ctx.sampling"
-    obj = _object(value, field, {"temperature", "max_tokens", "top_p", "seed", "extra"})
+    names = {"temperature", "max_tokens", "top_p", "seed", "extra", "return_tokens"}
+    obj = _object(value, field, names)
     extra = obj.get("extra")
+    return_tokens = obj.get("return_tokens", False)
+    if not isinstance(return_tokens, bool):
+        raise WireError(f"{field}.return_tokens", f"expected true or false, got {return_tokens!r}")
     return Sampling(
         temperature=_number(obj.get("temperature"), f"{field}.temperature", optional=True),
         max_tokens=_int(obj.get("max_tokens"), f"{field}.max_tokens", optional=True),
         top_p=_number(obj.get("top_p"), f"{field}.top_p", optional=True),
         seed=_int(obj.get("seed"), f"{field}.seed", optional=True),
         extra={} if extra is None else _object(extra, f"{field}.extra"),
+        return_tokens=return_tokens,
     )
 
 
@@ -399,7 +431,7 @@ def parse_run_request(body: object, *, plain_tasks: bool = True) -> RunRequest:
     `MAX_DEPTH` levels.
     """
     check_depth(body, "body")
-    top = _object(body, "body", {"slot", "ctx"})
+    top = _object(body, "body", {"slot", "ctx", TIME_LEFT})
     slot = _object(_required(top, "slot", "body"), "slot", {"task", "rollout"})
     task = _object(_required(slot, "task", "slot"), "slot.task", {"key", "data"})
     key = _str(_required(task, "key", "slot.task"), "slot.task.key")

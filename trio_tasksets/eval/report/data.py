@@ -121,6 +121,7 @@ class RunData:
     prompt_tokens: list[int | None] = attrs.Factory(list)
     completion_tokens: list[int | None] = attrs.Factory(list)
     finish_reason: list[int] = attrs.Factory(list)
+    group: list[str | None] = attrs.Factory(list)  # `--group`: the row's group id
     turns: list[int] = attrs.Factory(list)  # model replies of the row's attempt
     tool_calls: list[int] = attrs.Factory(list)
     stop_reason: list[int] = attrs.Factory(list)  # a string's index, or -1
@@ -170,7 +171,7 @@ class RunData:
         add_duration, add_errors = self.duration.append, self.errors.append
         add_completion, add_messages = self.completion.append, self.messages.append
         add_prompt, add_generated = self.prompt_tokens.append, self.completion_tokens.append
-        add_reason = self.finish_reason.append
+        add_reason, add_group = self.finish_reason.append, self.group.append
         add_turns, add_calls = self.turns.append, self.tool_calls.append
         add_stop = self.stop_reason.append
         for line, row in numbered:
@@ -241,6 +242,8 @@ class RunData:
                 add_generated(None)
             reason = get("finish_reason")
             add_reason(text(reason, len(index)) if type(reason) is str else -1)
+            group = get("group")
+            add_group(group if type(group) is str else None)
             turns, calls, stop = get("turns"), get("tool_calls"), get("stop_reason")
             add_turns(turns if type(turns) is int else 0)
             add_calls(calls if type(calls) is int else 0)

@@ -69,6 +69,16 @@ class TaskFigures:
 
 
 @attrs.frozen
+class GroupFigures:
+    """Rows grouped by `group` (an eval run with `--group`): per group, in order of first
+    appearance, (task index, rollouts, ok rollouts, reward mean, min, max); and how many
+    groups have no reward spread (all rewards equal: no learning signal for GRPO)."""
+
+    groups: list[tuple[int, int, int, float | None, float | None, float | None]]
+    flat: int
+
+
+@attrs.frozen
 class Figures:
     """Everything the report shows about one run."""
 
@@ -101,6 +111,7 @@ class Figures:
     t0: float | None
     tasks: TaskFigures
     mismatches: list[str]
+    groups: GroupFigures | None = None
     # Each named metric of the rows (`metrics`, besides the reward): (mean, n, interval).
     metrics: dict[str, tuple[float, int, Interval | None]] = attrs.Factory(dict)
 
@@ -255,6 +266,26 @@ def _tasks(run: RunData, threshold: float) -> TaskFigures:
         pass_at_k=table,
         passed_counts=sorted((c, n, tasks) for (c, n), tasks in spread.items()),
     )
+
+
+def _groups(run: RunData) -> GroupFigures | None:
+    members: dict[str, list[int]] = {}
+    for row, group in enumerate(run.group):
+        if group is not None:
+            members.setdefault(group, []).append(row)
+    if not members:
+        return None
+    table = []
+    flat = 0
+    for rows in members.values():
+        rewards = [r for r in (run.reward[i] for i in rows) if r is not None]
+        lo, hi = (min(rewards), max(rewards)) if rewards else (None, None)
+        if lo is not None and lo == hi:
+            flat += 1
+        mean = math.fsum(rewards) / len(rewards) if rewards else None
+        ok = sum(1 for i in rows if run.ok[i])
+        table.append((run.task[rows[0]], len(rows), ok, mean, lo, hi))
+    return GroupFigures(groups=table, flat=flat)
 
 
 def _status(summary: dict[str, Any] | None) -> tuple[str, str | None]:
@@ -419,5 +450,6 @@ def compute(run: RunData, *, threshold: float = 1.0) -> Figures:
         t0=t0,
         tasks=_tasks(run, threshold),
         mismatches=mismatches,
+        groups=_groups(run),
         metrics=_metrics(run),
     )

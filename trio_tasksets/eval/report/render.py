@@ -310,6 +310,33 @@ def _tasks(fig: Figures, ident: str) -> str:
     )
 
 
+def _groups(run: RunData, fig: Figures) -> str:
+    """The groups table (`--group` runs): each group's rollouts and reward spread."""
+    groups = fig.groups
+    if groups is None:
+        return ""
+    limit = 200
+    rows = "".join(
+        f"<tr><th scope=row>{escape(run.task_keys[task][:16])}</th>"
+        f'<td class="n">{ok:,}/{n:,}</td><td class="n">{fmt_reward(mean)}</td>'
+        f'<td class="n">{fmt_reward(lo)} to {fmt_reward(hi)}</td>'
+        f'<td class="n">{fmt_reward(None if lo is None or hi is None else hi - lo)}</td></tr>'
+        for task, n, ok, mean, lo, hi in groups.groups[:limit]
+    )
+    more = len(groups.groups) - limit
+    if more > 0:
+        rows += f'<tr><td colspan="5">and {more:,} more</td></tr>'
+    count = len(groups.groups)
+    return (
+        f'<table class="kv"><caption>{count:,} groups '
+        f'<span class="muted">({_figure("groups_flat", groups.flat, f"{groups.flat:,}")} with '
+        f"no reward spread)</span></caption><thead><tr><th scope=col>task</th>"
+        f'<th scope=col class="n">ok</th><th scope=col class="n">reward mean</th>'
+        f'<th scope=col class="n">min to max</th><th scope=col class="n">spread</th></tr>'
+        f"</thead><tbody>{rows}</tbody></table>"
+    )
+
+
 def _notes(run: RunData, fig: Figures) -> str:
     notes = []
     if run.summary is None:
@@ -351,7 +378,7 @@ def run_section(index: int, run: RunData, fig: Figures) -> str:
         f'<p class="path muted">{escape(str(run.path))}</p></header>{_notes(run, fig)}'
         f'<section class="card" aria-label="Summary of {escape(run.name)}">{_kpis(fig)}</section>'
         f'<div class="cards"><section class="card">{_config(run)}</section>'
-        f'<section class="card">{_errors(run, fig)}{_tasks(fig, ident)}</section>{charts}'
+        f'<section class="card">{_errors(run, fig)}{_tasks(fig, ident)}{_groups(run, fig)}</section>{charts}'
         "</div></article>"
     )
 
