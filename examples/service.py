@@ -18,43 +18,11 @@ import argparse
 import json
 import signal
 import sys
-from collections.abc import AsyncIterator
 
 import trio
 
 import trio_tasksets as tt
 from trio_tasksets import EchoStreamConfig, EchoStreamTaskset
-
-
-class Feed:
-    """The taskset's channel, until `stop()`: then the pull in progress (if any) is cancelled
-    and the feed ends, so the runner stops pulling while runs in flight go on."""
-
-    def __init__(self, tasks: trio.abc.ReceiveChannel[tt.Task]) -> None:
-        self._tasks = tasks
-        self._stopping = False
-        self._pull: trio.CancelScope | None = None
-
-    @property
-    def stopping(self) -> bool:
-        return self._stopping
-
-    def stop(self) -> None:
-        self._stopping = True
-        if self._pull is not None:
-            self._pull.cancel()
-
-    async def __aiter__(self) -> AsyncIterator[tt.Task]:
-        while not self._stopping:
-            with trio.CancelScope() as self._pull:
-                try:
-                    task = await self._tasks.receive()
-                except trio.EndOfChannel:
-                    return
-            self._pull = None
-            if self._stopping:
-                return
-            yield task  # outside the cancel scope: never yield inside one
 
 
 async def serve(window: int, max_episodes: int | None, grace: float, gap: float) -> None:
@@ -67,7 +35,7 @@ async def serve(window: int, max_episodes: int | None, grace: float, gap: float)
 
     with trio.CancelScope() as everything:
         async with env.serving(), env.taskset.channel() as tasks, trio.open_nursery() as nursery:
-            feed = Feed(tasks)
+            feed = tt.until(tasks)  # the tasks until feed.stop(): then no pull, runs go on
 
             def shut_down() -> None:
                 feed.stop()
@@ -76,7 +44,7 @@ async def serve(window: int, max_episodes: int | None, grace: float, gap: float)
             async def on_signals() -> None:
                 with trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
                     async for signum in signals:
-                        if feed.stopping:
+                        if feed.stopped:
                             everything.cancel()  # a second signal: stop now
                         print(f"service: {signal.Signals(signum).name}: stopping", file=sys.stderr)
                         shut_down()

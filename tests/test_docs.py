@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import doctest
 import os
+import re
 import subprocess
 import sys
 from dataclasses import dataclass
@@ -193,3 +194,93 @@ def test_extract_honours_no_run_and_expected_output() -> None:
         (20, True, None),
     ]
     assert blocks[2].code == "print('```')\n"
+
+
+# --- links: every relative link of docs/*.md and README.md points at a file and a heading ---
+
+ROOT = DOCS.parent
+_LINK = re.compile(r"(?<!!)\[(?:[^\]\[]|\[[^\]]*\])*\]\(([^)\s]+)(?:\s+\"[^\"]*\")?\)")
+_HEADING = re.compile(r"^(#{1,6})\s+(.*?)\s*#*\s*$")
+
+
+def _prose(text: str) -> list[tuple[int, str]]:
+    """The lines outside fenced code blocks, numbered from 1, inline code removed."""
+    kept: list[tuple[int, str]] = []
+    fenced = False
+    for number, line in enumerate(text.splitlines(), 1):
+        if line.lstrip().startswith("```"):
+            fenced = not fenced
+            continue
+        if not fenced:
+            kept.append((number, re.sub(r"`[^`]*`", "``", line)))
+    return kept
+
+
+def slug(heading: str) -> str:
+    """GitHub's anchor of a heading: lower case, markup and punctuation dropped (not `-` or
+    `_`), each space a `-`."""
+    text = re.sub(r"\[([^\]]*)\]\([^)]*\)", r"\1", heading)  # a link: its text
+    text = text.replace("`", "").strip().lower()
+    text = "".join(ch for ch in text if ch.isalnum() or ch in " -_")
+    return text.replace(" ", "-")
+
+
+def anchors(path: Path) -> set[str]:
+    """The anchors of a Markdown file's headings (a repeated one gets -1, -2, ...)."""
+    found: set[str] = set()
+    seen: dict[str, int] = {}
+    fenced = False
+    for line in path.read_text().splitlines():
+        if line.lstrip().startswith("```"):
+            fenced = not fenced
+            continue
+        match = None if fenced else _HEADING.match(line)
+        if match is None:
+            continue
+        base = slug(match.group(2))
+        count = seen.get(base, 0)
+        seen[base] = count + 1
+        found.add(base if count == 0 else f"{base}-{count}")
+    return found
+
+
+def broken_links(path: Path) -> list[str]:
+    """Each relative link of `path` whose file, or whose heading anchor, does not exist."""
+    broken: list[str] = []
+    for number, line in _prose(path.read_text()):
+        for target in _LINK.findall(line):
+            if re.match(r"^[a-z][a-z0-9+.-]*:", target):  # https:, mailto:, ...
+                continue
+            where, _, anchor = target.partition("#")
+            linked = (path.parent / where).resolve() if where else path
+            name = f"{path.relative_to(ROOT)}:{number}: {target}"
+            if not linked.exists():
+                broken.append(f"{name} (no file {where})")
+            elif anchor and linked.suffix == ".md" and anchor not in anchors(linked):
+                broken.append(f"{name} (no heading #{anchor} in {linked.name})")
+    return broken
+
+
+def test_every_relative_link_and_anchor_in_the_docs_exists() -> None:
+    files = [ROOT / "README.md", *sorted(DOCS.glob("*.md"))]
+    broken = [line for path in files for line in broken_links(path)]
+    assert broken == []
+
+
+def test_the_link_check_finds_a_missing_file_and_a_missing_anchor(tmp_path: Path) -> None:
+    (tmp_path / "a.md").write_text(
+        "# Title\n\n## An eval over workers: `eval --via`\n\n"
+        "[ok](#an-eval-over-workers-eval---via) [ok](b.md#b-part) [ok](https://x.test/y.md)\n"
+        "[gone](missing.md) [stale](b.md#nothing) `[code](not-a-link.md)`\n\n"
+        "```text\n[in a fence](nope.md)\n```\n"
+    )
+    (tmp_path / "b.md").write_text("# B part\n")
+    global ROOT
+    saved, ROOT = ROOT, tmp_path
+    try:
+        assert broken_links(tmp_path / "a.md") == [
+            "a.md:6: missing.md (no file missing.md)",
+            "a.md:6: b.md#nothing (no heading #nothing in b.md)",
+        ]
+    finally:
+        ROOT = saved

@@ -176,11 +176,13 @@ def test_episode_row_round_trip() -> None:
         turns=3,
         tool_calls=4,
         stop_reason="max_turns",
+        metrics={"exact": 1.0},
     )
     row = episode.to_row()
     assert set(row) == {
         "id", "task", "rollout", "ok", "reward", "completion", "messages", "errors",
         "attempts", "timing", "usage", "finish_reason", "turns", "tool_calls", "stop_reason",
+        "metrics",
     }  # fmt: skip
     assert row["task"] == {"key": "k", "data": episode.task.data}
     assert row["errors"] == [{"type": "Boom", "message": "x", "attempt": 1}]

@@ -56,6 +56,7 @@ async def test_static_n5_r2_gives_10_rows_with_the_spec_fields(
     assert set(written[0]) == {
         "id", "task", "rollout", "ok", "reward", "completion", "messages", "errors",
         "attempts", "timing", "usage", "finish_reason", "turns", "tool_calls", "stop_reason",
+        "metrics",
     }  # fmt: skip
     assert {(r["turns"], r["tool_calls"], r["stop_reason"]) for r in written} == {(1, 0, None)}
     assert set(written[0]["task"]) == {"key", "data"}

@@ -32,6 +32,7 @@ LAYERS: dict[str, int] = {
     "tools": 2,
     "training": 2,
     "builtin": 2,
+    "datasets": 2,
     "transport": 2,
     "health": 2,
     "models": 3,

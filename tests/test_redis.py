@@ -585,7 +585,8 @@ def test_a_task_that_cannot_travel_is_refused_before_anything_is_written() -> No
           "--claim-idle", "0"], "--claim-idle"),
         (["worker", "--feed", "redis://h", "--stream", "s", "--group", "g", "--results", "r",
           "-m", "gpt-4o"], "--base-url"),
-        (["worker", "--feed", "redis://h", "--stream", "s", "--results", "r"], "--group"),
+        (["worker", "--feed", "redis://h", "--stream", "s", "--group", "", "--results", "r"],
+         "--group"),  # default "workers" (issue 25); an empty name is refused
         (["enqueue", "--feed", "redis://h", "--stream", "s", "echo-stream"], "-n/--num-examples"),
         (["enqueue", "--feed", "redis://h", "--stream", "s", "nope"], "TASKSET"),
         (["enqueue", "--feed", "redis://127.0.0.1:1/0", "--stream", "s", "echo"], "--feed"),

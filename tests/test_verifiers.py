@@ -139,6 +139,11 @@ async def test_verifiers_env_under_run_eval_equals_verifiers_own_eval(
         {"role": "user", "content": "What is 2 + 5?"},
         {"role": "assistant", "content": "7"},
     ]
+    # verifiers' token usage and its per-reward breakdown reach the rows (issues 21, 25).
+    assert row["usage"] == {"prompt_tokens": 10, "completion_tokens": 1}  # the server's
+    assert row["metrics"] == {"exact": 1.0, "reply_chars": 1.0}
+    assert result.summary["usage"] == {"prompt_tokens": 200, "completion_tokens": 20}
+    assert result.summary["metrics"]["exact"]["mean"] == result.summary["reward_mean"]
 
 
 def test_from_an_asyncio_host_equals_verifiers_own_eval(
@@ -450,3 +455,55 @@ def test_importing_trio_tasksets_never_needs_verifiers(monkeypatch: pytest.Monke
     monkeypatch.setitem(sys.modules, "verifiers.v1", None)  # as if it were not installed
     with pytest.raises(ImportError, match=r"pip install 'trio-tasksets\[verifiers\]'"):
         tt.aio.verifiers_env("vf_arith")
+
+
+def test_a_local_taskset_module_loads_from_the_current_folder_and_runs_are_named_by_it(
+    server: ChatServer,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """`vf:local_vf_tasks` finds ./local_vf_tasks.py without PYTHONPATH=. (as a file.py:Class
+    taskset's folder is on the path while it loads); runs are named by the target, so a
+    `--resume` without `--run-name` picks the run of the same verifiers taskset."""
+    work = tmp_path / "work"
+    work.mkdir()
+    (work / "local_vf_tasks.py").write_text(
+        "from vf_arith import ArithTaskset, InProcessHarness\n\n"
+        '__all__ = ["ArithTaskset", "InProcessHarness"]\n'
+    )
+    monkeypatch.chdir(work)
+    monkeypatch.setattr(sys, "path", [p for p in sys.path if p not in ("", ".", str(work))])
+    out = str(tmp_path / "out")
+    common = ["--env-args", json.dumps(ENV), "-m", MODEL, "--base-url", server.url, "-n", "2",
+              "-o", out, "--no-dashboard"]  # fmt: skip
+    try:
+        assert cli.main(["eval", "vf:local_vf_tasks", *common]) == 0, capsys.readouterr().err
+        assert cli.main(["eval", "vf:vf_arith", *common]) == 0, capsys.readouterr().err
+        names = sorted(p.name for p in Path(out).iterdir())
+        assert [n.split("-")[0] for n in names] == ["local_vf_tasks", "vf_arith"]
+        config = json.loads((Path(out) / names[0] / "config.json").read_text())
+        assert config["identity"]["taskset"] == "vf:local_vf_tasks"
+        capsys.readouterr()
+        assert cli.main(["eval", "vf:local_vf_tasks", *common, "--resume"]) == 0
+        assert f"resuming {out}/{names[0]}" in capsys.readouterr().err
+    finally:
+        sys.modules.pop("local_vf_tasks", None)
+
+
+def test_cli_vf_over_workers_needs_no_base_url(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """`eval vf:ID --via URL -m MODEL`: the workers call the model, so no --base-url is asked
+    for (here the Redis is unreachable: that is the error, exit 2, before any run)."""
+    argv = ["eval", "vf:vf_arith", "--env-args", json.dumps(ENV), "-m", MODEL, "--via",
+            "redis://127.0.0.1:9/0", "-o", str(tmp_path), "--no-dashboard"]  # fmt: skip
+    try:
+        code = cli.main(argv)
+    except SystemExit as exc:
+        code = int(exc.code or 0)
+    assert code == 2
+    line = next(x for x in capsys.readouterr().err.splitlines() if ": error: " in x)
+    assert "--base-url" not in line
+    assert "--via redis://127.0.0.1:9/0: cannot reach Redis" in line
+    assert not any(tmp_path.iterdir())

@@ -1,15 +1,16 @@
 """trio_tasksets: streaming tasksets and a windowed runner on Trio.
 
 The flat public API (SPEC, and every name the docs use): the runner (`run_stream`,
-`as_completed`, `take`, `merge`, `fan_out`), tasksets (`Task`, `TasksetConfig`, `Taskset`, the
-built-in `EchoTaskset` and `EchoStreamTaskset`), envs and models (`Env`, `RunSlot`, `Episode`,
-`RetryPolicy`, `Sampling`, `ModelContext`, `Completion`, `ToolCall`, `EchoClient`,
-`OpenAIClient` and its `HTTPClient`, the model errors), agents (`tool`, `Tool`, `ToolEnv`,
+`as_completed`, `take`, `until`, `merge`, `fan_out`), tasksets (`Task`, `TasksetConfig`,
+`Taskset`, the built-in `EchoTaskset` and `EchoStreamTaskset`; the loaders `JsonlTaskset`,
+`CsvTaskset`, `HFTaskset`), envs and models (`Env`, `RunSlot`, `Episode`, `RetryPolicy`,
+`Sampling`, `ModelContext`, `Completion`, `ToolCall`, `EchoClient`, `OpenAIClient` and its
+`HTTPClient`, the model errors, `chat_messages`), agents (`tool`, `Tool`, `ToolEnv`,
 `fan_out`), windows and limits on model calls (`Window`, `AdaptiveWindow`, `AdaptiveBounds`,
 `EndpointLimits`, `RateLimiter`; for a model client of your own `report_outcome`, `rest`,
 `observe_calls`; for a tool runner `parked`, `report_progress`), the served path (`EnvClient`,
 `EnvServerError`, `spawn_server`) and the eval (`EvalConfig`, `run_eval`, `EvalResult`,
-`report`). Every exception the library defines is a `TrioTasksetsError` (the tree:
+`report`, `rescore`). Every exception the library defines is a `TrioTasksetsError` (the tree:
 `trio_tasksets._exceptions`); a bad setting is a `ConfigError`.
 
 Public submodules: `aio` (the asyncio bridge), `testing` (helpers for deterministic tests,
@@ -23,6 +24,15 @@ from . import aio, testing, tools
 from ._exceptions import ConfigError, TrioTasksetsError
 from .agents import ToolEnv
 from .builtin import EchoStreamConfig, EchoStreamTaskset, EchoTaskset
+from .datasets import (
+    CsvConfig,
+    CsvTaskset,
+    DatasetError,
+    HFConfig,
+    HFTaskset,
+    JsonlConfig,
+    JsonlTaskset,
+)
 from .env import (
     Env,
     Episode,
@@ -32,9 +42,11 @@ from .env import (
     RolloutTimeoutError,
     RunSlot,
     StalledError,
+    chat_messages,
 )
 from .eval import EvalConfig, EvalConfigError, EvalResult, run_eval
 from .eval.report import report
+from .eval.rescore import rescore
 from .limits import (
     CallObserver,
     EndpointLimits,
@@ -63,7 +75,7 @@ from .models import (
 )
 from .runner import as_completed, fan_out, run_stream
 from .serve import EnvClient, EnvServerError, spawn_server
-from .sources import merge, take
+from .sources import merge, take, until
 from .tasksets import Task, Taskset, TasksetConfig
 from .tools import Tool, tool
 from .training import Staleness, first
@@ -77,6 +89,9 @@ __all__ = [
     "CallObserver",
     "Completion",
     "ConfigError",
+    "CsvConfig",
+    "CsvTaskset",
+    "DatasetError",
     "EchoClient",
     "EchoStreamConfig",
     "EchoStreamTaskset",
@@ -91,7 +106,11 @@ __all__ = [
     "EvalConfig",
     "EvalConfigError",
     "EvalResult",
+    "HFConfig",
+    "HFTaskset",
     "HTTPClient",
+    "JsonlConfig",
+    "JsonlTaskset",
     "ModelClient",
     "ModelConnectionError",
     "ModelContext",
@@ -122,6 +141,7 @@ __all__ = [
     "api_key_from_env",
     "as_completed",
     "build_window",
+    "chat_messages",
     "fan_out",
     "first",
     "merge",
@@ -131,6 +151,7 @@ __all__ = [
     "report",
     "report_outcome",
     "report_progress",
+    "rescore",
     "rest",
     "run_eval",
     "run_stream",
@@ -139,4 +160,5 @@ __all__ = [
     "testing",
     "tool",
     "tools",
+    "until",
 ]

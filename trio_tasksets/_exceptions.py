@@ -48,6 +48,7 @@ TrioTasksetsError
 │   └── EntryRefused                    an entry declared for another env
 ├── ViaError (RuntimeError)             a worker refused a slot of an --via eval
 ├── ReportError (ValueError)            a run dir the report cannot read (eval.report)
+├── DatasetError (ValueError)           a record that cannot be a task, a dataset unread (datasets)
 ├── ToolArgumentError (ValueError)      arguments that do not fit a tool's schema (tools)
 ├── ScriptExhausted (RuntimeError)      a ScriptedClient called past its script (testing)
 ├── CommandError                        a command-line failure (cli; exit 1)

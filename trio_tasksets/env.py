@@ -10,7 +10,7 @@ import sys
 import time
 import traceback
 import uuid
-from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Iterator
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Iterator, Mapping
 from contextlib import AbstractAsyncContextManager, asynccontextmanager, contextmanager
 from typing import Any, Generic, TypeVar
 
@@ -36,12 +36,17 @@ __all__ = [
     "RunSlot",
     "StalledError",
     "WindowFeed",
+    "chat_messages",
     "note_rollout",
 ]
 
 TaskT = TypeVar("TaskT")
 Message = dict[str, Any]
-Reward = Callable[[Any, str], float | Awaitable[float]]
+Score = float | Mapping[str, float]
+"""What a reward gives: a number, or named metrics with the reward as their `reward` entry."""
+Reward = Callable[[Any, str], Score | Awaitable[Score]]
+WeightedRewards = Mapping[str, Reward | tuple[Reward, float]]
+"""Several named reward functions, each with a weight (1.0 when not given)."""
 
 
 def _type_names(names: Iterable[str]) -> tuple[str, ...]:
@@ -185,6 +190,10 @@ class Episode:
     rollout (`"max_turns"`, `"token_limit"`, `"working_limit"`: `Env(working_limit=)`; None
     when the model finished on its own): a tool env (`tt.ToolEnv`) sets them, and any
     rollout loop may (`note_rollout`).
+
+    `metrics` are the episode's named metrics besides its `reward` (what a reward returning
+    a mapping gave, each weighted reward function's own value, a verifiers episode's
+    per-reward breakdown); empty when there are none.
     """
 
     id: str
@@ -202,6 +211,7 @@ class Episode:
     turns: int = 0
     tool_calls: int = 0
     stop_reason: str | None = None
+    metrics: dict[str, float] = attrs.Factory(dict)
     # Training fields (SPEC 10); a row holds each only when it is set.
     tokens: list[dict[str, Any]] = attrs.Factory(list)  # each model call's `Tokens.to_dict()`
     group: str | None = None  # the id shared by the rollouts of one group (`--group`)
@@ -239,6 +249,7 @@ class Episode:
             "turns": self.turns,
             "tool_calls": self.tool_calls,
             "stop_reason": self.stop_reason,
+            "metrics": self.metrics,
             **self._training_fields(),
         }
 
@@ -274,6 +285,7 @@ class Episode:
             turns=int(row.get("turns") or 0),
             tool_calls=int(row.get("tool_calls") or 0),
             stop_reason=None if row.get("stop_reason") is None else str(row["stop_reason"]),
+            metrics={str(k): float(v) for k, v in (row.get("metrics") or {}).items()},
             tokens=[Tokens.from_dict(t).to_dict() for t in row.get("tokens") or []],
             group=None if row.get("group") is None else str(row["group"]),
             advantage=None if row.get("advantage") is None else float(row["advantage"]),
@@ -294,6 +306,7 @@ class Episode:
             get = row.get
             task, completion, errors = get("task"), get("completion"), get("errors")
             finish, stop = get("finish_reason"), get("stop_reason")
+            metrics = get("metrics", {})
             if (
                 type(task) is dict
                 and type(task.get("key")) is str
@@ -314,12 +327,14 @@ class Episode:
                 and type(get("turns")) is int
                 and type(get("tool_calls")) is int
                 and (stop is None or type(stop) is str)
+                and type(metrics) is dict
+                and all(type(v) is float for v in metrics.values())
                 and _TRAINING_KEYS.isdisjoint(row)  # else from_row reads them
             ):
                 return cls(row["id"], EpisodeTask(task["key"], task["data"]), row["rollout"],
                            row["ok"], row["reward"], completion, row["messages"], errors,
                            row["attempts"], row["timing"], row["usage"], finish,
-                           row["turns"], row["tool_calls"], stop)  # fmt: skip
+                           row["turns"], row["tool_calls"], stop, metrics)  # fmt: skip
         return cls.from_row(row)  # type: ignore[arg-type]  # not a dict: it raises
 
 
@@ -364,6 +379,64 @@ def _finite(reward: float) -> float:
     return reward
 
 
+def split_score(value: object) -> tuple[float, dict[str, float]]:
+    """A reward's result as (reward, named metrics): a number is the reward itself; a
+    mapping holds named metrics, its `reward` entry the reward. ValueError (an episode error)
+    for a mapping without `reward` or a non-finite value, TypeError for a value that is not a
+    number."""
+    if isinstance(value, Mapping):
+        if "reward" not in value:
+            raise ValueError(
+                f"a reward that returns a mapping must give its reward as the 'reward' entry "
+                f"(the others are named metrics), got the keys {sorted(map(str, value))}"
+            )
+        metrics: dict[str, float] = {}
+        for name, number in value.items():
+            if isinstance(number, bool) or not isinstance(number, int | float):
+                raise TypeError(f"metric {name!r} is {number!r}: a metric must be a number")
+            if not math.isfinite(number):
+                raise ValueError(f"metric {name!r} is {number!r}: a metric must be finite")
+            metrics[str(name)] = float(number)
+        return metrics.pop("reward"), metrics
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        raise TypeError(f"a reward must be a number or a mapping of metrics, got {value!r}")
+    return _finite(float(value)), {}
+
+
+def weighted_reward(rewards: WeightedRewards) -> Reward:
+    """One reward from several named ones (as a verifiers rubric): each `name: fn` or
+    `name: (fn, weight)` (weight 1.0 when not given; a fn may be sync or async and return a
+    number). The episode's reward is the weighted sum; its metrics are each fn's own,
+    unweighted value, under its name. `tt.Env(taskset, reward={...})` builds one."""
+    if not rewards:
+        raise ValueError("reward=: a mapping of named rewards needs at least one")
+    parts: list[tuple[str, Reward, float]] = []
+    for name, spec in rewards.items():
+        fn, weight = spec if isinstance(spec, tuple) else (spec, 1.0)
+        if not callable(fn):
+            raise TypeError(f"reward {name!r}: expected a function (task, completion), got {fn!r}")
+        if isinstance(weight, bool) or not isinstance(weight, int | float):
+            raise TypeError(f"reward {name!r}: the weight must be a number, got {weight!r}")
+        if name == "reward":
+            raise ValueError("reward=: 'reward' names the weighted sum: name the parts otherwise")
+        parts.append((str(name), fn, float(weight)))
+
+    async def weighted(task: Any, completion: str) -> dict[str, float]:
+        scores: dict[str, float] = {}
+        total = 0.0
+        for name, fn, weight in parts:
+            value = fn(task, completion)
+            if inspect.isawaitable(value):
+                value = await value
+            score, _ = split_score(value)
+            scores[name] = score
+            total += weight * score
+        return {"reward": total, **scores}
+
+    weighted.rewards = rewards  # type: ignore[attr-defined]  # what it sums (envspec reads it)
+    return weighted
+
+
 def task_key(task: Any) -> str:
     key = getattr(task, "key", None)
     if not isinstance(key, str):
@@ -381,7 +454,10 @@ def task_data(task: Any) -> dict[str, Any]:
 
 
 def chat_messages(task: Any) -> list[Message]:
-    """The messages a single-turn chat sends: the system prompt first, then the prompt."""
+    """`tt.chat_messages(task)`: the first messages of a task's chat, what every rollout
+    starts from (the single-turn default sends exactly these): the system prompt first (when
+    the task has one), then the prompt (a str as one user message, a list of messages as
+    they are, copied). A multi-turn rollout appends the model's replies and its own turns."""
     messages: list[Message] = []
     system = getattr(task, "system_prompt", None)
     if system:
@@ -410,7 +486,12 @@ class Env(Generic[TaskT]):
     for resources that live as long as a service (a sandbox pool, a browser).
 
     The reward: `reward=` if given, else the taskset's own `reward(task, completion)` method if
-    it has one, else `answer_match`. A reward may be sync or async.
+    it has one, else `answer_match`. A reward may be sync or async, and return a number or
+    named metrics with a `reward` entry; `reward={name: fn or (fn, weight)}` sums several.
+
+    The taskset may be left out (`tt.Env(reward=...)`): a service whose tasks come from its
+    own channel calls `run_slot(tt.RunSlot(task), ctx)` with them (`env.taskset` is then an
+    empty `tt.Taskset`).
 
     `rollout_timeout` (seconds, or None: no bound) bounds each attempt of an episode, its
     rollout and its scoring: an attempt that outlasts it is cancelled and becomes a
@@ -437,20 +518,25 @@ class Env(Generic[TaskT]):
 
     def __init__(
         self,
-        taskset: Taskset[TaskT, Any],
+        taskset: Taskset[TaskT, Any] | None = None,
         *,
-        reward: Reward | None = None,
+        reward: Reward | WeightedRewards | None = None,
         retries: RetryPolicy | None = None,
         rollout_timeout: float | None = None,
         working_limit: float | None = None,
         stall_timeout: float | None = None,
     ) -> None:
-        self.taskset = taskset
+        # No taskset: a service whose tasks come from its own channel (an empty one stands in).
+        self.taskset: Taskset[TaskT, Any] = taskset if taskset is not None else Taskset()
         self.retries = retries if retries is not None else RetryPolicy()
         self.rollout_timeout = check_rollout_timeout(rollout_timeout)
         self.working_limit = check_working_limit(working_limit)
         self.stall_timeout = check_working_limit(stall_timeout, "stall_timeout")
-        taskset_reward = getattr(taskset, "reward", None)
+        taskset_reward = getattr(self.taskset, "reward", None)
+        if isinstance(reward, Mapping):
+            reward = weighted_reward(reward)
+        if isinstance(taskset_reward, Mapping):  # a taskset's `reward = {name: fn, ...}`
+            taskset_reward = weighted_reward(taskset_reward)
         self._reward: Reward = reward or taskset_reward or answer_match
 
     def serving(self) -> AbstractAsyncContextManager[Env[TaskT]]:
@@ -463,11 +549,12 @@ class Env(Generic[TaskT]):
         reply = await ctx.chat(messages)
         return [*messages, reply.message], reply.content
 
-    async def score(self, task: TaskT, completion: str) -> float:
+    async def score(self, task: TaskT, completion: str) -> Score:
+        """The reward of a completion: a number, or named metrics with a `reward` entry."""
         value = self._reward(task, completion)
         if inspect.isawaitable(value):
             value = await value
-        return float(value)
+        return value if isinstance(value, Mapping) else float(value)
 
     async def score_group(self, task: TaskT, episodes: list[Episode]) -> None:
         """Score a group (`--group`: a task's `-r` rollouts), once all are done and ok: set
@@ -513,10 +600,12 @@ class Env(Generic[TaskT]):
                 if not bounded:  # inline: this runs once per attempt of every episode
                     with observe_completions(stats.count), observe_calls(waits), sticky(episode.id):
                         messages, completion = await self.rollout(task, ctx)
-                        reward = _finite(await self.score(task, completion))
+                        reward, metrics = split_score(await self.score(task, completion))
                 else:
                     with sticky(episode.id):
-                        messages, completion, reward = await self._bounded(task, ctx, stats, waits)
+                        messages, completion, (reward, metrics) = await self._bounded(
+                            task, ctx, stats, waits
+                        )
             except Exception as exc:
                 episode.errors.append(EpisodeError.of(exc, attempt))
                 if not self.retries.should_retry(exc, attempt):
@@ -526,6 +615,7 @@ class Env(Generic[TaskT]):
             else:
                 episode.ok = True
                 episode.reward = reward
+                episode.metrics = metrics
                 episode.completion = completion
                 episode.messages = messages
                 break
@@ -548,7 +638,7 @@ class Env(Generic[TaskT]):
 
     async def _bounded(
         self, task: TaskT, ctx: ModelContext, stats: _Rollout, waits: _Waits
-    ) -> tuple[list[Message], str, float]:
+    ) -> tuple[list[Message], str, tuple[float, dict[str, float]]]:
         """One attempt, the rollout and its score, within `rollout_timeout` (wall time) and
         `working_limit` (working time: the rollout is cut, then scored, its `stop_reason`
         "working_limit"), cancelled as a `StalledError` after `stall_timeout`."""
@@ -572,7 +662,7 @@ class Env(Generic[TaskT]):
                     stats.stop_reason = "working_limit"
                     completion = replies[-1].content if replies else ""
                     messages = _partial(task, replies)
-                return messages, completion, _finite(await self.score(task, completion))
+                return messages, completion, split_score(await self.score(task, completion))
         assert seconds is not None
         report_outcome(Outcome.TIMEOUT)  # an adaptive rollout window pauses its growth
         raise RolloutTimeoutError(

@@ -88,6 +88,9 @@ def _reward_spec(env: Env[Any]) -> str | None:
         reward, "__func__", None
     ) is getattr(type(env.taskset), "reward", None):
         return None  # the taskset's own reward: the server's env finds it the same way
+    own = getattr(env.taskset, "reward", None)
+    if own is not None and getattr(reward, "rewards", None) is own:
+        return None  # the taskset's own weighted rewards (`reward = {...}`): the same
     return object_spec(reward, "the reward")
 
 

@@ -2,13 +2,16 @@
 
 `object_spec(obj)` names an object so that another process (an env server, a worker) can
 import it; `load_object(spec)` imports it. `resolve_target(TASKSET)` is what every command
-does with its TASKSET argument (a built-in id, `path/to/file.py:Class`, `package.module:Class`).
+does with its TASKSET argument (a built-in id, `path/to/file.py:Class`, `package.module:Class`,
+a data file `data.jsonl` / `data.csv` / `hf:NAME[:SPLIT]`, whose config fields `env_options`
+sets).
 """
 
 from __future__ import annotations
 
 import importlib
 import importlib.util
+import re
 import sys
 import traceback
 from pathlib import Path
@@ -16,6 +19,7 @@ from typing import Any
 
 from ._exceptions import ConfigError, TrioTasksetsError
 from .builtin import BUILTIN
+from .datasets import DATA_SUFFIXES, data_target
 from .env import Env
 from .tasksets import Taskset
 
@@ -68,6 +72,38 @@ def object_spec(obj: Any, what: str) -> str:
     return f"{module_name}:{qualname}"
 
 
+def taskset_label(taskset: Taskset[Any, Any]) -> str:
+    """How a run names its taskset (`config.json`, `summary.json`, the report): the
+    taskset's own `taskset_id` when it has one (a verifiers env: `vf:ID`), `file.py:Class`
+    for a class of a file TASKSET named by path (not the loader's internal module name),
+    else `package.module:Class`."""
+    own = getattr(taskset, "taskset_id", None)
+    if isinstance(own, str) and own:
+        return own
+    cls = type(taskset)
+    module = cls.__module__
+    if module.startswith(FILE_MODULE_PREFIX):
+        path = _module_file(module)
+        if path is not None:
+            return f"{Path(path).name}:{cls.__qualname__}"
+    return f"{module}:{cls.__qualname__}"
+
+
+def taskset_short_name(taskset: Taskset[Any, Any]) -> str:
+    """The taskset's part of a default run name: its class name, or for a taskset with a
+    `taskset_id` (`vf:ID`, a data file, `hf:NAME:SPLIT`) that id (so that runs of two are
+    told apart, and `--resume` finds the run of the same one): `vf:owner/my-tasks` ->
+    `owner_my-tasks`, `hf:gsm8k:test` -> `gsm8k_test`, `data/arith.jsonl` -> `arith`."""
+    own = getattr(taskset, "taskset_id", None)
+    if not (isinstance(own, str) and own):
+        return type(taskset).__name__
+    kind, colon, rest = own.partition(":")
+    text = rest if colon and kind in ("vf", "hf") else own
+    if Path(text).suffix.lower() in DATA_SUFFIXES:
+        text = Path(text).stem
+    return re.sub(r"[^A-Za-z0-9._-]+", "_", text).strip("_") or type(taskset).__name__
+
+
 def _exec_file_module(module_name: str, path: Path) -> Any:
     """Run the file as module `module_name`, its folder first on `sys.path` while it runs (so
     that it imports its sibling modules); a module that fails is not left in sys.modules."""
@@ -118,10 +154,12 @@ def _where(filename: str, line: int | None) -> str:
 
 def _is_machinery(filename: str) -> bool:
     """A frame of the import system or of this package: not where a user looks."""
-    return filename.startswith("<") or Path(filename).resolve().is_relative_to(_PACKAGE_DIR)
+    path = Path(filename).resolve()
+    return filename.startswith("<") or any(path.is_relative_to(d) for d in _MACHINERY_DIRS)
 
 
 _PACKAGE_DIR = Path(__file__).resolve().parent
+_MACHINERY_DIRS = (_PACKAGE_DIR, Path(importlib.__file__).resolve().parent)
 
 
 def import_failure(exc: BaseException, where: str) -> str:
@@ -146,6 +184,29 @@ def import_failure(exc: BaseException, where: str) -> str:
     return text
 
 
+def _missing_module(exc: ModuleNotFoundError, spec: str) -> str | None:
+    """For `module:Class` naming a module that is not on the import path (not one it
+    imports): what is missing, and the fix (the file form, or `PYTHONPATH=.` when the module
+    is a file or package of the current folder, which a console script's path lacks)."""
+    where, _, cls = spec.rpartition(":")
+    name = exc.name or ""
+    if not name or not (where == name or where.startswith(f"{name}.")):
+        return None
+    top = name.split(".")[0]
+    here = Path.cwd()
+    if (here / f"{top}.py").is_file() or (here / top / "__init__.py").is_file():
+        as_file = where.replace(".", "/") + ".py"
+        return (
+            f"TASKSET {spec!r}: no module named {name!r} on the import path; {top} is in the "
+            f"current folder, which is not on it: name the file instead ({as_file}:{cls}), "
+            f"or run with PYTHONPATH=."
+        )
+    return (
+        f"TASKSET {spec!r}: no module named {name!r} on the import path: install its package, "
+        f"add its folder to PYTHONPATH, or name the file (path/to/file.py:Class)"
+    )
+
+
 def resolve_taskset(spec: str) -> type[Taskset[Any, Any]]:
     """A taskset class from a built-in id, `path/to/file.py:Class` or `package.module:Class`."""
     return resolve_target(spec)[0]
@@ -156,11 +217,19 @@ def resolve_target(spec: str) -> tuple[type[Taskset[Any, Any]], type[Env[Any]] |
     a `taskset_class` (e.g. a `tt.aio.BridgedEnv` around an asyncio env), else None."""
     if spec in BUILTIN:
         return BUILTIN[spec], None
+    data = data_target(spec)
+    if data is not None:
+        cls, fields = data
+        path = fields.get("path")
+        if path is not None and not Path(path).is_file():
+            raise TargetError(f"TASKSET {spec!r}: no file {path}")
+        return cls, None
     if ":" not in spec:
         known = ", ".join(sorted(BUILTIN))
         raise TargetError(
             f"TASKSET {spec!r} is not a built-in id ({known}), nor path/to/file.py:Class, "
-            f"nor package.module:Class"
+            f"nor package.module:Class, nor a data file (data.jsonl, data.csv, "
+            f"hf:NAME[:SPLIT])"
         )
     where, _, name = spec.rpartition(":")
     if where.endswith(".py") and not Path(where).is_file():
@@ -169,6 +238,11 @@ def resolve_target(spec: str) -> tuple[type[Taskset[Any, Any]], type[Env[Any]] |
         cls = load_object(spec)
     except LoadError as exc:
         raise TargetError(f"TASKSET {spec!r}: cannot load it: {exc}") from exc
+    except ModuleNotFoundError as exc:
+        missing = _missing_module(exc, spec)
+        if missing is None:
+            raise TargetError(f"TASKSET {spec!r}: {import_failure(exc, where)}") from exc
+        raise TargetError(missing) from exc
     except Exception as exc:  # the module raised while it ran: one line, not a traceback
         raise TargetError(f"TASKSET {spec!r}: {import_failure(exc, where)}") from exc
     if isinstance(cls, type) and issubclass(cls, Env):

@@ -24,6 +24,7 @@ import inspect
 import itertools
 import math
 import reprlib
+import sys
 from collections import deque
 from collections.abc import AsyncGenerator, AsyncIterable, Awaitable, Callable, Iterable
 from contextlib import AbstractAsyncContextManager, asynccontextmanager
@@ -325,6 +326,34 @@ def _among(error: BaseException, errors: list[BaseException]) -> bool:
 # --- the public API -----------------------------------------------------------------------
 
 
+def require_trio(api: str, instead: str | None = None) -> None:
+    """RuntimeError naming what to use (`instead`, default `await tt.aio.<api>(...)`) when
+    `tt.<api>` is awaited outside a trio run (from asyncio: `asyncio.run`, a notebook, a web
+    server), instead of trio's own `AttributeError: 'RunContext' object has no attribute
+    'runner'`."""
+    use = instead if instead is not None else f"`await tt.aio.{api}(...)`"
+    try:
+        trio.lowlevel.current_task()
+    except RuntimeError:
+        pass
+    else:
+        return
+    asyncio = sys.modules.get("asyncio")
+    try:
+        hosted = asyncio is not None and asyncio.get_running_loop() is not None
+    except RuntimeError:
+        hosted = False
+    if hosted:
+        raise RuntimeError(
+            f"tt.{api} was awaited from asyncio (asyncio.run, a notebook, a web server), but "
+            f"it runs on trio: use {use}, which runs it on the running asyncio loop (trio "
+            f"guest mode)"
+        )
+    raise RuntimeError(
+        f"tt.{api} must be awaited inside a trio run (trio.run(main)); from asyncio use {use}"
+    )
+
+
 async def run_stream(
     source: AsyncIterable[T], run: Callable[[T], Awaitable[R]], *, window: int | Window | None
 ) -> list[R]:
@@ -333,8 +362,10 @@ async def run_stream(
     Returns the results in submission (pull) order once the source has ended and the last run
     is done. The next item is pulled only when a window slot is free. The first failure cancels
     the rest and is re-raised itself. The source is always closed (`aclose()`), exactly once.
-    `window=None` means no bound; a `tt.Window` may be resized while the call runs.
+    `window=None` means no bound; a `tt.Window` may be resized while the call runs. Awaited
+    from asyncio it raises a RuntimeError naming `tt.aio.run_stream`.
     """
+    require_trio("run_stream")
     checked = _check_window(window)
     check_source(source)
     _check_run(run)
@@ -364,6 +395,11 @@ def as_completed(
 async def _as_completed(
     source: AsyncIterable[T], run: Callable[[T], Awaitable[R]], window: int | Window | None
 ) -> AsyncGenerator[trio.abc.ReceiveChannel[tuple[int, R]], None]:
+    require_trio(
+        "as_completed",
+        "`await tt.aio.run_stream(...)`, or `await tt.aio.run_trio(fn)` for a trio function "
+        "`fn` that uses tt.as_completed",
+    )
     send, receive = trio.open_memory_channel[tuple[int, R]](0)
 
     async def produce() -> None:

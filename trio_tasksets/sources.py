@@ -1,4 +1,5 @@
-"""Source combinators: `take` (the next n items, then close) and `merge` (several sources as one).
+"""Source combinators: `take` (the next n items, then close), `until` (items until a stop) and
+`merge` (several sources as one).
 
 Both keep the runner's promises about a source (SPEC R7, R8): nothing is pulled that is not
 asked for, and every source is closed exactly once, shielded where a close must not be cut
@@ -8,7 +9,7 @@ short.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import AsyncGenerator, AsyncIterable, AsyncIterator
+from collections.abc import AsyncGenerator, AsyncIterable, AsyncIterator, Callable
 from contextlib import AbstractAsyncContextManager
 from typing import Any, TypeVar
 
@@ -16,7 +17,7 @@ import trio
 
 from .runner import check_source, close_iterator, pick_one
 
-__all__ = ["Merged", "merge", "take"]
+__all__ = ["Merged", "Until", "merge", "take", "until"]
 
 T = TypeVar("T")
 
@@ -71,6 +72,114 @@ class _Take(AsyncIterator[T]):
     async def aclose(self) -> None:
         if not self._closed:
             self._closed = True
+            error = await close_iterator(self._iterator, self._source)
+            if error is not None:
+                raise error
+
+
+def until(
+    source: AsyncIterable[T], stop: trio.Event | Callable[[], bool] | None = None
+) -> Until[T]:
+    """The items of `source` until a stop, then the end (and `source` closed).
+
+    What a service needs to stop its feed on its own condition (a signal, a count, a
+    deadline) while the runs in flight go on: give the result to `tt.run_stream` or
+    `tt.as_completed` as the source. The stop is one of:
+
+    * a `trio.Event`: once set, a pull parked on a quiet feed is cancelled and the stream
+      ends at once;
+    * a predicate, called before each pull: once it returns True, the stream ends;
+    * `.stop()` on the result (any time, from any task of the run): as a set Event.
+
+    An item whose pull completed before the stop was seen is still handed on, so nothing
+    pulled is lost; nothing is pulled after it. The stream keeps the runner's promises
+    about a source: it pulls only when asked (R1, R8), the source's own errors pass
+    through unchanged (R5), an outside cancellation is not swallowed (R6), and closing it
+    closes `source` exactly once, from the task that iterates it (R7). A bare `tt.merge(...)`
+    is refused (a pull cancelled inside its nursery would corrupt the cancel scope stack):
+    use ``async with tt.merge(a, b) as merged: tt.until(merged, ...)``.
+    """
+    check_source(source)
+    if stop is not None and not (isinstance(stop, trio.Event) or callable(stop)):
+        raise TypeError(f"stop must be a trio.Event, a predicate () -> bool or None, got {stop!r}")
+    return Until(source, stop)
+
+
+class Until(AsyncIterator[T]):
+    """What `until` returns: an async iterator with `stop()` and `stopped`."""
+
+    def __init__(
+        self, source: AsyncIterable[T], stop: trio.Event | Callable[[], bool] | None
+    ) -> None:
+        self._source = source
+        self._iterator = aiter(source)
+        if isinstance(self._iterator, Merged) or _holds_scope(self._iterator):
+            raise TypeError(
+                "until(source): a bare tt.merge(...) keeps a nursery on the iterating task, "
+                "so a stop cannot cancel its pull; use `async with tt.merge(...) as merged:` "
+                "and pass `merged`"
+            )
+        self._event = stop if isinstance(stop, trio.Event) else None
+        self._predicate = None if isinstance(stop, trio.Event) else stop
+        self._stopped = False
+        self._closed = False
+        self._pull: trio.CancelScope | None = None
+
+    @property
+    def stopped(self) -> bool:
+        """Whether the stream was told to stop (by `stop()`, the Event or the predicate)."""
+        if not self._stopped and (
+            (self._event is not None and self._event.is_set())
+            or (self._predicate is not None and self._predicate())
+        ):
+            self._stopped = True
+        return self._stopped
+
+    def stop(self) -> None:
+        """End the stream: a pull in progress is cancelled, no other one starts."""
+        self._stopped = True
+        if self._pull is not None:
+            self._pull.cancel()
+
+    async def __anext__(self) -> T:
+        if self._closed or self.stopped:
+            raise StopAsyncIteration
+        with trio.CancelScope() as pull:
+            self._pull = pull
+            try:
+                if self._event is None:
+                    return await self._iterator.__anext__()
+                return await self._pull_or_event(self._event)
+            finally:
+                self._pull = None
+        # Reached only when the pull was cancelled by a stop (an outside cancellation
+        # propagates out of the scope): the stream ends here.
+        raise StopAsyncIteration
+
+    async def _pull_or_event(self, event: trio.Event) -> T:
+        """One pull, cancelled (by `stop()`) if `event` is set first; what the pull raises
+        is raised itself, not in an ExceptionGroup."""
+        error: BaseException | None = None
+        try:
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(self._watch, event)
+                item = await self._iterator.__anext__()
+                nursery.cancel_scope.cancel()
+        except BaseExceptionGroup as group:
+            error = pick_one(group)
+        if error is not None:
+            raise error
+        return item  # the pull completed first: it is handed on
+
+    async def _watch(self, event: trio.Event) -> None:
+        await event.wait()
+        self.stop()
+
+    async def aclose(self) -> None:
+        """Close `source` (once); shield it if it must not be cut short."""
+        if not self._closed:
+            self._closed = True
+            self._stopped = True
             error = await close_iterator(self._iterator, self._source)
             if error is not None:
                 raise error

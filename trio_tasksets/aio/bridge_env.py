@@ -56,14 +56,24 @@ from __future__ import annotations
 import functools
 import inspect
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
 from contextlib import AbstractAsyncContextManager, asynccontextmanager
 from typing import Any, ClassVar, TypeVar, cast
 
 import attrs
 import trio
 
-from ..env import Env, Episode, Message, OnComplete, RetryPolicy, Reward, RunSlot, complete_slot
+from ..env import (
+    Env,
+    Episode,
+    Message,
+    OnComplete,
+    RetryPolicy,
+    Reward,
+    RunSlot,
+    Score,
+    complete_slot,
+)
 from ..models import Completion, ModelContext, Sampling
 from ..tasksets import Taskset, TasksetConfig
 from .feeds import as_taskset
@@ -404,16 +414,18 @@ class BridgedEnv(Env[TaskT]):
         result = await call_aio(loop, aio_rollout, task, AsyncioModelContext(ctx, loop))
         return _check_rollout(result, self.aio_env)
 
-    async def score(self, task: TaskT, completion: str) -> float:
+    async def score(self, task: TaskT, completion: str) -> Score:
         """`reward=` if given, else the asyncio env's `score`, else as `Env.score`; asyncio code
-        (an awaitable reward) runs on the env's loop."""
+        (an awaitable reward) runs on the env's loop. A number, or named metrics with a
+        `reward` entry, as `Env.score`."""
         aio_score = getattr(self.aio_env, "score", None)
         if aio_score is not None and not self._explicit_reward:
-            return float(await self._aio(aio_score, task, completion))
-        value = self._reward(task, completion)
-        if inspect.isawaitable(value):
-            value = await self._aio(_await, value)
-        return float(value)
+            value = await self._aio(aio_score, task, completion)
+        else:
+            value = self._reward(task, completion)
+            if inspect.isawaitable(value):
+                value = await self._aio(_await, value)
+        return value if isinstance(value, Mapping) else float(value)
 
     async def run_slot(
         self,

@@ -24,7 +24,9 @@ and API key, and its sampling (temperature, top_p, max_tokens, seed, extra) beco
 interception server), so the tt client's retries do not apply and the offline `EchoClient`
 cannot serve it. An episode becomes a tt row: verifiers' episode id, the task's key and data,
 `ok` (verifiers' episode `ok`), `reward` and `completion` (the last trace's reward and last
-reply), `messages` (the last trace's) and `errors` (the episode's, then each trace's).
+reply), `messages` (the last trace's), `errors` (the episode's, then each trace's), `usage`
+(verifiers' token usage of every model call) and `metrics` (the last trace's per-reward
+breakdown: each `@vf.reward`'s unweighted score and each `@vf.metric`, by name).
 
 A verifiers taskset that defines ``async def stream(self)`` (the shape of verifiers PR #2582)
 is a streaming tt taskset: the eval needs `-n`, pulls exactly `n` tasks and closes the feed.
@@ -38,15 +40,18 @@ This module imports without verifiers; using it without says which extra to inst
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import importlib
 import inspect
 import json
 import os
+import sys
 import threading
 import time
 from collections.abc import AsyncIterator, Iterator, Mapping
 from contextlib import AbstractAsyncContextManager
+from pathlib import Path
 from typing import Any
 
 import attrs
@@ -186,10 +191,38 @@ def _build_env(config: VerifiersConfig) -> Any:
             "(tt.aio.verifiers_env('my-taskset', ...), or vf:my-taskset on the command line)"
         )
     raw = _merge({"taskset": {"id": config.target}}, config.env_config)
-    resolved = vf.resolve_env_config(raw)
-    if config.env_class is None:
-        return vf.load_environment(resolved)
-    return _load_class(config.env_class)(resolved)
+    with _current_folder_for(config.target):
+        resolved = vf.resolve_env_config(raw)
+        if config.env_class is None:
+            return vf.load_environment(resolved)
+        return _load_class(config.env_class)(resolved)
+
+
+def _module_of(target: str) -> str:
+    """The module verifiers imports for a taskset id (`owner/my-tasks@1` -> `my_tasks`)."""
+    return target.rsplit("/", 1)[-1].split("@", 1)[0].replace("-", "_").lower()
+
+
+@contextlib.contextmanager
+def _current_folder_for(target: str) -> Iterator[None]:
+    """While a taskset id is imported: the current folder first on `sys.path` when it holds
+    the id's module (`my_tasks.py` or `my_tasks/`) and is not on the path already, so that a
+    local verifiers taskset loads without `PYTHONPATH=.`, as a `file.py:Class` taskset's
+    folder is on the path while it loads."""
+    module = _module_of(target)
+    here = Path.cwd()
+    local = (here / f"{module}.py").is_file() or (here / module / "__init__.py").is_file()
+    on_path = {str(Path(p or ".").resolve()) for p in sys.path}
+    if not local or str(here) in on_path or not module.isidentifier():
+        yield
+        return
+    folder = str(here)
+    sys.path.insert(0, folder)
+    try:
+        yield
+    finally:
+        if folder in sys.path:
+            sys.path.remove(folder)
 
 
 def _streams(vf_taskset: Any) -> bool:
@@ -230,6 +263,11 @@ class VerifiersTaskset(AsyncioTaskset[VerifiersTask, VerifiersConfig]):
     @property
     def streaming(self) -> bool:
         return self._streams
+
+    @property
+    def taskset_id(self) -> str:
+        """`vf:ID`: how runs name this taskset (their default run name holds the ID)."""
+        return f"vf:{self.config.target}"
 
     def load(self) -> Iterator[VerifiersTask]:
         if self._streams:
@@ -331,6 +369,42 @@ def _reply(trace: Any) -> str | None:
     return str(trace.last_reply)
 
 
+def _usage(vf_episode: Any) -> dict[str, int]:
+    """verifiers' usage of the episode (every trace's model calls) as a tt row's: the
+    server's `prompt_tokens` (verifiers keeps cache reads apart: they are added back, and
+    kept as `cached_input_tokens` too), `completion_tokens`, and `reasoning_tokens` when
+    the server reported them; {} when it reported none."""
+    usage = vf_episode.usage
+    if usage is None:
+        return {}
+    cached = usage.cached_input_tokens
+    counts = {
+        "prompt_tokens": int(usage.prompt_tokens) + int(cached or 0),
+        "completion_tokens": int(usage.completion_tokens),
+    }
+    if cached is not None:
+        counts["cached_input_tokens"] = int(cached)
+    if usage.reasoning_tokens is not None:
+        counts["reasoning_tokens"] = int(usage.reasoning_tokens)
+    return counts
+
+
+def _metrics(trace: Any) -> dict[str, float]:
+    """The trace's per-reward breakdown as named metrics: each `@vf.reward`'s own score
+    (unweighted; the row's reward is their weighted sum) and each `@vf.metric`, under their
+    names; a reward or metric that did not run (None) is left out."""
+    if trace is None:
+        return {}
+    found: dict[str, float] = {}
+    for name, reward in trace.rewards.items():
+        if reward is not None:
+            found[str(name)] = float(reward.score)
+    for name, value in trace.metrics.items():
+        if value is not None:
+            found[str(name)] = float(value)
+    return found
+
+
 def to_episode(vf_episode: Any, task: VerifiersTask, rollout: int, began: float) -> Episode:
     """The tt row of a verifiers episode (see the module docstring)."""
     traces = vf_episode.traces
@@ -351,6 +425,8 @@ def to_episode(vf_episode: Any, task: VerifiersTask, rollout: int, began: float)
         errors=_errors(vf_episode),
         attempts=1,
         timing={"started": began, "finished": finished, "duration": finished - began},
+        usage=_usage(vf_episode),
+        metrics=_metrics(last),
     )
 
 

@@ -13,9 +13,10 @@ from typing import Any
 import attrs
 
 from .._exceptions import ConfigError
+from ..datasets import JsonlTaskset, data_target
 from ..env import Env, RetryPolicy
 from ..envspec import EnvSpec, config_from_json
-from ..loading import TravelError, resolve_target
+from ..loading import LoadError, TravelError, import_failure, load_object, resolve_target
 from ..tasksets import Taskset, TasksetConfig
 from .options import (
     PARAMETER_FLAGS,
@@ -34,6 +35,7 @@ __all__ = [
     "build_taskset",
     "check_retry_flags",
     "env_spec",
+    "load_reward",
 ]
 
 
@@ -54,6 +56,51 @@ def add_taskset_options(parser: argparse.ArgumentParser, *, optional: bool = Fal
     )  # fmt: skip
     # The name `--serve` has passed to its server child since before -a existed.
     parser.add_argument("--taskset-config", dest="taskset_args", help=argparse.SUPPRESS)
+    data = parser.add_argument_group("a data file TASKSET (data.jsonl, data.csv, hf:NAME)")
+    data.add_argument(
+        "--prompt-field", default=None, metavar="NAME",
+        help="the record field that is the prompt (default: prompt, else question)",
+    )  # fmt: skip
+    data.add_argument(
+        "--answer-field", default=None, metavar="NAME",
+        help="the record field that is the answer (default: answer); the other fields go to "
+        "the task's info",
+    )  # fmt: skip
+    data.add_argument(
+        "--follow", action="store_true",
+        help="with data.jsonl: a feed that follows the file as lines are appended (needs -n)",
+    )  # fmt: skip
+
+
+def _data_fields(args: argparse.Namespace) -> dict[str, Any]:
+    """The config fields a data file TASKSET and its flags set (`--prompt-field`,
+    `--answer-field`, `--follow`); those flags on another TASKSET are a usage error."""
+    target = getattr(args, "taskset", None)
+    found = None if target is None else data_target(target)
+    flags = {"prompt_field": getattr(args, "prompt_field", None),
+             "answer_field": getattr(args, "answer_field", None)}  # fmt: skip
+    follow = bool(getattr(args, "follow", False))
+    given_flags = [f"--{k.replace('_', '-')}" for k, v in flags.items() if v is not None]
+    if follow:
+        given_flags.append("--follow")
+    if found is None:
+        if given_flags:
+            raise UsageError(
+                f"{', '.join(given_flags)} applies to a data file TASKSET (data.jsonl, "
+                f"data.csv, hf:NAME[:SPLIT])",
+                fix=f"drop {', '.join(given_flags)}, or name a data file as TASKSET",
+            )
+        return {}
+    cls, fields = found
+    if follow and cls is not JsonlTaskset:
+        raise UsageError(
+            f"--follow follows a growing JSONL file; TASKSET {target} is not one",
+            fix="drop --follow, or name a .jsonl file",
+        )
+    fields.update({k: v for k, v in flags.items() if v is not None})
+    if follow:
+        fields["follow"] = True
+    return fields
 
 
 def _names_verifiers(args: argparse.Namespace) -> bool:
@@ -161,7 +208,7 @@ def env_spec(args: argparse.Namespace) -> EnvSpec:
                 f"--env-spec describes taskset {spec.taskset}, not TASKSET {args.taskset}"
             )
         return spec
-    fields = _taskset_fields(args)
+    fields = {**_data_fields(args), **_taskset_fields(args)}
     prompt = _system_prompt(args)
     if prompt is not None:
         if "system_prompt" in fields:
@@ -198,6 +245,23 @@ def check_retry_flags(args: argparse.Namespace) -> None:
                 raise UsageError(
                     f"{flag} does nothing without --retries", fix="add --retries K (K >= 1)"
                 )
+
+
+def load_reward(spec: str, flag: str = "--reward") -> Any:
+    """The reward function `spec` names (`file.py:function`, `pkg.mod:function`); a usage
+    error naming `flag` if it names nothing callable (`rescore`'s --reward)."""
+    try:
+        reward = load_object(spec)
+    except LoadError as exc:
+        raise UsageError(f"{flag} {spec}: {exc}") from exc
+    except Exception as exc:
+        raise UsageError(f"{flag} {spec}: {import_failure(exc, spec.rpartition(':')[0])}") from exc
+    if not callable(reward) and not isinstance(reward, dict):
+        raise UsageError(
+            f"{flag} {spec}: not a function (task, completion) -> reward, got "
+            f"{type(reward).__name__}"
+        )
+    return reward
 
 
 def _check_fields(cls: type[Taskset[Any, Any]], fields: dict[str, Any]) -> None:
@@ -294,6 +358,13 @@ def build_env(args: argparse.Namespace, *, check_retry_names: bool = True) -> En
             "--env-args applies to a verifiers env", fix="name it as TASKSET vf:TASKSET_ID"
         )
     if _names_verifiers(args):
+        if getattr(args, "reward", None) is not None:
+            raise UsageError(
+                f"TASKSET {args.taskset} is a verifiers env: it scores its episodes itself "
+                f"(its @vf.reward methods), so --reward does not apply",
+                fix="drop --reward (rescore its rows with trio-tasksets rescore RUN_DIR "
+                "--reward SPEC)",
+            )
         if args.taskset_args is not None or getattr(args, "env_class", None) is not None:
             raise UsageError(
                 f"TASKSET {args.taskset} is a verifiers env: -a and --env-class do not apply",
@@ -318,10 +389,11 @@ def _verifiers_env(
 ) -> Env[Any]:
     """The verifiers env `vf:TASKSET_ID [--env-args JSON]` names; its errors are usage errors.
 
-    verifiers' harness calls the model itself over HTTP, so `--base-url` is required."""
+    verifiers' harness calls the model itself over HTTP, so `--base-url` is required (but
+    with `--via`, where the workers call it with their own)."""
     from ..aio.verifiers import VerifiersEnv, VerifiersTaskset, env_from_cli  # imports verifiers
 
-    if args.base_url is None:
+    if args.base_url is None and getattr(args, "via", None) is None:  # --via: the workers'
         raise UsageError(
             f"TASKSET {args.taskset}: verifiers' harness calls the model itself over HTTP",
             fix="give -m MODEL --base-url URL (an OpenAI-compatible endpoint)",

@@ -40,6 +40,7 @@ from .options import (
     add_time_limit_option,
     add_window_option,
     flag_message,
+    given,
     warn,
 )
 
@@ -76,7 +77,13 @@ def add_parser(commands: Commands) -> argparse.ArgumentParser:
         formatter_class=HelpFormatter,
         allow_abbrev=False,  # the resume command rewrites --run-name and --resume by name
     )
-    add_env_options(ev)
+    env = add_env_options(ev)
+    env.add_argument(
+        "--reward", default=None, metavar="SPEC",
+        help="score with this reward (file.py:function or pkg.mod:function: (task, completion) "
+        "-> a number or {'reward': ..., name: metric}) (default: the taskset's, else answer "
+        "match)",
+    )  # fmt: skip
     run = ev.add_argument_group("the run")
     run.add_argument(
         "-n", "--num-examples", type=int, default=None, metavar="N",
@@ -193,15 +200,35 @@ def _refuse_remote_limits(args: argparse.Namespace) -> None:
         flag, who, how = "--via", "the workers", " (start them with trio-tasksets worker)"
     else:
         return
-    given = limit_flags(args)
-    if given:
-        flags = ", ".join(given)
+    limits = limit_flags(args)
+    if limits:
+        flags = ", ".join(limits)
         raise UsageError(
             f"{flags} with {flag}: the model calls are made by {who}, where this eval's "
             f"limits cannot act",
             fix=f"drop {flags} here and give them to the workers (trio-tasksets worker)"
             if flag == "--via"
             else f"drop {flags}, or run in-process (without {flag})",
+        )
+    if flag == "--via":
+        # The workers call the model with their own endpoint: the coordinator needs only the
+        # model's name and sampling (which its entries declare).
+        endpoint = (("--base-url", "base_url"), ("--api-key-var", "api_key_var"),
+                    ("--timeout", "timeout"), ("--echo-delay", "echo_delay"))  # fmt: skip
+        unused = [name for name, dest in endpoint if given(args, dest)]
+        if unused:  # said, not refused: commands written when --via required them still run
+            flags = ", ".join(unused)
+            warn(
+                "eval",
+                f"{flags} with --via: the workers call the model with their own, so this eval "
+                f"does not use {'them' if len(unused) > 1 else 'it'} (drop {flags} here; give "
+                f"the workers -m MODEL --base-url URL)",
+            )
+    if flag == "--via" and getattr(args, "reward", None) is not None:
+        raise UsageError(
+            "--reward with --via: the workers score the episodes, with their own TASKSET's reward",
+            fix="drop --reward here (or rescore the run: trio-tasksets rescore RUN_DIR "
+            "--reward SPEC)",
         )
     for name, dest in (("--rollout-timeout", "rollout_timeout"),
                        ("--working-limit", "working_limit"),
@@ -225,7 +252,7 @@ def program() -> list[str]:
 def _build(args: argparse.Namespace) -> tuple[Env[Any], ModelContext, EvalConfig]:
     _refuse_idle_options(args)
     env = build_env(args)
-    ctx = model_context(args)
+    ctx = model_context(args, remote=args.via is not None)
     token = _server_token(args)
     config = EvalConfig(
         num_examples=args.num_examples,
@@ -296,11 +323,23 @@ def _excerpt(text: str, limit: int = 300) -> str:
 def _print_summary(summary: dict[str, Any], run_dir: Path) -> None:
     mean = summary["reward_mean"]
     usage = summary.get("usage") or {}
+    finished, planned = summary["finished"], summary.get("planned")
+    # A run stopped early says how much of its plan it did: "28/28 ok" alone reads as done.
+    of = (
+        f" ({finished} of {planned} planned)"
+        if summary.get("interrupted") and isinstance(planned, int) and planned > finished
+        else ""
+    )
+    where = (
+        f"traces in {run_dir}/traces.jsonl"
+        if (run_dir / "traces.jsonl").is_file()
+        else "no run dir was kept"
+    )
     print(
-        f"{summary['ok']}/{summary['finished']} ok, reward mean "
+        f"{summary['ok']}/{finished} ok{of}, reward mean "
         f"{'-' if mean is None else f'{mean:.3f}'}, {summary['rollouts_per_s']:.1f} rollouts/s, "
         f"{usage.get('prompt_tokens', 0)} tokens in / {usage.get('completion_tokens', 0)} out; "
-        f"traces in {run_dir}/traces.jsonl"
+        f"{where}"
     )
     by_type = summary.get("errors_by_type") or {}
     first = summary.get("first_error")
@@ -310,6 +349,11 @@ def _print_summary(summary: dict[str, Any], run_dir: Path) -> None:
             f"{sum(by_type.values())} failed: {counts}; first error: {first['type']}: "
             f"{_excerpt(first['message'])}"
         )
+
+
+def print_summary(summary: dict[str, Any], run_dir: Path) -> None:
+    """The one-line summary (and the failures by type) of a run, as `eval` prints it."""
+    _print_summary(summary, run_dir)
 
 
 def _print_tracebacks(summary: dict[str, Any], run_dir: Path, *, debug: bool) -> None:
@@ -338,8 +382,9 @@ def _print_tracebacks(summary: dict[str, Any], run_dir: Path, *, debug: bool) ->
                 print(str(error["traceback"]).rstrip(), file=sys.stderr)
 
 
-def _fix_for(error_type: str, message: str, args: argparse.Namespace, run_dir: Path) -> str:
-    """What the user can do about an error, from its type and (HTTP) status."""
+def _fix_for(error_type: str, message: str, args: argparse.Namespace, run_dir: Path) -> str | None:
+    """What the user can do about an error, from its type and (HTTP) status; where the rows
+    are only when a run dir holds them."""
     found = re.search(r"HTTP (\d{3})", message)
     status = int(found.group(1)) if found else None
     if error_type == "ModelHTTPError" and status in (401, 403):
@@ -353,6 +398,10 @@ def _fix_for(error_type: str, message: str, args: argparse.Namespace, run_dir: P
             f"no API key was sent (${var} is not set): export {var}=... (or name the "
             "variable with --api-key-var)"
         )
+    if error_type == "ModelHTTPError" and status == 400:
+        context = _context_fix(message, args)
+        if context is not None:
+            return context
     if error_type == "ModelHTTPError" and status == 404:
         return (
             f"check -m/--model {args.model!r} and --base-url {args.base_url} (the URL stops "
@@ -386,7 +435,53 @@ def _fix_for(error_type: str, message: str, args: argparse.Namespace, run_dir: P
             f"the env server wants a bearer token: export {var}=<its token> (or name the "
             "variable with --token-var)"
         )
-    return f"every failed row's errors are in {run_dir}/traces.jsonl"
+    if (run_dir / "traces.jsonl").is_file():
+        return f"every failed row's errors are in {run_dir}/traces.jsonl"
+    # No row was kept (a run that failed before its first one leaves no run dir).
+    return None if getattr(args, "debug", False) else "run again with --debug for the traceback"
+
+
+_CONTEXT = re.compile(r"maximum context length is (\d+)", re.IGNORECASE)
+_PROMPT_TOKENS = re.compile(
+    r"(\d+) in the messages|request has (\d+) input tokens|messages resulted in (\d+) tokens",
+    re.IGNORECASE,
+)
+_REPLY_TOKENS = re.compile(r"(\d+) in the completion|too large: (\d+)", re.IGNORECASE)
+
+
+def _first_number(pattern: re.Pattern[str], text: str) -> int | None:
+    found = pattern.search(text)
+    if found is None:
+        return None
+    return int(next(group for group in found.groups() if group is not None))
+
+
+def _context_fix(message: str, args: argparse.Namespace) -> str | None:
+    """The fix for a 400 whose body says the request is longer than the model's context
+    (vLLM's and OpenAI's wording): the prompt's own length, or `--max-tokens` on top of it.
+    None for another 400."""
+    context = _first_number(_CONTEXT, message)
+    if context is None:
+        return None
+    prompt = _first_number(_PROMPT_TOKENS, message)
+    reply = _first_number(_REPLY_TOKENS, message)
+    max_tokens = getattr(args, "max_tokens", None)
+    if prompt is not None and prompt >= context:
+        return (
+            f"the prompt alone ({prompt} tokens) is longer than the server's context of "
+            f"{context} tokens: shorten the prompts (or the system prompt), or serve the model "
+            f"with a longer context (vLLM: --max-model-len)"
+        )
+    if max_tokens is not None and (reply is None or reply == max_tokens):
+        room = f" (at most {context - prompt} for these prompts)" if prompt is not None else ""
+        return (
+            f"--max-tokens {max_tokens} plus the prompt is more than the server's context of "
+            f"{context} tokens: lower --max-tokens{room}"
+        )
+    return (
+        f"the prompt plus the reply are longer than the server's context of {context} tokens: "
+        f"shorten the prompts, or set a lower --max-tokens"
+    )
 
 
 def _resume_lines(args: argparse.Namespace, run_dir: Path, env: Env[Any]) -> tuple[str, ...]:

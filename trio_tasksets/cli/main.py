@@ -10,6 +10,7 @@ written), 130 SIGINT, 143 SIGTERM (`eval` drains on both first).
 from __future__ import annotations
 
 import argparse
+import difflib
 import sys
 import traceback
 from collections.abc import Callable, Sequence
@@ -18,6 +19,7 @@ from .._exceptions import ConfigError
 from ..version import __version__
 from . import eval as eval_command
 from . import report as report_command
+from . import rescore as rescore_command
 from . import serve as serve_command
 from . import worker as worker_command
 from .options import PROG, CommandError, HelpFormatter, UsageError, flag_message
@@ -38,6 +40,7 @@ def parser() -> argparse.ArgumentParser:
     serve_command.add_parser(commands)
     worker_command.add_parsers(commands)
     report_command.add_parser(commands)
+    rescore_command.add_parser(commands)
     for sub in commands.choices.values():
         sub.formatter_class = HelpFormatter
         sub.add_argument("--debug", action="store_true", help="show the traceback of an error")
@@ -51,6 +54,7 @@ RUNNERS: dict[str, Callable[[argparse.Namespace], int]] = {
     "worker": worker_command.run_worker_command,
     "enqueue": worker_command.run_enqueue,
     "report": report_command.run,
+    "rescore": rescore_command.run,
 }
 
 
@@ -59,9 +63,27 @@ def _traceback(args: argparse.Namespace, exc: BaseException) -> None:
         traceback.print_exception(exc, file=sys.stderr)
 
 
+def _parse(words: list[str]) -> argparse.Namespace:
+    """The parsed command line; an unknown option is refused by its command's parser (its
+    usage, exit 2) naming the option it is closest to (`--num-example` -> `--num-examples`):
+    the commands do not take abbreviations, so that a resume command stays exact."""
+    top = parser()
+    args, extras = top.parse_known_args(words)
+    if extras:
+        sub: argparse.ArgumentParser = getattr(args, "tt_subparser", top)
+        known = [flag for action in sub._actions for flag in action.option_strings]
+        for word in extras:
+            name = word.partition("=")[0]
+            close = difflib.get_close_matches(name, known, n=1, cutoff=0.75)
+            if name.startswith("-") and close:
+                sub.error(f"unrecognized arguments: {' '.join(extras)} (did you mean {close[0]}?)")
+        sub.error(f"unrecognized arguments: {' '.join(extras)}")
+    return args
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     words = list(sys.argv[1:] if argv is None else argv)
-    args = parser().parse_args(words)
+    args = _parse(words)
     args.argv = words
     command = args.command
     try:

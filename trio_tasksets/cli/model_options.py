@@ -4,8 +4,10 @@ sampling settings, and the limits on its calls (`--max-connections`, `--rpm`, `-
 from __future__ import annotations
 
 import argparse
+import json
 import math
 import os
+from typing import Any
 from urllib.parse import urlsplit
 
 from ..limits import EndpointLimits
@@ -64,6 +66,13 @@ def add_model_options(parser: argparse.ArgumentParser) -> argparse._ArgumentGrou
     model.add_argument(
         "--sampling-seed", type=int, default=None, metavar="N", help="the seed sent with each request "
         "(default: none)",
+    )  # fmt: skip
+    model.add_argument(
+        "-S", "--sampling-args", default=None, metavar="JSON",
+        help="more request fields as a JSON object, merged into every request: e.g. "
+        "'{\"response_format\": {\"type\": \"json_object\"}, \"tools\": [...], "
+        "\"stop\": [\"\\n\"]}' (temperature, max_tokens, top_p, seed here count as their "
+        "flags) (default: none)",
     )  # fmt: skip
     model.add_argument(
         "--return-tokens", action="store_true",
@@ -129,8 +138,61 @@ def _check_base_url(url: str) -> None:
         )
 
 
+# -S keys that name a sampling flag's field: (the flag, Sampling's field)
+_NAMED = {"temperature": ("--temperature", "temperature"), "max_tokens": ("--max-tokens",
+          "max_tokens"), "top_p": ("--top-p", "top_p"), "seed": ("--sampling-seed", "seed")}  # fmt: skip
+# Request fields the client sets itself: -S may not replace them.
+_OWNED = {"model": "-m/--model", "messages": "the taskset's prompts",
+          "stream": "the client (it reads whole replies)", "stream_options": "the client"}  # fmt: skip
+
+
+def _sampling_args(args: argparse.Namespace) -> tuple[dict[str, Any], dict[str, Any]]:
+    """`-S/--sampling-args JSON`: (the values of named sampling fields it gives, the other
+    request fields)."""
+    text = getattr(args, "sampling_args", None)
+    if text is None:
+        return {}, {}
+    try:
+        fields = json.loads(text)
+    except ValueError as exc:
+        raise UsageError(
+            f"-S/--sampling-args is not JSON ({exc})",
+            fix="""quote it: -S '{"response_format": {"type": "json_object"}}'""",
+        ) from None
+    if not isinstance(fields, dict):
+        raise UsageError(
+            f"-S/--sampling-args must be a JSON object of request fields, got {text!r}",
+            fix="""-S '{"stop": ["\\n"]}'""",
+        )
+    named: dict[str, Any] = {}
+    extra: dict[str, Any] = {}
+    for key, value in fields.items():
+        if key in _OWNED:
+            raise UsageError(
+                f"-S/--sampling-args: {key!r} is set by {_OWNED[key]}", fix=f"drop {key!r}"
+            )
+        if key in _NAMED:
+            flag, field = _NAMED[key]
+            if getattr(args, "sampling_seed" if field == "seed" else field, None) is not None:
+                raise UsageError(
+                    f"{flag} and -S/--sampling-args {key!r} both set {key}", fix="give one"
+                )
+            named[field] = value
+        else:
+            extra[key] = value
+    return named, extra
+
+
 def _sampling(args: argparse.Namespace) -> Sampling:
-    temperature, top_p, max_tokens = args.temperature, args.top_p, args.max_tokens
+    named, extra = _sampling_args(args)
+    temperature = named.get("temperature", args.temperature)
+    top_p, max_tokens = named.get("top_p", args.top_p), named.get("max_tokens", args.max_tokens)
+    seed = named.get("seed", args.sampling_seed)
+    for field, value, kind in (("temperature", temperature, (int, float)),
+                               ("top_p", top_p, (int, float)), ("max_tokens", max_tokens, int),
+                               ("seed", seed, int)):  # fmt: skip
+        if field in named and (isinstance(value, bool) or not isinstance(value, kind)):
+            raise UsageError(f"-S/--sampling-args: {field!r} must be a number, got {value!r}")
     if temperature is not None and not (math.isfinite(temperature) and temperature >= 0):
         raise UsageError(f"--temperature must be >= 0, got {temperature}")
     if top_p is not None and not 0 < top_p <= 1:
@@ -138,7 +200,7 @@ def _sampling(args: argparse.Namespace) -> Sampling:
     if max_tokens is not None and max_tokens < 1:
         raise UsageError(f"--max-tokens must be >= 1, got {max_tokens}")
     return Sampling(temperature=temperature, max_tokens=max_tokens, top_p=top_p,
-                    seed=args.sampling_seed,
+                    seed=seed, extra=extra,
                     return_tokens=args.return_tokens)  # fmt: skip
 
 
@@ -150,20 +212,32 @@ def api_key_var(args: argparse.Namespace) -> str | None:
     return var if os.environ.get(var, "").strip() else None
 
 
-def model_context(args: argparse.Namespace) -> ModelContext:
+def model_context(args: argparse.Namespace, *, remote: bool = False) -> ModelContext:
     """The model the options name; a bad value, or an option that would do nothing with this
-    model, is a `UsageError` naming its flag."""
+    model, is a `UsageError` naming its flag.
+
+    `remote`: the model calls are made by other processes with their own endpoint (`eval
+    --via`: the workers'), so only the model's name and sampling are used here; the
+    context's client is the offline echo model, never called."""
     client: ModelClient
     sampling = _sampling(args)
+    if remote and not _is_echo(args):
+        return ModelContext(EchoClient(), args.model, sampling)
     if _is_echo(args):
+        # Every option that only shapes an HTTP request or its limits does nothing here:
+        # each is refused alike (the sampling flags, -S and --timeout included).
         idle = (("--timeout", "timeout"), ("--api-key-var", "api_key_var"),
-                ("--max-connections", "max_connections"), ("--rpm", "rpm"), ("--tpm", "tpm"))  # fmt: skip
-        for flag, dest in idle:
-            if given(args, dest):
-                raise UsageError(
-                    f"{flag} does nothing with the echo model",
-                    fix=f"drop {flag}, or name an HTTP model with -m MODEL --base-url URL",
-                )
+                ("--max-connections", "max_connections"), ("--rpm", "rpm"), ("--tpm", "tpm"),
+                ("--temperature", "temperature"), ("--max-tokens", "max_tokens"),
+                ("--top-p", "top_p"), ("--sampling-seed", "sampling_seed"),
+                ("-S/--sampling-args", "sampling_args"))  # fmt: skip
+        unused = [flag for flag, dest in idle if given(args, dest)]
+        if unused and not remote:
+            flags = ", ".join(unused)
+            raise UsageError(
+                f"{flags} {'does' if len(unused) == 1 else 'do'} nothing with the echo model",
+                fix=f"drop {flags}, or name an HTTP model with -m MODEL --base-url URL",
+            )
         delay = 0.0 if args.echo_delay is None else args.echo_delay
         if not delay >= 0:
             raise UsageError(f"--echo-delay must be >= 0, got {delay}")

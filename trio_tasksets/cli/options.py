@@ -43,7 +43,10 @@ if TYPE_CHECKING:
 
 PROG = "trio-tasksets"
 DEFAULT_API_KEY_VAR = "OPENAI_API_KEY"
-TASKSET_HELP = "echo, echo-stream, path/to/file.py:Class or package.module:Class"
+TASKSET_HELP = (
+    "echo, echo-stream, path/to/file.py:Class, package.module:Class, a data file (data.jsonl, "
+    "data.csv, hf:NAME[:SPLIT]) or vf:TASKSET_ID"
+)
 
 
 # --- errors and help ------------------------------------------------------------------------

@@ -43,7 +43,10 @@ def _feed_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--feed", required=True, metavar="URL", help="the Redis URL, e.g. redis://127.0.0.1:6379/0"
     )
-    parser.add_argument("--stream", required=True, metavar="S", help="the stream of tasks")
+    parser.add_argument(
+        "--stream", default="tasks", metavar="S",
+        help="the stream of tasks (the one `eval --via` writes by default)",
+    )  # fmt: skip
 
 
 def add_parsers(subparsers: Commands) -> None:
@@ -58,11 +61,14 @@ def add_parsers(subparsers: Commands) -> None:
     )
     add_env_options(worker, optional_taskset=True)
     _feed_options(worker)
-    worker.add_argument("--group", required=True, metavar="G", help="the consumer group")
+    worker.add_argument("--group", default="workers", metavar="G", help="the consumer group")
     worker.add_argument(
         "--consumer", default=None, metavar="NAME", help="this worker's name (default host-pid)"
     )
-    worker.add_argument("--results", required=True, metavar="R", help="the results stream")
+    worker.add_argument(
+        "--results", default="results", metavar="R",
+        help="the results stream of entries that name none (an `eval --via`'s name their own)",
+    )  # fmt: skip
     add_window_option(worker, help="the window: most episodes in flight, and most entries held")
     worker.add_argument(
         "--claim-idle",

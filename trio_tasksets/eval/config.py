@@ -14,6 +14,7 @@ from .._exceptions import EvalConfigError as EvalConfigError  # their home is _e
 from .._exceptions import EvalWarning as EvalWarning
 from ..backend import InProcess, SlotBackend, backend_for
 from ..env import Env, Episode
+from ..loading import taskset_label, taskset_short_name
 from ..metrics import check_metrics
 from ..models import ModelContext
 from ..window import AdaptiveBounds, AdaptiveWindow, Window, WindowArgumentError, build_window
@@ -239,9 +240,8 @@ def _check_engine_metrics(config: EvalConfig) -> None:
 
 def run_identity(env: Env[Any], ctx: ModelContext, config: EvalConfig) -> dict[str, Any]:
     taskset = env.taskset
-    cls = type(taskset)
     identity: dict[str, Any] = {
-        "taskset": f"{cls.__module__}:{cls.__qualname__}",
+        "taskset": taskset_label(taskset),
         "taskset_config": json.loads(json.dumps(attrs.asdict(taskset.config), default=str)),
         "model": ctx.model,
         "sampling": json.loads(json.dumps(attrs.asdict(ctx.sampling), default=str)),
@@ -256,9 +256,10 @@ def run_identity(env: Env[Any], ctx: ModelContext, config: EvalConfig) -> dict[s
 
 
 def default_run_name(env: Env[Any], ctx: ModelContext) -> str:
-    """`<Taskset>-<model>-<YYYYmmdd-HHMMSS>`, the run name when none is given."""
+    """`<Taskset>-<model>-<YYYYmmdd-HHMMSS>`, the run name when none is given (`<Taskset>`:
+    the class name, or a verifiers env's taskset id)."""
     stamp = time.strftime("%Y%m%d-%H%M%S")
-    return f"{type(env.taskset).__name__}-{ctx.model}-{stamp}".replace("/", "_")
+    return f"{taskset_short_name(env.taskset)}-{ctx.model}-{stamp}".replace("/", "_")
 
 
 def latest_run(env: Env[Any], ctx: ModelContext, output_dir: str) -> Path | None:

@@ -44,7 +44,7 @@ from ..health import Health
 from ..limits import EndpointLimits, observe_calls
 from ..models import ModelContext
 from ..models.engine import EngineMetrics
-from ..runner import pick_one, run_stream
+from ..runner import pick_one, require_trio, run_stream
 from ..traces import open_traces, write_atomic
 from ..version import __version__
 from ..window import AdaptiveWindow, Window, window_spec
@@ -62,6 +62,7 @@ from .config import (
 )
 from .lock import LOCK_NAME, RunDirLock
 from .plan import from_groups, from_list, keep_resumable, plan_groups, plan_stream, static_slots
+from .report.stats import reward_interval
 
 # What each file of a run dir is called; a run that leaves no row behind removes them.
 _FILES = ("config.json", "traces.jsonl", "summary.json")
@@ -206,12 +207,45 @@ def _histories(window: Window, ctx: ModelContext, t0: float) -> dict[str, Any]:
     return found
 
 
+USAGE_FIELDS = ("prompt_tokens", "completion_tokens")
+"""The token counts `summary.json`'s `usage` sums. A server's `total_tokens` (their sum) and
+its detail fields stay in the rows: summing them too would count every token twice."""
+
+
 def _usage(episodes: list[Episode]) -> dict[str, int]:
-    total: dict[str, int] = {"prompt_tokens": 0, "completion_tokens": 0}
+    prompt = completion = 0
     for episode in episodes:
-        for name, value in episode.usage.items():
-            total[name] = total.get(name, 0) + value
-    return total
+        usage = episode.usage
+        prompt += usage.get("prompt_tokens", 0)
+        completion += usage.get("completion_tokens", 0)
+    return {"prompt_tokens": prompt, "completion_tokens": completion}
+
+
+def metric_summary(episodes: list[Episode]) -> dict[str, dict[str, Any]]:
+    """`summary.json`'s `metrics`: for each named metric the episodes carry, its `mean`,
+    `std`, `n` and 95% interval (`ci`: [low, high], or null with fewer than two tasks;
+    `ci_method` as the report's reward interval: "wilson" for 0/1 values, ...)."""
+    values: dict[str, list[float]] = {}
+    clusters: dict[str, list[int]] = {}
+    tasks: dict[str, int] = {}
+    for episode in episodes:
+        if not episode.metrics:
+            continue
+        task = tasks.setdefault(episode.task.key, len(tasks))
+        for name, value in episode.metrics.items():
+            values.setdefault(name, []).append(value)
+            clusters.setdefault(name, []).append(task)
+    found: dict[str, dict[str, Any]] = {}
+    for name, numbers in values.items():
+        interval = reward_interval(numbers, clusters[name])
+        found[name] = {
+            "mean": statistics.fmean(numbers),
+            "std": statistics.pstdev(numbers),
+            "n": len(numbers),
+            "ci": None if interval is None else [interval.low, interval.high],
+            "ci_method": None if interval is None else interval.method,
+        }
+    return found
 
 
 def _summary(
@@ -240,7 +274,16 @@ def _summary(
         "first_error": None if first is None else _first_error(first),
         "usage": _usage(episodes),
         "waited_s": _waited(episodes),
+        "metrics": metric_summary(episodes),
     }
+
+
+def summarize(episodes: list[Episode], planned: int) -> dict[str, Any]:
+    """The figures of `summary.json` for `episodes` of a run that completed (what a rescore
+    writes: its duration and rate are the original run's)."""
+    tally = Tally(recorded=list(episodes))
+    tally.failed = sum(1 for e in episodes if not e.ok)
+    return _summary(episodes, planned, time.monotonic(), 0, tally, True)
 
 
 def _first_error(error: EpisodeError) -> dict[str, Any]:
@@ -324,11 +367,13 @@ async def run_eval(
 
     With `handle_signals` (the command line), SIGINT and SIGTERM stop the eval and drain it
     (a second one interrupts the drain); it then returns with `summary["stopped"]` set to the
-    signal's name. It must then run in the main thread.
+    signal's name. It must then run in the main thread. Awaited from asyncio it raises a
+    RuntimeError naming `tt.aio.run_eval`.
 
     One eval at a time writes a run dir: another one meanwhile (a second ``--resume``) is
     refused with `EvalConfigError` naming the holder (`RunDirLock`).
     """
+    require_trio("run_eval")
     with RunDirLock() as lock:
         return await _run_eval(env, ctx, config, handle_signals, lock)
 

@@ -303,7 +303,8 @@ class OpenAIClient:
                 if not _is_retryable_status(status) or attempts > self.max_retries:
                     raise ModelHTTPError(
                         f"{self.url} returned HTTP {status} after "
-                        f"{plural(attempts, 'attempt')}: {excerpt(text) or '<empty body>'}",
+                        f"{plural(attempts, 'attempt')}: "
+                        f"{excerpt(_error_message(text), 400) or '<empty body>'}",
                         url=self.url,
                         status=status,
                         body=text,
@@ -432,3 +433,18 @@ class OpenAIClient:
         tb: TracebackType | None,
     ) -> None:
         await self.aclose()
+
+
+def _error_message(text: str) -> str:
+    """An error body's own message (vLLM's `message`, OpenAI's `error.message`), so that
+    what the server says is not cut off behind its JSON wrapping; else the body itself."""
+    try:
+        data = orjson.loads(text)
+    except orjson.JSONDecodeError:
+        return text
+    error = data.get("error") if isinstance(data, dict) else None
+    for found in (error.get("message") if isinstance(error, dict) else error,
+                  data.get("message") if isinstance(data, dict) else None):  # fmt: skip
+        if isinstance(found, str) and found.strip():
+            return found
+    return text

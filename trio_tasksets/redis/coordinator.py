@@ -417,8 +417,8 @@ class _Coordinator:
         if not groups:
             return (
                 f"no worker reads {stream} (no consumer group); start one: "
-                f"trio-tasksets worker TASKSET --feed URL --stream {stream} --group G "
-                f"--results R"
+                f"trio-tasksets worker TASKSET --feed URL"
+                + ("" if stream == "tasks" else f" --stream {stream}")
             )
         consumers = sum(int(g.get("consumers", 0)) for g in groups)
         where = f"{consumers} consumers in {len(groups)} group(s) of {stream}"

@@ -26,7 +26,7 @@ __all__ = ["ReportError", "RunData", "load_run", "run_from_rows"]
 # Row fields the report takes apart; any other field is kept and shown as it is.
 _KNOWN = frozenset(
     ("id", "task", "rollout", "ok", "reward", "completion", "messages", "errors", "attempts",
-     "timing", "usage", "finish_reason", "turns", "tool_calls", "stop_reason")
+     "timing", "usage", "finish_reason", "turns", "tool_calls", "stop_reason", "metrics")
 )  # fmt: skip
 _TIMING = frozenset(("started", "finished", "duration"))
 _USAGE = frozenset(("prompt_tokens", "completion_tokens", "total_tokens"))
@@ -64,6 +64,9 @@ def _count(value: object) -> int | None:
 def _other_fields(row: dict[str, Any], usage: Any, timing: dict[str, Any]) -> dict[str, Any]:
     """A row's fields that the columns do not hold, to show as they are."""
     other = {k: v for k, v in row.items() if k not in _KNOWN}
+    metrics = row.get("metrics")
+    if metrics:  # named metrics: shown with the row, and summed up by the figures
+        other["metrics"] = metrics
     if usage is not None and (type(usage) is not dict or usage.keys() - _USAGE):
         other["usage"] = usage
     timing = {k: v for k, v in timing.items() if k not in _TIMING}
@@ -247,6 +250,7 @@ class RunData:
             add_stop(text(stop, len(index)) if type(stop) is str else -1)
             if (
                 row.keys() - _KNOWN
+                or get("metrics")
                 or timing.keys() - _TIMING
                 or (usage is not None and (type(usage) is not dict or usage.keys() - _USAGE))
             ):

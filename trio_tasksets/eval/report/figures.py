@@ -19,7 +19,7 @@ from typing import Any
 import attrs
 
 from .data import RunData
-from .stats import mean_interval, nice_step, pass_at_k, percentile
+from .stats import Interval, nice_step, pass_at_k, percentile, reward_interval
 
 __all__ = [
     "Figures",
@@ -92,7 +92,7 @@ class Figures:
     reward_n: int
     reward_mean: float | None
     reward_std: float | None
-    reward_ci: tuple[float, float] | None
+    reward_ci: Interval | None  # inside the rewards' bounds; its `method` says how made
     ci_clusters: int
     duration_s: float | None
     rate: float | None
@@ -112,6 +112,8 @@ class Figures:
     tasks: TaskFigures
     mismatches: list[str]
     groups: GroupFigures | None = None
+    # Each named metric of the rows (`metrics`, besides the reward): (mean, n, interval).
+    metrics: dict[str, tuple[float, int, Interval | None]] = attrs.Factory(dict)
 
 
 # --- the figures -------------------------------------------------------------------------
@@ -313,22 +315,51 @@ def _summary_int(summary: dict[str, Any] | None, name: str) -> int | None:
     return value if isinstance(value, int) and not isinstance(value, bool) else None
 
 
+_TOKEN_FIELDS = ("prompt_tokens", "completion_tokens")
+
+
 def _usage(
     from_summary: object,
     from_rows: dict[str, int] | None,
     pick: Callable[[str, Any, Any], Any],
 ) -> dict[str, int] | None:
-    """summary.json's token counts (checked against the rows' when they have any)."""
+    """summary.json's token counts (checked against the rows' when they have any): prompt
+    and completion tokens only. A summary written by an older version summed every integer
+    field of the replies' `usage`, a server's `total_tokens` included: those keys are left out,
+    so such a run's figures are right too."""
     if not isinstance(from_summary, dict):
         return from_rows
     counts = {
         k: int(v)
         for k, v in from_summary.items()
-        if isinstance(v, int | float) and not isinstance(v, bool) and math.isfinite(v)
+        if k in _TOKEN_FIELDS
+        and isinstance(v, int | float)
+        and not isinstance(v, bool)
+        and math.isfinite(v)
     }
     if from_rows is None:
         return counts
     return pick("usage", counts, from_rows)  # type: ignore[no-any-return]
+
+
+def _metrics(run: RunData) -> dict[str, tuple[float, int, Interval | None]]:
+    """The rows' named metrics (a row's `metrics` object), each one's mean and interval
+    (clustered by task, as the reward's)."""
+    values: dict[str, list[float]] = {}
+    clusters: dict[str, list[int]] = {}
+    for index, other in run.extra.items():
+        found = other.get("metrics")
+        if type(found) is not dict:
+            continue
+        for name, value in found.items():
+            if type(value) in (int, float) and math.isfinite(value):
+                values.setdefault(str(name), []).append(float(value))
+                clusters.setdefault(str(name), []).append(run.task[index])
+    return {
+        name: (math.fsum(numbers) / len(numbers), len(numbers),
+               reward_interval(numbers, clusters[name]))
+        for name, numbers in sorted(values.items())
+    }  # fmt: skip
 
 
 def compute(run: RunData, *, threshold: float = 1.0) -> Figures:
@@ -395,7 +426,7 @@ def compute(run: RunData, *, threshold: float = 1.0) -> Figures:
         reward_n=len(rewards),
         reward_mean=pick("reward_mean", _summary_number(summary, "reward_mean"), rows_mean),
         reward_std=pick("reward_std", _summary_number(summary, "reward_std"), rows_std),
-        reward_ci=mean_interval(rewards, clusters),
+        reward_ci=reward_interval(rewards, clusters),
         ci_clusters=len(set(clusters)),
         duration_s=_summary_number(summary, "duration_s"),
         rate=_summary_number(summary, "rollouts_per_s") if summary is not None else rows_rate,
@@ -420,4 +451,5 @@ def compute(run: RunData, *, threshold: float = 1.0) -> Figures:
         tasks=_tasks(run, threshold),
         mismatches=mismatches,
         groups=_groups(run),
+        metrics=_metrics(run),
     )

@@ -52,10 +52,11 @@ def _kpis(fig: Figures) -> str:
     kept = f"; {fmt_count(fig.kept_from_resume)} kept from a resume" if fig.kept_from_resume else ""
     share = f"{fig.failed / fig.finished:.1%} of finished" if fig.finished else ""
     if fig.reward_ci is not None:
-        low, high = fig.reward_ci
+        low, high = fig.reward_ci.low, fig.reward_ci.high
         ci = (
             f"95% CI {_figure('reward_ci_low', low, f'{low:.3f}')}{NONE}"
-            f"{_figure('reward_ci_high', high, f'{high:.3f}')} (t, {fig.reward_n:,} rewards, "
+            f"{_figure('reward_ci_high', high, f'{high:.3f}')} "
+            f"({escape(fig.reward_ci.method)}, {fig.reward_n:,} rewards, "
             f"clustered by {fig.ci_clusters:,} tasks)"
         )
     elif fig.reward_n == 0:
@@ -95,6 +96,19 @@ def _kpis(fig: Figures) -> str:
         )
         per = f"{sum(fig.usage.values()) / fig.finished:,.1f} per rollout" if fig.finished else ""
         parts.append(_kpi("Tokens", body, per, multi=True))
+    if fig.metrics:
+        lines = []
+        for name, (mean, n, interval) in fig.metrics.items():
+            ci = (
+                f" (95% CI {interval.low:.3f}{NONE}{interval.high:.3f}, {escape(interval.method)})"
+                if interval is not None
+                else ""
+            )
+            lines.append(
+                f'<span class="muted">{escape(name)}</span> '
+                f"{_figure(f'metric:{escape(name)}', mean, fmt_reward(mean))}{ci} · n {n:,}"
+            )
+        parts.append(_kpi("Metrics", "<br>".join(lines), "named metrics of the rows", multi=True))
     return f'<dl class="kpis">{"".join(parts)}</dl>'
 
 
@@ -378,7 +392,7 @@ def compare_table(runs: Sequence[RunData], figures: Sequence[Figures]) -> str:
         ("failed", [fmt_count(f.failed) for f in figures]),
         ("reward mean", [fmt_reward(f.reward_mean) for f in figures]),
         ("95% CI", [
-            NONE if f.reward_ci is None else f"{f.reward_ci[0]:.3f} to {f.reward_ci[1]:.3f}"
+            NONE if f.reward_ci is None else f"{f.reward_ci.low:.3f} to {f.reward_ci.high:.3f}"
             for f in figures
         ]),
         ("rollouts / s", [fmt_rate(f.rate) for f in figures]),

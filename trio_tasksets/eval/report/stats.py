@@ -1,12 +1,24 @@
-"""Statistics for the report: a t quantile, a clustered confidence interval, percentiles,
-pass@k. Plain functions over lists, each checked against a textbook value in the tests."""
+"""Statistics for the report: a t quantile, a clustered confidence interval, the Wilson
+interval and the reward interval built from them, percentiles, pass@k. Plain functions over lists, each checked against a textbook value in the tests."""
 
 from __future__ import annotations
 
 import math
 import statistics
 
-__all__ = ["CONFIDENCE", "mean_interval", "nice_step", "pass_at_k", "percentile", "t_quantile"]
+import attrs
+
+__all__ = [
+    "CONFIDENCE",
+    "Interval",
+    "mean_interval",
+    "nice_step",
+    "pass_at_k",
+    "percentile",
+    "reward_interval",
+    "t_quantile",
+    "wilson_interval",
+]
 
 CONFIDENCE = 0.95
 
@@ -42,12 +54,77 @@ def mean_interval(
     if groups < 2:
         return None
     mean = math.fsum(values) / len(values)
+    half = t_quantile(0.5 + confidence / 2, groups - 1) * _clustered_se(values, clusters)
+    return (mean - half, mean + half)
+
+
+def _clustered_se(values: list[float], clusters: list[int]) -> float:
+    """The clustered standard error of the mean (see `mean_interval`); >= 2 clusters."""
+    groups = len(set(clusters))
+    mean = math.fsum(values) / len(values)
     sums: dict[int, float] = {}
     for value, cluster in zip(values, clusters, strict=True):
         sums[cluster] = sums.get(cluster, 0.0) + (value - mean)
-    se = math.sqrt(groups / (groups - 1) * math.fsum(s * s for s in sums.values())) / len(values)
-    half = t_quantile(0.5 + confidence / 2, groups - 1) * se
-    return (mean - half, mean + half)
+    return math.sqrt(groups / (groups - 1) * math.fsum(s * s for s in sums.values())) / len(values)
+
+
+def wilson_interval(
+    successes: float, n: float, confidence: float = CONFIDENCE
+) -> tuple[float, float]:
+    """The Wilson score interval of a proportion (`successes` of `n` trials; `n` may be an
+    effective sample size, not an integer): always inside [0, 1], and not degenerate at 0 or
+    n successes, where the normal (Wald) interval collapses to a point."""
+    if n <= 0:
+        raise ValueError(f"n must be > 0, got {n}")
+    z = statistics.NormalDist().inv_cdf(0.5 + confidence / 2)
+    p = successes / n
+    denominator = 1 + z * z / n
+    centre = (p + z * z / (2 * n)) / denominator
+    half = z * math.sqrt(p * (1 - p) / n + z * z / (4 * n * n)) / denominator
+    low = 0.0 if successes <= 0 else max(0.0, centre - half)  # exact at the edges
+    high = 1.0 if successes >= n else min(1.0, centre + half)
+    return (low, high)
+
+
+@attrs.frozen
+class Interval:
+    """A confidence interval of the mean reward, and how it was made (`method`): "wilson"
+    (every reward is 0 or 1), "t, clipped to [0, 1]" (rewards in [0, 1]), or "t"."""
+
+    low: float
+    high: float
+    method: str
+
+
+def reward_interval(
+    values: list[float], clusters: list[int], confidence: float = CONFIDENCE
+) -> Interval | None:
+    """The interval the report shows for a mean reward, inside the rewards' bounds.
+
+    0/1 rewards (pass/fail): the Wilson score interval, its sample size the effective one of
+    the clustered standard error (n / design effect, so a task's correlated rollouts count
+    for less than independent draws; G, the number of tasks, when every reward is equal).
+    Rewards in [0, 1]: the clustered t interval (`mean_interval`) clipped to [0, 1]. Other
+    rewards: that t interval as it is. None with fewer than two clusters.
+    """
+    interval = mean_interval(values, clusters, confidence)
+    if interval is None:
+        return None
+    low, high = interval
+    if all(v in (0.0, 1.0) for v in values):
+        n = len(values)
+        p = math.fsum(values) / n
+        clustered = _clustered_se(values, clusters)
+        independent = _clustered_se(values, list(range(n)))
+        if clustered > 0 and independent > 0:  # n over the design effect (1: no clustering)
+            effective = min(float(n), n * (independent / clustered) ** 2)
+        else:  # every reward equal: as many draws as tasks
+            effective = float(len(set(clusters)))
+        low, high = wilson_interval(p * effective, effective, confidence)
+        return Interval(low, high, "wilson")
+    if all(0.0 <= v <= 1.0 for v in values):
+        return Interval(max(0.0, low), min(1.0, high), "t, clipped to [0, 1]")
+    return Interval(low, high, "t")
 
 
 def percentile(ordered: list[float], q: float) -> float:
