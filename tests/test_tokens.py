@@ -191,4 +191,5 @@ def test_rows_with_training_fields_read_back_from_an_env_server() -> None:
     assert set(plain.to_row()) == {
         "id", "task", "rollout", "ok", "reward", "completion", "messages", "errors",
         "attempts", "timing", "usage", "finish_reason", "turns", "tool_calls", "stop_reason",
+        "metrics",
     }  # fmt: skip
