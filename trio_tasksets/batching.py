@@ -34,9 +34,14 @@ def take_ready(channel: trio.MemoryReceiveChannel[T], first: T, limit: int) -> l
 
 async def coalesce(pending: list[Any], limit: int) -> None:
     """Yield to the scheduler while `pending` keeps growing (until it holds `limit`): what the
-    tasks that are runnable now add goes into the same message. Bounded: one tick that adds
-    nothing ends it, so a busy process still flushes."""
-    count = -1
-    while count != len(pending) and len(pending) < limit:
-        count = len(pending)
+    tasks that are runnable now add goes into the same message. Bounded: two ticks in a row
+    that add nothing end it, so a busy process still flushes. (Two, because trio runs a batch
+    of runnable tasks in either order: this task may run first in the tick after it yields,
+    before the others have added anything; by the next tick they all have run.)"""
+    count, quiet = len(pending), 0
+    while quiet < 2 and len(pending) < limit:
         await trio.lowlevel.cancel_shielded_checkpoint()
+        if len(pending) == count:
+            quiet += 1
+        else:
+            count, quiet = len(pending), 0
