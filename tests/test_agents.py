@@ -575,3 +575,46 @@ def _run_dir(tmp_path: Path, rows: list[dict[str, Any]]) -> Path:
     run_dir.mkdir()
     (run_dir / "traces.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
     return run_dir
+
+
+CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
+CHROMEDRIVER = shutil.which("chromedriver")
+
+
+async def test_in_chromium_an_expanded_row_shows_the_tool_calls(tmp_path: Path) -> None:
+    if CHROMIUM is None or CHROMEDRIVER is None:
+        pytest.skip("the browser test needs chromium and chromedriver on PATH")
+    from selenium import webdriver
+    from selenium.webdriver.chrome.service import Service
+    from selenium.webdriver.common.by import By
+
+    client = ScriptedClient([reply(tool_calls=[("add", {"a": 2, "b": 3})]), reply("it is 5")])
+    config = tt.EvalConfig(dashboard=False, output_dir=str(tmp_path), run_name="r")
+    result = await tt.run_eval(tt.ToolEnv(One(), [add]), ctx(client), config)
+    page = tt.report(result.run_dir).resolve().as_uri()
+    options = webdriver.ChromeOptions()
+    options.binary_location = CHROMIUM
+    for flag in ("--headless", "--no-sandbox", "--disable-gpu", "--no-first-run",
+                 f"--user-data-dir={tmp_path / 'profile'}"):  # fmt: skip
+        options.add_argument(flag)
+    options.set_capability("goog:loggingPrefs", {"browser": "ALL"})
+    driver = await trio.to_thread.run_sync(
+        lambda: webdriver.Chrome(options=options, service=Service(CHROMEDRIVER))
+    )
+    try:
+
+        def look() -> tuple[str, list[Any]]:
+            driver.get(page)
+            driver.find_element(By.CSS_SELECTOR, "#table tbody tr.main button.expand").click()
+            detail = driver.find_element(By.CSS_SELECTOR, "#table tr.detail")
+            return detail.text, driver.get_log("browser")  # type: ignore[no-untyped-call]
+
+        text, log = await trio.to_thread.run_sync(look)
+    finally:
+        await trio.to_thread.run_sync(driver.quit)
+    assert [e for e in log if e["level"] == "SEVERE"] == []
+    assert "tool call call_0: add" in text
+    assert '"a": 2,\n  "b": 3' in text  # the arguments, as JSON
+    assert "tool · answers call_0\n5" in text
+    assert "turns\n2" in text
+    assert "tool calls\n1" in text

@@ -187,18 +187,25 @@ async def test_a_401_on_every_call_exits_1_naming_the_key_variable(
     done = await acli(tmp_path, *eval_args(tmp_path, "echo", *http_model(model), "--run-name", "a"))
     assert done.returncode == 1, done.stderr
     summary_line, failures = done.stdout.splitlines()
-    assert summary_line.startswith("0/8 ok")
-    assert failures.startswith("8 failed: ModelHTTPError 8; first error: ModelHTTPError: ")
-    assert "returned HTTP 401" in failures
-    assert error_line(done.stderr) == (
-        "trio-tasksets eval: error: no episode succeeded (8 failed); fix: no API key was sent "
-        "($OPENAI_API_KEY is not set): export OPENAI_API_KEY=... (or name the variable with "
-        "--api-key-var)"
-    )
+    # A 401 on the first calls is a dead endpoint (SPEC 12): the eval stops at the first
+    # failed row instead of spending every slot on it.
     summary = summary_of(tmp_path / "out" / "a")
-    assert summary["errors_by_type"] == {"ModelHTTPError": 8}
+    n = summary["failed"]
+    assert 1 <= n <= 8  # at most the rows in flight (-c) when the first one failed
+    assert summary_line.startswith(f"0/{n} ok")
+    assert failures.startswith(f"{n} failed: ModelHTTPError {n}; first error: ModelHTTPError: ")
+    assert "returned HTTP 401" in failures
+    line = error_line(done.stderr)
+    assert line.startswith(f"trio-tasksets eval: error: the model endpoint {model.url} is dead: ")
+    assert line.endswith(
+        "; fix: no API key was sent ($OPENAI_API_KEY is not set): export OPENAI_API_KEY=... "
+        "(or name the variable with --api-key-var)"
+    )
+    assert summary["stopped"] == "dead_endpoint"
+    assert summary["errors_by_type"] == {"ModelHTTPError": n}
     assert summary["first_error"]["type"] == "ModelHTTPError"
-    assert (summary["ok"], summary["error"], summary["stopped"]) == (0, None, None)
+    assert summary["ok"] == 0
+    assert summary["error"].startswith(f"the model endpoint {model.url} is dead: ModelHTTPError")
 
     # With a key that the server refuses, the fix says so.
     done = await acli(tmp_path, *eval_args(tmp_path, "echo", *http_model(model)),
@@ -300,13 +307,13 @@ async def test_without_the_key_variable_no_header_is_sent(
 async def test_max_failures_stops_exits_1_and_prints_the_resume_command(
     model: ModelServer, tmp_path: Path
 ) -> None:
-    model.status = 401
+    model.status = 404  # not 401: that, on the first calls, is a dead endpoint (SPEC 12)
     args = eval_args(tmp_path, "echo", "-c", "1", "--max-failures", "2", *http_model(model),
                      "--run-name", "m")  # fmt: skip
     done = await acli(tmp_path, *args)
     assert done.returncode == 1, done.stderr
     assert error_line(done.stderr).startswith(
-        "trio-tasksets eval: error: --max-failures 2: 2 episodes failed; fix: no API key was sent"
+        "trio-tasksets eval: error: --max-failures 2: 2 episodes failed; fix: check -m/--model"
     )
     summary = summary_of(tmp_path / "out" / "m")
     assert (summary["stopped"], summary["finished"]) == ("max_failures", 2)

@@ -39,7 +39,7 @@ HANG = 100_000
 SETTINGS = settings(
     suppress_health_check=[HealthCheck.function_scoped_fixture],
     deadline=None,
-    max_examples=int(os.environ.get("TT_PROPERTY_EXAMPLES", "200")),
+    max_examples=int(os.environ.get("TT_PROPERTY_EXAMPLES", "150")),
 )
 
 

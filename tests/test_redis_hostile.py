@@ -204,3 +204,26 @@ def test_an_odd_redis_compatible_server_is_named_with_what_it_answered(
     assert "Traceback" not in done.stderr
     assert not out.exists() or not any(out.iterdir())  # no run dir, and none named
     assert "traces.jsonl" not in done.stderr
+
+
+# --- a Redis still loading its data -----------------------------------------------------------
+
+
+def loading_twice(command: list[bytes], n: int) -> bytes:
+    if n <= 2:
+        return b"-LOADING Redis is loading the dataset in memory\r\n"
+    return bulk("v")
+
+
+async def test_a_link_retries_while_redis_loads_its_data() -> None:
+    """A Redis restarted from its AOF answers LOADING to every command until its data is
+    loaded (it ran nothing): a `Link` call waits it out, as for an unreachable Redis, instead
+    of raising it (a worker died of it after a restart)."""
+    logged: list[str] = []
+    with RawRedis(loading_twice) as server, trio.fail_after(10):
+        link = Link(server.url, read_timeout=5.0, log=logged.append)
+        assert await link.call("reading", lambda c, _: c.execute("GET", "k")) == "v"
+        link.close()
+    assert len(server.commands) == 3
+    assert "LOADING" in logged[0]
+    assert "reachable again after 2 failed attempts" in logged[-1]

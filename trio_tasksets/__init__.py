@@ -15,7 +15,16 @@ Submodules: `testing` (helpers for deterministic tests, `ScriptedClient`), `tool
 from . import aio, testing, tools
 from ._exceptions import ConfigError, TrioTasksetsError
 from .agents import ToolEnv
-from .env import Env, Episode, EpisodeError, EpisodeTask, RetryPolicy, RolloutTimeoutError, RunSlot
+from .env import (
+    Env,
+    Episode,
+    EpisodeError,
+    EpisodeTask,
+    RetryPolicy,
+    RolloutTimeoutError,
+    RunSlot,
+    StalledError,
+)
 from .eval import EvalConfig, EvalConfigError, EvalResult, run_eval
 from .eval.report import report
 from .models import (
@@ -65,6 +74,7 @@ __all__ = [
     "RolloutTimeoutError",
     "RunSlot",
     "Sampling",
+    "StalledError",
     "Task",
     "Taskset",
     "TasksetConfig",

@@ -20,6 +20,8 @@ TrioTasksetsError
 │   ├── ModelHTTPError                  .status: the HTTP status
 │   └── ModelResponseError
 ├── RolloutTimeoutError (TimeoutError)  an attempt outlasted rollout_timeout (env)
+├── StalledError (TimeoutError)         an attempt made no progress for stall_timeout (env)
+├── DeadlineExceededError (TimeoutError) a slot's deadline passed before or while it ran (env)
 ├── HTTPError                           the project's HTTP client (transport)
 │   ├── ConnectError
 │   │   └── ProxyError

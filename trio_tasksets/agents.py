@@ -23,6 +23,7 @@ from typing import Any, TypeVar
 import attrs
 import trio
 
+from ._exceptions import ConfigError
 from .env import Env, Message, chat_messages, note_rollout
 from .models import ModelContext, ToolCall
 from .runner import fan_out
@@ -62,19 +63,25 @@ class ToolEnv(Env[TaskT]):
     ) -> None:
         super().__init__(taskset, **env_kwargs)
         if isinstance(max_turns, bool) or not isinstance(max_turns, int) or max_turns < 1:
-            raise ValueError(f"max_turns must be an int >= 1, got {max_turns!r}")
+            raise ConfigError(
+                f"{{max_turns}} must be an int >= 1, got {max_turns!r}", parameter="max_turns"
+            )
         if token_limit is not None and (
             isinstance(token_limit, bool) or not isinstance(token_limit, int) or token_limit < 1
         ):
-            raise ValueError(f"token_limit must be an int >= 1 or None, got {token_limit!r}")
+            raise ConfigError(
+                f"{{token_limit}} must be an int >= 1 or None, got {token_limit!r}",
+                parameter="token_limit",
+            )
         if tool_timeout is not None and (
             isinstance(tool_timeout, bool)
             or not isinstance(tool_timeout, int | float)
             or not math.isfinite(tool_timeout)
             or tool_timeout <= 0
         ):
-            raise ValueError(
-                f"tool_timeout must be a number of seconds > 0 or None, got {tool_timeout!r}"
+            raise ConfigError(
+                f"{{tool_timeout}} must be a number of seconds > 0 or None, got {tool_timeout!r}",
+                parameter="tool_timeout",
             )
         self.max_turns = max_turns
         self.token_limit = token_limit
@@ -83,7 +90,10 @@ class ToolEnv(Env[TaskT]):
         for given in tools if not isinstance(tools, Tool) else [tools]:
             made = given if isinstance(given, Tool) else tool(given)
             if made.name in self.tools:
-                raise ValueError(f"tools: two tools are named {made.name!r}; names must differ")
+                raise ConfigError(
+                    f"{{tools}}: two tools are named {made.name!r}; names must differ",
+                    parameter="tools",
+                )
             self.tools[made.name] = made
         self.schemas = [made.schema for made in self.tools.values()]
 

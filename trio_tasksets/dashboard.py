@@ -70,6 +70,8 @@ class Progress:
     note: str | None = None  # why nothing moves, when the runner knows (e.g. no worker)
     window: Window | None = None  # the rollout window (-c): its size now is shown
     connections: ConnectionLimiter | None = None  # model calls per endpoint (--max-connections)
+    stalled: int = 0  # attempts cancelled as StalledError (--stall-timeout), retried or not
+    health: Callable[[], str | None] | None = None  # the scheduler's lag now, as text
 
     def planned(self, n: int = 1) -> None:
         """`n` more slots are planned (static: all at once; a stream: as tasks arrive)."""
@@ -133,7 +135,21 @@ class Progress:
         limits = self.limits_text()
         if limits is not None:
             line = f"{line}; {limits}"
+        health = self.health_text()
+        if health is not None:
+            line = f"{line}; {health}"
         return line if self.note is None else f"{line}; {self.note}"
+
+    def health_text(self) -> str | None:
+        """Stalled attempts and the scheduler's lag, e.g. ``2 stalled (StalledError), lag
+        0.4 ms (max 12 ms)``; None when there is neither."""
+        parts = []
+        if self.stalled:
+            parts.append(f"{self.stalled} stalled (StalledError)")
+        lag = self.health() if self.health is not None else None
+        if lag is not None:
+            parts.append(lag)
+        return ", ".join(parts) or None
 
 
 def _fmt_window(window: Window) -> str:
@@ -207,6 +223,9 @@ def _render(progress: Progress, max_width: int) -> RenderableType:
     limits = progress.limits_text()
     if limits is not None:
         rows += [Text(limits, style="dim")]
+    health = progress.health_text()
+    if health is not None:
+        rows += [Text(health, style="bold yellow" if progress.stalled else "dim")]
     if progress.note is not None:
         rows += [Text(""), Text(progress.note, style="bold yellow")]
     return Panel(

@@ -5,10 +5,13 @@ from __future__ import annotations
 import contextvars
 import inspect
 import math
+import os
+import sys
 import time
+import traceback
 import uuid
-from collections.abc import AsyncIterator, Awaitable, Callable, Iterable
-from contextlib import AbstractAsyncContextManager, asynccontextmanager
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Iterator
+from contextlib import AbstractAsyncContextManager, asynccontextmanager, contextmanager
 from typing import Any, Generic, TypeVar
 
 import attrs
@@ -16,7 +19,7 @@ import trio
 
 from ._exceptions import TrioTasksetsError
 from .backoff import Backoff
-from .limits import CallObserver, observe_calls, report_outcome
+from .limits import CallObserver, observe_calls, parked, report_outcome
 from .models import Completion, ModelContext, ModelHTTPError, observe_completions
 from .tasksets import Taskset
 from .window import AdaptiveWindow, Outcome, Window
@@ -29,6 +32,7 @@ __all__ = [
     "RetryPolicy",
     "RolloutTimeoutError",
     "RunSlot",
+    "StalledError",
     "WindowFeed",
     "note_rollout",
 ]
@@ -78,6 +82,18 @@ class RolloutTimeoutError(TrioTasksetsError, TimeoutError):
     `rollout_timeout`: an episode error like any other, retried per the env's policy."""
 
 
+class StalledError(TrioTasksetsError, TimeoutError):
+    """An attempt made no progress (no model or tool call finished) for the env's
+    `stall_timeout` seconds of working time: cancelled, an episode error retried per the
+    env's policy like any other (SPEC 12)."""
+
+
+class DeadlineExceededError(TrioTasksetsError, TimeoutError):
+    """A slot's deadline, carried from the process that asked for it (an eval's `--via`
+    entry), passed: the slot was cut there, or not run at all when it came too late. An
+    episode error like any other (SPEC 12)."""
+
+
 @attrs.frozen
 class EpisodeTask:
     """The task an episode ran: its `key` and its own fields (`data`)."""
@@ -91,18 +107,24 @@ class EpisodeError:
     """One failed attempt: the exception's type name and message, and `status`, the HTTP
     status the model endpoint answered with when the attempt ended on one (a
     `ModelHTTPError`'s; None otherwise). A row keeps `status` only when it is set; it is what
-    tells an adaptive window on another process (an env server's, a worker's) about a 429."""
+    tells an adaptive window on another process (an env server's, a worker's) about a 429.
+    For an error raised by the user's own code (a reward, a rollout, a tool, a taskset's
+    `task_from_data`), `traceback`: the formatted frames of that code, those of this package
+    and of trio left out (None for the package's own errors: model, timeout and stall
+    errors); a row keeps it only when it is set."""
 
     type: str
     message: str
     attempt: int = 1
     status: int | None = None
+    traceback: str | None = None
 
     @classmethod
     def of(cls, exc: BaseException, attempt: int) -> EpisodeError:
-        """The record of attempt number `attempt`, which raised `exc`."""
+        """The record of attempt number `attempt`, which raised `exc` (its user traceback,
+        when the user's own code raised it)."""
         status = exc.status if isinstance(exc, ModelHTTPError) else None
-        return cls(type(exc).__name__, str(exc), attempt, status)
+        return cls(type(exc).__name__, str(exc), attempt, status, user_traceback(exc))
 
     def to_dict(self) -> dict[str, Any]:
         """The error as a row holds it."""
@@ -113,7 +135,33 @@ class EpisodeError:
         }
         if self.status is not None:
             found["status"] = self.status
+        if self.traceback is not None:
+            found["traceback"] = self.traceback
         return found
+
+
+_OWN_CODE = tuple(
+    os.path.dirname(module.__file__) + os.sep
+    for module in (sys.modules[__name__.rpartition(".")[0]], trio)
+    if module.__file__ is not None
+)
+
+
+def user_traceback(error: BaseException) -> str | None:
+    """The traceback of `error` in the user's frames, or None when this package (or trio)
+    raised it. Frames of this package and of trio are left out; the rest (the user's code and
+    the libraries it called) are formatted as Python does, with the error's last line."""
+    frames = traceback.extract_tb(error.__traceback__)
+    if not frames or frames[-1].filename.startswith(_OWN_CODE):
+        return None
+    kept = traceback.StackSummary.from_list(
+        [frame for frame in frames if not frame.filename.startswith(_OWN_CODE)]
+    )
+    return (
+        "Traceback (most recent call last, the user's frames):\n"
+        + "".join(kept.format())
+        + "".join(traceback.format_exception_only(type(error), error))
+    )
 
 
 @attrs.define
@@ -127,12 +175,14 @@ class Episode:
     (seconds, every attempt and backoff included) and, of that duration, `waited_connection`
     and `waited_rate`: the seconds its model calls waited for a connection slot and for the
     rpm/tpm limiters (`trio_tasksets.limits.EndpointLimits`; 0.0 without limits; rows written
-    before these existed lack them).
+    before these existed lack them), and `working`: the duration less every wait of the
+    runner's own (`limits.parked`: limiters, rests before a retry, retry backoff).
 
     Of the attempt the row reports (the last): `turns` counts its model replies, `tool_calls`
     the tool calls those replies asked for, and `stop_reason` names the limit that ended its
-    rollout (`"max_turns"`, `"token_limit"`; None when the model finished on its own): a
-    tool env (`tt.ToolEnv`) sets them, and any rollout loop may (`note_rollout`).
+    rollout (`"max_turns"`, `"token_limit"`, `"working_limit"`: `Env(working_limit=)`; None
+    when the model finished on its own): a tool env (`tt.ToolEnv`) sets them, and any
+    rollout loop may (`note_rollout`).
     """
 
     id: str
@@ -330,9 +380,24 @@ class Env(Generic[TaskT]):
     rollout and its scoring: an attempt that outlasts it is cancelled and becomes a
     `RolloutTimeoutError`, retried per `retries` like any episode error. It is a plain
     attribute: set it after construction to bound a subclass that does not pass it on.
+
+    `working_limit` (seconds, or None) bounds each attempt's *working* time: its wall time
+    less the time it was parked in the runner's own waits (`limits.parked`: connection,
+    rpm and tpm limiters, Retry-After rests, retry backoff), stopped while such a wait is
+    in progress. An attempt that reaches it is cut and ends normally: scored on the last
+    model reply it had received (`""` if none), `ok`, with `stop_reason: "working_limit"`.
+    While any task of the rollout is parked, the rollout counts as parked. Also a plain
+    attribute.
+
+    `stall_timeout` (seconds, or None) cancels an attempt in which no model or tool call
+    finished (`ModelContext.chat` returning, `limits.report_progress`) for that many seconds
+    of working time (parked waits do not count): it becomes a `StalledError`, retried per
+    `retries`. Also a plain attribute.
     """
 
     rollout_timeout: float | None = None  # also here, for a subclass that skips __init__
+    working_limit: float | None = None
+    stall_timeout: float | None = None
 
     def __init__(
         self,
@@ -341,10 +406,14 @@ class Env(Generic[TaskT]):
         reward: Reward | None = None,
         retries: RetryPolicy | None = None,
         rollout_timeout: float | None = None,
+        working_limit: float | None = None,
+        stall_timeout: float | None = None,
     ) -> None:
         self.taskset = taskset
         self.retries = retries if retries is not None else RetryPolicy()
         self.rollout_timeout = check_rollout_timeout(rollout_timeout)
+        self.working_limit = check_working_limit(working_limit)
+        self.stall_timeout = check_working_limit(stall_timeout, "stall_timeout")
         taskset_reward = getattr(taskset, "reward", None)
         self._reward: Reward = reward or taskset_reward or answer_match
 
@@ -388,23 +457,25 @@ class Env(Generic[TaskT]):
         began = trio.current_time()
         waits = _Waits()
         timeout = self.rollout_timeout
+        bounded = timeout is not None or self.working_limit is not None or self.stall_timeout
         attempt = 0
         while True:
             attempt += 1
             stats = _Rollout(episode)
             token = _rollout.set(stats)
             try:
-                with observe_completions(stats.count), observe_calls(waits):
-                    if timeout is None:  # inline: this runs once per attempt of every episode
+                if not bounded:  # inline: this runs once per attempt of every episode
+                    with observe_completions(stats.count), observe_calls(waits):
                         messages, completion = await self.rollout(task, ctx)
                         reward = _finite(await self.score(task, completion))
-                    else:
-                        messages, completion, reward = await self._timed(task, ctx, seconds=timeout)
+                else:
+                    messages, completion, reward = await self._bounded(task, ctx, stats, waits)
             except Exception as exc:
                 episode.errors.append(EpisodeError.of(exc, attempt))
                 if not self.retries.should_retry(exc, attempt):
                     break
-                await trio.sleep(self.retries.delay(attempt))
+                with observe_calls(waits), parked("retry"):
+                    await trio.sleep(self.retries.delay(attempt))
             else:
                 episode.ok = True
                 episode.reward = reward
@@ -423,15 +494,37 @@ class Env(Generic[TaskT]):
             "waited_connection": waits.connection,
             "waited_rate": waits.rate,
         }
+        episode.timing["working"] = episode.timing["duration"] - waits.parked_so_far()
         return await complete_slot(slot, episode, on_complete)
 
-    async def _timed(
-        self, task: TaskT, ctx: ModelContext, *, seconds: float
+    async def _bounded(
+        self, task: TaskT, ctx: ModelContext, stats: _Rollout, waits: _Waits
     ) -> tuple[list[Message], str, float]:
-        """One attempt, the rollout and its score, within `seconds` (`rollout_timeout`)."""
-        with trio.move_on_after(seconds):
-            messages, completion = await self.rollout(task, ctx)
-            return messages, completion, _finite(await self.score(task, completion))
+        """One attempt, the rollout and its score, within `rollout_timeout` (wall time) and
+        `working_limit` (working time: the rollout is cut, then scored, its `stop_reason`
+        "working_limit"), cancelled as a `StalledError` after `stall_timeout`."""
+        seconds, limit, stall = self.rollout_timeout, self.working_limit, self.stall_timeout
+        replies: list[Completion] = []
+
+        def record(completion: Completion) -> None:
+            stats.count(completion)
+            replies.append(completion)
+
+        with trio.move_on_after(math.inf if seconds is None else seconds):
+            with observe_completions(record), observe_calls(waits):
+                with waits.working(limit, stall) as (work, stalled):
+                    messages, completion = await self.rollout(task, ctx)
+                if stalled.cancelled_caught:
+                    raise StalledError(
+                        f"no model or tool call finished for {stall:g}s of working time "
+                        f"(stall_timeout; cancelled)"
+                    )
+                if work.cancelled_caught:
+                    stats.stop_reason = "working_limit"
+                    completion = replies[-1].content if replies else ""
+                    messages = _partial(task, replies)
+                return messages, completion, _finite(await self.score(task, completion))
+        assert seconds is not None
         report_outcome(Outcome.TIMEOUT)  # an adaptive rollout window pauses its growth
         raise RolloutTimeoutError(
             f"the rollout took longer than its rollout_timeout of {seconds:g}s (cancelled)"
@@ -492,16 +585,109 @@ def check_rollout_timeout(value: object) -> float | None:
     return float(value)
 
 
+def check_working_limit(value: object, name: str = "working_limit") -> float | None:
+    """`value` as a working limit (or `name`): None, or a finite number of seconds > 0
+    (ValueError naming it)."""
+    if value is None:
+        return None
+    if (
+        isinstance(value, bool)
+        or not isinstance(value, int | float)
+        or not math.isfinite(value)
+        or value <= 0
+    ):
+        raise ValueError(f"{name} must be a number of seconds > 0, or None, got {value!r}")
+    return float(value)
+
+
+def _partial(task: Any, replies: list[Completion]) -> list[Message]:
+    """The messages of a rollout cut at its working limit: the task's chat messages (when
+    it has a prompt) and the model replies it had received."""
+    try:
+        messages = chat_messages(task)
+    except AttributeError:
+        messages = []
+    return [*messages, *({"role": "assistant", "content": r.content} for r in replies)]
+
+
 @attrs.define
 class _Waits(CallObserver):
-    """What the model calls of one episode waited for, in seconds."""
+    """What one episode waited for, in seconds: its model calls' connection slots and rate
+    limiters (`on_wait`), and every wait of the runner's own (`parked`: the union of those
+    intervals, a wait in progress included). `working(limit, stall)` gives two cancel
+    scopes: one `limit` seconds of working time away, one `stall` seconds of working time
+    after the last progress (`on_progress`); their deadlines move as waits begin and end."""
 
     connection: float = 0.0
     rate: float = 0.0
+    parked: float = 0.0
+    depth: int = 0  # waits in progress (several tasks of one rollout may wait at once)
+    since: float = 0.0  # when the current parked interval began
+    scope: trio.CancelScope | None = None
+    work_began: float = 0.0
+    parked_before: float = 0.0  # `parked` when the working scope began
+    limit: float = math.inf
+    stall_scope: trio.CancelScope | None = None
+    stall: float = math.inf
+    progress_at: float = 0.0  # when a call last finished (or the attempt began)
+    parked_at_progress: float = 0.0  # `parked_so_far()` then
 
     def on_wait(self, connection: float, rate: float) -> None:
         self.connection += connection
         self.rate += rate
+
+    def on_park(self, kind: str) -> None:
+        self.depth += 1
+        if self.depth == 1:
+            self.since = trio.current_time()
+            if self.scope is not None:
+                self.scope.deadline = math.inf  # the working clock stops
+                self.stall_scope.deadline = math.inf  # type: ignore[union-attr]
+
+    def on_unpark(self, kind: str, seconds: float) -> None:
+        self.depth -= 1
+        if self.depth == 0:
+            self.parked += trio.current_time() - self.since
+            if self.scope is not None:
+                self.scope.deadline = self._working_deadline()
+                self.stall_scope.deadline = self._stall_deadline()  # type: ignore[union-attr]
+
+    def on_progress(self, kind: str = "model") -> None:
+        if self.stall_scope is None:  # no stall timeout: nothing to move (every model reply)
+            return
+        self.progress_at, self.parked_at_progress = trio.current_time(), self.parked_so_far()
+        if not self.depth:
+            self.stall_scope.deadline = self._stall_deadline()
+
+    def parked_so_far(self) -> float:
+        if not self.depth:
+            return self.parked
+        return self.parked + (trio.current_time() - self.since)
+
+    def _working_deadline(self) -> float:
+        return self.work_began + self.limit + (self.parked - self.parked_before)
+
+    def _stall_deadline(self) -> float:
+        return self.progress_at + self.stall + (self.parked - self.parked_at_progress)
+
+    @contextmanager
+    def working(
+        self, limit: float | None, stall: float | None
+    ) -> Iterator[tuple[trio.CancelScope, trio.CancelScope]]:
+        now = trio.current_time()
+        self.work_began, self.parked_before = now, self.parked
+        self.limit = math.inf if limit is None else limit
+        self.stall = math.inf if stall is None else stall
+        self.progress_at, self.parked_at_progress = now, self.parked_so_far()
+        parked = bool(self.depth)
+        work = trio.CancelScope(deadline=math.inf if parked else self._working_deadline())
+        stalled = trio.CancelScope(deadline=math.inf if parked else self._stall_deadline())
+        self.scope, self.stall_scope = work, stalled
+        try:
+            with work, stalled:
+                yield work, stalled
+        finally:
+            self.scope = self.stall_scope = None
 
 
 class WindowFeed(CallObserver):

@@ -94,7 +94,8 @@ def _reward_spec(env: Env[Any]) -> str | None:
 @attrs.frozen
 class EnvSpec:
     """How another process rebuilds an env: `taskset_cls(config)` wrapped in
-    `env_class(taskset, reward=..., retries=...)`, with its `rollout_timeout` set.
+    `env_class(taskset, reward=..., retries=...)`, with its `rollout_timeout`,
+    `working_limit` and `stall_timeout` set.
 
     It travels as data (`to_json` / `from_json`: a spawned server gets it whole, never
     re-encoded as command-line flags), and `build` is the one way an env is made from one,
@@ -106,6 +107,8 @@ class EnvSpec:
     reward: str | None = None
     retries: RetryPolicy = attrs.field(factory=RetryPolicy)
     rollout_timeout: float | None = None
+    working_limit: float | None = None
+    stall_timeout: float | None = None
 
     @classmethod
     def of(cls, env: Env[Any]) -> EnvSpec:
@@ -119,6 +122,8 @@ class EnvSpec:
             reward=_reward_spec(env),
             retries=env.retries,
             rollout_timeout=env.rollout_timeout,
+            working_limit=env.working_limit,
+            stall_timeout=env.stall_timeout,
         )
 
     def to_json(self) -> str:
@@ -127,6 +132,7 @@ class EnvSpec:
         return json.dumps({
             "taskset": self.taskset, "config": self.config, "env_class": self.env_class,
             "reward": self.reward, "rollout_timeout": self.rollout_timeout,
+            "working_limit": self.working_limit, "stall_timeout": self.stall_timeout,
             "retries": {"max_retries": r.max_retries, "include": list(r.include),
                         "exclude": list(r.exclude), "backoff": r.backoff,
                         "max_backoff": r.max_backoff},
@@ -193,6 +199,10 @@ class EnvSpec:
             ) from exc
         if self.rollout_timeout is not None:
             env.rollout_timeout = self.rollout_timeout  # an attribute: any Env subclass takes it
+        if self.working_limit is not None:
+            env.working_limit = self.working_limit
+        if self.stall_timeout is not None:
+            env.stall_timeout = self.stall_timeout
         return env
 
 

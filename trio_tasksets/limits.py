@@ -16,6 +16,10 @@
   and every `rest` (a client's wait before a retry) happens inside `observer.resting`: how
   an episode's row learns its waits, and an adaptive rollout window its 429s (and lends the
   place of a rollout waiting out a Retry-After).
+* `parked(kind)`: the block is one of the runner's own waits (`"connection"`, `"rpm"`,
+  `"tpm"`, `"retry_after"`, `"backoff"`, `"retry"`); the observers hear it begin
+  (`on_park`) and end (`on_unpark`), so a working-time clock stops while it lasts (SPEC 12).
+  The limiters here and `rest` wait inside one.
 
 All of them only read `trio.current_time()`, so they are exact on a `MockClock`.
 """
@@ -43,7 +47,9 @@ __all__ = [
     "Slot",
     "TokenLimiter",
     "observe_calls",
+    "parked",
     "report_outcome",
+    "report_progress",
     "rest",
 ]
 
@@ -74,6 +80,7 @@ class RateLimiter:
         if isinstance(burst, bool) or not isinstance(burst, int | float) or not burst >= 1:
             raise ValueError(f"burst must be a number >= 1 (units at once), got {burst!r}")
         self.burst = float(burst)
+        self.kind = "rpm"  # what its waits are, to `parked`
         self._per_second = self.per_minute / 60.0
         self._empty_at = -math.inf  # when the bucket is empty, given what was let through
         self.waited = 0.0  # seconds all callers waited, in total
@@ -89,7 +96,11 @@ class RateLimiter:
         self._empty_at = max(self._empty_at, start) + cost / self._per_second
         reserved = self._empty_at
         try:
-            await trio.sleep_until(start)
+            if start > now:
+                with parked(self.kind):
+                    await trio.sleep_until(start)
+            else:
+                await trio.sleep_until(start)
         except BaseException:
             if self._empty_at == reserved:  # the newest reservation: give it back exactly
                 self._empty_at -= cost / self._per_second
@@ -123,6 +134,7 @@ class TokenLimiter(RateLimiter):
 
     def __init__(self, tokens_per_minute: float, *, burst: float = 1) -> None:
         super().__init__(tokens_per_minute, burst=burst)
+        self.kind = "tpm"
 
     @asynccontextmanager
     async def reserve(self, max_tokens: int | None = None) -> AsyncIterator[Metered]:
@@ -216,7 +228,8 @@ class ConnectionLimiter:
         window = self.window(key)
         token = object()  # one per call: a task may hold several slots at once
         start = trio.current_time()
-        await window.acquire(token)
+        with parked("connection"):
+            await window.acquire(token)
         try:
             yield Slot(window, trio.current_time() - start)
         finally:
@@ -351,6 +364,16 @@ class CallObserver:
         with `outcome` (None: no answer, e.g. a refused connection). Nothing here."""
         yield
 
+    def on_park(self, kind: str) -> None:
+        """One of the runner's own waits (`parked(kind)`) begins on this task."""
+
+    def on_unpark(self, kind: str, seconds: float) -> None:
+        """That wait ended after `seconds`."""
+
+    def on_progress(self, kind: str) -> None:
+        """A model call (`kind` "model") or a tool call ("tool") finished
+        (`report_progress`)."""
+
 
 _observers: contextvars.ContextVar[tuple[CallObserver, ...]] = contextvars.ContextVar(
     "trio_tasksets_call_observers", default=()
@@ -375,6 +398,14 @@ class observe_calls:  # lower case: it reads as a call in `with observe_calls(..
         _observers.reset(self._token)
 
 
+def report_progress(kind: str = "tool") -> None:
+    """Tell the observers of this context that a call finished: what a `--stall-timeout`
+    watches, and the run's count of model calls. `ModelContext.chat` reports each reply
+    (`kind="model"`); a tool runner calls this as each tool call returns."""
+    for observer in _observers.get():
+        observer.on_progress(kind)
+
+
 def report_outcome(outcome: Outcome | int, *, retry_after: float | None = None) -> None:
     """Tell the observers of this context how one attempt of a model call ended: an
     `Outcome`, or an HTTP status (see `Outcome.from_status`; a status that says nothing
@@ -392,18 +423,48 @@ def report_outcome(outcome: Outcome | int, *, retry_after: float | None = None) 
         observer.on_outcome(outcome, retry_after)
 
 
-async def rest(seconds: float, *, outcome: Outcome | None = None) -> None:
+async def rest(seconds: float, *, outcome: Outcome | None = None, kind: str = "backoff") -> None:
     """Wait `seconds` before retrying a model call whose attempt ended with `outcome` (a 429,
     a 5xx, a timeout), inside every observer's `resting` block: a model client's sleep
-    between attempts (`OpenAIClient` rests so). Without observers, `trio.sleep`."""
+    between attempts (`OpenAIClient` rests so). The whole of it, taking back a lent window
+    place included, is `parked(kind)`: `"retry_after"` (the server said how long) or
+    `"backoff"`. Without observers, `trio.sleep`."""
     observers = _observers.get()
     if not observers:
         await trio.sleep(seconds)
         return
-    async with AsyncExitStack() as stack:
-        for observer in observers:
-            await stack.enter_async_context(observer.resting(outcome))
-        await trio.sleep(seconds)
+    with parked(kind):
+        async with AsyncExitStack() as stack:
+            for observer in observers:
+                await stack.enter_async_context(observer.resting(outcome))
+            await trio.sleep(seconds)
+
+
+class parked:  # lower case: it reads as a call in `with parked("rpm"):`
+    """``with parked(kind):`` the block is one of the runner's own waits (a limiter's, a
+    rest before a retry, an episode's retry backoff): every observer of `observe_calls`
+    hears `on_park(kind)` as it begins and `on_unpark(kind, seconds)` as it ends, however
+    it ends. A wait in progress is known as such, so a working-time clock (SPEC 12,
+    `Env(working_limit=)`) stops at its start, not after it."""
+
+    __slots__ = ("_kind", "_observers", "_start")
+
+    def __init__(self, kind: str) -> None:
+        self._kind = kind
+
+    def __enter__(self) -> None:
+        self._observers = observers = _observers.get()
+        if observers:
+            self._start = trio.current_time()
+            for observer in observers:
+                observer.on_park(self._kind)
+
+    def __exit__(self, *exc_info: object) -> None:
+        observers = self._observers
+        if observers:
+            seconds = trio.current_time() - self._start
+            for observer in observers:
+                observer.on_unpark(self._kind, seconds)
 
 
 def _report_wait(call: Call) -> None:

@@ -104,6 +104,19 @@ def add_env_options(
         "one is cancelled and becomes an episode error, RolloutTimeoutError, retried per "
         "--retries (default: no bound)",
     )  # fmt: skip
+    env.add_argument(
+        "--working-limit", type=seconds, default=None, metavar="S",
+        help="bound each attempt's working time to S seconds: wall time less its waits on "
+        "the limiters (--max-connections, --rpm, --tpm), Retry-After and retry backoff; "
+        "an attempt that reaches it is cut and scored, stop_reason \"working_limit\" "
+        "(default: no bound)",
+    )  # fmt: skip
+    env.add_argument(
+        "--stall-timeout", type=seconds, default=None, metavar="S",
+        help="cancel an attempt in which no model or tool call finished for S seconds of "
+        "working time: it becomes an episode error, StalledError, retried per --retries "
+        "(default: no bound)",
+    )  # fmt: skip
     return env
 
 
@@ -171,6 +184,8 @@ def env_spec(args: argparse.Namespace) -> EnvSpec:
     return EnvSpec(
         args.taskset or "", fields, env_class, getattr(args, "reward", None), retries,
         rollout_timeout=getattr(args, "rollout_timeout", None),
+        working_limit=getattr(args, "working_limit", None),
+        stall_timeout=getattr(args, "stall_timeout", None),
     )  # fmt: skip
 
 

@@ -36,6 +36,7 @@ from .options import (
     CommandError,
     HelpFormatter,
     UsageError,
+    add_metrics_option,
     add_time_limit_option,
     add_window_option,
     flag_message,
@@ -110,11 +111,17 @@ def add_parser(commands: Commands) -> argparse.ArgumentParser:
         "slots (of a stream: of the finished ones) failed (default: never stop early; exit 1 "
         "only when no episode succeeded)",
     )  # fmt: skip
+    run.add_argument(
+        "--max-consecutive-failures", type=int, default=None, metavar="N",
+        help="stop (exit 1) after N failed episodes in a row: a dead service fails every one "
+        "(default: never)",
+    )  # fmt: skip
     add_time_limit_option(
         run, what="stop pulling, cancel the rollouts in flight and keep the finished rows "
         "(summary.json: stopped \"time_limit\"; exit 0 if any episode succeeded)",
     )  # fmt: skip
     run.add_argument("--no-dashboard", action="store_true", help="plain log lines, no live view")
+    add_metrics_option(run)
     served = ev.add_argument_group("the served path")
     served.add_argument("--serve", action="store_true", help="run the env in a server process")
     served.add_argument(
@@ -184,12 +191,14 @@ def _refuse_remote_limits(args: argparse.Namespace) -> None:
             if flag == "--via"
             else f"drop {flags}, or run in-process (without {flag})",
         )
-    if args.rollout_timeout is not None and args.serve is False:
-        raise UsageError(
-            f"--rollout-timeout with {flag}: the episodes run in {who}, whose own "
-            f"--rollout-timeout bounds them",
-            fix=f"drop --rollout-timeout here{how}",
-        )
+    for name, dest in (("--rollout-timeout", "rollout_timeout"),
+                       ("--working-limit", "working_limit"),
+                       ("--stall-timeout", "stall_timeout")):  # fmt: skip
+        if getattr(args, dest, None) is not None and args.serve is False:
+            raise UsageError(
+                f"{name} with {flag}: the episodes run in {who}, whose own {name} bounds them",
+                fix=f"drop {name} here{how}",
+            )
 
 
 def program() -> list[str]:
@@ -221,6 +230,8 @@ def _build(args: argparse.Namespace) -> tuple[Env[Any], ModelContext, EvalConfig
         server_url=args.server_url,
         server_token=token,
         max_failures=args.max_failures,
+        max_consecutive_failures=args.max_consecutive_failures,
+        metrics_port=args.metrics_port,
         command=[*program(), *getattr(args, "argv", [])],
         api_key_var=api_key_var(args),
         via=args.via,
@@ -287,6 +298,32 @@ def _print_summary(summary: dict[str, Any], run_dir: Path) -> None:
         )
 
 
+def _print_tracebacks(summary: dict[str, Any], run_dir: Path, *, debug: bool) -> None:
+    """On stderr: the first error's traceback (the user's frames, when the error came from
+    their code); with `--debug`, every failed attempt's that has one, from the rows."""
+    if not debug:
+        first = summary.get("first_error") or {}
+        if first.get("traceback"):
+            print(f"first error ({first['type']}), in your code:", file=sys.stderr)
+            print(first["traceback"].rstrip(), file=sys.stderr)
+        return
+    try:
+        lines = (run_dir / "traces.jsonl").read_text().splitlines()
+    except OSError:
+        return
+    for line in lines:
+        try:
+            row = json.loads(line)
+        except ValueError:
+            continue  # a torn last line
+        for error in row.get("errors") or ():
+            if isinstance(error, dict) and error.get("traceback"):
+                key = row.get("task", {}).get("key")
+                print(f"task {key!r}, rollout {row.get('rollout')}, attempt "
+                      f"{error.get('attempt')}: {error['type']}", file=sys.stderr)  # fmt: skip
+                print(str(error["traceback"]).rstrip(), file=sys.stderr)
+
+
 def _fix_for(error_type: str, message: str, args: argparse.Namespace, run_dir: Path) -> str:
     """What the user can do about an error, from its type and (HTTP) status."""
     found = re.search(r"HTTP (\d{3})", message)
@@ -315,6 +352,11 @@ def _fix_for(error_type: str, message: str, args: argparse.Namespace, run_dir: P
         return f"nothing answers at --base-url {args.base_url}: start the server, or fix the URL"
     if error_type == "ModelTimeoutError":
         return "raise --timeout S, or lower -c/--max-concurrent"
+    if error_type == "StalledError":
+        return (
+            "a rollout waited on something that never finished: see the row's messages; "
+            "raise --stall-timeout S, or retry stalls with --retries K"
+        )
     if error_type == "RolloutTimeoutError":
         return "raise --rollout-timeout S (or retry slow episodes with --retries K)"
     if error_type == "ModelResponseError":
@@ -423,6 +465,7 @@ def run(args: argparse.Namespace) -> int:
         ) from exc
     summary = result.summary
     _print_summary(summary, run_dir)
+    _print_tracebacks(summary, run_dir, debug=getattr(args, "debug", False))
     stopped = summary["stopped"]
     first = summary.get("first_error") or {}
     fix = _fix_for(first.get("type", ""), first.get("message", ""), args, run_dir)

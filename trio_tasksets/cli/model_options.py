@@ -34,7 +34,9 @@ def add_model_options(parser: argparse.ArgumentParser) -> argparse._ArgumentGrou
     )  # fmt: skip
     model.add_argument(
         "--timeout", type=float, default=None, metavar="S",
-        help="per-request timeout in seconds, for --base-url (default: 120)",
+        help="bound each model request as a whole, from connecting to the reply's last byte, "
+        "to S seconds (each retry has its own S; never past the rollout's deadline) "
+        "(default: 120)",
     )  # fmt: skip
     model.add_argument(
         "--temperature", type=float, default=None, metavar="T", help="sampling temperature >= 0 "

@@ -84,6 +84,8 @@ PARAMETER_FLAGS = {
     "time_limit": "--time-limit",
     "max_failures": "--max-failures",
     "rollout_timeout": "--rollout-timeout",
+    "max_consecutive_failures": "--max-consecutive-failures",
+    "metrics_port": "--metrics-port",
     "serve": "--serve",
     "workers": "--workers",
     "server_url": "--server-url",
@@ -173,6 +175,16 @@ def add_window_option(group: argparse._ActionsContainer, *, help: str) -> None:
         "-c", "--max-concurrent", type=window_option, default=32, metavar="N|MIN-START-MAX",
         help=f"{help}; MIN-START-MAX (e.g. 1-8-512) adapts it: it grows while runs succeed, "
         "is cut on HTTP 429 and pauses on 5xx and timeouts",
+    )  # fmt: skip
+
+
+def add_metrics_option(parser: argparse.ArgumentParser | argparse._ArgumentGroup) -> None:
+    """`--metrics-port N` (eval, worker, serve): Prometheus text at 127.0.0.1:N/metrics."""
+    parser.add_argument(
+        "--metrics-port", type=int, default=None, metavar="N",
+        help="serve the run's counters and health (scheduler lag, in flight, waits) as "
+        "Prometheus text at http://127.0.0.1:N/metrics while it runs; 0 picks a free port "
+        "(printed) (default: none; needs the metrics extra)",
     )  # fmt: skip
 
 

@@ -20,7 +20,7 @@ if TYPE_CHECKING:
     from .options import Commands
 
 from .env_options import add_env_options, build_env, env_spec
-from .options import CommandError, HelpFormatter, UsageError
+from .options import CommandError, HelpFormatter, UsageError, add_metrics_option, flag_message
 
 DEFAULTS = Limits()
 
@@ -49,6 +49,7 @@ def add_parser(commands: Commands) -> argparse.ArgumentParser:
         help=f"port (0: the OS picks one; the '{READY_PREFIX}URL' line on stdout tells it)",
     )
     sv.add_argument("--workers", type=int, default=1, metavar="K", help="worker processes")
+    add_metrics_option(sv)
     sv.add_argument(
         "--token-var",
         default=None,
@@ -218,6 +219,18 @@ def _check_wildcard(args: argparse.Namespace) -> None:
 def _check_args(args: argparse.Namespace) -> None:
     if args.workers < 1:
         raise UsageError(f"--workers must be >= 1, got {args.workers}")
+    if args.metrics_port is not None:
+        if args.workers > 1:
+            raise UsageError(
+                "--metrics-port with --workers K: each worker process has its own counts",
+                fix="run K servers of --workers 1, each with its own --metrics-port",
+            )
+        from ..eval.config import EvalConfigError, check_metrics_port
+
+        try:
+            check_metrics_port(args.metrics_port)
+        except EvalConfigError as exc:
+            raise UsageError(flag_message(exc)) from None
     if not 0 <= args.port <= 65535:
         raise UsageError(f"--port must be in 0..65535, got {args.port}")
     if args.max_body_bytes < 1:
@@ -282,7 +295,7 @@ def run(args: argparse.Namespace) -> int:
             cmd = _worker_cmd(args, spec, port)
             return trio.run(supervise, cmd, sock, args.workers, url, args.die_with_parent)
     app = ServerApp(env, access=_access(args, port, token), models=models, limits=limits)
-    trio.run(
-        partial(serve_worker, url=url, die_with_parent=args.die_with_parent), app, sock.detach()
-    )
+    serve = partial(serve_worker, url=url, die_with_parent=args.die_with_parent,
+                    metrics_port=args.metrics_port)  # fmt: skip
+    trio.run(serve, app, sock.detach())
     return 0

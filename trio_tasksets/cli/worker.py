@@ -20,7 +20,14 @@ from .env_options import (
     check_retry_flags,
 )
 from .model_options import add_model_options, model_context
-from .options import HelpFormatter, UsageError, add_time_limit_option, add_window_option
+from .options import (
+    HelpFormatter,
+    UsageError,
+    add_metrics_option,
+    add_time_limit_option,
+    add_window_option,
+    flag_message,
+)
 
 if TYPE_CHECKING:
     from ..redis.worker import WorkerConfig, WorkerReport
@@ -72,6 +79,7 @@ def add_parsers(subparsers: Commands) -> None:
         worker, what="shut down as on SIGTERM (in-flight runs get --grace seconds)"
     )
     worker.add_argument("--no-dashboard", action="store_true", help="plain log lines")
+    add_metrics_option(worker)
     add_model_options(worker)
 
     enqueue = subparsers.add_parser(
@@ -106,6 +114,16 @@ def _check_feed(args: argparse.Namespace) -> None:
     _need(bool(args.stream), "--stream must name a stream, e.g. --stream tasks")
 
 
+def _check_metrics_port(port: int | None) -> None:
+    """`--metrics-port`: a port 0-65535, and prometheus_client installed (a UsageError)."""
+    from ..eval.config import EvalConfigError, check_metrics_port
+
+    try:
+        check_metrics_port(port)
+    except EvalConfigError as exc:
+        raise UsageError(flag_message(exc)) from None
+
+
 def _worker_config(args: argparse.Namespace) -> WorkerConfig:
     _check_feed(args)
     from ..redis.worker import WorkerConfig, default_consumer
@@ -117,11 +135,13 @@ def _worker_config(args: argparse.Namespace) -> WorkerConfig:
     _need(args.claim_idle > 0, f"--claim-idle must be > 0 seconds, got {args.claim_idle}")
     _need(args.grace >= 0, f"--grace must be >= 0 seconds, got {args.grace}")
     _need(args.retries >= 0, f"--retries must be >= 0, got {args.retries}")
+    _check_metrics_port(args.metrics_port)
     return WorkerConfig(
         feed=args.feed, stream=args.stream, group=args.group, results=args.results,
         consumer=args.consumer or default_consumer(), max_concurrent=args.max_concurrent,
         claim_idle=args.claim_idle, grace=args.grace, retries=args.retries,
         dashboard=not args.no_dashboard, time_limit=args.time_limit,
+        metrics_port=args.metrics_port,
     )  # fmt: skip
 
 

@@ -14,6 +14,7 @@ from .._exceptions import EvalConfigError as EvalConfigError  # their home is _e
 from .._exceptions import EvalWarning as EvalWarning
 from ..backend import InProcess, SlotBackend, backend_for
 from ..env import Env, Episode
+from ..metrics import check_metrics
 from ..models import ModelContext
 from ..window import AdaptiveBounds, Window, WindowArgumentError, build_window
 
@@ -51,6 +52,12 @@ class EvalConfig:
     # --time-limit: seconds after which the eval stops pulling, cancels the runs in flight,
     # keeps the finished rows and ends with `stopped: "time_limit"`. None: no limit.
     time_limit: float | None = None
+    # --max-consecutive-failures: stop (exit 1) after this many failed episodes in a row (in
+    # the order they finished): a dead service fails every one. None: never.
+    max_consecutive_failures: int | None = None
+    # --metrics-port: serve the run's counters and health as Prometheus text on 127.0.0.1 at
+    # this port (0: a free one, printed) while it runs. None: no metrics server.
+    metrics_port: int | None = None
     # Recorded in config.json only (never compared by a resume): the command line that ran
     # the eval (default: sys.argv) and the name of the variable the model's API key came from.
     command: list[str] | None = None
@@ -109,6 +116,23 @@ def _check_int(value: object, name: str, minimum: int, *, optional: bool = False
         )
 
 
+def check_metrics_port(port: object) -> None:
+    """`EvalConfigError` naming `metrics_port` unless `port` is None or a port 0-65535 and
+    prometheus_client is installed."""
+    if port is None:
+        return
+    if isinstance(port, bool) or not isinstance(port, int) or not 0 <= port <= 65535:
+        raise EvalConfigError(
+            f"{{metrics_port}} must be a port number 0-65535 (0: a free one), got {port!r}",
+            parameter="metrics_port",
+        )
+    missing = check_metrics()
+    if missing is not None:
+        raise EvalConfigError(
+            f"{{metrics_port}} needs prometheus_client: {missing}", parameter="metrics_port"
+        )
+
+
 def eval_window(value: int | AdaptiveBounds | Window) -> Window:
     """The rollout window an eval runs under: the `tt.Window` given, or a fresh one
     (`build_window`); `EvalConfigError` naming `max_concurrent` for a bad value."""
@@ -157,6 +181,8 @@ def preflight(env: Env[Any], ctx: ModelContext, config: EvalConfig) -> SlotBacke
             parameter="time_limit",
         )
     check_max_failures(config.max_failures)
+    _check_int(config.max_consecutive_failures, "max_consecutive_failures", 1, optional=True)
+    check_metrics_port(config.metrics_port)
     taskset = env.taskset
     name = type(taskset).__name__
     if taskset.streaming or taskset.INFINITE:

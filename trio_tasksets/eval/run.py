@@ -22,6 +22,7 @@ from __future__ import annotations
 import functools
 import json
 import math
+import re
 import statistics
 import sys
 import time
@@ -37,7 +38,8 @@ import trio
 from .. import dashboard
 from ..backend import SlotBackend
 from ..drain import stop_on
-from ..env import Env, Episode, RunSlot, WindowFeed
+from ..env import Env, Episode, EpisodeError, RunSlot, WindowFeed
+from ..health import Health
 from ..limits import EndpointLimits, observe_calls
 from ..models import ModelContext
 from ..runner import pick_one, run_stream
@@ -68,21 +70,45 @@ class Tally:
     """What the eval has recorded so far, and whether (and why) it was told to stop."""
 
     max_failures: int | float | None = None
+    max_consecutive: int | None = None  # --max-consecutive-failures
+    consecutive: int = 0  # failed episodes in a row, the latest last
+    # The model endpoint's URL while it is not known to answer (None: known, or no URL):
+    # the first episode to finish tells (see `dead_endpoint`).
+    unproven: str | None = None
     planned: int | None = None  # the static plan's slots (a fraction's base); None on a stream
     recorded: list[Episode] = attrs.Factory(list)  # new episodes, in completion order
     failed: int = 0
-    # "SIGINT" | "SIGTERM" | "max_failures" | "time_limit" | "cancelled"
+    # "SIGINT" | "SIGTERM" | "max_failures" | "max_consecutive_failures" | "time_limit" |
+    # "cancelled"
     stopped: str | None = None
     error: str | None = None  # what ended the run, as `Type: message`
     scope: trio.CancelScope | None = None  # cancelled to stop early
 
     def record(self, episode: Episode) -> None:
         self.recorded.append(episode)
-        if not episode.ok:
-            self.failed += 1
-            if self.max_failures is not None and self.stopped is None and self._over():
-                self.error = self._limit_message()
-                self.stop("max_failures")
+        if self.unproven is not None:
+            dead = dead_endpoint(episode)
+            if dead is not None and self.stopped is None:
+                self.error = f"the model endpoint {self.unproven} is dead: {dead}"
+                self.stop("dead_endpoint")
+            self.unproven = None
+        if episode.ok:
+            self.consecutive = 0
+            return
+        self.failed += 1
+        self.consecutive += 1
+        if self.max_failures is not None and self.stopped is None and self._over():
+            self.error = self._limit_message()
+            self.stop("max_failures")
+        limit = self.max_consecutive
+        if limit is not None and self.stopped is None and self.consecutive >= limit:
+            last = episode.errors[-1] if episode.errors else None
+            said = f"; the last: {last.type}: {last.message}" if last is not None else ""
+            self.error = (
+                f"--max-consecutive-failures {limit}: {self.consecutive} episodes failed in "
+                f"a row{said}"
+            )
+            self.stop("max_consecutive_failures")
 
     def _over(self) -> bool:
         if isinstance(self.max_failures, int):
@@ -119,6 +145,25 @@ class Tally:
             self.stopped = self.stopped or "cancelled"
         elif self.error is None:
             self.error = f"{type(exc).__name__}: {exc}"
+
+
+def dead_endpoint(episode: Episode) -> str | None:
+    """Why the first episode of a run to finish says its endpoint is dead, or None: it failed
+    because the endpoint could not be reached (refused, DNS, TLS: `ModelConnectionError`,
+    after the client's retries) or refused the key (HTTP 401 or 403). Nothing has answered
+    before it, so no slot would do better: the eval stops (`stopped: "dead_endpoint"`)
+    instead of spending every slot on it."""
+    if episode.ok or not episode.errors:
+        return None
+    last = episode.errors[-1]
+    if last.type == "ModelConnectionError" or (
+        last.type == "ModelHTTPError" and _AUTH.search(last.message) is not None
+    ):
+        return f"{last.type}: {last.message}"
+    return None
+
+
+_AUTH = re.compile(r"returned HTTP 40[13]\b")
 
 
 def _waited(episodes: list[Episode]) -> dict[str, float]:
@@ -186,10 +231,17 @@ def _summary(
         "stopped": tally.stopped,
         "error": tally.error,
         "errors_by_type": dict(by_type.most_common()),
-        "first_error": None if first is None else {"type": first.type, "message": first.message},
+        "first_error": None if first is None else _first_error(first),
         "usage": _usage(episodes),
         "waited_s": _waited(episodes),
     }
+
+
+def _first_error(error: EpisodeError) -> dict[str, Any]:
+    first: dict[str, Any] = {"type": error.type, "message": error.message}
+    if error.traceback is not None:
+        first["traceback"] = error.traceback  # the user's frames (an error of their code)
+    return first
 
 
 def _make_dir(run_dir: Path) -> list[Path]:
@@ -235,6 +287,8 @@ def _record_of(
             "rpm": None if limits is None else limits.rpm,
             "tpm": None if limits is None else limits.tpm,
             "rollout_timeout": env.rollout_timeout,
+            "working_limit": env.working_limit,
+            "stall_timeout": env.stall_timeout,
         },
         "run_dir": str(run_dir),
     }
@@ -314,14 +368,19 @@ async def _run_eval(
         progress.started()
         progress.finished(episode.ok, episode.reward)
     progress.carried = len(kept)
-    tally = Tally(config.max_failures, None if streaming else planned)
+    health = Health()
+    progress.health = health.lag_text
+    tally = Tally(config.max_failures, config.max_consecutive_failures,
+                  planned=None if streaming else planned)  # fmt: skip
+    base_url = getattr(ctx.client, "base_url", None)
+    tally.unproven = base_url if isinstance(base_url, str) and not kept else None
     new: list[Episode] | None = None
     began = time.monotonic()
     t0 = trio.current_time()
     try:
         new = await _execute(
             env, ctx, config, slots, traces_path, progress, tally, handle_signals,
-            window, backend,
+            window, backend, health,
         )  # fmt: skip
     except BaseException as exc:
         tally.ended_by(exc)
@@ -331,6 +390,7 @@ async def _run_eval(
         done = kept + (new if new is not None else tally.recorded)
         summary = _summary(done, progress.total, began, len(kept), tally, complete)
         summary.update(_histories(window, ctx, t0))
+        summary["health"] = health.snapshot()
         summary.update(identity)
         if not complete and not tally.recorded and not config.resume:
             _remove_run(run_dir, created)  # nothing finished: a rerun starts afresh
@@ -346,6 +406,14 @@ async def _run_eval(
     return EvalResult(episodes=done, run_dir=run_dir, summary=summary)
 
 
+async def _start_metrics(nursery: trio.Nursery, metrics: Any, port: int | None) -> None:
+    """`--metrics-port`: serve `metrics` in `nursery`, and say where (on stderr)."""
+    from ..metrics import serve_metrics
+
+    bound = await nursery.start(serve_metrics, metrics, port or 0)
+    print(f"trio-tasksets: metrics on http://127.0.0.1:{bound}/metrics", file=sys.stderr)
+
+
 async def _execute(
     env: Env[Any],
     ctx: ModelContext,
@@ -357,6 +425,7 @@ async def _execute(
     handle_signals: bool,
     window: Window,
     backend: SlotBackend,
+    health: Health,
 ) -> list[Episode] | None:
     """Run the planned (static) or streamed slots through `run_stream` under `window`,
     recording each episode; the episodes in plan order, or None when the eval was stopped
@@ -365,6 +434,11 @@ async def _execute(
     # In this process the model calls' 429s reach an adaptive window as they come; elsewhere
     # (an env server, workers) only through the episodes' errors.
     feed = WindowFeed(window, remote=backend.remote)
+    metrics = None
+    if config.metrics_port is not None:
+        from ..metrics import Metrics
+
+        metrics = Metrics(health, window=window)
     try:
         async with (
             backend.open(env, ctx, window=window, progress=progress) as run_slot,
@@ -375,19 +449,30 @@ async def _execute(
             def record(episode: Episode) -> None:
                 writer.write(episode.to_row())
                 progress.finished(episode.ok, episode.reward)
+                if episode.errors:
+                    progress.stalled += sum(e.type == "StalledError" for e in episode.errors)
+                if metrics is not None:
+                    last = episode.errors[-1].type if episode.errors else None
+                    metrics.record(episode.ok, last, episode.usage)
                 tally.record(episode)
 
             async def run(slot: RunSlot[Any]) -> Episode:
                 progress.started()
-                if feed.window is None:
-                    return await run_slot(slot, on_complete=record)
-                with observe_calls(feed):
-                    episode = await run_slot(slot, on_complete=record)
-                feed.ended(episode)  # the run still holds its place in the window
-                return episode
+                health.started()
+                try:
+                    if feed.window is None:
+                        return await run_slot(slot, on_complete=record)
+                    with observe_calls(feed):
+                        episode = await run_slot(slot, on_complete=record)
+                    feed.ended(episode)  # the run still holds its place in the window
+                    return episode
+                finally:
+                    health.finished()
 
             episodes: list[Episode] | None = None
-            with trio.CancelScope() as tally.scope:
+            # --time-limit is this scope's deadline: every rollout sees it as its effective
+            # deadline, so its model requests and remote episodes never outlive it (SPEC 12).
+            with trio.CancelScope(deadline=deadline) as tally.scope:
                 async with trio.open_nursery() as nursery:
                     if handle_signals or config.time_limit is not None:
                         # The first SIGINT/SIGTERM stops the eval (a second interrupts the
@@ -397,15 +482,21 @@ async def _execute(
                             time_limit=None if config.time_limit is None
                             else max(0.0, deadline - trio.current_time()),
                         ))  # fmt: skip
-                    if not env.taskset.streaming:
-                        source = from_list(slots)
-                        episodes = await run_stream(source, run, window=window)
-                    else:
-                        assert config.num_examples is not None
-                        async with env.taskset.head(config.num_examples).channel() as tasks:
-                            planned = plan_stream(tasks, config.rollouts_per_example, progress)
-                            episodes = await run_stream(planned, run, window=window)
-                    nursery.cancel_scope.cancel()  # the signal watcher
+                    nursery.start_soon(health.probe)
+                    if metrics is not None:
+                        await _start_metrics(nursery, metrics, config.metrics_port)
+                    with observe_calls(health):  # the waits and model calls of every run
+                        if not env.taskset.streaming:
+                            source = from_list(slots)
+                            episodes = await run_stream(source, run, window=window)
+                        else:
+                            assert config.num_examples is not None
+                            async with env.taskset.head(config.num_examples).channel() as tasks:
+                                planned = plan_stream(tasks, config.rollouts_per_example, progress)
+                                episodes = await run_stream(planned, run, window=window)
+                    nursery.cancel_scope.cancel()  # the signal watcher, the probe, the metrics
+            if tally.scope.cancelled_caught and tally.stopped is None:
+                tally.stopped = "time_limit"  # the scope's deadline passed first
             return None if tally.stopped is not None else episodes
     except BaseExceptionGroup as group:
         # The context managers' nurseries wrap what passes through them: hand on the one

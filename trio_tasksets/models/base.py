@@ -27,6 +27,7 @@ from typing import TYPE_CHECKING, Any, Protocol, cast, runtime_checkable
 import attrs
 
 from .._exceptions import TrioTasksetsError
+from ..limits import report_progress
 
 if TYPE_CHECKING:
     pass  # only for a caller's own http_client; imported where used
@@ -242,6 +243,7 @@ class ModelContext:
         observer = _observer.get()
         if observer is not None:
             observer(completion)
+        report_progress("model")  # for a stall timeout, and the run's count of calls
         return completion
 
     async def _chat_with_tools(

@@ -8,6 +8,7 @@ from types import TracebackType
 from typing import TYPE_CHECKING, Any, Self
 
 import orjson
+import trio
 
 from ..backoff import Backoff
 from ..limits import Call, EndpointLimits, report_outcome, rest
@@ -87,8 +88,12 @@ class OpenAIClient:
       :class:`ModelHTTPError`, :class:`ModelConnectionError` or :class:`ModelTimeoutError`;
       a malformed 2xx body, or one over the transport's size limit, raises
       :class:`ModelResponseError`.
-    - ``timeout`` (seconds) bounds connecting, sending and each wait for response bytes
-      of every request, also with a caller's ``http_client``.
+    - ``timeout`` (seconds) bounds each request as a whole: from taking a connection to
+      the last byte of the response (a server trickling bytes cannot hold it longer), also
+      with a caller's ``http_client``; each attempt has its own. An attempt never outlasts
+      the caller's ``trio.current_effective_deadline()``: its timeout is cut to the time
+      left, and when that deadline passes the call ends with ``trio.Cancelled`` (the
+      caller's own scope), not a retry.
     - ``trio.Cancelled`` propagates untouched.
     - ``limits`` (an `EndpointLimits`, shared by every client of the process that talks to
       the endpoint) gates each attempt, under the key ``limits_key`` (default: ``base_url``;
@@ -141,7 +146,7 @@ class OpenAIClient:
             self._headers["Authorization"] = f"Bearer {api_key}"
         if headers:
             self._headers.update(headers)
-        self._timeouts = Timeouts(connect=timeout, read=timeout, write=timeout)
+        self._timeouts = Timeouts(connect=timeout, read=timeout, write=timeout, total=timeout)
         self._owns_http = http_client is None
         # Created now, without I/O, so that a proxy setting it cannot use fails here.
         self._http: HTTPClient | httpx.AsyncClient | None = (
@@ -168,16 +173,21 @@ class OpenAIClient:
         """One POST: (status, body, Retry-After seconds). Raises `HTTPError` subclasses
         (the transport's, or httpx's errors translated to them)."""
         client = self._client()
+        timeouts, timeout = self._timeouts, self.timeout
+        left = trio.current_effective_deadline() - trio.current_time()
+        if left < timeout:  # the caller's deadline comes first: no request outlives it
+            timeout = max(left, 1e-6)
+            timeouts = Timeouts(connect=timeout, read=timeout, write=timeout, total=timeout)
         if isinstance(client, HTTPClient):
             response = await client.request(
-                "POST", self.url, headers=self._headers, body=body, timeouts=self._timeouts
+                "POST", self.url, headers=self._headers, body=body, timeouts=timeouts
             )
             return response.status, response.body, response.retry_after
         import httpx
 
         try:
             reply = await client.post(
-                self.url, content=body, headers=self._headers, timeout=httpx.Timeout(self.timeout)
+                self.url, content=body, headers=self._headers, timeout=httpx.Timeout(timeout)
             )
         except httpx.TimeoutException as exc:
             raise HTTPTimeout(str(exc), url=self.url, phase="read", timeout=self.timeout) from exc
@@ -219,6 +229,8 @@ class OpenAIClient:
                 raise ModelResponseError(f"{self.url}: {exc.reason}", url=self.url) from exc
             except HTTPTimeout as exc:
                 outcome = Outcome.TIMEOUT
+                if trio.current_time() >= trio.current_effective_deadline():
+                    await trio.lowlevel.checkpoint()  # the caller's deadline: its Cancelled
                 if attempts > self.max_retries:
                     raise ModelTimeoutError(
                         f"request to {self.url} timed out after {self.timeout:g}s "
@@ -249,7 +261,8 @@ class OpenAIClient:
                 outcome = Outcome.from_status(status)
             # Outside the limits' gate: a rest holds no connection slot (and, for an adaptive
             # rollout window, a rest after a 429 lends the rollout's place meanwhile).
-            await rest(self._retry_delay(attempts - 1, retry_after), outcome=outcome)
+            kind = "backoff" if retry_after is None else "retry_after"
+            await rest(self._retry_delay(attempts - 1, retry_after), outcome=outcome, kind=kind)
 
     async def _attempt(
         self, body: bytes, reserve: int | None

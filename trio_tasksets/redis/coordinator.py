@@ -51,6 +51,7 @@ from ..env import Env, Episode, OnComplete, RunSlot, complete_slot
 from ..models import ModelContext
 from ..window import Window
 from .entries import (
+    DEADLINE_FIELD,
     ENV_FIELD,
     REFUSED_FIELD,
     REPLY_FIELD,
@@ -59,11 +60,12 @@ from .entries import (
     Declaration,
     Log,
     check_url,
+    deadline_field,
     encode_task,
     redact,
     stderr_log,
 )
-from .link import Link, server_run_id, unusable
+from .link import Link, loading, server_run_id, unusable
 from .resp import Command, Connection, RedisError, ReplyError, first_stream, run_id
 
 __all__ = ["QUIET", "ViaBackend", "ViaError", "reach", "via_runner"]
@@ -175,7 +177,9 @@ async def _groups(redis: Connection, stream: str) -> list[dict[str, Any]]:
     """The consumer groups of `stream` (none if it does not exist)."""
     try:
         groups = await redis.execute("XINFO", "GROUPS", stream)
-    except ReplyError:  # no such key
+    except ReplyError as exc:  # no such key; a LOADING Redis is retried by the Link
+        if loading(exc):
+            raise
         return []
     return [dict(zip(flat[::2], flat[1::2], strict=True)) for flat in groups]
 
@@ -257,6 +261,9 @@ class _Coordinator:
             REPLY_FIELD: self.reply,
             ENV_FIELD: self._declared,
         }
+        deadline = deadline_field()  # SPEC 12: the worker runs it under the time left
+        if deadline is not None:
+            fields[DEADLINE_FIELD] = deadline
         waiting = _Slot(fields)
         self._queue_in.send_nowait(waiting)
         await waiting.done.wait()

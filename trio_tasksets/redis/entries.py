@@ -3,13 +3,16 @@
 A task entry has the field `task` (the JSON of `{"key", "data"}`) and, optionally:
 `env` (a `Declaration`: the taskset, its config, the env class, the model a producer meant
 the task for; a worker running another env refuses the entry), `rollout` (the slot's
-rollout, default 0) and `reply_to` (the stream its result goes to, instead of the worker's
-`--results`).
+rollout, default 0), `reply_to` (the stream its result goes to, instead of the worker's
+`--results`) and `deadline` (epoch seconds: the producer's deadline; a worker runs the slot
+under the time left, and answers an entry taken after it as timed out, without running it).
 """
 
 from __future__ import annotations
 
+import math
 import sys
+import time
 from collections.abc import Callable, Mapping
 from pathlib import PurePath
 from typing import Any, TypeVar
@@ -17,6 +20,7 @@ from urllib.parse import urlsplit, urlunsplit
 
 import attrs
 import orjson
+import trio
 
 from .._exceptions import TrioTasksetsError
 from ..builtin import BUILTIN
@@ -39,6 +43,8 @@ ROLLOUT_FIELD = "rollout"
 """The entry field holding the slot's rollout number (default 0)."""
 REPLY_FIELD = "reply_to"
 """The entry field naming the stream the task's result goes to (default: the worker's)."""
+DEADLINE_FIELD = "deadline"
+"""The entry field holding the slot's deadline, in epoch seconds (`time.time()`), if any."""
 REFUSED_FIELD = "refused"
 """In a reply stream: a worker refused the entry named by `entry`, for this reason."""
 
@@ -85,6 +91,7 @@ class Delivery:
     rollout: int = 0
     reply_to: str | None = None
     declared: str | None = None
+    deadline: float | None = None  # epoch seconds (`time.time()`), None: no deadline
 
 
 def encode_task(task: Any, *, any_data: bool = False) -> bytes:
@@ -133,7 +140,26 @@ def decode_entry(entry: EntryRef, fields: Fields | None) -> Delivery:
     reply_to = fields.get(REPLY_FIELD)
     if reply_to is not None and (not reply_to or reply_to == entry.stream):
         raise MalformedEntry(f"entry {entry.id}: {REPLY_FIELD!r} must name another stream")
-    return Delivery(entry, key, data, int(rollout), reply_to, fields.get(ENV_FIELD))
+    deadline = fields.get(DEADLINE_FIELD)
+    return Delivery(entry, key, data, int(rollout), reply_to, fields.get(ENV_FIELD),
+                    None if deadline is None else _epoch(entry, deadline))  # fmt: skip
+
+
+def _epoch(entry: EntryRef, text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        value = math.nan
+    if not math.isfinite(value):
+        raise MalformedEntry(f"entry {entry.id}: {DEADLINE_FIELD!r} is not epoch seconds: {text!r}")
+    return value
+
+
+def deadline_field() -> str | None:
+    """The `deadline` field for an entry enqueued now from a trio task: the epoch time of
+    `trio.current_effective_deadline()`, or None when it is infinite."""
+    left = trio.current_effective_deadline() - trio.current_time()
+    return None if left == math.inf else repr(time.time() + left)
 
 
 def plain_task(delivery: Delivery) -> RedisTask:

@@ -36,8 +36,9 @@ class Link:
     """A Redis connection (`resp.Connection`) whose calls survive outages.
 
     `call` retries `Unreachable` forever (capped, jittered exponential backoff, one log line
-    per failure naming the URL, one when Redis answers again) on a new connection. Other errors
-    (a `ReplyError`) are raised. No call is replayed behind the caller's back: `fn` is told
+    per failure naming the URL, one when Redis answers again) on a new connection, and so a
+    ``LOADING`` reply (a Redis restarted from its AOF or RDB answers that to every command
+    until its data is loaded: it ran nothing). Other errors (a `ReplyError`) are raised. No call is replayed behind the caller's back: `fn` is told
     which attempt it is. Calls may run at once: each holds a connection of its own while it
     runs (kept for the next call after), so there are as many as calls at once. A reply over
     `max_reply_bytes` is `Unreachable` (the connection is closed).
@@ -81,7 +82,10 @@ class Link:
                     finally:
                         if not connection.closed:  # reused only if not stale by then
                             self._idle.append(connection)
-            except Unreachable as exc:
+            except (Unreachable, ReplyError) as exc:
+                if isinstance(exc, ReplyError) and not loading(exc):
+                    self._back(failures, what)  # Redis answered, with an error
+                    raise
                 self.close()  # the others are likely broken too
                 failures += 1
                 delay = REDIS_BACKOFF.delay(failures)
@@ -91,9 +95,6 @@ class Link:
                 )
                 await _wait(delay, stop)
                 continue
-            except ReplyError:
-                self._back(failures, what)  # Redis answered, with an error
-                raise
             self._back(failures, what)
             return result
 
@@ -151,6 +152,11 @@ async def server_run_id(url: str) -> str:
         return run_id(await connection.execute("INFO", "server"), connection.address)
     finally:
         connection.close()
+
+
+def loading(error: BaseException) -> bool:
+    """Redis is loading its data after a restart (it refused the command: retry it)."""
+    return isinstance(error, ReplyError) and str(error).startswith("LOADING")
 
 
 _LOGIN_REFUSED = ("NOAUTH", "WRONGPASS", "ERR AUTH", "ERR invalid password", "ERR invalid username")

@@ -6,6 +6,8 @@ import functools
 import math
 import os
 import socket
+import time
+import uuid
 from collections.abc import AsyncIterator, Callable
 from typing import Any
 
@@ -15,8 +17,20 @@ import trio
 from .. import dashboard
 from ..batching import take_ready
 from ..drain import stop_on
-from ..env import Env, Episode, RetryPolicy, RunSlot, WindowFeed
+from ..env import (
+    DeadlineExceededError,
+    Env,
+    Episode,
+    EpisodeError,
+    EpisodeTask,
+    RetryPolicy,
+    RunSlot,
+    WindowFeed,
+    task_data,
+    task_key,
+)
 from ..envspec import rebuild_task
+from ..health import Health
 from ..limits import EndpointLimits, observe_calls
 from ..models import ModelContext
 from ..runner import as_completed, pick_one
@@ -64,6 +78,7 @@ class WorkerConfig:
     dashboard: bool = True  # --no-dashboard
     block: float = 0.5  # the longest one read waits (and a stop waits for it)
     time_limit: float | None = None  # --time-limit: shut down (as on SIGTERM) after S seconds
+    metrics_port: int | None = None  # --metrics-port: Prometheus text on 127.0.0.1 (0: any)
 
 
 @attrs.define
@@ -232,15 +247,27 @@ async def run_worker(
         connections=limits.connections if isinstance(limits, EndpointLimits) else None,
     )  # fmt: skip
     feed = WindowFeed(window)
+    health = Health()
+    progress.health = health.lag_text
+    metrics = None
+    if config.metrics_port is not None:
+        from ..metrics import Metrics
+
+        metrics = Metrics(health, window=window)
 
     publisher = Publisher(results)
 
     async def run(claim: Claim) -> Episode:
         delivery = claim.delivery
         progress.started()
+        health.started()
         try:
-            with observe_calls(feed):
-                episode = await env.run_slot(RunSlot(claim.task, delivery.rollout), ctx)
+            with observe_calls(health), observe_calls(feed):
+                slot = RunSlot(claim.task, delivery.rollout)
+                episode = await run_by(env, slot, ctx, delivery.deadline)
+            if metrics is not None:
+                last = episode.errors[-1].type if episode.errors else None
+                metrics.record(episode.ok, last, episode.usage)
             feed.ended(episode)
             meta: dict[str, str | int | float] = {
                 "consumer": config.consumer,
@@ -251,6 +278,7 @@ async def run_worker(
             report.cancelled += 1
             raise
         finally:
+            health.finished()
             report.released(delivery.entry)
         report.published += 1
         progress.finished(episode.ok, episode.reward)
@@ -292,6 +320,12 @@ async def run_worker(
                     ))  # fmt: skip
                 nursery.start_soon(_keep_alive, results, config, report)
                 nursery.start_soon(publisher.loop)
+                nursery.start_soon(health.probe)
+                if metrics is not None:
+                    from ..metrics import serve_metrics
+
+                    bound = await nursery.start(serve_metrics, metrics, config.metrics_port)
+                    say(f"metrics on http://127.0.0.1:{bound}/metrics")
                 task_status.started(shut_down)
                 room = report.room
                 claims = _Claimed(taskset.claims(build, room=room), report, progress)
@@ -312,6 +346,37 @@ async def run_worker(
         await taskset.leave()  # only if it holds nothing: its name would be noise in the group
     say(report.line())
     return report
+
+
+async def run_by(
+    env: Env[Any], slot: RunSlot[Any], ctx: ModelContext, deadline: float | None
+) -> Episode:
+    """`env.run_slot(slot, ctx)` under the time left until `deadline` (epoch seconds, an
+    entry's `deadline`; None: no bound). A slot cut at its deadline, or taken after it (then
+    not run), ends as a failed episode whose last error is a `DeadlineExceededError`."""
+    if deadline is None:
+        return await env.run_slot(slot, ctx)
+    left = deadline - time.time()
+    if left > 0:
+        with trio.move_on_after(left):
+            return await env.run_slot(slot, ctx)
+        message = "the entry's deadline passed while it ran: the episode was cancelled"
+    else:
+        message = f"the entry's deadline had passed {-left:.3g}s before a worker took it: not run"
+    episode = slot.episode
+    if episode is None:
+        task = slot.task
+        episode = Episode(uuid.uuid4().hex, EpisodeTask(task_key(task), task_data(task)),
+                          slot.rollout)  # fmt: skip
+    attempt = len(episode.errors) + 1  # the attempt it was in, or the first one
+    episode.ok = False
+    episode.errors.append(EpisodeError(DeadlineExceededError.__name__, message, attempt))
+    episode.attempts = attempt if left > 0 else 0
+    now = time.time()
+    started = slot.started if slot.started is not None else now
+    episode.timing = {"started": started, "finished": now, "duration": now - started}
+    slot.episode, slot.done = episode, True
+    return episode
 
 
 class Publisher:

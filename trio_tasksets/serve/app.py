@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import contextlib
+import math
 import os
 import sys
 import traceback
@@ -11,21 +13,26 @@ import attrs
 import trio
 
 from ..env import Env, Episode, RunSlot
+from ..health import Health
+from ..limits import observe_calls
+from ..metrics import Metrics
 from ..models import ModelContext
 from ..runner import ElasticPlaces, pick_one
 from ..tasksets import Taskset
 from .asgi import Message, Receive, Send, ServerStats, encode_answer
 from .policy import Access, Limits, ModelClients, ModelPolicy, RequestRefused, log_refusal
-from .session import WSSession
+from .session import WSSession, deadline_passed
 from .wire import (
     WS_PATH,
     WireError,
     build_task,
     decode_json,
     parse_run_request,
+    time_left,
 )
 
 _JSON = [(b"content-type", b"application/json")]
+_NOTHING = contextlib.nullcontext()
 
 
 # === the server ==============================================================================
@@ -128,6 +135,10 @@ class ServerApp:
         self._workers = workers
         self.taskset_cls: type[Taskset[Any, Any]] = type(env.taskset)
         self.plain_tasks = getattr(self.taskset_cls, "task_from_data", None) is None
+        # --metrics-port: the worker's health (its runs' waits, model calls, in flight) and
+        # metrics (each answered episode), when it serves them.
+        self.run_health: Health | None = None
+        self.metrics: Metrics | None = None
 
     async def __call__(self, scope: Message, receive: Receive, send: Send) -> None:
         if scope["type"] == "lifespan":
@@ -228,11 +239,16 @@ class ServerApp:
         except ValueError as exc:
             raise RequestRefused(400, f"the body is not JSON: {exc}") from None
         try:
+            left = time_left(decoded)
             slot, ctx = self.prepare(decoded)
         except WireError as exc:
             raise RequestRefused(exc.status, str(exc)) from None
-        episode = await self.episode(slot, ctx, receive)
-        if episode is not None:
+        # The caller's deadline, enforced here too (SPEC 12): its disconnect may never come.
+        with trio.move_on_after(math.inf if left is None else left) as limit:
+            episode = await self.episode(slot, ctx, receive)
+        if limit.cancelled_caught:
+            await _send_json(send, 504, {"error": deadline_passed()}, [])
+        elif episode is not None:
             await _send_json(send, 200, episode.to_row(), [])
 
     async def episode(
@@ -244,16 +260,20 @@ class ServerApp:
         episode: Episode | None = None
         stats = self.stats
         stats.running += 1
+        health = self.run_health
+        if health is not None:
+            health.started()
         try:
-            if receive is None:
-                async with self.places.run():
-                    episode = await self.env.run_slot(slot, ctx)
-            else:
-                async with trio.open_nursery() as nursery:
-                    nursery.start_soon(_cancel_on_disconnect, receive, nursery.cancel_scope)
+            with observe_calls(health) if health is not None else _NOTHING:
+                if receive is None:
                     async with self.places.run():
                         episode = await self.env.run_slot(slot, ctx)
-                    nursery.cancel_scope.cancel()
+                else:
+                    async with trio.open_nursery() as nursery:
+                        nursery.start_soon(_cancel_on_disconnect, receive, nursery.cancel_scope)
+                        async with self.places.run():
+                            episode = await self.env.run_slot(slot, ctx)
+                        nursery.cancel_scope.cancel()
         except Exception:
             stats.failed += 1
             raise
@@ -262,6 +282,8 @@ class ServerApp:
             raise
         finally:
             stats.running -= 1
+            if health is not None:
+                health.finished()
             clients = self.clients
             clients.release(ctx.client)
             if clients.retiring:
@@ -270,6 +292,9 @@ class ServerApp:
             stats.cancelled += 1
         else:
             stats.served += 1
+            if self.metrics is not None:
+                last = episode.errors[-1].type if episode.errors else None
+                self.metrics.record(episode.ok, last, episode.usage)
         return episode
 
     def _check_handshake(self, scope: Message) -> None:

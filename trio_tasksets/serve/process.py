@@ -85,10 +85,17 @@ def _announce(url: str) -> None:
 
 
 async def serve_worker(
-    app: ServerApp, fd: int, *, url: str | None, die_with_parent: bool, graceful: float = 3.0
+    app: ServerApp,
+    fd: int,
+    *,
+    url: str | None,
+    die_with_parent: bool,
+    graceful: float = 3.0,
+    metrics_port: int | None = None,
 ) -> None:
     """Serve `app` on the listening socket `fd` until SIGTERM/SIGINT (or stdin EOF with
-    `die_with_parent`), holding `env.serving()` throughout; announce `url` once listening."""
+    `die_with_parent`), holding `env.serving()` throughout; announce `url` once listening.
+    With `metrics_port`, also serve the worker's metrics there (`trio_tasksets.metrics`)."""
     from hypercorn.config import Config
     from hypercorn.trio import serve
 
@@ -115,10 +122,27 @@ async def serve_worker(
                 nursery.cancel_scope.cancel()
 
             await nursery.start(run_server)
+            if metrics_port is not None:
+                await _serve_metrics(app, nursery, metrics_port)
             if url is not None:
                 _announce(url)
     finally:
         await app.aclose()
+
+
+async def _serve_metrics(app: ServerApp, nursery: trio.Nursery, port: int) -> None:
+    from ..health import Health
+    from ..metrics import Metrics, serve_metrics
+
+    app.run_health = health = Health()
+    stats = app.stats
+    app.metrics = metrics = Metrics(health, extra=lambda: {
+        "served": stats.served, "failed": stats.failed, "cancelled": stats.cancelled,
+        "rejected": stats.rejected,
+    })  # fmt: skip
+    nursery.start_soon(health.probe)
+    bound = await nursery.start(serve_metrics, metrics, port)
+    print(f"metrics on http://127.0.0.1:{bound}/metrics", file=sys.stderr, flush=True)
 
 
 # --- K workers: a supervisor process that owns the socket ------------------------------------

@@ -18,11 +18,25 @@ from ..runner import pick_one
 from ..tasksets import Taskset
 from .asgi import Message, Receive, Send, ServerStats, encode_answer
 from .policy import Limits, ModelClients
-from .wire import WS_MAX_BATCH, WireError, build_task, coalesce, decode_json, quick_slot
+from .wire import (
+    TIME_LEFT,
+    WS_MAX_BATCH,
+    WireError,
+    build_task,
+    coalesce,
+    decode_json,
+    quick_slot,
+    time_left,
+)
 
 _ID_MAX = 128
 _ITEM_FIELDS = frozenset({"op", "id", "body"})
 _MAX_CONTEXTS = 64  # model contexts a connection keeps parsed (more are parsed each time)
+
+
+def deadline_passed() -> str:
+    """What a run cancelled at its request's `time_left` is answered with (HTTP 504)."""
+    return "the run's time_left passed: the episode was cancelled (its caller's deadline)"
 
 
 class _Unreadable(Exception):
@@ -218,8 +232,10 @@ class WSSession:
                                      f"the server's limit (--max-runs-per-connection); wait "
                                      f"for an answer, or open another connection")  # fmt: skip
         else:
+            body = item.get("body")
             try:
-                slot, ctx = self._prepare(item.get("body"))
+                left = time_left(body)
+                slot, ctx = self._prepare(body)
             except WireError as exc:
                 self._refuse(ident, exc.status, str(exc))
                 return
@@ -229,7 +245,9 @@ class WSSession:
                 self._answer(ident, 500, error=f"the env failed outside an episode: "
                                                f"{type(exc).__name__}: {exc}")  # fmt: skip
                 return
-            scope = self.running[ident] = trio.CancelScope()
+            # The caller's deadline, enforced here too (SPEC 12): its cancel may never come.
+            deadline = math.inf if left is None else trio.current_time() + left
+            scope = self.running[ident] = trio.CancelScope(deadline=deadline)
             nursery.start_soon(self._run, ident, scope, slot, ctx)
 
     def _prepare(self, body: object) -> tuple[RunSlot[Any], ModelContext]:
@@ -244,7 +262,7 @@ class WSSession:
             self.contexts.clear()  # contexts are not used again
             self.generation = clients.generation
         ctx_key = None
-        if type(body) is dict and len(body) == 2:
+        if type(body) is dict and len(body) - (TIME_LEFT in body) == 2:
             ctx_value = body.get("ctx")
             with contextlib.suppress(TypeError):  # orjson: nesting it cannot follow
                 ctx_key = orjson.dumps(ctx_value) if type(ctx_value) is dict else None
@@ -274,7 +292,9 @@ class WSSession:
             return
         finally:
             del self.running[ident]
-        if scope.cancelled_caught or episode is None:
+        if scope.cancelled_caught and trio.current_time() >= scope.deadline:
+            self._answer(ident, 504, error=deadline_passed())
+        elif scope.cancelled_caught or episode is None:
             self._answer(ident, 499, error="cancelled")
         else:
             self._answer(ident, 200, row=episode.to_row())

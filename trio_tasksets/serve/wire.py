@@ -9,6 +9,7 @@ from typing import Any
 
 import attrs
 import orjson
+import trio
 
 from .. import batching
 from .._exceptions import TrioTasksetsError
@@ -200,7 +201,9 @@ class RunRequestEncoder:
         return encoded
 
     def encode(self, slot: RunSlot[Any], ctx: ModelContext) -> bytes:
-        """The JSON body of `POST /run` for `slot` under `ctx`."""
+        """The JSON body of `POST /run` for `slot` under `ctx`; called in a trio task with
+        a finite `trio.current_effective_deadline()`, it carries the seconds left as
+        `time_left` (SPEC 12: the server runs the episode under it)."""
         task = slot.task
         try:
             ctx_json = self._ctx_json(ctx)
@@ -213,7 +216,31 @@ class RunRequestEncoder:
                 f"task {task_key(task)!r}: its data or the sampling settings are not JSON, so "
                 f"they cannot go to an env server: {exc}"
             ) from exc
+        try:
+            left = trio.current_effective_deadline() - trio.current_time()
+        except RuntimeError:  # a sync caller, outside trio: no deadline
+            left = math.inf
+        if left != math.inf:
+            return b'{"slot":%b,"ctx":%b,"time_left":%r}' % (task_json, ctx_json, max(left, 0.0))
         return b'{"slot":%b,"ctx":%b}' % (task_json, ctx_json)
+
+
+TIME_LEFT = "time_left"
+"""The run request field holding the seconds the run has left (its caller's deadline)."""
+
+
+def time_left(body: object) -> float | None:
+    """A decoded run request's `time_left`: None when absent, else a finite number of
+    seconds >= 0 (`WireError` naming the field otherwise)."""
+    if type(body) is not dict:
+        return None
+    value = body.get(TIME_LEFT)
+    if value is None:
+        return None
+    if type(value) not in (int, float) or not math.isfinite(value) or value < 0:
+        shown = repr(value) if type(value) in (int, float) else _kind(value)
+        raise WireError(TIME_LEFT, f"expected a number of seconds >= 0, got {shown}")
+    return float(value)
 
 
 # --- run requests: parse and validate (server side) ------------------------------------------
@@ -399,7 +426,7 @@ def parse_run_request(body: object, *, plain_tasks: bool = True) -> RunRequest:
     `MAX_DEPTH` levels.
     """
     check_depth(body, "body")
-    top = _object(body, "body", {"slot", "ctx"})
+    top = _object(body, "body", {"slot", "ctx", TIME_LEFT})
     slot = _object(_required(top, "slot", "body"), "slot", {"task", "rollout"})
     task = _object(_required(slot, "task", "slot"), "slot.task", {"key", "data"})
     key = _str(_required(task, "key", "slot.task"), "slot.task.key")

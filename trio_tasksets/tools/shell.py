@@ -28,6 +28,7 @@ from pathlib import Path
 
 import trio
 
+from .._exceptions import ConfigError
 from .schema import Tool, tool
 
 __all__ = ["shell"]
@@ -55,14 +56,23 @@ def shell(
     for what the model gets back and how the process group is killed. Raises ValueError for
     a bad option, naming it."""
     if not timeout > 0 or timeout != timeout:
-        raise ValueError(f"timeout must be a number of seconds > 0, got {timeout!r}")
+        raise ConfigError(
+            f"{{timeout}} must be a number of seconds > 0, got {timeout!r}", parameter="timeout"
+        )
     if isinstance(max_output, bool) or not isinstance(max_output, int) or max_output < 0:
-        raise ValueError(f"max_output must be an int >= 0 (bytes), got {max_output!r}")
+        raise ConfigError(
+            f"{{max_output}} must be an int >= 0 (bytes), got {max_output!r}",
+            parameter="max_output",
+        )
     if not grace >= 0:
-        raise ValueError(f"grace must be a number of seconds >= 0, got {grace!r}")
+        raise ConfigError(
+            f"{{grace}} must be a number of seconds >= 0, got {grace!r}", parameter="grace"
+        )
     workdir = Path(cwd) if cwd is not None else None
     if workdir is not None and not workdir.is_dir():
-        raise ValueError(f"cwd must be an existing directory, got {str(workdir)!r}")
+        raise ConfigError(
+            f"{{cwd}} must be an existing directory, got {str(workdir)!r}", parameter="cwd"
+        )
     runner = _Shell(workdir, timeout, max_output, dict(env or {}), inherit_env, grace)
 
     async def run(command: str) -> str:
