@@ -198,7 +198,7 @@ class EnvSpec:
                 parameter="env_class",
             ) from exc
         if self.rollout_timeout is not None:
-            env.rollout_timeout = self.rollout_timeout  # an attribute: any Env subclass takes it
+            env.rollout_timeout = self.rollout_timeout
         if self.working_limit is not None:
             env.working_limit = self.working_limit
         if self.stall_timeout is not None:
