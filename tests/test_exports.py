@@ -130,6 +130,7 @@ PUBLIC_SUBMODULES = {
         "Feed",
         "FeedTaskset",
         "Gate",
+        "MemoryTaskQueue",
         "ScriptExhausted",
         "ScriptedCall",
         "ScriptedClient",

@@ -78,6 +78,7 @@ class WorkerReport:
     published: int = 0
     cancelled: int = 0
     _places: int = 0  # the rollouts the entries held may run at once
+    _unit: int = 1  # the most places one entry took so far (a group's size)
 
     @property
     def held(self) -> int:
@@ -85,7 +86,9 @@ class WorkerReport:
 
     def claimed(self, entry: TaskEntry) -> None:
         self.entries[entry.id] = entry
-        self._places += min(entry.rollouts, self.window.size)
+        places = min(entry.rollouts, self.window.size)
+        self._places += places
+        self._unit = max(self._unit, places)
         self.peak = max(self.peak, self.held)
 
     def released(self, entry: TaskEntry) -> None:
@@ -93,9 +96,9 @@ class WorkerReport:
             self._places -= min(entry.rollouts, self.window.size)
 
     def room(self) -> int:
-        """How many more entries the window takes now (a group entry takes its rollouts'
-        places)."""
-        return self.window.size - self._places
+        """How many more entries the window takes now: its free places, over the places
+        the largest entry so far took (a group entry takes one per rollout)."""
+        return max(0, self.window.size - self._places) // self._unit
 
     def line(self) -> str:
         window = self.window
