@@ -137,6 +137,10 @@ PUBLIC_SUBMODULES = {
         "reply",
     ],
     "tools": ["Tool", "ToolArgumentError", "shell", "tool"],
+    # The worker side's seam (issue 20): a feed of one's own implements `queue.TaskQueue`
+    # and runs `consumer.consume` over it.
+    "queue": ["EntryRefused", "Finished", "MalformedEntry", "TaskEntry", "TaskQueue", "plain_task"],
+    "consumer": ["WorkerReport", "consume", "run_by", "run_group_by"],
     "redis": [
         "EntryRef",
         "MalformedEntry",

@@ -162,7 +162,7 @@ class Grpo(tt.Env[Any]):
 
 
 def env() -> tt.Env[Any]:
-    return Grpo(tt.builtin.EchoTaskset())
+    return Grpo(tt.EchoTaskset())
 
 
 @attrs.define

@@ -58,7 +58,7 @@ from .runner import as_completed, pick_one
 from .tasksets import Task, Taskset, TasksetConfig
 from .window import AdaptiveWindow, Window, window_spec
 
-__all__ = ["Claim", "WorkerReport", "consume", "run_by", "run_group_by"]
+__all__ = ["WorkerReport", "consume", "run_by", "run_group_by"]
 
 Log = Callable[[str], None]
 _LEAVE_WITHIN = 2.0  # seconds a stopping worker spends closing its queue

@@ -24,7 +24,9 @@ the choice and the guarantees.
 
 Rooms: `resp` (one connection), `entries` (tasks as entries), `link` (a connection that
 survives outages), `feed` (`RedisStreamTaskset`), `results` (`RedisResults`, `enqueue`),
-`worker` (`run_worker`), `coordinator` (`ViaBackend`: an eval's slots over workers, `--via`).
+`queue` (`RedisTaskQueue`: the feed and the sink as the worker loop's `TaskQueue`), `worker`
+(`run_worker`), `coordinator` (`ViaBackend`: an eval's slots over workers, `--via`; a group
+as one entry run by one worker).
 """
 
 from .coordinator import ViaBackend
