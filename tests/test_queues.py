@@ -269,15 +269,22 @@ async def test_a_crash_mid_run_leaves_its_entries_to_be_reclaimed(
 async def test_an_entrys_deadline_is_enforced(
     harness: Harness, clock: trio.abc.Clock | None
 ) -> None:
-    late, cut, fine = tasks(3)
+    late, cut, fine, group = tasks(4)
     harness.put(late, deadline=time.time() - 5)  # passed before any worker took it
     harness.put(cut, deadline=time.time() + 0.3)  # passes while it runs
     harness.put(fine)
+    harness.put(group, group="g", rollouts=2, deadline=time.time() + 0.3)  # the whole group
     async with trio.open_nursery() as nursery:
-        running = await start(nursery, harness.queue("w0"), echo(1.0), window=3)
-        await until(lambda: len(harness.rows()) >= 3)
+        running = await start(nursery, harness.queue("w0"), echo(1.0), window=5)
+        await until(lambda: len(harness.rows()) >= 5)
         assert running.shut_down is not None
         running.shut_down("done")
+    grouped = [row for row in harness.rows() if row["task"]["key"] == group.key]
+    assert [row["rollout"] for row in grouped] == [0, 1]  # answered together, as one group
+    for row in grouped:
+        assert not row["ok"]
+        assert row["group"] == "g"
+        assert row["errors"][-1]["type"] == "DeadlineExceededError"
     rows = {row["task"]["key"]: row for row in harness.rows()}
     assert rows[fine.key]["ok"]
     for key, attempts, what in [(late.key, 0, "before a worker took it"), (cut.key, 1, "while")]:
