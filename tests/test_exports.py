@@ -148,6 +148,7 @@ PUBLIC_SUBMODULES = {
         "RedisResults",
         "RedisStreamTaskset",
         "RedisTask",
+        "RedisTaskQueue",
         "TASK_FIELD",
         "ViaBackend",
         "check_url",

@@ -91,7 +91,7 @@ class Redis(Harness):
         self.r = redis.Redis.from_url(server.url, decode_responses=True)
 
     def queue(self, consumer: str, *, claim_idle: float = 60.0) -> TaskQueue:
-        from trio_tasksets.redis.queue import RedisTaskQueue
+        from trio_tasksets.redis import RedisTaskQueue
 
         return RedisTaskQueue(self.url, self.stream, self.group, consumer, self.results,
                               claim_idle=claim_idle, block=0.1, log=lambda line: None)  # fmt: skip
@@ -343,7 +343,7 @@ def test_the_loop_works_with_any_object_of_the_protocol() -> None:
     assert isinstance(MemoryTaskQueue(), TaskQueue)
     with pytest.raises(ValueError, match="rollouts"):
         tt.testing.MemoryTaskQueue().put(tasks(1)[0], rollouts=0)
-    from trio_tasksets.redis.queue import RedisTaskQueue
+    from trio_tasksets.redis import RedisTaskQueue
 
     queue = RedisTaskQueue("redis://127.0.0.1:1/0", "s", "g", "c", "r", log=print)
     assert isinstance(queue, TaskQueue)

@@ -1,7 +1,7 @@
 """`consume`: the worker loop, over any `TaskQueue` (`trio_tasksets.queue`).
 
 What every worker does, whatever feeds it (`trio-tasksets worker` is this loop over
-`trio_tasksets.redis.queue.RedisTaskQueue`):
+`trio_tasksets.redis.RedisTaskQueue`):
 
 * **Claims only what the window can run.** The runner (`tt.as_completed` over `window`)
   pulls only when a place is free; a pull claims as many entries as the window has free

@@ -7,7 +7,7 @@ for every feed: the window, rebuilding each task for the user's env (refusing an
 declared for another one), running a slot or a group, deadlines, publishing in batches,
 keep-alive, draining on signals or a time limit, the dashboard and the metrics. A queue
 owns only its transport: how an entry is claimed, answered and kept. So a second feed
-backend beside Redis (`trio_tasksets.redis.queue.RedisTaskQueue`) is one new package that
+backend beside Redis (`trio_tasksets.redis.RedisTaskQueue`) is one new package that
 implements this protocol; `trio_tasksets.testing.MemoryTaskQueue` is one in memory, and
 `tests/test_queues.py` is the conformance suite every queue must pass.
 

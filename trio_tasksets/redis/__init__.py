@@ -40,6 +40,7 @@ from .entries import (
     encode_task,
 )
 from .feed import RedisStreamTaskset
+from .queue import RedisTaskQueue
 from .results import Published, RedisResults, enqueue
 
 __all__ = [
@@ -50,6 +51,7 @@ __all__ = [
     "RedisResults",
     "RedisStreamTaskset",
     "RedisTask",
+    "RedisTaskQueue",
     "ViaBackend",
     "check_url",
     "decode_task",

@@ -1,7 +1,7 @@
 """`run_worker`: the long-running service over a Redis stream, running the user's env.
 
 It is the worker loop of every feed (`trio_tasksets.consumer.consume`) over the Redis task
-queue (`trio_tasksets.redis.queue.RedisTaskQueue`), set up from a `WorkerConfig`."""
+queue (`trio_tasksets.redis.RedisTaskQueue`), set up from a `WorkerConfig`."""
 
 from __future__ import annotations
 
