@@ -8,6 +8,7 @@ Each test runs twice: over `tt.testing.MemoryTaskQueue` on trio's MockClock, and
 
 from __future__ import annotations
 
+import functools
 import json
 import time
 import uuid
@@ -19,6 +20,8 @@ import pytest
 import redis
 import trio
 import trio.testing
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 from redis_server import RedisServer
 
 import trio_tasksets as tt
@@ -349,3 +352,71 @@ def test_the_loop_works_with_any_object_of_the_protocol() -> None:
     assert isinstance(queue, TaskQueue)
     assert queue.keep_alive_every == pytest.approx(20.0)
     queue.results.close()
+
+
+# --- the loop's invariants over random schedules (the memory queue, MockClock) ---------------
+
+
+class Counting(Grpo):
+    """`Grpo` that records the most rollouts running at once."""
+
+    live = 0
+    most = 0
+
+    async def rollout(self, task: Any, ctx: tt.ModelContext) -> Any:
+        Counting.live += 1
+        Counting.most = max(Counting.most, Counting.live)
+        try:
+            return await super().rollout(task, ctx)
+        finally:
+            Counting.live -= 1
+
+
+@settings(max_examples=40, deadline=None,
+          suppress_health_check=[HealthCheck.function_scoped_fixture])  # fmt: skip
+@given(
+    sizes=st.lists(st.integers(1, 4), min_size=1, max_size=10),
+    window=st.integers(1, 5),
+    crash_at=st.one_of(st.none(), st.integers(0, 5)),
+)
+async def test_every_entry_is_answered_once_and_the_window_holds_whatever_the_schedule(
+    autojump_clock: trio.testing.MockClock, sizes: list[int], window: int, crash_at: int | None
+) -> None:
+    """Entries (single or groups of 1-4) through a worker that may crash mid-run and a second
+    one after the reclaim: each entry answered exactly once, a group's rows together and
+    complete, at most `window` rollouts running and entries held, nothing left held."""
+    Counting.live = Counting.most = 0
+    queue = MemoryTaskQueue("w0")
+    for i, size in enumerate(sizes):
+        task = tt.Task(f"Repeat exactly: {i}", answer=str(i), key=f"t:{i}")
+        if size == 1:
+            queue.put(task)
+        else:
+            queue.put(task, group=f"g{i}", rollouts=size)
+    ctx = echo(1.0)
+    options: dict[str, Any] = {"live": False, "handle_signals": False, "log": lambda line: None}
+    with trio.fail_after(600):
+        if crash_at is not None:
+            with trio.move_on_after(crash_at + 0.5):  # a crash: cancelled, no grace, no publish
+                await consume(queue, ctx, window=tt.Window(window), env=Counting(tt.EchoTaskset()),
+                              **options)  # fmt: skip
+            queue.reclaim()
+            queue.restart("w1")
+        async with trio.open_nursery() as nursery:
+            run = functools.partial(consume, queue, ctx, window=tt.Window(window),
+                                    env=Counting(tt.EchoTaskset()), **options)  # fmt: skip
+            shut_down = await nursery.start(run)
+            while len(queue.answered) < len(sizes):  # noqa: ASYNC110 (the queue has no event)
+                await trio.sleep(0.5)
+            shut_down("done")
+    keys = [finished.entry.key for finished in queue.answered]
+    assert sorted(keys) == sorted(f"t:{i}" for i in range(len(sizes)))  # each exactly once
+    for finished in queue.answered:
+        size = sizes[int(finished.entry.key.split(":")[1])]
+        assert [e.rollout for e in finished.episodes] == list(range(size))
+        assert all(e.ok for e in finished.episodes)
+        if size > 1:
+            assert {e.group for e in finished.episodes} == {finished.entry.group}
+    assert queue.held == {}
+    assert queue.peak <= window
+    assert Counting.most <= window
