@@ -5,8 +5,13 @@ What every worker does, whatever feeds it (`trio-tasksets worker` is this loop o
 
 * **Claims only what the window can run.** The runner (`tt.as_completed` over `window`)
   pulls only when a place is free; a pull claims as many entries as the window has free
-  places (`room`), a group entry counting its rollouts. An entry holds its place from its
-  claim to its acknowledgement, so at most `window.size` entries are held at once.
+  places (`room`), a group entry counting one place per rollout (from the first group seen:
+  a read cannot know the size of what it has not read yet). An entry holds its place from
+  its claim to its acknowledgement, so at most `window.size` entries are held at once, and
+  a group's rollouts take further places of the same window (`fan_out`), so at most
+  `window.size` rollouts run at once. (A group's idle place is not lent while its last
+  rollouts finish, as an eval's is: that would let one more entry be claimed than the
+  window holds.)
 * **Runs each entry in the user's env.** Its task is rebuilt as the env's taskset class
   does (`task_from_data`, else `tt.Task`); an entry declared for another env (its
   `Declaration` differs) is refused with the reason and the fix, never scored with the
