@@ -420,3 +420,24 @@ async def test_every_entry_is_answered_once_and_the_window_holds_whatever_the_sc
     assert queue.held == {}
     assert queue.peak <= window
     assert Counting.most <= window
+
+
+@pytest.mark.parametrize(
+    ("fields", "why"),
+    [
+        ({"group": "g", "rollouts": "0"}, "'rollouts' is not a count >= 1"),
+        ({"group": "g", "rollouts": "²"}, "'rollouts' is not a count >= 1"),
+        ({"group": "", "rollouts": "2"}, "'group' must be a non-empty id"),
+        ({"rollouts": "3"}, "'rollouts' needs 'group'"),
+    ],
+)
+def test_a_malformed_group_entry_is_refused_saying_why(fields: dict[str, str], why: str) -> None:
+    from trio_tasksets.redis import EntryRef, MalformedEntry, encode_task
+    from trio_tasksets.redis.entries import decode_entry
+
+    entry = EntryRef("s", "g", "1-0")
+    task = encode_task(tasks(1)[0]).decode()
+    with pytest.raises(MalformedEntry, match=why):
+        decode_entry(entry, {"task": task, **fields})
+    good = decode_entry(entry, {"task": task, "group": "g7", "rollouts": "4"})
+    assert (good.group, good.rollouts) == ("g7", 4)

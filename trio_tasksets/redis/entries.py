@@ -171,12 +171,14 @@ def decode_entry(entry: EntryRef, fields: Fields | None) -> Delivery:
     deadline = fields.get(DEADLINE_FIELD)
     group = fields.get(GROUP_FIELD)
     rollouts = fields.get(ROLLOUTS_FIELD, "1")
-    if not rollouts.isdigit() or int(rollouts) < 1:
+    if not (rollouts.isascii() and rollouts.isdigit()) or int(rollouts) < 1:
         raise MalformedEntry(
             f"entry {entry.id}: {ROLLOUTS_FIELD!r} is not a count >= 1: {rollouts!r}"
         )
     if group is not None and not group:
         raise MalformedEntry(f"entry {entry.id}: {GROUP_FIELD!r} must be a non-empty id")
+    if group is None and rollouts != "1":
+        raise MalformedEntry(f"entry {entry.id}: {ROLLOUTS_FIELD!r} needs {GROUP_FIELD!r}")
     return Delivery(entry, key, data, int(rollout), reply_to, fields.get(ENV_FIELD),
                     None if deadline is None else _epoch(entry, deadline),
                     group, int(rollouts))  # fmt: skip
