@@ -32,7 +32,7 @@ import attrs
 import trio
 
 import trio_tasksets as tt
-from trio_tasksets.groups import Group, group_feed, run_group
+from trio_tasksets._groups import Group, group_feed, run_group
 
 GROUP = 8  # rollouts per prompt
 BATCH = 4  # groups per training batch

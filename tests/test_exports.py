@@ -155,7 +155,7 @@ SHIMS = {"client", "distributed"}  # old documented paths kept working (docs/arc
 # eval/report/__init__.py assembles the page itself, with these: they go private (or to a room
 # of their own) in the round that makes the implementation modules private (CHANGELOG.md).
 BINDS_ITS_OWN_HELPERS = {
-    "trio_tasksets.eval.report": {
+    "trio_tasksets._eval.report": {
         "Figures", "RunData", "compare_table", "compute", "embed_json", "load_run",
         "run_section", "write_atomic",
     },
@@ -273,22 +273,22 @@ def test_the_docs_use_only_public_names() -> None:
 # What the docs of issues 20 A, 22 and 23 (merged last) take from inner modules: each to move
 # to the flat API (and the doc to `tt.NAME`) or out of the docs, when the modules go private.
 DOCS_PENDING = {
-    "eval.md: from trio_tasksets.backend import InProcess",
-    "eval.md: from trio_tasksets.backend import backend_for",
-    "eval.md: from trio_tasksets.builtin import EchoTaskset",
-    "eval.md: trio_tasksets.backend",
-    "eval.md: trio_tasksets.builtin",
-    "eval.md: trio_tasksets.serve",
-    "eval.md: tt.builtin",
-    "rl_loop.py: from trio_tasksets.groups import Group",
-    "rl_loop.py: from trio_tasksets.groups import group_feed",
-    "rl_loop.py: from trio_tasksets.groups import run_group",
-    "rl_loop.py: trio_tasksets.groups",
-    "runner.md: trio_tasksets.limits",
-    "runner.md: trio_tasksets.models",
-    "training.md: from trio_tasksets.groups import group_feed",
-    "training.md: from trio_tasksets.groups import run_group",
-    "training.md: trio_tasksets.groups",
+    "eval.md: from trio_tasksets._backend import InProcess",
+    "eval.md: from trio_tasksets._backend import backend_for",
+    "eval.md: from trio_tasksets._builtin import EchoTaskset",
+    "eval.md: trio_tasksets._backend",
+    "eval.md: trio_tasksets._builtin",
+    "eval.md: trio_tasksets._serve",
+    "eval.md: tt._builtin",
+    "rl_loop.py: from trio_tasksets._groups import Group",
+    "rl_loop.py: from trio_tasksets._groups import group_feed",
+    "rl_loop.py: from trio_tasksets._groups import run_group",
+    "rl_loop.py: trio_tasksets._groups",
+    "runner.md: trio_tasksets._limits",
+    "runner.md: trio_tasksets._models",
+    "training.md: from trio_tasksets._groups import group_feed",
+    "training.md: from trio_tasksets._groups import run_group",
+    "training.md: trio_tasksets._groups",
 }
 
 
@@ -298,5 +298,7 @@ def test_the_doc_scan_sees_the_names_it_checks() -> None:
     assert {"run_stream", "Taskset", "aio", "EvalConfig"} <= seen
     imports = {m[1] for _, text in _doc_texts() for m in FROM_IMPORT.finditer(text)}
     assert {"trio_tasksets", "trio_tasksets.testing", "trio_tasksets.redis"} <= imports
-    assert DOTTED.findall("see `trio_tasksets.env.WindowFeed`") == ["env"]
-    assert FROM_IMPORT.findall("from trio_tasksets.window import (\n    Window, AdaptiveBounds,\n)")
+    assert DOTTED.findall("see `trio_tasksets._env.WindowFeed`") == ["_env"]
+    assert FROM_IMPORT.findall(
+        "from trio_tasksets._window import (\n    Window, AdaptiveBounds,\n)"
+    )

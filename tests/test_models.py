@@ -1,4 +1,4 @@
-"""Tests for trio_tasksets.models: Sampling, ModelContext, EchoClient, OpenAIClient.
+"""Tests for trio_tasksets._models: Sampling, ModelContext, EchoClient, OpenAIClient.
 
 The OpenAIClient tests talk to a real OpenAI-compatible HTTP server on 127.0.0.1: the suite's
 fake (`tests/fixtures/chat_server.py`, the `chat` fixture), scripted per test.
@@ -21,8 +21,8 @@ import trio
 import trio.testing
 from chat_server import ChatServer, Reply
 
-from trio_tasksets.limits import CallObserver, EndpointLimits, observe_calls
-from trio_tasksets.models import (
+from trio_tasksets._limits import CallObserver, EndpointLimits, observe_calls
+from trio_tasksets._models import (
     Completion,
     EchoClient,
     ModelClient,
@@ -36,8 +36,8 @@ from trio_tasksets.models import (
     Sampling,
     api_key_from_env,
 )
-from trio_tasksets.transport import ConnectError, parse_retry_after
-from trio_tasksets.window import AdaptiveBounds, Outcome
+from trio_tasksets._transport import ConnectError, parse_retry_after
+from trio_tasksets._window import AdaptiveBounds, Outcome
 
 # ---------------------------------------------------------------------------------------
 # The scripted OpenAI-compatible server

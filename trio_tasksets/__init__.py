@@ -21,10 +21,9 @@ other module is an implementation detail that a 0.x release may move or make pri
 """
 
 from . import aio, testing, tools
-from ._exceptions import ConfigError, TrioTasksetsError
-from .agents import ToolEnv
-from .builtin import EchoStreamConfig, EchoStreamTaskset, EchoTaskset
-from .datasets import (
+from ._agents import ToolEnv
+from ._builtin import EchoStreamConfig, EchoStreamTaskset, EchoTaskset
+from ._datasets import (
     CsvConfig,
     CsvTaskset,
     DatasetError,
@@ -33,7 +32,7 @@ from .datasets import (
     JsonlConfig,
     JsonlTaskset,
 )
-from .env import (
+from ._env import (
     Env,
     Episode,
     EpisodeError,
@@ -44,10 +43,11 @@ from .env import (
     StalledError,
     chat_messages,
 )
-from .eval import EvalConfig, EvalConfigError, EvalResult, run_eval
-from .eval.report import report
-from .eval.rescore import rescore
-from .limits import (
+from ._eval import EvalConfig, EvalConfigError, EvalResult, run_eval
+from ._eval.report import report
+from ._eval.rescore import rescore
+from ._exceptions import ConfigError, TrioTasksetsError
+from ._limits import (
     CallObserver,
     EndpointLimits,
     RateLimiter,
@@ -57,7 +57,7 @@ from .limits import (
     report_progress,
     rest,
 )
-from .models import (
+from ._models import (
     Completion,
     EchoClient,
     ModelClient,
@@ -73,15 +73,15 @@ from .models import (
     ToolCall,
     api_key_from_env,
 )
-from .runner import as_completed, fan_out, run_stream
-from .serve import EnvClient, EnvServerError, spawn_server
-from .sources import merge, take, until
-from .tasksets import Task, Taskset, TasksetConfig
+from ._runner import as_completed, fan_out, run_stream
+from ._serve import EnvClient, EnvServerError, spawn_server
+from ._sources import merge, take, until
+from ._tasksets import Task, Taskset, TasksetConfig
+from ._training import Staleness, first
+from ._transport import HTTPClient, Timeouts
+from ._version import __version__
+from ._window import AdaptiveBounds, AdaptiveWindow, Window, build_window, parse_window
 from .tools import Tool, tool
-from .training import Staleness, first
-from .transport import HTTPClient, Timeouts
-from .version import __version__
-from .window import AdaptiveBounds, AdaptiveWindow, Window, build_window, parse_window
 
 __all__ = [
     "AdaptiveBounds",

@@ -28,8 +28,8 @@ import attrs
 import trio
 
 from ._exceptions import TrioTasksetsError
-from .models import Completion, Sampling
-from .tasksets import Task, Taskset, TasksetConfig
+from ._models import Completion, Sampling
+from ._tasksets import Task, Taskset, TasksetConfig
 
 __all__ = [
     "Feed",

@@ -11,12 +11,12 @@
 The design of each direction is in its room's docstring (`guest`, `bridge_env`).
 """
 
-from .adapters import GuestRunStopped
-from .bridge_env import AsyncioModelContext, BridgedEnv, bridge_env
-from .feeds import AsyncioTaskset
-from .guest import run_eval, run_stream, run_trio
-from .loop import AsyncioCancelled, TrioAsyncioUnavailable
-from .verifiers import verifiers_env
+from ._adapters import GuestRunStopped
+from ._bridge_env import AsyncioModelContext, BridgedEnv, bridge_env
+from ._feeds import AsyncioTaskset
+from ._guest import run_eval, run_stream, run_trio
+from ._loop import AsyncioCancelled, TrioAsyncioUnavailable
+from ._verifiers import verifiers_env
 
 __all__ = [
     "AsyncioCancelled",

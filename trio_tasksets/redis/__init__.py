@@ -27,8 +27,8 @@ survives outages), `feed` (`RedisStreamTaskset`), `results` (`RedisResults`, `en
 `worker` (`run_worker`), `coordinator` (`ViaBackend`: an eval's slots over workers, `--via`).
 """
 
-from .coordinator import ViaBackend
-from .entries import (
+from ._coordinator import ViaBackend
+from ._entries import (
     TASK_FIELD,
     EntryRef,
     MalformedEntry,
@@ -37,8 +37,8 @@ from .entries import (
     decode_task,
     encode_task,
 )
-from .feed import RedisStreamTaskset
-from .results import Published, RedisResults, enqueue
+from ._feed import RedisStreamTaskset
+from ._results import Published, RedisResults, enqueue
 
 __all__ = [
     "TASK_FIELD",

@@ -5,7 +5,7 @@ timeout or cancel). `tt.ToolEnv` runs them; docs/agents.md shows them together.
 Rooms: `schema` (`Tool`, `tool`, `ToolArgumentError`), `shell`.
 """
 
-from .schema import Tool, ToolArgumentError, tool
-from .shell import shell
+from ._schema import Tool, ToolArgumentError, tool
+from ._shell import shell
 
 __all__ = ["Tool", "ToolArgumentError", "shell", "tool"]
