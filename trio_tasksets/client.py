@@ -1,4 +1,4 @@
-"""Moved: the served path's client is `trio_tasksets._serve` (`EnvClient`, `spawn_server`)."""
+"""Moved: the served path's client is in the flat API (`tt.EnvClient`, `tt.spawn_server`)."""
 
 from ._serve.client import EnvClient
 from ._serve.errors import EnvServerError

@@ -1,4 +1,4 @@
-"""Moved: the worker is `trio_tasksets.redis._worker`, its command `trio_tasksets._cli.worker`.
+"""Moved: the worker is the command `trio-tasksets worker` (the Redis feed: `trio_tasksets.redis`).
 
 `python -m trio_tasksets.distributed worker|enqueue ...` still works (same as `trio-tasksets`).
 """
@@ -6,6 +6,8 @@
 import sys
 
 from ._cli.main import main
+
+__all__ = ["main"]
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -2,7 +2,7 @@
 the project ships (`shell`: a command in a working directory, its process group killed on
 timeout or cancel). `tt.ToolEnv` runs them; docs/agents.md shows them together.
 
-Rooms: `schema` (`Tool`, `tool`, `ToolArgumentError`), `shell`.
+Rooms (private): `_schema` (`Tool`, `tool`, `ToolArgumentError`), `_shell`.
 """
 
 from ._schema import Tool, ToolArgumentError, tool
