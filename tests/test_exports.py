@@ -319,3 +319,19 @@ def test_the_doc_scan_sees_the_names_it_checks() -> None:
     assert FROM_IMPORT.findall(
         "from trio_tasksets._window import (\n    Window, AdaptiveBounds,\n)"
     )
+
+
+def test_a_class_the_program_records_is_named_by_its_public_home() -> None:
+    """An env spec, a Redis entry's declaration and a run's taskset name a class of the
+    package where the public API binds it, not by the private module that defines it."""
+    from trio_tasksets._loading import load_object, object_spec, taskset_label
+    from trio_tasksets._window import Change
+    from trio_tasksets.redis import RedisStreamTaskset
+
+    assert object_spec(tt.EchoTaskset, "the taskset") == "trio_tasksets:EchoTaskset"
+    assert taskset_label(tt.EchoTaskset()) == "trio_tasksets:EchoTaskset"
+    spec = object_spec(RedisStreamTaskset, "the taskset")
+    assert spec == "trio_tasksets.redis:RedisStreamTaskset"
+    assert object_spec(Change, "x") == "trio_tasksets._window:Change"  # bound nowhere public
+    for cls in (tt.EchoTaskset, RedisStreamTaskset, Change):
+        assert load_object(object_spec(cls, "x")) is cls

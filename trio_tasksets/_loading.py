@@ -44,6 +44,24 @@ def _module_file(module_name: str) -> str | None:
     return str(Path(path).resolve()) if isinstance(path, str) else None
 
 
+def _public_home(module_name: str, qualname: str, obj: Any) -> str:
+    """The shortest public module of this package that binds `obj` as `qualname`
+    (`trio_tasksets._builtin` -> `trio_tasksets`, `trio_tasksets.redis._feed` ->
+    `trio_tasksets.redis`), so that a name the program records (an env spec, a Redis entry's
+    declaration, a run's taskset) is the public one, which survives moves of the private
+    modules; else `module_name`."""
+    parts = module_name.split(".")
+    if parts[0] != "trio_tasksets":
+        return module_name
+    for end in range(1, len(parts)):
+        if parts[end - 1].startswith("_"):
+            break  # a prefix under a private module is private too
+        module = sys.modules.get(".".join(parts[:end]))
+        if module is not None and getattr(module, qualname, None) is obj:
+            return ".".join(parts[:end])
+    return module_name
+
+
 def object_spec(obj: Any, what: str) -> str:
     """`module:Name`, or `path/file.py:Name` for an object of a script or a file loaded by
     path (of a `python -m pkg.mod` run: `pkg.mod:Name`); `TravelError` for an object another
@@ -69,7 +87,7 @@ def object_spec(obj: Any, what: str) -> str:
         if path is None:
             raise TravelError(f"{what} {qualname} lives in a module with no file; run in-process")
         return f"{path}:{qualname}"
-    return f"{module_name}:{qualname}"
+    return f"{_public_home(module_name, qualname, obj)}:{qualname}"
 
 
 def taskset_label(taskset: Taskset[Any, Any]) -> str:
@@ -86,7 +104,7 @@ def taskset_label(taskset: Taskset[Any, Any]) -> str:
         path = _module_file(module)
         if path is not None:
             return f"{Path(path).name}:{cls.__qualname__}"
-    return f"{module}:{cls.__qualname__}"
+    return f"{_public_home(module, cls.__qualname__, cls)}:{cls.__qualname__}"
 
 
 def taskset_short_name(taskset: Taskset[Any, Any]) -> str:

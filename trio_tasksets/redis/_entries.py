@@ -200,7 +200,7 @@ def _name(cls: type) -> str:
 def taskset_arg(name: str) -> str:
     """How a TASKSET argument names the class `name`: its built-in id if it has one."""
     for builtin_id, cls in BUILTIN.items():
-        if name == f"{cls.__module__}:{cls.__qualname__}":
+        if name in (object_spec(cls, "the class"), f"{cls.__module__}:{cls.__qualname__}"):
             return builtin_id
     return name
 
