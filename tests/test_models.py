@@ -628,3 +628,34 @@ async def test_logprobs_alone_fill_the_tokens(server: ChatServer) -> None:
     assert reply.tokens is not None
     assert (reply.tokens.prompt_ids, reply.tokens.completion_ids) == ([], [])
     assert reply.tokens.completion_logprobs == [-0.5]
+
+
+def _clients() -> list[Any]:
+    from trio_tasksets.testing import ScriptedClient
+
+    return [EchoClient(), OpenAIClient("http://127.0.0.1:1/v1"), ScriptedClient(["hi"])]
+
+
+@pytest.mark.parametrize("client", _clients(), ids=lambda c: type(c).__name__)
+async def test_every_model_client_closes_on_leaving_its_block(client: Any) -> None:
+    """The clients share one async-context-manager base (`ModelClientBase`): ``async with``
+    gives the client itself, and its `aclose` runs however the block ends."""
+    from trio_tasksets._models import ModelClientBase
+
+    closed: list[bool] = []
+    real = client.aclose
+
+    async def aclose() -> None:
+        closed.append(True)
+        await real()
+
+    client.aclose = aclose
+    assert isinstance(client, ModelClientBase)
+    async with client as entered:
+        assert entered is client
+    assert closed == [True]
+    with pytest.raises(KeyError):
+        async with client:
+            raise KeyError("boom")
+    assert closed == [True, True]
+    await real()  # idempotent

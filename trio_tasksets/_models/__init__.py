@@ -7,6 +7,7 @@ Rooms: `base` (the shared types and errors), `echo`, `openai`.
 from .base import (
     Completion,
     ModelClient,
+    ModelClientBase,
     ModelConnectionError,
     ModelContext,
     ModelError,
@@ -26,6 +27,7 @@ __all__ = [
     "Completion",
     "EchoClient",
     "ModelClient",
+    "ModelClientBase",
     "ModelConnectionError",
     "ModelContext",
     "ModelError",

@@ -22,7 +22,8 @@ import inspect
 import json
 import os
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any, Protocol, cast, runtime_checkable
+from types import TracebackType
+from typing import TYPE_CHECKING, Any, Protocol, Self, cast, runtime_checkable
 
 import attrs
 
@@ -36,6 +37,7 @@ __all__ = [
     "Completion",
     "Message",
     "ModelClient",
+    "ModelClientBase",
     "ModelConnectionError",
     "ModelContext",
     "ModelError",
@@ -269,6 +271,27 @@ class ModelClient(Protocol):
     ) -> Completion: ...
 
     async def aclose(self) -> None: ...
+
+
+class ModelClientBase:
+    """What every model client of the package shares (`EchoClient`, `OpenAIClient`,
+    `testing.ScriptedClient`): ``async with client:`` gives the client itself and awaits its
+    `aclose` on the way out, however the block ends (an error, a cancellation). A subclass
+    that holds something overrides `aclose`, idempotent."""
+
+    async def aclose(self) -> None:
+        """Nothing to release."""
+
+    async def __aenter__(self) -> Self:
+        return self
+
+    async def __aexit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        await self.aclose()
 
 
 @attrs.frozen

@@ -2,17 +2,16 @@
 
 from __future__ import annotations
 
-from types import TracebackType
-from typing import Any, Self
+from typing import Any
 
 import trio
 
-from .base import Completion, Sampling, text_of, word_count
+from .base import Completion, ModelClientBase, Sampling, text_of, word_count
 
 __all__ = ["EchoClient"]
 
 
-class EchoClient:
+class EchoClient(ModelClientBase):
     """The built-in offline model: replies with the text of the last ``user`` message
     (``""`` if there is none). Waits ``delay`` seconds (``trio.sleep``, so a MockClock
     controls it) and always checkpoints. Usage counts words: ``prompt_tokens`` over all
@@ -50,17 +49,3 @@ class EchoClient:
             usage={"prompt_tokens": prompt_tokens, "completion_tokens": word_count(reply)},
             finish_reason="stop",
         )
-
-    async def aclose(self) -> None:
-        """Nothing to release."""
-
-    async def __aenter__(self) -> Self:
-        return self
-
-    async def __aexit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
-        await self.aclose()

@@ -4,8 +4,7 @@ HTTP transport, with retries, `Retry-After` and the endpoint limits around each 
 from __future__ import annotations
 
 from collections.abc import Hashable, Sequence
-from types import TracebackType
-from typing import TYPE_CHECKING, Any, Self
+from typing import TYPE_CHECKING, Any
 
 import orjson
 import trio
@@ -24,6 +23,7 @@ from .._transport import (
 from .._window import Outcome
 from .base import (
     Completion,
+    ModelClientBase,
     ModelConnectionError,
     ModelHTTPError,
     ModelResponseError,
@@ -83,7 +83,7 @@ def _is_retryable_status(status: int) -> bool:
     return status in _RETRYABLE_STATUS or 500 <= status <= 599
 
 
-class OpenAIClient:
+class OpenAIClient(ModelClientBase):
     """A client for any OpenAI-compatible ``/chat/completions`` endpoint (vLLM, SGLang,
     llama.cpp server, OpenAI, ...). ``base_url`` includes the version prefix, e.g.
     ``http://127.0.0.1:8000/v1``.
@@ -422,17 +422,6 @@ class OpenAIClient:
         http, self._http = self._http, None
         if http is not None and self._owns_http:
             await http.aclose()
-
-    async def __aenter__(self) -> Self:
-        return self
-
-    async def __aexit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
-        await self.aclose()
 
 
 def _error_message(text: str) -> str:
