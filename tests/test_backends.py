@@ -26,9 +26,9 @@ import pytest
 import trio
 
 import trio_tasksets as tt
-from trio_tasksets.backend import InProcess, SlotBackend, backend_for
-from trio_tasksets.loading import resolve_target
-from trio_tasksets.window import AdaptiveBounds
+from trio_tasksets._backend import InProcess, SlotBackend, backend_for
+from trio_tasksets._loading import resolve_target
+from trio_tasksets._window import AdaptiveBounds
 
 sys.path.insert(0, str(Path(__file__).resolve().parent / "fixtures"))
 from chat_server import ChatServer
@@ -111,7 +111,7 @@ async def running_on(
     elif backend == "served":
         yield {"serve": True}
     else:
-        from trio_tasksets.redis.worker import WorkerConfig, run_worker
+        from trio_tasksets.redis._worker import WorkerConfig, run_worker
 
         url = request.getfixturevalue("redis_url")
         tag = uuid.uuid4().hex[:8]
@@ -239,7 +239,7 @@ def test_the_flat_settings_name_one_backend() -> None:
     served = backend_for(serve=True, workers=2)
     assert isinstance(served, SlotBackend)
     assert served.remote
-    assert type(served).__module__ == "trio_tasksets.serve.slots"
+    assert type(served).__module__ == "trio_tasksets._serve.slots"
     running = backend_for(server_url="http://127.0.0.1:1", server_token="secret")
     assert "secret" not in repr(running)  # the token is a field, never shown
     assert getattr(running, "token", None) == "secret"
@@ -291,7 +291,7 @@ async def test_a_backend_of_ones_own_runs_every_slot(tmp_path: Path) -> None:
 
                 yield counted
 
-    env = tt.Env(tt.builtin.EchoTaskset())
+    env = tt.Env(tt._builtin.EchoTaskset())
     ctx = tt.ModelContext(tt.EchoClient(), "echo")
     result = await tt.run_eval(
         env, ctx, eval_config(tmp_path, "own", num_examples=5, backend=Counting())

@@ -25,8 +25,8 @@ from hypothesis import strategies as st
 from redis_server import RedisServer
 
 import trio_tasksets as tt
+from trio_tasksets._envspec import Declaration
 from trio_tasksets.consumer import WorkerReport, consume
-from trio_tasksets.envspec import Declaration
 from trio_tasksets.queue import TaskQueue
 from trio_tasksets.testing import MemoryTaskQueue
 
@@ -100,7 +100,7 @@ class Redis(Harness):
                               claim_idle=claim_idle, block=0.1, log=lambda line: None)  # fmt: skip
 
     def put(self, task: Any, **fields: Any) -> None:
-        from trio_tasksets.redis.entries import encode_task
+        from trio_tasksets.redis._entries import encode_task
 
         entry: dict[str, str] = {"task": encode_task(task).decode()}
         entry.update({name: str(value) for name, value in fields.items()})
@@ -433,7 +433,7 @@ async def test_every_entry_is_answered_once_and_the_window_holds_whatever_the_sc
 )
 def test_a_malformed_group_entry_is_refused_saying_why(fields: dict[str, str], why: str) -> None:
     from trio_tasksets.redis import EntryRef, MalformedEntry, encode_task
-    from trio_tasksets.redis.entries import decode_entry
+    from trio_tasksets.redis._entries import decode_entry
 
     entry = EntryRef("s", "g", "1-0")
     task = encode_task(tasks(1)[0]).decode()

@@ -38,10 +38,10 @@ from typing import Any
 import attrs
 import trio
 
-from . import dashboard
-from .batching import take_ready
-from .drain import stop_on
-from .env import (
+from . import _dashboard as dashboard
+from ._batching import take_ready
+from ._drain import stop_on
+from ._env import (
     DeadlineExceededError,
     Env,
     Episode,
@@ -53,15 +53,15 @@ from .env import (
     task_data,
     task_key,
 )
-from .envspec import Declaration, rebuild_task, taskset_arg
-from .groups import Group, cause_first, run_group
-from .health import Health
-from .limits import EndpointLimits, observe_calls
-from .models import ModelContext
+from ._envspec import Declaration, rebuild_task, taskset_arg
+from ._groups import Group, cause_first, run_group
+from ._health import Health
+from ._limits import EndpointLimits, observe_calls
+from ._models import ModelContext
+from ._runner import as_completed, pick_one
+from ._tasksets import Task, Taskset, TasksetConfig
+from ._window import AdaptiveWindow, Window, window_spec
 from .queue import EntryRefused, Finished, MalformedEntry, TaskEntry, TaskQueue, plain_task
-from .runner import as_completed, pick_one
-from .tasksets import Task, Taskset, TasksetConfig
-from .window import AdaptiveWindow, Window, window_spec
 
 __all__ = ["WorkerReport", "consume", "run_by", "run_group_by"]
 
@@ -251,7 +251,7 @@ async def consume(
     progress.health = health.lag_text
     metrics = None
     if metrics_port is not None:
-        from .metrics import Metrics
+        from ._metrics import Metrics
 
         metrics = Metrics(health, window=window)
     publisher = _Publisher(queue)
@@ -327,7 +327,7 @@ async def consume(
                 nursery.start_soon(publisher.loop)
                 nursery.start_soon(health.probe)
                 if metrics is not None:
-                    from .metrics import serve_metrics
+                    from ._metrics import serve_metrics
 
                     bound = await nursery.start(serve_metrics, metrics, metrics_port)
                     say(f"metrics on http://127.0.0.1:{bound}/metrics")

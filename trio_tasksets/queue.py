@@ -39,7 +39,7 @@ The guarantees a queue gives (the loop relies on each):
 An entry may carry a `deadline` (epoch seconds): the loop runs it under the time left and
 answers one taken after it as a failed episode (`DeadlineExceededError`) without running
 it. An entry may be a **group** (`group` set, `rollouts` > 1: SPEC 10): the loop runs its
-rollouts together on this worker (`trio_tasksets.groups.run_group`) and publishes all
+rollouts together on this worker (`trio_tasksets._groups.run_group`) and publishes all
 their rows in one `Finished`.
 """
 
@@ -50,9 +50,9 @@ from typing import Any, Protocol, TypeVar, runtime_checkable
 
 import attrs
 
+from ._env import Episode
 from ._exceptions import TrioTasksetsError
-from .env import Episode
-from .tasksets import Task
+from ._tasksets import Task
 
 __all__ = [
     "EntryRefused",

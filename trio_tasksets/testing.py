@@ -26,17 +26,16 @@ import math
 from collections import deque
 from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable, Sequence
 from contextlib import asynccontextmanager
-from types import TracebackType
-from typing import Any, Generic, Self, TypeVar
+from typing import Any, Generic, TypeVar
 
 import attrs
 import trio
 
+from ._env import task_data, task_key
 from ._exceptions import TrioTasksetsError
-from .env import task_data, task_key
-from .models import Completion, Sampling
+from ._models import Completion, ModelClientBase, Sampling
+from ._tasksets import Task, Taskset, TasksetConfig
 from .queue import Finished, MalformedEntry, TaskEntry
-from .tasksets import Task, Taskset, TasksetConfig
 
 __all__ = [
     "Feed",
@@ -310,7 +309,7 @@ Answer = Completion | str | dict[str, Any]
 ScriptStep = Answer | Callable[[list[dict[str, Any]], list[dict[str, Any]] | None], Any]
 
 
-class ScriptedClient:
+class ScriptedClient(ModelClientBase):
     """A `ModelClient` that answers from a script, for tests (SPEC 9).
 
     `replies` is either a sequence, answered in call order (one step per call, across every
@@ -367,20 +366,6 @@ class ScriptedClient:
             if inspect.isawaitable(answer):
                 answer = await answer
         return _completion(answer)
-
-    async def aclose(self) -> None:
-        """Nothing to release."""
-
-    async def __aenter__(self) -> Self:
-        return self
-
-    async def __aexit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
-        await self.aclose()
 
 
 def _completion(answer: object) -> Completion:
