@@ -165,6 +165,30 @@ async def test_c_bounds_the_model_calls_in_flight_across_workers(
     assert 2 <= chat.peak <= 3
 
 
+async def test_groups_give_the_same_rows_and_c_counts_their_live_rollouts(
+    backend: str, request: pytest.FixtureRequest, chat: ChatServer, ctx: tt.ModelContext,
+    tmp_path: Path,
+) -> None:  # fmt: skip
+    """`--group -r 3 -c 3` (SPEC 10): the rows of an in-process run, each group's written
+    together, and at most 3 rollouts live wherever they run (`--via`: a group on one worker,
+    whose own window would take 8)."""
+    shape = {"num_examples": 4, "rollouts_per_example": 3, "group": True, "max_concurrent": 3}
+    local = await tt.run_eval(make_env(), ctx, eval_config(tmp_path, "local", **shape))
+    async with running_on(backend, request, ctx) as where:
+        chat.reset()
+        there = await tt.run_eval(make_env(), ctx, eval_config(tmp_path, "there", **shape, **where))
+    rows = trace_rows(there.run_dir)
+    assert comparable(rows) == comparable(trace_rows(local.run_dir))
+    assert len(rows) == 12
+    groups = [row["group"] for row in rows]
+    assert all(groups[i] == groups[i - 1] for i in range(1, 12) if i % 3)  # written together
+    assert len(set(groups)) == 4
+    if backend == "via":  # each group ran on one worker
+        assert all(len({r["worker"] for r in rows if r["group"] == g}) == 1 for g in groups)
+    assert len(chat.requests) == 24
+    assert 2 <= chat.peak <= 3
+
+
 async def test_resume_runs_exactly_the_owed_slots(
     backend: str, request: pytest.FixtureRequest, chat: ChatServer, ctx: tt.ModelContext,
     tmp_path: Path,

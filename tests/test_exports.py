@@ -140,12 +140,17 @@ PUBLIC_SUBMODULES = {
         "Feed",
         "FeedTaskset",
         "Gate",
+        "MemoryTaskQueue",
         "ScriptExhausted",
         "ScriptedCall",
         "ScriptedClient",
         "reply",
     ],
     "tools": ["Tool", "ToolArgumentError", "shell", "tool"],
+    # The worker side's seam (issue 20): a feed of one's own implements `queue.TaskQueue`
+    # and runs `consumer.consume` over it.
+    "queue": ["EntryRefused", "Finished", "MalformedEntry", "TaskEntry", "TaskQueue", "plain_task"],
+    "consumer": ["WorkerReport", "consume", "run_by", "run_group_by"],
     "redis": [
         "EntryRef",
         "MalformedEntry",
@@ -153,6 +158,7 @@ PUBLIC_SUBMODULES = {
         "RedisResults",
         "RedisStreamTaskset",
         "RedisTask",
+        "RedisTaskQueue",
         "TASK_FIELD",
         "ViaBackend",
         "check_url",

@@ -1102,7 +1102,7 @@ async def test_eval_via_with_groups_writes_each_group_together(
         shut_down("done")
     rows = trace_rows(result.run_dir)
     assert len(rows) == 12
-    assert Grpo.scored == [4, 4, 4]  # scored in the coordinator, once per group
+    assert Grpo.scored == [4, 4, 4]  # scored on the worker (in this process), once per group
     order = [row["group"] for row in rows]
     assert len(set(order)) == 3
     assert all(order[i] == order[i - 1] for i in range(1, 12) if i % 4)  # written together

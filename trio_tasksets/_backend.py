@@ -15,13 +15,18 @@ anyio, which finds its trio backend by name (``anyio._backends._trio``) only whe
 for it, `backend_for` imports a transport's module only when the settings name it, so an eval
 in process never loads the served path or hiredis. A backend of one's own (any object with
 this protocol) goes in ``EvalConfig(backend=...)``.
+
+With ``group=True`` an eval runs each group (a task's ``-r`` rollouts, SPEC 10) in this process
+through `run_group`, each rollout one slot of the runner; a runner that is also a
+`GroupRunner` (``--via``: one entry per group, run by one worker) runs the whole group where
+its slots run instead.
 """
 
 from __future__ import annotations
 
 import functools
 import importlib
-from collections.abc import AsyncIterator, Awaitable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import AbstractAsyncContextManager, asynccontextmanager
 from typing import Any, Protocol, runtime_checkable
 
@@ -30,10 +35,11 @@ import attrs
 from ._dashboard import Progress
 from ._env import Env, Episode, OnComplete, RunSlot
 from ._exceptions import EvalConfigError
+from ._groups import Group
 from ._models import ModelContext
 from ._window import Window
 
-__all__ = ["InProcess", "SlotBackend", "SlotRunner", "backend_for"]
+__all__ = ["GroupRunner", "InProcess", "SlotBackend", "SlotRunner", "Track", "backend_for"]
 
 
 class SlotRunner(Protocol):
@@ -45,6 +51,27 @@ class SlotRunner(Protocol):
         *,
         on_complete: OnComplete | None = None,
     ) -> Awaitable[Episode]: ...
+
+
+Track = Callable[[RunSlot[Any], Callable[[], Awaitable[Episode]]], Awaitable[Episode]]
+"""`track(slot, wait)`: the eval's bookkeeping around one rollout of a group that runs
+elsewhere (the dashboard, the health probe, the adaptive window), returning `await wait()`."""
+
+
+@runtime_checkable
+class GroupRunner(SlotRunner, Protocol):
+    """A `SlotRunner` that also runs a whole group where its slots run (``--via``: one
+    entry, run by one worker, SPEC 10).
+
+    `run_group(group, track)` returns one episode per slot of `group`, in slot order, each
+    with `group` set and scored by the env's `score_group` where they ran; every rollout
+    holds a place of the eval's window while the group is out (`fan_out`: ``-c`` counts
+    live rollouts), each waiting through `track(slot, wait)`. It tells `group.opened` (the
+    eval's open groups) as each rollout starts and when the group ends. A failure of the
+    transport (not a failed rollout: that is a row with `ok=False`) is raised.
+    """
+
+    def run_group(self, group: Group, track: Track) -> Awaitable[list[Episode]]: ...
 
 
 @runtime_checkable

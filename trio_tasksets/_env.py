@@ -218,6 +218,7 @@ class Episode:
     advantage: float | None = None  # set by `Env.score_group` (e.g. GRPO's)
     policy_version: int | None = None  # the `tt.Staleness` version when the slot started
     stale: bool = False  # finished more than `max_lag` versions behind (withheld)
+    worker: str | None = None  # the worker that ran it (`--via`: its consumer name); row: if set
 
     def count(self, completion: Completion) -> None:
         """Add one model reply's token usage, keep its finish reason, and its token ids and
@@ -264,6 +265,8 @@ class Episode:
         if self.policy_version is not None:
             fields["policy_version"] = self.policy_version
             fields["stale"] = self.stale
+        if self.worker is not None:
+            fields["worker"] = self.worker
         return fields
 
     @classmethod
@@ -293,6 +296,7 @@ class Episode:
                 None if row.get("policy_version") is None else int(row["policy_version"])
             ),
             stale=bool(row.get("stale", False)),
+            worker=None if row.get("worker") is None else str(row["worker"]),
         )
 
     @classmethod
@@ -338,7 +342,7 @@ class Episode:
         return cls.from_row(row)  # type: ignore[arg-type]  # not a dict: it raises
 
 
-_TRAINING_KEYS = frozenset({"tokens", "group", "advantage", "policy_version", "stale"})
+_TRAINING_KEYS = frozenset({"tokens", "group", "advantage", "policy_version", "stale", "worker"})
 
 
 @attrs.define(eq=False)

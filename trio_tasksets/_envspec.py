@@ -4,10 +4,13 @@ from __future__ import annotations
 
 import json
 import math
+from pathlib import PurePath
 from typing import Any
 
 import attrs
+import orjson
 
+from ._builtin import BUILTIN
 from ._env import Env, RetryPolicy, answer_match
 from ._exceptions import ConfigError
 from ._loading import (
@@ -18,9 +21,19 @@ from ._loading import (
     object_spec,
     resolve_target,
 )
+from ._models import ModelContext
 from ._tasksets import Task, Taskset
+from .queue import MalformedEntry
 
-__all__ = ["EnvSpec", "TravelError", "config_from_json", "config_to_json", "rebuild_task"]
+__all__ = [
+    "Declaration",
+    "EnvSpec",
+    "TravelError",
+    "config_from_json",
+    "config_to_json",
+    "rebuild_task",
+    "taskset_arg",
+]
 
 
 def _json_native(value: object) -> bool:
@@ -219,3 +232,111 @@ def _load(spec: str, parameter: str) -> Any:
         where = spec.rpartition(":")[0]
         message = f"{{{parameter}}} {spec}: {import_failure(exc, where)}"
         raise ConfigError(message, parameter=parameter) from exc
+
+
+# --- what a producer meant its entries for (a worker refuses another env's) ---------------
+
+
+def _name(cls: type) -> str:
+    """`object_spec`'s name for a class, else `module:qualname` (compared, never imported)."""
+    try:
+        return object_spec(cls, "the class")
+    except TravelError:
+        return f"{cls.__module__}:{cls.__qualname__}"
+
+
+def taskset_arg(name: str) -> str:
+    """How a TASKSET argument names the class `name`: its built-in id if it has one."""
+    for builtin_id, cls in BUILTIN.items():
+        if name in (object_spec(cls, "the class"), f"{cls.__module__}:{cls.__qualname__}"):
+            return builtin_id
+    return name
+
+
+def _same_class(a: str, b: str) -> bool:
+    """The same class: the same name, or the same file name and class in two checkouts."""
+    if a == b:
+        return True
+    (where_a, _, name_a), (where_b, _, name_b) = a.rpartition(":"), b.rpartition(":")
+    files = where_a.endswith(".py") and where_b.endswith(".py")
+    return files and name_a == name_b and PurePath(where_a).name == PurePath(where_b).name
+
+
+@attrs.frozen
+class Declaration:
+    """What a producer meant its entries for: the taskset class (as `object_spec` names it),
+    its config (JSON fields, without `system_prompt`, which each task carries), and from an
+    eval the env class, the model and the sampling. A field left None is not declared (and
+    not checked). A worker refuses an entry whose declaration `differs` from its own."""
+
+    taskset: str
+    config: dict[str, Any] | None = None
+    env_class: str | None = None
+    model: str | None = None
+    sampling: dict[str, Any] | None = None
+
+    @classmethod
+    def of_taskset(cls, taskset: Taskset[Any, Any]) -> Declaration:
+        try:
+            config: dict[str, Any] | None = config_to_json(taskset)
+        except TravelError:
+            config = None  # not plain JSON: not declared, not checked
+        if config is not None:
+            config.pop("system_prompt", None)
+        return cls(_name(type(taskset)), config)
+
+    @classmethod
+    def of(cls, env: Env[Any], ctx: ModelContext | None = None) -> Declaration:
+        """The declaration of `env` (and of the model in `ctx`, if given)."""
+        base = cls.of_taskset(env.taskset)
+        sampling = None if ctx is None else orjson.loads(orjson.dumps(attrs.asdict(ctx.sampling)))
+        return attrs.evolve(
+            base,
+            env_class=_name(type(env)),
+            model=None if ctx is None else ctx.model,
+            sampling=sampling,
+        )
+
+    def to_json(self) -> str:
+        fields = {k: v for k, v in attrs.asdict(self).items() if v is not None}
+        return orjson.dumps(fields, option=orjson.OPT_SORT_KEYS).decode()
+
+    @classmethod
+    def from_json(cls, raw: str) -> Declaration:
+        """The declaration an entry carries; MalformedEntry if it is not one."""
+        try:
+            value = orjson.loads(raw)
+            return cls(**value)
+        except (orjson.JSONDecodeError, TypeError) as exc:
+            raise MalformedEntry(f"'env' is not a declaration ({exc})") from None
+
+    def differs(self, own: Declaration) -> str | None:
+        """Why an entry declared so cannot run on a worker whose env is `own`, or None."""
+        if not _same_class(self.taskset, own.taskset):
+            return (
+                f"declared for taskset {self.taskset}, but this worker runs {own.taskset}: "
+                f"start the worker with TASKSET {taskset_arg(self.taskset)}"
+            )
+        if None not in (self.config, own.config) and self.config != own.config:
+            args = orjson.dumps(self.config).decode()
+            return (
+                f"declared with taskset config {args}, but this worker's is "
+                f"{orjson.dumps(own.config).decode()}: start the worker with -a '{args}'"
+            )
+        mine, theirs = self.env_class, own.env_class
+        if mine is not None and theirs is not None and not _same_class(mine, theirs):
+            return (
+                f"declared for env class {mine}, but this worker runs {theirs}: start the "
+                f"worker with --env-class {mine}"
+            )
+        if None not in (self.model, own.model) and self.model != own.model:
+            return (
+                f"declared for model {self.model!r}, but this worker runs {own.model!r}: give "
+                f"the eval and the worker the same -m/--model"
+            )
+        if None not in (self.sampling, own.sampling) and self.sampling != own.sampling:
+            return (
+                f"declared with sampling {self.sampling}, but this worker samples with "
+                f"{own.sampling}: give the eval and the worker the same sampling flags"
+            )
+        return None

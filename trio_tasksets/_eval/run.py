@@ -28,6 +28,7 @@ import sys
 import time
 import warnings
 from collections import Counter
+from collections.abc import Awaitable, Callable
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
@@ -36,7 +37,7 @@ import attrs
 import trio
 
 from .. import _dashboard as dashboard
-from .._backend import SlotBackend
+from .._backend import GroupRunner, SlotBackend
 from .._drain import stop_on
 from .._env import Env, Episode, EpisodeError, RunSlot, WindowFeed
 from .._groups import Group, OpenGroups, cause_first, group_slots, run_group
@@ -536,8 +537,23 @@ async def _execute(
                 finally:
                     health.finished()
 
+            async def tracked(
+                slot: RunSlot[Any], wait: Callable[[], Awaitable[Episode]]
+            ) -> Episode:
+                progress.started()  # a rollout of a group that runs elsewhere (--via)
+                health.started()
+                try:
+                    episode = await wait()
+                    feed.ended(episode)
+                    return episode
+                finally:
+                    health.finished()
+
             async def run_one_group(group: Group) -> list[Episode]:
-                done = await run_group(env, group, rollout)
+                if isinstance(run_slot, GroupRunner):  # --via: the whole group on one worker
+                    done = await run_slot.run_group(group, tracked)
+                else:
+                    done = await run_group(env, group, rollout)
                 for episode in cause_first(done):  # the group's rows, together
                     record(episode)
                 return done

@@ -24,8 +24,9 @@ the choice and the guarantees.
 
 Rooms (private): `_resp` (one connection), `_entries` (tasks as entries), `_link` (a
 connection that survives outages), `_feed` (`RedisStreamTaskset`), `_results` (`RedisResults`,
-`enqueue`), `_worker` (`run_worker`), `_coordinator` (`ViaBackend`: an eval's slots over
-workers, `--via`).
+`enqueue`), `_queue` (`RedisTaskQueue`: the feed and the sink as the worker loop's
+`TaskQueue`), `_worker` (`run_worker`), `_coordinator` (`ViaBackend`: an eval's slots over
+workers, `--via`; a group as one entry run by one worker).
 """
 
 from ._coordinator import ViaBackend
@@ -39,6 +40,7 @@ from ._entries import (
     encode_task,
 )
 from ._feed import RedisStreamTaskset
+from ._queue import RedisTaskQueue
 from ._results import Published, RedisResults, enqueue
 
 __all__ = [
@@ -49,6 +51,7 @@ __all__ = [
     "RedisResults",
     "RedisStreamTaskset",
     "RedisTask",
+    "RedisTaskQueue",
     "ViaBackend",
     "check_url",
     "decode_task",

@@ -18,6 +18,11 @@ at any moment, since the enqueue that takes a freed place first deletes the answ
   says why (no consumer group reads the stream, or none took a slot), and the eval waits.
 * A worker that refuses a slot (another taskset, env, model or sampling) ends the eval with
   `ViaError` and the worker's reason.
+* A group (``--group``, SPEC 10) is one entry (the task, `group`: its id, `rollouts`: its
+  size), run by one worker as a group and scored there (`score_group`); its answer is one
+  result entry holding every row (`rows`), so the group comes back as a unit. While it is
+  out, each of its rollouts holds a place of the eval's window (`fan_out`), so `-c` counts
+  live rollouts across all workers.
 * On the way out (done, Ctrl-C, an error) the session deletes its unanswered entries from
   the task stream, so no worker picks them up later, says how many a worker had already
   taken (their results go to the reply-to stream, which expires), and deletes the reply-to
@@ -35,7 +40,7 @@ import functools
 import math
 import time
 import uuid
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator, Awaitable, Iterator
 from contextlib import AbstractAsyncContextManager, asynccontextmanager
 from typing import Any
 
@@ -44,18 +49,23 @@ import orjson
 import trio
 
 from .. import _dashboard as dashboard
-from .._backend import SlotRunner
+from .._backend import GroupRunner, SlotRunner, Track
 from .._batching import take_ready
 from .._env import Env, Episode, OnComplete, RunSlot, complete_slot
 from .._exceptions import EvalConfigError, TrioTasksetsError
+from .._groups import Group
 from .._models import ModelContext
-from .._window import Window
+from .._runner import fan_out
+from .._window import Window, prioritized
 from ._entries import (
     DEADLINE_FIELD,
     ENV_FIELD,
+    GROUP_FIELD,
     REFUSED_FIELD,
     REPLY_FIELD,
     ROLLOUT_FIELD,
+    ROLLOUTS_FIELD,
+    ROWS_FIELD,
     TASK_FIELD,
     Declaration,
     Log,
@@ -204,13 +214,46 @@ async def _read(reply: str, last: str, redis: Connection, _attempt: int) -> Any:
 
 @attrs.define(eq=False)
 class _Slot:
-    """A slot on its way through the stream: its entry fields, the ids it was enqueued as
-    (more than one after a re-enqueue), and its answer."""
+    """A slot (or a group) on its way through the stream: its entry fields, the ids it was
+    enqueued as (more than one after a re-enqueue), and its answer."""
 
     fields: dict[str, str]
     entries: list[str] = attrs.Factory(list)
     done: trio.Event = attrs.Factory(trio.Event)
     answer: dict[str, str] | None = None
+    sent: bool = False
+
+
+def _accepted(waiting: _Slot) -> dict[str, str]:
+    """The answer of `waiting`; `ViaError` if the worker refused it."""
+    answer = waiting.answer
+    assert answer is not None
+    if REFUSED_FIELD in answer:
+        raise ViaError(
+            f"worker {answer.get('consumer', '?')} refused a slot of this eval "
+            f"(task {answer.get('key')!r}): {answer[REFUSED_FIELD]}"
+        )
+    return answer
+
+
+def _group_rows(answer: dict[str, str], group: Group) -> list[Episode]:
+    """A group's episodes from its answer, in slot order; `ViaError` if the answer is not
+    the whole group (a worker that runs no groups answers one row)."""
+    worker = answer.get("consumer", "?")
+    raw = answer.get(ROWS_FIELD)
+    if raw is None:
+        raise ViaError(
+            f"worker {worker} answered group {group.id} (task {answer.get('key')!r}) with one "
+            f"row: it runs no groups; upgrade trio-tasksets on the workers"
+        )
+    episodes = [Episode.from_row(row) for row in orjson.loads(raw)]
+    want = [slot.rollout for slot in group.slots]
+    if sorted(e.rollout for e in episodes) != want:
+        raise ViaError(
+            f"worker {worker} answered group {group.id} with rollouts "
+            f"{[e.rollout for e in episodes]}, not {want}"
+        )
+    return sorted(episodes, key=lambda e: e.rollout)
 
 
 class _Coordinator:
@@ -247,14 +290,9 @@ class _Coordinator:
         self._logged_at = -math.inf
         self.reenqueued = 0
 
-    # --- one slot -------------------------------------------------------------------------
+    # --- one slot, one group -------------------------------------------------------------
 
-    async def run(
-        self,
-        slot: RunSlot[Any],
-        *,
-        on_complete: OnComplete | None = None,
-    ) -> Episode:
+    def _fields(self, slot: RunSlot[Any]) -> dict[str, str]:
         fields = {
             TASK_FIELD: encode_task(slot.task, any_data=self._any_data).decode(),
             ROLLOUT_FIELD: str(slot.rollout),
@@ -264,18 +302,66 @@ class _Coordinator:
         deadline = deadline_field()  # SPEC 12: the worker runs it under the time left
         if deadline is not None:
             fields[DEADLINE_FIELD] = deadline
-        waiting = _Slot(fields)
+        return fields
+
+    async def run(
+        self,
+        slot: RunSlot[Any],
+        *,
+        on_complete: OnComplete | None = None,
+    ) -> Episode:
+        waiting = _Slot(self._fields(slot))
         self._queue_in.send_nowait(waiting)
         await waiting.done.wait()
-        answer = waiting.answer
-        assert answer is not None
-        if REFUSED_FIELD in answer:
-            raise ViaError(
-                f"worker {answer.get('consumer', '?')} refused a slot of this eval "
-                f"(task {answer.get('key')!r}): {answer[REFUSED_FIELD]}"
-            )
+        answer = _accepted(waiting)
+        if ROWS_FIELD in answer:
+            raise ViaError(f"a worker answered the slot of task {answer.get('key')!r} as a group")
         episode = Episode.from_row(orjson.loads(answer["row"]))
         return await complete_slot(slot, episode, on_complete)
+
+    async def run_group(self, group: Group, track: Track) -> list[Episode]:
+        """`group` as one entry, run by one worker (see `GroupRunner`)."""
+        slots = group.slots
+        first = slots[0].rollout
+        if [slot.rollout for slot in slots] != list(range(first, first + len(slots))):
+            raise ValueError(f"group {group.id}: its rollouts must be consecutive")
+        fields = self._fields(slots[0])
+        fields[GROUP_FIELD] = group.id
+        fields[ROLLOUTS_FIELD] = str(len(slots))
+        waiting = _Slot(fields)
+        opened = group.opened
+        answered: list[Episode] = []
+
+        async def share(index: int) -> Episode:
+            if opened is not None:
+                opened.started(group)
+            if not waiting.sent:  # the first rollout to hold a place enqueues the group
+                waiting.sent = True
+                self._queue_in.send_nowait(waiting)
+            await waiting.done.wait()
+            if not answered:
+                answered.extend(_group_rows(_accepted(waiting), group))
+            return await complete_slot(slots[index], answered[index], None)
+
+        thunks = [
+            functools.partial(track, slot, functools.partial(share, index))
+            for index, slot in enumerate(slots)
+        ]
+        try:
+            with prioritized():  # the group's waiting places before a new pull
+                await fan_out(thunks)
+        finally:
+            if opened is not None:
+                opened.closed(group)
+        return answered
+
+    def __call__(
+        self,
+        slot: RunSlot[Any],
+        *,
+        on_complete: OnComplete | None = None,
+    ) -> Awaitable[Episode]:
+        return self.run(slot, on_complete=on_complete)
 
     # --- the loops ------------------------------------------------------------------------
 
@@ -489,7 +575,7 @@ async def via_runner(
     log: Log | None = None,
     quiet: float = QUIET,
     watch_every: float = _WATCH_EVERY,
-) -> AsyncIterator[SlotRunner]:
+) -> AsyncIterator[GroupRunner]:
     """What an eval runs each slot with over `--via`: one entry of `stream` per slot, its
     answer read from a reply stream of this session's own (see the module docstring).
 
@@ -510,7 +596,7 @@ async def via_runner(
             nursery.start_soon(coordinator.read_loop)
             nursery.start_soon(coordinator.watch_loop)
             try:
-                yield coordinator.run
+                yield coordinator
             except BaseException as exc:
                 body_error = exc  # re-raised below, bare (not in the nursery's group)
             finally:

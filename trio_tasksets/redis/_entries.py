@@ -6,6 +6,9 @@ the task for; a worker running another env refuses the entry), `rollout` (the sl
 rollout, default 0), `reply_to` (the stream its result goes to, instead of the worker's
 `--results`) and `deadline` (epoch seconds: the producer's deadline; a worker runs the slot
 under the time left, and answers an entry taken after it as timed out, without running it).
+A group entry (SPEC 10, `eval --via --group`) adds `group` (the id its rows share) and
+`rollouts` (how many: `rollout` .. `rollout + rollouts - 1`); one worker runs them as a group
+and answers with one result entry whose `rows` field holds every row of the group.
 """
 
 from __future__ import annotations
@@ -14,7 +17,6 @@ import math
 import sys
 import time
 from collections.abc import Callable, Mapping
-from pathlib import PurePath
 from typing import Any, TypeVar
 from urllib.parse import urlsplit, urlunsplit
 
@@ -22,14 +24,41 @@ import attrs
 import orjson
 import trio
 
-from .._builtin import BUILTIN
-from .._env import Env, task_data, task_key
-from .._envspec import TravelError, config_to_json
-from .._exceptions import TrioTasksetsError
-from .._loading import object_spec
-from .._models import ModelContext
-from .._tasksets import Task, Taskset
+from .._env import task_data, task_key
+from .._envspec import Declaration, taskset_arg
+from .._tasksets import Task
+from ..queue import EntryRefused, MalformedEntry
 from ._resp import Address
+
+__all__ = [
+    "DEADLINE_FIELD",
+    "ENV_FIELD",
+    "GROUP_FIELD",
+    "REFUSED_FIELD",
+    "REPLY_FIELD",
+    "ROLLOUTS_FIELD",
+    "ROLLOUT_FIELD",
+    "ROWS_FIELD",
+    "TASK_FIELD",
+    "Declaration",
+    "Delivery",
+    "EntryRef",
+    "EntryRefused",
+    "Fields",
+    "Log",
+    "MalformedEntry",
+    "RedisTask",
+    "check_url",
+    "deadline_field",
+    "decode_entry",
+    "decode_task",
+    "encode_task",
+    "is_nogroup",
+    "plain_task",
+    "redact",
+    "stderr_log",
+    "taskset_arg",
+]
 
 T = TypeVar("T")
 Log = Callable[[str], None]
@@ -45,6 +74,12 @@ REPLY_FIELD = "reply_to"
 """The entry field naming the stream the task's result goes to (default: the worker's)."""
 DEADLINE_FIELD = "deadline"
 """The entry field holding the slot's deadline, in epoch seconds (`time.time()`), if any."""
+GROUP_FIELD = "group"
+"""The entry field holding a group's id: the entry is a group of `rollouts` rollouts."""
+ROLLOUTS_FIELD = "rollouts"
+"""The entry field holding a group's size (with `group`; default 1)."""
+ROWS_FIELD = "rows"
+"""In a result entry: a group's rows (a JSON list, in rollout order), instead of `row`."""
 REFUSED_FIELD = "refused"
 """In a reply stream: a worker refused the entry named by `entry`, for this reason."""
 
@@ -70,15 +105,6 @@ class RedisTask(Task):
     entry: EntryRef = attrs.field(kw_only=True, eq=False)
 
 
-class MalformedEntry(TrioTasksetsError, ValueError):
-    """A stream entry that does not hold a task (moved to the dead-letter stream)."""
-
-
-class EntryRefused(MalformedEntry):
-    """An entry this worker will not run (declared for another env): dead-lettered, and the
-    reason is sent to its reply-to stream if it names one."""
-
-
 @attrs.frozen
 class Delivery:
     """One claimed entry, decoded: the task's `key` and `data`, the slot's `rollout`, where
@@ -92,6 +118,8 @@ class Delivery:
     reply_to: str | None = None
     declared: str | None = None
     deadline: float | None = None  # epoch seconds (`time.time()`), None: no deadline
+    group: str | None = None  # a group's id: the entry runs `rollouts` rollouts as one group
+    rollouts: int = 1
 
 
 def encode_task(task: Any, *, any_data: bool = False) -> bytes:
@@ -141,8 +169,19 @@ def decode_entry(entry: EntryRef, fields: Fields | None) -> Delivery:
     if reply_to is not None and (not reply_to or reply_to == entry.stream):
         raise MalformedEntry(f"entry {entry.id}: {REPLY_FIELD!r} must name another stream")
     deadline = fields.get(DEADLINE_FIELD)
+    group = fields.get(GROUP_FIELD)
+    rollouts = fields.get(ROLLOUTS_FIELD, "1")
+    if not (rollouts.isascii() and rollouts.isdigit()) or int(rollouts) < 1:
+        raise MalformedEntry(
+            f"entry {entry.id}: {ROLLOUTS_FIELD!r} is not a count >= 1: {rollouts!r}"
+        )
+    if group is not None and not group:
+        raise MalformedEntry(f"entry {entry.id}: {GROUP_FIELD!r} must be a non-empty id")
+    if group is None and rollouts != "1":
+        raise MalformedEntry(f"entry {entry.id}: {ROLLOUTS_FIELD!r} needs {GROUP_FIELD!r}")
     return Delivery(entry, key, data, int(rollout), reply_to, fields.get(ENV_FIELD),
-                    None if deadline is None else _epoch(entry, deadline))  # fmt: skip
+                    None if deadline is None else _epoch(entry, deadline),
+                    group, int(rollouts))  # fmt: skip
 
 
 def _epoch(entry: EntryRef, text: str) -> float:
@@ -184,114 +223,6 @@ def plain_task(delivery: Delivery) -> RedisTask:
 def decode_task(entry: EntryRef, fields: Fields | None) -> RedisTask:
     """The task an entry holds; raises MalformedEntry (saying why) if it holds none."""
     return plain_task(decode_entry(entry, fields))
-
-
-# --- what produced an entry ------------------------------------------------------------------
-
-
-def _name(cls: type) -> str:
-    """`object_spec`'s name for a class, else `module:qualname` (compared, never imported)."""
-    try:
-        return object_spec(cls, "the class")
-    except TravelError:
-        return f"{cls.__module__}:{cls.__qualname__}"
-
-
-def taskset_arg(name: str) -> str:
-    """How a TASKSET argument names the class `name`: its built-in id if it has one."""
-    for builtin_id, cls in BUILTIN.items():
-        if name in (object_spec(cls, "the class"), f"{cls.__module__}:{cls.__qualname__}"):
-            return builtin_id
-    return name
-
-
-def _same_class(a: str, b: str) -> bool:
-    """The same class: the same name, or the same file name and class in two checkouts."""
-    if a == b:
-        return True
-    (where_a, _, name_a), (where_b, _, name_b) = a.rpartition(":"), b.rpartition(":")
-    files = where_a.endswith(".py") and where_b.endswith(".py")
-    return files and name_a == name_b and PurePath(where_a).name == PurePath(where_b).name
-
-
-@attrs.frozen
-class Declaration:
-    """What a producer meant its entries for: the taskset class (as `object_spec` names it),
-    its config (JSON fields, without `system_prompt`, which each task carries), and from an
-    eval the env class, the model and the sampling. A field left None is not declared (and
-    not checked). A worker refuses an entry whose declaration `differs` from its own."""
-
-    taskset: str
-    config: dict[str, Any] | None = None
-    env_class: str | None = None
-    model: str | None = None
-    sampling: dict[str, Any] | None = None
-
-    @classmethod
-    def of_taskset(cls, taskset: Taskset[Any, Any]) -> Declaration:
-        try:
-            config: dict[str, Any] | None = config_to_json(taskset)
-        except TravelError:
-            config = None  # not plain JSON: not declared, not checked
-        if config is not None:
-            config.pop("system_prompt", None)
-        return cls(_name(type(taskset)), config)
-
-    @classmethod
-    def of(cls, env: Env[Any], ctx: ModelContext | None = None) -> Declaration:
-        """The declaration of `env` (and of the model in `ctx`, if given)."""
-        base = cls.of_taskset(env.taskset)
-        sampling = None if ctx is None else orjson.loads(orjson.dumps(attrs.asdict(ctx.sampling)))
-        return attrs.evolve(
-            base,
-            env_class=_name(type(env)),
-            model=None if ctx is None else ctx.model,
-            sampling=sampling,
-        )
-
-    def to_json(self) -> str:
-        fields = {k: v for k, v in attrs.asdict(self).items() if v is not None}
-        return orjson.dumps(fields, option=orjson.OPT_SORT_KEYS).decode()
-
-    @classmethod
-    def from_json(cls, raw: str) -> Declaration:
-        """The declaration an entry carries; MalformedEntry if it is not one."""
-        try:
-            value = orjson.loads(raw)
-            return cls(**value)
-        except (orjson.JSONDecodeError, TypeError) as exc:
-            raise MalformedEntry(f"{ENV_FIELD!r} is not a declaration ({exc})") from None
-
-    def differs(self, own: Declaration) -> str | None:
-        """Why an entry declared so cannot run on a worker whose env is `own`, or None."""
-        if not _same_class(self.taskset, own.taskset):
-            return (
-                f"declared for taskset {self.taskset}, but this worker runs {own.taskset}: "
-                f"start the worker with TASKSET {taskset_arg(self.taskset)}"
-            )
-        if None not in (self.config, own.config) and self.config != own.config:
-            args = orjson.dumps(self.config).decode()
-            return (
-                f"declared with taskset config {args}, but this worker's is "
-                f"{orjson.dumps(own.config).decode()}: start the worker with -a '{args}'"
-            )
-        mine, theirs = self.env_class, own.env_class
-        if mine is not None and theirs is not None and not _same_class(mine, theirs):
-            return (
-                f"declared for env class {mine}, but this worker runs {theirs}: start the "
-                f"worker with --env-class {mine}"
-            )
-        if None not in (self.model, own.model) and self.model != own.model:
-            return (
-                f"declared for model {self.model!r}, but this worker runs {own.model!r}: give "
-                f"the eval and the worker the same -m/--model"
-            )
-        if None not in (self.sampling, own.sampling) and self.sampling != own.sampling:
-            return (
-                f"declared with sampling {self.sampling}, but this worker samples with "
-                f"{own.sampling}: give the eval and the worker the same sampling flags"
-            )
-        return None
 
 
 # --- the connection: one client, every call retried on connection failures -------------------

@@ -12,6 +12,8 @@ from .._env import Episode
 from .._tasksets import Taskset
 from ._entries import (
     ENV_FIELD,
+    GROUP_FIELD,
+    ROWS_FIELD,
     TASK_FIELD,
     Declaration,
     EntryRef,
@@ -41,20 +43,24 @@ class Published:
 @attrs.frozen
 class Answer:
     """An episode to publish: the task entry it answers, the stream it goes to (None: the
-    sink's own) and extra fields for its result entry."""
+    sink's own) and extra fields for its result entry. A group entry's answer holds every
+    episode of the group in `group` (rollout order; `episode` is its first): one result
+    entry whose `rows` field is the JSON list of their rows, and `group` their group's id."""
 
     episode: Episode
     entry: EntryRef
     to: str | None = None
     meta: Mapping[str, str | int | float] = attrs.field(factory=dict)
+    group: Sequence[Episode] = ()
 
 
 class RedisResults:
     """Publishes finished episodes to a results stream, acknowledging their task entries.
 
     Each result entry has the fields `key` (the task key: de-duplicate on it), `entry` and
-    `stream` (the task entry it answers), `row` (the JSON of `Episode.to_row()`, the SPEC row)
-    and any `meta` given to `publish`. The results stream must live on the feed's Redis (one
+    `stream` (the task entry it answers), `row` (the JSON of `Episode.to_row()`, the SPEC row;
+    for a group entry `rows`, the JSON list of the group's rows, and `group`, its id) and any
+    `meta` given to `publish`. The results stream must live on the feed's Redis (one
     transaction covers both; on a Redis Cluster give both keys the same {hash tag}).
     """
 
@@ -223,11 +229,16 @@ async def _pending_many(redis: Connection, entries: Sequence[EntryRef]) -> list[
 
 
 def _fields(answer: Answer) -> list[Arg]:
-    """The result entry's fields, flat: `key`, `entry`, `stream`, the meta fields, `row`."""
+    """The result entry's fields, flat: `key`, `entry`, `stream`, the meta fields, `row` (a
+    group's: `group` and `rows`)."""
     entry, episode = answer.entry, answer.episode
     fields: dict[str, Arg] = {"key": episode.task.key, "entry": entry.id, "stream": entry.stream}
     fields.update(answer.meta)
-    fields["row"] = orjson.dumps(episode.to_row())
+    if answer.group:
+        fields[GROUP_FIELD] = episode.group or ""
+        fields[ROWS_FIELD] = orjson.dumps([e.to_row() for e in answer.group])
+    else:
+        fields["row"] = orjson.dumps(episode.to_row())
     return [part for pair in fields.items() for part in pair]
 
 
