@@ -19,7 +19,7 @@ import trio
 
 import trio_tasksets as tt
 from trio_tasksets.testing import ScriptedClient, reply
-from trio_tasksets.tools.shell import effective_timeout
+from trio_tasksets.tools._shell import effective_timeout
 
 pytestmark = pytest.mark.skipif(sys.platform == "win32", reason="process groups are POSIX")
 
