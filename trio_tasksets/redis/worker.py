@@ -33,6 +33,7 @@ from ..envspec import rebuild_task
 from ..health import Health
 from ..limits import EndpointLimits, observe_calls
 from ..models import ModelContext
+from ..models.openai import OpenAIClient
 from ..runner import as_completed, pick_one
 from ..window import AdaptiveBounds, AdaptiveWindow, Window, build_window, window_spec
 from .entries import (
@@ -249,11 +250,13 @@ async def run_worker(
     feed = WindowFeed(window)
     health = Health()
     progress.health = health.lag_text
+    stats = getattr(ctx.client, "endpoint_stats", None)
+    progress.endpoints = stats if callable(stats) else None  # many --base-url: a row each
     metrics = None
     if config.metrics_port is not None:
         from ..metrics import Metrics
 
-        metrics = Metrics(health, window=window)
+        metrics = Metrics(health, window=window, endpoints=progress.endpoints)
 
     publisher = Publisher(results)
 
@@ -321,6 +324,9 @@ async def run_worker(
                 nursery.start_soon(_keep_alive, results, config, report)
                 nursery.start_soon(publisher.loop)
                 nursery.start_soon(health.probe)
+                if isinstance(ctx.client, OpenAIClient) and ctx.client.has_engine_metrics:
+                    # --engine-metrics: one endpoint's moves -c, many endpoints' each its own
+                    nursery.start_soon(ctx.client.feed_engine_metrics, window)
                 if metrics is not None:
                     from ..metrics import serve_metrics
 
