@@ -132,6 +132,34 @@ async def test_one_endpoint_keeps_the_compact_view(autojump_clock: MockClock) ->
     assert "endpoints" not in progress.line()
 
 
+class _Calls(tt.Taskset[tt.Task, tt.TasksetConfig]):
+    def load(self) -> list[tt.Task]:
+        return [tt.Task("say 7", answer="7", key=str(i)) for i in range(150)]
+
+
+async def test_an_eval_reads_each_engine_into_its_endpoints_window_and_summary(
+    autojump_clock: MockClock, tmp_path: Path
+) -> None:
+    async with (
+        SimEngine(capacity=4, kv_budget=1000, seed=1) as a,
+        SimEngine(capacity=4, kv_budget=1000, seed=2) as b,
+        tt.OpenAIClient([a.url, b.url], engine_metrics=[metrics_of(a.url), metrics_of(b.url)]) as client,
+    ):  # fmt: skip
+        config = tt.EvalConfig(max_concurrent=64, output_dir=str(tmp_path), run_name="two",
+                               dashboard=False)  # fmt: skip
+        result = await tt.run_eval(tt.Env(_Calls()), tt.ModelContext(client, "sim"), config)
+    summary = result.summary
+    assert summary["ok"] == 150
+    for url in (a.url, b.url):
+        figures = summary["endpoints"][url]
+        assert figures["engine"]["readings"] >= 1  # this endpoint's own engine, read
+        assert figures["state"] == "live"
+        # the engine's queue (capacity 4, window 8 at the start) cut this endpoint's window
+        reasons = {reason for _, _, reason in summary["connection_history"][url]}
+        assert "engine queue" in reasons, summary["connection_history"][url]
+    assert a.peak_waiting > 0  # (so there was a queue to read)
+
+
 # --- real engines, worker and served server --------------------------------------------------
 
 
