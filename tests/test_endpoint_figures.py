@@ -160,6 +160,41 @@ async def test_an_eval_reads_each_engine_into_its_endpoints_window_and_summary(
     assert a.peak_waiting > 0  # (so there was a queue to read)
 
 
+async def test_one_endpoints_engine_is_read_into_the_window_it_is_given(
+    autojump_clock: MockClock,
+) -> None:
+    """One endpoint (worker's `--engine-metrics` with one `--base-url`): its engine moves the
+    rollout window the caller gives `feed_engine_metrics`."""
+    window = tt.AdaptiveWindow(1, 8, 64)
+    async with (
+        SimEngine(capacity=2, kv_budget=1000) as engine,
+        tt.OpenAIClient(engine.url, engine_metrics=metrics_of(engine.url)) as client,
+    ):
+        assert client.has_engine_metrics
+        assert client.endpoint_stats() is None  # one endpoint: no per-endpoint figures
+
+        async def call() -> None:
+            me = object()
+            await window.acquire(me)
+            try:
+                await client.chat([{"role": "user", "content": "hi"}], model="sim",
+                                  sampling=tt.Sampling(max_tokens=400))  # fmt: skip
+            finally:
+                window.release(me)
+
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(client.feed_engine_metrics, window)
+            for _ in range(8):
+                nursery.start_soon(call)
+            await trio.sleep(3.5)
+            nursery.cancel_scope.cancel()
+    assert client.engine_metrics is not None
+    assert client.engine_metrics.readings >= 3
+    assert client.engine_metrics.figures()["waiting"] == 6  # 8 calls, 2 running
+    assert "engine queue" in {reason for _, _, reason in window.history}
+    assert window.size < 8
+
+
 # --- real engines, worker and served server --------------------------------------------------
 
 
