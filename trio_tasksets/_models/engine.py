@@ -25,7 +25,6 @@ from collections.abc import Iterable
 from urllib.parse import urlsplit
 
 import trio
-from prometheus_client.parser import text_string_to_metric_families
 
 from .._exceptions import TrioTasksetsError
 from .._transport import HTTPClient, HTTPError, Timeouts
@@ -47,6 +46,10 @@ class EngineMetricsError(TrioTasksetsError, ValueError):
 def parse_engine_metrics(text: str) -> EngineLoad:
     """The `EngineLoad` of one `/metrics` reading. Raises `EngineMetricsError` for text that
     does not parse, or that has none of vLLM's or SGLang's load metrics."""
+    # Imported here: prometheus_client is some 12,000 objects that every full garbage
+    # collection of every eval would otherwise scan (it is needed only for --engine-metrics).
+    from prometheus_client.parser import text_string_to_metric_families
+
     sums: dict[str, float] = {}
     highest: dict[str, float] = {}
     try:

@@ -39,8 +39,7 @@ from __future__ import annotations
 import contextvars
 import math
 from collections import deque
-from collections.abc import Hashable, Iterator, Sequence
-from contextlib import contextmanager
+from collections.abc import Hashable, Sequence
 from typing import Any, Protocol
 
 import attrs
@@ -90,19 +89,27 @@ _binding: contextvars.ContextVar[_Binding | None] = contextvars.ContextVar(
 )
 
 
-@contextmanager
-def sticky(key: Hashable, *, replace: bool = False) -> Iterator[None]:
+class sticky:  # lower case: it reads as a call in `with sticky(key):`
     """``with sticky(key):`` the model calls made in the block (by this task and the tasks it
     starts) go to one endpoint of an `EndpointPool`. An enclosing block wins (a group's over
-    its rollouts') unless `replace`. Without a pool, it does nothing."""
-    if _binding.get() is not None and not replace:
-        yield
-        return
-    token = _binding.set(_Binding(key))
-    try:
-        yield
-    finally:
-        _binding.reset(token)
+    its rollouts') unless `replace`. Without a pool, it does nothing. A class, not a
+    generator: every attempt of every episode enters one."""
+
+    __slots__ = ("_key", "_replace", "_token")
+
+    def __init__(self, key: Hashable, *, replace: bool = False) -> None:
+        self._key = key
+        self._replace = replace
+
+    def __enter__(self) -> None:
+        if _binding.get() is not None and not self._replace:
+            self._token: contextvars.Token[_Binding | None] | None = None
+            return
+        self._token = _binding.set(_Binding(self._key))
+
+    def __exit__(self, *exc_info: object) -> None:
+        if self._token is not None:
+            _binding.reset(self._token)
 
 
 def sticky_key() -> Hashable | None:
