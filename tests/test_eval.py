@@ -476,14 +476,18 @@ async def test_n_larger_than_a_static_taskset_says_so(
     assert len(result.episodes) == 8
 
 
+OLD_ECHO = "trio_tasksets.builtin:EchoTaskset"  # privatise: keep (the path before the move)
+OLD_FEED = "trio_tasksets.redis.feed:RedisStreamTaskset"  # privatise: keep
+OLD_NOTHING = "trio_tasksets.builtin:NoSuchThing"  # privatise: keep
+
+
 def test_a_label_an_earlier_release_recorded_reads_as_its_public_home_today() -> None:
     from trio_tasksets._loading import upgraded_label
 
-    assert upgraded_label("trio_tasksets.builtin:EchoTaskset") == "trio_tasksets:EchoTaskset"
-    assert (upgraded_label("trio_tasksets.redis.feed:RedisStreamTaskset")
-            == "trio_tasksets.redis:RedisStreamTaskset")  # fmt: skip
-    for unchanged in ("trio_tasksets:EchoTaskset", "trio_tasksets.builtin:NoSuchThing",
-                      "my_tasks.py:Numbers", "othermod.sub:EchoTaskset", None):  # fmt: skip
+    assert upgraded_label(OLD_ECHO) == "trio_tasksets:EchoTaskset"
+    assert upgraded_label(OLD_FEED) == "trio_tasksets.redis:RedisStreamTaskset"
+    for unchanged in ("trio_tasksets:EchoTaskset", OLD_NOTHING, "my_tasks.py:Numbers",
+                      "othermod.sub:EchoTaskset", None):  # fmt: skip
         assert upgraded_label(unchanged) == unchanged
 
 
@@ -494,7 +498,7 @@ async def test_resume_accepts_a_run_an_earlier_release_recorded_by_its_old_modul
     config_path = first.run_dir / "config.json"
     saved = json.loads(config_path.read_text())
     assert saved["identity"]["taskset"] == "trio_tasksets:EchoTaskset"
-    saved["identity"]["taskset"] = "trio_tasksets.builtin:EchoTaskset"  # before the move
+    saved["identity"]["taskset"] = OLD_ECHO
     config_path.write_text(json.dumps(saved))
     traces = first.run_dir / "traces.jsonl"
     traces.write_text("".join(traces.read_text().splitlines(keepends=True)[:2]))

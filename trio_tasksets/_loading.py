@@ -93,9 +93,10 @@ def object_spec(obj: Any, what: str) -> str:
 def upgraded_label(label: object) -> object:
     """A `module:Name` an earlier release of this package recorded (a run's config.json, a
     Redis entry's declaration) whose module has since moved, read as its public home today:
-    0.x releases made the implementation modules private, so `trio_tasksets.builtin:EchoTaskset`
-    is now `trio_tasksets:EchoTaskset`. A label whose module still imports, or of another
-    package, or that no public module of this package binds, is returned unchanged."""
+    0.x releases made the implementation modules private, so the `EchoTaskset` once recorded
+    under the module `builtin` is now `trio_tasksets:EchoTaskset`. A label whose module still
+    imports, or of another package, or that no public module of this package binds, is
+    returned unchanged."""
     if not isinstance(label, str) or not label.startswith("trio_tasksets.") or ":" not in label:
         return label
     module_name, _, qualname = label.partition(":")
