@@ -23,6 +23,7 @@ import trio
 
 import trio_tasksets as tt
 from trio_tasksets.models.engine import EngineMetrics, parse_engine_metrics
+from trio_tasksets.window import AdaptiveController, EngineLoad, Outcome
 
 FIXTURES = Path(__file__).resolve().parent / "fixtures"
 if str(FIXTURES) not in sys.path:
@@ -68,6 +69,34 @@ def test_a_scrape_without_the_load_metrics_is_refused() -> None:
     ]
     with pytest.raises(tt.TrioTasksetsError, match="no engine load metrics"):
         parse_engine_metrics("\n".join(kept) + "\n")
+
+
+def test_with_engine_metrics_a_probe_that_does_not_pay_is_still_undone() -> None:
+    """vLLM on a loaded CPU: its throughput stops rising at about 32 calls in flight while
+    its batch (128) is far from full, so its metrics show nothing waiting; the latency
+    signal's probe must still stop the window there (before, the metrics replaced it and the
+    window grew to the batch: 4x the latency for no more calls)."""
+    c = AdaptiveController(1, 1024, 32, slow_start=False, probe_above=1.0)
+    now = 0.0
+
+    def round_at(size: int) -> Any:
+        nonlocal now
+        latency = 0.2 * max(1.0, size / 32)  # past 32 the calls only take longer
+        change = None
+        for _ in range(size):
+            now += latency / size
+            found = c.record(Outcome.SUCCESS, now, size, latency=latency)
+            change = found or change
+        c.engine(EngineLoad(running=size, waiting=0, kv_usage=0.03, preemptions=0), now)
+        return change
+
+    c.engine(EngineLoad(running=32, waiting=0, kv_usage=0.03, preemptions=0), now)
+    assert round_at(32) == tt.window.Change(40, "grow")  # the engine has room: a probe
+    assert round_at(40) is None  # settles: its calls started at 32
+    assert round_at(40) == tt.window.Change(32, "no gain")  # no more calls: undone
+    for _ in range(4):
+        assert round_at(32) is None  # and held for a cooldown
+    assert c.size == 32
 
 
 # --- a real vLLM server (pytest --real-engine) ------------------------------------------------
