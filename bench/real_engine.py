@@ -131,7 +131,9 @@ async def sweep(
             count = max(50, n // 10) if spec == "1" else n
             result = await one_run(url, model, spec, count, max_tokens)
             found[spec].append(result)
+            p50, p99 = _quantile(result["latencies"], 0.5), _quantile(result["latencies"], 0.99)
             print(f"  repeat {r + 1}/{repeat} -c {spec}: {result['rate']:.1f} calls/s, "
+                  f"p50 {p50:.2f} s, p99 {p99:.2f} s, "
                   f"{result['seconds']:.1f} s, ok {result['ok']}/{count}, window at end "
                   f"{result['window']} (max {result['max']}), load {result['load']:.1f}",
                   flush=True)  # fmt: skip
