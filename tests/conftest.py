@@ -79,7 +79,7 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     if config.getoption("--real-engine"):
         return
     skip = pytest.mark.skip(
-        reason="against a real vLLM server (it starts in 1-4 min): pytest --real-engine, or "
+        reason="against a real vLLM server (it starts in 1-5 min): pytest --real-engine, or "
         "nox -s real-engine"
     )
     for item in items:

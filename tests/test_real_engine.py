@@ -32,20 +32,6 @@ if str(FIXTURES) not in sys.path:
 from vllm_server import SERVED_NAME, VLLMServer, find_vllm  # noqa: E402
 
 SCRAPE = FIXTURES / "vllm_0.32_metrics.txt"
-ADD = {
-    "type": "function",
-    "function": {
-        "name": "add",
-        "description": "Add two integers.",
-        "parameters": {
-            "type": "object",
-            "properties": {"a": {"type": "integer"}, "b": {"type": "integer"}},
-            "required": ["a", "b"],
-        },
-    },
-}
-
-
 # --- a captured scrape of vLLM 0.32's /metrics (no server needed) -----------------------------
 
 
@@ -111,9 +97,7 @@ def vllm(
     if why is not None:
         pytest.skip(why)
     log = tmp_path_factory.mktemp("vllm") / "vllm.log"
-    # the hermes tool parser: what vLLM needs for a named tool_choice
-    tools = ("--enable-auto-tool-choice", "--tool-call-parser", "hermes")
-    with VLLMServer(venv, extra=tools, log=log, startup_timeout=600) as server:
+    with VLLMServer(venv, log=log, startup_timeout=600) as server:
         yield server
 
 
@@ -161,23 +145,6 @@ async def test_an_eval_reads_the_engine_s_metrics_and_keeps_its_tokens(
         assert 1 <= len(tokens["completion_ids"]) <= 8
         assert len(tokens["completion_logprobs"]) == len(tokens["completion_ids"])
         assert all(lp <= 0 for lp in tokens["completion_logprobs"])
-
-
-@pytest.mark.real_engine
-async def test_a_named_tool_choice_comes_back_as_a_tool_call(vllm: VLLMServer) -> None:
-    # the random model cannot choose a tool, but vLLM constrains a named tool_choice to the
-    # function's schema: a real tool call in vLLM's shape, parsed into a ToolCall
-    async with tt.OpenAIClient(vllm.url) as client:
-        ctx = tt.ModelContext(client, SERVED_NAME, tt.Sampling(max_tokens=64, temperature=0))
-        with trio.fail_after(60):
-            reply = await ctx.chat(
-                [{"role": "user", "content": "What is 2 + 3?"}], tools=[ADD],
-                tool_choice={"type": "function", "function": {"name": "add"}},
-            )  # fmt: skip
-    [call] = reply.tool_calls
-    assert call.name == "add"
-    assert set(call.arguments) == {"a", "b"}
-    assert all(isinstance(call.arguments[k], int) for k in ("a", "b"))
 
 
 @pytest.mark.real_engine
