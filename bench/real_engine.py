@@ -42,8 +42,8 @@ from typing import Any
 import trio
 
 import trio_tasksets as tt
-from trio_tasksets.limits import CallObserver, observe_calls
-from trio_tasksets.window import AdaptiveWindow, Outcome, parse_window
+from trio_tasksets._limits import CallObserver, observe_calls
+from trio_tasksets._window import AdaptiveWindow, Outcome, parse_window
 
 from .common import goal_line, markdown_table
 
