@@ -42,8 +42,7 @@ from typing import Any
 import trio
 
 import trio_tasksets as tt
-from trio_tasksets._limits import CallObserver, observe_calls
-from trio_tasksets._window import AdaptiveWindow, Outcome, parse_window
+from trio_tasksets._window import Outcome
 
 from .common import goal_line, markdown_table
 
@@ -68,7 +67,7 @@ class Calls(tt.Taskset[tt.Task, tt.TasksetConfig]):
         return [tt.Task(PROMPT, answer="", key=str(i)) for i in range(self.n)]
 
 
-class Latencies(CallObserver):
+class Latencies(tt.CallObserver):
     """Every attempt's latency and outcome, as the model client reports them."""
 
     def __init__(self) -> None:
@@ -91,8 +90,8 @@ def _quantile(values: list[float], q: float) -> float:
 
 async def one_run(url: str, model: str, spec: str, n: int, max_tokens: int) -> dict[str, Any]:
     """One contender, once: `n` rollouts of one call each through `tt.run_eval`."""
-    window = parse_window(spec.split()[0])
-    built = AdaptiveWindow(*window) if isinstance(window, tuple) else window
+    window = tt.parse_window(spec.split()[0])
+    built = tt.AdaptiveWindow(*window) if isinstance(window, tuple) else window
     metrics = url.removesuffix("/v1") + "/metrics" if "--engine-metrics" in spec else None
     observer = Latencies()
     sampling = tt.Sampling(max_tokens=max_tokens, temperature=1.0)
@@ -102,7 +101,7 @@ async def one_run(url: str, model: str, spec: str, n: int, max_tokens: int) -> d
                                    dashboard=False, engine_metrics=metrics)  # fmt: skip
             load = os.getloadavg()[0]
             cpu, wall = time.process_time(), time.perf_counter()
-            with observe_calls(observer):
+            with tt.observe_calls(observer):
                 result = await tt.run_eval(
                     tt.Env(Calls(n)), tt.ModelContext(client, model, sampling), config
                 )
