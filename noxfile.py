@@ -39,6 +39,7 @@ def bench(session: nox.Session) -> None:
     for bench in benches:
         session.run("python", "-m", f"bench.{bench}", *quick)
     session.run("python", "-m", "bench.http", "--served", *quick)  # the served path's clients
+    session.run("python", "-m", "bench.versus", *quick)  # against itself here; --base for a rev
 
 
 @nox.session(name="real-engine")

@@ -5,7 +5,10 @@
 
 * ``live=True`` on a terminal: a `rich.live.Live` panel (total, done, running, failed, reward
   mean, rate, elapsed and a progress bar; the rollout window's size and the model calls'
-  connection limit when the run has them), redrawn by a trio task every
+  connection limit when the run has them; with many endpoints, a row per endpoint: its
+  state, calls in flight, window, calls, errors, 429s, p50 latency, and its engine's running,
+  waiting, KV usage and preemptions when `--engine-metrics` reads them), redrawn by a trio
+  task every
   ``1 / refresh_per_second`` seconds. rich's own refresh thread is off, so nothing runs
   outside trio and a `trio.testing.MockClock` drives the redraws.
 * otherwise (``live=False``, a pipe, a file, a dumb terminal): `Progress.line` every
@@ -23,6 +26,8 @@ import contextlib
 import time
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
+from typing import Any
+from urllib.parse import urlsplit
 
 import attrs
 import trio
@@ -72,6 +77,8 @@ class Progress:
     connections: ConnectionLimiter | None = None  # model calls per endpoint (--max-connections)
     stalled: int = 0  # attempts cancelled as StalledError (--stall-timeout), retried or not
     health: Callable[[], str | None] | None = None  # the scheduler's lag now, as text
+    # many endpoints: their figures now, per URL (`OpenAIClient.endpoint_stats`)
+    endpoints: Callable[[], dict[str, dict[str, Any]] | None] | None = None
 
     def planned(self, n: int = 1) -> None:
         """`n` more slots are planned (static: all at once; a stream: as tasks arrive)."""
@@ -118,7 +125,7 @@ class Progress:
         parts = []
         if self.window is not None:
             parts.append(f"window {_fmt_window(self.window)}")
-        if self.connections is not None:
+        if self.connections is not None and not self.endpoint_figures():  # else: a row each
             windows = self.connections.windows.values()
             sizes = ", ".join(_fmt_window(w) for w in windows)
             parts.append(f"connections {sizes or _fmt_limit(self.connections)}")
@@ -138,7 +145,28 @@ class Progress:
         health = self.health_text()
         if health is not None:
             line = f"{line}; {health}"
+        endpoints = self.endpoints_text()
+        if endpoints is not None:
+            line = f"{line}; {endpoints}"
         return line if self.note is None else f"{line}; {self.note}"
+
+    def endpoint_figures(self) -> dict[str, dict[str, Any]]:
+        """Per endpoint URL its figures now (`OpenAIClient.endpoint_stats`); empty for a
+        single endpoint (the compact view)."""
+        found = self.endpoints() if self.endpoints is not None else None
+        return found if found and len(found) > 1 else {}
+
+    def endpoints_text(self) -> str | None:
+        """With many endpoints: how many are live, and which are not, e.g. ``endpoints 7/8
+        live, 127.0.0.1:8002 ejected``; None for one endpoint."""
+        found = self.endpoint_figures()
+        if not found:
+            return None
+        live = sum(figures.get("state") == "live" for figures in found.values())
+        text = f"endpoints {live}/{len(found)} live"
+        down = [f"{_endpoint_name(url)} {figures.get('state')}" for url, figures in found.items()
+                if figures.get("state") != "live"]  # fmt: skip
+        return ", ".join([text, *down])
 
     def health_text(self) -> str | None:
         """Stalled attempts and the scheduler's lag, e.g. ``2 stalled (StalledError), lag
@@ -163,6 +191,73 @@ def _fmt_limit(connections: ConnectionLimiter) -> str:
     if isinstance(limit, tuple):
         return f"{limit.start} (adapts {limit.min}-{limit.max})"
     return str(limit)
+
+
+def _endpoint_name(url: str) -> str:
+    """An endpoint as the dashboard names it: its URL without the scheme, nor a trailing
+    ``/v1`` (``127.0.0.1:8001``)."""
+    parts = urlsplit(url)
+    path = parts.path.rstrip("/").removesuffix("/v1")
+    return f"{parts.netloc}{path}" or url
+
+
+def _fmt_seconds(value: Any) -> str:
+    if not isinstance(value, int | float):
+        return "-"
+    return f"{value * 1000:.0f}ms" if value < 1 else f"{value:.2f}s"
+
+
+def _fmt_count(value: Any) -> str:
+    return "-" if not isinstance(value, int | float) else f"{value:g}"
+
+
+_STATE_STYLE = {"live": "green", "probing": "yellow", "ejected": "bold red"}
+# endpoint, state, calls in flight, window size, calls, errors, 429s, p50 latency; and its
+# engine's requests running and waiting, KV cache usage, preemptions (--engine-metrics)
+_ENDPOINT_COLUMNS = ("endpoint", "state", "flight", "win", "calls", "err", "429", "p50")
+_ENGINE_COLUMNS = ("run", "wait", "kv", "pre")
+
+
+def _endpoints_table(found: dict[str, dict[str, Any]]) -> Table:
+    """A row per endpoint: state, in flight, window, calls, errors, 429s, p50 latency, and,
+    when any endpoint's engine metrics are read, that engine's running, waiting, KV usage and
+    preemptions."""
+    engines = any("engine" in figures for figures in found.values())
+    table = Table(
+        box=None, padding=(0, 1), pad_edge=False, collapse_padding=True, header_style="dim"
+    )
+    for name in (*_ENDPOINT_COLUMNS, *(_ENGINE_COLUMNS if engines else ())):
+        left = name in ("endpoint", "state")
+        table.add_column(name, justify="left" if left else "right", no_wrap=True,
+                         overflow="ellipsis")  # fmt: skip
+    for url, figures in found.items():
+        state = str(figures.get("state", "live"))
+        errors = figures.get("errors", 0)
+        throttled = figures.get("throttled", 0)
+        cells = [
+            Text(_endpoint_name(url)),
+            Text(state, style=_STATE_STYLE.get(state, "")),
+            Text(_fmt_count(figures.get("in_flight"))),
+            Text(_fmt_count(figures.get("window")) if figures.get("window") is not None else "-"),
+            Text(_fmt_count(figures.get("calls"))),
+            Text(_fmt_count(errors), style="red" if errors else "dim"),
+            Text(_fmt_count(throttled), style="yellow" if throttled else "dim"),
+            Text(_fmt_seconds(figures.get("latency_p50_s"))),
+        ]
+        if engines:  # the engine's last reading; "-" while its /metrics cannot be read
+            engine = figures.get("engine") or {}
+            if engine.get("failing"):
+                engine = {}
+            kv = engine.get("kv_usage")
+            cells += [
+                Text(_fmt_count(engine.get("running"))),
+                Text(_fmt_count(engine.get("waiting")),
+                     style="yellow" if engine.get("waiting") else ""),
+                Text("-" if not isinstance(kv, int | float) else f"{kv:.0%}"),
+                Text(_fmt_count(engine.get("preemptions"))),
+            ]  # fmt: skip
+        table.add_row(*cells)
+    return table
 
 
 # --- the live panel ------------------------------------------------------------------------
@@ -226,6 +321,9 @@ def _render(progress: Progress, max_width: int) -> RenderableType:
     health = progress.health_text()
     if health is not None:
         rows += [Text(health, style="bold yellow" if progress.stalled else "dim")]
+    endpoints = progress.endpoint_figures()
+    if endpoints:
+        rows += [Text(""), _endpoints_table(endpoints)]
     if progress.note is not None:
         rows += [Text(""), Text(progress.note, style="bold yellow")]
     return Panel(

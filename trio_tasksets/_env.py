@@ -388,6 +388,8 @@ def split_score(value: object) -> tuple[float, dict[str, float]]:
     mapping holds named metrics, its `reward` entry the reward. ValueError (an episode error)
     for a mapping without `reward` or a non-finite value, TypeError for a value that is not a
     number."""
+    if type(value) is float:  # the common case first: no ABC check (every episode)
+        return _finite(value), {}
     if isinstance(value, Mapping):
         if "reward" not in value:
             raise ValueError(
@@ -556,6 +558,8 @@ class Env(Generic[TaskT]):
     async def score(self, task: TaskT, completion: str) -> Score:
         """The reward of a completion: a number, or named metrics with a `reward` entry."""
         value = self._reward(task, completion)
+        if type(value) is float:  # the common case first: no ABC checks (every episode)
+            return value
         if inspect.isawaitable(value):
             value = await value
         return value if isinstance(value, Mapping) else float(value)

@@ -429,6 +429,8 @@ class CallObserver:
         (`report_progress`)."""
 
 
+_NO_PACING = CallObserver.pacing
+
 _observers: contextvars.ContextVar[tuple[CallObserver, ...]] = contextvars.ContextVar(
     "trio_tasksets_call_observers", default=()
 )
@@ -482,10 +484,14 @@ def report_outcome(
 async def pace() -> None:
     """Wait, before an attempt of a model call, for every observer that paces the calls of
     this context (`CallObserver.pacing`). Model clients call it before each attempt
-    (`OpenAIClient` does); without observers it returns at once, without a checkpoint."""
+    (`OpenAIClient` does); without an observer that overrides `pacing` it returns at
+    once, without a checkpoint (and without a `parked("pace")` wait)."""
     observers = _observers.get()
-    if not observers:
-        return
+    for observer in observers:  # only an observer that overrides `pacing` can make us wait
+        if type(observer).pacing is not _NO_PACING:
+            break
+    else:
+        return  # no wait, so no `parked("pace")` either (every call of an eval's run)
     with parked("pace"):
         for observer in observers:
             await observer.pacing()

@@ -58,12 +58,14 @@ class Metrics:
         *,
         window: Window | None = None,
         extra: Callable[[], dict[str, int]] | None = None,
+        endpoints: Callable[[], dict[str, dict[str, Any]] | None] | None = None,
     ) -> None:
         from prometheus_client.registry import CollectorRegistry
 
         self.health = health
         self.window = window
         self.extra = extra  # e.g. an env server's counts: {"served": 3, "failed": 0, ...}
+        self.endpoints = endpoints  # many endpoints: their figures (OpenAIClient.endpoint_stats)
         self.episodes: Counter[tuple[str, str]] = Counter()
         self.tokens: Counter[str] = Counter()
         self.registry: CollectorRegistry = CollectorRegistry(auto_describe=False)
@@ -128,6 +130,9 @@ class _Collector:
             _PREFIX + "scheduler_lag_max_seconds", "The trio scheduler's largest lag so far",
             value=health.lag_max,
         )  # fmt: skip
+        found = m.endpoints() if m.endpoints is not None else None
+        if found:
+            yield from _endpoint_families(found)
         if m.extra is not None:
             served = CounterMetricFamily(
                 _PREFIX + "served", "Runs an env server answered, by outcome", labels=["outcome"]
@@ -135,6 +140,54 @@ class _Collector:
             for outcome, count in sorted(m.extra().items()):
                 served.add_metric([outcome], count)
             yield served
+
+
+# Per endpoint (label `endpoint`, its URL): (figure, name, help, counter?)
+_ENDPOINT_FIGURES = (
+    ("calls", "endpoint_calls", "Model calls routed to the endpoint", True),
+    ("errors", "endpoint_errors", "Model calls that failed on the endpoint", True),
+    ("throttled", "endpoint_throttled", "Attempts the endpoint answered 429", True),
+    ("ejections", "endpoint_ejections", "Times the endpoint was taken out", True),
+    ("in_flight", "endpoint_in_flight", "Model calls in flight to the endpoint now", False),
+    ("window", "endpoint_window_size", "The endpoint's window size now", False),
+    ("latency_p50_s", "endpoint_latency_p50_seconds", "The endpoint's median call latency", False),
+)
+_ENGINE_FIGURES = (
+    ("running", "engine_requests_running", "Requests the engine runs, its last /metrics"),
+    ("waiting", "engine_requests_waiting", "Requests waiting in the engine, its last /metrics"),
+    ("kv_usage", "engine_kv_cache_usage", "The engine's KV cache usage (0 to 1), last read"),
+    ("preemptions", "engine_preemptions", "The engine's preemptions so far, last read"),
+)
+
+
+def _endpoint_families(found: dict[str, dict[str, Any]]) -> Iterator[Any]:
+    """Each endpoint's figures, labelled by its URL; `trio_tasksets_endpoint_up` is 1 while
+    it is live (0 ejected or probing); with its engine's /metrics, that engine's readings."""
+    from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+    up = GaugeMetricFamily(
+        _PREFIX + "endpoint_up", "1 while the endpoint is live, 0 ejected or probing",
+        labels=["endpoint", "state"],
+    )  # fmt: skip
+    for url, figures in found.items():
+        state = str(figures.get("state", "live"))
+        up.add_metric([url, state], 1.0 if state == "live" else 0.0)
+    yield up
+    for key, name, text, counter in _ENDPOINT_FIGURES:
+        kind = CounterMetricFamily if counter else GaugeMetricFamily
+        family = kind(_PREFIX + name, text, labels=["endpoint"])
+        for url, figures in found.items():
+            value = figures.get(key)
+            if isinstance(value, int | float):
+                family.add_metric([url], value)
+        yield family
+    for key, name, text in _ENGINE_FIGURES:
+        gauge = GaugeMetricFamily(_PREFIX + name, text, labels=["endpoint"])
+        for url, figures in found.items():
+            value = (figures.get("engine") or {}).get(key)
+            if isinstance(value, int | float):
+                gauge.add_metric([url], value)
+        yield gauge
 
 
 async def serve_metrics(

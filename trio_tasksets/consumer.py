@@ -58,6 +58,7 @@ from ._groups import Group, cause_first, run_group
 from ._health import Health
 from ._limits import EndpointLimits, observe_calls
 from ._models import ModelContext
+from ._models.openai import OpenAIClient
 from ._runner import as_completed, pick_one
 from ._tasksets import Task, Taskset, TasksetConfig
 from ._window import AdaptiveWindow, Window, window_spec
@@ -249,11 +250,13 @@ async def consume(
     feed = WindowFeed(window)
     health = Health()
     progress.health = health.lag_text
+    stats = getattr(ctx.client, "endpoint_stats", None)
+    progress.endpoints = stats if callable(stats) else None  # many --base-url: a row each
     metrics = None
     if metrics_port is not None:
         from ._metrics import Metrics
 
-        metrics = Metrics(health, window=window)
+        metrics = Metrics(health, window=window, endpoints=progress.endpoints)
     publisher = _Publisher(queue)
     running_env = env
 
@@ -326,6 +329,9 @@ async def consume(
                 nursery.start_soon(_keep_alive, queue, report)
                 nursery.start_soon(publisher.loop)
                 nursery.start_soon(health.probe)
+                if isinstance(ctx.client, OpenAIClient) and ctx.client.has_engine_metrics:
+                    # --engine-metrics: one endpoint's moves -c, many endpoints' each its own
+                    nursery.start_soon(ctx.client.feed_engine_metrics, window)
                 if metrics is not None:
                     from ._metrics import serve_metrics
 

@@ -29,7 +29,15 @@ from .._eval.config import check_max_failures, preflight, run_dir_for
 from .._models import ModelContext
 from .._serve.wire import TOKEN_VAR
 from .env_options import add_env_options, build_env, check_retry_flags
-from .model_options import add_model_options, api_key_var, limit_flags, model_context
+from .model_options import (
+    add_model_options,
+    api_key_var,
+    base_urls,
+    check_engine_metrics,
+    engine_metrics_urls,
+    limit_flags,
+    model_context,
+)
 from .options import (
     DEFAULT_API_KEY_VAR,
     PROG,
@@ -133,12 +141,6 @@ def add_parser(commands: Commands) -> argparse.ArgumentParser:
         run, what="stop pulling, cancel the rollouts in flight and keep the finished rows "
         "(summary.json: stopped \"time_limit\"; exit 0 if any episode succeeded)",
     )  # fmt: skip
-    run.add_argument(
-        "--engine-metrics", default=None, metavar="URL",
-        help="the engine's Prometheus /metrics (vLLM, SGLang), e.g. "
-        "http://127.0.0.1:8000/metrics: an adaptive -c reads its load (waiting requests, KV "
-        "cache, preemptions) every second (default: none: latency and 429s only)",
-    )  # fmt: skip
     run.add_argument("--no-dashboard", action="store_true", help="plain log lines, no live view")
     add_metrics_option(run)
     served = ev.add_argument_group("the served path")
@@ -201,6 +203,8 @@ def _refuse_remote_limits(args: argparse.Namespace) -> None:
     else:
         return
     limits = limit_flags(args)
+    if len(getattr(args, "engine_metrics", None) or []) > 1:
+        limits.append("--engine-metrics (one per --base-url)")
     if limits:
         flags = ", ".join(limits)
         raise UsageError(
@@ -252,7 +256,14 @@ def program() -> list[str]:
 def _build(args: argparse.Namespace) -> tuple[Env[Any], ModelContext, EvalConfig]:
     _refuse_idle_options(args)
     env = build_env(args)
-    ctx = model_context(args, remote=args.via is not None)
+    # One endpoint's --engine-metrics moves this eval's -c window (EvalConfig.engine_metrics,
+    # wherever the calls are made); many endpoints' each move their endpoint's own window,
+    # in the process that makes the calls (the client's).
+    metrics = engine_metrics_urls(args)
+    one_engine = len(metrics) == 1 and len(base_urls(args)) <= 1
+    if metrics and not one_engine:
+        check_engine_metrics(args, args.max_concurrent)
+    ctx = model_context(args, remote=args.via is not None, engine_metrics_on_client=not one_engine)
     token = _server_token(args)
     config = EvalConfig(
         num_examples=args.num_examples,
@@ -276,7 +287,7 @@ def _build(args: argparse.Namespace) -> tuple[Env[Any], ModelContext, EvalConfig
         via=args.via,
         stream=args.stream,
         time_limit=args.time_limit,
-        engine_metrics=args.engine_metrics,
+        engine_metrics=metrics[0] if one_engine else None,
         group=args.group,
     )
     return env, ctx, config

@@ -1,5 +1,6 @@
-"""The model options of `eval` and `worker`: the model client, its endpoint and key, the
-sampling settings, and the limits on its calls (`--max-connections`, `--rpm`, `--tpm`)."""
+"""The model options of `eval` and `worker`: the model client, its endpoints and key, the
+sampling settings, the limits on its calls (`--max-connections`, `--rpm`, `--tpm`) and the
+engines' own metrics (`--engine-metrics`, one per `--base-url`)."""
 
 from __future__ import annotations
 
@@ -19,13 +20,18 @@ from .._models import (
     Sampling,
     api_key_from_env,
 )
+from .._models.engine import EngineMetrics
+from .._window import AdaptiveBounds
 from .options import DEFAULT_API_KEY_VAR, UsageError, given, per_minute, window_option
 
 __all__ = [
+    "add_endpoint_options",
     "add_model_options",
     "api_key_var",
     "base_urls",
+    "check_engine_metrics",
     "endpoint_limits",
+    "engine_metrics_urls",
     "limit_flags",
     "model_context",
 ]
@@ -38,12 +44,7 @@ def add_model_options(parser: argparse.ArgumentParser) -> argparse._ArgumentGrou
         "-m", "--model", default="echo",
         help="model name; 'echo' is the built-in offline model (replies with the prompt)",
     )  # fmt: skip
-    model.add_argument(
-        "--base-url", default=None, metavar="URL", action=_BaseURLs,
-        help="an OpenAI-compatible endpoint, e.g. http://127.0.0.1:8000/v1 (default: none; "
-        "needed by every model but echo); repeat it for many endpoints: calls go to the least "
-        "loaded, a rollout's calls to one, a dead one is taken out and probed back",
-    )  # fmt: skip
+    add_endpoint_options(model)
     model.add_argument(
         "--api-key-var", default=None, metavar="VAR",
         help=f"the environment variable holding the API key (default: {DEFAULT_API_KEY_VAR}; "
@@ -106,6 +107,38 @@ def add_model_options(parser: argparse.ArgumentParser) -> argparse._ArgumentGrou
         "reserved before each call (default: no limit)",
     )  # fmt: skip
     return model
+
+
+BASE_URL_HELP = (
+    "an OpenAI-compatible endpoint, e.g. http://127.0.0.1:8000/v1 (default: none; needed by "
+    "every model but echo); repeat it for many endpoints: calls go to the least loaded, a "
+    "rollout's calls to one, a dead one is taken out and probed back"
+)
+ENGINE_METRICS_HELP = (
+    "the engine's Prometheus /metrics (vLLM, SGLang), e.g. http://127.0.0.1:8000/metrics, "
+    "read every second: an adaptive window reads its load (waiting requests, KV cache, "
+    "preemptions); with many --base-url give one per --base-url, in the same order: each "
+    "moves its endpoint's own window and shows in its figures (default: none: latency and "
+    "429s only)"
+)
+
+
+def add_endpoint_options(
+    group: argparse._ActionsContainer,
+    *,
+    base_url_help: str = BASE_URL_HELP,
+    engine_metrics_help: str = ENGINE_METRICS_HELP,
+) -> None:
+    """`--base-url URL` (repeatable) and `--engine-metrics URL` (one per `--base-url`): the
+    endpoints, as `eval`, `worker` and `serve` take them (read with `base_urls` and
+    `engine_metrics_urls`)."""
+    group.add_argument(
+        "--base-url", default=None, metavar="URL", action=_BaseURLs, help=base_url_help
+    )
+    group.add_argument(
+        "--engine-metrics", default=None, metavar="URL", action="append",
+        help=engine_metrics_help,
+    )  # fmt: skip
 
 
 class _BaseURLs(argparse.Action):
@@ -219,13 +252,19 @@ def api_key_var(args: argparse.Namespace) -> str | None:
     return var if os.environ.get(var, "").strip() else None
 
 
-def model_context(args: argparse.Namespace, *, remote: bool = False) -> ModelContext:
+def model_context(
+    args: argparse.Namespace, *, remote: bool = False, engine_metrics_on_client: bool = True
+) -> ModelContext:
     """The model the options name; a bad value, or an option that would do nothing with this
     model, is a `UsageError` naming its flag.
 
     `remote`: the model calls are made by other processes with their own endpoint (`eval
     --via`: the workers'), so only the model's name and sampling are used here; the
-    context's client is the offline echo model, never called."""
+    context's client is the offline echo model, never called.
+
+    `engine_metrics_on_client`: `--engine-metrics` goes to the client
+    (`OpenAIClient(engine_metrics=...)`: each endpoint's own); False when the caller feeds
+    it to its rollout window itself (`eval` with one endpoint: `EvalConfig.engine_metrics`)."""
     client: ModelClient
     sampling = _sampling(args)
     if remote and not _is_echo(args):
@@ -237,7 +276,8 @@ def model_context(args: argparse.Namespace, *, remote: bool = False) -> ModelCon
                 ("--max-connections", "max_connections"), ("--rpm", "rpm"), ("--tpm", "tpm"),
                 ("--temperature", "temperature"), ("--max-tokens", "max_tokens"),
                 ("--top-p", "top_p"), ("--sampling-seed", "sampling_seed"),
-                ("-S/--sampling-args", "sampling_args"))  # fmt: skip
+                ("-S/--sampling-args", "sampling_args"),
+                ("--engine-metrics", "engine_metrics"))  # fmt: skip
         unused = [flag for flag, dest in idle if given(args, dest)]
         if unused and not remote:
             flags = ", ".join(unused)
@@ -279,11 +319,60 @@ def model_context(args: argparse.Namespace, *, remote: bool = False) -> ModelCon
     else:
         key = os.environ.get(DEFAULT_API_KEY_VAR, "").strip() or None
     limits = endpoint_limits(args)
+    metrics = engine_metrics_urls(args) if engine_metrics_on_client else []
     client = OpenAIClient(
         urls if len(urls) > 1 else args.base_url, key, timeout=timeout, limits=limits,
         limits_key=(args.base_url, args.api_key_var or DEFAULT_API_KEY_VAR),
+        engine_metrics=metrics or None,
     )  # fmt: skip
     return ModelContext(client, args.model, sampling)
+
+
+def engine_metrics_urls(args: argparse.Namespace) -> list[str]:
+    """Every `--engine-metrics URL`, checked: each an http(s) URL, and one per `--base-url`
+    (in the same order) when there are many; a `UsageError` naming the flag otherwise."""
+    found = list(getattr(args, "engine_metrics", None) or [])
+    if not found:
+        return []
+    for url in found:
+        try:
+            EngineMetrics(url)
+        except ValueError as exc:
+            raise UsageError(
+                f"--engine-metrics: {exc}",
+                fix="e.g. --engine-metrics http://127.0.0.1:8000/metrics",
+            ) from None
+    urls = base_urls(args)
+    if len(found) != max(1, len(urls)):
+        raise UsageError(
+            f"--engine-metrics given {len(found)} times for {len(urls)} --base-url: give one "
+            f"per --base-url, in the same order",
+            fix="e.g. --base-url http://h1:8000/v1 --base-url http://h2:8000/v1 "
+            "--engine-metrics http://h1:8000/metrics --engine-metrics http://h2:8000/metrics",
+        )
+    return found
+
+
+def check_engine_metrics(args: argparse.Namespace, window: int | AdaptiveBounds) -> None:
+    """`--engine-metrics` moves an adaptive window: `window` (`-c`) with one endpoint, each
+    endpoint's own (`--max-connections`, adaptive unless a fixed N) with many. One that would
+    move nothing is a `UsageError` naming the flags."""
+    found = engine_metrics_urls(args)
+    if not found or _is_echo(args):  # the echo model: `model_context` refuses the flag
+        return
+    if len(base_urls(args)) > 1:
+        connections = getattr(args, "max_connections", None)
+        if connections is not None and not isinstance(connections, AdaptiveBounds):
+            raise UsageError(
+                f"--engine-metrics moves each endpoint's adaptive window, but "
+                f"--max-connections {connections} fixes them",
+                fix="give --max-connections as MIN-START-MAX (e.g. 1-8-1024), or drop it",
+            )
+    elif not isinstance(window, AdaptiveBounds):
+        raise UsageError(
+            f"--engine-metrics moves an adaptive window, but -c/--max-concurrent {window} is fixed",
+            fix="give -c as MIN-START-MAX, e.g. -c 1-8-1024",
+        )
 
 
 def endpoint_limits(args: argparse.Namespace) -> EndpointLimits | None:

@@ -20,6 +20,7 @@ if TYPE_CHECKING:
     from .options import Commands
 
 from .env_options import add_env_options, build_env, env_spec
+from .model_options import add_endpoint_options, base_urls, engine_metrics_urls
 from .options import CommandError, HelpFormatter, UsageError, add_metrics_option, flag_message
 
 DEFAULTS = Limits()
@@ -98,6 +99,18 @@ def add_parser(commands: Commands) -> argparse.ArgumentParser:
         metavar="URL",
         help="the OpenAI-compatible endpoints a run may reach (default none: echo only)",
     )
+    add_endpoint_options(
+        models,
+        base_url_help="an endpoint runs may reach, as --allow-base-url; repeat it for many "
+        "(default: none)",
+        engine_metrics_help="the Prometheus /metrics (vLLM, SGLang) of the engine behind each "
+        "--base-url, in the same order, e.g. http://127.0.0.1:8000/metrics: the server reads "
+        "it every second into that endpoint's window (the runs over many endpoints share one "
+        "per endpoint) and /health shows it (default: none)",
+    )  # fmt: skip
+    # How a pool's workers get the model policy: as data (the key: from --api-key-var's
+    # variable, read by each worker), never as flags.
+    sv.add_argument("--model-policy", default=None, metavar="JSON", help=argparse.SUPPRESS)
     models.add_argument(
         "--max-model-retries",
         type=int,
@@ -173,10 +186,26 @@ def _access(args: argparse.Namespace, port: int, token: str | None) -> Access:
 
 
 def _models(args: argparse.Namespace) -> ModelPolicy:
+    """The model policy of the flags (a pool's worker: of its parent's `--model-policy`)."""
+    if args.model_policy is not None:
+        try:
+            return ModelPolicy.from_json(args.model_policy, os.environ)
+        except (ValueError, KeyError, TypeError) as exc:
+            raise UsageError(f"--model-policy: {exc}") from None
+    urls = base_urls(args)
+    metrics = engine_metrics_urls(args)
+    if metrics and len(metrics) != len(urls):
+        raise UsageError(
+            f"--engine-metrics given {len(metrics)} times for {len(urls)} --base-url: give "
+            f"one per --base-url, in the same order",
+            fix="e.g. --base-url http://127.0.0.1:8000/v1 --engine-metrics "
+            "http://127.0.0.1:8000/metrics",
+        )
     try:
         return ModelPolicy.from_flags(
-            args.allow_base_url, args.api_key_var, os.environ,
+            [*args.allow_base_url, *urls], args.api_key_var, os.environ,
             max_retries=args.max_model_retries, min_backoff=args.min_model_backoff,
+            engine_metrics=list(zip(urls, metrics, strict=True)) if metrics else (),
         )  # fmt: skip
     except ValueError as exc:
         raise UsageError(str(exc)) from None
@@ -245,25 +274,24 @@ def _check_args(args: argparse.Namespace) -> None:
             raise UsageError(f"{flag} must be > 0 seconds, got {seconds}")
 
 
-def _worker_cmd(args: argparse.Namespace, spec: EnvSpec, port: int) -> list[str]:
-    """A pool worker's command: the same env, flags and bound name (its socket by fd)."""
+def _worker_cmd(
+    args: argparse.Namespace, spec: EnvSpec, port: int, models: ModelPolicy
+) -> list[str]:
+    """A pool worker's command: the same env and model policy (as data), flags and bound
+    name (its socket by fd)."""
     cmd = [sys.executable, "-m", "trio_tasksets", "serve", spec.taskset,
-           "--env-spec", spec.to_json(),
+           "--env-spec", spec.to_json(), "--model-policy", models.to_json(),
            "--host", args.host, "--port", str(port), "--workers", str(args.workers),
            "--max-body-bytes", str(args.max_body_bytes),
            "--max-runs-per-connection", str(args.max_runs_per_connection),
            "--header-timeout", repr(args.header_timeout),
            "--idle-timeout", repr(args.idle_timeout),
            "--max-model-clients", str(args.max_model_clients),
-           "--max-model-retries", str(args.max_model_retries),
-           "--min-model-backoff", repr(args.min_model_backoff), "--die-with-parent"]  # fmt: skip
+           "--die-with-parent"]  # fmt: skip
     for flag, values in (("--allow-host", args.allow_host),
-                         ("--allow-origin", args.allow_origin),
-                         ("--allow-base-url", args.allow_base_url)):  # fmt: skip
+                         ("--allow-origin", args.allow_origin)):  # fmt: skip
         if values:
             cmd += [flag, *values]
-    if args.api_key_var:
-        cmd += ["--api-key-var", args.api_key_var]
     return [*cmd, "--token-var", args.token_var] if args.token_var else cmd
 
 
@@ -294,7 +322,7 @@ def run(args: argparse.Namespace) -> int:
     url = url_of(args.host, port)
     if args.workers > 1:
         with sock:
-            cmd = _worker_cmd(args, spec, port)
+            cmd = _worker_cmd(args, spec, port, models)
             return trio.run(supervise, cmd, sock, args.workers, url, args.die_with_parent)
     app = ServerApp(env, access=_access(args, port, token), models=models, limits=limits)
     serve = partial(serve_worker, url=url, die_with_parent=args.die_with_parent,

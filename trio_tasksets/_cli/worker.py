@@ -19,7 +19,7 @@ from .env_options import (
     build_taskset,
     check_retry_flags,
 )
-from .model_options import add_model_options, model_context
+from .model_options import add_model_options, check_engine_metrics, model_context
 from .options import (
     HelpFormatter,
     UsageError,
@@ -142,6 +142,7 @@ def _worker_config(args: argparse.Namespace) -> WorkerConfig:
     _need(args.grace >= 0, f"--grace must be >= 0 seconds, got {args.grace}")
     _need(args.retries >= 0, f"--retries must be >= 0, got {args.retries}")
     _check_metrics_port(args.metrics_port)
+    check_engine_metrics(args, args.max_concurrent)
     return WorkerConfig(
         feed=args.feed, stream=args.stream, group=args.group, results=args.results,
         consumer=args.consumer or default_consumer(), max_concurrent=args.max_concurrent,

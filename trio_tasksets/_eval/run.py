@@ -45,6 +45,7 @@ from .._health import Health
 from .._limits import EndpointLimits, observe_calls
 from .._models import ModelContext
 from .._models.engine import EngineMetrics
+from .._models.openai import OpenAIClient
 from .._runner import pick_one, require_trio, run_stream
 from .._traces import open_traces, write_atomic
 from .._version import __version__
@@ -425,6 +426,8 @@ async def _run_eval(
     progress.carried = len(kept)
     health = Health()
     progress.health = health.lag_text
+    stats = getattr(ctx.client, "endpoint_stats", None)
+    progress.endpoints = stats if callable(stats) else None  # many --base-url: a row each
     tally = Tally(config.max_failures, config.max_consecutive_failures,
                   planned=None if streaming else planned)  # fmt: skip
     base_url = getattr(ctx.client, "base_url", None)
@@ -493,7 +496,7 @@ async def _execute(
     if config.metrics_port is not None:
         from .._metrics import Metrics
 
-        metrics = Metrics(health, window=window)
+        metrics = Metrics(health, window=window, endpoints=progress.endpoints)
     try:
         async with (
             backend.open(env, ctx, window=window, progress=progress) as run_slot,
@@ -574,6 +577,10 @@ async def _execute(
                     nursery.start_soon(health.probe)
                     if config.engine_metrics is not None and isinstance(window, AdaptiveWindow):
                         nursery.start_soon(EngineMetrics(config.engine_metrics).feed, window)
+                    elif isinstance(ctx.client, OpenAIClient) and ctx.client.has_engine_metrics:
+                        # The client's own (--engine-metrics with many --base-url): each
+                        # endpoint's engine into its window, its readings into its figures.
+                        nursery.start_soon(ctx.client.feed_engine_metrics, window)
                     if metrics is not None:
                         await _start_metrics(nursery, metrics, config.metrics_port)
                     opened = OpenGroups(window)  # a group's rollouts before a new task

@@ -231,7 +231,10 @@ def _default_message(completion: Completion) -> dict[str, Any]:
 
 
 def _message_tool_calls(completion: Completion) -> list[ToolCall]:
-    return parse_tool_calls(completion.message)
+    message = completion.message
+    if "tool_calls" not in message:  # most replies: no parsing (every model call)
+        return []
+    return parse_tool_calls(message)
 
 
 @attrs.frozen

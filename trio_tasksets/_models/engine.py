@@ -12,7 +12,9 @@
   (a vLLM scrape is mostly histogram buckets).
 * `EngineMetrics(url)`: reads one engine's `/metrics` over the project's HTTP transport;
   `await metrics.feed(window)` reads it every `interval` seconds into an `AdaptiveWindow`
-  (`AdaptiveWindow.engine_load`) until cancelled. A reading that fails is counted
+  (`AdaptiveWindow.engine_load`) until cancelled (`feed(None)`: the readings only, for the
+  figures). `figures()` is the last reading as a dict (per endpoint in `summary.json`, the
+  dashboard and `--metrics-port`). A reading that fails is counted
   (`errors`, `last_error`) and skipped: the window's growth freezes once its readings are
   stale, so a dead metrics endpoint never lets the window run away.
 """
@@ -24,7 +26,6 @@ from collections.abc import Iterable
 from urllib.parse import urlsplit
 
 import trio
-from prometheus_client.parser import text_string_to_metric_families
 
 from .._exceptions import TrioTasksetsError
 from .._transport import HTTPClient, HTTPError, Timeouts
@@ -65,6 +66,10 @@ class EngineMetricsError(TrioTasksetsError, ValueError):
 def parse_engine_metrics(text: str) -> EngineLoad:
     """The `EngineLoad` of one `/metrics` reading. Raises `EngineMetricsError` for text that
     does not parse, or that has none of vLLM's or SGLang's load metrics."""
+    # Imported here: prometheus_client is some 12,000 objects that every full garbage
+    # collection of every eval would otherwise scan (it is needed only for --engine-metrics).
+    from prometheus_client.parser import text_string_to_metric_families
+
     sums: dict[str, float] = {}
     highest: dict[str, float] = {}
     try:
@@ -130,6 +135,7 @@ class EngineMetrics:
         self.errors = 0
         self.last_error: str | None = None
         self.last: EngineLoad | None = None
+        self.failing = False  # whether the latest reading failed (`last` is older)
 
     async def read(self) -> EngineLoad:
         """One reading. Raises `EngineMetricsError` (a bad status or text) or the
@@ -148,19 +154,41 @@ class EngineMetrics:
         self.last = load
         return load
 
-    async def feed(self, window: AdaptiveWindow) -> None:
-        """Read every `interval` seconds into `window` until cancelled; a failed reading is
-        counted and skipped (the window freezes its growth on stale readings)."""
+    def figures(self) -> dict[str, float | int | str | None]:
+        """The last reading: `running`, `waiting`, `kv_usage` (0 to 1), `preemptions` (so
+        far), None where not reported (or before the first reading); and `readings`,
+        `errors` (failed readings), `last_error` and `failing` (the latest reading failed:
+        the figures are older)."""
+        last = self.last if self.last is not None else EngineLoad()
+        return {
+            "running": last.running,
+            "waiting": last.waiting,
+            "kv_usage": None if last.kv_usage is None else round(last.kv_usage, 4),
+            "preemptions": last.preemptions,
+            "readings": self.readings,
+            "errors": self.errors,
+            "last_error": self.last_error,
+            "failing": self.failing,
+        }
+
+    async def feed(self, window: AdaptiveWindow | None) -> None:
+        """Read every `interval` seconds into `window` (None: keep the readings only) until
+        cancelled; a failed reading is counted and skipped (the window freezes its growth on
+        stale readings)."""
         own = self._http is None
         if own:
             self._http = HTTPClient(timeouts=self._timeouts)
         try:
             while True:
                 try:
-                    window.engine_load(await self.read())
+                    load = await self.read()
+                    self.failing = False
+                    if window is not None:
+                        window.engine_load(load)
                 except (HTTPError, EngineMetricsError) as exc:
                     self.errors += 1
                     self.last_error = str(exc)
+                    self.failing = True
                 await trio.sleep(self.interval)
         finally:
             if own and self._http is not None:

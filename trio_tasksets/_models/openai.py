@@ -20,7 +20,7 @@ from .._transport import (
     Timeouts,
     parse_retry_after,
 )
-from .._window import Outcome
+from .._window import AdaptiveWindow, Outcome, Window
 from .base import (
     Completion,
     ModelClientBase,
@@ -36,6 +36,7 @@ from .base import (
     plural,
     text_of,
 )
+from .engine import EngineMetrics
 from .pool import EndpointPool, pool_limits
 
 if TYPE_CHECKING:
@@ -115,6 +116,11 @@ class OpenAIClient(ModelClientBase):
       loaded, sticky per rollout and group, a dead endpoint ejected and probed back, a
       window and figures per endpoint (`endpoint_stats()`). ``base_url`` is then the first
       URL and ``base_urls`` all of them. A list of one is a single endpoint.
+    - ``engine_metrics``: the Prometheus ``/metrics`` URL (or an `EngineMetrics`, to share
+      one reader) of the engine behind each ``base_url`` (vLLM, SGLang), in the same order
+      (one for one endpoint; None for an endpoint without).
+      `feed_engine_metrics` reads them; each endpoint's figures then hold its engine's
+      running, waiting, KV usage and preemptions.
     - ``limits`` (an `EndpointLimits`, shared by every client of the process that talks to
       the endpoint) gates each attempt, under the key ``limits_key`` (default: ``base_url``;
       the CLI uses ``(base_url, api_key_var)``): a connection slot, then rpm and tpm (with
@@ -144,6 +150,7 @@ class OpenAIClient(ModelClientBase):
         http_client: HTTPClient | httpx.AsyncClient | None = None,
         limits: EndpointLimits | None = None,
         limits_key: Hashable | None = None,
+        engine_metrics: str | EngineMetrics | Sequence[str | EngineMetrics | None] | None = None,
     ) -> None:
         if not base_url:
             raise ValueError("base_url must not be empty, e.g. http://127.0.0.1:8000/v1")
@@ -152,6 +159,22 @@ class OpenAIClient(ModelClientBase):
             raise ValueError(f"base_url must be a URL or a list of URLs, got {base_url!r}")
         base_url = urls[0]
         self.base_urls = urls
+        metrics_urls: list[str | EngineMetrics | None] = (
+            [] if engine_metrics is None
+            else [engine_metrics] if isinstance(engine_metrics, str | EngineMetrics)
+            else list(engine_metrics)
+        )  # fmt: skip
+        if metrics_urls and len(metrics_urls) != len(urls):
+            raise ValueError(
+                f"engine_metrics needs one URL per base_url ({len(urls)}), got "
+                f"{len(metrics_urls)}: {metrics_urls!r}"
+            )
+        # One engine's /metrics per endpoint (a pool's are its endpoints' clients').
+        only = metrics_urls[0] if len(metrics_urls) == 1 else None
+        self.engine_metrics: EngineMetrics | None = (
+            EngineMetrics(only) if isinstance(only, str) else only
+        )
+        self.throttled = 0  # attempts answered 429 (a pool: per endpoint's client)
         if not timeout > 0:
             raise ValueError(f"timeout must be > 0, got {timeout!r}")
         if max_retries < 0:
@@ -189,8 +212,9 @@ class OpenAIClient(ModelClientBase):
                     url, api_key, timeout=timeout, max_retries=max_retries, backoff=backoff,
                     max_backoff=max_backoff, headers=headers, http_client=self._http,
                     limits=shared, limits_key=_endpoint_key(url, base_url, limits_key),
+                    engine_metrics=metrics,
                 )
-                for url in urls
+                for url, metrics in zip(urls, metrics_urls or [None] * len(urls), strict=True)
             ])  # fmt: skip
 
     def __repr__(self) -> str:
@@ -201,6 +225,32 @@ class OpenAIClient(ModelClientBase):
         """Per endpoint of a list of `base_url`s: calls, errors, ejections, latency and
         window (`EndpointPool.stats`); None for a single endpoint."""
         return None if self.pool is None else self.pool.stats()
+
+    @property
+    def has_engine_metrics(self) -> bool:
+        """Whether an engine's `/metrics` is known for this client's endpoint(s)."""
+        if self.pool is None:
+            return self.engine_metrics is not None
+        return any(e.client.engine_metrics is not None for e in self.pool.endpoints)
+
+    async def feed_engine_metrics(self, window: Window | None = None) -> None:
+        """Read the engines' `/metrics` (``engine_metrics``) every second until cancelled:
+        one endpoint's into `window` (the rollout window, when it is adaptive); a pool's each
+        into its endpoint's own connection window (when adaptive). Either way the readings
+        are kept for the figures. Without ``engine_metrics`` it returns at once."""
+        if self.pool is None:
+            if self.engine_metrics is not None:
+                adaptive = window if isinstance(window, AdaptiveWindow) else None
+                await self.engine_metrics.feed(adaptive)
+            return
+        async with trio.open_nursery() as nursery:
+            for endpoint in self.pool.endpoints:
+                metrics = endpoint.client.engine_metrics
+                if metrics is not None:
+                    own = endpoint.window()
+                    nursery.start_soon(
+                        metrics.feed, own if isinstance(own, AdaptiveWindow) else None
+                    )
 
     def _client(self) -> HTTPClient | httpx.AsyncClient:
         if self._closed or self._http is None:
@@ -337,6 +387,8 @@ class OpenAIClient(ModelClientBase):
             _record(call, Outcome.TIMEOUT)
             raise
         latency = trio.current_time() - started
+        if status == 429:
+            self.throttled += 1
         if not 200 <= status <= 299:
             outcome: Outcome | int = Outcome.REQUEST_RATE if request_rate else status
             _record(call, outcome, retry_after, latency=latency)

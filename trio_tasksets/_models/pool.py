@@ -23,8 +23,12 @@ with the same options) and hands each `chat` to it. The rules:
   probe that succeeds brings it back. The failed call is retried at once on another
   endpoint (each endpoint at most once per call); with every endpoint ejected, the one due
   back first is probed.
-* **Figures.** `stats()` gives, per URL: calls, errors, ejections, whether it is ejected
-  now, latency mean/p50/p99 (seconds, over the last 10,000 calls), and its window's size.
+* **Figures.** `stats()` gives, per URL: its state (``live``, ``ejected``, or ``probing``:
+  ejected, with one probe call in flight), the calls in flight, calls, errors, 429s (attempts
+  answered 429, retried or not), ejections, whether it is ejected now, latency mean/p50/p99
+  (seconds, over the last 10,000 calls), its window's size, and with its engine's
+  `/metrics` (`OpenAIClient(engine_metrics=...)`) that engine's last reading (`engine`:
+  running, waiting, KV usage, preemptions).
 
 The binding lives in a context variable (`sticky`), not in a table, so the pool keeps no
 per-rollout state: memory is bounded by the endpoints, not by the rollouts.
@@ -35,8 +39,7 @@ from __future__ import annotations
 import contextvars
 import math
 from collections import deque
-from collections.abc import Hashable, Iterator, Sequence
-from contextlib import contextmanager
+from collections.abc import Hashable, Sequence
 from typing import Any, Protocol
 
 import attrs
@@ -45,6 +48,7 @@ import trio
 from .._limits import EndpointLimits
 from .._window import AdaptiveBounds, Window
 from .base import Completion, ModelConnectionError, ModelTimeoutError, Sampling
+from .engine import EngineMetrics
 
 
 class OpenAIClient(Protocol):
@@ -53,6 +57,8 @@ class OpenAIClient(Protocol):
     base_url: str
     limits: EndpointLimits | None
     limits_key: Hashable
+    engine_metrics: EngineMetrics | None  # its engine's /metrics, if known
+    throttled: int  # attempts answered 429
 
     async def chat(
         self,
@@ -83,19 +89,27 @@ _binding: contextvars.ContextVar[_Binding | None] = contextvars.ContextVar(
 )
 
 
-@contextmanager
-def sticky(key: Hashable, *, replace: bool = False) -> Iterator[None]:
+class sticky:  # lower case: it reads as a call in `with sticky(key):`
     """``with sticky(key):`` the model calls made in the block (by this task and the tasks it
     starts) go to one endpoint of an `EndpointPool`. An enclosing block wins (a group's over
-    its rollouts') unless `replace`. Without a pool, it does nothing."""
-    if _binding.get() is not None and not replace:
-        yield
-        return
-    token = _binding.set(_Binding(key))
-    try:
-        yield
-    finally:
-        _binding.reset(token)
+    its rollouts') unless `replace`. Without a pool, it does nothing. A class, not a
+    generator: every attempt of every episode enters one."""
+
+    __slots__ = ("_key", "_replace", "_token")
+
+    def __init__(self, key: Hashable, *, replace: bool = False) -> None:
+        self._key = key
+        self._replace = replace
+
+    def __enter__(self) -> None:
+        if _binding.get() is not None and not self._replace:
+            self._token: contextvars.Token[_Binding | None] | None = None
+            return
+        self._token = _binding.set(_Binding(self._key))
+
+    def __exit__(self, *exc_info: object) -> None:
+        if self._token is not None:
+            _binding.reset(self._token)
 
 
 def sticky_key() -> Hashable | None:
@@ -114,7 +128,16 @@ class EndpointStats:
     ejections: int = 0
     latencies: deque[float] = attrs.field(factory=lambda: deque(maxlen=LATENCIES_KEPT))
 
-    def to_dict(self, *, ejected: bool, window: int | None) -> dict[str, Any]:
+    def to_dict(
+        self,
+        *,
+        ejected: bool,
+        window: int | None,
+        state: str = "live",
+        in_flight: int = 0,
+        throttled: int = 0,
+        engine: dict[str, Any] | None = None,
+    ) -> dict[str, Any]:
         ordered = sorted(self.latencies)
 
         def quantile(q: float) -> float | None:
@@ -123,9 +146,12 @@ class EndpointStats:
             return round(ordered[min(len(ordered) - 1, math.ceil(q * len(ordered)) - 1)], 6)
 
         mean = round(sum(ordered) / len(ordered), 6) if ordered else None
-        return {
+        found = {
+            "state": state,
+            "in_flight": in_flight,
             "calls": self.calls,
             "errors": self.errors,
+            "throttled": throttled,
             "ejections": self.ejections,
             "ejected": ejected,
             "latency_mean_s": mean,
@@ -133,6 +159,9 @@ class EndpointStats:
             "latency_p99_s": quantile(0.99),
             "window": window,
         }
+        if engine is not None:
+            found["engine"] = engine
+        return found
 
 
 class _Endpoint:
@@ -160,6 +189,13 @@ class _Endpoint:
 
     def has_room(self) -> bool:
         return self.pending < self.size()
+
+    def state(self, now: float) -> str:
+        """``live``; ``ejected`` (no call goes to it until it is due back); ``probing`` (due
+        back, one probe call in flight, or none yet)."""
+        if self.ejected_until == -math.inf:
+            return "live"
+        return "ejected" if now < self.ejected_until else "probing"
 
     def usable(self, now: float) -> bool:
         if now >= self.ejected_until:
@@ -287,15 +323,22 @@ class EndpointPool:
         endpoint.ejected_until = trio.current_time() + endpoint.probe_after
 
     def stats(self) -> dict[str, dict[str, Any]]:
-        """Per URL: calls, errors, ejections, ejected (now), latency mean/p50/p99 in seconds,
-        and the size of its window (None: unbounded)."""
+        """Per URL: state (live, ejected, probing), calls in flight, calls, errors, 429s
+        (`throttled`), ejections, ejected (now), latency mean/p50/p99 in seconds, the size of
+        its window (None: unbounded), and its engine's last reading (`engine`) when its
+        `/metrics` is known."""
         now = trio.current_time() if trio.lowlevel.in_trio_run() else -math.inf
         found = {}
         for endpoint in self.endpoints:
             window = endpoint.window()
+            metrics = endpoint.client.engine_metrics
             found[endpoint.client.base_url] = endpoint.stats.to_dict(
                 ejected=now < endpoint.ejected_until,
                 window=None if window is None else window.size,
+                state=endpoint.state(now) if now > -math.inf else "live",
+                in_flight=endpoint.pending,
+                throttled=endpoint.client.throttled,
+                engine=None if metrics is None else metrics.figures(),
             )
         return found
 

@@ -171,11 +171,17 @@ class ServerApp:
 
     def health(self) -> dict[str, Any]:
         limits = self.limits
-        return {"ok": True, "pid": os.getpid(), "workers": self._workers,
-                "taskset": self.taskset_cls.__name__, "websocket": WS_PATH,
-                "max_body": limits.max_body, "max_runs": limits.max_runs,
-                "header_timeout": limits.header_timeout, "idle_timeout": limits.idle_timeout,
-                **attrs.asdict(self.stats)}  # fmt: skip
+        endpoints = self.clients.endpoint_stats()
+        found: dict[str, Any] = {
+            "ok": True, "pid": os.getpid(), "workers": self._workers,
+            "taskset": self.taskset_cls.__name__, "websocket": WS_PATH,
+            "max_body": limits.max_body, "max_runs": limits.max_runs,
+            "header_timeout": limits.header_timeout, "idle_timeout": limits.idle_timeout,
+            **attrs.asdict(self.stats),
+        }  # fmt: skip
+        if endpoints:  # runs over many endpoints, or --engine-metrics: a figure set each
+            found["endpoints"] = endpoints
+        return found
 
     async def _route(self, scope: Message, receive: Receive, send: Send) -> None:
         self.access.check(scope["headers"])

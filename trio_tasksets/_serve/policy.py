@@ -11,12 +11,15 @@
   (header and idle timeouts), and how many model clients the server keeps open.
 * `ModelClients`: the server's model clients, one per distinct description, an LRU of at
   most `Limits.model_clients`; an evicted client is closed once no run uses it. The clients
-  of one endpoint share its connection pool.
+  of one endpoint share its connection pool; the runs over many endpoints share one window
+  per endpoint, moved by its engine's `/metrics` when the server reads them
+  (``--engine-metrics``), and `endpoint_stats` gives each endpoint's figures (``/health``).
 """
 
 from __future__ import annotations
 
 import hmac
+import json
 import logging
 from collections import OrderedDict
 from collections.abc import Iterable, Mapping
@@ -27,8 +30,12 @@ import attrs
 import trio
 
 from .._exceptions import TrioTasksetsError
+from .._limits import EndpointLimits
 from .._models import EchoClient, ModelClient, OpenAIClient
+from .._models.engine import EngineMetrics
+from .._models.pool import DEFAULT_WINDOW
 from .._transport import HTTPClient
+from .._window import AdaptiveWindow, Window
 from .wire import MAX_BODY_BYTES, ClientSpec, EchoSpec, Forbidden, OpenAISpec
 
 log = logging.getLogger("trio_tasksets._serve")
@@ -226,6 +233,11 @@ class ModelPolicy:
       `Forbidden` naming it, so one run cannot make the server hammer its endpoint with
       its key. `build` raises ``backoff`` and ``max_backoff`` to at least `min_backoff`
       (``--min-model-backoff``).
+
+    `engine_metrics` pairs an allowed endpoint (normalized) with its engine's ``/metrics``
+    URL (``--base-url`` with ``--engine-metrics``): the server reads it, never a request.
+    The policy crosses to a pool's worker processes as data (`to_json`, `from_json`): the
+    key itself never does (each worker reads it from ``api_key_var``).
     """
 
     base_urls: frozenset[str] = frozenset()
@@ -233,6 +245,34 @@ class ModelPolicy:
     api_key: str | None = attrs.field(default=None, repr=False)
     max_retries: int = attrs.field(default=MAX_MODEL_RETRIES, validator=attrs.validators.ge(0))
     min_backoff: float = attrs.field(default=MIN_MODEL_BACKOFF, validator=attrs.validators.ge(0))
+    engine_metrics: tuple[tuple[str, str], ...] = attrs.field(default=())
+
+    @engine_metrics.validator
+    def _check_engine_metrics(self, _: object, pairs: tuple[tuple[str, str], ...]) -> None:
+        for base_url, url in pairs:
+            if base_url not in self.base_urls:
+                raise ValueError(
+                    f"engine_metrics names {base_url!r}, not an allowed endpoint (base_urls)"
+                )
+            EngineMetrics(url)  # an http(s) URL, or ValueError
+
+    def to_json(self) -> str:
+        """The policy as JSON, without the key (`from_json` reads it again)."""
+        return json.dumps({
+            "base_urls": sorted(self.base_urls), "api_key_var": self.api_key_var,
+            "max_retries": self.max_retries, "min_backoff": self.min_backoff,
+            "engine_metrics": [list(pair) for pair in self.engine_metrics],
+        })  # fmt: skip
+
+    @classmethod
+    def from_json(cls, text: str, environ: Mapping[str, str]) -> ModelPolicy:
+        """The policy `to_json` wrote, its key read from `environ` (`ValueError` if unset)."""
+        data = json.loads(text)
+        return cls.from_flags(
+            data["base_urls"], data["api_key_var"], environ, max_retries=data["max_retries"],
+            min_backoff=data["min_backoff"],
+            engine_metrics=[(base, url) for base, url in data["engine_metrics"]],
+        )  # fmt: skip
 
     @classmethod
     def from_flags(
@@ -243,10 +283,13 @@ class ModelPolicy:
         *,
         max_retries: int = MAX_MODEL_RETRIES,
         min_backoff: float = MIN_MODEL_BACKOFF,
+        engine_metrics: Iterable[tuple[str, str]] = (),
     ) -> ModelPolicy:
-        """The policy of ``--allow-base-url``, ``--api-key-var``, ``--max-model-retries``
-        and ``--min-model-backoff``; `ValueError` naming the flag for a URL that is not one,
-        a variable that is not set, or a negative number."""
+        """The policy of ``--allow-base-url`` (and ``--base-url``), ``--api-key-var``,
+        ``--max-model-retries``, ``--min-model-backoff`` and ``--engine-metrics`` (pairs of
+        an endpoint and its engine's /metrics URL, the endpoint allowed with them);
+        `ValueError` naming the flag for a URL that is not one, a variable that is not set,
+        or a negative number."""
         if max_retries < 0:
             raise ValueError(f"--max-model-retries must be >= 0, got {max_retries}")
         if not min_backoff >= 0:
@@ -257,12 +300,21 @@ class ModelPolicy:
                 urls.add(normalize_base_url(url))
             except ValueError as exc:
                 raise ValueError(f"--allow-base-url: {exc}") from None
+        pairs = []
+        for base_url, url in engine_metrics:
+            try:
+                EngineMetrics(url)
+                normal = normalize_base_url(base_url)
+            except ValueError as exc:
+                raise ValueError(f"--engine-metrics: {exc}") from None
+            urls.add(normal)
+            pairs.append((normal, url))
         key = None
         if api_key_var is not None:
             key = environ.get(api_key_var, "").strip()
             if not key:
                 raise ValueError(f"--api-key-var: environment variable {api_key_var} is not set")
-        return cls(frozenset(urls), api_key_var, key, max_retries, min_backoff)
+        return cls(frozenset(urls), api_key_var, key, max_retries, min_backoff, tuple(pairs))
 
     def check(self, spec: ClientSpec) -> None:
         """`Forbidden` unless `spec` is allowed (see the class docstring)."""
@@ -303,21 +355,34 @@ class ModelPolicy:
                 f"server with --max-model-retries {spec.max_retries}",
             )
 
-    def build(self, spec: ClientSpec, http_client: HTTPClient | None = None) -> ModelClient:
+    def build(
+        self,
+        spec: ClientSpec,
+        http_client: HTTPClient | None = None,
+        *,
+        limits: EndpointLimits | None = None,
+        engines: Mapping[str, EngineMetrics] | None = None,
+    ) -> ModelClient:
         """The model client `spec` stands for (on `http_client`, if given); call `check`
-        first. It reaches the allowed URL itself (normalized), not the request's spelling."""
+        first. It reaches the allowed URL itself (normalized), not the request's spelling.
+        Many endpoints: their windows are `limits`' (keyed by the normalized URL) and their
+        engines' readings `engines`' (by the same URL), when given."""
         if isinstance(spec, EchoSpec):
             return EchoClient(delay=spec.delay)
         assert isinstance(spec, OpenAISpec)
         urls = [normalize_base_url(url) for url in spec.base_urls]
+        many = len(urls) > 1
+        found = engines or {}
         return OpenAIClient(
-            urls if len(urls) > 1 else normalize_base_url(spec.base_url),
+            urls if many else normalize_base_url(spec.base_url),
             self.api_key if spec.api_key_var is not None else None,
             timeout=spec.timeout,
             max_retries=spec.max_retries,
             backoff=max(spec.backoff, self.min_backoff),
             max_backoff=max(spec.max_backoff, self.min_backoff),
             http_client=http_client,
+            limits=limits if many else None,
+            engine_metrics=[found.get(url) for url in urls] if many and found else None,
         )
 
 
@@ -367,6 +432,10 @@ class ModelClients:
         self._users: dict[ModelClient, int] = {}  # open non-echo clients -> runs using them
         self._retired: list[ModelClient] = []
         self._pools: dict[str, HTTPClient] = {}  # by normalized base URL
+        # Runs over many endpoints: one window per endpoint (by its normalized URL) for
+        # every client, and one reader of its engine's /metrics (--engine-metrics).
+        self.endpoint_limits = EndpointLimits(connections=DEFAULT_WINDOW)
+        self.engines = {base: EngineMetrics(url) for base, url in policy.engine_metrics}
 
     def _pool(self, spec: ClientSpec) -> HTTPClient | None:
         if not isinstance(spec, OpenAISpec):
@@ -387,7 +456,9 @@ class ModelClients:
             self._clients.move_to_end(spec)
             return client
         self.policy.check(spec)
-        client = self._clients[spec] = self.policy.build(spec, self._pool(spec))
+        client = self._clients[spec] = self.policy.build(
+            spec, self._pool(spec), limits=self.endpoint_limits, engines=self.engines
+        )
         if not isinstance(client, EchoClient):
             self._users[client] = 0
         while len(self._clients) > self.size:
@@ -396,6 +467,52 @@ class ModelClients:
             if old in self._users:
                 self._retired.append(old)
         return client
+
+    async def feed_engines(self) -> None:
+        """Read each engine's `/metrics` (``--engine-metrics``) every second into its
+        endpoint's window until cancelled; without any, return at once."""
+        async with trio.open_nursery() as nursery:
+            for url, metrics in self.engines.items():
+                window = self._window(url)
+                nursery.start_soon(
+                    metrics.feed, window if isinstance(window, AdaptiveWindow) else None
+                )
+
+    def endpoint_stats(self) -> dict[str, dict[str, Any]]:
+        """Per endpoint that a run over many endpoints reached (or whose engine is read):
+        the figures of `OpenAIClient.endpoint_stats`, summed over the server's clients
+        (calls, errors, 429s, ejections, calls in flight; the latency of the client with the
+        most calls; the shared window; the engine's last reading)."""
+        found: dict[str, dict[str, Any]] = {}
+        most: dict[str, int] = {}  # the calls of the busiest client, per endpoint
+        summed = ("in_flight", "calls", "errors", "throttled", "ejections")
+        clients = [c for c in (*self._clients.values(), *self._retired)
+                   if isinstance(c, OpenAIClient) and c.pool is not None]  # fmt: skip
+        for client in clients:
+            for url, figures in (client.endpoint_stats() or {}).items():
+                have = found.get(url)
+                if have is None:
+                    found[url], most[url] = dict(figures), figures["calls"]
+                    continue
+                for key in summed:
+                    have[key] += figures[key]
+                if figures["calls"] > most[url]:
+                    most[url] = figures["calls"]
+                    for key in ("latency_mean_s", "latency_p50_s", "latency_p99_s"):
+                        have[key] = figures[key]
+                if figures["state"] != "live":
+                    have["state"] = figures["state"]
+                have["ejected"] = have["ejected"] or figures["ejected"]
+        for url, metrics in self.engines.items():
+            entry = found.setdefault(url, {"state": "live", "in_flight": 0, "calls": 0})
+            entry["engine"] = metrics.figures()
+            entry["window"] = self._window(url).size
+        return found
+
+    def _window(self, url: str) -> Window:
+        connections = self.endpoint_limits.connections
+        assert connections is not None  # made with DEFAULT_WINDOW
+        return connections.window(url)
 
     def acquire(self, client: ModelClient) -> bool:
         """Count a run of `client`; True if it is counted (then `release` it)."""

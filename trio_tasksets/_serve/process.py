@@ -122,6 +122,7 @@ async def serve_worker(
                 nursery.cancel_scope.cancel()
 
             await nursery.start(run_server)
+            nursery.start_soon(app.clients.feed_engines)  # --engine-metrics, if any
             if metrics_port is not None:
                 await _serve_metrics(app, nursery, metrics_port)
             if url is not None:
@@ -139,7 +140,7 @@ async def _serve_metrics(app: ServerApp, nursery: trio.Nursery, port: int) -> No
     app.metrics = metrics = Metrics(health, extra=lambda: {
         "served": stats.served, "failed": stats.failed, "cancelled": stats.cancelled,
         "rejected": stats.rejected,
-    })  # fmt: skip
+    }, endpoints=app.clients.endpoint_stats)  # fmt: skip
     nursery.start_soon(health.probe)
     bound = await nursery.start(serve_metrics, metrics, port)
     print(f"metrics on http://127.0.0.1:{bound}/metrics", file=sys.stderr, flush=True)

@@ -10,6 +10,15 @@ background job, a daemon it started) is killed; when the call times out or is ca
 env's `tool_timeout`, the eval stopped, Ctrl-C) the whole group gets SIGTERM and, after
 `grace` seconds, SIGKILL (a child that ignores SIGTERM included). POSIX only.
 
+Deadlines travel into the command (SPEC 12): a call made under a deadline (the enclosing
+cancel scopes': the env's `tool_timeout`, `rollout_timeout`, `working_limit`, a `--via`
+entry's or a served run's time left, `--time-limit`) never outlives it. With ``t`` seconds
+left when the call starts, the command's effective timeout is ``min(timeout, t - g)`` with
+``g = min(grace, t / 4)``: SIGTERM then, SIGKILL at the deadline at the latest (so the group
+is gone by the deadline plus the time the kernel takes to reap it), and the model reads the
+effective timeout it had (``[timed out after 1.5s, the time this call had left: ...]``). A
+cancellation before that (Ctrl-C) still gives SIGTERM `grace` seconds, cut to the deadline.
+
 The command's environment is *not* the eval's: by default only ``PATH``, ``LANG`` and
 ``HOME`` (the working directory), so the model cannot read the API keys and tokens the eval
 holds; pass `env=` to add variables, or `inherit_env=True` to pass the eval's environment
@@ -20,6 +29,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import math
 import os
 import signal
 import subprocess
@@ -52,7 +62,7 @@ def shell(
 ) -> Tool:
     """A `tt.Tool` named `name` taking one argument, ``command`` (a string), that runs it
     with ``/bin/sh -c`` in `cwd` (default: the process's working directory), for at most
-    `timeout` seconds, keeping the first `max_output` bytes of its output. See the module
+    `timeout` seconds (less when the call's deadline comes first), keeping the first `max_output` bytes of its output. See the module
     for what the model gets back and how the process group is killed. Raises ValueError for
     a bad option, naming it."""
     if not timeout > 0 or timeout != timeout:
@@ -116,7 +126,10 @@ class _Shell:
         dropped = 0
         group: int | None = None
         status: int | None = None
-        with trio.move_on_after(self.timeout) as scope:
+        now = trio.current_time()
+        deadline = trio.current_effective_deadline()  # math.inf when nothing bounds the call
+        budget = effective_timeout(self.timeout, deadline - now, self.grace)
+        with trio.move_on_after(budget) as scope:
             try:
                 async with trio.open_nursery() as nursery:
                     process: trio.Process = await nursery.start(
@@ -130,7 +143,7 @@ class _Shell:
                             env=self.environment(),
                             check=False,
                             start_new_session=True,
-                            deliver_cancel=self._terminate,
+                            deliver_cancel=functools.partial(self._terminate, deadline),
                         )
                     )
                     group = process.pid
@@ -159,16 +172,33 @@ class _Shell:
         if dropped:
             parts.append(f"[output truncated: {dropped} more bytes]")
         if scope.cancelled_caught:
-            parts.append(f"[timed out after {self.timeout:g}s: the command was killed]")
+            if budget < self.timeout:
+                parts.append(
+                    f"[timed out after {budget:.3g}s, the time this call had left (the shell's "
+                    f"own timeout is {self.timeout:g}s): the command was killed]"
+                )
+            else:
+                parts.append(f"[timed out after {self.timeout:g}s: the command was killed]")
         elif status:
             parts.append(f"[exit status {_status_text(status)}]")
         return "\n".join(parts) if parts else "[no output]"
 
-    async def _terminate(self, process: trio.Process) -> None:
-        """`run_process`'s deliver_cancel: SIGTERM to the group, SIGKILL after `grace`."""
+    async def _terminate(self, deadline: float, process: trio.Process) -> None:
+        """`run_process`'s deliver_cancel (shielded): SIGTERM to the group, SIGKILL after
+        `grace` seconds or at the call's `deadline`, whichever is first."""
         _kill_group(process.pid, signal.SIGTERM)
-        await trio.sleep(self.grace)
+        await trio.sleep(max(0.0, min(self.grace, deadline - trio.current_time())))
         _kill_group(process.pid, signal.SIGKILL)
+
+
+def effective_timeout(timeout: float, left: float, grace: float) -> float:
+    """The seconds a command may run before its SIGTERM: the shell's `timeout`, cut so that
+    SIGTERM comes ``min(grace, left / 4)`` seconds before the deadline `left` seconds away
+    (`math.inf`: none) and SIGKILL at the deadline; 0 once the deadline has passed."""
+    if left == math.inf:
+        return timeout
+    left = max(0.0, left)
+    return max(0.0, min(timeout, left - min(grace, left / 4)))
 
 
 def _kill_group(group: int, sig: int) -> None:
