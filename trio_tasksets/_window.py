@@ -341,11 +341,13 @@ class AdaptiveController:
       times the latency measured when the size was taken cut to `floor(size * cut)` (reason
       "latency"; one such round only pauses growth).
 
-    With the engine's own metrics (`engine()`, e.g. every second), they replace the latency
-    signal: growth needs the last reading to show no waiting calls, KV usage under `kv_grow`
-    and no preemptions too many (below), at most one step per reading (each step is seen by
-    the engine before the next), and it freezes once the readings are `engine_stale` seconds
-    old;
+    With the engine's own metrics (`engine()`, e.g. every second), growth also needs the last
+    reading to show no waiting calls, KV usage under `kv_grow` and no preemptions too many
+    (below), at most one step per reading (each step is seen by the engine before the next),
+    and it freezes once the readings are `engine_stale` seconds old; the latency signal's
+    probes still apply (an engine whose throughput stops rising long before its batch is
+    full, vLLM on a busy CPU, shows nothing waiting); every cut of the engine's makes growth
+    wait `cooldown` seconds, as a probe that did not pay does;
     a waiting queue (more than a tenth of the running calls, or one) seen on two readings in
     a row cuts by the calls waiting (reason "engine queue"), new preemptions (more than `preemption_share` of the requests finished since
     the last reading, when the engine counts those; else any) or KV usage at `kv_high` cut
@@ -547,6 +549,7 @@ class AdaptiveController:
         size = max(self.min, self.size - excess, math.floor(self.size * self.cut))
         if size < self.size:
             self._new_round()
+            self._hold_until = now + self.cooldown  # as after a probe that did not pay
         return self._set(size, reason)
 
     def _measure(self) -> tuple[float, float] | None:
@@ -569,15 +572,14 @@ class AdaptiveController:
         settle, self._settle = self._settle, False
         probe_from = self._probe_from
         self._new_round()
-        if self._engine_at > -math.inf:  # the engine's metrics replace the latency signal
+        if self._engine_at > -math.inf:  # the engine's metrics gate growth too
             grow = (
                 grow
                 and self._engine_ok
                 and now - self._engine_at <= self.engine_stale
                 and self._engine_at > self._grown_at  # one step per reading, seen after it
             )
-            measured = None
-        elif measured is not None and not self._answers_429:
+        if measured is not None and not self._answers_429:
             throughput, latency = measured
             self._min_latency = min(self._min_latency, latency)
             if settle:  # its calls started at the old size: measure the next round
