@@ -365,6 +365,10 @@ def nodes() -> st.SearchStrategy[Node]:
     return st.recursive(leaf, extend, max_leaves=16)
 
 
+# Built once: a strategy built inside each draw is validated again each example (most of
+# this test's time went there, not in the runs).
+ROOTS = st.lists(nodes(), min_size=1, max_size=5)
+
 WindowKind = str
 
 
@@ -378,7 +382,7 @@ class Forest:
 
 @st.composite
 def forests(draw: st.DrawFn) -> Forest:
-    roots = draw(st.lists(nodes(), min_size=1, max_size=5))
+    roots = draw(ROOTS)
     counter = 0
     for root in roots:
         for node in root.walk():
