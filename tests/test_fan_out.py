@@ -315,6 +315,161 @@ async def test_a_failed_children_give_their_places_back(autojump_clock: MockCloc
     assert window.in_flight == 0
 
 
+# --- the caller's place is lent while its last thunks run ------------------------------------
+
+
+class Places:
+    """Counts the thunks and runs doing work (each inside `work`), and when each began."""
+
+    def __init__(self) -> None:
+        self.working = 0
+        self.peak = 0
+        self.began: dict[str, float] = {}
+
+    async def work(self, name: str, seconds: float) -> str:
+        self.working += 1
+        self.peak = max(self.peak, self.working)
+        self.began[name] = trio.current_time()
+        try:
+            await trio.sleep(seconds)
+        finally:
+            self.working -= 1
+        return name
+
+
+async def _hold(window: tt.Window, places: Places, name: str, at: float, seconds: float) -> None:
+    """Someone else on the same window: from `at`, wait for a place and work on it."""
+    await trio.sleep(at)
+    token = object()
+    await window.acquire(token)
+    try:
+        await places.work(name, seconds)
+    finally:
+        window.release(token)
+
+
+async def test_at_window_one_a_caller_fanning_out_three_completes(
+    autojump_clock: MockClock,
+) -> None:
+    window = tt.Window(1)
+    places = Places()
+
+    async def run(_: int) -> list[str]:
+        return await tt.fan_out([functools.partial(places.work, f"c{i}", 1) for i in range(3)])
+
+    with trio.fail_after(100):
+        assert await tt.run_stream(_count(1), run, window=window) == [["c0", "c1", "c2"]]
+    assert trio.current_time() == 3  # one at a time on the caller's place
+    assert places.peak == 1
+    assert (window.in_flight, window.resting) == (0, 0)
+
+
+@pytest.mark.parametrize("kind", ["int", "Window"])
+async def test_a_waiting_caller_lends_its_place_so_w_thunks_work(
+    autojump_clock: MockClock, kind: str
+) -> None:
+    """Window 2: the run fans out S (1 s) and L; L fans out three thunks of 2 s. Once S is
+    done the run has nothing left to start: its place goes to L's second thunk, so two work
+    (not one beside an idle place): L's thunks end at 2, 3 and 4 instead of 2, 4 and 6."""
+    window: int | tt.Window = 2 if kind == "int" else tt.Window(2)
+    places = Places()
+
+    async def inner() -> list[str]:
+        return await tt.fan_out([functools.partial(places.work, f"l{i}", 2) for i in range(3)])
+
+    async def run(_: int) -> list[object]:
+        return await tt.fan_out([functools.partial(places.work, "S", 1), inner])
+
+    with trio.fail_after(100):
+        results = await tt.run_stream(_count(1), run, window=window)
+    assert results == [["S", ["l0", "l1", "l2"]]]
+    assert trio.current_time() == 4
+    assert places.began == {"S": 0, "l0": 0, "l1": 1, "l2": 2}
+    assert places.peak == 2
+    if isinstance(window, tt.Window):
+        assert (window.in_flight, window.resting) == (0, 0)
+
+
+async def test_the_caller_takes_its_place_back_from_its_last_thunk(
+    autojump_clock: MockClock,
+) -> None:
+    """Window 2 shared with two holders that queue at 0.5 s and 2 s. The run fans out S (1 s)
+    and T (3 s), then works 1 s. At 1 s its idle place goes to the first holder; at 3 s T's
+    place goes back to the run (not to the second holder, which waits until the run ends),
+    so at no instant do more than 2 work."""
+    window = tt.Window(2)
+    places = Places()
+    returned: list[float] = []
+
+    async def run(_: int) -> None:
+        await tt.fan_out(
+            [functools.partial(places.work, "S", 1), functools.partial(places.work, "T", 3)]
+        )
+        returned.append(trio.current_time())
+        await places.work("after", 1)
+
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(_hold, window, places, "first", 0.5, 5)
+        nursery.start_soon(_hold, window, places, "second", 2, 1)
+        await tt.run_stream(_count(1), run, window=window)
+    assert returned == [3]
+    assert places.began == {"S": 0, "T": 0, "first": 1, "after": 3, "second": 4}
+    assert places.peak == 2
+    assert (window.in_flight, window.resting) == (0, 0)
+
+
+async def test_a_caller_cancelled_while_lent_gets_its_place_back(
+    autojump_clock: MockClock,
+) -> None:
+    """The fan-out's own deadline cancels T while the caller's place is lent: T's place goes
+    back to the caller, which works on within the bound; the waiting holder starts when the
+    run ends."""
+    window = tt.Window(2)
+    places = Places()
+
+    async def run(_: int) -> None:
+        with trio.move_on_after(2):
+            await tt.fan_out(
+                [functools.partial(places.work, "S", 1), functools.partial(places.work, "T", 10)]
+            )
+        await places.work("after", 1)
+
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(_hold, window, places, "first", 0.5, 5)
+        nursery.start_soon(_hold, window, places, "second", 1.5, 1)
+        await tt.run_stream(_count(1), run, window=window)
+    assert places.began == {"S": 0, "T": 0, "first": 1, "after": 2, "second": 3}
+    assert places.peak == 2
+    assert (window.in_flight, window.resting) == (0, 0)
+
+
+async def test_a_thunk_failing_while_the_caller_is_lent_raises_at_once(
+    autojump_clock: MockClock,
+) -> None:
+    window = tt.Window(2)
+    places = Places()
+
+    async def fails() -> str:
+        await places.work("T", 3)
+        raise Boom("T")
+
+    async def run(_: int) -> str:
+        thunks: list[Callable[[], Awaitable[str]]] = [functools.partial(places.work, "S", 1), fails]
+        try:
+            await tt.fan_out(thunks)
+        except Boom:
+            return await places.work("after", 1)
+        return "no failure"
+
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(_hold, window, places, "first", 0.5, 5)
+        nursery.start_soon(_hold, window, places, "second", 2, 1)
+        assert await tt.run_stream(_count(1), run, window=window) == ["after"]
+    assert places.began == {"S": 0, "T": 0, "first": 1, "after": 3, "second": 4}
+    assert places.peak == 2
+    assert (window.in_flight, window.resting) == (0, 0)
+
+
 async def _count(n: int) -> AsyncGenerator[int, None]:
     for i in range(n):
         yield i

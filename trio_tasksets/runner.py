@@ -260,7 +260,11 @@ async def _drive(
             with trio.CancelScope() as guard:
                 # The runs (spawned from here, so they inherit it) and the fan_outs inside them
                 # draw their places from this window.
-                places = _places.set((limiter, acquire) if bounded else None)
+                places = _places.set(
+                    _Places(limiter, acquire, window if isinstance(window, Window) else None)
+                    if bounded
+                    else None
+                )
                 try:
                     index = 0
                     while True:
@@ -423,10 +427,46 @@ async def _as_completed(
 
 # --- fan_out: one window at any depth -------------------------------------------------------
 
-# The window the current run draws its places from: (its limiter, how to wait for a token),
-# or None outside any window (and inside a runner with `window=None`). `_drive` sets it in the
-# task that spawns the runs, so every run, and every task a run's fan_outs spawn, inherits it.
-_Places = tuple[trio.CapacityLimiter, Callable[[Any], Awaitable[None]]]
+
+class _Places:
+    """The window the current run draws its places from: its limiter, how to wait for a
+    token, and how to lend one more place (for a caller that waits on its children: N1).
+
+    `owner` keeps the count of lent places where something else also sets the limiter's
+    `total_tokens` (a `Window`'s resize, an `ElasticPlaces`' runs); with none, the limiter
+    is the runner's own and lending moves its `total_tokens` by one."""
+
+    __slots__ = ("acquire", "limiter", "owner")
+
+    def __init__(
+        self,
+        limiter: trio.CapacityLimiter,
+        acquire: Callable[[Any], Awaitable[None]],
+        owner: Window | ElasticPlaces | None = None,
+    ) -> None:
+        self.limiter = limiter
+        self.acquire = acquire
+        self.owner = owner
+
+    def lend(self) -> None:
+        """One more place: a waiting acquirer may start on it at once."""
+        if self.owner is None:
+            self.limiter.total_tokens += 1
+        else:
+            self.owner._lend()
+
+    def unlend(self) -> None:
+        """The lent place comes back: called just before a holder releases its token, so the
+        release hands its place to the lender instead of to a waiter."""
+        if self.owner is None:
+            self.limiter.total_tokens -= 1
+        else:
+            self.owner._unlend()
+
+
+# The window the current run draws its places from, or None outside any window (and inside a
+# runner with `window=None`). `_drive` sets it in the task that spawns the runs, so every run,
+# and every task a run's fan_outs spawn, inherits it.
 _places: contextvars.ContextVar[_Places | None] = contextvars.ContextVar(
     "trio_tasksets_window_places", default=None
 )
@@ -454,6 +494,15 @@ async def fan_out(thunks: Iterable[Callable[[], Awaitable[R]]]) -> list[R]:
     Outside any window (or under `window=None`) the thunks run unbounded. Raises TypeError,
     before anything runs, when `thunks` is not iterable or holds something not callable.
     """
+    return await fan_out_placing(thunks, None)
+
+
+async def fan_out_placing(
+    thunks: Iterable[Callable[[], Awaitable[R]]], on_start: Callable[[int], None] | None
+) -> list[R]:
+    """`fan_out`, calling `on_start(index)` (if given) as each thunk is given its place,
+    before it runs (outside a window: all at once). A group counts its rollouts placed with
+    it (`groups.run_group`): the runner pulls the next group once none waits for a place."""
     calls = _check_thunks(thunks)
     if len(calls) <= 1:
         # Nothing to run beside it: the caller's place runs it, inline (its failure raised
@@ -461,6 +510,8 @@ async def fan_out(thunks: Iterable[Callable[[], Awaitable[R]]]) -> list[R]:
         if not calls:
             await trio.lowlevel.checkpoint()
             return []
+        if on_start is not None:
+            on_start(0)
         awaitable = calls[0]()
         if not inspect.isawaitable(awaitable):
             raise _thunk_not_awaitable(0, calls[0], awaitable)
@@ -470,6 +521,7 @@ async def fan_out(thunks: Iterable[Callable[[], Awaitable[R]]]) -> list[R]:
     failures: list[BaseException] = []
     pending = deque(enumerate(calls))
     error: BaseException | None = None
+    drawn: _Drawn | None = None
     try:
         async with trio.open_nursery() as nursery:
             scope = nursery.cancel_scope
@@ -491,25 +543,45 @@ async def fan_out(thunks: Iterable[Callable[[], Awaitable[R]]]) -> list[R]:
                     _fail(failures, exc, scope)
                     raise
 
+            if on_start is not None:
+                for index in range(len(calls) if places is None else 1):
+                    on_start(index)
+            first = pending.popleft()
             if places is None:
-                for index, thunk in itertools.islice(pending, 1, None):
+                for index, thunk in pending:
                     nursery.start_soon(child, index, thunk)
-                first = pending.popleft()
                 pending.clear()
                 await child(*first)
             else:
+                # This task holds the caller's place: it runs the first thunk on it. The
+                # others take the places free now, at once, and a drawing task waits for
+                # places for the rest; as each thunk on the caller's place ends, the caller
+                # runs the next one not yet started.
+                drawn = _Drawn(places, nursery, child, on_start)
+                drawn.take_free(pending)
                 drawing = trio.CancelScope()
-                if len(pending) > 1:
-                    nursery.start_soon(
-                        _draw_places, places, drawing, nursery, pending, failures, child
-                    )
-                # This task holds the caller's place: it runs the thunks not yet started, one
-                # after the other, while places are drawn from the window for the others.
+                if pending:
+                    nursery.start_soon(_draw_places, drawn, drawing, pending, failures)
+                await child(*first)
                 while pending and not failures:
-                    await child(*pending.popleft())
+                    index, thunk = pending.popleft()
+                    if on_start is not None:
+                        on_start(index)
+                    await child(index, thunk)
                 drawing.cancel()
+                if drawn.running and not failures:
+                    # Nothing left to start: the caller's place is lent to the window while
+                    # the last thunks run, and the last of them to end hands its own place
+                    # back to the caller (`_Drawn`), so no place idles and the caller resumes
+                    # at once, within the bound.
+                    drawn.lent = True
+                    places.lend()
     except BaseExceptionGroup as group:
         error = pick_one(group)
+    finally:
+        if drawn is not None and drawn.lent:  # (every thunk has ended: only if trio broke off)
+            drawn.lent = False
+            drawn.places.unlend()
     if failures and not isinstance(error, KeyboardInterrupt):
         first_failure = failures[0]
         if not (error is None or isinstance(error, trio.Cancelled) or _among(error, failures)):
@@ -534,6 +606,8 @@ class ElasticPlaces:
     def __init__(self) -> None:
         self._limiter = trio.CapacityLimiter(1)  # trio's floor; the size is max(1, runs)
         self._runs = 0
+        self._lent = 0  # places lent by fan_out callers waiting on their last thunks
+        self._view = _Places(self._limiter, self._limiter.acquire_on_behalf_of, self)
 
     @property
     def runs(self) -> int:
@@ -551,13 +625,25 @@ class ElasticPlaces:
 
     def _enter(self) -> None:
         self._runs += 1
-        if self._runs > 1:  # (trio's floor is 1: the first run finds it there)
-            self._limiter.total_tokens = self._runs
+        self._resize()
 
     def _leave(self) -> None:
         self._runs -= 1
-        if self._runs >= 1:
-            self._limiter.total_tokens = self._runs
+        self._resize()
+
+    def _lend(self) -> None:
+        self._lent += 1
+        self._resize()
+
+    def _unlend(self) -> None:
+        self._lent -= 1
+        self._resize()
+
+    def _resize(self) -> None:
+        # (trio's floor is 1: with no run, the limiter keeps one token)
+        total = max(1, self._runs) + self._lent
+        if total != self._limiter.total_tokens:
+            self._limiter.total_tokens = total
 
 
 class _ElasticRun:
@@ -583,7 +669,7 @@ class _ElasticRun:
             places._leave()
             raise
         self._held = True
-        self._token = _places.set((limiter, limiter.acquire_on_behalf_of))
+        self._token = _places.set(places._view)
 
     async def __aexit__(self, *exc_info: object) -> None:
         if self._held:
@@ -593,25 +679,70 @@ class _ElasticRun:
         self._places._leave()
 
 
-async def _draw_places(
-    places: _Places,
-    drawing: trio.CancelScope,
-    nursery: trio.Nursery,
-    pending: deque[tuple[int, Callable[[], Awaitable[R]]]],
-    failures: list[BaseException],
-    child: Callable[[int, Callable[[], Awaitable[R]]], Awaitable[None]],
-) -> None:
-    """Take a place of the window for each thunk not yet started and start the thunk on it,
-    until none is left (the caller's place may take them first) or one has failed. Runs in
-    the fan-out's nursery under `drawing`, which the caller cancels once nothing is pending."""
-    limiter, acquire = places
+class _Drawn:
+    """A fan-out's thunks running on places drawn from the window, and whether the caller's
+    own place is lent meanwhile (once it has no thunk left to start). The last drawn thunk to
+    end while the caller's place is lent hands its own place to the caller instead of to the
+    window's next waiter, whatever way it ends: the caller resumes without waiting, and the
+    window never holds more than its size."""
 
-    async def on_place(index: int, thunk: Callable[[], Awaitable[R]], borrower: object) -> None:
+    __slots__ = ("child", "lent", "nursery", "on_start", "places", "running")
+
+    def __init__(
+        self,
+        places: _Places,
+        nursery: trio.Nursery,
+        child: Callable[[int, Callable[[], Awaitable[Any]]], Awaitable[None]],
+        on_start: Callable[[int], None] | None,
+    ) -> None:
+        self.places = places
+        self.nursery = nursery
+        self.child = child
+        self.on_start = on_start
+        self.running = 0
+        self.lent = False
+
+    def start(self, index: int, thunk: Callable[[], Awaitable[Any]], borrower: object) -> None:
+        """Start thunk `index` on the place `borrower` holds."""
+        self.nursery.start_soon(self._run, index, thunk, borrower)
+        self.running += 1
+        if self.on_start is not None:
+            self.on_start(index)
+
+    def take_free(self, pending: deque[tuple[int, Callable[[], Awaitable[Any]]]]) -> None:
+        """Start pending thunks, in order, on the places free now (no scheduler trip)."""
+        limiter = self.places.limiter
+        while pending:
+            borrower = object()
+            try:
+                limiter.acquire_on_behalf_of_nowait(borrower)
+            except trio.WouldBlock:
+                return
+            index, thunk = pending.popleft()
+            self.start(index, thunk, borrower)
+
+    async def _run(self, index: int, thunk: Callable[[], Awaitable[Any]], borrower: object) -> None:
         try:
-            await child(index, thunk)
+            await self.child(index, thunk)
         finally:
-            limiter.release_on_behalf_of(borrower)
+            self.running -= 1
+            if self.lent and not self.running:
+                self.lent = False
+                self.places.unlend()  # lowered first: the release below wakes no one
+            self.places.limiter.release_on_behalf_of(borrower)
 
+
+async def _draw_places(
+    drawn: _Drawn,
+    drawing: trio.CancelScope,
+    pending: deque[tuple[int, Callable[[], Awaitable[Any]]]],
+    failures: list[BaseException],
+) -> None:
+    """Wait for a place of the window for each thunk not yet started and start the thunk on
+    it, until none is left (the caller's place may take them first) or one has failed. Runs
+    in the fan-out's nursery under `drawing`, which the caller cancels once nothing is
+    pending."""
+    limiter, acquire = drawn.places.limiter, drawn.places.acquire
     with drawing:
         while pending and not failures:
             borrower = object()
@@ -623,7 +754,7 @@ async def _draw_places(
                 limiter.release_on_behalf_of(borrower)
                 return
             index, thunk = pending.popleft()
-            nursery.start_soon(on_place, index, thunk, borrower)
+            drawn.start(index, thunk, borrower)
 
 
 def _fail(failures: list[BaseException], exc: BaseException, scope: trio.CancelScope) -> None:

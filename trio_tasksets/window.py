@@ -163,8 +163,7 @@ class Window:
         group's run once all its rollouts are done): the lent place is given back at once,
         and the window is over-full by one until that release, so nothing starts meanwhile.
         """
-        self._lent += 1
-        self._limiter.total_tokens = self._size + self._lent  # wakes a waiting acquirer
+        self._lend()
         try:
             yield
         except BaseException:
@@ -185,6 +184,11 @@ class Window:
         self._unlend()  # lowered first, so that the release below wakes no one
         self._limiter.release_on_behalf_of(token)
 
+    def _lend(self) -> None:
+        # (also a fan_out caller's, while its last thunks run: `tt.fan_out`)
+        self._lent += 1
+        self._limiter.total_tokens = self._size + self._lent  # wakes a waiting acquirer
+
     def _unlend(self) -> None:
         # Lowering total_tokens evicts no one: a window over-full after it lets nothing start
         # until enough runs end (Window.acquire).
@@ -199,8 +203,9 @@ class Window:
 
     @property
     def resting(self) -> int:
-        """Runs in flight that lent their place while resting (`AdaptiveWindow.rest`): the
-        limiter's `total_tokens` is `size + resting`. Always 0 for a plain Window."""
+        """Places lent now: by runs resting (`AdaptiveWindow.rest`), by holders waiting in
+        `lend()` (a group gate's pull), and by `fan_out` callers waiting on their last
+        thunks. The limiter's `total_tokens` is `size + resting`."""
         return self._lent
 
     @property
