@@ -6,9 +6,12 @@ deadline, an outside cancellation) under random windows (an int, a `tt.Window`, 
 `tt.AdaptiveWindow`, none) and check, on trio's MockClock:
 
 * N1: at every instant, the thunks and runs doing work <= the window's size;
-* N2: no deadlock, and more: the window is never idle while work waits (the call ends no
-  later than the sum of all the work), and at window 1 the whole tree runs one step at a time
-  (it ends exactly at the sum);
+* N2: no deadlock, and more: the window is never idle while work waits (between events, a
+  thunk or a pull waits for a place only while the window is full of work: a caller waiting
+  on its last thunks lends its place; the call ends no later than the sum of all the work),
+  and at window 1 the whole tree runs one step at a time (it ends exactly at the sum);
+* every thunk that starts is answered exactly once (completed, failed or cancelled), and
+  every place lent comes back;
 * N3: the first failure (in virtual time) is what the call raises, itself (never a group);
   every thunk still running when its run or its subtree is cancelled is cancelled, and
   nothing runs once the call has returned;
@@ -558,6 +561,7 @@ class Probe:
     completed: set[int] = field(default_factory=set)
     raised: list[tuple[float, Boom]] = field(default_factory=list)
     problems: list[str] = field(default_factory=list)
+    answers: dict[int, list[str]] = field(default_factory=dict)  # how each node's run ended
 
     async def work(self, seconds: int) -> None:
         self.working += 1
@@ -572,7 +576,10 @@ class Probe:
 
 def thunk_for(node: Node, probe: Probe) -> Callable[[], Awaitable[int]]:
     async def run() -> int:
+        if node.id in probe.entered:
+            probe.problems.append(f"node {node.id} started twice")
         probe.entered.add(node.id)
+        outcome = "failed"
         try:
             await probe.work(node.before)
             if node.fail == "before":
@@ -596,12 +603,15 @@ def thunk_for(node: Node, probe: Probe) -> Callable[[], Awaitable[int]]:
                 raise _boom(node, probe)
         except trio.Cancelled:
             probe.cancelled.add(node.id)
+            outcome = "cancelled"
             raise
         else:
             probe.completed.add(node.id)
+            outcome = "completed"
             return node.id
         finally:
             probe.exited[node.id] = trio.current_time()
+            probe.answers.setdefault(node.id, []).append(outcome)
 
     return run
 
@@ -635,15 +645,35 @@ async def test_fan_out_trees_hold_their_invariants(
     async def run(index: int) -> int:
         return await thunk_for(roots[index], probe)()
 
+    async def watch(window: tt.Window) -> None:
+        # Between events (every event falls on a whole or half second): a place idles while
+        # a thunk or a pull waits for one only if a caller waiting on its thunks kept it.
+        await trio.sleep(0.25)
+        while True:
+            waiting = window.limiter.statistics().tasks_waiting
+            if waiting and probe.working < window.size:
+                probe.problems.append(
+                    f"at {trio.current_time() - t0}: {probe.working} working < window "
+                    f"{window.size} while {waiting} wait for a place"
+                )
+            await trio.sleep(1)
+
     with trio.fail_after(HANG):
         cancel = math.inf if forest.cancel_at is None else forest.cancel_at + 0.5
-        with trio.move_on_after(cancel):
-            try:
-                results = await tt.run_stream(_count(len(roots)), run, window=window)
-            except Boom as exc:
-                error = exc
+        async with trio.open_nursery() as watching:
+            if isinstance(window, tt.Window):
+                watching.start_soon(watch, window)
+            with trio.move_on_after(cancel):
+                try:
+                    results = await tt.run_stream(_count(len(roots)), run, window=window)
+                except Boom as exc:
+                    error = exc
+            watching.cancel_scope.cancel()
     elapsed = trio.current_time() - t0
     assert probe.problems == []
+    # every thunk that started was answered once: it completed, failed or was cancelled
+    assert set(probe.answers) == probe.entered
+    assert all(len(answers) == 1 for answers in probe.answers.values()), probe.answers
     # N1
     if forest.window is not None:
         assert probe.peak <= forest.window
@@ -652,6 +682,8 @@ async def test_fan_out_trees_hold_their_invariants(
     assert probe.entered == set(probe.exited)
     if isinstance(window, tt.Window):
         assert window.in_flight == 0
+        assert window.resting == 0  # every lent place came back
+        assert window.limiter.total_tokens == window.size
     # N2: never idle while work waits; at window 1, strictly one step at a time
     total = sum(root.work() for root in roots)
     assert elapsed <= total

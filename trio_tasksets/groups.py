@@ -85,15 +85,15 @@ class OpenGroups:
         self._unstarted[group] = len(group.slots)
         self._waiting += len(group.slots)
 
-    def started(self, group: Group) -> None:
-        """One of `group`'s rollouts has its place (it is about to run)."""
+    def started(self, group: Group, count: int = 1) -> None:
+        """`count` more of `group`'s rollouts have their places (they are about to run)."""
         left = self._unstarted.get(group)
         if left is not None:
-            if left <= 1:
+            if left <= count:
                 self.closed(group)
             else:
-                self._unstarted[group] = left - 1
-                self._waiting -= 1
+                self._unstarted[group] = left - count
+                self._waiting -= count
 
     def closed(self, group: Group) -> None:
         left = self._unstarted.pop(group, None)
@@ -233,7 +233,7 @@ async def run_group(env: Env[Any], group: Group, run_rollout: RunRollout) -> lis
 
     thunks = [functools.partial(rollout, i, slot) for i, slot in enumerate(group.slots)]
     # counted as each rollout is given its place, so the runner's next pull waits no longer
-    placed = None if opened is None else lambda _index: opened.started(group)
+    placed = None if opened is None else functools.partial(opened.started, group)
     try:
         # with many endpoints, the whole group on one (the rollouts share the task's prefix)
         with sticky(("group", group.id)):
@@ -282,6 +282,11 @@ async def _run(
 def cause_first(episodes: list[Episode]) -> list[Episode]:
     """A group's episodes in the order to write them: those that failed on their own first
     (so a run's first error is the cause, not a `GroupFailedError`), then slot order."""
+    for episode in episodes:
+        if episode.errors:
+            break
+    else:
+        return episodes  # (the usual case: nothing to reorder)
     return sorted(
         episodes,
         key=lambda e: bool(e.errors) and e.errors[-1].type == GroupFailedError.__name__,

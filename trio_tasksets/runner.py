@@ -500,8 +500,8 @@ async def fan_out(thunks: Iterable[Callable[[], Awaitable[R]]]) -> list[R]:
 async def fan_out_placing(
     thunks: Iterable[Callable[[], Awaitable[R]]], on_start: Callable[[int], None] | None
 ) -> list[R]:
-    """`fan_out`, calling `on_start(index)` (if given) as each thunk is given its place,
-    before it runs (outside a window: all at once). A group counts its rollouts placed with
+    """`fan_out`, calling `on_start(n)` (if given) as `n` more thunks are given their places,
+    before they run (outside a window: all at once). A group counts its rollouts placed with
     it (`groups.run_group`): the runner pulls the next group once none waits for a place."""
     calls = _check_thunks(thunks)
     if len(calls) <= 1:
@@ -511,77 +511,59 @@ async def fan_out_placing(
             await trio.lowlevel.checkpoint()
             return []
         if on_start is not None:
-            on_start(0)
+            on_start(1)
         awaitable = calls[0]()
         if not inspect.isawaitable(awaitable):
             raise _thunk_not_awaitable(0, calls[0], awaitable)
         return [await awaitable]
     places = _places.get()
-    results: list[Any] = [_UNSET] * len(calls)
-    failures: list[BaseException] = []
-    pending = deque(enumerate(calls))
     error: BaseException | None = None
-    drawn: _Drawn | None = None
+    fan: _FanOut | None = None
     try:
         async with trio.open_nursery() as nursery:
-            scope = nursery.cancel_scope
-
-            async def child(index: int, thunk: Callable[[], Awaitable[R]]) -> None:
-                awaitable: Any = _UNSET
-                try:
-                    awaitable = thunk()
-                    results[index] = await awaitable
-                except Exception as exc:
-                    if not (awaitable is _UNSET or inspect.isawaitable(awaitable)):
-                        explained = _thunk_not_awaitable(index, thunk, awaitable)
-                        explained.__cause__ = exc
-                        exc = explained
-                    _fail(failures, exc, scope)
-                except trio.Cancelled:
-                    raise
-                except BaseException as exc:
-                    _fail(failures, exc, scope)
-                    raise
-
-            if on_start is not None:
-                for index in range(len(calls) if places is None else 1):
-                    on_start(index)
+            fan = _FanOut(calls, nursery, places, on_start)
+            pending = fan.pending
             first = pending.popleft()
             if places is None:
                 for index, thunk in pending:
-                    nursery.start_soon(child, index, thunk)
+                    nursery.start_soon(fan.run, index, thunk)
                 pending.clear()
-                await child(*first)
+                if on_start is not None:
+                    on_start(len(calls))
+                await fan.run(*first)
             else:
                 # This task holds the caller's place: it runs the first thunk on it. The
                 # others take the places free now, at once, and a drawing task waits for
                 # places for the rest; as each thunk on the caller's place ends, the caller
                 # runs the next one not yet started.
-                drawn = _Drawn(places, nursery, child, on_start)
-                drawn.take_free(pending)
-                drawing = trio.CancelScope()
+                if on_start is not None:
+                    on_start(1)
+                fan.take_free()
+                drawing = None
                 if pending:
-                    nursery.start_soon(_draw_places, drawn, drawing, pending, failures)
-                await child(*first)
-                while pending and not failures:
-                    index, thunk = pending.popleft()
+                    drawing = trio.CancelScope()
+                    nursery.start_soon(fan.draw, drawing)
+                await fan.run(*first)
+                while pending and not fan.failures:
                     if on_start is not None:
-                        on_start(index)
-                    await child(index, thunk)
-                drawing.cancel()
-                if drawn.running and not failures:
+                        on_start(1)
+                    await fan.run(*pending.popleft())
+                if drawing is not None:
+                    drawing.cancel()
+                if fan.drawn and not fan.failures:
                     # Nothing left to start: the caller's place is lent to the window while
                     # the last thunks run, and the last of them to end hands its own place
-                    # back to the caller (`_Drawn`), so no place idles and the caller resumes
-                    # at once, within the bound.
-                    drawn.lent = True
+                    # back to the caller (`_FanOut.run_on`), so no place idles and the
+                    # caller resumes at once, within the bound.
+                    fan.lent = True
                     places.lend()
     except BaseExceptionGroup as group:
         error = pick_one(group)
     finally:
-        if drawn is not None and drawn.lent:  # (every thunk has ended: only if trio broke off)
-            drawn.lent = False
-            drawn.places.unlend()
+        if fan is not None and fan.lent:  # (every thunk has ended: only if trio broke off)
+            fan.lent = False
+            cast(_Places, places).unlend()
+    failures = [] if fan is None else fan.failures
     if failures and not isinstance(error, KeyboardInterrupt):
         first_failure = failures[0]
         if not (error is None or isinstance(error, trio.Cancelled) or _among(error, failures)):
@@ -589,7 +571,7 @@ async def fan_out_placing(
         error = first_failure
     if error is not None:
         raise error
-    return cast(list[R], results)
+    return cast(list[R], fan.results)  # type: ignore[union-attr]
 
 
 class ElasticPlaces:
@@ -679,82 +661,125 @@ class _ElasticRun:
         self._places._leave()
 
 
-class _Drawn:
-    """A fan-out's thunks running on places drawn from the window, and whether the caller's
-    own place is lent meanwhile (once it has no thunk left to start). The last drawn thunk to
-    end while the caller's place is lent hands its own place to the caller instead of to the
-    window's next waiter, whatever way it ends: the caller resumes without waiting, and the
-    window never holds more than its size."""
+class _FanOut:
+    """One fan-out's thunks: their results, the failures, the thunks not yet started, those
+    running on places drawn from the window (`drawn`), and whether the caller's own place is
+    lent meanwhile (once it has no thunk left to start). The last drawn thunk to end while
+    the caller's place is lent hands its own place to the caller instead of to the window's
+    next waiter, whatever way it ends: the caller resumes without waiting, and the window
+    never holds more than its size."""
 
-    __slots__ = ("child", "lent", "nursery", "on_start", "places", "running")
+    __slots__ = (
+        "drawn", "failures", "lent", "nursery", "on_start", "pending", "places", "results",
+    )  # fmt: skip
 
     def __init__(
         self,
-        places: _Places,
+        calls: list[Callable[[], Awaitable[Any]]],
         nursery: trio.Nursery,
-        child: Callable[[int, Callable[[], Awaitable[Any]]], Awaitable[None]],
+        places: _Places | None,
         on_start: Callable[[int], None] | None,
     ) -> None:
-        self.places = places
+        self.results: list[Any] = [_UNSET] * len(calls)
+        self.failures: list[BaseException] = []
+        self.pending = deque(enumerate(calls))
         self.nursery = nursery
-        self.child = child
+        self.places = places
         self.on_start = on_start
-        self.running = 0
+        self.drawn = 0
         self.lent = False
 
-    def start(self, index: int, thunk: Callable[[], Awaitable[Any]], borrower: object) -> None:
-        """Start thunk `index` on the place `borrower` holds."""
-        self.nursery.start_soon(self._run, index, thunk, borrower)
-        self.running += 1
-        if self.on_start is not None:
-            self.on_start(index)
+    async def run(self, index: int, thunk: Callable[[], Awaitable[Any]]) -> None:
+        """Run one thunk, keeping its result; its failure cancels the others (fail-fast)."""
+        awaitable: Any = _UNSET
+        try:
+            awaitable = thunk()
+            self.results[index] = await awaitable
+        except Exception as exc:
+            self._failed(index, thunk, awaitable, exc)
+        except trio.Cancelled:
+            raise
+        except BaseException as exc:
+            self._failed(index, thunk, awaitable, exc)
+            raise
 
-    def take_free(self, pending: deque[tuple[int, Callable[[], Awaitable[Any]]]]) -> None:
+    async def run_on(
+        self, index: int, thunk: Callable[[], Awaitable[Any]], borrower: object
+    ) -> None:
+        """`run` on the place `borrower` holds, given back when it ends (to the caller, if it
+        is the last drawn thunk and the caller's place is lent). (`run`'s body, not a call of
+        it: one coroutine frame less for every step of a drawn thunk.)"""
+        awaitable: Any = _UNSET
+        try:
+            awaitable = thunk()
+            self.results[index] = await awaitable
+        except Exception as exc:
+            self._failed(index, thunk, awaitable, exc)
+        except trio.Cancelled:
+            raise
+        except BaseException as exc:
+            self._failed(index, thunk, awaitable, exc)
+            raise
+        finally:
+            places = cast(_Places, self.places)
+            self.drawn -= 1
+            if self.lent and not self.drawn:
+                self.lent = False
+                places.unlend()  # lowered first: the release below wakes no one
+            places.limiter.release_on_behalf_of(borrower)
+
+    def _failed(
+        self, index: int, thunk: Callable[[], Awaitable[Any]], awaitable: Any, exc: BaseException
+    ) -> None:
+        if isinstance(exc, Exception) and not (
+            awaitable is _UNSET or inspect.isawaitable(awaitable)
+        ):
+            explained = _thunk_not_awaitable(index, thunk, awaitable)
+            explained.__cause__ = exc
+            exc = explained
+        _fail(self.failures, exc, self.nursery.cancel_scope)
+
+    def take_free(self) -> None:
         """Start pending thunks, in order, on the places free now (no scheduler trip)."""
-        limiter = self.places.limiter
+        pending = self.pending
+        limiter = cast(_Places, self.places).limiter
+        started = 0
         while pending:
             borrower = object()
             try:
                 limiter.acquire_on_behalf_of_nowait(borrower)
             except trio.WouldBlock:
-                return
+                break
             index, thunk = pending.popleft()
-            self.start(index, thunk, borrower)
+            self.nursery.start_soon(self.run_on, index, thunk, borrower)
+            started += 1
+        self.drawn += started
+        if started and self.on_start is not None:
+            self.on_start(started)
 
-    async def _run(self, index: int, thunk: Callable[[], Awaitable[Any]], borrower: object) -> None:
-        try:
-            await self.child(index, thunk)
-        finally:
-            self.running -= 1
-            if self.lent and not self.running:
-                self.lent = False
-                self.places.unlend()  # lowered first: the release below wakes no one
-            self.places.limiter.release_on_behalf_of(borrower)
-
-
-async def _draw_places(
-    drawn: _Drawn,
-    drawing: trio.CancelScope,
-    pending: deque[tuple[int, Callable[[], Awaitable[Any]]]],
-    failures: list[BaseException],
-) -> None:
-    """Wait for a place of the window for each thunk not yet started and start the thunk on
-    it, until none is left (the caller's place may take them first) or one has failed. Runs
-    in the fan-out's nursery under `drawing`, which the caller cancels once nothing is
-    pending."""
-    limiter, acquire = drawn.places.limiter, drawn.places.acquire
-    with drawing:
-        while pending and not failures:
-            borrower = object()
-            try:
-                limiter.acquire_on_behalf_of_nowait(borrower)
-            except trio.WouldBlock:
-                await acquire(borrower)
-            if not pending or failures:
-                limiter.release_on_behalf_of(borrower)
-                return
-            index, thunk = pending.popleft()
-            drawn.start(index, thunk, borrower)
+    async def draw(self, drawing: trio.CancelScope) -> None:
+        """Wait for a place of the window for each thunk not yet started and start the thunk
+        on it, until none is left (the caller's place may take them first) or one has
+        failed. Runs in the fan-out's nursery under `drawing`, which the caller cancels once
+        nothing is pending."""
+        places = cast(_Places, self.places)
+        limiter, acquire = places.limiter, places.acquire
+        pending, failures = self.pending, self.failures
+        with drawing:
+            while pending and not failures:
+                borrower = object()
+                try:
+                    limiter.acquire_on_behalf_of_nowait(borrower)
+                except trio.WouldBlock:
+                    await acquire(borrower)
+                if not pending or failures:
+                    limiter.release_on_behalf_of(borrower)
+                    return
+                index, thunk = pending.popleft()
+                self.nursery.start_soon(self.run_on, index, thunk, borrower)
+                self.drawn += 1
+                if self.on_start is not None:
+                    self.on_start(1)
 
 
 def _fail(failures: list[BaseException], exc: BaseException, scope: trio.CancelScope) -> None:

@@ -22,8 +22,8 @@ import enum
 import math
 import re
 from collections import deque
-from collections.abc import AsyncIterator, Iterator
-from contextlib import asynccontextmanager, contextmanager
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
 from typing import Any, NamedTuple
 
 import attrs
@@ -70,17 +70,20 @@ _prioritized: contextvars.ContextVar[bool] = contextvars.ContextVar(
 )
 
 
-@contextmanager
-def prioritized() -> Iterator[None]:
+class prioritized:  # (lower case: used as a function, ``with prioritized():``)
     """Inside this block (and in the tasks it starts), a `Window.acquire` is served before
     every waiter outside one: how a group's waiting rollout takes a freed place before the
     runner pulls a new task (SPEC 10). Waiters inside such blocks are served first come,
-    first served among themselves."""
-    token = _prioritized.set(True)
-    try:
-        yield
-    finally:
-        _prioritized.reset(token)
+    first served among themselves. (A class, not a generator: it is entered once per
+    group.)"""
+
+    __slots__ = ("_token",)
+
+    def __enter__(self) -> None:
+        self._token = _prioritized.set(True)
+
+    def __exit__(self, *exc_info: object) -> None:
+        _prioritized.reset(self._token)
 
 
 class Window:
