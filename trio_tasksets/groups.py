@@ -78,7 +78,7 @@ class OpenGroups:
         self.window = window
         self._unstarted: dict[Group, int] = {}
         self._waiting = 0  # the sum of _unstarted's counts
-        self._changed = trio.Event()
+        self._changed: trio.Event | None = None  # set when a group closes, made for a waiter
 
     def open(self, group: Group) -> None:
         group.opened = self
@@ -99,8 +99,9 @@ class OpenGroups:
         left = self._unstarted.pop(group, None)
         if left is not None:
             self._waiting -= left
-            self._changed.set()
-            self._changed = trio.Event()
+            if self._changed is not None:
+                self._changed.set()
+                self._changed = None
 
     @property
     def waiting(self) -> int:
@@ -117,12 +118,16 @@ class OpenGroups:
 
     async def _quiet(self) -> None:
         if self.window is None:
-            while self._unstarted:
-                await self._changed.wait()
+            await self._closed_all()
             return
         async with self.window.lend():
-            while self._unstarted:
-                await self._changed.wait()
+            await self._closed_all()
+
+    async def _closed_all(self) -> None:
+        while self._unstarted:
+            if self._changed is None:
+                self._changed = trio.Event()
+            await self._changed.wait()
 
     async def gate(self, source: AsyncIterable[Group]) -> AsyncIterator[Group]:
         """`source`'s groups, each pulled once no open group's rollout would wait for a place

@@ -684,7 +684,8 @@ class _FanOut:
         self.failures: list[BaseException] = []
         self.pending = deque(enumerate(calls))
         self.nursery = nursery
-        self.places = places
+        # (read only when `places` is not None: the drawing methods run only then)
+        self.places = cast(_Places, places)
         self.on_start = on_start
         self.drawn = 0
         self.lent = False
@@ -721,7 +722,7 @@ class _FanOut:
             self._failed(index, thunk, awaitable, exc)
             raise
         finally:
-            places = cast(_Places, self.places)
+            places = self.places
             self.drawn -= 1
             if self.lent and not self.drawn:
                 self.lent = False
@@ -742,7 +743,7 @@ class _FanOut:
     def take_free(self) -> None:
         """Start pending thunks, in order, on the places free now (no scheduler trip)."""
         pending = self.pending
-        limiter = cast(_Places, self.places).limiter
+        limiter = self.places.limiter
         started = 0
         while pending:
             borrower = object()
@@ -762,8 +763,7 @@ class _FanOut:
         on it, until none is left (the caller's place may take them first) or one has
         failed. Runs in the fan-out's nursery under `drawing`, which the caller cancels once
         nothing is pending."""
-        places = cast(_Places, self.places)
-        limiter, acquire = places.limiter, places.acquire
+        limiter, acquire = self.places.limiter, self.places.acquire
         pending, failures = self.pending, self.failures
         with drawing:
             while pending and not failures:

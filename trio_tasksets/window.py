@@ -102,7 +102,8 @@ class Window:
         self._lent = 0  # places lent by resting runs (AdaptiveWindow.rest): tokens beyond size
         self._limiter = trio.CapacityLimiter(size)
         self._urgent = 0  # prioritized acquirers waiting (see `prioritized`)
-        self._calm = trio.Event()  # set (and replaced) when the last of them is served
+        # set when the last of them is served, made only when an acquirer waits for that
+        self._calm: trio.Event | None = None
         self._epoch: float | None = None
         # (trio time, or None outside a run; size; reason)
         self._history: deque[tuple[float | None, int, str]] = deque(maxlen=HISTORY_LIMIT)
@@ -135,6 +136,8 @@ class Window:
             while True:
                 if not urgent:
                     while self._urgent:  # a group's waiting rollout goes first
+                        if self._calm is None:
+                            self._calm = trio.Event()
                         await self._calm.wait()
                 await limiter.acquire_on_behalf_of(borrower)
                 # A token handed over (by a release) in the same instant as a shrink, or to
@@ -146,9 +149,9 @@ class Window:
         finally:
             if urgent:
                 self._urgent -= 1
-                if not self._urgent:
+                if not self._urgent and self._calm is not None:
                     self._calm.set()
-                    self._calm = trio.Event()
+                    self._calm = None
 
     def release(self, borrower: object) -> None:
         self._limiter.release_on_behalf_of(borrower)
