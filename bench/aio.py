@@ -298,7 +298,7 @@ def main(argv: list[str] | None = None) -> None:
     extra = env["bridged asyncio env"].median_us - env["native trio env"].median_us
     print(f"\n  bridged asyncio env / native trio env: {bridged:.2f}x (+{extra:.1f} µs/episode)")
     # trio-asyncio is imported now (bridge_env imports it): it patches asyncio globally
-    # (trio_tasksets.aio.loop._keep_asyncio_loops undoes the loop factory part). Guest mode again:
+    # (trio_tasksets.aio._loop._keep_asyncio_loops undoes the loop factory part). Guest mode again:
     after = measure(GUEST, args.n, args.window, args.repeat, warmup=500)
     print(f"\n## Guest mode again, now that trio-asyncio is imported, N={args.n:,}\n")
     print(table(after, "trio.run", "item"))

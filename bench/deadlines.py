@@ -29,11 +29,11 @@ from typing import Any
 import trio
 
 import trio_tasksets as tt
-import trio_tasksets.eval.run as eval_run
-import trio_tasksets.models.base as models_base
-from trio_tasksets.health import Health
-from trio_tasksets.limits import report_progress
-from trio_tasksets.transport import HTTPClient, Timeouts
+import trio_tasksets._eval.run as eval_run
+import trio_tasksets._models.base as models_base
+from trio_tasksets._health import Health
+from trio_tasksets._limits import report_progress
+from trio_tasksets._transport import HTTPClient, Timeouts
 
 from .common import env_info, markdown_table
 

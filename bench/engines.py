@@ -1,6 +1,6 @@
 """Engines that queue, a request-rate limit, many endpoints: adaptive against fixed (issue 23).
 
-    python -m bench.engines [--quick] [--n 3000] [--only engine rate pool kill]
+    python -m bench.engines [--quick] [--n 3000] [--warm 0] [--only engine rate pool kill]
 
 Every server is `tests/fixtures/engine.py`'s, on 127.0.0.1 sockets, in the same trio run as
 the eval, on `MockClock(autojump_threshold=0)`: the figures are in the simulation's own
@@ -25,15 +25,25 @@ single-call rollouts over `tt.OpenAIClient`, dashboard off, traces written.
   10 ms).
 * kill: the same four, one (32) killed a third of the way through: every slot answered,
   the dead endpoint's calls retried elsewhere.
+
+`--warm W` runs W more rollouts first and judges the `--n` after them: every figure (calls/s,
+p50/p99, preempted, 429s, idle samples) counts from the W-th answer on, for every contender
+alike, so a short run measures each window's steady state instead of its start-up (which a
+full run of 3,000 amortizes). `--quick` is a warm run of the same goals: 1,000 judged
+rollouts after 500, and of the engine sweep only the fixed windows around the best one
+(32, 48, 64: the full sweep's best is 48; 8 and 16 are far slower, 128 and 1024 as fast with a
+worse p99).
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
+import math
 import sys
 import tempfile
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from contextlib import AsyncExitStack
 from pathlib import Path
 from typing import Any
@@ -42,7 +52,7 @@ import trio
 import trio.testing
 
 import trio_tasksets as tt
-from trio_tasksets.window import AdaptiveWindow, parse_window
+from trio_tasksets._window import AdaptiveWindow, parse_window
 
 from .common import goal_line, markdown_table
 
@@ -53,6 +63,7 @@ if str(FIXTURES) not in sys.path:
 from engine import RateLimitedServer, SimEngine  # noqa: E402
 
 FIXED_ENGINE = ["8", "16", "32", "48", "64", "128", "1024"]
+QUICK_ENGINE = ["32", "48", "64"]  # --quick: the full sweep's best fixed window, either side
 FIXED_RATE = ["8", "16", "32", "64"]
 POOL = (8, 16, 32, 64)
 
@@ -67,18 +78,54 @@ class Calls(tt.Taskset[tt.Task, tt.TasksetConfig]):
 
 
 async def _eval(
-    url: str | list[str], spec: str, n: int, *, metrics: str | None = None, **client: Any
+    url: str | list[str],
+    spec: str,
+    n: int,
+    *,
+    metrics: str | None = None,
+    warm: int = 0,
+    tail: int = 0,
+    answered: Callable[[], int] | None = None,
+    on_mark: Callable[[str], None] | None = None,
+    **client: Any,
 ) -> dict[str, Any]:
+    """`n` judged rollouts, after `warm` more and before `tail` more: the rate counts from
+    the `warm`-th call `answered` to the `warm + n`-th (polled every 10 ms of the simulation;
+    without `tail`, to the end), and `on_mark("warm")` / `on_mark("end")` run there (the
+    caller's snapshots of its server's counts)."""
     window = parse_window(spec)
     built = AdaptiveWindow(*window) if isinstance(window, tuple) else window
+    marks: dict[str, float] = {}
+
+    def mark(label: str) -> None:
+        marks[label] = trio.current_time()
+        if on_mark is not None:
+            on_mark(label)
+
+    async def watch() -> None:
+        assert answered is not None
+        for label, count in (("warm", warm), ("end", warm + n)):
+            if label == "end" and not tail:
+                return  # the eval's end is the mark
+            while answered() < count:  # noqa: ASYNC110  (a poll of the simulation)
+                await trio.sleep(0.01)
+            mark(label)
+
     with tempfile.TemporaryDirectory() as out:
-        async with tt.OpenAIClient(url, **client) as model:
+        async with tt.OpenAIClient(url, **client) as model, trio.open_nursery() as nursery:
             config = tt.EvalConfig(max_concurrent=built, output_dir=out, run_name="bench",
                                    dashboard=False, engine_metrics=metrics)  # fmt: skip
-            start = trio.current_time()
+            if warm or tail:
+                nursery.start_soon(watch)
+            else:
+                mark("warm")
             wall = time.perf_counter()
-            result = await tt.run_eval(tt.Env(Calls(n)), tt.ModelContext(model, "sim"), config)
-            seconds = trio.current_time() - start
+            env = tt.Env(Calls(warm + n + tail))
+            result = await tt.run_eval(env, tt.ModelContext(model, "sim"), config)
+            if "end" not in marks:
+                mark("end")
+            seconds = marks["end"] - marks["warm"]
+            nursery.cancel_scope.cancel()
     summary = result.summary
     sizes = [size for _, size, _ in summary["window_history"]]
     return {
@@ -87,26 +134,62 @@ async def _eval(
     }  # fmt: skip
 
 
-async def engine_sweep(n: int) -> dict[str, dict[str, Any]]:
+def _quantile(values: list[float], q: float) -> float:
+    ordered = sorted(values)
+    if not ordered:
+        return math.nan
+    return ordered[min(len(ordered) - 1, math.ceil(q * len(ordered)) - 1)]
+
+
+async def engine_sweep(
+    n: int, *, warm: int = 0, tail: int = 0, fixed: list[str] = FIXED_ENGINE
+) -> dict[str, dict[str, Any]]:
     found: dict[str, dict[str, Any]] = {}
-    for spec in [*FIXED_ENGINE, "1-8-1024", "1-8-1024 --engine-metrics"]:
+    for spec in [*fixed, "1-8-1024", "1-8-1024 --engine-metrics"]:
         async with SimEngine(capacity=48, kv_budget=64) as engine:
             metrics = engine.url.removesuffix("/v1") + "/metrics" if "metrics" in spec else None
-            result = await _eval(engine.url, spec.split()[0], n, metrics=metrics)
+            at: dict[str, tuple[int, int, int]] = {"warm": (0, 0, 0)}
+
+            def snapshot(label: str, engine: SimEngine = engine, at: dict[str, Any] = at) -> None:
+                at[label] = (engine.calls, engine.preemptions, len(engine.latencies))
+
+            result = await _eval(
+                engine.url, spec.split()[0], n, metrics=metrics, warm=warm, tail=tail,
+                answered=functools.partial(len, engine.latencies), on_mark=snapshot,
+            )  # fmt: skip
+            (calls0, preempted0, answered0), (calls1, preempted1, answered1) = (
+                at["warm"], at["end"]
+            )  # fmt: skip
+            judged = engine.latencies[answered0:answered1]
             result.update(
-                p50=engine.percentile(0.5), p99=engine.percentile(0.99),
-                preempted=engine.preemptions / max(1, engine.calls),
+                p50=_quantile(judged, 0.5), p99=_quantile(judged, 0.99),
+                preempted=(preempted1 - preempted0) / max(1, calls1 - calls0),
             )  # fmt: skip
             found[spec] = result
     return found
 
 
-async def rate_sweep(n: int) -> dict[str, dict[str, Any]]:
+async def rate_sweep(n: int, *, warm: int = 0, tail: int = 0) -> dict[str, dict[str, Any]]:
     found: dict[str, dict[str, Any]] = {}
     for spec in [*FIXED_RATE, "1-8-64"]:
         async with RateLimitedServer(200, latency=0.05) as server:
-            result = await _eval(server.url, spec, n, max_retries=100)
-            result["limited"] = server.limited / max(1, server.ok + server.limited)
+            at: dict[str, tuple[int, int]] = {"warm": (0, 0)}
+
+            def snapshot(
+                label: str, server: RateLimitedServer = server, at: dict[str, Any] = at
+            ) -> None:
+                at[label] = (server.ok, server.limited)
+
+            def answered(server: RateLimitedServer = server) -> int:
+                return server.ok
+
+            result = await _eval(
+                server.url, spec, n, max_retries=100, warm=warm, tail=tail, answered=answered,
+                on_mark=snapshot,
+            )  # fmt: skip
+            ok = at["end"][0] - at["warm"][0]
+            limited = at["end"][1] - at["warm"][1]
+            result["limited"] = limited / max(1, ok + limited)
             found[spec] = result
     return found
 
@@ -123,14 +206,27 @@ async def _watch_idle(engines: list[SimEngine], found: dict[str, int]) -> None:
             found["idle_while_queued"] += queued and idle
 
 
-async def pool_run(n: int, *, kill: bool) -> dict[str, Any]:
+async def pool_run(n: int, *, kill: bool, warm: int = 0, tail: int = 0) -> dict[str, Any]:
     alone = []
     if not kill:
         for capacity in POOL:
             async with SimEngine(capacity=capacity, kv_budget=10_000, seed=capacity) as engine:
-                alone.append((await _eval(engine.url, str(capacity), n // 4))["rate"])
+                answered = functools.partial(len, engine.latencies)
+                run = await _eval(engine.url, str(capacity), n // 4, warm=warm // 4,
+                                  tail=tail // 4, answered=answered)  # fmt: skip
+                alone.append(run["rate"])
     engines = [SimEngine(capacity=c, kv_budget=10_000, seed=c) for c in POOL]
     idle = {"samples": 0, "idle_while_queued": 0}
+    at: dict[str, list[int]] = {"warm": [0] * len(POOL)}
+    judged = {"idle": idle}
+
+    def snapshot(label: str) -> None:  # the idle samples and the calls count between marks
+        at[label] = [e.calls for e in engines]
+        if label == "warm":
+            idle.update(samples=0, idle_while_queued=0)
+        else:
+            judged["idle"] = dict(idle)
+
     async with AsyncExitStack() as stack:
         for engine in engines:
             await stack.enter_async_context(engine)
@@ -144,10 +240,14 @@ async def pool_run(n: int, *, kill: bool) -> dict[str, Any]:
                     engines[2].kill()
 
                 nursery.start_soon(killer)
-            result = await _eval([e.url for e in engines], "1024", n, backoff=0.05)
+            result = await _eval(
+                [e.url for e in engines], "1024", n, backoff=0.05, warm=warm, tail=tail,
+                answered=lambda: sum(len(e.latencies) for e in engines), on_mark=snapshot,
+            )  # fmt: skip
             nursery.cancel_scope.cancel()
+    calls = [end - begin for begin, end in zip(at["warm"], at["end"], strict=True)]
     result.update(
-        alone=alone, idle=idle, calls=[e.calls for e in engines],
+        alone=alone, idle=judged["idle"], calls=calls,
         answered=[len(e.latencies) for e in engines],
     )  # fmt: skip
     return result
@@ -159,14 +259,14 @@ def _best_fixed(results: dict[str, dict[str, Any]], fixed: list[str]) -> str:
     return min(close, key=lambda s: results[s].get("p99", 0.0))
 
 
-def _report_engine(results: dict[str, dict[str, Any]]) -> None:
+def _report_engine(results: dict[str, dict[str, Any]], fixed: list[str] = FIXED_ENGINE) -> None:
     print("\nSimulated engine, capacity 48, KV budget 64 (simulated seconds)")
     rows = [[spec, f"{r['rate']:.1f}", f"{r['p50']:.3f}", f"{r['p99']:.3f}",
              f"{r['preempted']:.1%}", f"{r['window']} (max {r['max']})", f"{r['wall']:.1f}"]
             for spec, r in results.items()]  # fmt: skip
     print(markdown_table(["-c", "calls/s", "p50 s", "p99 s", "preempted", "window at end",
                           "wall s"], rows))  # fmt: skip
-    best = _best_fixed(results, FIXED_ENGINE)
+    best = _best_fixed(results, fixed)
     for spec, floor in (("1-8-1024", 0.95), ("1-8-1024 --engine-metrics", 0.95 * 0.98)):
         mine, ref = results[spec], results[best]
         ratio, p99 = mine["rate"] / ref["rate"], mine["p99"] / ref["p99"]
@@ -222,21 +322,38 @@ def _report_pool(result: dict[str, Any], killed: dict[str, Any] | None, n: int) 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--quick", action="store_true", help="a smoke run: n=1000")
-    parser.add_argument("--n", type=int, default=3000, help="rollouts per contender")
+    parser.add_argument(
+        "--quick", action="store_true",
+        help="the same goals on a short steady-state run: --n 1000 --warm 500 --tail 250, "
+        "fixed -c 32, 48, 64",
+    )  # fmt: skip
+    parser.add_argument("--n", type=int, default=3000, help="judged rollouts per contender")
+    parser.add_argument(
+        "--warm", type=int, default=0,
+        help="rollouts run first and not judged (each contender's start-up) (default 0)",
+    )  # fmt: skip
+    parser.add_argument(
+        "--tail", type=int, default=0,
+        help="rollouts run after the judged ones (the drain at the end) (default 0)",
+    )  # fmt: skip
     parser.add_argument("--only", nargs="+", choices=["engine", "rate", "pool", "kill"])
     args = parser.parse_args(argv)
-    n = 1000 if args.quick else args.n
+    n, warm = (1000, 500) if args.quick else (args.n, args.warm)
+    tail = 250 if args.quick else args.tail
+    fixed = QUICK_ENGINE if args.quick else FIXED_ENGINE
     only = set(args.only or ["engine", "rate", "pool", "kill"])
 
     async def run() -> None:
         started = time.perf_counter()
+        if warm or tail:
+            print(f"each contender runs {warm:,} + {n:,} + {tail:,} rollouts; the {n:,} in the "
+                  f"middle are judged")  # fmt: skip
         if "engine" in only:
-            _report_engine(await engine_sweep(n))
+            _report_engine(await engine_sweep(n, warm=warm, tail=tail, fixed=fixed), fixed)
         if "rate" in only:
-            _report_rate(await rate_sweep(n))
+            _report_rate(await rate_sweep(n, warm=warm, tail=tail))
         if "pool" in only or "kill" in only:
-            pool = await pool_run(n, kill=False)
+            pool = await pool_run(n, kill=False, warm=warm, tail=tail)
             killed = await pool_run(n, kill=True) if "kill" in only else None
             _report_pool(pool, killed, n)
         print(f"\n{n:,} rollouts per contender; {time.perf_counter() - started:.0f} s wall in all")

@@ -9,7 +9,7 @@ to CPU 0 when ``taskset`` exists). Each contender is its own process too (pinned
 run one after the other, so they never share a core with the server or each other:
 
 * ``tt.run_eval + OpenAIClient``: the project's eval path (window = ``-c``, dashboard off,
-  traces written), over the project's HTTP transport (`trio_tasksets.transport`);
+  traces written), over the project's HTTP transport (`trio_tasksets._transport`);
 * ``trio + tt HTTPClient``: the transport alone, in the loop the raw contenders share;
 * ``trio + httpx``: ``httpx.AsyncClient(limits=Limits(W, W))`` under trio;
 * ``trio + httpx2``: the same with httpx2 (the httpx fork openai 3.x depends on), if installed;
@@ -218,7 +218,7 @@ Runner = Callable[[str, int, int, float, float], _Tally]
 
 
 def _run_transport(url: str, window: int, n: int, seconds: float, warm: float) -> _Tally:
-    from trio_tasksets.transport import HTTPClient
+    from trio_tasksets._transport import HTTPClient
 
     headers = {"content-type": "application/json"}
 
@@ -477,8 +477,8 @@ def served(window: int = 64, n: int = 3000, repeat: int = 3) -> None:
     transport since issue 26, httpcore before) against `HTTPClient`, and the default WebSocket
     transport: client CPU per call at ``window`` against one env server child (1 worker)."""
     import trio_tasksets as tt
+    from trio_tasksets._transport import HTTPClient
     from trio_tasksets.client import EnvClient, spawn_server
-    from trio_tasksets.transport import HTTPClient
 
     from .serve import CountConfig, Counted
 

@@ -12,7 +12,7 @@ this process and one after the other within each repeat, N times:
 
 Contenders:
 
-* `trio_tasksets.redis.resp` (what ships): trio sockets, hiredis parsing, no thread;
+* `trio_tasksets.redis._resp` (what ships): trio sockets, hiredis parsing, no thread;
 * `redis-py + trio.to_thread`: redis-py's sync client, each call in a trio worker thread (what
   shipped before);
 * `coredis (anyio on trio)`: coredis's async client on trio, if installed (`.[dev]`);
@@ -34,7 +34,7 @@ import attrs
 import redis
 import trio
 
-from trio_tasksets.redis.resp import Address, Connection
+from trio_tasksets.redis._resp import Address, Connection
 
 from .common import env_info, markdown_table, redis_server
 
@@ -161,7 +161,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.quick:
         args.n, args.repeat = 500, 1
     contenders: dict[str, Callable[[str, int, str], Any]] = {
-        "trio_tasksets.redis.resp": lambda u, n, w: trio.run(resp_loop, u, n, w),
+        "trio_tasksets.redis._resp": lambda u, n, w: trio.run(resp_loop, u, n, w),
         "redis-py + trio.to_thread": lambda u, n, w: trio.run(thread_loop, u, n, w),
     }
     if _has_coredis():
@@ -182,7 +182,7 @@ def main(argv: list[str] | None = None) -> int:
                     wall, cpu = time.perf_counter() - wall, time.process_time() - cpu
                     best[name, what].add(wall / args.n * 1e6, cpu / args.n * 1e6)
                 print(f"  {name}: done", flush=True)
-    ours = "trio_tasksets.redis.resp"
+    ours = "trio_tasksets.redis._resp"
     rows = [
         [name]
         + [

@@ -41,7 +41,7 @@ import redis
 import trio
 
 import trio_tasksets as tt
-from trio_tasksets.redis.worker import WorkerConfig, run_worker
+from trio_tasksets.redis._worker import WorkerConfig, run_worker
 
 from .common import env_info, goal_line, markdown_table, redis_server, wait_until
 

@@ -32,7 +32,6 @@ import attrs
 import trio
 
 import trio_tasksets as tt
-from trio_tasksets.groups import Group, group_feed, run_group
 
 GROUP = 8  # rollouts per prompt
 BATCH = 4  # groups per training batch
@@ -139,8 +138,8 @@ async def rl_loop(
     async def rollout(slot: tt.RunSlot[tt.Task]) -> tt.Episode:
         return await env.run_slot(slot, ctx)
 
-    async def run_one(group: Group) -> list[tt.Episode]:
-        return await run_group(env, group, rollout)
+    async def run_one(group: tt.Group) -> list[tt.Episode]:
+        return await tt.run_group(env, group, rollout)
 
     run = staleness.run(run_one)  # a group more than MAX_LAG behind is cancelled: None
 
@@ -149,7 +148,7 @@ async def rl_loop(
             for _ in range(steps):
                 # a clone: tt.first closes its source, the prompt feed goes on
                 feed = staleness.feed(receive_prompt.clone())
-                groups = group_feed(feed, GROUP, window)
+                groups = tt.group_feed(feed, GROUP, window)
                 batch = await tt.first(BATCH, groups, run, window=window, accept=varied)
                 loop.live_after_batch.append(policy.live)
                 staleness.handed()

@@ -26,9 +26,9 @@ import pytest
 import trio
 
 import trio_tasksets as tt
-from trio_tasksets.backend import InProcess, SlotBackend, backend_for
-from trio_tasksets.loading import resolve_target
-from trio_tasksets.window import AdaptiveBounds
+from trio_tasksets._backend import InProcess, SlotBackend, backend_for
+from trio_tasksets._loading import resolve_target
+from trio_tasksets._window import AdaptiveBounds
 
 sys.path.insert(0, str(Path(__file__).resolve().parent / "fixtures"))
 from chat_server import ChatServer
@@ -111,7 +111,7 @@ async def running_on(
     elif backend == "served":
         yield {"serve": True}
     else:
-        from trio_tasksets.redis.worker import WorkerConfig, run_worker
+        from trio_tasksets.redis._worker import WorkerConfig, run_worker
 
         url = request.getfixturevalue("redis_url")
         tag = uuid.uuid4().hex[:8]
@@ -165,6 +165,30 @@ async def test_c_bounds_the_model_calls_in_flight_across_workers(
     assert 2 <= chat.peak <= 3
 
 
+async def test_groups_give_the_same_rows_and_c_counts_their_live_rollouts(
+    backend: str, request: pytest.FixtureRequest, chat: ChatServer, ctx: tt.ModelContext,
+    tmp_path: Path,
+) -> None:  # fmt: skip
+    """`--group -r 3 -c 3` (SPEC 10): the rows of an in-process run, each group's written
+    together, and at most 3 rollouts live wherever they run (`--via`: a group on one worker,
+    whose own window would take 8)."""
+    shape = {"num_examples": 4, "rollouts_per_example": 3, "group": True, "max_concurrent": 3}
+    local = await tt.run_eval(make_env(), ctx, eval_config(tmp_path, "local", **shape))
+    async with running_on(backend, request, ctx) as where:
+        chat.reset()
+        there = await tt.run_eval(make_env(), ctx, eval_config(tmp_path, "there", **shape, **where))
+    rows = trace_rows(there.run_dir)
+    assert comparable(rows) == comparable(trace_rows(local.run_dir))
+    assert len(rows) == 12
+    groups = [row["group"] for row in rows]
+    assert all(groups[i] == groups[i - 1] for i in range(1, 12) if i % 3)  # written together
+    assert len(set(groups)) == 4
+    if backend == "via":  # each group ran on one worker
+        assert all(len({r["worker"] for r in rows if r["group"] == g}) == 1 for g in groups)
+    assert len(chat.requests) == 24
+    assert 2 <= chat.peak <= 3
+
+
 async def test_resume_runs_exactly_the_owed_slots(
     backend: str, request: pytest.FixtureRequest, chat: ChatServer, ctx: tt.ModelContext,
     tmp_path: Path,
@@ -215,7 +239,7 @@ def test_the_flat_settings_name_one_backend() -> None:
     served = backend_for(serve=True, workers=2)
     assert isinstance(served, SlotBackend)
     assert served.remote
-    assert type(served).__module__ == "trio_tasksets.serve.slots"
+    assert type(served).__module__ == "trio_tasksets._serve.slots"
     running = backend_for(server_url="http://127.0.0.1:1", server_token="secret")
     assert "secret" not in repr(running)  # the token is a field, never shown
     assert getattr(running, "token", None) == "secret"
@@ -267,7 +291,7 @@ async def test_a_backend_of_ones_own_runs_every_slot(tmp_path: Path) -> None:
 
                 yield counted
 
-    env = tt.Env(tt.builtin.EchoTaskset())
+    env = tt.Env(tt._builtin.EchoTaskset())
     ctx = tt.ModelContext(tt.EchoClient(), "echo")
     result = await tt.run_eval(
         env, ctx, eval_config(tmp_path, "own", num_examples=5, backend=Counting())

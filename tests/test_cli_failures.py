@@ -33,8 +33,8 @@ from chat_server import ChatServer
 from redis_server import RedisServer
 
 import trio_tasksets as tt
-from trio_tasksets.cli.main import parser
-from trio_tasksets.cli.options import HelpFormatter
+from trio_tasksets._cli.main import parser
+from trio_tasksets._cli.options import HelpFormatter
 
 ROOT = Path(__file__).resolve().parent.parent
 FEEDS = str(ROOT / "tests" / "fixtures" / "feeds.py")

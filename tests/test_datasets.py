@@ -12,7 +12,7 @@ import pytest
 import trio
 
 import trio_tasksets as tt
-from trio_tasksets.cli import main
+from trio_tasksets._cli import main
 
 
 def cli(*words: str) -> int:

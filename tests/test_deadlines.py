@@ -16,8 +16,8 @@ import trio
 import trio.testing
 
 import trio_tasksets as tt
-from trio_tasksets.models import ModelTimeoutError, OpenAIClient, Sampling
-from trio_tasksets.transport import HTTPClient, Response
+from trio_tasksets._models import ModelTimeoutError, OpenAIClient, Sampling
+from trio_tasksets._transport import HTTPClient, Response
 
 MARGIN = 0.05  # seconds a request may run past the deadline it was given (virtual time)
 

@@ -16,8 +16,13 @@ from test_redis import REDIS_SERVER, Names, Server, make_tasks, names, r, result
 
 import trio_tasksets as tt
 from trio_tasksets.redis import TASK_FIELD, EntryRef, encode_task
-from trio_tasksets.redis.entries import DEADLINE_FIELD, MalformedEntry, deadline_field, decode_entry
-from trio_tasksets.redis.worker import WorkerConfig, run_worker
+from trio_tasksets.redis._entries import (
+    DEADLINE_FIELD,
+    MalformedEntry,
+    deadline_field,
+    decode_entry,
+)
+from trio_tasksets.redis._worker import WorkerConfig, run_worker
 
 pytestmark = pytest.mark.skipif(REDIS_SERVER is None, reason="redis-server is not on PATH")
 __all__ = ["names", "r", "server"]  # the fixtures, used by name

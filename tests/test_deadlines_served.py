@@ -16,7 +16,7 @@ import trio
 from test_serve_security import TOKEN, RawWS, Server, post_run, run_item, start
 
 import trio_tasksets as tt
-from trio_tasksets.serve.wire import RunRequestEncoder, parse_run_request
+from trio_tasksets._serve.wire import RunRequestEncoder, parse_run_request
 
 MARGIN = 1.5  # seconds an answer may come after the deadline, on a loaded machine
 

@@ -16,11 +16,11 @@ import pytest
 import trio
 
 import trio_tasksets as tt
-from trio_tasksets.limits import says_request_rate
-from trio_tasksets.models.engine import EngineMetrics, EngineMetricsError, parse_engine_metrics
-from trio_tasksets.models.pool import sticky
-from trio_tasksets.transport import HTTPClient
-from trio_tasksets.window import (
+from trio_tasksets._limits import says_request_rate
+from trio_tasksets._models.engine import EngineMetrics, EngineMetricsError, parse_engine_metrics
+from trio_tasksets._models.pool import sticky
+from trio_tasksets._transport import HTTPClient
+from trio_tasksets._window import (
     AdaptiveBounds,
     AdaptiveController,
     AdaptiveWindow,
@@ -248,17 +248,17 @@ def test_a_probe_that_does_not_pay_is_undone_and_growth_waits() -> None:
             change = found or change
         return change
 
-    assert round_at(32) == tt.window.Change(40, "grow")  # measured, and room to grow
+    assert round_at(32) == tt._window.Change(40, "grow")  # measured, and room to grow
     assert round_at(40) is None  # settles: its calls started at 32
     # measures: 25 % more calls, 25 % more throughput: kept, and the next probe
-    assert round_at(40) == tt.window.Change(50, "grow")
+    assert round_at(40) == tt._window.Change(50, "grow")
     assert round_at(50) is None
-    assert round_at(50) == tt.window.Change(40, "no gain")  # latency rose with the size
+    assert round_at(50) == tt._window.Change(40, "no gain")  # latency rose with the size
     assert round_at(40) is None
     assert round_at(40) is None
     assert c.size == 40  # held for a cooldown
     now += 15
-    assert round_at(40) == tt.window.Change(50, "grow")
+    assert round_at(40) == tt._window.Change(50, "grow")
 
 
 def test_queueing_at_a_steady_size_backs_off() -> None:
@@ -267,17 +267,19 @@ def test_queueing_at_a_steady_size_backs_off() -> None:
         change = None
         for i in range(40):
             change = c.record(Outcome.SUCCESS, float(i), 40, latency=latency) or change
-    assert change == tt.window.Change(32, "latency")
+    assert change == tt._window.Change(32, "latency")
 
 
 def test_engine_metrics_cut_on_a_queue_preemptions_and_a_full_cache_and_freeze_when_stale() -> None:
     c = AdaptiveController(1, 1024, 64)
     assert c.engine(EngineLoad(48, 16, 0.5, 0), 0.0) is None  # one reading is not a queue
-    assert c.engine(EngineLoad(48, 16, 0.5, 0), 1.0) == tt.window.Change(
+    assert c.engine(EngineLoad(48, 16, 0.5, 0), 1.0) == tt._window.Change(
         51, "engine queue"
     )  # 16 waiting; at most x0.8
-    assert c.engine(EngineLoad(48, 0, 0.7, 3), 2.0) == tt.window.Change(45, "preemption")  # a tenth
-    assert c.engine(EngineLoad(46, 0, 0.99, 3), 3.0) == tt.window.Change(40, "kv cache")
+    assert c.engine(EngineLoad(48, 0, 0.7, 3), 2.0) == tt._window.Change(
+        45, "preemption"
+    )  # a tenth
+    assert c.engine(EngineLoad(46, 0, 0.99, 3), 3.0) == tt._window.Change(40, "kv cache")
     assert c.engine(EngineLoad(40, 0, 0.5, 3), 4.0) is None
 
     def full_round(now: float) -> Any:
@@ -286,7 +288,7 @@ def test_engine_metrics_cut_on_a_queue_preemptions_and_a_full_cache_and_freeze_w
             change = c.record(Outcome.SUCCESS, now, c.size, latency=1.0) or change
         return change
 
-    assert full_round(4.5) == tt.window.Change(42, "grow")  # room: it grows by 5 %
+    assert full_round(4.5) == tt._window.Change(42, "grow")  # room: it grows by 5 %
     assert full_round(20.0) is None  # the last reading is 16 s old: frozen
     c.engine(EngineLoad(40, 0, 0.95, 3), 21.0)  # KV over kv_grow: no growth, no cut
     assert full_round(21.5) is None
@@ -294,7 +296,7 @@ def test_engine_metrics_cut_on_a_queue_preemptions_and_a_full_cache_and_freeze_w
     c = AdaptiveController(1, 1024, 40)
     c.engine(EngineLoad(40, 0, 0.9, 0, finished=0), 0.0)
     assert c.engine(EngineLoad(40, 0, 0.9, 1, finished=200), 1.0) is None
-    assert c.engine(EngineLoad(40, 0, 0.9, 5, finished=400), 2.0) == tt.window.Change(
+    assert c.engine(EngineLoad(40, 0, 0.9, 5, finished=400), 2.0) == tt._window.Change(
         36, "preemption"
     )
 
@@ -449,9 +451,9 @@ async def test_an_ejected_endpoint_is_probed_back(autojump_clock: Any) -> None:
 
 
 def test_base_url_repeats_into_one_client_over_every_endpoint() -> None:
-    from trio_tasksets.cli.main import parser
-    from trio_tasksets.cli.model_options import model_context
-    from trio_tasksets.cli.options import UsageError
+    from trio_tasksets._cli.main import parser
+    from trio_tasksets._cli.model_options import model_context
+    from trio_tasksets._cli.options import UsageError
 
     urls = ["http://127.0.0.1:8001/v1", "http://127.0.0.1:8002/v1"]
     args = parser().parse_args(
@@ -476,8 +478,8 @@ def test_base_url_repeats_into_one_client_over_every_endpoint() -> None:
 
 
 def test_engine_metrics_needs_an_adaptive_window(tmp_path: Path) -> None:
-    from trio_tasksets.eval import EvalConfigError
-    from trio_tasksets.eval.config import preflight
+    from trio_tasksets._eval import EvalConfigError
+    from trio_tasksets._eval.config import preflight
 
     env = tt.Env(Calls(1))
     ctx = tt.ModelContext(tt.EchoClient(), "echo")
@@ -510,8 +512,8 @@ async def test_an_eval_reads_the_engines_metrics_into_its_window(
 
 
 def test_many_endpoints_travel_to_an_env_server_and_each_must_be_allowed() -> None:
-    from trio_tasksets.serve.policy import ModelPolicy
-    from trio_tasksets.serve.wire import (
+    from trio_tasksets._serve.policy import ModelPolicy
+    from trio_tasksets._serve.wire import (
         Forbidden,
         decode_json,
         encode_run_request,
@@ -539,7 +541,7 @@ def test_many_endpoints_travel_to_an_env_server_and_each_must_be_allowed() -> No
 
 
 def test_an_enclosing_sticky_block_a_groups_wins_over_its_rollouts() -> None:
-    from trio_tasksets.models.pool import sticky_key
+    from trio_tasksets._models.pool import sticky_key
 
     with sticky(("group", "g")):
         with sticky("rollout-1"):

@@ -9,12 +9,12 @@ import trio
 from trio.testing import MockClock
 
 import trio_tasksets as tt
-from trio_tasksets.env import WindowFeed, error_outcome
-from trio_tasksets.envspec import EnvSpec
-from trio_tasksets.limits import CallObserver, observe_calls
-from trio_tasksets.models import Completion, Sampling
+from trio_tasksets._env import WindowFeed, error_outcome
+from trio_tasksets._envspec import EnvSpec
+from trio_tasksets._limits import CallObserver, observe_calls
+from trio_tasksets._models import Completion, Sampling
+from trio_tasksets._window import AdaptiveWindow, Outcome
 from trio_tasksets.testing import ScriptedClient
-from trio_tasksets.window import AdaptiveWindow, Outcome
 
 
 class Flaky:
@@ -287,7 +287,7 @@ async def test_a_rollout_over_its_timeout_is_cancelled_and_becomes_an_episode_er
     assert trio.current_time() - t0 == pytest.approx(2.5)
     assert not episode.ok
     assert [(e.type, e.attempt) for e in episode.errors] == [("RolloutTimeoutError", 1)]
-    assert isinstance(tt.env.RolloutTimeoutError("x"), TimeoutError)  # --retry-on TimeoutError
+    assert isinstance(tt._env.RolloutTimeoutError("x"), TimeoutError)  # --retry-on TimeoutError
     assert heard == [Outcome.TIMEOUT]
     assert episode.timing["duration"] == pytest.approx(2.5)
 

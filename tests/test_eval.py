@@ -456,7 +456,7 @@ async def test_resume_without_a_run_name_picks_the_latest_of_the_same_taskset_an
     await trio.sleep(1)
     await tt.run_eval(tt.Env(Numbers()), other, config(tmp_path, run_name="other"))
     (newer.run_dir / "traces.jsonl").write_text("")  # newer owes every slot
-    assert tt.eval.latest_run(tt.Env(Numbers()), echo(), str(tmp_path)) == newer.run_dir
+    assert tt._eval.latest_run(tt.Env(Numbers()), echo(), str(tmp_path)) == newer.run_dir
     resumed = await tt.run_eval(
         tt.Env(Numbers()), echo(), config(tmp_path, run_name=None, resume=True)
     )
@@ -471,6 +471,6 @@ async def test_resume_without_a_run_name_picks_the_latest_of_the_same_taskset_an
 async def test_n_larger_than_a_static_taskset_says_so(
     autojump_clock: MockClock, tmp_path: Path
 ) -> None:
-    with pytest.warns(tt.eval.EvalWarning, match=r"num_examples 20 .* \(8 tasks\)"):
+    with pytest.warns(tt._eval.EvalWarning, match=r"num_examples 20 .* \(8 tasks\)"):
         result = await tt.run_eval(tt.Env(Numbers()), echo(), config(tmp_path, num_examples=20))
     assert len(result.episodes) == 8

@@ -20,11 +20,11 @@ import trio
 import trio.testing
 
 import trio_tasksets as tt
-from trio_tasksets.dashboard import Progress
-from trio_tasksets.health import Health
-from trio_tasksets.limits import EndpointLimits
-from trio_tasksets.metrics import Metrics, serve_metrics
-from trio_tasksets.models import ModelContext
+from trio_tasksets._dashboard import Progress
+from trio_tasksets._health import Health
+from trio_tasksets._limits import EndpointLimits
+from trio_tasksets._metrics import Metrics, serve_metrics
+from trio_tasksets._models import ModelContext
 
 
 class Some(tt.Taskset[tt.Task, tt.TasksetConfig]):
@@ -203,7 +203,7 @@ async def test_worker_metrics_port(tmp_path: Path) -> None:
     from test_redis import Server as RedisServer
     from test_redis import _free_port, make_tasks, push
 
-    from trio_tasksets.redis.worker import WorkerConfig, run_worker
+    from trio_tasksets.redis._worker import WorkerConfig, run_worker
 
     server = RedisServer(_free_port(), tmp_path)
     server.start()

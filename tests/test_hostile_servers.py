@@ -22,8 +22,8 @@ import pytest
 import trio
 
 import trio_tasksets as tt
-from trio_tasksets.serve import EnvServerError
-from trio_tasksets.transport import HTTPClient, ProtocolError
+from trio_tasksets._serve import EnvServerError
+from trio_tasksets._transport import HTTPClient, ProtocolError
 
 FIXTURES = Path(__file__).resolve().parent / "fixtures"
 if str(FIXTURES) not in sys.path:
@@ -182,7 +182,7 @@ async def test_an_env_servers_model_calls_go_through_the_projects_transport(
     serve: Callable[..., Served],
 ) -> None:
     """Issue 20: the server's model calls went through an `httpx.AsyncClient`. Now they go
-    through `trio_tasksets.transport` (its User-Agent), on its keep-alive pool: 24 runs, 4
+    through `trio_tasksets._transport` (its User-Agent), on its keep-alive pool: 24 runs, 4
     at a time, reach the model endpoint over at most 4 connections."""
     with ChatServer() as chat:
         server = serve(f"--allow-base-url={chat.url}")
@@ -304,8 +304,8 @@ async def test_a_response_head_may_be_64_kib_and_not_a_byte_more(chunked: bool) 
 
 
 def test_the_policy_caps_retries_and_raises_a_small_backoff() -> None:
-    from trio_tasksets.serve.policy import ModelPolicy
-    from trio_tasksets.serve.wire import Forbidden, OpenAISpec
+    from trio_tasksets._serve.policy import ModelPolicy
+    from trio_tasksets._serve.wire import Forbidden, OpenAISpec
 
     policy = ModelPolicy.from_flags(
         ["http://127.0.0.1:9/v1"], None, {}, max_retries=4, min_backoff=0.25

@@ -1,4 +1,4 @@
-"""Tests for trio_tasksets.transport.client, against real servers on 127.0.0.1 that each test
+"""Tests for trio_tasksets._transport.client, against real servers on 127.0.0.1 that each test
 starts: an h11 server (plain or TLS with a throwaway trustme CA) scripted per request, and a
 small forward proxy. Timeouts run on the autojump clock, in virtual time.
 """
@@ -25,10 +25,10 @@ import trio.testing
 import trustme
 from hypothesis import strategies as st
 
-import trio_tasksets.transport.client as http_transport
-import trio_tasksets.transport.connection as http_wire
-from trio_tasksets.models import ModelResponseError, OpenAIClient, Sampling
-from trio_tasksets.transport.client import (
+import trio_tasksets._transport.client as http_transport
+import trio_tasksets._transport.connection as http_wire
+from trio_tasksets._models import ModelResponseError, OpenAIClient, Sampling
+from trio_tasksets._transport.client import (
     ConnectError,
     ConnectionClosed,
     DecodingError,
@@ -41,7 +41,7 @@ from trio_tasksets.transport.client import (
     Timeouts,
     UnsupportedProxy,
 )
-from trio_tasksets.transport.support import Proxies, no_proxy_matches, proxies_from_env
+from trio_tasksets._transport.support import Proxies, no_proxy_matches, proxies_from_env
 
 # --- a scripted HTTP/1.1 server --------------------------------------------------------------
 

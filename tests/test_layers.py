@@ -3,7 +3,11 @@
 Every import between the project's own modules, at any depth (inside functions and under
 `TYPE_CHECKING` too), must go from a higher layer to a lower one or stay inside one room
 (a subpackage or a top-level module); the rooms' import graph has no cycle; no module imports
-a `_private` name from another module.
+a `_private` name from another module; and no module imports another package's private
+modules: a room of a package is reached through that package's `__init__`
+(`from .._models import OpenAIClient`, `from ..redis import RedisStreamTaskset`), never as
+`from ..redis._feed import ...` (the top-level private rooms, `trio_tasksets._window`, are
+the package's own, as in trio's `from ._core import ...`). Tests may import private modules.
 """
 
 from __future__ import annotations
@@ -20,43 +24,46 @@ PACKAGE = Path(__file__).resolve().parent.parent / "trio_tasksets"
 # re-export).
 LAYERS: dict[str, int] = {
     "_exceptions": -1,
-    "version": 0,
-    "backoff": 0,
-    "window": 0,
-    "runner": 1,
-    "drain": 1,
-    "batching": 1,
-    "limits": 1,
-    "tasksets": 1,
-    "sources": 2,
+    "_version": 0,
+    "_backoff": 0,
+    "_window": 0,
+    "_runner": 1,
+    "_drain": 1,
+    "_batching": 1,
+    "_limits": 1,
+    "_tasksets": 1,
+    "_sources": 2,
     "tools": 2,
-    "training": 2,
-    "builtin": 2,
-    "datasets": 2,
-    "transport": 2,
-    "health": 2,
-    "models": 3,
-    "testing": 4,
-    "env": 4,
-    "dashboard": 4,
-    "traces": 4,
-    "metrics": 4,
-    "loading": 5,
-    "groups": 5,
-    "agents": 5,
-    "envspec": 6,
-    "backend": 6,
-    "serve": 7,
+    "_training": 2,
+    "_builtin": 2,
+    "_datasets": 2,
+    "_transport": 2,
+    "_health": 2,
+    "_models": 3,
+    "_env": 4,
+    "_dashboard": 4,
+    "_traces": 4,
+    "_metrics": 4,
+    "_loading": 5,
+    "_groups": 5,
+    "_agents": 5,
+    "queue": 5,
+    "_envspec": 6,
+    "_backend": 6,
+    "consumer": 6,
+    "testing": 6,
+    "_serve": 7,
     "redis": 7,
-    "eval": 8,
+    "_eval": 8,
     "aio": 9,
-    "cli": 10,
+    "_cli": 10,
     "client": 11,
     "distributed": 11,
     "__init__": 12,
     "__main__": 12,
 }
-SIDEWAYS: set[tuple[str, str]] = set()
+# The worker loop rebuilds tasks and checks declarations with the env's own description.
+SIDEWAYS: set[tuple[str, str]] = {("consumer", "_envspec")}
 
 
 def _module_name(path: Path) -> str:
@@ -120,15 +127,68 @@ def test_imports_point_down_and_take_no_private_names(path: Path) -> None:
                 f"{path.relative_to(PACKAGE)}:{line}: {room} (layer {LAYERS[room]}) imports "
                 f"{target} (layer {LAYERS[other]}): layers point down only"
             )
-        private = [n for n in names if n.startswith("_") and not n.startswith("__")]
+        private = [
+            n
+            for n in names
+            if n.startswith("_") and not n.startswith("__") and f"{target}.{n}" not in MODULES
+        ]
         assert target == module or not private, (
             f"{path.relative_to(PACKAGE)}:{line}: imports private {private} from {target}"
         )
 
 
+MODULES = {_module_name(path) for path in _sources()}
+
+# The command line runs the Redis worker and loads verifiers envs: `_cli` may reach these
+# private rooms of the public packages `redis` and `aio` (each listed, not the package).
+BACK_DOORS: dict[str, set[str]] = {
+    "_cli": {
+        "trio_tasksets.redis._entries",
+        "trio_tasksets.redis._link",
+        "trio_tasksets.redis._resp",
+        "trio_tasksets.redis._results",
+        "trio_tasksets.redis._worker",
+        "trio_tasksets.aio._verifiers",
+    },
+}
+
+
+def _private_modules_reached(path: Path) -> list[tuple[str, int]]:
+    """(module, line) for every private module of another package that `path` imports:
+    a module `trio_tasksets.P._m` (any depth) whose package `trio_tasksets.P` is not the
+    importing module's own room."""
+    module = _module_name(path)
+    room = _room(module)
+    found: list[tuple[str, int]] = []
+    for target, names, line in _imports(path):
+        for reached in [target, *(f"{target}.{n}" for n in names if f"{target}.{n}" in MODULES)]:
+            parts = reached.split(".")
+            if len(parts) < 3 or parts[1] == room:
+                continue
+            if any(p.startswith("_") and not p.startswith("__") for p in parts[2:]):
+                found.append((reached, line))
+    return found
+
+
+@pytest.mark.parametrize("path", _sources(), ids=lambda p: str(p.relative_to(PACKAGE)))
+def test_no_module_imports_another_packages_private_modules(path: Path) -> None:
+    allowed = BACK_DOORS.get(_room(_module_name(path)), set())
+    wrong = [
+        f"{path.relative_to(PACKAGE)}:{line}: imports {reached}: import it from its package"
+        for reached, line in _private_modules_reached(path)
+        if reached not in allowed
+    ]
+    assert not wrong
+
+
 # Rooms that must not import each other although the layers would allow it: the eval runs its
-# slots through a `backend.SlotBackend`, each one in the room of its transport.
-APART: dict[str, set[str]] = {"eval": {"serve", "redis"}}
+# slots through a `backend.SlotBackend`, each one in the room of its transport; the worker
+# loop consumes a `queue.TaskQueue`, whatever the feed.
+APART: dict[str, set[str]] = {
+    "_eval": {"_serve", "redis"},
+    "consumer": {"_serve", "redis"},
+    "queue": {"_serve", "redis"},
+}
 
 
 @pytest.mark.parametrize("room", sorted(APART))
@@ -176,16 +236,36 @@ def test_no_import_cycle_between_modules() -> None:
 
 
 def test_the_checker_sees_a_bad_import(tmp_path: Path) -> None:
-    """The checks above can fail: an upward and a private import are found."""
-    bad = tmp_path / "trio_tasksets" / "runner.py"
-    bad.parent.mkdir()
-    bad.write_text("from .cli import main\nfrom .env import _private\n")
-    global PACKAGE
-    saved, PACKAGE = PACKAGE, bad.parent
+    """The checks above can fail: an upward, a private name's and a private module's import of
+    another package are found; a package's own private rooms, a top-level private room and a
+    front door are not."""
+    global PACKAGE, MODULES
+    root = tmp_path / "trio_tasksets"
+    (root / "_serve").mkdir(parents=True)
+    (root / "redis").mkdir()
+    (root / "_models").mkdir()
+    bad = root / "_runner.py"
+    bad.write_text("from ._cli import main\nfrom ._env import _private\n")
+    served = root / "_serve" / "policy.py"
+    served.write_text(
+        "from ..redis._feed import RedisStreamTaskset\n"
+        "from .._models import _openai\n"
+        "from .._models import OpenAIClient\n"
+        "from .._window import Window\n"
+        "from . import _wire\n"
+        "from ..redis import RedisResults\n"
+    )
+    for name in ["redis/__init__", "redis/_feed", "_models/__init__", "_models/_openai"]:
+        (root / f"{name}.py").write_text("")
+    saved = PACKAGE, MODULES
+    PACKAGE = root
+    MODULES = {_module_name(path) for path in root.rglob("*.py")}
     try:
         found = _imports(bad)
+        reached = _private_modules_reached(served)
     finally:
-        PACKAGE = saved
-    assert ("trio_tasksets.cli", ["main"], 1) in found
-    assert ("trio_tasksets.env", ["_private"], 2) in found
-    assert LAYERS[_room("trio_tasksets.cli")] > LAYERS["runner"]
+        PACKAGE, MODULES = saved
+    assert ("trio_tasksets._cli", ["main"], 1) in found
+    assert ("trio_tasksets._env", ["_private"], 2) in found
+    assert LAYERS[_room("trio_tasksets._cli")] > LAYERS["_runner"]
+    assert reached == [("trio_tasksets.redis._feed", 1), ("trio_tasksets._models._openai", 2)]

@@ -14,7 +14,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from trio.testing import MockClock
 
-from trio_tasksets.limits import (
+from trio_tasksets._limits import (
     CallObserver,
     ConnectionLimiter,
     EndpointLimits,
@@ -24,7 +24,7 @@ from trio_tasksets.limits import (
     report_outcome,
     rest,
 )
-from trio_tasksets.window import AdaptiveBounds, AdaptiveWindow, Outcome, Window
+from trio_tasksets._window import AdaptiveBounds, AdaptiveWindow, Outcome, Window
 
 EPS = 1e-9
 

@@ -1,4 +1,4 @@
-"""Tests for trio_tasksets.models: Sampling, ModelContext, EchoClient, OpenAIClient.
+"""Tests for trio_tasksets._models: Sampling, ModelContext, EchoClient, OpenAIClient.
 
 The OpenAIClient tests talk to a real OpenAI-compatible HTTP server on 127.0.0.1: the suite's
 fake (`tests/fixtures/chat_server.py`, the `chat` fixture), scripted per test.
@@ -21,8 +21,8 @@ import trio
 import trio.testing
 from chat_server import ChatServer, Reply
 
-from trio_tasksets.limits import CallObserver, EndpointLimits, observe_calls
-from trio_tasksets.models import (
+from trio_tasksets._limits import CallObserver, EndpointLimits, observe_calls
+from trio_tasksets._models import (
     Completion,
     EchoClient,
     ModelClient,
@@ -36,8 +36,8 @@ from trio_tasksets.models import (
     Sampling,
     api_key_from_env,
 )
-from trio_tasksets.transport import ConnectError, parse_retry_after
-from trio_tasksets.window import AdaptiveBounds, Outcome
+from trio_tasksets._transport import ConnectError, parse_retry_after
+from trio_tasksets._window import AdaptiveBounds, Outcome
 
 # ---------------------------------------------------------------------------------------
 # The scripted OpenAI-compatible server
@@ -628,3 +628,34 @@ async def test_logprobs_alone_fill_the_tokens(server: ChatServer) -> None:
     assert reply.tokens is not None
     assert (reply.tokens.prompt_ids, reply.tokens.completion_ids) == ([], [])
     assert reply.tokens.completion_logprobs == [-0.5]
+
+
+def _clients() -> list[Any]:
+    from trio_tasksets.testing import ScriptedClient
+
+    return [EchoClient(), OpenAIClient("http://127.0.0.1:1/v1"), ScriptedClient(["hi"])]
+
+
+@pytest.mark.parametrize("client", _clients(), ids=lambda c: type(c).__name__)
+async def test_every_model_client_closes_on_leaving_its_block(client: Any) -> None:
+    """The clients share one async-context-manager base (`ModelClientBase`): ``async with``
+    gives the client itself, and its `aclose` runs however the block ends."""
+    from trio_tasksets._models import ModelClientBase
+
+    closed: list[bool] = []
+    real = client.aclose
+
+    async def aclose() -> None:
+        closed.append(True)
+        await real()
+
+    client.aclose = aclose
+    assert isinstance(client, ModelClientBase)
+    async with client as entered:
+        assert entered is client
+    assert closed == [True]
+    with pytest.raises(KeyError):
+        async with client:
+            raise KeyError("boom")
+    assert closed == [True, True]
+    await real()  # idempotent

@@ -4,7 +4,7 @@ only what the coordinator uses, a module TASKSET from the current folder, a cont
 named, and a misspelt option answered with the close one.
 
 The model server is the project's fake OpenAI server (`tests/fixtures/chat_server.py`, real
-sockets on 127.0.0.1); the command line runs in this process (`trio_tasksets.cli.main`).
+sockets on 127.0.0.1); the command line runs in this process (`trio_tasksets._cli.main`).
 """
 
 from __future__ import annotations
@@ -26,10 +26,10 @@ import pytest
 import trio
 
 import trio_tasksets as tt
-from trio_tasksets.cli import main
-from trio_tasksets.eval.report.data import load_run
-from trio_tasksets.eval.report.figures import compute
-from trio_tasksets.eval.report.stats import mean_interval, reward_interval, wilson_interval
+from trio_tasksets._cli import main
+from trio_tasksets._eval.report.data import load_run
+from trio_tasksets._eval.report.figures import compute
+from trio_tasksets._eval.report.stats import mean_interval, reward_interval, wilson_interval
 
 ROOT = Path(__file__).resolve().parent.parent
 FIXTURES = ROOT / "tests" / "fixtures"
@@ -241,7 +241,7 @@ def test_a_run_that_keeps_no_run_dir_points_at_no_traces(
 def test_sigterm_prints_of_planned_and_no_traces_when_none_are_kept(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    from trio_tasksets.cli.eval import _print_summary
+    from trio_tasksets._cli.eval import _print_summary
 
     run_dir = tmp_path / "r"
     summary = {"ok": 28, "finished": 28, "planned": 80, "interrupted": True,
@@ -346,7 +346,7 @@ def test_eval_via_says_the_endpoint_options_are_the_workers(
 def test_worker_defaults_are_what_eval_via_assumes(
     redis_url: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    from trio_tasksets.cli.main import parser
+    from trio_tasksets._cli.main import parser
 
     args = parser().parse_args(["worker", "--feed", redis_url])
     assert (args.stream, args.group, args.results) == ("tasks", "workers", "results")

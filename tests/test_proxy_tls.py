@@ -18,9 +18,9 @@ import trio
 import trustme
 
 import trio_tasksets as tt
-from trio_tasksets.redis.link import Link
-from trio_tasksets.redis.resp import Address, Connection, Unreachable
-from trio_tasksets.transport import ConnectError, HTTPClient
+from trio_tasksets._transport import ConnectError, HTTPClient
+from trio_tasksets.redis._link import Link
+from trio_tasksets.redis._resp import Address, Connection, Unreachable
 
 TINYPROXY = shutil.which("tinyproxy")
 REDIS_SERVER = shutil.which("redis-server")

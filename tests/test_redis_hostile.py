@@ -17,8 +17,8 @@ import forkserver
 import pytest
 import trio
 
-from trio_tasksets.redis.link import Link
-from trio_tasksets.redis.resp import Address, Connection, Unreachable
+from trio_tasksets.redis._link import Link
+from trio_tasksets.redis._resp import Address, Connection, Unreachable
 
 pytest.importorskip("hiredis")
 

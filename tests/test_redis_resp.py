@@ -1,4 +1,4 @@
-"""The Redis connection (`trio_tasksets.redis.resp`) against a real redis-server (plain TCP, TLS
+"""The Redis connection (`trio_tasksets.redis._resp`) against a real redis-server (plain TCP, TLS
 with a trustme CA, a unix socket, an ACL user) and against servers that misbehave on purpose.
 What it wrote is checked with redis-py, a client we did not write."""
 
@@ -14,8 +14,8 @@ import pytest
 import trio
 from redis_server import RedisServer, free_port
 
-from trio_tasksets.redis.link import Link, server_run_id
-from trio_tasksets.redis.resp import Address, Connection, ReplyError, Unreachable, pack
+from trio_tasksets.redis._link import Link, server_run_id
+from trio_tasksets.redis._resp import Address, Connection, ReplyError, Unreachable, pack
 
 REDIS_SERVER = shutil.which("redis-server")
 needs_server = pytest.mark.skipif(

@@ -18,8 +18,8 @@ import pytest
 import trio
 
 import trio_tasksets as tt
-from trio_tasksets.builtin import EchoTaskset
-from trio_tasksets.eval.lock import RunDirLock
+from trio_tasksets._builtin import EchoTaskset
+from trio_tasksets._eval.lock import RunDirLock
 
 ROOT = Path(__file__).resolve().parent.parent
 FEEDS = str(ROOT / "tests" / "fixtures" / "feeds.py")

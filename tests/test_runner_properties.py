@@ -55,8 +55,8 @@ from hypothesis import strategies as st
 from trio.testing import MockClock
 
 import trio_tasksets as tt
+from trio_tasksets._window import Window
 from trio_tasksets.testing import Feed
-from trio_tasksets.window import Window
 
 Api = Literal["run_stream", "as_completed"]
 Kind = Literal["feed", "agen", "channel"]

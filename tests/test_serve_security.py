@@ -32,17 +32,17 @@ from wsproto import ConnectionType, WSConnection
 from wsproto.events import BytesMessage, CloseConnection, Request, TextMessage
 
 import trio_tasksets as tt
-from trio_tasksets.builtin import EchoTaskset
-from trio_tasksets.serve import EnvServerError
-from trio_tasksets.serve.policy import (
+from trio_tasksets._builtin import EchoTaskset
+from trio_tasksets._serve import EnvServerError
+from trio_tasksets._serve.policy import (
     Access,
     ModelClients,
     ModelPolicy,
     RequestRefused,
     normalize_base_url,
 )
-from trio_tasksets.serve.transport import HandshakeRefused, handshake
-from trio_tasksets.serve.wire import (
+from trio_tasksets._serve.transport import HandshakeRefused, handshake
+from trio_tasksets._serve.wire import (
     MAX_DEPTH,
     EchoSpec,
     Forbidden,
@@ -51,7 +51,7 @@ from trio_tasksets.serve.wire import (
     parse_run_request,
     quick_slot,
 )
-from trio_tasksets.traces import write_atomic
+from trio_tasksets._traces import write_atomic
 
 TOKEN = "security-token-0123456789"
 TOKEN_VAR = "TT_TEST_SECURITY_TOKEN"

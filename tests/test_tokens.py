@@ -19,7 +19,7 @@ import pytest
 import trio
 
 import trio_tasksets as tt
-from trio_tasksets.models import Completion, ModelContext, OpenAIClient, Sampling, Tokens
+from trio_tasksets._models import Completion, ModelContext, OpenAIClient, Sampling, Tokens
 
 FIXTURES = Path(__file__).resolve().parent / "fixtures"
 if str(FIXTURES) not in sys.path:
@@ -167,7 +167,7 @@ async def test_echo_fills_no_tokens() -> None:
 
 
 def test_return_tokens_travels_to_an_env_server() -> None:
-    from trio_tasksets.serve.wire import WireError, encode_run_request, parse_run_request
+    from trio_tasksets._serve.wire import WireError, encode_run_request, parse_run_request
 
     ctx = tt.ModelContext(tt.EchoClient(), "echo", Sampling(return_tokens=True))
     body = json.loads(encode_run_request(tt.RunSlot(tt.Task("x")), ctx))

@@ -14,9 +14,9 @@ import pytest
 import trio
 
 import trio_tasksets as tt
-from trio_tasksets.env import user_traceback
-from trio_tasksets.eval.config import check_window
-from trio_tasksets.models import ModelContext
+from trio_tasksets._env import user_traceback
+from trio_tasksets._eval.config import check_window
+from trio_tasksets._models import ModelContext
 
 CTX = ModelContext(tt.EchoClient(), "echo")
 

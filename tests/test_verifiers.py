@@ -31,9 +31,9 @@ import pytest
 import trio
 
 import trio_tasksets as tt
-from trio_tasksets import cli
-from trio_tasksets.envspec import EnvSpec
-from trio_tasksets.loading import load_object
+from trio_tasksets import _cli as cli
+from trio_tasksets._envspec import EnvSpec
+from trio_tasksets._loading import load_object
 
 vf = pytest.importorskip("verifiers.v1", reason="needs verifiers: pip install -e '.[test]'")
 
@@ -441,7 +441,7 @@ async def test_the_anyio_case_inside_pytest_httpx_in_a_bridged_env(server: ChatS
 
 
 def test_importing_trio_tasksets_never_needs_verifiers(monkeypatch: pytest.MonkeyPatch) -> None:
-    check = "import sys, trio_tasksets, trio_tasksets.cli\n" + (
+    check = "import sys, trio_tasksets, trio_tasksets._cli\n" + (
         "assert not any(m.startswith('verifiers') for m in sys.modules)"
     )
     done = subprocess.run(

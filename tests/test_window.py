@@ -16,8 +16,7 @@ from hypothesis import strategies as st
 from trio.testing import MockClock
 
 import trio_tasksets as tt
-from trio_tasksets.testing import Feed, Gate
-from trio_tasksets.window import (
+from trio_tasksets._window import (
     AdaptiveBounds,
     AdaptiveController,
     AdaptiveWindow,
@@ -29,6 +28,7 @@ from trio_tasksets.window import (
     parse_window,
     window_spec,
 )
+from trio_tasksets.testing import Feed, Gate
 
 
 class Boom(Exception):
@@ -577,7 +577,7 @@ def test_parse_window_names_the_flag_and_the_form(text: str, match: str) -> None
 
 
 def test_parse_window_keeps_its_message_under_argparse(capsys: pytest.CaptureFixture[str]) -> None:
-    from trio_tasksets.cli.options import window_option  # the CLI's argparse type of it
+    from trio_tasksets._cli.options import window_option  # the CLI's argparse type of it
 
     parser = argparse.ArgumentParser(prog="tt")
     parser.add_argument("-c", type=window_option)

@@ -8,23 +8,27 @@ The flat public API (SPEC, and every name the docs use): the runner (`run_stream
 `HTTPClient`, the model errors, `chat_messages`), agents (`tool`, `Tool`, `ToolEnv`,
 `fan_out`), windows and limits on model calls (`Window`, `AdaptiveWindow`, `AdaptiveBounds`,
 `EndpointLimits`, `RateLimiter`; for a model client of your own `report_outcome`, `rest`,
-`observe_calls`; for a tool runner `parked`, `report_progress`), the served path (`EnvClient`,
-`EnvServerError`, `spawn_server`) and the eval (`EvalConfig`, `run_eval`, `EvalResult`,
-`report`, `rescore`). Every exception the library defines is a `TrioTasksetsError` (the tree:
-`trio_tasksets._exceptions`); a bad setting is a `ConfigError`.
+`observe_calls`; for a tool runner `parked`, `report_progress`; `sticky` to keep calls on one
+endpoint), groups for training (`Group`, `group_feed`, `run_group`, `GroupFailedError`,
+`first`, `Staleness`), the served path (`EnvClient`, `EnvServerError`, `spawn_server`) and the
+eval (`EvalConfig`, `run_eval`, `EvalResult`, `report`, `rescore`; where its slots run:
+`SlotBackend`, `InProcess`, `ServedBackend`, and `trio_tasksets.redis.ViaBackend`). Every
+exception the library defines is a `TrioTasksetsError` (the tree: `trio_tasksets._exceptions`);
+a bad setting is a `ConfigError`.
 
 Public submodules: `aio` (the asyncio bridge), `testing` (helpers for deterministic tests,
 `ScriptedClient`), `tools` (`tools.shell`) and `trio_tasksets.redis` (the Redis feed, imported
 by name). The `__all__` of each is its public API, pinned by `tests/test_exports.py`; every
-other module is an implementation detail that a 0.x release may move or make private
-(CHANGELOG.md).
+other module is private (`trio_tasksets._window`, `trio_tasksets.aio._guest`, ...: a leading
+underscore, free to change in any release), as in trio and httpx. Two documented old paths
+stay as thin shims: `trio_tasksets.client` and `trio_tasksets.distributed` (CHANGELOG.md).
 """
 
 from . import aio, testing, tools
-from ._exceptions import ConfigError, TrioTasksetsError
-from .agents import ToolEnv
-from .builtin import EchoStreamConfig, EchoStreamTaskset, EchoTaskset
-from .datasets import (
+from ._agents import ToolEnv
+from ._backend import InProcess, SlotBackend
+from ._builtin import EchoStreamConfig, EchoStreamTaskset, EchoTaskset
+from ._datasets import (
     CsvConfig,
     CsvTaskset,
     DatasetError,
@@ -33,7 +37,7 @@ from .datasets import (
     JsonlConfig,
     JsonlTaskset,
 )
-from .env import (
+from ._env import (
     Env,
     Episode,
     EpisodeError,
@@ -44,10 +48,12 @@ from .env import (
     StalledError,
     chat_messages,
 )
-from .eval import EvalConfig, EvalConfigError, EvalResult, run_eval
-from .eval.report import report
-from .eval.rescore import rescore
-from .limits import (
+from ._eval import EvalConfig, EvalConfigError, EvalResult, run_eval
+from ._eval.report import report
+from ._eval.rescore import rescore
+from ._exceptions import ConfigError, TrioTasksetsError
+from ._groups import Group, GroupFailedError, group_feed, run_group
+from ._limits import (
     CallObserver,
     EndpointLimits,
     RateLimiter,
@@ -57,7 +63,7 @@ from .limits import (
     report_progress,
     rest,
 )
-from .models import (
+from ._models import (
     Completion,
     EchoClient,
     ModelClient,
@@ -73,15 +79,16 @@ from .models import (
     ToolCall,
     api_key_from_env,
 )
-from .runner import as_completed, fan_out, run_stream
-from .serve import EnvClient, EnvServerError, spawn_server
-from .sources import merge, take, until
-from .tasksets import Task, Taskset, TasksetConfig
+from ._models.pool import sticky
+from ._runner import as_completed, fan_out, run_stream
+from ._serve import EnvClient, EnvServerError, ServedBackend, spawn_server
+from ._sources import merge, take, until
+from ._tasksets import Task, Taskset, TasksetConfig
+from ._training import Staleness, first
+from ._transport import HTTPClient, Timeouts
+from ._version import __version__
+from ._window import AdaptiveBounds, AdaptiveWindow, Window, build_window, parse_window
 from .tools import Tool, tool
-from .training import Staleness, first
-from .transport import HTTPClient, Timeouts
-from .version import __version__
-from .window import AdaptiveBounds, AdaptiveWindow, Window, build_window, parse_window
 
 __all__ = [
     "AdaptiveBounds",
@@ -106,9 +113,12 @@ __all__ = [
     "EvalConfig",
     "EvalConfigError",
     "EvalResult",
+    "Group",
+    "GroupFailedError",
     "HFConfig",
     "HFTaskset",
     "HTTPClient",
+    "InProcess",
     "JsonlConfig",
     "JsonlTaskset",
     "ModelClient",
@@ -124,6 +134,8 @@ __all__ = [
     "RolloutTimeoutError",
     "RunSlot",
     "Sampling",
+    "ServedBackend",
+    "SlotBackend",
     "Staleness",
     "StalledError",
     "Task",
@@ -144,6 +156,7 @@ __all__ = [
     "chat_messages",
     "fan_out",
     "first",
+    "group_feed",
     "merge",
     "observe_calls",
     "parked",
@@ -154,8 +167,10 @@ __all__ = [
     "rescore",
     "rest",
     "run_eval",
+    "run_group",
     "run_stream",
     "spawn_server",
+    "sticky",
     "take",
     "testing",
     "tool",

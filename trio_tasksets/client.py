@@ -1,7 +1,7 @@
-"""Moved: the served path's client is `trio_tasksets.serve` (`EnvClient`, `spawn_server`)."""
+"""Moved: the served path's client is in the flat API (`tt.EnvClient`, `tt.spawn_server`)."""
 
-from .serve.client import EnvClient
-from .serve.errors import EnvServerError
-from .serve.spawn import ServerProcess, spawn_server
+from ._serve.client import EnvClient
+from ._serve.errors import EnvServerError
+from ._serve.spawn import ServerProcess, spawn_server
 
 __all__ = ["EnvClient", "EnvServerError", "ServerProcess", "spawn_server"]

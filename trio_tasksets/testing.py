@@ -8,6 +8,10 @@
 * `ScriptedClient`: a model client that answers from a script (completions, tool calls
   included, or functions of the messages and tools) and records every call in `.calls`;
   `reply(...)` builds a scripted reply, tool calls included.
+* `MemoryTaskQueue`: a worker's task queue (`trio_tasksets.queue.TaskQueue`) in memory: `put`
+  entries, run the worker loop over it (`trio_tasksets.consumer.consume`), read what it
+  `answered`, `refused` and still `held`; `reclaim()` hands a crashed worker's entries out
+  again. The reference a queue of one's own is tested against (tests/test_queues.py).
 
 Use them on trio's MockClock (pytest-trio's `autojump_clock`), with every wait on a quiet feed
 under `trio.fail_after`.
@@ -19,22 +23,25 @@ import copy
 import inspect
 import json
 import math
-from collections.abc import AsyncGenerator, Awaitable, Callable, Sequence
+from collections import deque
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable, Sequence
 from contextlib import asynccontextmanager
-from types import TracebackType
-from typing import Any, Generic, Self, TypeVar
+from typing import Any, Generic, TypeVar
 
 import attrs
 import trio
 
+from ._env import task_data, task_key
 from ._exceptions import TrioTasksetsError
-from .models import Completion, Sampling
-from .tasksets import Task, Taskset, TasksetConfig
+from ._models import Completion, ModelClientBase, Sampling
+from ._tasksets import Task, Taskset, TasksetConfig
+from .queue import Finished, MalformedEntry, TaskEntry
 
 __all__ = [
     "Feed",
     "FeedTaskset",
     "Gate",
+    "MemoryTaskQueue",
     "ScriptExhausted",
     "ScriptedCall",
     "ScriptedClient",
@@ -302,7 +309,7 @@ Answer = Completion | str | dict[str, Any]
 ScriptStep = Answer | Callable[[list[dict[str, Any]], list[dict[str, Any]] | None], Any]
 
 
-class ScriptedClient:
+class ScriptedClient(ModelClientBase):
     """A `ModelClient` that answers from a script, for tests (SPEC 9).
 
     `replies` is either a sequence, answered in call order (one step per call, across every
@@ -360,20 +367,6 @@ class ScriptedClient:
                 answer = await answer
         return _completion(answer)
 
-    async def aclose(self) -> None:
-        """Nothing to release."""
-
-    async def __aenter__(self) -> Self:
-        return self
-
-    async def __aexit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
-        await self.aclose()
-
 
 def _completion(answer: object) -> Completion:
     if isinstance(answer, Completion):
@@ -392,3 +385,141 @@ def _completion(answer: object) -> Completion:
         f"ScriptedClient: a script step gave {type(answer).__name__}; give a Completion "
         f"(testing.reply(...)), a str or an assistant message dict"
     )
+
+
+class MemoryTaskQueue:
+    """A `TaskQueue` in memory (see `trio_tasksets.queue` for the guarantees it gives).
+
+    `put(task, ...)` adds an entry (any task: its key and data travel, as through Redis);
+    `answered` lists each published `Finished` in publish order, `refused` each entry
+    acknowledged without running (with the reason), `held` the entries claimed and not yet
+    acknowledged, and `peak` the most held at once. A worker that is cancelled or crashes
+    leaves its entries in `held`; `reclaim()` (what another worker does once they are idle)
+    puts them back first in line. `publish` of an entry no longer held (reclaimed and
+    answered elsewhere) records nothing and counts it in `duplicates`.
+    """
+
+    def __init__(self, consumer: str = "memory", *, keep_alive_every: float = math.inf) -> None:
+        self._consumer = consumer
+        self._keep_alive_every = keep_alive_every
+        self.ready: deque[TaskEntry] = deque()
+        self.held: dict[str, TaskEntry] = {}
+        self.answered: list[Finished] = []
+        self.refused: list[tuple[TaskEntry, str]] = []
+        self.peak = 0
+        self.kept_alive = 0
+        self.duplicates = 0
+        self.closed = False
+        self._ids = 0
+        self._stop = trio.Event()
+        self._changed = trio.Event()
+
+    @property
+    def consumer(self) -> str:
+        return self._consumer
+
+    @property
+    def keep_alive_every(self) -> float:
+        return self._keep_alive_every
+
+    @property
+    def stopping(self) -> bool:
+        return self._stop.is_set()
+
+    def describe(self) -> str:
+        return f"memory queue {self._consumer} ({len(self.ready)} ready)"
+
+    def put(
+        self,
+        task: Any,
+        *,
+        rollout: int = 0,
+        rollouts: int = 1,
+        group: str | None = None,
+        declared: str | None = None,
+        deadline: float | None = None,
+    ) -> TaskEntry:
+        """Add an entry for `task` (`group`: one entry of `rollouts` rollouts run as a
+        group); return it."""
+        self._ids += 1
+        entry = TaskEntry(
+            None, f"m-{self._ids}", task_key(task), task_data(task), rollout=rollout,
+            rollouts=rollouts, group=group, declared=declared, deadline=deadline,
+        )  # fmt: skip
+        self.ready.append(entry)
+        self._wake()
+        return entry
+
+    def reclaim(self) -> list[TaskEntry]:
+        """Every held entry back at the front of the line (a dead worker's, reclaimed)."""
+        taken = list(self.held.values())
+        self.held.clear()
+        self.ready.extendleft(reversed(taken))
+        self._wake()
+        return taken
+
+    def restart(self, consumer: str | None = None) -> None:
+        """Ready for another worker (named `consumer`, default: the same) after `stop()`:
+        new claims may start."""
+        if consumer is not None:
+            self._consumer = consumer
+        self._stop = trio.Event()
+        self.closed = False
+
+    def _wake(self) -> None:
+        self._changed.set()
+        self._changed = trio.Event()
+
+    async def claims(
+        self, build: Callable[[TaskEntry], T], *, room: Callable[[], int]
+    ) -> AsyncIterator[T]:
+        claimed: deque[TaskEntry] = deque()
+        while True:
+            if claimed:  # ours now, even after stop(): run them
+                entry = claimed.popleft()
+                try:
+                    item = build(entry)
+                except MalformedEntry as exc:
+                    del self.held[entry.id]
+                    self.refused.append((entry, str(exc)))
+                    continue
+                yield item
+                continue
+            if self.stopping:
+                return
+            if not self.ready:
+                stop, changed = self._stop, self._changed
+                async with trio.open_nursery() as nursery:
+
+                    async def until(event: trio.Event) -> None:
+                        await event.wait()
+                        nursery.cancel_scope.cancel()
+
+                    nursery.start_soon(until, stop)
+                    nursery.start_soon(until, changed)
+                continue
+            await trio.lowlevel.checkpoint()
+            for _ in range(min(max(1, room()), len(self.ready))):
+                entry = self.ready.popleft()
+                self.held[entry.id] = entry
+                claimed.append(entry)
+            self.peak = max(self.peak, len(self.held))
+
+    async def publish(self, batch: Sequence[Finished]) -> None:
+        await trio.lowlevel.checkpoint()
+        for finished in batch:
+            if self.held.pop(finished.entry.id, None) is None:
+                self.duplicates += 1
+            else:
+                self.answered.append(finished)
+
+    async def keep_alive(self, held: Sequence[TaskEntry]) -> None:
+        await trio.lowlevel.checkpoint()
+        self.kept_alive += 1
+
+    def stop(self) -> None:
+        self._stop.set()
+
+    async def close(self) -> None:
+        await trio.lowlevel.checkpoint()
+        self.closed = True

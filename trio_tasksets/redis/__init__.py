@@ -13,7 +13,7 @@
 * `enqueue(url, stream, tasks)`: XADDs tasks as entries, one field `task` holding the JSON of
   `{"key", "data"}`, which reads back as an equal `tt.Task` (a `RedisTask`).
 
-The client is the project's own connection (`resp`: RESP over trio sockets, replies parsed by
+The client is the project's own connection (`_resp`: RESP over trio sockets, replies parsed by
 hiredis), so a command costs no thread hop. A blocking read waits at most `block` seconds, so a
 graceful stop (`RedisStreamTaskset.stop()`) ends the stream within `block` without abandoning a
 read that may already have claimed an entry; a hard cancellation abandons the call at once and
@@ -22,13 +22,15 @@ with capped, jittered exponential backoff and a log line naming the URL; nothing
 behind the caller's back, so no transaction runs twice unseen. docs/distributed.md explains
 the choice and the guarantees.
 
-Rooms: `resp` (one connection), `entries` (tasks as entries), `link` (a connection that
-survives outages), `feed` (`RedisStreamTaskset`), `results` (`RedisResults`, `enqueue`),
-`worker` (`run_worker`), `coordinator` (`ViaBackend`: an eval's slots over workers, `--via`).
+Rooms (private): `_resp` (one connection), `_entries` (tasks as entries), `_link` (a
+connection that survives outages), `_feed` (`RedisStreamTaskset`), `_results` (`RedisResults`,
+`enqueue`), `_queue` (`RedisTaskQueue`: the feed and the sink as the worker loop's
+`TaskQueue`), `_worker` (`run_worker`), `_coordinator` (`ViaBackend`: an eval's slots over
+workers, `--via`; a group as one entry run by one worker).
 """
 
-from .coordinator import ViaBackend
-from .entries import (
+from ._coordinator import ViaBackend
+from ._entries import (
     TASK_FIELD,
     EntryRef,
     MalformedEntry,
@@ -37,8 +39,9 @@ from .entries import (
     decode_task,
     encode_task,
 )
-from .feed import RedisStreamTaskset
-from .results import Published, RedisResults, enqueue
+from ._feed import RedisStreamTaskset
+from ._queue import RedisTaskQueue
+from ._results import Published, RedisResults, enqueue
 
 __all__ = [
     "TASK_FIELD",
@@ -48,6 +51,7 @@ __all__ = [
     "RedisResults",
     "RedisStreamTaskset",
     "RedisTask",
+    "RedisTaskQueue",
     "ViaBackend",
     "check_url",
     "decode_task",

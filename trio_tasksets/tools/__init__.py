@@ -2,10 +2,10 @@
 the project ships (`shell`: a command in a working directory, its process group killed on
 timeout or cancel). `tt.ToolEnv` runs them; docs/agents.md shows them together.
 
-Rooms: `schema` (`Tool`, `tool`, `ToolArgumentError`), `shell`.
+Rooms (private): `_schema` (`Tool`, `tool`, `ToolArgumentError`), `_shell`.
 """
 
-from .schema import Tool, ToolArgumentError, tool
-from .shell import shell
+from ._schema import Tool, ToolArgumentError, tool
+from ._shell import shell
 
 __all__ = ["Tool", "ToolArgumentError", "shell", "tool"]

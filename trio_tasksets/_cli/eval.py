@@ -1,0 +1,616 @@
+"""`trio-tasksets eval TASKSET`: the eval's command (exit codes: see `trio_tasksets._cli.main`).
+
+What it prints: the one-line summary on stdout and, when episodes failed, the failures by
+type with the first error's message. When the run did not succeed, one error line on stderr
+with the fix the first error suggests; when it stopped early, where its rows are and the
+exact command that resumes it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import shlex
+import shutil
+import sys
+import warnings
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, TextIO
+
+import trio
+
+from .._env import Env
+from .._eval import EvalConfig, EvalConfigError, EvalResult, EvalWarning, run_eval
+from .._eval.config import check_max_failures, preflight, run_dir_for
+from .._models import ModelContext
+from .._serve.wire import TOKEN_VAR
+from .env_options import add_env_options, build_env, check_retry_flags
+from .model_options import (
+    add_model_options,
+    api_key_var,
+    base_urls,
+    check_engine_metrics,
+    engine_metrics_urls,
+    limit_flags,
+    model_context,
+)
+from .options import (
+    DEFAULT_API_KEY_VAR,
+    PROG,
+    CommandError,
+    HelpFormatter,
+    UsageError,
+    add_metrics_option,
+    add_time_limit_option,
+    add_window_option,
+    flag_message,
+    given,
+    warn,
+)
+
+if TYPE_CHECKING:
+    from .options import Commands
+
+EXIT_ON_SIGNAL = {"SIGINT": 130, "SIGTERM": 143}
+
+
+def _max_failures(text: str) -> int | float:
+    value: int | float
+    try:
+        value = int(text)
+    except ValueError:
+        try:
+            value = float(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(
+                f"takes N (an integer >= 1) or a FRACTION between 0 and 1, got {text!r}"
+            ) from None
+    try:
+        check_max_failures(value)
+    except EvalConfigError as exc:
+        raise argparse.ArgumentTypeError(str(exc).removeprefix("max_failures ")) from None
+    return value
+
+
+def add_parser(commands: Commands) -> argparse.ArgumentParser:
+    """Add `eval` to the CLI's subcommands."""
+    ev = commands.add_parser(
+        "eval",
+        help="evaluate a taskset against a model",
+        description="Evaluate a taskset against a model; traces go to <output-dir>/<run-name>/.",
+        formatter_class=HelpFormatter,
+        allow_abbrev=False,  # the resume command rewrites --run-name and --resume by name
+    )
+    env = add_env_options(ev)
+    env.add_argument(
+        "--reward", default=None, metavar="SPEC",
+        help="score with this reward (file.py:function or pkg.mod:function: (task, completion) "
+        "-> a number or {'reward': ..., name: metric}) (default: the taskset's, else answer "
+        "match)",
+    )  # fmt: skip
+    run = ev.add_argument_group("the run")
+    run.add_argument(
+        "-n", "--num-examples", type=int, default=None, metavar="N",
+        help="take N tasks; required on a streaming or INFINITE taskset (default: every task "
+        "of a static taskset)",
+    )  # fmt: skip
+    run.add_argument(
+        "-r", "--rollouts-per-example", type=int, default=1, metavar="R", help="slots per task"
+    )
+    add_window_option(run, help="the window: most rollouts in flight")
+    run.add_argument(
+        "--group", action="store_true",
+        help="a task's -r rollouts are one group: they run together, Env.score_group scores "
+        "them, their rows are written together (with `group` and `advantage`), and one that "
+        "fails after its retries fails the group",
+    )  # fmt: skip
+    run.add_argument(
+        "--shuffle", action="store_true", help="shuffle a static taskset before taking N"
+    )
+    run.add_argument(
+        "--seed", type=int, default=None, metavar="S", help="the seed of --shuffle (default: 0)"
+    )
+    run.add_argument(
+        "--resume", action="store_true",
+        help="finish the owed rollouts of a run dir: --run-name's, or else the latest run of "
+        "this taskset and model in -o",
+    )  # fmt: skip
+    run.add_argument(
+        "-o", "--output-dir", default="outputs", metavar="DIR", help="where run dirs go"
+    )
+    run.add_argument(
+        "--run-name", default=None, metavar="NAME",
+        help="the run dir's name (default: <Taskset>-<model>-<YYYYmmdd-HHMMSS>)",
+    )  # fmt: skip
+    run.add_argument(
+        "--max-failures", type=_max_failures, default=None, metavar="N|FRACTION",
+        help="stop (exit 1) once N episodes failed, or once more than FRACTION of the planned "
+        "slots (of a stream: of the finished ones) failed (default: never stop early; exit 1 "
+        "only when no episode succeeded)",
+    )  # fmt: skip
+    run.add_argument(
+        "--max-consecutive-failures", type=int, default=None, metavar="N",
+        help="stop (exit 1) after N failed episodes in a row: a dead service fails every one "
+        "(default: never)",
+    )  # fmt: skip
+    add_time_limit_option(
+        run, what="stop pulling, cancel the rollouts in flight and keep the finished rows "
+        "(summary.json: stopped \"time_limit\"; exit 0 if any episode succeeded)",
+    )  # fmt: skip
+    run.add_argument("--no-dashboard", action="store_true", help="plain log lines, no live view")
+    add_metrics_option(run)
+    served = ev.add_argument_group("the served path")
+    served.add_argument("--serve", action="store_true", help="run the env in a server process")
+    served.add_argument(
+        "--workers", type=int, default=1, metavar="K", help="server processes, with --serve"
+    )
+    served.add_argument(
+        "--server-url", default=None, metavar="URL",
+        help="use a running `trio-tasksets serve` (default: none: run in this process)",
+    )  # fmt: skip
+    served.add_argument(
+        "--token-var", default=None, metavar="NAME",
+        help=f"with --server-url: the environment variable holding its token "
+        f"(default: {TOKEN_VAR})",
+    )  # fmt: skip
+    workers = ev.add_argument_group("over workers (trio-tasksets worker)")
+    workers.add_argument(
+        "--via", default=None, metavar="URL",
+        help="run the slots on `trio-tasksets worker`s through this Redis, e.g. "
+        "redis://127.0.0.1:6379/0 (the eval enqueues and collects; -c spans all workers; "
+        "default: none: run in this process)",
+    )  # fmt: skip
+    workers.add_argument(
+        "--stream", default=None, metavar="S",
+        help="with --via: the workers' task stream (default: tasks)",
+    )  # fmt: skip
+    add_model_options(ev)
+    return ev
+
+
+# --- checks and building ----------------------------------------------------------------------
+
+
+def _refuse_idle_options(args: argparse.Namespace) -> None:
+    """An option that would do nothing in this combination is a usage error."""
+    if args.seed is not None and not args.shuffle:
+        raise UsageError(
+            "--seed does nothing without --shuffle", fix="add --shuffle, or drop --seed"
+        )
+    if args.token_var is not None and args.server_url is None:
+        raise UsageError(
+            "--token-var applies to --server-url only",
+            fix="add --server-url URL, or drop --token-var",
+        )
+    check_retry_flags(args)
+    _refuse_remote_limits(args)
+
+
+def _refuse_remote_limits(args: argparse.Namespace) -> None:
+    """The model-call limits act in the process that makes the calls: with --serve or
+    --server-url that is the env server, with --via the workers. `--rollout-timeout` travels
+    to a spawned server (--serve), not to a running one nor to workers."""
+    if args.serve:
+        flag, who, how = "--serve", "the env server child", ""
+    elif args.server_url is not None:
+        flag, who, how = "--server-url", "the env server", " (start it with trio-tasksets serve)"
+    elif args.via is not None:
+        flag, who, how = "--via", "the workers", " (start them with trio-tasksets worker)"
+    else:
+        return
+    limits = limit_flags(args)
+    if len(getattr(args, "engine_metrics", None) or []) > 1:
+        limits.append("--engine-metrics (one per --base-url)")
+    if limits:
+        flags = ", ".join(limits)
+        raise UsageError(
+            f"{flags} with {flag}: the model calls are made by {who}, where this eval's "
+            f"limits cannot act",
+            fix=f"drop {flags} here and give them to the workers (trio-tasksets worker)"
+            if flag == "--via"
+            else f"drop {flags}, or run in-process (without {flag})",
+        )
+    if flag == "--via":
+        # The workers call the model with their own endpoint: the coordinator needs only the
+        # model's name and sampling (which its entries declare).
+        endpoint = (("--base-url", "base_url"), ("--api-key-var", "api_key_var"),
+                    ("--timeout", "timeout"), ("--echo-delay", "echo_delay"))  # fmt: skip
+        unused = [name for name, dest in endpoint if given(args, dest)]
+        if unused:  # said, not refused: commands written when --via required them still run
+            flags = ", ".join(unused)
+            warn(
+                "eval",
+                f"{flags} with --via: the workers call the model with their own, so this eval "
+                f"does not use {'them' if len(unused) > 1 else 'it'} (drop {flags} here; give "
+                f"the workers -m MODEL --base-url URL)",
+            )
+    if flag == "--via" and getattr(args, "reward", None) is not None:
+        raise UsageError(
+            "--reward with --via: the workers score the episodes, with their own TASKSET's reward",
+            fix="drop --reward here (or rescore the run: trio-tasksets rescore RUN_DIR "
+            "--reward SPEC)",
+        )
+    for name, dest in (("--rollout-timeout", "rollout_timeout"),
+                       ("--working-limit", "working_limit"),
+                       ("--stall-timeout", "stall_timeout")):  # fmt: skip
+        if getattr(args, dest, None) is not None and args.serve is False:
+            raise UsageError(
+                f"{name} with {flag}: the episodes run in {who}, whose own {name} bounds them",
+                fix=f"drop {name} here{how}",
+            )
+
+
+def program() -> list[str]:
+    """How this process was started, as a user would type it again."""
+    if Path(sys.argv[0]).name != "__main__.py":
+        return [PROG]
+    python = shutil.which("python")
+    same = python is not None and os.path.realpath(python) == os.path.realpath(sys.executable)
+    return ["python" if same else sys.executable, "-m", "trio_tasksets"]
+
+
+def _build(args: argparse.Namespace) -> tuple[Env[Any], ModelContext, EvalConfig]:
+    _refuse_idle_options(args)
+    env = build_env(args)
+    # One endpoint's --engine-metrics moves this eval's -c window (EvalConfig.engine_metrics,
+    # wherever the calls are made); many endpoints' each move their endpoint's own window,
+    # in the process that makes the calls (the client's).
+    metrics = engine_metrics_urls(args)
+    one_engine = len(metrics) == 1 and len(base_urls(args)) <= 1
+    if metrics and not one_engine:
+        check_engine_metrics(args, args.max_concurrent)
+    ctx = model_context(args, remote=args.via is not None, engine_metrics_on_client=not one_engine)
+    token = _server_token(args)
+    config = EvalConfig(
+        num_examples=args.num_examples,
+        rollouts_per_example=args.rollouts_per_example,
+        max_concurrent=args.max_concurrent,
+        shuffle=args.shuffle,
+        seed=0 if args.seed is None else args.seed,
+        resume=args.resume,
+        output_dir=args.output_dir,
+        run_name=args.run_name,
+        serve=args.serve,
+        workers=args.workers,
+        dashboard=not args.no_dashboard,
+        server_url=args.server_url,
+        server_token=token,
+        max_failures=args.max_failures,
+        max_consecutive_failures=args.max_consecutive_failures,
+        metrics_port=args.metrics_port,
+        command=[*program(), *getattr(args, "argv", [])],
+        api_key_var=api_key_var(args),
+        via=args.via,
+        stream=args.stream,
+        time_limit=args.time_limit,
+        engine_metrics=metrics[0] if one_engine else None,
+        group=args.group,
+    )
+    return env, ctx, config
+
+
+def _server_token(args: argparse.Namespace) -> str | None:
+    """A --server-url's bearer token, read here from $TT_SERVE_TOKEN or the variable
+    --token-var names; it goes to the eval as a field (`EvalConfig.server_token`)."""
+    if args.server_url is None:
+        return None
+    var = args.token_var or TOKEN_VAR
+    token = os.environ.get(var, "").strip()
+    if not token and args.token_var is not None:
+        raise UsageError(
+            f"--token-var: environment variable {var} is not set",
+            fix=f"export {var}=<the server's token>",
+        )
+    return token or None
+
+
+def _name_the_run(env: Env[Any], ctx: ModelContext, config: EvalConfig) -> Path:
+    """Fix the run dir before the run (so that every way of ending can point at it); a
+    `--resume` without `--run-name` says which run it picked."""
+    preflight(env, ctx, config)
+    run_dir = run_dir_for(env, ctx, config)
+    if config.resume and config.run_name is None:
+        print(
+            f"{PROG} eval: resuming {run_dir}, the latest run of taskset "
+            f"{type(env.taskset).__name__} with model {ctx.model!r} in {config.output_dir}",
+            file=sys.stderr,
+        )
+    config.run_name = run_dir.name
+    return run_dir
+
+
+# --- what is printed --------------------------------------------------------------------------
+
+
+def _excerpt(text: str, limit: int = 300) -> str:
+    flat = " ".join(text.split())
+    return flat if len(flat) <= limit else flat[: limit - 3] + "..."
+
+
+def _print_summary(summary: dict[str, Any], run_dir: Path) -> None:
+    mean = summary["reward_mean"]
+    usage = summary.get("usage") or {}
+    finished, planned = summary["finished"], summary.get("planned")
+    # A run stopped early says how much of its plan it did: "28/28 ok" alone reads as done.
+    of = (
+        f" ({finished} of {planned} planned)"
+        if summary.get("interrupted") and isinstance(planned, int) and planned > finished
+        else ""
+    )
+    where = (
+        f"traces in {run_dir}/traces.jsonl"
+        if (run_dir / "traces.jsonl").is_file()
+        else "no run dir was kept"
+    )
+    print(
+        f"{summary['ok']}/{finished} ok{of}, reward mean "
+        f"{'-' if mean is None else f'{mean:.3f}'}, {summary['rollouts_per_s']:.1f} rollouts/s, "
+        f"{usage.get('prompt_tokens', 0)} tokens in / {usage.get('completion_tokens', 0)} out; "
+        f"{where}"
+    )
+    by_type = summary.get("errors_by_type") or {}
+    first = summary.get("first_error")
+    if by_type and first:
+        counts = ", ".join(f"{name} {count}" for name, count in by_type.items())
+        print(
+            f"{sum(by_type.values())} failed: {counts}; first error: {first['type']}: "
+            f"{_excerpt(first['message'])}"
+        )
+
+
+def print_summary(summary: dict[str, Any], run_dir: Path) -> None:
+    """The one-line summary (and the failures by type) of a run, as `eval` prints it."""
+    _print_summary(summary, run_dir)
+
+
+def _print_tracebacks(summary: dict[str, Any], run_dir: Path, *, debug: bool) -> None:
+    """On stderr: the first error's traceback (the user's frames, when the error came from
+    their code); with `--debug`, every failed attempt's that has one, from the rows."""
+    if not debug:
+        first = summary.get("first_error") or {}
+        if first.get("traceback"):
+            print(f"first error ({first['type']}), in your code:", file=sys.stderr)
+            print(first["traceback"].rstrip(), file=sys.stderr)
+        return
+    try:
+        lines = (run_dir / "traces.jsonl").read_text().splitlines()
+    except OSError:
+        return
+    for line in lines:
+        try:
+            row = json.loads(line)
+        except ValueError:
+            continue  # a torn last line
+        for error in row.get("errors") or ():
+            if isinstance(error, dict) and error.get("traceback"):
+                key = row.get("task", {}).get("key")
+                print(f"task {key!r}, rollout {row.get('rollout')}, attempt "
+                      f"{error.get('attempt')}: {error['type']}", file=sys.stderr)  # fmt: skip
+                print(str(error["traceback"]).rstrip(), file=sys.stderr)
+
+
+def _fix_for(error_type: str, message: str, args: argparse.Namespace, run_dir: Path) -> str | None:
+    """What the user can do about an error, from its type and (HTTP) status; where the rows
+    are only when a run dir holds them."""
+    found = re.search(r"HTTP (\d{3})", message)
+    status = int(found.group(1)) if found else None
+    if error_type == "ModelHTTPError" and status in (401, 403):
+        var = args.api_key_var or DEFAULT_API_KEY_VAR
+        if api_key_var(args):
+            return (
+                f"the server refused the API key in ${var}: check it (or name another "
+                "variable with --api-key-var)"
+            )
+        return (
+            f"no API key was sent (${var} is not set): export {var}=... (or name the "
+            "variable with --api-key-var)"
+        )
+    if error_type == "ModelHTTPError" and status == 400:
+        context = _context_fix(message, args)
+        if context is not None:
+            return context
+    if error_type == "ModelHTTPError" and status == 404:
+        return (
+            f"check -m/--model {args.model!r} and --base-url {args.base_url} (the URL stops "
+            f"before /chat/completions, e.g. http://127.0.0.1:8000/v1)"
+        )
+    if error_type == "ModelHTTPError" and status == 429:
+        return "the server is rate-limiting: lower -c/--max-concurrent, or add --retries K"
+    if error_type == "ModelHTTPError" and status is not None and status >= 500:
+        return "the model server failed: see its log (--retries K retries whole episodes)"
+    if error_type == "ModelConnectionError":
+        return f"nothing answers at --base-url {args.base_url}: start the server, or fix the URL"
+    if error_type == "ModelTimeoutError":
+        return "raise --timeout S, or lower -c/--max-concurrent"
+    if error_type == "StalledError":
+        return (
+            "a rollout waited on something that never finished: see the row's messages; "
+            "raise --stall-timeout S, or retry stalls with --retries K"
+        )
+    if error_type == "RolloutTimeoutError":
+        return "raise --rollout-timeout S (or retry slow episodes with --retries K)"
+    if error_type == "ModelResponseError":
+        return "the endpoint does not answer as an OpenAI /chat/completions does: check --base-url"
+    if error_type == "EnvServerError" and status == 401:
+        var = args.token_var or TOKEN_VAR
+        if os.environ.get(var):
+            return (
+                f"the env server refused the token in ${var}: check it (or name another "
+                "variable with --token-var)"
+            )
+        return (
+            f"the env server wants a bearer token: export {var}=<its token> (or name the "
+            "variable with --token-var)"
+        )
+    if (run_dir / "traces.jsonl").is_file():
+        return f"every failed row's errors are in {run_dir}/traces.jsonl"
+    # No row was kept (a run that failed before its first one leaves no run dir).
+    return None if getattr(args, "debug", False) else "run again with --debug for the traceback"
+
+
+_CONTEXT = re.compile(r"maximum context length is (\d+)", re.IGNORECASE)
+_PROMPT_TOKENS = re.compile(
+    r"(\d+) in the messages|request has (\d+) input tokens|messages resulted in (\d+) tokens",
+    re.IGNORECASE,
+)
+_REPLY_TOKENS = re.compile(r"(\d+) in the completion|too large: (\d+)", re.IGNORECASE)
+
+
+def _first_number(pattern: re.Pattern[str], text: str) -> int | None:
+    found = pattern.search(text)
+    if found is None:
+        return None
+    return int(next(group for group in found.groups() if group is not None))
+
+
+def _context_fix(message: str, args: argparse.Namespace) -> str | None:
+    """The fix for a 400 whose body says the request is longer than the model's context
+    (vLLM's and OpenAI's wording): the prompt's own length, or `--max-tokens` on top of it.
+    None for another 400."""
+    context = _first_number(_CONTEXT, message)
+    if context is None:
+        return None
+    prompt = _first_number(_PROMPT_TOKENS, message)
+    reply = _first_number(_REPLY_TOKENS, message)
+    max_tokens = getattr(args, "max_tokens", None)
+    if prompt is not None and prompt >= context:
+        return (
+            f"the prompt alone ({prompt} tokens) is longer than the server's context of "
+            f"{context} tokens: shorten the prompts (or the system prompt), or serve the model "
+            f"with a longer context (vLLM: --max-model-len)"
+        )
+    if max_tokens is not None and (reply is None or reply == max_tokens):
+        room = f" (at most {context - prompt} for these prompts)" if prompt is not None else ""
+        return (
+            f"--max-tokens {max_tokens} plus the prompt is more than the server's context of "
+            f"{context} tokens: lower --max-tokens{room}"
+        )
+    return (
+        f"the prompt plus the reply are longer than the server's context of {context} tokens: "
+        f"shorten the prompts, or set a lower --max-tokens"
+    )
+
+
+def _resume_lines(args: argparse.Namespace, run_dir: Path, env: Env[Any]) -> tuple[str, ...]:
+    if not run_dir.is_dir():
+        return ("no episode had finished: no run dir was kept",)
+    if env.taskset.streaming:
+        return (
+            f"finished episodes are in {run_dir}; a stream cannot be resumed: run again "
+            f"(with another --run-name) to take more tasks",
+        )
+    return (
+        f"finished episodes are in {run_dir}",
+        f"resume: {shlex.join(resume_command(args, run_dir.name))}",
+    )
+
+
+def resume_command(args: argparse.Namespace, run_name: str) -> list[str]:
+    """The command that resumes this run: the same words with `--run-name NAME --resume`."""
+    words: list[str] = []
+    skip = False
+    for word in getattr(args, "argv", []):
+        if skip:
+            skip = False
+        elif word == "--run-name":
+            skip = True
+        elif not (word.startswith("--run-name=") or word == "--resume"):
+            words.append(word)
+    return [*program(), *words, "--run-name", run_name, "--resume"]
+
+
+@contextmanager
+def _warnings_as_lines() -> Iterator[None]:
+    def show(
+        message: Warning | str,
+        category: type[Warning],
+        filename: str,
+        lineno: int,
+        file: TextIO | None = None,
+        line: str | None = None,
+    ) -> None:
+        warn("eval", flag_message(message) if isinstance(message, Warning) else message)
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("always", EvalWarning)
+        warnings.showwarning = show
+        yield
+
+
+async def _eval(env: Env[Any], ctx: ModelContext, config: EvalConfig) -> EvalResult:
+    try:
+        return await run_eval(env, ctx, config, handle_signals=True)
+    finally:
+        with trio.CancelScope(shield=True):
+            await ctx.client.aclose()
+
+
+def _summary_on_disk(run_dir: Path) -> dict[str, Any] | None:
+    try:
+        summary = json.loads((run_dir / "summary.json").read_text())
+    except (OSError, ValueError):
+        return None
+    return summary if isinstance(summary, dict) else None
+
+
+def run(args: argparse.Namespace) -> int:
+    """Run the eval the options describe; print the summary; the exit code (see `main`)."""
+    env, ctx, config = _build(args)
+    run_dir = _name_the_run(env, ctx, config)
+    try:
+        with _warnings_as_lines():
+            result = trio.run(_eval, env, ctx, config)
+    except KeyboardInterrupt:  # a second Ctrl-C, during the drain
+        summary = _summary_on_disk(run_dir)
+        if summary is not None:
+            _print_summary(summary, run_dir)
+        print(f"{PROG} eval: interrupted", file=sys.stderr)
+        for line in _resume_lines(args, run_dir, env):
+            print(line, file=sys.stderr)
+        return 130
+    except (EvalConfigError, CommandError):
+        raise
+    except Exception as exc:
+        summary = _summary_on_disk(run_dir)
+        if summary is not None:
+            _print_summary(summary, run_dir)
+        raise CommandError(
+            f"{type(exc).__name__}: {exc}",
+            fix=_fix_for(type(exc).__name__, str(exc), args, run_dir),
+            details=_resume_lines(args, run_dir, env) if summary is not None else (),
+        ) from exc
+    summary = result.summary
+    _print_summary(summary, run_dir)
+    _print_tracebacks(summary, run_dir, debug=getattr(args, "debug", False))
+    stopped = summary["stopped"]
+    first = summary.get("first_error") or {}
+    fix = _fix_for(first.get("type", ""), first.get("message", ""), args, run_dir)
+    if stopped in EXIT_ON_SIGNAL:
+        print(f"{PROG} eval: stopped by {stopped}", file=sys.stderr)
+        for line in _resume_lines(args, run_dir, env):
+            print(line, file=sys.stderr)
+        return EXIT_ON_SIGNAL[stopped]
+    if stopped == "time_limit":
+        print(
+            f"{PROG} eval: stopped at --time-limit {args.time_limit:g}s: "
+            f"{summary['finished']} of {summary['planned']} slots finished",
+            file=sys.stderr,
+        )
+        for line in _resume_lines(args, run_dir, env):
+            print(line, file=sys.stderr)
+        if not summary["ok"]:
+            raise CommandError(
+                f"no episode succeeded within --time-limit {args.time_limit:g}s "
+                f"({summary['failed']} failed)",
+                fix="raise --time-limit, or lower the work (-n)",
+            )
+        return 0
+    if stopped is not None:  # max_failures
+        raise CommandError(summary["error"], fix=fix, details=_resume_lines(args, run_dir, env))
+    if summary["finished"] and not summary["ok"]:
+        raise CommandError(f"no episode succeeded ({summary['failed']} failed)", fix=fix)
+    return 0

@@ -1,0 +1,114 @@
+"""`trio-tasksets COMMAND ...`: the parser, and one way of ending for every command.
+
+Every error is one line, `trio-tasksets COMMAND: error: MESSAGE` (and `; fix: ...` where
+there is one), with the command's usage above it for a usage error; `--debug` adds the
+traceback. Exit codes: 0 done, 1 a runtime failure (for `eval`: also no episode succeeded,
+or `--max-failures` reached), 2 a usage error (found before any task is pulled or file
+written), 130 SIGINT, 143 SIGTERM (`eval` drains on both first).
+"""
+
+from __future__ import annotations
+
+import argparse
+import difflib
+import sys
+import traceback
+from collections.abc import Callable, Sequence
+
+from .._exceptions import ConfigError
+from .._version import __version__
+from . import eval as eval_command
+from . import report as report_command
+from . import rescore as rescore_command
+from . import serve as serve_command
+from . import worker as worker_command
+from .options import PROG, CommandError, HelpFormatter, UsageError, flag_message
+
+__all__ = ["main"]
+
+
+def parser() -> argparse.ArgumentParser:
+    """The whole command line: `eval`, `serve`, `worker`, `enqueue`."""
+    top = argparse.ArgumentParser(
+        prog=PROG,
+        description="Streaming tasksets and a windowed runner on Trio.",
+        formatter_class=HelpFormatter,
+    )
+    top.add_argument("--version", action="version", version=f"{PROG} {__version__}")
+    commands = top.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    eval_command.add_parser(commands)
+    serve_command.add_parser(commands)
+    worker_command.add_parsers(commands)
+    report_command.add_parser(commands)
+    rescore_command.add_parser(commands)
+    for sub in commands.choices.values():
+        sub.formatter_class = HelpFormatter
+        sub.add_argument("--debug", action="store_true", help="show the traceback of an error")
+        sub.set_defaults(tt_subparser=sub)  # a usage error prints the command's own usage
+    return top
+
+
+RUNNERS: dict[str, Callable[[argparse.Namespace], int]] = {
+    "eval": eval_command.run,
+    "serve": serve_command.run,
+    "worker": worker_command.run_worker_command,
+    "enqueue": worker_command.run_enqueue,
+    "report": report_command.run,
+    "rescore": rescore_command.run,
+}
+
+
+def _traceback(args: argparse.Namespace, exc: BaseException) -> None:
+    if getattr(args, "debug", False):
+        traceback.print_exception(exc, file=sys.stderr)
+
+
+def _parse(words: list[str]) -> argparse.Namespace:
+    """The parsed command line; an unknown option is refused by its command's parser (its
+    usage, exit 2) naming the option it is closest to (`--num-example` -> `--num-examples`):
+    the commands do not take abbreviations, so that a resume command stays exact."""
+    top = parser()
+    args, extras = top.parse_known_args(words)
+    if extras:
+        sub: argparse.ArgumentParser = getattr(args, "tt_subparser", top)
+        known = [flag for action in sub._actions for flag in action.option_strings]
+        for word in extras:
+            name = word.partition("=")[0]
+            close = difflib.get_close_matches(name, known, n=1, cutoff=0.75)
+            if name.startswith("-") and close:
+                sub.error(f"unrecognized arguments: {' '.join(extras)} (did you mean {close[0]}?)")
+        sub.error(f"unrecognized arguments: {' '.join(extras)}")
+    return args
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    words = list(sys.argv[1:] if argv is None else argv)
+    args = _parse(words)
+    args.argv = words
+    command = args.command
+    try:
+        return RUNNERS[command](args)
+    except (UsageError, ConfigError) as exc:  # a TASKSET that does not resolve is one too
+        _traceback(args, exc)
+        args.tt_subparser.print_usage(sys.stderr)
+        error = exc if isinstance(exc, UsageError) else UsageError(flag_message(exc))
+        print(error.line(command), file=sys.stderr)
+        raise SystemExit(2) from None  # as argparse ends on a usage error
+    except CommandError as exc:
+        _traceback(args, exc)
+        print(exc.line(command), file=sys.stderr)
+        for line in exc.details:
+            print(line, file=sys.stderr)
+        return exc.exit_code
+    except KeyboardInterrupt:
+        print(f"{PROG} {command}: interrupted", file=sys.stderr)
+        return 130
+    except Exception as exc:
+        _traceback(args, exc)
+        fix = None if args.debug else "run again with --debug for the traceback"
+        print(CommandError(f"{type(exc).__name__}: {exc}", fix=fix).line(command), file=sys.stderr)
+        return 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,391 @@
+"""The model options of `eval` and `worker`: the model client, its endpoints and key, the
+sampling settings, the limits on its calls (`--max-connections`, `--rpm`, `--tpm`) and the
+engines' own metrics (`--engine-metrics`, one per `--base-url`)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+from typing import Any
+from urllib.parse import urlsplit
+
+from .._limits import EndpointLimits
+from .._models import (
+    EchoClient,
+    ModelClient,
+    ModelContext,
+    OpenAIClient,
+    Sampling,
+    api_key_from_env,
+)
+from .._models.engine import EngineMetrics
+from .._window import AdaptiveBounds
+from .options import DEFAULT_API_KEY_VAR, UsageError, given, per_minute, window_option
+
+__all__ = [
+    "add_endpoint_options",
+    "add_model_options",
+    "api_key_var",
+    "base_urls",
+    "check_engine_metrics",
+    "endpoint_limits",
+    "engine_metrics_urls",
+    "limit_flags",
+    "model_context",
+]
+
+
+def add_model_options(parser: argparse.ArgumentParser) -> argparse._ArgumentGroup:
+    """Add the model options (`-m`, `--base-url`, `--api-key-var`, sampling, ...)."""
+    model = parser.add_argument_group("the model")
+    model.add_argument(
+        "-m", "--model", default="echo",
+        help="model name; 'echo' is the built-in offline model (replies with the prompt)",
+    )  # fmt: skip
+    add_endpoint_options(model)
+    model.add_argument(
+        "--api-key-var", default=None, metavar="VAR",
+        help=f"the environment variable holding the API key (default: {DEFAULT_API_KEY_VAR}; "
+        f"no key is sent when it is unset)",
+    )  # fmt: skip
+    model.add_argument(
+        "--timeout", type=float, default=None, metavar="S",
+        help="bound each model request as a whole, from connecting to the reply's last byte, "
+        "to S seconds (each retry has its own S; never past the rollout's deadline) "
+        "(default: 120)",
+    )  # fmt: skip
+    model.add_argument(
+        "--temperature", type=float, default=None, metavar="T", help="sampling temperature >= 0 "
+        "(default: the server's)",
+    )  # fmt: skip
+    model.add_argument(
+        "--max-tokens",
+        type=int,
+        default=None,
+        metavar="N",
+        help="most tokens per reply (default: the server's)",
+    )
+    model.add_argument(
+        "--top-p", type=float, default=None, metavar="P", help="nucleus sampling, in (0, 1] (default: the "
+        "server's)",
+    )  # fmt: skip
+    model.add_argument(
+        "--sampling-seed", type=int, default=None, metavar="N", help="the seed sent with each request "
+        "(default: none)",
+    )  # fmt: skip
+    model.add_argument(
+        "-S", "--sampling-args", default=None, metavar="JSON",
+        help="more request fields as a JSON object, merged into every request: e.g. "
+        "'{\"response_format\": {\"type\": \"json_object\"}, \"tools\": [...], "
+        "\"stop\": [\"\\n\"]}' (temperature, max_tokens, top_p, seed here count as their "
+        "flags) (default: none)",
+    )  # fmt: skip
+    model.add_argument(
+        "--return-tokens", action="store_true",
+        help="ask the server for token ids and logprobs (vLLM's return_token_ids and "
+        "logprobs); rows keep them per model call under `tokens`",
+    )  # fmt: skip
+    model.add_argument(
+        "--echo-delay", type=float, default=None, metavar="S",
+        help="latency of the echo model, to watch the window work (default: 0)",
+    )  # fmt: skip
+    model.add_argument(
+        "--max-connections", type=window_option, default=None, metavar="N|MIN-START-MAX",
+        help="most model calls in flight to the endpoint (--base-url and its key variable), "
+        "across every rollout of this process: a rollout's every call counts; MIN-START-MAX "
+        "adapts it on the calls' 429s (default: no bound)",
+    )  # fmt: skip
+    model.add_argument(
+        "--rpm", type=per_minute, default=None, metavar="N",
+        help="most model calls started per minute, spread evenly (GCRA) (default: no limit)",
+    )  # fmt: skip
+    model.add_argument(
+        "--tpm", type=per_minute, default=None, metavar="N",
+        help="most tokens per minute, metered from the replies' usage; --max-tokens is "
+        "reserved before each call (default: no limit)",
+    )  # fmt: skip
+    return model
+
+
+BASE_URL_HELP = (
+    "an OpenAI-compatible endpoint, e.g. http://127.0.0.1:8000/v1 (default: none; needed by "
+    "every model but echo); repeat it for many endpoints: calls go to the least loaded, a "
+    "rollout's calls to one, a dead one is taken out and probed back"
+)
+ENGINE_METRICS_HELP = (
+    "the engine's Prometheus /metrics (vLLM, SGLang), e.g. http://127.0.0.1:8000/metrics, "
+    "read every second: an adaptive window reads its load (waiting requests, KV cache, "
+    "preemptions); with many --base-url give one per --base-url, in the same order: each "
+    "moves its endpoint's own window and shows in its figures (default: none: latency and "
+    "429s only)"
+)
+
+
+def add_endpoint_options(
+    group: argparse._ActionsContainer,
+    *,
+    base_url_help: str = BASE_URL_HELP,
+    engine_metrics_help: str = ENGINE_METRICS_HELP,
+) -> None:
+    """`--base-url URL` (repeatable) and `--engine-metrics URL` (one per `--base-url`): the
+    endpoints, as `eval`, `worker` and `serve` take them (read with `base_urls` and
+    `engine_metrics_urls`)."""
+    group.add_argument(
+        "--base-url", default=None, metavar="URL", action=_BaseURLs, help=base_url_help
+    )
+    group.add_argument(
+        "--engine-metrics", default=None, metavar="URL", action="append",
+        help=engine_metrics_help,
+    )  # fmt: skip
+
+
+class _BaseURLs(argparse.Action):
+    """`--base-url` may be repeated: `base_url` is the first URL (what the single-endpoint
+    code reads), `base_urls` every one, in order."""
+
+    def __call__(
+        self,
+        parser: argparse.ArgumentParser,
+        namespace: argparse.Namespace,
+        values: object,
+        option_string: str | None = None,
+    ) -> None:
+        urls = [*(getattr(namespace, "base_urls", None) or []), str(values)]
+        namespace.base_urls = urls
+        namespace.base_url = urls[0]
+
+
+def base_urls(args: argparse.Namespace) -> list[str]:
+    """Every `--base-url` given, in order (empty: none)."""
+    urls = getattr(args, "base_urls", None)
+    if urls:
+        return list(urls)
+    return [] if args.base_url is None else [args.base_url]
+
+
+def _is_echo(args: argparse.Namespace) -> bool:
+    return bool(args.model == "echo" and args.base_url is None)
+
+
+def _check_base_url(url: str) -> None:
+    parts = urlsplit(url)
+    if parts.scheme not in ("http", "https") or not parts.netloc:
+        example = f"http://{url}" if "://" not in url else "http://127.0.0.1:8000/v1"
+        raise UsageError(
+            f"--base-url must be an http:// or https:// URL, got {url!r}", fix=f"e.g. {example}"
+        )
+
+
+# -S keys that name a sampling flag's field: (the flag, Sampling's field)
+_NAMED = {"temperature": ("--temperature", "temperature"), "max_tokens": ("--max-tokens",
+          "max_tokens"), "top_p": ("--top-p", "top_p"), "seed": ("--sampling-seed", "seed")}  # fmt: skip
+# Request fields the client sets itself: -S may not replace them.
+_OWNED = {"model": "-m/--model", "messages": "the taskset's prompts",
+          "stream": "the client (it reads whole replies)", "stream_options": "the client"}  # fmt: skip
+
+
+def _sampling_args(args: argparse.Namespace) -> tuple[dict[str, Any], dict[str, Any]]:
+    """`-S/--sampling-args JSON`: (the values of named sampling fields it gives, the other
+    request fields)."""
+    text = getattr(args, "sampling_args", None)
+    if text is None:
+        return {}, {}
+    try:
+        fields = json.loads(text)
+    except ValueError as exc:
+        raise UsageError(
+            f"-S/--sampling-args is not JSON ({exc})",
+            fix="""quote it: -S '{"response_format": {"type": "json_object"}}'""",
+        ) from None
+    if not isinstance(fields, dict):
+        raise UsageError(
+            f"-S/--sampling-args must be a JSON object of request fields, got {text!r}",
+            fix="""-S '{"stop": ["\\n"]}'""",
+        )
+    named: dict[str, Any] = {}
+    extra: dict[str, Any] = {}
+    for key, value in fields.items():
+        if key in _OWNED:
+            raise UsageError(
+                f"-S/--sampling-args: {key!r} is set by {_OWNED[key]}", fix=f"drop {key!r}"
+            )
+        if key in _NAMED:
+            flag, field = _NAMED[key]
+            if getattr(args, "sampling_seed" if field == "seed" else field, None) is not None:
+                raise UsageError(
+                    f"{flag} and -S/--sampling-args {key!r} both set {key}", fix="give one"
+                )
+            named[field] = value
+        else:
+            extra[key] = value
+    return named, extra
+
+
+def _sampling(args: argparse.Namespace) -> Sampling:
+    named, extra = _sampling_args(args)
+    temperature = named.get("temperature", args.temperature)
+    top_p, max_tokens = named.get("top_p", args.top_p), named.get("max_tokens", args.max_tokens)
+    seed = named.get("seed", args.sampling_seed)
+    for field, value, kind in (("temperature", temperature, (int, float)),
+                               ("top_p", top_p, (int, float)), ("max_tokens", max_tokens, int),
+                               ("seed", seed, int)):  # fmt: skip
+        if field in named and (isinstance(value, bool) or not isinstance(value, kind)):
+            raise UsageError(f"-S/--sampling-args: {field!r} must be a number, got {value!r}")
+    if temperature is not None and not (math.isfinite(temperature) and temperature >= 0):
+        raise UsageError(f"--temperature must be >= 0, got {temperature}")
+    if top_p is not None and not 0 < top_p <= 1:
+        raise UsageError(f"--top-p must be in (0, 1], got {top_p}")
+    if max_tokens is not None and max_tokens < 1:
+        raise UsageError(f"--max-tokens must be >= 1, got {max_tokens}")
+    return Sampling(temperature=temperature, max_tokens=max_tokens, top_p=top_p,
+                    seed=seed, extra=extra,
+                    return_tokens=args.return_tokens)  # fmt: skip
+
+
+def api_key_var(args: argparse.Namespace) -> str | None:
+    """The variable the model's API key is read from, when a key is sent (never the key)."""
+    if _is_echo(args):
+        return None
+    var: str = args.api_key_var or DEFAULT_API_KEY_VAR
+    return var if os.environ.get(var, "").strip() else None
+
+
+def model_context(
+    args: argparse.Namespace, *, remote: bool = False, engine_metrics_on_client: bool = True
+) -> ModelContext:
+    """The model the options name; a bad value, or an option that would do nothing with this
+    model, is a `UsageError` naming its flag.
+
+    `remote`: the model calls are made by other processes with their own endpoint (`eval
+    --via`: the workers'), so only the model's name and sampling are used here; the
+    context's client is the offline echo model, never called.
+
+    `engine_metrics_on_client`: `--engine-metrics` goes to the client
+    (`OpenAIClient(engine_metrics=...)`: each endpoint's own); False when the caller feeds
+    it to its rollout window itself (`eval` with one endpoint: `EvalConfig.engine_metrics`)."""
+    client: ModelClient
+    sampling = _sampling(args)
+    if remote and not _is_echo(args):
+        return ModelContext(EchoClient(), args.model, sampling)
+    if _is_echo(args):
+        # Every option that only shapes an HTTP request or its limits does nothing here:
+        # each is refused alike (the sampling flags, -S and --timeout included).
+        idle = (("--timeout", "timeout"), ("--api-key-var", "api_key_var"),
+                ("--max-connections", "max_connections"), ("--rpm", "rpm"), ("--tpm", "tpm"),
+                ("--temperature", "temperature"), ("--max-tokens", "max_tokens"),
+                ("--top-p", "top_p"), ("--sampling-seed", "sampling_seed"),
+                ("-S/--sampling-args", "sampling_args"),
+                ("--engine-metrics", "engine_metrics"))  # fmt: skip
+        unused = [flag for flag, dest in idle if given(args, dest)]
+        if unused and not remote:
+            flags = ", ".join(unused)
+            raise UsageError(
+                f"{flags} {'does' if len(unused) == 1 else 'do'} nothing with the echo model",
+                fix=f"drop {flags}, or name an HTTP model with -m MODEL --base-url URL",
+            )
+        delay = 0.0 if args.echo_delay is None else args.echo_delay
+        if not delay >= 0:
+            raise UsageError(f"--echo-delay must be >= 0, got {delay}")
+        client = EchoClient(delay=delay)
+        return ModelContext(client, args.model, sampling)
+    if args.base_url is None:
+        raise UsageError(
+            f"-m/--model {args.model!r} needs --base-url (an OpenAI-compatible endpoint)",
+            fix="add --base-url http://127.0.0.1:8000/v1 (or https://api.openai.com/v1), "
+            "or use -m echo",
+        )
+    urls = base_urls(args)
+    for url in urls:
+        _check_base_url(url)
+    if len(set(urls)) != len(urls):
+        raise UsageError(
+            f"--base-url names an endpoint twice: {urls}", fix="give each endpoint once"
+        )
+    if given(args, "echo_delay"):
+        raise UsageError(
+            "--echo-delay applies to the echo model only", fix="drop it (or drop --base-url)"
+        )
+    timeout = 120.0 if args.timeout is None else args.timeout
+    if not timeout > 0:
+        raise UsageError(f"--timeout must be > 0, got {timeout}")
+    key = None
+    if args.api_key_var is not None:  # named: it must hold a key
+        try:
+            key = api_key_from_env(args.api_key_var)
+        except ValueError as exc:
+            raise UsageError(f"--api-key-var: {exc}") from None
+    else:
+        key = os.environ.get(DEFAULT_API_KEY_VAR, "").strip() or None
+    limits = endpoint_limits(args)
+    metrics = engine_metrics_urls(args) if engine_metrics_on_client else []
+    client = OpenAIClient(
+        urls if len(urls) > 1 else args.base_url, key, timeout=timeout, limits=limits,
+        limits_key=(args.base_url, args.api_key_var or DEFAULT_API_KEY_VAR),
+        engine_metrics=metrics or None,
+    )  # fmt: skip
+    return ModelContext(client, args.model, sampling)
+
+
+def engine_metrics_urls(args: argparse.Namespace) -> list[str]:
+    """Every `--engine-metrics URL`, checked: each an http(s) URL, and one per `--base-url`
+    (in the same order) when there are many; a `UsageError` naming the flag otherwise."""
+    found = list(getattr(args, "engine_metrics", None) or [])
+    if not found:
+        return []
+    for url in found:
+        try:
+            EngineMetrics(url)
+        except ValueError as exc:
+            raise UsageError(
+                f"--engine-metrics: {exc}",
+                fix="e.g. --engine-metrics http://127.0.0.1:8000/metrics",
+            ) from None
+    urls = base_urls(args)
+    if len(found) != max(1, len(urls)):
+        raise UsageError(
+            f"--engine-metrics given {len(found)} times for {len(urls)} --base-url: give one "
+            f"per --base-url, in the same order",
+            fix="e.g. --base-url http://h1:8000/v1 --base-url http://h2:8000/v1 "
+            "--engine-metrics http://h1:8000/metrics --engine-metrics http://h2:8000/metrics",
+        )
+    return found
+
+
+def check_engine_metrics(args: argparse.Namespace, window: int | AdaptiveBounds) -> None:
+    """`--engine-metrics` moves an adaptive window: `window` (`-c`) with one endpoint, each
+    endpoint's own (`--max-connections`, adaptive unless a fixed N) with many. One that would
+    move nothing is a `UsageError` naming the flags."""
+    found = engine_metrics_urls(args)
+    if not found or _is_echo(args):  # the echo model: `model_context` refuses the flag
+        return
+    if len(base_urls(args)) > 1:
+        connections = getattr(args, "max_connections", None)
+        if connections is not None and not isinstance(connections, AdaptiveBounds):
+            raise UsageError(
+                f"--engine-metrics moves each endpoint's adaptive window, but "
+                f"--max-connections {connections} fixes them",
+                fix="give --max-connections as MIN-START-MAX (e.g. 1-8-1024), or drop it",
+            )
+    elif not isinstance(window, AdaptiveBounds):
+        raise UsageError(
+            f"--engine-metrics moves an adaptive window, but -c/--max-concurrent {window} is fixed",
+            fix="give -c as MIN-START-MAX, e.g. -c 1-8-1024",
+        )
+
+
+def endpoint_limits(args: argparse.Namespace) -> EndpointLimits | None:
+    """The limits `--max-connections`, `--rpm` and `--tpm` set on the model's calls (one
+    `EndpointLimits` for the process: every rollout's calls share it), or None."""
+    connections = getattr(args, "max_connections", None)
+    rpm, tpm = getattr(args, "rpm", None), getattr(args, "tpm", None)
+    if connections is None and rpm is None and tpm is None:
+        return None
+    return EndpointLimits(connections=connections, rpm=rpm, tpm=tpm)
+
+
+def limit_flags(args: argparse.Namespace) -> list[str]:
+    """The model-call limit flags given (`--max-connections`, `--rpm`, `--tpm`)."""
+    flags = (("--max-connections", "max_connections"), ("--rpm", "rpm"), ("--tpm", "tpm"))
+    return [flag for flag, dest in flags if given(args, dest)]

@@ -1,0 +1,201 @@
+"""What the commands share: their errors and help format, small argparse types, and the run's
+limits (`eval`, `worker`). The env options are `env_options`, the model options
+`model_options`.
+
+`add_env_options` / `build_env`: TASKSET, `-a/--taskset-args`, `--env-class`, the system
+prompt, the retry policy and `--rollout-timeout`, built into the user's `Env`.
+`add_model_options` / `model_context`: the model client, its endpoint and key, the sampling
+settings, and the limits on its calls (`--max-connections`, `--rpm`, `--tpm`).
+`add_window_option` (`-c/--max-concurrent N|MIN-START-MAX`) and `add_time_limit_option`
+(`--time-limit S`). Each builder checks its values and raises `UsageError` naming the flag
+and the fix; a value argparse cannot parse is refused by argparse, naming the flag.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import sys
+from typing import TYPE_CHECKING
+
+from .._exceptions import ConfigError, EvalWarning, TrioTasksetsError
+from .._window import AdaptiveBounds, WindowArgumentError, parse_window
+
+__all__ = [
+    "DEFAULT_API_KEY_VAR",
+    "PROG",
+    "TASKSET_HELP",
+    "CommandError",
+    "HelpFormatter",
+    "UsageError",
+    "add_time_limit_option",
+    "add_window_option",
+    "given",
+    "names",
+    "per_minute",
+    "seconds",
+    "warn",
+    "window_option",
+]
+
+if TYPE_CHECKING:
+    Commands = argparse._SubParsersAction[argparse.ArgumentParser]  # the subcommands of `main`
+
+PROG = "trio-tasksets"
+DEFAULT_API_KEY_VAR = "OPENAI_API_KEY"
+TASKSET_HELP = (
+    "echo, echo-stream, path/to/file.py:Class, package.module:Class, a data file (data.jsonl, "
+    "data.csv, hf:NAME[:SPLIT]) or vf:TASKSET_ID"
+)
+
+
+# --- errors and help ------------------------------------------------------------------------
+
+
+class CommandError(TrioTasksetsError):
+    """A failure the user can act on, shown as one line (exit 1):
+    ``trio-tasksets COMMAND: error: MESSAGE; fix: FIX``, then any `details` lines."""
+
+    exit_code = 1
+
+    def __init__(
+        self, message: str, *, fix: str | None = None, details: tuple[str, ...] = ()
+    ) -> None:
+        super().__init__(message)
+        self.fix = fix
+        self.details = details
+
+    def line(self, command: str) -> str:
+        text = f"{PROG} {command}: error: {self}"
+        return f"{text}; fix: {self.fix}" if self.fix else text
+
+
+class UsageError(CommandError):
+    """A bad command line, found before any work: the command's usage, then the line (exit 2)."""
+
+    exit_code = 2
+
+
+# The library's parameter names, as the command line spells them: a ConfigError names its
+# parameters, and the CLI shows their flags instead.
+PARAMETER_FLAGS = {
+    "num_examples": "-n/--num-examples",
+    "rollouts_per_example": "-r/--rollouts-per-example",
+    "max_concurrent": "-c/--max-concurrent",
+    "output_dir": "-o/--output-dir",
+    "run_name": "--run-name",
+    "time_limit": "--time-limit",
+    "max_failures": "--max-failures",
+    "rollout_timeout": "--rollout-timeout",
+    "max_consecutive_failures": "--max-consecutive-failures",
+    "metrics_port": "--metrics-port",
+    "engine_metrics": "--engine-metrics",
+    "serve": "--serve",
+    "workers": "--workers",
+    "server_url": "--server-url",
+    "via": "--via",
+    "stream": "--stream",
+    "shuffle": "--shuffle",
+    "resume": "--resume",
+    "config": "-a/--taskset-args",
+    "env_class": "--env-class",
+    "reward": "--reward",
+    "group": "--group",
+}
+
+
+def flag_message(error: BaseException | Warning) -> str:
+    """A library error's (or warning's) message as the command line says it: a
+    `ConfigError` (an `EvalWarning`) with each parameter it names (``num_examples``) spelled
+    as its flag (``-n/--num-examples``)."""
+    if isinstance(error, ConfigError | EvalWarning):
+        return error.spelled(PARAMETER_FLAGS)
+    return str(error)
+
+
+def warn(command: str, message: str) -> None:
+    """One warning line on stderr, in the style of the error lines."""
+    print(f"{PROG} {command}: warning: {message}", file=sys.stderr)
+
+
+class HelpFormatter(argparse.HelpFormatter):
+    """`--help` shows every option's default: `(default: X)` is added to an option whose
+    default is a value, unless its help already says what the default is."""
+
+    def _get_help_string(self, action: argparse.Action) -> str | None:
+        text = action.help or ""
+        if (
+            "default" in text
+            or not action.option_strings
+            or action.required
+            or any(action.default is nothing for nothing in (None, False, argparse.SUPPRESS))
+        ):
+            return text
+        return f"{text} (default: %(default)s)"
+
+
+def names(text: str) -> tuple[str, ...]:
+    """The comma-separated names of an option such as `--retry-on A,B`."""
+    return tuple(part.strip() for part in text.split(",") if part.strip())
+
+
+def given(args: argparse.Namespace, dest: str) -> bool:
+    """Whether an option whose default is None (a 'not given' sentinel) was given."""
+    return getattr(args, dest, None) is not None
+
+
+# --- argparse types (argparse names the flag: "argument --rpm: must be ...") ------------------
+
+
+def window_option(text: str) -> int | AdaptiveBounds:
+    """`N` or `MIN-START-MAX` (`-c/--max-concurrent`, `--max-connections`)."""
+    try:
+        return parse_window(text, flag="")
+    except WindowArgumentError as exc:
+        raise argparse.ArgumentTypeError(str(exc).removeprefix(": ")) from None
+
+
+def _positive(text: str, unit: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected {unit} (a number > 0), got {text!r}") from None
+    if not (math.isfinite(value) and value > 0):
+        raise argparse.ArgumentTypeError(f"must be a number of {unit} > 0, got {text!r}")
+    return value
+
+
+def seconds(text: str) -> float:
+    """A duration in seconds, > 0 (`--rollout-timeout`, `--time-limit`)."""
+    return _positive(text, "seconds")
+
+
+def per_minute(text: str) -> float:
+    return _positive(text, "units per minute")
+
+
+def add_window_option(group: argparse._ActionsContainer, *, help: str) -> None:
+    """`-c/--max-concurrent N|MIN-START-MAX` (default 32): an int or `AdaptiveBounds`."""
+    group.add_argument(
+        "-c", "--max-concurrent", type=window_option, default=32, metavar="N|MIN-START-MAX",
+        help=f"{help}; MIN-START-MAX (e.g. 1-8-512) adapts it: it grows while runs succeed, "
+        "is cut on HTTP 429 and pauses on 5xx and timeouts",
+    )  # fmt: skip
+
+
+def add_metrics_option(parser: argparse.ArgumentParser | argparse._ArgumentGroup) -> None:
+    """`--metrics-port N` (eval, worker, serve): Prometheus text at 127.0.0.1:N/metrics."""
+    parser.add_argument(
+        "--metrics-port", type=int, default=None, metavar="N",
+        help="serve the run's counters and health (scheduler lag, in flight, waits) as "
+        "Prometheus text at http://127.0.0.1:N/metrics while it runs; 0 picks a free port "
+        "(printed) (default: none; needs the metrics extra)",
+    )  # fmt: skip
+
+
+def add_time_limit_option(group: argparse._ActionsContainer, *, what: str) -> None:
+    """`--time-limit S` (default: none)."""
+    group.add_argument(
+        "--time-limit", type=seconds, default=None, metavar="S",
+        help=f"after S seconds, {what} (default: no limit)",
+    )  # fmt: skip

@@ -1,0 +1,231 @@
+"""`trio-tasksets worker` (consume a Redis stream) and `trio-tasksets enqueue` (feed one).
+
+These import the Redis client (hiredis, `pip install 'trio-tasksets[redis]'`) only when they
+run."""
+
+from __future__ import annotations
+
+import argparse
+from typing import TYPE_CHECKING, Any
+
+import trio
+
+from .._env import Env
+from .._models import ModelContext
+from .env_options import (
+    add_env_options,
+    add_taskset_options,
+    build_env,
+    build_taskset,
+    check_retry_flags,
+)
+from .model_options import add_model_options, check_engine_metrics, model_context
+from .options import (
+    HelpFormatter,
+    UsageError,
+    add_metrics_option,
+    add_time_limit_option,
+    add_window_option,
+    flag_message,
+)
+
+if TYPE_CHECKING:
+    from ..redis._worker import WorkerConfig, WorkerReport
+    from .options import Commands
+
+_EXTRA = "pip install 'trio-tasksets[redis]'"
+
+
+# --- the command line -------------------------------------------------------------------------
+
+
+def _feed_options(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--feed", required=True, metavar="URL", help="the Redis URL, e.g. redis://127.0.0.1:6379/0"
+    )
+    parser.add_argument(
+        "--stream", default="tasks", metavar="S",
+        help="the stream of tasks (the one `eval --via` writes by default)",
+    )  # fmt: skip
+
+
+def add_parsers(subparsers: Commands) -> None:
+    """Add `worker` and `enqueue` to the CLI's subcommands."""
+    worker = subparsers.add_parser(
+        "worker",
+        help="consume a Redis stream of tasks until SIGTERM, publishing results",
+        description="Consume a Redis stream through a consumer group for as long as it runs; "
+        "publish each episode to --results and acknowledge its task in one transaction. "
+        "TASKSET, if given, scores the stream's tasks (its reward, system prompt, env class).",
+        formatter_class=HelpFormatter,
+    )
+    add_env_options(worker, optional_taskset=True)
+    _feed_options(worker)
+    worker.add_argument("--group", default="workers", metavar="G", help="the consumer group")
+    worker.add_argument(
+        "--consumer", default=None, metavar="NAME", help="this worker's name (default host-pid)"
+    )
+    worker.add_argument(
+        "--results", default="results", metavar="R",
+        help="the results stream of entries that name none (an `eval --via`'s name their own)",
+    )  # fmt: skip
+    add_window_option(worker, help="the window: most episodes in flight, and most entries held")
+    worker.add_argument(
+        "--claim-idle",
+        type=float,
+        default=60.0,
+        metavar="S",
+        help="reclaim a dead worker's entries once idle S seconds (default 60; live workers "
+        "keep theirs fresh every S/3 s)",
+    )
+    worker.add_argument(
+        "--grace", type=float, default=30.0, metavar="S", help="seconds for in-flight runs"
+    )
+    add_time_limit_option(
+        worker, what="shut down as on SIGTERM (in-flight runs get --grace seconds)"
+    )
+    worker.add_argument("--no-dashboard", action="store_true", help="plain log lines")
+    add_metrics_option(worker)
+    add_model_options(worker)
+
+    enqueue = subparsers.add_parser(
+        "enqueue",
+        help="push a taskset's tasks into a Redis stream",
+        description="Push a taskset's tasks (a static taskset, or the next N of a stream) "
+        "into a Redis stream, one entry per task.",
+        formatter_class=HelpFormatter,
+    )
+    _feed_options(enqueue)
+    add_taskset_options(enqueue)
+    enqueue.add_argument(
+        "-n", "--num-examples", type=int, default=None, metavar="N",
+        help="push N tasks; required on a streaming taskset (default: every task)",
+    )  # fmt: skip
+
+
+def _need(condition: bool, message: str) -> None:
+    if not condition:
+        raise UsageError(message)
+
+
+def _check_feed(args: argparse.Namespace) -> None:
+    try:
+        from ..redis._entries import check_url
+    except ImportError as exc:
+        raise UsageError(f"{args.command} needs hiredis ({exc})", fix=_EXTRA) from None
+    try:
+        check_url(args.feed)
+    except ValueError as exc:
+        raise UsageError(f"--feed: {exc}") from None
+    _need(bool(args.stream), "--stream must name a stream, e.g. --stream tasks")
+
+
+def _check_metrics_port(port: int | None) -> None:
+    """`--metrics-port`: a port 0-65535, and prometheus_client installed (a UsageError)."""
+    from .._eval.config import EvalConfigError, check_metrics_port
+
+    try:
+        check_metrics_port(port)
+    except EvalConfigError as exc:
+        raise UsageError(flag_message(exc)) from None
+
+
+def _worker_config(args: argparse.Namespace) -> WorkerConfig:
+    _check_feed(args)
+    from ..redis._worker import WorkerConfig, default_consumer
+
+    _need(bool(args.group), "--group must name a consumer group, e.g. --group workers")
+    _need(bool(args.results), "--results must name a stream, e.g. --results results")
+    _need(args.results != args.stream, "--results must differ from --stream")
+    _need(args.consumer is None or bool(args.consumer), "--consumer must not be empty")
+    _need(args.claim_idle > 0, f"--claim-idle must be > 0 seconds, got {args.claim_idle}")
+    _need(args.grace >= 0, f"--grace must be >= 0 seconds, got {args.grace}")
+    _need(args.retries >= 0, f"--retries must be >= 0, got {args.retries}")
+    _check_metrics_port(args.metrics_port)
+    check_engine_metrics(args, args.max_concurrent)
+    return WorkerConfig(
+        feed=args.feed, stream=args.stream, group=args.group, results=args.results,
+        consumer=args.consumer or default_consumer(), max_concurrent=args.max_concurrent,
+        claim_idle=args.claim_idle, grace=args.grace, retries=args.retries,
+        dashboard=not args.no_dashboard, time_limit=args.time_limit,
+        metrics_port=args.metrics_port,
+    )  # fmt: skip
+
+
+async def _work(config: WorkerConfig, ctx: ModelContext, env: Env[Any]) -> WorkerReport:
+    from ..redis._link import login_refused, server_run_id, unusable
+    from ..redis._resp import OddServer, RedisError, ReplyError
+    from ..redis._worker import run_worker
+
+    try:
+        try:
+            await server_run_id(config.feed)  # an odd server is named before any work
+        except OddServer:
+            raise
+        except RedisError:
+            pass  # unreachable, or a refused login: run_worker waits, or says so
+        return await run_worker(config, ctx, env=env)
+    except OddServer as exc:
+        message, fix = unusable("--feed", config.feed, exc)
+        raise UsageError(message, fix=fix) from None
+    except ReplyError as exc:
+        if login_refused(exc):
+            message, fix = unusable("--feed", config.feed, exc)
+            raise UsageError(message, fix=fix) from None
+        raise
+    finally:
+        with trio.CancelScope(shield=True):
+            await ctx.client.aclose()
+
+
+def run_worker_command(args: argparse.Namespace) -> int:
+    """`trio-tasksets worker`: exit 0 once shut down by a signal."""
+    config = _worker_config(args)
+    check_retry_flags(args)
+    env = build_env(args)
+    ctx = model_context(args)
+    trio.run(_work, config, ctx, env)
+    return 0
+
+
+def run_enqueue(args: argparse.Namespace) -> int:
+    """`trio-tasksets enqueue`: print how many tasks went in."""
+    _check_feed(args)
+    n = args.num_examples
+    _need(n is None or n >= 0, f"-n/--num-examples must be >= 0, got {n}")
+    taskset, _env_class = build_taskset(args)  # a bad TASKSET or -a is a UsageError too
+    if (taskset.streaming or taskset.INFINITE) and n is None:
+        kind = "streams its tasks" if taskset.streaming else "is INFINITE"
+        raise UsageError(
+            f"taskset {type(taskset).__name__} {kind}: bound it with -n/--num-examples N"
+        )
+    _ping(args.feed)
+    ids = trio.run(_enqueue, args.feed, args.stream, taskset, n)
+    span = f" ({ids[0]} .. {ids[-1]})" if ids else ""
+    print(f"enqueued {len(ids)} tasks to {args.stream}{span}")
+    return 0
+
+
+def _ping(url: str) -> None:
+    from ..redis._link import server_run_id, unusable
+    from ..redis._resp import RedisError
+
+    try:
+        trio.run(server_run_id, url)
+    except RedisError as exc:
+        message, fix = unusable("--feed", url, exc)
+        raise UsageError(message, fix=fix) from None
+
+
+async def _enqueue(url: str, stream: str, taskset: Any, n: int | None) -> list[str]:
+    from ..redis._entries import Declaration
+    from ..redis._results import enqueue
+
+    # The taskset class only, not its -a config: workers may run the class with their own.
+    declare = Declaration(Declaration.of_taskset(taskset).taskset)
+    any_data = getattr(type(taskset), "task_from_data", None) is not None
+    view = taskset.head(n) if n is not None else taskset
+    if not view.streaming:
+        return await enqueue(url, stream, list(view), declare=declare, any_data=any_data)
+    async with view.channel() as tasks:
+        return await enqueue(url, stream, tasks, declare=declare, any_data=any_data)

@@ -1,0 +1,908 @@
+"""Envs and episodes: one rollout of one task against a model, with whole-episode retries."""
+
+from __future__ import annotations
+
+import contextvars
+import inspect
+import math
+import os
+import sys
+import time
+import traceback
+import uuid
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Iterator, Mapping
+from contextlib import AbstractAsyncContextManager, asynccontextmanager, contextmanager
+from typing import Any, Generic, TypeVar
+
+import attrs
+import trio
+
+from ._backoff import Backoff
+from ._exceptions import TrioTasksetsError
+from ._limits import CallObserver, observe_calls, parked, report_outcome
+from ._models import Completion, ModelContext, ModelHTTPError, Tokens, observe_completions
+from ._models.pool import sticky
+from ._tasksets import Taskset
+from ._training import current_run
+from ._window import AdaptiveWindow, Outcome, Window
+
+__all__ = [
+    "Env",
+    "Episode",
+    "EpisodeError",
+    "EpisodeTask",
+    "RetryPolicy",
+    "RolloutTimeoutError",
+    "RunSlot",
+    "StalledError",
+    "WindowFeed",
+    "chat_messages",
+    "note_rollout",
+]
+
+TaskT = TypeVar("TaskT")
+Message = dict[str, Any]
+Score = float | Mapping[str, float]
+"""What a reward gives: a number, or named metrics with the reward as their `reward` entry."""
+Reward = Callable[[Any, str], Score | Awaitable[Score]]
+WeightedRewards = Mapping[str, Reward | tuple[Reward, float]]
+"""Several named reward functions, each with a weight (1.0 when not given)."""
+
+
+def _type_names(names: Iterable[str]) -> tuple[str, ...]:
+    if isinstance(names, str):
+        return (names,)
+    return tuple(names)
+
+
+@attrs.frozen
+class RetryPolicy:
+    """Whole-episode retries, chosen by exception type name.
+
+    An error is retried while attempts remain, when `include` is empty or names the error's
+    type (or one of its base classes), and `exclude` names none of them. Between attempts the
+    env sleeps a jittered exponential backoff: uniform in [0, min(max_backoff, backoff * 2**k)].
+    """
+
+    max_retries: int = attrs.field(default=0, validator=attrs.validators.ge(0))
+    include: tuple[str, ...] = attrs.field(default=(), converter=_type_names)
+    exclude: tuple[str, ...] = attrs.field(default=(), converter=_type_names)
+    backoff: float = attrs.field(default=0.5, validator=attrs.validators.ge(0))
+    max_backoff: float = attrs.field(default=30.0, validator=attrs.validators.ge(0))
+
+    def should_retry(self, error: BaseException, attempt: int) -> bool:
+        """Whether attempt number `attempt` (1-based), which raised `error`, gets another."""
+        if attempt > self.max_retries:
+            return False
+        names = {klass.__name__ for klass in type(error).__mro__}
+        if self.exclude and names & set(self.exclude):
+            return False
+        return not self.include or bool(names & set(self.include))
+
+    def delay(self, attempt: int) -> float:
+        """Seconds to wait after attempt number `attempt` failed (the project's `Backoff`)."""
+        return Backoff(self.backoff, self.max_backoff).delay(attempt)
+
+
+class RolloutTimeoutError(TrioTasksetsError, TimeoutError):
+    """An attempt of an episode (its rollout and scoring) outlasted the env's
+    `rollout_timeout`: an episode error like any other, retried per the env's policy."""
+
+
+class StalledError(TrioTasksetsError, TimeoutError):
+    """An attempt made no progress (no model or tool call finished) for the env's
+    `stall_timeout` seconds of working time: cancelled, an episode error retried per the
+    env's policy like any other (SPEC 12)."""
+
+
+class DeadlineExceededError(TrioTasksetsError, TimeoutError):
+    """A slot's deadline, carried from the process that asked for it (an eval's `--via`
+    entry), passed: the slot was cut there, or not run at all when it came too late. An
+    episode error like any other (SPEC 12)."""
+
+
+@attrs.frozen
+class EpisodeTask:
+    """The task an episode ran: its `key` and its own fields (`data`)."""
+
+    key: str
+    data: dict[str, Any]
+
+
+@attrs.frozen
+class EpisodeError:
+    """One failed attempt: the exception's type name and message, and `status`, the HTTP
+    status the model endpoint answered with when the attempt ended on one (a
+    `ModelHTTPError`'s; None otherwise). A row keeps `status` only when it is set; it is what
+    tells an adaptive window on another process (an env server's, a worker's) about a 429.
+    For an error raised by the user's own code (a reward, a rollout, a tool, a taskset's
+    `task_from_data`), `traceback`: the formatted frames of that code, those of this package
+    and of trio left out (None for the package's own errors: model, timeout and stall
+    errors); a row keeps it only when it is set."""
+
+    type: str
+    message: str
+    attempt: int = 1
+    status: int | None = None
+    traceback: str | None = None
+
+    @classmethod
+    def of(cls, exc: BaseException, attempt: int) -> EpisodeError:
+        """The record of attempt number `attempt`, which raised `exc` (its user traceback,
+        when the user's own code raised it)."""
+        status = exc.status if isinstance(exc, ModelHTTPError) else None
+        return cls(type(exc).__name__, str(exc), attempt, status, user_traceback(exc))
+
+    def to_dict(self) -> dict[str, Any]:
+        """The error as a row holds it."""
+        found: dict[str, Any] = {
+            "type": self.type,
+            "message": self.message,
+            "attempt": self.attempt,
+        }
+        if self.status is not None:
+            found["status"] = self.status
+        if self.traceback is not None:
+            found["traceback"] = self.traceback
+        return found
+
+
+_OWN_CODE = tuple(
+    os.path.dirname(module.__file__) + os.sep
+    for module in (sys.modules[__name__.rpartition(".")[0]], trio)
+    if module.__file__ is not None
+)
+
+
+def user_traceback(error: BaseException) -> str | None:
+    """The traceback of `error` in the user's frames, or None when this package (or trio)
+    raised it. Frames of this package and of trio are left out; the rest (the user's code and
+    the libraries it called) are formatted as Python does, with the error's last line."""
+    frames = traceback.extract_tb(error.__traceback__)
+    if not frames or frames[-1].filename.startswith(_OWN_CODE):
+        return None
+    kept = traceback.StackSummary.from_list(
+        [frame for frame in frames if not frame.filename.startswith(_OWN_CODE)]
+    )
+    return (
+        "Traceback (most recent call last, the user's frames):\n"
+        + "".join(kept.format())
+        + "".join(traceback.format_exception_only(type(error), error))
+    )
+
+
+@attrs.define
+class Episode:
+    """The record of one slot: what was asked, what came back, its reward and its errors.
+
+    `ok` is False when every attempt failed; `errors` keeps every failed attempt's error,
+    including those of attempts that a later retry made good. `usage` sums the token counts
+    of every model reply of every attempt (what the episode cost); `finish_reason` is the
+    last reply's. `timing` holds `started` and `finished` (epoch seconds), `duration`
+    (seconds, every attempt and backoff included) and, of that duration, `waited_connection`
+    and `waited_rate`: the seconds its model calls waited for a connection slot and for the
+    rpm/tpm limiters (`trio_tasksets._limits.EndpointLimits`; 0.0 without limits; rows written
+    before these existed lack them), and `working`: the duration less every wait of the
+    runner's own (`limits.parked`: limiters, rests before a retry, retry backoff).
+
+    Of the attempt the row reports (the last): `turns` counts its model replies, `tool_calls`
+    the tool calls those replies asked for, and `stop_reason` names the limit that ended its
+    rollout (`"max_turns"`, `"token_limit"`, `"working_limit"`: `Env(working_limit=)`; None
+    when the model finished on its own): a tool env (`tt.ToolEnv`) sets them, and any
+    rollout loop may (`note_rollout`).
+
+    `metrics` are the episode's named metrics besides its `reward` (what a reward returning
+    a mapping gave, each weighted reward function's own value, a verifiers episode's
+    per-reward breakdown); empty when there are none.
+    """
+
+    id: str
+    task: EpisodeTask
+    rollout: int
+    ok: bool = False
+    reward: float = 0.0
+    completion: str | None = None
+    messages: list[Message] = attrs.Factory(list)
+    errors: list[EpisodeError] = attrs.Factory(list)
+    attempts: int = 0
+    timing: dict[str, float] = attrs.Factory(dict)
+    usage: dict[str, int] = attrs.Factory(dict)
+    finish_reason: str | None = None
+    turns: int = 0
+    tool_calls: int = 0
+    stop_reason: str | None = None
+    metrics: dict[str, float] = attrs.Factory(dict)
+    # Training fields (SPEC 10); a row holds each only when it is set.
+    tokens: list[dict[str, Any]] = attrs.Factory(list)  # each model call's `Tokens.to_dict()`
+    group: str | None = None  # the id shared by the rollouts of one group (`--group`)
+    advantage: float | None = None  # set by `Env.score_group` (e.g. GRPO's)
+    policy_version: int | None = None  # the `tt.Staleness` version when the slot started
+    stale: bool = False  # finished more than `max_lag` versions behind (withheld)
+    worker: str | None = None  # the worker that ran it (`--via`: its consumer name); row: if set
+
+    def count(self, completion: Completion) -> None:
+        """Add one model reply's token usage, keep its finish reason, and its token ids and
+        logprobs when the server returned them (one `tokens` entry per model call)."""
+        usage = self.usage
+        for name, value in completion.usage.items():
+            usage[name] = usage.get(name, 0) + value
+        if completion.finish_reason is not None:
+            self.finish_reason = completion.finish_reason
+        if completion.tokens is not None:
+            self.tokens.append(completion.tokens.to_dict())
+
+    def to_row(self) -> dict[str, Any]:
+        """The trace row: the episode's fields under the same names, JSON-ready."""
+        # Written out rather than attrs.asdict: this runs once per row on the eval's hot path.
+        return {
+            "id": self.id,
+            "task": {"key": self.task.key, "data": self.task.data},
+            "rollout": self.rollout,
+            "ok": self.ok,
+            "reward": self.reward,
+            "completion": self.completion,
+            "messages": self.messages,
+            "errors": [e.to_dict() for e in self.errors],
+            "attempts": self.attempts,
+            "timing": self.timing,
+            "usage": self.usage,
+            "finish_reason": self.finish_reason,
+            "turns": self.turns,
+            "tool_calls": self.tool_calls,
+            "stop_reason": self.stop_reason,
+            "metrics": self.metrics,
+            **self._training_fields(),
+        }
+
+    def _training_fields(self) -> dict[str, Any]:
+        """The row's training fields that are set (none for a plain eval's rows)."""
+        fields: dict[str, Any] = {}
+        if self.tokens:
+            fields["tokens"] = self.tokens
+        if self.group is not None:
+            fields["group"] = self.group
+            fields["advantage"] = self.advantage
+        if self.policy_version is not None:
+            fields["policy_version"] = self.policy_version
+            fields["stale"] = self.stale
+        if self.worker is not None:
+            fields["worker"] = self.worker
+        return fields
+
+    @classmethod
+    def from_row(cls, row: dict[str, Any]) -> Episode:
+        """Rebuild an episode from a trace row (the inverse of `to_row`)."""
+        return cls(
+            id=str(row["id"]),
+            task=EpisodeTask(key=str(row["task"]["key"]), data=dict(row["task"]["data"])),
+            rollout=int(row["rollout"]),
+            ok=bool(row["ok"]),
+            reward=float(row["reward"]),
+            completion=row.get("completion"),
+            messages=list(row.get("messages", [])),
+            errors=[EpisodeError(**e) for e in row.get("errors", [])],
+            attempts=int(row.get("attempts", 0)),
+            timing=dict(row.get("timing", {})),
+            usage={str(k): int(v) for k, v in (row.get("usage") or {}).items()},
+            finish_reason=None if row.get("finish_reason") is None else str(row["finish_reason"]),
+            turns=int(row.get("turns") or 0),
+            tool_calls=int(row.get("tool_calls") or 0),
+            stop_reason=None if row.get("stop_reason") is None else str(row["stop_reason"]),
+            metrics={str(k): float(v) for k, v in (row.get("metrics") or {}).items()},
+            tokens=[Tokens.from_dict(t).to_dict() for t in row.get("tokens") or []],
+            group=None if row.get("group") is None else str(row["group"]),
+            advantage=None if row.get("advantage") is None else float(row["advantage"]),
+            policy_version=(
+                None if row.get("policy_version") is None else int(row["policy_version"])
+            ),
+            stale=bool(row.get("stale", False)),
+            worker=None if row.get("worker") is None else str(row["worker"]),
+        )
+
+    @classmethod
+    def _from_fresh_row(cls, row: object) -> Episode:
+        """`from_row` for a row decoded just now and held by nothing else (an env server's
+        answer): when every field has the exact JSON type `to_row` gives it and there are no
+        errors, the episode takes the row's own `task.data`, `messages`, `errors` and
+        `timing` (no copies, so fewer objects per episode); any other row goes through
+        `from_row`, which converts or raises as it always does."""
+        if type(row) is dict:
+            get = row.get
+            task, completion, errors = get("task"), get("completion"), get("errors")
+            finish, stop = get("finish_reason"), get("stop_reason")
+            metrics = get("metrics", {})
+            if (
+                type(task) is dict
+                and type(task.get("key")) is str
+                and type(task.get("data")) is dict
+                and type(get("id")) is str
+                and type(get("rollout")) is int
+                and type(get("ok")) is bool
+                and type(get("reward")) is float
+                and (completion is None or type(completion) is str)
+                and type(get("messages")) is list
+                and type(errors) is list
+                and not errors
+                and type(get("attempts")) is int
+                and type(get("timing")) is dict
+                and type(get("usage")) is dict
+                and all(type(v) is int for v in row["usage"].values())
+                and (finish is None or type(finish) is str)
+                and type(get("turns")) is int
+                and type(get("tool_calls")) is int
+                and (stop is None or type(stop) is str)
+                and type(metrics) is dict
+                and all(type(v) is float for v in metrics.values())
+                and _TRAINING_KEYS.isdisjoint(row)  # else from_row reads them
+            ):
+                return cls(row["id"], EpisodeTask(task["key"], task["data"]), row["rollout"],
+                           row["ok"], row["reward"], completion, row["messages"], errors,
+                           row["attempts"], row["timing"], row["usage"], finish,
+                           row["turns"], row["tool_calls"], stop, metrics)  # fmt: skip
+        return cls.from_row(row)  # type: ignore[arg-type]  # not a dict: it raises
+
+
+_TRAINING_KEYS = frozenset({"tokens", "group", "advantage", "policy_version", "stale", "worker"})
+
+
+@attrs.define(eq=False)
+class RunSlot(Generic[TaskT]):
+    """One rollout of one task, plus its live state while it runs."""
+
+    task: TaskT
+    rollout: int = 0
+    episode: Episode | None = None
+    done: bool = False
+    started: float | None = None
+
+
+OnComplete = Callable[[Episode], Awaitable[None] | None]
+"""A slot's completion callback: sync, or async (then awaited shielded from cancellation)."""
+
+
+async def complete_slot(
+    slot: RunSlot[Any], episode: Episode, on_complete: OnComplete | None
+) -> Episode:
+    """Record `episode` as `slot`'s, then call `on_complete(episode)` once. An awaitable it
+    returns runs shielded, so the row is recorded even while the run is being cancelled (a
+    sync callback cannot be cancelled). Returns `episode`."""
+    slot.episode, slot.done = episode, True
+    if on_complete is not None:
+        result = on_complete(episode)
+        if inspect.isawaitable(result):
+            with trio.CancelScope(shield=True):
+                await result
+    return episode
+
+
+def _finite(reward: float) -> float:
+    """The reward, or ValueError (an episode error) for a NaN or an infinity, which would
+    poison every mean it enters and cannot be written as JSON."""
+    if not math.isfinite(reward):
+        raise ValueError(f"the reward is {reward!r}: a reward must be a finite number")
+    return reward
+
+
+def split_score(value: object) -> tuple[float, dict[str, float]]:
+    """A reward's result as (reward, named metrics): a number is the reward itself; a
+    mapping holds named metrics, its `reward` entry the reward. ValueError (an episode error)
+    for a mapping without `reward` or a non-finite value, TypeError for a value that is not a
+    number."""
+    if isinstance(value, Mapping):
+        if "reward" not in value:
+            raise ValueError(
+                f"a reward that returns a mapping must give its reward as the 'reward' entry "
+                f"(the others are named metrics), got the keys {sorted(map(str, value))}"
+            )
+        metrics: dict[str, float] = {}
+        for name, number in value.items():
+            if isinstance(number, bool) or not isinstance(number, int | float):
+                raise TypeError(f"metric {name!r} is {number!r}: a metric must be a number")
+            if not math.isfinite(number):
+                raise ValueError(f"metric {name!r} is {number!r}: a metric must be finite")
+            metrics[str(name)] = float(number)
+        return metrics.pop("reward"), metrics
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        raise TypeError(f"a reward must be a number or a mapping of metrics, got {value!r}")
+    return _finite(float(value)), {}
+
+
+def weighted_reward(rewards: WeightedRewards) -> Reward:
+    """One reward from several named ones (as a verifiers rubric): each `name: fn` or
+    `name: (fn, weight)` (weight 1.0 when not given; a fn may be sync or async and return a
+    number). The episode's reward is the weighted sum; its metrics are each fn's own,
+    unweighted value, under its name. `tt.Env(taskset, reward={...})` builds one."""
+    if not rewards:
+        raise ValueError("reward=: a mapping of named rewards needs at least one")
+    parts: list[tuple[str, Reward, float]] = []
+    for name, spec in rewards.items():
+        fn, weight = spec if isinstance(spec, tuple) else (spec, 1.0)
+        if not callable(fn):
+            raise TypeError(f"reward {name!r}: expected a function (task, completion), got {fn!r}")
+        if isinstance(weight, bool) or not isinstance(weight, int | float):
+            raise TypeError(f"reward {name!r}: the weight must be a number, got {weight!r}")
+        if name == "reward":
+            raise ValueError("reward=: 'reward' names the weighted sum: name the parts otherwise")
+        parts.append((str(name), fn, float(weight)))
+
+    async def weighted(task: Any, completion: str) -> dict[str, float]:
+        scores: dict[str, float] = {}
+        total = 0.0
+        for name, fn, weight in parts:
+            value = fn(task, completion)
+            if inspect.isawaitable(value):
+                value = await value
+            score, _ = split_score(value)
+            scores[name] = score
+            total += weight * score
+        return {"reward": total, **scores}
+
+    weighted.rewards = rewards  # type: ignore[attr-defined]  # what it sums (envspec reads it)
+    return weighted
+
+
+def task_key(task: Any) -> str:
+    key = getattr(task, "key", None)
+    if not isinstance(key, str):
+        raise TypeError(f"tasks need a str `key` (tt.Task has one), got {type(task).__name__}")
+    return key
+
+
+def task_data(task: Any) -> dict[str, Any]:
+    data = getattr(task, "data", None)
+    if isinstance(data, dict):
+        return data
+    if attrs.has(type(task)):
+        return attrs.asdict(task)
+    raise TypeError(f"tasks need a dict `data` (tt.Task has one), got {type(task).__name__}")
+
+
+def chat_messages(task: Any) -> list[Message]:
+    """`tt.chat_messages(task)`: the first messages of a task's chat, what every rollout
+    starts from (the single-turn default sends exactly these): the system prompt first (when
+    the task has one), then the prompt (a str as one user message, a list of messages as
+    they are, copied). A multi-turn rollout appends the model's replies and its own turns."""
+    messages: list[Message] = []
+    system = getattr(task, "system_prompt", None)
+    if system:
+        messages.append({"role": "system", "content": system})
+    prompt = task.prompt
+    if isinstance(prompt, str):
+        messages.append({"role": "user", "content": prompt})
+    else:
+        messages.extend(dict(m) for m in prompt)
+    return messages
+
+
+def answer_match(task: Any, completion: str) -> float:
+    """1.0 when the task's answer occurs in the completion (case-insensitive), else 0.0."""
+    answer = getattr(task, "answer", None)
+    if not answer:
+        return 0.0
+    return 1.0 if str(answer).casefold() in completion.casefold() else 0.0
+
+
+class Env(Generic[TaskT]):
+    """A taskset plus how to run and score one episode of it.
+
+    The default episode is single-turn chat: the task's messages (system prompt first) go to
+    the model once. Override `rollout` for multi-turn or tool-using episodes, and `serving`
+    for resources that live as long as a service (a sandbox pool, a browser).
+
+    The reward: `reward=` if given, else the taskset's own `reward(task, completion)` method if
+    it has one, else `answer_match`. A reward may be sync or async, and return a number or
+    named metrics with a `reward` entry; `reward={name: fn or (fn, weight)}` sums several.
+
+    The taskset may be left out (`tt.Env(reward=...)`): a service whose tasks come from its
+    own channel calls `run_slot(tt.RunSlot(task), ctx)` with them (`env.taskset` is then an
+    empty `tt.Taskset`).
+
+    `rollout_timeout` (seconds, or None: no bound) bounds each attempt of an episode, its
+    rollout and its scoring: an attempt that outlasts it is cancelled and becomes a
+    `RolloutTimeoutError`, retried per `retries` like any episode error. It is a plain
+    attribute: set it after construction to bound a subclass that does not pass it on.
+
+    `working_limit` (seconds, or None) bounds each attempt's *working* time: its wall time
+    less the time it was parked in the runner's own waits (`limits.parked`: connection,
+    rpm and tpm limiters, Retry-After rests, retry backoff), stopped while such a wait is
+    in progress. An attempt that reaches it is cut and ends normally: scored on the last
+    model reply it had received (`""` if none), `ok`, with `stop_reason: "working_limit"`.
+    While any task of the rollout is parked, the rollout counts as parked. Also a plain
+    attribute.
+
+    `stall_timeout` (seconds, or None) cancels an attempt in which no model or tool call
+    finished (`ModelContext.chat` returning, `limits.report_progress`) for that many seconds
+    of working time (parked waits do not count): it becomes a `StalledError`, retried per
+    `retries`. Also a plain attribute.
+    """
+
+    rollout_timeout: float | None = None  # also here, for a subclass that skips __init__
+    working_limit: float | None = None
+    stall_timeout: float | None = None
+
+    def __init__(
+        self,
+        taskset: Taskset[TaskT, Any] | None = None,
+        *,
+        reward: Reward | WeightedRewards | None = None,
+        retries: RetryPolicy | None = None,
+        rollout_timeout: float | None = None,
+        working_limit: float | None = None,
+        stall_timeout: float | None = None,
+    ) -> None:
+        # No taskset: a service whose tasks come from its own channel (an empty one stands in).
+        self.taskset: Taskset[TaskT, Any] = taskset if taskset is not None else Taskset()
+        self.retries = retries if retries is not None else RetryPolicy()
+        self.rollout_timeout = check_rollout_timeout(rollout_timeout)
+        self.working_limit = check_working_limit(working_limit)
+        self.stall_timeout = check_working_limit(stall_timeout, "stall_timeout")
+        taskset_reward = getattr(self.taskset, "reward", None)
+        if isinstance(reward, Mapping):
+            reward = weighted_reward(reward)
+        if isinstance(taskset_reward, Mapping):  # a taskset's `reward = {name: fn, ...}`
+            taskset_reward = weighted_reward(taskset_reward)
+        self._reward: Reward = reward or taskset_reward or answer_match
+
+    def serving(self) -> AbstractAsyncContextManager[Env[TaskT]]:
+        """Env-level resources for the life of a service or an eval (default: none)."""
+        return _nothing(self)
+
+    async def rollout(self, task: TaskT, ctx: ModelContext) -> tuple[list[Message], str]:
+        """Run one attempt of an episode; return the full message list and the completion."""
+        messages = chat_messages(task)
+        reply = await ctx.chat(messages)
+        return [*messages, reply.message], reply.content
+
+    async def score(self, task: TaskT, completion: str) -> Score:
+        """The reward of a completion: a number, or named metrics with a `reward` entry."""
+        value = self._reward(task, completion)
+        if inspect.isawaitable(value):
+            value = await value
+        return value if isinstance(value, Mapping) else float(value)
+
+    async def score_group(self, task: TaskT, episodes: list[Episode]) -> None:
+        """Score a group (`--group`: a task's `-r` rollouts), once all are done and ok: set
+        each episode's `reward` and `advantage` as you like (e.g. GRPO's reward minus the
+        group mean). Default: nothing (each keeps its own reward; `advantage` stays None).
+        Raising fails the group (every row `ok=False` with the cause)."""
+
+    async def run_slot(
+        self,
+        slot: RunSlot[TaskT],
+        ctx: ModelContext,
+        *,
+        on_complete: OnComplete | None = None,
+    ) -> Episode:
+        """Run one slot to its episode, retrying the whole episode per `self.retries`.
+
+        Never raises for the episode's own failure: it is recorded on the episode (`ok=False`,
+        `errors`). Cancellation propagates (an unfinished episode is not recorded).
+        `on_complete(episode)` runs once, after the last attempt, shielded from cancellation.
+        """
+        task = slot.task
+        episode = Episode(
+            id=uuid.uuid4().hex,
+            task=EpisodeTask(key=task_key(task), data=task_data(task)),
+            rollout=slot.rollout,
+        )
+        live = current_run()  # a tt.Staleness wrapper's run: the policy version
+        if live is not None:
+            episode.policy_version = live.version
+        slot.episode = episode
+        slot.started = time.time()
+        began = trio.current_time()
+        waits = _Waits()
+        timeout = self.rollout_timeout
+        bounded = timeout is not None or self.working_limit is not None or self.stall_timeout
+        attempt = 0
+        while True:
+            attempt += 1
+            stats = _Rollout(episode)
+            token = _rollout.set(stats)
+            try:
+                # sticky: with many endpoints, an attempt's calls stay on one (its prefix cache)
+                if not bounded:  # inline: this runs once per attempt of every episode
+                    with observe_completions(stats.count), observe_calls(waits), sticky(episode.id):
+                        messages, completion = await self.rollout(task, ctx)
+                        reward, metrics = split_score(await self.score(task, completion))
+                else:
+                    with sticky(episode.id):
+                        messages, completion, (reward, metrics) = await self._bounded(
+                            task, ctx, stats, waits
+                        )
+            except Exception as exc:
+                episode.errors.append(EpisodeError.of(exc, attempt))
+                if not self.retries.should_retry(exc, attempt):
+                    break
+                with observe_calls(waits), parked("retry"):
+                    await trio.sleep(self.retries.delay(attempt))
+            else:
+                episode.ok = True
+                episode.reward = reward
+                episode.metrics = metrics
+                episode.completion = completion
+                episode.messages = messages
+                break
+            finally:
+                _rollout.reset(token)
+        episode.turns, episode.tool_calls = stats.turns, stats.tool_calls
+        episode.stop_reason = stats.stop_reason
+        episode.attempts = attempt
+        episode.timing = {
+            "started": slot.started,
+            "finished": time.time(),
+            "duration": trio.current_time() - began,
+            "waited_connection": waits.connection,
+            "waited_rate": waits.rate,
+        }
+        episode.timing["working"] = episode.timing["duration"] - waits.parked_so_far()
+        if live is not None:
+            episode.stale = live.stale  # withheld: finished more than max_lag behind
+        return await complete_slot(slot, episode, on_complete)
+
+    async def _bounded(
+        self, task: TaskT, ctx: ModelContext, stats: _Rollout, waits: _Waits
+    ) -> tuple[list[Message], str, tuple[float, dict[str, float]]]:
+        """One attempt, the rollout and its score, within `rollout_timeout` (wall time) and
+        `working_limit` (working time: the rollout is cut, then scored, its `stop_reason`
+        "working_limit"), cancelled as a `StalledError` after `stall_timeout`."""
+        seconds, limit, stall = self.rollout_timeout, self.working_limit, self.stall_timeout
+        replies: list[Completion] = []
+
+        def record(completion: Completion) -> None:
+            stats.count(completion)
+            replies.append(completion)
+
+        with trio.move_on_after(math.inf if seconds is None else seconds):
+            with observe_completions(record), observe_calls(waits):
+                with waits.working(limit, stall) as (work, stalled):
+                    messages, completion = await self.rollout(task, ctx)
+                if stalled.cancelled_caught:
+                    raise StalledError(
+                        f"no model or tool call finished for {stall:g}s of working time "
+                        f"(stall_timeout; cancelled)"
+                    )
+                if work.cancelled_caught:
+                    stats.stop_reason = "working_limit"
+                    completion = replies[-1].content if replies else ""
+                    messages = _partial(task, replies)
+                return messages, completion, split_score(await self.score(task, completion))
+        assert seconds is not None
+        report_outcome(Outcome.TIMEOUT)  # an adaptive rollout window pauses its growth
+        raise RolloutTimeoutError(
+            f"the rollout took longer than its rollout_timeout of {seconds:g}s (cancelled)"
+        )
+
+
+class _Rollout:
+    """What one attempt's rollout did: its model replies (`turns`), the tool calls they
+    asked for, and the limit that stopped it (`note_rollout`)."""
+
+    __slots__ = ("count_usage", "stop_reason", "tool_calls", "turns")
+
+    def __init__(self, episode: Episode) -> None:
+        self.count_usage = episode.count
+        self.turns = 0
+        self.tool_calls = 0
+        self.stop_reason: str | None = None
+
+    def count(self, completion: Completion) -> None:
+        self.count_usage(completion)
+        self.turns += 1
+        self.tool_calls += len(completion.tool_calls)
+
+
+_rollout: contextvars.ContextVar[_Rollout | None] = contextvars.ContextVar(
+    "trio_tasksets_rollout", default=None
+)
+
+
+def note_rollout(
+    *, stop_reason: str | None = None, turns: int | None = None, tool_calls: int | None = None
+) -> None:
+    """Tell the episode being run how its rollout went, for its row: `stop_reason`, the
+    limit that ended it (None: the model finished); `turns` and `tool_calls`, to replace the
+    counts of the replies seen (every `ModelContext.chat` of the attempt, sub-runs' included)
+    by the loop's own. Outside `Env.run_slot` it does nothing."""
+    stats = _rollout.get()
+    if stats is None:
+        return
+    stats.stop_reason = stop_reason
+    if turns is not None:
+        stats.turns = turns
+    if tool_calls is not None:
+        stats.tool_calls = tool_calls
+
+
+def check_rollout_timeout(value: object) -> float | None:
+    """`value` as a rollout timeout: None, or a finite number of seconds > 0 (ValueError)."""
+    if value is None:
+        return None
+    if (
+        isinstance(value, bool)
+        or not isinstance(value, int | float)
+        or not math.isfinite(value)
+        or value <= 0
+    ):
+        raise ValueError(f"rollout_timeout must be a number of seconds > 0, or None, got {value!r}")
+    return float(value)
+
+
+def check_working_limit(value: object, name: str = "working_limit") -> float | None:
+    """`value` as a working limit (or `name`): None, or a finite number of seconds > 0
+    (ValueError naming it)."""
+    if value is None:
+        return None
+    if (
+        isinstance(value, bool)
+        or not isinstance(value, int | float)
+        or not math.isfinite(value)
+        or value <= 0
+    ):
+        raise ValueError(f"{name} must be a number of seconds > 0, or None, got {value!r}")
+    return float(value)
+
+
+def _partial(task: Any, replies: list[Completion]) -> list[Message]:
+    """The messages of a rollout cut at its working limit: the task's chat messages (when
+    it has a prompt) and the model replies it had received."""
+    try:
+        messages = chat_messages(task)
+    except AttributeError:
+        messages = []
+    return [*messages, *({"role": "assistant", "content": r.content} for r in replies)]
+
+
+@attrs.define
+class _Waits(CallObserver):
+    """What one episode waited for, in seconds: its model calls' connection slots and rate
+    limiters (`on_wait`), and every wait of the runner's own (`parked`: the union of those
+    intervals, a wait in progress included). `working(limit, stall)` gives two cancel
+    scopes: one `limit` seconds of working time away, one `stall` seconds of working time
+    after the last progress (`on_progress`); their deadlines move as waits begin and end."""
+
+    connection: float = 0.0
+    rate: float = 0.0
+    parked: float = 0.0
+    depth: int = 0  # waits in progress (several tasks of one rollout may wait at once)
+    since: float = 0.0  # when the current parked interval began
+    scope: trio.CancelScope | None = None
+    work_began: float = 0.0
+    parked_before: float = 0.0  # `parked` when the working scope began
+    limit: float = math.inf
+    stall_scope: trio.CancelScope | None = None
+    stall: float = math.inf
+    progress_at: float = 0.0  # when a call last finished (or the attempt began)
+    parked_at_progress: float = 0.0  # `parked_so_far()` then
+
+    def on_wait(self, connection: float, rate: float) -> None:
+        self.connection += connection
+        self.rate += rate
+
+    def on_park(self, kind: str) -> None:
+        self.depth += 1
+        if self.depth == 1:
+            self.since = trio.current_time()
+            if self.scope is not None:
+                self.scope.deadline = math.inf  # the working clock stops
+                self.stall_scope.deadline = math.inf  # type: ignore[union-attr]
+
+    def on_unpark(self, kind: str, seconds: float) -> None:
+        self.depth -= 1
+        if self.depth == 0:
+            self.parked += trio.current_time() - self.since
+            if self.scope is not None:
+                self.scope.deadline = self._working_deadline()
+                self.stall_scope.deadline = self._stall_deadline()  # type: ignore[union-attr]
+
+    def on_progress(self, kind: str = "model") -> None:
+        if self.stall_scope is None:  # no stall timeout: nothing to move (every model reply)
+            return
+        self.progress_at, self.parked_at_progress = trio.current_time(), self.parked_so_far()
+        if not self.depth:
+            self.stall_scope.deadline = self._stall_deadline()
+
+    def parked_so_far(self) -> float:
+        if not self.depth:
+            return self.parked
+        return self.parked + (trio.current_time() - self.since)
+
+    def _working_deadline(self) -> float:
+        return self.work_began + self.limit + (self.parked - self.parked_before)
+
+    def _stall_deadline(self) -> float:
+        return self.progress_at + self.stall + (self.parked - self.parked_at_progress)
+
+    @contextmanager
+    def working(
+        self, limit: float | None, stall: float | None
+    ) -> Iterator[tuple[trio.CancelScope, trio.CancelScope]]:
+        now = trio.current_time()
+        self.work_began, self.parked_before = now, self.parked
+        self.limit = math.inf if limit is None else limit
+        self.stall = math.inf if stall is None else stall
+        self.progress_at, self.parked_at_progress = now, self.parked_so_far()
+        parked = bool(self.depth)
+        work = trio.CancelScope(deadline=math.inf if parked else self._working_deadline())
+        stalled = trio.CancelScope(deadline=math.inf if parked else self._stall_deadline())
+        self.scope, self.stall_scope = work, stalled
+        try:
+            with work, stalled:
+                yield work, stalled
+        finally:
+            self.scope = self.stall_scope = None
+
+
+class WindowFeed(CallObserver):
+    """Feeds an adaptive rollout window (a runner's `AdaptiveWindow`) from its runs.
+
+    Around each run, `with observe_calls(feed):` hands it the 429s, 5xx and timeouts of the
+    model calls the run makes, as they come (a cut must not wait for the episode's retries
+    to end), with each call's latency (the window's latency signal), paces each call while
+    a request-rate limit answers 429 (`AdaptiveWindow.pace`), and a run whose call waits
+    out a 429 before its retry (`limits.rest`) lends its place meanwhile
+    (`AdaptiveWindow.rest`); then, while the run still holds its slot,
+    `feed.ended(episode)` adds one success for an episode that ended ok. Where the model
+    calls are made in another process (an env server, a worker), pass `remote=True`:
+    `ended` then reads the episode's errors instead (a 429 or 5xx `ModelHTTPError`, a model
+    or rollout timeout, by the errors' `status` and type). A window that is not adaptive is
+    left alone.
+    """
+
+    def __init__(self, window: Window | None, *, remote: bool = False) -> None:
+        self.window = window if isinstance(window, AdaptiveWindow) else None
+        self.remote = remote
+
+    def on_outcome(self, outcome: Outcome, retry_after: float | None) -> None:
+        self.on_call(outcome, retry_after, None)
+
+    def on_call(self, outcome: Outcome, retry_after: float | None, latency: float | None) -> None:
+        # A call's success is its latency only (the episode's end counts the success); a
+        # 429 or 5xx is recorded as it comes, with its latency (when the call started).
+        if self.window is None:
+            return
+        if outcome is not Outcome.SUCCESS:
+            self.window.record(outcome, retry_after=retry_after, latency=latency)
+        elif latency is not None:
+            self.window.observe_latency(latency)
+
+    async def pacing(self) -> None:
+        if self.window is not None:
+            await self.window.pace()
+
+    @asynccontextmanager
+    async def resting(self, outcome: Outcome | None) -> AsyncIterator[None]:
+        # Only after a 429: its cap keeps lending from piling runs up; a 5xx cuts nothing.
+        if self.window is None or outcome is not Outcome.RATE_LIMITED:
+            yield
+            return
+        async with self.window.rest():
+            yield
+
+    def ended(self, episode: Episode) -> None:
+        window = self.window
+        if window is None:
+            return
+        if self.remote:
+            for error in episode.errors:
+                outcome = error_outcome(error)
+                if outcome is not None:
+                    window.record(outcome)
+        if episode.ok:
+            window.success()
+
+
+_TIMEOUT_ERRORS = frozenset({"ModelTimeoutError", "RolloutTimeoutError"})
+
+
+def error_outcome(error: EpisodeError) -> Outcome | None:
+    """What an episode error says about the endpoint's load: its `status` (429 rate
+    limited, 5xx server error), a model or rollout timeout; None otherwise."""
+    if error.type in _TIMEOUT_ERRORS:
+        return Outcome.TIMEOUT
+    return None if error.status is None else Outcome.from_status(error.status)
+
+
+@asynccontextmanager
+async def _nothing(env: Env[Any]) -> AsyncIterator[Env[Any]]:
+    yield env

@@ -1,0 +1,342 @@
+"""How an env travels to another process: `EnvSpec` (names and JSON config, never pickle)."""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import PurePath
+from typing import Any
+
+import attrs
+import orjson
+
+from ._builtin import BUILTIN
+from ._env import Env, RetryPolicy, answer_match
+from ._exceptions import ConfigError
+from ._loading import (
+    LoadError,
+    TravelError,
+    import_failure,
+    load_object,
+    object_spec,
+    resolve_target,
+)
+from ._models import ModelContext
+from ._tasksets import Task, Taskset
+from .queue import MalformedEntry
+
+__all__ = [
+    "Declaration",
+    "EnvSpec",
+    "TravelError",
+    "config_from_json",
+    "config_to_json",
+    "rebuild_task",
+    "taskset_arg",
+]
+
+
+def _json_native(value: object) -> bool:
+    if value is None or isinstance(value, str | bool | int):
+        return True
+    if isinstance(value, float):
+        return math.isfinite(value)
+    if isinstance(value, list | tuple):
+        return all(_json_native(v) for v in value)
+    if isinstance(value, dict):
+        return all(isinstance(k, str) and _json_native(v) for k, v in value.items())
+    return False
+
+
+def config_to_json(taskset: Taskset[Any, Any]) -> dict[str, Any]:
+    """The taskset's config as JSON fields; `TravelError` if it cannot be rebuilt from them."""
+    config = taskset.config
+    name = type(taskset).__name__
+    if type(config) is not type(type(taskset)._default_config()):
+        raise TravelError(
+            f"taskset {name}'s config is a {type(config).__name__}, not the config class the "
+            f"taskset declares, so an env server cannot rebuild it"
+        )
+    if not attrs.has(type(config)):
+        raise TravelError(f"taskset {name}'s config is not an attrs class")
+    fields = attrs.asdict(config, recurse=False)
+    for field, value in fields.items():
+        if not _json_native(value):
+            raise TravelError(
+                f"taskset {name}'s config field {field!r} ({type(value).__name__}) is not "
+                f"plain JSON data, so it cannot travel to an env server"
+            )
+    return json.loads(json.dumps(fields))  # type: ignore[no-any-return]
+
+
+def config_from_json(taskset_cls: type[Taskset[Any, Any]], fields: dict[str, Any]) -> Any:
+    """The taskset's declared config class built from `config_to_json`'s fields (an array
+    goes back into a tuple where the field's default is a tuple)."""
+    default = taskset_cls._default_config()
+    config_cls = type(default)
+    values = dict(fields)
+    for field in attrs.fields(config_cls):
+        if isinstance(values.get(field.name), list) and isinstance(
+            getattr(default, field.name), tuple
+        ):
+            values[field.name] = tuple(values[field.name])
+    return config_cls(**values)
+
+
+def rebuild_task(taskset_cls: type[Taskset[Any, Any]], key: str, data: dict[str, Any]) -> Any:
+    """The task that `key` and `data` (a task's `data`) stand for in another process:
+    `taskset_cls.task_from_data(data, key)` when the taskset class defines it, else
+    `tt.Task(**data, key=key)`. Raises what they raise (TypeError, ValueError, ...)."""
+    factory: Any = getattr(taskset_cls, "task_from_data", None)
+    if factory is not None:
+        return factory(data, key)
+    return Task(**data, key=key)
+
+
+def _reward_spec(env: Env[Any]) -> str | None:
+    reward = env._reward
+    if reward is answer_match:
+        return None
+    if getattr(reward, "__self__", None) is env.taskset and getattr(
+        reward, "__func__", None
+    ) is getattr(type(env.taskset), "reward", None):
+        return None  # the taskset's own reward: the server's env finds it the same way
+    own = getattr(env.taskset, "reward", None)
+    if own is not None and getattr(reward, "rewards", None) is own:
+        return None  # the taskset's own weighted rewards (`reward = {...}`): the same
+    return object_spec(reward, "the reward")
+
+
+@attrs.frozen
+class EnvSpec:
+    """How another process rebuilds an env: `taskset_cls(config)` wrapped in
+    `env_class(taskset, reward=..., retries=...)`, with its `rollout_timeout`,
+    `working_limit` and `stall_timeout` set.
+
+    It travels as data (`to_json` / `from_json`: a spawned server gets it whole, never
+    re-encoded as command-line flags), and `build` is the one way an env is made from one,
+    for the command line's options as for a spawned server."""
+
+    taskset: str
+    config: dict[str, Any]
+    env_class: str | None = None
+    reward: str | None = None
+    retries: RetryPolicy = attrs.field(factory=RetryPolicy)
+    rollout_timeout: float | None = None
+    working_limit: float | None = None
+    stall_timeout: float | None = None
+
+    @classmethod
+    def of(cls, env: Env[Any]) -> EnvSpec:
+        """The spec of `env`; `TravelError` when a piece of it cannot travel."""
+        taskset = env.taskset
+        env_cls = type(env)
+        return cls(
+            taskset=object_spec(type(taskset), "the taskset class"),
+            config=config_to_json(taskset),
+            env_class=None if env_cls is Env else object_spec(env_cls, "the Env class"),
+            reward=_reward_spec(env),
+            retries=env.retries,
+            rollout_timeout=env.rollout_timeout,
+            working_limit=env.working_limit,
+            stall_timeout=env.stall_timeout,
+        )
+
+    def to_json(self) -> str:
+        """The spec as one JSON object (`from_json` reads it back equal)."""
+        r = self.retries
+        return json.dumps({
+            "taskset": self.taskset, "config": self.config, "env_class": self.env_class,
+            "reward": self.reward, "rollout_timeout": self.rollout_timeout,
+            "working_limit": self.working_limit, "stall_timeout": self.stall_timeout,
+            "retries": {"max_retries": r.max_retries, "include": list(r.include),
+                        "exclude": list(r.exclude), "backoff": r.backoff,
+                        "max_backoff": r.max_backoff},
+        })  # fmt: skip
+
+    @classmethod
+    def from_json(cls, text: str) -> EnvSpec:
+        """The spec `to_json` wrote; `TravelError` for anything else."""
+        try:
+            data = json.loads(text)
+            retries = RetryPolicy(**data.pop("retries"))
+            spec = cls(**data, retries=retries)
+        except (ValueError, TypeError, KeyError, AttributeError) as exc:
+            raise TravelError(f"not an env spec ({type(exc).__name__}: {exc})") from None
+        if not isinstance(spec.taskset, str) or not isinstance(spec.config, dict):
+            raise TravelError("not an env spec (taskset must be a string, config an object)")
+        return spec
+
+    def build(
+        self,
+        taskset: Taskset[Any, Any] | type[Taskset[Any, Any]] | None = None,
+        *,
+        target_env: type[Env[Any]] | None = None,
+    ) -> Env[Any]:
+        """The env, in this process: `taskset` (a taskset built already; a taskset class,
+        built from `self.config`; default: the class `self.taskset` names) wrapped in the env class (`env_class`, else `target_env`,
+        the Env subclass TASKSET named, else `tt.Env`) with the reward, retries and
+        rollout timeout. A part that cannot be loaded or built raises `ConfigError` naming
+        it (``taskset``, ``config``, ``env_class``, ``reward``)."""
+        if taskset is None or isinstance(taskset, type):
+            if taskset is None:
+                taskset_cls, found = resolve_target(self.taskset)
+                target_env = target_env or found
+            else:
+                taskset_cls = taskset
+            try:
+                taskset = taskset_cls(config_from_json(taskset_cls, self.config))
+            except (TypeError, ValueError) as exc:
+                raise ConfigError(f"{{config}}: {exc}", parameter="config") from exc
+        env_cls: Any = target_env or Env
+        if self.env_class is not None:
+            if target_env is not None:
+                raise ConfigError(
+                    f"TASKSET {self.taskset} names an Env class already; {{env_class}} "
+                    f"{self.env_class} would replace it",
+                    parameter="env_class",
+                    fix="drop {env_class}, or name the taskset class as TASKSET",
+                )
+            env_cls = _load(self.env_class, "env_class")
+            if not (isinstance(env_cls, type) and issubclass(env_cls, Env)):
+                raise ConfigError(
+                    f"{{env_class}} {self.env_class}: not a subclass of tt.Env",
+                    parameter="env_class",
+                )
+        kwargs: dict[str, Any] = {"retries": self.retries}
+        if self.reward is not None:
+            kwargs["reward"] = _load(self.reward, "reward")
+        try:
+            env: Env[Any] = env_cls(taskset, **kwargs)
+        except Exception as exc:
+            raise ConfigError(
+                f"{env_cls.__name__}(taskset, ...) failed: {type(exc).__name__}: {exc}",
+                parameter="env_class",
+            ) from exc
+        if self.rollout_timeout is not None:
+            env.rollout_timeout = self.rollout_timeout
+        if self.working_limit is not None:
+            env.working_limit = self.working_limit
+        if self.stall_timeout is not None:
+            env.stall_timeout = self.stall_timeout
+        return env
+
+
+def _load(spec: str, parameter: str) -> Any:
+    """The object `spec` names; `ConfigError` naming `parameter` if it cannot be loaded."""
+    try:
+        return load_object(spec)
+    except LoadError as exc:
+        raise ConfigError(f"{{{parameter}}} {spec}: {exc}", parameter=parameter) from exc
+    except Exception as exc:
+        where = spec.rpartition(":")[0]
+        message = f"{{{parameter}}} {spec}: {import_failure(exc, where)}"
+        raise ConfigError(message, parameter=parameter) from exc
+
+
+# --- what a producer meant its entries for (a worker refuses another env's) ---------------
+
+
+def _name(cls: type) -> str:
+    """`object_spec`'s name for a class, else `module:qualname` (compared, never imported)."""
+    try:
+        return object_spec(cls, "the class")
+    except TravelError:
+        return f"{cls.__module__}:{cls.__qualname__}"
+
+
+def taskset_arg(name: str) -> str:
+    """How a TASKSET argument names the class `name`: its built-in id if it has one."""
+    for builtin_id, cls in BUILTIN.items():
+        if name in (object_spec(cls, "the class"), f"{cls.__module__}:{cls.__qualname__}"):
+            return builtin_id
+    return name
+
+
+def _same_class(a: str, b: str) -> bool:
+    """The same class: the same name, or the same file name and class in two checkouts."""
+    if a == b:
+        return True
+    (where_a, _, name_a), (where_b, _, name_b) = a.rpartition(":"), b.rpartition(":")
+    files = where_a.endswith(".py") and where_b.endswith(".py")
+    return files and name_a == name_b and PurePath(where_a).name == PurePath(where_b).name
+
+
+@attrs.frozen
+class Declaration:
+    """What a producer meant its entries for: the taskset class (as `object_spec` names it),
+    its config (JSON fields, without `system_prompt`, which each task carries), and from an
+    eval the env class, the model and the sampling. A field left None is not declared (and
+    not checked). A worker refuses an entry whose declaration `differs` from its own."""
+
+    taskset: str
+    config: dict[str, Any] | None = None
+    env_class: str | None = None
+    model: str | None = None
+    sampling: dict[str, Any] | None = None
+
+    @classmethod
+    def of_taskset(cls, taskset: Taskset[Any, Any]) -> Declaration:
+        try:
+            config: dict[str, Any] | None = config_to_json(taskset)
+        except TravelError:
+            config = None  # not plain JSON: not declared, not checked
+        if config is not None:
+            config.pop("system_prompt", None)
+        return cls(_name(type(taskset)), config)
+
+    @classmethod
+    def of(cls, env: Env[Any], ctx: ModelContext | None = None) -> Declaration:
+        """The declaration of `env` (and of the model in `ctx`, if given)."""
+        base = cls.of_taskset(env.taskset)
+        sampling = None if ctx is None else orjson.loads(orjson.dumps(attrs.asdict(ctx.sampling)))
+        return attrs.evolve(
+            base,
+            env_class=_name(type(env)),
+            model=None if ctx is None else ctx.model,
+            sampling=sampling,
+        )
+
+    def to_json(self) -> str:
+        fields = {k: v for k, v in attrs.asdict(self).items() if v is not None}
+        return orjson.dumps(fields, option=orjson.OPT_SORT_KEYS).decode()
+
+    @classmethod
+    def from_json(cls, raw: str) -> Declaration:
+        """The declaration an entry carries; MalformedEntry if it is not one."""
+        try:
+            value = orjson.loads(raw)
+            return cls(**value)
+        except (orjson.JSONDecodeError, TypeError) as exc:
+            raise MalformedEntry(f"'env' is not a declaration ({exc})") from None
+
+    def differs(self, own: Declaration) -> str | None:
+        """Why an entry declared so cannot run on a worker whose env is `own`, or None."""
+        if not _same_class(self.taskset, own.taskset):
+            return (
+                f"declared for taskset {self.taskset}, but this worker runs {own.taskset}: "
+                f"start the worker with TASKSET {taskset_arg(self.taskset)}"
+            )
+        if None not in (self.config, own.config) and self.config != own.config:
+            args = orjson.dumps(self.config).decode()
+            return (
+                f"declared with taskset config {args}, but this worker's is "
+                f"{orjson.dumps(own.config).decode()}: start the worker with -a '{args}'"
+            )
+        mine, theirs = self.env_class, own.env_class
+        if mine is not None and theirs is not None and not _same_class(mine, theirs):
+            return (
+                f"declared for env class {mine}, but this worker runs {theirs}: start the "
+                f"worker with --env-class {mine}"
+            )
+        if None not in (self.model, own.model) and self.model != own.model:
+            return (
+                f"declared for model {self.model!r}, but this worker runs {own.model!r}: give "
+                f"the eval and the worker the same -m/--model"
+            )
+        if None not in (self.sampling, own.sampling) and self.sampling != own.sampling:
+            return (
+                f"declared with sampling {self.sampling}, but this worker samples with "
+                f"{own.sampling}: give the eval and the worker the same sampling flags"
+            )
+        return None

@@ -1,0 +1,133 @@
+"""Planning an eval's slots: static up front, streaming as tasks arrive, resume."""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import Any
+
+import trio
+
+from .. import _dashboard as dashboard
+from .._env import Env, Episode, RunSlot, task_data, task_key
+from .._groups import Group, group_slots
+from .._traces import read_rows
+from .config import IDENTITY, EvalConfig, EvalConfigError
+
+
+def static_slots(env: Env[Any], config: EvalConfig) -> list[RunSlot[Any]]:
+    taskset = env.taskset
+    view = taskset
+    n = config.num_examples
+    if config.shuffle:
+        # Shuffle the whole set, then take n: a random sample. An INFINITE set can only be
+        # bounded first.
+        if taskset.INFINITE:
+            view = taskset.head(n if n is not None else 0).shuffle(config.seed)
+        else:
+            view = taskset.shuffle(config.seed)
+            view = view.head(n) if n is not None else view
+    elif n is not None:
+        view = taskset.head(n)
+    return [RunSlot(t, r) for t in view for r in range(config.rollouts_per_example)]
+
+
+def keep_resumable(
+    run_dir: Path, identity: dict[str, Any], slots: list[RunSlot[Any]], *, groups: bool = False
+) -> tuple[list[dict[str, Any]], list[RunSlot[Any]]]:
+    """The whole ok rows of a matching run that planned slots still need, and the owed slots.
+    With `groups`, a group (a task's run of consecutive slots) is one unit: a group with a
+    missing or failed row is owed whole, and its other rows are dropped."""
+    config_path = run_dir / "config.json"
+    if not config_path.exists():
+        raise EvalConfigError(
+            f"{{resume}}: {run_dir} holds no run to resume (no config.json); drop {{resume}} "
+            f"to start it",
+            parameter="resume",
+        )
+    saved = json.loads(config_path.read_text()).get("identity", {})
+    differ = sorted(k for k in IDENTITY if saved.get(k) != identity.get(k))
+    if differ:
+        detail = ", ".join(f"{k}: saved {saved.get(k)!r}, now {identity.get(k)!r}" for k in differ)
+        raise EvalConfigError(
+            f"{{resume}}: the saved config of {run_dir} differs ({detail}); resume with the "
+            f"same settings, or start a new run with another {{run_name}}",
+            parameter=("resume", "run_name"),
+        )
+    rows, _bad = read_rows(run_dir / "traces.jsonl")
+    # A row stands for a slot by its task's key, its rollout and the task's own data (two
+    # different tasks may share a key); only whole, ok rows that read back as an episode.
+    by_slot: dict[tuple[str, int, str], list[dict[str, Any]]] = {}
+    for row in rows:
+        try:
+            episode = Episode.from_row(row)
+        except (KeyError, TypeError, ValueError, AttributeError):
+            continue
+        if episode.ok and math.isfinite(episode.reward):
+            slot_id = (episode.task.key, episode.rollout, _canonical(episode.task.data))
+            by_slot.setdefault(slot_id, []).append(row)
+    chosen: set[int] = set()  # ids of the row objects kept, to keep them in file order
+    by_id = {id(row): row for row in rows}
+    owed: list[RunSlot[Any]] = []
+    for slot in slots:
+        slot_id = (task_key(slot.task), slot.rollout, _canonical(task_data(slot.task)))
+        matching = by_slot.get(slot_id)
+        if matching:
+            chosen.add(id(matching.pop(0)))
+        else:
+            owed.append(slot)
+    if groups:
+        owed_ids = {id(slot) for slot in owed}
+        owed = []
+        for group in group_slots(slots):
+            if any(id(slot) in owed_ids for slot in group.slots):
+                owed.extend(group.slots)
+        dropped = {_slot_id(slot) for slot in owed}
+        chosen = {i for i in chosen if _row_slot(by_id[i]) not in dropped}
+    return [row for row in rows if id(row) in chosen], owed
+
+
+def _slot_id(slot: RunSlot[Any]) -> tuple[str, int, str]:
+    return (task_key(slot.task), slot.rollout, _canonical(task_data(slot.task)))
+
+
+def _row_slot(row: dict[str, Any]) -> tuple[str, int, str]:
+    return (str(row["task"]["key"]), int(row["rollout"]), _canonical(dict(row["task"]["data"])))
+
+
+def _canonical(data: dict[str, Any]) -> str:
+    """A task's data as it reads back from a trace row, for comparing the two."""
+    return json.dumps(data, sort_keys=True, default=str)
+
+
+async def from_list(slots: list[RunSlot[Any]]) -> AsyncIterator[RunSlot[Any]]:
+    for slot in slots:
+        yield slot
+
+
+async def plan_groups(
+    tasks: trio.abc.ReceiveChannel[Any], rollouts: int, progress: dashboard.Progress
+) -> AsyncIterator[Group]:
+    """A task's `rollouts` slots as one group, as each task arrives (`--group`)."""
+    async for task in tasks:
+        progress.planned(rollouts)
+        yield Group(task, [RunSlot(task, rollout) for rollout in range(rollouts)])
+    progress.stop_growing()
+
+
+async def from_groups(groups: list[Group]) -> AsyncIterator[Group]:
+    for group in groups:
+        yield group
+
+
+async def plan_stream(
+    tasks: trio.abc.ReceiveChannel[Any], rollouts: int, progress: dashboard.Progress
+) -> AsyncIterator[RunSlot[Any]]:
+    """A task's `rollouts` slots, one at a time, as each task arrives."""
+    async for task in tasks:
+        progress.planned(rollouts)
+        for rollout in range(rollouts):
+            yield RunSlot(task, rollout)
+    progress.stop_growing()

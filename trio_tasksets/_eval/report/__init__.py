@@ -1,0 +1,235 @@
+"""`report`: one self-contained HTML page for one or more run dirs (SPEC 4b).
+
+    trio-tasksets report RUN_DIR [RUN_DIR ...] [-o FILE]
+    tt.report("outputs/my-run")            # -> Path("outputs/my-run/report.html")
+
+The page needs no network when it is viewed (its CSS, script, charts and data are inline, and
+its Content-Security-Policy forbids any fetch): the summary with a confidence interval, errors
+by type, reward and latency histograms, throughput and concurrency over time, pass@k, and a
+filterable, sortable, paged table of the rows, each expanding to its messages. Figures are
+computed in Python (`report_figures`); the page's script only draws the table.
+
+It reads a run that is still being written (whole lines only) and 100,000 rows in seconds.
+"""
+
+from __future__ import annotations
+
+import gc
+import os
+import re
+import time
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from html import escape
+from importlib import metadata, resources
+from pathlib import Path
+from typing import Any
+
+import orjson
+
+from ..._traces import write_atomic
+from .data import ReportError, RunData, load_run
+from .figures import Figures, compute
+from .render import compare_table, run_section
+
+__all__ = ["ReportError", "page", "payload", "report"]
+
+MAX_SIZE = 27_000_000  # bytes: about the largest page; row texts are cut to fit it
+MIN_TEXT = 1_000_000  # characters of texts a run keeps, whatever its size
+_RESERVE = 400_000  # bytes for the template and the summary's HTML
+_PLACEHOLDER = re.compile(r"\{\{(\w+)\}\}")
+
+
+def _scaled(values: list[float | None], scale: float, base: float = 0.0) -> list[int | None]:
+    # Whole milliseconds or microseconds: shorter in JSON than floats, and quicker to write.
+    return [None if v is None else int((v - base) * scale + 0.5) for v in values]
+
+
+def payload(run: RunData, fig: Figures) -> dict[str, Any]:
+    """The table's data for one run, column by column, without its texts (`run.strings`,
+    which `page` adds as `S`; text columns hold indices into it)."""
+    t0 = fig.t0 or 0.0
+    tasks = fig.tasks
+    consecutive = all(line == i for i, line in enumerate(run.line, 1))
+    return {
+        "name": run.name,
+        "cut": run.cut,
+        "t0": fig.t0,
+        "threshold": tasks.threshold,
+        "tasks": {
+            "key": run.task_keys,
+            "fields": run.task_fields,
+            "n": tasks.rollouts,
+            "ok": tasks.ok,
+            "passed": tasks.passed,
+            "mean": tasks.reward_mean,
+        },
+        "rows": {
+            "line": None if consecutive else run.line,  # None: row i is on line i + 1
+            "id": run.id,
+            "task": run.task,
+            "rollout": run.rollout,
+            "ok": [1 if ok else 0 for ok in run.ok],
+            "reward": run.reward,
+            "att": run.attempts,
+            "start": _scaled(run.started, 1e3, t0),  # ms since t0
+            "fin": _scaled(run.finished, 1e3, t0),
+            "dur": _scaled(run.duration, 1e6),  # µs
+            "err": [errors[-1][0] if errors else -1 for errors in run.errors],
+            "errs": run.errors,
+            "comp": run.completion,
+            "msgs": run.messages,
+            "pt": run.prompt_tokens,
+            "ct": run.completion_tokens,
+            "fr": run.finish_reason,
+            "tn": run.turns,
+            "tc": run.tool_calls,
+            "sr": run.stop_reason,
+            "extra": run.extra,
+        },
+    }
+
+
+def _dump(value: Any) -> bytes:
+    return orjson.dumps(value, option=orjson.OPT_NON_STR_KEYS)
+
+
+def _safe(data: bytes) -> bytes:
+    # `<`, `>` and `&` occur in JSON only inside strings, where a \u escape means the same.
+    return data.replace(b"<", b"\\u003c").replace(b">", b"\\u003e").replace(b"&", b"\\u0026")
+
+
+def embed_json(value: Any) -> str:
+    """`value` as JSON that is safe inside a <script> element: no `<`, `>` or `&` appears
+    (each is written as a JSON \\u escape), so no text can close the element."""
+    return _safe(_dump(value)).decode()
+
+
+def _fit(runs: Sequence[RunData], data: Sequence[dict[str, Any]], max_size: int) -> None:
+    """Cut the runs' texts so that the page takes about `max_size` bytes (`data`: their
+    payloads, whose raw JSON the cuts shorten in place)."""
+    fixed = _RESERVE + sum(len(_dump(d)) for d in data)
+    budget = max((max_size - fixed) // len(runs), MIN_TEXT)
+    caps = [run.fit_texts(budget) for run in runs]
+    for _ in range(3):  # characters are not bytes (escapes, UTF-8): measure, then correct
+        total = fixed + sum(len(_dump(run.strings)) + len(_dump(run.cut)) for run in runs)
+        if total <= max_size or budget <= MIN_TEXT:
+            return
+        budget = max(int(budget * (max_size - fixed) / (total - fixed) * 0.98), MIN_TEXT)
+        before, caps = caps, [run.fit_texts(budget) for run in runs]
+        if caps == before:  # every run is at MIN_CAP already
+            return
+
+
+def _data(runs: Sequence[RunData], data: Sequence[dict[str, Any]]) -> str:
+    parts = [
+        b'{"S":' + _dump(run.strings) + b"," + _dump(d)[1:]
+        for run, d in zip(runs, data, strict=True)
+    ]
+    return _safe(b'{"runs":[' + b",".join(parts) + b"]}").decode()
+
+
+def _template() -> str:
+    return resources.files(__name__).joinpath("template.html").read_text("utf-8")
+
+
+def _version() -> str:
+    try:
+        return metadata.version("trio-tasksets")
+    except metadata.PackageNotFoundError:
+        return "unknown"
+
+
+def page(runs: Sequence[RunData], *, threshold: float = 1.0, max_size: int = MAX_SIZE) -> str:
+    """The whole HTML page for `runs` (their texts cut to keep it near `max_size` bytes)."""
+    figures = [compute(run, threshold=threshold) for run in runs]
+    data = [payload(run, fig) for run, fig in zip(runs, figures, strict=True)]
+    _fit(runs, data, max_size)
+    names = [run.name for run in runs]
+    title = names[0] if len(runs) == 1 else f"{len(runs)} runs: {', '.join(names)}"
+    body = "".join(
+        run_section(i, run, fig) for i, (run, fig) in enumerate(zip(runs, figures, strict=True))
+    )
+    values = {
+        "title": escape(f"{title} · trio-tasksets report"),
+        "heading": "Eval report" if len(runs) == 1 else escape(f"Eval report: {len(runs)} runs"),
+        "generated": escape(
+            f"trio-tasksets {_version()} · written {time.strftime('%Y-%m-%d %H:%M:%S %Z')}"
+        ),
+        "count": str(len(runs)),
+        "compare": compare_table(runs, figures) if len(runs) > 1 else "",
+        "body": body,
+        "data": _data(runs, data),
+    }
+    # One pass: a value is never scanned for placeholders (a run's text may hold "{{data}}").
+    return _PLACEHOLDER.sub(lambda m: values[m.group(1)], _template())
+
+
+def _output(dirs: Sequence[Path], output: str | Path | None) -> Path:
+    if output is None:
+        return dirs[0] / ("report.html" if len(dirs) == 1 else "compare.html")
+    path = Path(output)
+    if path.is_dir():
+        return path / "report.html"
+    if not path.parent.is_dir():
+        raise ReportError(
+            f"-o/--output {str(path)!r}: its directory {str(path.parent)!r} does not exist "
+            f"(create it, or write the report elsewhere)"
+        )
+    return path
+
+
+def report(
+    run_dirs: str | os.PathLike[str] | Sequence[str | os.PathLike[str]],
+    output: str | Path | None = None,
+    *,
+    threshold: float = 1.0,
+    max_size: int = MAX_SIZE,
+) -> Path:
+    """Write the HTML report of one run dir (or several, side by side); return its path.
+
+    `output` defaults to RUN_DIR/report.html (with several runs, the first one's
+    compare.html); an existing directory gets a report.html inside. A rollout counts as
+    passing for pass@k when it is ok and its reward is >= `threshold`. The longest texts are
+    cut so that the page stays near `max_size` bytes (each cut says so, and the row's line in
+    traces.jsonl holds it whole). A missing or unreadable run dir raises `ReportError` (a
+    ValueError).
+    """
+    if isinstance(run_dirs, str | os.PathLike):
+        run_dirs = [run_dirs]
+    dirs = [Path(d) for d in run_dirs]
+    if not dirs:
+        raise ReportError("no RUN_DIR given: pass at least one run dir")
+    target = _output(dirs, output)
+    with _gc_paused():
+        runs = [load_run(d) for d in dirs]
+        _unique_names(runs)
+        html = page(runs, threshold=threshold, max_size=max_size)
+    write_atomic(target, text=html)
+    target.chmod(0o644)  # a page to share, not a secret
+    return target
+
+
+@contextmanager
+def _gc_paused() -> Iterator[None]:
+    """No cyclic garbage collection inside: reading a run makes millions of containers that
+    all stay alive, and the collector would walk them again and again (about 20% of the CPU
+    time on 100,000 rows, bench/report.py)."""
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if enabled:
+            gc.enable()
+
+
+def _unique_names(runs: Sequence[RunData]) -> None:
+    """Two runs with one name (outputs/a/run, outputs/b/run) get their parents' names too."""
+    seen: dict[str, int] = {}
+    for run in runs:
+        seen[run.name] = seen.get(run.name, 0) + 1
+    for run in runs:
+        if seen[run.name] > 1:
+            run.path = run.path.resolve()
+            run.label = f"{run.path.parent.name}/{run.path.name}"

@@ -1,0 +1,614 @@
+"""`run_eval`: the eval over the windowed core, with durable traces, and how it ends.
+
+An eval ends in one of three ways, and `summary.json` is written on each of them:
+
+* it completes (every planned slot ran): `stopped` and `error` are null;
+* it is stopped early, and drains (stops pulling, cancels the runs in flight, keeps every
+  finished row): by `--max-failures`, by `--time-limit`, or with ``handle_signals`` by
+  SIGINT or SIGTERM. It returns; `summary["stopped"]` says why;
+* something ends it that is not an episode's own failure (the feed raised, an env's
+  `serving()` failed, an outside cancellation, a KeyboardInterrupt): the summary records it
+  (`error`, or `stopped: "SIGINT"` / `"cancelled"`) and `run_eval` raises it.
+
+A run that did not complete and in which no episode finished leaves no run dir behind.
+
+The rollout window is `config.max_concurrent` as a `tt.Window`; an adaptive one is fed by
+the runs (`WindowFeed`), and `summary.json` keeps its `window_history` (and, when the model
+client has adaptive `--max-connections`, each endpoint's `connection_history`).
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import math
+import re
+import statistics
+import sys
+import time
+import warnings
+from collections import Counter
+from collections.abc import Awaitable, Callable
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any
+
+import attrs
+import trio
+
+from .. import _dashboard as dashboard
+from .._backend import GroupRunner, SlotBackend
+from .._drain import stop_on
+from .._env import Env, Episode, EpisodeError, RunSlot, WindowFeed
+from .._groups import Group, OpenGroups, cause_first, group_slots, run_group
+from .._health import Health
+from .._limits import EndpointLimits, observe_calls
+from .._models import ModelContext
+from .._models.engine import EngineMetrics
+from .._models.openai import OpenAIClient
+from .._runner import pick_one, require_trio, run_stream
+from .._traces import open_traces, write_atomic
+from .._version import __version__
+from .._window import AdaptiveWindow, Window, window_spec
+from .config import (
+    RECORD_FIELDS,
+    UNRECORDED_FIELDS,
+    EvalConfig,
+    EvalConfigError,
+    EvalResult,
+    EvalWarning,
+    eval_window,
+    preflight,
+    run_dir_for,
+    run_identity,
+)
+from .lock import LOCK_NAME, RunDirLock
+from .plan import from_groups, from_list, keep_resumable, plan_groups, plan_stream, static_slots
+from .report.stats import reward_interval
+
+# What each file of a run dir is called; a run that leaves no row behind removes them.
+_FILES = ("config.json", "traces.jsonl", "summary.json")
+
+
+@attrs.define
+class Tally:
+    """What the eval has recorded so far, and whether (and why) it was told to stop."""
+
+    max_failures: int | float | None = None
+    max_consecutive: int | None = None  # --max-consecutive-failures
+    consecutive: int = 0  # failed episodes in a row, the latest last
+    # The model endpoint's URL while it is not known to answer (None: known, or no URL):
+    # the first episode to finish tells (see `dead_endpoint`).
+    unproven: str | None = None
+    planned: int | None = None  # the static plan's slots (a fraction's base); None on a stream
+    recorded: list[Episode] = attrs.Factory(list)  # new episodes, in completion order
+    failed: int = 0
+    # "SIGINT" | "SIGTERM" | "max_failures" | "max_consecutive_failures" | "time_limit" |
+    # "cancelled"
+    stopped: str | None = None
+    error: str | None = None  # what ended the run, as `Type: message`
+    scope: trio.CancelScope | None = None  # cancelled to stop early
+
+    def record(self, episode: Episode) -> None:
+        self.recorded.append(episode)
+        if self.unproven is not None:
+            dead = dead_endpoint(episode)
+            if dead is not None and self.stopped is None:
+                self.error = f"the model endpoint {self.unproven} is dead: {dead}"
+                self.stop("dead_endpoint")
+            self.unproven = None
+        if episode.ok:
+            self.consecutive = 0
+            return
+        self.failed += 1
+        self.consecutive += 1
+        if self.max_failures is not None and self.stopped is None and self._over():
+            self.error = self._limit_message()
+            self.stop("max_failures")
+        limit = self.max_consecutive
+        if limit is not None and self.stopped is None and self.consecutive >= limit:
+            last = episode.errors[-1] if episode.errors else None
+            said = f"; the last: {last.type}: {last.message}" if last is not None else ""
+            self.error = (
+                f"--max-consecutive-failures {limit}: {self.consecutive} episodes failed in "
+                f"a row{said}"
+            )
+            self.stop("max_consecutive_failures")
+
+    def _over(self) -> bool:
+        if isinstance(self.max_failures, int):
+            return self.failed >= self.max_failures
+        assert self.max_failures is not None
+        base = self.planned if self.planned is not None else len(self.recorded)
+        return self.failed > self.max_failures * base
+
+    def _limit_message(self) -> str:
+        if isinstance(self.max_failures, int):
+            return f"--max-failures {self.max_failures}: {self.failed} episodes failed"
+        base, of = (
+            (self.planned, "planned slots")
+            if self.planned is not None
+            else (len(self.recorded), "finished episodes")
+        )
+        return (
+            f"--max-failures {self.max_failures:g}: {self.failed} of {base} {of} failed "
+            f"(more than {self.max_failures:.0%})"
+        )
+
+    def stop(self, reason: str) -> None:
+        """Stop the eval early (the first reason given is the one kept) and drain it."""
+        if self.stopped is None:
+            self.stopped = reason
+        if self.scope is not None:
+            self.scope.cancel()
+
+    def ended_by(self, exc: BaseException) -> None:
+        """Note what ended the run, when it raised."""
+        if isinstance(exc, KeyboardInterrupt):
+            self.stopped = self.stopped or "SIGINT"
+        elif isinstance(exc, trio.Cancelled):
+            self.stopped = self.stopped or "cancelled"
+        elif self.error is None:
+            self.error = f"{type(exc).__name__}: {exc}"
+
+
+def dead_endpoint(episode: Episode) -> str | None:
+    """Why the first episode of a run to finish says its endpoint is dead, or None: it failed
+    because the endpoint could not be reached (refused, DNS, TLS: `ModelConnectionError`,
+    after the client's retries) or refused the key (HTTP 401 or 403). Nothing has answered
+    before it, so no slot would do better: the eval stops (`stopped: "dead_endpoint"`)
+    instead of spending every slot on it."""
+    if episode.ok or not episode.errors:
+        return None
+    last = episode.errors[-1]
+    if last.type == "ModelConnectionError" or (
+        last.type == "ModelHTTPError" and _AUTH.search(last.message) is not None
+    ):
+        return f"{last.type}: {last.message}"
+    return None
+
+
+_AUTH = re.compile(r"returned HTTP 40[13]\b")
+
+
+def _waited(episodes: list[Episode]) -> dict[str, float]:
+    """Seconds the episodes' model calls waited, summed: for connections, for rpm/tpm."""
+    connection = rate = 0.0
+    for episode in episodes:
+        connection += episode.timing.get("waited_connection", 0.0)
+        rate += episode.timing.get("waited_rate", 0.0)
+    return {"connection": connection, "rate": rate}
+
+
+def endpoint_limits(ctx: ModelContext) -> EndpointLimits | None:
+    """The model client's `EndpointLimits` (an `OpenAIClient(limits=...)`), if it has any."""
+    limits = getattr(ctx.client, "limits", None)
+    return limits if isinstance(limits, EndpointLimits) else None
+
+
+def endpoint_name(key: object) -> str:
+    """An endpoint key as text: `(base_url, api_key_var)` as "URL (VAR)"."""
+    if isinstance(key, tuple) and len(key) == 2 and isinstance(key[0], str):
+        return key[0] if key[1] is None else f"{key[0]} ({key[1]})"
+    return str(key)
+
+
+def _histories(window: Window, ctx: ModelContext, t0: float) -> dict[str, Any]:
+    """`window_history`, and `connection_history` per endpoint when they adapt."""
+    found: dict[str, Any] = {"window_history": window.history_since(t0)}
+    limits = endpoint_limits(ctx)
+    if limits is not None and limits.connections is not None:
+        found["connection_history"] = {
+            endpoint_name(key): endpoint.history_since(t0)
+            for key, endpoint in limits.connections.windows.items()
+        }
+    stats = getattr(ctx.client, "endpoint_stats", None)
+    endpoints = stats() if callable(stats) else None
+    if endpoints:  # many --base-url: calls, errors, latency per endpoint
+        found["endpoints"] = endpoints
+    return found
+
+
+USAGE_FIELDS = ("prompt_tokens", "completion_tokens")
+"""The token counts `summary.json`'s `usage` sums. A server's `total_tokens` (their sum) and
+its detail fields stay in the rows: summing them too would count every token twice."""
+
+
+def _usage(episodes: list[Episode]) -> dict[str, int]:
+    prompt = completion = 0
+    for episode in episodes:
+        usage = episode.usage
+        prompt += usage.get("prompt_tokens", 0)
+        completion += usage.get("completion_tokens", 0)
+    return {"prompt_tokens": prompt, "completion_tokens": completion}
+
+
+def metric_summary(episodes: list[Episode]) -> dict[str, dict[str, Any]]:
+    """`summary.json`'s `metrics`: for each named metric the episodes carry, its `mean`,
+    `std`, `n` and 95% interval (`ci`: [low, high], or null with fewer than two tasks;
+    `ci_method` as the report's reward interval: "wilson" for 0/1 values, ...)."""
+    values: dict[str, list[float]] = {}
+    clusters: dict[str, list[int]] = {}
+    tasks: dict[str, int] = {}
+    for episode in episodes:
+        if not episode.metrics:
+            continue
+        task = tasks.setdefault(episode.task.key, len(tasks))
+        for name, value in episode.metrics.items():
+            values.setdefault(name, []).append(value)
+            clusters.setdefault(name, []).append(task)
+    found: dict[str, dict[str, Any]] = {}
+    for name, numbers in values.items():
+        interval = reward_interval(numbers, clusters[name])
+        found[name] = {
+            "mean": statistics.fmean(numbers),
+            "std": statistics.pstdev(numbers),
+            "n": len(numbers),
+            "ci": None if interval is None else [interval.low, interval.high],
+            "ci_method": None if interval is None else interval.method,
+        }
+    return found
+
+
+def _summary(
+    episodes: list[Episode], planned: int, began: float, kept: int, tally: Tally, complete: bool
+) -> dict[str, Any]:
+    rewards = [e.reward for e in episodes if math.isfinite(e.reward)]
+    ok = sum(1 for e in episodes if e.ok)
+    duration = time.monotonic() - began
+    failures = [e for e in tally.recorded if not e.ok]
+    by_type = Counter(e.errors[-1].type if e.errors else "unknown" for e in failures)
+    first = next((e.errors[-1] for e in failures if e.errors), None)
+    return {
+        "planned": planned,
+        "finished": len(episodes),
+        "ok": ok,
+        "failed": len(episodes) - ok,
+        "kept_from_resume": kept,
+        "reward_mean": statistics.fmean(rewards) if rewards else None,
+        "reward_std": statistics.pstdev(rewards) if rewards else None,
+        "duration_s": duration,
+        "rollouts_per_s": (len(episodes) - kept) / duration if duration > 0 else math.nan,
+        "interrupted": not complete,
+        "stopped": tally.stopped,
+        "error": tally.error,
+        "errors_by_type": dict(by_type.most_common()),
+        "first_error": None if first is None else _first_error(first),
+        "usage": _usage(episodes),
+        "waited_s": _waited(episodes),
+        "metrics": metric_summary(episodes),
+    }
+
+
+def summarize(episodes: list[Episode], planned: int) -> dict[str, Any]:
+    """The figures of `summary.json` for `episodes` of a run that completed (what a rescore
+    writes: its duration and rate are the original run's)."""
+    tally = Tally(recorded=list(episodes))
+    tally.failed = sum(1 for e in episodes if not e.ok)
+    return _summary(episodes, planned, time.monotonic(), 0, tally, True)
+
+
+def _first_error(error: EpisodeError) -> dict[str, Any]:
+    first: dict[str, Any] = {"type": error.type, "message": error.message}
+    if error.traceback is not None:
+        first["traceback"] = error.traceback  # the user's frames (an error of their code)
+    return first
+
+
+def _make_dir(run_dir: Path) -> list[Path]:
+    """Create `run_dir` (and its parents); the directories this created, innermost first."""
+    created = [p for p in (run_dir, *run_dir.parents) if not p.exists()]
+    run_dir.mkdir(parents=True, exist_ok=True)
+    return created
+
+
+def _remove_run(run_dir: Path, created: list[Path]) -> None:
+    """Take back what a run that left no row wrote: its files, and the directories it made."""
+    for name in (*_FILES, LOCK_NAME):
+        (run_dir / name).unlink(missing_ok=True)
+    for directory in created:
+        try:
+            directory.rmdir()  # only if empty: never anything this run did not write
+        except OSError:
+            break
+
+
+def _record_of(
+    env: Env[Any], ctx: ModelContext, config: EvalConfig, identity: dict[str, Any], run_dir: Path
+) -> dict[str, Any]:
+    """config.json: how to reproduce the run (and what it cost to start)."""
+    base_url = getattr(ctx.client, "base_url", None)
+    urls = getattr(ctx.client, "base_urls", None)
+    many = {"base_urls": urls} if isinstance(urls, list) and len(urls) > 1 else {}
+    skip = (*RECORD_FIELDS, *UNRECORDED_FIELDS)
+    settings = {k: v for k, v in attrs.asdict(config, recurse=False).items() if k not in skip}
+    if config.backend is not None:
+        settings["backend"] = repr(config.backend)
+    settings["max_concurrent"] = window_spec(config.max_concurrent)
+    limits = endpoint_limits(ctx)
+    connections = None if limits is None else limits.connections
+    return {
+        "version": __version__,
+        "command": list(sys.argv) if config.command is None else list(config.command),
+        "started_at": datetime.now(UTC).isoformat(timespec="milliseconds"),
+        "base_url": base_url if isinstance(base_url, str) else None,
+        **many,
+        "api_key_var": config.api_key_var,
+        "identity": identity,
+        "eval": settings,
+        "limits": {
+            "max_connections": None if connections is None else window_spec(connections.limit),
+            "rpm": None if limits is None else limits.rpm,
+            "tpm": None if limits is None else limits.tpm,
+            "rollout_timeout": env.rollout_timeout,
+            "working_limit": env.working_limit,
+            "stall_timeout": env.stall_timeout,
+        },
+        "run_dir": str(run_dir),
+    }
+
+
+def _say_if_short(env: Env[Any], config: EvalConfig, slots: list[RunSlot[Any]]) -> None:
+    n = config.num_examples
+    tasks = len(slots) // config.rollouts_per_example
+    if n is not None and tasks < n:
+        warnings.warn(
+            EvalWarning(
+                f"{{num_examples}} {n} is more than taskset {type(env.taskset).__name__} "
+                f"holds ({tasks} tasks): the eval runs all {tasks}",
+                parameter="num_examples",
+            ),
+            stacklevel=3,
+        )
+
+
+async def run_eval(
+    env: Env[Any], ctx: ModelContext, config: EvalConfig, *, handle_signals: bool = False
+) -> EvalResult:
+    """Run an eval of `env` against the model in `ctx`; see the package and module docstrings.
+
+    With `handle_signals` (the command line), SIGINT and SIGTERM stop the eval and drain it
+    (a second one interrupts the drain); it then returns with `summary["stopped"]` set to the
+    signal's name. It must then run in the main thread. Awaited from asyncio it raises a
+    RuntimeError naming `tt.aio.run_eval`.
+
+    One eval at a time writes a run dir: another one meanwhile (a second ``--resume``) is
+    refused with `EvalConfigError` naming the holder (`RunDirLock`).
+    """
+    require_trio("run_eval")
+    with RunDirLock() as lock:
+        return await _run_eval(env, ctx, config, handle_signals, lock)
+
+
+async def _run_eval(
+    env: Env[Any], ctx: ModelContext, config: EvalConfig, handle_signals: bool, lock: RunDirLock
+) -> EvalResult:
+    backend = await preflight(env, ctx, config).reach()
+    identity = run_identity(env, ctx, config)
+    run_dir = run_dir_for(env, ctx, config)
+    streaming = env.taskset.streaming
+    slots: list[RunSlot[Any]] = [] if streaming else static_slots(env, config)
+    planned = len(slots)
+    if not streaming and not env.taskset.INFINITE:
+        _say_if_short(env, config, slots)
+    kept_rows: list[dict[str, Any]] = []
+    if config.resume:
+        if run_dir.is_dir():
+            lock.take(run_dir)  # before reading it: no other eval writes it meanwhile
+        kept_rows, slots = keep_resumable(run_dir, identity, slots, groups=config.group)
+    elif run_dir.exists() and any(run_dir.iterdir()):
+        raise EvalConfigError(
+            f"{run_dir} already holds a run: pass {{resume}} to continue it, or choose another "
+            f"{{run_name}} / {{output_dir}}",
+            parameter=("resume", "run_name", "output_dir"),
+        )
+    created = _make_dir(run_dir)
+    lock.take(run_dir)
+    record = _record_of(env, ctx, config, identity, run_dir)
+    write_atomic(run_dir / "config.json", text=json.dumps(record, indent=2, default=str))
+    traces_path = run_dir / "traces.jsonl"
+    if config.resume:
+        write_atomic(traces_path, kept_rows)  # drop torn, failed and surplus rows, atomically
+
+    kept = [Episode.from_row(row) for row in kept_rows]
+    window = eval_window(config.max_concurrent)
+    limits = endpoint_limits(ctx)
+    progress = dashboard.Progress(
+        title=run_dir.name,
+        growing=streaming,
+        window=window,
+        connections=None if limits is None else limits.connections,
+    )
+    progress.planned(planned)
+    for episode in kept:
+        progress.started()
+        progress.finished(episode.ok, episode.reward)
+    progress.carried = len(kept)
+    health = Health()
+    progress.health = health.lag_text
+    stats = getattr(ctx.client, "endpoint_stats", None)
+    progress.endpoints = stats if callable(stats) else None  # many --base-url: a row each
+    tally = Tally(config.max_failures, config.max_consecutive_failures,
+                  planned=None if streaming else planned)  # fmt: skip
+    base_url = getattr(ctx.client, "base_url", None)
+    tally.unproven = base_url if isinstance(base_url, str) and not kept else None
+    new: list[Episode] | None = None
+    began = time.monotonic()
+    t0 = trio.current_time()
+    try:
+        new = await _execute(
+            env, ctx, config, slots, traces_path, progress, tally, handle_signals,
+            window, backend, health,
+        )  # fmt: skip
+    except BaseException as exc:
+        tally.ended_by(exc)
+        raise
+    finally:
+        complete = new is not None
+        done = kept + (new if new is not None else tally.recorded)
+        summary = _summary(done, progress.total, began, len(kept), tally, complete)
+        summary.update(_histories(window, ctx, t0))
+        summary["health"] = health.snapshot()
+        summary.update(identity)
+        if not complete and not tally.recorded and not config.resume:
+            _remove_run(run_dir, created)  # nothing finished: a rerun starts afresh
+        else:
+            try:
+                text = json.dumps(summary, indent=2, default=str)
+                write_atomic(run_dir / "summary.json", text=text)
+            except Exception as exc:  # never in place of what ended the run (Ctrl-C, a failure)
+                if not complete:
+                    print(f"trio_tasksets: could not write summary.json: {exc}", file=sys.stderr)
+                else:
+                    raise
+    return EvalResult(episodes=done, run_dir=run_dir, summary=summary)
+
+
+async def _start_metrics(nursery: trio.Nursery, metrics: Any, port: int | None) -> None:
+    """`--metrics-port`: serve `metrics` in `nursery`, and say where (on stderr)."""
+    from .._metrics import serve_metrics
+
+    bound = await nursery.start(serve_metrics, metrics, port or 0)
+    print(f"trio-tasksets: metrics on http://127.0.0.1:{bound}/metrics", file=sys.stderr)
+
+
+async def _execute(
+    env: Env[Any],
+    ctx: ModelContext,
+    config: EvalConfig,
+    slots: list[RunSlot[Any]],
+    traces_path: Path,
+    progress: dashboard.Progress,
+    tally: Tally,
+    handle_signals: bool,
+    window: Window,
+    backend: SlotBackend,
+    health: Health,
+) -> list[Episode] | None:
+    """Run the planned (static) or streamed slots through `run_stream` under `window`,
+    recording each episode; the episodes in plan order, or None when the eval was stopped
+    early."""
+    deadline = math.inf if config.time_limit is None else trio.current_time() + config.time_limit
+    # In this process the model calls' 429s reach an adaptive window as they come; elsewhere
+    # (an env server, workers) only through the episodes' errors.
+    feed = WindowFeed(window, remote=backend.remote)
+    metrics = None
+    if config.metrics_port is not None:
+        from .._metrics import Metrics
+
+        metrics = Metrics(health, window=window, endpoints=progress.endpoints)
+    try:
+        async with (
+            backend.open(env, ctx, window=window, progress=progress) as run_slot,
+            open_traces(traces_path) as writer,
+            dashboard.show(progress, live=config.dashboard),
+        ):
+
+            def record(episode: Episode) -> None:
+                writer.write(episode.to_row())
+                progress.finished(episode.ok, episode.reward)
+                if episode.errors:
+                    progress.stalled += sum(e.type == "StalledError" for e in episode.errors)
+                if metrics is not None:
+                    last = episode.errors[-1].type if episode.errors else None
+                    metrics.record(episode.ok, last, episode.usage)
+                tally.record(episode)
+
+            async def run(slot: RunSlot[Any]) -> Episode:
+                progress.started()
+                health.started()
+                try:
+                    if feed.window is None:
+                        return await run_slot(slot, on_complete=record)
+                    with observe_calls(feed):
+                        episode = await run_slot(slot, on_complete=record)
+                    feed.ended(episode)  # the run still holds its place in the window
+                    return episode
+                finally:
+                    health.finished()
+
+            async def rollout(slot: RunSlot[Any]) -> Episode:  # of a group: no row yet
+                progress.started()
+                health.started()
+                try:
+                    if feed.window is None:
+                        return await run_slot(slot)
+                    with observe_calls(feed):
+                        episode = await run_slot(slot)
+                    feed.ended(episode)
+                    return episode
+                finally:
+                    health.finished()
+
+            async def tracked(
+                slot: RunSlot[Any], wait: Callable[[], Awaitable[Episode]]
+            ) -> Episode:
+                progress.started()  # a rollout of a group that runs elsewhere (--via)
+                health.started()
+                try:
+                    episode = await wait()
+                    feed.ended(episode)
+                    return episode
+                finally:
+                    health.finished()
+
+            async def run_one_group(group: Group) -> list[Episode]:
+                if isinstance(run_slot, GroupRunner):  # --via: the whole group on one worker
+                    done = await run_slot.run_group(group, tracked)
+                else:
+                    done = await run_group(env, group, rollout)
+                for episode in cause_first(done):  # the group's rows, together
+                    record(episode)
+                return done
+
+            episodes: list[Episode] | None = None
+            # --time-limit is this scope's deadline: every rollout sees it as its effective
+            # deadline, so its model requests and remote episodes never outlive it (SPEC 12).
+            with trio.CancelScope(deadline=deadline) as tally.scope:
+                async with trio.open_nursery() as nursery:
+                    if handle_signals or config.time_limit is not None:
+                        # The first SIGINT/SIGTERM stops the eval (a second interrupts the
+                        # drain); --time-limit counts from the start (the backend's too).
+                        await nursery.start(functools.partial(
+                            stop_on, tally.stop, signals=handle_signals, once=True,
+                            time_limit=None if config.time_limit is None
+                            else max(0.0, deadline - trio.current_time()),
+                        ))  # fmt: skip
+                    nursery.start_soon(health.probe)
+                    if config.engine_metrics is not None and isinstance(window, AdaptiveWindow):
+                        nursery.start_soon(EngineMetrics(config.engine_metrics).feed, window)
+                    elif isinstance(ctx.client, OpenAIClient) and ctx.client.has_engine_metrics:
+                        # The client's own (--engine-metrics with many --base-url): each
+                        # endpoint's engine into its window, its readings into its figures.
+                        nursery.start_soon(ctx.client.feed_engine_metrics, window)
+                    if metrics is not None:
+                        await _start_metrics(nursery, metrics, config.metrics_port)
+                    opened = OpenGroups(window)  # a group's rollouts before a new task
+                    r = config.rollouts_per_example
+                    with observe_calls(health):  # the waits and model calls of every run
+                        if config.group and not env.taskset.streaming:
+                            grouped = opened.gate(from_groups(group_slots(slots)))
+                            done = await run_stream(grouped, run_one_group, window=window)
+                            episodes = [episode for group in done for episode in group]
+                        elif not env.taskset.streaming:
+                            source = from_list(slots)
+                            episodes = await run_stream(source, run, window=window)
+                        else:
+                            assert config.num_examples is not None
+                            async with env.taskset.head(config.num_examples).channel() as tasks:
+                                if config.group:
+                                    groups = opened.gate(plan_groups(tasks, r, progress))
+                                    done = await run_stream(groups, run_one_group, window=window)
+                                    episodes = [episode for group in done for episode in group]
+                                else:
+                                    planned = plan_stream(tasks, r, progress)
+                                    episodes = await run_stream(planned, run, window=window)
+                    nursery.cancel_scope.cancel()  # the signal watcher, the probe, the metrics
+            if tally.scope.cancelled_caught and tally.stopped is None:
+                tally.stopped = "time_limit"  # the scope's deadline passed first
+            return None if tally.stopped is not None else episodes
+    except BaseExceptionGroup as group:
+        # The context managers' nurseries wrap what passes through them: hand on the one
+        # exception (a KeyboardInterrupt, a Cancelled, the runner's failure) bare.
+        error = pick_one(group)
+    raise error

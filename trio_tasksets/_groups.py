@@ -1,0 +1,298 @@
+"""Groups (SPEC 10): a task's rollouts as one unit of work, scored together.
+
+`run_group(env, task, run_rollout, rollouts=r)` runs the `r` rollouts of one task in one
+nursery and one cancel scope (a `fan_out`), so inside a windowed runner each live rollout
+holds one place of the window (`-c` counts live rollouts) and the group's waiting rollouts
+take freed places before the runner pulls a new task (`window.prioritized`, prefix-cache
+friendly: an open group is finished before the next one opens). Once all of a group's
+rollouts have started, the place its run holds (the runner's, which `fan_out` gives to the
+group's rollouts one after the other) is lent to the window while the last ones finish, and
+the last to end hands its place back (`fan_out`'s rule), so no place idles during a group's
+tail. When every rollout is done,
+`env.score_group(task, episodes)` runs once (it may set each episode's `reward` and
+`advantage`); every episode gets the group's id (`Episode.group`).
+
+A rollout that still fails after its retries fails the group: the others are cancelled at
+once (no straggler burns tokens) and awaited, and every episode of the group comes back
+with `ok=False`: the failed one with its own errors, each other one with a
+`GroupFailedError` naming the cause. A `score_group` that raises fails the group the same
+way. Either way exactly one episode per rollout comes back: every dispatched rollout is
+answered exactly once. An outside cancellation cancels the group and propagates (an
+unfinished group leaves no episode: a resume re-runs it whole).
+"""
+
+from __future__ import annotations
+
+import functools
+import uuid
+from collections.abc import AsyncIterable, AsyncIterator, Awaitable, Callable, Sequence
+from typing import Any
+
+import attrs
+import trio
+
+from ._env import Env, Episode, EpisodeError, EpisodeTask, RunSlot, task_data, task_key
+from ._exceptions import TrioTasksetsError
+from ._models.pool import sticky
+from ._runner import close_iterator, fan_out_placing
+from ._window import Window, prioritized
+
+__all__ = [
+    "Group",
+    "GroupFailedError",
+    "OpenGroups",
+    "cause_first",
+    "group_feed",
+    "group_slots",
+    "run_group",
+]
+
+RunRollout = Callable[[RunSlot[Any]], Awaitable[Episode]]
+
+
+class GroupFailedError(TrioTasksetsError):
+    """The type name on the rows of a failed group's other rollouts: the group failed
+    because one rollout failed after its retries (or `score_group` raised)."""
+
+
+@attrs.define(eq=False)
+class Group:
+    """The slots of one task's group, and the group's id (shared by its rows)."""
+
+    task: Any
+    slots: list[RunSlot[Any]]
+    id: str = attrs.Factory(lambda: uuid.uuid4().hex)
+    opened: OpenGroups | None = None  # the runner's open groups, when it gates its pulls
+
+
+class OpenGroups:
+    """The groups a runner has open and how many of their rollouts have no place yet:
+    `gate(source)` pulls the next group only when the window's free places can take every
+    open group's waiting rollouts and the next group's, so a freed place goes to an open
+    group's waiting rollout before a new task is pulled, and several groups open in one step
+    when they fit. Otherwise it waits until every open group's rollouts have a place, and the
+    place the runner took for that pull is lent meanwhile (`Window.lend`), so the window
+    stays full of live rollouts."""
+
+    def __init__(self, window: Window | None) -> None:
+        self.window = window
+        self._unstarted: dict[Group, int] = {}
+        self._waiting = 0  # the sum of _unstarted's counts
+        self._changed: trio.Event | None = None  # set when a group closes, made for a waiter
+
+    def open(self, group: Group) -> None:
+        group.opened = self
+        self._unstarted[group] = len(group.slots)
+        self._waiting += len(group.slots)
+
+    def started(self, group: Group, count: int = 1) -> None:
+        """`count` more of `group`'s rollouts have their places (they are about to run)."""
+        left = self._unstarted.get(group)
+        if left is not None:
+            if left <= count:
+                self.closed(group)
+            else:
+                self._unstarted[group] = left - count
+                self._waiting -= count
+
+    def closed(self, group: Group) -> None:
+        left = self._unstarted.pop(group, None)
+        if left is not None:
+            self._waiting -= left
+            if self._changed is not None:
+                self._changed.set()
+                self._changed = None
+
+    @property
+    def waiting(self) -> int:
+        """Rollouts of open groups with no place yet."""
+        return self._waiting
+
+    def _room(self, extra: int) -> bool:
+        """Whether the free places take every open group's waiting rollouts and `extra` more
+        (without a window nothing waits for a place)."""
+        if self.window is None:
+            return True
+        limiter = self.window.limiter
+        return self._waiting + extra <= limiter.total_tokens - limiter.borrowed_tokens
+
+    async def _quiet(self) -> None:
+        if self.window is None:
+            await self._closed_all()
+            return
+        async with self.window.lend():
+            await self._closed_all()
+
+    async def _closed_all(self) -> None:
+        while self._unstarted:
+            if self._changed is None:
+                self._changed = trio.Event()
+            await self._changed.wait()
+
+    async def gate(self, source: AsyncIterable[Group]) -> AsyncIterator[Group]:
+        """`source`'s groups, each pulled once no open group's rollout would wait for a place
+        the new group takes: the group's rollouts beyond the first (which runs on the place
+        the runner took for the pull) are expected to need as many places as the last one's."""
+        groups = aiter(source)
+        expect = 0  # places the next group is expected to need beyond the pull's
+        try:
+            while True:
+                if self._unstarted and not self._room(expect):
+                    await self._quiet()
+                try:
+                    group = await anext(groups)
+                except StopAsyncIteration:
+                    return
+                expect = len(group.slots) - 1
+                if self._unstarted and not self._room(expect):  # (larger than the last)
+                    await self._quiet()
+                self.open(group)
+                yield group
+        finally:
+            with trio.CancelScope(shield=True):
+                error = await close_iterator(groups, source)
+            if error is not None:
+                raise error
+
+
+def group_slots(slots: list[RunSlot[Any]]) -> list[Group]:
+    """Planned slots as groups: each run of consecutive slots of one task (the same object,
+    as `static_slots` plans a task's `-r` slots) is one group."""
+    groups: list[Group] = []
+    for slot in slots:
+        if groups and groups[-1].task is slot.task:
+            groups[-1].slots.append(slot)
+        else:
+            groups.append(Group(slot.task, [slot]))
+    return groups
+
+
+def group_feed(
+    tasks: AsyncIterable[Any], rollouts: int, window: Window | None
+) -> AsyncIterator[Group]:
+    """A feed of tasks as a feed of groups of `rollouts` slots each, for a runner over
+    `window` (the same `tt.Window` the runner is given): the next task is pulled only once
+    every open group's rollouts have started (`OpenGroups.gate`). Closing it closes `tasks`.
+    Run each group with `run_group`."""
+    if isinstance(rollouts, bool) or not isinstance(rollouts, int) or rollouts < 1:
+        raise ValueError(f"rollouts must be an int >= 1, got {rollouts!r}")
+    return OpenGroups(window).gate(_as_groups(tasks, rollouts))
+
+
+async def _as_groups(tasks: AsyncIterable[Any], rollouts: int) -> AsyncIterator[Group]:
+    iterator = aiter(tasks)
+    try:
+        while True:
+            try:
+                task = await anext(iterator)
+            except StopAsyncIteration:
+                return
+            yield Group(task, [RunSlot(task, rollout) for rollout in range(rollouts)])
+    finally:
+        with trio.CancelScope(shield=True):
+            error = await close_iterator(iterator, tasks)
+        if error is not None:
+            raise error
+
+
+class _RolloutFailed(Exception):
+    """A rollout ended not ok: carries its episode out of the fan-out (fail-fast)."""
+
+    def __init__(self, episode: Episode) -> None:
+        super().__init__(f"rollout {episode.rollout} failed")
+        self.episode = episode
+
+
+def _cancelled(slot: RunSlot[Any], cause: str) -> Episode:
+    task = slot.task
+    return Episode(
+        id=uuid.uuid4().hex,
+        task=EpisodeTask(key=task_key(task), data=task_data(task)),
+        rollout=slot.rollout,
+        errors=[EpisodeError(GroupFailedError.__name__, cause)],
+    )
+
+
+def _cause(episode: Episode) -> str:
+    last = episode.errors[-1] if episode.errors else None
+    what = f"{last.type}: {last.message}" if last is not None else "it was not ok"
+    return (
+        f"rollout {episode.rollout} of its group failed after {episode.attempts} attempt(s): {what}"
+    )
+
+
+async def run_group(env: Env[Any], group: Group, run_rollout: RunRollout) -> list[Episode]:
+    """Run `group`'s rollouts (`run_rollout(slot)` each, e.g. `env.run_slot` with a model
+    context) as one group; see the module docstring. Returns one episode per slot, in slot
+    order, each with `group` set. `run_rollout` must not raise for an episode's own failure
+    (`Env.run_slot` does not): it returns an episode with `ok=False`."""
+    done: dict[int, Episode] = {}
+    opened = group.opened
+
+    async def rollout(index: int, slot: RunSlot[Any]) -> Episode:
+        episode = await run_rollout(slot)
+        done[index] = episode
+        if not episode.ok:
+            raise _RolloutFailed(episode)
+        return episode
+
+    thunks = [functools.partial(rollout, i, slot) for i, slot in enumerate(group.slots)]
+    # counted as each rollout is given its place, so the runner's next pull waits no longer
+    placed = None if opened is None else functools.partial(opened.started, group)
+    try:
+        # with many endpoints, the whole group on one (the rollouts share the task's prefix)
+        with sticky(("group", group.id)):
+            return await _run(env, group, thunks, done, placed)
+    finally:
+        if opened is not None:
+            opened.closed(group)  # ended, failed or cancelled: it waits for nothing more
+
+
+async def _run(
+    env: Env[Any],
+    group: Group,
+    thunks: Sequence[Callable[[], Awaitable[Episode]]],
+    done: dict[int, Episode],
+    placed: Callable[[int], None] | None,
+) -> list[Episode]:
+    failed: Episode | None = None
+    try:
+        with prioritized():  # a waiting rollout of this group goes before a new pull
+            episodes = await fan_out_placing(thunks, placed)
+    except _RolloutFailed as failure:
+        failed = failure.episode
+        cause = _cause(failed)
+        episodes = []
+        for index, slot in enumerate(group.slots):
+            episode = done.get(index)
+            if episode is None:  # cancelled (or never started): answered all the same
+                episode = _cancelled(slot, f"cancelled: {cause}")
+            elif episode is not failed:
+                episode.ok = False
+                episode.errors.append(EpisodeError(GroupFailedError.__name__, cause))
+            episodes.append(episode)
+    else:
+        try:
+            await env.score_group(group.task, episodes)
+        except Exception as exc:
+            cause = f"score_group raised {type(exc).__name__}: {exc}"
+            for episode in episodes:
+                episode.ok = False
+                episode.errors.append(EpisodeError(type(exc).__name__, cause))
+    for episode in episodes:
+        episode.group = group.id
+    return episodes
+
+
+def cause_first(episodes: list[Episode]) -> list[Episode]:
+    """A group's episodes in the order to write them: those that failed on their own first
+    (so a run's first error is the cause, not a `GroupFailedError`), then slot order."""
+    for episode in episodes:
+        if episode.errors:
+            break
+    else:
+        return episodes  # (the usual case: nothing to reorder)
+    return sorted(
+        episodes,
+        key=lambda e: bool(e.errors) and e.errors[-1].type == GroupFailedError.__name__,
+    )

@@ -1,0 +1,484 @@
+"""What every model client shares: `Sampling`, `Completion`, the `ModelClient` protocol,
+`ModelContext`, the model errors, and small text helpers of the clients.
+
+The clients: the offline :class:`EchoClient` (`echo`) and the HTTP :class:`OpenAIClient`
+(`openai`).
+
+Every client satisfies the :class:`ModelClient` protocol: an async ``chat`` that takes
+OpenAI-style messages and returns a :class:`Completion`, and an async ``aclose``.
+:class:`ModelContext` bundles a client with the model name and :class:`Sampling` settings
+an episode should use.
+
+Errors raised by :class:`OpenAIClient` are subclasses of :class:`ModelError` with distinct
+type names (``ModelConnectionError``, ``ModelTimeoutError``, ``ModelHTTPError``,
+``ModelResponseError``) so an env's retry policy can match them by name.
+``trio.Cancelled`` is never caught or converted.
+"""
+
+from __future__ import annotations
+
+import contextvars
+import inspect
+import json
+import os
+from collections.abc import Callable
+from types import TracebackType
+from typing import TYPE_CHECKING, Any, Protocol, Self, cast, runtime_checkable
+
+import attrs
+
+from .._exceptions import TrioTasksetsError
+from .._limits import report_progress
+
+if TYPE_CHECKING:
+    pass  # only for a caller's own http_client; imported where used
+
+__all__ = [
+    "Completion",
+    "Message",
+    "ModelClient",
+    "ModelClientBase",
+    "ModelConnectionError",
+    "ModelContext",
+    "ModelError",
+    "ModelHTTPError",
+    "ModelResponseError",
+    "ModelTimeoutError",
+    "Sampling",
+    "Tokens",
+    "ToolCall",
+    "api_key_from_env",
+    "body_text",
+    "excerpt",
+    "observe_completions",
+    "override_sampling",
+    "parse_tool_calls",
+    "plural",
+    "text_of",
+    "word_count",
+]
+
+Message = dict[str, Any]
+
+# ---------------------------------------------------------------------------------------
+# Data
+# ---------------------------------------------------------------------------------------
+
+
+@attrs.frozen
+class Sampling:
+    """Sampling settings for a chat request; ``None`` means "use the server's default"."""
+
+    temperature: float | None = None
+    max_tokens: int | None = None
+    top_p: float | None = None
+    seed: int | None = None
+    extra: dict[str, Any] = attrs.field(factory=dict)
+    # Ask for token ids and logprobs (vLLM's `return_token_ids` and `logprobs`), for a
+    # trainer: each reply's `Completion.tokens`, and the rows' `tokens`.
+    return_tokens: bool = attrs.field(default=False, validator=attrs.validators.instance_of(bool))
+
+    def to_request(self) -> dict[str, Any]:
+        """Return the OpenAI request fields that are set: ``None`` fields are omitted,
+        ``return_tokens`` adds ``return_token_ids: true`` and ``logprobs: true``, and
+        ``extra`` is merged last (so it may override the named fields)."""
+        fields: dict[str, Any] = {
+            "temperature": self.temperature,
+            "max_tokens": self.max_tokens,
+            "top_p": self.top_p,
+            "seed": self.seed,
+        }
+        request = {name: value for name, value in fields.items() if value is not None}
+        if self.return_tokens:
+            request["return_token_ids"] = True
+            request["logprobs"] = True
+        request.update(self.extra)
+        return request
+
+
+def _int_list(instance: object, attribute: attrs.Attribute[Any], value: object) -> None:
+    if not isinstance(value, list) or not all(
+        isinstance(v, int) and not isinstance(v, bool) for v in value
+    ):
+        raise TypeError(f"Tokens.{attribute.name} must be a list of ints, got {value!r:.80}")
+
+
+def _float_list(instance: object, attribute: attrs.Attribute[Any], value: object) -> None:
+    if not isinstance(value, list) or not all(
+        isinstance(v, float | int) and not isinstance(v, bool) for v in value
+    ):
+        raise TypeError(f"Tokens.{attribute.name} must be a list of floats, got {value!r:.80}")
+
+
+@attrs.frozen
+class Tokens:
+    """The token ids and logprobs of one model call, for a trainer: the prompt's ids as the
+    server tokenized it, the reply's ids, and each reply token's logprob. A part the server
+    did not send is ``[]``; when both are sent, ``completion_logprobs`` has one entry per
+    ``completion_ids`` entry (else ``ValueError``)."""
+
+    prompt_ids: list[int] = attrs.field(factory=list, validator=_int_list)
+    completion_ids: list[int] = attrs.field(factory=list, validator=_int_list)
+    completion_logprobs: list[float] = attrs.field(factory=list, validator=_float_list)
+
+    def __attrs_post_init__(self) -> None:
+        ids, logprobs = self.completion_ids, self.completion_logprobs
+        if ids and logprobs and len(ids) != len(logprobs):
+            raise ValueError(
+                f"Tokens: {len(ids)} completion_ids but {len(logprobs)} completion_logprobs "
+                f"(one logprob per completion token)"
+            )
+
+    def to_dict(self) -> dict[str, Any]:
+        """JSON-ready, under the field names (a row's ``tokens`` entry)."""
+        return {
+            "prompt_ids": self.prompt_ids,
+            "completion_ids": self.completion_ids,
+            "completion_logprobs": self.completion_logprobs,
+        }
+
+    @classmethod
+    def from_dict(cls, value: dict[str, Any]) -> Tokens:
+        """The inverse of `to_dict` (a missing part is ``[]``)."""
+        return cls(
+            list(value.get("prompt_ids") or []),
+            list(value.get("completion_ids") or []),
+            [float(v) for v in value.get("completion_logprobs") or []],
+        )
+
+
+@attrs.frozen
+class ToolCall:
+    """One tool call of a model reply, as OpenAI-compatible servers send it
+    (``{"id", "type": "function", "function": {"name", "arguments"}}``).
+
+    `raw_arguments` is the arguments' text exactly as the model wrote it; `arguments` is that
+    text decoded when it is a JSON object, else ``{}`` (a tool env then answers the model
+    that its arguments are not valid JSON: `arguments_error`)."""
+
+    id: str
+    name: str
+    arguments: dict[str, Any] = attrs.field(factory=dict)
+    raw_arguments: str = "{}"
+
+    @property
+    def arguments_error(self) -> str | None:
+        """Why `raw_arguments` is not a JSON object, or None when it is one (or when
+        `arguments` holds the call's arguments already)."""
+        if self.arguments:
+            return None
+        return _arguments_error(self.raw_arguments)
+
+    def to_message(self) -> dict[str, Any]:
+        """The call as an assistant message's ``tool_calls`` entry."""
+        return {
+            "id": self.id,
+            "type": "function",
+            "function": {"name": self.name, "arguments": self.raw_arguments},
+        }
+
+
+def _arguments_error(raw: str) -> str | None:
+    return _decode_arguments(raw)[1]
+
+
+def _decode_arguments(raw: str) -> tuple[dict[str, Any], str | None]:
+    """(the arguments, None), or ({}, why the text is not a JSON object)."""
+    if not raw.strip():
+        return {}, None  # some servers send "" for a call without arguments
+    try:
+        value = json.loads(raw)
+    except ValueError as exc:
+        return {}, f"the arguments are not valid JSON ({exc})"
+    if not isinstance(value, dict):
+        return {}, f"the arguments must be a JSON object, got {type(value).__name__}"
+    return value, None
+
+
+def parse_tool_calls(message: dict[str, Any]) -> list[ToolCall]:
+    """The `ToolCall`s of an assistant message's ``tool_calls`` ([] when it has none). An
+    entry that is not an object is skipped (it stays in the message); a missing id or name is
+    ``""``; arguments given as an object (some servers do) are kept and encoded as text."""
+    raw_calls = message.get("tool_calls")
+    if not isinstance(raw_calls, list):
+        return []
+    calls: list[ToolCall] = []
+    for entry in raw_calls:
+        if not isinstance(entry, dict):
+            continue
+        function = entry.get("function")
+        function = function if isinstance(function, dict) else {}
+        name, ident, raw = function.get("name"), entry.get("id"), function.get("arguments")
+        if isinstance(raw, dict):
+            arguments: dict[str, Any] = raw
+            raw = json.dumps(raw)
+        else:
+            raw = raw if isinstance(raw, str) else ("" if raw is None else json.dumps(raw))
+            arguments = _decode_arguments(raw)[0]
+        calls.append(
+            ToolCall(
+                id=ident if isinstance(ident, str) else "",
+                name=name if isinstance(name, str) else "",
+                arguments=arguments,
+                raw_arguments=raw,
+            )
+        )
+    return calls
+
+
+def _default_message(completion: Completion) -> dict[str, Any]:
+    return {"role": "assistant", "content": completion.content}
+
+
+def _message_tool_calls(completion: Completion) -> list[ToolCall]:
+    return parse_tool_calls(completion.message)
+
+
+@attrs.frozen
+class Completion:
+    """One model reply, whole.
+
+    `content` is its text, `usage` its token counts (e.g. ``prompt_tokens``,
+    ``completion_tokens``), `finish_reason` the server's if it gave one. `message` is the
+    assistant message as the server sent it (role, content, ``tool_calls``, reasoning
+    fields and any other field kept): append it to the messages as is to continue the
+    conversation. It defaults to ``{"role": "assistant", "content": content}``.
+    `tool_calls` are the `ToolCall`s parsed from ``message["tool_calls"]`` ([] when none);
+    given explicitly, they are what a tool env runs. `tokens` holds the reply's token ids and
+    logprobs when the server returned them (``Sampling(return_tokens=True)`` asks for them),
+    else None."""
+
+    content: str
+    usage: dict[str, int] = attrs.field(factory=dict)
+    finish_reason: str | None = None
+    message: dict[str, Any] = attrs.field(default=attrs.Factory(_default_message, takes_self=True))
+    tool_calls: list[ToolCall] = attrs.field(
+        default=attrs.Factory(_message_tool_calls, takes_self=True)
+    )
+    tokens: Tokens | None = None
+
+
+@runtime_checkable
+class ModelClient(Protocol):
+    """What a model client provides. ``chat`` must be a real async call (it checkpoints),
+    must let ``trio.Cancelled`` propagate, and should raise :class:`ModelError` subclasses
+    for model failures. ``aclose`` releases the client's resources. A client that serves
+    tool-calling envs also takes ``tools: list[dict] | None = None`` (keyword), passed only
+    when a caller gives tools (`ModelContext.chat`)."""
+
+    async def chat(
+        self, messages: list[dict[str, Any]], *, model: str, sampling: Sampling
+    ) -> Completion: ...
+
+    async def aclose(self) -> None: ...
+
+
+class ModelClientBase:
+    """What every model client of the package shares (`EchoClient`, `OpenAIClient`,
+    `testing.ScriptedClient`): ``async with client:`` gives the client itself and awaits its
+    `aclose` on the way out, however the block ends (an error, a cancellation). A subclass
+    that holds something overrides `aclose`, idempotent."""
+
+    async def aclose(self) -> None:
+        """Nothing to release."""
+
+    async def __aenter__(self) -> Self:
+        return self
+
+    async def __aexit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        await self.aclose()
+
+
+@attrs.frozen
+class ModelContext:
+    """The model an episode talks to: a client, the model name and sampling settings."""
+
+    client: ModelClient
+    model: str
+    sampling: Sampling = attrs.field(factory=Sampling)
+
+    async def chat(
+        self,
+        messages: list[dict[str, Any]],
+        *,
+        tools: list[dict[str, Any]] | None = None,
+        **sampling_overrides: Any,
+    ) -> Completion:
+        """Send ``messages`` to ``client`` with this context's model and sampling, and return
+        the whole reply (and show it to the observer of :class:`observe_completions`, if
+        any).
+
+        ``tools`` (OpenAI function schemas, e.g. ``[tool.schema for tool in tools]``) go to
+        the client as ``tools=``; a client whose ``chat`` takes no ``tools`` gets a clear
+        TypeError. ``sampling_overrides`` replace this context's sampling for this call:
+        `Sampling`'s own fields by name (``temperature=0``), any other name into its
+        ``extra`` request fields (``tool_choice="required"``)."""
+        sampling = self.sampling
+        if sampling_overrides:
+            sampling = override_sampling(sampling, sampling_overrides)
+        if tools is None:
+            completion = await self.client.chat(messages, model=self.model, sampling=sampling)
+        else:
+            completion = await self._chat_with_tools(messages, tools, sampling)
+        observer = _observer.get()
+        if observer is not None:
+            observer(completion)
+        report_progress("model")  # for a stall timeout, and the run's count of calls
+        return completion
+
+    async def _chat_with_tools(
+        self, messages: list[dict[str, Any]], tools: list[dict[str, Any]], sampling: Sampling
+    ) -> Completion:
+        chat: Any = self.client.chat
+        try:
+            return cast(
+                Completion, await chat(messages, model=self.model, sampling=sampling, tools=tools)
+            )
+        except TypeError as exc:
+            if _takes_tools(chat):
+                raise
+            raise TypeError(
+                f"ModelContext.chat(tools=...): the model client {type(self.client).__name__} "
+                f"takes no `tools`; give its chat a `tools: list[dict] | None = None` "
+                f"parameter (OpenAIClient sends them as the request's `tools`)"
+            ) from exc
+
+
+def _takes_tools(chat: Callable[..., Any]) -> bool:
+    try:
+        parameters = inspect.signature(chat).parameters.values()
+    except (TypeError, ValueError):
+        return True  # cannot tell: let its own error through
+    return any(p.name == "tools" or p.kind is p.VAR_KEYWORD for p in parameters)
+
+
+_SAMPLING_FIELDS = frozenset({"temperature", "max_tokens", "top_p", "seed"})
+
+
+def override_sampling(sampling: Sampling, overrides: dict[str, Any]) -> Sampling:
+    """`sampling` with `overrides`: its own fields by name, anything else into `extra`."""
+    named = {k: v for k, v in overrides.items() if k in _SAMPLING_FIELDS}
+    extra = {k: v for k, v in overrides.items() if k not in _SAMPLING_FIELDS}
+    if "extra" in extra:
+        raise TypeError("chat(): pass extra request fields by name, not as extra=")
+    if extra:
+        named["extra"] = {**sampling.extra, **extra}
+    return attrs.evolve(sampling, **named)
+
+
+_observer: contextvars.ContextVar[Callable[[Completion], None] | None] = contextvars.ContextVar(
+    "trio_tasksets_completion_observer", default=None
+)
+
+
+class observe_completions:  # lower case: it reads as a call in `with observe_completions(...)`
+    """``with observe_completions(record):`` every :meth:`ModelContext.chat` made inside the
+    block, by this task or by tasks it starts, passes its :class:`Completion` to ``record``
+    (how an episode sums its token usage over all its model calls)."""
+
+    __slots__ = ("_record", "_token")
+
+    def __init__(self, record: Callable[[Completion], None]) -> None:
+        self._record = record
+
+    def __enter__(self) -> None:
+        self._token = _observer.set(self._record)
+
+    def __exit__(self, *exc_info: object) -> None:
+        _observer.reset(self._token)
+
+
+# ---------------------------------------------------------------------------------------
+# Errors
+# ---------------------------------------------------------------------------------------
+
+
+class ModelError(TrioTasksetsError):
+    """Base class for errors talking to a model server."""
+
+    def __init__(self, message: str, *, url: str = "") -> None:
+        super().__init__(message)
+        self.url = url
+
+
+class ModelConnectionError(ModelError):
+    """The server could not be reached (refused, reset, DNS, ...). Retried by the client."""
+
+
+class ModelTimeoutError(ModelError):
+    """The request did not complete within the client's timeout. Retried by the client."""
+
+    def __init__(self, message: str, *, url: str = "", timeout: float = 0.0) -> None:
+        super().__init__(message, url=url)
+        self.timeout = timeout
+
+
+class ModelHTTPError(ModelError):
+    """The server answered with an error status. 429 and 5xx are retried first; other 4xx
+    are raised at once. ``status`` is the HTTP status, ``attempts`` the requests made."""
+
+    def __init__(
+        self, message: str, *, url: str = "", status: int = 0, body: str = "", attempts: int = 1
+    ) -> None:
+        super().__init__(message, url=url)
+        self.status = status
+        self.body = body
+        self.attempts = attempts
+
+
+class ModelResponseError(ModelError):
+    """The server answered 2xx but the body is not a usable chat completion. Not retried."""
+
+
+# ---------------------------------------------------------------------------------------
+# Helpers
+# ---------------------------------------------------------------------------------------
+
+
+def text_of(content: Any) -> str:
+    """The text of a message ``content``: a string as is, a list of OpenAI content parts
+    as its text parts joined by a space, anything else (``None``) as ``""``."""
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list):
+        texts = [
+            part["text"]
+            for part in content
+            if isinstance(part, dict) and isinstance(part.get("text"), str)
+        ]
+        return " ".join(texts)
+    return ""
+
+
+def body_text(content: bytes) -> str:
+    return content.decode("utf-8", errors="replace")
+
+
+def word_count(text: str) -> int:
+    return len(text.split())
+
+
+def excerpt(text: str, limit: int = 200) -> str:
+    flat = " ".join(text.split())
+    return flat if len(flat) <= limit else flat[: limit - 3] + "..."
+
+
+def plural(n: int, word: str) -> str:
+    return f"{n} {word}" if n == 1 else f"{n} {word}s"
+
+
+def api_key_from_env(var: str) -> str:
+    """Return the API key stored in environment variable ``var`` (surrounding whitespace
+    stripped). Raises ``ValueError`` naming ``var`` when it is unset or empty."""
+    value = os.environ.get(var, "").strip()
+    if not value:
+        raise ValueError(
+            f"environment variable {var} is not set or empty; set it with "
+            f"`export {var}=...` or name another variable with --api-key-var"
+        )
+    return value

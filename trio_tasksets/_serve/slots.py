@@ -1,0 +1,214 @@
+"""The eval's served path: one `EnvClient.run` per slot under the eval's window.
+
+`ServedBackend` is the eval's `SlotBackend` for it (``EvalConfig(serve=True)`` /
+``--serve``, ``--workers``; ``server_url`` / ``--server-url``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import AsyncIterator, Awaitable
+from contextlib import AbstractAsyncContextManager, asynccontextmanager
+from typing import Any
+
+import attrs
+import trio
+
+from .._backend import SlotRunner
+from .._dashboard import Progress
+from .._env import Env, Episode, OnComplete, RunSlot
+from .._envspec import EnvSpec, TravelError
+from .._exceptions import EvalConfigError
+from .._models import ModelContext, OpenAIClient
+from .._window import AdaptiveWindow, Window
+from .client import EnvClient
+from .errors import EnvServerError
+from .spawn import ServerProcess, spawn_server
+from .wire import API_KEY_VAR, describe_client, openai_api_key
+
+__all__ = ["ServedBackend", "SlotRunner", "check_travel", "served_runner"]
+
+
+def check_travel(env: Env[Any], ctx: ModelContext, *, spawn: bool) -> None:
+    """`TravelError` if the env (when spawning a server for it) or the model context cannot
+    go to an env server."""
+    if spawn:
+        EnvSpec.of(env)
+    describe_client(ctx.client, api_key_var=API_KEY_VAR)
+    if getattr(ctx.client, "limits", None) is not None:
+        raise TravelError(
+            "the model client's limits (max connections, rpm, tpm) apply in the process "
+            "that makes the model calls, the env server's, and cannot travel to it: drop "
+            "them, or run in-process"
+        )
+
+
+def _check_workers(instance: object, attribute: attrs.Attribute[int], value: object) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise EvalConfigError(
+            f"{{workers}} must be an integer >= 1, got {value!r}", parameter="workers"
+        )
+
+
+def _check_server_url(
+    instance: object, attribute: attrs.Attribute[str | None], value: object
+) -> None:
+    if value is None:
+        return
+    if not isinstance(value, str) or not value.startswith(("http://", "https://")):
+        raise EvalConfigError(
+            f"{{server_url}} must be an http:// or https:// URL, got {value!r}",
+            parameter="server_url",
+        )
+
+
+@attrs.frozen
+class ServedBackend:
+    """Each slot on an env server: one `EnvClient.run` per slot, the taskset and the rows in
+    the eval's process.
+
+    `server_url` None spawns `trio-tasksets serve` as a child for the eval (`workers` server
+    processes; it dies with the eval), which may reach the eval's model endpoint only, with
+    its key. A `server_url` is a running server, reached with its bearer `token`; it must
+    serve the eval's taskset (checked before the first slot). The `EnvClient`'s connections
+    are bounded by the eval's window (an adaptive one: by its max).
+    """
+
+    server_url: str | None = attrs.field(default=None, validator=_check_server_url)
+    workers: int = attrs.field(default=1, validator=_check_workers)
+    token: str | None = attrs.field(default=None, repr=False)
+
+    def __attrs_post_init__(self) -> None:
+        if self.server_url is not None and self.workers != 1:
+            raise EvalConfigError(
+                "{workers} applies to a server spawned with {serve}, not to {server_url}",
+                parameter=("workers", "serve", "server_url"),
+            )
+
+    @property
+    def remote(self) -> bool:
+        return True
+
+    @property
+    def spawn(self) -> bool:
+        """Whether the eval spawns its own server (no `server_url`)."""
+        return self.server_url is None
+
+    def check(self, env: Env[Any], ctx: ModelContext) -> None:
+        """`EvalConfigError` naming ``serve`` (or ``server_url``) when the env (for a spawned
+        server) or the model client cannot travel to a server."""
+        try:
+            check_travel(env, ctx, spawn=self.spawn)
+        except TravelError as exc:
+            name = "serve" if self.spawn else "server_url"
+            raise EvalConfigError(f"{{{name}}}: {exc}", parameter=name) from None
+
+    async def reach(self) -> ServedBackend:
+        return self
+
+    def open(
+        self, env: Env[Any], ctx: ModelContext, *, window: Window, progress: Progress
+    ) -> AbstractAsyncContextManager[SlotRunner]:
+        return served_runner(
+            env, ctx, workers=self.workers, server_url=self.server_url, window=window,
+            token=self.token,
+        )  # fmt: skip
+
+
+def _api_key(ctx: ModelContext) -> str | None:
+    return openai_api_key(ctx.client) if isinstance(ctx.client, OpenAIClient) else None
+
+
+def _base_urls(ctx: ModelContext) -> list[str]:
+    """The endpoints a spawned server may reach: the eval's model's (each of many), if any."""
+    return list(ctx.client.base_urls) if isinstance(ctx.client, OpenAIClient) else []
+
+
+@asynccontextmanager
+async def served_runner(
+    env: Env[Any],
+    ctx: ModelContext,
+    *,
+    workers: int,
+    server_url: str | None,
+    window: int | Window,
+    token: str | None = None,
+) -> AsyncIterator[SlotRunner]:
+    """What an eval runs each slot with on the served path: a spawned child (`server_url`
+    None) or a running server, through one pooled `EnvClient` (one `run` per slot), whose
+    HTTP connections are bounded by the window (an adaptive one: by its max).
+
+    A spawned child may reach the eval's model endpoint only, with the eval's key
+    (``--allow-base-url``, ``--api-key-var TT_SERVE_API_KEY``). A running server is reached
+    with its bearer `token` (a field of the backend: the CLI reads it from ``$TT_SERVE_TOKEN``
+    or ``--token-var``, this module never reads the environment); it must allow the model's
+    endpoint itself and hold the key in its own ``$TT_SERVE_API_KEY`` (started with
+    ``--api-key-var TT_SERVE_API_KEY``).
+    """
+    async with contextlib.AsyncExitStack() as stack:
+        server: ServerProcess | None = None
+        if server_url is None:
+            server = await stack.enter_async_context(
+                spawn_server(
+                    env, workers=workers, api_key=_api_key(ctx), allow_base_urls=_base_urls(ctx)
+                )
+            )
+            url, token = server.url, server.token
+        else:
+            url = server_url
+        client = await stack.enter_async_context(
+            EnvClient(url, token=token, api_key_var=API_KEY_VAR, max_connections=_bound(window))
+        )
+        if server is None:
+            await _check_remote(client, env)
+
+        def run(
+            slot: RunSlot[Any],
+            *,
+            on_complete: OnComplete | None = None,
+        ) -> Awaitable[Episode]:
+            return client.run_slot(slot, ctx, on_complete=on_complete, retries=env.retries)
+
+        try:
+            yield run
+        except BaseException as exc:
+            errors = _server_errors(exc)
+            if server is not None and errors:
+                await _tell_exit(errors, server)
+            raise
+
+
+def _bound(window: int | Window) -> int | None:
+    """The most runs a window may ever let through at once (None: a Window may grow)."""
+    if isinstance(window, AdaptiveWindow):
+        return window.max
+    return None if isinstance(window, Window) else window
+
+
+async def _check_remote(client: EnvClient, env: Env[Any]) -> None:
+    """Before the first slot: the server answers (with this token) and serves our taskset."""
+    served = (await client.health()).get("taskset")
+    ours = type(env.taskset).__name__
+    if served != ours:
+        raise EnvServerError(
+            f"env server {client.url} serves taskset {served}, but this eval's is {ours}",
+            url=client.url,
+        )
+
+
+def _server_errors(exc: BaseException) -> list[EnvServerError]:
+    """The `EnvServerError`s in `exc` (itself, or the leaves of a group)."""
+    if isinstance(exc, EnvServerError):
+        return [exc]
+    if isinstance(exc, BaseExceptionGroup):
+        return [e for leaf in exc.exceptions for e in _server_errors(leaf)]
+    return []
+
+
+async def _tell_exit(errors: list[EnvServerError], server: ServerProcess) -> None:
+    """Add how the child ended (if it did: give it a moment to be reaped) to each message."""
+    with trio.CancelScope(shield=True), trio.move_on_after(1.0):
+        await server.process.wait()
+    if server.process.returncode is not None:
+        for error in errors:
+            error.args = (f"{error}; {server.describe_exit()}",)

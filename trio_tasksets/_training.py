@@ -1,0 +1,269 @@
+"""The training feed's primitives (SPEC 10): `first` (over-sampling with a clean cut) and
+`Staleness` (a policy-version gate for a trainer consuming a feed).
+
+`first(n, source, run, window=..., accept=...)` runs `source` windowed, as `as_completed`
+does, keeps the first `n` results `accept` takes (in completion order), then leaves the
+runner's block: every other run is cancelled and *awaited* (its scoring and cleanup
+included) and the source is closed (R7) before it returns.
+
+`Staleness(max_lag)` counts policy versions: the trainer calls `advance()` when its policy
+changes. A run wrapped by `staleness.run(fn)` records the version current when it starts
+(`Episode.policy_version`, through a context variable that `Env.run_slot` reads); once it is
+more than `max_lag` versions behind it is cancelled at once (its wrapper returns None), or,
+with `withhold=True`, left to finish and marked (`Episode.stale`). `staleness.feed(source)`
+pulls the next item only while the batch being built is at most `max_lag` versions ahead
+of the trainer: the feed's consumer calls `staleness.handed()` for each batch it hands the
+trainer, so a slow trainer pauses the feed instead of piling up rollouts it would train on
+stale.
+"""
+
+from __future__ import annotations
+
+import contextvars
+import inspect
+from collections.abc import AsyncIterable, AsyncIterator, Awaitable, Callable
+from typing import TypeVar
+
+import attrs
+import trio
+
+from ._runner import as_completed, check_source, close_iterator
+from ._window import Window
+
+__all__ = ["LiveRun", "Staleness", "current_run", "first", "policy_fields"]
+
+T = TypeVar("T")
+R = TypeVar("R")
+
+
+async def first(
+    n: int,
+    source: AsyncIterable[T],
+    run: Callable[[T], Awaitable[R]],
+    *,
+    window: int | Window | None,
+    accept: Callable[[R], bool | Awaitable[bool]] | None = None,
+) -> list[R]:
+    """The first `n` results of `run` over `source` (completion order) that `accept` takes
+    (every result when `accept` is None), at most `window` runs at once.
+
+    Once the n-th is in, every other run is cancelled and this waits until each has unwound
+    (its `finally` blocks and shielded cleanup, e.g. an episode's `on_complete`, included);
+    the source is closed exactly once (R7). When it returns, nothing it started still runs.
+    Fewer than `n` come back only if the source ends first. `n == 0` pulls nothing. A run's
+    failure, or `accept`'s, cancels the rest and is raised itself (R4). `accept` may be sync
+    or async. Bad arguments raise before anything is pulled (`n` not an int >= 0:
+    `ValueError`/`TypeError` naming `n`; `window` as in `as_completed`).
+    """
+    if isinstance(n, bool) or not isinstance(n, int):
+        raise TypeError(f"n must be an int >= 0, got {n!r} ({type(n).__name__})")
+    if n < 0:
+        raise ValueError(f"n must be >= 0, got {n}")
+    if accept is not None and not callable(accept):
+        raise TypeError(f"accept must be a callable taking a result, or None, got {accept!r}")
+    as_completed(source, run, window=window)  # checks source, run and window, starts nothing
+    if isinstance(window, int):
+        # A tt.Window, so that the rollouts of a group run inside `run` (a fan_out under
+        # window.prioritized) take freed places before the next pull.
+        window = Window(window)
+    results = as_completed(source, run, window=window)
+    kept: list[R] = []
+    if n == 0:
+        with trio.CancelScope(shield=True):
+            error = await close_iterator(aiter(source), source)
+        if error is not None:
+            raise error
+        return kept
+    async with results as completed:
+        async for _index, result in completed:
+            if accept is not None:
+                verdict = accept(result)
+                if inspect.isawaitable(verdict):
+                    verdict = await verdict
+                if not verdict:
+                    continue
+            kept.append(result)
+            if len(kept) == n:
+                break
+    return kept
+
+
+@attrs.define(eq=False)
+class LiveRun:
+    """One run under a `Staleness`: the version when it started, its cancel scope, and
+    whether it fell more than `max_lag` behind (`stale`)."""
+
+    version: int
+    scope: trio.CancelScope
+    stale: bool = False
+
+
+_current: contextvars.ContextVar[LiveRun | None] = contextvars.ContextVar(
+    "trio_tasksets_live_run", default=None
+)
+
+
+def current_run() -> LiveRun | None:
+    """The `LiveRun` of the `Staleness.run` wrapper this task runs under, if any (what
+    `Env.run_slot` reads for `policy_version` and `stale`)."""
+    return _current.get()
+
+
+def _check_int(value: object, name: str, minimum: int) -> int:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(f"{name} must be an int >= {minimum}, got {value!r}")
+    if value < minimum:
+        raise ValueError(f"{name} must be >= {minimum}, got {value}")
+    return value
+
+
+class Staleness:
+    """A policy-version gate between a feed of rollouts and the trainer consuming them.
+
+    - `version` starts at 0; the trainer calls `advance()` each time its policy changes.
+    - `run(fn)` wraps a run: it starts at the current version (`Episode.policy_version`);
+      when `advance()` leaves it more than `max_lag` versions behind, it is cancelled at once
+      and its wrapper returns None, or, with `withhold=True`, it runs on and its episodes are
+      marked `stale` (its rows say so). No wrapped run does work more than `max_lag`
+      versions stale unless it is withheld and marked.
+    - `feed(source)` pulls an item only while `handed - version <= max_lag`, where `handed`
+      counts the batches the consumer handed the trainer (`handed()`): the batch being built
+      is then trained at most `max_lag` versions after the policy that produced it. A trainer
+      waiting for the next batch never blocks the feed (no deadlock).
+    """
+
+    def __init__(self, max_lag: int, *, withhold: bool = False) -> None:
+        self.max_lag = _check_int(max_lag, "max_lag", 0)
+        if not isinstance(withhold, bool):
+            raise TypeError(f"withhold must be True or False, got {withhold!r}")
+        self.withhold = withhold
+        self._version = 0
+        self._handed = 0
+        self._live: set[LiveRun] = set()
+        self._changed = trio.Event()
+        self.cancelled = 0  # runs cancelled as stale
+        self.withheld = 0  # runs marked stale and left to finish
+        self.pauses = 0  # pulls of `feed` that waited for the trainer
+
+    def __repr__(self) -> str:
+        return (
+            f"Staleness(max_lag={self.max_lag}, withhold={self.withhold}, "
+            f"version={self._version}, handed={self._handed})"
+        )
+
+    @property
+    def version(self) -> int:
+        """The trainer's policy version (how many times `advance()` was called)."""
+        return self._version
+
+    @property
+    def handed_count(self) -> int:
+        """How many batches the consumer reported handed to the trainer."""
+        return self._handed
+
+    @property
+    def behind(self) -> bool:
+        """True while the trainer is behind: the next batch would be more than `max_lag`
+        versions ahead of its policy, so `feed` is paused."""
+        return self._handed - self._version > self.max_lag
+
+    def advance(self) -> int:
+        """The trainer's policy changed: bump the version, cancel (or withhold and mark) the
+        runs now more than `max_lag` behind, and wake a paused feed. Returns the version."""
+        self._version += 1
+        oldest = self._version - self.max_lag
+        for live in list(self._live):
+            if live.version < oldest and not live.stale:
+                if self.withhold:
+                    live.stale = True
+                    self.withheld += 1
+                else:
+                    live.stale = True
+                    live.scope.cancel()
+                    self.cancelled += 1
+        self._wake()
+        return self._version
+
+    def handed(self) -> None:
+        """The feed's consumer handed the trainer one more batch (it may pause the feed)."""
+        self._handed += 1
+        self._wake()
+
+    def _wake(self) -> None:
+        self._changed.set()
+        self._changed = trio.Event()
+
+    def run(self, fn: Callable[[T], Awaitable[R]]) -> Callable[[T], Awaitable[R | None]]:
+        """`fn` as a run that records the version it started at and is cancelled (returns
+        None) once it falls more than `max_lag` behind, or, with `withhold`, finishes and is
+        marked: an `Episode` result (or a list of them, a group) gets `stale = True`."""
+        if not callable(fn):
+            raise TypeError(f"fn must be an async callable taking one item, got {fn!r}")
+
+        async def staled(item: T) -> R | None:
+            with trio.CancelScope() as scope:
+                live = LiveRun(self._version, scope)
+                self._live.add(live)
+                token = _current.set(live)
+                try:
+                    result = await fn(item)
+                finally:
+                    _current.reset(token)
+                    self._live.discard(live)
+                if live.stale:
+                    _mark(result)
+                return result
+            return None  # cancelled as stale
+
+        return staled
+
+    async def wait_until_fed(self) -> None:
+        """Return once `feed` may pull (at once unless the trainer is behind)."""
+        if self.behind:
+            self.pauses += 1
+        while self.behind:
+            await self._changed.wait()
+
+    def feed(self, source: AsyncIterable[T]) -> AsyncIterator[T]:
+        """`source`, pausing before each pull while the trainer is `behind`. Closing it
+        closes `source` (once, as the runners do)."""
+        check_source(source)
+        return _Fed(self, source)
+
+
+def _mark(result: object) -> None:
+    """Mark an episode, or each episode of a list (a group), stale."""
+    items = result if isinstance(result, list) else [result]
+    for item in items:
+        if hasattr(item, "stale") and hasattr(item, "policy_version"):
+            item.stale = True
+
+
+class _Fed(AsyncIterator[T]):
+    """`Staleness.feed` as an iterator class: closable before it starts, no scope held."""
+
+    def __init__(self, staleness: Staleness, source: AsyncIterable[T]) -> None:
+        self._staleness = staleness
+        self._source = source
+        self._iterator = aiter(source)
+        self._closed = False
+
+    async def __anext__(self) -> T:
+        if self._closed:
+            raise StopAsyncIteration
+        await self._staleness.wait_until_fed()
+        return await self._iterator.__anext__()
+
+    async def aclose(self) -> None:
+        if not self._closed:
+            self._closed = True
+            error = await close_iterator(self._iterator, self._source)
+            if error is not None:
+                raise error
+
+
+def policy_fields() -> tuple[int | None, bool]:
+    """(`policy_version`, `stale`) for an episode finishing in this task: the version its
+    `Staleness.run` wrapper started at and whether it is marked stale, or (None, False)."""
+    live = _current.get()
+    return (None, False) if live is None else (live.version, live.stale)
