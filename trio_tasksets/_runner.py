@@ -483,10 +483,14 @@ async def fan_out(thunks: Iterable[Callable[[], Awaitable[R]]]) -> list[R]:
       holds none: `window=w` means at most `w` thunks or runs doing work at once, however
       deeply fan_outs nest (a `tt.Window` or `tt.AdaptiveWindow` included: its current size
       bounds new places);
-    * the caller's own place is lent to its first thunk (and, as each finishes, to the next
+    * the caller's own place goes to its first thunk (and, as each finishes, to the next
       one not yet started), so a fan-out makes progress at `window=1` and under any nesting;
-      the other thunks wait for a free place in turn with the runner's pulls (first come,
-      first served), and give it back when they end;
+      the other thunks take the places free at once, or wait for one in turn with the
+      runner's pulls (first come, first served), and give it back when they end;
+    * once the caller has no thunk left to start, its place is lent to the window while its
+      last thunks run, and the last of them to end hands its own place back to the caller
+      (not to the next waiter), however it ends: no place idles while the caller waits, and
+      the caller resumes at once, within the bound;
     * the first thunk that fails cancels its siblings, waits for them to unwind and is
       re-raised *itself* (not an ExceptionGroup; a second failure is attached to it as a
       note); cancelling the caller cancels every thunk; KeyboardInterrupt stays itself.
