@@ -22,8 +22,8 @@ import enum
 import math
 import re
 from collections import deque
-from collections.abc import AsyncIterator, Iterator
-from contextlib import asynccontextmanager, contextmanager
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
 from typing import Any, NamedTuple
 
 import attrs
@@ -70,17 +70,20 @@ _prioritized: contextvars.ContextVar[bool] = contextvars.ContextVar(
 )
 
 
-@contextmanager
-def prioritized() -> Iterator[None]:
+class prioritized:  # (lower case: used as a function, ``with prioritized():``)
     """Inside this block (and in the tasks it starts), a `Window.acquire` is served before
     every waiter outside one: how a group's waiting rollout takes a freed place before the
     runner pulls a new task (SPEC 10). Waiters inside such blocks are served first come,
-    first served among themselves."""
-    token = _prioritized.set(True)
-    try:
-        yield
-    finally:
-        _prioritized.reset(token)
+    first served among themselves. (A class, not a generator: it is entered once per
+    group.)"""
+
+    __slots__ = ("_token",)
+
+    def __enter__(self) -> None:
+        self._token = _prioritized.set(True)
+
+    def __exit__(self, *exc_info: object) -> None:
+        _prioritized.reset(self._token)
 
 
 class Window:
@@ -99,7 +102,8 @@ class Window:
         self._lent = 0  # places lent by resting runs (AdaptiveWindow.rest): tokens beyond size
         self._limiter = trio.CapacityLimiter(size)
         self._urgent = 0  # prioritized acquirers waiting (see `prioritized`)
-        self._calm = trio.Event()  # set (and replaced) when the last of them is served
+        # set when the last of them is served, made only when an acquirer waits for that
+        self._calm: trio.Event | None = None
         self._epoch: float | None = None
         # (trio time, or None outside a run; size; reason)
         self._history: deque[tuple[float | None, int, str]] = deque(maxlen=HISTORY_LIMIT)
@@ -132,6 +136,8 @@ class Window:
             while True:
                 if not urgent:
                     while self._urgent:  # a group's waiting rollout goes first
+                        if self._calm is None:
+                            self._calm = trio.Event()
                         await self._calm.wait()
                 await limiter.acquire_on_behalf_of(borrower)
                 # A token handed over (by a release) in the same instant as a shrink, or to
@@ -143,9 +149,9 @@ class Window:
         finally:
             if urgent:
                 self._urgent -= 1
-                if not self._urgent:
+                if not self._urgent and self._calm is not None:
                     self._calm.set()
-                    self._calm = trio.Event()
+                    self._calm = None
 
     def release(self, borrower: object) -> None:
         self._limiter.release_on_behalf_of(borrower)
@@ -163,8 +169,7 @@ class Window:
         group's run once all its rollouts are done): the lent place is given back at once,
         and the window is over-full by one until that release, so nothing starts meanwhile.
         """
-        self._lent += 1
-        self._limiter.total_tokens = self._size + self._lent  # wakes a waiting acquirer
+        self._lend()
         try:
             yield
         except BaseException:
@@ -185,6 +190,11 @@ class Window:
         self._unlend()  # lowered first, so that the release below wakes no one
         self._limiter.release_on_behalf_of(token)
 
+    def _lend(self) -> None:
+        # (also a fan_out caller's, while its last thunks run: `tt.fan_out`)
+        self._lent += 1
+        self._limiter.total_tokens = self._size + self._lent  # wakes a waiting acquirer
+
     def _unlend(self) -> None:
         # Lowering total_tokens evicts no one: a window over-full after it lets nothing start
         # until enough runs end (Window.acquire).
@@ -199,8 +209,9 @@ class Window:
 
     @property
     def resting(self) -> int:
-        """Runs in flight that lent their place while resting (`AdaptiveWindow.rest`): the
-        limiter's `total_tokens` is `size + resting`. Always 0 for a plain Window."""
+        """Places lent now: by runs resting (`AdaptiveWindow.rest`), by holders waiting in
+        `lend()` (a group gate's pull), and by `fan_out` callers waiting on their last
+        thunks. The limiter's `total_tokens` is `size + resting`."""
         return self._lent
 
     @property
