@@ -20,11 +20,19 @@ module names (``from chat_server import ChatServer``), as the fixture processes 
 
 from __future__ import annotations
 
+import os
 import sys
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+
+# A machine may tell Python not to write bytecode (PYTHONDONTWRITEBYTECODE, set on these CI
+# machines): then every interpreter the suite starts (the xdist workers, server processes,
+# the doc examples' pytest runs) compiles trio_tasksets anew and pytest rewrites its plugins'
+# asserts anew. The suite's processes inherit this environment, so they keep their caches.
+os.environ.pop("PYTHONDONTWRITEBYTECODE", None)
+sys.dont_write_bytecode = False
 
 FIXTURES = Path(__file__).resolve().parent / "fixtures"
 if str(FIXTURES) not in sys.path:
