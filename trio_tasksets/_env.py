@@ -720,16 +720,7 @@ def note_rollout(
 
 def check_rollout_timeout(value: object) -> float | None:
     """`value` as a rollout timeout: None, or a finite number of seconds > 0 (ValueError)."""
-    if value is None:
-        return None
-    if (
-        isinstance(value, bool)
-        or not isinstance(value, int | float)
-        or not math.isfinite(value)
-        or value <= 0
-    ):
-        raise ValueError(f"rollout_timeout must be a number of seconds > 0, or None, got {value!r}")
-    return float(value)
+    return check_working_limit(value, "rollout_timeout")
 
 
 def check_working_limit(value: object, name: str = "working_limit") -> float | None:
