@@ -13,7 +13,7 @@ With ``cli``, the process first settles its heap as that checkout's CLI would be
 from __future__ import annotations
 
 import argparse
-import importlib.util
+import importlib
 import json
 import sys
 import tempfile
@@ -42,11 +42,11 @@ async def _eval(ctx: tt.ModelContext, n: int, window: int, out: str, name: str) 
 
 def settle_as_the_cli() -> bool:
     """What this checkout's `trio-tasksets eval` does to its heap before the eval, if any."""
-    if importlib.util.find_spec("trio_tasksets._cli.heap") is None:
+    try:
+        heap = importlib.import_module("trio_tasksets._cli.heap")
+    except ImportError:  # a checkout from before it: its CLI left the collector alone
         return False
-    from trio_tasksets._cli.heap import OWN_PROCESS, settle_heap
-
-    return settle_heap(argparse.Namespace(**{OWN_PROCESS: True}))
+    return bool(heap.settle_heap(argparse.Namespace(**{heap.OWN_PROCESS: True})))
 
 
 async def main(kind: str, n: int, url: str, window: int, cli: bool) -> dict[str, float]:
