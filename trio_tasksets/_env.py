@@ -603,7 +603,7 @@ class Env(Generic[TaskT]):
             try:
                 # sticky: with many endpoints, an attempt's calls stay on one (its prefix cache)
                 if not bounded:  # inline: this runs once per attempt of every episode
-                    with observe_completions(stats.count), observe_calls(waits), sticky(episode.id):
+                    with observe_completions(stats), observe_calls(waits), sticky(episode.id):
                         messages, completion = await self.rollout(task, ctx)
                         reward, metrics = split_score(await self.score(task, completion))
                 else:
@@ -691,6 +691,8 @@ class _Rollout:
         self.episode.count(completion)
         self.turns += 1
         self.tool_calls += len(completion.tool_calls)
+
+    __call__ = count  # the completions' observer itself: no bound method per attempt
 
 
 _rollout: contextvars.ContextVar[_Rollout | None] = contextvars.ContextVar(
