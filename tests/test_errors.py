@@ -5,10 +5,10 @@ from __future__ import annotations
 import importlib
 import inspect
 import pkgutil
-import subprocess
 import sys
 from pathlib import Path
 
+import forkserver
 import pytest
 
 import trio_tasksets as tt
@@ -95,7 +95,7 @@ async def test_eval_config_errors_name_the_parameter(tmp_path: Path) -> None:
 
 
 def test_the_cli_shows_the_flag_of_the_same_error(tmp_path: Path) -> None:
-    done = subprocess.run(
+    done = forkserver.run(
         [sys.executable, "-m", "trio_tasksets", "eval", "echo", "-n", "-1", "--no-dashboard",
          "-o", str(tmp_path)],
         capture_output=True, text=True, timeout=120,

@@ -474,3 +474,37 @@ async def test_n_larger_than_a_static_taskset_says_so(
     with pytest.warns(tt._eval.EvalWarning, match=r"num_examples 20 .* \(8 tasks\)"):
         result = await tt.run_eval(tt.Env(Numbers()), echo(), config(tmp_path, num_examples=20))
     assert len(result.episodes) == 8
+
+
+OLD_ECHO = "trio_tasksets.builtin:EchoTaskset"  # privatise: keep (the path before the move)
+OLD_FEED = "trio_tasksets.redis.feed:RedisStreamTaskset"  # privatise: keep
+OLD_NOTHING = "trio_tasksets.builtin:NoSuchThing"  # privatise: keep
+
+
+def test_a_label_an_earlier_release_recorded_reads_as_its_public_home_today() -> None:
+    from trio_tasksets._loading import upgraded_label
+
+    assert upgraded_label(OLD_ECHO) == "trio_tasksets:EchoTaskset"
+    assert upgraded_label(OLD_FEED) == "trio_tasksets.redis:RedisStreamTaskset"
+    for unchanged in ("trio_tasksets:EchoTaskset", OLD_NOTHING, "my_tasks.py:Numbers",
+                      "othermod.sub:EchoTaskset", None):  # fmt: skip
+        assert upgraded_label(unchanged) == unchanged
+
+
+async def test_resume_accepts_a_run_an_earlier_release_recorded_by_its_old_module_path(
+    autojump_clock: MockClock, tmp_path: Path
+) -> None:
+    first = await tt.run_eval(tt.Env(tt.EchoTaskset()), echo(), config(tmp_path, num_examples=4))
+    config_path = first.run_dir / "config.json"
+    saved = json.loads(config_path.read_text())
+    assert saved["identity"]["taskset"] == "trio_tasksets:EchoTaskset"
+    saved["identity"]["taskset"] = OLD_ECHO
+    config_path.write_text(json.dumps(saved))
+    traces = first.run_dir / "traces.jsonl"
+    traces.write_text("".join(traces.read_text().splitlines(keepends=True)[:2]))
+
+    assert tt._eval.latest_run(tt.Env(tt.EchoTaskset()), echo(), str(tmp_path)) == first.run_dir
+    resumed = await tt.run_eval(tt.Env(tt.EchoTaskset()), echo(),
+                                config(tmp_path, num_examples=4, resume=True))  # fmt: skip
+    assert resumed.summary["kept_from_resume"] == 2
+    assert len(rows(resumed.run_dir)) == 4

@@ -6,9 +6,12 @@ deadline, an outside cancellation) under random windows (an int, a `tt.Window`, 
 `tt.AdaptiveWindow`, none) and check, on trio's MockClock:
 
 * N1: at every instant, the thunks and runs doing work <= the window's size;
-* N2: no deadlock, and more: the window is never idle while work waits (the call ends no
-  later than the sum of all the work), and at window 1 the whole tree runs one step at a time
-  (it ends exactly at the sum);
+* N2: no deadlock, and more: the window is never idle while work waits (between events, a
+  thunk or a pull waits for a place only while the window is full of work: a caller waiting
+  on its last thunks lends its place; the call ends no later than the sum of all the work),
+  and at window 1 the whole tree runs one step at a time (it ends exactly at the sum);
+* every thunk that starts is answered exactly once (completed, failed or cancelled), and
+  every place lent comes back;
 * N3: the first failure (in virtual time) is what the call raises, itself (never a group);
   every thunk still running when its run or its subtree is cancelled is cancelled, and
   nothing runs once the call has returned;
@@ -315,6 +318,161 @@ async def test_a_failed_children_give_their_places_back(autojump_clock: MockCloc
     assert window.in_flight == 0
 
 
+# --- the caller's place is lent while its last thunks run ------------------------------------
+
+
+class Places:
+    """Counts the thunks and runs doing work (each inside `work`), and when each began."""
+
+    def __init__(self) -> None:
+        self.working = 0
+        self.peak = 0
+        self.began: dict[str, float] = {}
+
+    async def work(self, name: str, seconds: float) -> str:
+        self.working += 1
+        self.peak = max(self.peak, self.working)
+        self.began[name] = trio.current_time()
+        try:
+            await trio.sleep(seconds)
+        finally:
+            self.working -= 1
+        return name
+
+
+async def _hold(window: tt.Window, places: Places, name: str, at: float, seconds: float) -> None:
+    """Someone else on the same window: from `at`, wait for a place and work on it."""
+    await trio.sleep(at)
+    token = object()
+    await window.acquire(token)
+    try:
+        await places.work(name, seconds)
+    finally:
+        window.release(token)
+
+
+async def test_at_window_one_a_caller_fanning_out_three_completes(
+    autojump_clock: MockClock,
+) -> None:
+    window = tt.Window(1)
+    places = Places()
+
+    async def run(_: int) -> list[str]:
+        return await tt.fan_out([functools.partial(places.work, f"c{i}", 1) for i in range(3)])
+
+    with trio.fail_after(100):
+        assert await tt.run_stream(_count(1), run, window=window) == [["c0", "c1", "c2"]]
+    assert trio.current_time() == 3  # one at a time on the caller's place
+    assert places.peak == 1
+    assert (window.in_flight, window.resting) == (0, 0)
+
+
+@pytest.mark.parametrize("kind", ["int", "Window"])
+async def test_a_waiting_caller_lends_its_place_so_w_thunks_work(
+    autojump_clock: MockClock, kind: str
+) -> None:
+    """Window 2: the run fans out S (1 s) and L; L fans out three thunks of 2 s. Once S is
+    done the run has nothing left to start: its place goes to L's second thunk, so two work
+    (not one beside an idle place): L's thunks end at 2, 3 and 4 instead of 2, 4 and 6."""
+    window: int | tt.Window = 2 if kind == "int" else tt.Window(2)
+    places = Places()
+
+    async def inner() -> list[str]:
+        return await tt.fan_out([functools.partial(places.work, f"l{i}", 2) for i in range(3)])
+
+    async def run(_: int) -> list[object]:
+        return await tt.fan_out([functools.partial(places.work, "S", 1), inner])
+
+    with trio.fail_after(100):
+        results = await tt.run_stream(_count(1), run, window=window)
+    assert results == [["S", ["l0", "l1", "l2"]]]
+    assert trio.current_time() == 4
+    assert places.began == {"S": 0, "l0": 0, "l1": 1, "l2": 2}
+    assert places.peak == 2
+    if isinstance(window, tt.Window):
+        assert (window.in_flight, window.resting) == (0, 0)
+
+
+async def test_the_caller_takes_its_place_back_from_its_last_thunk(
+    autojump_clock: MockClock,
+) -> None:
+    """Window 2 shared with two holders that queue at 0.5 s and 2 s. The run fans out S (1 s)
+    and T (3 s), then works 1 s. At 1 s its idle place goes to the first holder; at 3 s T's
+    place goes back to the run (not to the second holder, which waits until the run ends),
+    so at no instant do more than 2 work."""
+    window = tt.Window(2)
+    places = Places()
+    returned: list[float] = []
+
+    async def run(_: int) -> None:
+        await tt.fan_out(
+            [functools.partial(places.work, "S", 1), functools.partial(places.work, "T", 3)]
+        )
+        returned.append(trio.current_time())
+        await places.work("after", 1)
+
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(_hold, window, places, "first", 0.5, 5)
+        nursery.start_soon(_hold, window, places, "second", 2, 1)
+        await tt.run_stream(_count(1), run, window=window)
+    assert returned == [3]
+    assert places.began == {"S": 0, "T": 0, "first": 1, "after": 3, "second": 4}
+    assert places.peak == 2
+    assert (window.in_flight, window.resting) == (0, 0)
+
+
+async def test_a_caller_cancelled_while_lent_gets_its_place_back(
+    autojump_clock: MockClock,
+) -> None:
+    """The fan-out's own deadline cancels T while the caller's place is lent: T's place goes
+    back to the caller, which works on within the bound; the waiting holder starts when the
+    run ends."""
+    window = tt.Window(2)
+    places = Places()
+
+    async def run(_: int) -> None:
+        with trio.move_on_after(2):
+            await tt.fan_out(
+                [functools.partial(places.work, "S", 1), functools.partial(places.work, "T", 10)]
+            )
+        await places.work("after", 1)
+
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(_hold, window, places, "first", 0.5, 5)
+        nursery.start_soon(_hold, window, places, "second", 1.5, 1)
+        await tt.run_stream(_count(1), run, window=window)
+    assert places.began == {"S": 0, "T": 0, "first": 1, "after": 2, "second": 3}
+    assert places.peak == 2
+    assert (window.in_flight, window.resting) == (0, 0)
+
+
+async def test_a_thunk_failing_while_the_caller_is_lent_raises_at_once(
+    autojump_clock: MockClock,
+) -> None:
+    window = tt.Window(2)
+    places = Places()
+
+    async def fails() -> str:
+        await places.work("T", 3)
+        raise Boom("T")
+
+    async def run(_: int) -> str:
+        thunks: list[Callable[[], Awaitable[str]]] = [functools.partial(places.work, "S", 1), fails]
+        try:
+            await tt.fan_out(thunks)
+        except Boom:
+            return await places.work("after", 1)
+        return "no failure"
+
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(_hold, window, places, "first", 0.5, 5)
+        nursery.start_soon(_hold, window, places, "second", 2, 1)
+        assert await tt.run_stream(_count(1), run, window=window) == ["after"]
+    assert places.began == {"S": 0, "T": 0, "first": 1, "after": 3, "second": 4}
+    assert places.peak == 2
+    assert (window.in_flight, window.resting) == (0, 0)
+
+
 async def _count(n: int) -> AsyncGenerator[int, None]:
     for i in range(n):
         yield i
@@ -365,6 +523,10 @@ def nodes() -> st.SearchStrategy[Node]:
     return st.recursive(leaf, extend, max_leaves=16)
 
 
+# Built once: a strategy built inside each draw is validated again each example (most of
+# this test's time went there, not in the runs).
+ROOTS = st.lists(nodes(), min_size=1, max_size=5)
+
 WindowKind = str
 
 
@@ -378,7 +540,7 @@ class Forest:
 
 @st.composite
 def forests(draw: st.DrawFn) -> Forest:
-    roots = draw(st.lists(nodes(), min_size=1, max_size=5))
+    roots = draw(ROOTS)
     counter = 0
     for root in roots:
         for node in root.walk():
@@ -403,6 +565,7 @@ class Probe:
     completed: set[int] = field(default_factory=set)
     raised: list[tuple[float, Boom]] = field(default_factory=list)
     problems: list[str] = field(default_factory=list)
+    answers: dict[int, list[str]] = field(default_factory=dict)  # how each node's run ended
 
     async def work(self, seconds: int) -> None:
         self.working += 1
@@ -417,7 +580,10 @@ class Probe:
 
 def thunk_for(node: Node, probe: Probe) -> Callable[[], Awaitable[int]]:
     async def run() -> int:
+        if node.id in probe.entered:
+            probe.problems.append(f"node {node.id} started twice")
         probe.entered.add(node.id)
+        outcome = "failed"
         try:
             await probe.work(node.before)
             if node.fail == "before":
@@ -441,12 +607,15 @@ def thunk_for(node: Node, probe: Probe) -> Callable[[], Awaitable[int]]:
                 raise _boom(node, probe)
         except trio.Cancelled:
             probe.cancelled.add(node.id)
+            outcome = "cancelled"
             raise
         else:
             probe.completed.add(node.id)
+            outcome = "completed"
             return node.id
         finally:
             probe.exited[node.id] = trio.current_time()
+            probe.answers.setdefault(node.id, []).append(outcome)
 
     return run
 
@@ -480,15 +649,35 @@ async def test_fan_out_trees_hold_their_invariants(
     async def run(index: int) -> int:
         return await thunk_for(roots[index], probe)()
 
+    async def watch(window: tt.Window) -> None:
+        # Between events (every event falls on a whole or half second): a place idles while
+        # a thunk or a pull waits for one only if a caller waiting on its thunks kept it.
+        await trio.sleep(0.25)
+        while True:
+            waiting = window.limiter.statistics().tasks_waiting
+            if waiting and probe.working < window.size:
+                probe.problems.append(
+                    f"at {trio.current_time() - t0}: {probe.working} working < window "
+                    f"{window.size} while {waiting} wait for a place"
+                )
+            await trio.sleep(1)
+
     with trio.fail_after(HANG):
         cancel = math.inf if forest.cancel_at is None else forest.cancel_at + 0.5
-        with trio.move_on_after(cancel):
-            try:
-                results = await tt.run_stream(_count(len(roots)), run, window=window)
-            except Boom as exc:
-                error = exc
+        async with trio.open_nursery() as watching:
+            if isinstance(window, tt.Window):
+                watching.start_soon(watch, window)
+            with trio.move_on_after(cancel):
+                try:
+                    results = await tt.run_stream(_count(len(roots)), run, window=window)
+                except Boom as exc:
+                    error = exc
+            watching.cancel_scope.cancel()
     elapsed = trio.current_time() - t0
     assert probe.problems == []
+    # every thunk that started was answered once: it completed, failed or was cancelled
+    assert set(probe.answers) == probe.entered
+    assert all(len(answers) == 1 for answers in probe.answers.values()), probe.answers
     # N1
     if forest.window is not None:
         assert probe.peak <= forest.window
@@ -497,6 +686,8 @@ async def test_fan_out_trees_hold_their_invariants(
     assert probe.entered == set(probe.exited)
     if isinstance(window, tt.Window):
         assert window.in_flight == 0
+        assert window.resting == 0  # every lent place came back
+        assert window.limiter.total_tokens == window.size
     # N2: never idle while work waits; at window 1, strictly one step at a time
     total = sum(root.work() for root in roots)
     assert elapsed <= total

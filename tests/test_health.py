@@ -15,6 +15,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+import forkserver
 import pytest
 import trio
 import trio.testing
@@ -163,7 +164,7 @@ def test_eval_metrics_port_is_scraped_while_it_runs(tmp_path: Path) -> None:
     argv = [sys.executable, "-m", "trio_tasksets", "eval", "echo-stream", "-n", "100000",
             "--echo-delay", "0.01", "-c", "4", "--metrics-port", "0", "-o", str(tmp_path),
             "--run-name", "run", "--no-dashboard"]  # fmt: skip
-    proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    proc = forkserver.popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
         port = int(_read_until(proc, r"metrics on http://127\.0\.0\.1:(\d+)/metrics").group(1))
         text = ""
@@ -188,7 +189,7 @@ def test_eval_metrics_port_is_scraped_while_it_runs(tmp_path: Path) -> None:
 def test_a_bad_metrics_port_is_a_usage_error(tmp_path: Path, bad: str) -> None:
     argv = [sys.executable, "-m", "trio_tasksets", "eval", "echo", "--metrics-port", bad,
             "-o", str(tmp_path)]  # fmt: skip
-    done = subprocess.run(argv, capture_output=True, text=True, timeout=60)
+    done = forkserver.run(argv, capture_output=True, text=True, timeout=60)
     assert done.returncode == 2
     assert "--metrics-port must be a port number" in done.stderr
 

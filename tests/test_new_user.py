@@ -22,6 +22,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import forkserver
 import pytest
 import trio
 
@@ -352,7 +353,7 @@ def test_worker_defaults_are_what_eval_via_assumes(
     assert (args.stream, args.group, args.results) == ("tasks", "workers", "results")
     # A worker started with only --feed serves an eval --via that names no --stream.
     stream = "tasks"
-    worker = subprocess.Popen(
+    worker = forkserver.popen(
         [sys.executable, "-m", "trio_tasksets", "worker", "echo", "--feed", redis_url,
          "--time-limit", "30", "--no-dashboard"],
         stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, cwd=tmp_path,
@@ -496,7 +497,7 @@ def test_options_that_do_nothing_with_echo_are_refused_alike(
 
 def test_eval_via_ctrl_c_with_no_workers_names_no_traces(redis_url: str, tmp_path: Path) -> None:
     """Ctrl-C on an `eval --via` that no worker serves: no traces path, one 'no run dir'."""
-    proc = subprocess.Popen(
+    proc = forkserver.popen(
         [sys.executable, "-m", "trio_tasksets", "eval", "echo", "--via", redis_url, "--stream",
          f"s{uuid.uuid4().hex[:6]}", "-m", "Qwen/Qwen3-8B", "-o", str(tmp_path),
          "--run-name", "r", "--no-dashboard"],

@@ -45,7 +45,7 @@ from __future__ import annotations
 
 import math
 import os
-from collections.abc import AsyncGenerator
+from collections.abc import AsyncGenerator, Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Literal
 
@@ -719,3 +719,100 @@ def test_the_model_on_a_hand_checked_schedule_with_a_resize() -> None:
     model = simulate(sc, "run_stream")
     assert model.start == [0, 1.25, 1.25]
     assert model.natural == 5.25
+
+
+# --- runs that fan out ----------------------------------------------------------------------
+
+
+@SETTINGS
+@given(sc=scenarios(consumer=False), shape=st.lists(st.integers(1, 3), min_size=10, max_size=10))
+async def test_runs_that_fan_out_keep_the_bound_and_answer_every_child(
+    autojump_clock: MockClock, sc: Scenario, shape: list[int]
+) -> None:
+    """The same random schedules (sources, gaps, windows and resizes, failures, outside
+    cancellations), with each run's work split over 1 to 3 thunks of a `tt.fan_out` (the
+    last failing when the run would), then a second of the run's own work after it (or
+    none). With fan_out lending a waiting run's place: at every instant, the thunks and runs
+    doing work <= the window's largest size; every thunk that starts is answered exactly
+    once (completed, failed or cancelled); nothing works once the call is over; every lent
+    place comes back; and what the call raises is a failure itself, never a group."""
+    obs = Observed("run_stream", sc.window, trio.current_time(), largest=sc.window)
+    working = peak = 0
+    answers: dict[tuple[int, int], list[str]] = {}
+    failures: list[BaseException] = []
+
+    async def work(seconds: int) -> None:
+        nonlocal working, peak
+        working += 1
+        peak = max(peak, working)
+        try:
+            await trio.sleep(seconds)
+        finally:
+            working -= 1
+
+    def thunk(i: int, j: int, seconds: int, fails: bool) -> Callable[[], Awaitable[int]]:
+        async def one() -> int:
+            outcome = "failed"
+            try:
+                await work(seconds)
+                if fails:
+                    error = Boom(i)
+                    failures.append(error)
+                    raise error
+            except trio.Cancelled:
+                outcome = "cancelled"
+                raise
+            else:
+                outcome = "completed"
+                return j
+            finally:
+                answers.setdefault((i, j), []).append(outcome)
+
+        return one
+
+    async def run(i: int) -> str:
+        k, total = shape[i], sc.durations[i]
+        parts = [total // k + (1 if j < total % k else 0) for j in range(k)]
+        thunks = [thunk(i, j, parts[j], sc.fails[i] and j == k - 1) for j in range(k)]
+        assert await tt.fan_out(thunks) == list(range(k))
+        await work(i % 2)
+        return value_of(i)
+
+    error: BaseException | None = None
+    window: int | Window | None = sc.window
+    cancel_deadline = obs.t0 + sc.cancel_at if sc.cancel_at is not None else INF
+    with trio.fail_after(HANG):
+        async with trio.open_nursery() as helpers:
+            source: Feed[int] | AsyncGenerator[int, None] | trio.MemoryReceiveChannel[int]
+            if sc.kind == "feed":
+                feed = RecordingFeed(obs)
+                helpers.start_soon(feeder, sc, feed)
+                source = feed
+            elif sc.kind == "agen":
+                source = generator(sc, obs)
+            else:
+                send, receive = trio.open_memory_channel[int](0)
+                helpers.start_soon(producer, sc, obs, send)
+                source = receive
+            if sc.take is not None:
+                source = tt.take(source, sc.take)  # type: ignore[assignment]
+            if sc.use_window:
+                assert sc.window is not None
+                window = Window(sc.window)
+                helpers.start_soon(resizer, sc, obs, window)
+            with trio.CancelScope(deadline=cancel_deadline):
+                try:
+                    await tt.run_stream(source, run, window=window)
+                except Exception as exc:
+                    error = exc
+            working_after = working
+            helpers.cancel_scope.cancel()
+    assert working_after == 0
+    if sc.largest is not None:
+        assert peak <= sc.largest
+    assert all(len(outcomes) == 1 for outcomes in answers.values()), answers
+    if error is not None:  # a thunk's (or the source's) own exception, never a group
+        assert any(error is raised for raised in failures + [e for _, e in obs.raised])
+    if isinstance(window, Window):
+        assert (window.in_flight, window.resting) == (0, 0)
+        assert window.limiter.total_tokens == window.size

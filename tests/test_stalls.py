@@ -4,11 +4,11 @@
 from __future__ import annotations
 
 import json
-import subprocess
 import sys
 from pathlib import Path
 from typing import Any
 
+import forkserver
 import pytest
 import trio
 import trio.testing
@@ -188,7 +188,7 @@ def test_cli_max_consecutive_failures_exits_1(tmp_path: Path) -> None:
     argv = [sys.executable, "-m", "trio_tasksets", "eval", f"{taskset}:Failing", "-c", "1",
             "--max-consecutive-failures", "3", "-o", str(tmp_path / "out"), "--run-name",
             "run", "--no-dashboard", "--stall-timeout", "30"]  # fmt: skip
-    done = subprocess.run(argv, capture_output=True, text=True, timeout=120, cwd=tmp_path)
+    done = forkserver.run(argv, capture_output=True, text=True, timeout=120, cwd=tmp_path)
     assert done.returncode == 1, done.stderr
     assert "--max-consecutive-failures 3: 3 episodes failed in a row" in done.stderr
     summary = json.loads((tmp_path / "out" / "run" / "summary.json").read_text())

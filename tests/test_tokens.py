@@ -10,11 +10,11 @@ The HTTP tests talk to the real test server (`tests/fixtures/chat_server.py` wit
 from __future__ import annotations
 
 import json
-import subprocess
 import sys
 from pathlib import Path
 from typing import Any
 
+import forkserver
 import pytest
 import trio
 
@@ -134,7 +134,7 @@ def test_cli_return_tokens_writes_them_to_the_rows(tmp_path: Path) -> None:
         "        return [tt.Task(prompt='What is 2 + 3?', answer='5')]\n"
     )
     with ChatServer(tokens=True) as server:
-        done = subprocess.run(
+        done = forkserver.run(
             [sys.executable, "-m", "trio_tasksets", "eval", f"{taskset}:Sums", "-m", "tiny",
              "--base-url", server.url, "--return-tokens", "--no-dashboard",
              "-o", str(tmp_path / "out"), "--run-name", "r"],

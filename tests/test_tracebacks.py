@@ -10,6 +10,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
+import forkserver
 import pytest
 import trio
 
@@ -105,7 +106,7 @@ def _eval(tmp_path: Path, *args: str) -> subprocess.CompletedProcess[str]:
     path.write_text(TASKSET)
     argv = [sys.executable, "-m", "trio_tasksets", "eval", f"{path}:Typo", "-o",
             str(tmp_path / "out"), "--run-name", "run", "--no-dashboard", *args]  # fmt: skip
-    return subprocess.run(argv, capture_output=True, text=True, timeout=120, cwd=tmp_path)
+    return forkserver.run(argv, capture_output=True, text=True, timeout=120, cwd=tmp_path)
 
 
 def test_the_cli_prints_the_first_errors_traceback_and_debug_prints_all(tmp_path: Path) -> None:

@@ -11,6 +11,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
+import forkserver
 import pytest
 import trio
 import trio.testing
@@ -189,7 +190,7 @@ def test_the_working_limit_travels_in_an_env_spec() -> None:
 def _cli(tmp_path: Path, *args: str) -> subprocess.CompletedProcess[str]:
     argv = [sys.executable, "-m", "trio_tasksets", "eval", "echo", *args, "-o",
             str(tmp_path / "out"), "--no-dashboard", "--run-name", "run"]  # fmt: skip
-    return subprocess.run(argv, capture_output=True, text=True, timeout=120, cwd=tmp_path)
+    return forkserver.run(argv, capture_output=True, text=True, timeout=120, cwd=tmp_path)
 
 
 def test_eval_working_limit_flag(tmp_path: Path) -> None:

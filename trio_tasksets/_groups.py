@@ -5,9 +5,10 @@ nursery and one cancel scope (a `fan_out`), so inside a windowed runner each liv
 holds one place of the window (`-c` counts live rollouts) and the group's waiting rollouts
 take freed places before the runner pulls a new task (`window.prioritized`, prefix-cache
 friendly: an open group is finished before the next one opens). Once all of a group's
-rollouts have started, the place its run holds (the runner's, which `fan_out` lends to the
-group's rollouts one after the other) is lent while the last ones finish (`Window.lend`), so
-no place idles during a group's tail. When every rollout is done,
+rollouts have started, the place its run holds (the runner's, which `fan_out` gives to the
+group's rollouts one after the other) is lent to the window while the last ones finish, and
+the last to end hands its place back (`fan_out`'s rule), so no place idles during a group's
+tail. When every rollout is done,
 `env.score_group(task, episodes)` runs once (it may set each episode's `reward` and
 `advantage`); every episode gets the group's id (`Episode.group`).
 
@@ -33,7 +34,7 @@ import trio
 from ._env import Env, Episode, EpisodeError, EpisodeTask, RunSlot, task_data, task_key
 from ._exceptions import TrioTasksetsError
 from ._models.pool import sticky
-from ._runner import close_iterator, fan_out
+from ._runner import close_iterator, fan_out_placing
 from ._window import Window, prioritized
 
 __all__ = [
@@ -65,58 +66,86 @@ class Group:
 
 
 class OpenGroups:
-    """The groups a runner has open and how many of their rollouts have not started yet:
-    `gate(source)` pulls the next group only once every open group's rollouts have started,
-    so a freed place goes to an open group's waiting rollout before a new task is pulled.
-    While it waits, the place the runner took for that pull is lent (`Window.lend`), so the
-    window stays full of live rollouts."""
+    """The groups a runner has open and how many of their rollouts have no place yet:
+    `gate(source)` pulls the next group only when the window's free places can take every
+    open group's waiting rollouts and the next group's, so a freed place goes to an open
+    group's waiting rollout before a new task is pulled, and several groups open in one step
+    when they fit. Otherwise it waits until every open group's rollouts have a place, and the
+    place the runner took for that pull is lent meanwhile (`Window.lend`), so the window
+    stays full of live rollouts."""
 
     def __init__(self, window: Window | None) -> None:
         self.window = window
         self._unstarted: dict[Group, int] = {}
-        self._changed = trio.Event()
+        self._waiting = 0  # the sum of _unstarted's counts
+        self._changed: trio.Event | None = None  # set when a group closes, made for a waiter
 
     def open(self, group: Group) -> None:
         group.opened = self
         self._unstarted[group] = len(group.slots)
+        self._waiting += len(group.slots)
 
-    def started(self, group: Group) -> None:
+    def started(self, group: Group, count: int = 1) -> None:
+        """`count` more of `group`'s rollouts have their places (they are about to run)."""
         left = self._unstarted.get(group)
         if left is not None:
-            if left <= 1:
+            if left <= count:
                 self.closed(group)
             else:
-                self._unstarted[group] = left - 1
+                self._unstarted[group] = left - count
+                self._waiting -= count
 
     def closed(self, group: Group) -> None:
-        if self._unstarted.pop(group, None) is not None:
-            self._changed.set()
-            self._changed = trio.Event()
+        left = self._unstarted.pop(group, None)
+        if left is not None:
+            self._waiting -= left
+            if self._changed is not None:
+                self._changed.set()
+                self._changed = None
 
     @property
     def waiting(self) -> int:
-        """Rollouts of open groups not started yet."""
-        return sum(self._unstarted.values())
+        """Rollouts of open groups with no place yet."""
+        return self._waiting
+
+    def _room(self, extra: int) -> bool:
+        """Whether the free places take every open group's waiting rollouts and `extra` more
+        (without a window nothing waits for a place)."""
+        if self.window is None:
+            return True
+        limiter = self.window.limiter
+        return self._waiting + extra <= limiter.total_tokens - limiter.borrowed_tokens
 
     async def _quiet(self) -> None:
+        if self.window is None:
+            await self._closed_all()
+            return
+        async with self.window.lend():
+            await self._closed_all()
+
+    async def _closed_all(self) -> None:
         while self._unstarted:
+            if self._changed is None:
+                self._changed = trio.Event()
             await self._changed.wait()
 
     async def gate(self, source: AsyncIterable[Group]) -> AsyncIterator[Group]:
-        """`source`'s groups, each pulled once no open group has a rollout waiting."""
+        """`source`'s groups, each pulled once no open group's rollout would wait for a place
+        the new group takes: the group's rollouts beyond the first (which runs on the place
+        the runner took for the pull) are expected to need as many places as the last one's."""
         groups = aiter(source)
+        expect = 0  # places the next group is expected to need beyond the pull's
         try:
             while True:
-                if self._unstarted:
-                    if self.window is None:
-                        await self._quiet()
-                    else:
-                        async with self.window.lend():
-                            await self._quiet()
+                if self._unstarted and not self._room(expect):
+                    await self._quiet()
                 try:
                     group = await anext(groups)
                 except StopAsyncIteration:
                     return
+                expect = len(group.slots) - 1
+                if self._unstarted and not self._room(expect):  # (larger than the last)
+                    await self._quiet()
                 self.open(group)
                 yield group
         finally:
@@ -198,42 +227,22 @@ async def run_group(env: Env[Any], group: Group, run_rollout: RunRollout) -> lis
     order, each with `group` set. `run_rollout` must not raise for an episode's own failure
     (`Env.run_slot` does not): it returns an episode with `ok=False`."""
     done: dict[int, Episode] = {}
-
     opened = group.opened
-    window = None if opened is None else opened.window
-    caller = trio.lowlevel.current_task()
-    size = len(group.slots)
-    started = 0
-    ended = 0
-    siblings = trio.Event()  # set when every rollout has ended
 
     async def rollout(index: int, slot: RunSlot[Any]) -> Episode:
-        nonlocal started, ended
-        started += 1
-        if opened is not None:
-            opened.started(group)
-        try:
-            episode = await run_rollout(slot)
-        finally:
-            ended += 1
-            if ended == size:
-                siblings.set()
+        episode = await run_rollout(slot)
         done[index] = episode
         if not episode.ok:
             raise _RolloutFailed(episode)
-        # The group's own place (the runner's, lent to its rollouts by fan_out) runs no
-        # rollout once all have started: lend it while the others finish, so none idles.
-        alone = started == size and not siblings.is_set()
-        if window is not None and alone and trio.lowlevel.current_task() is caller:
-            async with window.lend(take_back=False):
-                await siblings.wait()
         return episode
 
     thunks = [functools.partial(rollout, i, slot) for i, slot in enumerate(group.slots)]
+    # counted as each rollout is given its place, so the runner's next pull waits no longer
+    placed = None if opened is None else functools.partial(opened.started, group)
     try:
         # with many endpoints, the whole group on one (the rollouts share the task's prefix)
         with sticky(("group", group.id)):
-            return await _run(env, group, thunks, done)
+            return await _run(env, group, thunks, done, placed)
     finally:
         if opened is not None:
             opened.closed(group)  # ended, failed or cancelled: it waits for nothing more
@@ -244,11 +253,12 @@ async def _run(
     group: Group,
     thunks: Sequence[Callable[[], Awaitable[Episode]]],
     done: dict[int, Episode],
+    placed: Callable[[int], None] | None,
 ) -> list[Episode]:
     failed: Episode | None = None
     try:
         with prioritized():  # a waiting rollout of this group goes before a new pull
-            episodes = await fan_out(thunks)
+            episodes = await fan_out_placing(thunks, placed)
     except _RolloutFailed as failure:
         failed = failure.episode
         cause = _cause(failed)
@@ -277,6 +287,11 @@ async def _run(
 def cause_first(episodes: list[Episode]) -> list[Episode]:
     """A group's episodes in the order to write them: those that failed on their own first
     (so a run's first error is the cause, not a `GroupFailedError`), then slot order."""
+    for episode in episodes:
+        if episode.errors:
+            break
+    else:
+        return episodes  # (the usual case: nothing to reorder)
     return sorted(
         episodes,
         key=lambda e: bool(e.errors) and e.errors[-1].type == GroupFailedError.__name__,

@@ -90,6 +90,35 @@ def object_spec(obj: Any, what: str) -> str:
     return f"{_public_home(module_name, qualname, obj)}:{qualname}"
 
 
+def upgraded_label(label: object) -> object:
+    """A `module:Name` an earlier release of this package recorded (a run's config.json, a
+    Redis entry's declaration) whose module has since moved, read as its public home today:
+    0.x releases made the implementation modules private, so the `EchoTaskset` once recorded
+    under the module `builtin` is now `trio_tasksets:EchoTaskset`. A label whose module still
+    imports, or of another package, or that no public module of this package binds, is
+    returned unchanged."""
+    if not isinstance(label, str) or not label.startswith("trio_tasksets.") or ":" not in label:
+        return label
+    module_name, _, qualname = label.partition(":")
+    try:
+        if importlib.util.find_spec(module_name) is not None:
+            return label
+    except (ImportError, ValueError):
+        pass  # a parent package of the old path is gone too
+    parts = module_name.split(".")
+    for end in range(len(parts) - 1, 0, -1):
+        home = ".".join(parts[:end])
+        if any(part.startswith("_") for part in parts[:end]):
+            continue
+        try:
+            module = importlib.import_module(home)
+        except ImportError:
+            continue
+        if isinstance(getattr(module, qualname, None), type):
+            return f"{home}:{qualname}"
+    return label
+
+
 def taskset_label(taskset: Taskset[Any, Any]) -> str:
     """How a run names its taskset (`config.json`, `summary.json`, the report): the
     taskset's own `taskset_id` when it has one (a verifiers env: `vf:ID`), `file.py:Class`

@@ -260,7 +260,11 @@ async def _drive(
             with trio.CancelScope() as guard:
                 # The runs (spawned from here, so they inherit it) and the fan_outs inside them
                 # draw their places from this window.
-                places = _places.set((limiter, acquire) if bounded else None)
+                places = _places.set(
+                    _Places(limiter, acquire, window if isinstance(window, Window) else None)
+                    if bounded
+                    else None
+                )
                 try:
                     index = 0
                     while True:
@@ -423,10 +427,46 @@ async def _as_completed(
 
 # --- fan_out: one window at any depth -------------------------------------------------------
 
-# The window the current run draws its places from: (its limiter, how to wait for a token),
-# or None outside any window (and inside a runner with `window=None`). `_drive` sets it in the
-# task that spawns the runs, so every run, and every task a run's fan_outs spawn, inherits it.
-_Places = tuple[trio.CapacityLimiter, Callable[[Any], Awaitable[None]]]
+
+class _Places:
+    """The window the current run draws its places from: its limiter, how to wait for a
+    token, and how to lend one more place (for a caller that waits on its children: N1).
+
+    `owner` keeps the count of lent places where something else also sets the limiter's
+    `total_tokens` (a `Window`'s resize, an `ElasticPlaces`' runs); with none, the limiter
+    is the runner's own and lending moves its `total_tokens` by one."""
+
+    __slots__ = ("acquire", "limiter", "owner")
+
+    def __init__(
+        self,
+        limiter: trio.CapacityLimiter,
+        acquire: Callable[[Any], Awaitable[None]],
+        owner: Window | ElasticPlaces | None = None,
+    ) -> None:
+        self.limiter = limiter
+        self.acquire = acquire
+        self.owner = owner
+
+    def lend(self) -> None:
+        """One more place: a waiting acquirer may start on it at once."""
+        if self.owner is None:
+            self.limiter.total_tokens += 1
+        else:
+            self.owner._lend()
+
+    def unlend(self) -> None:
+        """The lent place comes back: called just before a holder releases its token, so the
+        release hands its place to the lender instead of to a waiter."""
+        if self.owner is None:
+            self.limiter.total_tokens -= 1
+        else:
+            self.owner._unlend()
+
+
+# The window the current run draws its places from, or None outside any window (and inside a
+# runner with `window=None`). `_drive` sets it in the task that spawns the runs, so every run,
+# and every task a run's fan_outs spawn, inherits it.
 _places: contextvars.ContextVar[_Places | None] = contextvars.ContextVar(
     "trio_tasksets_window_places", default=None
 )
@@ -443,10 +483,14 @@ async def fan_out(thunks: Iterable[Callable[[], Awaitable[R]]]) -> list[R]:
       holds none: `window=w` means at most `w` thunks or runs doing work at once, however
       deeply fan_outs nest (a `tt.Window` or `tt.AdaptiveWindow` included: its current size
       bounds new places);
-    * the caller's own place is lent to its first thunk (and, as each finishes, to the next
+    * the caller's own place goes to its first thunk (and, as each finishes, to the next
       one not yet started), so a fan-out makes progress at `window=1` and under any nesting;
-      the other thunks wait for a free place in turn with the runner's pulls (first come,
-      first served), and give it back when they end;
+      the other thunks take the places free at once, or wait for one in turn with the
+      runner's pulls (first come, first served), and give it back when they end;
+    * once the caller has no thunk left to start, its place is lent to the window while its
+      last thunks run, and the last of them to end hands its own place back to the caller
+      (not to the next waiter), however it ends: no place idles while the caller waits, and
+      the caller resumes at once, within the bound;
     * the first thunk that fails cancels its siblings, waits for them to unwind and is
       re-raised *itself* (not an ExceptionGroup; a second failure is attached to it as a
       note); cancelling the caller cancels every thunk; KeyboardInterrupt stays itself.
@@ -454,6 +498,15 @@ async def fan_out(thunks: Iterable[Callable[[], Awaitable[R]]]) -> list[R]:
     Outside any window (or under `window=None`) the thunks run unbounded. Raises TypeError,
     before anything runs, when `thunks` is not iterable or holds something not callable.
     """
+    return await fan_out_placing(thunks, None)
+
+
+async def fan_out_placing(
+    thunks: Iterable[Callable[[], Awaitable[R]]], on_start: Callable[[int], None] | None
+) -> list[R]:
+    """`fan_out`, calling `on_start(n)` (if given) as `n` more thunks are given their places,
+    before they run (outside a window: all at once). A group counts its rollouts placed with
+    it (`groups.run_group`): the runner pulls the next group once none waits for a place."""
     calls = _check_thunks(thunks)
     if len(calls) <= 1:
         # Nothing to run beside it: the caller's place runs it, inline (its failure raised
@@ -461,55 +514,60 @@ async def fan_out(thunks: Iterable[Callable[[], Awaitable[R]]]) -> list[R]:
         if not calls:
             await trio.lowlevel.checkpoint()
             return []
+        if on_start is not None:
+            on_start(1)
         awaitable = calls[0]()
         if not inspect.isawaitable(awaitable):
             raise _thunk_not_awaitable(0, calls[0], awaitable)
         return [await awaitable]
     places = _places.get()
-    results: list[Any] = [_UNSET] * len(calls)
-    failures: list[BaseException] = []
-    pending = deque(enumerate(calls))
     error: BaseException | None = None
+    fan: _FanOut | None = None
     try:
         async with trio.open_nursery() as nursery:
-            scope = nursery.cancel_scope
-
-            async def child(index: int, thunk: Callable[[], Awaitable[R]]) -> None:
-                awaitable: Any = _UNSET
-                try:
-                    awaitable = thunk()
-                    results[index] = await awaitable
-                except Exception as exc:
-                    if not (awaitable is _UNSET or inspect.isawaitable(awaitable)):
-                        explained = _thunk_not_awaitable(index, thunk, awaitable)
-                        explained.__cause__ = exc
-                        exc = explained
-                    _fail(failures, exc, scope)
-                except trio.Cancelled:
-                    raise
-                except BaseException as exc:
-                    _fail(failures, exc, scope)
-                    raise
-
+            fan = _FanOut(calls, nursery, places, on_start)
+            pending = fan.pending
+            first = pending.popleft()
             if places is None:
-                for index, thunk in itertools.islice(pending, 1, None):
-                    nursery.start_soon(child, index, thunk)
-                first = pending.popleft()
+                for index, thunk in pending:
+                    nursery.start_soon(fan.run, index, thunk)
                 pending.clear()
-                await child(*first)
+                if on_start is not None:
+                    on_start(len(calls))
+                await fan.run(*first)
             else:
-                drawing = trio.CancelScope()
-                if len(pending) > 1:
-                    nursery.start_soon(
-                        _draw_places, places, drawing, nursery, pending, failures, child
-                    )
-                # This task holds the caller's place: it runs the thunks not yet started, one
-                # after the other, while places are drawn from the window for the others.
-                while pending and not failures:
-                    await child(*pending.popleft())
-                drawing.cancel()
+                # This task holds the caller's place: it runs the first thunk on it. The
+                # others take the places free now, at once, and a drawing task waits for
+                # places for the rest; as each thunk on the caller's place ends, the caller
+                # runs the next one not yet started.
+                if on_start is not None:
+                    on_start(1)
+                fan.take_free()
+                drawing = None
+                if pending:
+                    drawing = trio.CancelScope()
+                    nursery.start_soon(fan.draw, drawing)
+                await fan.run(*first)
+                while pending and not fan.failures:
+                    if on_start is not None:
+                        on_start(1)
+                    await fan.run(*pending.popleft())
+                if drawing is not None:
+                    drawing.cancel()
+                if fan.drawn and not fan.failures:
+                    # Nothing left to start: the caller's place is lent to the window while
+                    # the last thunks run, and the last of them to end hands its own place
+                    # back to the caller (`_FanOut.run_on`), so no place idles and the
+                    # caller resumes at once, within the bound.
+                    fan.lent = True
+                    places.lend()
     except BaseExceptionGroup as group:
         error = pick_one(group)
+    finally:
+        if fan is not None and fan.lent:  # (every thunk has ended: only if trio broke off)
+            fan.lent = False
+            cast(_Places, places).unlend()
+    failures = [] if fan is None else fan.failures
     if failures and not isinstance(error, KeyboardInterrupt):
         first_failure = failures[0]
         if not (error is None or isinstance(error, trio.Cancelled) or _among(error, failures)):
@@ -517,7 +575,7 @@ async def fan_out(thunks: Iterable[Callable[[], Awaitable[R]]]) -> list[R]:
         error = first_failure
     if error is not None:
         raise error
-    return cast(list[R], results)
+    return cast(list[R], fan.results)  # type: ignore[union-attr]
 
 
 class ElasticPlaces:
@@ -534,6 +592,8 @@ class ElasticPlaces:
     def __init__(self) -> None:
         self._limiter = trio.CapacityLimiter(1)  # trio's floor; the size is max(1, runs)
         self._runs = 0
+        self._lent = 0  # places lent by fan_out callers waiting on their last thunks
+        self._view = _Places(self._limiter, self._limiter.acquire_on_behalf_of, self)
 
     @property
     def runs(self) -> int:
@@ -551,13 +611,25 @@ class ElasticPlaces:
 
     def _enter(self) -> None:
         self._runs += 1
-        if self._runs > 1:  # (trio's floor is 1: the first run finds it there)
-            self._limiter.total_tokens = self._runs
+        self._resize()
 
     def _leave(self) -> None:
         self._runs -= 1
-        if self._runs >= 1:
-            self._limiter.total_tokens = self._runs
+        self._resize()
+
+    def _lend(self) -> None:
+        self._lent += 1
+        self._resize()
+
+    def _unlend(self) -> None:
+        self._lent -= 1
+        self._resize()
+
+    def _resize(self) -> None:
+        # (trio's floor is 1: with no run, the limiter keeps one token)
+        total = max(1, self._runs) + self._lent
+        if total != self._limiter.total_tokens:
+            self._limiter.total_tokens = total
 
 
 class _ElasticRun:
@@ -583,7 +655,7 @@ class _ElasticRun:
             places._leave()
             raise
         self._held = True
-        self._token = _places.set((limiter, limiter.acquire_on_behalf_of))
+        self._token = _places.set(places._view)
 
     async def __aexit__(self, *exc_info: object) -> None:
         if self._held:
@@ -593,37 +665,125 @@ class _ElasticRun:
         self._places._leave()
 
 
-async def _draw_places(
-    places: _Places,
-    drawing: trio.CancelScope,
-    nursery: trio.Nursery,
-    pending: deque[tuple[int, Callable[[], Awaitable[R]]]],
-    failures: list[BaseException],
-    child: Callable[[int, Callable[[], Awaitable[R]]], Awaitable[None]],
-) -> None:
-    """Take a place of the window for each thunk not yet started and start the thunk on it,
-    until none is left (the caller's place may take them first) or one has failed. Runs in
-    the fan-out's nursery under `drawing`, which the caller cancels once nothing is pending."""
-    limiter, acquire = places
+class _FanOut:
+    """One fan-out's thunks: their results, the failures, the thunks not yet started, those
+    running on places drawn from the window (`drawn`), and whether the caller's own place is
+    lent meanwhile (once it has no thunk left to start). The last drawn thunk to end while
+    the caller's place is lent hands its own place to the caller instead of to the window's
+    next waiter, whatever way it ends: the caller resumes without waiting, and the window
+    never holds more than its size."""
 
-    async def on_place(index: int, thunk: Callable[[], Awaitable[R]], borrower: object) -> None:
+    __slots__ = (
+        "drawn", "failures", "lent", "nursery", "on_start", "pending", "places", "results",
+    )  # fmt: skip
+
+    def __init__(
+        self,
+        calls: list[Callable[[], Awaitable[Any]]],
+        nursery: trio.Nursery,
+        places: _Places | None,
+        on_start: Callable[[int], None] | None,
+    ) -> None:
+        self.results: list[Any] = [_UNSET] * len(calls)
+        self.failures: list[BaseException] = []
+        self.pending = deque(enumerate(calls))
+        self.nursery = nursery
+        # (read only when `places` is not None: the drawing methods run only then)
+        self.places = cast(_Places, places)
+        self.on_start = on_start
+        self.drawn = 0
+        self.lent = False
+
+    async def run(self, index: int, thunk: Callable[[], Awaitable[Any]]) -> None:
+        """Run one thunk, keeping its result; its failure cancels the others (fail-fast)."""
+        awaitable: Any = _UNSET
         try:
-            await child(index, thunk)
-        finally:
-            limiter.release_on_behalf_of(borrower)
+            awaitable = thunk()
+            self.results[index] = await awaitable
+        except Exception as exc:
+            self._failed(index, thunk, awaitable, exc)
+        except trio.Cancelled:
+            raise
+        except BaseException as exc:
+            self._failed(index, thunk, awaitable, exc)
+            raise
 
-    with drawing:
-        while pending and not failures:
+    async def run_on(
+        self, index: int, thunk: Callable[[], Awaitable[Any]], borrower: object
+    ) -> None:
+        """`run` on the place `borrower` holds, given back when it ends (to the caller, if it
+        is the last drawn thunk and the caller's place is lent). (`run`'s body, not a call of
+        it: one coroutine frame less for every step of a drawn thunk.)"""
+        awaitable: Any = _UNSET
+        try:
+            awaitable = thunk()
+            self.results[index] = await awaitable
+        except Exception as exc:
+            self._failed(index, thunk, awaitable, exc)
+        except trio.Cancelled:
+            raise
+        except BaseException as exc:
+            self._failed(index, thunk, awaitable, exc)
+            raise
+        finally:
+            places = self.places
+            self.drawn -= 1
+            if self.lent and not self.drawn:
+                self.lent = False
+                places.unlend()  # lowered first: the release below wakes no one
+            places.limiter.release_on_behalf_of(borrower)
+
+    def _failed(
+        self, index: int, thunk: Callable[[], Awaitable[Any]], awaitable: Any, exc: BaseException
+    ) -> None:
+        if isinstance(exc, Exception) and not (
+            awaitable is _UNSET or inspect.isawaitable(awaitable)
+        ):
+            explained = _thunk_not_awaitable(index, thunk, awaitable)
+            explained.__cause__ = exc
+            exc = explained
+        _fail(self.failures, exc, self.nursery.cancel_scope)
+
+    def take_free(self) -> None:
+        """Start pending thunks, in order, on the places free now (no scheduler trip)."""
+        pending = self.pending
+        limiter = self.places.limiter
+        started = 0
+        while pending:
             borrower = object()
             try:
                 limiter.acquire_on_behalf_of_nowait(borrower)
             except trio.WouldBlock:
-                await acquire(borrower)
-            if not pending or failures:
-                limiter.release_on_behalf_of(borrower)
-                return
+                break
             index, thunk = pending.popleft()
-            nursery.start_soon(on_place, index, thunk, borrower)
+            self.nursery.start_soon(self.run_on, index, thunk, borrower)
+            started += 1
+        self.drawn += started
+        if started and self.on_start is not None:
+            self.on_start(started)
+
+    async def draw(self, drawing: trio.CancelScope) -> None:
+        """Wait for a place of the window for each thunk not yet started and start the thunk
+        on it, until none is left (the caller's place may take them first) or one has
+        failed. Runs in the fan-out's nursery under `drawing`, which the caller cancels once
+        nothing is pending."""
+        limiter, acquire = self.places.limiter, self.places.acquire
+        pending, failures = self.pending, self.failures
+        with drawing:
+            while pending and not failures:
+                borrower = object()
+                try:
+                    limiter.acquire_on_behalf_of_nowait(borrower)
+                except trio.WouldBlock:
+                    await acquire(borrower)
+                if not pending or failures:
+                    limiter.release_on_behalf_of(borrower)
+                    return
+                index, thunk = pending.popleft()
+                self.nursery.start_soon(self.run_on, index, thunk, borrower)
+                self.drawn += 1
+                if self.on_start is not None:
+                    self.on_start(1)
 
 
 def _fail(failures: list[BaseException], exc: BaseException, scope: trio.CancelScope) -> None:

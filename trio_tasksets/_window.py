@@ -22,8 +22,8 @@ import enum
 import math
 import re
 from collections import deque
-from collections.abc import AsyncIterator, Iterator
-from contextlib import asynccontextmanager, contextmanager
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
 from typing import Any, NamedTuple
 
 import attrs
@@ -70,17 +70,20 @@ _prioritized: contextvars.ContextVar[bool] = contextvars.ContextVar(
 )
 
 
-@contextmanager
-def prioritized() -> Iterator[None]:
+class prioritized:  # (lower case: used as a function, ``with prioritized():``)
     """Inside this block (and in the tasks it starts), a `Window.acquire` is served before
     every waiter outside one: how a group's waiting rollout takes a freed place before the
     runner pulls a new task (SPEC 10). Waiters inside such blocks are served first come,
-    first served among themselves."""
-    token = _prioritized.set(True)
-    try:
-        yield
-    finally:
-        _prioritized.reset(token)
+    first served among themselves. (A class, not a generator: it is entered once per
+    group.)"""
+
+    __slots__ = ("_token",)
+
+    def __enter__(self) -> None:
+        self._token = _prioritized.set(True)
+
+    def __exit__(self, *exc_info: object) -> None:
+        _prioritized.reset(self._token)
 
 
 class Window:
@@ -99,7 +102,8 @@ class Window:
         self._lent = 0  # places lent by resting runs (AdaptiveWindow.rest): tokens beyond size
         self._limiter = trio.CapacityLimiter(size)
         self._urgent = 0  # prioritized acquirers waiting (see `prioritized`)
-        self._calm = trio.Event()  # set (and replaced) when the last of them is served
+        # set when the last of them is served, made only when an acquirer waits for that
+        self._calm: trio.Event | None = None
         self._epoch: float | None = None
         # (trio time, or None outside a run; size; reason)
         self._history: deque[tuple[float | None, int, str]] = deque(maxlen=HISTORY_LIMIT)
@@ -132,6 +136,8 @@ class Window:
             while True:
                 if not urgent:
                     while self._urgent:  # a group's waiting rollout goes first
+                        if self._calm is None:
+                            self._calm = trio.Event()
                         await self._calm.wait()
                 await limiter.acquire_on_behalf_of(borrower)
                 # A token handed over (by a release) in the same instant as a shrink, or to
@@ -143,9 +149,9 @@ class Window:
         finally:
             if urgent:
                 self._urgent -= 1
-                if not self._urgent:
+                if not self._urgent and self._calm is not None:
                     self._calm.set()
-                    self._calm = trio.Event()
+                    self._calm = None
 
     def release(self, borrower: object) -> None:
         self._limiter.release_on_behalf_of(borrower)
@@ -163,8 +169,7 @@ class Window:
         group's run once all its rollouts are done): the lent place is given back at once,
         and the window is over-full by one until that release, so nothing starts meanwhile.
         """
-        self._lent += 1
-        self._limiter.total_tokens = self._size + self._lent  # wakes a waiting acquirer
+        self._lend()
         try:
             yield
         except BaseException:
@@ -185,6 +190,11 @@ class Window:
         self._unlend()  # lowered first, so that the release below wakes no one
         self._limiter.release_on_behalf_of(token)
 
+    def _lend(self) -> None:
+        # (also a fan_out caller's, while its last thunks run: `tt.fan_out`)
+        self._lent += 1
+        self._limiter.total_tokens = self._size + self._lent  # wakes a waiting acquirer
+
     def _unlend(self) -> None:
         # Lowering total_tokens evicts no one: a window over-full after it lets nothing start
         # until enough runs end (Window.acquire).
@@ -199,8 +209,9 @@ class Window:
 
     @property
     def resting(self) -> int:
-        """Runs in flight that lent their place while resting (`AdaptiveWindow.rest`): the
-        limiter's `total_tokens` is `size + resting`. Always 0 for a plain Window."""
+        """Places lent now: by runs resting (`AdaptiveWindow.rest`), by holders waiting in
+        `lend()` (a group gate's pull), and by `fan_out` callers waiting on their last
+        thunks. The limiter's `total_tokens` is `size + resting`."""
         return self._lent
 
     @property
@@ -341,11 +352,13 @@ class AdaptiveController:
       times the latency measured when the size was taken cut to `floor(size * cut)` (reason
       "latency"; one such round only pauses growth).
 
-    With the engine's own metrics (`engine()`, e.g. every second), they replace the latency
-    signal: growth needs the last reading to show no waiting calls, KV usage under `kv_grow`
-    and no preemptions too many (below), at most one step per reading (each step is seen by
-    the engine before the next), and it freezes once the readings are `engine_stale` seconds
-    old;
+    With the engine's own metrics (`engine()`, e.g. every second), growth also needs the last
+    reading to show no waiting calls, KV usage under `kv_grow` and no preemptions too many
+    (below), at most one step per reading (each step is seen by the engine before the next),
+    and it freezes once the readings are `engine_stale` seconds old; the latency signal's
+    probes still apply (an engine whose throughput stops rising long before its batch is
+    full, vLLM on a busy CPU, shows nothing waiting); every cut of the engine's makes growth
+    wait `cooldown` seconds, as a probe that did not pay does;
     a waiting queue (more than a tenth of the running calls, or one) seen on two readings in
     a row cuts by the calls waiting (reason "engine queue"), new preemptions (more than `preemption_share` of the requests finished since
     the last reading, when the engine counts those; else any) or KV usage at `kv_high` cut
@@ -547,6 +560,7 @@ class AdaptiveController:
         size = max(self.min, self.size - excess, math.floor(self.size * self.cut))
         if size < self.size:
             self._new_round()
+            self._hold_until = now + self.cooldown  # as after a probe that did not pay
         return self._set(size, reason)
 
     def _measure(self) -> tuple[float, float] | None:
@@ -569,15 +583,14 @@ class AdaptiveController:
         settle, self._settle = self._settle, False
         probe_from = self._probe_from
         self._new_round()
-        if self._engine_at > -math.inf:  # the engine's metrics replace the latency signal
+        if self._engine_at > -math.inf:  # the engine's metrics gate growth too
             grow = (
                 grow
                 and self._engine_ok
                 and now - self._engine_at <= self.engine_stale
                 and self._engine_at > self._grown_at  # one step per reading, seen after it
             )
-            measured = None
-        elif measured is not None and not self._answers_429:
+        if measured is not None and not self._answers_429:
             throughput, latency = measured
             self._min_latency = min(self._min_latency, latency)
             if settle:  # its calls started at the old size: measure the next round

@@ -14,7 +14,7 @@ from .._backend import InProcess, SlotBackend, backend_for
 from .._env import Env, Episode
 from .._exceptions import EvalConfigError as EvalConfigError  # their home is _exceptions
 from .._exceptions import EvalWarning as EvalWarning
-from .._loading import taskset_label, taskset_short_name
+from .._loading import taskset_label, taskset_short_name, upgraded_label
 from .._metrics import check_metrics
 from .._models import ModelContext
 from .._window import AdaptiveBounds, AdaptiveWindow, Window, WindowArgumentError, build_window
@@ -276,7 +276,7 @@ def latest_run(env: Env[Any], ctx: ModelContext, output_dir: str) -> Path | None
             continue
         if not isinstance(saved, dict) or not isinstance(saved.get("identity"), dict):
             continue
-        same = saved["identity"].get("taskset") == identity["taskset"]
+        same = upgraded_label(saved["identity"].get("taskset")) == identity["taskset"]
         if same and saved["identity"].get("model") == identity["model"]:
             found.append((str(saved.get("started_at", "")), mtime, config_path.parent))
     return max(found)[2] if found else None

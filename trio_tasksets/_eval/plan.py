@@ -13,6 +13,7 @@ import trio
 from .. import _dashboard as dashboard
 from .._env import Env, Episode, RunSlot, task_data, task_key
 from .._groups import Group, group_slots
+from .._loading import upgraded_label
 from .._traces import read_rows
 from .config import IDENTITY, EvalConfig, EvalConfigError
 
@@ -48,6 +49,8 @@ def keep_resumable(
             parameter="resume",
         )
     saved = json.loads(config_path.read_text()).get("identity", {})
+    if isinstance(saved, dict) and "taskset" in saved:
+        saved = {**saved, "taskset": upgraded_label(saved["taskset"])}
     differ = sorted(k for k in IDENTITY if saved.get(k) != identity.get(k))
     if differ:
         detail = ", ".join(f"{k}: saved {saved.get(k)!r}, now {identity.get(k)!r}" for k in differ)

