@@ -16,7 +16,9 @@ Without ``--base`` the checkout runs against itself: the ratios then show the no
 
 Workloads: ``echo`` (`run_eval`, echo model, no latency, ``-c 256``, dashboard off, N
 episodes); ``http 0 ms`` and ``http 50 ms`` (`run_eval` + `OpenAIClient`, ``-c 64``, against
-bench.http's fake server with that latency; ``--calls`` calls).
+bench.http's fake server with that latency; ``--calls`` calls); ``echo cli``: the echo eval
+in a process set up as each checkout's `trio-tasksets eval` sets its own (this one freezes
+its start-up heap, `trio_tasksets._cli.heap`; the round's base did nothing).
 """
 
 from __future__ import annotations
@@ -76,7 +78,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--n", type=int, default=20_000, help="echo episodes per run")
     parser.add_argument("--calls", type=int, default=3000, help="HTTP calls per run")
     parser.add_argument("--quick", action="store_true", help="a smoke run: 3 repeats, small N")
-    parser.add_argument("--only", nargs="+", choices=["echo", "http 0 ms", "http 50 ms"])
+    parser.add_argument(
+        "--only", nargs="+", choices=["echo", "echo cli", "http 0 ms", "http 50 ms"]
+    )
     args = parser.parse_args(argv)
     if args.quick:
         args.repeat, args.n, args.calls = 2, 2000, 500
@@ -94,6 +98,7 @@ def main(argv: list[str] | None = None) -> int:
         port = int(server.stdout.readline())
         workloads = {
             "echo": ["echo", str(args.n), "", "256"],
+            "echo cli": ["echo", str(args.n), "", "256", "cli"],
             "http 0 ms": ["http", str(args.calls), f"http://127.0.0.1:{port}/l0/v1", "64"],
             "http 50 ms": ["http", str(args.calls), f"http://127.0.0.1:{port}/l50/v1", "64"],
         }

@@ -234,7 +234,7 @@ class Episode:
     def to_row(self) -> dict[str, Any]:
         """The trace row: the episode's fields under the same names, JSON-ready."""
         # Written out rather than attrs.asdict: this runs once per row on the eval's hot path.
-        return {
+        row = {
             "id": self.id,
             "task": {"key": self.task.key, "data": self.task.data},
             "rollout": self.rollout,
@@ -251,23 +251,20 @@ class Episode:
             "tool_calls": self.tool_calls,
             "stop_reason": self.stop_reason,
             "metrics": self.metrics,
-            **self._training_fields(),
         }
-
-    def _training_fields(self) -> dict[str, Any]:
-        """The row's training fields that are set (none for a plain eval's rows)."""
-        fields: dict[str, Any] = {}
+        # The training fields that are set (none for a plain eval's rows), in place: no
+        # second dict per row.
         if self.tokens:
-            fields["tokens"] = self.tokens
+            row["tokens"] = self.tokens
         if self.group is not None:
-            fields["group"] = self.group
-            fields["advantage"] = self.advantage
+            row["group"] = self.group
+            row["advantage"] = self.advantage
         if self.policy_version is not None:
-            fields["policy_version"] = self.policy_version
-            fields["stale"] = self.stale
+            row["policy_version"] = self.policy_version
+            row["stale"] = self.stale
         if self.worker is not None:
-            fields["worker"] = self.worker
-        return fields
+            row["worker"] = self.worker
+        return row
 
     @classmethod
     def from_row(cls, row: dict[str, Any]) -> Episode:
@@ -606,7 +603,7 @@ class Env(Generic[TaskT]):
             try:
                 # sticky: with many endpoints, an attempt's calls stay on one (its prefix cache)
                 if not bounded:  # inline: this runs once per attempt of every episode
-                    with observe_completions(stats.count), observe_calls(waits), sticky(episode.id):
+                    with observe_completions(stats), observe_calls(waits), sticky(episode.id):
                         messages, completion = await self.rollout(task, ctx)
                         reward, metrics = split_score(await self.score(task, completion))
                 else:
@@ -682,18 +679,20 @@ class _Rollout:
     """What one attempt's rollout did: its model replies (`turns`), the tool calls they
     asked for, and the limit that stopped it (`note_rollout`)."""
 
-    __slots__ = ("count_usage", "stop_reason", "tool_calls", "turns")
+    __slots__ = ("episode", "stop_reason", "tool_calls", "turns")
 
     def __init__(self, episode: Episode) -> None:
-        self.count_usage = episode.count
+        self.episode = episode  # not a bound `episode.count`: one object fewer per attempt
         self.turns = 0
         self.tool_calls = 0
         self.stop_reason: str | None = None
 
     def count(self, completion: Completion) -> None:
-        self.count_usage(completion)
+        self.episode.count(completion)
         self.turns += 1
         self.tool_calls += len(completion.tool_calls)
+
+    __call__ = count  # the completions' observer itself: no bound method per attempt
 
 
 _rollout: contextvars.ContextVar[_Rollout | None] = contextvars.ContextVar(

@@ -29,6 +29,7 @@ from .._eval.config import check_max_failures, preflight, run_dir_for
 from .._models import ModelContext
 from .._serve.wire import TOKEN_VAR
 from .env_options import add_env_options, build_env, check_retry_flags
+from .heap import settle_heap
 from .model_options import (
     add_model_options,
     api_key_var,
@@ -561,6 +562,7 @@ def run(args: argparse.Namespace) -> int:
     """Run the eval the options describe; print the summary; the exit code (see `main`)."""
     env, ctx, config = _build(args)
     run_dir = _name_the_run(env, ctx, config)
+    settle_heap(args)  # the set-up is done: full collections no longer walk it
     try:
         with _warnings_as_lines():
             result = trio.run(_eval, env, ctx, config)

@@ -22,6 +22,7 @@ from . import report as report_command
 from . import rescore as rescore_command
 from . import serve as serve_command
 from . import worker as worker_command
+from .heap import OWN_PROCESS
 from .options import PROG, CommandError, HelpFormatter, UsageError, flag_message
 
 __all__ = ["main"]
@@ -85,6 +86,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     words = list(sys.argv[1:] if argv is None else argv)
     args = _parse(words)
     args.argv = words
+    setattr(args, OWN_PROCESS, argv is None)  # the console script's process: settle_heap
     command = args.command
     try:
         return RUNNERS[command](args)

@@ -20,6 +20,7 @@ if TYPE_CHECKING:
     from .options import Commands
 
 from .env_options import add_env_options, build_env, env_spec
+from .heap import settle_heap
 from .model_options import add_endpoint_options, base_urls, engine_metrics_urls
 from .options import CommandError, HelpFormatter, UsageError, add_metrics_option, flag_message
 
@@ -305,6 +306,7 @@ def run(args: argparse.Namespace) -> int:
     limits = _limits(args)
     spec = env_spec(args)
     env = build_env(args, check_retry_names=not args.die_with_parent)
+    settle_heap(args)  # the set-up is done: full collections no longer walk it
     if args.listen_fd is not None:  # a worker of a pool
         access = _access(args, args.port, token)
         app = ServerApp(env, access=access, models=models, limits=limits, workers=args.workers)

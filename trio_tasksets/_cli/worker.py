@@ -19,6 +19,7 @@ from .env_options import (
     build_taskset,
     check_retry_flags,
 )
+from .heap import settle_heap
 from .model_options import add_model_options, check_engine_metrics, model_context
 from .options import (
     HelpFormatter,
@@ -184,6 +185,7 @@ def run_worker_command(args: argparse.Namespace) -> int:
     check_retry_flags(args)
     env = build_env(args)
     ctx = model_context(args)
+    settle_heap(args)  # the set-up is done: full collections no longer walk it
     trio.run(_work, config, ctx, env)
     return 0
 

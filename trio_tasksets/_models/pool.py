@@ -78,44 +78,42 @@ DEFAULT_WINDOW = AdaptiveBounds(1, 8, 1024)
 LATENCIES_KEPT = 10_000
 
 
-@attrs.define(eq=False)
-class _Binding:
-    key: Hashable
-    endpoint: int | None = None
-
-
-_binding: contextvars.ContextVar[_Binding | None] = contextvars.ContextVar(
-    "trio_tasksets_sticky_endpoint", default=None
-)
-
-
 class sticky:  # lower case: it reads as a call in `with sticky(key):`
     """``with sticky(key):`` the model calls made in the block (by this task and the tasks it
     starts) go to one endpoint of an `EndpointPool`. An enclosing block wins (a group's over
     its rollouts') unless `replace`. Without a pool, it does nothing. A class, not a
     generator: every attempt of every episode enters one."""
 
-    __slots__ = ("_key", "_replace", "_token")
+    # The block is its own binding (`_binding`: the key, and the endpoint its first call
+    # chose): one object fewer per attempt of every episode than a separate record.
+    __slots__ = ("_endpoint", "_key", "_replace", "_token")
 
     def __init__(self, key: Hashable, *, replace: bool = False) -> None:
         self._key = key
         self._replace = replace
+        self._endpoint: int | None = None
 
     def __enter__(self) -> None:
         if _binding.get() is not None and not self._replace:
-            self._token: contextvars.Token[_Binding | None] | None = None
+            self._token: contextvars.Token[sticky | None] | None = None
             return
-        self._token = _binding.set(_Binding(self._key))
+        self._endpoint = None
+        self._token = _binding.set(self)
 
     def __exit__(self, *exc_info: object) -> None:
         if self._token is not None:
             _binding.reset(self._token)
 
 
+_binding: contextvars.ContextVar[sticky | None] = contextvars.ContextVar(
+    "trio_tasksets_sticky_endpoint", default=None
+)
+
+
 def sticky_key() -> Hashable | None:
     """The key of the innermost effective `sticky` block, or None."""
     binding = _binding.get()
-    return None if binding is None else binding.key
+    return None if binding is None else binding._key
 
 
 @attrs.define
@@ -250,8 +248,8 @@ class EndpointPool:
             return None
         live = [e for e in candidates if e.usable(now)]
         binding = _binding.get()
-        if binding is not None and binding.endpoint is not None:
-            bound = self.endpoints[binding.endpoint]
+        if binding is not None and binding._endpoint is not None:
+            bound = self.endpoints[binding._endpoint]
             if bound in live and (bound.has_room() or not any(e.has_room() for e in live)):
                 return bound
         if not live:  # every endpoint left is ejected: probe the one due back first
@@ -259,7 +257,7 @@ class EndpointPool:
         else:
             chosen = min(live, key=lambda e: (e.load(), e.stats.calls, e.index))
         if binding is not None:
-            binding.endpoint = chosen.index
+            binding._endpoint = chosen.index
         return chosen
 
     async def chat(
