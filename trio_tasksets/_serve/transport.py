@@ -237,18 +237,22 @@ class WSConnection:
 
     async def _serve(self) -> None:
         try:
-            with self._scope:
-                try:
+            try:
+                with self._scope:
                     async with trio.open_nursery() as nursery:
                         nursery.start_soon(self._write)
                         await self._read()
-                except Exception as exc:  # the connection ended: every waiting call gets why
-                    cause = pick_one(exc) if isinstance(exc, ExceptionGroup) else exc
-                    if isinstance(cause, WSGone):
-                        self._end(str(cause))
-                    else:
-                        detail = f"{type(cause).__name__}: {cause}"
-                        self._end(f"the connection was closed or reset ({detail})")
+            # Outside the scope, which takes its own Cancelled out of the nursery's group: a
+            # reader that fails as `_end` cancels the writer leaves a group of Cancelled and
+            # that failure, which an `except Exception` inside the scope would let escape
+            # this system task (a TrioInternalError).
+            except Exception as exc:  # the connection ended: every waiting call gets why
+                cause = pick_one(exc) if isinstance(exc, ExceptionGroup) else exc
+                if isinstance(cause, WSGone):
+                    self._end(str(cause))
+                else:
+                    detail = f"{type(cause).__name__}: {cause}"
+                    self._end(f"the connection was closed or reset ({detail})")
             self._end("the connection ended")
         finally:  # also when the run ends under this system task (cancelled): no socket leaks
             self.stream.socket.close()
