@@ -622,7 +622,12 @@ async def test_a_client_that_never_reads_cannot_grow_the_server(tmp_path: Path) 
             async with trio.open_nursery() as nursery:
                 nursery.start_soon(sample)
                 nursery.start_soon(flood, flooder)
-                await trio.sleep(1.0)  # the flooder fills every buffer on the way
+                with trio.fail_after(30):  # the flooder fills every buffer on the way, and
+                    while True:  # its sends block (polled: a loaded machine fills them later)
+                        sent_then = sent
+                        await trio.sleep(0.5)
+                        if sent == sent_then:
+                            break
                 before, sent_before = await health(server), sent
                 await serves_a_good_run(server)  # others are served meanwhile
                 await trio.sleep(0.5)
