@@ -26,7 +26,7 @@ def typecheck(session: nox.Session) -> None:
 @nox.session
 def tests(session: nox.Session) -> None:
     session.install("-e", ".[test]")
-    session.run("pytest", "-q", "-n", "2", *session.posargs)
+    session.run("pytest", "-q", "-n", "3", *session.posargs)
 
 
 @nox.session
