@@ -200,13 +200,15 @@ class ServerApp:
 
     async def _body(self, scope: Message, receive: Receive) -> bytes:
         limit = self.limits.max_body
+        timeout = self.limits.header_timeout
         length = dict(scope["headers"]).get(b"content-length")
         if length is not None and length.isdigit() and int(length) > limit:
+            if int(length) <= LINGER_BYTES:
+                await _linger(receive, LINGER_BYTES, timeout)
             raise RequestRefused(413, f"request body of {int(length)} bytes is over the {limit} limit "
                                f"(--max-body-bytes)")  # fmt: skip
         chunks: list[bytes] = []
         size = 0
-        timeout = self.limits.header_timeout
         with trio.move_on_after(timeout):
             while True:
                 message = await receive()
@@ -215,6 +217,8 @@ class ServerApp:
                 chunk = message.get("body", b"")
                 size += len(chunk)
                 if size > limit:
+                    if message.get("more_body", False):
+                        await _linger(receive, LINGER_BYTES - size, timeout)
                     raise RequestRefused(413, f"request body is over the {limit} byte limit "
                                        f"(--max-body-bytes)")  # fmt: skip
                 chunks.append(chunk)
@@ -331,3 +335,22 @@ class ServerApp:
         with trio.move_on_after(self.limits.header_timeout):
             while (await receive())["type"] == "websocket.receive":
                 pass
+
+
+LINGER_BYTES = 16 << 20
+"""How much of a refused (413) body the server still reads, and throws away, before it
+answers: a client that is still sending when the answer comes and the connection closes
+may lose the answer to the reset (the unread bytes), and see only "server disconnected".
+Bounded in bytes (this) and in time (`--header-timeout`); nothing of it is kept."""
+
+
+async def _linger(receive: Receive, budget: int, seconds: float) -> None:
+    """Read and discard the rest of a request body: at most `budget` bytes, `seconds`."""
+    with trio.move_on_after(seconds):
+        while budget > 0:
+            message = await receive()
+            if message["type"] == "http.disconnect":
+                return
+            budget -= len(message.get("body", b""))
+            if not message.get("more_body", False):
+                return
