@@ -497,17 +497,21 @@ def test_options_that_do_nothing_with_echo_are_refused_alike(
 
 def test_eval_via_ctrl_c_with_no_workers_names_no_traces(redis_url: str, tmp_path: Path) -> None:
     """Ctrl-C on an `eval --via` that no worker serves: no traces path, one 'no run dir'."""
+    import redis
+
+    stream = f"s{uuid.uuid4().hex[:6]}"
     proc = forkserver.popen(
         [sys.executable, "-m", "trio_tasksets", "eval", "echo", "--via", redis_url, "--stream",
-         f"s{uuid.uuid4().hex[:6]}", "-m", "Qwen/Qwen3-8B", "-o", str(tmp_path),
-         "--run-name", "r", "--no-dashboard"],
+         stream, "-m", "Qwen/Qwen3-8B", "-o", str(tmp_path), "--run-name", "r",
+         "--no-dashboard"],
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=tmp_path,
     )  # fmt: skip
     deadline = time.monotonic() + 60
-    assert proc.stderr is not None
-    while "no worker reads" not in (line := proc.stderr.readline()):  # it waits for workers
-        assert line, "the eval ended before it waited for workers"
-        assert time.monotonic() < deadline
+    with redis.Redis.from_url(redis_url) as inspect:  # it waits for workers: its entries are out
+        while not inspect.exists(stream) or inspect.xlen(stream) == 0:
+            assert proc.poll() is None, "the eval ended before it waited for workers"
+            assert time.monotonic() < deadline
+            time.sleep(0.02)
     proc.send_signal(signal.SIGINT)
     out, err = proc.communicate(timeout=60)
     assert proc.returncode == 130, err
