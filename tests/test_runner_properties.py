@@ -375,6 +375,25 @@ class RecordingFeed(Feed[int]):
             raise
 
 
+Source = Feed[int] | AsyncGenerator[int, None] | trio.MemoryReceiveChannel[int]
+
+
+def open_source(
+    sc: Scenario, obs: Observed, helpers: trio.Nursery
+) -> tuple[Source, RecordingFeed | None, trio.MemoryReceiveChannel[int] | None]:
+    """The scenario's source (a feed, an async generator or a channel), its producer started
+    in `helpers`; with the feed or the channel, for the checks that read them afterwards."""
+    if sc.kind == "feed":
+        feed = RecordingFeed(obs)
+        helpers.start_soon(feeder, sc, feed)
+        return feed, feed, None
+    if sc.kind == "agen":
+        return generator(sc, obs), None, None
+    send, receive = trio.open_memory_channel[int](0)
+    helpers.start_soon(producer, sc, obs, send)
+    return receive, None, receive
+
+
 async def feeder(sc: Scenario, feed: Feed[int]) -> None:
     for i in range(sc.n):
         await trio.sleep(sc.gaps[i])
@@ -487,17 +506,7 @@ async def execute(sc: Scenario, api: Api) -> None:
 
     with trio.fail_after(HANG):
         async with trio.open_nursery() as helpers:
-            source: Feed[int] | AsyncGenerator[int, None] | trio.MemoryReceiveChannel[int]
-            if sc.kind == "feed":
-                feed = RecordingFeed(obs)
-                helpers.start_soon(feeder, sc, feed)
-                source = feed
-            elif sc.kind == "agen":
-                source = generator(sc, obs)
-            else:
-                send, receive = trio.open_memory_channel[int](0)
-                helpers.start_soon(producer, sc, obs, send)
-                source = receive
+            source, feed, receive = open_source(sc, obs, helpers)
 
             if sc.take is not None:
                 source = tt.take(source, sc.take)  # type: ignore[assignment]
@@ -783,17 +792,7 @@ async def test_runs_that_fan_out_keep_the_bound_and_answer_every_child(
     cancel_deadline = obs.t0 + sc.cancel_at if sc.cancel_at is not None else INF
     with trio.fail_after(HANG):
         async with trio.open_nursery() as helpers:
-            source: Feed[int] | AsyncGenerator[int, None] | trio.MemoryReceiveChannel[int]
-            if sc.kind == "feed":
-                feed = RecordingFeed(obs)
-                helpers.start_soon(feeder, sc, feed)
-                source = feed
-            elif sc.kind == "agen":
-                source = generator(sc, obs)
-            else:
-                send, receive = trio.open_memory_channel[int](0)
-                helpers.start_soon(producer, sc, obs, send)
-                source = receive
+            source, _, _ = open_source(sc, obs, helpers)
             if sc.take is not None:
                 source = tt.take(source, sc.take)  # type: ignore[assignment]
             if sc.use_window:
