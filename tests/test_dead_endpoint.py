@@ -164,6 +164,24 @@ def test_the_cli_exits_1_with_the_fix_and_few_rows(tmp_path: Path) -> None:
     assert len(_rows(tmp_path)) <= 4
 
 
+async def test_many_dead_endpoints_are_all_named(
+    tmp_path: Path, autojump_clock: trio.testing.MockClock
+) -> None:
+    urls = [f"http://127.0.0.1:{refused_port()}/v1" for _ in range(2)]
+    result = await _dead(tmp_path, urls)  # type: ignore[arg-type]
+    assert result.summary["error"].startswith(f"the model endpoints {urls[0]}, {urls[1]} are dead:")
+
+
+def test_the_cli_fix_line_names_every_base_url(tmp_path: Path) -> None:
+    urls = [f"http://127.0.0.1:{refused_port()}/v1" for _ in range(2)]
+    argv = [sys.executable, "-m", "trio_tasksets", "eval", "echo", "-m", "m", "--base-url",
+            urls[0], "--base-url", urls[1], "-n", "300", "-c", "4", "-o", str(tmp_path),
+            "--run-name", "run", "--no-dashboard"]  # fmt: skip
+    done = forkserver.run(argv, capture_output=True, text=True, timeout=120, cwd=tmp_path)
+    assert done.returncode == 1, done.stderr
+    assert f"nothing answers at --base-url {urls[0]} --base-url {urls[1]}" in done.stderr
+
+
 @pytest.mark.parametrize("status", [403])
 async def test_a_403_is_dead_too(
     tmp_path: Path, nursery: trio.Nursery, autojump_clock: trio.testing.MockClock, status: int

@@ -424,7 +424,8 @@ def _fix_for(error_type: str, message: str, args: argparse.Namespace, run_dir: P
     if error_type == "ModelHTTPError" and status is not None and status >= 500:
         return "the model server failed: see its log (--retries K retries whole episodes)"
     if error_type == "ModelConnectionError":
-        return f"nothing answers at --base-url {args.base_url}: start the server, or fix the URL"
+        urls = " ".join(f"--base-url {url}" for url in base_urls(args))
+        return f"nothing answers at {urls}: start the server, or fix the URL"
     if error_type == "ModelTimeoutError":
         return "raise --timeout S, or lower -c/--max-concurrent"
     if error_type == "StalledError":

@@ -77,9 +77,9 @@ class Tally:
     max_failures: int | float | None = None
     max_consecutive: int | None = None  # --max-consecutive-failures
     consecutive: int = 0  # failed episodes in a row, the latest last
-    # The model endpoint's URL while it is not known to answer (None: known, or no URL):
+    # The model endpoints' URLs while they are not known to answer (None: known, or no URL):
     # the first episode to finish tells (see `dead_endpoint`).
-    unproven: str | None = None
+    unproven: list[str] | None = None
     planned: int | None = None  # the static plan's slots (a fraction's base); None on a stream
     recorded: list[Episode] = attrs.Factory(list)  # new episodes, in completion order
     failed: int = 0
@@ -94,7 +94,10 @@ class Tally:
         if self.unproven is not None:
             dead = dead_endpoint(episode)
             if dead is not None and self.stopped is None:
-                self.error = f"the model endpoint {self.unproven} is dead: {dead}"
+                urls = ", ".join(self.unproven)
+                many = len(self.unproven) > 1
+                self.error = (f"the model endpoint{'s' if many else ''} {urls} "
+                              f"{'are' if many else 'is'} dead: {dead}")  # fmt: skip
                 self.stop("dead_endpoint")
             self.unproven = None
         if episode.ok:
@@ -430,8 +433,9 @@ async def _run_eval(
     progress.endpoints = stats if callable(stats) else None  # many --base-url: a row each
     tally = Tally(config.max_failures, config.max_consecutive_failures,
                   planned=None if streaming else planned)  # fmt: skip
-    base_url = getattr(ctx.client, "base_url", None)
-    tally.unproven = base_url if isinstance(base_url, str) and not kept else None
+    urls = getattr(ctx.client, "base_urls", None) or [getattr(ctx.client, "base_url", None)]
+    named = [url for url in urls if isinstance(url, str)]  # many --base-url: every one
+    tally.unproven = named if named and not kept else None
     new: list[Episode] | None = None
     began = time.monotonic()
     t0 = trio.current_time()
