@@ -379,6 +379,29 @@ def test_a_429_caps_the_size_at_the_calls_the_endpoint_took() -> None:
     assert c.record(Outcome.RATE_LIMITED, 0.2, 3) == Change(32, "429 cap")  # at most x0.8
 
 
+def test_a_429s_cap_counts_the_calls_that_succeeded_while_it_was_under_way() -> None:
+    """The endpoint refused the call while it still held calls whose replies had not yet
+    reached the caller: given the 429's latency, the successes recorded since the call began
+    count as in flight (up to a full window), so the cap never lands below the endpoint's
+    capacity; without a latency, or for successes from before the call began, nothing is
+    added."""
+    c = AdaptiveController(min=1, max=100, size=8, slow_start=False)
+    for at in (0.5, 1.0, 1.02, 1.04):
+        assert c.record(Outcome.SUCCESS, at, 8) is None
+    # 6 in flight as the 429 comes at 1.05 (itself included), 2 ended since it began (1.01)
+    assert c.record(Outcome.RATE_LIMITED, 1.05, 6, latency=0.04) == Change(7, "429 cap")
+    assert c.record(Outcome.RATE_LIMITED, 1.05, 7) == Change(6, "429 cap")  # no latency
+    d = AdaptiveController(min=1, max=100, size=8, slow_start=False)
+    for at in (0.5, 0.9):
+        d.record(Outcome.SUCCESS, at, 8)
+    assert d.record(Outcome.RATE_LIMITED, 1.05, 6, latency=0.1) == Change(6, "429 cap")
+    # a 429 that waited on a busy caller while many succeeded: up to a full window, no more
+    e = AdaptiveController(min=1, max=100, size=8, slow_start=False)
+    for i in range(6):
+        e.record(Outcome.SUCCESS, 1.0 + i / 100, 8)
+    assert e.record(Outcome.RATE_LIMITED, 1.1, 5, latency=0.2) == Change(7, "429 cap")
+
+
 def test_never_below_min_nor_above_max() -> None:
     c = AdaptiveController(min=3, max=5, size=4)
     for t in range(10):

@@ -316,7 +316,11 @@ class AdaptiveController:
       refused this one (it took fewer than that), but cuts by no more than the factor in
       one step (`max(in_flight - 1, floor(size * cut))`): reason "429 cap". From a full
       window that is one less per 429, so a window a little over the endpoint's capacity
-      comes down to it exactly, one refused call for each place too many.
+      comes down to it exactly, one refused call for each place too many. Given the 429's
+      `latency`, the calls in flight count those that succeeded while it was under way, up
+      to a full window: the endpoint may have refused it before their replies reached the
+      caller (on a busy machine the cap otherwise lands below the capacity, by the replies
+      in transit).
     * The multiplicative cut, `floor(size * cut)` (reason "429"), comes on the 429 that ends
       slow start (whose last doubling may have overshot by up to half) and after that only
       while 429s persist: when they have kept coming (no gap of `cooldown`
@@ -398,6 +402,8 @@ class AdaptiveController:
     _last_cut: float = attrs.field(default=-math.inf, init=False)
     _last_429: float = attrs.field(default=-math.inf, init=False)
     _overload_since: float = attrs.field(default=-math.inf, init=False)  # first of a 429 run
+    # when the latest successes were recorded (at most `max`: the cap is never above it)
+    _succeeded: deque[float] = attrs.field(init=False)
     # the latency signal: this round's samples, the probe under way, the accepted latency
     _lat_sum: float = attrs.field(default=0.0, init=False)
     _lat_n: int = attrs.field(default=0, init=False)
@@ -423,6 +429,7 @@ class AdaptiveController:
 
     def __attrs_post_init__(self) -> None:
         _check_bounds(self.min, self.size, self.max)
+        self._succeeded = deque(maxlen=self.max)
         if not 0 < self.cut < 1:
             raise ValueError(f"cut must be between 0 and 1 (a factor), got {self.cut}")
         if self.cooldown < 0:
@@ -485,6 +492,7 @@ class AdaptiveController:
                 self.latency(latency, in_flight)
             self._successes += 1
             self._ok_since_429 += 1
+            self._succeeded.append(now)
             if self._successes >= max(self.size, self.min_round):
                 return self._end_round(now)
             return None
@@ -508,6 +516,10 @@ class AdaptiveController:
             self._new_round()
             size = min(self.max, max(self.size, self._before_429s))
             return self._set(size, "429 not concurrency")
+        if latency is not None and in_flight < self.size:
+            # calls the endpoint may still have held as it refused this one (up to a full
+            # window: a 429 that waited on a busy caller saw many succeed after it)
+            in_flight += min(self.size - in_flight, self._succeeded_since(now - latency))
         cut = math.floor(self.size * self.cut)
         size, reason = min(self.size, max(in_flight - 1, cut)), "429 cap"
         persists = now - self._overload_since >= self.cooldown
@@ -518,6 +530,14 @@ class AdaptiveController:
         if size < self.size:
             self._new_round()
         return self._set(size, reason)
+
+    def _succeeded_since(self, start: float) -> int:
+        count = 0
+        for at in reversed(self._succeeded):
+            if at <= start:  # (the same instant as the call's start: done before it)
+                break
+            count += 1
+        return count
 
     def engine(self, load: EngineLoad, now: float) -> Change | None:
         """One reading of the engine's metrics, at `now` (see the class)."""
