@@ -196,7 +196,10 @@ async def test_follow_takes_exactly_n_under_an_eval(
 def datasets() -> ModuleType:
     """Hugging Face `datasets`, imported by the tests that use it (not at collection, where
     every xdist worker would pay its seconds of import time)."""
-    return pytest.importorskip("datasets", reason="needs datasets: pip install -e '.[test]'")
+    module: ModuleType = pytest.importorskip(
+        "datasets", reason="needs datasets: pip install -e '.[test]'"
+    )
+    return module
 
 
 def test_hf_a_local_dataset_folder_and_a_saved_one(tmp_path: Path, datasets: ModuleType) -> None:

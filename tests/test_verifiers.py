@@ -51,7 +51,10 @@ pytestmark = [pytest.mark.usefixtures("vf"), pytest.mark.xdist_group("verifiers"
 
 @pytest.fixture(scope="session")
 def vf() -> ModuleType:
-    return pytest.importorskip("verifiers.v1", reason="needs verifiers: pip install -e '.[test]'")
+    module: ModuleType = pytest.importorskip(
+        "verifiers.v1", reason="needs verifiers: pip install -e '.[test]'"
+    )
+    return module
 
 
 WINDOW = 4
