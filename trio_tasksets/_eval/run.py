@@ -556,9 +556,13 @@ async def _execute(
                 finally:
                     health.finished()
 
+            # --via: the whole group on one worker. Asked once: a runtime-checkable
+            # Protocol's isinstance costs ~60 µs (8 µs a rollout of a group of 8).
+            remote_groups = run_slot if isinstance(run_slot, GroupRunner) else None
+
             async def run_one_group(group: Group) -> list[Episode]:
-                if isinstance(run_slot, GroupRunner):  # --via: the whole group on one worker
-                    done = await run_slot.run_group(group, tracked)
+                if remote_groups is not None:
+                    done = await remote_groups.run_group(group, tracked)
                 else:
                     done = await run_group(env, group, rollout)
                 for episode in cause_first(done):  # the group's rows, together
