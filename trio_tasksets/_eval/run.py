@@ -510,6 +510,9 @@ async def _execute(
 
             def record(episode: Episode) -> None:
                 writer.write(episode.to_row())
+                counted(episode)
+
+            def counted(episode: Episode) -> None:  # its row written: the dashboard, the tally
                 progress.finished(episode.ok, episode.reward)
                 if episode.errors:
                     progress.stalled += sum(e.type == "StalledError" for e in episode.errors)
@@ -565,8 +568,10 @@ async def _execute(
                     done = await remote_groups.run_group(group, tracked)
                 else:
                     done = await run_group(env, group, rollout)
-                for episode in cause_first(done):  # the group's rows, together
-                    record(episode)
+                ordered = cause_first(done)
+                writer.write_rows([episode.to_row() for episode in ordered])  # together
+                for episode in ordered:
+                    counted(episode)
                 return done
 
             episodes: list[Episode] | None = None
