@@ -81,7 +81,7 @@ class OpenGroups:
         self.window = window
         self._unstarted: dict[Group, int] = {}
         self._waiting = 0  # the sum of _unstarted's counts
-        self._changed: trio.Event | None = None  # set when a group closes, made for a waiter
+        self._changed = trio.lowlevel.ParkingLot()  # its waiters wake when a group closes
 
     def open(self, group: Group) -> None:
         group.opened = self
@@ -102,9 +102,8 @@ class OpenGroups:
         left = self._unstarted.pop(group, None)
         if left is not None:
             self._waiting -= left
-            if self._changed is not None:
-                self._changed.set()
-                self._changed = None
+            if self._changed:
+                self._changed.unpark_all()
 
     @property
     def waiting(self) -> int:
@@ -128,9 +127,7 @@ class OpenGroups:
 
     async def _closed_all(self) -> None:
         while self._unstarted:
-            if self._changed is None:
-                self._changed = trio.Event()
-            await self._changed.wait()
+            await self._changed.park()
 
     async def gate(self, source: AsyncIterable[Group]) -> AsyncIterator[Group]:
         """`source`'s groups, each pulled once no open group's rollout would wait for a place

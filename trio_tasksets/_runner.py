@@ -557,9 +557,9 @@ async def fan_out_placing(
                 # others take the places free now, at once, and a drawing task waits for
                 # places for the rest; as each run on the caller's place ends, the caller
                 # runs the next item not yet started.
+                started = fan.take_free()
                 if on_start is not None:
-                    on_start(1)
-                fan.take_free()
+                    on_start(1 + started)  # the first, on the caller's place, and those
                 drawing = None
                 if pending:
                     drawing = trio.CancelScope()
@@ -782,8 +782,9 @@ class _FanOut:
             exc = explained
         _fail(self.failures, exc, self.nursery.cancel_scope)
 
-    def take_free(self) -> None:
-        """Start pending items, in order, on the places free now (no scheduler trip)."""
+    def take_free(self) -> int:
+        """Start pending items, in order, on the places free now (no scheduler trip); how
+        many started."""
         pending = self.pending
         limiter = self.places.limiter
         start_soon, run_on = self.nursery.start_soon, self.run_on
@@ -797,8 +798,7 @@ class _FanOut:
             start_soon(run_on, *pending.popleft(), borrower)
             started += 1
         self.drawn += started
-        if started and self.on_start is not None:
-            self.on_start(started)
+        return started
 
     async def draw(self, drawing: trio.CancelScope) -> None:
         """Wait for a place of the window for each item not yet started and start its run
