@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from types import ModuleType
 from typing import Any
 
 import pytest
@@ -190,10 +191,15 @@ async def test_follow_takes_exactly_n_under_an_eval(
 
 # --- Hugging Face datasets (the `hf` extra), offline on local data --------------------------
 
-datasets = pytest.importorskip("datasets", reason="needs datasets: pip install -e '.[test]'")
+
+@pytest.fixture
+def datasets() -> ModuleType:
+    """Hugging Face `datasets`, imported by the tests that use it (not at collection, where
+    every xdist worker would pay its seconds of import time)."""
+    return pytest.importorskip("datasets", reason="needs datasets: pip install -e '.[test]'")
 
 
-def test_hf_a_local_dataset_folder_and_a_saved_one(tmp_path: Path) -> None:
+def test_hf_a_local_dataset_folder_and_a_saved_one(tmp_path: Path, datasets: ModuleType) -> None:
     folder = tmp_path / "arith"
     folder.mkdir()
     write_jsonl(folder / "test.jsonl", SUMS[:5])
@@ -208,6 +214,7 @@ def test_hf_a_local_dataset_folder_and_a_saved_one(tmp_path: Path) -> None:
         list(tt.HFTaskset(str(tmp_path / "nothing-here"), split="test"))
 
 
+@pytest.mark.usefixtures("datasets")
 def test_cli_hf_name_split(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:

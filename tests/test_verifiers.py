@@ -25,6 +25,7 @@ import sys
 import textwrap
 from collections.abc import Iterator
 from pathlib import Path
+from types import ModuleType
 from typing import Any
 
 import pytest
@@ -35,15 +36,23 @@ from trio_tasksets import _cli as cli
 from trio_tasksets._envspec import EnvSpec
 from trio_tasksets._loading import load_object
 
-vf = pytest.importorskip("verifiers.v1", reason="needs verifiers: pip install -e '.[test]'")
-
 ROOT = Path(__file__).resolve().parent.parent
 FIXTURES = ROOT / "tests" / "fixtures"
 if str(FIXTURES) not in sys.path:  # verifiers imports tasksets by name, as vf-eval does
     sys.path.insert(0, str(FIXTURES))
 
 from chat_server import ChatServer, reply_to  # noqa: E402
-from vf_arith_stream import Pulls  # noqa: E402
+
+# verifiers takes 5 s of CPU to import: the tests import it (not the module, which every xdist
+# worker collects), and they run on one worker, which starts their module's servers and
+# verifiers' own eval (`reference`) once
+pytestmark = [pytest.mark.usefixtures("vf"), pytest.mark.xdist_group("verifiers")]
+
+
+@pytest.fixture(scope="session")
+def vf() -> ModuleType:
+    return pytest.importorskip("verifiers.v1", reason="needs verifiers: pip install -e '.[test]'")
+
 
 WINDOW = 4
 ENV: dict[str, Any] = {"agent": {"runtime": {"type": "subprocess"}}}  # local, offline
@@ -161,7 +170,7 @@ def test_from_an_asyncio_host_equals_verifiers_own_eval(
 
 
 async def test_an_env_instance_travels_as_its_config(
-    server: ChatServer, reference: Outcome, tmp_path: Path
+    server: ChatServer, reference: Outcome, tmp_path: Path, vf: ModuleType
 ) -> None:
     """What `--serve` and the worker do with an env: describe it (`EnvSpec`, plain JSON) and
     rebuild it by name in another process. An `Env` instance travels as its resolved config."""
@@ -258,6 +267,8 @@ def test_cli_vf_usage_errors_exit_2_before_any_run(
 async def test_a_streaming_verifiers_taskset_runs_exactly_n_of_a_never_ending_feed(
     server: ChatServer, tmp_path: Path
 ) -> None:
+    from vf_arith_stream import Pulls
+
     Pulls.pulled = Pulls.closed = 0
     env = tt.aio.verifiers_env("vf_arith_stream", **ENV)
     assert env.taskset.streaming
@@ -276,6 +287,8 @@ async def test_a_streaming_verifiers_taskset_runs_exactly_n_of_a_never_ending_fe
 
 
 async def test_the_service_pattern_drives_a_streaming_verifiers_env(server: ChatServer) -> None:
+    from vf_arith_stream import Pulls
+
     Pulls.pulled = Pulls.closed = 0
     env = tt.aio.verifiers_env("vf_arith_stream", **ENV)
     context = ctx(server)
@@ -314,7 +327,9 @@ async def test_the_stock_null_harness_in_the_subprocess_runtime(
 # --- refusals, the anyio case, the optional extra ------------------------------------------------
 
 
-def test_bridge_env_refuses_a_verifiers_env_before_any_run(server: ChatServer) -> None:
+def test_bridge_env_refuses_a_verifiers_env_before_any_run(
+    server: ChatServer, vf: ModuleType
+) -> None:
     vf_env = vf.load_environment(vf.resolve_env_config({"taskset": {"id": "vf_arith"}, **ENV}))
     server.reset()
     with pytest.raises(TypeError, match=r"verifiers v1 Env.*tt\.aio\.verifiers_env\(env\)"):
