@@ -559,7 +559,7 @@ async def fan_out_placing(
                 # runs the next item not yet started.
                 started = fan.take_free()
                 if on_start is not None:
-                    on_start(1 + started)  # the first, on the caller's place, and those
+                    on_start(1 + started)  # the first (the caller's place), those on free ones
                 drawing = None
                 if pending:
                     drawing = trio.CancelScope()
