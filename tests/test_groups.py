@@ -14,6 +14,7 @@
 from __future__ import annotations
 
 import json
+import os
 import statistics
 from collections.abc import AsyncIterator, Mapping
 from pathlib import Path
@@ -323,6 +324,34 @@ async def test_eval_group_rows(autojump_clock: MockClock, tmp_path: Path) -> Non
     assert all(order[i] == order[i - 1] for i in range(1, 12) if i % 4)
     saved = json.loads((result.run_dir / "config.json").read_text())
     assert saved["identity"]["group"] is True
+
+
+async def test_a_groups_rows_reach_the_file_in_one_write(
+    autojump_clock: MockClock, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """One `write()` per group (its rows whole together, one system call), one per row
+    without groups."""
+    writes: list[bytes] = []
+    real_write = os.write
+
+    def write(fd: int, data: Any) -> int:
+        writes.append(bytes(data))
+        return real_write(fd, data)
+
+    monkeypatch.setattr("trio_tasksets._traces.os.write", write)
+    for group in (True, False):
+        writes.clear()
+        config = tt.EvalConfig(
+            rollouts_per_example=4, group=group, max_concurrent=3, output_dir=str(tmp_path),
+            run_name=f"w{group}", dashboard=False,
+        )  # fmt: skip
+        ctx = tt.ModelContext(Alternating(), "alt")
+        result = await tt.run_eval(Grpo(Numbers()), ctx, config)
+        assert [len(data.splitlines()) for data in writes] == [4] * 3 if group else [1] * 12
+        assert b"".join(writes) == (result.run_dir / "traces.jsonl").read_bytes()
+        if group:
+            for data in writes:
+                assert len({json.loads(line)["group"] for line in data.splitlines()}) == 1
 
 
 async def test_eval_group_on_a_stream(autojump_clock: MockClock, tmp_path: Path) -> None:

@@ -23,10 +23,18 @@ import contextvars
 import inspect
 import itertools
 import math
+import operator
 import reprlib
 import sys
 from collections import deque
-from collections.abc import AsyncGenerator, AsyncIterable, Awaitable, Callable, Iterable
+from collections.abc import (
+    AsyncGenerator,
+    AsyncIterable,
+    Awaitable,
+    Callable,
+    Iterable,
+    Sequence,
+)
 from contextlib import AbstractAsyncContextManager, asynccontextmanager
 from typing import Any, TypeVar, cast
 
@@ -498,51 +506,60 @@ async def fan_out(thunks: Iterable[Callable[[], Awaitable[R]]]) -> list[R]:
     Outside any window (or under `window=None`) the thunks run unbounded. Raises TypeError,
     before anything runs, when `thunks` is not iterable or holds something not callable.
     """
-    return await fan_out_placing(thunks, None)
+    return await fan_out_placing(operator.call, _check_thunks(thunks), None)
 
 
 async def fan_out_placing(
-    thunks: Iterable[Callable[[], Awaitable[R]]], on_start: Callable[[int], None] | None
+    run: Callable[[T], Awaitable[R]],
+    items: Sequence[T],
+    on_start: Callable[[int], None] | None,
+    accept: Callable[[R], object] | None = None,
 ) -> list[R]:
-    """`fan_out`, calling `on_start(n)` (if given) as `n` more thunks are given their places,
-    before they run (outside a window: all at once). A group counts its rollouts placed with
-    it (`groups.run_group`): the runner pulls the next group once none waits for a place."""
-    calls = _check_thunks(thunks)
-    if len(calls) <= 1:
+    """`fan_out` of `run(item)` for each of `items` (no thunk to build per item), calling
+    `on_start(n)` (if given) as `n` more runs are given their places, before they run
+    (outside a window: all at once), and failing fast on a result that `accept` refuses
+    (falsy) as on a raised exception: the others are cancelled and awaited, then `Refused`
+    is raised, carrying every item's result so far. How a group runs its rollouts
+    (`groups.run_group`): they are counted placed as they get their places (the runner pulls
+    the next group once none waits for one), and a failed rollout fails the group."""
+    if len(items) <= 1:
         # Nothing to run beside it: the caller's place runs it, inline (its failure raised
         # itself, a cancellation propagating as ever).
-        if not calls:
+        if not items:
             await trio.lowlevel.checkpoint()
             return []
         if on_start is not None:
             on_start(1)
-        awaitable = calls[0]()
+        awaitable = run(items[0])
         if not inspect.isawaitable(awaitable):
-            raise _thunk_not_awaitable(0, calls[0], awaitable)
-        return [await awaitable]
+            raise _run_not_awaitable(0, run, items[0], awaitable)
+        result = await awaitable
+        if accept is not None and not accept(result):
+            raise Refused(0, result, [result])
+        return [result]
     places = _places.get()
     error: BaseException | None = None
     fan: _FanOut | None = None
     try:
         async with trio.open_nursery() as nursery:
-            fan = _FanOut(calls, nursery, places, on_start)
+            fan = _FanOut(run, items, nursery, places, on_start, accept)
             pending = fan.pending
             first = pending.popleft()
             if places is None:
-                for index, thunk in pending:
-                    nursery.start_soon(fan.run, index, thunk)
+                for index, item in pending:
+                    nursery.start_soon(fan.run, index, item)
                 pending.clear()
                 if on_start is not None:
-                    on_start(len(calls))
+                    on_start(len(items))
                 await fan.run(*first)
             else:
-                # This task holds the caller's place: it runs the first thunk on it. The
+                # This task holds the caller's place: it runs the first item on it. The
                 # others take the places free now, at once, and a drawing task waits for
-                # places for the rest; as each thunk on the caller's place ends, the caller
-                # runs the next one not yet started.
+                # places for the rest; as each run on the caller's place ends, the caller
+                # runs the next item not yet started.
+                started = fan.take_free()
                 if on_start is not None:
-                    on_start(1)
-                fan.take_free()
+                    on_start(1 + started)  # the first (the caller's place), those on free ones
                 drawing = None
                 if pending:
                     drawing = trio.CancelScope()
@@ -556,7 +573,7 @@ async def fan_out_placing(
                     drawing.cancel()
                 if fan.drawn and not fan.failures:
                     # Nothing left to start: the caller's place is lent to the window while
-                    # the last thunks run, and the last of them to end hands its own place
+                    # the last runs go on, and the last of them to end hands its own place
                     # back to the caller (`_FanOut.run_on`), so no place idles and the
                     # caller resumes at once, within the bound.
                     fan.lent = True
@@ -564,7 +581,7 @@ async def fan_out_placing(
     except BaseExceptionGroup as group:
         error = pick_one(group)
     finally:
-        if fan is not None and fan.lent:  # (every thunk has ended: only if trio broke off)
+        if fan is not None and fan.lent:  # (every run has ended: only if trio broke off)
             fan.lent = False
             cast(_Places, places).unlend()
     failures = [] if fan is None else fan.failures
@@ -573,9 +590,23 @@ async def fan_out_placing(
         if not (error is None or isinstance(error, trio.Cancelled) or _among(error, failures)):
             add_note(first_failure, "while the other thunks unwound", error)
         error = first_failure
+        if isinstance(error, Refused):
+            error.results = cast(_FanOut, fan).results
     if error is not None:
         raise error
     return cast(list[R], fan.results)  # type: ignore[union-attr]
+
+
+class Refused(Exception):
+    """A result `fan_out_placing`'s `accept` refused: the fan-out failed fast on it.
+    `result` is that result (of item `index`), `results` every item's result once the
+    others have unwound (None for an item with none: cancelled, or never started)."""
+
+    def __init__(self, index: int, result: Any, results: list[Any] | None = None) -> None:
+        super().__init__(f"the result of item {index} was refused")
+        self.index = index
+        self.result: Any = result
+        self.results: list[Any] = [] if results is None else results
 
 
 class ElasticPlaces:
@@ -666,64 +697,73 @@ class _ElasticRun:
 
 
 class _FanOut:
-    """One fan-out's thunks: their results, the failures, the thunks not yet started, those
-    running on places drawn from the window (`drawn`), and whether the caller's own place is
-    lent meanwhile (once it has no thunk left to start). The last drawn thunk to end while
-    the caller's place is lent hands its own place to the caller instead of to the window's
+    """One fan-out's runs: their results, the failures, the items not yet started, the runs
+    on places drawn from the window (`drawn`), and whether the caller's own place is lent
+    meanwhile (once it has no item left to start). The last drawn run to end while the
+    caller's place is lent hands its own place to the caller instead of to the window's
     next waiter, whatever way it ends: the caller resumes without waiting, and the window
-    never holds more than its size."""
+    never holds more than its size. (`call(item)` is each run: `operator.call` of a thunk
+    for `fan_out`, a group's rollout of a slot for `run_group`.)"""
 
     __slots__ = (
-        "drawn", "failures", "lent", "nursery", "on_start", "pending", "places", "results",
+        "accept", "call", "drawn", "failures", "lent", "nursery", "on_start", "pending",
+        "places", "results",
     )  # fmt: skip
 
     def __init__(
         self,
-        calls: list[Callable[[], Awaitable[Any]]],
+        call: Callable[[Any], Awaitable[Any]],
+        items: Sequence[Any],
         nursery: trio.Nursery,
         places: _Places | None,
         on_start: Callable[[int], None] | None,
+        accept: Callable[[Any], object] | None,
     ) -> None:
-        self.results: list[Any] = [_UNSET] * len(calls)
+        self.call = call
+        self.results: list[Any] = [None] * len(items)
         self.failures: list[BaseException] = []
-        self.pending = deque(enumerate(calls))
+        self.pending = deque(enumerate(items))
         self.nursery = nursery
         # (read only when `places` is not None: the drawing methods run only then)
         self.places = cast(_Places, places)
         self.on_start = on_start
+        self.accept = accept
         self.drawn = 0
         self.lent = False
 
-    async def run(self, index: int, thunk: Callable[[], Awaitable[Any]]) -> None:
-        """Run one thunk, keeping its result; its failure cancels the others (fail-fast)."""
+    async def run(self, index: int, item: Any) -> None:
+        """Run one item, keeping its result; its failure (or a refused result) cancels the
+        others (fail-fast)."""
         awaitable: Any = _UNSET
         try:
-            awaitable = thunk()
-            self.results[index] = await awaitable
+            awaitable = self.call(item)
+            result = self.results[index] = await awaitable
+            if self.accept is not None and not self.accept(result):
+                _fail(self.failures, Refused(index, result), self.nursery.cancel_scope)
         except Exception as exc:
-            self._failed(index, thunk, awaitable, exc)
+            self._failed(index, item, awaitable, exc)
         except trio.Cancelled:
             raise
         except BaseException as exc:
-            self._failed(index, thunk, awaitable, exc)
+            self._failed(index, item, awaitable, exc)
             raise
 
-    async def run_on(
-        self, index: int, thunk: Callable[[], Awaitable[Any]], borrower: object
-    ) -> None:
+    async def run_on(self, index: int, item: Any, borrower: object) -> None:
         """`run` on the place `borrower` holds, given back when it ends (to the caller, if it
-        is the last drawn thunk and the caller's place is lent). (`run`'s body, not a call of
-        it: one coroutine frame less for every step of a drawn thunk.)"""
+        is the last drawn run and the caller's place is lent). (`run`'s body, not a call of
+        it: one coroutine frame less for every step of a drawn run.)"""
         awaitable: Any = _UNSET
         try:
-            awaitable = thunk()
-            self.results[index] = await awaitable
+            awaitable = self.call(item)
+            result = self.results[index] = await awaitable
+            if self.accept is not None and not self.accept(result):
+                _fail(self.failures, Refused(index, result), self.nursery.cancel_scope)
         except Exception as exc:
-            self._failed(index, thunk, awaitable, exc)
+            self._failed(index, item, awaitable, exc)
         except trio.Cancelled:
             raise
         except BaseException as exc:
-            self._failed(index, thunk, awaitable, exc)
+            self._failed(index, item, awaitable, exc)
             raise
         finally:
             places = self.places
@@ -733,21 +773,21 @@ class _FanOut:
                 places.unlend()  # lowered first: the release below wakes no one
             places.limiter.release_on_behalf_of(borrower)
 
-    def _failed(
-        self, index: int, thunk: Callable[[], Awaitable[Any]], awaitable: Any, exc: BaseException
-    ) -> None:
+    def _failed(self, index: int, item: Any, awaitable: Any, exc: BaseException) -> None:
         if isinstance(exc, Exception) and not (
             awaitable is _UNSET or inspect.isawaitable(awaitable)
         ):
-            explained = _thunk_not_awaitable(index, thunk, awaitable)
+            explained = _run_not_awaitable(index, self.call, item, awaitable)
             explained.__cause__ = exc
             exc = explained
         _fail(self.failures, exc, self.nursery.cancel_scope)
 
-    def take_free(self) -> None:
-        """Start pending thunks, in order, on the places free now (no scheduler trip)."""
+    def take_free(self) -> int:
+        """Start pending items, in order, on the places free now (no scheduler trip); how
+        many started."""
         pending = self.pending
         limiter = self.places.limiter
+        start_soon, run_on = self.nursery.start_soon, self.run_on
         started = 0
         while pending:
             borrower = object()
@@ -755,15 +795,13 @@ class _FanOut:
                 limiter.acquire_on_behalf_of_nowait(borrower)
             except trio.WouldBlock:
                 break
-            index, thunk = pending.popleft()
-            self.nursery.start_soon(self.run_on, index, thunk, borrower)
+            start_soon(run_on, *pending.popleft(), borrower)
             started += 1
         self.drawn += started
-        if started and self.on_start is not None:
-            self.on_start(started)
+        return started
 
     async def draw(self, drawing: trio.CancelScope) -> None:
-        """Wait for a place of the window for each thunk not yet started and start the thunk
+        """Wait for a place of the window for each item not yet started and start its run
         on it, until none is left (the caller's place may take them first) or one has
         failed. Runs in the fan-out's nursery under `drawing`, which the caller cancels once
         nothing is pending."""
@@ -779,8 +817,8 @@ class _FanOut:
                 if not pending or failures:
                     limiter.release_on_behalf_of(borrower)
                     return
-                index, thunk = pending.popleft()
-                self.nursery.start_soon(self.run_on, index, thunk, borrower)
+                index, item = pending.popleft()
+                self.nursery.start_soon(self.run_on, index, item, borrower)
                 self.drawn += 1
                 if self.on_start is not None:
                     self.on_start(1)
@@ -816,6 +854,12 @@ def _check_thunks(thunks: object) -> list[Callable[[], Awaitable[Any]]]:
                 f"{type(thunk).__name__}{hint}"
             )
     return calls
+
+
+def _run_not_awaitable(index: int, run: object, item: object, returned: object) -> TypeError:
+    if run is operator.call:  # a thunk of `fan_out`
+        return _thunk_not_awaitable(index, item, returned)
+    return _not_awaitable(run, item, returned)
 
 
 def _thunk_not_awaitable(index: int, thunk: object, returned: object) -> TypeError:

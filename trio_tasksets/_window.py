@@ -23,7 +23,7 @@ import math
 import re
 from collections import deque
 from collections.abc import AsyncIterator
-from contextlib import asynccontextmanager
+from contextlib import AbstractAsyncContextManager, asynccontextmanager
 from typing import Any, NamedTuple
 
 import attrs
@@ -84,6 +84,38 @@ class prioritized:  # (lower case: used as a function, ``with prioritized():``)
 
     def __exit__(self, *exc_info: object) -> None:
         _prioritized.reset(self._token)
+
+
+class _Lending:
+    """`Window.lend()`'s block (a class, not a generator: a group gate's pull enters one each
+    time it waits, and a generator's context manager costs as much again)."""
+
+    __slots__ = ("_take_back", "_window")
+
+    def __init__(self, window: Window, take_back: bool) -> None:
+        self._window = window
+        self._take_back = take_back
+
+    async def __aenter__(self) -> None:
+        self._window._lend()
+
+    async def __aexit__(self, exc_type: type[BaseException] | None, *exc_info: object) -> None:
+        window = self._window
+        if exc_type is not None or not self._take_back:
+            window._unlend()  # leaving by an exception gives the place back at once
+            return
+        limiter = window._limiter
+        token = object()
+        try:
+            try:  # a free place: taken without a trip through the scheduler
+                limiter.acquire_on_behalf_of_nowait(token)
+            except trio.WouldBlock:
+                await limiter.acquire_on_behalf_of(token)
+        except BaseException:
+            window._unlend()
+            raise
+        window._unlend()  # lowered first, so that the release below wakes no one
+        limiter.release_on_behalf_of(token)
 
 
 class Window:
@@ -156,8 +188,7 @@ class Window:
     def release(self, borrower: object) -> None:
         self._limiter.release_on_behalf_of(borrower)
 
-    @asynccontextmanager
-    async def lend(self, *, take_back: bool = True) -> AsyncIterator[None]:
+    def lend(self, *, take_back: bool = True) -> AbstractAsyncContextManager[None]:
         """For the holder of a place that must wait for something other than its own work
         (a 429's Retry-After, a runner's pull waiting for an open group's rollouts to
         start): ``async with window.lend(): ...``. Its place is lent meanwhile: one more may
@@ -169,26 +200,7 @@ class Window:
         group's run once all its rollouts are done): the lent place is given back at once,
         and the window is over-full by one until that release, so nothing starts meanwhile.
         """
-        self._lend()
-        try:
-            yield
-        except BaseException:
-            self._unlend()
-            raise
-        if not take_back:
-            self._unlend()
-            return
-        token = object()
-        try:
-            try:  # a free place: taken without a trip through the scheduler
-                self._limiter.acquire_on_behalf_of_nowait(token)
-            except trio.WouldBlock:
-                await self._limiter.acquire_on_behalf_of(token)
-        except BaseException:
-            self._unlend()
-            raise
-        self._unlend()  # lowered first, so that the release below wakes no one
-        self._limiter.release_on_behalf_of(token)
+        return _Lending(self, take_back)
 
     def _lend(self) -> None:
         # (also a fan_out caller's, while its last thunks run: `tt.fan_out`)

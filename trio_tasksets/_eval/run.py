@@ -510,6 +510,9 @@ async def _execute(
 
             def record(episode: Episode) -> None:
                 writer.write(episode.to_row())
+                counted(episode)
+
+            def counted(episode: Episode) -> None:  # its row written: the dashboard, the tally
                 progress.finished(episode.ok, episode.reward)
                 if episode.errors:
                     progress.stalled += sum(e.type == "StalledError" for e in episode.errors)
@@ -556,13 +559,19 @@ async def _execute(
                 finally:
                     health.finished()
 
+            # --via: the whole group on one worker. Asked once: a runtime-checkable
+            # Protocol's isinstance costs ~60 µs (8 µs a rollout of a group of 8).
+            remote_groups = run_slot if isinstance(run_slot, GroupRunner) else None
+
             async def run_one_group(group: Group) -> list[Episode]:
-                if isinstance(run_slot, GroupRunner):  # --via: the whole group on one worker
-                    done = await run_slot.run_group(group, tracked)
+                if remote_groups is not None:
+                    done = await remote_groups.run_group(group, tracked)
                 else:
                     done = await run_group(env, group, rollout)
-                for episode in cause_first(done):  # the group's rows, together
-                    record(episode)
+                ordered = cause_first(done)
+                writer.write_rows([episode.to_row() for episode in ordered])  # together
+                for episode in ordered:
+                    counted(episode)
                 return done
 
             episodes: list[Episode] | None = None
