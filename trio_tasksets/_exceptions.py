@@ -16,6 +16,7 @@ TrioTasksetsError
 ├── LoadError (ValueError)              an object spec that failed to import (loading)
 ├── EngineMetricsError (ValueError)     an engine's /metrics that cannot be read (models.engine)
 ├── GroupFailedError                    a group's rollout failed after its retries (groups)
+├── ResultRefused                       a fan-out's result refused (runner; groups catch it)
 ├── ModelError                          talking to a model server (models)
 │   ├── ModelConnectionError
 │   ├── ModelTimeoutError

@@ -36,7 +36,7 @@ import trio
 from ._env import Env, Episode, EpisodeError, EpisodeTask, RunSlot, task_data, task_key
 from ._exceptions import TrioTasksetsError
 from ._models.pool import sticky
-from ._runner import Refused, close_iterator, fan_out_placing
+from ._runner import ResultRefused, close_iterator, fan_out_placing
 from ._window import Window, prioritized
 
 __all__ = [
@@ -233,7 +233,7 @@ async def run_group(env: Env[Any], group: Group, run_rollout: RunRollout) -> lis
                     episodes: list[Episode] = await fan_out_placing(
                         run_rollout, group.slots, placed, _ok
                     )
-            except Refused as refused:
+            except ResultRefused as refused:
                 return _failed(group, refused.result, refused.results)
             try:
                 await env.score_group(group.task, episodes)

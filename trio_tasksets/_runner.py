@@ -40,6 +40,7 @@ from typing import Any, TypeVar, cast
 
 import trio
 
+from ._exceptions import TrioTasksetsError
 from ._window import Window
 
 __all__ = ["ElasticPlaces", "as_completed", "fan_out", "run_stream"]
@@ -518,7 +519,7 @@ async def fan_out_placing(
     """`fan_out` of `run(item)` for each of `items` (no thunk to build per item), calling
     `on_start(n)` (if given) as `n` more runs are given their places, before they run
     (outside a window: all at once), and failing fast on a result that `accept` refuses
-    (falsy) as on a raised exception: the others are cancelled and awaited, then `Refused`
+    (falsy) as on a raised exception: the others are cancelled and awaited, then `ResultRefused`
     is raised, carrying every item's result so far. How a group runs its rollouts
     (`groups.run_group`): they are counted placed as they get their places (the runner pulls
     the next group once none waits for one), and a failed rollout fails the group."""
@@ -535,7 +536,7 @@ async def fan_out_placing(
             raise _run_not_awaitable(0, run, items[0], awaitable)
         result = await awaitable
         if accept is not None and not accept(result):
-            raise Refused(0, result, [result])
+            raise ResultRefused(0, result, [result])
         return [result]
     places = _places.get()
     error: BaseException | None = None
@@ -590,15 +591,16 @@ async def fan_out_placing(
         if not (error is None or isinstance(error, trio.Cancelled) or _among(error, failures)):
             add_note(first_failure, "while the other thunks unwound", error)
         error = first_failure
-        if isinstance(error, Refused):
+        if isinstance(error, ResultRefused):
             error.results = cast(_FanOut, fan).results
     if error is not None:
         raise error
     return cast(list[R], fan.results)  # type: ignore[union-attr]
 
 
-class Refused(Exception):
-    """A result `fan_out_placing`'s `accept` refused: the fan-out failed fast on it.
+class ResultRefused(TrioTasksetsError):
+    """A result `fan_out_placing`'s `accept` refused: the fan-out failed fast on it (a
+    group's failed rollout; `groups.run_group` catches it, so it never reaches a user).
     `result` is that result (of item `index`), `results` every item's result once the
     others have unwound (None for an item with none: cancelled, or never started)."""
 
@@ -739,7 +741,7 @@ class _FanOut:
             awaitable = self.call(item)
             result = self.results[index] = await awaitable
             if self.accept is not None and not self.accept(result):
-                _fail(self.failures, Refused(index, result), self.nursery.cancel_scope)
+                _fail(self.failures, ResultRefused(index, result), self.nursery.cancel_scope)
         except Exception as exc:
             self._failed(index, item, awaitable, exc)
         except trio.Cancelled:
@@ -757,7 +759,7 @@ class _FanOut:
             awaitable = self.call(item)
             result = self.results[index] = await awaitable
             if self.accept is not None and not self.accept(result):
-                _fail(self.failures, Refused(index, result), self.nursery.cancel_scope)
+                _fail(self.failures, ResultRefused(index, result), self.nursery.cancel_scope)
         except Exception as exc:
             self._failed(index, item, awaitable, exc)
         except trio.Cancelled:
