@@ -473,8 +473,8 @@ def test_the_calculator_through_the_cli_in_process_and_served(tmp_path: Path) ->
 @pytest.mark.parametrize("where", ["in process", "--serve"])
 def test_a_fan_out_env_keeps_c_model_calls_in_flight(tmp_path: Path, where: str) -> None:
     """Best-of-4 over 6 tasks at -c 3: 3 model calls at once at the server, not 12, also
-    when the rollouts run in an env server."""
-    with ChatServer(delay=0.3) as server:
+    when the rollouts run in an env server (each call takes 0.15 s: calls overlap)."""
+    with ChatServer(delay=0.15) as server:
         done = cli(
             tmp_path, "eval", f"{CALC}:Sums", "--env-class", f"{CALC}:BestOf4", "-m", "m",
             "--base-url", server.url, "-c", "3", "-o", str(tmp_path), "--no-dashboard",

@@ -68,7 +68,7 @@ SETTINGS = settings(
     suppress_health_check=[HealthCheck.function_scoped_fixture],
     deadline=None,
     # More for a deeper search: TT_PROPERTY_EXAMPLES=20000 pytest tests/test_runner_properties.py
-    max_examples=int(os.environ.get("TT_PROPERTY_EXAMPLES", "500")),
+    max_examples=int(os.environ.get("TT_PROPERTY_EXAMPLES", "300")),
 )
 
 
