@@ -26,7 +26,7 @@ def typecheck(session: nox.Session) -> None:
 @nox.session
 def tests(session: nox.Session) -> None:
     session.install("-e", ".[test]")
-    session.run("pytest", "-q", "-n", "3", *session.posargs)
+    session.run("pytest", "-q", "-n", "4", *session.posargs)
 
 
 @nox.session

@@ -12,7 +12,7 @@
   `forkserver.popen` (`tests/fixtures/forkserver.py`) fork them from a Python that imported
   trio_tasksets once, instead of paying the interpreter's start-up each time.
 
-The suite runs on three workers (`pytest -n 3`, pytest-xdist): session fixtures are per worker.
+The suite runs on four workers (`pytest -n 4`, pytest-xdist): session fixtures are per worker.
 
 `tests/fixtures` is put on `sys.path` here, so that test files import these helpers by their
 module names (``from chat_server import ChatServer``), as the fixture processes do.
