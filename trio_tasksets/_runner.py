@@ -41,7 +41,7 @@ from typing import Any, TypeVar, cast
 import trio
 
 from ._exceptions import TrioTasksetsError
-from ._window import Window
+from ._window import Window, take_place
 
 __all__ = ["ElasticPlaces", "as_completed", "fan_out", "run_stream"]
 
@@ -680,10 +680,7 @@ class _ElasticRun:
         limiter = places._limiter
         places._enter()
         try:
-            try:
-                limiter.acquire_on_behalf_of_nowait(self)
-            except trio.WouldBlock:
-                await limiter.acquire_on_behalf_of(self)
+            await take_place(limiter, self)
         except BaseException:
             places._leave()
             raise

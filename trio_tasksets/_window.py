@@ -86,6 +86,15 @@ class prioritized:  # (lower case: used as a function, ``with prioritized():``)
         _prioritized.reset(self._token)
 
 
+async def take_place(limiter: trio.CapacityLimiter, borrower: object) -> None:
+    """`limiter.acquire_on_behalf_of(borrower)`, but a free token is taken without a trip
+    through the scheduler (no checkpoint: the caller goes on in the same step)."""
+    try:
+        limiter.acquire_on_behalf_of_nowait(borrower)
+    except trio.WouldBlock:
+        await limiter.acquire_on_behalf_of(borrower)
+
+
 class _Lending:
     """`Window.lend()`'s block (a class, not a generator: a group gate's pull enters one each
     time it waits, and a generator's context manager costs as much again)."""
@@ -107,10 +116,7 @@ class _Lending:
         limiter = window._limiter
         token = object()
         try:
-            try:  # a free place: taken without a trip through the scheduler
-                limiter.acquire_on_behalf_of_nowait(token)
-            except trio.WouldBlock:
-                await limiter.acquire_on_behalf_of(token)
+            await take_place(limiter, token)
         except BaseException:
             window._unlend()
             raise
