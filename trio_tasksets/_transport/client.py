@@ -431,8 +431,10 @@ class _Exchange:
         return connection
 
     async def _send(self, connection: Connection, data: bytes) -> None:
+        await connection.send(data, self._writing)
+
+    def _writing(self) -> None:
         self._enter("write", self.limits.write)
-        await connection.send(data)
 
     async def run(self, head: RequestHead, data: bytes) -> Response:
         client = self.client

@@ -87,9 +87,13 @@ class Connection:
         # Readable while idle means EOF, a reset or bytes nobody asked for: not reusable.
         self.readable = prober(raw.fileno())
 
-    async def send(self, data: bytes) -> None:
-        """Send all of ``data``; `SendFailed` tells whether any of it reached the kernel."""
+    async def send(self, data: bytes, before_wait: Callable[[], None]) -> None:
+        """Send all of ``data``; `SendFailed` tells whether any of it reached the kernel.
+        ``before_wait`` is called once, before the first wait for the socket (to arm the
+        write deadline): a request the kernel takes at once never waits, so it never needs
+        one (a deadline set is a heap entry in trio's run loop, about 7 us)."""
         if self.tls is not None:
+            before_wait()  # TLS may wait anywhere in send_all
             try:
                 await self.tls.send_all(data)
             except (trio.BrokenResourceError, trio.ClosedResourceError) as exc:
@@ -97,11 +101,15 @@ class Connection:
             return
         view = memoryview(data)
         sent = 0
+        armed = False
         try:
             while True:
                 try:
                     sent += self.raw.send(view[sent:])
                 except BlockingIOError:
+                    if not armed:
+                        before_wait()
+                        armed = True
                     await trio.lowlevel.wait_writable(self.raw)
                     continue
                 if sent >= len(view):
