@@ -9,7 +9,6 @@ import os
 import sys
 import time
 import traceback
-import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Iterator, Mapping
 from contextlib import AbstractAsyncContextManager, asynccontextmanager, contextmanager
 from typing import Any, Generic, TypeVar
@@ -99,6 +98,13 @@ class DeadlineExceededError(TrioTasksetsError, TimeoutError):
     """A slot's deadline, carried from the process that asked for it (an eval's `--via`
     entry), passed: the slot was cut there, or not run at all when it came too late. An
     episode error like any other (SPEC 12)."""
+
+
+def new_id() -> str:
+    """A new id (an episode's, a group's): 128 random bits as 32 hex digits, the shape of a
+    uuid4's hex at a fifth of its cost (`uuid.uuid4().hex` builds an int and a UUID object:
+    about 1.2 us more per episode)."""
+    return os.urandom(16).hex()
 
 
 @attrs.frozen
@@ -582,7 +588,7 @@ class Env(Generic[TaskT]):
         """
         task = slot.task
         episode = Episode(
-            id=uuid.uuid4().hex,
+            id=new_id(),
             task=EpisodeTask(key=task_key(task), data=task_data(task)),
             rollout=slot.rollout,
         )

@@ -31,7 +31,6 @@ from __future__ import annotations
 import functools
 import math
 import time
-import uuid
 from collections.abc import AsyncIterator, Callable
 from typing import Any
 
@@ -50,6 +49,7 @@ from ._env import (
     RetryPolicy,
     RunSlot,
     WindowFeed,
+    new_id,
     task_data,
     task_key,
 )
@@ -363,7 +363,7 @@ def _timed_out(slot: RunSlot[Any], message: str, ran: bool) -> Episode:
     episode = slot.episode
     if episode is None:
         task = slot.task
-        episode = Episode(uuid.uuid4().hex, EpisodeTask(task_key(task), task_data(task)),
+        episode = Episode(new_id(), EpisodeTask(task_key(task), task_data(task)),
                           slot.rollout)  # fmt: skip
     attempt = len(episode.errors) + 1  # the attempt it was in, or the first one
     episode.ok = False
