@@ -2,7 +2,8 @@
 
 The tests marked `real_engine` start `vllm serve` (`tests/fixtures/vllm_server.py`) from the
 venv that `bench/vllm/setup.sh` installs (default `/work/vllm-venv`; another with
-`--vllm-venv PATH`). They are slow (the server starts in 60-105 s on 2 cores), so they run
+`--vllm-venv PATH`), its tool parser on (a `tt.ToolEnv` runs the tool the engine asks for).
+They are slow (the server starts in 35-105 s on 2 cores), so they run
 only when asked: `pytest --real-engine tests/test_real_engine.py` or `nox -s real-engine`;
 without vLLM installed they skip and say how to install it.
 
@@ -16,7 +17,7 @@ import json
 import sys
 from collections.abc import Iterable, Iterator
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import pytest
 import trio
@@ -97,8 +98,18 @@ def vllm(
     if why is not None:
         pytest.skip(why)
     log = tmp_path_factory.mktemp("vllm") / "vllm.log"
-    with VLLMServer(venv, log=log, startup_timeout=600) as server:
+    with VLLMServer(venv, log=log, startup_timeout=600, extra=TOOL_CALLING) as server:
         yield server
+
+
+# vLLM's hermes parser turns a `<tool_call>{"name": ..., "arguments": ...}</tool_call>` reply
+# into `tool_calls` (the tiny model's vocabulary has both tags). A named `tool_choice` needs a
+# parser, and `--tool-strict-level parameter` makes the structural tag pin the arguments to the
+# tool's schema (without it only the call's envelope is: the arguments came back as a
+# 90-digit number). Requests without `tools` are untouched.
+TOOL_CALLING = (
+    "--enable-auto-tool-choice", "--tool-call-parser", "hermes", "--tool-strict-level", "parameter",
+)  # fmt: skip
 
 
 class Counting(tt.Taskset[tt.Task, tt.TasksetConfig]):
@@ -145,6 +156,80 @@ async def test_an_eval_reads_the_engine_s_metrics_and_keeps_its_tokens(
         assert 1 <= len(tokens["completion_ids"]) <= 8
         assert len(tokens["completion_logprobs"]) == len(tokens["completion_ids"])
         assert all(lp <= 0 for lp in tokens["completion_logprobs"])
+
+
+def _whitespace_ids(model: Path) -> dict[str, int]:
+    """A `logit_bias` that rules out every token that decodes to whitespace only: random
+    weights like them, and the grammar allows whitespace between JSON tokens, so without it
+    the arguments are `{` and then blanks until `max_tokens`."""
+    tokenizers = pytest.importorskip("tokenizers")
+    vocab = tokenizers.Tokenizer.from_file(str(model / "tokenizer.json"))
+    ids = []
+    for i in range(vocab.get_vocab_size()):
+        text = vocab.decode([i], skip_special_tokens=False)
+        if text and not text.strip():
+            ids.append(i)
+    assert ids, "no whitespace token in the vocabulary?"
+    return {str(i): -100 for i in ids}
+
+
+class Picks(tt.Taskset[tt.Task, tt.TasksetConfig]):
+    def load(self) -> Iterable[tt.Task]:
+        return [tt.Task("Pick a colour.", answer="-", key=str(i)) for i in range(4)]
+
+
+@pytest.mark.real_engine
+async def test_a_tool_env_runs_the_tool_the_engine_asked_for_and_sends_its_answer_back(
+    vllm: VLLMServer, tmp_path: Path
+) -> None:
+    """A real tool call end to end: vLLM's parser makes the model's `<tool_call>` a
+    `tool_calls` entry, `OpenAIClient` keeps the whole reply, `tt.ToolEnv` runs the tool,
+    sends its answer back as a `tool` message under the call's id (vLLM's chat template
+    renders it), and the row keeps every message. Random weights cannot choose a tool, so the
+    request names it (`tool_choice`) and the grammar gives the arguments their shape; what the
+    model picks within the schema is its own."""
+    picked: list[str] = []
+
+    @tt.tool
+    def pick(colour: Literal["red", "green", "blue"]) -> str:
+        """Pick a colour.
+
+        Args:
+            colour: the colour to pick.
+        """
+        picked.append(colour)
+        return f"you picked {colour}"
+
+    extra = {
+        "tool_choice": {"type": "function", "function": {"name": "pick"}},
+        "logit_bias": _whitespace_ids(vllm.model),
+    }
+    sampling = tt.Sampling(max_tokens=64, temperature=0, extra=extra)
+    env = tt.ToolEnv(Picks(), [pick], max_turns=2, reward=lambda task, completion: 1.0)
+    async with tt.OpenAIClient(vllm.url, max_retries=0) as client:
+        ctx = tt.ModelContext(client, SERVED_NAME, sampling)
+        config = tt.EvalConfig(output_dir=str(tmp_path), run_name="tools", dashboard=False)
+        with trio.fail_after(120):
+            result = await tt.run_eval(env, ctx, config)
+    assert result.summary["ok"] == 4, [e.errors for e in result.episodes]
+    rows = _rows(result.run_dir)
+    assert len(rows) == 4
+    seen: list[str] = []
+    for row in rows:
+        # two forced calls: the model asked for the tool on each turn, until max_turns
+        assert (row["turns"], row["tool_calls"], row["stop_reason"]) == (2, 2, "max_turns"), row
+        roles = [message["role"] for message in row["messages"]]
+        assert roles == ["user", "assistant", "tool", "assistant", "tool"], row["messages"]
+        for asked, answer in zip(row["messages"][1::2], row["messages"][2::2], strict=True):
+            [call] = asked["tool_calls"]  # vLLM's own shape, kept whole
+            assert call["type"] == "function"
+            assert call["function"]["name"] == "pick"
+            colour = json.loads(call["function"]["arguments"])["colour"]
+            assert colour in ("red", "green", "blue")
+            assert answer == {"role": "tool", "tool_call_id": call["id"],
+                              "content": f"you picked {colour}"}  # fmt: skip
+            seen.append(colour)
+    assert sorted(picked) == sorted(seen)  # every call the engine asked for ran, once
 
 
 @pytest.mark.real_engine
