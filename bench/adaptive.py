@@ -143,8 +143,8 @@ def _get(port: int, path: str) -> dict[str, int]:
 
 def _contender(port: int, spec: str, n: int) -> dict[str, Any]:
     import trio_tasksets as tt
-    from trio_tasksets._limits import EndpointLimits
-    from trio_tasksets._window import parse_window
+    from trio_tasksets._core.adaptive import parse_window
+    from trio_tasksets._core.limits import EndpointLimits
 
     window, _, connections = spec.partition(":")
     limits = EndpointLimits(connections=parse_window(connections)) if connections else None

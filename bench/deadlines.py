@@ -31,8 +31,8 @@ import trio
 import trio_tasksets as tt
 import trio_tasksets._eval.run as eval_run
 import trio_tasksets._models.base as models_base
-from trio_tasksets._health import Health
-from trio_tasksets._limits import report_progress
+from trio_tasksets._core.health import Health
+from trio_tasksets._core.limits import report_progress
 from trio_tasksets._transport import HTTPClient, Timeouts
 
 from .common import env_info, markdown_table

@@ -52,7 +52,7 @@ import trio
 import trio.testing
 
 import trio_tasksets as tt
-from trio_tasksets._window import AdaptiveWindow, parse_window
+from trio_tasksets._core.adaptive import AdaptiveWindow, parse_window
 
 from .common import goal_line, markdown_table
 

@@ -28,7 +28,7 @@ import trio
 from rich.console import Console
 
 import trio_tasksets as tt
-from trio_tasksets import _dashboard as dashboard
+from trio_tasksets._monitor import dashboard
 
 from .common import env_info, markdown_table
 

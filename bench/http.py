@@ -413,7 +413,7 @@ def served_model_calls(window: int = 64, n: int = 2000, repeat: int = 3) -> None
     (a run of an OpenAI model on a server child, 1 worker, its CPU per run less its CPU per
     echo run), both against the fake chat server, ``window`` in flight."""
     import trio_tasksets as tt
-    from trio_tasksets.client import EnvClient, spawn_server
+    from trio_tasksets import EnvClient, spawn_server
 
     from .serve import CountConfig, Counted
 
@@ -477,8 +477,8 @@ def served(window: int = 64, n: int = 3000, repeat: int = 3) -> None:
     transport since issue 26, httpcore before) against `HTTPClient`, and the default WebSocket
     transport: client CPU per call at ``window`` against one env server child (1 worker)."""
     import trio_tasksets as tt
+    from trio_tasksets import EnvClient, spawn_server
     from trio_tasksets._transport import HTTPClient
-    from trio_tasksets.client import EnvClient, spawn_server
 
     from .serve import CountConfig, Counted
 

@@ -42,7 +42,7 @@ from typing import Any
 import trio
 
 import trio_tasksets as tt
-from trio_tasksets._window import Outcome
+from trio_tasksets._core.adaptive import Outcome
 
 from .common import goal_line, markdown_table
 

@@ -33,9 +33,9 @@ from typing import Any
 import orjson
 
 import trio_tasksets as tt
-from trio_tasksets._eval.report import page
-from trio_tasksets._eval.report.data import load_run
-from trio_tasksets._eval.report.figures import compute
+from trio_tasksets._report import page
+from trio_tasksets._report.data import load_run
+from trio_tasksets._report.figures import compute
 
 from .common import env_info, goal_line, markdown_table
 

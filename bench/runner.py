@@ -56,7 +56,7 @@ import aiometer
 import trio
 
 import trio_tasksets as tt
-from trio_tasksets._window import Window
+from trio_tasksets._core.window import Window
 
 from .common import Timings, env_info, goal_line, markdown_table, per_item_us
 

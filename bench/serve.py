@@ -32,7 +32,7 @@ import attrs
 import trio
 
 import trio_tasksets as tt
-from trio_tasksets._env import answer_match
+from trio_tasksets._env.env import answer_match
 from trio_tasksets._serve import spawn_server
 
 from .common import env_info, goal_line, markdown_table

@@ -24,8 +24,8 @@ from chat_server import ChatServer
 from trio.testing import MockClock
 
 import trio_tasksets as tt
-from trio_tasksets._limits import EndpointLimits
-from trio_tasksets._window import AdaptiveBounds, AdaptiveWindow
+from trio_tasksets._core.adaptive import AdaptiveBounds, AdaptiveWindow
+from trio_tasksets._core.limits import EndpointLimits
 
 
 class Calls(tt.Taskset[tt.Task, tt.TasksetConfig]):
@@ -170,7 +170,7 @@ async def test_max_connections_bounds_every_call_of_multi_call_rollouts(
 ) -> None:
     class ThreeCalls(tt.Env[tt.Task]):
         async def rollout(self, task: tt.Task, ctx: tt.ModelContext) -> Any:
-            messages = tt._env.chat_messages(task)
+            messages = tt.chat_messages(task)
             for _ in range(3):
                 await ctx.chat(messages)
             return messages, "7"
@@ -238,7 +238,7 @@ class SlowFirst(tt.Env[tt.Task]):
         counts = self.__dict__.setdefault("attempts", {})
         counts[task.key] = counts.get(task.key, 0) + 1
         await trio.sleep(10 if counts[task.key] == 1 else 1)
-        return tt._env.chat_messages(task), "7"
+        return tt.chat_messages(task), "7"
 
 
 async def test_a_rollout_timeout_makes_a_slow_attempt_an_error_retried_per_policy(

@@ -571,7 +571,7 @@ def test_the_calculator_via_redis_workers_gives_the_same_rows(
 
 
 def test_the_report_shows_tool_calls_with_their_arguments_and_answers(tmp_path: Path) -> None:
-    from trio_tasksets._eval.report.data import run_from_rows
+    from trio_tasksets._report.data import run_from_rows
 
     row = tt.Episode(
         "e", tt.EpisodeTask("k", {"prompt": "p"}), 0, ok=True, reward=1.0, completion="5",

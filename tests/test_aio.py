@@ -894,7 +894,7 @@ def test_a_call_left_running_when_asyncio_run_exits_is_cancelled_and_cleaned_up(
 
 def test_run_eval_from_asyncio_writes_the_traces(tmp_path: Path) -> None:
     """`tt.aio.run_eval` runs the trio eval on the asyncio loop, next to other asyncio work."""
-    from trio_tasksets._builtin import EchoTaskset
+    from trio_tasksets._core.builtin import EchoTaskset
 
     async def main() -> tuple[tt.EvalResult, list[int]]:
         env = tt.Env(EchoTaskset())
@@ -918,7 +918,7 @@ def test_run_eval_from_asyncio_writes_the_traces(tmp_path: Path) -> None:
 
 
 def test_run_eval_from_asyncio_refuses_bad_settings_unwrapped(tmp_path: Path) -> None:
-    from trio_tasksets._builtin import EchoStreamTaskset
+    from trio_tasksets._core.builtin import EchoStreamTaskset
 
     async def main() -> None:
         env = tt.Env(EchoStreamTaskset())

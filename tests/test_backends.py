@@ -26,9 +26,9 @@ import pytest
 import trio
 
 import trio_tasksets as tt
-from trio_tasksets._backend import InProcess, SlotBackend, backend_for
-from trio_tasksets._loading import resolve_target
-from trio_tasksets._window import AdaptiveBounds
+from trio_tasksets._core.adaptive import AdaptiveBounds
+from trio_tasksets._env.backend import InProcess, SlotBackend, backend_for
+from trio_tasksets._env.loading import resolve_target
 
 sys.path.insert(0, str(Path(__file__).resolve().parent / "fixtures"))
 from chat_server import ChatServer
@@ -291,7 +291,7 @@ async def test_a_backend_of_ones_own_runs_every_slot(tmp_path: Path) -> None:
 
                 yield counted
 
-    env = tt.Env(tt._builtin.EchoTaskset())
+    env = tt.Env(tt._core.builtin.EchoTaskset())
     ctx = tt.ModelContext(tt.EchoClient(), "echo")
     result = await tt.run_eval(
         env, ctx, eval_config(tmp_path, "own", num_examples=5, backend=Counting())

@@ -1,4 +1,4 @@
-"""One backoff formula (`trio_tasksets._backoff.Backoff`) behind every retry loop."""
+"""One backoff formula (`trio_tasksets._core.backoff.Backoff`) behind every retry loop."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 import trio_tasksets as tt
-from trio_tasksets._backoff import Backoff
+from trio_tasksets._core.backoff import Backoff
 from trio_tasksets.redis import _link as link
 
 seconds = st.floats(min_value=0, max_value=1e6, allow_nan=False)

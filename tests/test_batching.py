@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import trio
 
-from trio_tasksets._batching import coalesce, take_ready
+from trio_tasksets._core.batching import coalesce, take_ready
 
 
 async def test_take_ready_takes_what_is_queued_up_to_the_limit_without_waiting() -> None:

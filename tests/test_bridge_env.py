@@ -31,8 +31,8 @@ import trio
 import trio.testing
 
 import trio_tasksets as tt
-from trio_tasksets._envspec import EnvSpec, TravelError
-from trio_tasksets._loading import load_object, resolve_taskset
+from trio_tasksets._env.loading import load_object, resolve_taskset
+from trio_tasksets._env.spec import EnvSpec, TravelError
 
 ROOT = Path(__file__).resolve().parent.parent
 AIO_ENV = str(ROOT / "tests" / "fixtures" / "aio_env.py")

@@ -12,9 +12,10 @@ import trio
 from rich.console import Console
 from trio.testing import MockClock
 
-from trio_tasksets._dashboard import Progress, show
-from trio_tasksets._limits import ConnectionLimiter
-from trio_tasksets._window import AdaptiveBounds, AdaptiveWindow, Window
+from trio_tasksets._core.adaptive import AdaptiveBounds, AdaptiveWindow
+from trio_tasksets._core.limits import ConnectionLimiter
+from trio_tasksets._core.window import Window
+from trio_tasksets._monitor.dashboard import Progress, show
 
 ANSI = re.compile(r"\x1b(\[[0-9;?]*[A-Za-z]|\][^\x07\x1b]*(\x07|\x1b\\))")
 TOP = "╭─ "  # the panel's top-left corner: one per drawn frame

@@ -10,7 +10,7 @@ import trio
 import trio.testing
 from trio.testing import MockClock
 
-from trio_tasksets._drain import stop_on
+from trio_tasksets._core.drain import stop_on
 
 
 async def test_a_time_limit_stops_at_that_virtual_time(autojump_clock: MockClock) -> None:

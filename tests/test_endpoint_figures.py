@@ -33,8 +33,8 @@ from rich.console import Console
 from trio.testing import MockClock
 
 import trio_tasksets as tt
-from trio_tasksets._dashboard import Progress, show
 from trio_tasksets._models.pool import sticky
+from trio_tasksets._monitor.dashboard import Progress, show
 
 ENGINE = str(Path(__file__).resolve().parent / "fixtures" / "engine.py")
 ANSI = re.compile(r"\x1b(\[[0-9;?]*[A-Za-z]|\][^\x07\x1b]*(\x07|\x1b\\))")

@@ -16,11 +16,7 @@ import pytest
 import trio
 
 import trio_tasksets as tt
-from trio_tasksets._limits import says_request_rate
-from trio_tasksets._models.engine import EngineMetrics, EngineMetricsError, parse_engine_metrics
-from trio_tasksets._models.pool import sticky
-from trio_tasksets._transport import HTTPClient
-from trio_tasksets._window import (
+from trio_tasksets._core.adaptive import (
     AdaptiveBounds,
     AdaptiveController,
     AdaptiveWindow,
@@ -28,6 +24,10 @@ from trio_tasksets._window import (
     Outcome,
     Pacer,
 )
+from trio_tasksets._core.limits import says_request_rate
+from trio_tasksets._models.engine import EngineMetrics, EngineMetricsError, parse_engine_metrics
+from trio_tasksets._models.pool import sticky
+from trio_tasksets._transport import HTTPClient
 
 FIXTURES = Path(__file__).resolve().parent / "fixtures"
 if str(FIXTURES) not in sys.path:
@@ -248,17 +248,17 @@ def test_a_probe_that_does_not_pay_is_undone_and_growth_waits() -> None:
             change = found or change
         return change
 
-    assert round_at(32) == tt._window.Change(40, "grow")  # measured, and room to grow
+    assert round_at(32) == tt._core.adaptive.Change(40, "grow")  # measured, and room to grow
     assert round_at(40) is None  # settles: its calls started at 32
     # measures: 25 % more calls, 25 % more throughput: kept, and the next probe
-    assert round_at(40) == tt._window.Change(50, "grow")
+    assert round_at(40) == tt._core.adaptive.Change(50, "grow")
     assert round_at(50) is None
-    assert round_at(50) == tt._window.Change(40, "no gain")  # latency rose with the size
+    assert round_at(50) == tt._core.adaptive.Change(40, "no gain")  # latency rose with the size
     assert round_at(40) is None
     assert round_at(40) is None
     assert c.size == 40  # held for a cooldown
     now += 15
-    assert round_at(40) == tt._window.Change(50, "grow")
+    assert round_at(40) == tt._core.adaptive.Change(50, "grow")
 
 
 def test_queueing_at_a_steady_size_backs_off() -> None:
@@ -267,19 +267,19 @@ def test_queueing_at_a_steady_size_backs_off() -> None:
         change = None
         for i in range(40):
             change = c.record(Outcome.SUCCESS, float(i), 40, latency=latency) or change
-    assert change == tt._window.Change(32, "latency")
+    assert change == tt._core.adaptive.Change(32, "latency")
 
 
 def test_engine_metrics_cut_on_a_queue_preemptions_and_a_full_cache_and_freeze_when_stale() -> None:
     c = AdaptiveController(1, 1024, 64)
     assert c.engine(EngineLoad(48, 16, 0.5, 0), 0.0) is None  # one reading is not a queue
-    assert c.engine(EngineLoad(48, 16, 0.5, 0), 1.0) == tt._window.Change(
+    assert c.engine(EngineLoad(48, 16, 0.5, 0), 1.0) == tt._core.adaptive.Change(
         51, "engine queue"
     )  # 16 waiting; at most x0.8
-    assert c.engine(EngineLoad(48, 0, 0.7, 3), 2.0) == tt._window.Change(
+    assert c.engine(EngineLoad(48, 0, 0.7, 3), 2.0) == tt._core.adaptive.Change(
         45, "preemption"
     )  # a tenth
-    assert c.engine(EngineLoad(46, 0, 0.99, 3), 3.0) == tt._window.Change(40, "kv cache")
+    assert c.engine(EngineLoad(46, 0, 0.99, 3), 3.0) == tt._core.adaptive.Change(40, "kv cache")
     assert c.engine(EngineLoad(40, 0, 0.5, 3), 4.0) is None
 
     def full_round(now: float) -> Any:
@@ -292,7 +292,7 @@ def test_engine_metrics_cut_on_a_queue_preemptions_and_a_full_cache_and_freeze_w
     c.engine(EngineLoad(40, 0, 0.5, 3), 10.0)
     assert full_round(10.5) is None  # held for a cooldown after the engine's last cut (3.0)
     c.engine(EngineLoad(40, 0, 0.5, 3), 18.5)
-    assert full_round(19.0) == tt._window.Change(42, "grow")  # room: it grows by 5 %
+    assert full_round(19.0) == tt._core.adaptive.Change(42, "grow")  # room: it grows by 5 %
     c.engine(EngineLoad(42, 0, 0.5, 3), 19.5)
     assert full_round(30.0) is None  # the last reading is 10.5 s old: frozen
     c.engine(EngineLoad(42, 0, 0.95, 3), 31.0)  # KV over kv_grow: no growth, no cut
@@ -301,7 +301,7 @@ def test_engine_metrics_cut_on_a_queue_preemptions_and_a_full_cache_and_freeze_w
     c = AdaptiveController(1, 1024, 40)
     c.engine(EngineLoad(40, 0, 0.9, 0, finished=0), 0.0)
     assert c.engine(EngineLoad(40, 0, 0.9, 1, finished=200), 1.0) is None
-    assert c.engine(EngineLoad(40, 0, 0.9, 5, finished=400), 2.0) == tt._window.Change(
+    assert c.engine(EngineLoad(40, 0, 0.9, 5, finished=400), 2.0) == tt._core.adaptive.Change(
         36, "preemption"
     )
 

@@ -9,11 +9,11 @@ import trio
 from trio.testing import MockClock
 
 import trio_tasksets as tt
-from trio_tasksets._env import WindowFeed, error_outcome
-from trio_tasksets._envspec import EnvSpec
-from trio_tasksets._limits import CallObserver, observe_calls
+from trio_tasksets._core.adaptive import AdaptiveWindow, Outcome
+from trio_tasksets._core.limits import CallObserver, observe_calls
+from trio_tasksets._env.env import WindowFeed, error_outcome
+from trio_tasksets._env.spec import EnvSpec
 from trio_tasksets._models import Completion, Sampling
-from trio_tasksets._window import AdaptiveWindow, Outcome
 from trio_tasksets.testing import ScriptedClient
 
 
@@ -287,7 +287,7 @@ async def test_a_rollout_over_its_timeout_is_cancelled_and_becomes_an_episode_er
     assert trio.current_time() - t0 == pytest.approx(2.5)
     assert not episode.ok
     assert [(e.type, e.attempt) for e in episode.errors] == [("RolloutTimeoutError", 1)]
-    assert isinstance(tt._env.RolloutTimeoutError("x"), TimeoutError)  # --retry-on TimeoutError
+    assert isinstance(tt._env.env.RolloutTimeoutError("x"), TimeoutError)  # --retry-on TimeoutError
     assert heard == [Outcome.TIMEOUT]
     assert episode.timing["duration"] == pytest.approx(2.5)
 

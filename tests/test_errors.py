@@ -12,8 +12,8 @@ import forkserver
 import pytest
 
 import trio_tasksets as tt
-from trio_tasksets import _exceptions
 from trio_tasksets._cli.options import PARAMETER_FLAGS, flag_message
+from trio_tasksets._core import exceptions as _exceptions
 
 
 def _exception_classes() -> dict[str, type[BaseException]]:
@@ -50,8 +50,8 @@ def test_every_exception_has_the_one_root_and_is_in_the_tree() -> None:
 
 
 def test_config_errors_share_one_class_and_stay_value_errors() -> None:
-    from trio_tasksets._loading import TargetError, TravelError
-    from trio_tasksets._window import WindowArgumentError
+    from trio_tasksets._core.adaptive import WindowArgumentError
+    from trio_tasksets._env.loading import TargetError, TravelError
     from trio_tasksets.aio._verifiers import VerifiersUsageError
 
     for cls in (tt.EvalConfigError, WindowArgumentError, TargetError, TravelError,
@@ -76,7 +76,7 @@ def test_a_config_error_names_parameters_and_the_cli_spells_flags() -> None:
     assert flag_message(error) == "-n/--num-examples must be >= 0; --workers {x}"
     assert flag_message(ValueError("{num_examples}")) == "{num_examples}"  # not a ConfigError
     # Every parameter the CLI spells is a field of EvalConfig or of EnvSpec (the env's).
-    from trio_tasksets._envspec import EnvSpec
+    from trio_tasksets._env.spec import EnvSpec
 
     fields = {f.name for f in tt.EvalConfig.__attrs_attrs__} | {
         f.name for f in EnvSpec.__attrs_attrs__
@@ -85,7 +85,7 @@ def test_a_config_error_names_parameters_and_the_cli_spells_flags() -> None:
 
 
 async def test_eval_config_errors_name_the_parameter(tmp_path: Path) -> None:
-    env = tt.Env(tt._builtin.EchoTaskset())
+    env = tt.Env(tt._core.builtin.EchoTaskset())
     ctx = tt.ModelContext(tt.EchoClient(), "echo")
     config = tt.EvalConfig(num_examples=-1, output_dir=str(tmp_path))
     with pytest.raises(tt.EvalConfigError) as raised:

@@ -482,7 +482,7 @@ OLD_NOTHING = "trio_tasksets.builtin:NoSuchThing"  # privatise: keep
 
 
 def test_a_label_an_earlier_release_recorded_reads_as_its_public_home_today() -> None:
-    from trio_tasksets._loading import upgraded_label
+    from trio_tasksets._env.loading import upgraded_label
 
     assert upgraded_label(OLD_ECHO) == "trio_tasksets:EchoTaskset"
     assert upgraded_label(OLD_FEED) == "trio_tasksets.redis:RedisStreamTaskset"

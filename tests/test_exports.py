@@ -1,11 +1,11 @@
 """The public API is deliberate (as trio's `test_exports` and httpx's `test_exported_members`).
 
 The public names are `__all__` of `trio_tasksets` (the flat API), of its public submodules
-(`trio_tasksets.aio`, `trio_tasksets.testing`, `trio_tasksets.tools`, `trio_tasksets.redis`),
-pinned below: adding or
+(`trio_tasksets.aio`, `trio_tasksets.testing`, `trio_tasksets.tools`, `trio_tasksets.worker`,
+`trio_tasksets.redis`), pinned below: adding or
 dropping one is a change to this file and to CHANGELOG.md. Every other module of the package
-is private (a leading underscore: `trio_tasksets._window`, `trio_tasksets.aio._guest`; trio's
-`trio._core`, httpx's `httpx._client`), but for the two documented shims, so:
+is private (a leading underscore: `trio_tasksets._core.window`, `trio_tasksets.aio._guest`; trio's
+`trio._core`, httpx's `httpx._client`), so:
 
 * no module is public but the pinned ones (and `__main__`);
 * each package's `__init__` states its names in a sorted `__all__`; a public one binds no
@@ -15,8 +15,8 @@ is private (a leading underscore: `trio_tasksets._window`, `trio_tasksets.aio._g
   `benchmarks.md`, examples/) use only public names: every `tt.NAME` and
   ``from trio_tasksets import NAME`` is in the flat API, every ``tt.aio.NAME`` /
   ``tt.testing.NAME`` and ``from trio_tasksets.SUB import NAME`` in that public submodule, and
-  a dotted ``trio_tasksets.SUB`` in the prose names a public submodule (or one of the two
-  documented shims; a ``module:Name`` the program prints is not a name the docs teach).
+  a dotted ``trio_tasksets.SUB`` in the prose names a public submodule (a ``module:Name``
+  the program prints is not a name the docs teach).
 """
 
 from __future__ import annotations
@@ -147,10 +147,20 @@ PUBLIC_SUBMODULES = {
         "reply",
     ],
     "tools": ["Tool", "ToolArgumentError", "shell", "tool"],
-    # The worker side's seam (issue 20): a feed of one's own implements `queue.TaskQueue`
-    # and runs `consumer.consume` over it.
-    "queue": ["EntryRefused", "Finished", "MalformedEntry", "TaskEntry", "TaskQueue", "plain_task"],
-    "consumer": ["WorkerReport", "consume", "run_by", "run_group_by"],
+    # The worker side: a feed of one's own implements `worker.TaskQueue` and runs
+    # `worker.consume` over it.
+    "worker": [
+        "EntryRefused",
+        "Finished",
+        "MalformedEntry",
+        "TaskEntry",
+        "TaskQueue",
+        "WorkerReport",
+        "consume",
+        "plain_task",
+        "run_by",
+        "run_group_by",
+    ],
     "redis": [
         "EntryRef",
         "MalformedEntry",
@@ -167,7 +177,6 @@ PUBLIC_SUBMODULES = {
         "enqueue",
     ],
 }
-SHIMS = {"client", "distributed"}  # old documented paths kept working (docs/architecture.md)
 
 
 def _public(module: ModuleType, name: str) -> object:
@@ -210,27 +219,23 @@ def _modules() -> list[str]:
 def test_no_module_is_public_but_the_pinned_ones() -> None:
     """A module added without a leading underscore (or left public by a merge) fails here:
     make it private, or pin it above (and in CHANGELOG.md) if it is meant to be public."""
-    public = {f"trio_tasksets.{name}" for name in [*PUBLIC_SUBMODULES, *SHIMS, "__main__"]}
+    public = {f"trio_tasksets.{name}" for name in [*PUBLIC_SUBMODULES, "__main__"]}
     assert sorted(m for m in _modules() if not _is_private(m) and m not in public) == []
     assert public <= set(_modules())  # the check sees the modules it allows
 
 
-OLD_PATHS = ["window", "env", "models", "eval", "serve", "cli", "aio.guest", "redis.feed"]
+OLD_PATHS = [
+    *["window", "env", "models", "eval", "serve", "cli", "aio.guest", "redis.feed"],
+    *["client", "distributed", "queue", "consumer"],  # shims and modules of 0.x, removed
+]
 
 
 @pytest.mark.parametrize("old", OLD_PATHS)
 def test_the_old_implementation_paths_are_gone(old: str) -> None:
-    """CHANGELOG.md: the implementation modules moved to private names; only the documented
-    shims keep an old path."""
+    """CHANGELOG.md: the implementation modules moved to private names, the old paths'
+    shims are gone, and `queue` and `consumer` are one package, `worker`."""
     with pytest.raises(ModuleNotFoundError):
         importlib.import_module("trio_tasksets." + old)
-
-
-@pytest.mark.parametrize("shim", sorted(SHIMS))
-def test_the_documented_shims_still_import(shim: str) -> None:
-    module = importlib.import_module(f"trio_tasksets.{shim}")
-    for name in module.__all__:
-        assert getattr(module, name) is not None
 
 
 @pytest.mark.parametrize("package", _packages())
@@ -282,7 +287,7 @@ FROM_IMPORT = re.compile(
     r"^\s*from (trio_tasksets(?:\.\w+)*) import (?:\(([\w\s,]*)\)|([\w ,]+)$)", re.M
 )
 ATTRIBUTE = re.compile(r"(?<![\w.])tt\.(\w+)(?:\.(\w+))?")
-DOTTED = re.compile(r"(?<![\w./])trio_tasksets\.(\w+)(?![\w:])")  # not a printed `mod:Name`
+DOTTED = re.compile(r"(?<![\w./])trio_tasksets\.(\w+)(?![\w.]*:)")  # not a printed `mod:Name`
 
 
 def _doc_texts() -> list[tuple[str, str]]:
@@ -307,7 +312,7 @@ def test_the_docs_use_only_public_names() -> None:
             ):
                 wrong.append(f"{file}: tt.{name}.{attribute}")
         for match in DOTTED.finditer(text):
-            if match[1] not in PUBLIC_SUBMODULES and match[1] not in SHIMS:
+            if match[1] not in PUBLIC_SUBMODULES:
                 wrong.append(f"{file}: trio_tasksets.{match[1]}")
     assert sorted(set(wrong)) == []
 
@@ -318,26 +323,26 @@ def test_the_doc_scan_sees_the_names_it_checks() -> None:
     assert {"run_stream", "Taskset", "aio", "EvalConfig"} <= seen
     imports = {m[1] for _, text in _doc_texts() for m in FROM_IMPORT.finditer(text)}
     assert {"trio_tasksets", "trio_tasksets.testing", "trio_tasksets.redis"} <= imports
-    assert DOTTED.findall("see `trio_tasksets._env.WindowFeed`") == ["_env"]
-    assert DOTTED.findall("`trio_tasksets.redis` prints trio_tasksets._builtin:EchoTaskset") == [
-        "redis"
-    ]
+    assert DOTTED.findall("see `trio_tasksets._env.env.WindowFeed`") == ["_env"]
+    assert DOTTED.findall(
+        "`trio_tasksets.redis` prints trio_tasksets._core.builtin:EchoTaskset"
+    ) == ["redis"]
     assert FROM_IMPORT.findall(
-        "from trio_tasksets._window import (\n    Window, AdaptiveBounds,\n)"
+        "from trio_tasksets._core.window import (\n    Window, AdaptiveBounds,\n)"
     )
 
 
 def test_a_class_the_program_records_is_named_by_its_public_home() -> None:
     """An env spec, a Redis entry's declaration and a run's taskset name a class of the
     package where the public API binds it, not by the private module that defines it."""
-    from trio_tasksets._loading import load_object, object_spec, taskset_label
-    from trio_tasksets._window import Change
+    from trio_tasksets._core.adaptive import Change
+    from trio_tasksets._env.loading import load_object, object_spec, taskset_label
     from trio_tasksets.redis import RedisStreamTaskset
 
     assert object_spec(tt.EchoTaskset, "the taskset") == "trio_tasksets:EchoTaskset"
     assert taskset_label(tt.EchoTaskset()) == "trio_tasksets:EchoTaskset"
     spec = object_spec(RedisStreamTaskset, "the taskset")
     assert spec == "trio_tasksets.redis:RedisStreamTaskset"
-    assert object_spec(Change, "x") == "trio_tasksets._window:Change"  # bound nowhere public
+    assert object_spec(Change, "x") == "trio_tasksets._core.adaptive:Change"  # bound nowhere public
     for cls in (tt.EchoTaskset, RedisStreamTaskset, Change):
         assert load_object(object_spec(cls, "x")) is cls

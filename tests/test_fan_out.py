@@ -725,7 +725,7 @@ async def test_elastic_places_bound_fan_outs_by_the_runs_in_flight(
     autojump_clock: MockClock,
 ) -> None:
     """An env server's runs (`ElasticPlaces`): each brings a place, their fan-outs share them."""
-    from trio_tasksets._runner import ElasticPlaces
+    from trio_tasksets._core.runner import ElasticPlaces
 
     places = ElasticPlaces()
     working = peak = 0

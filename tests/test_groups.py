@@ -29,8 +29,8 @@ from hypothesis import strategies as st
 from trio.testing import MockClock
 
 import trio_tasksets as tt
-from trio_tasksets._groups import Group, GroupFailedError, OpenGroups, group_slots, run_group
-from trio_tasksets._window import Window, prioritized
+from trio_tasksets._core.window import Window, prioritized
+from trio_tasksets._env.groups import Group, GroupFailedError, OpenGroups, group_slots, run_group
 
 PROPERTY = settings(
     max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
@@ -338,7 +338,7 @@ async def test_a_groups_rows_reach_the_file_in_one_write(
         writes.append(bytes(data))
         return real_write(fd, data)
 
-    monkeypatch.setattr("trio_tasksets._traces.os.write", write)
+    monkeypatch.setattr("trio_tasksets._env.traces.os.write", write)
     for group in (True, False):
         writes.clear()
         config = tt.EvalConfig(
@@ -438,8 +438,8 @@ async def test_eval_group_failing_after_retries(autojump_clock: MockClock, tmp_p
 async def test_the_report_groups_rows_and_shows_the_spread(
     autojump_clock: MockClock, tmp_path: Path
 ) -> None:
-    from trio_tasksets._eval.report.data import load_run
-    from trio_tasksets._eval.report.figures import compute
+    from trio_tasksets._report.data import load_run
+    from trio_tasksets._report.figures import compute
 
     class Same(tt.EchoClient):  # "say 0" always right, "say 1" always wrong: no spread
         async def chat(
@@ -470,7 +470,7 @@ async def test_the_report_groups_rows_and_shows_the_spread(
 
 
 async def test_group_feed_under_first_closes_the_tasks(autojump_clock: MockClock) -> None:
-    from trio_tasksets._groups import group_feed
+    from trio_tasksets._env.groups import group_feed
 
     feed = tt.testing.Feed(*(tt.Task(prompt=f"t{i}") for i in range(100)))
     script = Scripted({(f"t{i}", r): 1.0 + i % 3 for i in range(100) for r in range(3)})

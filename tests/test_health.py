@@ -21,11 +21,11 @@ import trio
 import trio.testing
 
 import trio_tasksets as tt
-from trio_tasksets._dashboard import Progress
-from trio_tasksets._health import Health
-from trio_tasksets._limits import EndpointLimits
-from trio_tasksets._metrics import Metrics, serve_metrics
+from trio_tasksets._core.health import Health
+from trio_tasksets._core.limits import EndpointLimits
 from trio_tasksets._models import ModelContext
+from trio_tasksets._monitor.dashboard import Progress
+from trio_tasksets._monitor.metrics import Metrics, serve_metrics
 
 
 class Some(tt.Taskset[tt.Task, tt.TasksetConfig]):

@@ -14,7 +14,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from trio.testing import MockClock
 
-from trio_tasksets._limits import (
+from trio_tasksets._core.adaptive import AdaptiveBounds, AdaptiveWindow, Outcome
+from trio_tasksets._core.limits import (
     CallObserver,
     ConnectionLimiter,
     EndpointLimits,
@@ -24,7 +25,7 @@ from trio_tasksets._limits import (
     report_outcome,
     rest,
 )
-from trio_tasksets._window import AdaptiveBounds, AdaptiveWindow, Outcome, Window
+from trio_tasksets._core.window import Window
 
 EPS = 1e-9
 

@@ -11,9 +11,9 @@ from typing import Any
 import pytest
 
 import trio_tasksets as tt
-from trio_tasksets._eval.report.data import load_run
-from trio_tasksets._eval.report.figures import compute
-from trio_tasksets._eval.report.stats import reward_interval
+from trio_tasksets._report.data import load_run
+from trio_tasksets._report.figures import compute
+from trio_tasksets._report.stats import reward_interval
 
 
 class Words(tt.Taskset[tt.Task, tt.TasksetConfig]):
@@ -149,7 +149,7 @@ async def test_a_tasksets_weighted_rewards_and_the_served_path_carry_metrics(
         "    def load(self):\n"
         "        return [tt.Task(f'say {w}', answer='yes', key=w) for w in ('yes', 'no')]\n"
     )
-    from trio_tasksets._loading import load_object
+    from trio_tasksets._env.loading import load_object
 
     scored = load_object(f"{tmp_path / 'scored.py'}:Scored")
     here = await tt.run_eval(tt.Env(scored()), ECHO, config(tmp_path))

@@ -21,7 +21,8 @@ import trio
 import trio.testing
 from chat_server import ChatServer, Reply
 
-from trio_tasksets._limits import CallObserver, EndpointLimits, observe_calls
+from trio_tasksets._core.adaptive import AdaptiveBounds, Outcome
+from trio_tasksets._core.limits import CallObserver, EndpointLimits, observe_calls
 from trio_tasksets._models import (
     Completion,
     EchoClient,
@@ -37,7 +38,6 @@ from trio_tasksets._models import (
     api_key_from_env,
 )
 from trio_tasksets._transport import ConnectError, parse_retry_after
-from trio_tasksets._window import AdaptiveBounds, Outcome
 
 # ---------------------------------------------------------------------------------------
 # The scripted OpenAI-compatible server

@@ -28,9 +28,9 @@ import trio
 
 import trio_tasksets as tt
 from trio_tasksets._cli import main
-from trio_tasksets._eval.report.data import load_run
-from trio_tasksets._eval.report.figures import compute
-from trio_tasksets._eval.report.stats import mean_interval, reward_interval, wilson_interval
+from trio_tasksets._report.data import load_run
+from trio_tasksets._report.figures import compute
+from trio_tasksets._report.stats import mean_interval, reward_interval, wilson_interval
 
 ROOT = Path(__file__).resolve().parent.parent
 FIXTURES = ROOT / "tests" / "fixtures"

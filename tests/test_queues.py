@@ -25,10 +25,9 @@ from hypothesis import strategies as st
 from redis_server import RedisServer
 
 import trio_tasksets as tt
-from trio_tasksets._envspec import Declaration
-from trio_tasksets.consumer import WorkerReport, consume
-from trio_tasksets.queue import TaskQueue
+from trio_tasksets._env.spec import Declaration
 from trio_tasksets.testing import MemoryTaskQueue
+from trio_tasksets.worker import TaskQueue, WorkerReport, consume
 
 Row = dict[str, Any]
 

@@ -23,8 +23,8 @@ import pytest
 import trio
 
 import trio_tasksets as tt
+from trio_tasksets._core.adaptive import AdaptiveController, EngineLoad, Outcome
 from trio_tasksets._models.engine import EngineMetrics, parse_engine_metrics
-from trio_tasksets._window import AdaptiveController, EngineLoad, Outcome
 
 FIXTURES = Path(__file__).resolve().parent / "fixtures"
 if str(FIXTURES) not in sys.path:
@@ -78,9 +78,9 @@ def test_with_engine_metrics_a_probe_that_does_not_pay_is_still_undone() -> None
         return change
 
     c.engine(EngineLoad(running=32, waiting=0, kv_usage=0.03, preemptions=0), now)
-    assert round_at(32) == tt._window.Change(40, "grow")  # the engine has room: a probe
+    assert round_at(32) == tt._core.adaptive.Change(40, "grow")  # the engine has room: a probe
     assert round_at(40) is None  # settles: its calls started at 32
-    assert round_at(40) == tt._window.Change(32, "no gain")  # no more calls: undone
+    assert round_at(40) == tt._core.adaptive.Change(32, "no gain")  # no more calls: undone
     for _ in range(4):
         assert round_at(32) is None  # and held for a cooldown
     assert c.size == 32

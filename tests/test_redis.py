@@ -31,7 +31,7 @@ from redis_server import RedisServer
 
 import trio_tasksets as tt
 from trio_tasksets._cli import main as cli_main
-from trio_tasksets._window import AdaptiveBounds
+from trio_tasksets._core.adaptive import AdaptiveBounds
 from trio_tasksets.redis import (
     TASK_FIELD,
     EntryRef,
@@ -488,7 +488,7 @@ async def test_stop_ends_a_quiet_stream_within_one_block(server: Server, names: 
 async def test_enqueue_round_trips_a_taskset_to_equal_tasks(
     server: Server, r: redis.Redis, names: Names
 ) -> None:
-    from trio_tasksets._builtin import EchoTaskset
+    from trio_tasksets._core.builtin import EchoTaskset
 
     source = list(EchoTaskset())
     ids = await enqueue(server.url, names.stream, source, batch=3)
@@ -628,7 +628,7 @@ def trace_rows(run_dir: Path) -> list[dict[str, Any]]:
 
 
 def graded_env(spec: str = "TwoTurns", **config: Any) -> tt.Env[Any]:
-    from trio_tasksets._loading import resolve_target
+    from trio_tasksets._env.loading import resolve_target
 
     taskset_cls, env_cls = resolve_target(f"{REDIS_ENV}:{spec}")
     taskset = taskset_cls(taskset_cls._default_config().__class__(**config))
@@ -714,7 +714,7 @@ async def test_a_worker_runs_the_users_env_so_its_rows_equal_an_in_process_evals
     [
         (lambda: graded_env("Graded"), "--env-class"),  # the same taskset, a plain Env
         (lambda: graded_env(bonus=0.5), '-a \'{"bonus":0.25,"size":40}\''),  # another config
-        (lambda: tt.Env(tt._builtin.EchoTaskset()), "TASKSET"),  # another taskset
+        (lambda: tt.Env(tt._core.builtin.EchoTaskset()), "TASKSET"),  # another taskset
         (lambda: None, "runs no TASKSET"),  # no env at all
     ],
 )
@@ -747,7 +747,7 @@ async def test_a_worker_with_another_env_refuses_the_entries_and_the_eval_says_w
 async def test_the_coordinator_keeps_one_row_per_slot_when_a_result_comes_twice(
     server: Server, r: redis.Redis, names: Names
 ) -> None:
-    from trio_tasksets._dashboard import Progress
+    from trio_tasksets._monitor.dashboard import Progress
     from trio_tasksets.redis._coordinator import via_runner
 
     env, ctx = graded_env(), tt.ModelContext(tt.EchoClient(), "echo")
@@ -780,7 +780,7 @@ async def test_the_coordinator_keeps_one_row_per_slot_when_a_result_comes_twice(
 async def test_with_no_worker_the_dashboard_says_so_and_stopping_leaves_nothing_behind(
     server: Server, r: redis.Redis, names: Names
 ) -> None:
-    from trio_tasksets._dashboard import Progress
+    from trio_tasksets._monitor.dashboard import Progress
     from trio_tasksets.redis._coordinator import via_runner
 
     env, ctx = graded_env(), tt.ModelContext(tt.EchoClient(), "echo")
@@ -812,7 +812,7 @@ async def test_with_no_worker_the_dashboard_says_so_and_stopping_leaves_nothing_
 async def test_a_redis_that_lost_its_data_gets_the_waiting_slots_again(
     r: redis.Redis, names: Names, tmp_path: Path
 ) -> None:
-    from trio_tasksets._dashboard import Progress
+    from trio_tasksets._monitor.dashboard import Progress
     from trio_tasksets.redis._coordinator import via_runner
 
     own = Server(_free_port(), tmp_path)
@@ -872,7 +872,7 @@ async def test_every_path_survives_a_group_that_is_gone(
     lines: list[str] = []
     sink = RedisResults(server.url, names.results, log=lines.append)
     assert await sink.keep_alive("c", [entry]) == 0  # the keep-alive
-    episode = await tt.Env(tt._builtin.EchoTaskset()).run_slot(
+    episode = await tt.Env(tt._core.builtin.EchoTaskset()).run_slot(
         tt.RunSlot(make_tasks(1)[0]), tt.ModelContext(tt.EchoClient(), "echo")
     )
     done = await sink.publish(episode, entry, consumer="c")  # the publish
@@ -967,7 +967,7 @@ def test_eval_via_two_worker_processes_gives_every_row_with_at_most_c_outstandin
 def test_eval_via_resumed_after_the_coordinator_is_killed_runs_exactly_the_owed_slots(
     server: Server, r: redis.Redis, names: Names, workers: Callable[..., Worker], tmp_path: Path
 ) -> None:
-    from trio_tasksets._traces import read_rows
+    from trio_tasksets._env.traces import read_rows
 
     spec = f"{REDIS_ENV}:TwoTurns"
     for i in range(2):
@@ -1027,7 +1027,7 @@ def test_a_declaration_names_what_differs_and_the_fix() -> None:
     plain = Declaration.of_taskset(graded_env().taskset)
     assert plain.differs(Declaration.of(graded_env("Graded"), echo)) is None
     assert "system_prompt" not in (plain.config or {})  # each task carries its own
-    echo_tasks = Declaration.of(tt.Env(tt._builtin.EchoTaskset()), echo)
+    echo_tasks = Declaration.of(tt.Env(tt._core.builtin.EchoTaskset()), echo)
     assert "start the worker with TASKSET echo" in str(echo_tasks.differs(ours))
     other_model = Declaration.of(graded_env(), tt.ModelContext(tt.EchoClient(), "m2"))
     assert "-m/--model" in str(other_model.differs(ours))
@@ -1055,7 +1055,7 @@ def test_ctrl_c_on_eval_via_leaves_nothing_for_workers_and_exits_130(
 async def test_eval_via_takes_the_next_n_of_a_stream_with_r_slots_each(
     server: Server, names: Names, tmp_path: Path
 ) -> None:
-    from trio_tasksets._builtin import EchoStreamConfig, EchoStreamTaskset
+    from trio_tasksets._core.builtin import EchoStreamConfig, EchoStreamTaskset
 
     def feed() -> tt.Env[Any]:
         return tt.Env(EchoStreamTaskset(EchoStreamConfig(gap=0.01)))
@@ -1078,7 +1078,7 @@ async def test_eval_via_takes_the_next_n_of_a_stream_with_r_slots_each(
 async def test_eval_via_with_groups_writes_each_group_together(
     server: Server, names: Names, tmp_path: Path
 ) -> None:
-    from trio_tasksets._builtin import EchoStreamConfig, EchoStreamTaskset
+    from trio_tasksets._core.builtin import EchoStreamConfig, EchoStreamTaskset
 
     class Grpo(tt.Env[Any]):
         scored: list[int] = []  # noqa: RUF012

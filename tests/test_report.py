@@ -23,10 +23,10 @@ from trio.testing import MockClock
 
 import trio_tasksets as tt
 from trio_tasksets._cli import main
-from trio_tasksets._eval.report import embed_json, page
-from trio_tasksets._eval.report.data import MIN_CAP, ReportError, load_run, run_from_rows
-from trio_tasksets._eval.report.figures import compute
-from trio_tasksets._eval.report.stats import (
+from trio_tasksets._report import embed_json, page
+from trio_tasksets._report.data import MIN_CAP, ReportError, load_run, run_from_rows
+from trio_tasksets._report.figures import compute
+from trio_tasksets._report.stats import (
     mean_interval,
     pass_at_k,
     percentile,
@@ -35,7 +35,7 @@ from trio_tasksets._eval.report.stats import (
 from trio_tasksets.testing import Gate
 
 # The module (`trio_tasksets.report` the attribute is `tt.report`, the function).
-report_module = importlib.import_module("trio_tasksets._eval.report")
+report_module = importlib.import_module("trio_tasksets._report")
 HOSTILE = "Say <b>{i}</b> & </script><script>window.pwned=1</script>"
 
 

@@ -154,7 +154,7 @@ async def test_rescore_refuses_what_is_not_a_run_dir_and_an_existing_target(
     with pytest.raises(tt.EvalConfigError, match="is not a run dir"):
         await rescore(tmp_path, lambda t, c: 1.0)
     ctx = tt.ModelContext(tt.EchoClient(), "echo")
-    from trio_tasksets._builtin import EchoTaskset
+    from trio_tasksets._core.builtin import EchoTaskset
 
     config = tt.EvalConfig(output_dir=str(tmp_path), run_name="e", dashboard=False)
     run_dir = (await tt.run_eval(tt.Env(EchoTaskset()), ctx, config)).run_dir

@@ -18,7 +18,7 @@ import pytest
 import trio
 
 import trio_tasksets as tt
-from trio_tasksets._builtin import EchoTaskset
+from trio_tasksets._core.builtin import EchoTaskset
 from trio_tasksets._eval.lock import RunDirLock
 
 ROOT = Path(__file__).resolve().parent.parent

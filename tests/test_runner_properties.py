@@ -55,7 +55,7 @@ from hypothesis import strategies as st
 from trio.testing import MockClock
 
 import trio_tasksets as tt
-from trio_tasksets._window import Window
+from trio_tasksets._core.window import Window
 from trio_tasksets.testing import Feed
 
 Api = Literal["run_stream", "as_completed"]

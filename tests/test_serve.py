@@ -29,8 +29,8 @@ from wsproto import ConnectionType, WSConnection
 from wsproto.events import BytesMessage, CloseConnection, Request, TextMessage
 
 import trio_tasksets as tt
-from trio_tasksets._builtin import EchoConfig, EchoTaskset
-from trio_tasksets._envspec import EnvSpec, TravelError, config_from_json
+from trio_tasksets._core.builtin import EchoConfig, EchoTaskset
+from trio_tasksets._env.spec import EnvSpec, TravelError, config_from_json
 from trio_tasksets._serve import EnvServerError, spawn_server
 from trio_tasksets._serve.client import retry_server_error
 from trio_tasksets._serve.transport import HandshakeRefused, handshake
@@ -761,7 +761,7 @@ async def test_a_child_that_dies_while_starting_is_reported_with_its_stderr(
         "class Fragile(tt.Taskset[tt.Task, tt.TasksetConfig]):\n"
         "    def load(self):\n        return [tt.Task('x')]\n"
     )
-    from trio_tasksets._loading import resolve_taskset
+    from trio_tasksets._env.loading import resolve_taskset
 
     env = tt.Env(resolve_taskset(f"{module}:Fragile")())
     with trio.fail_after(30), pytest.raises(EnvServerError) as caught:
@@ -812,7 +812,7 @@ async def test_an_env_failing_outside_an_episode_gets_500_and_the_server_goes_on
         "    def task_from_data(data, key):\n"
         "        return object() if data.get('broken') else tt.Task(data['prompt'], key=key)\n"
     )
-    from trio_tasksets._loading import resolve_taskset
+    from trio_tasksets._env.loading import resolve_taskset
 
     env = tt.Env(resolve_taskset(f"{module}:Keyless")())
     ctx = tt.ModelContext(tt.EchoClient(), "echo")
@@ -844,7 +844,7 @@ async def test_on_the_websocket_one_bad_run_fails_alone(tmp_path: Path) -> None:
         "        info = {1: 'one'} if key == 'intkeys' else {}\n"
         "        return tt.Task(data['prompt'].strip(), key=key, info=info)\n"
     )
-    from trio_tasksets._loading import resolve_taskset
+    from trio_tasksets._env.loading import resolve_taskset
 
     env = tt.Env(resolve_taskset(f"{module}:Picky")())
     slow = tt.ModelContext(tt.EchoClient(delay=0.5), "echo")

@@ -32,7 +32,8 @@ from wsproto import ConnectionType, WSConnection
 from wsproto.events import BytesMessage, CloseConnection, Request, TextMessage
 
 import trio_tasksets as tt
-from trio_tasksets._builtin import EchoTaskset
+from trio_tasksets._core.builtin import EchoTaskset
+from trio_tasksets._env.traces import write_atomic
 from trio_tasksets._serve import EnvServerError
 from trio_tasksets._serve.policy import (
     Access,
@@ -51,7 +52,6 @@ from trio_tasksets._serve.wire import (
     parse_run_request,
     quick_slot,
 )
-from trio_tasksets._traces import write_atomic
 
 TOKEN = "security-token-0123456789"
 TOKEN_VAR = "TT_TEST_SECURITY_TOKEN"

@@ -14,9 +14,9 @@ import trio
 import trio.testing
 
 import trio_tasksets as tt
-from trio_tasksets._dashboard import Progress
-from trio_tasksets._limits import parked, report_progress
+from trio_tasksets._core.limits import parked, report_progress
 from trio_tasksets._models import ModelContext
+from trio_tasksets._monitor.dashboard import Progress
 
 
 class Some(tt.Taskset[tt.Task, tt.TasksetConfig]):
@@ -111,7 +111,7 @@ async def test_an_eval_counts_stalls_on_its_dashboard(
     lines: list[str] = []
     config = tt.EvalConfig(output_dir=str(tmp_path), run_name="run", dashboard=False,
                            num_examples=2)  # fmt: skip
-    import trio_tasksets._dashboard as dashboard
+    import trio_tasksets._monitor.dashboard as dashboard
 
     original = dashboard.Progress.line
 

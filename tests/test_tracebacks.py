@@ -15,7 +15,7 @@ import pytest
 import trio
 
 import trio_tasksets as tt
-from trio_tasksets._env import user_traceback
+from trio_tasksets._env.env import user_traceback
 from trio_tasksets._eval.config import check_window
 from trio_tasksets._models import ModelContext
 

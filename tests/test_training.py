@@ -333,7 +333,7 @@ async def test_property_no_run_works_more_than_max_lag_stale(
         for _ in range(duration):  # one unit of work per virtual second
             await trio.sleep(1)
             lag = staleness.version - start_version
-            live = tt._training.current_run()
+            live = tt._core.training.current_run()
             assert live is not None
             if lag > max_lag and not (withhold and live.stale):
                 violations.append(f"run {item} worked {lag} versions stale")

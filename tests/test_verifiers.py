@@ -33,8 +33,8 @@ import trio
 
 import trio_tasksets as tt
 from trio_tasksets import _cli as cli
-from trio_tasksets._envspec import EnvSpec
-from trio_tasksets._loading import load_object
+from trio_tasksets._env.loading import load_object
+from trio_tasksets._env.spec import EnvSpec
 
 ROOT = Path(__file__).resolve().parent.parent
 FIXTURES = ROOT / "tests" / "fixtures"

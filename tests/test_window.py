@@ -16,18 +16,18 @@ from hypothesis import strategies as st
 from trio.testing import MockClock
 
 import trio_tasksets as tt
-from trio_tasksets._window import (
+from trio_tasksets._core.adaptive import (
     AdaptiveBounds,
     AdaptiveController,
     AdaptiveWindow,
     Change,
     Outcome,
-    Window,
     WindowArgumentError,
     build_window,
     parse_window,
     window_spec,
 )
+from trio_tasksets._core.window import Window
 from trio_tasksets.testing import Feed, Gate
 
 

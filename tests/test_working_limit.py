@@ -17,11 +17,11 @@ import trio
 import trio.testing
 
 import trio_tasksets as tt
-from trio_tasksets._env import check_working_limit
-from trio_tasksets._envspec import EnvSpec
-from trio_tasksets._limits import EndpointLimits, parked, rest
+from trio_tasksets._core.adaptive import Outcome
+from trio_tasksets._core.limits import EndpointLimits, parked, rest
+from trio_tasksets._env.env import check_working_limit
+from trio_tasksets._env.spec import EnvSpec
 from trio_tasksets._models import Completion, ModelContext
-from trio_tasksets._window import Outcome
 
 
 class One(tt.Taskset[tt.Task, tt.TasksetConfig]):

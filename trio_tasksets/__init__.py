@@ -1,6 +1,6 @@
 """trio_tasksets: streaming tasksets and a windowed runner on Trio.
 
-The flat public API (SPEC, and every name the docs use): the runner (`run_stream`,
+The flat public API (every name the docs use): the runner (`run_stream`,
 `as_completed`, `take`, `until`, `merge`, `fan_out`), tasksets (`Task`, `TasksetConfig`,
 `Taskset`, the built-in `EchoTaskset` and `EchoStreamTaskset`; the loaders `JsonlTaskset`,
 `CsvTaskset`, `HFTaskset`), envs and models (`Env`, `RunSlot`, `Episode`, `RetryPolicy`,
@@ -13,22 +13,20 @@ endpoint), groups for training (`Group`, `group_feed`, `run_group`, `GroupFailed
 `first`, `Staleness`), the served path (`EnvClient`, `EnvServerError`, `spawn_server`) and the
 eval (`EvalConfig`, `run_eval`, `EvalResult`, `report`, `rescore`; where its slots run:
 `SlotBackend`, `InProcess`, `ServedBackend`, and `trio_tasksets.redis.ViaBackend`). Every
-exception the library defines is a `TrioTasksetsError` (the tree: `trio_tasksets._exceptions`);
+exception the library defines is a `TrioTasksetsError` (the tree: `trio_tasksets._core.exceptions`);
 a bad setting is a `ConfigError`.
 
 Public submodules: `aio` (the asyncio bridge), `testing` (helpers for deterministic tests,
-`ScriptedClient`), `tools` (`tools.shell`) and `trio_tasksets.redis` (the Redis feed, imported
-by name). The `__all__` of each is its public API, pinned by `tests/test_exports.py`; every
-other module is private (`trio_tasksets._window`, `trio_tasksets.aio._guest`, ...: a leading
-underscore, free to change in any release), as in trio and httpx. Two documented old paths
-stay as thin shims: `trio_tasksets.client` and `trio_tasksets.distributed` (CHANGELOG.md).
+`ScriptedClient`), `tools` (`tools.shell`), `trio_tasksets.worker` (the worker's queue seam and
+loop) and `trio_tasksets.redis` (the Redis feed), the last two imported by name. The `__all__` of each is its public API, pinned by `tests/test_exports.py`; every
+other module is private (`trio_tasksets._core.window`, `trio_tasksets.aio._guest`, ...: a leading
+underscore, free to change in any release), as in trio and httpx.
 """
 
 from . import aio, testing, tools
-from ._agents import ToolEnv
-from ._backend import InProcess, SlotBackend
-from ._builtin import EchoStreamConfig, EchoStreamTaskset, EchoTaskset
-from ._datasets import (
+from ._core.adaptive import AdaptiveBounds, AdaptiveWindow, build_window, parse_window
+from ._core.builtin import EchoStreamConfig, EchoStreamTaskset, EchoTaskset
+from ._core.datasets import (
     CsvConfig,
     CsvTaskset,
     DatasetError,
@@ -37,7 +35,26 @@ from ._datasets import (
     JsonlConfig,
     JsonlTaskset,
 )
-from ._env import (
+from ._core.exceptions import ConfigError, TrioTasksetsError
+from ._core.limits import (
+    CallObserver,
+    EndpointLimits,
+    RateLimiter,
+    observe_calls,
+    parked,
+    report_outcome,
+    report_progress,
+    rest,
+)
+from ._core.runner import as_completed, fan_out, run_stream
+from ._core.sources import merge, take, until
+from ._core.tasksets import Task, Taskset, TasksetConfig
+from ._core.training import Staleness, first
+from ._core.version import __version__
+from ._core.window import Window
+from ._env.agents import ToolEnv
+from ._env.backend import InProcess, SlotBackend
+from ._env.env import (
     Env,
     Episode,
     EpisodeError,
@@ -48,21 +65,9 @@ from ._env import (
     StalledError,
     chat_messages,
 )
+from ._env.groups import Group, GroupFailedError, group_feed, run_group
 from ._eval import EvalConfig, EvalConfigError, EvalResult, run_eval
-from ._eval.report import report
 from ._eval.rescore import rescore
-from ._exceptions import ConfigError, TrioTasksetsError
-from ._groups import Group, GroupFailedError, group_feed, run_group
-from ._limits import (
-    CallObserver,
-    EndpointLimits,
-    RateLimiter,
-    observe_calls,
-    parked,
-    report_outcome,
-    report_progress,
-    rest,
-)
 from ._models import (
     Completion,
     EchoClient,
@@ -80,14 +85,9 @@ from ._models import (
     api_key_from_env,
 )
 from ._models.pool import sticky
-from ._runner import as_completed, fan_out, run_stream
+from ._report import report
 from ._serve import EnvClient, EnvServerError, ServedBackend, spawn_server
-from ._sources import merge, take, until
-from ._tasksets import Task, Taskset, TasksetConfig
-from ._training import Staleness, first
 from ._transport import HTTPClient, Timeouts
-from ._version import __version__
-from ._window import AdaptiveBounds, AdaptiveWindow, Window, build_window, parse_window
 from .tools import Tool, tool
 
 __all__ = [

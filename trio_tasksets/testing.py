@@ -8,8 +8,8 @@
 * `ScriptedClient`: a model client that answers from a script (completions, tool calls
   included, or functions of the messages and tools) and records every call in `.calls`;
   `reply(...)` builds a scripted reply, tool calls included.
-* `MemoryTaskQueue`: a worker's task queue (`trio_tasksets.queue.TaskQueue`) in memory: `put`
-  entries, run the worker loop over it (`trio_tasksets.consumer.consume`), read what it
+* `MemoryTaskQueue`: a worker's task queue (`trio_tasksets.worker.TaskQueue`) in memory: `put`
+  entries, run the worker loop over it (`trio_tasksets.worker.consume`), read what it
   `answered`, `refused` and still `held`; `reclaim()` hands a crashed worker's entries out
   again. The reference a queue of one's own is tested against (tests/test_queues.py).
 
@@ -31,11 +31,11 @@ from typing import Any, Generic, TypeVar
 import attrs
 import trio
 
-from ._env import task_data, task_key
-from ._exceptions import TrioTasksetsError
+from ._core.exceptions import TrioTasksetsError
+from ._core.tasksets import Task, Taskset, TasksetConfig
+from ._env.env import task_data, task_key
 from ._models import Completion, ModelClientBase, Sampling
-from ._tasksets import Task, Taskset, TasksetConfig
-from .queue import Finished, MalformedEntry, TaskEntry
+from .worker import Finished, MalformedEntry, TaskEntry
 
 __all__ = [
     "Feed",
@@ -388,7 +388,7 @@ def _completion(answer: object) -> Completion:
 
 
 class MemoryTaskQueue:
-    """A `TaskQueue` in memory (see `trio_tasksets.queue` for the guarantees it gives).
+    """A `TaskQueue` in memory (see `trio_tasksets.worker` for the guarantees it gives).
 
     `put(task, ...)` adds an entry (any task: its key and data travel, as through Redis);
     `answered` lists each published `Finished` in publish order, `refused` each entry

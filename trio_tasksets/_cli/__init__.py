@@ -4,7 +4,7 @@ One module per command (`eval`, `serve`, `worker` with `enqueue`), the options t
 (`options`), and `main` (the parser and the one style of error line).
 """
 
-from .._loading import resolve_target, resolve_taskset
+from .._env.loading import resolve_target, resolve_taskset
 from .main import main
 
 __all__ = ["main", "resolve_target", "resolve_taskset"]

@@ -12,12 +12,12 @@ from typing import Any
 
 import attrs
 
-from .._datasets import JsonlTaskset, data_target
-from .._env import Env, RetryPolicy
-from .._envspec import EnvSpec, config_from_json
-from .._exceptions import ConfigError
-from .._loading import LoadError, TravelError, import_failure, load_object, resolve_target
-from .._tasksets import Taskset, TasksetConfig
+from .._core.datasets import JsonlTaskset, data_target
+from .._core.exceptions import ConfigError
+from .._core.tasksets import Taskset, TasksetConfig
+from .._env.env import Env, RetryPolicy
+from .._env.loading import LoadError, TravelError, import_failure, load_object, resolve_target
+from .._env.spec import EnvSpec, config_from_json
 from .options import (
     PARAMETER_FLAGS,
     TASKSET_HELP,

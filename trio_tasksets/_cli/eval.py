@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING, Any, TextIO
 
 import trio
 
-from .._env import Env
+from .._env.env import Env
 from .._eval import EvalConfig, EvalConfigError, EvalResult, EvalWarning, run_eval
 from .._eval.config import check_max_failures, preflight, run_dir_for
 from .._models import ModelContext

@@ -15,8 +15,8 @@ import sys
 import traceback
 from collections.abc import Callable, Sequence
 
-from .._exceptions import ConfigError
-from .._version import __version__
+from .._core.exceptions import ConfigError
+from .._core.version import __version__
 from . import eval as eval_command
 from . import report as report_command
 from . import rescore as rescore_command

@@ -11,7 +11,8 @@ import os
 from typing import Any
 from urllib.parse import urlsplit
 
-from .._limits import EndpointLimits
+from .._core.adaptive import AdaptiveBounds
+from .._core.limits import EndpointLimits
 from .._models import (
     EchoClient,
     ModelClient,
@@ -21,7 +22,6 @@ from .._models import (
     api_key_from_env,
 )
 from .._models.engine import EngineMetrics
-from .._window import AdaptiveBounds
 from .options import DEFAULT_API_KEY_VAR, UsageError, given, per_minute, window_option
 
 __all__ = [

@@ -18,8 +18,8 @@ import math
 import sys
 from typing import TYPE_CHECKING
 
-from .._exceptions import ConfigError, EvalWarning, TrioTasksetsError
-from .._window import AdaptiveBounds, WindowArgumentError, parse_window
+from .._core.adaptive import AdaptiveBounds, WindowArgumentError, parse_window
+from .._core.exceptions import ConfigError, EvalWarning, TrioTasksetsError
 
 __all__ = [
     "DEFAULT_API_KEY_VAR",

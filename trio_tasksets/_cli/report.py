@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 from typing import TYPE_CHECKING
 
-from .._eval.report import ReportError, report
+from .._report import ReportError, report
 from .options import UsageError
 
 if TYPE_CHECKING:

@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING
 
 import trio
 
-from .._envspec import EnvSpec
+from .._env.spec import EnvSpec
 from .._serve.app import ServerApp
 from .._serve.policy import MAX_MODEL_RETRIES, MIN_MODEL_BACKOFF, Access, Limits, ModelPolicy
 from .._serve.process import bind_socket, is_loopback, serve_worker, supervise, url_of

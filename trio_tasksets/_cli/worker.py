@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING, Any
 
 import trio
 
-from .._env import Env
+from .._env.env import Env
 from .._models import ModelContext
 from .env_options import (
     add_env_options,

@@ -11,7 +11,7 @@
 Both go through `run_stream`. Each finished episode is appended to `traces.jsonl` at once.
 
 Rooms: `config` (settings and the checks before any work), `plan` (slots, resume), `run`
-(`run_eval`). Where each slot runs is a `trio_tasksets._backend.SlotBackend`, chosen once
+(`run_eval`). Where each slot runs is a `trio_tasksets._env.backend.SlotBackend`, chosen once
 (`EvalConfig.slot_backend()`); the served and Redis backends live with their transports
 (`serve.slots`, `redis.coordinator`), which this package never imports.
 """

@@ -10,14 +10,15 @@ from typing import Any
 
 import attrs
 
-from .._backend import InProcess, SlotBackend, backend_for
-from .._env import Env, Episode
-from .._exceptions import EvalConfigError as EvalConfigError  # their home is _exceptions
-from .._exceptions import EvalWarning as EvalWarning
-from .._loading import taskset_label, taskset_short_name, upgraded_label
-from .._metrics import check_metrics
+from .._core.adaptive import AdaptiveBounds, AdaptiveWindow, WindowArgumentError, build_window
+from .._core.exceptions import EvalConfigError as EvalConfigError  # their home is _exceptions
+from .._core.exceptions import EvalWarning as EvalWarning
+from .._core.window import Window
+from .._env.backend import InProcess, SlotBackend, backend_for
+from .._env.env import Env, Episode
+from .._env.loading import taskset_label, taskset_short_name, upgraded_label
 from .._models import ModelContext
-from .._window import AdaptiveBounds, AdaptiveWindow, Window, WindowArgumentError, build_window
+from .._monitor.metrics import check_metrics
 
 
 @attrs.define

@@ -10,11 +10,11 @@ from typing import Any
 
 import trio
 
-from .. import _dashboard as dashboard
-from .._env import Env, Episode, RunSlot, task_data, task_key
-from .._groups import Group, group_slots
-from .._loading import upgraded_label
-from .._traces import read_rows
+from .._env.env import Env, Episode, RunSlot, task_data, task_key
+from .._env.groups import Group, group_slots
+from .._env.loading import upgraded_label
+from .._env.traces import read_rows
+from .._monitor import dashboard
 from .config import IDENTITY, EvalConfig, EvalConfigError
 
 

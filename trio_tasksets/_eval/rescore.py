@@ -26,11 +26,11 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
-from .._env import Episode, EpisodeError, Reward, split_score
-from .._envspec import rebuild_task
-from .._runner import run_stream
-from .._tasksets import Taskset
-from .._traces import read_rows, write_atomic
+from .._core.runner import run_stream
+from .._core.tasksets import Taskset
+from .._env.env import Episode, EpisodeError, Reward, split_score
+from .._env.spec import rebuild_task
+from .._env.traces import read_rows, write_atomic
 from .config import EvalConfigError, EvalResult
 from .run import metric_summary, summarize
 

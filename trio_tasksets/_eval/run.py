@@ -36,20 +36,22 @@ from typing import Any
 import attrs
 import trio
 
-from .. import _dashboard as dashboard
-from .._backend import GroupRunner, SlotBackend
-from .._drain import stop_on
-from .._env import Env, Episode, EpisodeError, RunSlot, WindowFeed
-from .._groups import Group, OpenGroups, cause_first, group_slots, run_group
-from .._health import Health
-from .._limits import EndpointLimits, observe_calls
+from .._core.adaptive import AdaptiveWindow, window_spec
+from .._core.drain import stop_on
+from .._core.health import Health
+from .._core.limits import EndpointLimits, observe_calls
+from .._core.runner import pick_one, require_trio, run_stream
+from .._core.version import __version__
+from .._core.window import Window
+from .._env.backend import GroupRunner, SlotBackend
+from .._env.env import Env, Episode, EpisodeError, RunSlot, WindowFeed
+from .._env.groups import Group, OpenGroups, cause_first, group_slots, run_group
+from .._env.traces import open_traces, write_atomic
 from .._models import ModelContext
 from .._models.engine import EngineMetrics
 from .._models.openai import OpenAIClient
-from .._runner import pick_one, require_trio, run_stream
-from .._traces import open_traces, write_atomic
-from .._version import __version__
-from .._window import AdaptiveWindow, Window, window_spec
+from .._monitor import dashboard
+from .._report.stats import reward_interval
 from .config import (
     RECORD_FIELDS,
     UNRECORDED_FIELDS,
@@ -64,7 +66,6 @@ from .config import (
 )
 from .lock import LOCK_NAME, RunDirLock
 from .plan import from_groups, from_list, keep_resumable, plan_groups, plan_stream, static_slots
-from .report.stats import reward_interval
 
 # What each file of a run dir is called; a run that leaves no row behind removes them.
 _FILES = ("config.json", "traces.jsonl", "summary.json")
@@ -470,7 +471,7 @@ async def _run_eval(
 
 async def _start_metrics(nursery: trio.Nursery, metrics: Any, port: int | None) -> None:
     """`--metrics-port`: serve `metrics` in `nursery`, and say where (on stderr)."""
-    from .._metrics import serve_metrics
+    from .._monitor.metrics import serve_metrics
 
     bound = await nursery.start(serve_metrics, metrics, port or 0)
     print(f"trio-tasksets: metrics on http://127.0.0.1:{bound}/metrics", file=sys.stderr)
@@ -498,7 +499,7 @@ async def _execute(
     feed = WindowFeed(window, remote=backend.remote)
     metrics = None
     if config.metrics_port is not None:
-        from .._metrics import Metrics
+        from .._monitor.metrics import Metrics
 
         metrics = Metrics(health, window=window, endpoints=progress.endpoints)
     try:

@@ -27,8 +27,8 @@ from typing import TYPE_CHECKING, Any, Protocol, Self, cast, runtime_checkable
 
 import attrs
 
-from .._exceptions import TrioTasksetsError
-from .._limits import report_progress
+from .._core.exceptions import TrioTasksetsError
+from .._core.limits import report_progress
 
 if TYPE_CHECKING:
     pass  # only for a caller's own http_client; imported where used

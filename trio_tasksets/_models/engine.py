@@ -27,9 +27,9 @@ from urllib.parse import urlsplit
 
 import trio
 
-from .._exceptions import TrioTasksetsError
+from .._core.adaptive import AdaptiveWindow, EngineLoad
+from .._core.exceptions import TrioTasksetsError
 from .._transport import HTTPClient, HTTPError, Timeouts
-from .._window import AdaptiveWindow, EngineLoad
 
 __all__ = ["EngineMetrics", "EngineMetricsError", "parse_engine_metrics"]
 

@@ -9,8 +9,10 @@ from typing import TYPE_CHECKING, Any
 import orjson
 import trio
 
-from .._backoff import Backoff
-from .._limits import Call, EndpointLimits, pace, report_outcome, rest, says_request_rate
+from .._core.adaptive import AdaptiveWindow, Outcome
+from .._core.backoff import Backoff
+from .._core.limits import Call, EndpointLimits, pace, report_outcome, rest, says_request_rate
+from .._core.window import Window
 from .._transport import (
     DecodingError,
     HTTPClient,
@@ -20,7 +22,6 @@ from .._transport import (
     Timeouts,
     parse_retry_after,
 )
-from .._window import AdaptiveWindow, Outcome, Window
 from .base import (
     Completion,
     ModelClientBase,
@@ -64,7 +65,7 @@ def _record(
     latency: float | None = None,
 ) -> None:
     """One attempt's outcome: to its endpoint's limits (the adaptive window, tpm) and to
-    the observers of `trio_tasksets._limits.observe_calls`."""
+    the observers of `trio_tasksets._core.limits.observe_calls`."""
     if call is not None:
         call.record(outcome, retry_after=retry_after, tokens=tokens, latency=latency)
     report_outcome(outcome, retry_after=retry_after, latency=latency)
@@ -127,7 +128,7 @@ class OpenAIClient(ModelClientBase):
       ``max_tokens`` reserved when the request sets it, settled from the response's
       ``usage``). Each attempt's status feeds the endpoint's adaptive window; the
       Retry-After sleep before a retry happens outside the gate and never extends its
-      cooldown. Each attempt's outcome also goes to `trio_tasksets._limits.report_outcome`
+      cooldown. Each attempt's outcome also goes to `trio_tasksets._core.limits.report_outcome`
       (for an adaptive rollout window), with or without ``limits``.
 
     The transport is a `trio_tasksets._transport.HTTPClient` (trio, a keep-alive pool

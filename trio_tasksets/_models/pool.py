@@ -45,8 +45,9 @@ from typing import Any, Protocol
 import attrs
 import trio
 
-from .._limits import EndpointLimits
-from .._window import AdaptiveBounds, Window
+from .._core.adaptive import AdaptiveBounds
+from .._core.limits import EndpointLimits
+from .._core.window import Window
 from .base import Completion, ModelConnectionError, ModelTimeoutError, Sampling
 from .engine import EngineMetrics
 

@@ -12,13 +12,13 @@ from typing import Any, ClassVar
 import attrs
 import trio
 
-from .._env import Env, Episode, RunSlot
-from .._health import Health
-from .._limits import observe_calls
-from .._metrics import Metrics
+from .._core.health import Health
+from .._core.limits import observe_calls
+from .._core.runner import ElasticPlaces, pick_one
+from .._core.tasksets import Taskset
+from .._env.env import Env, Episode, RunSlot
 from .._models import ModelContext
-from .._runner import ElasticPlaces, pick_one
-from .._tasksets import Taskset
+from .._monitor.metrics import Metrics
 from .asgi import Message, Receive, Send, ServerStats, encode_answer
 from .policy import Access, Limits, ModelClients, ModelPolicy, RequestRefused, log_refusal
 from .session import WSSession, deadline_passed

@@ -11,7 +11,7 @@ from urllib.parse import urlsplit
 
 import trio
 
-from .._env import Episode, OnComplete, RetryPolicy, RunSlot, complete_slot
+from .._env.env import Episode, OnComplete, RetryPolicy, RunSlot, complete_slot
 from .._models import ModelContext
 from .._transport import HTTPError
 from .errors import EnvServerError, transport_reason

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from .._exceptions import TrioTasksetsError
+from .._core.exceptions import TrioTasksetsError
 from .._transport import ConnectError, ConnectionClosed, HTTPError, HTTPTimeout, ProtocolError
 
 

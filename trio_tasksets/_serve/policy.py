@@ -29,13 +29,14 @@ from urllib.parse import urlsplit
 import attrs
 import trio
 
-from .._exceptions import TrioTasksetsError
-from .._limits import EndpointLimits
+from .._core.adaptive import AdaptiveWindow
+from .._core.exceptions import TrioTasksetsError
+from .._core.limits import EndpointLimits
+from .._core.window import Window
 from .._models import EchoClient, ModelClient, OpenAIClient
 from .._models.engine import EngineMetrics
 from .._models.pool import DEFAULT_WINDOW
 from .._transport import HTTPClient
-from .._window import AdaptiveWindow, Window
 from .wire import MAX_BODY_BYTES, ClientSpec, EchoSpec, Forbidden, OpenAISpec
 
 log = logging.getLogger("trio_tasksets._serve")

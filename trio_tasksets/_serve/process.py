@@ -12,7 +12,7 @@ from typing import Any
 
 import trio
 
-from .._drain import stop_on
+from .._core.drain import stop_on
 from .app import ServerApp
 from .wire import READY_PREFIX
 
@@ -95,7 +95,7 @@ async def serve_worker(
 ) -> None:
     """Serve `app` on the listening socket `fd` until SIGTERM/SIGINT (or stdin EOF with
     `die_with_parent`), holding `env.serving()` throughout; announce `url` once listening.
-    With `metrics_port`, also serve the worker's metrics there (`trio_tasksets._metrics`)."""
+    With `metrics_port`, also serve the worker's metrics there (`trio_tasksets._monitor.metrics`)."""
     from hypercorn.config import Config
     from hypercorn.trio import serve
 
@@ -132,8 +132,8 @@ async def serve_worker(
 
 
 async def _serve_metrics(app: ServerApp, nursery: trio.Nursery, port: int) -> None:
-    from .._health import Health
-    from .._metrics import Metrics, serve_metrics
+    from .._core.health import Health
+    from .._monitor.metrics import Metrics, serve_metrics
 
     app.run_health = health = Health()
     stats = app.stats

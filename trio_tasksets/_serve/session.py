@@ -12,10 +12,10 @@ from typing import Any, Protocol
 import orjson
 import trio
 
-from .._env import Episode, RunSlot
+from .._core.runner import pick_one
+from .._core.tasksets import Taskset
+from .._env.env import Episode, RunSlot
 from .._models import ModelContext
-from .._runner import pick_one
-from .._tasksets import Taskset
 from .asgi import Message, Receive, Send, ServerStats, encode_answer
 from .policy import Limits, ModelClients
 from .wire import (

@@ -14,13 +14,14 @@ from typing import Any
 import attrs
 import trio
 
-from .._backend import SlotRunner
-from .._dashboard import Progress
-from .._env import Env, Episode, OnComplete, RunSlot
-from .._envspec import EnvSpec, TravelError
-from .._exceptions import EvalConfigError
+from .._core.adaptive import AdaptiveWindow
+from .._core.exceptions import EvalConfigError
+from .._core.window import Window
+from .._env.backend import SlotRunner
+from .._env.env import Env, Episode, OnComplete, RunSlot
+from .._env.spec import EnvSpec, TravelError
 from .._models import ModelContext, OpenAIClient
-from .._window import AdaptiveWindow, Window
+from .._monitor.dashboard import Progress
 from .client import EnvClient
 from .errors import EnvServerError
 from .spawn import ServerProcess, spawn_server

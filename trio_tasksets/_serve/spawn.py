@@ -15,8 +15,8 @@ from typing import IO, Any
 import attrs
 import trio
 
-from .._env import Env
-from .._envspec import EnvSpec
+from .._env.env import Env
+from .._env.spec import EnvSpec
 from .client import EnvClient
 from .errors import EnvServerError
 from .process import stop_process

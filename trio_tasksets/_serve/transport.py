@@ -10,8 +10,8 @@ import orjson
 import outcome
 import trio
 
-from .._exceptions import TrioTasksetsError
-from .._runner import pick_one
+from .._core.exceptions import TrioTasksetsError
+from .._core.runner import pick_one
 from .._transport import HTTPClient, ResponseTooLarge, Timeouts
 from .wire import WS_MAX_BATCH, coalesce
 

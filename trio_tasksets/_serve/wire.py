@@ -11,12 +11,12 @@ import attrs
 import orjson
 import trio
 
-from .. import _batching as batching
-from .._env import RunSlot, task_data, task_key
-from .._envspec import TravelError, rebuild_task
-from .._exceptions import TrioTasksetsError
+from .._core import batching
+from .._core.exceptions import TrioTasksetsError
+from .._core.tasksets import Taskset
+from .._env.env import RunSlot, task_data, task_key
+from .._env.spec import TravelError, rebuild_task
 from .._models import EchoClient, ModelClient, ModelContext, OpenAIClient, Sampling
-from .._tasksets import Taskset
 
 TOKEN_VAR = "TT_SERVE_TOKEN"
 """The environment variable a spawned server reads its bearer token from, and the one an

@@ -24,7 +24,7 @@ import attrs
 import h11
 import trio
 
-from .._exceptions import TrioTasksetsError
+from .._core.exceptions import TrioTasksetsError
 from .support import ConnectError, ProtocolError, ProxyError, Route
 
 __all__ = [

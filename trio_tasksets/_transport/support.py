@@ -21,7 +21,7 @@ from urllib.parse import unquote, urlsplit
 
 import attrs
 
-from .._exceptions import ConfigError, TrioTasksetsError
+from .._core.exceptions import ConfigError, TrioTasksetsError
 
 __all__ = [
     "ConnectError",

@@ -11,7 +11,7 @@ from typing import Generic, TypeVar, TypeVarTuple, Unpack
 
 import trio
 
-from .._exceptions import TrioTasksetsError
+from .._core.exceptions import TrioTasksetsError
 from ._loop import AsyncioCancelled
 
 T = TypeVar("T")

@@ -63,7 +63,8 @@ from typing import Any, ClassVar, TypeVar, cast
 import attrs
 import trio
 
-from .._env import (
+from .._core.tasksets import Taskset, TasksetConfig
+from .._env.env import (
     Env,
     Episode,
     Message,
@@ -75,7 +76,6 @@ from .._env import (
     complete_slot,
 )
 from .._models import Completion, ModelContext, Sampling
-from .._tasksets import Taskset, TasksetConfig
 from ._feeds import as_taskset
 from ._loop import LoopKind, bridge_loop, call_aio, open_loop, trio_asyncio_module, unwrap
 

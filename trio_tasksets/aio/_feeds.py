@@ -9,7 +9,7 @@ from typing import Any, ClassVar, TypeVar, cast
 
 import trio
 
-from .._tasksets import Taskset, TasksetConfig, aclose_source, stream_view
+from .._core.tasksets import Taskset, TasksetConfig, aclose_source, stream_view
 from ._loop import LoopKind, add_note, bridge_loop, call_aio, open_loop, trio_asyncio_module
 
 __all__ = ["AsyncioTaskset", "as_taskset"]

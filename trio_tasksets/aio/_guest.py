@@ -53,11 +53,11 @@ from typing import Any, TypeVar, TypeVarTuple, Unpack, cast
 import outcome
 import trio
 
-from .._env import Env
+from .._core.runner import run_stream as _trio_run_stream
+from .._env.env import Env
 from .._eval import EvalConfig, EvalResult
 from .._eval import run_eval as _trio_run_eval
 from .._models import ModelContext
-from .._runner import run_stream as _trio_run_stream
 from ._adapters import AsyncioRun, AsyncioSource, GuestRunStopped, set_host_loop
 from ._loop import AsyncioCancelled
 

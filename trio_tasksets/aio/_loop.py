@@ -14,7 +14,7 @@ from typing import Any, Literal, TypeVar, TypeVarTuple, Unpack
 
 import trio
 
-from .._exceptions import TrioTasksetsError
+from .._core.exceptions import TrioTasksetsError
 from ._host import guest_host_loop, host_loop, thread_loop
 
 T = TypeVar("T")

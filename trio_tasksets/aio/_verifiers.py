@@ -56,11 +56,11 @@ from typing import Any
 
 import attrs
 
-from .._env import Episode, EpisodeError, EpisodeTask, RetryPolicy, Reward, RunSlot
-from .._exceptions import ConfigError, TrioTasksetsError
+from .._core.exceptions import ConfigError, TrioTasksetsError
+from .._core.tasksets import TasksetConfig
+from .._env.env import Episode, EpisodeError, EpisodeTask, RetryPolicy, Reward, RunSlot
 from .._models import ModelContext, OpenAIClient, Sampling
 from .._serve.wire import openai_api_key
-from .._tasksets import TasksetConfig
 from ._bridge_env import AsyncioModelContext, BridgedEnv
 from ._feeds import AsyncioTaskset
 

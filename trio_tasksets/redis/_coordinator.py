@@ -48,15 +48,15 @@ import attrs
 import orjson
 import trio
 
-from .. import _dashboard as dashboard
-from .._backend import GroupRunner, SlotRunner, Track
-from .._batching import take_ready
-from .._env import Env, Episode, OnComplete, RunSlot, complete_slot
-from .._exceptions import EvalConfigError, TrioTasksetsError
-from .._groups import Group
+from .._core.batching import take_ready
+from .._core.exceptions import EvalConfigError, TrioTasksetsError
+from .._core.runner import fan_out
+from .._core.window import Window, prioritized
+from .._env.backend import GroupRunner, SlotRunner, Track
+from .._env.env import Env, Episode, OnComplete, RunSlot, complete_slot
+from .._env.groups import Group
 from .._models import ModelContext
-from .._runner import fan_out
-from .._window import Window, prioritized
+from .._monitor import dashboard
 from ._entries import (
     DEADLINE_FIELD,
     ENV_FIELD,

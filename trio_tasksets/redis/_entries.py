@@ -24,10 +24,10 @@ import attrs
 import orjson
 import trio
 
-from .._env import task_data, task_key
-from .._envspec import Declaration, taskset_arg
-from .._tasksets import Task
-from ..queue import EntryRefused, MalformedEntry
+from .._core.tasksets import Task
+from .._env.env import task_data, task_key
+from .._env.spec import Declaration, taskset_arg
+from ..worker import EntryRefused, MalformedEntry
 from ._resp import Address
 
 __all__ = [

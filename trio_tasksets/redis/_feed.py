@@ -10,7 +10,7 @@ from typing import Any, Generic, TypeVar
 import orjson
 import trio
 
-from .._tasksets import Taskset, TasksetConfig
+from .._core.tasksets import Taskset, TasksetConfig
 from ._entries import (
     REFUSED_FIELD,
     Delivery,

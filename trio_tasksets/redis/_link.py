@@ -7,8 +7,8 @@ from typing import Any, TypeVar
 
 import trio
 
-from .._backoff import Backoff
-from .._exceptions import TrioTasksetsError
+from .._core.backoff import Backoff
+from .._core.exceptions import TrioTasksetsError
 from ._entries import Log, redact
 from ._resp import (
     MAX_REPLY_BYTES,

@@ -4,7 +4,7 @@ The feed (`RedisStreamTaskset.claims`: own pending entries, then a dead worker's
 then new ones; malformed and refused entries dead-lettered) and the sink
 (`RedisResults.publish_many`: each row `XADD`ed and its entry `XACK`ed in one `MULTI/EXEC`;
 `keep_alive`: the idle time of held entries reset) behind the interface of
-`trio_tasksets.queue`, which `trio_tasksets.consumer.consume` runs. docs/distributed.md
+`trio_tasksets.worker`, which `trio_tasksets.worker.consume` runs. docs/distributed.md
 says what each guarantee costs in Redis commands.
 """
 
@@ -15,7 +15,7 @@ from typing import TypeVar
 
 import attrs
 
-from ..queue import Finished, TaskEntry
+from ..worker import Finished, TaskEntry
 from ._entries import Delivery, EntryRef, Log, redact
 from ._feed import RedisStreamTaskset
 from ._results import Answer, RedisResults

@@ -18,7 +18,7 @@ import attrs
 import hiredis
 import trio
 
-from .._exceptions import TrioTasksetsError
+from .._core.exceptions import TrioTasksetsError
 
 Arg = str | bytes | int | float
 Command = Sequence[Arg]

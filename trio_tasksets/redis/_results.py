@@ -8,8 +8,8 @@ from typing import Any
 import attrs
 import orjson
 
-from .._env import Episode
-from .._tasksets import Taskset
+from .._core.tasksets import Taskset
+from .._env.env import Episode
 from ._entries import (
     ENV_FIELD,
     GROUP_FIELD,

@@ -1,6 +1,6 @@
 """`run_worker`: the long-running service over a Redis stream, running the user's env.
 
-It is the worker loop of every feed (`trio_tasksets.consumer.consume`) over the Redis task
+It is the worker loop of every feed (`trio_tasksets.worker.consume`) over the Redis task
 queue (`trio_tasksets.redis.RedisTaskQueue`), set up from a `WorkerConfig`."""
 
 from __future__ import annotations
@@ -13,10 +13,11 @@ from typing import Any
 import attrs
 import trio
 
-from .._env import Env
+from .._core.adaptive import AdaptiveBounds, build_window
+from .._core.window import Window
+from .._env.env import Env
 from .._models import ModelContext
-from .._window import AdaptiveBounds, Window, build_window
-from ..consumer import WorkerReport, consume, run_by
+from ..worker import WorkerReport, consume, run_by
 from ._entries import Log, stderr_log
 from ._queue import RedisTaskQueue
 

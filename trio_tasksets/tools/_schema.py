@@ -24,7 +24,7 @@ from typing import Any, Literal, TypeVar, overload
 import attrs
 import trio
 
-from .._exceptions import TrioTasksetsError
+from .._core.exceptions import TrioTasksetsError
 
 __all__ = ["Tool", "ToolArgumentError", "tool"]
 

@@ -38,7 +38,7 @@ from pathlib import Path
 
 import trio
 
-from .._exceptions import ConfigError
+from .._core.exceptions import ConfigError
 from ._schema import Tool, tool
 
 __all__ = ["shell"]

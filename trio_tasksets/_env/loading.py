@@ -17,11 +17,11 @@ import traceback
 from pathlib import Path
 from typing import Any
 
-from ._builtin import BUILTIN
-from ._datasets import DATA_SUFFIXES, data_target
-from ._env import Env
-from ._exceptions import ConfigError, TrioTasksetsError
-from ._tasksets import Taskset
+from .._core.builtin import BUILTIN
+from .._core.datasets import DATA_SUFFIXES, data_target
+from .._core.exceptions import ConfigError, TrioTasksetsError
+from .._core.tasksets import Taskset
+from .env import Env
 
 FILE_MODULE_PREFIX = "_trio_tasksets_user_"  # the module name a file loaded by path gets
 
@@ -46,7 +46,7 @@ def _module_file(module_name: str) -> str | None:
 
 def _public_home(module_name: str, qualname: str, obj: Any) -> str:
     """The shortest public module of this package that binds `obj` as `qualname`
-    (`trio_tasksets._builtin` -> `trio_tasksets`, `trio_tasksets.redis._feed` ->
+    (`trio_tasksets._core.builtin` -> `trio_tasksets`, `trio_tasksets.redis._feed` ->
     `trio_tasksets.redis`), so that a name the program records (an env spec, a Redis entry's
     declaration, a run's taskset) is the public one, which survives moves of the private
     modules; else `module_name`."""

@@ -23,13 +23,13 @@ from typing import Any, TypeVar
 import attrs
 import trio
 
-from ._env import Env, Message, chat_messages, note_rollout
-from ._exceptions import ConfigError
-from ._limits import report_progress
-from ._models import ModelContext, ToolCall
-from ._runner import fan_out
-from ._tasksets import Taskset
-from .tools import Tool, ToolArgumentError, tool
+from .._core.exceptions import ConfigError
+from .._core.limits import report_progress
+from .._core.runner import fan_out
+from .._core.tasksets import Taskset
+from .._models import ModelContext, ToolCall
+from ..tools import Tool, ToolArgumentError, tool
+from .env import Env, Message, chat_messages, note_rollout
 
 __all__ = ["ToolEnv", "tool_answer_text"]
 

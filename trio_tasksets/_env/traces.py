@@ -23,7 +23,7 @@ from typing import Any
 import orjson
 import trio
 
-from ._runner import pick_one
+from .._core.runner import pick_one
 
 __all__ = ["TraceWriter", "open_traces", "read_rows", "write_atomic"]
 

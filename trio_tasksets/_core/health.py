@@ -24,7 +24,7 @@ from typing import Any
 
 import trio
 
-from ._limits import CallObserver
+from .limits import CallObserver
 
 __all__ = ["Health"]
 

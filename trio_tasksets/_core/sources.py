@@ -15,7 +15,7 @@ from typing import Any, TypeVar
 
 import trio
 
-from ._runner import check_source, close_iterator, pick_one
+from .runner import check_source, close_iterator, pick_one
 
 __all__ = ["Merged", "Until", "merge", "take", "until"]
 

@@ -32,12 +32,12 @@ from typing import Any, Protocol, runtime_checkable
 
 import attrs
 
-from ._dashboard import Progress
-from ._env import Env, Episode, OnComplete, RunSlot
-from ._exceptions import EvalConfigError
-from ._groups import Group
-from ._models import ModelContext
-from ._window import Window
+from .._core.exceptions import EvalConfigError
+from .._core.window import Window
+from .._models import ModelContext
+from .._monitor.dashboard import Progress
+from .env import Env, Episode, OnComplete, RunSlot
+from .groups import Group
 
 __all__ = ["GroupRunner", "InProcess", "SlotBackend", "SlotRunner", "Track", "backend_for"]
 

@@ -37,7 +37,8 @@ from typing import Any
 import attrs
 import trio
 
-from ._window import AdaptiveBounds, AdaptiveWindow, Outcome, Window
+from .adaptive import AdaptiveBounds, AdaptiveWindow, Outcome
+from .window import Window
 
 __all__ = [
     "Call",

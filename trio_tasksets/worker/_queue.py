@@ -1,4 +1,4 @@
-"""The worker side's seam: a `TaskQueue`, what the worker loop (`trio_tasksets.consumer`)
+"""The worker side's seam: a `TaskQueue`, what the worker loop (`trio_tasksets.worker`)
 consumes.
 
 An eval chooses where its slots run through one `SlotBackend`; a worker chooses what it
@@ -39,7 +39,7 @@ The guarantees a queue gives (the loop relies on each):
 An entry may carry a `deadline` (epoch seconds): the loop runs it under the time left and
 answers one taken after it as a failed episode (`DeadlineExceededError`) without running
 it. An entry may be a **group** (`group` set, `rollouts` > 1: SPEC 10): the loop runs its
-rollouts together on this worker (`trio_tasksets._groups.run_group`) and publishes all
+rollouts together on this worker (`trio_tasksets._env.groups.run_group`) and publishes all
 their rows in one `Finished`.
 """
 
@@ -50,32 +50,15 @@ from typing import Any, Protocol, TypeVar, runtime_checkable
 
 import attrs
 
-from ._env import Episode
-from ._exceptions import TrioTasksetsError
-from ._tasksets import Task
+from .._core.exceptions import MalformedEntry
+from .._core.tasksets import Task
+from .._env.env import Episode
 
-__all__ = [
-    "EntryRefused",
-    "Finished",
-    "MalformedEntry",
-    "TaskEntry",
-    "TaskQueue",
-    "plain_task",
-]
+__all__ = ["Finished", "TaskEntry", "TaskQueue", "plain_task"]
 
 T = TypeVar("T")
 
 _TASK_DATA = frozenset({"prompt", "answer", "info", "system_prompt"})
-
-
-class MalformedEntry(TrioTasksetsError, ValueError):
-    """An entry that does not hold a task this worker can run: acknowledged without running
-    it (Redis: moved to the dead-letter stream) and logged."""
-
-
-class EntryRefused(MalformedEntry):
-    """An entry this worker will not run (declared for another env): acknowledged without
-    running it, and the reason sent to its producer if it waits for the answer."""
 
 
 def _positive(instance: object, attribute: attrs.Attribute[int], value: int) -> None:

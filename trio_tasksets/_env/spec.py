@@ -10,10 +10,12 @@ from typing import Any
 import attrs
 import orjson
 
-from ._builtin import BUILTIN
-from ._env import Env, RetryPolicy, answer_match
-from ._exceptions import ConfigError
-from ._loading import (
+from .._core.builtin import BUILTIN
+from .._core.exceptions import ConfigError, MalformedEntry
+from .._core.tasksets import Task, Taskset
+from .._models import ModelContext
+from .env import Env, RetryPolicy, answer_match
+from .loading import (
     LoadError,
     TravelError,
     import_failure,
@@ -21,9 +23,6 @@ from ._loading import (
     object_spec,
     resolve_target,
 )
-from ._models import ModelContext
-from ._tasksets import Task, Taskset
-from .queue import MalformedEntry
 
 __all__ = [
     "Declaration",

@@ -1,4 +1,4 @@
-"""`consume`: the worker loop, over any `TaskQueue` (`trio_tasksets.queue`).
+"""`consume`: the worker loop, over any `TaskQueue` (`trio_tasksets.worker`).
 
 What every worker does, whatever feeds it (`trio-tasksets worker` is this loop over
 `trio_tasksets.redis.RedisTaskQueue`):
@@ -37,10 +37,16 @@ from typing import Any
 import attrs
 import trio
 
-from . import _dashboard as dashboard
-from ._batching import take_ready
-from ._drain import stop_on
-from ._env import (
+from .._core.adaptive import AdaptiveWindow, window_spec
+from .._core.batching import take_ready
+from .._core.drain import stop_on
+from .._core.exceptions import EntryRefused, MalformedEntry
+from .._core.health import Health
+from .._core.limits import EndpointLimits, observe_calls
+from .._core.runner import as_completed, pick_one
+from .._core.tasksets import Task, Taskset, TasksetConfig
+from .._core.window import Window
+from .._env.env import (
     DeadlineExceededError,
     Env,
     Episode,
@@ -53,16 +59,12 @@ from ._env import (
     task_data,
     task_key,
 )
-from ._envspec import Declaration, rebuild_task, taskset_arg
-from ._groups import Group, cause_first, run_group
-from ._health import Health
-from ._limits import EndpointLimits, observe_calls
-from ._models import ModelContext
-from ._models.openai import OpenAIClient
-from ._runner import as_completed, pick_one
-from ._tasksets import Task, Taskset, TasksetConfig
-from ._window import AdaptiveWindow, Window, window_spec
-from .queue import EntryRefused, Finished, MalformedEntry, TaskEntry, TaskQueue, plain_task
+from .._env.groups import Group, cause_first, run_group
+from .._env.spec import Declaration, rebuild_task, taskset_arg
+from .._models import ModelContext
+from .._models.openai import OpenAIClient
+from .._monitor import dashboard
+from ._queue import Finished, TaskEntry, TaskQueue, plain_task
 
 __all__ = ["WorkerReport", "consume", "run_by", "run_group_by"]
 
@@ -254,7 +256,7 @@ async def consume(
     progress.endpoints = stats if callable(stats) else None  # many --base-url: a row each
     metrics = None
     if metrics_port is not None:
-        from ._metrics import Metrics
+        from .._monitor.metrics import Metrics
 
         metrics = Metrics(health, window=window, endpoints=progress.endpoints)
     publisher = _Publisher(queue)
@@ -333,7 +335,7 @@ async def consume(
                     # --engine-metrics: one endpoint's moves -c, many endpoints' each its own
                     nursery.start_soon(ctx.client.feed_engine_metrics, window)
                 if metrics is not None:
-                    from ._metrics import serve_metrics
+                    from .._monitor.metrics import serve_metrics
 
                     bound = await nursery.start(serve_metrics, metrics, metrics_port)
                     say(f"metrics on http://127.0.0.1:{bound}/metrics")

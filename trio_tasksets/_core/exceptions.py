@@ -138,3 +138,13 @@ class EvalConfigError(ConfigError):
 class EvalWarning(_Spelled, UserWarning):
     """A setting that works, but not as written (`num_examples` larger than a static
     taskset); it names its parameters as a `ConfigError` does."""
+
+
+class MalformedEntry(TrioTasksetsError, ValueError):
+    """An entry that does not hold a task this worker can run: acknowledged without running
+    it (Redis: moved to the dead-letter stream) and logged."""
+
+
+class EntryRefused(MalformedEntry):
+    """An entry this worker will not run (declared for another env): acknowledged without
+    running it, and the reason sent to its producer if it waits for the answer."""

@@ -16,14 +16,15 @@ from typing import Any, Generic, TypeVar
 import attrs
 import trio
 
-from ._backoff import Backoff
-from ._exceptions import TrioTasksetsError
-from ._limits import CallObserver, observe_calls, parked, report_outcome
-from ._models import Completion, ModelContext, ModelHTTPError, Tokens, observe_completions
-from ._models.pool import sticky
-from ._tasksets import Taskset
-from ._training import current_run
-from ._window import AdaptiveWindow, Outcome, Window
+from .._core.adaptive import AdaptiveWindow, Outcome
+from .._core.backoff import Backoff
+from .._core.exceptions import TrioTasksetsError
+from .._core.limits import CallObserver, observe_calls, parked, report_outcome
+from .._core.tasksets import Taskset
+from .._core.training import current_run
+from .._core.window import Window
+from .._models import Completion, ModelContext, ModelHTTPError, Tokens, observe_completions
+from .._models.pool import sticky
 
 __all__ = [
     "Env",
@@ -155,7 +156,7 @@ class EpisodeError:
 
 _OWN_CODE = tuple(
     os.path.dirname(module.__file__) + os.sep
-    for module in (sys.modules[__name__.rpartition(".")[0]], trio)
+    for module in (sys.modules[__name__.partition(".")[0]], trio)
     if module.__file__ is not None
 )
 
@@ -187,7 +188,7 @@ class Episode:
     last reply's. `timing` holds `started` and `finished` (epoch seconds), `duration`
     (seconds, every attempt and backoff included) and, of that duration, `waited_connection`
     and `waited_rate`: the seconds its model calls waited for a connection slot and for the
-    rpm/tpm limiters (`trio_tasksets._limits.EndpointLimits`; 0.0 without limits; rows written
+    rpm/tpm limiters (`trio_tasksets._core.limits.EndpointLimits`; 0.0 without limits; rows written
     before these existed lack them), and `working`: the duration less every wait of the
     runner's own (`limits.parked`: limiters, rests before a retry, retry backoff).
 

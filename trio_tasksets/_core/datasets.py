@@ -36,8 +36,8 @@ from typing import Any, TextIO
 import attrs
 import trio
 
-from ._exceptions import TrioTasksetsError
-from ._tasksets import Task, Taskset, TasksetConfig
+from .exceptions import TrioTasksetsError
+from .tasksets import Task, Taskset, TasksetConfig
 
 __all__ = [
     "HF_EXTRA",

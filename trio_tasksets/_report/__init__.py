@@ -27,7 +27,7 @@ from typing import Any
 
 import orjson
 
-from ..._traces import write_atomic
+from .._env.traces import write_atomic
 from .data import ReportError, RunData, load_run
 from .figures import Figures, compute
 from .render import compare_table, run_section

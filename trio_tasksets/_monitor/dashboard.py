@@ -38,8 +38,9 @@ from rich.progress_bar import ProgressBar
 from rich.table import Table
 from rich.text import Text
 
-from ._limits import ConnectionLimiter
-from ._window import AdaptiveWindow, Window
+from .._core.adaptive import AdaptiveWindow
+from .._core.limits import ConnectionLimiter
+from .._core.window import Window
 
 __all__ = ["Progress", "show"]
 

@@ -27,8 +27,8 @@ from typing import TypeVar
 import attrs
 import trio
 
-from ._runner import as_completed, check_source, close_iterator
-from ._window import Window
+from .runner import as_completed, check_source, close_iterator
+from .window import Window
 
 __all__ = ["LiveRun", "Staleness", "current_run", "first", "policy_fields"]
 

@@ -31,11 +31,11 @@ from typing import Any
 import attrs
 import trio
 
-from ._env import Env, Episode, EpisodeError, EpisodeTask, RunSlot, new_id, task_data, task_key
-from ._exceptions import TrioTasksetsError
-from ._models.pool import sticky
-from ._runner import ResultRefused, close_iterator, fan_out_placing
-from ._window import Window, prioritized
+from .._core.exceptions import TrioTasksetsError
+from .._core.runner import ResultRefused, close_iterator, fan_out_placing
+from .._core.window import Window, prioritized
+from .._models.pool import sticky
+from .env import Env, Episode, EpisodeError, EpisodeTask, RunSlot, new_id, task_data, task_key
 
 __all__ = [
     "Group",

@@ -8,7 +8,7 @@ from collections.abc import AsyncIterator, Iterable
 import attrs
 import trio
 
-from ._tasksets import Task, Taskset, TasksetConfig
+from .tasksets import Task, Taskset, TasksetConfig
 
 __all__ = ["BUILTIN", "EchoConfig", "EchoStreamConfig", "EchoStreamTaskset", "EchoTaskset"]
 

@@ -26,8 +26,8 @@ from typing import TYPE_CHECKING, Any
 
 import trio
 
-from ._health import Health
-from ._window import Window
+from .._core.health import Health
+from .._core.window import Window
 
 if TYPE_CHECKING:
     from prometheus_client.registry import CollectorRegistry

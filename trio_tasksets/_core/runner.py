@@ -40,8 +40,8 @@ from typing import Any, TypeVar, cast
 
 import trio
 
-from ._exceptions import TrioTasksetsError
-from ._window import Window, take_place
+from .exceptions import TrioTasksetsError
+from .window import Window, take_place
 
 __all__ = ["ElasticPlaces", "as_completed", "fan_out", "run_stream"]
 

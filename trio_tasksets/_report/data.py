@@ -19,7 +19,7 @@ from typing import Any
 import attrs
 import orjson
 
-from ..._exceptions import TrioTasksetsError
+from .._core.exceptions import TrioTasksetsError
 
 __all__ = ["ReportError", "RunData", "load_run", "run_from_rows"]
 
