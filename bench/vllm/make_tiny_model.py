@@ -1,6 +1,6 @@
 """Build a tiny random-weight chat model that vLLM can serve, with no model hub.
 
-    /work/vllm-venv/bin/python bench/vllm/make_tiny_model.py DIR [--layers 4] [--hidden 256]
+    "$VLLM_VENV"/bin/python bench/vllm/make_tiny_model.py DIR [--layers 4] [--hidden 256]
 
 Run with the vLLM venv's Python (it has `transformers`, `tokenizers` and `torch`; the
 project's own venv does not need them). Writes to DIR, with `save_pretrained`:

