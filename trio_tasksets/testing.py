@@ -310,7 +310,7 @@ ScriptStep = Answer | Callable[[list[dict[str, Any]], list[dict[str, Any]] | Non
 
 
 class ScriptedClient(ModelClientBase):
-    """A `ModelClient` that answers from a script, for tests (SPEC 9).
+    """A `ModelClient` that answers from a script, for tests (tool calls included).
 
     `replies` is either a sequence, answered in call order (one step per call, across every
     rollout using the client), or one function answering every call. A step is a

@@ -1,4 +1,4 @@
-"""`trio-tasksets rescore RUN_DIR --reward SPEC`: a run's rows scored again, into a new run dir."""
+"""`trio-tasksets rescore RUN_DIR --reward TARGET`: a run's rows scored again, into a new run dir."""
 
 from __future__ import annotations
 
@@ -29,7 +29,7 @@ def add_parser(commands: Commands) -> argparse.ArgumentParser:
     )
     parser.add_argument("run_dir", metavar="RUN_DIR", help="<output-dir>/<run-name>")
     parser.add_argument(
-        "--reward", required=True, metavar="SPEC",
+        "--reward", required=True, metavar="TARGET",
         help="the reward: file.py:function or package.module:function, (task, completion) -> "
         "a number or {'reward': ..., name: metric}",
     )  # fmt: skip

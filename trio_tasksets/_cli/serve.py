@@ -161,7 +161,7 @@ def add_parser(commands: Commands) -> argparse.ArgumentParser:
         f"{DEFAULTS.model_clients})",
     )
     env.add_argument(
-        "--reward", default=None, metavar="SPEC",
+        "--reward", default=None, metavar="TARGET",
         help="a reward function (default: the taskset's, else answer match)",
     )  # fmt: skip
     env.add_argument(

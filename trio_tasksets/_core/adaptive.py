@@ -597,7 +597,7 @@ class AdaptiveWindow(Window):
 
     def __init__(
         self,
-        min: int,  # the SPEC names: AdaptiveWindow(min, start, max)
+        min: int,  # public names: AdaptiveWindow(min, start, max)
         start: int,
         max: int,
         *,

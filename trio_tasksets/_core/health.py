@@ -1,4 +1,4 @@
-"""The health of a run (SPEC 12): the trio scheduler's lag, the peak in flight, and the
+"""The health of a run: the trio scheduler's lag, the peak in flight, and the
 seconds waited per kind of limit; what `summary.json["health"]`, the dashboard and
 `--metrics-port` show.
 

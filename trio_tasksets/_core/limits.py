@@ -19,7 +19,7 @@
 * `parked(kind)`: the block is one of the runner's own waits (`"connection"`, `"rpm"`,
   `"tpm"`, `"retry_after"`, `"backoff"`, `"retry"`, `"pace"`: a request-rate limit's
   pacing); the observers hear it begin
-  (`on_park`) and end (`on_unpark`), so a working-time clock stops while it lasts (SPEC 12).
+  (`on_park`) and end (`on_unpark`), so a working-time clock stops while it lasts (working time is wall time less these waits).
   The limiters here and `rest` wait inside one.
 
 All of them only read `trio.current_time()`, so they are exact on a `MockClock`.
@@ -519,8 +519,8 @@ class parked:  # lower case: it reads as a call in `with parked("rpm"):`
     """``with parked(kind):`` the block is one of the runner's own waits (a limiter's, a
     rest before a retry, an episode's retry backoff): every observer of `observe_calls`
     hears `on_park(kind)` as it begins and `on_unpark(kind, seconds)` as it ends, however
-    it ends. A wait in progress is known as such, so a working-time clock (SPEC 12,
-    `Env(working_limit=)`) stops at its start, not after it."""
+    it ends. A wait in progress is known as such, so a working-time clock
+    (`Env(working_limit=)`) stops at its start, not after it."""
 
     __slots__ = ("_kind", "_observers", "_start")
 

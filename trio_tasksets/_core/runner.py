@@ -6,7 +6,7 @@ owns the runs, and hands each result to one of two deliveries: stored by index (
 or sent over a zero-buffer memory channel (`as_completed`, so an unread result keeps its slot).
 A `tt.Window` is such a limiter whose `total_tokens` may change while the call runs.
 
-Guarantees (SPEC section 1, R1-R8):
+Guarantees (each one a test in tests/test_runner.py):
 
 * item k+1 is requested only once fewer than `window` runs are in flight;
 * the first failure (of a run or of the source) cancels every other run and the pending pull,
@@ -56,7 +56,7 @@ def _check_window(window: object) -> int | Window | None:
     if window is None or isinstance(window, Window):
         return window
     if isinstance(window, bool) or not isinstance(window, int):
-        # ValueError, not TypeError, for a non-int too: the SPEC's R2 names one error for both.
+        # ValueError, not TypeError, for a non-int too: one error for every bad window.
         raise ValueError(  # noqa: TRY004
             f"window must be an int >= 1, a tt.Window, or None (no bound), got {window!r} "
             f"({type(window).__name__})"
@@ -486,7 +486,7 @@ async def fan_out(thunks: Iterable[Callable[[], Awaitable[R]]]) -> list[R]:
     concurrently and return their results in thunk order.
 
     Inside a run driven by `run_stream`, `as_completed` or an eval, the thunks run **on the
-    enclosing window** (SPEC 9, N1-N4), so one budget bounds live work at any depth:
+    enclosing window**, so one budget bounds live work at any depth:
 
     * each running thunk holds a place of the window; the caller, while it waits for them,
       holds none: `window=w` means at most `w` thunks or runs doing work at once, however

@@ -1,7 +1,7 @@
 """Source combinators: `take` (the next n items, then close), `until` (items until a stop) and
 `merge` (several sources as one).
 
-Both keep the runner's promises about a source (SPEC R7, R8): nothing is pulled that is not
+Both keep the runner's promises about a source : nothing is pulled that is not
 asked for, and every source is closed exactly once, shielded where a close must not be cut
 short.
 """

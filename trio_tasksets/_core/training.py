@@ -1,4 +1,4 @@
-"""The training feed's primitives (SPEC 10): `first` (over-sampling with a clean cut) and
+"""The training feed's primitives: `first` (over-sampling with a clean cut) and
 `Staleness` (a policy-version gate for a trainer consuming a feed).
 
 `first(n, source, run, window=..., accept=...)` runs `source` windowed, as `as_completed`

@@ -47,7 +47,7 @@ _prioritized: contextvars.ContextVar[bool] = contextvars.ContextVar(
 class prioritized:  # (lower case: used as a function, ``with prioritized():``)
     """Inside this block (and in the tasks it starts), a `Window.acquire` is served before
     every waiter outside one: how a group's waiting rollout takes a freed place before the
-    runner pulls a new task (SPEC 10). Waiters inside such blocks are served first come,
+    runner pulls a new task. Waiters inside such blocks are served first come,
     first served among themselves. (A class, not a generator: it is entered once per
     group.)"""
 

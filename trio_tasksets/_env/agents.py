@@ -1,4 +1,4 @@
-"""`tt.ToolEnv`: the tool-calling loop of SPEC 9.
+"""`tt.ToolEnv`: the tool-calling loop (tools run through `fan_out`, on the eval's window).
 
 Each turn sends the messages and the tools' schemas; the reply (its message as sent) is
 appended, and its tool calls run concurrently through `tt.fan_out` (on the eval's window:

@@ -1,4 +1,4 @@
-"""`report`: one self-contained HTML page for one or more run dirs (SPEC 4b).
+"""`report`: one self-contained HTML page for one or more run dirs (no network at view time).
 
     trio-tasksets report RUN_DIR [RUN_DIR ...] [-o FILE]
     tt.report("outputs/my-run")            # -> Path("outputs/my-run/report.html")

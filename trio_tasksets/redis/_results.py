@@ -58,7 +58,7 @@ class RedisResults:
     """Publishes finished episodes to a results stream, acknowledging their task entries.
 
     Each result entry has the fields `key` (the task key: de-duplicate on it), `entry` and
-    `stream` (the task entry it answers), `row` (the JSON of `Episode.to_row()`, the SPEC row;
+    `stream` (the task entry it answers), `row` (the JSON of `Episode.to_row()`, the row an eval writes;
     for a group entry `rows`, the JSON list of the group's rows, and `group`, its id) and any
     `meta` given to `publish`. The results stream must live on the feed's Redis (one
     transaction covers both; on a Redis Cluster give both keys the same {hash tag}).
