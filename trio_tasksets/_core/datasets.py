@@ -36,7 +36,7 @@ from typing import Any, TextIO
 import attrs
 import trio
 
-from .exceptions import TrioTasksetsError
+from .exceptions import ConfigError, TrioTasksetsError
 from .tasksets import Task, Taskset, TasksetConfig
 
 __all__ = [
@@ -73,7 +73,9 @@ class RecordFields(TasksetConfig):
 
 def _checked_path(text: str, what: str) -> str:
     if not text:
-        raise ValueError(f"{what}: path is empty: name the file, e.g. path='data.jsonl'")
+        raise ConfigError(
+            f"{what}: {{path}} is empty: name the file, e.g. path='data.jsonl'", parameter="path"
+        )
     return os.fspath(text)
 
 
@@ -104,13 +106,21 @@ def record_task(record: Mapping[str, Any], fields: RecordFields, where: str) -> 
 # --- JSONL ----------------------------------------------------------------------------------
 
 
+def _positive_seconds(instance: object, attribute: attrs.Attribute[float], value: float) -> None:
+    if isinstance(value, bool) or not isinstance(value, int | float) or not value > 0:
+        raise ConfigError(
+            f"{{{attribute.name}}} must be a number of seconds > 0, got {value!r}",
+            parameter=attribute.name,
+        )
+
+
 @attrs.define
 class JsonlConfig(RecordFields):
     """A JSONL file: one JSON object per line (blank lines are skipped)."""
 
     path: str = ""
     follow: bool = False  # a feed: keep reading lines appended to the file
-    poll: float = attrs.field(default=0.25, validator=attrs.validators.gt(0))  # seconds
+    poll: float = attrs.field(default=0.25, validator=_positive_seconds)
 
 
 def _config(cls: type[Any], config: Any, fields: dict[str, Any]) -> Any:
@@ -309,7 +319,9 @@ class HFTaskset(Taskset[Task, HFConfig]):
     def _records(self) -> Iterable[Mapping[str, Any]]:
         name, split = self.config.name, self.config.split
         if not name:
-            raise ValueError("HFTaskset: name is empty: name the dataset, e.g. name='gsm8k'")
+            raise ConfigError(
+                "HFTaskset: {name} is empty: name the dataset, e.g. name='gsm8k'", parameter="name"
+            )
         datasets = _datasets()
         try:
             if _saved_to_disk(Path(name)):

@@ -7,6 +7,7 @@ TimeoutError), so ``except ValueError`` keeps working. Where each class lives:
 ```text
 TrioTasksetsError
 ├── ConfigError (ValueError)            a bad setting, found before any work (CLI: exit 2)
+│   ├── ConfigTypeError (TypeError)     an argument of the wrong kind (not callable, not an int)
 │   ├── EvalConfigError                 an eval's setting: EvalConfig, the slot backend
 │   ├── WindowArgumentError             a window's size or bounds (window)
 │   ├── TargetError                     a TASKSET / object spec that does not resolve (loading)
@@ -72,7 +73,13 @@ from __future__ import annotations
 import re
 from collections.abc import Mapping
 
-__all__ = ["ConfigError", "EvalConfigError", "EvalWarning", "TrioTasksetsError"]
+__all__ = [
+    "ConfigError",
+    "ConfigTypeError",
+    "EvalConfigError",
+    "EvalWarning",
+    "TrioTasksetsError",
+]
 
 
 class TrioTasksetsError(Exception):
@@ -129,6 +136,12 @@ class ConfigError(_Spelled, TrioTasksetsError, ValueError):
 
 
 _MARK = re.compile(r"\{(\w+)\}")
+
+
+class ConfigTypeError(ConfigError, TypeError):
+    """A `ConfigError` for an argument of the wrong kind (a `run` that is not callable, an
+    `n` that is not an int): also a TypeError, as Python's own check of an argument is, so
+    ``except TypeError`` keeps working."""
 
 
 class EvalConfigError(ConfigError):

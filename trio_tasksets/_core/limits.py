@@ -38,6 +38,7 @@ import attrs
 import trio
 
 from .adaptive import AdaptiveBounds, AdaptiveWindow, Outcome
+from .exceptions import ConfigError
 from .window import Window
 
 __all__ = [
@@ -61,9 +62,9 @@ __all__ = [
 
 def _check_rate(value: object, name: str) -> float:
     if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value):
-        raise ValueError(f"{name} must be a finite number > 0, got {value!r}")
+        raise ConfigError(f"{{{name}}} must be a finite number > 0, got {value!r}", parameter=name)
     if value <= 0:
-        raise ValueError(f"{name} must be > 0, got {value}")
+        raise ConfigError(f"{{{name}}} must be > 0, got {value}", parameter=name)
     return float(value)
 
 
@@ -83,7 +84,10 @@ class RateLimiter:
     def __init__(self, per_minute: float, *, burst: float = 1) -> None:
         self.per_minute = _check_rate(per_minute, "per_minute")
         if isinstance(burst, bool) or not isinstance(burst, int | float) or not burst >= 1:
-            raise ValueError(f"burst must be a number >= 1 (units at once), got {burst!r}")
+            raise ConfigError(
+                f"{{burst}} must be a number >= 1 (units at once), got {burst!r}",
+                parameter="burst",
+            )
         self.burst = float(burst)
         self.kind = "rpm"  # what its waits are, to `parked`
         self._per_second = self.per_minute / 60.0
@@ -94,7 +98,7 @@ class RateLimiter:
     async def acquire(self, cost: float = 1) -> float:
         """Wait until `cost` more units fit; return the seconds waited (0.0 if none)."""
         if isinstance(cost, bool) or not isinstance(cost, int | float) or not cost >= 0:
-            raise ValueError(f"cost must be a number >= 0, got {cost!r}")
+            raise ConfigError(f"{{cost}} must be a number >= 0, got {cost!r}", parameter="cost")
         now = trio.current_time()
         # Goes once `cost` more fits in the bucket; a cost above `burst` once it is empty.
         start = max(now, self._empty_at - max(0.0, self.burst - cost) / self._per_second)
@@ -138,6 +142,7 @@ class TokenLimiter(RateLimiter):
     """
 
     def __init__(self, tokens_per_minute: float, *, burst: float = 1) -> None:
+        _check_rate(tokens_per_minute, "tokens_per_minute")
         super().__init__(tokens_per_minute, burst=burst)
         self.kind = "tpm"
 
@@ -217,6 +222,34 @@ class Slot:
             self.window.record(outcome, retry_after=retry_after, latency=latency)
 
 
+def _check_limit(
+    limit: int | AdaptiveBounds, name: str, adaptive: dict[str, Any]
+) -> int | AdaptiveBounds:
+    """`limit` checked (and adaptive bounds with their `adaptive` options): a
+    `ConfigError` naming `name` otherwise."""
+    if isinstance(limit, tuple):
+        try:
+            bounds = AdaptiveBounds(*limit)
+            AdaptiveWindow(*bounds, **adaptive)  # check the bounds and options now
+        except (TypeError, ValueError) as exc:
+            raise ConfigError(
+                f"{{{name}}}: adaptive bounds are (min, start, max) with 1 <= min <= start <= "
+                f"max, got {limit!r} ({exc})",
+                parameter=name,
+            ) from None
+        return bounds
+    if isinstance(limit, bool) or not isinstance(limit, int) or limit < 1:
+        raise ConfigError(
+            f"{{{name}}} must be an int >= 1 or AdaptiveBounds(min, start, max), got {limit!r}",
+            parameter=name,
+        )
+    if adaptive:
+        raise ConfigError(
+            f"adaptive options {sorted(adaptive)} need MIN-START-MAX limits", parameter=name
+        )
+    return limit
+
+
 class ConnectionLimiter:
     """At most `limit` calls in flight per key, across every task of the process.
 
@@ -227,17 +260,7 @@ class ConnectionLimiter:
     """
 
     def __init__(self, limit: int | AdaptiveBounds, **adaptive: Any) -> None:
-        if isinstance(limit, tuple):
-            self._spec: int | AdaptiveBounds = AdaptiveBounds(*limit)
-            AdaptiveWindow(*self._spec, **adaptive)  # check the bounds and options now
-        elif isinstance(limit, bool) or not isinstance(limit, int) or limit < 1:
-            raise ValueError(
-                f"limit must be an int >= 1 or AdaptiveBounds(min, start, max), got {limit!r}"
-            )
-        elif adaptive:
-            raise ValueError(f"adaptive options {sorted(adaptive)} need MIN-START-MAX limits")
-        else:
-            self._spec = limit
+        self._spec = _check_limit(limit, "limit", adaptive)
         self._adaptive = adaptive
         self._windows: dict[Hashable, Window] = {}
 
@@ -330,6 +353,8 @@ class EndpointLimits:
         rpm: float | None = None,
         tpm: float | None = None,
     ) -> None:
+        if connections is not None:
+            _check_limit(connections, "connections", {})
         self.connections = ConnectionLimiter(connections) if connections is not None else None
         self._rpm = _check_rate(rpm, "rpm") if rpm is not None else None
         self._tpm = _check_rate(tpm, "tpm") if tpm is not None else None

@@ -40,7 +40,7 @@ from typing import Any, TypeVar, cast
 
 import trio
 
-from .exceptions import TrioTasksetsError
+from .exceptions import ConfigError, ConfigTypeError, TrioTasksetsError
 from .window import Window, take_place
 
 __all__ = ["ElasticPlaces", "as_completed", "fan_out", "run_stream"]
@@ -57,12 +57,15 @@ def _check_window(window: object) -> int | Window | None:
         return window
     if isinstance(window, bool) or not isinstance(window, int):
         # ValueError, not TypeError, for a non-int too: one error for every bad window.
-        raise ValueError(  # noqa: TRY004
-            f"window must be an int >= 1, a tt.Window, or None (no bound), got {window!r} "
-            f"({type(window).__name__})"
+        raise ConfigError(
+            f"{{window}} must be an int >= 1, a tt.Window, or None (no bound), got {window!r} "
+            f"({type(window).__name__})",
+            parameter="window",
         )
     if window < 1:
-        raise ValueError(f"window must be >= 1 (or None for no bound), got {window}")
+        raise ConfigError(
+            f"{{window}} must be >= 1 (or None for no bound), got {window}", parameter="window"
+        )
     return window
 
 
@@ -74,9 +77,10 @@ def check_source(source: object) -> None:
                 "; it is a sync iterable: wrap it in an async generator, or read a taskset "
                 "through `async with taskset.channel() as tasks`"
             )
-        raise TypeError(
-            f"source must be an async iterable (an async generator, a trio ReceiveChannel, "
-            f"a taskset channel), got {type(source).__name__}{hint}"
+        raise ConfigTypeError(
+            f"{{source}} must be an async iterable (an async generator, a trio "
+            f"ReceiveChannel, a taskset channel), got {type(source).__name__}{hint}",
+            parameter="source",
         )
 
 
@@ -87,7 +91,10 @@ def _check_run(run: object) -> None:
     called: `_not_awaitable` explains that case at the first item.
     """
     if not callable(run):
-        raise TypeError(f"run must be an async callable taking one item, got {type(run).__name__}")
+        raise ConfigTypeError(
+            f"{{run}} must be an async callable taking one item, got {type(run).__name__}",
+            parameter="run",
+        )
     call = run if inspect.isroutine(run) or isinstance(run, type) else type(run).__call__
     kind = ""
     if inspect.isasyncgenfunction(call):
@@ -97,9 +104,10 @@ def _check_run(run: object) -> None:
     elif isinstance(run, type) and not hasattr(run, "__await__"):
         kind = "a class whose instances are not awaitable"
     if kind:
-        raise TypeError(
-            f"run must be an async callable taking one item, got {kind} "
-            f"({getattr(run, '__qualname__', type(run).__name__)}): {_RUN_FIX}"
+        raise ConfigTypeError(
+            f"{{run}} must be an async callable taking one item, got {kind} "
+            f"({getattr(run, '__qualname__', type(run).__name__)}): {_RUN_FIX}",
+            parameter="run",
         )
 
 
@@ -113,10 +121,11 @@ _UNSET: Any = object()
 
 def _not_awaitable(run: object, item: object, returned: object) -> TypeError:
     name = getattr(run, "__qualname__", type(run).__name__)
-    return TypeError(
-        f"run must be an async callable taking one item: run(item) returned "
+    return ConfigTypeError(
+        f"{{run}} must be an async callable taking one item: run(item) returned "
         f"{type(returned).__name__}, not an awaitable (run={name}, item={reprlib.repr(item)}); "
-        f"{_RUN_FIX}"
+        f"{_RUN_FIX}",
+        parameter="run",
     )
 
 
@@ -833,9 +842,10 @@ def _fail(failures: list[BaseException], exc: BaseException, scope: trio.CancelS
 
 def _check_thunks(thunks: object) -> list[Callable[[], Awaitable[Any]]]:
     if not hasattr(type(thunks), "__iter__") or isinstance(thunks, (str, bytes)):
-        raise TypeError(
-            f"thunks must be an iterable of callables taking no argument, got "
-            f"{type(thunks).__name__}"
+        raise ConfigTypeError(
+            f"{{thunks}} must be an iterable of callables taking no argument, got "
+            f"{type(thunks).__name__}",
+            parameter="thunks",
         )
     calls = list(cast(Iterable[Any], thunks))
     for index, thunk in enumerate(calls):
@@ -848,9 +858,10 @@ def _check_thunks(thunks: object) -> list[Callable[[], Awaitable[Any]]]:
                 )
                 if inspect.iscoroutine(thunk):
                     thunk.close()  # never awaited: do not warn about it later
-            raise TypeError(
-                f"thunks[{index}] must be a callable taking no argument, got "
-                f"{type(thunk).__name__}{hint}"
+            raise ConfigTypeError(
+                f"{{thunks}}[{index}] must be a callable taking no argument, got "
+                f"{type(thunk).__name__}{hint}",
+                parameter="thunks",
             )
     return calls
 
@@ -863,8 +874,9 @@ def _run_not_awaitable(index: int, run: object, item: object, returned: object) 
 
 def _thunk_not_awaitable(index: int, thunk: object, returned: object) -> TypeError:
     name = getattr(thunk, "__qualname__", type(thunk).__name__)
-    return TypeError(
-        f"thunks[{index}] must return an awaitable: {name}() returned "
+    return ConfigTypeError(
+        f"{{thunks}}[{index}] must return an awaitable: {name}() returned "
         f"{type(returned).__name__}; define it with `async def`, or wrap a sync function "
-        f"`fn` as `lambda: trio.to_thread.run_sync(fn)`"
+        f"`fn` as `lambda: trio.to_thread.run_sync(fn)`",
+        parameter="thunks",
     )

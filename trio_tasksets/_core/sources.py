@@ -15,6 +15,7 @@ from typing import Any, TypeVar
 
 import trio
 
+from .exceptions import ConfigError, ConfigTypeError
 from .runner import check_source, close_iterator, pick_one
 
 __all__ = ["Merged", "Until", "merge", "take", "until"]
@@ -32,9 +33,11 @@ def take(source: AsyncIterable[T], n: int) -> AsyncIterator[T]:
     """
     check_source(source)
     if isinstance(n, bool) or not isinstance(n, int):
-        raise TypeError(f"n must be an int >= 0, got {n!r} ({type(n).__name__})")
+        raise ConfigTypeError(
+            f"{{n}} must be an int >= 0, got {n!r} ({type(n).__name__})", parameter="n"
+        )
     if n < 0:
-        raise ValueError(f"n must be >= 0, got {n}")
+        raise ConfigError(f"{{n}} must be >= 0, got {n}", parameter="n")
     return _Take(source, n)
 
 
@@ -101,7 +104,10 @@ def until(
     """
     check_source(source)
     if stop is not None and not (isinstance(stop, trio.Event) or callable(stop)):
-        raise TypeError(f"stop must be a trio.Event, a predicate () -> bool or None, got {stop!r}")
+        raise ConfigTypeError(
+            f"{{stop}} must be a trio.Event, a predicate () -> bool or None, got {stop!r}",
+            parameter="stop",
+        )
     return Until(source, stop)
 
 
@@ -114,10 +120,11 @@ class Until(AsyncIterator[T]):
         self._source = source
         self._iterator = aiter(source)
         if isinstance(self._iterator, Merged) or _holds_scope(self._iterator):
-            raise TypeError(
-                "until(source): a bare tt.merge(...) keeps a nursery on the iterating task, "
+            raise ConfigTypeError(
+                "until({source}): a bare tt.merge(...) keeps a nursery on the iterating task, "
                 "so a stop cannot cancel its pull; use `async with tt.merge(...) as merged:` "
-                "and pass `merged`"
+                "and pass `merged`",
+                parameter="source",
             )
         self._event = stop if isinstance(stop, trio.Event) else None
         self._predicate = None if isinstance(stop, trio.Event) else stop

@@ -27,6 +27,7 @@ from typing import TypeVar
 import attrs
 import trio
 
+from .exceptions import ConfigError, ConfigTypeError
 from .runner import as_completed, check_source, close_iterator
 from .window import Window
 
@@ -56,11 +57,16 @@ async def first(
     `ValueError`/`TypeError` naming `n`; `window` as in `as_completed`).
     """
     if isinstance(n, bool) or not isinstance(n, int):
-        raise TypeError(f"n must be an int >= 0, got {n!r} ({type(n).__name__})")
+        raise ConfigTypeError(
+            f"{{n}} must be an int >= 0, got {n!r} ({type(n).__name__})", parameter="n"
+        )
     if n < 0:
-        raise ValueError(f"n must be >= 0, got {n}")
+        raise ConfigError(f"{{n}} must be >= 0, got {n}", parameter="n")
     if accept is not None and not callable(accept):
-        raise TypeError(f"accept must be a callable taking a result, or None, got {accept!r}")
+        raise ConfigTypeError(
+            f"{{accept}} must be a callable taking a result, or None, got {accept!r}",
+            parameter="accept",
+        )
     as_completed(source, run, window=window)  # checks source, run and window, starts nothing
     if isinstance(window, int):
         # A tt.Window, so that the rollouts of a group run inside `run` (a fan_out under
@@ -111,9 +117,11 @@ def current_run() -> LiveRun | None:
 
 def _check_int(value: object, name: str, minimum: int) -> int:
     if isinstance(value, bool) or not isinstance(value, int):
-        raise TypeError(f"{name} must be an int >= {minimum}, got {value!r}")
+        raise ConfigTypeError(
+            f"{{{name}}} must be an int >= {minimum}, got {value!r}", parameter=name
+        )
     if value < minimum:
-        raise ValueError(f"{name} must be >= {minimum}, got {value}")
+        raise ConfigError(f"{{{name}}} must be >= {minimum}, got {value}", parameter=name)
     return value
 
 
@@ -135,7 +143,9 @@ class Staleness:
     def __init__(self, max_lag: int, *, withhold: bool = False) -> None:
         self.max_lag = _check_int(max_lag, "max_lag", 0)
         if not isinstance(withhold, bool):
-            raise TypeError(f"withhold must be True or False, got {withhold!r}")
+            raise ConfigTypeError(
+                f"{{withhold}} must be True or False, got {withhold!r}", parameter="withhold"
+            )
         self.withhold = withhold
         self._version = 0
         self._handed = 0
@@ -198,7 +208,9 @@ class Staleness:
         None) once it falls more than `max_lag` behind, or, with `withhold`, finishes and is
         marked: an `Episode` result (or a list of them, a group) gets `stale = True`."""
         if not callable(fn):
-            raise TypeError(f"fn must be an async callable taking one item, got {fn!r}")
+            raise ConfigTypeError(
+                f"{{fn}} must be an async callable taking one item, got {fn!r}", parameter="fn"
+            )
 
         async def staled(item: T) -> R | None:
             with trio.CancelScope() as scope:

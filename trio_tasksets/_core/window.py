@@ -19,18 +19,23 @@ from contextlib import AbstractAsyncContextManager
 
 import trio
 
+from .exceptions import ConfigError
+
 __all__ = ["HISTORY_LIMIT", "Window", "check_size", "prioritized", "take_place"]
 
 HISTORY_LIMIT = 10_000  # entries kept (the newest); a long-lived service must not grow forever
 
 
 def check_size(value: object, name: str) -> int:
+    """`value` as a window size: an int >= 1, else a `ConfigError` naming `name` (a
+    ValueError for a non-int too: one error for every bad window, as the runner's)."""
     if isinstance(value, bool) or not isinstance(value, int):
-        raise ValueError(  # noqa: TRY004 (R2 names one error for a bad window, as the runner)
-            f"{name} must be an int >= 1, got {value!r} ({type(value).__name__})"
+        raise ConfigError(
+            f"{{{name}}} must be an int >= 1, got {value!r} ({type(value).__name__})",
+            parameter=name,
         )
     if value < 1:
-        raise ValueError(f"{name} must be >= 1, got {value}")
+        raise ConfigError(f"{{{name}}} must be >= 1, got {value}", parameter=name)
     return value
 
 
