@@ -6,6 +6,7 @@ import importlib
 import inspect
 import pkgutil
 import sys
+from collections.abc import AsyncIterator, Awaitable, Callable
 from pathlib import Path
 
 import forkserver
@@ -77,10 +78,12 @@ def test_a_config_error_names_parameters_and_the_cli_spells_flags() -> None:
     assert flag_message(ValueError("{num_examples}")) == "{num_examples}"  # not a ConfigError
     # Every parameter the CLI spells is a field of EvalConfig or of EnvSpec (the env's).
     from trio_tasksets._env.spec import EnvSpec
+    from trio_tasksets.aio._verifiers import env_from_cli
 
     fields = {f.name for f in tt.EvalConfig.__attrs_attrs__} | {
         f.name for f in EnvSpec.__attrs_attrs__
     }
+    fields |= set(inspect.signature(env_from_cli).parameters)  # a vf: TASKSET's --env-args
     assert set(PARAMETER_FLAGS) <= fields
 
 
@@ -103,3 +106,123 @@ def test_the_cli_shows_the_flag_of_the_same_error(tmp_path: Path) -> None:
     assert done.returncode == 2
     assert "error: -n/--num-examples must be an integer >= 0, got -1" in done.stderr
     assert not any(tmp_path.iterdir())
+
+
+# --- bad input across the public API: a ConfigError naming the parameter ----------------------
+
+
+async def _items() -> AsyncIterator[int]:
+    yield 1  # pragma: no cover (never pulled: the arguments are refused first)
+
+
+async def _double(item: int) -> int:
+    return 2 * item  # pragma: no cover
+
+
+def _with_var_args(*args: int) -> int:
+    """Adds."""
+    return sum(args)  # pragma: no cover
+
+
+def _adds(a: int, b: int) -> int:
+    """Adds."""
+    return a + b  # pragma: no cover
+
+
+def _no_hint(a) -> int:  # type: ignore[no-untyped-def]
+    """Adds."""
+    return 1  # pragma: no cover
+
+
+BAD_CALLS: list[tuple[str, Callable[[], object], str]] = [
+    ("Window(0)", lambda: tt.Window(0), "size"),
+    ("Window('3')", lambda: tt.Window("3"), "size"),  # type: ignore[arg-type]
+    ("AdaptiveWindow(4, 2, 8)", lambda: tt.AdaptiveWindow(4, 2, 8), "min"),
+    ("AdaptiveWindow(0, 2, 8)", lambda: tt.AdaptiveWindow(0, 2, 8), "min"),
+    ("AdaptiveWindow(cut=2)", lambda: tt.AdaptiveWindow(1, 2, 8, cut=2), "cut"),
+    ("AdaptiveWindow.resize(9)", lambda: tt.AdaptiveWindow(1, 2, 8).resize(9), "size"),
+    ("build_window(0)", lambda: tt.build_window(0, parameter="max_concurrent"), "max_concurrent"),
+    ("EndpointLimits(rpm=-1)", lambda: tt.EndpointLimits(rpm=-1), "rpm"),
+    ("EndpointLimits(tpm=nan)", lambda: tt.EndpointLimits(tpm=float("nan")), "tpm"),
+    ("EndpointLimits(connections=0)", lambda: tt.EndpointLimits(connections=0), "connections"),
+    (
+        "EndpointLimits(connections=(4, 2, 8))",
+        lambda: tt.EndpointLimits(connections=tt.AdaptiveBounds(4, 2, 8)),
+        "connections",
+    ),
+    ("RateLimiter(0)", lambda: tt.RateLimiter(0), "per_minute"),
+    ("RateLimiter(burst=0)", lambda: tt.RateLimiter(60, burst=0), "burst"),
+    ("Staleness(-1)", lambda: tt.Staleness(-1), "max_lag"),
+    ("Staleness(1.5)", lambda: tt.Staleness(1.5), "max_lag"),  # type: ignore[arg-type]
+    ("Staleness(withhold=1)", lambda: tt.Staleness(1, withhold=1), "withhold"),  # type: ignore[arg-type]
+    ("Staleness.run(5)", lambda: tt.Staleness(1).run(5), "fn"),  # type: ignore[arg-type]
+    ("take(source, -1)", lambda: tt.take(_items(), -1), "n"),
+    ("take([1], 1)", lambda: tt.take([1], 1), "source"),  # type: ignore[arg-type]
+    ("until(source, 5)", lambda: tt.until(_items(), 5), "stop"),  # type: ignore[arg-type]
+    ("as_completed(window=0)", lambda: tt.as_completed(_items(), _double, window=0), "window"),
+    ("as_completed(run=5)", lambda: tt.as_completed(_items(), 5, window=1), "run"),  # type: ignore[arg-type]
+    ("Taskset.head(-1)", lambda: tt.EchoTaskset().head(-1), "n"),
+    ("Taskset.view(5)", lambda: tt.EchoTaskset().view(5), "transform"),  # type: ignore[arg-type]
+    ("EchoStreamTaskset().shuffle()", lambda: tt.EchoStreamTaskset().shuffle(), "shuffle"),
+    ("JsonlTaskset('')", lambda: list(tt.JsonlTaskset("")), "path"),
+    ("JsonlTaskset(poll=0)", lambda: tt.JsonlTaskset("d.jsonl", poll=0), "poll"),
+    ("CsvTaskset('')", lambda: list(tt.CsvTaskset("")), "path"),
+    ("tool(5)", lambda: tt.tool(5), "fn"),  # type: ignore[call-overload]
+    ("tool(*args)", lambda: tt.tool(_with_var_args), "fn"),
+    ("tool(no hint)", lambda: tt.tool(_no_hint), "fn"),
+    ("tool(name='a b')", lambda: tt.tool(_adds, name="a b"), "name"),
+    ("EnvClient('ftp://x')", lambda: tt.EnvClient("ftp://x"), "url"),
+    ("EnvClient(transport=)", lambda: tt.EnvClient("http://h:1", transport="udp"), "transport"),
+    ("EnvClient(connections=0)", lambda: tt.EnvClient("http://h:1", connections=0), "connections"),
+    (
+        "TaskEntry(rollout=-1)",
+        lambda: tt.worker.TaskEntry(None, "1-0", "k", {}, rollout=-1),
+        "rollout",
+    ),
+    (
+        "TaskEntry(rollouts=0)",
+        lambda: tt.worker.TaskEntry(None, "1-0", "k", {}, rollouts=0),
+        "rollouts",
+    ),
+]
+
+
+@pytest.mark.parametrize(("call", "parameter"), [c[1:] for c in BAD_CALLS],
+                         ids=[c[0] for c in BAD_CALLS])  # fmt: skip
+def test_bad_input_is_a_config_error_naming_its_parameter(
+    call: Callable[[], object], parameter: str
+) -> None:
+    with pytest.raises(tt.ConfigError) as raised:
+        call()
+    assert parameter in raised.value.parameters, raised.value.parameters
+    assert isinstance(raised.value, ValueError)  # `except ValueError` keeps working
+
+
+async def test_bad_input_to_the_async_api_is_a_config_error_naming_its_parameter() -> None:
+    calls: list[tuple[Callable[[], Awaitable[object]], str]] = [
+        (lambda: tt.run_stream(_items(), _double, window=0), "window"),
+        (lambda: tt.run_stream(_items(), _double, window=True), "window"),
+        (lambda: tt.first(-1, _items(), _double, window=1), "n"),
+        (lambda: tt.first(1, _items(), _double, window=1, accept=5), "accept"),  # type: ignore[arg-type]
+        (lambda: tt.fan_out(5), "thunks"),  # type: ignore[arg-type]
+        (lambda: tt.fan_out([5]), "thunks"),  # type: ignore[list-item]
+        (lambda: tt.RateLimiter(60).acquire(-1), "cost"),
+    ]
+    for call, parameter in calls:
+        with pytest.raises(tt.ConfigError) as raised:
+            await call()
+        assert raised.value.parameter == parameter
+
+
+def test_a_wrong_kind_of_argument_is_still_a_type_error() -> None:
+    from trio_tasksets._core.exceptions import ConfigTypeError
+
+    for call in (
+        lambda: tt.tool(5),
+        lambda: tt.take(_items(), "2"),
+        lambda: tt.Staleness(1).run(5),
+    ):
+        with pytest.raises(TypeError) as raised:
+            call()  # type: ignore[no-untyped-call]
+        assert isinstance(raised.value, ConfigTypeError)
+        assert isinstance(raised.value, tt.ConfigError)

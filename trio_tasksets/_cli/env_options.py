@@ -404,7 +404,9 @@ def _verifiers_env(
         )
         return VerifiersEnv(VerifiersTaskset(config), retries=retries)
     except (ImportError, ValueError, TypeError) as exc:
-        raise UsageError(f"TASKSET {args.taskset}: {type(exc).__name__}: {exc}") from exc
+        raise UsageError(
+            f"TASKSET {args.taskset}: {type(exc).__name__}: {flag_message(exc)}"
+        ) from exc
 
 
 def _exception_names() -> set[str]:

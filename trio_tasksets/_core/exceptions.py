@@ -13,7 +13,8 @@ TrioTasksetsError
 │   ├── TargetError                     a TASKSET / object spec that does not resolve (loading)
 │   ├── TravelError                     an env or model client that cannot go to a server
 │   ├── UnsupportedProxy                a proxy setting the transport cannot use
-│   └── VerifiersUsageError             a bad vf: command line (aio.verifiers)
+│   ├── VerifiersUsageError             a bad vf: command line (aio.verifiers)
+│   └── ReportError                     a run dir the report cannot read (report)
 ├── LoadError (ValueError)              an object spec that failed to import (loading)
 ├── EngineMetricsError (ValueError)     an engine's /metrics that cannot be read (models.engine)
 ├── GroupFailedError                    a group's rollout failed after its retries (groups)
@@ -49,7 +50,6 @@ TrioTasksetsError
 ├── MalformedEntry (ValueError)         a stream entry that holds no task (redis.entries)
 │   └── EntryRefused                    an entry declared for another env
 ├── ViaError (RuntimeError)             a worker refused a slot of an --via eval
-├── ReportError (ValueError)            a run dir the report cannot read (eval.report)
 ├── DatasetError (ValueError)           a record that cannot be a task, a dataset unread (datasets)
 ├── ToolArgumentError (ValueError)      arguments that do not fit a tool's schema (tools)
 ├── ScriptExhausted (RuntimeError)      a ScriptedClient called past its script (testing)

@@ -11,6 +11,7 @@ from urllib.parse import urlsplit
 
 import trio
 
+from .._core.exceptions import ConfigError
 from .._env.env import Episode, OnComplete, RetryPolicy, RunSlot, complete_slot
 from .._models import ModelContext
 from .._transport import HTTPError
@@ -166,11 +167,19 @@ class EnvClient:
         max_message_bytes: int = MAX_ANSWER_BYTES,
     ) -> None:
         if transport not in ("websocket", "http"):
-            raise ValueError(f"transport must be 'websocket' or 'http', got {transport!r}")
+            raise ConfigError(
+                f"{{transport}} must be 'websocket' or 'http', got {transport!r}",
+                parameter="transport",
+            )
         if connections is not None and connections < 1:
-            raise ValueError(f"connections must be >= 1, got {connections}")
+            raise ConfigError(
+                f"{{connections}} must be >= 1, got {connections}", parameter="connections"
+            )
         if max_message_bytes < 1:
-            raise ValueError(f"max_message_bytes must be >= 1, got {max_message_bytes}")
+            raise ConfigError(
+                f"{{max_message_bytes}} must be >= 1, got {max_message_bytes}",
+                parameter="max_message_bytes",
+            )
         self.url = url.rstrip("/")
         self.transport = transport
         self.max_message_bytes = max_message_bytes
@@ -179,7 +188,10 @@ class EnvClient:
         self._encoder = RunRequestEncoder(api_key_var)
         parts = urlsplit(self.url)
         if parts.scheme not in ("http", "https") or not parts.hostname:
-            raise ValueError(f"env server URL must be http://host:port or https://..., got {url!r}")
+            raise ConfigError(
+                f"the env server's {{url}} must be http://host:port or https://..., got {url!r}",
+                parameter="url",
+            )
         port = parts.port or (443 if parts.scheme == "https" else 80)
         self._prefix = parts.path
         self._connections = HTTPConnections(

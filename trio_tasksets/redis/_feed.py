@@ -10,6 +10,7 @@ from typing import Any, Generic, TypeVar
 import orjson
 import trio
 
+from .._core.exceptions import ConfigError
 from .._core.tasksets import Taskset, TasksetConfig
 from ._entries import (
     REFUSED_FIELD,
@@ -76,11 +77,17 @@ class RedisStreamTaskset(Taskset[RedisTask, TasksetConfig]):
         check_url(url)
         for name, value in (("stream", stream), ("group", group), ("consumer", consumer)):
             if not isinstance(value, str) or not value:
-                raise ValueError(f"{name} must be a non-empty str, got {value!r}")
+                raise ConfigError(
+                    f"{{{name}}} must be a non-empty str, got {value!r}", parameter=name
+                )
         if not claim_idle > 0:
-            raise ValueError(f"claim_idle must be > 0 seconds, got {claim_idle!r}")
+            raise ConfigError(
+                f"{{claim_idle}} must be > 0 seconds, got {claim_idle!r}", parameter="claim_idle"
+            )
         if not 0 < block <= 60:
-            raise ValueError(f"block must be in (0, 60] seconds, got {block!r}")
+            raise ConfigError(
+                f"{{block}} must be in (0, 60] seconds, got {block!r}", parameter="block"
+            )
         self.url = url
         self.stream_key = stream
         self.group = group

@@ -8,7 +8,7 @@ from typing import Any, TypeVar
 import trio
 
 from .._core.backoff import Backoff
-from .._core.exceptions import TrioTasksetsError
+from .._core.exceptions import ConfigError, TrioTasksetsError
 from ._entries import Log, redact
 from ._resp import (
     MAX_REPLY_BYTES,
@@ -48,7 +48,10 @@ class Link:
         self, url: str, *, read_timeout: float, log: Log, max_reply_bytes: int = MAX_REPLY_BYTES
     ) -> None:
         if max_reply_bytes < 1:
-            raise ValueError(f"max_reply_bytes must be >= 1, got {max_reply_bytes!r}")
+            raise ConfigError(
+                f"{{max_reply_bytes}} must be >= 1, got {max_reply_bytes!r}",
+                parameter="max_reply_bytes",
+            )
         self.url = redact(url)
         self._address = Address.parse(url)
         self._read_timeout = read_timeout

@@ -8,6 +8,7 @@ from typing import Any
 import attrs
 import orjson
 
+from .._core.exceptions import ConfigError
 from .._core.tasksets import Taskset
 from .._env.env import Episode
 from ._entries import (
@@ -67,7 +68,9 @@ class RedisResults:
     def __init__(self, url: str, stream: str, *, log: Log | None = None) -> None:
         check_url(url)
         if not isinstance(stream, str) or not stream:
-            raise ValueError(f"stream must be a non-empty str, got {stream!r}")
+            raise ConfigError(
+                f"{{stream}} must be a non-empty str, got {stream!r}", parameter="stream"
+            )
         self.url = url
         self.stream = stream
         self.log: Log = log if log is not None else stderr_log("trio_tasksets.redis")
@@ -279,7 +282,7 @@ async def enqueue(
     may add duplicates, marked by task key).
     """
     if batch < 1:
-        raise ValueError(f"batch must be >= 1, got {batch}")
+        raise ConfigError(f"{{batch}} must be >= 1, got {batch}", parameter="batch")
     if isinstance(declare, Taskset):
         if any_data is None:
             any_data = getattr(type(declare), "task_from_data", None) is not None
