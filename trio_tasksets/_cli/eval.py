@@ -563,7 +563,7 @@ def run(args: argparse.Namespace) -> int:
     """Run the eval the options describe; print the summary; the exit code (see `main`)."""
     env, ctx, config = _build(args)
     run_dir = _name_the_run(env, ctx, config)
-    settle_heap(args)  # the set-up is done: full collections no longer walk it
+    settle_heap(args.tt_own_process)  # the set-up is done: full collections no longer walk it
     try:
         with _warnings_as_lines():
             result = trio.run(_eval, env, ctx, config)

@@ -29,7 +29,7 @@ __all__ = ["main"]
 
 
 def parser() -> argparse.ArgumentParser:
-    """The whole command line: `eval`, `serve`, `worker`, `enqueue`."""
+    """The whole command line: `eval`, `serve`, `worker`, `enqueue`, `report`, `rescore`."""
     top = argparse.ArgumentParser(
         prog=PROG,
         description="Streaming tasksets and a windowed runner on Trio.",
@@ -59,8 +59,8 @@ RUNNERS: dict[str, Callable[[argparse.Namespace], int]] = {
 }
 
 
-def _traceback(args: argparse.Namespace, exc: BaseException) -> None:
-    if getattr(args, "debug", False):
+def _traceback(debug: bool, exc: BaseException) -> None:
+    if debug:
         traceback.print_exception(exc, file=sys.stderr)
 
 
@@ -83,21 +83,26 @@ def _parse(words: list[str]) -> argparse.Namespace:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    """Run the command `argv` names (default: this process's arguments) and return its exit
+    code. Each command turns its arguments into the library's objects first (its
+    ``*_command(args)`` function); a bad one ends it with its usage and the error line (exit
+    2, as argparse does: a `SystemExit`), any other failure with the error line (exit 1)."""
     words = list(sys.argv[1:] if argv is None else argv)
     args = _parse(words)
     args.argv = words
     setattr(args, OWN_PROCESS, argv is None)  # the console script's process: settle_heap
-    command = args.command
+    command: str = args.command
+    debug: bool = args.debug  # every command has --debug
     try:
         return RUNNERS[command](args)
     except (UsageError, ConfigError) as exc:  # a TASKSET that does not resolve is one too
-        _traceback(args, exc)
+        _traceback(debug, exc)
         args.tt_subparser.print_usage(sys.stderr)
         error = exc if isinstance(exc, UsageError) else UsageError(flag_message(exc))
         print(error.line(command), file=sys.stderr)
         raise SystemExit(2) from None  # as argparse ends on a usage error
     except CommandError as exc:
-        _traceback(args, exc)
+        _traceback(debug, exc)
         print(exc.line(command), file=sys.stderr)
         for line in exc.details:
             print(line, file=sys.stderr)
@@ -106,8 +111,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"{PROG} {command}: interrupted", file=sys.stderr)
         return 130
     except Exception as exc:
-        _traceback(args, exc)
-        fix = None if args.debug else "run again with --debug for the traceback"
+        _traceback(debug, exc)
+        fix = None if debug else "run again with --debug for the traceback"
         print(CommandError(f"{type(exc).__name__}: {exc}", fix=fix).line(command), file=sys.stderr)
         return 1
 

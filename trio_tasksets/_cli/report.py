@@ -45,7 +45,6 @@ def run(args: argparse.Namespace) -> int:
     try:
         print(report(run_dirs, output))
     except ReportError as exc:
-        raise UsageError(
-            exc.spelled(FLAGS), fix="pass a run dir, <output-dir>/<run-name>"
-        ) from None
+        fix = None if exc.parameter == "output" else "pass a run dir, <output-dir>/<run-name>"
+        raise UsageError(exc.spelled(FLAGS), fix=fix) from None
     return 0
