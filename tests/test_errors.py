@@ -210,6 +210,12 @@ BAD_CALLS: list[tuple[str, Callable[[], object], str]] = [
         lambda: _redis().RedisStreamTaskset(URL, "s", "g", "c", block=0),
         "block",
     ),
+    ("RedisResults(url=http)", lambda: _redis().RedisResults("http://x", "r"), "url"),
+    (
+        "RedisStreamTaskset(url=http)",
+        lambda: _redis().RedisStreamTaskset("http://x", "s", "g", "c"),
+        "url",
+    ),
     ("RedisResults(stream='')", lambda: _redis().RedisResults(URL, ""), "stream"),
     (
         "TaskEntry(rollout=-1)",

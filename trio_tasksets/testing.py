@@ -346,6 +346,8 @@ class ScriptedClient(ModelClientBase):
         sampling: Sampling,
         tools: list[dict[str, Any]] | None = None,
     ) -> Completion:
+        """The script's next reply (recorded in `calls`); raises `ScriptExhausted` for a
+        call past the end of a sequence script."""
         index = len(self.calls)
         self.calls.append(ScriptedCall(copy.deepcopy(messages), model, sampling, tools))
         if self.delay > 0:

@@ -600,7 +600,8 @@ class AdaptiveWindow(Window):
     (`Outcome.REQUEST_RATE`) goes to the window's `pacer`: call `await window.pace()` before
     each call. The controller's options (`cut`, `cooldown`, `growth`, `utilization`,
     `min_round`, and the keyword-only ones of `AdaptiveController`) are keyword arguments.
-    Each change is in `history` with its reason.
+    Each change is in `history` with its reason. Bounds that are not ints with
+    ``1 <= min <= start <= max``, or a bad option, raise a `ConfigError` naming them.
     """
 
     def __init__(
@@ -632,7 +633,8 @@ class AdaptiveWindow(Window):
         return self.controller.max
 
     def resize(self, size: int, reason: str = "set") -> None:
-        """Set the size by hand (within `[min, max]`); the controller goes on from there."""
+        """Set the size by hand (within `[min, max]`); the controller goes on from there.
+        Raises a `ConfigError` naming `size` outside `[min, max]` or not an int."""
         check_size(size, "size")
         if not self.min <= size <= self.max:
             raise ConfigError(

@@ -135,7 +135,9 @@ def _config(cls: type[Any], config: Any, fields: dict[str, Any]) -> Any:
 
 class JsonlTaskset(Taskset[Task, JsonlConfig]):
     """The records of a JSONL file as tasks, read lazily (module docstring); with
-    `follow=True`, a feed of the lines appended to it."""
+    `follow=True`, a feed of the lines appended to it. A bad `poll` raises a `ConfigError`
+    here; reading raises a `ConfigError` naming `path` when it is empty, and `DatasetError`
+    for a file that cannot be read or a line that is not a task."""
 
     def __init__(self, config: JsonlConfig | str | os.PathLike[str] | None = None,
                  /, **fields: Any) -> None:  # fmt: skip
@@ -238,7 +240,9 @@ class CsvConfig(RecordFields):
 
 
 class CsvTaskset(Taskset[Task, CsvConfig]):
-    """The rows of a CSV file as tasks, read lazily (module docstring)."""
+    """The rows of a CSV file as tasks, read lazily (module docstring). Reading (`load`)
+    raises a `ConfigError` naming `path` when it is empty, and `DatasetError` for a file
+    that cannot be read or a row that is not a task."""
 
     def __init__(self, config: CsvConfig | str | os.PathLike[str] | None = None,
                  /, **fields: Any) -> None:  # fmt: skip
@@ -250,6 +254,8 @@ class CsvTaskset(Taskset[Task, CsvConfig]):
         return self.config.path
 
     def load(self) -> Iterator[Task]:
+        """The rows as tasks, read as they are taken. Raises a `ConfigError` naming `path`
+        when it is empty, `DatasetError` for a file that cannot be read or a bad row."""
         path = Path(_checked_path(self.config.path, "CsvTaskset"))
         try:
             file = path.open(encoding="utf-8", newline="")
@@ -303,7 +309,9 @@ def _saved_to_disk(path: Path) -> bool:
 class HFTaskset(Taskset[Task, HFConfig]):
     """The records of a Hugging Face dataset split as tasks, read lazily: a hub or file
     dataset is opened with `load_dataset(..., streaming=True)` (records are fetched as they
-    are taken), a `save_to_disk` folder with `load_from_disk` (memory-mapped)."""
+    are taken), a `save_to_disk` folder with `load_from_disk` (memory-mapped). Reading
+    raises a `ConfigError` naming `name` when it is empty, and `DatasetError` for a dataset
+    that cannot be read or a record that is not a task."""
 
     def __init__(self, config: HFConfig | str | None = None, /, **fields: Any) -> None:
         if isinstance(config, str):

@@ -78,7 +78,8 @@ class RateLimiter:
     wait out: over any span of `s` seconds at most `max(burst, largest cost) + s * per_minute
     / 60` units start. Callers are served in arrival order: each
     reserves its time when it arrives. A caller cancelled while waiting gives its reservation
-    back if no one reserved after it.
+    back if no one reserved after it. A `per_minute` that is not a finite number > 0, or a
+    `burst` < 1, raises a `ConfigError` naming it.
     """
 
     def __init__(self, per_minute: float, *, burst: float = 1) -> None:
@@ -96,7 +97,8 @@ class RateLimiter:
         self.calls = 0
 
     async def acquire(self, cost: float = 1) -> float:
-        """Wait until `cost` more units fit; return the seconds waited (0.0 if none)."""
+        """Wait until `cost` more units fit; return the seconds waited (0.0 if none). A
+        `cost` that is not a number >= 0 raises a `ConfigError` naming it."""
         if isinstance(cost, bool) or not isinstance(cost, int | float) or not cost >= 0:
             raise ConfigError(f"{{cost}} must be a number >= 0, got {cost!r}", parameter="cost")
         now = trio.current_time()
@@ -344,6 +346,8 @@ class EndpointLimits:
     request, so request starts keep the rate exactly); after the response,
     ``call.record(status, retry_after=..., tokens=usage)``. Any of the three may be None (no
     limit). `call.waited_connection` and `call.waited_rate` are the seconds spent waiting.
+    A bad limit (`connections` not an int >= 1 nor adaptive bounds, `rpm` or `tpm` not a
+    finite number > 0) raises a `ConfigError` naming it.
     """
 
     def __init__(

@@ -384,8 +384,12 @@ async def run_stream(
     Returns the results in submission (pull) order once the source has ended and the last run
     is done. The next item is pulled only when a window slot is free. The first failure cancels
     the rest and is re-raised itself. The source is always closed (`aclose()`), exactly once.
-    `window=None` means no bound; a `tt.Window` may be resized while the call runs. Awaited
-    from asyncio it raises a RuntimeError naming `tt.aio.run_stream`.
+    `window=None` means no bound; a `tt.Window` may be resized while the call runs.
+
+    Raises, before anything is pulled, a `ConfigError` naming `window` (not an int >= 1, a
+    `tt.Window` or None), `source` (not an async iterable) or `run` (not an async callable;
+    a `ConfigTypeError`, also a TypeError); awaited from asyncio, a RuntimeError naming
+    `tt.aio.run_stream`. Then what a run or the source raised, itself.
     """
     require_trio("run_stream")
     checked = _check_window(window)
@@ -405,7 +409,8 @@ def as_completed(
     results: ...`. A result not yet received holds its window slot, so a slow consumer
     back-pressures the runs and the feed (memory stays O(window)). Leaving the block cancels
     whatever is still running and closes the source; a failure cancels the block and is
-    re-raised itself. Bad arguments raise here, before the block is entered.
+    re-raised itself. Bad arguments raise here, before the block is entered: a
+    `ConfigError` naming `window`, `source` or `run`, as `run_stream` does.
     """
     checked = _check_window(window)
     check_source(source)
@@ -448,7 +453,7 @@ async def _as_completed(
 
 class _Places:
     """The window the current run draws its places from: its limiter, how to wait for a
-    token, and how to lend one more place (for a caller that waits on its children: N1).
+    token, and how to lend one more place (for a caller that waits on its children: it holds no place meanwhile).
 
     `owner` keeps the count of lent places where something else also sets the limiter's
     `total_tokens` (a `Window`'s resize, an `ElasticPlaces`' runs); with none, the limiter
@@ -513,8 +518,9 @@ async def fan_out(thunks: Iterable[Callable[[], Awaitable[R]]]) -> list[R]:
       re-raised *itself* (not an ExceptionGroup; a second failure is attached to it as a
       note); cancelling the caller cancels every thunk; KeyboardInterrupt stays itself.
 
-    Outside any window (or under `window=None`) the thunks run unbounded. Raises TypeError,
-    before anything runs, when `thunks` is not iterable or holds something not callable.
+    Outside any window (or under `window=None`) the thunks run unbounded. Raises a
+    `ConfigTypeError` (a `ConfigError` and a TypeError) naming `thunks`, before anything
+    runs, when `thunks` is not iterable or holds something not callable.
     """
     return await fan_out_placing(operator.call, _check_thunks(thunks), None)
 

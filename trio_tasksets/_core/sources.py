@@ -28,8 +28,10 @@ def take(source: AsyncIterable[T], n: int) -> AsyncIterator[T]:
 
     Never requests an (n+1)th item: after the n-th, the next call closes the source, shielded
     from cancellation, and ends (a runner closes it instead when it stops pulling first).
-    `n == 0` pulls nothing; `n < 0` raises ValueError. Closing the result closes the source,
-    even before the first pull.
+    `n == 0` pulls nothing. Closing the result closes the source, even before the first pull.
+
+    Raises a `ConfigError` naming `n` (`n < 0`, a ValueError; not an int, a
+    `ConfigTypeError`, also a TypeError) or `source` (not an async iterable).
     """
     check_source(source)
     if isinstance(n, bool) or not isinstance(n, int):
@@ -96,11 +98,14 @@ def until(
 
     An item whose pull completed before the stop was seen is still handed on, so nothing
     pulled is lost; nothing is pulled after it. The stream keeps the runner's promises
-    about a source: it pulls only when asked (R1, R8), the source's own errors pass
-    through unchanged (R5), an outside cancellation is not swallowed (R6), and closing it
-    closes `source` exactly once, from the task that iterates it (R7). A bare `tt.merge(...)`
+    about a source: it pulls only when asked, the source's own errors pass
+    through unchanged, an outside cancellation is not swallowed, and closing it
+    closes `source` exactly once, from the task that iterates it. A bare `tt.merge(...)`
     is refused (a pull cancelled inside its nursery would corrupt the cancel scope stack):
     use ``async with tt.merge(a, b) as merged: tt.until(merged, ...)``.
+
+    Raises a `ConfigTypeError` (a `ConfigError` and a TypeError) naming `source` (not an
+    async iterable, or a bare merge) or `stop` (none of the three).
     """
     check_source(source)
     if stop is not None and not (isinstance(stop, trio.Event) or callable(stop)):
@@ -225,6 +230,9 @@ def merge(*sources: AsyncIterable[T]) -> Merged[T]:
       ``anext(merged)`` does not (trio reports a corrupted cancel scope stack): use the
       ``async with`` form there. Errors never cancel the nursery from inside while the merge
       sits at its ``yield``: they travel as values and are raised by the merge itself.
+
+    Raises a `ConfigTypeError` (a `ConfigError` and a TypeError) naming `source` for a
+    source that is not an async iterable.
     """
     for source in sources:
         check_source(source)

@@ -173,7 +173,8 @@ class Taskset(Generic[TaskT, ConfigT]):
     # --- views ------------------------------------------------------------------------------
 
     def head(self, n: int) -> Self:
-        """The first `n` tasks only (of a stream: the next `n`, and never an (n+1)th pull)."""
+        """The first `n` tasks only (of a stream: the next `n`, and never an (n+1)th pull).
+        Raises a `ConfigError` naming `n` unless it is an int >= 0."""
         if isinstance(n, bool) or not isinstance(n, int):
             raise ConfigTypeError(f"head(n): {{n}} must be an int >= 0, got {n!r}", parameter="n")
         if n < 0:
@@ -184,7 +185,7 @@ class Taskset(Generic[TaskT, ConfigT]):
         """The tasks in a reproducible random order (materializes them).
 
         Refused on an INFINITE or streaming taskset (there is no end to shuffle), unless a
-        `head(n)` before it bounds the taskset.
+        `head(n)` before it bounds the taskset: a `ConfigError` (a ValueError).
         """
         bounded = any(kind == "head" for kind, _ in self._steps)
         if (self.INFINITE or self.streaming) and not bounded:
@@ -197,7 +198,8 @@ class Taskset(Generic[TaskT, ConfigT]):
         return self._with(("shuffle", seed))
 
     def view(self, transform: Callable[[TaskT], TaskT | None]) -> Self:
-        """Map each task through `transform`; a task for which it returns None is dropped."""
+        """Map each task through `transform`; a task for which it returns None is dropped.
+        Raises a `ConfigTypeError` naming `transform` when it is not callable."""
         if not callable(transform):
             raise ConfigTypeError(
                 f"view(transform): {{transform}} must be callable, got {transform!r}",

@@ -4,7 +4,7 @@
 `first(n, source, run, window=..., accept=...)` runs `source` windowed, as `as_completed`
 does, keeps the first `n` results `accept` takes (in completion order), then leaves the
 runner's block: every other run is cancelled and *awaited* (its scoring and cleanup
-included) and the source is closed (R7) before it returns.
+included) and the source is closed (exactly once) before it returns.
 
 `Staleness(max_lag)` counts policy versions: the trainer calls `advance()` when its policy
 changes. A run wrapped by `staleness.run(fn)` records the version current when it starts
@@ -50,11 +50,14 @@ async def first(
 
     Once the n-th is in, every other run is cancelled and this waits until each has unwound
     (its `finally` blocks and shielded cleanup, e.g. an episode's `on_complete`, included);
-    the source is closed exactly once (R7). When it returns, nothing it started still runs.
+    the source is closed exactly once. When it returns, nothing it started still runs.
     Fewer than `n` come back only if the source ends first. `n == 0` pulls nothing. A run's
-    failure, or `accept`'s, cancels the rest and is raised itself (R4). `accept` may be sync
-    or async. Bad arguments raise before anything is pulled (`n` not an int >= 0:
-    `ValueError`/`TypeError` naming `n`; `window` as in `as_completed`).
+    failure, or `accept`'s, cancels the rest and is raised itself. `accept` may be sync or
+    async.
+
+    Bad arguments raise a `ConfigError` before anything is pulled: naming `n` (`n < 0`; not
+    an int, a `ConfigTypeError`, also a TypeError), `accept` (not callable), or `window`,
+    `source` and `run` as `as_completed` does.
     """
     if isinstance(n, bool) or not isinstance(n, int):
         raise ConfigTypeError(
@@ -138,6 +141,9 @@ class Staleness:
       counts the batches the consumer handed the trainer (`handed()`): the batch being built
       is then trained at most `max_lag` versions after the policy that produced it. A trainer
       waiting for the next batch never blocks the feed (no deadlock).
+
+    A `max_lag` that is not an int >= 0, or a `withhold` that is not a bool, raises a
+    `ConfigError` naming it.
     """
 
     def __init__(self, max_lag: int, *, withhold: bool = False) -> None:
@@ -206,7 +212,8 @@ class Staleness:
     def run(self, fn: Callable[[T], Awaitable[R]]) -> Callable[[T], Awaitable[R | None]]:
         """`fn` as a run that records the version it started at and is cancelled (returns
         None) once it falls more than `max_lag` behind, or, with `withhold`, finishes and is
-        marked: an `Episode` result (or a list of them, a group) gets `stale = True`."""
+        marked: an `Episode` result (or a list of them, a group) gets `stale = True`.
+        Raises a `ConfigTypeError` naming `fn` when it is not callable."""
         if not callable(fn):
             raise ConfigTypeError(
                 f"{{fn}} must be an async callable taking one item, got {fn!r}", parameter="fn"

@@ -111,7 +111,8 @@ class Window:
     scheduler: a runner takes a token before each pull and a run gives it back when its result
     is delivered. Growing wakes a waiting pull at once; shrinking cancels nothing, and nothing
     more is pulled until fewer than `size` are in flight. Runners that share one window are
-    bounded together. `history` lists every size it has had.
+    bounded together. `history` lists every size it has had. A `size` that is not an int
+    >= 1 raises a `ConfigError` naming it (here and in `resize`).
     """
 
     def __init__(self, size: int) -> None:

@@ -50,6 +50,8 @@ class ToolEnv(Env[TaskT]):
 
     Override `answer(call, tool)` to change how one call is answered, or `tool_text(value)`
     for how a tool's result becomes the text the model reads.
+
+    A bad limit, or tools that share a name, raise a `ConfigError` naming the parameter.
     """
 
     def __init__(

@@ -147,7 +147,9 @@ class EnvClient:
     size limit uses ``POST /run`` instead. `transport="http"`: one ``POST /run`` per run on
     keep-alive connections, at most `max_connections` open (None: no bound; an eval sizes
     it to its window). `health()` is always HTTP. Runs are untimed (an episode may take
-    long); connecting times out after `connect_timeout`. A message or answer from the
+    long); connecting times out after `connect_timeout`. A bad setting (a `url` that is not
+    http(s)://host, an unknown `transport`, `connections` or `max_message_bytes` < 1) raises
+    a `ConfigError` naming it. A message or answer from the
     server over `max_message_bytes` ends that connection (its runs fail). Every failure to
     get an answer raises `EnvServerError` naming `url`. `api_key_var` is the variable an
     OpenAI model's description asks the server's key from: it must be the one the server
@@ -246,7 +248,10 @@ class EnvClient:
         return payload
 
     async def health(self) -> dict[str, Any]:
-        """The server's ``GET /health``: ``{"ok": true, "pid", "running", "served", ...}``."""
+        """The server's ``GET /health``: ``{"ok": true, "pid", "running", "served", ...}``.
+
+        Raises `EnvServerError` (naming the URL) when the server cannot be reached or answers
+        with an error or something that is not a health object."""
         payload = await self._request("GET", "/health")
         if not isinstance(payload, dict):
             raise EnvServerError(f"env server {self.url}: /health is not an object", url=self.url)
@@ -258,7 +263,12 @@ class EnvClient:
     async def run(self, slot: RunSlot[Any], ctx: ModelContext) -> Episode:
         """Run one slot on the server and return its episode. Cancelling this call cancels
         the episode on the server: a ``cancel`` message on a WebSocket, or closing the
-        connection of a ``POST /run``."""
+        connection of a ``POST /run``.
+
+        The episode's own failure is recorded on it, as `Env.run_slot` does; a run the
+        server could not answer raises `EnvServerError` (its `status` the server's, if it
+        answered one), and a slot or context that cannot travel raises `TravelError` (a
+        `ConfigError`)."""
         body = self._encoder.encode(slot, ctx)
         connection = None
         if self._ws.available is not False:

@@ -19,13 +19,12 @@ from ._entries import (
     Log,
     MalformedEntry,
     RedisTask,
-    check_url,
     decode_entry,
     is_nogroup,
     plain_task,
     stderr_log,
 )
-from ._link import Link, Stopped, first_entry
+from ._link import Link, Stopped, first_entry, redis_url
 from ._resp import Command, Connection, ReplyError, entries, first_stream
 
 T = TypeVar("T")
@@ -57,7 +56,9 @@ class RedisStreamTaskset(Taskset[RedisTask, TasksetConfig]):
     `claim_idle` (seconds): an entry pending that long is taken to belong to a dead consumer
     and is reclaimed; set it above the longest episode plus the publish. `block` (seconds):
     the longest one read waits, hence the longest `stop()` waits. Connection failures are
-    retried with a log line (`log`, default: stderr) and never end the stream.
+    retried with a log line (`log`, default: stderr) and never end the stream. A bad
+    setting (a `url` that is not a Redis URL, an empty `stream`, `group` or `consumer`,
+    `claim_idle` <= 0, `block` outside (0, 60]) raises a `ConfigError` naming it.
     """
 
     def __init__(
@@ -74,7 +75,7 @@ class RedisStreamTaskset(Taskset[RedisTask, TasksetConfig]):
         config: TasksetConfig | None = None,
     ) -> None:
         super().__init__(config)
-        check_url(url)
+        redis_url(url)
         for name, value in (("stream", stream), ("group", group), ("consumer", consumer)):
             if not isinstance(value, str) or not value:
                 raise ConfigError(

@@ -9,7 +9,7 @@ import trio
 
 from .._core.backoff import Backoff
 from .._core.exceptions import ConfigError, TrioTasksetsError
-from ._entries import Log, redact
+from ._entries import Log, check_url, redact
 from ._resp import (
     MAX_REPLY_BYTES,
     Address,
@@ -26,6 +26,16 @@ T = TypeVar("T")
 # Between attempts through an outage: 0.1 s doubling up to 3 s, each wait in [cap/2, cap].
 REDIS_BACKOFF = Backoff(0.1, 3.0, jitter=0.5)
 _CONNECT_TIMEOUT = 5.0
+
+
+def redis_url(url: str, parameter: str = "url") -> str:
+    """`url` once `check_url` finds it a Redis URL; else a `ConfigError` naming `parameter`
+    and saying what is wrong."""
+    try:
+        check_url(url)
+    except ValueError as exc:
+        raise ConfigError(f"{{{parameter}}}: {exc}", parameter=parameter) from None
+    return url
 
 
 class Stopped(TrioTasksetsError):

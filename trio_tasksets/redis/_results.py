@@ -19,12 +19,11 @@ from ._entries import (
     Declaration,
     EntryRef,
     Log,
-    check_url,
     encode_task,
     is_nogroup,
     stderr_log,
 )
-from ._link import Link
+from ._link import Link, redis_url
 from ._resp import Arg, Command, Connection, ReplyError
 
 # --- the results sink ----------------------------------------------------------------------
@@ -62,11 +61,12 @@ class RedisResults:
     `stream` (the task entry it answers), `row` (the JSON of `Episode.to_row()`, the row an eval writes;
     for a group entry `rows`, the JSON list of the group's rows, and `group`, its id) and any
     `meta` given to `publish`. The results stream must live on the feed's Redis (one
-    transaction covers both; on a Redis Cluster give both keys the same {hash tag}).
+    transaction covers both; on a Redis Cluster give both keys the same {hash tag}). A `url`
+    that is not a Redis URL or an empty `stream` raises a `ConfigError` naming it.
     """
 
     def __init__(self, url: str, stream: str, *, log: Log | None = None) -> None:
-        check_url(url)
+        redis_url(url)
         if not isinstance(stream, str) or not stream:
             raise ConfigError(
                 f"{{stream}} must be a non-empty str, got {stream!r}", parameter="stream"

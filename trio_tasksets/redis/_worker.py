@@ -19,7 +19,8 @@ from .._core.window import Window
 from .._env.env import Env
 from .._models import ModelContext
 from ..worker import WorkerReport, consume, run_by
-from ._entries import Log, check_url, stderr_log
+from ._entries import Log, stderr_log
+from ._link import redis_url
 from ._queue import RedisTaskQueue
 
 __all__ = ["COMMANDS", "WorkerConfig", "WorkerReport", "default_consumer", "run_by", "run_worker"]
@@ -33,10 +34,7 @@ def default_consumer() -> str:
 
 
 def _redis_url(instance: object, attribute: attrs.Attribute[str], value: str) -> None:
-    try:
-        check_url(value)
-    except ValueError as exc:
-        raise ConfigError(f"{{{attribute.name}}}: {exc}", parameter=attribute.name) from None
+    redis_url(value, attribute.name)
 
 
 def _name(instance: object, attribute: attrs.Attribute[str], value: str) -> None:

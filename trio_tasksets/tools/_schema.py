@@ -474,9 +474,12 @@ def tool(
     ``@tt.tool`` or ``@tt.tool(name=..., description=...)``. The name defaults to the
     function's, the description to its docstring (before an ``Args:`` section, whose
     entries describe the parameters). Every parameter needs a type hint the schema can
-    express (see the module); a parameter with a default is optional. Raises TypeError
-    here, at decoration, for anything it cannot express (a missing or unsupported hint,
-    ``*args``/``**kwargs``, a positional-only parameter) or a name OpenAI would refuse.
+    express (see the module); a parameter with a default is optional.
+
+    Raises a `ConfigTypeError` (a `ConfigError` and a TypeError) here, at decoration,
+    naming `fn` for anything it cannot express (a missing or unsupported hint,
+    ``*args``/``**kwargs``, a positional-only parameter, a generator function) or `name`
+    for a name OpenAI would refuse.
     """
 
     def build(function: Callable[..., Any]) -> Tool:

@@ -144,7 +144,8 @@ class TaskQueue(Protocol):
 
 
 def plain_task(entry: TaskEntry) -> Task:
-    """The `tt.Task` an entry holds; `MalformedEntry` unless its data is tt.Task-shaped."""
+    """The `tt.Task` an entry holds; raises `MalformedEntry` unless its data is
+    tt.Task-shaped."""
     data = entry.data
     if "prompt" not in data:
         raise MalformedEntry(f"entry {entry.id}: its task has no prompt")
