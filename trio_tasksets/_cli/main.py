@@ -15,6 +15,7 @@ import sys
 import traceback
 from collections.abc import Callable, Sequence
 
+from .._core.datasets import DatasetError
 from .._core.exceptions import ConfigError
 from .._core.version import __version__
 from . import eval as eval_command
@@ -57,6 +58,18 @@ RUNNERS: dict[str, Callable[[argparse.Namespace], int]] = {
     "report": report_command.run,
     "rescore": rescore_command.run,
 }
+
+
+# The data file's settings that a `DatasetError` may name, as the command line spells them.
+DATA_FLAGS = {"prompt_field": "--prompt-field NAME", "answer_field": "--answer-field NAME"}
+
+
+def _data_fix(error: CommandError) -> None:
+    """A command that failed on a data file's record that names the setting to fix (a
+    `DatasetError` with its `parameter`) gets that setting's flag as its fix."""
+    cause = error.__cause__
+    if isinstance(cause, DatasetError) and cause.parameter in DATA_FLAGS:
+        error.fix = f"give {DATA_FLAGS[cause.parameter]}"
 
 
 def _traceback(debug: bool, exc: BaseException) -> None:
@@ -103,6 +116,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         raise SystemExit(2) from None  # as argparse ends on a usage error
     except CommandError as exc:
         _traceback(debug, exc)
+        _data_fix(exc)
         print(exc.line(command), file=sys.stderr)
         for line in exc.details:
             print(line, file=sys.stderr)

@@ -60,7 +60,12 @@ PROMPT_FIELDS = ("prompt", "question")  # tried in order when no prompt field is
 
 class DatasetError(TrioTasksetsError, ValueError):
     """A record that cannot be a task (no prompt field, not a JSON object), or a dataset that
-    cannot be read; the message names the file (and line) and the fix."""
+    cannot be read; the message names the file (and line) and the fix, and `parameter` the
+    setting that fixes it, if one does (``prompt_field``)."""
+
+    def __init__(self, message: str, *, parameter: str | None = None) -> None:
+        super().__init__(message)
+        self.parameter = parameter
 
 
 @attrs.define
@@ -91,7 +96,8 @@ def record_task(record: Mapping[str, Any], fields: RecordFields, where: str) -> 
         known = ", ".join(map(str, record)) or "none"
         raise DatasetError(
             f"{where}: the record has no {wanted} for the prompt (its fields: {known}); name "
-            f"the prompt's field with prompt_field= (on the command line --prompt-field NAME)"
+            f"the prompt's field with prompt_field",
+            parameter="prompt_field",
         )
     prompt = record[name]
     if isinstance(prompt, list) and all(isinstance(m, Mapping) for m in prompt):
