@@ -550,7 +550,7 @@ async def test_a_worker_with_a_time_limit_shuts_down_as_on_sigterm(
     with trio.fail_after(30):
         report = await run_worker(config, ctx, handle_signals=False, log=lines.append)
     assert report.published == 3
-    assert any(line.startswith("--time-limit 0.5s reached: stopping") for line in lines)
+    assert any(line.startswith("time_limit 0.5s reached: stopping") for line in lines)
     assert pending(r, names) == 0
 
 

@@ -13,8 +13,11 @@ endpoint), groups for training (`Group`, `group_feed`, `run_group`, `GroupFailed
 `first`, `Staleness`), the served path (`EnvClient`, `EnvServerError`, `spawn_server`) and the
 eval (`EvalConfig`, `run_eval`, `EvalResult`, `report`, `rescore`; where its slots run:
 `SlotBackend`, `InProcess`, `ServedBackend`, and `trio_tasksets.redis.ViaBackend`). Every
-exception the library defines is a `TrioTasksetsError` (the tree: `trio_tasksets._core.exceptions`);
-a bad setting is a `ConfigError`.
+exception the library defines is a `TrioTasksetsError` (the tree: `trio_tasksets._core.exceptions`).
+Bad input (a setting, an argument) raises a `ConfigError`, a ValueError whose `parameter`
+names what was wrong as the library spells it (``window``, ``num_examples``; the command line
+shows the flag instead); an argument of the wrong kind (a `run` that is not callable) is also
+a TypeError. Each public function says in its docstring what it raises.
 
 Public submodules: `aio` (the asyncio bridge), `testing` (helpers for deterministic tests,
 `ScriptedClient`), `tools` (`tools.shell`), `trio_tasksets.worker` (the worker's queue seam and

@@ -310,7 +310,7 @@ ScriptStep = Answer | Callable[[list[dict[str, Any]], list[dict[str, Any]] | Non
 
 
 class ScriptedClient(ModelClientBase):
-    """A `ModelClient` that answers from a script, for tests (SPEC 9).
+    """A `ModelClient` that answers from a script, for tests (tool calls included).
 
     `replies` is either a sequence, answered in call order (one step per call, across every
     rollout using the client), or one function answering every call. A step is a
@@ -346,6 +346,8 @@ class ScriptedClient(ModelClientBase):
         sampling: Sampling,
         tools: list[dict[str, Any]] | None = None,
     ) -> Completion:
+        """The script's next reply (recorded in `calls`); raises `ScriptExhausted` for a
+        call past the end of a sequence script."""
         index = len(self.calls)
         self.calls.append(ScriptedCall(copy.deepcopy(messages), model, sampling, tools))
         if self.delay > 0:

@@ -120,7 +120,7 @@ def add_env_options(
         "retries...) as a JSON object (default: none)",
     )  # fmt: skip
     env.add_argument(
-        "--env-class", default=None, metavar="SPEC",
+        "--env-class", default=None, metavar="TARGET",
         help="an Env subclass (file.py:Class or pkg.mod:Class) that runs each slot "
         "(default: tt.Env, or the Env class TASKSET names)",
     )  # fmt: skip
@@ -363,7 +363,7 @@ def build_env(args: argparse.Namespace, *, check_retry_names: bool = True) -> En
                 f"TASKSET {args.taskset} is a verifiers env: it scores its episodes itself "
                 f"(its @vf.reward methods), so --reward does not apply",
                 fix="drop --reward (rescore its rows with trio-tasksets rescore RUN_DIR "
-                "--reward SPEC)",
+                "--reward TARGET)",
             )
         if args.taskset_args is not None or getattr(args, "env_class", None) is not None:
             raise UsageError(
@@ -404,7 +404,9 @@ def _verifiers_env(
         )
         return VerifiersEnv(VerifiersTaskset(config), retries=retries)
     except (ImportError, ValueError, TypeError) as exc:
-        raise UsageError(f"TASKSET {args.taskset}: {type(exc).__name__}: {exc}") from exc
+        raise UsageError(
+            f"TASKSET {args.taskset}: {type(exc).__name__}: {flag_message(exc)}"
+        ) from exc
 
 
 def _exception_names() -> set[str]:

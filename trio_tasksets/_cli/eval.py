@@ -88,7 +88,7 @@ def add_parser(commands: Commands) -> argparse.ArgumentParser:
     )
     env = add_env_options(ev)
     env.add_argument(
-        "--reward", default=None, metavar="SPEC",
+        "--reward", default=None, metavar="TARGET",
         help="score with this reward (file.py:function or pkg.mod:function: (task, completion) "
         "-> a number or {'reward': ..., name: metric}) (default: the taskset's, else answer "
         "match)",
@@ -233,7 +233,7 @@ def _refuse_remote_limits(args: argparse.Namespace) -> None:
         raise UsageError(
             "--reward with --via: the workers score the episodes, with their own TASKSET's reward",
             fix="drop --reward here (or rescore the run: trio-tasksets rescore RUN_DIR "
-            "--reward SPEC)",
+            "--reward TARGET)",
         )
     for name, dest in (("--rollout-timeout", "rollout_timeout"),
                        ("--working-limit", "working_limit"),
@@ -563,7 +563,7 @@ def run(args: argparse.Namespace) -> int:
     """Run the eval the options describe; print the summary; the exit code (see `main`)."""
     env, ctx, config = _build(args)
     run_dir = _name_the_run(env, ctx, config)
-    settle_heap(args)  # the set-up is done: full collections no longer walk it
+    settle_heap(args.tt_own_process)  # the set-up is done: full collections no longer walk it
     try:
         with _warnings_as_lines():
             result = trio.run(_eval, env, ctx, config)

@@ -17,18 +17,18 @@ test, and the library (`tt.run_eval`), never change a process's collector settin
 
 from __future__ import annotations
 
-import argparse
 import gc
 
-__all__ = ["settle_heap"]
+__all__ = ["OWN_PROCESS", "settle_heap"]
 
 OWN_PROCESS = "tt_own_process"  # the `args` attribute `main` sets: this process is the CLI's
 
 
-def settle_heap(args: argparse.Namespace) -> bool:
+def settle_heap(own_process: bool) -> bool:
     """Collect once and freeze the survivors (`gc.freeze`) when this is the CLI's own
-    process and its collector is enabled; True when it did."""
-    if not getattr(args, OWN_PROCESS, False) or not gc.isenabled():
+    process (`own_process`: what `main` set as ``args.tt_own_process``) and its collector is
+    enabled; True when it did."""
+    if not own_process or not gc.isenabled():
         return False
     gc.collect()
     gc.freeze()

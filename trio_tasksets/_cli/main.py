@@ -15,6 +15,7 @@ import sys
 import traceback
 from collections.abc import Callable, Sequence
 
+from .._core.datasets import DatasetError
 from .._core.exceptions import ConfigError
 from .._core.version import __version__
 from . import eval as eval_command
@@ -29,7 +30,7 @@ __all__ = ["main"]
 
 
 def parser() -> argparse.ArgumentParser:
-    """The whole command line: `eval`, `serve`, `worker`, `enqueue`."""
+    """The whole command line: `eval`, `serve`, `worker`, `enqueue`, `report`, `rescore`."""
     top = argparse.ArgumentParser(
         prog=PROG,
         description="Streaming tasksets and a windowed runner on Trio.",
@@ -59,8 +60,20 @@ RUNNERS: dict[str, Callable[[argparse.Namespace], int]] = {
 }
 
 
-def _traceback(args: argparse.Namespace, exc: BaseException) -> None:
-    if getattr(args, "debug", False):
+# The data file's settings that a `DatasetError` may name, as the command line spells them.
+DATA_FLAGS = {"prompt_field": "--prompt-field NAME", "answer_field": "--answer-field NAME"}
+
+
+def _data_fix(error: CommandError) -> None:
+    """A command that failed on a data file's record that names the setting to fix (a
+    `DatasetError` with its `parameter`) gets that setting's flag as its fix."""
+    cause = error.__cause__
+    if isinstance(cause, DatasetError) and cause.parameter in DATA_FLAGS:
+        error.fix = f"give {DATA_FLAGS[cause.parameter]}"
+
+
+def _traceback(debug: bool, exc: BaseException) -> None:
+    if debug:
         traceback.print_exception(exc, file=sys.stderr)
 
 
@@ -83,21 +96,27 @@ def _parse(words: list[str]) -> argparse.Namespace:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    """Run the command `argv` names (default: this process's arguments) and return its exit
+    code. Each command turns its arguments into the library's objects first (its
+    ``*_command(args)`` function); a bad one ends it with its usage and the error line (exit
+    2, as argparse does: a `SystemExit`), any other failure with the error line (exit 1)."""
     words = list(sys.argv[1:] if argv is None else argv)
     args = _parse(words)
     args.argv = words
     setattr(args, OWN_PROCESS, argv is None)  # the console script's process: settle_heap
-    command = args.command
+    command: str = args.command
+    debug: bool = args.debug  # every command has --debug
     try:
         return RUNNERS[command](args)
     except (UsageError, ConfigError) as exc:  # a TASKSET that does not resolve is one too
-        _traceback(args, exc)
+        _traceback(debug, exc)
         args.tt_subparser.print_usage(sys.stderr)
         error = exc if isinstance(exc, UsageError) else UsageError(flag_message(exc))
         print(error.line(command), file=sys.stderr)
         raise SystemExit(2) from None  # as argparse ends on a usage error
     except CommandError as exc:
-        _traceback(args, exc)
+        _traceback(debug, exc)
+        _data_fix(exc)
         print(exc.line(command), file=sys.stderr)
         for line in exc.details:
             print(line, file=sys.stderr)
@@ -106,8 +125,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"{PROG} {command}: interrupted", file=sys.stderr)
         return 130
     except Exception as exc:
-        _traceback(args, exc)
-        fix = None if args.debug else "run again with --debug for the traceback"
+        _traceback(debug, exc)
+        fix = None if debug else "run again with --debug for the traceback"
         print(CommandError(f"{type(exc).__name__}: {exc}", fix=fix).line(command), file=sys.stderr)
         return 1
 

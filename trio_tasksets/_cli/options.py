@@ -101,6 +101,8 @@ PARAMETER_FLAGS = {
     "env_class": "--env-class",
     "reward": "--reward",
     "group": "--group",
+    "retries": "--retries",
+    "env_args": "--env-args",
 }
 
 

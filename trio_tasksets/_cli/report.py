@@ -34,10 +34,17 @@ def add_parser(commands: Commands) -> argparse.ArgumentParser:
     return parser
 
 
+# The report's parameters, as this command spells them.
+FLAGS = {"run_dirs": "RUN_DIR", "output": "-o/--output"}
+
+
 def run(args: argparse.Namespace) -> int:
     """Write the page and print its path; a missing or unreadable run dir is a usage error."""
+    run_dirs: list[str] = args.run_dirs
+    output: str | None = args.output
     try:
-        print(report(args.run_dirs, args.output))
+        print(report(run_dirs, output))
     except ReportError as exc:
-        raise UsageError(str(exc), fix="pass a run dir, <output-dir>/<run-name>") from None
+        fix = None if exc.parameter == "output" else "pass a run dir, <output-dir>/<run-name>"
+        raise UsageError(exc.spelled(FLAGS), fix=fix) from None
     return 0

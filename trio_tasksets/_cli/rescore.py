@@ -1,13 +1,18 @@
-"""`trio-tasksets rescore RUN_DIR --reward SPEC`: a run's rows scored again, into a new run dir."""
+"""`trio-tasksets rescore RUN_DIR --reward TARGET`: a run's rows scored again, into a new run dir."""
 
 from __future__ import annotations
 
 import argparse
 import sys
-from typing import TYPE_CHECKING, Any
+from functools import partial
+from typing import TYPE_CHECKING
 
+import attrs
 import trio
 
+from .._core.adaptive import build_window
+from .._core.window import Window
+from .._env.env import Reward
 from .._eval.rescore import rescore
 from .env_options import load_reward
 from .options import HelpFormatter
@@ -29,7 +34,7 @@ def add_parser(commands: Commands) -> argparse.ArgumentParser:
     )
     parser.add_argument("run_dir", metavar="RUN_DIR", help="<output-dir>/<run-name>")
     parser.add_argument(
-        "--reward", required=True, metavar="SPEC",
+        "--reward", required=True, metavar="TARGET",
         help="the reward: file.py:function or package.module:function, (task, completion) -> "
         "a number or {'reward': ..., name: metric}",
     )  # fmt: skip
@@ -48,18 +53,47 @@ def add_parser(commands: Commands) -> argparse.ArgumentParser:
     return parser
 
 
+@attrs.frozen
+class RescoreCommand:
+    """What `trio-tasksets rescore` does, built from its command line and checked."""
+
+    run_dir: str
+    reward: Reward
+    reward_name: str  # as given (--reward), recorded in config.json
+    output_dir: str | None
+    run_name: str | None
+    window: Window  # rewards scored at once
+    command: list[str]  # the command line, recorded in config.json
+
+
+def rescore_command(args: argparse.Namespace) -> RescoreCommand:
+    """The rescore's objects from its command line; a bad value is a `UsageError` naming its
+    flag (the only function of `rescore` that reads `args`)."""
+    from .eval import program
+
+    window = build_window(args.max_concurrent, parameter="max_concurrent")  # a ConfigError
+    reward = load_reward(args.reward)
+    return RescoreCommand(
+        run_dir=args.run_dir, reward=reward, reward_name=args.reward, output_dir=args.output_dir,
+        run_name=args.run_name, window=window, command=[*program(), *args.argv],
+    )  # fmt: skip
+
+
 def run(args: argparse.Namespace) -> int:
     """Rescore and print the new run dir with its one-line summary."""
-    from .eval import print_summary, program
+    from .eval import print_summary
 
-    reward = load_reward(args.reward)
-    result: Any = trio.run(
-        lambda: rescore(
-            args.run_dir, reward, reward_name=args.reward, output_dir=args.output_dir,
-            run_name=args.run_name, window=args.max_concurrent,
-            command=[*program(), *getattr(args, "argv", [])],
+    command = rescore_command(args)
+    result = trio.run(
+        partial(
+            rescore, command.run_dir, command.reward, reward_name=command.reward_name,
+            output_dir=command.output_dir, run_name=command.run_name, window=command.window,
+            command=command.command,
         )
     )  # fmt: skip
     print_summary(result.summary, result.run_dir)
-    print(f"rescored {args.run_dir} with {args.reward} into {result.run_dir}", file=sys.stderr)
+    print(
+        f"rescored {command.run_dir} with {command.reward_name} into {result.run_dir}",
+        file=sys.stderr,
+    )
     return 0

@@ -6,11 +6,15 @@ import argparse
 import os
 import sys
 from functools import partial
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
+import attrs
 import trio
 
+from .._core.exceptions import ConfigError
+from .._env.env import Env
 from .._env.spec import EnvSpec
+from .._eval.config import check_metrics_port
 from .._serve.app import ServerApp
 from .._serve.policy import MAX_MODEL_RETRIES, MIN_MODEL_BACKOFF, Access, Limits, ModelPolicy
 from .._serve.process import bind_socket, is_loopback, serve_worker, supervise, url_of
@@ -22,7 +26,13 @@ if TYPE_CHECKING:
 from .env_options import add_env_options, build_env, env_spec
 from .heap import settle_heap
 from .model_options import add_endpoint_options, base_urls, engine_metrics_urls
-from .options import CommandError, HelpFormatter, UsageError, add_metrics_option, flag_message
+from .options import (
+    PARAMETER_FLAGS,
+    CommandError,
+    HelpFormatter,
+    UsageError,
+    add_metrics_option,
+)
 
 DEFAULTS = Limits()
 
@@ -161,7 +171,7 @@ def add_parser(commands: Commands) -> argparse.ArgumentParser:
         f"{DEFAULTS.model_clients})",
     )
     env.add_argument(
-        "--reward", default=None, metavar="SPEC",
+        "--reward", default=None, metavar="TARGET",
         help="a reward function (default: the taskset's, else answer match)",
     )  # fmt: skip
     env.add_argument(
@@ -179,22 +189,130 @@ def add_parser(commands: Commands) -> argparse.ArgumentParser:
     return sv
 
 
-def _access(args: argparse.Namespace, port: int, token: str | None) -> Access:
-    return Access.for_bind(
-        args.host, port, loopback=is_loopback(args.host), allow_hosts=args.allow_host,
-        allow_origins=args.allow_origin, token=token,
+# The served path's settings, as this command spells them (a `ConfigError` from the model
+# policy or the env names these).
+FLAGS = {
+    **PARAMETER_FLAGS,
+    "base_urls": "--allow-base-url",
+    "allow_base_urls": "--allow-base-url",
+    "api_key_var": "--api-key-var",
+    "max_retries": "--max-model-retries",
+    "min_backoff": "--min-model-backoff",
+    "engine_metrics": "--engine-metrics",
+    "workers": "--workers",
+}
+
+
+def _usage(error: ValueError) -> UsageError:
+    """A library error about a setting, as this command's usage error (flags, not names)."""
+    if isinstance(error, ConfigError):
+        return UsageError(error.spelled(FLAGS), fix=error.spelled_fix(FLAGS))
+    return UsageError(str(error))
+
+
+@attrs.frozen
+class ServeCommand:
+    """What `trio-tasksets serve` runs, built from its command line and checked."""
+
+    host: str
+    port: int  # 0: the OS picks one
+    workers: int
+    token_var: str | None  # the variable holding `token`, for a pool's workers
+    token: str | None
+    allow_hosts: tuple[str, ...]
+    allow_origins: tuple[str, ...]
+    models: ModelPolicy
+    limits: Limits
+    spec: EnvSpec
+    env: Env[Any]
+    metrics_port: int | None
+    die_with_parent: bool
+    listen_fd: int | None  # a pool's worker: the bound socket's fd
+    own_process: bool  # the CLI's own process: `settle_heap` may freeze its set-up
+
+    def access(self, port: int) -> Access:
+        """Who may talk to the server once bound to `port`."""
+        return Access.for_bind(
+            self.host, port, loopback=is_loopback(self.host), allow_hosts=self.allow_hosts,
+            allow_origins=self.allow_origins, token=self.token,
+        )  # fmt: skip
+
+    def worker_cmd(self, port: int) -> list[str]:
+        """A pool worker's command: the same env and model policy (as data), flags and bound
+        name (its socket by fd)."""
+        limits = self.limits
+        cmd = [sys.executable, "-m", "trio_tasksets", "serve", self.spec.taskset,
+               "--env-spec", self.spec.to_json(), "--model-policy", self.models.to_json(),
+               "--host", self.host, "--port", str(port), "--workers", str(self.workers),
+               "--max-body-bytes", str(limits.max_body),
+               "--max-runs-per-connection", str(limits.max_runs),
+               "--header-timeout", repr(limits.header_timeout),
+               "--idle-timeout", repr(limits.idle_timeout),
+               "--max-model-clients", str(limits.model_clients),
+               "--die-with-parent"]  # fmt: skip
+        for flag, values in (("--allow-host", self.allow_hosts),
+                             ("--allow-origin", self.allow_origins)):  # fmt: skip
+            if values:
+                cmd += [flag, *values]
+        return [*cmd, "--token-var", self.token_var] if self.token_var else cmd
+
+
+def serve_command(args: argparse.Namespace) -> ServeCommand:
+    """The server's objects from its command line; a bad value is a `UsageError` naming its
+    flag (the only function of `serve` that reads `args`)."""
+    _check_numbers(
+        workers=args.workers, port=args.port, max_body_bytes=args.max_body_bytes,
+        max_runs_per_connection=args.max_runs_per_connection,
+        max_model_clients=args.max_model_clients, header_timeout=args.header_timeout,
+        idle_timeout=args.idle_timeout,
+    )  # fmt: skip
+    _check_metrics_port(args.metrics_port, args.workers)
+    host: str = args.host
+    token = _token(args.token_var, host)
+    allow_hosts = tuple[str, ...](args.allow_host)
+    _check_wildcard(host, allow_hosts)
+    if args.model_policy is not None:  # a worker of a pool: its parent's policy, as data
+        models = _policy_of_json(args.model_policy)
+    else:
+        models = _policy(
+            [*args.allow_base_url], base_urls(args), engine_metrics_urls(args), args.api_key_var,
+            max_retries=args.max_model_retries, min_backoff=args.min_model_backoff,
+        )  # fmt: skip
+    limits = Limits(
+        max_body=args.max_body_bytes, max_runs=args.max_runs_per_connection,
+        header_timeout=args.header_timeout, idle_timeout=args.idle_timeout,
+        model_clients=args.max_model_clients,
+    )  # fmt: skip
+    spec = env_spec(args)
+    env = build_env(args, check_retry_names=not args.die_with_parent)
+    return ServeCommand(
+        host=host, port=args.port, workers=args.workers, token_var=args.token_var, token=token,
+        allow_hosts=allow_hosts, allow_origins=tuple(args.allow_origin), models=models,
+        limits=limits, spec=spec, env=env, metrics_port=args.metrics_port,
+        die_with_parent=args.die_with_parent, listen_fd=args.listen_fd,
+        own_process=args.tt_own_process,
     )  # fmt: skip
 
 
-def _models(args: argparse.Namespace) -> ModelPolicy:
-    """The model policy of the flags (a pool's worker: of its parent's `--model-policy`)."""
-    if args.model_policy is not None:
-        try:
-            return ModelPolicy.from_json(args.model_policy, os.environ)
-        except (ValueError, KeyError, TypeError) as exc:
-            raise UsageError(f"--model-policy: {exc}") from None
-    urls = base_urls(args)
-    metrics = engine_metrics_urls(args)
+def _policy_of_json(text: str) -> ModelPolicy:
+    try:
+        return ModelPolicy.from_json(text, os.environ)
+    except (ValueError, KeyError, TypeError) as exc:
+        raise UsageError(f"--model-policy: {exc}") from None
+
+
+def _policy(
+    allowed: list[str],
+    urls: list[str],
+    metrics: list[str],
+    api_key_var: str | None,
+    *,
+    max_retries: int,
+    min_backoff: float,
+) -> ModelPolicy:
+    """The model policy of the flags: the endpoints runs may reach (`--allow-base-url` and
+    `--base-url`), each `--base-url`'s engine metrics, the key's variable and the limits on
+    a run's model client."""
     if metrics and len(metrics) != len(urls):
         raise UsageError(
             f"--engine-metrics given {len(metrics)} times for {len(urls)} --base-url: give "
@@ -204,130 +322,109 @@ def _models(args: argparse.Namespace) -> ModelPolicy:
         )
     try:
         return ModelPolicy.from_flags(
-            [*args.allow_base_url, *urls], args.api_key_var, os.environ,
-            max_retries=args.max_model_retries, min_backoff=args.min_model_backoff,
+            [*allowed, *urls], api_key_var, os.environ, max_retries=max_retries,
+            min_backoff=min_backoff,
             engine_metrics=list(zip(urls, metrics, strict=True)) if metrics else (),
         )  # fmt: skip
     except ValueError as exc:
-        raise UsageError(str(exc)) from None
+        raise _usage(exc) from None
 
 
-def _limits(args: argparse.Namespace) -> Limits:
-    return Limits(
-        max_body=args.max_body_bytes, max_runs=args.max_runs_per_connection,
-        header_timeout=args.header_timeout, idle_timeout=args.idle_timeout,
-        model_clients=args.max_model_clients,
-    )  # fmt: skip
-
-
-def _token(args: argparse.Namespace) -> str | None:
-    if args.token_var is None:
-        if not is_loopback(args.host):
+def _token(token_var: str | None, host: str) -> str | None:
+    if token_var is None:
+        if not is_loopback(host):
             raise UsageError(
-                f"--host {args.host} is not a loopback address: name the environment variable "
+                f"--host {host} is not a loopback address: name the environment variable "
                 f"holding a bearer token with --token-var NAME (or bind 127.0.0.1)"
             )
         return None
-    token = os.environ.get(args.token_var, "").strip()
+    token = os.environ.get(token_var, "").strip()
     if not token:
         raise UsageError(
-            f"--token-var: environment variable {args.token_var} is not set",
-            fix=f"export {args.token_var}=<a long random token>",
+            f"--token-var: environment variable {token_var} is not set",
+            fix=f"export {token_var}=<a long random token>",
         )
     return token
 
 
-def _check_wildcard(args: argparse.Namespace) -> None:
-    if args.host.strip("[]") in ("0.0.0.0", "::", "") and not args.allow_host:
+def _check_wildcard(host: str, allow_hosts: tuple[str, ...]) -> None:
+    if host.strip("[]") in ("0.0.0.0", "::", "") and not allow_hosts:
         raise UsageError(
-            f"--host {args.host or repr('')} listens on every address, so no name is the "
+            f"--host {host or repr('')} listens on every address, so no name is the "
             f"bound one: name the host names clients use with --allow-host NAME (or '*' "
             f"behind a proxy that checks Host)"
         )
 
 
-def _check_args(args: argparse.Namespace) -> None:
-    if args.workers < 1:
-        raise UsageError(f"--workers must be >= 1, got {args.workers}")
-    if args.metrics_port is not None:
-        if args.workers > 1:
-            raise UsageError(
-                "--metrics-port with --workers K: each worker process has its own counts",
-                fix="run K servers of --workers 1, each with its own --metrics-port",
-            )
-        from .._eval.config import EvalConfigError, check_metrics_port
+def _check_metrics_port(port: int | None, workers: int) -> None:
+    if port is None:
+        return
+    if workers > 1:
+        raise UsageError(
+            "--metrics-port with --workers K: each worker process has its own counts",
+            fix="run K servers of --workers 1, each with its own --metrics-port",
+        )
+    try:
+        check_metrics_port(port)
+    except ConfigError as exc:
+        raise _usage(exc) from None
 
-        try:
-            check_metrics_port(args.metrics_port)
-        except EvalConfigError as exc:
-            raise UsageError(flag_message(exc)) from None
-    if not 0 <= args.port <= 65535:
-        raise UsageError(f"--port must be in 0..65535, got {args.port}")
-    if args.max_body_bytes < 1:
-        raise UsageError(f"--max-body-bytes must be >= 1, got {args.max_body_bytes}")
-    for flag, value in (("--max-runs-per-connection", args.max_runs_per_connection),
-                        ("--max-model-clients", args.max_model_clients)):  # fmt: skip
+
+def _check_numbers(
+    *,
+    workers: int,
+    port: int,
+    max_body_bytes: int,
+    max_runs_per_connection: int,
+    max_model_clients: int,
+    header_timeout: float,
+    idle_timeout: float,
+) -> None:
+    if workers < 1:
+        raise UsageError(f"--workers must be >= 1, got {workers}")
+    if not 0 <= port <= 65535:
+        raise UsageError(f"--port must be in 0..65535, got {port}")
+    if max_body_bytes < 1:
+        raise UsageError(f"--max-body-bytes must be >= 1, got {max_body_bytes}")
+    for flag, value in (("--max-runs-per-connection", max_runs_per_connection),
+                        ("--max-model-clients", max_model_clients)):  # fmt: skip
         if value < 1:
             raise UsageError(f"{flag} must be >= 1, got {value}")
-    for flag, seconds in (("--header-timeout", args.header_timeout),
-                          ("--idle-timeout", args.idle_timeout)):  # fmt: skip
+    for flag, seconds in (("--header-timeout", header_timeout),
+                          ("--idle-timeout", idle_timeout)):  # fmt: skip
         if not seconds > 0:
             raise UsageError(f"{flag} must be > 0 seconds, got {seconds}")
-
-
-def _worker_cmd(
-    args: argparse.Namespace, spec: EnvSpec, port: int, models: ModelPolicy
-) -> list[str]:
-    """A pool worker's command: the same env and model policy (as data), flags and bound
-    name (its socket by fd)."""
-    cmd = [sys.executable, "-m", "trio_tasksets", "serve", spec.taskset,
-           "--env-spec", spec.to_json(), "--model-policy", models.to_json(),
-           "--host", args.host, "--port", str(port), "--workers", str(args.workers),
-           "--max-body-bytes", str(args.max_body_bytes),
-           "--max-runs-per-connection", str(args.max_runs_per_connection),
-           "--header-timeout", repr(args.header_timeout),
-           "--idle-timeout", repr(args.idle_timeout),
-           "--max-model-clients", str(args.max_model_clients),
-           "--die-with-parent"]  # fmt: skip
-    for flag, values in (("--allow-host", args.allow_host),
-                         ("--allow-origin", args.allow_origin)):  # fmt: skip
-        if values:
-            cmd += [flag, *values]
-    return [*cmd, "--token-var", args.token_var] if args.token_var else cmd
 
 
 def run(args: argparse.Namespace) -> int:
     """`trio-tasksets serve`: exit 0 when stopped by a signal, 1 on an error; a bad command
     line raises `UsageError` (exit 2)."""
-    _check_args(args)
-    token = _token(args)
-    _check_wildcard(args)
-    models = _models(args)
-    limits = _limits(args)
-    spec = env_spec(args)
-    env = build_env(args, check_retry_names=not args.die_with_parent)
-    settle_heap(args)  # the set-up is done: full collections no longer walk it
-    if args.listen_fd is not None:  # a worker of a pool
-        access = _access(args, args.port, token)
-        app = ServerApp(env, access=access, models=models, limits=limits, workers=args.workers)
-        worker = partial(serve_worker, url=None, die_with_parent=args.die_with_parent)
-        trio.run(worker, app, args.listen_fd)
+    command = serve_command(args)
+    settle_heap(command.own_process)  # the set-up is done: full collections no longer walk it
+    if command.listen_fd is not None:  # a worker of a pool
+        app = ServerApp(command.env, access=command.access(command.port), models=command.models,
+                        limits=command.limits, workers=command.workers)  # fmt: skip
+        worker = partial(serve_worker, url=None, die_with_parent=command.die_with_parent)
+        trio.run(worker, app, command.listen_fd)
         return 0
     try:
-        sock = bind_socket(args.host, args.port)
+        sock = bind_socket(command.host, command.port)
     except OSError as exc:
         raise CommandError(
-            f"cannot listen on {args.host}:{args.port}: {exc.strerror}",
+            f"cannot listen on {command.host}:{command.port}: {exc.strerror}",
             fix="choose another --port (0: any free one)",
         ) from exc
     port = sock.getsockname()[1]
-    url = url_of(args.host, port)
-    if args.workers > 1:
+    url = url_of(command.host, port)
+    if command.workers > 1:
         with sock:
-            cmd = _worker_cmd(args, spec, port, models)
-            return trio.run(supervise, cmd, sock, args.workers, url, args.die_with_parent)
-    app = ServerApp(env, access=_access(args, port, token), models=models, limits=limits)
-    serve = partial(serve_worker, url=url, die_with_parent=args.die_with_parent,
-                    metrics_port=args.metrics_port)  # fmt: skip
+            return trio.run(
+                supervise, command.worker_cmd(port), sock, command.workers, url,
+                command.die_with_parent,
+            )  # fmt: skip
+    app = ServerApp(command.env, access=command.access(port), models=command.models,
+                    limits=command.limits)  # fmt: skip
+    serve = partial(serve_worker, url=url, die_with_parent=command.die_with_parent,
+                    metrics_port=command.metrics_port)  # fmt: skip
     trio.run(serve, app, sock.detach())
     return 0

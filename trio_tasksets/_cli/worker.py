@@ -8,9 +8,15 @@ from __future__ import annotations
 import argparse
 from typing import TYPE_CHECKING, Any
 
+import attrs
 import trio
 
+from .._core.adaptive import build_window
+from .._core.exceptions import ConfigError
+from .._core.tasksets import Taskset
+from .._core.window import Window
 from .._env.env import Env
+from .._eval.config import check_metrics_port
 from .._models import ModelContext
 from .env_options import (
     add_env_options,
@@ -22,12 +28,12 @@ from .env_options import (
 from .heap import settle_heap
 from .model_options import add_model_options, check_engine_metrics, model_context
 from .options import (
+    PARAMETER_FLAGS,
     HelpFormatter,
     UsageError,
     add_metrics_option,
     add_time_limit_option,
     add_window_option,
-    flag_message,
 )
 
 if TYPE_CHECKING:
@@ -104,60 +110,87 @@ def add_parsers(subparsers: Commands) -> None:
     )  # fmt: skip
 
 
-def _need(condition: bool, message: str) -> None:
-    if not condition:
-        raise UsageError(message)
+# The worker's settings (`WorkerConfig`'s fields), as its command line spells them.
+FLAGS = {
+    **PARAMETER_FLAGS,
+    "feed": "--feed",
+    "stream": "--stream",
+    "group": "--group",
+    "results": "--results",
+    "consumer": "--consumer",
+    "claim_idle": "--claim-idle",
+    "grace": "--grace",
+    "retries": "--retries",
+    "time_limit": "--time-limit",
+    "metrics_port": "--metrics-port",
+    "num_examples": "-n/--num-examples",
+}
 
 
-def _check_feed(args: argparse.Namespace) -> None:
+def _usage(error: ConfigError) -> UsageError:
+    return UsageError(error.spelled(FLAGS), fix=error.spelled_fix(FLAGS))
+
+
+def _import_redis(command: str) -> None:
+    """The Redis client's modules import, or a `UsageError` saying how to install them."""
     try:
-        from ..redis._entries import check_url
+        import hiredis  # noqa: F401
     except ImportError as exc:
-        raise UsageError(f"{args.command} needs hiredis ({exc})", fix=_EXTRA) from None
+        raise UsageError(f"{command} needs hiredis ({exc})", fix=_EXTRA) from None
+
+
+def _check_url(feed: str) -> None:
+    from ..redis._entries import check_url
+
     try:
-        check_url(args.feed)
+        check_url(feed)
     except ValueError as exc:
         raise UsageError(f"--feed: {exc}") from None
-    _need(bool(args.stream), "--stream must name a stream, e.g. --stream tasks")
 
 
-def _check_metrics_port(port: int | None) -> None:
-    """`--metrics-port`: a port 0-65535, and prometheus_client installed (a UsageError)."""
-    from .._eval.config import EvalConfigError, check_metrics_port
+@attrs.frozen
+class WorkerCommand:
+    """What `trio-tasksets worker` runs, built from its command line and checked."""
 
-    try:
-        check_metrics_port(port)
-    except EvalConfigError as exc:
-        raise UsageError(flag_message(exc)) from None
+    config: WorkerConfig
+    window: Window  # the window `config.max_concurrent` names
+    env: Env[Any]
+    ctx: ModelContext
+    own_process: bool  # the CLI's own process: `settle_heap` may freeze its set-up
 
 
-def _worker_config(args: argparse.Namespace) -> WorkerConfig:
-    _check_feed(args)
+def worker_command(args: argparse.Namespace) -> WorkerCommand:
+    """The worker's objects from its command line; a bad value is a `UsageError` naming its
+    flag (the only function of `worker` that reads `args`)."""
+    _import_redis(args.command)
+    _check_url(args.feed)
     from ..redis._worker import WorkerConfig, default_consumer
 
-    _need(bool(args.group), "--group must name a consumer group, e.g. --group workers")
-    _need(bool(args.results), "--results must name a stream, e.g. --results results")
-    _need(args.results != args.stream, "--results must differ from --stream")
-    _need(args.consumer is None or bool(args.consumer), "--consumer must not be empty")
-    _need(args.claim_idle > 0, f"--claim-idle must be > 0 seconds, got {args.claim_idle}")
-    _need(args.grace >= 0, f"--grace must be >= 0 seconds, got {args.grace}")
-    _need(args.retries >= 0, f"--retries must be >= 0, got {args.retries}")
-    _check_metrics_port(args.metrics_port)
+    try:
+        config = WorkerConfig(
+            feed=args.feed, stream=args.stream, group=args.group, results=args.results,
+            consumer=default_consumer() if args.consumer is None else args.consumer,
+            max_concurrent=args.max_concurrent, claim_idle=args.claim_idle, grace=args.grace,
+            retries=args.retries, dashboard=not args.no_dashboard, time_limit=args.time_limit,
+            metrics_port=args.metrics_port,
+        )  # fmt: skip
+        check_metrics_port(config.metrics_port)
+        window = build_window(config.max_concurrent, parameter="max_concurrent")
+    except ConfigError as exc:
+        raise _usage(exc) from None
     check_engine_metrics(args, args.max_concurrent)
-    return WorkerConfig(
-        feed=args.feed, stream=args.stream, group=args.group, results=args.results,
-        consumer=args.consumer or default_consumer(), max_concurrent=args.max_concurrent,
-        claim_idle=args.claim_idle, grace=args.grace, retries=args.retries,
-        dashboard=not args.no_dashboard, time_limit=args.time_limit,
-        metrics_port=args.metrics_port,
-    )  # fmt: skip
+    check_retry_flags(args)
+    env = build_env(args)
+    ctx = model_context(args)
+    return WorkerCommand(config, window, env, ctx, own_process=args.tt_own_process)
 
 
-async def _work(config: WorkerConfig, ctx: ModelContext, env: Env[Any]) -> WorkerReport:
+async def _work(command: WorkerCommand) -> WorkerReport:
     from ..redis._link import login_refused, server_run_id, unusable
     from ..redis._resp import OddServer, RedisError, ReplyError
     from ..redis._worker import run_worker
 
+    config, ctx = command.config, command.ctx
     try:
         try:
             await server_run_id(config.feed)  # an odd server is named before any work
@@ -165,7 +198,7 @@ async def _work(config: WorkerConfig, ctx: ModelContext, env: Env[Any]) -> Worke
             raise
         except RedisError:
             pass  # unreachable, or a refused login: run_worker waits, or says so
-        return await run_worker(config, ctx, env=env)
+        return await run_worker(config, ctx, env=command.env, window=command.window)
     except OddServer as exc:
         message, fix = unusable("--feed", config.feed, exc)
         raise UsageError(message, fix=fix) from None
@@ -181,30 +214,48 @@ async def _work(config: WorkerConfig, ctx: ModelContext, env: Env[Any]) -> Worke
 
 def run_worker_command(args: argparse.Namespace) -> int:
     """`trio-tasksets worker`: exit 0 once shut down by a signal."""
-    config = _worker_config(args)
-    check_retry_flags(args)
-    env = build_env(args)
-    ctx = model_context(args)
-    settle_heap(args)  # the set-up is done: full collections no longer walk it
-    trio.run(_work, config, ctx, env)
+    command = worker_command(args)
+    settle_heap(command.own_process)  # the set-up is done: full collections no longer walk it
+    trio.run(_work, command)
     return 0
 
 
-def run_enqueue(args: argparse.Namespace) -> int:
-    """`trio-tasksets enqueue`: print how many tasks went in."""
-    _check_feed(args)
-    n = args.num_examples
-    _need(n is None or n >= 0, f"-n/--num-examples must be >= 0, got {n}")
+@attrs.frozen
+class EnqueueCommand:
+    """What `trio-tasksets enqueue` pushes, built from its command line and checked."""
+
+    feed: str
+    stream: str
+    taskset: Taskset[Any, Any]
+    n: int | None  # None: every task of a static taskset
+
+
+def enqueue_command(args: argparse.Namespace) -> EnqueueCommand:
+    """The enqueue's objects from its command line; a bad value is a `UsageError` naming its
+    flag (the only function of `enqueue` that reads `args`)."""
+    _import_redis(args.command)
+    _check_url(args.feed)
+    if not args.stream:
+        raise UsageError("--stream must name a stream, e.g. --stream tasks")
+    n: int | None = args.num_examples
+    if n is not None and n < 0:
+        raise UsageError(f"-n/--num-examples must be >= 0, got {n}")
     taskset, _env_class = build_taskset(args)  # a bad TASKSET or -a is a UsageError too
     if (taskset.streaming or taskset.INFINITE) and n is None:
         kind = "streams its tasks" if taskset.streaming else "is INFINITE"
         raise UsageError(
             f"taskset {type(taskset).__name__} {kind}: bound it with -n/--num-examples N"
         )
-    _ping(args.feed)
-    ids = trio.run(_enqueue, args.feed, args.stream, taskset, n)
+    return EnqueueCommand(args.feed, args.stream, taskset, n)
+
+
+def run_enqueue(args: argparse.Namespace) -> int:
+    """`trio-tasksets enqueue`: print how many tasks went in."""
+    command = enqueue_command(args)
+    _ping(command.feed)
+    ids = trio.run(_enqueue, command)
     span = f" ({ids[0]} .. {ids[-1]})" if ids else ""
-    print(f"enqueued {len(ids)} tasks to {args.stream}{span}")
+    print(f"enqueued {len(ids)} tasks to {command.stream}{span}")
     return 0
 
 
@@ -219,10 +270,11 @@ def _ping(url: str) -> None:
         raise UsageError(message, fix=fix) from None
 
 
-async def _enqueue(url: str, stream: str, taskset: Any, n: int | None) -> list[str]:
+async def _enqueue(command: EnqueueCommand) -> list[str]:
     from ..redis._entries import Declaration
     from ..redis._results import enqueue
 
+    url, stream, taskset, n = command.feed, command.stream, command.taskset, command.n
     # The taskset class only, not its -a config: workers may run the class with their own.
     declare = Declaration(Declaration.of_taskset(taskset).taskset)
     any_data = getattr(type(taskset), "task_from_data", None) is not None

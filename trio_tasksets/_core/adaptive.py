@@ -217,31 +217,33 @@ class AdaptiveController:
     def __attrs_post_init__(self) -> None:
         _check_bounds(self.min, self.size, self.max)
         self._succeeded = deque(maxlen=self.max)
-        if not 0 < self.cut < 1:
-            raise ValueError(f"cut must be between 0 and 1 (a factor), got {self.cut}")
-        if self.cooldown < 0:
-            raise ValueError(f"cooldown must be >= 0 seconds, got {self.cooldown}")
-        if not self.growth > 0:
-            raise ValueError(f"growth must be > 0 (a fraction of the size), got {self.growth}")
-        if not 0 < self.utilization <= 1:
-            raise ValueError(f"utilization must be in (0, 1], got {self.utilization}")
-        if self.min_round < 1:
-            raise ValueError(f"min_round must be >= 1, got {self.min_round}")
-        if not 0 <= self.min_gain <= 1:
-            raise ValueError(f"min_gain must be in [0, 1], got {self.min_gain}")
-        if not self.probe > 0:
-            raise ValueError(f"probe must be > 0 (a fraction of the size), got {self.probe}")
-        if not self.probe_above >= 1:
-            raise ValueError(f"probe_above must be >= 1 (a latency factor), got {self.probe_above}")
-        if not self.queueing > 1:
-            raise ValueError(f"queueing must be > 1 (a latency factor), got {self.queueing}")
+        rules = (
+            (0 < self.cut < 1, "cut", "between 0 and 1 (a factor)"),
+            (self.cooldown >= 0, "cooldown", ">= 0 seconds"),
+            (self.growth > 0, "growth", "> 0 (a fraction of the size)"),
+            (0 < self.utilization <= 1, "utilization", "in (0, 1]"),
+            (self.min_round >= 1, "min_round", ">= 1"),
+            (0 <= self.min_gain <= 1, "min_gain", "in [0, 1]"),
+            (self.probe > 0, "probe", "> 0 (a fraction of the size)"),
+            (self.probe_above >= 1, "probe_above", ">= 1 (a latency factor)"),
+            (self.queueing > 1, "queueing", "> 1 (a latency factor)"),
+        )
+        for holds, name, rule in rules:
+            if not holds:
+                raise ConfigError(
+                    f"{{{name}}} must be {rule}, got {getattr(self, name)}", parameter=name
+                )
         if not 0 < self.kv_grow <= self.kv_high <= 1:
-            raise ValueError(
-                f"need 0 < kv_grow <= kv_high <= 1, got kv_grow={self.kv_grow}, "
-                f"kv_high={self.kv_high}"
+            raise ConfigError(
+                f"need 0 < {{kv_grow}} <= {{kv_high}} <= 1, got kv_grow={self.kv_grow}, "
+                f"kv_high={self.kv_high}",
+                parameter=("kv_grow", "kv_high"),
             )
         if not self.engine_stale > 0:
-            raise ValueError(f"engine_stale must be > 0 seconds, got {self.engine_stale}")
+            raise ConfigError(
+                f"{{engine_stale}} must be > 0 seconds, got {self.engine_stale}",
+                parameter="engine_stale",
+            )
 
     def classify(self, outcome: Outcome, now: float) -> Outcome:
         """The outcome as the controller counts it: a 429 while 429s were found not to
@@ -495,7 +497,10 @@ class Pacer:
         forget: float = 60.0,
     ) -> None:
         if not span > 0 or not 0 < margin <= 1 or not growth >= 0 or not min_rate > 0:
-            raise ValueError("need span > 0, 0 < margin <= 1, growth >= 0 and min_rate > 0")
+            raise ConfigError(
+                "need {span} > 0, 0 < {margin} <= 1, {growth} >= 0 and {min_rate} > 0",
+                parameter=("span", "margin", "growth", "min_rate"),
+            )
         self.span = span
         self.margin = margin
         self.growth = growth
@@ -579,7 +584,10 @@ def _check_bounds(low: int, start: int, high: int) -> None:
     for name, value in (("min", low), ("start", start), ("max", high)):
         check_size(value, name)
     if not low <= start <= high:
-        raise ValueError(f"an adaptive window needs min <= start <= max, got {low}-{start}-{high}")
+        raise ConfigError(
+            f"an adaptive window needs {{min}} <= {{start}} <= {{max}}, got {low}-{start}-{high}",
+            parameter=("min", "start", "max"),
+        )
 
 
 class AdaptiveWindow(Window):
@@ -592,12 +600,13 @@ class AdaptiveWindow(Window):
     (`Outcome.REQUEST_RATE`) goes to the window's `pacer`: call `await window.pace()` before
     each call. The controller's options (`cut`, `cooldown`, `growth`, `utilization`,
     `min_round`, and the keyword-only ones of `AdaptiveController`) are keyword arguments.
-    Each change is in `history` with its reason.
+    Each change is in `history` with its reason. Bounds that are not ints with
+    ``1 <= min <= start <= max``, or a bad option, raise a `ConfigError` naming them.
     """
 
     def __init__(
         self,
-        min: int,  # the SPEC names: AdaptiveWindow(min, start, max)
+        min: int,  # public names: AdaptiveWindow(min, start, max)
         start: int,
         max: int,
         *,
@@ -624,10 +633,13 @@ class AdaptiveWindow(Window):
         return self.controller.max
 
     def resize(self, size: int, reason: str = "set") -> None:
-        """Set the size by hand (within `[min, max]`); the controller goes on from there."""
+        """Set the size by hand (within `[min, max]`); the controller goes on from there.
+        Raises a `ConfigError` naming `size` outside `[min, max]` or not an int."""
         check_size(size, "size")
         if not self.min <= size <= self.max:
-            raise ValueError(f"size must be within [{self.min}, {self.max}], got {size}")
+            raise ConfigError(
+                f"{{size}} must be within [{self.min}, {self.max}], got {size}", parameter="size"
+            )
         self.controller.size = size
         self._apply(size, reason)
 

@@ -36,7 +36,7 @@ from typing import Any, TextIO
 import attrs
 import trio
 
-from .exceptions import TrioTasksetsError
+from .exceptions import ConfigError, TrioTasksetsError
 from .tasksets import Task, Taskset, TasksetConfig
 
 __all__ = [
@@ -60,7 +60,12 @@ PROMPT_FIELDS = ("prompt", "question")  # tried in order when no prompt field is
 
 class DatasetError(TrioTasksetsError, ValueError):
     """A record that cannot be a task (no prompt field, not a JSON object), or a dataset that
-    cannot be read; the message names the file (and line) and the fix."""
+    cannot be read; the message names the file (and line) and the fix, and `parameter` the
+    setting that fixes it, if one does (``prompt_field``)."""
+
+    def __init__(self, message: str, *, parameter: str | None = None) -> None:
+        super().__init__(message)
+        self.parameter = parameter
 
 
 @attrs.define
@@ -73,7 +78,9 @@ class RecordFields(TasksetConfig):
 
 def _checked_path(text: str, what: str) -> str:
     if not text:
-        raise ValueError(f"{what}: path is empty: name the file, e.g. path='data.jsonl'")
+        raise ConfigError(
+            f"{what}: {{path}} is empty: name the file, e.g. path='data.jsonl'", parameter="path"
+        )
     return os.fspath(text)
 
 
@@ -89,7 +96,8 @@ def record_task(record: Mapping[str, Any], fields: RecordFields, where: str) -> 
         known = ", ".join(map(str, record)) or "none"
         raise DatasetError(
             f"{where}: the record has no {wanted} for the prompt (its fields: {known}); name "
-            f"the prompt's field with prompt_field= (on the command line --prompt-field NAME)"
+            f"the prompt's field with prompt_field",
+            parameter="prompt_field",
         )
     prompt = record[name]
     if isinstance(prompt, list) and all(isinstance(m, Mapping) for m in prompt):
@@ -104,13 +112,21 @@ def record_task(record: Mapping[str, Any], fields: RecordFields, where: str) -> 
 # --- JSONL ----------------------------------------------------------------------------------
 
 
+def _positive_seconds(instance: object, attribute: attrs.Attribute[float], value: float) -> None:
+    if isinstance(value, bool) or not isinstance(value, int | float) or not value > 0:
+        raise ConfigError(
+            f"{{{attribute.name}}} must be a number of seconds > 0, got {value!r}",
+            parameter=attribute.name,
+        )
+
+
 @attrs.define
 class JsonlConfig(RecordFields):
     """A JSONL file: one JSON object per line (blank lines are skipped)."""
 
     path: str = ""
     follow: bool = False  # a feed: keep reading lines appended to the file
-    poll: float = attrs.field(default=0.25, validator=attrs.validators.gt(0))  # seconds
+    poll: float = attrs.field(default=0.25, validator=_positive_seconds)
 
 
 def _config(cls: type[Any], config: Any, fields: dict[str, Any]) -> Any:
@@ -125,7 +141,9 @@ def _config(cls: type[Any], config: Any, fields: dict[str, Any]) -> Any:
 
 class JsonlTaskset(Taskset[Task, JsonlConfig]):
     """The records of a JSONL file as tasks, read lazily (module docstring); with
-    `follow=True`, a feed of the lines appended to it."""
+    `follow=True`, a feed of the lines appended to it. A bad `poll` raises a `ConfigError`
+    here; reading raises a `ConfigError` naming `path` when it is empty, and `DatasetError`
+    for a file that cannot be read or a line that is not a task."""
 
     def __init__(self, config: JsonlConfig | str | os.PathLike[str] | None = None,
                  /, **fields: Any) -> None:  # fmt: skip
@@ -228,7 +246,9 @@ class CsvConfig(RecordFields):
 
 
 class CsvTaskset(Taskset[Task, CsvConfig]):
-    """The rows of a CSV file as tasks, read lazily (module docstring)."""
+    """The rows of a CSV file as tasks, read lazily (module docstring). Reading (`load`)
+    raises a `ConfigError` naming `path` when it is empty, and `DatasetError` for a file
+    that cannot be read or a row that is not a task."""
 
     def __init__(self, config: CsvConfig | str | os.PathLike[str] | None = None,
                  /, **fields: Any) -> None:  # fmt: skip
@@ -240,6 +260,8 @@ class CsvTaskset(Taskset[Task, CsvConfig]):
         return self.config.path
 
     def load(self) -> Iterator[Task]:
+        """The rows as tasks, read as they are taken. Raises a `ConfigError` naming `path`
+        when it is empty, `DatasetError` for a file that cannot be read or a bad row."""
         path = Path(_checked_path(self.config.path, "CsvTaskset"))
         try:
             file = path.open(encoding="utf-8", newline="")
@@ -293,7 +315,9 @@ def _saved_to_disk(path: Path) -> bool:
 class HFTaskset(Taskset[Task, HFConfig]):
     """The records of a Hugging Face dataset split as tasks, read lazily: a hub or file
     dataset is opened with `load_dataset(..., streaming=True)` (records are fetched as they
-    are taken), a `save_to_disk` folder with `load_from_disk` (memory-mapped)."""
+    are taken), a `save_to_disk` folder with `load_from_disk` (memory-mapped). Reading
+    raises a `ConfigError` naming `name` when it is empty, and `DatasetError` for a dataset
+    that cannot be read or a record that is not a task."""
 
     def __init__(self, config: HFConfig | str | None = None, /, **fields: Any) -> None:
         if isinstance(config, str):
@@ -309,7 +333,9 @@ class HFTaskset(Taskset[Task, HFConfig]):
     def _records(self) -> Iterable[Mapping[str, Any]]:
         name, split = self.config.name, self.config.split
         if not name:
-            raise ValueError("HFTaskset: name is empty: name the dataset, e.g. name='gsm8k'")
+            raise ConfigError(
+                "HFTaskset: {name} is empty: name the dataset, e.g. name='gsm8k'", parameter="name"
+            )
         datasets = _datasets()
         try:
             if _saved_to_disk(Path(name)):

@@ -7,12 +7,14 @@ TimeoutError), so ``except ValueError`` keeps working. Where each class lives:
 ```text
 TrioTasksetsError
 ├── ConfigError (ValueError)            a bad setting, found before any work (CLI: exit 2)
+│   ├── ConfigTypeError (TypeError)     an argument of the wrong kind (not callable, not an int)
 │   ├── EvalConfigError                 an eval's setting: EvalConfig, the slot backend
 │   ├── WindowArgumentError             a window's size or bounds (window)
 │   ├── TargetError                     a TASKSET / object spec that does not resolve (loading)
 │   ├── TravelError                     an env or model client that cannot go to a server
 │   ├── UnsupportedProxy                a proxy setting the transport cannot use
-│   └── VerifiersUsageError             a bad vf: command line (aio.verifiers)
+│   ├── VerifiersUsageError             a bad vf: command line (aio.verifiers)
+│   └── ReportError                     a run dir the report cannot read (report)
 ├── LoadError (ValueError)              an object spec that failed to import (loading)
 ├── EngineMetricsError (ValueError)     an engine's /metrics that cannot be read (models.engine)
 ├── GroupFailedError                    a group's rollout failed after its retries (groups)
@@ -48,7 +50,6 @@ TrioTasksetsError
 ├── MalformedEntry (ValueError)         a stream entry that holds no task (redis.entries)
 │   └── EntryRefused                    an entry declared for another env
 ├── ViaError (RuntimeError)             a worker refused a slot of an --via eval
-├── ReportError (ValueError)            a run dir the report cannot read (eval.report)
 ├── DatasetError (ValueError)           a record that cannot be a task, a dataset unread (datasets)
 ├── ToolArgumentError (ValueError)      arguments that do not fit a tool's schema (tools)
 ├── ScriptExhausted (RuntimeError)      a ScriptedClient called past its script (testing)
@@ -72,7 +73,13 @@ from __future__ import annotations
 import re
 from collections.abc import Mapping
 
-__all__ = ["ConfigError", "EvalConfigError", "EvalWarning", "TrioTasksetsError"]
+__all__ = [
+    "ConfigError",
+    "ConfigTypeError",
+    "EvalConfigError",
+    "EvalWarning",
+    "TrioTasksetsError",
+]
 
 
 class TrioTasksetsError(Exception):
@@ -129,6 +136,12 @@ class ConfigError(_Spelled, TrioTasksetsError, ValueError):
 
 
 _MARK = re.compile(r"\{(\w+)\}")
+
+
+class ConfigTypeError(ConfigError, TypeError):
+    """A `ConfigError` for an argument of the wrong kind (a `run` that is not callable, an
+    `n` that is not an int): also a TypeError, as Python's own check of an argument is, so
+    ``except TypeError`` keeps working."""
 
 
 class EvalConfigError(ConfigError):

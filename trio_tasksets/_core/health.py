@@ -1,4 +1,4 @@
-"""The health of a run (SPEC 12): the trio scheduler's lag, the peak in flight, and the
+"""The health of a run: the trio scheduler's lag, the peak in flight, and the
 seconds waited per kind of limit; what `summary.json["health"]`, the dashboard and
 `--metrics-port` show.
 
@@ -24,6 +24,7 @@ from typing import Any
 
 import trio
 
+from .exceptions import ConfigError
 from .limits import CallObserver
 
 __all__ = ["Health"]
@@ -36,7 +37,9 @@ class Health(CallObserver):
 
     def __init__(self, *, interval: float = 0.1) -> None:
         if not interval > 0:
-            raise ValueError(f"interval must be > 0 seconds, got {interval!r}")
+            raise ConfigError(
+                f"{{interval}} must be > 0 seconds, got {interval!r}", parameter="interval"
+            )
         self.interval = interval
         self.lags: deque[float] = deque(maxlen=_SAMPLES)
         self.lag_max = 0.0

@@ -19,7 +19,7 @@
 * `parked(kind)`: the block is one of the runner's own waits (`"connection"`, `"rpm"`,
   `"tpm"`, `"retry_after"`, `"backoff"`, `"retry"`, `"pace"`: a request-rate limit's
   pacing); the observers hear it begin
-  (`on_park`) and end (`on_unpark`), so a working-time clock stops while it lasts (SPEC 12).
+  (`on_park`) and end (`on_unpark`), so a working-time clock stops while it lasts (working time is wall time less these waits).
   The limiters here and `rest` wait inside one.
 
 All of them only read `trio.current_time()`, so they are exact on a `MockClock`.
@@ -38,6 +38,7 @@ import attrs
 import trio
 
 from .adaptive import AdaptiveBounds, AdaptiveWindow, Outcome
+from .exceptions import ConfigError
 from .window import Window
 
 __all__ = [
@@ -61,9 +62,9 @@ __all__ = [
 
 def _check_rate(value: object, name: str) -> float:
     if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value):
-        raise ValueError(f"{name} must be a finite number > 0, got {value!r}")
+        raise ConfigError(f"{{{name}}} must be a finite number > 0, got {value!r}", parameter=name)
     if value <= 0:
-        raise ValueError(f"{name} must be > 0, got {value}")
+        raise ConfigError(f"{{{name}}} must be > 0, got {value}", parameter=name)
     return float(value)
 
 
@@ -77,13 +78,17 @@ class RateLimiter:
     wait out: over any span of `s` seconds at most `max(burst, largest cost) + s * per_minute
     / 60` units start. Callers are served in arrival order: each
     reserves its time when it arrives. A caller cancelled while waiting gives its reservation
-    back if no one reserved after it.
+    back if no one reserved after it. A `per_minute` that is not a finite number > 0, or a
+    `burst` < 1, raises a `ConfigError` naming it.
     """
 
     def __init__(self, per_minute: float, *, burst: float = 1) -> None:
         self.per_minute = _check_rate(per_minute, "per_minute")
         if isinstance(burst, bool) or not isinstance(burst, int | float) or not burst >= 1:
-            raise ValueError(f"burst must be a number >= 1 (units at once), got {burst!r}")
+            raise ConfigError(
+                f"{{burst}} must be a number >= 1 (units at once), got {burst!r}",
+                parameter="burst",
+            )
         self.burst = float(burst)
         self.kind = "rpm"  # what its waits are, to `parked`
         self._per_second = self.per_minute / 60.0
@@ -92,9 +97,10 @@ class RateLimiter:
         self.calls = 0
 
     async def acquire(self, cost: float = 1) -> float:
-        """Wait until `cost` more units fit; return the seconds waited (0.0 if none)."""
+        """Wait until `cost` more units fit; return the seconds waited (0.0 if none). A
+        `cost` that is not a number >= 0 raises a `ConfigError` naming it."""
         if isinstance(cost, bool) or not isinstance(cost, int | float) or not cost >= 0:
-            raise ValueError(f"cost must be a number >= 0, got {cost!r}")
+            raise ConfigError(f"{{cost}} must be a number >= 0, got {cost!r}", parameter="cost")
         now = trio.current_time()
         # Goes once `cost` more fits in the bucket; a cost above `burst` once it is empty.
         start = max(now, self._empty_at - max(0.0, self.burst - cost) / self._per_second)
@@ -138,6 +144,7 @@ class TokenLimiter(RateLimiter):
     """
 
     def __init__(self, tokens_per_minute: float, *, burst: float = 1) -> None:
+        _check_rate(tokens_per_minute, "tokens_per_minute")
         super().__init__(tokens_per_minute, burst=burst)
         self.kind = "tpm"
 
@@ -217,6 +224,34 @@ class Slot:
             self.window.record(outcome, retry_after=retry_after, latency=latency)
 
 
+def _check_limit(
+    limit: int | AdaptiveBounds, name: str, adaptive: dict[str, Any]
+) -> int | AdaptiveBounds:
+    """`limit` checked (and adaptive bounds with their `adaptive` options): a
+    `ConfigError` naming `name` otherwise."""
+    if isinstance(limit, tuple):
+        try:
+            bounds = AdaptiveBounds(*limit)
+            AdaptiveWindow(*bounds, **adaptive)  # check the bounds and options now
+        except (TypeError, ValueError) as exc:
+            raise ConfigError(
+                f"{{{name}}}: adaptive bounds are (min, start, max) with 1 <= min <= start <= "
+                f"max, got {limit!r} ({exc})",
+                parameter=name,
+            ) from None
+        return bounds
+    if isinstance(limit, bool) or not isinstance(limit, int) or limit < 1:
+        raise ConfigError(
+            f"{{{name}}} must be an int >= 1 or AdaptiveBounds(min, start, max), got {limit!r}",
+            parameter=name,
+        )
+    if adaptive:
+        raise ConfigError(
+            f"adaptive options {sorted(adaptive)} need MIN-START-MAX limits", parameter=name
+        )
+    return limit
+
+
 class ConnectionLimiter:
     """At most `limit` calls in flight per key, across every task of the process.
 
@@ -227,17 +262,7 @@ class ConnectionLimiter:
     """
 
     def __init__(self, limit: int | AdaptiveBounds, **adaptive: Any) -> None:
-        if isinstance(limit, tuple):
-            self._spec: int | AdaptiveBounds = AdaptiveBounds(*limit)
-            AdaptiveWindow(*self._spec, **adaptive)  # check the bounds and options now
-        elif isinstance(limit, bool) or not isinstance(limit, int) or limit < 1:
-            raise ValueError(
-                f"limit must be an int >= 1 or AdaptiveBounds(min, start, max), got {limit!r}"
-            )
-        elif adaptive:
-            raise ValueError(f"adaptive options {sorted(adaptive)} need MIN-START-MAX limits")
-        else:
-            self._spec = limit
+        self._spec = _check_limit(limit, "limit", adaptive)
         self._adaptive = adaptive
         self._windows: dict[Hashable, Window] = {}
 
@@ -321,6 +346,8 @@ class EndpointLimits:
     request, so request starts keep the rate exactly); after the response,
     ``call.record(status, retry_after=..., tokens=usage)``. Any of the three may be None (no
     limit). `call.waited_connection` and `call.waited_rate` are the seconds spent waiting.
+    A bad limit (`connections` not an int >= 1 nor adaptive bounds, `rpm` or `tpm` not a
+    finite number > 0) raises a `ConfigError` naming it.
     """
 
     def __init__(
@@ -330,6 +357,8 @@ class EndpointLimits:
         rpm: float | None = None,
         tpm: float | None = None,
     ) -> None:
+        if connections is not None:
+            _check_limit(connections, "connections", {})
         self.connections = ConnectionLimiter(connections) if connections is not None else None
         self._rpm = _check_rate(rpm, "rpm") if rpm is not None else None
         self._tpm = _check_rate(tpm, "tpm") if tpm is not None else None
@@ -519,8 +548,8 @@ class parked:  # lower case: it reads as a call in `with parked("rpm"):`
     """``with parked(kind):`` the block is one of the runner's own waits (a limiter's, a
     rest before a retry, an episode's retry backoff): every observer of `observe_calls`
     hears `on_park(kind)` as it begins and `on_unpark(kind, seconds)` as it ends, however
-    it ends. A wait in progress is known as such, so a working-time clock (SPEC 12,
-    `Env(working_limit=)`) stops at its start, not after it."""
+    it ends. A wait in progress is known as such, so a working-time clock
+    (`Env(working_limit=)`) stops at its start, not after it."""
 
     __slots__ = ("_kind", "_observers", "_start")
 

@@ -6,7 +6,7 @@ owns the runs, and hands each result to one of two deliveries: stored by index (
 or sent over a zero-buffer memory channel (`as_completed`, so an unread result keeps its slot).
 A `tt.Window` is such a limiter whose `total_tokens` may change while the call runs.
 
-Guarantees (SPEC section 1, R1-R8):
+Guarantees (each one a test in tests/test_runner.py):
 
 * item k+1 is requested only once fewer than `window` runs are in flight;
 * the first failure (of a run or of the source) cancels every other run and the pending pull,
@@ -40,7 +40,7 @@ from typing import Any, TypeVar, cast
 
 import trio
 
-from .exceptions import TrioTasksetsError
+from .exceptions import ConfigError, ConfigTypeError, TrioTasksetsError
 from .window import Window, take_place
 
 __all__ = ["ElasticPlaces", "as_completed", "fan_out", "run_stream"]
@@ -56,13 +56,16 @@ def _check_window(window: object) -> int | Window | None:
     if window is None or isinstance(window, Window):
         return window
     if isinstance(window, bool) or not isinstance(window, int):
-        # ValueError, not TypeError, for a non-int too: the SPEC's R2 names one error for both.
-        raise ValueError(  # noqa: TRY004
-            f"window must be an int >= 1, a tt.Window, or None (no bound), got {window!r} "
-            f"({type(window).__name__})"
+        # ValueError, not TypeError, for a non-int too: one error for every bad window.
+        raise ConfigError(
+            f"{{window}} must be an int >= 1, a tt.Window, or None (no bound), got {window!r} "
+            f"({type(window).__name__})",
+            parameter="window",
         )
     if window < 1:
-        raise ValueError(f"window must be >= 1 (or None for no bound), got {window}")
+        raise ConfigError(
+            f"{{window}} must be >= 1 (or None for no bound), got {window}", parameter="window"
+        )
     return window
 
 
@@ -74,9 +77,10 @@ def check_source(source: object) -> None:
                 "; it is a sync iterable: wrap it in an async generator, or read a taskset "
                 "through `async with taskset.channel() as tasks`"
             )
-        raise TypeError(
-            f"source must be an async iterable (an async generator, a trio ReceiveChannel, "
-            f"a taskset channel), got {type(source).__name__}{hint}"
+        raise ConfigTypeError(
+            f"{{source}} must be an async iterable (an async generator, a trio "
+            f"ReceiveChannel, a taskset channel), got {type(source).__name__}{hint}",
+            parameter="source",
         )
 
 
@@ -87,7 +91,10 @@ def _check_run(run: object) -> None:
     called: `_not_awaitable` explains that case at the first item.
     """
     if not callable(run):
-        raise TypeError(f"run must be an async callable taking one item, got {type(run).__name__}")
+        raise ConfigTypeError(
+            f"{{run}} must be an async callable taking one item, got {type(run).__name__}",
+            parameter="run",
+        )
     call = run if inspect.isroutine(run) or isinstance(run, type) else type(run).__call__
     kind = ""
     if inspect.isasyncgenfunction(call):
@@ -97,9 +104,10 @@ def _check_run(run: object) -> None:
     elif isinstance(run, type) and not hasattr(run, "__await__"):
         kind = "a class whose instances are not awaitable"
     if kind:
-        raise TypeError(
-            f"run must be an async callable taking one item, got {kind} "
-            f"({getattr(run, '__qualname__', type(run).__name__)}): {_RUN_FIX}"
+        raise ConfigTypeError(
+            f"{{run}} must be an async callable taking one item, got {kind} "
+            f"({getattr(run, '__qualname__', type(run).__name__)}): {_RUN_FIX}",
+            parameter="run",
         )
 
 
@@ -113,10 +121,11 @@ _UNSET: Any = object()
 
 def _not_awaitable(run: object, item: object, returned: object) -> TypeError:
     name = getattr(run, "__qualname__", type(run).__name__)
-    return TypeError(
-        f"run must be an async callable taking one item: run(item) returned "
+    return ConfigTypeError(
+        f"{{run}} must be an async callable taking one item: run(item) returned "
         f"{type(returned).__name__}, not an awaitable (run={name}, item={reprlib.repr(item)}); "
-        f"{_RUN_FIX}"
+        f"{_RUN_FIX}",
+        parameter="run",
     )
 
 
@@ -375,8 +384,12 @@ async def run_stream(
     Returns the results in submission (pull) order once the source has ended and the last run
     is done. The next item is pulled only when a window slot is free. The first failure cancels
     the rest and is re-raised itself. The source is always closed (`aclose()`), exactly once.
-    `window=None` means no bound; a `tt.Window` may be resized while the call runs. Awaited
-    from asyncio it raises a RuntimeError naming `tt.aio.run_stream`.
+    `window=None` means no bound; a `tt.Window` may be resized while the call runs.
+
+    Raises, before anything is pulled, a `ConfigError` naming `window` (not an int >= 1, a
+    `tt.Window` or None), `source` (not an async iterable) or `run` (not an async callable;
+    a `ConfigTypeError`, also a TypeError); awaited from asyncio, a RuntimeError naming
+    `tt.aio.run_stream`. Then what a run or the source raised, itself.
     """
     require_trio("run_stream")
     checked = _check_window(window)
@@ -396,7 +409,8 @@ def as_completed(
     results: ...`. A result not yet received holds its window slot, so a slow consumer
     back-pressures the runs and the feed (memory stays O(window)). Leaving the block cancels
     whatever is still running and closes the source; a failure cancels the block and is
-    re-raised itself. Bad arguments raise here, before the block is entered.
+    re-raised itself. Bad arguments raise here, before the block is entered: a
+    `ConfigError` naming `window`, `source` or `run`, as `run_stream` does.
     """
     checked = _check_window(window)
     check_source(source)
@@ -439,7 +453,7 @@ async def _as_completed(
 
 class _Places:
     """The window the current run draws its places from: its limiter, how to wait for a
-    token, and how to lend one more place (for a caller that waits on its children: N1).
+    token, and how to lend one more place (for a caller that waits on its children: it holds no place meanwhile).
 
     `owner` keeps the count of lent places where something else also sets the limiter's
     `total_tokens` (a `Window`'s resize, an `ElasticPlaces`' runs); with none, the limiter
@@ -486,7 +500,7 @@ async def fan_out(thunks: Iterable[Callable[[], Awaitable[R]]]) -> list[R]:
     concurrently and return their results in thunk order.
 
     Inside a run driven by `run_stream`, `as_completed` or an eval, the thunks run **on the
-    enclosing window** (SPEC 9, N1-N4), so one budget bounds live work at any depth:
+    enclosing window**, so one budget bounds live work at any depth:
 
     * each running thunk holds a place of the window; the caller, while it waits for them,
       holds none: `window=w` means at most `w` thunks or runs doing work at once, however
@@ -504,8 +518,9 @@ async def fan_out(thunks: Iterable[Callable[[], Awaitable[R]]]) -> list[R]:
       re-raised *itself* (not an ExceptionGroup; a second failure is attached to it as a
       note); cancelling the caller cancels every thunk; KeyboardInterrupt stays itself.
 
-    Outside any window (or under `window=None`) the thunks run unbounded. Raises TypeError,
-    before anything runs, when `thunks` is not iterable or holds something not callable.
+    Outside any window (or under `window=None`) the thunks run unbounded. Raises a
+    `ConfigTypeError` (a `ConfigError` and a TypeError) naming `thunks`, before anything
+    runs, when `thunks` is not iterable or holds something not callable.
     """
     return await fan_out_placing(operator.call, _check_thunks(thunks), None)
 
@@ -833,9 +848,10 @@ def _fail(failures: list[BaseException], exc: BaseException, scope: trio.CancelS
 
 def _check_thunks(thunks: object) -> list[Callable[[], Awaitable[Any]]]:
     if not hasattr(type(thunks), "__iter__") or isinstance(thunks, (str, bytes)):
-        raise TypeError(
-            f"thunks must be an iterable of callables taking no argument, got "
-            f"{type(thunks).__name__}"
+        raise ConfigTypeError(
+            f"{{thunks}} must be an iterable of callables taking no argument, got "
+            f"{type(thunks).__name__}",
+            parameter="thunks",
         )
     calls = list(cast(Iterable[Any], thunks))
     for index, thunk in enumerate(calls):
@@ -848,9 +864,10 @@ def _check_thunks(thunks: object) -> list[Callable[[], Awaitable[Any]]]:
                 )
                 if inspect.iscoroutine(thunk):
                     thunk.close()  # never awaited: do not warn about it later
-            raise TypeError(
-                f"thunks[{index}] must be a callable taking no argument, got "
-                f"{type(thunk).__name__}{hint}"
+            raise ConfigTypeError(
+                f"{{thunks}}[{index}] must be a callable taking no argument, got "
+                f"{type(thunk).__name__}{hint}",
+                parameter="thunks",
             )
     return calls
 
@@ -863,8 +880,9 @@ def _run_not_awaitable(index: int, run: object, item: object, returned: object) 
 
 def _thunk_not_awaitable(index: int, thunk: object, returned: object) -> TypeError:
     name = getattr(thunk, "__qualname__", type(thunk).__name__)
-    return TypeError(
-        f"thunks[{index}] must return an awaitable: {name}() returned "
+    return ConfigTypeError(
+        f"{{thunks}}[{index}] must return an awaitable: {name}() returned "
         f"{type(returned).__name__}; define it with `async def`, or wrap a sync function "
-        f"`fn` as `lambda: trio.to_thread.run_sync(fn)`"
+        f"`fn` as `lambda: trio.to_thread.run_sync(fn)`",
+        parameter="thunks",
     )

@@ -1,7 +1,7 @@
 """Source combinators: `take` (the next n items, then close), `until` (items until a stop) and
 `merge` (several sources as one).
 
-Both keep the runner's promises about a source (SPEC R7, R8): nothing is pulled that is not
+Both keep the runner's promises about a source : nothing is pulled that is not
 asked for, and every source is closed exactly once, shielded where a close must not be cut
 short.
 """
@@ -15,6 +15,7 @@ from typing import Any, TypeVar
 
 import trio
 
+from .exceptions import ConfigError, ConfigTypeError
 from .runner import check_source, close_iterator, pick_one
 
 __all__ = ["Merged", "Until", "merge", "take", "until"]
@@ -27,14 +28,18 @@ def take(source: AsyncIterable[T], n: int) -> AsyncIterator[T]:
 
     Never requests an (n+1)th item: after the n-th, the next call closes the source, shielded
     from cancellation, and ends (a runner closes it instead when it stops pulling first).
-    `n == 0` pulls nothing; `n < 0` raises ValueError. Closing the result closes the source,
-    even before the first pull.
+    `n == 0` pulls nothing. Closing the result closes the source, even before the first pull.
+
+    Raises a `ConfigError` naming `n` (`n < 0`, a ValueError; not an int, a
+    `ConfigTypeError`, also a TypeError) or `source` (not an async iterable).
     """
     check_source(source)
     if isinstance(n, bool) or not isinstance(n, int):
-        raise TypeError(f"n must be an int >= 0, got {n!r} ({type(n).__name__})")
+        raise ConfigTypeError(
+            f"{{n}} must be an int >= 0, got {n!r} ({type(n).__name__})", parameter="n"
+        )
     if n < 0:
-        raise ValueError(f"n must be >= 0, got {n}")
+        raise ConfigError(f"{{n}} must be >= 0, got {n}", parameter="n")
     return _Take(source, n)
 
 
@@ -93,15 +98,21 @@ def until(
 
     An item whose pull completed before the stop was seen is still handed on, so nothing
     pulled is lost; nothing is pulled after it. The stream keeps the runner's promises
-    about a source: it pulls only when asked (R1, R8), the source's own errors pass
-    through unchanged (R5), an outside cancellation is not swallowed (R6), and closing it
-    closes `source` exactly once, from the task that iterates it (R7). A bare `tt.merge(...)`
+    about a source: it pulls only when asked, the source's own errors pass
+    through unchanged, an outside cancellation is not swallowed, and closing it
+    closes `source` exactly once, from the task that iterates it. A bare `tt.merge(...)`
     is refused (a pull cancelled inside its nursery would corrupt the cancel scope stack):
     use ``async with tt.merge(a, b) as merged: tt.until(merged, ...)``.
+
+    Raises a `ConfigTypeError` (a `ConfigError` and a TypeError) naming `source` (not an
+    async iterable, or a bare merge) or `stop` (none of the three).
     """
     check_source(source)
     if stop is not None and not (isinstance(stop, trio.Event) or callable(stop)):
-        raise TypeError(f"stop must be a trio.Event, a predicate () -> bool or None, got {stop!r}")
+        raise ConfigTypeError(
+            f"{{stop}} must be a trio.Event, a predicate () -> bool or None, got {stop!r}",
+            parameter="stop",
+        )
     return Until(source, stop)
 
 
@@ -114,10 +125,11 @@ class Until(AsyncIterator[T]):
         self._source = source
         self._iterator = aiter(source)
         if isinstance(self._iterator, Merged) or _holds_scope(self._iterator):
-            raise TypeError(
-                "until(source): a bare tt.merge(...) keeps a nursery on the iterating task, "
+            raise ConfigTypeError(
+                "until({source}): a bare tt.merge(...) keeps a nursery on the iterating task, "
                 "so a stop cannot cancel its pull; use `async with tt.merge(...) as merged:` "
-                "and pass `merged`"
+                "and pass `merged`",
+                parameter="source",
             )
         self._event = stop if isinstance(stop, trio.Event) else None
         self._predicate = None if isinstance(stop, trio.Event) else stop
@@ -218,6 +230,9 @@ def merge(*sources: AsyncIterable[T]) -> Merged[T]:
       ``anext(merged)`` does not (trio reports a corrupted cancel scope stack): use the
       ``async with`` form there. Errors never cancel the nursery from inside while the merge
       sits at its ``yield``: they travel as values and are raised by the merge itself.
+
+    Raises a `ConfigTypeError` (a `ConfigError` and a TypeError) naming `source` for a
+    source that is not an async iterable.
     """
     for source in sources:
         check_source(source)

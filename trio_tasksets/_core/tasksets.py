@@ -14,6 +14,8 @@ from typing import Any, ClassVar, Generic, Self, TypeVar, get_args, get_origin
 import attrs
 import trio
 
+from .exceptions import ConfigError, ConfigTypeError
+
 __all__ = ["Task", "Taskset", "TasksetConfig"]
 
 
@@ -171,32 +173,38 @@ class Taskset(Generic[TaskT, ConfigT]):
     # --- views ------------------------------------------------------------------------------
 
     def head(self, n: int) -> Self:
-        """The first `n` tasks only (of a stream: the next `n`, and never an (n+1)th pull)."""
+        """The first `n` tasks only (of a stream: the next `n`, and never an (n+1)th pull).
+        Raises a `ConfigError` naming `n` unless it is an int >= 0."""
         if isinstance(n, bool) or not isinstance(n, int):
-            raise TypeError(f"head(n): n must be an int >= 0, got {n!r}")
+            raise ConfigTypeError(f"head(n): {{n}} must be an int >= 0, got {n!r}", parameter="n")
         if n < 0:
-            raise ValueError(f"head(n): n must be >= 0, got {n}")
+            raise ConfigError(f"head(n): {{n}} must be >= 0, got {n}", parameter="n")
         return self._with(("head", n))
 
     def shuffle(self, seed: int | None = None) -> Self:
         """The tasks in a reproducible random order (materializes them).
 
         Refused on an INFINITE or streaming taskset (there is no end to shuffle), unless a
-        `head(n)` before it bounds the taskset.
+        `head(n)` before it bounds the taskset: a `ConfigError` (a ValueError).
         """
         bounded = any(kind == "head" for kind, _ in self._steps)
         if (self.INFINITE or self.streaming) and not bounded:
             kind = "INFINITE" if self.INFINITE else "streaming"
-            raise ValueError(
+            raise ConfigError(
                 f"cannot shuffle {type(self).__name__}: it is {kind} and has no end; "
-                f"bound it first with .head(n).shuffle()"
+                f"bound it first with .head(n).shuffle()",
+                parameter="shuffle",
             )
         return self._with(("shuffle", seed))
 
     def view(self, transform: Callable[[TaskT], TaskT | None]) -> Self:
-        """Map each task through `transform`; a task for which it returns None is dropped."""
+        """Map each task through `transform`; a task for which it returns None is dropped.
+        Raises a `ConfigTypeError` naming `transform` when it is not callable."""
         if not callable(transform):
-            raise TypeError(f"view(transform): transform must be callable, got {transform!r}")
+            raise ConfigTypeError(
+                f"view(transform): {{transform}} must be callable, got {transform!r}",
+                parameter="transform",
+            )
         return self._with(("map", transform))
 
     def _with(self, step: _Step) -> Self:
@@ -208,10 +216,11 @@ class Taskset(Generic[TaskT, ConfigT]):
     def _prompted(task: TaskT, text: str) -> TaskT:
         with_prompt = getattr(task, "with_system_prompt", None)
         if with_prompt is None:
-            raise TypeError(
-                f"the taskset has system_prompt set, but its tasks ({type(task).__name__}) "
+            raise ConfigTypeError(
+                f"the taskset has {{system_prompt}} set, but its tasks ({type(task).__name__}) "
                 f"cannot take one: give them a with_system_prompt(text) method (tt.Task has "
-                f"one) or leave system_prompt unset"
+                f"one) or leave system_prompt unset",
+                parameter="system_prompt",
             )
         return with_prompt(text)  # type: ignore[no-any-return]
 

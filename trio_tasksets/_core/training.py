@@ -1,10 +1,10 @@
-"""The training feed's primitives (SPEC 10): `first` (over-sampling with a clean cut) and
+"""The training feed's primitives: `first` (over-sampling with a clean cut) and
 `Staleness` (a policy-version gate for a trainer consuming a feed).
 
 `first(n, source, run, window=..., accept=...)` runs `source` windowed, as `as_completed`
 does, keeps the first `n` results `accept` takes (in completion order), then leaves the
 runner's block: every other run is cancelled and *awaited* (its scoring and cleanup
-included) and the source is closed (R7) before it returns.
+included) and the source is closed (exactly once) before it returns.
 
 `Staleness(max_lag)` counts policy versions: the trainer calls `advance()` when its policy
 changes. A run wrapped by `staleness.run(fn)` records the version current when it starts
@@ -27,6 +27,7 @@ from typing import TypeVar
 import attrs
 import trio
 
+from .exceptions import ConfigError, ConfigTypeError
 from .runner import as_completed, check_source, close_iterator
 from .window import Window
 
@@ -49,18 +50,26 @@ async def first(
 
     Once the n-th is in, every other run is cancelled and this waits until each has unwound
     (its `finally` blocks and shielded cleanup, e.g. an episode's `on_complete`, included);
-    the source is closed exactly once (R7). When it returns, nothing it started still runs.
+    the source is closed exactly once. When it returns, nothing it started still runs.
     Fewer than `n` come back only if the source ends first. `n == 0` pulls nothing. A run's
-    failure, or `accept`'s, cancels the rest and is raised itself (R4). `accept` may be sync
-    or async. Bad arguments raise before anything is pulled (`n` not an int >= 0:
-    `ValueError`/`TypeError` naming `n`; `window` as in `as_completed`).
+    failure, or `accept`'s, cancels the rest and is raised itself. `accept` may be sync or
+    async.
+
+    Bad arguments raise a `ConfigError` before anything is pulled: naming `n` (`n < 0`; not
+    an int, a `ConfigTypeError`, also a TypeError), `accept` (not callable), or `window`,
+    `source` and `run` as `as_completed` does.
     """
     if isinstance(n, bool) or not isinstance(n, int):
-        raise TypeError(f"n must be an int >= 0, got {n!r} ({type(n).__name__})")
+        raise ConfigTypeError(
+            f"{{n}} must be an int >= 0, got {n!r} ({type(n).__name__})", parameter="n"
+        )
     if n < 0:
-        raise ValueError(f"n must be >= 0, got {n}")
+        raise ConfigError(f"{{n}} must be >= 0, got {n}", parameter="n")
     if accept is not None and not callable(accept):
-        raise TypeError(f"accept must be a callable taking a result, or None, got {accept!r}")
+        raise ConfigTypeError(
+            f"{{accept}} must be a callable taking a result, or None, got {accept!r}",
+            parameter="accept",
+        )
     as_completed(source, run, window=window)  # checks source, run and window, starts nothing
     if isinstance(window, int):
         # A tt.Window, so that the rollouts of a group run inside `run` (a fan_out under
@@ -111,9 +120,11 @@ def current_run() -> LiveRun | None:
 
 def _check_int(value: object, name: str, minimum: int) -> int:
     if isinstance(value, bool) or not isinstance(value, int):
-        raise TypeError(f"{name} must be an int >= {minimum}, got {value!r}")
+        raise ConfigTypeError(
+            f"{{{name}}} must be an int >= {minimum}, got {value!r}", parameter=name
+        )
     if value < minimum:
-        raise ValueError(f"{name} must be >= {minimum}, got {value}")
+        raise ConfigError(f"{{{name}}} must be >= {minimum}, got {value}", parameter=name)
     return value
 
 
@@ -130,12 +141,17 @@ class Staleness:
       counts the batches the consumer handed the trainer (`handed()`): the batch being built
       is then trained at most `max_lag` versions after the policy that produced it. A trainer
       waiting for the next batch never blocks the feed (no deadlock).
+
+    A `max_lag` that is not an int >= 0, or a `withhold` that is not a bool, raises a
+    `ConfigError` naming it.
     """
 
     def __init__(self, max_lag: int, *, withhold: bool = False) -> None:
         self.max_lag = _check_int(max_lag, "max_lag", 0)
         if not isinstance(withhold, bool):
-            raise TypeError(f"withhold must be True or False, got {withhold!r}")
+            raise ConfigTypeError(
+                f"{{withhold}} must be True or False, got {withhold!r}", parameter="withhold"
+            )
         self.withhold = withhold
         self._version = 0
         self._handed = 0
@@ -196,9 +212,12 @@ class Staleness:
     def run(self, fn: Callable[[T], Awaitable[R]]) -> Callable[[T], Awaitable[R | None]]:
         """`fn` as a run that records the version it started at and is cancelled (returns
         None) once it falls more than `max_lag` behind, or, with `withhold`, finishes and is
-        marked: an `Episode` result (or a list of them, a group) gets `stale = True`."""
+        marked: an `Episode` result (or a list of them, a group) gets `stale = True`.
+        Raises a `ConfigTypeError` naming `fn` when it is not callable."""
         if not callable(fn):
-            raise TypeError(f"fn must be an async callable taking one item, got {fn!r}")
+            raise ConfigTypeError(
+                f"{{fn}} must be an async callable taking one item, got {fn!r}", parameter="fn"
+            )
 
         async def staled(item: T) -> R | None:
             with trio.CancelScope() as scope:

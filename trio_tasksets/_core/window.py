@@ -19,18 +19,23 @@ from contextlib import AbstractAsyncContextManager
 
 import trio
 
+from .exceptions import ConfigError
+
 __all__ = ["HISTORY_LIMIT", "Window", "check_size", "prioritized", "take_place"]
 
 HISTORY_LIMIT = 10_000  # entries kept (the newest); a long-lived service must not grow forever
 
 
 def check_size(value: object, name: str) -> int:
+    """`value` as a window size: an int >= 1, else a `ConfigError` naming `name` (a
+    ValueError for a non-int too: one error for every bad window, as the runner's)."""
     if isinstance(value, bool) or not isinstance(value, int):
-        raise ValueError(  # noqa: TRY004 (R2 names one error for a bad window, as the runner)
-            f"{name} must be an int >= 1, got {value!r} ({type(value).__name__})"
+        raise ConfigError(
+            f"{{{name}}} must be an int >= 1, got {value!r} ({type(value).__name__})",
+            parameter=name,
         )
     if value < 1:
-        raise ValueError(f"{name} must be >= 1, got {value}")
+        raise ConfigError(f"{{{name}}} must be >= 1, got {value}", parameter=name)
     return value
 
 
@@ -47,7 +52,7 @@ _prioritized: contextvars.ContextVar[bool] = contextvars.ContextVar(
 class prioritized:  # (lower case: used as a function, ``with prioritized():``)
     """Inside this block (and in the tasks it starts), a `Window.acquire` is served before
     every waiter outside one: how a group's waiting rollout takes a freed place before the
-    runner pulls a new task (SPEC 10). Waiters inside such blocks are served first come,
+    runner pulls a new task. Waiters inside such blocks are served first come,
     first served among themselves. (A class, not a generator: it is entered once per
     group.)"""
 
@@ -106,7 +111,8 @@ class Window:
     scheduler: a runner takes a token before each pull and a run gives it back when its result
     is delivered. Growing wakes a waiting pull at once; shrinking cancels nothing, and nothing
     more is pulled until fewer than `size` are in flight. Runners that share one window are
-    bounded together. `history` lists every size it has had.
+    bounded together. `history` lists every size it has had. A `size` that is not an int
+    >= 1 raises a `ConfigError` naming it (here and in `resize`).
     """
 
     def __init__(self, size: int) -> None:

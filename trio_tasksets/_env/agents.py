@@ -1,4 +1,4 @@
-"""`tt.ToolEnv`: the tool-calling loop of SPEC 9.
+"""`tt.ToolEnv`: the tool-calling loop (tools run through `fan_out`, on the eval's window).
 
 Each turn sends the messages and the tools' schemas; the reply (its message as sent) is
 appended, and its tool calls run concurrently through `tt.fan_out` (on the eval's window:
@@ -50,6 +50,8 @@ class ToolEnv(Env[TaskT]):
 
     Override `answer(call, tool)` to change how one call is answered, or `tool_text(value)`
     for how a tool's result becomes the text the model reads.
+
+    A bad limit, or tools that share a name, raise a `ConfigError` naming the parameter.
     """
 
     def __init__(

@@ -16,7 +16,7 @@ for it, `backend_for` imports a transport's module only when the settings name i
 in process never loads the served path or hiredis. A backend of one's own (any object with
 this protocol) goes in ``EvalConfig(backend=...)``.
 
-With ``group=True`` an eval runs each group (a task's ``-r`` rollouts, SPEC 10) in this process
+With ``group=True`` an eval runs each group (a task's ``-r`` rollouts, run and scored as one unit) in this process
 through `run_group`, each rollout one slot of the runner; a runner that is also a
 `GroupRunner` (``--via``: one entry per group, run by one worker) runs the whole group where
 its slots run instead.
@@ -61,7 +61,7 @@ elsewhere (the dashboard, the health probe, the adaptive window), returning `awa
 @runtime_checkable
 class GroupRunner(SlotRunner, Protocol):
     """A `SlotRunner` that also runs a whole group where its slots run (``--via``: one
-    entry, run by one worker, SPEC 10).
+    entry, run by one worker, scored where it ran).
 
     `run_group(group, track)` returns one episode per slot of `group`, in slot order, each
     with `group` set and scored by the env's `score_group` where they ran; every rollout

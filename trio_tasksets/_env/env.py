@@ -92,13 +92,13 @@ class RolloutTimeoutError(TrioTasksetsError, TimeoutError):
 class StalledError(TrioTasksetsError, TimeoutError):
     """An attempt made no progress (no model or tool call finished) for the env's
     `stall_timeout` seconds of working time: cancelled, an episode error retried per the
-    env's policy like any other (SPEC 12)."""
+    env's policy like any other."""
 
 
 class DeadlineExceededError(TrioTasksetsError, TimeoutError):
     """A slot's deadline, carried from the process that asked for it (an eval's `--via`
     entry), passed: the slot was cut there, or not run at all when it came too late. An
-    episode error like any other (SPEC 12)."""
+    episode error like any other (the deadline travels with the slot)."""
 
 
 def new_id() -> str:
@@ -219,7 +219,7 @@ class Episode:
     tool_calls: int = 0
     stop_reason: str | None = None
     metrics: dict[str, float] = attrs.Factory(dict)
-    # Training fields (SPEC 10); a row holds each only when it is set.
+    # Training fields (groups, token ids); a row holds each only when it is set.
     tokens: list[dict[str, Any]] = attrs.Factory(list)  # each model call's `Tokens.to_dict()`
     group: str | None = None  # the id shared by the rollouts of one group (`--group`)
     advantage: float | None = None  # set by `Env.score_group` (e.g. GRPO's)

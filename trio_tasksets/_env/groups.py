@@ -1,4 +1,4 @@
-"""Groups (SPEC 10): a task's rollouts as one unit of work, scored together.
+"""Groups: a task's rollouts as one unit of work, scored together.
 
 `run_group(env, task, run_rollout, rollouts=r)` runs the `r` rollouts of one task in one
 nursery and one cancel scope (a `fan_out`), so inside a windowed runner each live rollout
@@ -170,7 +170,8 @@ def group_feed(
     """A feed of tasks as a feed of groups of `rollouts` slots each, for a runner over
     `window` (the same `tt.Window` the runner is given): the next task is pulled only once
     every open group's rollouts have started (`OpenGroups.gate`). Closing it closes `tasks`.
-    Run each group with `run_group`."""
+    Run each group with `run_group`. Raises a ValueError naming `rollouts` unless it is an
+    int >= 1."""
     if isinstance(rollouts, bool) or not isinstance(rollouts, int) or rollouts < 1:
         raise ValueError(f"rollouts must be an int >= 1, got {rollouts!r}")
     return OpenGroups(window).gate(_as_groups(tasks, rollouts))

@@ -57,7 +57,7 @@ class TraceWriter:
         self.rows += 1
 
     def write_rows(self, rows: Iterable[dict[str, Any]]) -> None:
-        """Append `rows` together, in one `write()` (a group's rows, SPEC 10: one system call
+        """Append `rows` together, in one `write()` (a group's rows, written together: one system call
         for the group, and a kill leaves them whole but for at most a torn last line, as
         `write` does for one row). Sync, like `write`."""
         encoded = [_encode(row) for row in rows]

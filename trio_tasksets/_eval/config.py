@@ -63,7 +63,7 @@ class EvalConfig:
     # --engine-metrics: the Prometheus /metrics URL of the engine behind the model (vLLM,
     # SGLang); an adaptive -c reads the engine's own load from it every second.
     engine_metrics: str | None = None
-    # --group: a task's rollouts are one group (SPEC 10): run together, scored together by
+    # --group: a task's rollouts are one group: run together, scored together by
     # Env.score_group, written together; one failing after its retries fails the group.
     group: bool = False
     # Recorded in config.json only (never compared by a resume): the command line that ran

@@ -28,6 +28,7 @@ from typing import Any
 
 from .._core.runner import run_stream
 from .._core.tasksets import Taskset
+from .._core.window import Window
 from .._env.env import Episode, EpisodeError, Reward, split_score
 from .._env.spec import rebuild_task
 from .._env.traces import read_rows, write_atomic
@@ -47,12 +48,13 @@ def _load_json(path: Path) -> dict[str, Any]:
     except FileNotFoundError:
         raise EvalConfigError(
             f"{path.parent} is not a run dir (no {path.name}): pass <output-dir>/<run-name>, "
-            f"as `trio-tasksets eval` prints it"
+            f"as `trio-tasksets eval` prints it",
+            parameter="run_dir",
         ) from None
     except (OSError, ValueError) as exc:
-        raise EvalConfigError(f"cannot read {path}: {exc}") from None
+        raise EvalConfigError(f"cannot read {path}: {exc}", parameter="run_dir") from None
     if not isinstance(found, dict):
-        raise EvalConfigError(f"{path} does not hold a JSON object")
+        raise EvalConfigError(f"{path} does not hold a JSON object", parameter="run_dir")
     return found
 
 
@@ -70,13 +72,16 @@ async def rescore(
     reward_name: str | None = None,
     output_dir: str | Path | None = None,
     run_name: str | None = None,
-    window: int | None = 32,
+    window: int | Window | None = 32,
     command: list[str] | None = None,
 ) -> EvalResult:
     """Score `run_dir`'s rows with `reward` into a new run dir (module docstring):
-    `<output_dir>/<run_name>`, by default next to `run_dir` as `<its name>-rescored-<time>`.
-    `EvalConfigError` for a path that is not a run dir or a run dir that exists already,
-    before anything is written."""
+    `<output_dir>/<run_name>`, by default next to `run_dir` as `<its name>-rescored-<time>`;
+    `window` (an int or a `tt.Window`) bounds the rewards scored at once.
+
+    Raises `EvalConfigError` (a `ConfigError`) naming `run_dir` for a path that is not a run
+    dir, `run_name` / `output_dir` for a run dir that exists already, before anything is
+    written; a bad `window` is a `ConfigError` naming it."""
     source = Path(run_dir)
     config = _load_json(source / "config.json")
     rows, _bad = read_rows(source / "traces.jsonl")

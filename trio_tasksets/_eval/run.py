@@ -577,7 +577,7 @@ async def _execute(
 
             episodes: list[Episode] | None = None
             # --time-limit is this scope's deadline: every rollout sees it as its effective
-            # deadline, so its model requests and remote episodes never outlive it (SPEC 12).
+            # deadline, so its model requests and remote episodes never outlive it.
             with trio.CancelScope(deadline=deadline) as tally.scope:
                 async with trio.open_nursery() as nursery:
                     if handle_signals or config.time_limit is not None:

@@ -15,7 +15,8 @@ class EchoClient(ModelClientBase):
     """The built-in offline model: replies with the text of the last ``user`` message
     (``""`` if there is none). Waits ``delay`` seconds (``trio.sleep``, so a MockClock
     controls it) and always checkpoints. Usage counts words: ``prompt_tokens`` over all
-    message contents, ``completion_tokens`` over the reply."""
+    message contents, ``completion_tokens`` over the reply. A ``delay`` < 0 raises a
+    ValueError naming it."""
 
     def __init__(self, delay: float = 0.0) -> None:
         if not delay >= 0:

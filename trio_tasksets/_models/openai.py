@@ -309,7 +309,9 @@ class OpenAIClient(ModelClientBase):
     ) -> Completion:
         """POST one chat completion request, retrying per the class contract. ``tools``
         (OpenAI function schemas) go as the request's ``tools``. The reply is whole: its
-        message as sent (``tool_calls`` and unknown fields kept) and its parsed tool calls."""
+        message as sent (``tool_calls`` and unknown fields kept) and its parsed tool calls.
+        Raises a `ModelError` as the class says (`ModelHTTPError`, `ModelConnectionError`,
+        `ModelTimeoutError`, `ModelResponseError`) once its retries are spent."""
         if self.pool is not None:
             return await self.pool.chat(messages, model=model, sampling=sampling, tools=tools)
         payload: dict[str, Any] = {"model": model, "messages": messages}

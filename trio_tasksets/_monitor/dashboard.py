@@ -39,6 +39,7 @@ from rich.table import Table
 from rich.text import Text
 
 from .._core.adaptive import AdaptiveWindow
+from .._core.exceptions import ConfigError
 from .._core.limits import ConnectionLimiter
 from .._core.window import Window
 
@@ -401,9 +402,12 @@ async def show(
     a terminal, else `progress.line()` every `log_every` seconds. The last state is drawn once
     more on every exit. `console` defaults to ``Console(stderr=True)``."""
     if not refresh_per_second > 0:
-        raise ValueError(f"refresh_per_second must be > 0, got {refresh_per_second!r}")
+        raise ConfigError(
+            f"{{refresh_per_second}} must be > 0, got {refresh_per_second!r}",
+            parameter="refresh_per_second",
+        )
     if not log_every > 0:
-        raise ValueError(f"log_every must be > 0, got {log_every!r}")
+        raise ConfigError(f"{{log_every}} must be > 0, got {log_every!r}", parameter="log_every")
     if console is None:
         console = Console(stderr=True)
     panel: Live | None = None

@@ -1,4 +1,4 @@
-"""`--metrics-port N`: a run's counters and health as Prometheus text (SPEC 12), for `eval`,
+"""`--metrics-port N`: a run's counters and health as Prometheus text, for `eval`,
 `worker` and `serve`.
 
 `Metrics` is one run's registry (its own `prometheus_client.CollectorRegistry`, never the

@@ -1,4 +1,4 @@
-"""`report`: one self-contained HTML page for one or more run dirs (SPEC 4b).
+"""`report`: one self-contained HTML page for one or more run dirs (no network at view time).
 
     trio-tasksets report RUN_DIR [RUN_DIR ...] [-o FILE]
     tt.report("outputs/my-run")            # -> Path("outputs/my-run/report.html")
@@ -173,8 +173,9 @@ def _output(dirs: Sequence[Path], output: str | Path | None) -> Path:
         return path / "report.html"
     if not path.parent.is_dir():
         raise ReportError(
-            f"-o/--output {str(path)!r}: its directory {str(path.parent)!r} does not exist "
-            f"(create it, or write the report elsewhere)"
+            f"{{output}} {str(path)!r}: its directory {str(path.parent)!r} does not exist "
+            f"(create it, or write the report elsewhere)",
+            parameter="output",
         )
     return path
 
@@ -199,7 +200,7 @@ def report(
         run_dirs = [run_dirs]
     dirs = [Path(d) for d in run_dirs]
     if not dirs:
-        raise ReportError("no RUN_DIR given: pass at least one run dir")
+        raise ReportError("no RUN_DIR given: pass at least one run dir", parameter="run_dirs")
     target = _output(dirs, output)
     with _gc_paused():
         runs = [load_run(d) for d in dirs]

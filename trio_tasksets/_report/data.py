@@ -19,7 +19,7 @@ from typing import Any
 import attrs
 import orjson
 
-from .._core.exceptions import TrioTasksetsError
+from .._core.exceptions import ConfigError
 
 __all__ = ["ReportError", "RunData", "load_run", "run_from_rows"]
 
@@ -43,8 +43,9 @@ def _plain(message: dict[str, Any]) -> bool:
     )
 
 
-class ReportError(TrioTasksetsError, ValueError):
-    """A path that is not a run dir, or a file in it that cannot be read (CLI: exit 2)."""
+class ReportError(ConfigError):
+    """A path that is not a run dir, or a file in it that cannot be read (a `ConfigError`,
+    so a ValueError; CLI: exit 2)."""
 
 
 def _number(value: object) -> float | None:

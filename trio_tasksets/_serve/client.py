@@ -11,6 +11,7 @@ from urllib.parse import urlsplit
 
 import trio
 
+from .._core.exceptions import ConfigError
 from .._env.env import Episode, OnComplete, RetryPolicy, RunSlot, complete_slot
 from .._models import ModelContext
 from .._transport import HTTPError
@@ -146,7 +147,9 @@ class EnvClient:
     size limit uses ``POST /run`` instead. `transport="http"`: one ``POST /run`` per run on
     keep-alive connections, at most `max_connections` open (None: no bound; an eval sizes
     it to its window). `health()` is always HTTP. Runs are untimed (an episode may take
-    long); connecting times out after `connect_timeout`. A message or answer from the
+    long); connecting times out after `connect_timeout`. A bad setting (a `url` that is not
+    http(s)://host, an unknown `transport`, `connections` or `max_message_bytes` < 1) raises
+    a `ConfigError` naming it. A message or answer from the
     server over `max_message_bytes` ends that connection (its runs fail). Every failure to
     get an answer raises `EnvServerError` naming `url`. `api_key_var` is the variable an
     OpenAI model's description asks the server's key from: it must be the one the server
@@ -166,11 +169,19 @@ class EnvClient:
         max_message_bytes: int = MAX_ANSWER_BYTES,
     ) -> None:
         if transport not in ("websocket", "http"):
-            raise ValueError(f"transport must be 'websocket' or 'http', got {transport!r}")
+            raise ConfigError(
+                f"{{transport}} must be 'websocket' or 'http', got {transport!r}",
+                parameter="transport",
+            )
         if connections is not None and connections < 1:
-            raise ValueError(f"connections must be >= 1, got {connections}")
+            raise ConfigError(
+                f"{{connections}} must be >= 1, got {connections}", parameter="connections"
+            )
         if max_message_bytes < 1:
-            raise ValueError(f"max_message_bytes must be >= 1, got {max_message_bytes}")
+            raise ConfigError(
+                f"{{max_message_bytes}} must be >= 1, got {max_message_bytes}",
+                parameter="max_message_bytes",
+            )
         self.url = url.rstrip("/")
         self.transport = transport
         self.max_message_bytes = max_message_bytes
@@ -179,7 +190,10 @@ class EnvClient:
         self._encoder = RunRequestEncoder(api_key_var)
         parts = urlsplit(self.url)
         if parts.scheme not in ("http", "https") or not parts.hostname:
-            raise ValueError(f"env server URL must be http://host:port or https://..., got {url!r}")
+            raise ConfigError(
+                f"the env server's {{url}} must be http://host:port or https://..., got {url!r}",
+                parameter="url",
+            )
         port = parts.port or (443 if parts.scheme == "https" else 80)
         self._prefix = parts.path
         self._connections = HTTPConnections(
@@ -234,7 +248,10 @@ class EnvClient:
         return payload
 
     async def health(self) -> dict[str, Any]:
-        """The server's ``GET /health``: ``{"ok": true, "pid", "running", "served", ...}``."""
+        """The server's ``GET /health``: ``{"ok": true, "pid", "running", "served", ...}``.
+
+        Raises `EnvServerError` (naming the URL) when the server cannot be reached or answers
+        with an error or something that is not a health object."""
         payload = await self._request("GET", "/health")
         if not isinstance(payload, dict):
             raise EnvServerError(f"env server {self.url}: /health is not an object", url=self.url)
@@ -246,7 +263,12 @@ class EnvClient:
     async def run(self, slot: RunSlot[Any], ctx: ModelContext) -> Episode:
         """Run one slot on the server and return its episode. Cancelling this call cancels
         the episode on the server: a ``cancel`` message on a WebSocket, or closing the
-        connection of a ``POST /run``."""
+        connection of a ``POST /run``.
+
+        The episode's own failure is recorded on it, as `Env.run_slot` does; a run the
+        server could not answer raises `EnvServerError` (its `status` the server's, if it
+        answered one), and a slot or context that cannot travel raises `TravelError` (a
+        `ConfigError`)."""
         body = self._encoder.encode(slot, ctx)
         connection = None
         if self._ws.available is not False:

@@ -1,4 +1,4 @@
-"""The asyncio bridge (SPEC section 6), in two directions.
+"""The asyncio bridge, in two directions.
 
 * asyncio programs call the trio runner: `run_trio`, `run_stream`, `run_eval` in trio guest
   mode (`_guest`, with `_adapters` for asyncio sources and runs awaited from the guest);

@@ -9,6 +9,7 @@ from typing import Any, ClassVar, TypeVar, cast
 
 import trio
 
+from .._core.exceptions import ConfigTypeError
 from .._core.tasksets import Taskset, TasksetConfig, aclose_source, stream_view
 from ._loop import LoopKind, add_note, bridge_loop, call_aio, open_loop, trio_asyncio_module
 
@@ -157,7 +158,8 @@ def as_taskset(obj: object) -> Taskset[Any, Any]:
         return obj
     if callable(getattr(obj, "stream", None)) or callable(getattr(obj, "load", None)):
         return _FeedView(obj)
-    raise TypeError(
-        f"the asyncio env's taskset must be a tt.Taskset (a tt.aio.AsyncioTaskset for an asyncio "
-        f"stream()) or an object with an asyncio stream(), got {type(obj).__name__}"
+    raise ConfigTypeError(
+        f"the asyncio env's {{taskset}} must be a tt.Taskset (a tt.aio.AsyncioTaskset for an "
+        f"asyncio stream()) or an object with an asyncio stream(), got {type(obj).__name__}",
+        parameter="taskset",
     )

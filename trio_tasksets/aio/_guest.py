@@ -337,7 +337,7 @@ async def run_stream(
     each pull, each `run(item)` and the source's `aclose()` run as asyncio tasks on the host
     loop. Pass `trio_run=True` for a trio-flavored `run`; `trio_source=True` for a trio-flavored
     source (a `trio.abc.ReceiveChannel` is detected as trio by default). The runner's contract
-    holds unchanged (SPEC R1-R8): at most `window` runs in flight and a pull only when a slot is
+    holds unchanged: at most `window` runs in flight and a pull only when a slot is
     free, results in submission order, the first failure cancels the rest and is re-raised
     itself, the source is closed exactly once. Cancelling the awaiting asyncio task cancels the
     runs, closes the source, and raises `CancelledError`.

@@ -56,7 +56,7 @@ from typing import Any
 
 import attrs
 
-from .._core.exceptions import ConfigError, TrioTasksetsError
+from .._core.exceptions import ConfigError, ConfigTypeError, TrioTasksetsError
 from .._core.tasksets import TasksetConfig
 from .._env.env import Episode, EpisodeError, EpisodeTask, RetryPolicy, Reward, RunSlot
 from .._models import ModelContext, OpenAIClient, Sampling
@@ -93,7 +93,7 @@ class VerifiersUnavailable(TrioTasksetsError, ImportError):
 
 
 class VerifiersUsageError(ConfigError):
-    """A bad `vf:` command line (`--env-args`, `--retries`...): the CLI's usage error."""
+    """A bad verifiers env setting (its `env_args`, `retries`...): the CLI's usage error."""
 
 
 def _vf() -> Any:
@@ -186,9 +186,10 @@ def _build_env(config: VerifiersConfig) -> Any:
     """The verifiers env `config` describes (verifiers validates the env config)."""
     vf = _vf()
     if not config.target:
-        raise ValueError(
-            "VerifiersConfig.target is empty: name the verifiers taskset id "
-            "(tt.aio.verifiers_env('my-taskset', ...), or vf:my-taskset on the command line)"
+        raise ConfigError(
+            "VerifiersConfig.{target} is empty: name the verifiers taskset id "
+            "(tt.aio.verifiers_env('my-taskset', ...), or the TASKSET vf:my-taskset)",
+            parameter="target",
         )
     raw = _merge({"taskset": {"id": config.target}}, config.env_config)
     with _current_folder_for(config.target):
@@ -232,9 +233,10 @@ def _streams(vf_taskset: Any) -> bool:
     if impl is None or impl is getattr(vf.Taskset, "stream", None):
         return False
     if not inspect.isasyncgenfunction(impl):
-        raise TypeError(
-            f"{type(vf_taskset).__name__}.stream must be an async generator "
-            f"(`async def stream(self)` that yields tasks), got {impl!r}"
+        raise ConfigTypeError(
+            f"{type(vf_taskset).__name__}.{{stream}} must be an async generator "
+            f"(`async def stream(self)` that yields tasks), got {impl!r}",
+            parameter="stream",
         )
     return True
 
@@ -293,7 +295,9 @@ class VerifiersTaskset(AsyncioTaskset[VerifiersTask, VerifiersConfig]):
         """A task an env server received (`VerifiersEnv.run_slot` rebuilds the verifiers
         task from `data` with its own taskset's task type)."""
         if not isinstance(data, dict):
-            raise TypeError(f"a verifiers task's data must be an object, got {data!r}")
+            raise ConfigTypeError(
+                f"a verifiers task's {{data}} must be an object, got {data!r}", parameter="data"
+            )
         return VerifiersTask(None, key, data)
 
     def __repr__(self) -> str:
@@ -327,10 +331,11 @@ def vf_model_context(ctx: ModelContext) -> Any:
     vf = _vf()
     client = ctx.client
     if not isinstance(client, OpenAIClient):
-        raise TypeError(
-            f"a verifiers env calls the model itself over HTTP, so its model context needs an "
-            f"OpenAI-compatible endpoint (tt.OpenAIClient; on the command line -m MODEL "
-            f"--base-url URL), not {type(client).__name__}"
+        raise ConfigTypeError(
+            f"a verifiers env calls the model itself over HTTP, so its model context's "
+            f"{{client}} needs an OpenAI-compatible endpoint (a tt.OpenAIClient with its "
+            f"base_url), not {type(client).__name__}",
+            parameter="client",
         )
     sampling: Sampling = ctx.sampling
     knobs: dict[str, Any] = {
@@ -491,21 +496,24 @@ class VerifiersEnv(BridgedEnv[VerifiersTask]):
         retries: RetryPolicy | None = None,
     ) -> None:
         if reward is not None:
-            raise TypeError(
+            raise ConfigTypeError(
                 "a verifiers env scores its episodes itself (its tasks' @vf.reward methods): "
-                "drop reward="
+                "drop {reward}",
+                parameter="reward",
             )
         if retries is not None and retries != RetryPolicy():
             raise VerifiersUsageError(
                 f"a verifiers env retries its episodes itself: set verifiers' retries in the env "
                 f"config (verifiers_env(..., retries={{'max_retries': {retries.max_retries}}}), "
-                f'on the command line --env-args \'{{"retries": {{"max_retries": '
-                f"{retries.max_retries}}}}}') instead of --retries/retries="
+                f'{{env_args}} \'{{"retries": {{"max_retries": {retries.max_retries}}}}}\') '
+                f"instead of {{retries}}",
+                parameter=("retries", "env_args"),
             )
         if taskset is not None and not isinstance(taskset, VerifiersTaskset):
-            raise TypeError(
+            raise ConfigTypeError(
                 f"VerifiersEnv runs a VerifiersTaskset (build one with tt.aio.verifiers_env), "
-                f"got {type(taskset).__name__}"
+                f"got {type(taskset).__name__}",
+                parameter="taskset",
             )
         super().__init__(taskset, aio_env=aio_env)
 
@@ -530,9 +538,10 @@ def verifiers_env(target: Any, /, **env_config: Any) -> VerifiersEnv:
     vf = _vf()
     if isinstance(target, vf.Env):
         if env_config:
-            raise TypeError(
+            raise ConfigTypeError(
                 f"verifiers_env(env, ...): an Env instance carries its own config; pass a "
-                f"taskset id to configure one (got {sorted(env_config)})"
+                f"taskset id to configure one (got {sorted(env_config)})",
+                parameter="env_config",
             )
         config = VerifiersConfig(
             target=str(target.config.taskset.id),
@@ -543,30 +552,36 @@ def verifiers_env(target: Any, /, **env_config: Any) -> VerifiersEnv:
         )
         return VerifiersEnv(VerifiersTaskset(config, vf_env=target))
     if not isinstance(target, str) or not target:
-        raise TypeError(
-            f"verifiers_env(target): target is a verifiers taskset id (a str) or a verifiers "
-            f"v1 Env instance, got {target!r}"
+        raise ConfigTypeError(
+            f"verifiers_env(target): {{target}} is a verifiers taskset id (a str) or a "
+            f"verifiers v1 Env instance, got {target!r}",
+            parameter="target",
         )
     config = VerifiersConfig(target=target, env_config=json.loads(json.dumps(env_config)))
     return VerifiersEnv(VerifiersTaskset(config))
 
 
 def env_from_cli(spec: str, env_args: str | None) -> VerifiersConfig:
-    """The `VerifiersConfig` of the command line's ``vf:TASKSET_ID [--env-args JSON]``;
-    `VerifiersUsageError` (a ValueError) names the flag at fault."""
+    """The `VerifiersConfig` of a TASKSET ``vf:ID`` and its `env_args` (JSON text, or None);
+    `VerifiersUsageError` (a ValueError) names the parameter at fault."""
     target = spec.removeprefix("vf:")
     if not target:
-        raise VerifiersUsageError("TASKSET vf:ID needs the verifiers taskset id after vf:")
+        raise VerifiersUsageError(
+            "TASKSET vf:ID needs the verifiers taskset id after vf:", parameter="spec"
+        )
     env_config: Any = {}
     if env_args is not None:
         try:
             env_config = json.loads(env_args)
         except ValueError as exc:
-            raise VerifiersUsageError(f"--env-args is not JSON: {exc}") from None
+            raise VerifiersUsageError(
+                f"{{env_args}} is not JSON: {exc}", parameter="env_args"
+            ) from None
         if not isinstance(env_config, dict):
             raise VerifiersUsageError(
-                f"--env-args must be a JSON object of verifiers env config keys, e.g. "
-                f'\'{{"agent": {{"runtime": {{"type": "subprocess"}}}}}}\', got {env_args!r}'
+                f"{{env_args}} must be a JSON object of verifiers env config keys, e.g. "
+                f'\'{{"agent": {{"runtime": {{"type": "subprocess"}}}}}}\', got {env_args!r}',
+                parameter="env_args",
             )
     _vf()
     return VerifiersConfig(target=target, env_config=env_config)

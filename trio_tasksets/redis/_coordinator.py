@@ -18,7 +18,7 @@ at any moment, since the enqueue that takes a freed place first deletes the answ
   says why (no consumer group reads the stream, or none took a slot), and the eval waits.
 * A worker that refuses a slot (another taskset, env, model or sampling) ends the eval with
   `ViaError` and the worker's reason.
-* A group (``--group``, SPEC 10) is one entry (the task, `group`: its id, `rollouts`: its
+* A group (``--group``: a task's rollouts as one unit) is one entry (the task, `group`: its id, `rollouts`: its
   size), run by one worker as a group and scored there (`score_group`); its answer is one
   result entry holding every row (`rows`), so the group comes back as a unit. While it is
   out, each of its rollouts holds a place of the eval's window (`fan_out`), so `-c` counts
@@ -299,7 +299,7 @@ class _Coordinator:
             REPLY_FIELD: self.reply,
             ENV_FIELD: self._declared,
         }
-        deadline = deadline_field()  # SPEC 12: the worker runs it under the time left
+        deadline = deadline_field()  # it travels: the worker runs it under the time left
         if deadline is not None:
             fields[DEADLINE_FIELD] = deadline
         return fields

@@ -10,6 +10,7 @@ from typing import Any, Generic, TypeVar
 import orjson
 import trio
 
+from .._core.exceptions import ConfigError
 from .._core.tasksets import Taskset, TasksetConfig
 from ._entries import (
     REFUSED_FIELD,
@@ -18,13 +19,12 @@ from ._entries import (
     Log,
     MalformedEntry,
     RedisTask,
-    check_url,
     decode_entry,
     is_nogroup,
     plain_task,
     stderr_log,
 )
-from ._link import Link, Stopped, first_entry
+from ._link import Link, Stopped, first_entry, redis_url
 from ._resp import Command, Connection, ReplyError, entries, first_stream
 
 T = TypeVar("T")
@@ -56,7 +56,9 @@ class RedisStreamTaskset(Taskset[RedisTask, TasksetConfig]):
     `claim_idle` (seconds): an entry pending that long is taken to belong to a dead consumer
     and is reclaimed; set it above the longest episode plus the publish. `block` (seconds):
     the longest one read waits, hence the longest `stop()` waits. Connection failures are
-    retried with a log line (`log`, default: stderr) and never end the stream.
+    retried with a log line (`log`, default: stderr) and never end the stream. A bad
+    setting (a `url` that is not a Redis URL, an empty `stream`, `group` or `consumer`,
+    `claim_idle` <= 0, `block` outside (0, 60]) raises a `ConfigError` naming it.
     """
 
     def __init__(
@@ -73,14 +75,20 @@ class RedisStreamTaskset(Taskset[RedisTask, TasksetConfig]):
         config: TasksetConfig | None = None,
     ) -> None:
         super().__init__(config)
-        check_url(url)
+        redis_url(url)
         for name, value in (("stream", stream), ("group", group), ("consumer", consumer)):
             if not isinstance(value, str) or not value:
-                raise ValueError(f"{name} must be a non-empty str, got {value!r}")
+                raise ConfigError(
+                    f"{{{name}}} must be a non-empty str, got {value!r}", parameter=name
+                )
         if not claim_idle > 0:
-            raise ValueError(f"claim_idle must be > 0 seconds, got {claim_idle!r}")
+            raise ConfigError(
+                f"{{claim_idle}} must be > 0 seconds, got {claim_idle!r}", parameter="claim_idle"
+            )
         if not 0 < block <= 60:
-            raise ValueError(f"block must be in (0, 60] seconds, got {block!r}")
+            raise ConfigError(
+                f"{{block}} must be in (0, 60] seconds, got {block!r}", parameter="block"
+            )
         self.url = url
         self.stream_key = stream
         self.group = group

@@ -8,8 +8,8 @@ from typing import Any, TypeVar
 import trio
 
 from .._core.backoff import Backoff
-from .._core.exceptions import TrioTasksetsError
-from ._entries import Log, redact
+from .._core.exceptions import ConfigError, TrioTasksetsError
+from ._entries import Log, check_url, redact
 from ._resp import (
     MAX_REPLY_BYTES,
     Address,
@@ -26,6 +26,16 @@ T = TypeVar("T")
 # Between attempts through an outage: 0.1 s doubling up to 3 s, each wait in [cap/2, cap].
 REDIS_BACKOFF = Backoff(0.1, 3.0, jitter=0.5)
 _CONNECT_TIMEOUT = 5.0
+
+
+def redis_url(url: str, parameter: str = "url") -> str:
+    """`url` once `check_url` finds it a Redis URL; else a `ConfigError` naming `parameter`
+    and saying what is wrong."""
+    try:
+        check_url(url)
+    except ValueError as exc:
+        raise ConfigError(f"{{{parameter}}}: {exc}", parameter=parameter) from None
+    return url
 
 
 class Stopped(TrioTasksetsError):
@@ -48,7 +58,10 @@ class Link:
         self, url: str, *, read_timeout: float, log: Log, max_reply_bytes: int = MAX_REPLY_BYTES
     ) -> None:
         if max_reply_bytes < 1:
-            raise ValueError(f"max_reply_bytes must be >= 1, got {max_reply_bytes!r}")
+            raise ConfigError(
+                f"{{max_reply_bytes}} must be >= 1, got {max_reply_bytes!r}",
+                parameter="max_reply_bytes",
+            )
         self.url = redact(url)
         self._address = Address.parse(url)
         self._read_timeout = read_timeout

@@ -18,7 +18,7 @@ import attrs
 import hiredis
 import trio
 
-from .._core.exceptions import TrioTasksetsError
+from .._core.exceptions import ConfigError, TrioTasksetsError
 
 Arg = str | bytes | int | float
 Command = Sequence[Arg]
@@ -54,6 +54,11 @@ class Unreachable(RedisError):
     may or may not have run). The connection is closed; open a new one to go on."""
 
 
+def _bad_url(message: str) -> ConfigError:
+    """A Redis URL that does not parse: a `ConfigError` naming `url`."""
+    return ConfigError(message, parameter="url")
+
+
 @attrs.frozen
 class Address:
     """Where a Redis is and how to log in: parsed from a `redis://`, `rediss://` (TLS) or
@@ -71,15 +76,15 @@ class Address:
 
     @classmethod
     def parse(cls, url: str) -> Address:
-        """The address `url` names; ValueError saying what is wrong. Query parameters: `db`,
+        """The address `url` names; a `ConfigError` naming `url` says what is wrong. Query parameters: `db`,
         and for rediss:// `ssl_cert_reqs` (none, optional, required) and `ssl_ca_certs`."""
         parts = urlsplit(url)
         if parts.scheme not in ("redis", "rediss", "unix"):
-            raise ValueError(f"scheme {parts.scheme!r}: use redis://, rediss:// or unix://")
+            raise _bad_url(f"scheme {parts.scheme!r}: use redis://, rediss:// or unix://")
         query = dict(parse_qsl(parts.query, keep_blank_values=True))
         unknown = sorted(set(query) - _QUERY)
         if unknown:
-            raise ValueError(f"unknown query parameter {', '.join(unknown)}: known are db, "
+            raise _bad_url(f"unknown query parameter {', '.join(unknown)}: known are db, "
                              f"ssl_cert_reqs, ssl_ca_certs")  # fmt: skip
         db_text = query.get("db")
         if parts.scheme != "unix" and parts.path not in ("", "/"):
@@ -88,16 +93,16 @@ class Address:
             db = int(db_text) if db_text is not None else 0
             port = parts.port
         except ValueError as exc:
-            raise ValueError(f"bad db or port ({exc})") from None
+            raise _bad_url(f"bad db or port ({exc})") from None
         if db < 0:
-            raise ValueError(f"db must be >= 0, got {db}")
+            raise _bad_url(f"db must be >= 0, got {db}")
         reqs = query.get("ssl_cert_reqs", "required").lower()
         if reqs not in _CERT_REQS:
-            raise ValueError(f"ssl_cert_reqs must be none, optional or required, got {reqs!r}")
+            raise _bad_url(f"ssl_cert_reqs must be none, optional or required, got {reqs!r}")
         if parts.scheme == "unix" and not parts.path:
-            raise ValueError("unix:// needs a socket path: unix:///path/to/redis.sock")
+            raise _bad_url("unix:// needs a socket path: unix:///path/to/redis.sock")
         if parts.scheme != "unix" and not parts.hostname:
-            raise ValueError("no host: redis://host[:port][/db]")
+            raise _bad_url("no host: redis://host[:port][/db]")
         return cls(
             host=parts.hostname or "localhost",
             port=port or _DEFAULT_PORT,
@@ -156,7 +161,10 @@ class Connection:
         max_reply_bytes: int = MAX_REPLY_BYTES,
     ) -> None:
         if max_reply_bytes < 1:
-            raise ValueError(f"max_reply_bytes must be >= 1, got {max_reply_bytes!r}")
+            raise ConfigError(
+                f"{{max_reply_bytes}} must be >= 1, got {max_reply_bytes!r}",
+                parameter="max_reply_bytes",
+            )
         self._stream = stream
         self._socket = _socket_of(stream)
         self._address = address
@@ -179,7 +187,10 @@ class Connection:
         """Connect, log in (AUTH) and select the db. `Unreachable` if Redis cannot be reached
         within `connect_timeout`; `ReplyError` if it refuses the login."""
         if max_reply_bytes < 1:
-            raise ValueError(f"max_reply_bytes must be >= 1, got {max_reply_bytes!r}")
+            raise ConfigError(
+                f"{{max_reply_bytes}} must be >= 1, got {max_reply_bytes!r}",
+                parameter="max_reply_bytes",
+            )
         stream: trio.abc.Stream | None = None
         try:
             with trio.fail_after(connect_timeout):

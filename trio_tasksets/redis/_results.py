@@ -8,6 +8,7 @@ from typing import Any
 import attrs
 import orjson
 
+from .._core.exceptions import ConfigError
 from .._core.tasksets import Taskset
 from .._env.env import Episode
 from ._entries import (
@@ -18,12 +19,11 @@ from ._entries import (
     Declaration,
     EntryRef,
     Log,
-    check_url,
     encode_task,
     is_nogroup,
     stderr_log,
 )
-from ._link import Link
+from ._link import Link, redis_url
 from ._resp import Arg, Command, Connection, ReplyError
 
 # --- the results sink ----------------------------------------------------------------------
@@ -58,16 +58,19 @@ class RedisResults:
     """Publishes finished episodes to a results stream, acknowledging their task entries.
 
     Each result entry has the fields `key` (the task key: de-duplicate on it), `entry` and
-    `stream` (the task entry it answers), `row` (the JSON of `Episode.to_row()`, the SPEC row;
+    `stream` (the task entry it answers), `row` (the JSON of `Episode.to_row()`, the row an eval writes;
     for a group entry `rows`, the JSON list of the group's rows, and `group`, its id) and any
     `meta` given to `publish`. The results stream must live on the feed's Redis (one
-    transaction covers both; on a Redis Cluster give both keys the same {hash tag}).
+    transaction covers both; on a Redis Cluster give both keys the same {hash tag}). A `url`
+    that is not a Redis URL or an empty `stream` raises a `ConfigError` naming it.
     """
 
     def __init__(self, url: str, stream: str, *, log: Log | None = None) -> None:
-        check_url(url)
+        redis_url(url)
         if not isinstance(stream, str) or not stream:
-            raise ValueError(f"stream must be a non-empty str, got {stream!r}")
+            raise ConfigError(
+                f"{{stream}} must be a non-empty str, got {stream!r}", parameter="stream"
+            )
         self.url = url
         self.stream = stream
         self.log: Log = log if log is not None else stderr_log("trio_tasksets.redis")
@@ -279,7 +282,7 @@ async def enqueue(
     may add duplicates, marked by task key).
     """
     if batch < 1:
-        raise ValueError(f"batch must be >= 1, got {batch}")
+        raise ConfigError(f"{{batch}} must be >= 1, got {batch}", parameter="batch")
     if isinstance(declare, Taskset):
         if any_data is None:
             any_data = getattr(type(declare), "task_from_data", None) is not None

@@ -14,11 +14,13 @@ import attrs
 import trio
 
 from .._core.adaptive import AdaptiveBounds, build_window
+from .._core.exceptions import ConfigError
 from .._core.window import Window
 from .._env.env import Env
 from .._models import ModelContext
 from ..worker import WorkerReport, consume, run_by
 from ._entries import Log, stderr_log
+from ._link import redis_url
 from ._queue import RedisTaskQueue
 
 __all__ = ["COMMANDS", "WorkerConfig", "WorkerReport", "default_consumer", "run_by", "run_worker"]
@@ -31,24 +33,86 @@ def default_consumer() -> str:
     return f"{socket.gethostname()}-{os.getpid()}"
 
 
+def _redis_url(instance: object, attribute: attrs.Attribute[str], value: str) -> None:
+    redis_url(value, attribute.name)
+
+
+def _name(instance: object, attribute: attrs.Attribute[str], value: str) -> None:
+    if not isinstance(value, str) or not value:
+        raise ConfigError(
+            f"{{{attribute.name}}} must be a non-empty name, got {value!r}",
+            parameter=attribute.name,
+        )
+
+
+def _window(instance: object, attribute: attrs.Attribute[Any], value: Any) -> None:
+    build_window(value, parameter=attribute.name)  # a WindowArgumentError naming it
+
+
+def _seconds(
+    minimum: float, *, strict: bool
+) -> Callable[[object, attrs.Attribute[Any], Any], None]:
+    rule = f"> {minimum:g}" if strict else f">= {minimum:g}"
+
+    def check(instance: object, attribute: attrs.Attribute[Any], value: Any) -> None:
+        if value is None and attribute.default is None:
+            return
+        number = isinstance(value, int | float) and not isinstance(value, bool)
+        if not number or not (value > minimum if strict else value >= minimum):
+            raise ConfigError(
+                f"{{{attribute.name}}} must be a number of seconds {rule}, got {value!r}",
+                parameter=attribute.name,
+            )
+
+    return check
+
+
+def _count(instance: object, attribute: attrs.Attribute[int], value: int) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise ConfigError(
+            f"{{{attribute.name}}} must be an int >= 0, got {value!r}", parameter=attribute.name
+        )
+
+
+def _port(instance: object, attribute: attrs.Attribute[int | None], value: int | None) -> None:
+    if value is None:
+        return
+    if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value <= 65535:
+        raise ConfigError(
+            f"{{{attribute.name}}} must be a port number 0-65535 (0: a free one), got {value!r}",
+            parameter=attribute.name,
+        )
+
+
 @attrs.frozen
 class WorkerConfig:
-    """A worker's settings; each field is a `trio-tasksets worker` option."""
+    """A worker's settings, valid once built: a bad one raises a `ConfigError` naming its
+    field (each field is a `trio-tasksets worker` option of the same name)."""
 
-    feed: str  # --feed
-    stream: str  # --stream
-    group: str  # --group
-    results: str  # --results
-    consumer: str = attrs.field(factory=default_consumer)  # --consumer
-    # -c/--max-concurrent: N, or AdaptiveBounds(min, start, max) for an AdaptiveWindow
-    max_concurrent: int | AdaptiveBounds = 32
-    claim_idle: float = 60.0  # --claim-idle
-    grace: float = 30.0  # --grace
-    retries: int = 0  # --retries
-    dashboard: bool = True  # --no-dashboard
-    block: float = 0.5  # the longest one read waits (and a stop waits for it)
-    time_limit: float | None = None  # --time-limit: shut down (as on SIGTERM) after S seconds
-    metrics_port: int | None = None  # --metrics-port: Prometheus text on 127.0.0.1 (0: any)
+    feed: str = attrs.field(validator=_redis_url)  # the Redis URL
+    stream: str = attrs.field(validator=_name)  # the stream of tasks
+    group: str = attrs.field(validator=_name)  # the consumer group
+    results: str = attrs.field(validator=_name)  # results of entries that name no stream
+    consumer: str = attrs.field(factory=default_consumer, validator=_name)
+    # N, or AdaptiveBounds(min, start, max) for an AdaptiveWindow
+    max_concurrent: int | AdaptiveBounds = attrs.field(default=32, validator=_window)
+    claim_idle: float = attrs.field(default=60.0, validator=_seconds(0, strict=True))
+    grace: float = attrs.field(default=30.0, validator=_seconds(0, strict=False))
+    retries: int = attrs.field(default=0, validator=_count)
+    dashboard: bool = True  # else a log line every few seconds
+    # the longest one read waits (and a stop waits for it)
+    block: float = attrs.field(default=0.5, validator=_seconds(0, strict=True))
+    # shut down (as on SIGTERM) after S seconds
+    time_limit: float | None = attrs.field(default=None, validator=_seconds(0, strict=True))
+    # Prometheus text on 127.0.0.1 (0: any free port)
+    metrics_port: int | None = attrs.field(default=None, validator=_port)
+
+    def __attrs_post_init__(self) -> None:
+        if self.results == self.stream:
+            raise ConfigError(
+                f"{{results}} must differ from {{stream}} (both {self.stream!r})",
+                parameter=("results", "stream"),
+            )
 
 
 async def run_worker(

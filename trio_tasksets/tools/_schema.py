@@ -24,7 +24,7 @@ from typing import Any, Literal, TypeVar, overload
 import attrs
 import trio
 
-from .._core.exceptions import TrioTasksetsError
+from .._core.exceptions import ConfigTypeError, TrioTasksetsError
 
 __all__ = ["Tool", "ToolArgumentError", "tool"]
 
@@ -267,7 +267,7 @@ def _kind_of(hint: Any, where: str) -> _Kind:
         return _kind_of(args[0], where)
     if origin is Literal:
         if not all(isinstance(v, str | int | float | bool) or v is None for v in args):
-            raise TypeError(f"{where}: Literal values must be str, int, float, bool or None")
+            raise _refused(f"{where}: Literal values must be str, int, float, bool or None")
         return _Enum(tuple(args))
     if origin is typing.Union or origin is types.UnionType:
         return _Union(tuple(_kind_of(arg, where) for arg in args))
@@ -275,14 +275,14 @@ def _kind_of(hint: Any, where: str) -> _Kind:
         return _Array(_Any(), _ARRAYS[hint])
     if origin in _ARRAYS:
         if origin is tuple and not (len(args) == 2 and args[1] is Ellipsis):
-            raise TypeError(
+            raise _refused(
                 f"{where}: only tuple[X, ...] can be a tool argument (a JSON array of one "
                 f"type), got {_name(hint)}; use list[X] or an attrs class"
             )
         return _Array(_kind_of(args[0], where) if args else _Any(), _ARRAYS[origin])
     if hint is dict or origin in (dict, collections.abc.Mapping):
         if args and args[0] is not str:
-            raise TypeError(
+            raise _refused(
                 f"{where}: a dict argument needs str keys (JSON objects), got {_name(hint)}"
             )
         return _Mapping(_kind_of(args[1], where) if args else _Any())
@@ -290,10 +290,15 @@ def _kind_of(hint: Any, where: str) -> _Kind:
         return _attrs_object(hint, where)
     if typing.is_typeddict(hint):
         return _typeddict_object(hint, where)
-    raise TypeError(
+    raise _refused(
         f"{where}: a tool argument cannot be {_name(hint)}; use int, float, str, bool, "
         f"list[...], dict[str, ...], Literal[...], X | None, an attrs class or a TypedDict"
     )
+
+
+def _refused(message: str) -> ConfigTypeError:
+    """A function `@tt.tool` cannot make a tool of: a `ConfigTypeError` naming `fn`."""
+    return ConfigTypeError(message, parameter="fn")
 
 
 def _name(hint: Any) -> str:
@@ -308,7 +313,7 @@ def _attrs_object(cls: type, where: str) -> _Object:
             continue
         hint = hints.get(field.name, field.type)
         if hint is None:
-            raise TypeError(f"{where}: attrs field {cls.__name__}.{field.name} has no type")
+            raise _refused(f"{where}: attrs field {cls.__name__}.{field.name} has no type")
         name = field.alias or field.name
         fields[name] = _Field(
             _kind_of(hint, f"{where}.{name}"),
@@ -469,9 +474,12 @@ def tool(
     ``@tt.tool`` or ``@tt.tool(name=..., description=...)``. The name defaults to the
     function's, the description to its docstring (before an ``Args:`` section, whose
     entries describe the parameters). Every parameter needs a type hint the schema can
-    express (see the module); a parameter with a default is optional. Raises TypeError
-    here, at decoration, for anything it cannot express (a missing or unsupported hint,
-    ``*args``/``**kwargs``, a positional-only parameter) or a name OpenAI would refuse.
+    express (see the module); a parameter with a default is optional.
+
+    Raises a `ConfigTypeError` (a `ConfigError` and a TypeError) here, at decoration,
+    naming `fn` for anything it cannot express (a missing or unsupported hint,
+    ``*args``/``**kwargs``, a positional-only parameter, a generator function) or `name`
+    for a name OpenAI would refuse.
     """
 
     def build(function: Callable[..., Any]) -> Tool:
@@ -484,31 +492,32 @@ def tool(
 
 def _build(fn: Callable[..., Any], name: str | None, description: str | None) -> Tool:
     if not callable(fn):
-        raise TypeError(f"@tt.tool decorates a function, got {type(fn).__name__}")
+        raise _refused(f"@tt.tool decorates a function, got {type(fn).__name__}")
     if isinstance(fn, Tool):
         return fn
     tool_name = name if name is not None else getattr(fn, "__name__", "")
     if not _NAME.match(tool_name):
-        raise TypeError(
-            f"@tt.tool: a tool's name must be 1-64 letters, digits, '_' or '-', got "
-            f"{tool_name!r}; pass name=..."
+        raise ConfigTypeError(
+            f"@tt.tool: a tool's {{name}} must be 1-64 letters, digits, '_' or '-', got "
+            f"{tool_name!r}; pass name=...",
+            parameter="name",
         )
     where = f"@tt.tool {tool_name}"
     if inspect.isasyncgenfunction(fn) or inspect.isgeneratorfunction(fn):
-        raise TypeError(f"{where}: a tool returns one value; it cannot be a generator function")
+        raise _refused(f"{where}: a tool returns one value; it cannot be a generator function")
     try:
         hints = typing.get_type_hints(fn, include_extras=True)
     except Exception as exc:
-        raise TypeError(f"{where}: cannot read its type hints: {exc}") from exc
+        raise _refused(f"{where}: cannot read its type hints: {exc}") from exc
     doc_text, doc_params = _parse_doc(inspect.getdoc(fn) or "")
     fields: dict[str, _Field] = {}
     for param in inspect.signature(fn).parameters.values():
         if param.kind in (param.VAR_POSITIONAL, param.VAR_KEYWORD):
-            raise TypeError(f"{where}: *args and **kwargs cannot be tool arguments")
+            raise _refused(f"{where}: *args and **kwargs cannot be tool arguments")
         if param.kind is param.POSITIONAL_ONLY:
-            raise TypeError(f"{where}: {param.name} is positional-only; tools take names")
+            raise _refused(f"{where}: {param.name} is positional-only; tools take names")
         if param.name not in hints:
-            raise TypeError(f"{where}: parameter {param.name!r} needs a type hint")
+            raise _refused(f"{where}: parameter {param.name!r} needs a type hint")
         hint = hints[param.name]
         fields[param.name] = _Field(
             _kind_of(hint, f"{where}: parameter {param.name!r}"),

@@ -10,7 +10,7 @@ background job, a daemon it started) is killed; when the call times out or is ca
 env's `tool_timeout`, the eval stopped, Ctrl-C) the whole group gets SIGTERM and, after
 `grace` seconds, SIGKILL (a child that ignores SIGTERM included). POSIX only.
 
-Deadlines travel into the command (SPEC 12): a call made under a deadline (the enclosing
+Deadlines travel into the command: a call made under a deadline (the enclosing
 cancel scopes': the env's `tool_timeout`, `rollout_timeout`, `working_limit`, a `--via`
 entry's or a served run's time left, `--time-limit`) never outlives it. With ``t`` seconds
 left when the call starts, the command's effective timeout is ``min(timeout, t - g)`` with

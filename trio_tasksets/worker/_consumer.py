@@ -40,7 +40,7 @@ import trio
 from .._core.adaptive import AdaptiveWindow, window_spec
 from .._core.batching import take_ready
 from .._core.drain import stop_on
-from .._core.exceptions import EntryRefused, MalformedEntry
+from .._core.exceptions import ConfigError, EntryRefused, MalformedEntry
 from .._core.health import Health
 from .._core.limits import EndpointLimits, observe_calls
 from .._core.runner import as_completed, pick_one
@@ -237,7 +237,7 @@ async def consume(
     machinery (not an episode's, nor a transient one the queue retries) are raised.
     """
     if grace < 0:
-        raise ValueError(f"grace must be >= 0 seconds, got {grace!r}")
+        raise ConfigError(f"{{grace}} must be >= 0 seconds, got {grace!r}", parameter="grace")
     say = log
     consumer = queue.consumer
     build = Builder(env, ctx)
@@ -313,7 +313,7 @@ async def consume(
                 queue.stop()
                 everything.deadline = min(everything.deadline, trio.current_time() + grace)
 
-            reached = "" if time_limit is None else f"--time-limit {time_limit:g}s reached"
+            reached = "" if time_limit is None else f"time_limit {time_limit:g}s reached"
 
             def on_stop(reason: str) -> None:
                 if reason == reached and queue.stopping:

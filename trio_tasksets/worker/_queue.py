@@ -38,7 +38,7 @@ The guarantees a queue gives (the loop relies on each):
 
 An entry may carry a `deadline` (epoch seconds): the loop runs it under the time left and
 answers one taken after it as a failed episode (`DeadlineExceededError`) without running
-it. An entry may be a **group** (`group` set, `rollouts` > 1: SPEC 10): the loop runs its
+it. An entry may be a **group** (`group` set, `rollouts` > 1: a task's rollouts as one unit): the loop runs its
 rollouts together on this worker (`trio_tasksets._env.groups.run_group`) and publishes all
 their rows in one `Finished`.
 """
@@ -50,7 +50,7 @@ from typing import Any, Protocol, TypeVar, runtime_checkable
 
 import attrs
 
-from .._core.exceptions import MalformedEntry
+from .._core.exceptions import ConfigError, MalformedEntry
 from .._core.tasksets import Task
 from .._env.env import Episode
 
@@ -63,12 +63,16 @@ _TASK_DATA = frozenset({"prompt", "answer", "info", "system_prompt"})
 
 def _positive(instance: object, attribute: attrs.Attribute[int], value: int) -> None:
     if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise ValueError(f"{attribute.name} must be an int >= 1, got {value!r}")
+        raise ConfigError(
+            f"{{{attribute.name}}} must be an int >= 1, got {value!r}", parameter=attribute.name
+        )
 
 
 def _rollout(instance: object, attribute: attrs.Attribute[int], value: int) -> None:
     if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-        raise ValueError(f"{attribute.name} must be an int >= 0, got {value!r}")
+        raise ConfigError(
+            f"{{{attribute.name}}} must be an int >= 0, got {value!r}", parameter=attribute.name
+        )
 
 
 @attrs.frozen
@@ -140,7 +144,8 @@ class TaskQueue(Protocol):
 
 
 def plain_task(entry: TaskEntry) -> Task:
-    """The `tt.Task` an entry holds; `MalformedEntry` unless its data is tt.Task-shaped."""
+    """The `tt.Task` an entry holds; raises `MalformedEntry` unless its data is
+    tt.Task-shaped."""
     data = entry.data
     if "prompt" not in data:
         raise MalformedEntry(f"entry {entry.id}: its task has no prompt")
