@@ -40,6 +40,7 @@ FLAT = [
     "CallObserver",
     "Completion",
     "ConfigError",
+    "ConfigTypeError",
     "CsvConfig",
     "CsvTaskset",
     "DatasetError",

@@ -38,7 +38,7 @@ from ._core.datasets import (
     JsonlConfig,
     JsonlTaskset,
 )
-from ._core.exceptions import ConfigError, TrioTasksetsError
+from ._core.exceptions import ConfigError, ConfigTypeError, TrioTasksetsError
 from ._core.limits import (
     CallObserver,
     EndpointLimits,
@@ -99,6 +99,7 @@ __all__ = [
     "CallObserver",
     "Completion",
     "ConfigError",
+    "ConfigTypeError",
     "CsvConfig",
     "CsvTaskset",
     "DatasetError",
