@@ -620,6 +620,15 @@ async def _eval(env: Env[Any], ctx: ModelContext, config: EvalConfig) -> EvalRes
             await ctx.client.aclose()
 
 
+def _spell_limit(stopped: str, error: str) -> str:
+    """A run's `error` as this command says it: a limit that stopped it is written as its
+    parameter (``max_failures 2: ...``), here its flag (``--max-failures 2: ...``)."""
+    flag = PARAMETER_FLAGS.get(stopped)
+    if flag is None or not error.startswith(f"{stopped} "):
+        return error
+    return flag + error.removeprefix(stopped)
+
+
 def _summary_on_disk(run_dir: Path) -> dict[str, Any] | None:
     try:
         summary = json.loads((run_dir / "summary.json").read_text())
@@ -683,8 +692,11 @@ def run(args: argparse.Namespace) -> int:
                 fix="raise --time-limit, or lower the work (-n)",
             )
         return 0
-    if stopped is not None:  # max_failures
-        raise CommandError(summary["error"], fix=fix, details=_resume_lines(args, run_dir, env))
+    if stopped is not None:  # a limit (max_failures, ...), or a dead endpoint
+        raise CommandError(
+            _spell_limit(stopped, summary["error"]), fix=fix,
+            details=_resume_lines(args, run_dir, env),
+        )  # fmt: skip
     if summary["finished"] and not summary["ok"]:
         raise CommandError(f"no episode succeeded ({summary['failed']} failed)", fix=fix)
     return 0

@@ -74,7 +74,7 @@ class Tally:
     """What the eval has recorded so far, and whether (and why) it was told to stop."""
 
     max_failures: int | float | None = None
-    max_consecutive: int | None = None  # --max-consecutive-failures
+    max_consecutive: int | None = None  # EvalConfig.max_consecutive_failures
     consecutive: int = 0  # failed episodes in a row, the latest last
     # The model endpoints' URLs while they are not known to answer (None: known, or no URL):
     # the first episode to finish tells (see `dead_endpoint`).
@@ -85,7 +85,9 @@ class Tally:
     # "SIGINT" | "SIGTERM" | "max_failures" | "max_consecutive_failures" | "time_limit" |
     # "cancelled"
     stopped: str | None = None
-    error: str | None = None  # what ended the run, as `Type: message`
+    # What ended the run, as `Type: message`; a limit that stopped it, as "<its parameter>
+    # <its value>: what happened" (the command line spells the parameter as its flag).
+    error: str | None = None
     scope: trio.CancelScope | None = None  # cancelled to stop early
 
     def record(self, episode: Episode) -> None:
@@ -112,7 +114,7 @@ class Tally:
             last = episode.errors[-1] if episode.errors else None
             said = f"; the last: {last.type}: {last.message}" if last is not None else ""
             self.error = (
-                f"--max-consecutive-failures {limit}: {self.consecutive} episodes failed in "
+                f"max_consecutive_failures {limit}: {self.consecutive} episodes failed in "
                 f"a row{said}"
             )
             self.stop("max_consecutive_failures")
@@ -126,14 +128,14 @@ class Tally:
 
     def _limit_message(self) -> str:
         if isinstance(self.max_failures, int):
-            return f"--max-failures {self.max_failures}: {self.failed} episodes failed"
+            return f"max_failures {self.max_failures}: {self.failed} episodes failed"
         base, of = (
             (self.planned, "planned slots")
             if self.planned is not None
             else (len(self.recorded), "finished episodes")
         )
         return (
-            f"--max-failures {self.max_failures:g}: {self.failed} of {base} {of} failed "
+            f"max_failures {self.max_failures:g}: {self.failed} of {base} {of} failed "
             f"(more than {self.max_failures:.0%})"
         )
 
@@ -589,8 +591,8 @@ async def _execute(
                 return done
 
             episodes: list[Episode] | None = None
-            # --time-limit is this scope's deadline: every rollout sees it as its effective
-            # deadline, so its model requests and remote episodes never outlive it (SPEC 12).
+            # time_limit is this scope's deadline: every rollout sees it as its effective
+            # deadline (it travels with a remote episode), so nothing outlives it.
             with trio.CancelScope(deadline=deadline) as tally.scope:
                 async with trio.open_nursery() as nursery:
                     if handle_signals or config.time_limit is not None:
