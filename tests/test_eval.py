@@ -472,6 +472,10 @@ def test_an_eval_config_is_valid_once_built_and_names_every_bad_parameter() -> N
     with pytest.raises(tt.EvalConfigError, match="plain directory name") as raised:
         config.run_name = "a/b"
     assert (raised.value.parameters, config.run_name) == (("run_name",), "r")
+    with pytest.raises(tt.EvalConfigError) as raised:  # a contradiction, by assignment
+        config.engine_metrics = "http://h/metrics"
+    assert raised.value.parameters == ("engine_metrics", "max_concurrent")
+    assert config.engine_metrics is None
 
 
 @pytest.mark.parametrize(

@@ -33,15 +33,20 @@ Check = Callable[[Any], None]
 
 
 def _valid(config: EvalConfig, attribute: attrs.Attribute[Any], value: Any) -> None:
-    """The attrs validator of every `EvalConfig` field: the field's own check (`_CHECKS`).
-    A bad value raises one `EvalConfigError` that names every bad field of `config` and
-    every contradiction between its fields (attrs runs the validators of a new instance once
-    all its fields are set, so the first bad one sees them all)."""
+    """The attrs validator of every `EvalConfig` field: the field's own check (`_CHECKS`),
+    then the contradictions it takes part in (`_CONTRADICTIONS`). A problem raises one
+    `EvalConfigError` that names every bad field of `config` and every contradiction between
+    its fields: attrs runs the validators of a new instance once all its fields are set, so
+    the first one to find a problem sees them all."""
     name = _parameter(attribute)
+    values = {**parameter_values(config), name: value}
     try:
         _CHECKS[name](value)
+        for names, contradiction in _CONTRADICTIONS:
+            if name in names:
+                contradiction(values)
     except ConfigError:
-        raise _one(_problems({**parameter_values(config), name: value})) from None
+        raise _one(_problems(values)) from None
 
 
 @attrs.define
@@ -105,12 +110,11 @@ class EvalConfig:
     api_key_var: str | None = attrs.field(default=None, validator=_valid)
 
     def __attrs_post_init__(self) -> None:
-        problems = _contradictions(parameter_values(self), bad=set())  # each field is valid
-        if problems:
-            raise _one(problems)
-        if self._serve:
-            self.backend = served_backend(workers=self._workers)
-            self._serve, self._workers = False, 1
+        if self._serve:  # the shorthand, resolved (in an order each assignment finds valid)
+            backend = served_backend(workers=self._workers)
+            self._workers = 1
+            self._serve = False
+            self.backend = backend
 
 
 def _parameter(field: attrs.Attribute[Any]) -> str:
@@ -134,12 +138,6 @@ def _problems(values: dict[str, Any]) -> list[ConfigError]:
         except ConfigError as exc:
             found.append(exc)
             bad.add(name)
-    return found + _contradictions(values, bad=bad)
-
-
-def _contradictions(values: dict[str, Any], *, bad: set[str]) -> list[ConfigError]:
-    """The contradictions between `values`, among those whose parameters are not `bad`."""
-    found: list[ConfigError] = []
     for names, contradiction in _CONTRADICTIONS:
         if bad.isdisjoint(names):
             try:
