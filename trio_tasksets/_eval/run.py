@@ -391,8 +391,17 @@ async def run_eval(
     signal's name. It must then run in the main thread. Awaited from asyncio it raises a
     RuntimeError naming `tt.aio.run_eval`.
 
-    One eval at a time writes a run dir: another one meanwhile (a second ``--resume``) is
-    refused with `EvalConfigError` naming the holder (`RunDirLock`).
+    One eval at a time writes a run dir: another one meanwhile (a second resume) is refused
+    with `EvalConfigError` naming the holder (`RunDirLock`).
+
+    Raises:
+        EvalConfigError: before any pull or file write, naming the parameter, for what needs
+            the env, the model or the run dir as well as the config (a streaming taskset
+            without ``num_examples``, a backend that cannot run this env or be reached, a
+            run dir that holds another run, a resume whose saved config differs).
+        RuntimeError: awaited from asyncio (it names `tt.aio.run_eval`).
+        BaseException: what ended the run otherwise (the feed's error, a KeyboardInterrupt,
+            a cancellation), after `summary.json` records it.
     """
     require_trio("run_eval")
     with RunDirLock() as lock:
