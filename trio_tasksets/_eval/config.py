@@ -51,17 +51,19 @@ def _valid(config: EvalConfig, attribute: attrs.Attribute[Any], value: Any) -> N
 
 @attrs.define
 class EvalConfig:
-    """How to run an eval; each field is a `trio-tasksets eval` option, except `backend`.
+    """How to run an eval; each field is a `trio-tasksets eval` option (`backend`: the
+    command builds it from its options for where the slots run).
 
     Built, it is valid: bad values raise one `EvalConfigError` naming every bad parameter
-    (`parameters`), at construction (and a bad value assigned later, at the assignment).
-    What needs the env too (a stream without `num_examples`) is checked by `run_eval`.
+    (`parameters`) and every contradiction, at construction (a bad value assigned later, at
+    the assignment). What needs the env too (a stream without `num_examples`) is checked by
+    `run_eval`.
 
-    Where the slots run is `backend` (`tt.InProcess()` by default; `tt.ServedBackend(...)`,
-    `trio_tasksets.redis.ViaBackend(...)`, or one of your own). ``serve=True`` (with
-    ``workers=K``) is its shorthand for ``backend=tt.ServedBackend(workers=K)``: resolved into
-    `backend` at construction, after which `backend` alone says where the slots run;
-    ``workers`` without ``serve``, or ``serve`` with another backend, is an `EvalConfigError`.
+    Where the slots run is `backend` alone: `tt.InProcess()` by default, `tt.ServedBackend(
+    ...)`, `trio_tasksets.redis.ViaBackend(...)`, or one of your own. ``serve=True`` (with
+    ``workers=K``) is the shorthand for ``backend=tt.ServedBackend(workers=K)``, resolved into
+    `backend` at construction in place of the in-process one; ``workers`` without
+    ``serve``, or ``serve`` with another backend, is an `EvalConfigError`.
     """
 
     num_examples: int | None = attrs.field(default=None, validator=_valid)  # -n/--num-examples
