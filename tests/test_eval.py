@@ -455,7 +455,10 @@ async def test_config_json_records_what_reproduces_the_run(
 
 def test_an_eval_config_is_valid_once_built_and_names_every_bad_parameter() -> None:
     with pytest.raises(tt.EvalConfigError) as raised:
-        tt.EvalConfig(num_examples=-1, max_concurrent=0, workers=0, time_limit=-5, group="yes")  # type: ignore[arg-type]
+        tt.EvalConfig(
+            num_examples=-1, max_concurrent=0, workers=0, time_limit=-5,
+            group="yes",  # type: ignore[arg-type]
+        )  # fmt: skip
     assert raised.value.parameters == (
         "num_examples", "max_concurrent", "workers", "time_limit", "group",
     )  # fmt: skip

@@ -40,8 +40,8 @@ class Refusing(tt.EchoClient):
 
 def failed(message: str, status: int | None) -> tt.Episode:
     return tt.Episode(
-        id="e", task=EpisodeTask("k", {}), rollout=0, ok=False, reward=0.0, completion="", messages=[],
-        errors=[EpisodeError("ModelHTTPError", message, 1, status)],
+        id="e", task=EpisodeTask("k", {}), rollout=0, ok=False, reward=0.0, completion="",
+        messages=[], errors=[EpisodeError("ModelHTTPError", message, 1, status)],
     )  # fmt: skip
 
 

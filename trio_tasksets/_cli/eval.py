@@ -198,8 +198,9 @@ def _backend(args: argparse.Namespace) -> DescribedBackend:
     """Where the slots run, built from --serve, --workers, --server-url (its token), --via
     and --stream; options that contradict each other are usage errors, and a backend's own
     bad value (a `ConfigError`) names its flag."""
-    chosen = [flag for flag, given in (("--via", args.via is not None), ("--serve", args.serve),
-                                       ("--server-url", args.server_url is not None)) if given]  # fmt: skip
+    named = (("--via", args.via is not None), ("--serve", args.serve),
+             ("--server-url", args.server_url is not None))  # fmt: skip
+    chosen = [flag for flag, given in named if given]
     if len(chosen) > 1:
         why = (
             "spawn a server, or use one"

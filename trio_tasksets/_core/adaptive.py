@@ -713,7 +713,7 @@ class AdaptiveWindow(Window):
         )
 
 
-# --- the spec of a window, and its text form ------------------------------------------------------
+# --- the spec of a window, and its text form ------------------------------------------------
 
 
 class AdaptiveBounds(NamedTuple):

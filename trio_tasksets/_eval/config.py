@@ -323,7 +323,7 @@ _CHECKS: dict[str, Check] = {
 }
 
 
-# --- contradictions between fields (each checked when its fields are each fine) -----------------
+# --- contradictions between fields (each checked when its fields are each fine) -------------
 
 
 def _workers_need_serve(values: dict[str, Any]) -> None:
