@@ -41,6 +41,7 @@ import redis
 import trio
 
 import trio_tasksets as tt
+from trio_tasksets.redis import ViaBackend
 from trio_tasksets.redis._worker import WorkerConfig, run_worker
 
 from .common import env_info, goal_line, markdown_table, redis_server, wait_until
@@ -102,7 +103,7 @@ def one_run(
         with tempfile.TemporaryDirectory() as out:
             config = tt.EvalConfig(
                 max_concurrent=window, output_dir=out, run_name="bench", dashboard=False,
-                via=url if contender.workers else None, stream=STREAM if contender.workers else None,
+                backend=ViaBackend(url, stream=STREAM) if contender.workers else tt.InProcess(),
             )  # fmt: skip
             env = tt.Env(Many())
             ctx = tt.ModelContext(tt.EchoClient(delay), "echo")

@@ -22,12 +22,13 @@ from contextlib import asynccontextmanager
 from pathlib import Path
 from typing import Any
 
+import attrs
 import pytest
 import trio
 
 import trio_tasksets as tt
 from trio_tasksets._core.adaptive import AdaptiveBounds
-from trio_tasksets._env.backend import InProcess, SlotBackend, backend_for
+from trio_tasksets._env.backend import DescribedBackend, InProcess
 from trio_tasksets._env.loading import resolve_target
 
 sys.path.insert(0, str(Path(__file__).resolve().parent / "fixtures"))
@@ -109,7 +110,7 @@ async def running_on(
     if backend == "in_process":
         yield {}
     elif backend == "served":
-        yield {"serve": True}
+        yield {"serve": True}  # the shorthand of backend=tt.ServedBackend()
     else:
         from trio_tasksets.redis._worker import WorkerConfig, run_worker
 
@@ -125,7 +126,9 @@ async def running_on(
                     log=lambda line: None,
                 )  # fmt: skip
                 stops.append(await nursery.start(run))
-            yield {"via": url, "stream": f"{tag}:tasks"}
+            from trio_tasksets.redis import ViaBackend
+
+            yield {"backend": ViaBackend(url, stream=f"{tag}:tasks")}
             for stop in stops:
                 stop("done")
 
@@ -234,36 +237,81 @@ async def test_a_429_reaches_an_adaptive_window(
 # --- choosing the backend -----------------------------------------------------------------
 
 
-def test_the_flat_settings_name_one_backend() -> None:
-    assert backend_for() == InProcess()
-    served = backend_for(serve=True, workers=2)
-    assert isinstance(served, SlotBackend)
-    assert served.remote
-    assert type(served).__module__ == "trio_tasksets._serve.slots"
-    running = backend_for(server_url="http://127.0.0.1:1", server_token="secret")
-    assert "secret" not in repr(running)  # the token is a field, never shown
-    assert getattr(running, "token", None) == "secret"
+def test_serve_is_the_shorthand_of_a_served_backend() -> None:
+    config = tt.EvalConfig(serve=True, workers=2)
+    assert config.backend == tt.ServedBackend(workers=2)
+    assert isinstance(config.backend, DescribedBackend)
+    assert config.backend.remote
+    assert type(config.backend).__module__ == "trio_tasksets._serve.slots"
+    assert tt.EvalConfig().backend == InProcess()
+    # Resolved once: evolving the config keeps its backend and asks for nothing again.
+    assert attrs.evolve(config, num_examples=3).backend == tt.ServedBackend(workers=2)
+    running = tt.ServedBackend(server_url="http://127.0.0.1:1", token="secret")
+    assert "secret" not in repr(tt.EvalConfig(backend=running))  # the token is never shown
+    assert tt.EvalConfig(backend=running).backend.token == "secret"  # type: ignore[attr-defined]
+
+
+def test_the_built_in_backends_describe_themselves() -> None:
+    """What the command line asks, instead of its own arguments; config.json's keys."""
+    spawned, running = tt.ServedBackend(workers=3), tt.ServedBackend(server_url="http://h")
+    assert (spawned.parameter, spawned.uses_env, spawned.uses_client) == ("serve", True, True)
+    assert (running.parameter, running.uses_env, running.uses_client) == (
+        "server_url", False, True,
+    )  # fmt: skip
+    assert spawned.settings == {"serve": True, "workers": 3, "server_url": None}
+    local = InProcess()
+    assert (local.remote, local.parameter, local.settings) == (False, None, {})
+    pytest.importorskip("hiredis")
+    from trio_tasksets.redis import ViaBackend
+
+    via = ViaBackend("redis://h", stream="s")
+    assert (via.parameter, via.uses_env, via.uses_client) == ("via", False, False)
+    assert via.settings == {"via": "redis://h", "stream": "s"}
+    assert all(isinstance(b, DescribedBackend) for b in (spawned, running, local, via))
 
 
 @pytest.mark.parametrize(
     ("settings", "names"),
-    [({"serve": True, "server_url": "http://h"}, ("serve", "server_url")),
-     ({"workers": 2}, ("workers", "serve")),
+    [({"workers": 2}, ("workers", "serve")),
      ({"workers": 0}, ("workers",)),
-     ({"stream": "s"}, ("stream", "via")),
-     ({"via": "redis://h", "serve": True}, ("via", "serve")),
-     ({"via": "http://h"}, ("via",)),
-     ({"server_url": "ftp://h"}, ("server_url",)),
-     ({"server_url": "http://h", "workers": 2}, ("workers", "serve", "server_url"))],
+     ({"serve": True, "workers": 0}, ("workers",)),
+     ({"serve": "yes"}, ("serve",)),
+     ({"backend": "in process"}, ("backend",)),
+     ({"serve": True, "backend": tt.ServedBackend()}, ("backend", "serve"))],
 )  # fmt: skip
 def test_contradicting_settings_name_their_parameters(
     settings: dict[str, Any], names: tuple[str, ...]
 ) -> None:
     with pytest.raises(tt.EvalConfigError) as raised:
-        tt.EvalConfig(**settings).slot_backend()
+        tt.EvalConfig(**settings)
     assert raised.value.parameters == names
     assert str(raised.value).startswith(names[0])
     assert "--" not in str(raised.value)  # the library names parameters, not flags
+
+
+@pytest.mark.parametrize(
+    ("build", "names"),
+    [(lambda: tt.ServedBackend(server_url="ftp://h"), ("server_url",)),
+     (lambda: tt.ServedBackend(workers=0), ("workers",)),
+     (lambda: tt.ServedBackend(server_url="http://h", workers=2),
+      ("workers", "serve", "server_url"))],
+)  # fmt: skip
+def test_a_built_in_backend_is_valid_once_built(build: Any, names: tuple[str, ...]) -> None:
+    with pytest.raises(tt.EvalConfigError) as raised:
+        build()
+    assert raised.value.parameters == names
+
+
+def test_a_via_backend_is_valid_once_built() -> None:
+    pytest.importorskip("hiredis")
+    from trio_tasksets.redis import ViaBackend
+
+    with pytest.raises(tt.EvalConfigError) as raised:
+        ViaBackend("http://h")
+    assert raised.value.parameter == "via"
+    with pytest.raises(tt.EvalConfigError) as raised:
+        ViaBackend("redis://h", stream="")
+    assert raised.value.parameter == "stream"
 
 
 async def test_a_backend_of_ones_own_runs_every_slot(tmp_path: Path) -> None:
@@ -298,6 +346,7 @@ async def test_a_backend_of_ones_own_runs_every_slot(tmp_path: Path) -> None:
     )
     assert result.summary["ok"] == 5
     assert len(opened) == 5
+    assert "backend" in json.loads((result.run_dir / "config.json").read_text())["eval"]
     with pytest.raises(tt.EvalConfigError, match="choose one") as raised:
-        await tt.run_eval(env, ctx, eval_config(tmp_path, "x", backend=Counting(), serve=True))
+        eval_config(tmp_path, "x", backend=Counting(), serve=True)
     assert raised.value.parameter == "backend"

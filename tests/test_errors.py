@@ -77,23 +77,23 @@ def test_a_config_error_names_parameters_and_the_cli_spells_flags() -> None:
     assert error.parameter == "num_examples"
     assert flag_message(error) == "-n/--num-examples must be >= 0; --workers {x}"
     assert flag_message(ValueError("{num_examples}")) == "{num_examples}"  # not a ConfigError
-    # Every parameter the CLI spells is a field of EvalConfig or of EnvSpec (the env's).
+    # Every parameter the CLI spells is a parameter of EvalConfig, of EnvSpec (the env's) or
+    # of a built-in backend (ViaBackend's errors name its url ``via``, as the eval's setting).
     from trio_tasksets._env.spec import EnvSpec
     from trio_tasksets.aio._verifiers import env_from_cli
 
-    fields = {f.name for f in tt.EvalConfig.__attrs_attrs__} | {
-        f.name for f in EnvSpec.__attrs_attrs__
+    fields = {f.alias for f in tt.EvalConfig.__attrs_attrs__} | {
+        f.name for f in (*EnvSpec.__attrs_attrs__, *tt.ServedBackend.__attrs_attrs__)
     }
     fields |= set(inspect.signature(env_from_cli).parameters)  # a vf: TASKSET's --env-args
-    assert set(PARAMETER_FLAGS) <= fields
+    assert set(PARAMETER_FLAGS) <= fields | {"via", "stream"}
 
 
 async def test_eval_config_errors_name_the_parameter(tmp_path: Path) -> None:
     env = tt.Env(tt._core.builtin.EchoTaskset())
     ctx = tt.ModelContext(tt.EchoClient(), "echo")
-    config = tt.EvalConfig(num_examples=-1, output_dir=str(tmp_path))
-    with pytest.raises(tt.EvalConfigError) as raised:
-        await tt.run_eval(env, ctx, config)
+    with pytest.raises(tt.EvalConfigError) as raised:  # raised as it is built
+        await tt.run_eval(env, ctx, tt.EvalConfig(num_examples=-1, output_dir=str(tmp_path)))
     assert str(raised.value) == "num_examples must be an integer >= 0, got -1"
     assert raised.value.parameter == "num_examples"
 

@@ -333,7 +333,8 @@ async def test_max_failures_stops_drains_and_says_why(
     )
     summary = json.loads((result.run_dir / "summary.json").read_text())
     assert summary == {**summary, "stopped": "max_failures", "finished": finished, "ok": 0}
-    assert summary["error"].startswith(f"--max-failures {limit:g}: {finished}")
+    assert summary["error"].startswith(f"max_failures {limit:g}: {finished}")
+    assert "--" not in summary["error"]  # the library names the parameter; the CLI, its flag
     assert summary["errors_by_type"] == {"RuntimeError": finished}
     first = summary["first_error"]
     assert (first["type"], first["message"]) == ("RuntimeError", "no luck with say 0")
@@ -444,6 +445,70 @@ async def test_config_json_records_what_reproduces_the_run(
     assert saved["api_key_var"] == "MY_KEY"
     assert datetime.fromisoformat(saved["started_at"]).tzinfo is not None
     assert "command" not in saved["eval"]
+    # Where the slots ran, under the keys of the settings that name the built-in backends:
+    assert {k: saved["eval"][k] for k in ("serve", "workers", "server_url", "via", "stream")} == {
+        "serve": False, "workers": 1, "server_url": None, "via": None, "stream": None,
+    }  # fmt: skip
+    assert "backend" not in saved["eval"]
+    assert "_serve" not in saved["eval"]
+
+
+def test_an_eval_config_is_valid_once_built_and_names_every_bad_parameter() -> None:
+    with pytest.raises(tt.EvalConfigError) as raised:
+        tt.EvalConfig(
+            num_examples=-1, max_concurrent=0, workers=0, time_limit=-5,
+            group="yes",  # type: ignore[arg-type]
+        )  # fmt: skip
+    assert raised.value.parameters == (
+        "num_examples", "max_concurrent", "workers", "time_limit", "group",
+    )  # fmt: skip
+    assert isinstance(raised.value, tt.ConfigError)
+    assert "--" not in str(raised.value)
+    # A contradiction is named with the bad values, each fine field checked alone:
+    with pytest.raises(tt.EvalConfigError) as raised:
+        tt.EvalConfig(num_examples=-1, workers=2, engine_metrics="http://h/metrics")
+    assert raised.value.parameters == (
+        "num_examples", "workers", "serve", "engine_metrics", "max_concurrent",
+    )  # fmt: skip
+    # A bad value assigned later is refused too, and the config keeps its value:
+    config = tt.EvalConfig(run_name="r")
+    with pytest.raises(tt.EvalConfigError, match="plain directory name") as raised:
+        config.run_name = "a/b"
+    assert (raised.value.parameters, config.run_name) == (("run_name",), "r")
+    with pytest.raises(tt.EvalConfigError) as raised:  # a contradiction, by assignment
+        config.engine_metrics = "http://h/metrics"
+    assert raised.value.parameters == ("engine_metrics", "max_concurrent")
+    assert config.engine_metrics is None
+
+
+@pytest.mark.parametrize(
+    ("kw", "parameter"),
+    [({"shuffle": 1}, "shuffle"), ({"seed": "1"}, "seed"), ({"resume": None}, "resume"),
+     ({"output_dir": 3}, "output_dir"), ({"run_name": ".."}, "run_name"),
+     ({"dashboard": "no"}, "dashboard"), ({"max_failures": 0}, "max_failures"),
+     ({"max_failures": 1.5}, "max_failures"), ({"backend": object()}, "backend"),
+     ({"time_limit": float("nan")}, "time_limit"), ({"metrics_port": 70000}, "metrics_port"),
+     ({"engine_metrics": "h:1/metrics"}, "engine_metrics"), ({"command": "eval"}, "command"),
+     ({"api_key_var": 1}, "api_key_var"), ({"max_consecutive_failures": 0},
+                                            "max_consecutive_failures"),
+     ({"rollouts_per_example": True}, "rollouts_per_example")],
+)  # fmt: skip
+def test_every_field_is_validated(kw: dict[str, Any], parameter: str) -> None:
+    with pytest.raises(tt.EvalConfigError) as raised:
+        tt.EvalConfig(**kw)
+    assert raised.value.parameters == (parameter,)
+    assert str(raised.value).startswith(parameter)
+
+
+def test_evolve_keeps_working() -> None:
+    import attrs
+
+    base = tt.EvalConfig(num_examples=3, serve=True, workers=2)
+    changed = attrs.evolve(base, num_examples=5)
+    assert (changed.num_examples, changed.backend) == (5, base.backend)
+    assert attrs.evolve(tt.EvalConfig(), serve=True).backend == tt.ServedBackend()
+    with pytest.raises(tt.EvalConfigError, match="num_examples"):
+        attrs.evolve(base, num_examples=-1)
 
 
 async def test_resume_without_a_run_name_picks_the_latest_of_the_same_taskset_and_model(

@@ -635,7 +635,13 @@ def graded_env(spec: str = "TwoTurns", **config: Any) -> tt.Env[Any]:
     return (env_cls or tt.Env)(taskset)
 
 
-def eval_config(tmp_path: Path, name: str, **kw: Any) -> tt.EvalConfig:
+def eval_config(
+    tmp_path: Path, name: str, *, via: str | None = None, stream: str = "tasks", **kw: Any
+) -> tt.EvalConfig:
+    if via is not None:  # the slots on workers, as `eval --via URL --stream S`
+        from trio_tasksets.redis import ViaBackend
+
+        kw["backend"] = ViaBackend(via, stream=stream)
     return tt.EvalConfig(output_dir=str(tmp_path), run_name=name, dashboard=False, **kw)
 
 

@@ -151,7 +151,7 @@ async def test_max_consecutive_failures_stops_the_run(
     summary = result.summary
     assert summary["stopped"] == "max_consecutive_failures"
     assert summary["finished"] == 4
-    assert summary["error"].startswith("--max-consecutive-failures 4: 4 episodes failed in a row")
+    assert summary["error"].startswith("max_consecutive_failures 4: 4 episodes failed in a row")
     assert "ConnectionError: the service is down" in summary["error"]
 
 
@@ -169,9 +169,8 @@ async def test_a_success_resets_the_count(
 
 async def test_max_consecutive_failures_is_checked(tmp_path: Path) -> None:
     for bad in (0, -2, 1.5, True):
-        config = tt.EvalConfig(output_dir=str(tmp_path), max_consecutive_failures=bad)  # type: ignore[arg-type]
         with pytest.raises(tt.EvalConfigError, match="max_consecutive_failures") as info:
-            await tt.run_eval(tt.Env(Some()), CTX, config)
+            tt.EvalConfig(output_dir=str(tmp_path), max_consecutive_failures=bad)  # type: ignore[arg-type]
         assert info.value.parameter == "max_consecutive_failures"
 
 

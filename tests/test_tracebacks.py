@@ -16,7 +16,6 @@ import trio
 
 import trio_tasksets as tt
 from trio_tasksets._env.env import user_traceback
-from trio_tasksets._eval.config import check_window
 from trio_tasksets._models import ModelContext
 
 CTX = ModelContext(tt.EchoClient(), "echo")
@@ -79,7 +78,7 @@ def test_user_traceback_is_none_for_the_packages_own_errors() -> None:
         my_reward(None, "")
     assert "in my_reward" in (user_traceback(theirs.value) or "")
     with pytest.raises(tt.EvalConfigError) as ours:
-        check_window(0)
+        tt.EvalConfig(max_concurrent=0)
     assert user_traceback(ours.value) is None
 
 

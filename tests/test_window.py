@@ -24,6 +24,7 @@ from trio_tasksets._core.adaptive import (
     Outcome,
     WindowArgumentError,
     build_window,
+    check_window_spec,
     parse_window,
     window_spec,
 )
@@ -593,10 +594,12 @@ def test_parse_window_forms() -> None:
         ("0-1-2", "1 <= MIN <= START <= MAX"),
     ],
 )
-def test_parse_window_names_the_flag_and_the_form(text: str, match: str) -> None:
-    with pytest.raises(ValueError, match=match) as info:
-        parse_window(text, flag="--max-connections")
-    assert str(info.value).startswith("--max-connections: ")
+def test_parse_window_names_the_parameter_and_the_form(text: str, match: str) -> None:
+    with pytest.raises(WindowArgumentError, match=match) as info:
+        parse_window(text, parameter="max_connections")
+    assert str(info.value).startswith("max_connections: ")
+    assert info.value.parameter == "max_connections"
+    assert "--" not in str(info.value)  # the library names parameters, never flags
 
 
 def test_parse_window_keeps_its_message_under_argparse(capsys: pytest.CaptureFixture[str]) -> None:
@@ -621,6 +624,32 @@ def test_build_window_is_the_one_constructor_and_names_the_parameter() -> None:
         with pytest.raises(WindowArgumentError, match=r"^max_connections") as info:
             build_window(bad, parameter="max_connections")  # type: ignore[arg-type]
         assert info.value.parameter == "max_connections"
+
+
+@pytest.mark.parametrize("bad", [0, -1, True, 2.5, "4", None, (4, 2, 8), (0, 1, 2), (1, 2)])
+def test_every_holder_of_a_spec_refuses_it_by_the_one_check(bad: object) -> None:
+    """`check_window_spec` is the check: `build_window` and `EvalConfig.max_concurrent` say
+    exactly what it says."""
+    with pytest.raises(WindowArgumentError) as checked:
+        check_window_spec(bad, parameter="max_concurrent")
+    with pytest.raises(WindowArgumentError) as built:
+        build_window(bad, parameter="max_concurrent")  # type: ignore[arg-type]
+    with pytest.raises(tt.EvalConfigError) as configured:
+        tt.EvalConfig(max_concurrent=bad)  # type: ignore[arg-type]
+    assert str(built.value) == str(configured.value) == str(checked.value)
+    assert configured.value.parameters == ("max_concurrent",)
+
+
+def test_a_spec_checked_is_normalized_and_its_text_form_checked_alike() -> None:
+    own = tt.Window(2)
+    assert check_window_spec(own) is own
+    assert check_window_spec((1, 2, 8)) == AdaptiveBounds(1, 2, 8)
+    assert type(check_window_spec((1, 2, 8))) is AdaptiveBounds
+    assert check_window_spec(5) == 5
+    with pytest.raises(WindowArgumentError, match="1 <= MIN <= START <= MAX, got '8-4-16'"):
+        parse_window("8-4-16")
+    with pytest.raises(WindowArgumentError, match=r"1 <= min <= start <= max, got \(8, 4, 16\)"):
+        check_window_spec((8, 4, 16))
 
 
 async def test_a_token_handed_over_in_the_instant_of_a_shrink_is_queued_again(

@@ -19,14 +19,17 @@ import warnings
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, TextIO
+from typing import TYPE_CHECKING, Any, NamedTuple, TextIO
 
 import trio
 
+from .._env.backend import DescribedBackend, InProcess
 from .._env.env import Env
 from .._eval import EvalConfig, EvalConfigError, EvalResult, EvalWarning, run_eval
 from .._eval.config import check_max_failures, preflight, run_dir_for
-from .._models import ModelContext
+from .._models import ModelContext, ModelHTTPError
+from .._serve.errors import EnvServerError
+from .._serve.slots import ServedBackend
 from .._serve.wire import TOKEN_VAR
 from .env_options import add_env_options, build_env, check_retry_flags
 from .heap import settle_heap
@@ -41,6 +44,7 @@ from .model_options import (
 )
 from .options import (
     DEFAULT_API_KEY_VAR,
+    PARAMETER_FLAGS,
     PROG,
     CommandError,
     HelpFormatter,
@@ -188,21 +192,80 @@ def _refuse_idle_options(args: argparse.Namespace) -> None:
             fix="add --server-url URL, or drop --token-var",
         )
     check_retry_flags(args)
-    _refuse_remote_limits(args)
 
 
-def _refuse_remote_limits(args: argparse.Namespace) -> None:
-    """The model-call limits act in the process that makes the calls: with --serve or
-    --server-url that is the env server, with --via the workers. `--rollout-timeout` travels
-    to a spawned server (--serve), not to a running one nor to workers."""
-    if args.serve:
-        flag, who, how = "--serve", "the env server child", ""
-    elif args.server_url is not None:
-        flag, who, how = "--server-url", "the env server", " (start it with trio-tasksets serve)"
-    elif args.via is not None:
-        flag, who, how = "--via", "the workers", " (start them with trio-tasksets worker)"
-    else:
+def _backend(args: argparse.Namespace) -> DescribedBackend:
+    """Where the slots run, built from --serve, --workers, --server-url (its token), --via
+    and --stream; options that contradict each other are usage errors, and a backend's own
+    bad value (a `ConfigError`) names its flag."""
+    named = (("--via", args.via is not None), ("--serve", args.serve),
+             ("--server-url", args.server_url is not None))  # fmt: skip
+    chosen = [flag for flag, given in named if given]
+    if len(chosen) > 1:
+        why = (
+            "spawn a server, or use one"
+            if "--via" not in chosen
+            else "workers over Redis, or a server"
+        )
+        raise UsageError(f"{chosen[0]} and {chosen[1]}: choose one ({why})")
+    if args.stream is not None and args.via is None:
+        raise UsageError("--stream names the workers' stream: it needs --via")
+    if args.via is not None:
+        if args.workers != 1:
+            raise UsageError("--workers applies to a server spawned with --serve, not to --via")
+        try:
+            from ..redis import ViaBackend
+        except ImportError as exc:
+            raise UsageError(
+                f"--via needs hiredis ({exc})", fix="pip install 'trio-tasksets[redis]'"
+            ) from None
+        if args.stream is None:
+            return ViaBackend(args.via)
+        return ViaBackend(args.via, stream=args.stream)
+    if args.serve or args.server_url is not None:
+        return ServedBackend(
+            server_url=args.server_url, workers=args.workers, token=_server_token(args)
+        )
+    if args.workers < 1:
+        raise UsageError(f"--workers must be an integer >= 1, got {args.workers}")
+    if args.workers != 1:
+        raise UsageError("--workers applies to a spawned server: add --serve")
+    return InProcess()
+
+
+class _Place(NamedTuple):
+    """How this command speaks of the place where a remote backend runs the slots."""
+
+    who: str  # who makes the model calls and scores the episodes there
+    scores: str  # its verb, agreeing
+    its: str
+    command: str | None = None  # what starts it (None: the eval spawns it)
+
+    @property
+    def how(self) -> str:
+        it = "them" if self.its == "their" else "it"
+        return "" if self.command is None else f" (start {it} with {self.command})"
+
+
+# By the setting that chose the backend (`DescribedBackend.parameter`).
+_PLACES = {
+    "serve": _Place("the env server child", "scores", "its"),
+    "server_url": _Place("the env server", "scores", "its", "trio-tasksets serve"),
+    "via": _Place("the workers", "score", "their", "trio-tasksets worker"),
+}
+
+
+def _refuse_remote_limits(args: argparse.Namespace, backend: DescribedBackend) -> None:
+    """What acts only where the slots run is refused when the backend runs them elsewhere:
+    the model-call limits act in the process that makes the calls (`remote`); the reward and
+    the per-rollout limits (`--rollout-timeout`, ...) only where the eval's own env runs the
+    slots (`uses_env`: a spawned server, not a running one nor the workers); the endpoint
+    flags are unused where the slots run with another model client (`uses_client`)."""
+    if not backend.remote or backend.parameter not in _PLACES:
         return
+    flag = PARAMETER_FLAGS[backend.parameter]
+    place = _PLACES[backend.parameter]
+    who, how = place.who, place.how
     limits = limit_flags(args)
     if len(getattr(args, "engine_metrics", None) or []) > 1:
         limits.append("--engine-metrics (one per --base-url)")
@@ -211,13 +274,13 @@ def _refuse_remote_limits(args: argparse.Namespace) -> None:
         raise UsageError(
             f"{flags} with {flag}: the model calls are made by {who}, where this eval's "
             f"limits cannot act",
-            fix=f"drop {flags} here and give them to the workers (trio-tasksets worker)"
-            if flag == "--via"
-            else f"drop {flags}, or run in-process (without {flag})",
+            fix=f"drop {flags}, or run in-process (without {flag})"
+            if backend.uses_client
+            else f"drop {flags} here and give them to {who} ({place.command})",
         )
-    if flag == "--via":
-        # The workers call the model with their own endpoint: the coordinator needs only the
-        # model's name and sampling (which its entries declare).
+    if not backend.uses_client:
+        # The model is called with the place's own endpoint: this eval needs only the model's
+        # name and sampling (which its entries declare).
         endpoint = (("--base-url", "base_url"), ("--api-key-var", "api_key_var"),
                     ("--timeout", "timeout"), ("--echo-delay", "echo_delay"))  # fmt: skip
         unused = [name for name, dest in endpoint if given(args, dest)]
@@ -225,20 +288,23 @@ def _refuse_remote_limits(args: argparse.Namespace) -> None:
             flags = ", ".join(unused)
             warn(
                 "eval",
-                f"{flags} with --via: the workers call the model with their own, so this eval "
+                f"{flags} with {flag}: {who} call the model with their own, so this eval "
                 f"does not use {'them' if len(unused) > 1 else 'it'} (drop {flags} here; give "
-                f"the workers -m MODEL --base-url URL)",
+                f"{who} -m MODEL --base-url URL)",
             )
-    if flag == "--via" and getattr(args, "reward", None) is not None:
+    if backend.uses_env:
+        return
+    if getattr(args, "reward", None) is not None:
         raise UsageError(
-            "--reward with --via: the workers score the episodes, with their own TASKSET's reward",
+            f"--reward with {flag}: {who} {place.scores} the episodes, with {place.its} own "
+            f"TASKSET's reward",
             fix="drop --reward here (or rescore the run: trio-tasksets rescore RUN_DIR "
             "--reward TARGET)",
         )
     for name, dest in (("--rollout-timeout", "rollout_timeout"),
                        ("--working-limit", "working_limit"),
                        ("--stall-timeout", "stall_timeout")):  # fmt: skip
-        if getattr(args, dest, None) is not None and args.serve is False:
+        if getattr(args, dest, None) is not None:
             raise UsageError(
                 f"{name} with {flag}: the episodes run in {who}, whose own {name} bounds them",
                 fix=f"drop {name} here{how}",
@@ -256,6 +322,8 @@ def program() -> list[str]:
 
 def _build(args: argparse.Namespace) -> tuple[Env[Any], ModelContext, EvalConfig]:
     _refuse_idle_options(args)
+    backend = _backend(args)
+    _refuse_remote_limits(args, backend)
     env = build_env(args)
     # One endpoint's --engine-metrics moves this eval's -c window (EvalConfig.engine_metrics,
     # wherever the calls are made); many endpoints' each move their endpoint's own window,
@@ -264,8 +332,9 @@ def _build(args: argparse.Namespace) -> tuple[Env[Any], ModelContext, EvalConfig
     one_engine = len(metrics) == 1 and len(base_urls(args)) <= 1
     if metrics and not one_engine:
         check_engine_metrics(args, args.max_concurrent)
-    ctx = model_context(args, remote=args.via is not None, engine_metrics_on_client=not one_engine)
-    token = _server_token(args)
+    ctx = model_context(
+        args, remote=not backend.uses_client, engine_metrics_on_client=not one_engine
+    )
     config = EvalConfig(
         num_examples=args.num_examples,
         rollouts_per_example=args.rollouts_per_example,
@@ -275,18 +344,13 @@ def _build(args: argparse.Namespace) -> tuple[Env[Any], ModelContext, EvalConfig
         resume=args.resume,
         output_dir=args.output_dir,
         run_name=args.run_name,
-        serve=args.serve,
-        workers=args.workers,
         dashboard=not args.no_dashboard,
-        server_url=args.server_url,
-        server_token=token,
+        backend=backend,
         max_failures=args.max_failures,
         max_consecutive_failures=args.max_consecutive_failures,
         metrics_port=args.metrics_port,
         command=[*program(), *getattr(args, "argv", [])],
         api_key_var=api_key_var(args),
-        via=args.via,
-        stream=args.stream,
         time_limit=args.time_limit,
         engine_metrics=metrics[0] if one_engine else None,
         group=args.group,
@@ -296,7 +360,7 @@ def _build(args: argparse.Namespace) -> tuple[Env[Any], ModelContext, EvalConfig
 
 def _server_token(args: argparse.Namespace) -> str | None:
     """A --server-url's bearer token, read here from $TT_SERVE_TOKEN or the variable
-    --token-var names; it goes to the eval as a field (`EvalConfig.server_token`)."""
+    --token-var names; it goes to the eval as the served backend's `token`."""
     if args.server_url is None:
         return None
     var = args.token_var or TOKEN_VAR
@@ -394,11 +458,11 @@ def _print_tracebacks(summary: dict[str, Any], run_dir: Path, *, debug: bool) ->
                 print(str(error["traceback"]).rstrip(), file=sys.stderr)
 
 
-def _fix_for(error_type: str, message: str, args: argparse.Namespace, run_dir: Path) -> str | None:
-    """What the user can do about an error, from its type and (HTTP) status; where the rows
-    are only when a run dir holds them."""
-    found = re.search(r"HTTP (\d{3})", message)
-    status = int(found.group(1)) if found else None
+def _fix_for(
+    error_type: str, message: str, status: int | None, args: argparse.Namespace, run_dir: Path
+) -> str | None:
+    """What the user can do about an error, from its type and HTTP `status` (the endpoint's,
+    or an env server's); where the rows are only when a run dir holds them."""
     if error_type == "ModelHTTPError" and status in (401, 403):
         var = args.api_key_var or DEFAULT_API_KEY_VAR
         if api_key_var(args):
@@ -452,6 +516,12 @@ def _fix_for(error_type: str, message: str, args: argparse.Namespace, run_dir: P
         return f"every failed row's errors are in {run_dir}/traces.jsonl"
     # No row was kept (a run that failed before its first one leaves no run dir).
     return None if getattr(args, "debug", False) else "run again with --debug for the traceback"
+
+
+def _status(exc: BaseException) -> int | None:
+    """The HTTP status an error that ended the run carries (a model endpoint's or an env
+    server's), if any."""
+    return exc.status if isinstance(exc, ModelHTTPError | EnvServerError) else None
 
 
 _CONTEXT = re.compile(r"maximum context length is (\d+)", re.IGNORECASE)
@@ -551,6 +621,15 @@ async def _eval(env: Env[Any], ctx: ModelContext, config: EvalConfig) -> EvalRes
             await ctx.client.aclose()
 
 
+def _spell_limit(stopped: str, error: str) -> str:
+    """A run's `error` as this command says it: a limit that stopped it is written as its
+    parameter (``max_failures 2: ...``), here its flag (``--max-failures 2: ...``)."""
+    flag = PARAMETER_FLAGS.get(stopped)
+    if flag is None or not error.startswith(f"{stopped} "):
+        return error
+    return flag + error.removeprefix(stopped)
+
+
 def _summary_on_disk(run_dir: Path) -> dict[str, Any] | None:
     try:
         summary = json.loads((run_dir / "summary.json").read_text())
@@ -583,7 +662,7 @@ def run(args: argparse.Namespace) -> int:
             _print_summary(summary, run_dir)
         raise CommandError(
             f"{type(exc).__name__}: {exc}",
-            fix=_fix_for(type(exc).__name__, str(exc), args, run_dir),
+            fix=_fix_for(type(exc).__name__, str(exc), _status(exc), args, run_dir),
             details=_resume_lines(args, run_dir, env) if summary is not None else (),
         ) from exc
     summary = result.summary
@@ -591,7 +670,9 @@ def run(args: argparse.Namespace) -> int:
     _print_tracebacks(summary, run_dir, debug=getattr(args, "debug", False))
     stopped = summary["stopped"]
     first = summary.get("first_error") or {}
-    fix = _fix_for(first.get("type", ""), first.get("message", ""), args, run_dir)
+    fix = _fix_for(
+        first.get("type", ""), first.get("message", ""), first.get("status"), args, run_dir
+    )
     if stopped in EXIT_ON_SIGNAL:
         print(f"{PROG} eval: stopped by {stopped}", file=sys.stderr)
         for line in _resume_lines(args, run_dir, env):
@@ -612,8 +693,11 @@ def run(args: argparse.Namespace) -> int:
                 fix="raise --time-limit, or lower the work (-n)",
             )
         return 0
-    if stopped is not None:  # max_failures
-        raise CommandError(summary["error"], fix=fix, details=_resume_lines(args, run_dir, env))
+    if stopped is not None:  # a limit (max_failures, ...), or a dead endpoint
+        raise CommandError(
+            _spell_limit(stopped, summary["error"]), fix=fix,
+            details=_resume_lines(args, run_dir, env),
+        )  # fmt: skip
     if summary["finished"] and not summary["ok"]:
         raise CommandError(f"no episode succeeded ({summary['failed']} failed)", fix=fix)
     return 0

@@ -150,11 +150,12 @@ def given(args: argparse.Namespace, dest: str) -> bool:
 
 
 def window_option(text: str) -> int | AdaptiveBounds:
-    """`N` or `MIN-START-MAX` (`-c/--max-concurrent`, `--max-connections`)."""
+    """`N` or `MIN-START-MAX` (`-c/--max-concurrent`, `--max-connections`): `parse_window`,
+    whose message argparse shows after the flag it names."""
     try:
-        return parse_window(text, flag="")
+        return parse_window(text, parameter="value")
     except WindowArgumentError as exc:
-        raise argparse.ArgumentTypeError(str(exc).removeprefix(": ")) from None
+        raise argparse.ArgumentTypeError(str(exc).removeprefix("value: ")) from None
 
 
 def _positive(text: str, unit: str) -> float:

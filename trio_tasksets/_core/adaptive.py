@@ -6,9 +6,10 @@
 * `AdaptiveController`: that controller alone, pure (no clock, no I/O): feed it outcomes with
   the time and the in-flight count, it answers with the new size.
 * `Pacer`: calls spaced at the request rate a limit lets through.
-* `parse_window(text)`: the text form `N` or `MIN-START-MAX`; `build_window` the one
-  constructor of a window from that form (or a size, bounds or a window); `window_spec` the
-  way back.
+* `WindowSpec`: what a window is given as (`N`, `AdaptiveBounds(min, start, max)` or a
+  `Window`); `check_window_spec` its one check, `parse_window(text)` its text form (`N` or
+  `MIN-START-MAX`), `build_window` the one constructor of a window from it, `window_spec`
+  the way back to text.
 """
 
 from __future__ import annotations
@@ -36,7 +37,9 @@ __all__ = [
     "Outcome",
     "Pacer",
     "WindowArgumentError",
+    "WindowSpec",
     "build_window",
+    "check_window_spec",
     "parse_window",
     "window_spec",
 ]
@@ -722,7 +725,7 @@ class AdaptiveWindow(Window):
         )
 
 
-# --- the CLI form ---------------------------------------------------------------------------
+# --- the spec of a window, and its text form ------------------------------------------------
 
 
 class AdaptiveBounds(NamedTuple):
@@ -734,66 +737,105 @@ class AdaptiveBounds(NamedTuple):
 
 
 class WindowArgumentError(ConfigError):
-    """A bad window: a `N|MIN-START-MAX` that does not parse, or a size or bounds that
-    `build_window` refuses (a `ConfigError`, so a ValueError; the command line's argparse
-    types turn it into their usage error, see `trio_tasksets._cli.options`)."""
+    """A bad window spec: text that is neither `N` nor `MIN-START-MAX`, or a size or bounds
+    out of range (a `ConfigError`, so a ValueError, naming the setting the spec came from)."""
 
+
+WindowSpec = int | AdaptiveBounds | Window
+"""What a window is given as: a size `N`, `AdaptiveBounds(min, start, max)` (the text form
+``MIN-START-MAX``) for an `AdaptiveWindow`, or a `Window` of one's own."""
 
 _FORM = re.compile(r"\s*(\d+)\s*(?:-\s*(\d+)\s*-\s*(\d+)\s*)?")
 
 
-def parse_window(text: str, *, flag: str = "-c/--max-concurrent") -> int | AdaptiveBounds:
-    """Parse `N` (a fixed window) or `MIN-START-MAX` (adaptive). Raises WindowArgumentError,
-    naming `flag`, for anything else."""
-    match = _FORM.fullmatch(text)
-    if match is None:
-        raise WindowArgumentError(
-            f"{flag}: expected N or MIN-START-MAX (e.g. 64, or 1-8-512 to adapt), got {text!r}"
-        )
-    low, start, high = match.groups()
-    if start is None:
-        size = int(low)
-        if size < 1:
-            raise WindowArgumentError(f"{flag}: N must be >= 1, got {text!r}")
-        return size
-    bounds = AdaptiveBounds(int(low), int(start), int(high))
-    if not 1 <= bounds.min <= bounds.start <= bounds.max:
-        raise WindowArgumentError(
-            f"{flag}: MIN-START-MAX needs 1 <= MIN <= START <= MAX, got {text!r}"
-        )
-    return bounds
+def check_window_spec(spec: object, *, parameter: str = "window") -> WindowSpec:
+    """`spec` as a `WindowSpec` (a `(min, start, max)` tuple as `AdaptiveBounds`), checked:
+    the one check of a window spec, which `parse_window`, `build_window` and the settings
+    that hold a spec (`EvalConfig.max_concurrent`) all make.
+
+    Raises:
+        WindowArgumentError: naming `parameter`, for a size below 1, bounds that are not
+            ``1 <= min <= start <= max``, or anything else.
+    """
+    return _checked(spec, parameter, text=None)
 
 
-def build_window(
-    spec: int | AdaptiveBounds | tuple[int, int, int] | Window, *, parameter: str = "window"
-) -> Window:
-    """The one window constructor: a `Window` given is used as is; `N` makes `Window(N)`;
-    `(min, start, max)` (an `AdaptiveBounds`, as `parse_window` reads ``MIN-START-MAX``) makes
-    `AdaptiveWindow(min, start, max)`. Anything else raises `WindowArgumentError` naming
-    `parameter` (the setting the window came from, e.g. ``max_concurrent``)."""
+def _checked(spec: object, parameter: str, *, text: str | None) -> WindowSpec:
+    """`check_window_spec`; a spec read from `text` is said as its text form is written."""
     if isinstance(spec, Window):
         return spec
-    if isinstance(spec, tuple):
-        try:
-            return AdaptiveWindow(*spec)
-        except (TypeError, ValueError) as exc:
-            raise WindowArgumentError(
-                f"{{{parameter}}}: adaptive bounds are (min, start, max) with 1 <= min <= "
-                f"start <= max, got {spec!r} ({exc})",
-                parameter=parameter,
-            ) from None
-    if isinstance(spec, bool) or not isinstance(spec, int) or spec < 1:
+    if isinstance(spec, int) and not isinstance(spec, bool):
+        if spec < 1:
+            said = (
+                f"{{{parameter}}} must be an integer >= 1, got {spec!r}"
+                if text is None
+                else f"{{{parameter}}}: N must be >= 1, got {text!r}"
+            )
+            raise WindowArgumentError(said, parameter=parameter)
+        return spec
+    if (
+        isinstance(spec, tuple)
+        and len(spec) == 3
+        and all(isinstance(n, int) and not isinstance(n, bool) for n in spec)
+    ):
+        bounds = AdaptiveBounds(*spec)
+        if not 1 <= bounds.min <= bounds.start <= bounds.max:
+            said = (
+                f"{{{parameter}}}: adaptive bounds (min, start, max) need 1 <= min <= start "
+                f"<= max, got {spec!r}"
+                if text is None
+                else f"{{{parameter}}}: MIN-START-MAX needs 1 <= MIN <= START <= MAX, got {text!r}"
+            )
+            raise WindowArgumentError(said, parameter=parameter)
+        return bounds
+    raise WindowArgumentError(
+        f"{{{parameter}}} must be an integer >= 1, (min, start, max) bounds or a tt.Window, "
+        f"got {spec!r}",
+        parameter=parameter,
+    )
+
+
+def parse_window(text: str, *, parameter: str = "window") -> int | AdaptiveBounds:
+    """Read the text form of a window: `N` (a fixed window) or `MIN-START-MAX` (adaptive).
+
+    Raises:
+        WindowArgumentError: naming `parameter`, for text of neither form, or numbers that
+            `check_window_spec` refuses.
+    """
+    match = _FORM.fullmatch(text) if isinstance(text, str) else None
+    if match is None:
         raise WindowArgumentError(
-            f"{{{parameter}}} must be an integer >= 1, (min, start, max) bounds or a "
-            f"tt.Window, got {spec!r}",
+            f"{{{parameter}}}: expected N or MIN-START-MAX (e.g. 64, or 1-8-512 to adapt), "
+            f"got {text!r}",
             parameter=parameter,
         )
-    return Window(spec)
+    low, start, high = match.groups()
+    spec = int(low) if start is None else AdaptiveBounds(int(low), int(start), int(high))
+    checked = _checked(spec, parameter, text=text)
+    assert not isinstance(checked, Window)
+    return checked
 
 
-def window_spec(window: int | AdaptiveBounds | Window) -> str:
-    """The CLI form of a window: `N`, or `MIN-START-MAX` (an `AdaptiveWindow`: its bounds
-    and the size it started at; a `Window`: its size now)."""
+def build_window(spec: WindowSpec | tuple[int, int, int], *, parameter: str = "window") -> Window:
+    """The one constructor of a window from its spec: a `Window` given is used as is; `N`
+    makes `Window(N)`; `(min, start, max)` (an `AdaptiveBounds`, as `parse_window` reads
+    ``MIN-START-MAX``) makes `AdaptiveWindow(min, start, max)`.
+
+    Raises:
+        WindowArgumentError: naming `parameter` (the setting the spec came from, e.g.
+            ``max_concurrent``) for a spec that `check_window_spec` refuses.
+    """
+    checked = check_window_spec(spec, parameter=parameter)
+    if isinstance(checked, Window):
+        return checked
+    if isinstance(checked, AdaptiveBounds):
+        return AdaptiveWindow(*checked)
+    return Window(checked)
+
+
+def window_spec(window: WindowSpec | tuple[int, int, int]) -> str:
+    """The text form of a window spec (`parse_window`'s way back): `N`, or `MIN-START-MAX`
+    (an `AdaptiveWindow`: its bounds and the size it started at; a `Window`: its size now)."""
     if isinstance(window, AdaptiveWindow):
         return f"{window.min}-{window.start}-{window.max}"
     if isinstance(window, Window):

@@ -1,25 +1,26 @@
 """Where an eval's slots run: the `SlotBackend` seam.
 
 An eval plans its slots, windows them and records their rows in its own process; where each
-slot *runs* is one object, chosen once before any work:
+slot *runs* is one object, ``EvalConfig.backend``:
 
 * `InProcess()` (the default): `env.run_slot` in this process, under `env.serving()`;
-* `trio_tasksets._serve.ServedBackend` (``serve=True``, ``workers``, ``server_url``; the CLI's
-  ``--serve``, ``--workers``, ``--server-url``): one `EnvClient.run` per slot, on an env
-  server spawned as a child or already running;
-* `trio_tasksets.redis.ViaBackend` (``via``, ``stream``; ``--via``, ``--stream``): one entry
-  of a Redis stream per slot, run by workers anywhere.
+* `trio_tasksets._serve.ServedBackend(workers=K)` (``EvalConfig(serve=True, workers=K)`` is
+  its shorthand), or ``ServedBackend(server_url=URL, token=T)``: one `EnvClient.run` per
+  slot, on an env server spawned as a child or already running;
+* `trio_tasksets.redis.ViaBackend(url, stream=S)`: one entry of a Redis stream per slot, run
+  by workers anywhere.
 
 Each implementation lives in the room of its transport; the eval imports none of them. Like
 anyio, which finds its trio backend by name (``anyio._backends._trio``) only when a run asks
-for it, `backend_for` imports a transport's module only when the settings name it, so an eval
-in process never loads the served path or hiredis. A backend of one's own (any object with
-this protocol) goes in ``EvalConfig(backend=...)``.
+for it, `served_backend` imports the served path only when ``serve=True`` names it. A
+backend of one's own (any object with the `SlotBackend` protocol) goes in
+``EvalConfig(backend=...)``; the built-in ones also describe themselves
+(`DescribedBackend`): what config.json records of them, and what goes where their slots run.
 
-With ``group=True`` an eval runs each group (a task's ``-r`` rollouts, run and scored as one unit) in this process
-through `run_group`, each rollout one slot of the runner; a runner that is also a
-`GroupRunner` (``--via``: one entry per group, run by one worker) runs the whole group where
-its slots run instead.
+With ``group=True`` an eval runs each group (a task's rollouts) in this process through
+`run_group`, each rollout one slot of the runner; a runner that is also a `GroupRunner`
+(``ViaBackend``: one entry per group, run by one worker) runs the whole group where its
+slots run instead.
 """
 
 from __future__ import annotations
@@ -39,7 +40,15 @@ from .._monitor.dashboard import Progress
 from .env import Env, Episode, OnComplete, RunSlot
 from .groups import Group
 
-__all__ = ["GroupRunner", "InProcess", "SlotBackend", "SlotRunner", "Track", "backend_for"]
+__all__ = [
+    "DescribedBackend",
+    "GroupRunner",
+    "InProcess",
+    "SlotBackend",
+    "SlotRunner",
+    "Track",
+    "served_backend",
+]
 
 
 class SlotRunner(Protocol):
@@ -60,12 +69,12 @@ elsewhere (the dashboard, the health probe, the adaptive window), returning `awa
 
 @runtime_checkable
 class GroupRunner(SlotRunner, Protocol):
-    """A `SlotRunner` that also runs a whole group where its slots run (``--via``: one
-    entry, run by one worker, scored where it ran).
+    """A `SlotRunner` that also runs a whole group where its slots run (`ViaBackend`: one
+    entry, run by one worker).
 
     `run_group(group, track)` returns one episode per slot of `group`, in slot order, each
     with `group` set and scored by the env's `score_group` where they ran; every rollout
-    holds a place of the eval's window while the group is out (`fan_out`: ``-c`` counts
+    holds a place of the eval's window while the group is out (`fan_out`: the window counts
     live rollouts), each waiting through `track(slot, wait)`. It tells `group.opened` (the
     eval's open groups) as each rollout starts and when the group ends. A failure of the
     transport (not a failed rollout: that is a row with `ok=False`) is raised.
@@ -98,6 +107,36 @@ class SlotBackend(Protocol):
     ) -> AbstractAsyncContextManager[SlotRunner]: ...
 
 
+@runtime_checkable
+class DescribedBackend(SlotBackend, Protocol):
+    """A `SlotBackend` that says what it is (the built-in ones do): what an eval records of
+    it and what the command line asks of it, instead of its own arguments.
+
+    * `settings`: how config.json records where the slots ran (e.g. ``{"serve": True,
+      "workers": 4, "server_url": None}``): the keys of the settings that name it;
+    * `parameter`: the setting that chose it (``serve``, ``server_url``, ``via``), which a
+      message about it names; None in process;
+    * `uses_env`: the slots run with the eval's own env (here, or a copy sent where they
+      run): its reward and per-rollout limits apply. False where the place has its own (a
+      running server's, the workers');
+    * `uses_client`: the model calls are made with the eval's own model client (here, or
+      described to where they run). False where the place calls the model with its own
+      endpoint and key (the workers).
+    """
+
+    @property
+    def settings(self) -> dict[str, object]: ...
+
+    @property
+    def parameter(self) -> str | None: ...
+
+    @property
+    def uses_env(self) -> bool: ...
+
+    @property
+    def uses_client(self) -> bool: ...
+
+
 @attrs.frozen
 class InProcess:
     """Every slot in this process: `env.run_slot`, under `env.serving()` for the eval."""
@@ -105,6 +144,22 @@ class InProcess:
     @property
     def remote(self) -> bool:
         return False
+
+    @property
+    def settings(self) -> dict[str, object]:
+        return {}
+
+    @property
+    def parameter(self) -> None:
+        return None
+
+    @property
+    def uses_env(self) -> bool:
+        return True
+
+    @property
+    def uses_client(self) -> bool:
+        return True
 
     def check(self, env: Env[Any], ctx: ModelContext) -> None:
         pass
@@ -124,67 +179,24 @@ async def _in_process(env: Env[Any], ctx: ModelContext) -> AsyncIterator[SlotRun
         yield functools.partial(env.run_slot, ctx=ctx)
 
 
-# The transports' backends, by the module that holds each (imported when first named).
-BACKENDS = {
-    "served": ("trio_tasksets._serve.slots", "ServedBackend"),
-    "via": ("trio_tasksets.redis._coordinator", "ViaBackend"),
-}
+# The served path's backend, by the module that holds it (imported when first named).
+SERVED = ("trio_tasksets._serve.slots", "ServedBackend")
 
 
-def _backend_class(name: str, *, needs: str, parameter: str) -> Any:
-    module, attribute = BACKENDS[name]
+def served_backend(*, workers: int = 1) -> SlotBackend:
+    """The backend ``EvalConfig(serve=True, workers=K)`` names: `ServedBackend(workers=K)`,
+    a server spawned as the eval's child, found by name here (the one place that does).
+
+    Raises:
+        EvalConfigError: naming ``serve`` if the served path cannot be imported, or
+            ``workers`` (as `ServedBackend` does) for a bad number of workers.
+    """
+    module, attribute = SERVED
     try:
-        return getattr(importlib.import_module(module), attribute)
+        cls = getattr(importlib.import_module(module), attribute)
     except ImportError as exc:
-        raise EvalConfigError(f"{needs} ({exc})", parameter=parameter) from None
-
-
-def backend_for(
-    *,
-    serve: bool = False,
-    workers: int = 1,
-    server_url: str | None = None,
-    server_token: str | None = None,
-    via: str | None = None,
-    stream: str | None = None,
-) -> SlotBackend:
-    """The one backend that `EvalConfig`'s flat settings name; `EvalConfigError` (naming the
-    parameter) when they contradict each other or a value is bad."""
-    if via is not None:
-        if serve or server_url is not None:
-            other = "serve" if serve else "server_url"
-            raise EvalConfigError(
-                f"{{via}} and {{{other}}}: choose one (workers over Redis, or a server)",
-                parameter=("via", other),
-            )
-        if workers != 1:
-            raise EvalConfigError(
-                "{workers} applies to a server spawned with {serve}, not to {via}",
-                parameter=("workers", "serve", "via"),
-            )
-        needs = "{via} needs hiredis: pip install 'trio-tasksets[redis]'"
-        cls = _backend_class("via", needs=needs, parameter="via")
-        return cls(via) if stream is None else cls(via, stream=stream)  # type: ignore[no-any-return]
-    if stream is not None:
         raise EvalConfigError(
-            "{stream} names the workers' stream: it needs {via}", parameter=("stream", "via")
-        )
-    if serve or server_url is not None:
-        if serve and server_url is not None:
-            raise EvalConfigError(
-                "{serve} and {server_url}: choose one (spawn a server, or use one)",
-                parameter=("serve", "server_url"),
-            )
-        name = "serve" if serve else "server_url"
-        needs = f"{{{name}}}: the served path cannot be imported"
-        cls = _backend_class("served", needs=needs, parameter=name)
-        return cls(server_url=server_url, workers=workers, token=server_token)  # type: ignore[no-any-return]
-    if isinstance(workers, bool) or not isinstance(workers, int) or workers < 1:
-        raise EvalConfigError(
-            f"{{workers}} must be an integer >= 1, got {workers!r}", parameter="workers"
-        )
-    if workers != 1:
-        raise EvalConfigError(
-            "{workers} applies to a spawned server: add {serve}", parameter=("workers", "serve")
-        )
-    return InProcess()
+            f"{{serve}}: the served path cannot be imported ({exc})", parameter="serve"
+        ) from None
+    backend: SlotBackend = cls(workers=workers)
+    return backend

@@ -1,104 +1,366 @@
-"""`EvalConfig`, `EvalResult` and the checks made before any work."""
+"""`EvalConfig` (valid once built), `EvalResult` and the checks made before any work."""
 
 from __future__ import annotations
 
 import json
 import math
+import os
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import attrs
 
-from .._core.adaptive import AdaptiveBounds, AdaptiveWindow, WindowArgumentError, build_window
+from .._core.adaptive import (
+    AdaptiveBounds,
+    AdaptiveWindow,
+    WindowArgumentError,
+    WindowSpec,
+    check_window_spec,
+)
+from .._core.exceptions import ConfigError
 from .._core.exceptions import EvalConfigError as EvalConfigError  # their home is _exceptions
 from .._core.exceptions import EvalWarning as EvalWarning
-from .._core.window import Window
-from .._env.backend import InProcess, SlotBackend, backend_for
+from .._env.backend import InProcess, SlotBackend, served_backend
 from .._env.env import Env, Episode
 from .._env.loading import taskset_label, taskset_short_name, upgraded_label
 from .._models import ModelContext
 from .._monitor.metrics import check_metrics
 
+Check = Callable[[Any], None]
+"""One field's check: raises `ConfigError` naming the field for a bad value."""
+
+
+def _valid(config: EvalConfig, attribute: attrs.Attribute[Any], value: Any) -> None:
+    """The attrs validator of every `EvalConfig` field: the field's own check (`_CHECKS`),
+    then the contradictions it takes part in (`_CONTRADICTIONS`). A problem raises one
+    `EvalConfigError` that names every bad field of `config` and every contradiction between
+    its fields: attrs runs the validators of a new instance once all its fields are set, so
+    the first one to find a problem sees them all."""
+    name = _parameter(attribute)
+    values = {**parameter_values(config), name: value}
+    try:
+        _CHECKS[name](value)
+        for names, contradiction in _CONTRADICTIONS:
+            if name in names:
+                contradiction(values)
+    except ConfigError:
+        raise _one(_problems(values)) from None
+
 
 @attrs.define
 class EvalConfig:
-    """How to run an eval; each field is a `trio-tasksets eval` option."""
+    """How to run an eval; each field is a `trio-tasksets eval` option (`backend`: the
+    command builds it from its options for where the slots run).
 
-    num_examples: int | None = None  # -n/--num-examples
-    rollouts_per_example: int = 1  # -r/--rollouts-per-example
+    Built, it is valid: bad values raise one `EvalConfigError` naming every bad parameter
+    (`parameters`) and every contradiction, at construction (a bad value assigned later, at
+    the assignment). What needs the env too (a stream without `num_examples`) is checked by
+    `run_eval`.
+
+    Where the slots run is `backend` alone: `tt.InProcess()` by default, `tt.ServedBackend(
+    ...)`, `trio_tasksets.redis.ViaBackend(...)`, or one of your own. ``serve=True`` (with
+    ``workers=K``) is the shorthand for ``backend=tt.ServedBackend(workers=K)``, resolved into
+    `backend` at construction in place of the in-process one; ``workers`` without
+    ``serve``, or ``serve`` with another backend, is an `EvalConfigError`.
+    """
+
+    num_examples: int | None = attrs.field(default=None, validator=_valid)  # -n/--num-examples
+    # -r/--rollouts-per-example
+    rollouts_per_example: int = attrs.field(default=1, validator=_valid)
     # -c/--max-concurrent: the rollout window. N, AdaptiveBounds(min, start, max) (the CLI's
     # MIN-START-MAX: an AdaptiveWindow fed by the runs' 429s, 5xx, timeouts and successes),
     # or a tt.Window (a tt.AdaptiveWindow) of your own.
-    max_concurrent: int | AdaptiveBounds | Window = 32
-    shuffle: bool = False  # --shuffle
-    seed: int = 0  # --seed
-    resume: bool = False  # --resume
-    output_dir: str = "outputs"  # -o/--output-dir
-    run_name: str | None = None  # --run-name
-    serve: bool = False  # --serve
-    workers: int = 1  # --workers
-    dashboard: bool = True  # --no-dashboard
-    server_url: str | None = None  # --server-url (a running `trio-tasksets serve`)
+    max_concurrent: WindowSpec | tuple[int, int, int] = attrs.field(default=32, validator=_valid)
+    shuffle: bool = attrs.field(default=False, validator=_valid)  # --shuffle
+    seed: int = attrs.field(default=0, validator=_valid)  # --seed
+    resume: bool = attrs.field(default=False, validator=_valid)  # --resume
+    output_dir: str = attrs.field(default="outputs", validator=_valid)  # -o/--output-dir
+    run_name: str | None = attrs.field(default=None, validator=_valid)  # --run-name
+    # serve=True, workers=K (--serve, --workers): shorthands for a served backend, resolved
+    # into `backend` at construction (and then back to their defaults, so that attrs.evolve
+    # passes the backend alone).
+    _serve: bool = attrs.field(default=False, validator=_valid, repr=False, eq=False)
+    _workers: int = attrs.field(default=1, validator=_valid, repr=False, eq=False)
+    dashboard: bool = attrs.field(default=True, validator=_valid)  # --no-dashboard
     # --max-failures: stop (exit 1) once this many episodes failed (an int >= 1), or once the
     # failed ones exceed this fraction (a float in (0, 1)) of the planned slots (a stream: of
     # the finished ones). None: never stop early.
-    max_failures: int | float | None = None
-    via: str | None = None  # --via (a Redis URL: the slots go to workers through it)
-    stream: str | None = None  # --stream (with --via: the workers' task stream; "tasks")
-    # With server_url: the server's bearer token (the CLI's --token-var; never recorded).
-    server_token: str | None = attrs.field(default=None, repr=False)
-    # Where the slots run, as an object (a tt.backend.SlotBackend): instead of serve /
-    # workers / server_url / via / stream, which name the built-in ones.
-    backend: SlotBackend | None = None
+    max_failures: int | float | None = attrs.field(default=None, validator=_valid)
+    # Where the slots run (a tt.SlotBackend): the CLI builds it from --serve, --workers,
+    # --server-url (with --token-var), --via and --stream.
+    backend: SlotBackend = attrs.field(default=attrs.Factory(InProcess), validator=_valid)
     # --time-limit: seconds after which the eval stops pulling, cancels the runs in flight,
     # keeps the finished rows and ends with `stopped: "time_limit"`. None: no limit.
-    time_limit: float | None = None
+    time_limit: float | None = attrs.field(default=None, validator=_valid)
     # --max-consecutive-failures: stop (exit 1) after this many failed episodes in a row (in
     # the order they finished): a dead service fails every one. None: never.
-    max_consecutive_failures: int | None = None
+    max_consecutive_failures: int | None = attrs.field(default=None, validator=_valid)
     # --metrics-port: serve the run's counters and health as Prometheus text on 127.0.0.1 at
     # this port (0: a free one, printed) while it runs. None: no metrics server.
-    metrics_port: int | None = None
+    metrics_port: int | None = attrs.field(default=None, validator=_valid)
     # --engine-metrics: the Prometheus /metrics URL of the engine behind the model (vLLM,
-    # SGLang); an adaptive -c reads the engine's own load from it every second.
-    engine_metrics: str | None = None
+    # SGLang); an adaptive max_concurrent reads the engine's own load from it every second.
+    engine_metrics: str | None = attrs.field(default=None, validator=_valid)
     # --group: a task's rollouts are one group: run together, scored together by
     # Env.score_group, written together; one failing after its retries fails the group.
-    group: bool = False
+    group: bool = attrs.field(default=False, validator=_valid)
     # Recorded in config.json only (never compared by a resume): the command line that ran
     # the eval (default: sys.argv) and the name of the variable the model's API key came from.
-    command: list[str] | None = None
-    api_key_var: str | None = None
+    command: list[str] | None = attrs.field(default=None, validator=_valid)
+    api_key_var: str | None = attrs.field(default=None, validator=_valid)
 
-    def slot_backend(self) -> SlotBackend:
-        """Where the slots run, chosen once: `backend` if given, else the built-in backend
-        that `serve`, `workers`, `server_url`, `via` and `stream` name (`EvalConfigError`,
-        naming the parameter, when they contradict each other or a value is bad)."""
-        flat = backend_for(
-            serve=self.serve, workers=self.workers, server_url=self.server_url,
-            server_token=self.server_token, via=self.via, stream=self.stream,
-        )  # fmt: skip
-        if self.backend is None:
-            return flat
-        if not isinstance(self.backend, SlotBackend):
+    def __attrs_post_init__(self) -> None:
+        if self._serve:  # the shorthand, resolved (in an order each assignment finds valid)
+            backend = served_backend(workers=self._workers)
+            self._workers = 1
+            self._serve = False
+            self.backend = backend
+
+
+def _parameter(field: attrs.Attribute[Any]) -> str:
+    """A field's parameter name: ``serve`` for the field ``_serve``."""
+    return field.alias or field.name
+
+
+def parameter_values(config: EvalConfig) -> dict[str, Any]:
+    """The config's fields by their parameter names (``serve`` for the field ``_serve``)."""
+    return {_parameter(field): getattr(config, field.name) for field in attrs.fields(EvalConfig)}
+
+
+def _problems(values: dict[str, Any]) -> list[ConfigError]:
+    """Every bad value among `values` (by parameter name), then every contradiction between
+    values that are each fine."""
+    found: list[ConfigError] = []
+    bad: set[str] = set()
+    for name, check in _CHECKS.items():
+        try:
+            check(values[name])
+        except ConfigError as exc:
+            found.append(exc)
+            bad.add(name)
+    for names, contradiction in _CONTRADICTIONS:
+        if bad.isdisjoint(names):
+            try:
+                contradiction(values)
+            except ConfigError as exc:
+                found.append(exc)
+    return found
+
+
+def _one(problems: list[ConfigError]) -> EvalConfigError:
+    """One `EvalConfigError` for `problems`: their messages joined, naming every parameter."""
+    names = tuple(dict.fromkeys(name for exc in problems for name in exc.parameters))
+    return EvalConfigError("; ".join(exc.template for exc in problems), parameter=names)
+
+
+# --- each field's check ---------------------------------------------------------------------
+
+
+def _count(name: str, minimum: int, *, optional: bool = False) -> Check:
+    def check(value: object) -> None:
+        if optional and value is None:
+            return
+        if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
             raise EvalConfigError(
-                f"backend must be a SlotBackend (check, reach, open, remote), got "
-                f"{type(self.backend).__name__}",
-                parameter="backend",
+                f"{{{name}}} must be an integer >= {minimum}, got {value!r}", parameter=name
             )
-        if not isinstance(flat, InProcess):
+
+    return check
+
+
+def _switch(name: str) -> Check:
+    def check(value: object) -> None:
+        if not isinstance(value, bool):
             raise EvalConfigError(
-                "backend and serve/server_url/via: choose one (the backend says where slots run)",
-                parameter="backend",
+                f"{{{name}}} is a switch (True or False), got {value!r}", parameter=name
             )
-        return self.backend
+
+    return check
+
+
+def _text(name: str, what: str, *, optional: bool = True) -> Check:
+    def check(value: object) -> None:
+        if optional and value is None:
+            return
+        if not isinstance(value, str):
+            raise EvalConfigError(f"{{{name}}} must be {what}, got {value!r}", parameter=name)
+
+    return check
+
+
+def _check_window(value: object) -> None:
+    try:
+        check_window_spec(value, parameter="max_concurrent")
+    except WindowArgumentError as exc:
+        raise EvalConfigError(exc.template, parameter=exc.parameters) from None
+
+
+def _check_seed(value: object) -> None:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise EvalConfigError(f"{{seed}} must be an integer, got {value!r}", parameter="seed")
+
+
+def _check_output_dir(value: object) -> None:
+    if not isinstance(value, str | os.PathLike):
+        raise EvalConfigError(
+            f"{{output_dir}} must be a directory's path, got {value!r}", parameter="output_dir"
+        )
+
+
+def _check_run_name(name: object) -> None:
+    if name is None:
+        return
+    if not isinstance(name, str) or not name or "/" in name or name in (".", ".."):
+        raise EvalConfigError(
+            f"{{run_name}} must be a plain directory name, got {name!r}", parameter="run_name"
+        )
+
+
+def check_max_failures(value: object) -> None:
+    """Raises `EvalConfigError` naming ``max_failures`` unless `value` is None, an int >= 1
+    or a fraction in (0, 1)."""
+    if value is None:
+        return
+    if isinstance(value, int) and not isinstance(value, bool):
+        if value >= 1:
+            return
+    elif isinstance(value, float) and 0 < value < 1:
+        return
+    raise EvalConfigError(
+        f"{{max_failures}} takes N (an integer >= 1: stop once N episodes failed) or a FRACTION "
+        f"between 0 and 1 (stop once more than that share failed), got {value!r}",
+        parameter="max_failures",
+    )
+
+
+def _check_backend(value: object) -> None:
+    if not isinstance(value, SlotBackend):
+        raise EvalConfigError(
+            f"{{backend}} must be a SlotBackend (check, reach, open, remote), got "
+            f"{type(value).__name__}",
+            parameter="backend",
+        )
+
+
+def _check_time_limit(limit: object) -> None:
+    if limit is not None and (
+        isinstance(limit, bool)
+        or not isinstance(limit, int | float)
+        or not math.isfinite(limit)
+        or limit <= 0
+    ):
+        raise EvalConfigError(
+            f"{{time_limit}} must be a number of seconds > 0, got {limit!r}",
+            parameter="time_limit",
+        )
+
+
+def _check_port(port: object) -> None:
+    if port is None:
+        return
+    if isinstance(port, bool) or not isinstance(port, int) or not 0 <= port <= 65535:
+        raise EvalConfigError(
+            f"{{metrics_port}} must be a port number 0-65535 (0: a free one), got {port!r}",
+            parameter="metrics_port",
+        )
+
+
+def check_metrics_port(port: object) -> None:
+    """Raises `EvalConfigError` naming ``metrics_port`` unless `port` is None, or a port
+    0-65535 and prometheus_client is installed."""
+    _check_port(port)
+    missing = None if port is None else check_metrics()
+    if missing is not None:
+        raise EvalConfigError(
+            f"{{metrics_port}} needs prometheus_client: {missing}", parameter="metrics_port"
+        )
+
+
+def _check_engine_metrics(url: object) -> None:
+    if url is not None and (
+        not isinstance(url, str) or not url.startswith(("http://", "https://"))
+    ):
+        raise EvalConfigError(
+            f"{{engine_metrics}} must be an http:// or https:// URL, got {url!r} "
+            f"(e.g. http://127.0.0.1:8000/metrics)",
+            parameter="engine_metrics",
+        )
+
+
+def _check_command(value: object) -> None:
+    if value is not None and not (
+        isinstance(value, list | tuple) and all(isinstance(word, str) for word in value)
+    ):
+        raise EvalConfigError(
+            f"{{command}} must be the command line's words (a list of str), got {value!r}",
+            parameter="command",
+        )
+
+
+_CHECKS: dict[str, Check] = {
+    "num_examples": _count("num_examples", 0, optional=True),
+    "rollouts_per_example": _count("rollouts_per_example", 1),
+    "max_concurrent": _check_window,
+    "shuffle": _switch("shuffle"),
+    "seed": _check_seed,
+    "resume": _switch("resume"),
+    "output_dir": _check_output_dir,
+    "run_name": _check_run_name,
+    "serve": _switch("serve"),
+    "workers": _count("workers", 1),
+    "dashboard": _switch("dashboard"),
+    "max_failures": check_max_failures,
+    "backend": _check_backend,
+    "time_limit": _check_time_limit,
+    "max_consecutive_failures": _count("max_consecutive_failures", 1, optional=True),
+    "metrics_port": _check_port,
+    "engine_metrics": _check_engine_metrics,
+    "group": _switch("group"),
+    "command": _check_command,
+    "api_key_var": _text("api_key_var", "the name of an environment variable"),
+}
+
+
+# --- contradictions between fields (each checked when its fields are each fine) -------------
+
+
+def _workers_need_serve(values: dict[str, Any]) -> None:
+    if values["workers"] != 1 and not values["serve"]:
+        raise EvalConfigError(
+            "{workers} applies to a spawned server: add {serve}", parameter=("workers", "serve")
+        )
+
+
+def _serve_or_backend(values: dict[str, Any]) -> None:
+    if values["serve"] and not isinstance(values["backend"], InProcess):
+        raise EvalConfigError(
+            "{backend} and {serve}: choose one (serve=True is the shorthand for a served backend)",
+            parameter=("backend", "serve"),
+        )
+
+
+def _engine_metrics_need_adaptive(values: dict[str, Any]) -> None:
+    if values["engine_metrics"] is not None and not isinstance(
+        values["max_concurrent"], AdaptiveBounds | AdaptiveWindow
+    ):
+        raise EvalConfigError(
+            "{engine_metrics} moves an adaptive window: give {max_concurrent} as "
+            "MIN-START-MAX (e.g. 1-8-1024)",
+            parameter=("engine_metrics", "max_concurrent"),
+        )
+
+
+_CONTRADICTIONS: list[tuple[tuple[str, ...], Check]] = [
+    (("workers", "serve"), _workers_need_serve),
+    (("serve", "backend"), _serve_or_backend),
+    (("engine_metrics", "max_concurrent"), _engine_metrics_need_adaptive),
+]
 
 
 # EvalConfig fields that describe the record, not the run: config.json keeps them apart.
 RECORD_FIELDS = ("command", "api_key_var")
-# EvalConfig fields never written to config.json (a secret; an object, recorded as its repr).
-UNRECORDED_FIELDS = ("server_token", "backend")
 
 
 @attrs.define
@@ -115,87 +377,16 @@ IDENTITY = ("taskset", "taskset_config", "model", "sampling", "num_examples",
              "rollouts_per_example", "shuffle", "seed", "group")  # fmt: skip
 
 
-def _check_int(value: object, name: str, minimum: int, *, optional: bool = False) -> None:
-    if optional and value is None:
-        return
-    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
-        raise EvalConfigError(
-            f"{{{name}}} must be an integer >= {minimum}, got {value!r}", parameter=name
-        )
-
-
-def check_metrics_port(port: object) -> None:
-    """`EvalConfigError` naming `metrics_port` unless `port` is None or a port 0-65535 and
-    prometheus_client is installed."""
-    if port is None:
-        return
-    if isinstance(port, bool) or not isinstance(port, int) or not 0 <= port <= 65535:
-        raise EvalConfigError(
-            f"{{metrics_port}} must be a port number 0-65535 (0: a free one), got {port!r}",
-            parameter="metrics_port",
-        )
-    missing = check_metrics()
-    if missing is not None:
-        raise EvalConfigError(
-            f"{{metrics_port}} needs prometheus_client: {missing}", parameter="metrics_port"
-        )
-
-
-def eval_window(value: int | AdaptiveBounds | Window) -> Window:
-    """The rollout window an eval runs under: the `tt.Window` given, or a fresh one
-    (`build_window`); `EvalConfigError` naming `max_concurrent` for a bad value."""
-    try:
-        return build_window(value, parameter="max_concurrent")
-    except WindowArgumentError as exc:
-        raise EvalConfigError(exc.template, parameter=exc.parameters) from None
-
-
-def check_window(value: object) -> None:
-    """`EvalConfigError` naming `max_concurrent` unless `value` is an int >= 1,
-    `AdaptiveBounds` with 1 <= min <= start <= max, or a `tt.Window`."""
-    eval_window(value)  # type: ignore[arg-type]  # checked there
-
-
-def check_max_failures(value: object) -> None:
-    """`EvalConfigError` unless `value` is None, an int >= 1 or a fraction in (0, 1)."""
-    if value is None:
-        return
-    if isinstance(value, int) and not isinstance(value, bool):
-        if value >= 1:
-            return
-    elif isinstance(value, float) and 0 < value < 1:
-        return
-    raise EvalConfigError(
-        f"{{max_failures}} takes N (an integer >= 1: stop once N episodes failed) or a FRACTION "
-        f"between 0 and 1 (stop once more than that share failed), got {value!r}",
-        parameter="max_failures",
-    )
-
-
 def preflight(env: Env[Any], ctx: ModelContext, config: EvalConfig) -> SlotBackend:
-    """Every check that needs no pull and no file write; the backend the slots run on."""
-    _check_int(config.num_examples, "num_examples", 0, optional=True)
-    _check_int(config.rollouts_per_example, "rollouts_per_example", 1)
-    check_window(config.max_concurrent)
-    limit = config.time_limit
-    if limit is not None and (
-        isinstance(limit, bool)
-        or not isinstance(limit, int | float)
-        or not math.isfinite(limit)
-        or limit <= 0
-    ):
-        raise EvalConfigError(
-            f"{{time_limit}} must be a number of seconds > 0, got {limit!r}",
-            parameter="time_limit",
-        )
-    if not isinstance(config.group, bool):
-        raise EvalConfigError(
-            f"{{group}} is a switch (True or False), got {config.group!r}", parameter="group"
-        )
-    check_max_failures(config.max_failures)
-    _check_int(config.max_consecutive_failures, "max_consecutive_failures", 1, optional=True)
+    """Every check that needs more than the config (the env, the model, this machine) and no
+    pull nor file write; the backend the slots run on.
+
+    Raises:
+        EvalConfigError: naming the parameter: a streaming or INFINITE taskset without
+            ``num_examples`` (or with ``shuffle`` or ``resume``), ``metrics_port`` without
+            prometheus_client, or what the backend's `check` refuses.
+    """
     check_metrics_port(config.metrics_port)
-    _check_engine_metrics(config)
     taskset = env.taskset
     name = type(taskset).__name__
     if taskset.streaming or taskset.INFINITE:
@@ -216,27 +407,8 @@ def preflight(env: Env[Any], ctx: ModelContext, config: EvalConfig) -> SlotBacke
                 f"against; drop {{resume}})",
                 parameter="resume",
             )
-    backend = config.slot_backend()
-    backend.check(env, ctx)
-    return backend
-
-
-def _check_engine_metrics(config: EvalConfig) -> None:
-    url = config.engine_metrics
-    if url is None:
-        return
-    if not isinstance(url, str) or not url.startswith(("http://", "https://")):
-        raise EvalConfigError(
-            f"{{engine_metrics}} must be an http:// or https:// URL, got {url!r} "
-            f"(e.g. http://127.0.0.1:8000/metrics)",
-            parameter="engine_metrics",
-        )
-    if not isinstance(config.max_concurrent, AdaptiveBounds | AdaptiveWindow):
-        raise EvalConfigError(
-            "{engine_metrics} moves an adaptive window: give {max_concurrent} as "
-            "MIN-START-MAX (e.g. 1-8-1024)",
-            parameter=("engine_metrics", "max_concurrent"),
-        )
+    config.backend.check(env, ctx)
+    return config.backend
 
 
 def run_identity(env: Env[Any], ctx: ModelContext, config: EvalConfig) -> dict[str, Any]:
@@ -299,8 +471,4 @@ def run_dir_for(env: Env[Any], ctx: ModelContext, config: EvalConfig) -> Path:
         return latest
     if name is None:
         name = default_run_name(env, ctx)
-    if not name or "/" in name or name in (".", ".."):
-        raise EvalConfigError(
-            f"{{run_name}} must be a plain directory name, got {name!r}", parameter="run_name"
-        )
     return Path(config.output_dir) / name

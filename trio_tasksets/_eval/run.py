@@ -22,7 +22,6 @@ from __future__ import annotations
 import functools
 import json
 import math
-import re
 import statistics
 import sys
 import time
@@ -36,14 +35,14 @@ from typing import Any
 import attrs
 import trio
 
-from .._core.adaptive import AdaptiveWindow, window_spec
+from .._core.adaptive import AdaptiveWindow, build_window, window_spec
 from .._core.drain import stop_on
 from .._core.health import Health
 from .._core.limits import EndpointLimits, observe_calls
 from .._core.runner import pick_one, require_trio, run_stream
 from .._core.version import __version__
 from .._core.window import Window
-from .._env.backend import GroupRunner, SlotBackend
+from .._env.backend import DescribedBackend, GroupRunner, SlotBackend
 from .._env.env import Env, Episode, EpisodeError, RunSlot, WindowFeed
 from .._env.groups import Group, OpenGroups, cause_first, group_slots, run_group
 from .._env.traces import open_traces, write_atomic
@@ -54,12 +53,11 @@ from .._monitor import dashboard
 from .._report.stats import reward_interval
 from .config import (
     RECORD_FIELDS,
-    UNRECORDED_FIELDS,
     EvalConfig,
     EvalConfigError,
     EvalResult,
     EvalWarning,
-    eval_window,
+    parameter_values,
     preflight,
     run_dir_for,
     run_identity,
@@ -76,7 +74,7 @@ class Tally:
     """What the eval has recorded so far, and whether (and why) it was told to stop."""
 
     max_failures: int | float | None = None
-    max_consecutive: int | None = None  # --max-consecutive-failures
+    max_consecutive: int | None = None  # EvalConfig.max_consecutive_failures
     consecutive: int = 0  # failed episodes in a row, the latest last
     # The model endpoints' URLs while they are not known to answer (None: known, or no URL):
     # the first episode to finish tells (see `dead_endpoint`).
@@ -87,7 +85,9 @@ class Tally:
     # "SIGINT" | "SIGTERM" | "max_failures" | "max_consecutive_failures" | "time_limit" |
     # "cancelled"
     stopped: str | None = None
-    error: str | None = None  # what ended the run, as `Type: message`
+    # What ended the run, as `Type: message`; a limit that stopped it, as "<its parameter>
+    # <its value>: what happened" (the command line spells the parameter as its flag).
+    error: str | None = None
     scope: trio.CancelScope | None = None  # cancelled to stop early
 
     def record(self, episode: Episode) -> None:
@@ -114,7 +114,7 @@ class Tally:
             last = episode.errors[-1] if episode.errors else None
             said = f"; the last: {last.type}: {last.message}" if last is not None else ""
             self.error = (
-                f"--max-consecutive-failures {limit}: {self.consecutive} episodes failed in "
+                f"max_consecutive_failures {limit}: {self.consecutive} episodes failed in "
                 f"a row{said}"
             )
             self.stop("max_consecutive_failures")
@@ -128,14 +128,14 @@ class Tally:
 
     def _limit_message(self) -> str:
         if isinstance(self.max_failures, int):
-            return f"--max-failures {self.max_failures}: {self.failed} episodes failed"
+            return f"max_failures {self.max_failures}: {self.failed} episodes failed"
         base, of = (
             (self.planned, "planned slots")
             if self.planned is not None
             else (len(self.recorded), "finished episodes")
         )
         return (
-            f"--max-failures {self.max_failures:g}: {self.failed} of {base} {of} failed "
+            f"max_failures {self.max_failures:g}: {self.failed} of {base} {of} failed "
             f"(more than {self.max_failures:.0%})"
         )
 
@@ -166,13 +166,10 @@ def dead_endpoint(episode: Episode) -> str | None:
         return None
     last = episode.errors[-1]
     if last.type == "ModelConnectionError" or (
-        last.type == "ModelHTTPError" and _AUTH.search(last.message) is not None
+        last.type == "ModelHTTPError" and last.status in (401, 403)
     ):
         return f"{last.type}: {last.message}"
     return None
-
-
-_AUTH = re.compile(r"returned HTTP 40[13]\b")
 
 
 def _waited(episodes: list[Episode]) -> dict[str, float]:
@@ -294,6 +291,8 @@ def summarize(episodes: list[Episode], planned: int) -> dict[str, Any]:
 
 def _first_error(error: EpisodeError) -> dict[str, Any]:
     first: dict[str, Any] = {"type": error.type, "message": error.message}
+    if error.status is not None:
+        first["status"] = error.status  # the HTTP status the endpoint answered with
     if error.traceback is not None:
         first["traceback"] = error.traceback  # the user's frames (an error of their code)
     return first
@@ -324,10 +323,9 @@ def _record_of(
     base_url = getattr(ctx.client, "base_url", None)
     urls = getattr(ctx.client, "base_urls", None)
     many = {"base_urls": urls} if isinstance(urls, list) and len(urls) > 1 else {}
-    skip = (*RECORD_FIELDS, *UNRECORDED_FIELDS)
-    settings = {k: v for k, v in attrs.asdict(config, recurse=False).items() if k not in skip}
-    if config.backend is not None:
-        settings["backend"] = repr(config.backend)
+    skip = (*RECORD_FIELDS, *_BACKEND_FIELDS)
+    settings = {k: v for k, v in parameter_values(config).items() if k not in skip}
+    settings.update(_where(config.backend))
     settings["max_concurrent"] = window_spec(config.max_concurrent)
     limits = endpoint_limits(ctx)
     connections = None if limits is None else limits.connections
@@ -350,6 +348,23 @@ def _record_of(
         },
         "run_dir": str(run_dir),
     }
+
+
+# EvalConfig fields config.json records otherwise: where the slots run (`_where`).
+_BACKEND_FIELDS = ("serve", "workers", "backend")
+
+
+def _where(backend: SlotBackend) -> dict[str, Any]:
+    """config.json's record of where the slots ran: the keys of the settings that name the
+    built-in backends (as when they were the eval's own fields), each backend's own from its
+    `settings`; a backend of one's own adds ``backend``, its repr."""
+    where: dict[str, Any] = {"serve": False, "workers": 1, "server_url": None, "via": None,
+                             "stream": None}  # fmt: skip
+    if isinstance(backend, DescribedBackend):
+        where.update(backend.settings)
+    else:
+        where["backend"] = repr(backend)
+    return where
 
 
 def _say_if_short(env: Env[Any], config: EvalConfig, slots: list[RunSlot[Any]]) -> None:
@@ -376,8 +391,17 @@ async def run_eval(
     signal's name. It must then run in the main thread. Awaited from asyncio it raises a
     RuntimeError naming `tt.aio.run_eval`.
 
-    One eval at a time writes a run dir: another one meanwhile (a second ``--resume``) is
-    refused with `EvalConfigError` naming the holder (`RunDirLock`).
+    One eval at a time writes a run dir: another one meanwhile (a second resume) is refused
+    with `EvalConfigError` naming the holder (`RunDirLock`).
+
+    Raises:
+        EvalConfigError: before any pull or file write, naming the parameter, for what needs
+            the env, the model or the run dir as well as the config (a streaming taskset
+            without ``num_examples``, a backend that cannot run this env or be reached, a
+            run dir that holds another run, a resume whose saved config differs).
+        RuntimeError: awaited from asyncio (it names `tt.aio.run_eval`).
+        BaseException: what ended the run otherwise (the feed's error, a KeyboardInterrupt,
+            a cancellation), after `summary.json` records it.
     """
     require_trio("run_eval")
     with RunDirLock() as lock:
@@ -415,7 +439,7 @@ async def _run_eval(
         write_atomic(traces_path, kept_rows)  # drop torn, failed and surplus rows, atomically
 
     kept = [Episode.from_row(row) for row in kept_rows]
-    window = eval_window(config.max_concurrent)
+    window = build_window(config.max_concurrent, parameter="max_concurrent")
     limits = endpoint_limits(ctx)
     progress = dashboard.Progress(
         title=run_dir.name,
@@ -576,8 +600,8 @@ async def _execute(
                 return done
 
             episodes: list[Episode] | None = None
-            # --time-limit is this scope's deadline: every rollout sees it as its effective
-            # deadline, so its model requests and remote episodes never outlive it.
+            # time_limit is this scope's deadline: every rollout sees it as its effective
+            # deadline (it travels with a remote episode), so nothing outlives it.
             with trio.CancelScope(deadline=deadline) as tally.scope:
                 async with trio.open_nursery() as nursery:
                     if handle_signals or config.time_limit is not None:

@@ -1,7 +1,8 @@
 """The eval's served path: one `EnvClient.run` per slot under the eval's window.
 
-`ServedBackend` is the eval's `SlotBackend` for it (``EvalConfig(serve=True)`` /
-``--serve``, ``--workers``; ``server_url`` / ``--server-url``).
+`ServedBackend` is the eval's `SlotBackend` for it: ``EvalConfig(backend=ServedBackend(
+workers=K))`` (``EvalConfig(serve=True, workers=K)`` is its shorthand) spawns a server for
+the eval; ``ServedBackend(server_url=URL, token=T)`` uses a running one.
 """
 
 from __future__ import annotations
@@ -63,6 +64,14 @@ def _check_server_url(
         )
 
 
+def _check_token(instance: object, attribute: attrs.Attribute[str | None], value: object) -> None:
+    if value is not None and not isinstance(value, str):
+        raise EvalConfigError(
+            f"{{token}} must be the server's bearer token (a str), got {type(value).__name__}",
+            parameter="token",
+        )
+
+
 @attrs.frozen
 class ServedBackend:
     """Each slot on an env server: one `EnvClient.run` per slot, the taskset and the rows in
@@ -73,11 +82,14 @@ class ServedBackend:
     its key. A `server_url` is a running server, reached with its bearer `token`; it must
     serve the eval's taskset (checked before the first slot). The `EnvClient`'s connections
     are bounded by the eval's window (an adaptive one: by its max).
+
+    Built, it is valid: a bad value raises `EvalConfigError` naming it (``workers`` below 1,
+    a `server_url` that is no http(s) URL, ``workers`` other than 1 with a `server_url`).
     """
 
     server_url: str | None = attrs.field(default=None, validator=_check_server_url)
     workers: int = attrs.field(default=1, validator=_check_workers)
-    token: str | None = attrs.field(default=None, repr=False)
+    token: str | None = attrs.field(default=None, repr=False, validator=_check_token)
 
     def __attrs_post_init__(self) -> None:
         if self.server_url is not None and self.workers != 1:
@@ -95,13 +107,33 @@ class ServedBackend:
         """Whether the eval spawns its own server (no `server_url`)."""
         return self.server_url is None
 
+    @property
+    def settings(self) -> dict[str, object]:
+        """What config.json records (the token never)."""
+        return {"serve": self.spawn, "workers": self.workers, "server_url": self.server_url}
+
+    @property
+    def parameter(self) -> str:
+        """The setting that chose it: ``serve`` (a spawned server) or ``server_url``."""
+        return "serve" if self.spawn else "server_url"
+
+    @property
+    def uses_env(self) -> bool:
+        """A spawned server runs the eval's env (its spec travels); a running one its own."""
+        return self.spawn
+
+    @property
+    def uses_client(self) -> bool:
+        """The eval's model client is described to the server, which calls the model with it."""
+        return True
+
     def check(self, env: Env[Any], ctx: ModelContext) -> None:
-        """`EvalConfigError` naming ``serve`` (or ``server_url``) when the env (for a spawned
-        server) or the model client cannot travel to a server."""
+        """Raises `EvalConfigError` naming ``serve`` (or ``server_url``) when the env (for a
+        spawned server) or the model client cannot travel to a server."""
         try:
             check_travel(env, ctx, spawn=self.spawn)
         except TravelError as exc:
-            name = "serve" if self.spawn else "server_url"
+            name = self.parameter
             raise EvalConfigError(f"{{{name}}}: {exc}", parameter=name) from None
 
     async def reach(self) -> ServedBackend:

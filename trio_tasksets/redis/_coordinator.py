@@ -1,7 +1,7 @@
 """The eval as a coordinator over Redis workers (`--via URL [--stream S]`).
 
-`ViaBackend(url, stream="tasks")` is the eval's `SlotBackend` for it (``EvalConfig(via=URL,
-stream=S)``); `via_runner` is what it opens.
+`ViaBackend(url, stream="tasks")` is the eval's `SlotBackend` for it
+(``EvalConfig(backend=ViaBackend(url, stream=S))``); `via_runner` is what it opens.
 
 Each slot the eval's window lets run becomes one entry of the task stream (the task, its
 rollout, the eval's `Declaration`, and a reply-to stream of this session's own); the slot
@@ -18,7 +18,7 @@ at any moment, since the enqueue that takes a freed place first deletes the answ
   says why (no consumer group reads the stream, or none took a slot), and the eval waits.
 * A worker that refuses a slot (another taskset, env, model or sampling) ends the eval with
   `ViaError` and the worker's reason.
-* A group (``--group``: a task's rollouts as one unit) is one entry (the task, `group`: its id, `rollouts`: its
+* A group (``--group``: a task's rollouts) is one entry (the task, `group`: its id, `rollouts`: its
   size), run by one worker as a group and scored there (`score_group`); its answer is one
   result entry holding every row (`rows`), so the group comes back as a unit. While it is
   out, each of its rollouts holds a place of the eval's window (`fan_out`), so `-c` counts
@@ -132,6 +132,10 @@ class ViaBackend:
     `reach` connects before any file is written (`EvalConfigError` naming ``via`` if Redis
     cannot be reached or refuses the login) and returns the backend with Redis's `run_id`,
     by which the coordinator notices a restart that lost its data.
+
+    Built, it is valid: a `url` that is no Redis URL, or an empty `stream`, raises
+    `EvalConfigError` naming ``via`` or ``stream``. The workers run the slots with their own
+    env and model client: only the model's name and sampling go with each entry.
     """
 
     url: str = attrs.field(validator=_check_via)
@@ -144,6 +148,23 @@ class ViaBackend:
     @property
     def remote(self) -> bool:
         return True
+
+    @property
+    def settings(self) -> dict[str, object]:
+        """What config.json records."""
+        return {"via": self.url, "stream": self.stream}
+
+    @property
+    def parameter(self) -> str:
+        return "via"
+
+    @property
+    def uses_env(self) -> bool:
+        return False  # the workers', loaded from their own TASKSET
+
+    @property
+    def uses_client(self) -> bool:
+        return False  # the workers call the model with their own endpoint and key
 
     def check(self, env: Env[Any], ctx: ModelContext) -> None:
         pass
@@ -299,7 +320,7 @@ class _Coordinator:
             REPLY_FIELD: self.reply,
             ENV_FIELD: self._declared,
         }
-        deadline = deadline_field()  # it travels: the worker runs it under the time left
+        deadline = deadline_field()  # the deadline travels: the worker runs it in the time left
         if deadline is not None:
             fields[DEADLINE_FIELD] = deadline
         return fields
