@@ -294,17 +294,17 @@ async def test_a_rollout_over_its_timeout_is_cancelled_and_becomes_an_episode_er
 
 @pytest.mark.parametrize("bad", [0, -1, float("inf"), float("nan"), "5", True])
 def test_rollout_timeout_must_be_seconds_above_zero(bad: Any) -> None:
-    with pytest.raises(ValueError, match="rollout_timeout must be a number of seconds > 0"):
+    with pytest.raises(tt.ConfigError, match="rollout_timeout must be a number of seconds > 0"):
         tt.Env(Static(), rollout_timeout=bad)
 
 
 def test_a_rollout_timeout_travels_in_the_env_spec() -> None:
     env = tt.Env(Static(), rollout_timeout=7.5)
     spec = EnvSpec.of(env)
-    assert spec.rollout_timeout == 7.5
+    assert spec.limits == tt.RolloutLimits(rollout_timeout=7.5)
     assert EnvSpec.from_json(spec.to_json()) == spec  # it travels as data
     assert spec.build(Static()).rollout_timeout == 7.5
-    assert EnvSpec.of(tt.Env(Static())).rollout_timeout is None
+    assert EnvSpec.of(tt.Env(Static())).limits == tt.RolloutLimits()
 
 
 async def test_a_rows_timing_has_its_waits_and_old_rows_still_read(

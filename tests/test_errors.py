@@ -75,12 +75,15 @@ def test_a_config_error_names_parameters_and_the_cli_spells_flags() -> None:
     assert error.parameter == "num_examples"
     assert flag_message(error) == "-n/--num-examples must be >= 0; --workers {x}"
     assert flag_message(ValueError("{num_examples}")) == "{num_examples}"  # not a ConfigError
-    # Every parameter the CLI spells is a field of EvalConfig or of EnvSpec (the env's).
+    # Every parameter the CLI spells is a field of EvalConfig, of EnvSpec (the env's) or of
+    # its RolloutLimits.
     from trio_tasksets._env.spec import EnvSpec
 
-    fields = {f.name for f in tt.EvalConfig.__attrs_attrs__} | {
-        f.name for f in EnvSpec.__attrs_attrs__
-    }
+    fields = (
+        {f.name for f in tt.EvalConfig.__attrs_attrs__}
+        | {f.name for f in EnvSpec.__attrs_attrs__}
+        | {f.name for f in tt.RolloutLimits.__attrs_attrs__}
+    )
     assert set(PARAMETER_FLAGS) <= fields
 
 

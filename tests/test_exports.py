@@ -75,6 +75,7 @@ FLAT = [
     "OpenAIClient",
     "RateLimiter",
     "RetryPolicy",
+    "RolloutLimits",
     "RolloutTimeoutError",
     "RunSlot",
     "Sampling",
