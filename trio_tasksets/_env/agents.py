@@ -88,10 +88,10 @@ class ToolEnv(Env[TaskT]):
                 ("token_limit", token_limit, None),
                 ("tool_timeout", tool_timeout, None),
             )
-            given = [name for name, value, default in keywords if value != default]
-            if given:
+            named = [name for name, value, default in keywords if value != default]
+            if named:
                 raise ConfigError(
-                    f"{{rollout_limits}} and {', '.join(given)} are both given: give each "
+                    f"{{rollout_limits}} and {', '.join(named)} are both given: give each "
                     f"limit once, in rollout_limits or as a keyword argument",
                     parameter="rollout_limits",
                 )
