@@ -15,7 +15,7 @@ from .._core import batching
 from .._core.exceptions import TrioTasksetsError
 from .._core.tasksets import Taskset
 from .._env.env import RunSlot, task_data, task_key
-from .._env.spec import TravelError, rebuild_task
+from .._env.spec import TASK_FIELDS, TravelError, rebuild_task
 from .._models import EchoClient, ModelClient, ModelContext, OpenAIClient, Sampling
 
 TOKEN_VAR = "TT_SERVE_TOKEN"
@@ -326,7 +326,7 @@ def _number(
 
 def _task_fields(data: dict[str, Any], field: str) -> None:
     """`data` holds `tt.Task` fields of the right types."""
-    _object(data, field, {"prompt", "answer", "info", "system_prompt"})
+    _object(data, field, set(TASK_FIELDS))
     prompt = _required(data, "prompt", field)
     if isinstance(prompt, list):
         for i, message in enumerate(prompt):
@@ -389,7 +389,6 @@ def _parse_client(value: object) -> ClientSpec:
 
 _SLOT_FIELDS = frozenset({"task", "rollout"})
 _TASK_REF_FIELDS = frozenset({"key", "data"})
-_TASK_FIELDS = frozenset({"prompt", "answer", "info", "system_prompt"})
 # The nesting left for a value inside `slot.task.data` (the body, slot, task and data are 4).
 _DATA_BUDGET = MAX_DEPTH - 4
 
@@ -415,7 +414,7 @@ def quick_slot(
         return None
     if not plain_tasks:
         return (key, data, rollout) if _nesting_within(data, _DATA_BUDGET + 1) else None
-    if not data.keys() <= _TASK_FIELDS:
+    if not data.keys() <= TASK_FIELDS:
         return None
     prompt = data.get("prompt")
     if type(prompt) is list:

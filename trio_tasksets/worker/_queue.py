@@ -51,14 +51,13 @@ from typing import Any, Protocol, TypeVar, runtime_checkable
 import attrs
 
 from .._core.exceptions import MalformedEntry
-from .._core.tasksets import Task
+from .._core.tasksets import Task, Taskset
 from .._env.env import Episode
+from .._env.spec import rebuild_task
 
 __all__ = ["Finished", "TaskEntry", "TaskQueue", "plain_task"]
 
 T = TypeVar("T")
-
-_TASK_DATA = frozenset({"prompt", "answer", "info", "system_prompt"})
 
 
 def _positive(instance: object, attribute: attrs.Attribute[int], value: int) -> None:
@@ -140,17 +139,11 @@ class TaskQueue(Protocol):
 
 
 def plain_task(entry: TaskEntry) -> Task:
-    """The `tt.Task` an entry holds; `MalformedEntry` unless its data is tt.Task-shaped."""
-    data = entry.data
-    if "prompt" not in data:
-        raise MalformedEntry(f"entry {entry.id}: its task has no prompt")
-    unknown = sorted(set(data) - _TASK_DATA)
-    if unknown:
-        raise MalformedEntry(f"entry {entry.id}: unknown task fields {unknown}")
-    return Task(
-        prompt=data["prompt"],
-        answer=data.get("answer"),
-        info=data.get("info") or {},
-        system_prompt=data.get("system_prompt"),
-        key=entry.key,
-    )
+    """The `tt.Task` an entry holds, rebuilt by the one task decoder (`rebuild_task`, as
+    a served request's and an env's tasks are); raises `MalformedEntry` unless its data is
+    tt.Task-shaped."""
+    try:
+        task: Task = rebuild_task(Taskset, entry.key, entry.data)
+    except (TypeError, ValueError) as exc:
+        raise MalformedEntry(f"entry {entry.id}: {exc}") from None
+    return task
