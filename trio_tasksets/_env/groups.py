@@ -1,4 +1,4 @@
-"""Groups (SPEC 10): a task's rollouts as one unit of work, scored together.
+"""Groups: a task's rollouts as one unit of work, scored together.
 
 `run_group(env, task, run_rollout, rollouts=r)` runs the `r` rollouts of one task in one
 nursery and one cancel scope (a `fan_out`), so inside a windowed runner each live rollout

@@ -253,7 +253,7 @@ class ServerApp:
             slot, ctx = self.prepare(decoded)
         except WireError as exc:
             raise RequestRefused(exc.status, str(exc)) from None
-        # The caller's deadline, enforced here too (SPEC 12): its disconnect may never come.
+        # The caller's deadline, enforced here too: its disconnect may never come.
         with trio.move_on_after(math.inf if left is None else left) as limit:
             episode = await self.episode(slot, ctx, receive)
         if limit.cancelled_caught:

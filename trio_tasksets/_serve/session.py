@@ -247,7 +247,7 @@ class WSSession:
                 self._answer(ident, 500, error=f"the env failed outside an episode: "
                                                f"{type(exc).__name__}: {exc}")  # fmt: skip
                 return
-            # The caller's deadline, enforced here too (SPEC 12): its cancel may never come.
+            # The caller's deadline, enforced here too: its cancel may never come.
             deadline = math.inf if left is None else trio.current_time() + left
             scope = self.running[ident] = trio.CancelScope(deadline=deadline)
             nursery.start_soon(self._run, ident, scope, slot, ctx)

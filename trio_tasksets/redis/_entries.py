@@ -6,7 +6,7 @@ the task for; a worker running another env refuses the entry), `rollout` (the sl
 rollout, default 0), `reply_to` (the stream its result goes to, instead of the worker's
 `--results`) and `deadline` (epoch seconds: the producer's deadline; a worker runs the slot
 under the time left, and answers an entry taken after it as timed out, without running it).
-A group entry (SPEC 10, `eval --via --group`) adds `group` (the id its rows share) and
+A group entry (`eval --via --group`) adds `group` (the id its rows share) and
 `rollouts` (how many: `rollout` .. `rollout + rollouts - 1`); one worker runs them as a group
 and answers with one result entry whose `rows` field holds every row of the group.
 """

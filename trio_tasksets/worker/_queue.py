@@ -38,7 +38,7 @@ The guarantees a queue gives (the loop relies on each):
 
 An entry may carry a `deadline` (epoch seconds): the loop runs it under the time left and
 answers one taken after it as a failed episode (`DeadlineExceededError`) without running
-it. An entry may be a **group** (`group` set, `rollouts` > 1: SPEC 10): the loop runs its
+it. An entry may be a **group** (`group` set, `rollouts` > 1): the loop runs its
 rollouts together on this worker (`trio_tasksets._env.groups.run_group`) and publishes all
 their rows in one `Finished`.
 """
