@@ -515,9 +515,10 @@ class Env(Generic[TaskT]):
     (`rollout_limits=`) or as the keyword arguments `rollout_timeout`, `working_limit` and
     `stall_timeout` (not both: `ConfigError`). Each limit is also an attribute
     (`env.rollout_timeout = 30` bounds a subclass that does not pass it on), and
-    `rollout_limits` is one too. While any task of the rollout is parked in the runner's own waits
-    (`limits.parked`: connection, rpm and tpm limiters, Retry-After rests, retry
-    backoff), the working and stall clocks stop.
+    `rollout_limits` is one too. While any task of the rollout is parked in the runner's
+    own waits (`limits.parked`: connection, rpm and tpm limiters, Retry-After rests, retry
+    backoff), the working and stall clocks stop. A slot's caller may tighten the limits
+    for its slot (`RunSlot.limits`), never loosen them.
 
     Raises `ConfigError` for limits that are given twice or out of range, naming them.
     """
