@@ -111,7 +111,9 @@ async def test_the_rollout_limits_an_eval_sets_hold_on_the_worker(
     (what an `--via` eval writes, `Declaration.of(env, ctx)`) carries the eval's limits
     whole, and the worker runs the slot under them (60 s of model latency, cut at 1 s)."""
     ctx = tt.ModelContext(tt.EchoClient(), "echo")
-    eval_env = tt.Env(tt.Taskset(), rollout_limits=tt.RolloutLimits(rollout_timeout=1.0))
+    eval_env: tt.Env[tt.Task] = tt.Env(
+        tt.Taskset(), rollout_limits=tt.RolloutLimits(rollout_timeout=1.0)
+    )
     declared = Declaration.of(eval_env, ctx)
     assert declared.limits == eval_env.rollout_limits
     _push(r, names.stream, None, env=declared.to_json())

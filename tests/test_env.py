@@ -287,7 +287,7 @@ async def test_a_rollout_over_its_timeout_is_cancelled_and_becomes_an_episode_er
     assert trio.current_time() - t0 == pytest.approx(2.5)
     assert not episode.ok
     assert [(e.type, e.attempt) for e in episode.errors] == [("RolloutTimeoutError", 1)]
-    assert isinstance(tt._env.env.RolloutTimeoutError("x"), TimeoutError)  # --retry-on TimeoutError
+    assert isinstance(tt.RolloutTimeoutError("x"), TimeoutError)  # --retry-on TimeoutError
     assert heard == [Outcome.TIMEOUT]
     assert episode.timing["duration"] == pytest.approx(2.5)
 
