@@ -3,12 +3,14 @@
 
 from __future__ import annotations
 
+import argparse
 import math
 from typing import Any
 
 import pytest
 
 import trio_tasksets as tt
+from trio_tasksets._cli.env_options import add_env_options, build_env, env_spec
 from trio_tasksets._core.exceptions import MalformedEntry
 from trio_tasksets._env.spec import Declaration, EnvSpec
 
@@ -126,3 +128,14 @@ def test_a_declaration_carries_the_limits_an_eval_set() -> None:
     assert limited.differs(plain) is None  # never a reason to refuse
     with pytest.raises(MalformedEntry, match="not a declaration"):
         Declaration.from_json('{"taskset": "x", "limits": {"max_turns": -1}}')
+
+
+def test_the_cli_builds_the_object_from_its_flags_at_its_edge() -> None:
+    parser = argparse.ArgumentParser()
+    add_env_options(parser)
+    args = parser.parse_args(["echo", "--rollout-timeout", "30", "--stall-timeout", "5"])
+    args.command = "eval"
+    expected = tt.RolloutLimits(rollout_timeout=30, stall_timeout=5)
+    assert env_spec(args).limits == expected
+    assert build_env(args).rollout_limits == expected
+    assert env_spec(parser.parse_args(["echo"])).limits == tt.RolloutLimits()
