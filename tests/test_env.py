@@ -214,8 +214,11 @@ def test_a_fresh_row_becomes_the_same_episode_as_from_row() -> None:
 
 
 def test_retry_policy_validates() -> None:
-    with pytest.raises(ValueError, match="max_retries"):
-        tt.RetryPolicy(max_retries=-1)
+    for field in ("max_retries", "backoff", "max_backoff"):
+        negative: dict[str, Any] = {field: -1}
+        with pytest.raises(tt.ConfigError, match=f"{field} must be >= 0") as raised:
+            tt.RetryPolicy(**negative)
+        assert raised.value.parameter == field
 
 
 async def test_a_non_finite_reward_is_an_episode_error(autojump_clock: MockClock) -> None:

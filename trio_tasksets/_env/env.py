@@ -18,7 +18,7 @@ import trio
 
 from .._core.adaptive import AdaptiveWindow, Outcome
 from .._core.backoff import Backoff
-from .._core.exceptions import TrioTasksetsError
+from .._core.exceptions import ConfigError, TrioTasksetsError
 from .._core.limits import CallObserver, observe_calls, parked
 from .._core.tasksets import Taskset
 from .._core.training import current_run
@@ -66,6 +66,12 @@ def _type_names(names: Iterable[str]) -> tuple[str, ...]:
     return tuple(names)
 
 
+def _at_least_zero(instance: object, attribute: attrs.Attribute[Any], value: Any) -> None:
+    if not value >= 0:
+        name = attribute.name
+        raise ConfigError(f"{{{name}}} must be >= 0, got {value!r}", parameter=name)
+
+
 @attrs.frozen
 class RetryPolicy:
     """Whole-episode retries, chosen by exception type name.
@@ -73,13 +79,14 @@ class RetryPolicy:
     An error is retried while attempts remain, when `include` is empty or names the error's
     type (or one of its base classes), and `exclude` names none of them. Between attempts the
     env sleeps a jittered exponential backoff: uniform in [0, min(max_backoff, backoff * 2**k)].
+    A negative count or delay raises `ConfigError` naming it.
     """
 
-    max_retries: int = attrs.field(default=0, validator=attrs.validators.ge(0))
+    max_retries: int = attrs.field(default=0, validator=_at_least_zero)
     include: tuple[str, ...] = attrs.field(default=(), converter=_type_names)
     exclude: tuple[str, ...] = attrs.field(default=(), converter=_type_names)
-    backoff: float = attrs.field(default=0.5, validator=attrs.validators.ge(0))
-    max_backoff: float = attrs.field(default=30.0, validator=attrs.validators.ge(0))
+    backoff: float = attrs.field(default=0.5, validator=_at_least_zero)
+    max_backoff: float = attrs.field(default=30.0, validator=_at_least_zero)
 
     def should_retry(self, error: BaseException, attempt: int) -> bool:
         """Whether attempt number `attempt` (1-based), which raised `error`, gets another."""

@@ -24,6 +24,7 @@ import attrs
 import orjson
 import trio
 
+from .._core.exceptions import ConfigError
 from .._core.tasksets import Task, Taskset
 from .._env.env import task_data, task_key
 from .._env.spec import TASK_FIELDS, Declaration, rebuild_task, taskset_arg
@@ -221,19 +222,21 @@ def decode_task(entry: EntryRef, fields: Fields | None) -> RedisTask:
 
 
 def check_url(url: str) -> None:
-    """Raise ValueError, saying what is wrong, unless `url` is a Redis URL (`resp.Address`).
+    """Raise `ConfigError` (a ValueError) naming ``url``, saying what is wrong, unless `url`
+    is a Redis URL (`resp.Address`).
 
     Parses only: nothing connects.
     """
     if not isinstance(url, str) or not url.startswith(("redis://", "rediss://", "unix://")):
-        raise ValueError(
+        raise ConfigError(
             f"{url!r} is not a Redis URL: use redis://[[user]:password@]host[:port][/db], "
-            f"rediss://... (TLS) or unix:///path/to/redis.sock"
+            f"rediss://... (TLS) or unix:///path/to/redis.sock",
+            parameter="url",
         )
     try:
         Address.parse(url)
     except ValueError as exc:
-        raise ValueError(f"{url!r} is not a valid Redis URL: {exc}") from None
+        raise ConfigError(f"{url!r} is not a valid Redis URL: {exc}", parameter="url") from None
 
 
 def redact(url: str) -> str:

@@ -50,7 +50,7 @@ from typing import Any, Protocol, TypeVar, runtime_checkable
 
 import attrs
 
-from .._core.exceptions import MalformedEntry
+from .._core.exceptions import ConfigError, MalformedEntry
 from .._core.tasksets import Task, Taskset
 from .._env.env import Episode
 from .._env.spec import rebuild_task
@@ -62,12 +62,14 @@ T = TypeVar("T")
 
 def _positive(instance: object, attribute: attrs.Attribute[int], value: int) -> None:
     if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise ValueError(f"{attribute.name} must be an int >= 1, got {value!r}")
+        name = attribute.name
+        raise ConfigError(f"{{{name}}} must be an int >= 1, got {value!r}", parameter=name)
 
 
 def _rollout(instance: object, attribute: attrs.Attribute[int], value: int) -> None:
     if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-        raise ValueError(f"{attribute.name} must be an int >= 0, got {value!r}")
+        name = attribute.name
+        raise ConfigError(f"{{{name}}} must be an int >= 0, got {value!r}", parameter=name)
 
 
 @attrs.frozen
