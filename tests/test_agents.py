@@ -271,6 +271,7 @@ async def test_token_limit_sums_the_usage_of_the_rollout() -> None:
 async def test_the_limits_are_checked() -> None:
     for kwargs, flag in [
         ({"max_turns": 0}, "max_turns"),
+        ({"max_turns": None}, "max_turns"),
         ({"token_limit": 0}, "token_limit"),
         ({"tool_timeout": -1}, "tool_timeout"),
     ]:

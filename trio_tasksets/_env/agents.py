@@ -49,10 +49,10 @@ class ToolEnv(Env[TaskT]):
     distinct. `max_turns` (>= 1) bounds the model calls of a rollout; `token_limit` (None or
     >= 1) the tokens its replies used in all (prompt + completion); `tool_timeout` (None or
     seconds > 0) each tool call. They are the env's `rollout_limits` (a `tt.RolloutLimits`,
-    with `tt.Env`'s), which may instead be given whole (`rollout_limits=`; its `max_turns` left None is
-    10: a tool loop always has a turn bound). Other keyword arguments go to `tt.Env`
-    (`reward`, `retries`, `rollout_timeout`, ...). The completion scored is the last
-    reply's text.
+    with `tt.Env`'s), which may instead be given whole (`rollout_limits=`; its `max_turns`
+    left None is 10: a tool loop always has a turn bound). Other keyword arguments go to
+    `tt.Env` (`reward`, `retries`, `rollout_timeout`, ...). The completion scored is the
+    last reply's text.
 
     Raises `ConfigError` naming the parameter: a limit out of range or given twice (in
     `rollout_limits` and as a keyword argument), two tools of one name.
@@ -78,6 +78,10 @@ class ToolEnv(Env[TaskT]):
     ) -> None:
         super().__init__(taskset, **env_kwargs)
         if env_kwargs.get("rollout_limits") is None:
+            if max_turns is None:  # a tool loop always has a turn bound
+                raise ConfigError(
+                    "{max_turns} must be an int >= 1, got None", parameter="max_turns"
+                )
             self.rollout_limits = attrs.evolve(
                 self.rollout_limits, max_turns=max_turns, token_limit=token_limit,
                 tool_timeout=tool_timeout,

@@ -166,8 +166,7 @@ _NAMES = tuple(field.name for field in attrs.fields(RolloutLimits))
 def given_limits(limits: object, **fields: Any) -> RolloutLimits:
     """The limits an env is given: `limits` whole (its `rollout_limits=`), else built from the
     keyword `fields` (each None: not set). Raises `ConfigError` when both are given, when
-    `limits` is not a
-    `RolloutLimits`, or naming the field whose value is bad."""
+    `limits` is not a `RolloutLimits`, or naming the field whose value is bad."""
     if limits is None:
         return RolloutLimits(**fields)
     if not isinstance(limits, RolloutLimits):
@@ -187,8 +186,8 @@ def given_limits(limits: object, **fields: Any) -> RolloutLimits:
 
 class LimitAttribute(Generic[V]):
     """One limit of an object's `rollout_limits`, read and set as an attribute of its own
-    (`env.rollout_timeout = 30` sets `env.rollout_limits` to a copy with that limit; a bad value
-    raises `ConfigError` naming it)."""
+    (`env.rollout_timeout = 30` sets `env.rollout_limits` to a copy with that limit; a bad
+    value raises `ConfigError` naming it)."""
 
     name: str
 
