@@ -271,6 +271,7 @@ async def test_token_limit_sums_the_usage_of_the_rollout() -> None:
 async def test_the_limits_are_checked() -> None:
     for kwargs, flag in [
         ({"max_turns": 0}, "max_turns"),
+        ({"max_turns": None}, "max_turns"),
         ({"token_limit": 0}, "token_limit"),
         ({"tool_timeout": -1}, "tool_timeout"),
     ]:
@@ -278,6 +279,36 @@ async def test_the_limits_are_checked() -> None:
             tt.ToolEnv(One(), [add], **kwargs)
     with pytest.raises(ValueError, match="two tools are named 'add'"):
         tt.ToolEnv(One(), [add, add])
+
+
+def test_a_tool_envs_limits_are_one_rollout_limits() -> None:
+    env = tt.ToolEnv(One(), [add], max_turns=4, token_limit=100, rollout_timeout=9)
+    assert env.rollout_limits == tt.RolloutLimits(rollout_timeout=9.0, max_turns=4, token_limit=100)
+    assert (env.max_turns, env.token_limit, env.tool_timeout) == (4, 100, None)
+    assert tt.ToolEnv(One(), [add]).rollout_limits == tt.RolloutLimits(max_turns=10)
+    given = tt.RolloutLimits(token_limit=50, stall_timeout=5)
+    whole = tt.ToolEnv(One(), [add], rollout_limits=given)
+    assert whole.rollout_limits == tt.RolloutLimits(stall_timeout=5, max_turns=10, token_limit=50)
+    for twice in ({"max_turns": 3}, {"tool_timeout": 1.0}, {"working_limit": 2.0}):
+        with pytest.raises(tt.ConfigError, match="given") as raised:
+            tt.ToolEnv(One(), [add], rollout_limits=given, **twice)
+        assert raised.value.parameter == "rollout_limits"
+    env.max_turns = 2  # each limit is an attribute too
+    assert env.rollout_limits.max_turns == 2
+    with pytest.raises(tt.ConfigError, match="max_turns"):
+        env.max_turns = 0
+
+
+async def test_a_slots_own_limits_tighten_the_tool_loops() -> None:
+    client = ScriptedClient(
+        lambda messages, tools: reply("5?", tool_calls=[("add", {"a": 2, "b": 3})])
+    )
+    env = tt.ToolEnv(One(), [add], max_turns=5)
+    slot = tt.RunSlot(tt.Task("2+3?", answer="5"), limits=tt.RolloutLimits(max_turns=2))
+    episode = await env.run_slot(slot, ctx(client))
+    assert (episode.turns, episode.stop_reason) == (2, "max_turns")
+    loose = tt.RunSlot(tt.Task("2+3?", answer="5"), limits=tt.RolloutLimits(max_turns=50))
+    assert (await env.run_slot(loose, ctx(client))).turns == 5  # never loosened
 
 
 async def test_tool_calls_run_on_the_evals_window(autojump_clock: MockClock) -> None:

@@ -566,6 +566,107 @@ async def test_failing_serving_enter_is_raised_itself() -> None:
             pytest.fail("the block must not run")  # pragma: no cover
 
 
+class StuckRunSlotEnv:
+    """An asyncio env whose own `run_slot` calls the model once, then hangs on
+    `asyncio.sleep(hang)`: what the bridged env's rollout limits must cut."""
+
+    def __init__(self, taskset: Any, *, hang: float = 100.0) -> None:
+        self.taskset = taskset
+        self.hang = hang
+        self.calls = 0
+        self.cancelled = 0
+
+    async def run_slot(self, slot: tt.RunSlot[tt.Task], ctx: tt.aio.AsyncioModelContext) -> Any:
+        self.calls += 1
+        task = slot.task
+        assert isinstance(task.prompt, str)
+        reply = await ctx.chat([{"role": "user", "content": task.prompt}])
+        try:
+            await asyncio.sleep(self.hang)
+        except asyncio.CancelledError:
+            self.cancelled += 1
+            raise
+        return tt.Episode(
+            id="own", task=tt.EpisodeTask(task.key, task.data), rollout=slot.rollout, ok=True,
+            reward=1.0, completion=reply.content, attempts=1,
+        )  # fmt: skip
+
+
+async def _stuck_episode(
+    limits: tt.RolloutLimits, *, caller: tt.RolloutLimits | None = None, **kwargs: Any
+) -> tuple[tt.Episode, float, StuckRunSlotEnv]:
+    aio_env = StuckRunSlotEnv(tt.Taskset(), **kwargs)
+    env = tt.aio.bridge_env(aio_env, rollout_limits=limits)
+    slot = tt.RunSlot(tt.Task("say 7", answer="7"), limits=caller)
+    with trio.fail_after(LIMIT):
+        async with env.serving():
+            began = trio.current_time()
+            episode = await env.run_slot(slot, ctx())
+            took = trio.current_time() - began
+    return episode, took, aio_env
+
+
+async def test_an_asyncio_run_slot_is_cancelled_at_the_rollout_timeout(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    episode, took, aio_env = await _stuck_episode(tt.RolloutLimits(rollout_timeout=2.0))
+    assert took == pytest.approx(2.0)
+    assert aio_env.cancelled == 1  # the asyncio side saw the cancellation
+    assert (episode.ok, [e.type for e in episode.errors]) == (False, ["RolloutTimeoutError"])
+    assert episode.attempts == 1
+    assert episode.timing["duration"] == pytest.approx(2.0)
+
+
+async def test_an_asyncio_run_slot_that_stalls_is_a_stalled_error_retried_per_policy(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    aio_env = StuckRunSlotEnv(tt.Taskset())
+    env = tt.aio.bridge_env(
+        aio_env, rollout_limits=tt.RolloutLimits(stall_timeout=3.0),
+        retries=tt.RetryPolicy(1, backoff=0.0),
+    )  # fmt: skip
+    with trio.fail_after(LIMIT):
+        async with env.serving():
+            began = trio.current_time()
+            episode = await env.run_slot(tt.RunSlot(tt.Task("say 7", answer="7")), ctx())
+    assert trio.current_time() - began == pytest.approx(6.0)  # two attempts of 3 s
+    assert aio_env.calls == 2
+    assert [(e.type, e.attempt) for e in episode.errors] == [("StalledError", 1),
+                                                              ("StalledError", 2)]  # fmt: skip
+    assert (episode.ok, episode.attempts) == (False, 2)
+
+
+async def test_an_asyncio_run_slot_cut_at_its_working_limit_is_scored_on_its_last_reply(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    episode, took, _ = await _stuck_episode(tt.RolloutLimits(working_limit=2.0))
+    assert took == pytest.approx(2.0)
+    assert (episode.ok, episode.stop_reason, episode.turns) == (True, "working_limit", 1)
+    assert "say 7" in (episode.completion or "")  # the echo model's reply
+    assert episode.reward == 1.0  # answer_match on the last reply
+    assert episode.id != "own"  # the bridge's record: the asyncio run_slot never returned
+
+
+async def test_a_slots_own_limits_tighten_a_bridged_envs(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    episode, took, _ = await _stuck_episode(
+        tt.RolloutLimits(rollout_timeout=50.0), caller=tt.RolloutLimits(rollout_timeout=4.0)
+    )
+    assert took == pytest.approx(4.0)
+    assert [e.type for e in episode.errors] == ["RolloutTimeoutError"]
+
+
+async def test_an_asyncio_run_slot_within_its_limits_returns_its_own_episode(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    episode, took, _ = await _stuck_episode(
+        tt.RolloutLimits(rollout_timeout=5.0, working_limit=5.0, stall_timeout=5.0), hang=1.0
+    )
+    assert took == pytest.approx(1.0)
+    assert (episode.id, episode.ok, episode.errors) == ("own", True, [])
+
+
 async def test_run_slot_outside_serving_is_a_clear_error() -> None:
     feed = QueueFeed()
     env = tt.aio.bridge_env(AioEnv(feed))

@@ -15,9 +15,11 @@ import trio
 from test_redis import REDIS_SERVER, Names, Server, make_tasks, names, r, results, server, wait_for
 
 import trio_tasksets as tt
+from trio_tasksets._env.spec import Declaration
 from trio_tasksets.redis import TASK_FIELD, EntryRef, encode_task
 from trio_tasksets.redis._entries import (
     DEADLINE_FIELD,
+    ENV_FIELD,
     MalformedEntry,
     deadline_field,
     decode_entry,
@@ -30,22 +32,33 @@ __all__ = ["names", "r", "server"]  # the fixtures, used by name
 MARGIN = 1.5  # seconds an answer may come after the deadline, on a loaded machine
 
 
-async def _work(server: Server, r: redis.Redis, names: Names, delay: float, count: int) -> None:
+async def _work(
+    server: Server,
+    r: redis.Redis,
+    names: Names,
+    delay: float,
+    count: int,
+    env: tt.Env[Any] | None = None,
+) -> None:
     config = WorkerConfig(server.url, names.stream, names.group, names.results, consumer="me",
                           max_concurrent=4, dashboard=False)  # fmt: skip
     ctx = tt.ModelContext(tt.EchoClient(delay=delay), "echo")
     async with trio.open_nursery() as nursery:
-        start = functools.partial(run_worker, config, ctx, handle_signals=False, log=print)
+        start = functools.partial(run_worker, config, ctx, env=env, handle_signals=False, log=print)
         shut_down = await nursery.start(start)
         await wait_for(lambda: r.xlen(names.results) >= count)
         shut_down("told")
 
 
-def _push(r: redis.Redis, stream: str, deadline: float | None, key: str = "t:0") -> None:
+def _push(
+    r: redis.Redis, stream: str, deadline: float | None, key: str = "t:0", env: str | None = None
+) -> None:
     task = tt.Task("Repeat exactly: hi", answer="hi", key=key)
     fields: dict[Any, Any] = {TASK_FIELD: encode_task(task)}
     if deadline is not None:
         fields[DEADLINE_FIELD] = repr(deadline)
+    if env is not None:
+        fields[ENV_FIELD] = env
     r.xadd(stream, fields)
 
 
@@ -89,6 +102,27 @@ async def test_an_entry_with_time_in_hand_runs(
     await _work(server, r, names, delay=0.0, count=1)
     (row,) = [found["row"] for found in results(r, names.results)]
     assert (row["ok"], row["errors"]) == (True, [])
+
+
+async def test_the_rollout_limits_an_eval_sets_hold_on_the_worker(
+    server: Server, r: redis.Redis, names: Names
+) -> None:
+    """The eval's env has a 1 s rollout timeout, the worker's none: the entry's declaration
+    (what an `--via` eval writes, `Declaration.of(env, ctx)`) carries the eval's limits
+    whole, and the worker runs the slot under them (60 s of model latency, cut at 1 s)."""
+    ctx = tt.ModelContext(tt.EchoClient(), "echo")
+    eval_env: tt.Env[tt.Task] = tt.Env(
+        tt.Taskset(), rollout_limits=tt.RolloutLimits(rollout_timeout=1.0)
+    )
+    declared = Declaration.of(eval_env, ctx)
+    assert declared.limits == eval_env.rollout_limits
+    _push(r, names.stream, None, env=declared.to_json())
+    began = time.monotonic()
+    await _work(server, r, names, delay=60.0, count=1, env=tt.Env(tt.Taskset()))
+    took = time.monotonic() - began
+    (row,) = [found["row"] for found in results(r, names.results)]
+    assert (row["ok"], [e["type"] for e in row["errors"]]) == (False, ["RolloutTimeoutError"])
+    assert took < 1.0 + MARGIN + 1.0  # + the worker's own start and stop
 
 
 async def test_the_deadline_field_is_the_callers_deadline_in_epoch_seconds() -> None:

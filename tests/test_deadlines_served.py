@@ -1,4 +1,4 @@
-"""Deadlines that travel to an env server (SPEC 12): a served run carries its time left
+"""Deadlines that travel to an env server: a served run carries its time left
 (`time_left`, seconds) and the server runs the episode under it, over `POST /run` and the
 WebSocket, even when the caller's own cancel never arrives. Real `trio-tasksets serve`
 processes; the episodes sleep on the echo model's delay, so every wait here is real time,
@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import orjson
@@ -115,3 +116,91 @@ async def test_the_encoder_carries_the_time_left_only_under_a_deadline() -> None
         body = orjson.loads(encoder.encode(slot, ctx))
     assert 2.4 < body["time_left"] <= 2.5
     parse_run_request(body)  # the server's parser takes it
+
+
+# --- the caller's rollout limits, carried whole ------------------------------------------------
+
+
+async def test_the_encoder_carries_a_slots_limits_whole_and_the_server_rebuilds_them() -> None:
+    encoder = RunRequestEncoder()
+    ctx = tt.ModelContext(tt.EchoClient(), "echo")
+    plain = tt.RunSlot(tt.Task("hi", answer="hi"))
+    assert "limits" not in orjson.loads(encoder.encode(plain, ctx))  # the wire as before
+    limits = tt.RolloutLimits(working_limit=2.0, stall_timeout=3.0, max_turns=4)
+    body = orjson.loads(encoder.encode(tt.RunSlot(plain.task, limits=limits), ctx))
+    assert body["limits"] == {"working_limit": 2.0, "stall_timeout": 3.0, "max_turns": 4}
+    assert parse_run_request(body).limits == limits
+    with trio.move_on_after(2.5):  # noqa: ASYNC100  (with a deadline too)
+        body = orjson.loads(encoder.encode(tt.RunSlot(plain.task, limits=limits), ctx))
+    assert parse_run_request(body).limits == limits
+    assert parse_run_request(slow_request(time_left=None)).limits is None
+
+
+@pytest.mark.parametrize(
+    ("bad", "field"),
+    [
+        ([1], "limits:"),
+        ({"rollout": 1}, "limits:"),
+        ({"stall_timeout": -1}, "limits.stall_timeout:"),
+    ],
+)
+async def test_bad_limits_are_a_422_naming_the_field(
+    server: Server, bad: object, field: str
+) -> None:
+    body = slow_request(time_left=None, delay=0.0)
+    body["limits"] = bad
+    with trio.fail_after(20):
+        response = await post_run(server, body)
+    assert response.status_code == 422, response.text
+    assert response.json()["error"].startswith(field)
+
+
+async def test_a_runs_limits_hold_on_the_server_over_post_and_the_websocket(
+    server: Server,
+) -> None:
+    """The server's env has no limits; a request's own (a 1 s rollout timeout) bound its
+    episode: a failed row with a RolloutTimeoutError, not a 60 s wait. Over the WebSocket
+    the second run of one context takes the fast path."""
+    body = slow_request(time_left=None)
+    body["limits"] = {"rollout_timeout": 1.0}
+    start_at = time.monotonic()
+    with trio.fail_after(20):
+        response = await post_run(server, body)
+    assert response.status_code == 200, response.text
+    row = response.json()
+    assert (row["ok"], [e["type"] for e in row["errors"]]) == (False, ["RolloutTimeoutError"])
+    assert time.monotonic() - start_at < 1.0 + MARGIN
+    ws = await RawWS.connect(server)
+    try:
+        start_at = time.monotonic()
+        await ws.send(orjson.dumps([run_item(1, body), run_item(2, body)]))
+        with trio.fail_after(20):
+            answers = await ws.answers(2)
+    finally:
+        await ws.aclose()
+    assert isinstance(answers, list)
+    assert sorted((a["id"], a["status"]) for a in answers) == [(1, 200), (2, 200)]
+    for answer in answers:
+        assert [e["type"] for e in answer["row"]["errors"]] == ["RolloutTimeoutError"]
+    assert time.monotonic() - start_at < 1.0 + MARGIN
+
+
+async def test_the_limits_an_eval_sets_hold_on_a_running_server(
+    server: Server, tmp_path: Path
+) -> None:
+    """`run_eval` against a running server (`--server-url`) whose env has no limits: the
+    eval's env's rollout limits travel with every run."""
+    env = tt.Env(tt.EchoTaskset(), rollout_limits=tt.RolloutLimits(rollout_timeout=1.0))
+    ctx = tt.ModelContext(tt.EchoClient(delay=60.0), "echo")
+    config = tt.EvalConfig(
+        num_examples=2, output_dir=str(tmp_path), dashboard=False,
+        backend=tt.ServedBackend(server.url, token=TOKEN),
+    )  # fmt: skip
+    start_at = time.monotonic()
+    with trio.fail_after(30):
+        result = await tt.run_eval(env, ctx, config)
+    rows = [
+        orjson.loads(line) for line in (result.run_dir / "traces.jsonl").read_bytes().splitlines()
+    ]
+    assert [[e["type"] for e in row["errors"]] for row in rows] == [["RolloutTimeoutError"]] * 2
+    assert time.monotonic() - start_at < 1.0 + MARGIN + 3.0  # + the eval's own start

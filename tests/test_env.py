@@ -214,8 +214,11 @@ def test_a_fresh_row_becomes_the_same_episode_as_from_row() -> None:
 
 
 def test_retry_policy_validates() -> None:
-    with pytest.raises(ValueError, match="max_retries"):
-        tt.RetryPolicy(max_retries=-1)
+    for field in ("max_retries", "backoff", "max_backoff"):
+        negative: dict[str, Any] = {field: -1}
+        with pytest.raises(tt.ConfigError, match=f"{field} must be >= 0") as raised:
+            tt.RetryPolicy(**negative)
+        assert raised.value.parameter == field
 
 
 async def test_a_non_finite_reward_is_an_episode_error(autojump_clock: MockClock) -> None:
@@ -294,17 +297,17 @@ async def test_a_rollout_over_its_timeout_is_cancelled_and_becomes_an_episode_er
 
 @pytest.mark.parametrize("bad", [0, -1, float("inf"), float("nan"), "5", True])
 def test_rollout_timeout_must_be_seconds_above_zero(bad: Any) -> None:
-    with pytest.raises(ValueError, match="rollout_timeout must be a number of seconds > 0"):
+    with pytest.raises(tt.ConfigError, match="rollout_timeout must be a number of seconds > 0"):
         tt.Env(Static(), rollout_timeout=bad)
 
 
 def test_a_rollout_timeout_travels_in_the_env_spec() -> None:
     env = tt.Env(Static(), rollout_timeout=7.5)
     spec = EnvSpec.of(env)
-    assert spec.rollout_timeout == 7.5
+    assert spec.limits == tt.RolloutLimits(rollout_timeout=7.5)
     assert EnvSpec.from_json(spec.to_json()) == spec  # it travels as data
     assert spec.build(Static()).rollout_timeout == 7.5
-    assert EnvSpec.of(tt.Env(Static())).rollout_timeout is None
+    assert EnvSpec.of(tt.Env(Static())).limits == tt.RolloutLimits()
 
 
 async def test_a_rows_timing_has_its_waits_and_old_rows_still_read(

@@ -77,15 +77,18 @@ def test_a_config_error_names_parameters_and_the_cli_spells_flags() -> None:
     assert error.parameter == "num_examples"
     assert flag_message(error) == "-n/--num-examples must be >= 0; --workers {x}"
     assert flag_message(ValueError("{num_examples}")) == "{num_examples}"  # not a ConfigError
-    # Every parameter the CLI spells is a parameter of EvalConfig, of EnvSpec (the env's) or
-    # of a built-in backend (ViaBackend's errors name its url ``via``, as the eval's setting).
+    # Every parameter the CLI spells is a field of EvalConfig, of EnvSpec (the env's) or of
+    # its RolloutLimits.
     from trio_tasksets._env.spec import EnvSpec
     from trio_tasksets.aio._verifiers import env_from_cli
 
-    fields = {f.alias for f in tt.EvalConfig.__attrs_attrs__} | {
-        f.name for f in (*EnvSpec.__attrs_attrs__, *tt.ServedBackend.__attrs_attrs__)
-    }
+    fields = (
+        {f.alias for f in tt.EvalConfig.__attrs_attrs__}
+        | {f.name for f in (*EnvSpec.__attrs_attrs__, *tt.ServedBackend.__attrs_attrs__)}
+        | {f.name for f in tt.RolloutLimits.__attrs_attrs__}
+    )
     fields |= set(inspect.signature(env_from_cli).parameters)  # a vf: TASKSET's --env-args
+    # ViaBackend's errors name its url ``via``, as the eval's setting, and its ``stream``.
     assert set(PARAMETER_FLAGS) <= fields | {"via", "stream"}
 
 

@@ -76,6 +76,7 @@ FLAT = [
     "OpenAIClient",
     "RateLimiter",
     "RetryPolicy",
+    "RolloutLimits",
     "RolloutTimeoutError",
     "RunSlot",
     "Sampling",

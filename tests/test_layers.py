@@ -49,6 +49,7 @@ LAYERS: dict[str, int] = {
     "_models": 11,
     # the env side
     "_env": 20,
+    "_env.rollout_limits": 19,  # below the env that holds them
     "_env.env": 20,
     "_env.traces": 20,
     "_env.loading": 21,

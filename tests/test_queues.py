@@ -27,7 +27,14 @@ from redis_server import RedisServer
 import trio_tasksets as tt
 from trio_tasksets._env.spec import Declaration
 from trio_tasksets.testing import MemoryTaskQueue
-from trio_tasksets.worker import TaskQueue, WorkerReport, consume
+from trio_tasksets.worker import (
+    MalformedEntry,
+    TaskEntry,
+    TaskQueue,
+    WorkerReport,
+    consume,
+    plain_task,
+)
 
 Row = dict[str, Any]
 
@@ -440,3 +447,16 @@ def test_a_malformed_group_entry_is_refused_saying_why(fields: dict[str, str], w
         decode_entry(entry, {"task": task, **fields})
     good = decode_entry(entry, {"task": task, "group": "g7", "rollouts": "4"})
     assert (good.group, good.rollouts) == ("g7", 4)
+
+
+def test_a_task_entry_is_valid_once_built_and_a_plain_task_is_rebuilt_by_the_one_decoder() -> None:
+    for field, value in (("rollout", -1), ("rollouts", 0)):
+        bad: dict[str, Any] = {field: value}
+        with pytest.raises(tt.ConfigError, match=f"{field} must be an int") as raised:
+            TaskEntry(None, "1-0", "k", {"prompt": "hi"}, **bad)
+        assert raised.value.parameter == field
+    entry = TaskEntry(None, "1-0", "k", {"prompt": "hi", "answer": "hi", "info": None})
+    assert plain_task(entry) == tt.Task("hi", answer="hi", key="k")
+    for data, why in (({"answer": "x"}, "no prompt"), ({"prompt": "p", "x": 1}, "unknown")):
+        with pytest.raises(MalformedEntry, match=f"entry 1-0: .*{why}"):
+            plain_task(TaskEntry(None, "1-0", "k", data))

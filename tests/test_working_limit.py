@@ -1,4 +1,4 @@
-"""`Env(working_limit=S)` / `--working-limit S` (SPEC 12): a rollout's working time is wall
+"""`Env(working_limit=S)` / `--working-limit S`: a rollout's working time is wall
 time minus the time it was parked in the runner's own waits (connection window, rpm/tpm,
 Retry-After rests, retry backoff), measured where those waits happen and while they last
 (inspect #2902: endless 429s must not trip the limit). All on the autojump clock."""
@@ -19,7 +19,6 @@ import trio.testing
 import trio_tasksets as tt
 from trio_tasksets._core.adaptive import Outcome
 from trio_tasksets._core.limits import EndpointLimits, parked, rest
-from trio_tasksets._env.env import check_working_limit
 from trio_tasksets._env.spec import EnvSpec
 from trio_tasksets._models import Completion, ModelContext
 
@@ -167,10 +166,12 @@ async def test_a_rollout_with_no_reply_yet_is_scored_on_an_empty_completion(
 
 def test_working_limit_is_checked() -> None:
     for bad in (0, -1, float("nan"), float("inf"), True, "5"):
-        with pytest.raises(ValueError, match="working_limit"):
-            check_working_limit(bad)
-    assert check_working_limit(None) is None
-    assert check_working_limit(3) == 3.0
+        with pytest.raises(tt.ConfigError, match="working_limit") as raised:
+            tt.RolloutLimits(working_limit=bad)
+        assert raised.value.parameter == "working_limit"
+    assert tt.RolloutLimits().working_limit is None
+    assert tt.RolloutLimits(working_limit=3).working_limit == 3.0
+    assert type(tt.RolloutLimits(working_limit=3).working_limit) is float
 
 
 def test_an_unlimited_env_has_no_working_limit() -> None:
@@ -182,8 +183,8 @@ def test_an_unlimited_env_has_no_working_limit() -> None:
 def test_the_working_limit_travels_in_an_env_spec() -> None:
     env = tt.Env(One(), working_limit=7.5)
     spec = EnvSpec.of(env)
-    assert spec.working_limit == 7.5
-    assert EnvSpec.from_json(spec.to_json()).working_limit == 7.5  # it travels as data
+    assert spec.limits == tt.RolloutLimits(working_limit=7.5)
+    assert EnvSpec.from_json(spec.to_json()).limits.working_limit == 7.5  # it travels as data
     assert spec.build(One).working_limit == 7.5
 
 

@@ -1,6 +1,8 @@
 """The env options of `eval`, `serve` and `worker`: TASKSET, `-a/--taskset-args`, `--env-class`,
-the system prompt, the retry policy, `--rollout-timeout` (and `vf:TASKSET_ID --env-args`),
-built by `build_env` into the user's `Env`; each value checked, naming its flag."""
+the system prompt, the retry policy, the rollout limits (`--rollout-timeout`,
+`--working-limit`, `--stall-timeout`: one `tt.RolloutLimits`, `rollout_limits_of`) (and
+`vf:TASKSET_ID --env-args`), built by `build_env` into the user's `Env`; each value checked,
+naming its flag."""
 
 from __future__ import annotations
 
@@ -15,7 +17,7 @@ import attrs
 from .._core.datasets import JsonlTaskset, data_target
 from .._core.exceptions import ConfigError
 from .._core.tasksets import Taskset, TasksetConfig
-from .._env.env import Env, RetryPolicy
+from .._env.env import Env, RetryPolicy, RolloutLimits
 from .._env.loading import LoadError, TravelError, import_failure, load_object, resolve_target
 from .._env.spec import EnvSpec, config_from_json
 from .options import (
@@ -36,6 +38,7 @@ __all__ = [
     "check_retry_flags",
     "env_spec",
     "load_reward",
+    "rollout_limits_of",
 ]
 
 
@@ -194,6 +197,21 @@ def _system_prompt(args: argparse.Namespace) -> str | None:
         raise UsageError(f"--system-prompt-file: cannot read {path}: {exc.strerror}") from None
 
 
+def rollout_limits_of(args: argparse.Namespace) -> RolloutLimits:
+    """The rollout limits the flags give (`--rollout-timeout`, `--working-limit`,
+    `--stall-timeout`; a command without them: none), as one `tt.RolloutLimits`: the
+    library below the command line takes the object. A bad value is a usage error naming
+    its flag."""
+    try:
+        return RolloutLimits(
+            rollout_timeout=getattr(args, "rollout_timeout", None),
+            working_limit=getattr(args, "working_limit", None),
+            stall_timeout=getattr(args, "stall_timeout", None),
+        )
+    except ConfigError as exc:
+        raise UsageError(flag_message(exc)) from None
+
+
 def env_spec(args: argparse.Namespace) -> EnvSpec:
     """The env the options describe, by names and JSON (what `serve` hands its workers); a
     spawned server's `--env-spec JSON` (`EnvSpec.to_json`) is that spec whole."""
@@ -230,9 +248,7 @@ def env_spec(args: argparse.Namespace) -> EnvSpec:
     env_class = getattr(args, "env_class", None)
     return EnvSpec(
         args.taskset or "", fields, env_class, getattr(args, "reward", None), retries,
-        rollout_timeout=getattr(args, "rollout_timeout", None),
-        working_limit=getattr(args, "working_limit", None),
-        stall_timeout=getattr(args, "stall_timeout", None),
+        rollout_limits_of(args),
     )  # fmt: skip
 
 

@@ -87,6 +87,8 @@ PARAMETER_FLAGS = {
     "time_limit": "--time-limit",
     "max_failures": "--max-failures",
     "rollout_timeout": "--rollout-timeout",
+    "working_limit": "--working-limit",
+    "stall_timeout": "--stall-timeout",
     "max_consecutive_failures": "--max-consecutive-failures",
     "metrics_port": "--metrics-port",
     "engine_metrics": "--engine-metrics",

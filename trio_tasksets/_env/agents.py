@@ -5,7 +5,9 @@ appended, and its tool calls run concurrently through `tt.fan_out` (on the eval'
 `-c` bounds them with everything else), each answered by a ``role: tool`` message with its
 ``tool_call_id``, in the order the model asked. The loop ends when a reply asks for no tool,
 or at a limit (`max_turns`; `token_limit` summed over the rollout's usage): then the rollout
-ends normally and is scored, and the row's `stop_reason` names the limit.
+ends normally and is scored, and the row's `stop_reason` names the limit. The limits are the
+env's `tt.RolloutLimits`, read for each attempt (`current_limits`: a served request's or a
+queue entry's own limits tighten them).
 
 A tool that raises, times out (`tool_timeout`), is unknown, or gets arguments that are not
 valid JSON for its schema answers the model with an error text (``Error: ...``); it is never
@@ -16,7 +18,6 @@ from __future__ import annotations
 
 import functools
 import json
-import math
 from collections.abc import Iterable
 from typing import Any, TypeVar
 
@@ -29,7 +30,8 @@ from .._core.runner import fan_out
 from .._core.tasksets import Taskset
 from .._models import ModelContext, ToolCall
 from ..tools import Tool, ToolArgumentError, tool
-from .env import Env, Message, chat_messages, note_rollout
+from .env import Env, Message, chat_messages, current_limits, note_rollout
+from .rollout_limits import LimitAttribute, RolloutLimits
 
 __all__ = ["ToolEnv", "tool_answer_text"]
 
@@ -37,6 +39,7 @@ TaskT = TypeVar("TaskT")
 
 STOP_MAX_TURNS = "max_turns"
 STOP_TOKEN_LIMIT = "token_limit"
+DEFAULT_MAX_TURNS = 10
 
 
 class ToolEnv(Env[TaskT]):
@@ -45,8 +48,14 @@ class ToolEnv(Env[TaskT]):
     `tools`: `tt.Tool`s, or typed functions (made tools with `tt.tool`); their names must be
     distinct. `max_turns` (>= 1) bounds the model calls of a rollout; `token_limit` (None or
     >= 1) the tokens its replies used in all (prompt + completion); `tool_timeout` (None or
-    seconds > 0) each tool call. Other keyword arguments go to `tt.Env` (`reward`,
-    `retries`, `rollout_timeout`). The completion scored is the last reply's text.
+    seconds > 0) each tool call. They are the env's `rollout_limits` (a `tt.RolloutLimits`,
+    with `tt.Env`'s), which may instead be given whole (`rollout_limits=`; its `max_turns`
+    left None is 10: a tool loop always has a turn bound). Other keyword arguments go to
+    `tt.Env` (`reward`, `retries`, `rollout_timeout`, ...). The completion scored is the
+    last reply's text.
+
+    Raises `ConfigError` naming the parameter: a limit out of range or given twice (in
+    `rollout_limits` and as a keyword argument), two tools of one name.
 
     Override `answer(call, tool)` to change how one call is answered, or `tool_text(value)`
     for how a tool's result becomes the text the model reads.
@@ -54,41 +63,46 @@ class ToolEnv(Env[TaskT]):
     A bad limit, or tools that share a name, raise a `ConfigError` naming the parameter.
     """
 
+    rollout_limits: RolloutLimits = RolloutLimits(max_turns=DEFAULT_MAX_TURNS)
+    max_turns: LimitAttribute[int | None] = LimitAttribute()
+    token_limit: LimitAttribute[int | None] = LimitAttribute()
+    tool_timeout: LimitAttribute[float | None] = LimitAttribute()
+
     def __init__(
         self,
         taskset: Taskset[TaskT, Any],
         tools: Iterable[Tool | Any],
         *,
-        max_turns: int = 10,
+        max_turns: int = DEFAULT_MAX_TURNS,
         token_limit: int | None = None,
         tool_timeout: float | None = None,
         **env_kwargs: Any,
     ) -> None:
         super().__init__(taskset, **env_kwargs)
-        if isinstance(max_turns, bool) or not isinstance(max_turns, int) or max_turns < 1:
-            raise ConfigError(
-                f"{{max_turns}} must be an int >= 1, got {max_turns!r}", parameter="max_turns"
+        if env_kwargs.get("rollout_limits") is None:
+            if max_turns is None:  # a tool loop always has a turn bound
+                raise ConfigError(
+                    "{max_turns} must be an int >= 1, got None", parameter="max_turns"
+                )
+            self.rollout_limits = attrs.evolve(
+                self.rollout_limits, max_turns=max_turns, token_limit=token_limit,
+                tool_timeout=tool_timeout,
+            )  # fmt: skip
+        else:
+            keywords = (
+                ("max_turns", max_turns, DEFAULT_MAX_TURNS),
+                ("token_limit", token_limit, None),
+                ("tool_timeout", tool_timeout, None),
             )
-        if token_limit is not None and (
-            isinstance(token_limit, bool) or not isinstance(token_limit, int) or token_limit < 1
-        ):
-            raise ConfigError(
-                f"{{token_limit}} must be an int >= 1 or None, got {token_limit!r}",
-                parameter="token_limit",
-            )
-        if tool_timeout is not None and (
-            isinstance(tool_timeout, bool)
-            or not isinstance(tool_timeout, int | float)
-            or not math.isfinite(tool_timeout)
-            or tool_timeout <= 0
-        ):
-            raise ConfigError(
-                f"{{tool_timeout}} must be a number of seconds > 0 or None, got {tool_timeout!r}",
-                parameter="tool_timeout",
-            )
-        self.max_turns = max_turns
-        self.token_limit = token_limit
-        self.tool_timeout = None if tool_timeout is None else float(tool_timeout)
+            named = [name for name, value, default in keywords if value != default]
+            if named:
+                raise ConfigError(
+                    f"{{rollout_limits}} and {', '.join(named)} are both given: give each "
+                    f"limit once, in rollout_limits or as a keyword argument",
+                    parameter="rollout_limits",
+                )
+            if self.rollout_limits.max_turns is None:
+                self.rollout_limits = attrs.evolve(self.rollout_limits, max_turns=DEFAULT_MAX_TURNS)
         self.tools: dict[str, Tool] = {}
         for given in tools if not isinstance(tools, Tool) else [tools]:
             made = given if isinstance(given, Tool) else tool(given)
@@ -103,6 +117,9 @@ class ToolEnv(Env[TaskT]):
     async def rollout(self, task: TaskT, ctx: ModelContext) -> tuple[list[Message], str]:
         messages = chat_messages(task)
         tools = self.schemas or None
+        limits = current_limits(self)
+        max_turns = limits.max_turns or DEFAULT_MAX_TURNS
+        token_limit = limits.token_limit
         turns = calls = used = 0
         stop: str | None = None
         completion = ""
@@ -119,10 +136,10 @@ class ToolEnv(Env[TaskT]):
                 [functools.partial(self._answer, call) for call in reply.tool_calls]
             )
             messages.extend(answers)
-            if self.token_limit is not None and used >= self.token_limit:
+            if token_limit is not None and used >= token_limit:
                 stop = STOP_TOKEN_LIMIT
                 break
-            if turns >= self.max_turns:
+            if turns >= max_turns:
                 stop = STOP_MAX_TURNS
                 break
         note_rollout(stop_reason=stop, turns=turns, tool_calls=calls)
@@ -140,20 +157,20 @@ class ToolEnv(Env[TaskT]):
 
     async def answer(self, call: ToolCall, tool: Tool) -> str:
         """The text that answers one call of a known tool: its result (`tool_text`), or an
-        ``Error: ...`` text for arguments that do not fit, a timeout, or an exception."""
+        ``Error: ...`` text for arguments that do not fit, a timeout (the attempt's
+        `tool_timeout`), or an exception."""
         problem = call.arguments_error
         if problem is not None:
             return f"Error: {tool.name}: {problem}: {call.raw_arguments[:200]!r}"
+        timeout = current_limits(self).tool_timeout
         try:
-            if self.tool_timeout is None:
+            if timeout is None:
                 value = await tool.call(call.arguments)
             else:
-                with trio.move_on_after(self.tool_timeout):
+                with trio.move_on_after(timeout):
                     value = await tool.call(call.arguments)
                     return self.tool_text(value)
-                return (
-                    f"Error: {tool.name} timed out after {self.tool_timeout:g}s and was cancelled"
-                )
+                return f"Error: {tool.name} timed out after {timeout:g}s and was cancelled"
         except ToolArgumentError as exc:
             return f"Error: {tool.name}: {exc}"
         except Exception as exc:

@@ -9,8 +9,8 @@ import os
 import sys
 import time
 import traceback
-from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Iterator, Mapping
-from contextlib import AbstractAsyncContextManager, asynccontextmanager, contextmanager
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Mapping
+from contextlib import AbstractAsyncContextManager, asynccontextmanager
 from typing import Any, Generic, TypeVar
 
 import attrs
@@ -18,13 +18,22 @@ import trio
 
 from .._core.adaptive import AdaptiveWindow, Outcome
 from .._core.backoff import Backoff
-from .._core.exceptions import TrioTasksetsError
-from .._core.limits import CallObserver, observe_calls, parked, report_outcome
+from .._core.exceptions import ConfigError, TrioTasksetsError
+from .._core.limits import CallObserver, observe_calls, parked
 from .._core.tasksets import Taskset
 from .._core.training import current_run
 from .._core.window import Window
 from .._models import Completion, ModelContext, ModelHTTPError, Tokens, observe_completions
 from .._models.pool import sticky
+from .rollout_limits import (
+    LimitAttribute,
+    RolloutLimits,
+    RolloutTimeoutError,
+    StalledError,
+    Waits,
+    given_limits,
+    run_within,
+)
 
 __all__ = [
     "Env",
@@ -32,11 +41,13 @@ __all__ = [
     "EpisodeError",
     "EpisodeTask",
     "RetryPolicy",
+    "RolloutLimits",
     "RolloutTimeoutError",
     "RunSlot",
     "StalledError",
     "WindowFeed",
     "chat_messages",
+    "current_limits",
     "note_rollout",
 ]
 
@@ -55,6 +66,12 @@ def _type_names(names: Iterable[str]) -> tuple[str, ...]:
     return tuple(names)
 
 
+def _at_least_zero(instance: object, attribute: attrs.Attribute[Any], value: Any) -> None:
+    if not value >= 0:
+        name = attribute.name
+        raise ConfigError(f"{{{name}}} must be >= 0, got {value!r}", parameter=name)
+
+
 @attrs.frozen
 class RetryPolicy:
     """Whole-episode retries, chosen by exception type name.
@@ -62,13 +79,14 @@ class RetryPolicy:
     An error is retried while attempts remain, when `include` is empty or names the error's
     type (or one of its base classes), and `exclude` names none of them. Between attempts the
     env sleeps a jittered exponential backoff: uniform in [0, min(max_backoff, backoff * 2**k)].
+    A negative count or delay raises `ConfigError` naming it.
     """
 
-    max_retries: int = attrs.field(default=0, validator=attrs.validators.ge(0))
+    max_retries: int = attrs.field(default=0, validator=_at_least_zero)
     include: tuple[str, ...] = attrs.field(default=(), converter=_type_names)
     exclude: tuple[str, ...] = attrs.field(default=(), converter=_type_names)
-    backoff: float = attrs.field(default=0.5, validator=attrs.validators.ge(0))
-    max_backoff: float = attrs.field(default=30.0, validator=attrs.validators.ge(0))
+    backoff: float = attrs.field(default=0.5, validator=_at_least_zero)
+    max_backoff: float = attrs.field(default=30.0, validator=_at_least_zero)
 
     def should_retry(self, error: BaseException, attempt: int) -> bool:
         """Whether attempt number `attempt` (1-based), which raised `error`, gets another."""
@@ -84,21 +102,10 @@ class RetryPolicy:
         return Backoff(self.backoff, self.max_backoff).delay(attempt)
 
 
-class RolloutTimeoutError(TrioTasksetsError, TimeoutError):
-    """An attempt of an episode (its rollout and scoring) outlasted the env's
-    `rollout_timeout`: an episode error like any other, retried per the env's policy."""
-
-
-class StalledError(TrioTasksetsError, TimeoutError):
-    """An attempt made no progress (no model or tool call finished) for the env's
-    `stall_timeout` seconds of working time: cancelled, an episode error retried per the
-    env's policy like any other."""
-
-
 class DeadlineExceededError(TrioTasksetsError, TimeoutError):
     """A slot's deadline, carried from the process that asked for it (an eval's `--via`
     entry), passed: the slot was cut there, or not run at all when it came too late. An
-    episode error like any other (the deadline travels with the slot)."""
+    episode error like any other."""
 
 
 def new_id() -> str:
@@ -219,7 +226,7 @@ class Episode:
     tool_calls: int = 0
     stop_reason: str | None = None
     metrics: dict[str, float] = attrs.Factory(dict)
-    # Training fields (groups, token ids); a row holds each only when it is set.
+    # Training fields (groups, token ids, staleness); a row holds each only when it is set.
     tokens: list[dict[str, Any]] = attrs.Factory(list)  # each model call's `Tokens.to_dict()`
     group: str | None = None  # the id shared by the rollouts of one group (`--group`)
     advantage: float | None = None  # set by `Env.score_group` (e.g. GRPO's)
@@ -351,13 +358,18 @@ _TRAINING_KEYS = frozenset({"tokens", "group", "advantage", "policy_version", "s
 
 @attrs.define(eq=False)
 class RunSlot(Generic[TaskT]):
-    """One rollout of one task, plus its live state while it runs."""
+    """One rollout of one task, plus its live state while it runs.
+
+    `limits`: the limits its caller asked for (a served request's, a queue entry's; None:
+    none): the slot runs under the env's own limits and these, each the tighter
+    (`RolloutLimits.within`)."""
 
     task: TaskT
     rollout: int = 0
     episode: Episode | None = None
     done: bool = False
     started: float | None = None
+    limits: RolloutLimits | None = None
 
 
 OnComplete = Callable[[Episode], Awaitable[None] | None]
@@ -503,28 +515,25 @@ class Env(Generic[TaskT]):
     own channel calls `run_slot(tt.RunSlot(task), ctx)` with them (`env.taskset` is then an
     empty `tt.Taskset`).
 
-    `rollout_timeout` (seconds, or None: no bound) bounds each attempt of an episode, its
-    rollout and its scoring: an attempt that outlasts it is cancelled and becomes a
-    `RolloutTimeoutError`, retried per `retries` like any episode error. It is a plain
-    attribute: set it after construction to bound a subclass that does not pass it on.
+    `rollout_limits` (a `tt.RolloutLimits`) bounds each attempt of an episode: its wall time
+    (`rollout_timeout`: a `RolloutTimeoutError`), its working time (`working_limit`: the
+    attempt is cut and scored, `stop_reason: "working_limit"`), its time without progress
+    (`stall_timeout`: a `StalledError`); see `tt.RolloutLimits`. Give it whole
+    (`rollout_limits=`) or as the keyword arguments `rollout_timeout`, `working_limit` and
+    `stall_timeout` (not both: `ConfigError`). Each limit is also an attribute
+    (`env.rollout_timeout = 30` bounds a subclass that does not pass it on), and
+    `rollout_limits` is one too. While any task of the rollout is parked in the runner's
+    own waits (`limits.parked`: connection, rpm and tpm limiters, Retry-After rests, retry
+    backoff), the working and stall clocks stop. A slot's caller may tighten the limits
+    for its slot (`RunSlot.limits`), never loosen them.
 
-    `working_limit` (seconds, or None) bounds each attempt's *working* time: its wall time
-    less the time it was parked in the runner's own waits (`limits.parked`: connection,
-    rpm and tpm limiters, Retry-After rests, retry backoff), stopped while such a wait is
-    in progress. An attempt that reaches it is cut and ends normally: scored on the last
-    model reply it had received (`""` if none), `ok`, with `stop_reason: "working_limit"`.
-    While any task of the rollout is parked, the rollout counts as parked. Also a plain
-    attribute.
-
-    `stall_timeout` (seconds, or None) cancels an attempt in which no model or tool call
-    finished (`ModelContext.chat` returning, `limits.report_progress`) for that many seconds
-    of working time (parked waits do not count): it becomes a `StalledError`, retried per
-    `retries`. Also a plain attribute.
+    Raises `ConfigError` for limits that are given twice or out of range, naming them.
     """
 
-    rollout_timeout: float | None = None  # also here, for a subclass that skips __init__
-    working_limit: float | None = None
-    stall_timeout: float | None = None
+    rollout_limits: RolloutLimits = RolloutLimits()  # also here: a subclass may skip __init__
+    rollout_timeout: LimitAttribute[float | None] = LimitAttribute()
+    working_limit: LimitAttribute[float | None] = LimitAttribute()
+    stall_timeout: LimitAttribute[float | None] = LimitAttribute()
 
     def __init__(
         self,
@@ -532,6 +541,7 @@ class Env(Generic[TaskT]):
         *,
         reward: Reward | WeightedRewards | None = None,
         retries: RetryPolicy | None = None,
+        rollout_limits: RolloutLimits | None = None,
         rollout_timeout: float | None = None,
         working_limit: float | None = None,
         stall_timeout: float | None = None,
@@ -539,9 +549,10 @@ class Env(Generic[TaskT]):
         # No taskset: a service whose tasks come from its own channel (an empty one stands in).
         self.taskset: Taskset[TaskT, Any] = taskset if taskset is not None else Taskset()
         self.retries = retries if retries is not None else RetryPolicy()
-        self.rollout_timeout = check_rollout_timeout(rollout_timeout)
-        self.working_limit = check_working_limit(working_limit)
-        self.stall_timeout = check_working_limit(stall_timeout, "stall_timeout")
+        self.rollout_limits = given_limits(
+            rollout_limits, rollout_timeout=rollout_timeout, working_limit=working_limit,
+            stall_timeout=stall_timeout,
+        )  # fmt: skip
         taskset_reward = getattr(self.taskset, "reward", None)
         if isinstance(reward, Mapping):
             reward = weighted_reward(reward)
@@ -599,13 +610,14 @@ class Env(Generic[TaskT]):
         slot.episode = episode
         slot.started = time.time()
         began = trio.current_time()
-        waits = _Waits()
-        timeout = self.rollout_timeout
-        bounded = timeout is not None or self.working_limit is not None or self.stall_timeout
+        waits = Waits()
+        own = self.rollout_limits
+        limits = own if slot.limits is None else own.within(slot.limits)
+        bounded = limits.bounds_attempt
         attempt = 0
         while True:
             attempt += 1
-            stats = _Rollout(episode)
+            stats = _Rollout(episode, limits)
             token = _rollout.set(stats)
             try:
                 # sticky: with many endpoints, an attempt's calls stay on one (its prefix cache)
@@ -649,47 +661,40 @@ class Env(Generic[TaskT]):
         return await complete_slot(slot, episode, on_complete)
 
     async def _bounded(
-        self, task: TaskT, ctx: ModelContext, stats: _Rollout, waits: _Waits
+        self, task: TaskT, ctx: ModelContext, stats: _Rollout, waits: Waits
     ) -> tuple[list[Message], str, tuple[float, dict[str, float]]]:
-        """One attempt, the rollout and its score, within `rollout_timeout` (wall time) and
-        `working_limit` (working time: the rollout is cut, then scored, its `stop_reason`
-        "working_limit"), cancelled as a `StalledError` after `stall_timeout`."""
-        seconds, limit, stall = self.rollout_timeout, self.working_limit, self.stall_timeout
-        replies: list[Completion] = []
+        """One attempt, the rollout and its score, under the attempt's limits (`run_within`):
+        cut at its working limit, then scored on the replies it had, its `stop_reason`
+        "working_limit"."""
 
-        def record(completion: Completion) -> None:
-            stats.count(completion)
-            replies.append(completion)
+        async def rollout() -> tuple[list[Message], str]:
+            return await self.rollout(task, ctx)
 
-        with trio.move_on_after(math.inf if seconds is None else seconds):
-            with observe_completions(record), observe_calls(waits):
-                with waits.working(limit, stall) as (work, stalled):
-                    messages, completion = await self.rollout(task, ctx)
-                if stalled.cancelled_caught:
-                    raise StalledError(
-                        f"no model or tool call finished for {stall:g}s of working time "
-                        f"(stall_timeout; cancelled)"
-                    )
-                if work.cancelled_caught:
-                    stats.stop_reason = "working_limit"
-                    completion = replies[-1].content if replies else ""
-                    messages = _partial(task, replies)
-                return messages, completion, split_score(await self.score(task, completion))
-        assert seconds is not None
-        report_outcome(Outcome.TIMEOUT)  # an adaptive rollout window pauses its growth
-        raise RolloutTimeoutError(
-            f"the rollout took longer than its rollout_timeout of {seconds:g}s (cancelled)"
-        )
+        async def finish(
+            result: tuple[list[Message], str],
+        ) -> tuple[list[Message], str, tuple[float, dict[str, float]]]:
+            messages, completion = result
+            return messages, completion, split_score(await self.score(task, completion))
+
+        async def cut(
+            replies: list[Completion],
+        ) -> tuple[list[Message], str, tuple[float, dict[str, float]]]:
+            stats.stop_reason = "working_limit"
+            return await finish((partial_messages(task, replies), cut_completion(replies)))
+
+        return await run_within(stats.limits, waits, rollout, finish, cut, stats.count)
 
 
 class _Rollout:
     """What one attempt's rollout did: its model replies (`turns`), the tool calls they
-    asked for, and the limit that stopped it (`note_rollout`)."""
+    asked for, and the limit that stopped it (`note_rollout`); and the limits it runs
+    under (`current_limits`)."""
 
-    __slots__ = ("episode", "stop_reason", "tool_calls", "turns")
+    __slots__ = ("episode", "limits", "stop_reason", "tool_calls", "turns")
 
-    def __init__(self, episode: Episode) -> None:
+    def __init__(self, episode: Episode, limits: RolloutLimits) -> None:
         self.episode = episode  # not a bound `episode.count`: one object fewer per attempt
+        self.limits = limits
         self.turns = 0
         self.tool_calls = 0
         self.stop_reason: str | None = None
@@ -724,27 +729,15 @@ def note_rollout(
         stats.tool_calls = tool_calls
 
 
-def check_rollout_timeout(value: object) -> float | None:
-    """`value` as a rollout timeout: None, or a finite number of seconds > 0 (ValueError)."""
-    return check_working_limit(value, "rollout_timeout")
+def current_limits(env: Env[Any]) -> RolloutLimits:
+    """The limits the attempt being run runs under: the env's own, tightened by its slot's
+    (`RunSlot.limits`); outside `Env.run_slot`, `env.rollout_limits`. A rollout loop reads its turn,
+    token and tool-time limits here (`tt.ToolEnv` does)."""
+    stats = _rollout.get()
+    return env.rollout_limits if stats is None else stats.limits
 
 
-def check_working_limit(value: object, name: str = "working_limit") -> float | None:
-    """`value` as a working limit (or `name`): None, or a finite number of seconds > 0
-    (ValueError naming it)."""
-    if value is None:
-        return None
-    if (
-        isinstance(value, bool)
-        or not isinstance(value, int | float)
-        or not math.isfinite(value)
-        or value <= 0
-    ):
-        raise ValueError(f"{name} must be a number of seconds > 0, or None, got {value!r}")
-    return float(value)
-
-
-def _partial(task: Any, replies: list[Completion]) -> list[Message]:
+def partial_messages(task: Any, replies: list[Completion]) -> list[Message]:
     """The messages of a rollout cut at its working limit: the task's chat messages (when
     it has a prompt) and the model replies it had received."""
     try:
@@ -754,84 +747,10 @@ def _partial(task: Any, replies: list[Completion]) -> list[Message]:
     return [*messages, *({"role": "assistant", "content": r.content} for r in replies)]
 
 
-@attrs.define
-class _Waits(CallObserver):
-    """What one episode waited for, in seconds: its model calls' connection slots and rate
-    limiters (`on_wait`), and every wait of the runner's own (`parked`: the union of those
-    intervals, a wait in progress included). `working(limit, stall)` gives two cancel
-    scopes: one `limit` seconds of working time away, one `stall` seconds of working time
-    after the last progress (`on_progress`); their deadlines move as waits begin and end."""
-
-    connection: float = 0.0
-    rate: float = 0.0
-    parked: float = 0.0
-    depth: int = 0  # waits in progress (several tasks of one rollout may wait at once)
-    since: float = 0.0  # when the current parked interval began
-    scope: trio.CancelScope | None = None
-    work_began: float = 0.0
-    parked_before: float = 0.0  # `parked` when the working scope began
-    limit: float = math.inf
-    stall_scope: trio.CancelScope | None = None
-    stall: float = math.inf
-    progress_at: float = 0.0  # when a call last finished (or the attempt began)
-    parked_at_progress: float = 0.0  # `parked_so_far()` then
-
-    def on_wait(self, connection: float, rate: float) -> None:
-        self.connection += connection
-        self.rate += rate
-
-    def on_park(self, kind: str) -> None:
-        self.depth += 1
-        if self.depth == 1:
-            self.since = trio.current_time()
-            if self.scope is not None:
-                self.scope.deadline = math.inf  # the working clock stops
-                self.stall_scope.deadline = math.inf  # type: ignore[union-attr]
-
-    def on_unpark(self, kind: str, seconds: float) -> None:
-        self.depth -= 1
-        if self.depth == 0:
-            self.parked += trio.current_time() - self.since
-            if self.scope is not None:
-                self.scope.deadline = self._working_deadline()
-                self.stall_scope.deadline = self._stall_deadline()  # type: ignore[union-attr]
-
-    def on_progress(self, kind: str = "model") -> None:
-        if self.stall_scope is None:  # no stall timeout: nothing to move (every model reply)
-            return
-        self.progress_at, self.parked_at_progress = trio.current_time(), self.parked_so_far()
-        if not self.depth:
-            self.stall_scope.deadline = self._stall_deadline()
-
-    def parked_so_far(self) -> float:
-        if not self.depth:
-            return self.parked
-        return self.parked + (trio.current_time() - self.since)
-
-    def _working_deadline(self) -> float:
-        return self.work_began + self.limit + (self.parked - self.parked_before)
-
-    def _stall_deadline(self) -> float:
-        return self.progress_at + self.stall + (self.parked - self.parked_at_progress)
-
-    @contextmanager
-    def working(
-        self, limit: float | None, stall: float | None
-    ) -> Iterator[tuple[trio.CancelScope, trio.CancelScope]]:
-        now = trio.current_time()
-        self.work_began, self.parked_before = now, self.parked
-        self.limit = math.inf if limit is None else limit
-        self.stall = math.inf if stall is None else stall
-        self.progress_at, self.parked_at_progress = now, self.parked_so_far()
-        parked = bool(self.depth)
-        work = trio.CancelScope(deadline=math.inf if parked else self._working_deadline())
-        stalled = trio.CancelScope(deadline=math.inf if parked else self._stall_deadline())
-        self.scope, self.stall_scope = work, stalled
-        try:
-            with work, stalled:
-                yield work, stalled
-        finally:
-            self.scope = self.stall_scope = None
+def cut_completion(replies: list[Completion]) -> str:
+    """The completion a rollout cut at its working limit is scored on: its last model
+    reply's text (``""`` if it had none)."""
+    return replies[-1].content if replies else ""
 
 
 class WindowFeed(CallObserver):

@@ -23,8 +23,10 @@ from .loading import (
     object_spec,
     resolve_target,
 )
+from .rollout_limits import RolloutLimits
 
 __all__ = [
+    "TASK_FIELDS",
     "Declaration",
     "EnvSpec",
     "TravelError",
@@ -33,6 +35,10 @@ __all__ = [
     "rebuild_task",
     "taskset_arg",
 ]
+
+TASK_FIELDS = frozenset({"prompt", "answer", "info", "system_prompt"})
+"""The fields of a `tt.Task`'s `data`: what a task that travels as data may hold, unless its
+taskset class rebuilds its tasks (`task_from_data`)."""
 
 
 def _json_native(value: object) -> bool:
@@ -82,14 +88,30 @@ def config_from_json(taskset_cls: type[Taskset[Any, Any]], fields: dict[str, Any
     return config_cls(**values)
 
 
-def rebuild_task(taskset_cls: type[Taskset[Any, Any]], key: str, data: dict[str, Any]) -> Any:
-    """The task that `key` and `data` (a task's `data`) stand for in another process:
+def rebuild_task(
+    taskset_cls: type[Taskset[Any, Any]],
+    key: str,
+    data: dict[str, Any],
+    *,
+    task_cls: type[Task] = Task,
+    **extra: Any,
+) -> Any:
+    """The task that `key` and `data` (a task's `data`) stand for in another process: the
+    one decoder of a task that travels (a served request's, a queue entry's, a row's).
+
     `taskset_cls.task_from_data(data, key)` when the taskset class defines it, else
-    `tt.Task(**data, key=key)`. Raises what they raise (TypeError, ValueError, ...)."""
+    `task_cls(**data, key=key, **extra)` (`tt.Task`, or a subclass with fields of its own
+    given as `extra`). Raises `ValueError` saying why when `data` is not a `tt.Task`'s (no
+    prompt, or fields beyond `TASK_FIELDS`), and what `task_from_data` raises."""
     factory: Any = getattr(taskset_cls, "task_from_data", None)
     if factory is not None:
         return factory(data, key)
-    return Task(**data, key=key)
+    if "prompt" not in data:
+        raise ValueError("its task has no prompt")
+    unknown = sorted(set(data) - TASK_FIELDS)
+    if unknown:
+        raise ValueError(f"unknown task fields {unknown}")
+    return task_cls(**data, key=key, **extra)
 
 
 def _reward_spec(env: Env[Any]) -> str | None:
@@ -109,8 +131,8 @@ def _reward_spec(env: Env[Any]) -> str | None:
 @attrs.frozen
 class EnvSpec:
     """How another process rebuilds an env: `taskset_cls(config)` wrapped in
-    `env_class(taskset, reward=..., retries=...)`, with its `rollout_timeout`,
-    `working_limit` and `stall_timeout` set.
+    `env_class(taskset, reward=..., retries=...)`, with every limit `limits` sets in place of
+    the env's own (a limit left None keeps the env's).
 
     It travels as data (`to_json` / `from_json`: a spawned server gets it whole, never
     re-encoded as command-line flags), and `build` is the one way an env is made from one,
@@ -121,9 +143,7 @@ class EnvSpec:
     env_class: str | None = None
     reward: str | None = None
     retries: RetryPolicy = attrs.field(factory=RetryPolicy)
-    rollout_timeout: float | None = None
-    working_limit: float | None = None
-    stall_timeout: float | None = None
+    limits: RolloutLimits = attrs.field(factory=RolloutLimits)
 
     @classmethod
     def of(cls, env: Env[Any]) -> EnvSpec:
@@ -136,9 +156,7 @@ class EnvSpec:
             env_class=None if env_cls is Env else object_spec(env_cls, "the Env class"),
             reward=_reward_spec(env),
             retries=env.retries,
-            rollout_timeout=env.rollout_timeout,
-            working_limit=env.working_limit,
-            stall_timeout=env.stall_timeout,
+            limits=env.rollout_limits,
         )
 
     def to_json(self) -> str:
@@ -146,8 +164,7 @@ class EnvSpec:
         r = self.retries
         return json.dumps({
             "taskset": self.taskset, "config": self.config, "env_class": self.env_class,
-            "reward": self.reward, "rollout_timeout": self.rollout_timeout,
-            "working_limit": self.working_limit, "stall_timeout": self.stall_timeout,
+            "reward": self.reward, "limits": self.limits.to_json(),
             "retries": {"max_retries": r.max_retries, "include": list(r.include),
                         "exclude": list(r.exclude), "backoff": r.backoff,
                         "max_backoff": r.max_backoff},
@@ -159,7 +176,8 @@ class EnvSpec:
         try:
             data = json.loads(text)
             retries = RetryPolicy(**data.pop("retries"))
-            spec = cls(**data, retries=retries)
+            limits = RolloutLimits.from_json(data.pop("limits"))
+            spec = cls(**data, retries=retries, limits=limits)
         except (ValueError, TypeError, KeyError, AttributeError) as exc:
             raise TravelError(f"not an env spec ({type(exc).__name__}: {exc})") from None
         if not isinstance(spec.taskset, str) or not isinstance(spec.config, dict):
@@ -174,9 +192,9 @@ class EnvSpec:
     ) -> Env[Any]:
         """The env, in this process: `taskset` (a taskset built already; a taskset class,
         built from `self.config`; default: the class `self.taskset` names) wrapped in the env class (`env_class`, else `target_env`,
-        the Env subclass TASKSET named, else `tt.Env`) with the reward, retries and
-        rollout timeout. A part that cannot be loaded or built raises `ConfigError` naming
-        it (``taskset``, ``config``, ``env_class``, ``reward``)."""
+        the Env subclass TASKSET named, else `tt.Env`) with the reward, retries and limits.
+        A part that cannot be loaded or built raises `ConfigError` naming it (``taskset``,
+        ``config``, ``env_class``, ``reward``)."""
         if taskset is None or isinstance(taskset, type):
             if taskset is None:
                 taskset_cls, found = resolve_target(self.taskset)
@@ -212,12 +230,7 @@ class EnvSpec:
                 f"{env_cls.__name__}(taskset, ...) failed: {type(exc).__name__}: {exc}",
                 parameter="env_class",
             ) from exc
-        if self.rollout_timeout is not None:
-            env.rollout_timeout = self.rollout_timeout
-        if self.working_limit is not None:
-            env.working_limit = self.working_limit
-        if self.stall_timeout is not None:
-            env.stall_timeout = self.stall_timeout
+        env.rollout_limits = env.rollout_limits.updated(self.limits)
         return env
 
 
@@ -266,13 +279,17 @@ class Declaration:
     """What a producer meant its entries for: the taskset class (as `object_spec` names it),
     its config (JSON fields, without `system_prompt`, which each task carries), and from an
     eval the env class, the model and the sampling. A field left None is not declared (and
-    not checked). A worker refuses an entry whose declaration `differs` from its own."""
+    not checked). A worker refuses an entry whose declaration `differs` from its own.
+
+    `limits`: the producer's env's limits, when it sets any; never a reason to refuse, a
+    worker runs the entry under them and its own, each the tighter (`RunSlot.limits`)."""
 
     taskset: str
     config: dict[str, Any] | None = None
     env_class: str | None = None
     model: str | None = None
     sampling: dict[str, Any] | None = None
+    limits: RolloutLimits | None = None
 
     @classmethod
     def of_taskset(cls, taskset: Taskset[Any, Any]) -> Declaration:
@@ -294,10 +311,13 @@ class Declaration:
             env_class=_name(type(env)),
             model=None if ctx is None else ctx.model,
             sampling=sampling,
+            limits=env.rollout_limits if env.rollout_limits.to_json() else None,
         )
 
     def to_json(self) -> str:
-        fields = {k: v for k, v in attrs.asdict(self).items() if v is not None}
+        fields = {k: v for k, v in attrs.asdict(self, recurse=False).items() if v is not None}
+        if self.limits is not None:
+            fields["limits"] = self.limits.to_json()
         return orjson.dumps(fields, option=orjson.OPT_SORT_KEYS).decode()
 
     @classmethod
@@ -305,8 +325,11 @@ class Declaration:
         """The declaration an entry carries; MalformedEntry if it is not one."""
         try:
             value = orjson.loads(raw)
+            limits = value.pop("limits", None)  # (not a dict: AttributeError)
+            if limits is not None:
+                value["limits"] = RolloutLimits.from_json(limits)
             return cls(**value)
-        except (orjson.JSONDecodeError, TypeError) as exc:
+        except (orjson.JSONDecodeError, TypeError, AttributeError, ConfigError) as exc:
             raise MalformedEntry(f"'env' is not a declaration ({exc})") from None
 
     def differs(self, own: Declaration) -> str | None:

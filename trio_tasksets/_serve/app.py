@@ -235,7 +235,7 @@ class ServerApp:
         client = self.clients.get(request.client)
         task = build_task(self.taskset_cls, request.key, request.data)
         self.clients.acquire(client)
-        slot: RunSlot[Any] = RunSlot(task, request.rollout)
+        slot: RunSlot[Any] = RunSlot(task, request.rollout, limits=request.limits)
         return slot, ModelContext(client, request.model, request.sampling)
 
     async def _run(self, scope: Message, receive: Receive, send: Send) -> None:

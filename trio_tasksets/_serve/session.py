@@ -19,6 +19,7 @@ from .._models import ModelContext
 from .asgi import Message, Receive, Send, ServerStats, encode_answer
 from .policy import Limits, ModelClients
 from .wire import (
+    LIMITS,
     TIME_LEFT,
     WS_MAX_BATCH,
     WireError,
@@ -26,6 +27,7 @@ from .wire import (
     coalesce,
     decode_json,
     quick_slot,
+    request_limits,
     time_left,
 )
 
@@ -262,7 +264,7 @@ class WSSession:
             self.contexts.clear()  # contexts are not used again
             self.generation = clients.generation
         ctx_key = None
-        if type(body) is dict and len(body) - (TIME_LEFT in body) == 2:
+        if type(body) is dict and len(body) - (TIME_LEFT in body) - (LIMITS in body) == 2:
             ctx_value = body.get("ctx")
             with contextlib.suppress(TypeError):  # orjson: nesting it cannot follow
                 ctx_key = orjson.dumps(ctx_value) if type(ctx_value) is dict else None
@@ -270,7 +272,8 @@ class WSSession:
             fast = quick_slot(body.get("slot"), plain_tasks=app.plain_tasks)
             if ctx is not None and fast is not None:
                 key, data, rollout = fast
-                slot = RunSlot(build_task(app.taskset_cls, key, data), rollout)
+                limits = request_limits(body)
+                slot = RunSlot(build_task(app.taskset_cls, key, data), rollout, limits=limits)
                 clients.acquire(ctx.client)
                 return slot, ctx
         slot, ctx = app.prepare(body)

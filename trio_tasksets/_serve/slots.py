@@ -195,11 +195,15 @@ async def served_runner(
         if server is None:
             await _check_remote(client, env)
 
+        limits = env.rollout_limits if env.rollout_limits.to_json() else None
+
         def run(
             slot: RunSlot[Any],
             *,
             on_complete: OnComplete | None = None,
         ) -> Awaitable[Episode]:
+            if slot.limits is None:
+                slot.limits = limits  # the eval's own, carried whole to the server
             return client.run_slot(slot, ctx, on_complete=on_complete, retries=env.retries)
 
         try:

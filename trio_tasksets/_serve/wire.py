@@ -12,10 +12,10 @@ import orjson
 import trio
 
 from .._core import batching
-from .._core.exceptions import TrioTasksetsError
+from .._core.exceptions import ConfigError, TrioTasksetsError
 from .._core.tasksets import Taskset
-from .._env.env import RunSlot, task_data, task_key
-from .._env.spec import TravelError, rebuild_task
+from .._env.env import RolloutLimits, RunSlot, task_data, task_key
+from .._env.spec import TASK_FIELDS, TravelError, rebuild_task
 from .._models import EchoClient, ModelClient, ModelContext, OpenAIClient, Sampling
 
 TOKEN_VAR = "TT_SERVE_TOKEN"
@@ -186,6 +186,7 @@ class RunRequestEncoder:
     def __init__(self, api_key_var: str | None = None) -> None:
         self.api_key_var = api_key_var
         self._ctx: tuple[ModelContext, ClientSpec, dict[str, Any], bytes] | None = None
+        self._limits: tuple[RolloutLimits | None, bytes] = (None, b"")
 
     def _ctx_json(self, ctx: ModelContext) -> bytes:
         spec = describe_client(ctx.client, api_key_var=self.api_key_var)
@@ -206,10 +207,20 @@ class RunRequestEncoder:
         self._ctx = (ctx, spec, copy.deepcopy(ctx.sampling.extra), encoded)
         return encoded
 
+    def _limits_json(self, limits: RolloutLimits | None) -> bytes:
+        """``,"limits":{...}`` for a slot's own limits (made once per limits object), or
+        nothing."""
+        cached = self._limits
+        if cached[0] is not limits:
+            fields = None if limits is None else limits.to_json()
+            cached = self._limits = (limits, b',"limits":%b' % _dumps(fields) if fields else b"")
+        return cached[1]
+
     def encode(self, slot: RunSlot[Any], ctx: ModelContext) -> bytes:
         """The JSON body of `POST /run` for `slot` under `ctx`; called in a trio task with
         a finite `trio.current_effective_deadline()`, it carries the seconds left as
-        `time_left` (deadlines travel: the server runs the episode under it)."""
+        `time_left` (the server runs the episode under it), and the slot's own rollout
+        limits (`RunSlot.limits`) as `limits` (the server runs it under them too)."""
         task = slot.task
         try:
             ctx_json = self._ctx_json(ctx)
@@ -226,13 +237,34 @@ class RunRequestEncoder:
             left = trio.current_effective_deadline() - trio.current_time()
         except RuntimeError:  # a sync caller, outside trio: no deadline
             left = math.inf
+        limits = self._limits_json(slot.limits)
         if left != math.inf:
-            return b'{"slot":%b,"ctx":%b,"time_left":%r}' % (task_json, ctx_json, max(left, 0.0))
-        return b'{"slot":%b,"ctx":%b}' % (task_json, ctx_json)
+            left_json = b',"time_left":%r' % max(left, 0.0)
+            return b'{"slot":%b,"ctx":%b%b%b}' % (task_json, ctx_json, left_json, limits)
+        return b'{"slot":%b,"ctx":%b%b}' % (task_json, ctx_json, limits)
 
 
 TIME_LEFT = "time_left"
 """The run request field holding the seconds the run has left (its caller's deadline)."""
+
+LIMITS = "limits"
+"""The run request field holding the caller's rollout limits (`tt.RolloutLimits.to_json`):
+the server runs the slot under its env's own limits and these, each the tighter."""
+
+
+def request_limits(body: object) -> RolloutLimits | None:
+    """A decoded run request's `limits`, rebuilt: None when absent, else the same
+    `tt.RolloutLimits` its caller sent (`WireError` naming the field otherwise)."""
+    if type(body) is not dict:
+        return None
+    value = body.get(LIMITS)
+    if value is None:
+        return None
+    try:
+        return RolloutLimits.from_json(value)
+    except ConfigError as exc:
+        field = LIMITS if exc.parameter in (None, LIMITS) else f"{LIMITS}.{exc.parameter}"
+        raise WireError(field, str(exc)) from None
 
 
 def time_left(body: object) -> float | None:
@@ -262,6 +294,7 @@ class RunRequest:
     model: str
     sampling: Sampling
     client: ClientSpec
+    limits: RolloutLimits | None = None
 
 
 def _kind(value: object) -> str:
@@ -326,7 +359,7 @@ def _number(
 
 def _task_fields(data: dict[str, Any], field: str) -> None:
     """`data` holds `tt.Task` fields of the right types."""
-    _object(data, field, {"prompt", "answer", "info", "system_prompt"})
+    _object(data, field, set(TASK_FIELDS))
     prompt = _required(data, "prompt", field)
     if isinstance(prompt, list):
         for i, message in enumerate(prompt):
@@ -389,7 +422,6 @@ def _parse_client(value: object) -> ClientSpec:
 
 _SLOT_FIELDS = frozenset({"task", "rollout"})
 _TASK_REF_FIELDS = frozenset({"key", "data"})
-_TASK_FIELDS = frozenset({"prompt", "answer", "info", "system_prompt"})
 # The nesting left for a value inside `slot.task.data` (the body, slot, task and data are 4).
 _DATA_BUDGET = MAX_DEPTH - 4
 
@@ -415,7 +447,7 @@ def quick_slot(
         return None
     if not plain_tasks:
         return (key, data, rollout) if _nesting_within(data, _DATA_BUDGET + 1) else None
-    if not data.keys() <= _TASK_FIELDS:
+    if not data.keys() <= TASK_FIELDS:
         return None
     prompt = data.get("prompt")
     if type(prompt) is list:
@@ -443,7 +475,7 @@ def parse_run_request(body: object, *, plain_tasks: bool = True) -> RunRequest:
     `MAX_DEPTH` levels.
     """
     check_depth(body, "body")
-    top = _object(body, "body", {"slot", "ctx", TIME_LEFT})
+    top = _object(body, "body", {"slot", "ctx", TIME_LEFT, LIMITS})
     slot = _object(_required(top, "slot", "body"), "slot", {"task", "rollout"})
     task = _object(_required(slot, "task", "slot"), "slot.task", {"key", "data"})
     key = _str(_required(task, "key", "slot.task"), "slot.task.key")
@@ -459,6 +491,7 @@ def parse_run_request(body: object, *, plain_tasks: bool = True) -> RunRequest:
         model=_str(_required(ctx, "model", "ctx"), "ctx.model"),
         sampling=_parse_sampling(ctx.get("sampling", {})),
         client=_parse_client(_required(ctx, "client", "ctx")),
+        limits=request_limits(top),
     )
 
 

@@ -17,7 +17,12 @@ signatures included, and points a verifiers v1 Env to `tt.aio.verifiers_env`):
   from asyncio). The bridge wraps it in `Env.run_slot` (episode record, retries, reward).
 * ``async def run_slot(slot, ctx) -> tt.Episode`` (optional; wins over ``rollout``): the whole
   slot. Like `Env.run_slot` it records an episode's own failure on the episode; what it raises
-  fails the run (fail-fast), as a machinery error.
+  fails the run (fail-fast), as a machinery error. The bridged env's `rollout_limits` bound
+  each call of it as they bound an attempt of `Env.run_slot` (`run_within`): past its
+  `rollout_timeout` or `stall_timeout` it is cancelled and the episode records a
+  `RolloutTimeoutError` or `StalledError` (retried per `retries`); at its `working_limit` it
+  is cancelled and the episode is scored on the last model reply it had received,
+  `stop_reason` ``"working_limit"``.
 * ``async def score(task, completion) -> float`` (optional, sync or async): the reward.
 * ``def serving() -> asyncio async context manager`` (optional): env-level resources, entered
   and exited in one asyncio task that lives as long as the bridged env's `serving()`.
@@ -63,18 +68,29 @@ from typing import Any, ClassVar, TypeVar, cast
 import attrs
 import trio
 
+from .._core.limits import observe_calls, parked
 from .._core.tasksets import Taskset, TasksetConfig
 from .._env.env import (
     Env,
     Episode,
+    EpisodeError,
+    EpisodeTask,
     Message,
     OnComplete,
     RetryPolicy,
     Reward,
+    RolloutLimits,
     RunSlot,
     Score,
     complete_slot,
+    cut_completion,
+    new_id,
+    partial_messages,
+    split_score,
+    task_data,
+    task_key,
 )
+from .._env.rollout_limits import RolloutTimeoutError, StalledError, Waits, run_within
 from .._models import Completion, ModelContext, Sampling
 from ._feeds import as_taskset
 from ._loop import LoopKind, bridge_loop, call_aio, open_loop, trio_asyncio_module, unwrap
@@ -307,9 +323,10 @@ class BridgedEnv(Env[TaskT]):
             taskset_class = MyFeed         # the taskset class the env is built around
 
     `MyEnv(taskset, reward=..., retries=...)` then builds ``MyAsyncioEnv(taskset)``, exactly as
-    `tt.Env` subclasses are built. `retries=` (else the asyncio env's ``retries``) and
-    `reward=` (else the asyncio env's ``score``, else as `tt.Env`) apply. A reward that returns
-    an awaitable is awaited as asyncio code.
+    `tt.Env` subclasses are built. `retries=` (else the asyncio env's ``retries``),
+    `rollout_limits=` (a `tt.RolloutLimits`, as `tt.Env` takes it) and `reward=` (else the
+    asyncio env's ``score``, else as `tt.Env`) apply. A reward that returns an awaitable is
+    awaited as asyncio code.
 
     `serving()` opens the asyncio loop and holds the asyncio env's ``serving()``; `run_slot`
     must run under it (it raises `RuntimeError` otherwise). Raises `TrioAsyncioUnavailable`
@@ -330,6 +347,7 @@ class BridgedEnv(Env[TaskT]):
         aio_env: Any = None,
         reward: Reward | None = None,
         retries: RetryPolicy | None = None,
+        rollout_limits: RolloutLimits | None = None,
     ) -> None:
         # Fail here, clearly, where it cannot work (a thread loop does not need it).
         self._trio_asyncio = trio_asyncio_module() if self.asyncio_loop == "trio-asyncio" else None
@@ -351,7 +369,10 @@ class BridgedEnv(Env[TaskT]):
                     f"the asyncio env's retries must be a tt.RetryPolicy, got {retries!r}"
                 )
         self.aio_env: Any = aio_env
-        super().__init__(as_taskset(aio_env.taskset), reward=reward, retries=retries)
+        super().__init__(
+            as_taskset(aio_env.taskset), reward=reward, retries=retries,
+            rollout_limits=rollout_limits,
+        )  # fmt: skip
         self._explicit_reward = reward is not None
         self._loops: list[Any] = []  # the loops of the serving() blocks now open, innermost last
 
@@ -436,33 +457,134 @@ class BridgedEnv(Env[TaskT]):
     ) -> Episode:
         """`Env.run_slot` over the bridged `rollout`/`score`, or, if the asyncio env has its own
         `run_slot(slot, ctx)`, that one as an asyncio task (what it raises propagates, as a
-        machinery error). `on_complete(episode)` runs once, shielded, as in `Env.run_slot`."""
+        machinery error), under the env's `rollout_limits` (see the module docstring).
+        `on_complete(episode)` runs once, shielded, as in `Env.run_slot`.
+
+        Raises `RuntimeError` outside `serving()`, `TypeError` when the asyncio `run_slot`
+        returns something other than a `tt.Episode`."""
         loop = self._loop()  # outside serving(): RuntimeError here, not an episode failure
         aio_run_slot = getattr(self.aio_env, "run_slot", None)
         if aio_run_slot is None:
             return await super().run_slot(slot, ctx, on_complete=on_complete)
         if slot.started is None:
             slot.started = time.time()
-        episode = await call_aio(loop, aio_run_slot, slot, AsyncioModelContext(ctx, loop))
-        if not isinstance(episode, Episode):
-            raise TypeError(
-                f"{type(self.aio_env).__name__}.run_slot must return a tt.Episode, got "
-                f"{type(episode).__name__}"
-            )
+
+        async def run() -> Episode:
+            episode = await call_aio(loop, aio_run_slot, slot, AsyncioModelContext(ctx, loop))
+            if not isinstance(episode, Episode):
+                raise TypeError(
+                    f"{type(self.aio_env).__name__}.run_slot must return a tt.Episode, got "
+                    f"{type(episode).__name__}"
+                )
+            return episode
+
+        limits = self.rollout_limits.within(slot.limits)
+        if limits.bounds_attempt:
+            episode = await self._bounded_slot(slot, limits, run)
+        else:
+            episode = await run()
         return await complete_slot(slot, episode, on_complete)
+
+    async def _bounded_slot(
+        self, slot: RunSlot[TaskT], limits: RolloutLimits, run: Callable[[], Awaitable[Episode]]
+    ) -> Episode:
+        """The asyncio `run_slot` (`run`) under `limits`, one call per attempt: its own
+        episode, or one the bridge records (a cut scored, a timeout or a stall as its error),
+        with the errors of the attempts before it."""
+        task = slot.task
+        began = trio.current_time()
+        waits = Waits()
+        errors: list[EpisodeError] = []
+        attempt = 0
+        while True:
+            attempt += 1
+            draft = Episode(
+                id=new_id(), task=EpisodeTask(task_key(task), task_data(task)),
+                rollout=slot.rollout,
+            )  # fmt: skip
+
+            cut = functools.partial(self._scored_cut, draft, task, attempt)
+            try:
+                episode = await run_within(limits, waits, run, _same, cut, draft.count)
+            except (RolloutTimeoutError, StalledError) as exc:
+                errors.append(EpisodeError.of(exc, attempt))
+                if not self.retries.should_retry(exc, attempt):
+                    return _recorded(draft, errors, attempt, slot, began, waits)
+                with observe_calls(waits), parked("retry"):
+                    await trio.sleep(self.retries.delay(attempt))
+                continue
+            if episode is draft:  # cut at its working limit: the bridge's own record
+                return _recorded(draft, errors + draft.errors, attempt, slot, began, waits)
+            if errors:
+                episode.errors[:0] = errors
+                episode.attempts += len(errors)
+            return episode
+
+    async def _scored_cut(
+        self, draft: Episode, task: TaskT, attempt: int, replies: list[Completion]
+    ) -> Episode:
+        """`draft` as the episode of an attempt cut at its working limit: scored on the
+        last reply it had received (a failed episode if the reward raises)."""
+        draft.stop_reason = "working_limit"
+        draft.turns = len(replies)
+        draft.tool_calls = sum(len(reply.tool_calls) for reply in replies)
+        draft.completion = cut_completion(replies)
+        draft.messages = partial_messages(task, replies)
+        try:
+            draft.reward, draft.metrics = split_score(await self.score(task, draft.completion))
+        except Exception as exc:
+            draft.errors.append(EpisodeError.of(exc, attempt))
+        else:
+            draft.ok = True
+        return draft
+
+
+async def _same(episode: Episode) -> Episode:
+    return episode
+
+
+def _recorded(
+    episode: Episode,
+    errors: list[EpisodeError],
+    attempts: int,
+    slot: RunSlot[Any],
+    began: float,
+    waits: Waits,
+) -> Episode:
+    """`episode`, recorded by the bridge: its errors, attempts and timing, as
+    `Env.run_slot` records them."""
+    episode.errors = errors
+    episode.attempts = attempts
+    duration = trio.current_time() - began
+    episode.timing = {
+        "started": slot.started if slot.started is not None else time.time(),
+        "finished": time.time(),
+        "duration": duration,
+        "waited_connection": waits.connection,
+        "waited_rate": waits.rate,
+        "working": duration - waits.parked_so_far(),
+    }
+    return episode
 
 
 def bridge_env(
-    aio_env: Any, *, reward: Reward | None = None, retries: RetryPolicy | None = None
+    aio_env: Any,
+    *,
+    reward: Reward | None = None,
+    retries: RetryPolicy | None = None,
+    rollout_limits: RolloutLimits | None = None,
 ) -> BridgedEnv[Any]:
     """A `tt.Env` that runs `aio_env`, an asyncio env, under trio (with trio-asyncio).
 
     `aio_env` follows the asyncio env protocol (module docstring): a `taskset`, and optionally
-    `rollout`, `run_slot`, `score`, `serving`, `retries`. The result is driven like any env:
+    `rollout`, `run_slot`, `score`, `serving`, `retries`; `rollout_limits` bound its episodes as
+    `tt.Env`'s (its own `run_slot` included). The result is driven like any env:
     `tt.run_eval(env, ctx, config)`, or `async with env.serving(), env.taskset.channel() as
     tasks:` then `env.run_slot(slot, ctx)` per task. Raises `TypeError` for an object that is not
     an asyncio env, `TrioAsyncioUnavailable` where trio-asyncio cannot import (Python 3.14).
     For the served path, declare a `BridgedEnv` subclass at module level instead.
     """
     trio_asyncio_module()
-    return BridgedEnv(aio_env=aio_env, reward=reward, retries=retries)
+    return BridgedEnv(
+        aio_env=aio_env, reward=reward, retries=retries, rollout_limits=rollout_limits
+    )

@@ -24,9 +24,10 @@ import attrs
 import orjson
 import trio
 
-from .._core.tasksets import Task
+from .._core.exceptions import ConfigError
+from .._core.tasksets import Task, Taskset
 from .._env.env import task_data, task_key
-from .._env.spec import Declaration, taskset_arg
+from .._env.spec import TASK_FIELDS, Declaration, rebuild_task, taskset_arg
 from ..worker import EntryRefused, MalformedEntry
 from ._resp import Address
 
@@ -83,8 +84,6 @@ ROWS_FIELD = "rows"
 REFUSED_FIELD = "refused"
 """In a reply stream: a worker refused the entry named by `entry`, for this reason."""
 
-_TASK_DATA = frozenset({"prompt", "answer", "info", "system_prompt"})
-
 
 # --- tasks as entries ------------------------------------------------------------------------
 
@@ -133,7 +132,7 @@ def encode_task(task: Any, *, any_data: bool = False) -> bytes:
     key = task_key(task)
     data = task_data(task)
     if not any_data:
-        extra = sorted(set(data) - _TASK_DATA)
+        extra = sorted(set(data) - TASK_FIELDS)
         if "prompt" not in data or extra:
             detail = f"fields beyond tt.Task's: {extra}" if extra else "no prompt"
             raise TypeError(
@@ -202,22 +201,16 @@ def deadline_field() -> str | None:
 
 
 def plain_task(delivery: Delivery) -> RedisTask:
-    """The `RedisTask` a delivery holds; MalformedEntry unless its data is tt.Task-shaped."""
-    data, entry = delivery.data, delivery.entry
-    if "prompt" not in data:
-        raise MalformedEntry(f"entry {entry.id}: {TASK_FIELD!r} has no prompt")
-    if set(data) - _TASK_DATA:
-        raise MalformedEntry(
-            f"entry {entry.id}: unknown task fields {sorted(set(data) - _TASK_DATA)}"
+    """The `RedisTask` a delivery holds, rebuilt by the one task decoder (`rebuild_task`);
+    MalformedEntry unless its data is tt.Task-shaped."""
+    entry = delivery.entry
+    try:
+        task: RedisTask = rebuild_task(
+            Taskset, delivery.key, delivery.data, task_cls=RedisTask, entry=entry
         )
-    return RedisTask(
-        prompt=data["prompt"],
-        answer=data.get("answer"),
-        info=data.get("info") or {},
-        system_prompt=data.get("system_prompt"),
-        key=delivery.key,
-        entry=entry,
-    )
+    except (TypeError, ValueError) as exc:
+        raise MalformedEntry(f"entry {entry.id}: {exc}") from None
+    return task
 
 
 def decode_task(entry: EntryRef, fields: Fields | None) -> RedisTask:
@@ -229,19 +222,21 @@ def decode_task(entry: EntryRef, fields: Fields | None) -> RedisTask:
 
 
 def check_url(url: str) -> None:
-    """Raise ValueError, saying what is wrong, unless `url` is a Redis URL (`resp.Address`).
+    """Raise `ConfigError` (a ValueError) naming ``url``, saying what is wrong, unless `url`
+    is a Redis URL (`resp.Address`).
 
     Parses only: nothing connects.
     """
     if not isinstance(url, str) or not url.startswith(("redis://", "rediss://", "unix://")):
-        raise ValueError(
+        raise ConfigError(
             f"{url!r} is not a Redis URL: use redis://[[user]:password@]host[:port][/db], "
-            f"rediss://... (TLS) or unix:///path/to/redis.sock"
+            f"rediss://... (TLS) or unix:///path/to/redis.sock",
+            parameter="url",
         )
     try:
         Address.parse(url)
     except ValueError as exc:
-        raise ValueError(f"{url!r} is not a valid Redis URL: {exc}") from None
+        raise ConfigError(f"{url!r} is not a valid Redis URL: {exc}", parameter="url") from None
 
 
 def redact(url: str) -> str:

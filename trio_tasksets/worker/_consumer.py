@@ -15,8 +15,10 @@ What every worker does, whatever feeds it (`trio-tasksets worker` is this loop o
 * **Runs each entry in the user's env.** Its task is rebuilt as the env's taskset class
   does (`task_from_data`, else `tt.Task`); an entry declared for another env (its
   `Declaration` differs) is refused with the reason and the fix, never scored with the
-  wrong env. A slot runs under its entry's deadline (`run_by`); a group entry runs its
-  rollouts together (`run_group`, scored with the env's `score_group`) under it.
+  wrong env. A slot runs under its entry's deadline (`run_by`), and under the rollout limits
+  its declaration carries (the producer's env's, each tightening the worker's own:
+  `RunSlot.limits`); a group entry runs its rollouts together (`run_group`, scored with the
+  env's `score_group`) under them.
 * **Publishes what finishes together together**: one `queue.publish` for whatever is ready,
   at most one per millisecond; a group's rows in one `Finished`. Every row carries the
   consumer's name as `worker`.
@@ -53,6 +55,7 @@ from .._env.env import (
     EpisodeError,
     EpisodeTask,
     RetryPolicy,
+    RolloutLimits,
     RunSlot,
     WindowFeed,
     new_id,
@@ -120,10 +123,16 @@ class WorkerReport:
 
 @attrs.frozen
 class Claim:
-    """A claimed entry and the task rebuilt from it (of the env's own task type)."""
+    """A claimed entry, the task rebuilt from it (of the env's own task type), and the
+    rollout limits its declaration carries (None: none)."""
 
     entry: TaskEntry
     task: Any
+    limits: RolloutLimits | None = None
+
+    def slot(self, rollout: int) -> RunSlot[Any]:
+        """The slot of rollout `rollout` of the entry's task, under the entry's limits."""
+        return RunSlot(self.task, rollout, limits=self.limits)
 
 
 class _Claimed:
@@ -158,15 +167,17 @@ class Builder:
     def __init__(self, env: Env[Any] | None, ctx: ModelContext) -> None:
         self._env = env
         self._own = None if env is None else Declaration.of(env, ctx)
-        self._verdicts: dict[str, str | None] = {}  # a declaration as written -> why refused
+        # a declaration as written -> why refused (None: it is not), and its limits
+        self._verdicts: dict[str, tuple[str | None, RolloutLimits | None]] = {}
 
     def __call__(self, entry: TaskEntry) -> Claim:
+        limits = None
         if entry.declared is not None:
-            reason = self._verdict(entry.declared)
+            reason, limits = self._verdict(entry.declared)
             if reason is not None:
                 raise EntryRefused(f"entry {entry.id}: {reason}")
         if self._env is None:
-            return Claim(entry, plain_task(entry))
+            return Claim(entry, plain_task(entry), limits)
         taskset_cls = type(self._env.taskset)
         try:
             task = rebuild_task(taskset_cls, entry.key, entry.data)
@@ -180,16 +191,18 @@ class Builder:
         prompt = getattr(self._env.taskset.config, "system_prompt", None)
         if prompt is not None and hasattr(task, "with_system_prompt"):
             task = task.with_system_prompt(prompt)
-        return Claim(entry, task)
+        return Claim(entry, task, limits)
 
-    def _verdict(self, declared: str) -> str | None:
+    def _verdict(self, declared: str) -> tuple[str | None, RolloutLimits | None]:
         if declared in self._verdicts:
             return self._verdicts[declared]
+        limits = None
         try:
             theirs = Declaration.from_json(declared)
         except MalformedEntry as exc:
             reason: str | None = str(exc)
         else:
+            limits = theirs.limits
             if self._own is None:
                 reason = (
                     f"declared for taskset {theirs.taskset}, but this worker runs no TASKSET: "
@@ -198,8 +211,8 @@ class Builder:
             else:
                 reason = theirs.differs(self._own)
         if len(self._verdicts) < 64:  # a stream carries a few declarations, not thousands
-            self._verdicts[declared] = reason
-        return reason
+            self._verdicts[declared] = (reason, limits)
+        return reason, limits
 
 
 class _Plain(Taskset[Task, TasksetConfig]):
@@ -280,9 +293,9 @@ async def consume(
         entry = claim.entry
         try:
             if entry.group is None:
-                episodes = [await rollout(RunSlot(claim.task, entry.rollout), entry.deadline)]
+                episodes = [await rollout(claim.slot(entry.rollout), entry.deadline)]
             else:
-                slots = [RunSlot(claim.task, entry.rollout + i) for i in range(entry.rollouts)]
+                slots = [claim.slot(entry.rollout + i) for i in range(entry.rollouts)]
                 group = Group(claim.task, slots, id=entry.group)
                 episodes = await run_group_by(running_env, group, entry.deadline, rollout)
             for episode in episodes:

@@ -51,28 +51,25 @@ from typing import Any, Protocol, TypeVar, runtime_checkable
 import attrs
 
 from .._core.exceptions import ConfigError, MalformedEntry
-from .._core.tasksets import Task
+from .._core.tasksets import Task, Taskset
 from .._env.env import Episode
+from .._env.spec import rebuild_task
 
 __all__ = ["Finished", "TaskEntry", "TaskQueue", "plain_task"]
 
 T = TypeVar("T")
 
-_TASK_DATA = frozenset({"prompt", "answer", "info", "system_prompt"})
-
 
 def _positive(instance: object, attribute: attrs.Attribute[int], value: int) -> None:
     if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise ConfigError(
-            f"{{{attribute.name}}} must be an int >= 1, got {value!r}", parameter=attribute.name
-        )
+        name = attribute.name
+        raise ConfigError(f"{{{name}}} must be an int >= 1, got {value!r}", parameter=name)
 
 
 def _rollout(instance: object, attribute: attrs.Attribute[int], value: int) -> None:
     if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-        raise ConfigError(
-            f"{{{attribute.name}}} must be an int >= 0, got {value!r}", parameter=attribute.name
-        )
+        name = attribute.name
+        raise ConfigError(f"{{{name}}} must be an int >= 0, got {value!r}", parameter=name)
 
 
 @attrs.frozen
@@ -144,18 +141,11 @@ class TaskQueue(Protocol):
 
 
 def plain_task(entry: TaskEntry) -> Task:
-    """The `tt.Task` an entry holds; raises `MalformedEntry` unless its data is
+    """The `tt.Task` an entry holds, rebuilt by the one task decoder (`rebuild_task`, as
+    a served request's and an env's tasks are); raises `MalformedEntry` unless its data is
     tt.Task-shaped."""
-    data = entry.data
-    if "prompt" not in data:
-        raise MalformedEntry(f"entry {entry.id}: its task has no prompt")
-    unknown = sorted(set(data) - _TASK_DATA)
-    if unknown:
-        raise MalformedEntry(f"entry {entry.id}: unknown task fields {unknown}")
-    return Task(
-        prompt=data["prompt"],
-        answer=data.get("answer"),
-        info=data.get("info") or {},
-        system_prompt=data.get("system_prompt"),
-        key=entry.key,
-    )
+    try:
+        task: Task = rebuild_task(Taskset, entry.key, entry.data)
+    except (TypeError, ValueError) as exc:
+        raise MalformedEntry(f"entry {entry.id}: {exc}") from None
+    return task
