@@ -605,7 +605,7 @@ async def test_without_limits_each_attempt_still_reports_its_outcome(server: Cha
 
 
 # ---------------------------------------------------------------------------------------
-# Token ids and logprobs (SPEC 10; the happy path against vLLM's shape: tests/test_tokens.py)
+# Token ids and logprobs, for a trainer (the happy path against vLLM's shape: tests/test_tokens.py)
 # ---------------------------------------------------------------------------------------
 
 

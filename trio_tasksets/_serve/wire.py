@@ -214,7 +214,7 @@ class RunRequestEncoder:
     def encode(self, slot: RunSlot[Any], ctx: ModelContext) -> bytes:
         """The JSON body of `POST /run` for `slot` under `ctx`; called in a trio task with
         a finite `trio.current_effective_deadline()`, it carries the seconds left as
-        `time_left` (SPEC 12: the server runs the episode under it)."""
+        `time_left` (the server runs the episode under it: deadlines travel)."""
         task = slot.task
         try:
             ctx_json = self._ctx_json(ctx)

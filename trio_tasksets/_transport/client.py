@@ -36,6 +36,7 @@ import attrs
 import h11
 import trio
 
+from .._core.exceptions import ConfigError
 from .connection import (
     Connection,
     RequestHead,
@@ -120,7 +121,8 @@ class HTTPClient:
     (`trio_tasksets._transport.memory`); the timeouts and the size limit still apply.
 
     Use ``async with`` or `aclose`: idle connections close at once, busy ones when their
-    request ends."""
+    request ends. A bad option raises `ConfigError` naming it (a proxy setting it cannot
+    use: `UnsupportedProxy`, one)."""
 
     def __init__(
         self,
@@ -137,13 +139,25 @@ class HTTPClient:
         handler: Handler | None = None,
     ) -> None:
         if max_connections is not None and max_connections < 1:
-            raise ValueError(f"max_connections must be >= 1 or None, got {max_connections!r}")
+            raise ConfigError(
+                f"{{max_connections}} must be >= 1 or None, got {max_connections!r}",
+                parameter="max_connections",
+            )
         if not keepalive_expiry >= 0:
-            raise ValueError(f"keepalive_expiry must be >= 0 seconds, got {keepalive_expiry!r}")
+            raise ConfigError(
+                f"{{keepalive_expiry}} must be >= 0 seconds, got {keepalive_expiry!r}",
+                parameter="keepalive_expiry",
+            )
         if max_response_bytes < 1:
-            raise ValueError(f"max_response_bytes must be >= 1, got {max_response_bytes!r}")
+            raise ConfigError(
+                f"{{max_response_bytes}} must be >= 1, got {max_response_bytes!r}",
+                parameter="max_response_bytes",
+            )
         if ca_bundle is not None and ssl_context is not None:
-            raise ValueError("pass ca_bundle or ssl_context, not both")
+            raise ConfigError(
+                "pass {ca_bundle} or {ssl_context}, not both",
+                parameter=("ca_bundle", "ssl_context"),
+            )
         self.timeouts = timeouts if timeouts is not None else Timeouts()
         self.max_connections = max_connections
         self.keepalive_expiry = keepalive_expiry
