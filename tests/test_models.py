@@ -23,6 +23,7 @@ from chat_server import ChatServer, Reply
 from trio_tasksets._core.adaptive import AdaptiveBounds, Outcome
 from trio_tasksets._core.limits import CallObserver, EndpointLimits, observe_calls
 from trio_tasksets._models import (
+    ClientDescription,
     Completion,
     EchoClient,
     ModelClient,
@@ -35,8 +36,10 @@ from trio_tasksets._models import (
     OpenAIClient,
     Sampling,
     api_key_from_env,
+    describe,
 )
 from trio_tasksets._transport import ConnectError, HTTPClient, parse_retry_after
+from trio_tasksets.testing import ScriptedClient
 
 # ---------------------------------------------------------------------------------------
 # The scripted OpenAI-compatible server
@@ -658,3 +661,58 @@ async def test_every_model_client_closes_on_leaving_its_block(client: Any) -> No
             raise KeyError("boom")
     assert closed == [True, True]
     await real()  # idempotent
+
+
+# ---------------------------------------------------------------------------------------
+# What a client says of itself (`describe`): what the rest of the package asks instead of
+# its class
+# ---------------------------------------------------------------------------------------
+
+
+def test_an_openai_client_describes_its_endpoint_key_and_headers_by_name() -> None:
+    limits = EndpointLimits(connections=4)
+    client = OpenAIClient(
+        "http://127.0.0.1:9/v1", "sk-secret", timeout=7.0, headers={"X-Org": "org-secret"},
+        limits=limits,
+    )  # fmt: skip
+    found = describe(client)
+    assert found.endpoints == ("http://127.0.0.1:9/v1",)
+    assert (found.limits, found.api_key) == (limits, "sk-secret")
+    assert found.headers == frozenset({"X-Org"})
+    assert found.travel == {
+        "type": "openai", "base_url": "http://127.0.0.1:9/v1", "timeout": 7.0,
+        "max_retries": 3, "backoff": 0.5, "max_backoff": 30.0,
+    }  # fmt: skip
+    assert "secret" not in repr(found)  # neither the key nor a header's value
+    assert found.endpoint_stats is None
+    assert found.engine_metrics is None
+
+
+def test_a_client_over_many_endpoints_describes_them_and_its_figures() -> None:
+    urls = ["http://127.0.0.1:9/v1", "http://127.0.0.1:10/v1"]
+    client = OpenAIClient(urls, engine_metrics=["http://127.0.0.1:9/metrics", None])
+    found = describe(client)
+    assert found.endpoints == tuple(urls)
+    assert found.travel is not None
+    assert found.travel["base_urls"] == urls
+    assert found.endpoint_stats is not None
+    assert set(found.endpoint_stats() or {}) == set(urls)
+    assert found.engine_metrics is not None
+    assert found.limits is client.limits is not None  # the pool's windows per endpoint
+
+
+def test_the_offline_clients_and_any_other_describe_themselves_too() -> None:
+    assert describe(EchoClient(delay=0.5)).travel == {"type": "echo", "delay": 0.5}
+    scripted = describe(ScriptedClient(["hi"]))
+    assert (scripted.endpoints, scripted.limits, scripted.travel) == ((), None, None)
+
+    class Plain:  # a ModelClient by its two methods alone: it says nothing
+        async def chat(self, *args: object, **kwargs: object) -> Completion:
+            return Completion("")
+
+        async def aclose(self) -> None:
+            pass
+
+    found = describe(Plain())
+    assert isinstance(found, ClientDescription)
+    assert (found.endpoints, found.api_key, found.travel) == ((), None, None)

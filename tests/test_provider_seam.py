@@ -37,7 +37,7 @@ from trio_tasksets._models import (
     describe,
 )
 from trio_tasksets._models.base import text_of
-from trio_tasksets._serve.wire import describe_client
+from trio_tasksets._serve.wire import OpenAISpec, describe_client
 from trio_tasksets._transport import HTTPClient
 
 KEY = "sk-ant-test"
@@ -353,3 +353,15 @@ def test_it_says_what_it_is_and_so_stays_in_process() -> None:
     assert KEY not in repr(found)
     with pytest.raises(TravelError, match="MessagesClient cannot travel"):
         describe_client(client)
+
+
+def test_the_headers_an_openai_client_sends_keep_it_in_process_by_name() -> None:
+    """The served path reads the header names from the description (never a value): a
+    client with its own headers cannot travel; its key travels as a variable's name."""
+    client = tt.OpenAIClient("http://127.0.0.1:9/v1", "sk-1", headers={"X-Org": "org-secret"})
+    with pytest.raises(TravelError, match=r"custom headers \(X-Org\)") as info:
+        describe_client(client)
+    assert "org-secret" not in str(info.value)
+    keyed = describe_client(tt.OpenAIClient("http://127.0.0.1:9/v1", "sk-1"), api_key_var="K")
+    assert isinstance(keyed, OpenAISpec)
+    assert keyed.api_key_var == "K"
