@@ -25,7 +25,7 @@ import pytest
 import trio
 
 import trio_tasksets as tt
-from trio_tasksets._core.adaptive import AdaptiveWindow, Outcome
+from trio_tasksets._core.adaptive import AdaptiveBounds, AdaptiveWindow, Outcome
 from trio_tasksets._core.limits import CallObserver, EndpointLimits, observe_calls
 from trio_tasksets._env.spec import TravelError
 from trio_tasksets._models import (
@@ -365,3 +365,20 @@ def test_the_headers_an_openai_client_sends_keep_it_in_process_by_name() -> None
     keyed = describe_client(tt.OpenAIClient("http://127.0.0.1:9/v1", "sk-1"), api_key_var="K")
     assert isinstance(keyed, OpenAISpec)
     assert keyed.api_key_var == "K"
+
+
+async def test_the_report_reads_its_limits_from_what_it_says(
+    messages: MessagesServer, tmp_path: Path
+) -> None:
+    """The run's record and summary take the client's limits from its description: an
+    adaptive bound on its connections is recorded, and its history kept per endpoint."""
+    messages.delay = 0.02
+    limits = EndpointLimits(connections=AdaptiveBounds(1, 2, 4))
+    config = tt.EvalConfig(output_dir=str(tmp_path), run_name="run", dashboard=False)
+    async with MessagesClient(messages.url, KEY, limits=limits) as client:
+        result = await tt.run_eval(tt.Env(Say()), tt.ModelContext(client, "claude-x"), config)
+    assert result.summary["ok"] == 24
+    recorded = json.loads((tmp_path / "run" / "config.json").read_text())
+    assert recorded["limits"]["max_connections"] == "1-2-4"
+    assert list(result.summary["connection_history"]) == [f"{messages.url}/v1/messages"]
+    assert messages.peak <= 4
