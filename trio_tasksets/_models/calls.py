@@ -82,15 +82,18 @@ def _record(
     report_outcome(outcome, retry_after=retry_after, latency=latency)
 
 
-def check_settings(timeout: float, max_retries: int) -> None:
-    """`ConfigError` naming ``timeout`` (seconds, > 0) or ``max_retries`` (>= 0) when it is
-    out of range."""
+def check_settings(timeout: float, max_retries: int, backoff: float, max_backoff: float) -> None:
+    """`ConfigError` naming ``timeout`` (seconds, > 0), ``max_retries`` (>= 0), ``backoff``
+    or ``max_backoff`` (seconds, >= 0) when it is out of range."""
     if not timeout > 0:
         raise ConfigError(f"{{timeout}} must be > 0, got {timeout!r}", parameter="timeout")
     if max_retries < 0:
         raise ConfigError(
             f"{{max_retries}} must be >= 0, got {max_retries!r}", parameter="max_retries"
         )
+    for name, value in (("backoff", backoff), ("max_backoff", max_backoff)):
+        if not value >= 0:
+            raise ConfigError(f"{{{name}}} must be >= 0, got {value!r}", parameter=name)
 
 
 class EndpointCalls:
@@ -120,12 +123,12 @@ class EndpointCalls:
         limits: EndpointLimits | None = None,
         limits_key: Hashable | None = None,
     ) -> None:
-        check_settings(timeout, max_retries)
+        check_settings(timeout, max_retries, backoff, max_backoff)
         self.http = http
         self.url = url
         self.timeout = timeout
         self.max_retries = max_retries
-        self.backoff = Backoff(backoff, max_backoff)  # ConfigError naming a bad one
+        self.backoff = Backoff(backoff, max_backoff)
         self.limits = limits
         self.limits_key: Hashable = url if limits_key is None else limits_key
         self.throttled = 0

@@ -147,10 +147,7 @@ class OpenAIClient(ModelClientBase):
         self.engine_metrics: EngineMetrics | None = (
             EngineMetrics(only) if isinstance(only, str) else only
         )
-        check_settings(timeout, max_retries)
-        for name, value in (("backoff", backoff), ("max_backoff", max_backoff)):
-            if not value >= 0:
-                raise ConfigError(f"{{{name}}} must be >= 0, got {value!r}", parameter=name)
+        check_settings(timeout, max_retries, backoff, max_backoff)
         self.base_url = base_url
         self.url = base_url.rstrip("/") + "/chat/completions"
         self.backoff = backoff
