@@ -23,7 +23,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
 import trio
@@ -33,7 +33,8 @@ import trio_tasksets._eval.run as eval_run
 import trio_tasksets._models.base as models_base
 from trio_tasksets._core.health import Health
 from trio_tasksets._core.limits import report_progress
-from trio_tasksets._transport import HTTPClient, Timeouts
+from trio_tasksets._models.calls import EndpointCalls
+from trio_tasksets._transport import Timeouts
 
 from .common import env_info, markdown_table
 
@@ -50,21 +51,30 @@ class _NoHealth(Health):
         await trio.sleep_forever()
 
 
+class _Before(EndpointCalls):
+    """`EndpointCalls` before deadlines travelled: every attempt with its own timeouts."""
+
+    async def _post(
+        self, body: bytes, headers: Mapping[str, str]
+    ) -> tuple[int, bytes, float | None, bool]:
+        t = self.timeout
+        response = await self.http.request(
+            "POST", self.url, headers=headers, body=body,
+            timeouts=Timeouts(connect=t, read=t, write=t),
+        )  # fmt: skip
+        return response.status, response.body, response.retry_after, False  # not a rate 429
+
+
 class _Today(tt.OpenAIClient):
-    """`OpenAIClient` before deadlines travelled: every attempt with its own timeouts."""
+    """`OpenAIClient` before deadlines travelled (its calls through `_Before`)."""
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
-        t = self.timeout
-        self._timeouts = Timeouts(connect=t, read=t, write=t)
-
-    async def _post(self, body: bytes) -> tuple[int, bytes, float | None, bool]:
-        client = self._client()
-        assert isinstance(client, HTTPClient)
-        response = await client.request(
-            "POST", self.url, headers=self._headers, body=body, timeouts=self._timeouts
-        )
-        return response.status, response.body, response.retry_after, False  # not a rate 429
+        calls = self._calls
+        self._calls = _Before(
+            calls.http, calls.url, timeout=calls.timeout, max_retries=calls.max_retries,
+            limits=calls.limits, limits_key=calls.limits_key,
+        )  # fmt: skip
 
 
 def _quiet(kind: str = "tool") -> None:

@@ -5,8 +5,9 @@
 One test talks to a real model server on 127.0.0.1 (the suite's fake, the `chat` fixture, on
 the real clock). The others run
 on virtual time, where the spacing of calls can be asserted exactly: there the model server
-is an `httpx.MockTransport` handler given to `OpenAIClient(http_client=...)` (a real server
-cannot run on a MockClock), so everything from `OpenAIClient.chat` up is the real code.
+is a handler answering in memory, `OpenAIClient(http_client=tt.HTTPClient(handler=...))` (a
+real server cannot run on a MockClock), so everything from `OpenAIClient.chat` up is the real
+code.
 """
 
 from __future__ import annotations
@@ -17,7 +18,6 @@ from pathlib import Path
 from typing import Any
 
 import attrs
-import httpx
 import pytest
 import trio
 from chat_server import ChatServer
@@ -26,6 +26,7 @@ from trio.testing import MockClock
 import trio_tasksets as tt
 from trio_tasksets._core.adaptive import AdaptiveBounds, AdaptiveWindow
 from trio_tasksets._core.limits import EndpointLimits
+from trio_tasksets._transport import Request, Response
 
 
 class Calls(tt.Taskset[tt.Task, tt.TasksetConfig]):
@@ -107,7 +108,7 @@ async def test_the_adaptive_window_converges_on_a_real_servers_capacity(
 
 @attrs.define
 class Scripted:
-    """An `httpx.MockTransport` handler on trio's clock: answers after `latency` seconds,
+    """A handler answering in memory on trio's clock: answers after `latency` seconds,
     429 above `capacity` calls at once (with `Retry-After`), `usage` as given; notes when
     each request arrived and the most in flight."""
 
@@ -119,21 +120,22 @@ class Scripted:
     peak: int = 0
     limited: int = 0
 
-    async def __call__(self, request: httpx.Request) -> httpx.Response:
+    async def __call__(self, request: Request) -> Response:
         self.arrived.append(trio.current_time())
         if self.capacity is not None and self.active >= self.capacity:
             self.limited += 1
-            return httpx.Response(429, json={"error": "busy"}, headers={"retry-after": "1"})
+            return Response(429, [(b"retry-after", b"1")], json.dumps({"error": "busy"}).encode())
         self.active += 1
         self.peak = max(self.peak, self.active)
         try:
             await trio.sleep(self.latency)
         finally:
             self.active -= 1
-        return httpx.Response(200, json=reply(self.usage))
+        return Response(200, [(b"content-type", b"application/json")],
+                        json.dumps(reply(self.usage)).encode())  # fmt: skip
 
     def client(self, **kw: Any) -> tt.OpenAIClient:
-        http = httpx.AsyncClient(transport=httpx.MockTransport(self))
+        http = tt.HTTPClient(handler=self)
         return tt.OpenAIClient("http://model.invalid/v1", http_client=http, **kw)
 
 

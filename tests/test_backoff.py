@@ -57,6 +57,6 @@ def test_every_retry_loop_uses_the_one_formula() -> None:
     policy = tt.RetryPolicy(max_retries=5, backoff=0.25, max_backoff=4.0)
     assert _draws(policy.delay, 3) == _draws(Backoff(0.25, 4.0).delay, 3)
     client = tt.OpenAIClient("http://127.0.0.1:1/v1", backoff=0.25, max_backoff=4.0)
-    assert _draws(client._retry_delay, 2, None) == _draws(Backoff(0.25, 4.0).delay, 3)
-    assert client._retry_delay(0, 9.0) == 4.0  # Retry-After, capped
+    assert _draws(client._calls.retry_delay, 2, None) == _draws(Backoff(0.25, 4.0).delay, 3)
+    assert client._calls.retry_delay(0, 9.0) == 4.0  # Retry-After, capped
     assert _draws(link.REDIS_BACKOFF.delay, 4) == _draws(Backoff(0.1, 3.0, 0.5).delay, 4)

@@ -1,4 +1,4 @@
-"""A dead endpoint is found before the run spends its slots (SPEC 12): against a refused
+"""A dead endpoint is found before the run spends its slots: against a refused
 port, a name that does not resolve, a TLS server it cannot trust, or a 401/403 on the first
 calls, the eval ends within 5 s with at most `-c` failed rows, exit 1 and the fix; a
 transient failure of an endpoint that has answered does not end it. Real servers on

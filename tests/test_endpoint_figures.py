@@ -1,4 +1,4 @@
-"""Per-endpoint figures (issue 23, SPEC 11): the dashboard's row per endpoint, and
+"""Per-endpoint figures (issue 23): the dashboard's row per endpoint, and
 `--engine-metrics` with repeated `--base-url` on `worker` and `serve`.
 
 The engines are `tests/fixtures/engine.py`'s simulated continuous-batching engines on

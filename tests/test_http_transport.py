@@ -27,7 +27,7 @@ from hypothesis import strategies as st
 
 import trio_tasksets._transport.client as http_transport
 import trio_tasksets._transport.connection as http_wire
-from trio_tasksets._models import ModelResponseError, OpenAIClient, Sampling
+from trio_tasksets._models import ModelConnectionError, ModelResponseError, OpenAIClient, Sampling
 from trio_tasksets._transport.client import (
     ConnectError,
     ConnectionClosed,
@@ -37,6 +37,8 @@ from trio_tasksets._transport.client import (
     HTTPTimeout,
     ProtocolError,
     ProxyError,
+    Request,
+    Response,
     ResponseTooLarge,
     Timeouts,
     UnsupportedProxy,
@@ -1010,3 +1012,81 @@ def test_both_paths_return_a_complete_response_whatever_bytes_follow_it(
     raw, (status, headers, content, keep) = complete
     for result in _read_on_both_paths(raw + after):
         assert result == (status, headers, content, keep and not after)
+
+
+# --- answering in memory: HTTPClient(handler=...) ---------------------------------------------
+
+
+async def test_a_handler_sees_the_request_as_it_would_be_sent() -> None:
+    seen: list[Request] = []
+
+    def handler(request: Request) -> Response:
+        seen.append(request)
+        return Response(201, [(b"x-n", b"1")], b"made")
+
+    async with HTTPClient(handler=handler, headers={"X-Base": "b"}) as http:
+        response = await http.request(
+            "POST",
+            "http://model.invalid/v1/x",
+            headers={"X-Own": "o", "x-base": "mine"},
+            body=b"{}",
+        )
+        assert http.stats.opened == 0  # no socket
+    assert (response.status, response.body, response.header("x-n")) == (201, b"made", "1")
+    assert response.url == "http://model.invalid/v1/x"  # filled in from the request
+    (request,) = seen
+    assert (request.method, request.url, request.body) == (
+        "POST",
+        "http://model.invalid/v1/x",
+        b"{}",
+    )
+    assert request.header("user-agent") == "trio-tasksets"  # the client's defaults
+    assert request.header("X-Own") == "o"
+    assert request.header("x-base") == "mine"  # a request's own header wins
+
+
+async def test_a_late_handler_runs_into_the_timeouts(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    async def slow(request: Request) -> Response:
+        await trio.sleep(100)
+        return Response(200)
+
+    async with HTTPClient(handler=slow, timeouts=Timeouts(read=3.0)) as http:
+        start = trio.current_time()
+        with pytest.raises(HTTPTimeout, match=r"read timeout \(3s\)") as info:
+            await http.request("GET", "http://model.invalid/")
+        assert trio.current_time() - start == pytest.approx(3.0)
+        assert info.value.phase == "read"
+        with pytest.raises(HTTPTimeout, match="total") as info:
+            await http.request("GET", "http://model.invalid/", timeouts=Timeouts(total=1.5))
+        assert info.value.timeout == 1.5
+
+
+async def test_a_handlers_body_is_decoded_and_held_to_the_size_limit() -> None:
+    def gzipped(request: Request) -> Response:
+        return Response(200, [(b"content-encoding", b"gzip")], gzip.compress(b"a" * 2000))
+
+    async with HTTPClient(handler=gzipped) as http:
+        assert (await http.request("GET", "http://model.invalid/")).body == b"a" * 2000
+    async with HTTPClient(handler=gzipped, max_response_bytes=1000) as http:
+        with pytest.raises(ResponseTooLarge):
+            await http.request("GET", "http://model.invalid/")
+
+
+async def test_a_handler_must_answer_with_a_response_and_its_errors_propagate() -> None:
+    def wrong(request: Request) -> Any:
+        return b"not a response"
+
+    def refused(request: Request) -> Response:
+        raise ConnectError("refused (in memory)", url=request.url)
+
+    async with HTTPClient(handler=wrong) as http:
+        with pytest.raises(TypeError, match="must return a Response, got bytes"):
+            await http.request("GET", "http://model.invalid/")
+    async with HTTPClient(handler=refused) as http:
+        with pytest.raises(ValueError, match="absolute"):
+            await http.request("GET", "/relative")
+        client = OpenAIClient("http://model.invalid/v1", http_client=http, max_retries=2, backoff=0)
+        with pytest.raises(ModelConnectionError, match=r"refused \(in memory\) \(3 attempts\)"):
+            await client.chat([{"role": "user", "content": "hi"}], model="m", sampling=Sampling())

@@ -15,7 +15,6 @@ from functools import partial
 from typing import Any
 
 import attrs
-import httpx
 import pytest
 import trio
 import trio.testing
@@ -24,6 +23,7 @@ from chat_server import ChatServer, Reply
 from trio_tasksets._core.adaptive import AdaptiveBounds, Outcome
 from trio_tasksets._core.limits import CallObserver, EndpointLimits, observe_calls
 from trio_tasksets._models import (
+    ClientDescription,
     Completion,
     EchoClient,
     ModelClient,
@@ -36,8 +36,10 @@ from trio_tasksets._models import (
     OpenAIClient,
     Sampling,
     api_key_from_env,
+    describe,
 )
-from trio_tasksets._transport import ConnectError, parse_retry_after
+from trio_tasksets._transport import ConnectError, HTTPClient, parse_retry_after
+from trio_tasksets.testing import ScriptedClient
 
 # ---------------------------------------------------------------------------------------
 # The scripted OpenAI-compatible server
@@ -232,7 +234,7 @@ def test_api_key_from_env_missing(monkeypatch: pytest.MonkeyPatch, value: str | 
     with pytest.raises(ValueError, match="TT_TEST_KEY") as info:
         api_key_from_env("TT_TEST_KEY")
     assert "export TT_TEST_KEY=" in str(info.value)
-    assert "--api-key-var" in str(info.value)
+    assert "--" not in str(info.value)  # the library names no flag (the CLI adds its own)
 
 
 # ---------------------------------------------------------------------------------------
@@ -258,11 +260,11 @@ def test_retry_delay_full_jitter_capped() -> None:
     client = OpenAIClient("http://x/v1", backoff=1.0, max_backoff=5.0)
     for retry in range(8):
         cap = min(5.0, 2.0**retry)
-        delays = [client._retry_delay(retry, None) for _ in range(50)]
+        delays = [client._calls.retry_delay(retry, None) for _ in range(50)]
         assert all(0.0 <= d <= cap for d in delays)
-    assert max(client._retry_delay(10, None) for _ in range(200)) > 2.5  # jitter spans range
-    assert client._retry_delay(0, 3.0) == 3.0  # Retry-After wins over jitter
-    assert client._retry_delay(0, 60.0) == 5.0  # ... capped by max_backoff
+    assert max(client._calls.retry_delay(10, None) for _ in range(200)) > 2.5  # jitter spans range
+    assert client._calls.retry_delay(0, 3.0) == 3.0  # Retry-After wins over jitter
+    assert client._calls.retry_delay(0, 60.0) == 5.0  # ... capped by max_backoff
 
 
 def test_openai_client_validates_arguments() -> None:
@@ -491,7 +493,7 @@ async def test_openai_cancellation_during_backoff(server: ChatServer) -> None:
 
 
 async def test_openai_external_http_client_left_open(server: ChatServer) -> None:
-    async with httpx.AsyncClient() as http:
+    async with HTTPClient() as http:
         client = OpenAIClient(server.url, http_client=http)
         result = await client.chat(MESSAGES, model="m", sampling=Sampling())
         await client.aclose()
@@ -606,7 +608,7 @@ async def test_without_limits_each_attempt_still_reports_its_outcome(server: Cha
 
 
 # ---------------------------------------------------------------------------------------
-# Token ids and logprobs (SPEC 10; the happy path against vLLM's shape: tests/test_tokens.py)
+# Token ids and logprobs, for a trainer (the happy path against vLLM's shape: tests/test_tokens.py)
 # ---------------------------------------------------------------------------------------
 
 
@@ -659,3 +661,58 @@ async def test_every_model_client_closes_on_leaving_its_block(client: Any) -> No
             raise KeyError("boom")
     assert closed == [True, True]
     await real()  # idempotent
+
+
+# ---------------------------------------------------------------------------------------
+# What a client says of itself (`describe`): what the rest of the package asks instead of
+# its class
+# ---------------------------------------------------------------------------------------
+
+
+def test_an_openai_client_describes_its_endpoint_key_and_headers_by_name() -> None:
+    limits = EndpointLimits(connections=4)
+    client = OpenAIClient(
+        "http://127.0.0.1:9/v1", "sk-secret", timeout=7.0, headers={"X-Org": "org-secret"},
+        limits=limits,
+    )  # fmt: skip
+    found = describe(client)
+    assert found.endpoints == ("http://127.0.0.1:9/v1",)
+    assert (found.limits, found.api_key) == (limits, "sk-secret")
+    assert found.headers == frozenset({"X-Org"})
+    assert found.travel == {
+        "type": "openai", "base_url": "http://127.0.0.1:9/v1", "timeout": 7.0,
+        "max_retries": 3, "backoff": 0.5, "max_backoff": 30.0,
+    }  # fmt: skip
+    assert "secret" not in repr(found)  # neither the key nor a header's value
+    assert found.endpoint_stats is None
+    assert found.engine_metrics is None
+
+
+def test_a_client_over_many_endpoints_describes_them_and_its_figures() -> None:
+    urls = ["http://127.0.0.1:9/v1", "http://127.0.0.1:10/v1"]
+    client = OpenAIClient(urls, engine_metrics=["http://127.0.0.1:9/metrics", None])
+    found = describe(client)
+    assert found.endpoints == tuple(urls)
+    assert found.travel is not None
+    assert found.travel["base_urls"] == urls
+    assert found.endpoint_stats is not None
+    assert set(found.endpoint_stats() or {}) == set(urls)
+    assert found.engine_metrics is not None
+    assert found.limits is client.limits is not None  # the pool's windows per endpoint
+
+
+def test_the_offline_clients_and_any_other_describe_themselves_too() -> None:
+    assert describe(EchoClient(delay=0.5)).travel == {"type": "echo", "delay": 0.5}
+    scripted = describe(ScriptedClient(["hi"]))
+    assert (scripted.endpoints, scripted.limits, scripted.travel) == ((), None, None)
+
+    class Plain:  # a ModelClient by its two methods alone: it says nothing
+        async def chat(self, *args: object, **kwargs: object) -> Completion:
+            return Completion("")
+
+        async def aclose(self) -> None:
+            pass
+
+    found = describe(Plain())
+    assert isinstance(found, ClientDescription)
+    assert (found.endpoints, found.api_key, found.travel) == ((), None, None)

@@ -34,6 +34,9 @@ class Refusing(tt.EchoClient):
         super().__init__()
         self.status = status
 
+    def describe(self) -> tt.ClientDescription:
+        return tt.ClientDescription(endpoints=(self.base_url,))
+
     async def chat(self, messages: list[dict[str, Any]], **kw: Any) -> tt.Completion:
         raise tt.ModelHTTPError("the endpoint said no", url=self.base_url, status=self.status)
 

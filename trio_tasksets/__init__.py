@@ -5,8 +5,9 @@ The flat public API (every name the docs use): the runner (`run_stream`,
 `Taskset`, the built-in `EchoTaskset` and `EchoStreamTaskset`; the loaders `JsonlTaskset`,
 `CsvTaskset`, `HFTaskset`), envs and models (`Env`, `RunSlot`, `Episode`, `RetryPolicy`,
 `Sampling`, `ModelContext`, `Completion`, `ToolCall`, `EchoClient`, `OpenAIClient` and its
-`HTTPClient`, the model errors, `chat_messages`), agents (`tool`, `Tool`, `ToolEnv`,
-`fan_out`), windows and limits on model calls (`Window`, `AdaptiveWindow`, `AdaptiveBounds`,
+`HTTPClient` (`Request`, `Response`), the model errors, `chat_messages`; for a client of
+another provider `ModelClientBase`, `ClientDescription`, `EndpointCalls`), agents (`tool`,
+`Tool`, `ToolEnv`, `fan_out`), windows and limits on model calls (`Window`, `AdaptiveWindow`, `AdaptiveBounds`,
 `EndpointLimits`, `RateLimiter`; for a model client of your own `report_outcome`, `rest`,
 `observe_calls`; for a tool runner `parked`, `report_progress`; `sticky` to keep calls on one
 endpoint), groups for training (`Group`, `group_feed`, `run_group`, `GroupFailedError`,
@@ -73,9 +74,12 @@ from ._env.groups import Group, GroupFailedError, group_feed, run_group
 from ._eval import EvalConfig, EvalConfigError, EvalResult, run_eval
 from ._eval.rescore import rescore
 from ._models import (
+    ClientDescription,
     Completion,
     EchoClient,
+    EndpointCalls,
     ModelClient,
+    ModelClientBase,
     ModelConnectionError,
     ModelContext,
     ModelError,
@@ -91,13 +95,14 @@ from ._models import (
 from ._models.pool import sticky
 from ._report import report
 from ._serve import EnvClient, EnvServerError, ServedBackend, spawn_server
-from ._transport import HTTPClient, Timeouts
+from ._transport import HTTPClient, Request, Response, Timeouts
 from .tools import Tool, tool
 
 __all__ = [
     "AdaptiveBounds",
     "AdaptiveWindow",
     "CallObserver",
+    "ClientDescription",
     "Completion",
     "ConfigError",
     "ConfigTypeError",
@@ -108,6 +113,7 @@ __all__ = [
     "EchoStreamConfig",
     "EchoStreamTaskset",
     "EchoTaskset",
+    "EndpointCalls",
     "EndpointLimits",
     "Env",
     "EnvClient",
@@ -127,6 +133,7 @@ __all__ = [
     "JsonlConfig",
     "JsonlTaskset",
     "ModelClient",
+    "ModelClientBase",
     "ModelConnectionError",
     "ModelContext",
     "ModelError",
@@ -135,6 +142,8 @@ __all__ = [
     "ModelTimeoutError",
     "OpenAIClient",
     "RateLimiter",
+    "Request",
+    "Response",
     "RetryPolicy",
     "RolloutLimits",
     "RolloutTimeoutError",

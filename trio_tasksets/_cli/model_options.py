@@ -21,6 +21,7 @@ from .._models import (
     Sampling,
     api_key_from_env,
 )
+from .._models.calls import TIMEOUT
 from .._models.engine import EngineMetrics
 from .options import DEFAULT_API_KEY_VAR, UsageError, given, per_minute, window_option
 
@@ -54,7 +55,7 @@ def add_model_options(parser: argparse.ArgumentParser) -> argparse._ArgumentGrou
         "--timeout", type=float, default=None, metavar="S",
         help="bound each model request as a whole, from connecting to the reply's last byte, "
         "to S seconds (each retry has its own S; never past the rollout's deadline) "
-        "(default: 120)",
+        f"(default: {TIMEOUT:g})",
     )  # fmt: skip
     model.add_argument(
         "--temperature", type=float, default=None, metavar="T", help="sampling temperature >= 0 "
@@ -307,7 +308,7 @@ def model_context(
         raise UsageError(
             "--echo-delay applies to the echo model only", fix="drop it (or drop --base-url)"
         )
-    timeout = 120.0 if args.timeout is None else args.timeout
+    timeout = TIMEOUT if args.timeout is None else args.timeout
     if not timeout > 0:
         raise UsageError(f"--timeout must be > 0, got {timeout}")
     key = None

@@ -1,11 +1,15 @@
 """`Backoff`: the one wait-before-retry formula of the project (capped, jittered, exponential).
 
 Every retry loop sleeps `Backoff.delay(retry)` before retry number `retry` (1-based): whole
-episodes (`RetryPolicy`), model calls (`OpenAIClient`, which honours a server's Retry-After
-first) and Redis calls through an outage (`redis.link.Link`). The cap for retry k is
+episodes (`RetryPolicy`), model calls (`EndpointCalls`, the loop every HTTP model client
+shares, which honours a server's Retry-After first) and Redis calls through an outage
+(`redis.link.Link`). The cap for retry k is
 ``min(max, first * 2**(k-1))``; the wait is uniform in ``[cap * (1 - jitter), cap]``, so
 ``jitter=1`` is "full jitter" (uniform in [0, cap]: many clients retrying at once spread out
 most) and ``jitter=0`` waits the cap exactly.
+
+The defaults are written here once: `FIRST` and `MOST` (a `Backoff()`'s, an episode's
+`RetryPolicy`'s and a model client's), and `MODEL_RETRIES` (a model call's retries).
 """
 
 from __future__ import annotations
@@ -14,25 +18,41 @@ import random
 
 import attrs
 
-__all__ = ["Backoff"]
+from .exceptions import ConfigError
+
+__all__ = ["FIRST", "MODEL_RETRIES", "MOST", "Backoff"]
+
+FIRST = 0.5
+"""Seconds: the default cap of the first retry's wait (it doubles per retry)."""
+MOST = 30.0
+"""Seconds: the default longest wait, a server's Retry-After included."""
+MODEL_RETRIES = 3
+"""A model call's default retries after its first attempt (429, 5xx, no connection, timeout)."""
 
 
 def _seconds(instance: object, attribute: attrs.Attribute[float], value: float) -> None:
     if isinstance(value, bool) or not isinstance(value, int | float) or not value >= 0:
-        raise ValueError(f"{attribute.name} must be a number of seconds >= 0, got {value!r}")
+        raise ConfigError(
+            f"{{{attribute.name}}} must be a number of seconds >= 0, got {value!r}",
+            parameter=attribute.name,
+        )
 
 
 def _fraction(instance: object, attribute: attrs.Attribute[float], value: float) -> None:
     if isinstance(value, bool) or not isinstance(value, int | float) or not 0 <= value <= 1:
-        raise ValueError(f"{attribute.name} must be a fraction in [0, 1], got {value!r}")
+        raise ConfigError(
+            f"{{{attribute.name}}} must be a fraction in [0, 1], got {value!r}",
+            parameter=attribute.name,
+        )
 
 
 @attrs.frozen
 class Backoff:
-    """Capped exponential backoff with jitter; see the module docstring."""
+    """Capped exponential backoff with jitter; see the module docstring. A field out of
+    range raises `ConfigError` naming it."""
 
-    first: float = attrs.field(default=0.5, validator=_seconds)
-    max: float = attrs.field(default=30.0, validator=_seconds)
+    first: float = attrs.field(default=FIRST, validator=_seconds)
+    max: float = attrs.field(default=MOST, validator=_seconds)
     jitter: float = attrs.field(default=1.0, validator=_fraction)
 
     def cap(self, retry: int) -> float:

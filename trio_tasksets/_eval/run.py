@@ -46,9 +46,8 @@ from .._env.backend import DescribedBackend, GroupRunner, SlotBackend
 from .._env.env import Env, Episode, EpisodeError, RunSlot, WindowFeed
 from .._env.groups import Group, OpenGroups, cause_first, group_slots, run_group
 from .._env.traces import open_traces, write_atomic
-from .._models import ModelContext
+from .._models import ModelContext, describe
 from .._models.engine import EngineMetrics
-from .._models.openai import OpenAIClient
 from .._monitor import dashboard
 from .._report.stats import reward_interval
 from .config import (
@@ -183,8 +182,7 @@ def _waited(episodes: list[Episode]) -> dict[str, float]:
 
 def endpoint_limits(ctx: ModelContext) -> EndpointLimits | None:
     """The model client's `EndpointLimits` (an `OpenAIClient(limits=...)`), if it has any."""
-    limits = getattr(ctx.client, "limits", None)
-    return limits if isinstance(limits, EndpointLimits) else None
+    return describe(ctx.client).limits
 
 
 def endpoint_name(key: object) -> str:
@@ -203,8 +201,8 @@ def _histories(window: Window, ctx: ModelContext, t0: float) -> dict[str, Any]:
             endpoint_name(key): endpoint.history_since(t0)
             for key, endpoint in limits.connections.windows.items()
         }
-    stats = getattr(ctx.client, "endpoint_stats", None)
-    endpoints = stats() if callable(stats) else None
+    stats = describe(ctx.client).endpoint_stats
+    endpoints = stats() if stats is not None else None
     if endpoints:  # many --base-url: calls, errors, latency per endpoint
         found["endpoints"] = endpoints
     return found
@@ -320,9 +318,9 @@ def _record_of(
     env: Env[Any], ctx: ModelContext, config: EvalConfig, identity: dict[str, Any], run_dir: Path
 ) -> dict[str, Any]:
     """config.json: how to reproduce the run (and what it cost to start)."""
-    base_url = getattr(ctx.client, "base_url", None)
-    urls = getattr(ctx.client, "base_urls", None)
-    many = {"base_urls": urls} if isinstance(urls, list) and len(urls) > 1 else {}
+    urls = list(describe(ctx.client).endpoints)
+    base_url = urls[0] if urls else None
+    many = {"base_urls": urls} if len(urls) > 1 else {}
     skip = (*RECORD_FIELDS, *_BACKEND_FIELDS)
     settings = {k: v for k, v in parameter_values(config).items() if k not in skip}
     settings.update(_where(config.backend))
@@ -454,12 +452,10 @@ async def _run_eval(
     progress.carried = len(kept)
     health = Health()
     progress.health = health.lag_text
-    stats = getattr(ctx.client, "endpoint_stats", None)
-    progress.endpoints = stats if callable(stats) else None  # many --base-url: a row each
+    progress.endpoints = describe(ctx.client).endpoint_stats  # many --base-url: a row each
     tally = Tally(config.max_failures, config.max_consecutive_failures,
                   planned=None if streaming else planned)  # fmt: skip
-    urls = getattr(ctx.client, "base_urls", None) or [getattr(ctx.client, "base_url", None)]
-    named = [url for url in urls if isinstance(url, str)]  # many --base-url: every one
+    named = list(describe(ctx.client).endpoints)  # many --base-url: every one
     tally.unproven = named if named and not kept else None
     new: list[Episode] | None = None
     began = time.monotonic()
@@ -615,10 +611,10 @@ async def _execute(
                     nursery.start_soon(health.probe)
                     if config.engine_metrics is not None and isinstance(window, AdaptiveWindow):
                         nursery.start_soon(EngineMetrics(config.engine_metrics).feed, window)
-                    elif isinstance(ctx.client, OpenAIClient) and ctx.client.has_engine_metrics:
+                    elif (engines := describe(ctx.client).engine_metrics) is not None:
                         # The client's own (--engine-metrics with many --base-url): each
                         # endpoint's engine into its window, its readings into its figures.
-                        nursery.start_soon(ctx.client.feed_engine_metrics, window)
+                        nursery.start_soon(engines, window)
                     if metrics is not None:
                         await _start_metrics(nursery, metrics, config.metrics_port)
                     opened = OpenGroups(window)  # a group's rollouts before a new task

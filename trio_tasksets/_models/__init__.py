@@ -1,10 +1,17 @@
 """Model clients: the offline `EchoClient` and the HTTP `OpenAIClient`, and what they share
-(`Sampling`, `Completion`, the `ModelClient` protocol, `ModelContext`, the model errors).
+(`Sampling`, `Completion`, the `ModelClient` protocol, `ModelClientBase` and the
+`ClientDescription` a client gives of itself, `ModelContext`, the model errors, and
+`EndpointCalls`, the retry, limits and outcome loop of every HTTP client).
 
-Rooms: `base` (the shared types and errors), `echo`, `openai`.
+Rooms: `base` (the shared types and errors), `calls` (the loop), `echo`, `openai`, `pool`
+(many endpoints behind one client), `engine` (an engine's own `/metrics`).
+
+A client for another provider is one module here: its request, headers and reply, on
+`EndpointCalls`, and its `describe` (docs/models.md, "A client for another provider").
 """
 
 from .base import (
+    ClientDescription,
     Completion,
     ModelClient,
     ModelClientBase,
@@ -18,14 +25,18 @@ from .base import (
     Tokens,
     ToolCall,
     api_key_from_env,
+    describe,
     observe_completions,
 )
+from .calls import EndpointCalls
 from .echo import EchoClient
 from .openai import OpenAIClient
 
 __all__ = [
+    "ClientDescription",
     "Completion",
     "EchoClient",
+    "EndpointCalls",
     "ModelClient",
     "ModelClientBase",
     "ModelConnectionError",
@@ -39,5 +50,6 @@ __all__ = [
     "Tokens",
     "ToolCall",
     "api_key_from_env",
+    "describe",
     "observe_completions",
 ]

@@ -1,13 +1,15 @@
 """What every model client shares: `Sampling`, `Completion`, the `ModelClient` protocol,
-`ModelContext`, the model errors, and small text helpers of the clients.
+`ModelClientBase` and the `ClientDescription` a client gives of itself, `ModelContext`, the
+model errors, and small text helpers of the clients.
 
 The clients: the offline :class:`EchoClient` (`echo`) and the HTTP :class:`OpenAIClient`
-(`openai`).
+(`openai`); the loop every HTTP client runs its calls in is `calls.EndpointCalls`.
 
 Every client satisfies the :class:`ModelClient` protocol: an async ``chat`` that takes
 OpenAI-style messages and returns a :class:`Completion`, and an async ``aclose``.
 :class:`ModelContext` bundles a client with the model name and :class:`Sampling` settings
-an episode should use.
+an episode should use. The rest of the package never asks which class a client is: it asks
+its description (`describe`).
 
 Errors raised by :class:`OpenAIClient` are subclasses of :class:`ModelError` with distinct
 type names (``ModelConnectionError``, ``ModelTimeoutError``, ``ModelHTTPError``,
@@ -21,19 +23,18 @@ import contextvars
 import inspect
 import json
 import os
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable, Iterable
 from types import TracebackType
-from typing import TYPE_CHECKING, Any, Protocol, Self, cast, runtime_checkable
+from typing import Any, Protocol, Self, cast, runtime_checkable
 
 import attrs
 
-from .._core.exceptions import TrioTasksetsError
-from .._core.limits import report_progress
-
-if TYPE_CHECKING:
-    pass  # only for a caller's own http_client; imported where used
+from .._core.exceptions import ConfigError, TrioTasksetsError
+from .._core.limits import EndpointLimits, report_progress
+from .._core.window import Window
 
 __all__ = [
+    "ClientDescription",
     "Completion",
     "Message",
     "ModelClient",
@@ -49,6 +50,7 @@ __all__ = [
     "ToolCall",
     "api_key_from_env",
     "body_text",
+    "describe",
     "excerpt",
     "observe_completions",
     "override_sampling",
@@ -276,11 +278,58 @@ class ModelClient(Protocol):
     async def aclose(self) -> None: ...
 
 
+def _urls(value: Iterable[str]) -> tuple[str, ...]:
+    return tuple(value)
+
+
+def _names(value: Iterable[str]) -> frozenset[str]:
+    return frozenset(value)
+
+
+@attrs.frozen(eq=False)
+class ClientDescription:
+    """What a model client tells the rest of the package about itself (`describe`), so that
+    nothing outside a client's own module asks which class it is. Every field has the
+    default of a client that says nothing: no endpoint, no limits, cannot travel.
+
+    - `endpoints`: the URLs of the endpoints it calls, the first one first (what a run's
+      record names, and what a spawned env server is allowed to reach).
+    - `limits`: the `EndpointLimits` its calls pass (the report's waits and connection
+      windows).
+    - `api_key`: the credential it sends, for a spawned env server (handed over by
+      environment variable, never on the wire) or a harness that calls the endpoint itself;
+      never shown in ``repr``.
+    - `headers`: the names of the extra headers it sends (not their values: they may be
+      credentials); a client with any cannot travel.
+    - `travel`: how it travels to an env server: the wire's ``ctx.client`` object, its
+      ``type`` (``"echo"``, ``"openai"``) and fields, JSON values and never a secret (the
+      server rebuilds the client from it); None: it cannot travel.
+    - `endpoint_stats`: the figures per endpoint of a client over many (`EndpointPool.stats`),
+      or None.
+    - `engine_metrics`: what reads its engines' ``/metrics`` until cancelled, given the
+      rollout window (``feed(window)``), or None without any.
+    """
+
+    endpoints: tuple[str, ...] = attrs.field(default=(), converter=_urls)
+    limits: EndpointLimits | None = None
+    api_key: str | None = attrs.field(default=None, repr=False)
+    headers: frozenset[str] = attrs.field(default=frozenset(), converter=_names)
+    travel: dict[str, Any] | None = None
+    endpoint_stats: Callable[[], dict[str, dict[str, Any]] | None] | None = None
+    engine_metrics: Callable[[Window | None], Awaitable[None]] | None = None
+
+
 class ModelClientBase:
     """What every model client of the package shares (`EchoClient`, `OpenAIClient`,
     `testing.ScriptedClient`): ``async with client:`` gives the client itself and awaits its
     `aclose` on the way out, however the block ends (an error, a cancellation). A subclass
-    that holds something overrides `aclose`, idempotent."""
+    that holds something overrides `aclose`, idempotent; one with endpoints, limits or a
+    way to travel says so in `describe`."""
+
+    def describe(self) -> ClientDescription:
+        """What the rest of the package needs to know of this client; the default says
+        nothing (no endpoint, no limits, cannot travel)."""
+        return ClientDescription()
 
     async def aclose(self) -> None:
         """Nothing to release."""
@@ -295,6 +344,14 @@ class ModelClientBase:
         tb: TracebackType | None,
     ) -> None:
         await self.aclose()
+
+
+def describe(client: ModelClient) -> ClientDescription:
+    """`client`'s own description (`ModelClientBase.describe`); a client that is not a
+    `ModelClientBase` says nothing (`ClientDescription()`)."""
+    if isinstance(client, ModelClientBase):
+        return client.describe()
+    return ClientDescription()
 
 
 @attrs.frozen
@@ -477,11 +534,13 @@ def plural(n: int, word: str) -> str:
 
 def api_key_from_env(var: str) -> str:
     """Return the API key stored in environment variable ``var`` (surrounding whitespace
-    stripped). Raises ``ValueError`` naming ``var`` when it is unset or empty."""
+    stripped). Raises `ConfigError` (a ``ValueError``) naming ``var`` when it is unset or
+    empty."""
     value = os.environ.get(var, "").strip()
     if not value:
-        raise ValueError(
+        raise ConfigError(
             f"environment variable {var} is not set or empty; set it with "
-            f"`export {var}=...` or name another variable with --api-key-var"
+            f"`export {var}=...`, or read the key from another variable",
+            parameter="var",
         )
     return value

@@ -6,7 +6,8 @@ from typing import Any
 
 import trio
 
-from .base import Completion, ModelClientBase, Sampling, text_of, word_count
+from .._core.exceptions import ConfigError
+from .base import ClientDescription, Completion, ModelClientBase, Sampling, text_of, word_count
 
 __all__ = ["EchoClient"]
 
@@ -15,16 +16,20 @@ class EchoClient(ModelClientBase):
     """The built-in offline model: replies with the text of the last ``user`` message
     (``""`` if there is none). Waits ``delay`` seconds (``trio.sleep``, so a MockClock
     controls it) and always checkpoints. Usage counts words: ``prompt_tokens`` over all
-    message contents, ``completion_tokens`` over the reply. A ``delay`` < 0 raises a
-    ValueError naming it."""
+    message contents, ``completion_tokens`` over the reply. A negative ``delay`` raises
+    `ConfigError`."""
 
     def __init__(self, delay: float = 0.0) -> None:
         if not delay >= 0:
-            raise ValueError(f"delay must be >= 0, got {delay!r}")
+            raise ConfigError(f"{{delay}} must be >= 0, got {delay!r}", parameter="delay")
         self.delay = delay
 
     def __repr__(self) -> str:
         return f"EchoClient(delay={self.delay!r})"
+
+    def describe(self) -> ClientDescription:
+        """No endpoint; it travels as ``{"type": "echo", "delay": ...}``."""
+        return ClientDescription(travel={"type": "echo", "delay": float(self.delay)})
 
     async def chat(
         self,

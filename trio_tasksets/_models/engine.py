@@ -28,7 +28,7 @@ from urllib.parse import urlsplit
 import trio
 
 from .._core.adaptive import AdaptiveWindow, EngineLoad
-from .._core.exceptions import TrioTasksetsError
+from .._core.exceptions import ConfigError, TrioTasksetsError
 from .._transport import HTTPClient, HTTPError, Timeouts
 
 __all__ = ["EngineMetrics", "EngineMetricsError", "parse_engine_metrics"]
@@ -107,8 +107,9 @@ def parse_engine_metrics(text: str) -> EngineLoad:
 class EngineMetrics:
     """One engine's `/metrics` URL, read on demand (`read`) or fed to a window (`feed`).
 
-    Loopback or not, the URL is the caller's (the CLI's `--engine-metrics`), never a
-    request's. `timeout` bounds each reading; `interval` is the seconds between readings.
+    Loopback or not, the URL is the caller's, never a request's. `timeout` bounds each
+    reading; `interval` is the seconds between readings. A `url` that is not http(s), or an
+    `interval` or `timeout` not > 0, raises `ConfigError`.
     """
 
     def __init__(
@@ -121,12 +122,16 @@ class EngineMetrics:
     ) -> None:
         parts = urlsplit(url)
         if parts.scheme not in ("http", "https") or not parts.netloc:
-            raise ValueError(
-                f"url must be an http:// or https:// URL of an engine's metrics, got {url!r} "
-                f"(e.g. http://127.0.0.1:8000/metrics)"
+            raise ConfigError(
+                f"{{url}} must be an http:// or https:// URL of an engine's metrics, got "
+                f"{url!r} (e.g. http://127.0.0.1:8000/metrics)",
+                parameter="url",
             )
         if not interval > 0 or not timeout > 0:
-            raise ValueError(f"interval and timeout must be > 0, got {interval!r}, {timeout!r}")
+            raise ConfigError(
+                f"{{interval}} and {{timeout}} must be > 0, got {interval!r}, {timeout!r}",
+                parameter=("interval", "timeout"),
+            )
         self.url = url
         self.interval = interval
         self._timeouts = Timeouts(connect=timeout, read=timeout, write=timeout)

@@ -4,71 +4,36 @@ HTTP transport, with retries, `Retry-After` and the endpoint limits around each 
 from __future__ import annotations
 
 from collections.abc import Hashable, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import orjson
 import trio
 
-from .._core.adaptive import AdaptiveWindow, Outcome
-from .._core.backoff import Backoff
-from .._core.limits import Call, EndpointLimits, pace, report_outcome, rest, says_request_rate
+from .._core.adaptive import AdaptiveWindow
+from .._core.backoff import FIRST, MODEL_RETRIES, MOST
+from .._core.exceptions import ConfigError
+from .._core.limits import EndpointLimits
 from .._core.window import Window
-from .._transport import (
-    DecodingError,
-    HTTPClient,
-    HTTPError,
-    HTTPTimeout,
-    ResponseTooLarge,
-    Timeouts,
-    parse_retry_after,
-)
+from .._transport import HTTPClient, Timeouts
 from .base import (
+    ClientDescription,
     Completion,
     ModelClientBase,
-    ModelConnectionError,
-    ModelHTTPError,
     ModelResponseError,
-    ModelTimeoutError,
     Sampling,
     Tokens,
     body_text,
     excerpt,
     parse_tool_calls,
-    plural,
     text_of,
 )
+from .calls import TIMEOUT, EndpointCalls, check_settings
 from .engine import EngineMetrics
 from .pool import EndpointPool, pool_limits
 
-if TYPE_CHECKING:
-    import httpx  # only for a caller's own http_client; imported where used
-
 __all__ = ["OpenAIClient"]
 
-
-_RETRYABLE_STATUS = frozenset({429})
-
-
-def _tokens(usage: dict[str, int]) -> int | None:
-    """The tokens a reply's usage counts (prompt + completion, else the total), or None."""
-    if "prompt_tokens" in usage or "completion_tokens" in usage:
-        return usage.get("prompt_tokens", 0) + usage.get("completion_tokens", 0)
-    return usage.get("total_tokens")
-
-
-def _record(
-    call: Call | None,
-    outcome: Outcome | int,
-    retry_after: float | None = None,
-    *,
-    tokens: int | None = None,
-    latency: float | None = None,
-) -> None:
-    """One attempt's outcome: to its endpoint's limits (the adaptive window, tpm) and to
-    the observers of `trio_tasksets._core.limits.observe_calls`."""
-    if call is not None:
-        call.record(outcome, retry_after=retry_after, tokens=tokens, latency=latency)
-    report_outcome(outcome, retry_after=retry_after, latency=latency)
+_OWN_HEADERS = frozenset({"Content-Type", "Authorization"})  # the ones every request has
 
 
 def _endpoint_key(url: str, first: str, key: Hashable | None) -> Hashable:
@@ -79,10 +44,6 @@ def _endpoint_key(url: str, first: str, key: Hashable | None) -> Hashable:
     if isinstance(key, tuple) and key and key[0] == first:
         return (url, *key[1:])
     return (url, key)
-
-
-def _is_retryable_status(status: int) -> bool:
-    return status in _RETRYABLE_STATUS or 500 <= status <= 599
 
 
 class OpenAIClient(ModelClientBase):
@@ -134,8 +95,12 @@ class OpenAIClient(ModelClientBase):
     The transport is a `trio_tasksets._transport.HTTPClient` (trio, a keep-alive pool
     that holds about one connection per request in flight), created here and closed by
     :meth:`aclose` or ``async with``. Pass ``http_client`` (an ``HTTPClient`` with your own
-    CA bundle, proxy or limits, or an ``httpx.AsyncClient``) to use it as is; it is left
-    open.
+    CA bundle, proxy or limits, or one that answers in memory: ``HTTPClient(handler=...)``)
+    to use it as is; it is left open. The retries, limits and outcomes are those of every
+    HTTP model client (`trio_tasksets._models.calls.EndpointCalls`).
+
+    A bad ``base_url``, ``timeout``, ``max_retries``, ``backoff``, ``max_backoff`` or
+    ``engine_metrics`` raises `ConfigError` naming it.
     """
 
     def __init__(
@@ -143,21 +108,27 @@ class OpenAIClient(ModelClientBase):
         base_url: str | Sequence[str],
         api_key: str | None = None,
         *,
-        timeout: float = 120.0,
-        max_retries: int = 3,
-        backoff: float = 0.5,
-        max_backoff: float = 30.0,
+        timeout: float = TIMEOUT,
+        max_retries: int = MODEL_RETRIES,
+        backoff: float = FIRST,
+        max_backoff: float = MOST,
         headers: dict[str, str] | None = None,
-        http_client: HTTPClient | httpx.AsyncClient | None = None,
+        http_client: HTTPClient | None = None,
         limits: EndpointLimits | None = None,
         limits_key: Hashable | None = None,
         engine_metrics: str | EngineMetrics | Sequence[str | EngineMetrics | None] | None = None,
     ) -> None:
         if not base_url:
-            raise ValueError("base_url must not be empty, e.g. http://127.0.0.1:8000/v1")
+            raise ConfigError(
+                "{base_url} must not be empty, e.g. http://127.0.0.1:8000/v1",
+                parameter="base_url",
+            )
         urls = [base_url] if isinstance(base_url, str) else list(base_url)
         if not all(isinstance(url, str) and url for url in urls):
-            raise ValueError(f"base_url must be a URL or a list of URLs, got {base_url!r}")
+            raise ConfigError(
+                f"{{base_url}} must be a URL or a list of URLs, got {base_url!r}",
+                parameter="base_url",
+            )
         base_url = urls[0]
         self.base_urls = urls
         metrics_urls: list[str | EngineMetrics | None] = (
@@ -166,28 +137,19 @@ class OpenAIClient(ModelClientBase):
             else list(engine_metrics)
         )  # fmt: skip
         if metrics_urls and len(metrics_urls) != len(urls):
-            raise ValueError(
-                f"engine_metrics needs one URL per base_url ({len(urls)}), got "
-                f"{len(metrics_urls)}: {metrics_urls!r}"
+            raise ConfigError(
+                f"{{engine_metrics}} needs one URL per base_url ({len(urls)}), got "
+                f"{len(metrics_urls)}: {metrics_urls!r}",
+                parameter="engine_metrics",
             )
         # One engine's /metrics per endpoint (a pool's are its endpoints' clients').
         only = metrics_urls[0] if len(metrics_urls) == 1 else None
         self.engine_metrics: EngineMetrics | None = (
             EngineMetrics(only) if isinstance(only, str) else only
         )
-        self.throttled = 0  # attempts answered 429 (a pool: per endpoint's client)
-        if not timeout > 0:
-            raise ValueError(f"timeout must be > 0, got {timeout!r}")
-        if max_retries < 0:
-            raise ValueError(f"max_retries must be >= 0, got {max_retries!r}")
-        if not backoff >= 0:
-            raise ValueError(f"backoff must be >= 0, got {backoff!r}")
-        if not max_backoff >= 0:
-            raise ValueError(f"max_backoff must be >= 0, got {max_backoff!r}")
+        check_settings(timeout, max_retries, backoff, max_backoff)
         self.base_url = base_url
         self.url = base_url.rstrip("/") + "/chat/completions"
-        self.timeout = timeout
-        self.max_retries = max_retries
         self.backoff = backoff
         self.max_backoff = max_backoff
         self._headers: dict[str, str] = {"Content-Type": "application/json"}
@@ -195,11 +157,14 @@ class OpenAIClient(ModelClientBase):
             self._headers["Authorization"] = f"Bearer {api_key}"
         if headers:
             self._headers.update(headers)
-        self._timeouts = Timeouts(connect=timeout, read=timeout, write=timeout, total=timeout)
         self._owns_http = http_client is None
         # Created now, without I/O, so that a proxy setting it cannot use fails here.
-        self._http: HTTPClient | httpx.AsyncClient | None = (
-            http_client if http_client is not None else HTTPClient(timeouts=self._timeouts)
+        self._http: HTTPClient | None = (
+            http_client
+            if http_client is not None
+            else HTTPClient(
+                timeouts=Timeouts(connect=timeout, read=timeout, write=timeout, total=timeout)
+            )
         )
         self._closed = False
         self.limits = limits
@@ -217,10 +182,55 @@ class OpenAIClient(ModelClientBase):
                 )
                 for url, metrics in zip(urls, metrics_urls or [None] * len(urls), strict=True)
             ])  # fmt: skip
+        self._calls = EndpointCalls(
+            self._http, self.url, timeout=timeout, max_retries=max_retries,
+            backoff=backoff, max_backoff=max_backoff, limits=self.limits,
+            limits_key=self.limits_key,
+        )  # fmt: skip
+
+    @property
+    def timeout(self) -> float:
+        """Seconds per request, as a whole (each attempt its own)."""
+        return self._calls.timeout
+
+    @property
+    def max_retries(self) -> int:
+        """Retries after a call's first attempt."""
+        return self._calls.max_retries
+
+    @property
+    def throttled(self) -> int:
+        """Attempts answered 429 (a pool: per endpoint's client)."""
+        return self._calls.throttled
 
     def __repr__(self) -> str:
         urls = self.base_url if self.pool is None else self.base_urls
         return f"OpenAIClient({urls!r}, max_retries={self.max_retries})"
+
+    def describe(self) -> ClientDescription:
+        """Its endpoints, limits and key; how it travels (``type: "openai"``, with its
+        endpoints, timeout and retry settings); its figures per endpoint and its engines'
+        readings, when it has them."""
+        travel: dict[str, Any] = {
+            "type": "openai",
+            "base_url": self.base_url,
+            "timeout": self.timeout,
+            "max_retries": self.max_retries,
+            "backoff": self.backoff,
+            "max_backoff": self.max_backoff,
+        }
+        if len(self.base_urls) > 1:
+            travel["base_urls"] = list(self.base_urls)
+        auth = self._headers.get("Authorization", "")  # the key lives only in the headers
+        return ClientDescription(
+            endpoints=self.base_urls,
+            limits=self.limits,
+            api_key=auth.removeprefix("Bearer ") if auth.startswith("Bearer ") else None,
+            headers=frozenset(self._headers) - _OWN_HEADERS,
+            travel=travel,
+            endpoint_stats=None if self.pool is None else self.endpoint_stats,
+            engine_metrics=self.feed_engine_metrics if self.has_engine_metrics else None,
+        )
 
     def endpoint_stats(self) -> dict[str, dict[str, Any]] | None:
         """Per endpoint of a list of `base_url`s: calls, errors, ejections, latency and
@@ -253,52 +263,6 @@ class OpenAIClient(ModelClientBase):
                         metrics.feed, own if isinstance(own, AdaptiveWindow) else None
                     )
 
-    def _client(self) -> HTTPClient | httpx.AsyncClient:
-        if self._closed or self._http is None:
-            raise RuntimeError("OpenAIClient is closed")
-        return self._http
-
-    def _retry_delay(self, retry: int, retry_after: float | None) -> float:
-        """Seconds to sleep before retry number ``retry`` (0-based): the server's
-        Retry-After up to `max_backoff`, else the project's `Backoff`."""
-        return Backoff(self.backoff, self.max_backoff).delay(retry + 1, retry_after=retry_after)
-
-    async def _post(self, body: bytes) -> tuple[int, bytes, float | None, bool]:
-        """One POST: (status, body, Retry-After seconds, whether it is a 429 whose headers
-        name a spent rate budget: `says_request_rate`). Raises `HTTPError` subclasses (the
-        transport's, or httpx's errors translated to them)."""
-        client = self._client()
-        timeouts, timeout = self._timeouts, self.timeout
-        left = trio.current_effective_deadline() - trio.current_time()
-        if left < timeout:  # the caller's deadline comes first: no request outlives it
-            timeout = max(left, 1e-6)
-            timeouts = Timeouts(connect=timeout, read=timeout, write=timeout, total=timeout)
-        if isinstance(client, HTTPClient):
-            response = await client.request(
-                "POST", self.url, headers=self._headers, body=body, timeouts=timeouts
-            )
-            request_rate = response.status == 429 and says_request_rate(
-                (name.decode("latin-1"), value.decode("latin-1"))
-                for name, value in response.headers
-            )
-            return response.status, response.body, response.retry_after, request_rate
-        import httpx
-
-        try:
-            reply = await client.post(
-                self.url, content=body, headers=self._headers, timeout=httpx.Timeout(timeout)
-            )
-        except httpx.TimeoutException as exc:
-            raise HTTPTimeout(str(exc), url=self.url, phase="read", timeout=self.timeout) from exc
-        except httpx.TransportError as exc:
-            raise HTTPError(str(exc) or type(exc).__name__, url=self.url) from exc
-        return (
-            reply.status_code,
-            reply.content,
-            parse_retry_after(reply.headers.get("retry-after")),
-            reply.status_code == 429 and says_request_rate(reply.headers.items()),
-        )
-
     async def chat(
         self,
         messages: list[dict[str, Any]],
@@ -311,7 +275,10 @@ class OpenAIClient(ModelClientBase):
         (OpenAI function schemas) go as the request's ``tools``. The reply is whole: its
         message as sent (``tool_calls`` and unknown fields kept) and its parsed tool calls.
         Raises a `ModelError` as the class says (`ModelHTTPError`, `ModelConnectionError`,
-        `ModelTimeoutError`, `ModelResponseError`) once its retries are spent."""
+        `ModelTimeoutError`, `ModelResponseError`) once its retries are spent, and
+        ``RuntimeError`` once the client is closed."""
+        if self._closed:
+            raise RuntimeError("OpenAIClient is closed")
         if self.pool is not None:
             return await self.pool.chat(messages, model=model, sampling=sampling, tools=tools)
         payload: dict[str, Any] = {"model": model, "messages": messages}
@@ -322,87 +289,9 @@ class OpenAIClient(ModelClientBase):
         reserve = payload.get("max_tokens")
         if isinstance(reserve, bool) or not isinstance(reserve, int) or reserve < 0:
             reserve = None
-        attempts = 0
-        while True:
-            attempts += 1
-            retry_after: float | None = None
-            outcome: Outcome | None = None  # of this attempt, for the rest before a retry
-            try:
-                status, content, retry_after, completion = await self._attempt(body, reserve)
-            except (ResponseTooLarge, DecodingError) as exc:
-                raise ModelResponseError(f"{self.url}: {exc.reason}", url=self.url) from exc
-            except HTTPTimeout as exc:
-                outcome = Outcome.TIMEOUT
-                if trio.current_time() >= trio.current_effective_deadline():
-                    await trio.lowlevel.checkpoint()  # the caller's deadline: its Cancelled
-                if attempts > self.max_retries:
-                    raise ModelTimeoutError(
-                        f"request to {self.url} timed out after {self.timeout:g}s "
-                        f"({plural(attempts, 'attempt')})",
-                        url=self.url,
-                        timeout=self.timeout,
-                    ) from exc
-            except HTTPError as exc:
-                if attempts > self.max_retries:
-                    cause = exc.__cause__ if type(exc) is HTTPError else exc  # httpx's own
-                    raise ModelConnectionError(
-                        f"cannot reach {self.url}: {exc.reason} ({plural(attempts, 'attempt')})",
-                        url=self.url,
-                    ) from cause
-            else:
-                if completion is not None:
-                    return completion
-                text = content.decode("utf-8", errors="replace")
-                if not _is_retryable_status(status) or attempts > self.max_retries:
-                    raise ModelHTTPError(
-                        f"{self.url} returned HTTP {status} after "
-                        f"{plural(attempts, 'attempt')}: "
-                        f"{excerpt(_error_message(text), 400) or '<empty body>'}",
-                        url=self.url,
-                        status=status,
-                        body=text,
-                        attempts=attempts,
-                    )
-                outcome = Outcome.from_status(status)
-            # Outside the limits' gate: a rest holds no connection slot (and, for an adaptive
-            # rollout window, a rest after a 429 lends the rollout's place meanwhile).
-            kind = "backoff" if retry_after is None else "retry_after"
-            await rest(self._retry_delay(attempts - 1, retry_after), outcome=outcome, kind=kind)
-
-    async def _attempt(
-        self, body: bytes, reserve: int | None
-    ) -> tuple[int, bytes, float | None, Completion | None]:
-        """One POST, under the endpoint's limits if there are any: (status, body,
-        Retry-After seconds, the completion of a 2xx). Its outcome is recorded."""
-        await pace()  # a request-rate limit's pacing (an adaptive window's), before any limit
-        if self.limits is None:
-            return await self._post_recorded(body, None)
-        async with self.limits.call(self.limits_key, reserve_tokens=reserve) as call:
-            return await self._post_recorded(body, call)
-
-    async def _post_recorded(
-        self, body: bytes, call: Call | None
-    ) -> tuple[int, bytes, float | None, Completion | None]:
-        started = trio.current_time()
-        try:
-            status, content, retry_after, request_rate = await self._post(body)
-        except HTTPTimeout:
-            _record(call, Outcome.TIMEOUT)
-            raise
-        latency = trio.current_time() - started
-        if status == 429:
-            self.throttled += 1
-        if not 200 <= status <= 299:
-            outcome: Outcome | int = Outcome.REQUEST_RATE if request_rate else status
-            _record(call, outcome, retry_after, latency=latency)
-            return status, content, retry_after, None
-        try:
-            completion = self._parse(content)
-        except ModelResponseError:
-            _record(call, status)
-            raise
-        _record(call, status, tokens=_tokens(completion.usage), latency=latency)
-        return status, content, retry_after, completion
+        return await self._calls.post(
+            body, headers=self._headers, parse=self._parse, reserve_tokens=reserve
+        )
 
     def _parse(self, content: bytes) -> Completion:
         try:
@@ -471,24 +360,9 @@ class OpenAIClient(ModelClientBase):
 
     async def aclose(self) -> None:
         """Close the HTTP client if this object created it. Idempotent."""
-        self._closed = True
+        self._closed = self._calls.closed = True
         if self.pool is not None:
             await self.pool.aclose()  # its clients share this one's HTTP client
         http, self._http = self._http, None
         if http is not None and self._owns_http:
             await http.aclose()
-
-
-def _error_message(text: str) -> str:
-    """An error body's own message (vLLM's `message`, OpenAI's `error.message`), so that
-    what the server says is not cut off behind its JSON wrapping; else the body itself."""
-    try:
-        data = orjson.loads(text)
-    except orjson.JSONDecodeError:
-        return text
-    error = data.get("error") if isinstance(data, dict) else None
-    for found in (error.get("message") if isinstance(error, dict) else error,
-                  data.get("message") if isinstance(data, dict) else None):  # fmt: skip
-        if isinstance(found, str) and found.strip():
-            return found
-    return text

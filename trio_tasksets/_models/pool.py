@@ -46,20 +46,23 @@ import attrs
 import trio
 
 from .._core.adaptive import AdaptiveBounds
+from .._core.exceptions import ConfigError
 from .._core.limits import EndpointLimits
 from .._core.window import Window
 from .base import Completion, ModelConnectionError, ModelTimeoutError, Sampling
 from .engine import EngineMetrics
 
 
-class OpenAIClient(Protocol):
+class EndpointClient(Protocol):
     """What the pool needs of one endpoint's client (an `OpenAIClient` of one URL)."""
 
     base_url: str
     limits: EndpointLimits | None
     limits_key: Hashable
     engine_metrics: EngineMetrics | None  # its engine's /metrics, if known
-    throttled: int  # attempts answered 429
+
+    @property
+    def throttled(self) -> int: ...  # attempts answered 429
 
     async def chat(
         self,
@@ -164,7 +167,7 @@ class EndpointStats:
 
 
 class _Endpoint:
-    def __init__(self, index: int, client: OpenAIClient) -> None:
+    def __init__(self, index: int, client: EndpointClient) -> None:
         self.index = index
         self.client = client
         self.stats = EndpointStats(client.base_url)
@@ -203,26 +206,32 @@ class _Endpoint:
 
 
 class EndpointPool:
-    """Routes `chat` calls over `clients` (one `OpenAIClient` per endpoint); see the module.
+    """Routes `chat` calls over `clients` (one client per endpoint); see the module.
 
     `probe_after` (seconds) is the first ejection's length, doubling per failed probe up to
-    `max_probe_after`.
+    `max_probe_after`. No client, one endpoint twice or a bad `probe_after` raise
+    `ConfigError`.
     """
 
     def __init__(
         self,
-        clients: Sequence[OpenAIClient],
+        clients: Sequence[EndpointClient],
         *,
         probe_after: float = 1.0,
         max_probe_after: float = 30.0,
     ) -> None:
         if len(clients) < 1:
-            raise ValueError("an EndpointPool needs at least one client")
+            raise ConfigError(
+                "an EndpointPool needs at least one of {clients}", parameter="clients"
+            )
         urls = [client.base_url for client in clients]
         if len(set(urls)) != len(urls):
-            raise ValueError(f"base_url lists an endpoint twice: {urls}")
+            raise ConfigError(f"{{base_url}} lists an endpoint twice: {urls}", parameter="base_url")
         if not 0 < probe_after <= max_probe_after:
-            raise ValueError("need 0 < probe_after <= max_probe_after (seconds)")
+            raise ConfigError(
+                "need 0 < {probe_after} <= {max_probe_after} (seconds)",
+                parameter=("probe_after", "max_probe_after"),
+            )
         self.endpoints = [_Endpoint(i, client) for i, client in enumerate(clients)]
         self.probe_after = probe_after
         self.max_probe_after = max_probe_after

@@ -33,7 +33,7 @@ from .._core.adaptive import AdaptiveWindow
 from .._core.exceptions import TrioTasksetsError
 from .._core.limits import EndpointLimits
 from .._core.window import Window
-from .._models import EchoClient, ModelClient, OpenAIClient
+from .._models import EchoClient, ModelClient, OpenAIClient, describe
 from .._models.engine import EngineMetrics
 from .._models.pool import DEFAULT_WINDOW
 from .._transport import HTTPClient
@@ -460,7 +460,7 @@ class ModelClients:
         client = self._clients[spec] = self.policy.build(
             spec, self._pool(spec), limits=self.endpoint_limits, engines=self.engines
         )
-        if not isinstance(client, EchoClient):
+        if not isinstance(spec, EchoSpec):  # an echo client holds nothing to close
             self._users[client] = 0
         while len(self._clients) > self.size:
             _, old = self._clients.popitem(last=False)
@@ -481,16 +481,16 @@ class ModelClients:
 
     def endpoint_stats(self) -> dict[str, dict[str, Any]]:
         """Per endpoint that a run over many endpoints reached (or whose engine is read):
-        the figures of `OpenAIClient.endpoint_stats`, summed over the server's clients
-        (calls, errors, 429s, ejections, calls in flight; the latency of the client with the
-        most calls; the shared window; the engine's last reading)."""
+        the figures of each client's `ClientDescription.endpoint_stats`, summed over the
+        server's clients (calls, errors, 429s, ejections, calls in flight; the latency of the
+        client with the most calls; the shared window; the engine's last reading)."""
         found: dict[str, dict[str, Any]] = {}
         most: dict[str, int] = {}  # the calls of the busiest client, per endpoint
         summed = ("in_flight", "calls", "errors", "throttled", "ejections")
-        clients = [c for c in (*self._clients.values(), *self._retired)
-                   if isinstance(c, OpenAIClient) and c.pool is not None]  # fmt: skip
-        for client in clients:
-            for url, figures in (client.endpoint_stats() or {}).items():
+        clients = (*self._clients.values(), *self._retired)
+        readers = [d.endpoint_stats for d in map(describe, clients) if d.endpoint_stats]
+        for read in readers:
+            for url, figures in (read() or {}).items():
                 have = found.get(url)
                 if have is None:
                     found[url], most[url] = dict(figures), figures["calls"]

@@ -21,12 +21,12 @@ from .._core.window import Window
 from .._env.backend import SlotRunner
 from .._env.env import Env, Episode, OnComplete, RunSlot
 from .._env.spec import EnvSpec, TravelError
-from .._models import ModelContext, OpenAIClient
+from .._models import ModelContext, describe
 from .._monitor.dashboard import Progress
 from .client import EnvClient
 from .errors import EnvServerError
 from .spawn import ServerProcess, spawn_server
-from .wire import API_KEY_VAR, describe_client, openai_api_key
+from .wire import API_KEY_VAR, describe_client
 
 __all__ = ["ServedBackend", "SlotRunner", "check_travel", "served_runner"]
 
@@ -149,12 +149,12 @@ class ServedBackend:
 
 
 def _api_key(ctx: ModelContext) -> str | None:
-    return openai_api_key(ctx.client) if isinstance(ctx.client, OpenAIClient) else None
+    return describe(ctx.client).api_key
 
 
 def _base_urls(ctx: ModelContext) -> list[str]:
     """The endpoints a spawned server may reach: the eval's model's (each of many), if any."""
-    return list(ctx.client.base_urls) if isinstance(ctx.client, OpenAIClient) else []
+    return list(describe(ctx.client).endpoints)
 
 
 @asynccontextmanager

@@ -12,11 +12,13 @@ import orjson
 import trio
 
 from .._core import batching
+from .._core.backoff import FIRST, MODEL_RETRIES, MOST
 from .._core.exceptions import ConfigError, TrioTasksetsError
 from .._core.tasksets import Taskset
 from .._env.env import RolloutLimits, RunSlot, task_data, task_key
 from .._env.spec import TASK_FIELDS, TravelError, rebuild_task
-from .._models import EchoClient, ModelClient, ModelContext, OpenAIClient, Sampling
+from .._models import ClientDescription, ModelClient, ModelContext, Sampling, describe
+from .._models.calls import TIMEOUT
 
 TOKEN_VAR = "TT_SERVE_TOKEN"
 """The environment variable a spawned server reads its bearer token from, and the one an
@@ -111,53 +113,53 @@ class OpenAISpec:
     server refuses any other, and any `base_url` it does not allow (``--allow-base-url``)."""
 
     base_url: str
-    timeout: float = 120.0
-    max_retries: int = 3
-    backoff: float = 0.5
-    max_backoff: float = 30.0
+    timeout: float = TIMEOUT
+    max_retries: int = MODEL_RETRIES
+    backoff: float = FIRST
+    max_backoff: float = MOST
     api_key_var: str | None = None
     # many endpoints (`OpenAIClient([...])`): every one, `base_url` first; () for one
     base_urls: tuple[str, ...] = ()
 
 
 ClientSpec = EchoSpec | OpenAISpec
-
-
-def openai_api_key(client: OpenAIClient) -> str | None:
-    """The API key an `OpenAIClient` sends (it keeps it only in its request headers)."""
-    auth = client._headers.get("Authorization", "")
-    return auth.removeprefix("Bearer ") if auth.startswith("Bearer ") else None
+_KINDS: dict[type[ClientSpec], str] = {EchoSpec: "echo", OpenAISpec: "openai"}  # ctx.client.type
 
 
 def describe_client(client: ModelClient, *, api_key_var: str | None = None) -> ClientSpec:
-    """The wire description of a model client; `TravelError` for one that cannot travel.
+    """The wire description of a model client, from what the client says of itself (its
+    `ClientDescription.travel`); `TravelError` for one that cannot travel.
 
-    An `OpenAIClient` with a key is described with `api_key_var` (the server reads the key
-    from that variable); the key itself never goes on the wire.
+    A client that sends a key is described with `api_key_var` (the server reads the key
+    from that variable); the key itself never goes on the wire, nor do its extra headers
+    (a client that sends any cannot travel).
     """
-    if isinstance(client, EchoClient):
-        return EchoSpec(delay=float(client.delay))
-    if isinstance(client, OpenAIClient):
-        extra = set(client._headers) - {"Content-Type", "Authorization"}
-        if extra:
-            raise TravelError(
-                f"the OpenAIClient's custom headers ({', '.join(sorted(extra))}) cannot travel "
-                f"to an env server; run in-process"
-            )
-        has_key = openai_api_key(client) is not None
-        return OpenAISpec(
-            base_url=client.base_url,
-            timeout=client.timeout,
-            max_retries=client.max_retries,
-            backoff=client.backoff,
-            max_backoff=client.max_backoff,
-            api_key_var=api_key_var if has_key else None,
-            base_urls=tuple(client.base_urls) if len(client.base_urls) > 1 else (),
+    return _spec(describe(client), type(client).__name__, api_key_var)
+
+
+def _spec(found: ClientDescription, name: str, api_key_var: str | None) -> ClientSpec:
+    """`describe_client` of a client described as `found`, `name` its class's name."""
+    travel = found.travel
+    if travel is None:
+        raise TravelError(
+            f"model client {name} cannot travel to an env server (EchoClient and OpenAIClient "
+            f"can); run in-process"
         )
-    raise TravelError(
-        f"model client {type(client).__name__} cannot travel to an env server (EchoClient and "
-        f"OpenAIClient can); run in-process"
-    )
+    if found.headers:
+        raise TravelError(
+            f"the {name}'s custom headers ({', '.join(sorted(found.headers))}) cannot travel "
+            f"to an env server; run in-process"
+        )
+    fields = dict(travel)
+    if fields.get("type") == "openai":
+        fields["api_key_var"] = api_key_var if found.api_key is not None else None
+    try:
+        return _parse_client(fields)
+    except WireError as exc:
+        raise TravelError(
+            f"model client {name} describes itself as nothing the wire carries ({exc}); run "
+            f"in-process"
+        ) from None
 
 
 # --- run requests: encode (client side) -----------------------------------------------------
@@ -185,26 +187,29 @@ class RunRequestEncoder:
 
     def __init__(self, api_key_var: str | None = None) -> None:
         self.api_key_var = api_key_var
-        self._ctx: tuple[ModelContext, ClientSpec, dict[str, Any], bytes] | None = None
+        self._ctx: tuple[ModelContext, tuple[Any, ...], dict[str, Any], bytes] | None = None
         self._limits: tuple[RolloutLimits | None, bytes] = (None, b"")
 
     def _ctx_json(self, ctx: ModelContext) -> bytes:
-        spec = describe_client(ctx.client, api_key_var=self.api_key_var)
+        found = describe(ctx.client)
+        # What the wire's client object is made of (the spec is made only when it changes).
+        made_of = (found.travel, found.api_key is not None, found.headers)
         cached = self._ctx
         if (
             cached is not None
             and cached[0] is ctx
-            and cached[1] == spec
+            and cached[1] == made_of
             and cached[2] == ctx.sampling.extra
         ):
             return cached[3]
+        spec = _spec(found, type(ctx.client).__name__, self.api_key_var)
         fields = attrs.asdict(spec)
         if not fields.get("base_urls", True):
             del fields["base_urls"]  # one endpoint: the wire as before
-        client = {"type": "echo" if isinstance(spec, EchoSpec) else "openai", **fields}
+        client = {"type": _KINDS[type(spec)], **fields}
         value = {"model": ctx.model, "sampling": attrs.asdict(ctx.sampling), "client": client}
         encoded = _dumps(value)
-        self._ctx = (ctx, spec, copy.deepcopy(ctx.sampling.extra), encoded)
+        self._ctx = (ctx, copy.deepcopy(made_of), copy.deepcopy(ctx.sampling.extra), encoded)
         return encoded
 
     def _limits_json(self, limits: RolloutLimits | None) -> bytes:
@@ -406,15 +411,15 @@ def _parse_client(value: object) -> ClientSpec:
     if not isinstance(urls, list) or len(urls) > 64:
         raise WireError(f"{field}.base_urls", "expected a list of at most 64 URLs")
     base_urls = tuple(_str(url, f"{field}.base_urls[{i}]") for i, url in enumerate(urls))
-    timeout = _number(obj.get("timeout", 120.0), f"{field}.timeout", minimum=0.0)
+    timeout = _number(obj.get("timeout", TIMEOUT), f"{field}.timeout", minimum=0.0)
     if timeout <= 0:
         raise WireError(f"{field}.timeout", f"must be > 0, got {timeout}")
     return OpenAISpec(
         base_url=_str(_required(obj, "base_url", field), f"{field}.base_url"),
         timeout=timeout,
-        max_retries=_int(obj.get("max_retries", 3), f"{field}.max_retries", minimum=0),
-        backoff=_number(obj.get("backoff", 0.5), f"{field}.backoff", minimum=0.0),
-        max_backoff=_number(obj.get("max_backoff", 30.0), f"{field}.max_backoff", minimum=0.0),
+        max_retries=_int(obj.get("max_retries", MODEL_RETRIES), f"{field}.max_retries", minimum=0),
+        backoff=_number(obj.get("backoff", FIRST), f"{field}.backoff", minimum=0.0),
+        max_backoff=_number(obj.get("max_backoff", MOST), f"{field}.max_backoff", minimum=0.0),
         api_key_var=_str(obj.get("api_key_var"), f"{field}.api_key_var", optional=True),
         base_urls=base_urls,
     )

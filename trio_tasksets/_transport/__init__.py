@@ -2,8 +2,9 @@
 its load (docs/models.md, and docs/benchmarks.md for why not httpx).
 
 Rooms: `client` (`HTTPClient`, the pool, deadlines), `connection` (one connection: sockets,
-request heads, responses), `support` (errors, timeouts, proxies, TLS, decoding). Nothing else
-of the package is imported here.
+request heads, responses), `messages` (`Request`, `Response`), `memory` (a handler that
+answers in memory instead of a server: the test seam), `support` (errors, timeouts, proxies,
+TLS, decoding). Nothing else of the package is imported here.
 """
 
 from .client import (
@@ -16,6 +17,7 @@ from .client import (
     PoolStats,
     ProtocolError,
     ProxyError,
+    Request,
     Response,
     ResponseTooLarge,
     Timeouts,
@@ -33,6 +35,7 @@ __all__ = [
     "PoolStats",
     "ProtocolError",
     "ProxyError",
+    "Request",
     "Response",
     "ResponseTooLarge",
     "Timeouts",

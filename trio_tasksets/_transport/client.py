@@ -24,19 +24,19 @@ Why not httpx: see docs/benchmarks.md (HTTP client). This module, `connection` a
 
 from __future__ import annotations
 
-import json
 import math
 import os
 import ssl
 from collections import deque
 from collections.abc import Mapping, Sequence
 from types import TracebackType
-from typing import Any, Self
+from typing import Self
 
 import attrs
 import h11
 import trio
 
+from .._core.exceptions import ConfigError
 from .connection import (
     Connection,
     RequestHead,
@@ -48,6 +48,8 @@ from .connection import (
     request_head,
     tunnel,
 )
+from .memory import Handler, answer
+from .messages import Request, Response
 from .support import (
     ConnectError,
     ConnectionClosed,
@@ -78,6 +80,7 @@ __all__ = [
     "PoolStats",
     "ProtocolError",
     "ProxyError",
+    "Request",
     "Response",
     "ResponseTooLarge",
     "Timeouts",
@@ -88,38 +91,6 @@ __all__ = [
 USER_AGENT = b"trio-tasksets"
 _CACHE = 256  # routes and request heads kept, each
 _NO_BODY = frozenset({"GET", "HEAD", "DELETE", "OPTIONS", "TRACE"})
-
-
-@attrs.frozen
-class Response:
-    """A whole response. ``headers``: lower-case names and values as bytes, in order;
-    ``body``: decoded (no gzip/deflate left)."""
-
-    status: int
-    headers: list[tuple[bytes, bytes]]
-    body: bytes
-    url: str
-
-    def header(self, name: str) -> str | None:
-        """The first value of header ``name`` (any case), or None."""
-        wanted = name.lower().encode("latin-1")
-        for key, value in self.headers:
-            if key == wanted:
-                return value.decode("latin-1")
-        return None
-
-    @property
-    def retry_after(self) -> float | None:
-        """Seconds the server asks to wait (``Retry-After``: seconds or an HTTP date)."""
-        return parse_retry_after(self.header("retry-after"))
-
-    @property
-    def text(self) -> str:
-        return self.body.decode("utf-8", errors="replace")
-
-    def json(self) -> Any:
-        """The body parsed as JSON; ``ValueError`` if it is not."""
-        return json.loads(self.body)
 
 
 @attrs.frozen
@@ -145,9 +116,13 @@ class HTTPClient:
     these CA certificates (PEM file or directory); ``ssl_context``: or bring a whole context.
     ``proxy``: an ``http://`` proxy for every request; else, with ``trust_env``, the
     ``*_PROXY`` variables. ``headers``: sent with every request (a request's own win).
+    ``handler``: answer every request in memory with ``handler(request)`` (a function, or
+    an async one, of a `Request` returning a `Response`) and open no socket: the test seam
+    (`trio_tasksets._transport.memory`); the timeouts and the size limit still apply.
 
     Use ``async with`` or `aclose`: idle connections close at once, busy ones when their
-    request ends."""
+    request ends. A bad option raises `ConfigError` naming it (a proxy setting it cannot
+    use: `UnsupportedProxy`, one)."""
 
     def __init__(
         self,
@@ -161,15 +136,28 @@ class HTTPClient:
         proxy: str | None = None,
         trust_env: bool = True,
         headers: Mapping[str, str] | None = None,
+        handler: Handler | None = None,
     ) -> None:
         if max_connections is not None and max_connections < 1:
-            raise ValueError(f"max_connections must be >= 1 or None, got {max_connections!r}")
+            raise ConfigError(
+                f"{{max_connections}} must be >= 1 or None, got {max_connections!r}",
+                parameter="max_connections",
+            )
         if not keepalive_expiry >= 0:
-            raise ValueError(f"keepalive_expiry must be >= 0 seconds, got {keepalive_expiry!r}")
+            raise ConfigError(
+                f"{{keepalive_expiry}} must be >= 0 seconds, got {keepalive_expiry!r}",
+                parameter="keepalive_expiry",
+            )
         if max_response_bytes < 1:
-            raise ValueError(f"max_response_bytes must be >= 1, got {max_response_bytes!r}")
+            raise ConfigError(
+                f"{{max_response_bytes}} must be >= 1, got {max_response_bytes!r}",
+                parameter="max_response_bytes",
+            )
         if ca_bundle is not None and ssl_context is not None:
-            raise ValueError("pass ca_bundle or ssl_context, not both")
+            raise ConfigError(
+                "pass {ca_bundle} or {ssl_context}, not both",
+                parameter=("ca_bundle", "ssl_context"),
+            )
         self.timeouts = timeouts if timeouts is not None else Timeouts()
         self.max_connections = max_connections
         self.keepalive_expiry = keepalive_expiry
@@ -184,6 +172,7 @@ class HTTPClient:
         for name, value in (headers or {}).items():
             base[name.lower()] = value.encode("latin-1")
         self._base_headers = base
+        self._handler = handler
         self._routes: dict[str, Route] = {}
         self._heads: dict[tuple[object, ...], RequestHead] = {}
         self._idle: dict[tuple[object, ...], deque[Connection]] = {}
@@ -220,6 +209,8 @@ class HTTPClient:
         if self._closed:
             raise RuntimeError(f"HTTPClient is closed; cannot request {url}")
         await trio.lowlevel.checkpoint_if_cancelled()  # not a byte out if already cancelled
+        if self._handler is not None:
+            return await self._answer(self._handler, method, url, headers, body, timeouts)
         route = self._routes.get(url)
         if route is None:
             route = self._route(url)
@@ -235,6 +226,25 @@ class HTTPClient:
         with exchange.scope:
             return await exchange.run(head, data)
         raise exchange.timed_out()
+
+    async def _answer(
+        self,
+        handler: Handler,
+        method: str,
+        url: str,
+        headers: Mapping[str, str] | Sequence[tuple[str, str]] | None,
+        body: bytes,
+        timeouts: Timeouts | None,
+    ) -> Response:
+        """The handler's response (`trio_tasksets._transport.memory`), to the request as it
+        would have been sent."""
+        route_for(url, self._proxies)  # a URL that is not absolute http(s): ValueError
+        fields = {name: value.decode("latin-1") for name, value in self._base_headers.items()}
+        for name, value in headers.items() if isinstance(headers, Mapping) else headers or ():
+            fields[name.lower()] = value
+        request = Request(method, url, list(fields.items()), body)
+        limits = self.timeouts if timeouts is None else timeouts
+        return await answer(handler, request, limits, max_bytes=self.max_response_bytes)
 
     def _route(self, url: str) -> Route:
         route = route_for(url, self._proxies)

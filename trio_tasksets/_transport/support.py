@@ -118,7 +118,10 @@ class UnsupportedProxy(ConfigError):
 
 def _check_timeout(instance: object, attribute: attrs.Attribute[Any], value: Any) -> None:
     if value is not None and not (isinstance(value, int | float) and value > 0):
-        raise ValueError(f"Timeouts.{attribute.name} must be > 0 seconds or None, got {value!r}")
+        raise ConfigError(
+            f"Timeouts.{{{attribute.name}}} must be > 0 seconds or None, got {value!r}",
+            parameter=attribute.name,
+        )
 
 
 @attrs.frozen
@@ -127,7 +130,8 @@ class Timeouts:
 
     ``connect``: DNS, TCP, a proxy's ``CONNECT`` and the TLS handshake. ``write``: sending the
     request. ``read``: the longest wait for the next bytes of the response (not the whole
-    response). ``total``: the whole request, waiting for a free connection included."""
+    response). ``total``: the whole request, waiting for a free connection included. A value
+    that is not > 0 or None raises `ConfigError` naming it."""
 
     connect: float | None = attrs.field(default=10.0, validator=_check_timeout)
     read: float | None = attrs.field(default=120.0, validator=_check_timeout)
@@ -292,7 +296,7 @@ def _default_tls() -> ssl.SSLContext:
 def tls_context(ca_bundle: str | os.PathLike[str] | None = None) -> ssl.SSLContext:
     """The context https connections verify servers with: the system trust store plus
     certifi's, or only the CA certificates in ``ca_bundle`` (a PEM file or a c_rehash'd
-    directory). Raises ``ValueError`` naming ``ca_bundle`` if it cannot be loaded."""
+    directory). Raises `ConfigError` naming ``ca_bundle`` if it cannot be loaded."""
     if ca_bundle is None:
         return _default_tls()
     path = os.fspath(ca_bundle)
@@ -302,8 +306,9 @@ def tls_context(ca_bundle: str | os.PathLike[str] | None = None) -> ssl.SSLConte
         else:
             context = ssl.create_default_context(cafile=path)
     except (OSError, ssl.SSLError) as exc:
-        raise ValueError(
-            f"ca_bundle={path!r} cannot be loaded as PEM CA certificates: {exc}"
+        raise ConfigError(
+            f"{{ca_bundle}}={path!r} cannot be loaded as PEM CA certificates: {exc}",
+            parameter="ca_bundle",
         ) from None
     context.set_alpn_protocols(["http/1.1"])
     return context

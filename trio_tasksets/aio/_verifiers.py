@@ -59,8 +59,7 @@ import attrs
 from .._core.exceptions import ConfigError, ConfigTypeError, TrioTasksetsError
 from .._core.tasksets import TasksetConfig
 from .._env.env import Episode, EpisodeError, EpisodeTask, RetryPolicy, Reward, RunSlot
-from .._models import ModelContext, OpenAIClient, Sampling
-from .._serve.wire import openai_api_key
+from .._models import ModelContext, Sampling, describe
 from ._bridge_env import AsyncioModelContext, BridgedEnv
 from ._feeds import AsyncioTaskset
 
@@ -310,10 +309,9 @@ _key_vars: dict[str, str] = {}
 _key_vars_lock = threading.Lock()  # envs' loops run in threads of their own
 
 
-def _api_key_var(client: OpenAIClient) -> str:
+def _api_key_var(key: str | None) -> str:
     """The environment variable verifiers reads the client's API key from: one of ours per
     distinct key (set here, in this process only), or `NO_KEY_VAR` for a client without one."""
-    key = openai_api_key(client)
     if key is None:
         return NO_KEY_VAR
     with _key_vars_lock:
@@ -329,12 +327,13 @@ def vf_model_context(ctx: ModelContext) -> Any:
     timeout and API key, and the sampling. `TypeError` for another client (verifiers' harness
     calls the model itself, over HTTP)."""
     vf = _vf()
-    client = ctx.client
-    if not isinstance(client, OpenAIClient):
+    client = describe(ctx.client)
+    travel = client.travel or {}
+    if travel.get("type") != "openai" or not client.endpoints:
         raise ConfigTypeError(
             f"a verifiers env calls the model itself over HTTP, so its model context's "
             f"{{client}} needs an OpenAI-compatible endpoint (a tt.OpenAIClient with its "
-            f"base_url), not {type(client).__name__}",
+            f"base_url), not {type(ctx.client).__name__}",
             parameter="client",
         )
     sampling: Sampling = ctx.sampling
@@ -346,10 +345,10 @@ def vf_model_context(ctx: ModelContext) -> Any:
     }
     values = {name: value for name, value in knobs.items() if value is not None}
     values.update(sampling.extra)
-    timeout = float(client.timeout)
+    timeout = float(travel["timeout"])
     endpoint = vf.EvalClientConfig(
-        base_url=client.base_url,
-        api_key_var=_api_key_var(client),
+        base_url=client.endpoints[0],
+        api_key_var=_api_key_var(client.api_key),
         timeout={"connect": min(30.0, timeout), "read": timeout},
     )
     return vf.ModelContext(

@@ -44,7 +44,7 @@ from .._core.batching import take_ready
 from .._core.drain import stop_on
 from .._core.exceptions import ConfigError, EntryRefused, MalformedEntry
 from .._core.health import Health
-from .._core.limits import EndpointLimits, observe_calls
+from .._core.limits import observe_calls
 from .._core.runner import as_completed, pick_one
 from .._core.tasksets import Task, Taskset, TasksetConfig
 from .._core.window import Window
@@ -64,8 +64,7 @@ from .._env.env import (
 )
 from .._env.groups import Group, cause_first, run_group
 from .._env.spec import Declaration, rebuild_task, taskset_arg
-from .._models import ModelContext
-from .._models.openai import OpenAIClient
+from .._models import ModelContext, describe
 from .._monitor import dashboard
 from ._queue import Finished, TaskEntry, TaskQueue, plain_task
 
@@ -257,16 +256,15 @@ async def consume(
     if env is None:
         env = Env(_Plain(), retries=RetryPolicy(retries))
     report = WorkerReport(window=window)
-    limits = getattr(ctx.client, "limits", None)
+    limits = describe(ctx.client).limits
     progress = dashboard.Progress(
         title=f"worker {consumer}", growing=True, window=window,
-        connections=limits.connections if isinstance(limits, EndpointLimits) else None,
+        connections=None if limits is None else limits.connections,
     )  # fmt: skip
     feed = WindowFeed(window)
     health = Health()
     progress.health = health.lag_text
-    stats = getattr(ctx.client, "endpoint_stats", None)
-    progress.endpoints = stats if callable(stats) else None  # many --base-url: a row each
+    progress.endpoints = describe(ctx.client).endpoint_stats  # many --base-url: a row each
     metrics = None
     if metrics_port is not None:
         from .._monitor.metrics import Metrics
@@ -344,9 +342,9 @@ async def consume(
                 nursery.start_soon(_keep_alive, queue, report)
                 nursery.start_soon(publisher.loop)
                 nursery.start_soon(health.probe)
-                if isinstance(ctx.client, OpenAIClient) and ctx.client.has_engine_metrics:
+                if (engines := describe(ctx.client).engine_metrics) is not None:
                     # --engine-metrics: one endpoint's moves -c, many endpoints' each its own
-                    nursery.start_soon(ctx.client.feed_engine_metrics, window)
+                    nursery.start_soon(engines, window)
                 if metrics is not None:
                     from .._monitor.metrics import serve_metrics
 
