@@ -14,6 +14,7 @@ from typing import Any
 
 import attrs
 
+from .._core.backoff import FIRST, MOST
 from .._core.datasets import JsonlTaskset, data_target
 from .._core.exceptions import ConfigError
 from .._core.tasksets import Taskset, TasksetConfig
@@ -241,7 +242,7 @@ def env_spec(args: argparse.Namespace) -> EnvSpec:
     try:
         retries = RetryPolicy(
             count, names(getattr(args, "retry_on", "")), names(getattr(args, "no_retry_on", "")),
-            getattr(args, "retry_backoff", 0.5), getattr(args, "retry_max_backoff", 30.0),
+            getattr(args, "retry_backoff", FIRST), getattr(args, "retry_max_backoff", MOST),
         )  # fmt: skip
     except ValueError as exc:
         raise UsageError(f"--retries/--retry-backoff: {exc}") from None

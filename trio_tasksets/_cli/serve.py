@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING, Any
 import attrs
 import trio
 
+from .._core.backoff import FIRST, MOST
 from .._core.exceptions import ConfigError
 from .._env.env import Env
 from .._env.spec import EnvSpec
@@ -175,10 +176,10 @@ def add_parser(commands: Commands) -> argparse.ArgumentParser:
         help="a reward function (default: the taskset's, else answer match)",
     )  # fmt: skip
     env.add_argument(
-        "--retry-backoff", type=float, default=0.5, metavar="S", help="first retry's backoff cap"
+        "--retry-backoff", type=float, default=FIRST, metavar="S", help="first retry's backoff cap"
     )
     env.add_argument(
-        "--retry-max-backoff", type=float, default=30.0, metavar="S", help="largest backoff"
+        "--retry-max-backoff", type=float, default=MOST, metavar="S", help="largest backoff"
     )
     sv.add_argument(
         "--die-with-parent",

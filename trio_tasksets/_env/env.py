@@ -17,7 +17,7 @@ import attrs
 import trio
 
 from .._core.adaptive import AdaptiveWindow, Outcome
-from .._core.backoff import Backoff
+from .._core.backoff import FIRST, MOST, Backoff
 from .._core.exceptions import ConfigError, TrioTasksetsError
 from .._core.limits import CallObserver, observe_calls, parked
 from .._core.tasksets import Taskset
@@ -85,8 +85,8 @@ class RetryPolicy:
     max_retries: int = attrs.field(default=0, validator=_at_least_zero)
     include: tuple[str, ...] = attrs.field(default=(), converter=_type_names)
     exclude: tuple[str, ...] = attrs.field(default=(), converter=_type_names)
-    backoff: float = attrs.field(default=0.5, validator=_at_least_zero)
-    max_backoff: float = attrs.field(default=30.0, validator=_at_least_zero)
+    backoff: float = attrs.field(default=FIRST, validator=_at_least_zero)
+    max_backoff: float = attrs.field(default=MOST, validator=_at_least_zero)
 
     def should_retry(self, error: BaseException, attempt: int) -> bool:
         """Whether attempt number `attempt` (1-based), which raised `error`, gets another."""
