@@ -9,13 +9,13 @@ import shutil
 import socket
 import ssl
 import subprocess
-import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 import trio
 import trustme
+from helpers import free_port, until
 
 import trio_tasksets as tt
 from trio_tasksets._transport import ConnectError, HTTPClient
@@ -24,20 +24,6 @@ from trio_tasksets.redis._resp import Address, Connection, Unreachable
 
 TINYPROXY = shutil.which("tinyproxy")
 REDIS_SERVER = shutil.which("redis-server")
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-def until(predicate: Callable[[], bool], what: str, timeout: float = 20.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not predicate():  # another process: polled
-        if time.monotonic() > deadline:
-            pytest.fail(f"timed out waiting for {what}")
-        time.sleep(0.05)
 
 
 def accepts(port: int) -> bool:

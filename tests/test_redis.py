@@ -12,7 +12,6 @@ import functools
 import json
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -27,6 +26,7 @@ import forkserver
 import pytest
 import redis
 import trio
+from helpers import free_port, until
 from redis_server import RedisServer
 
 import trio_tasksets as tt
@@ -57,21 +57,6 @@ ENV_WORKER = [sys.executable, str(ROOT / "tests" / "fixtures" / "redis_worker.py
 
 
 # --- servers, names and polling ---------------------------------------------------------------
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-def until(predicate: Callable[[], bool], what: str, timeout: float = 20.0) -> None:
-    """Poll `predicate` until it holds; fail naming `what` after `timeout` seconds."""
-    deadline = time.monotonic() + timeout
-    while not predicate():
-        if time.monotonic() > deadline:
-            pytest.fail(f"timed out after {timeout} s waiting for {what}")
-        time.sleep(0.02)
 
 
 @pytest.fixture
@@ -318,7 +303,7 @@ def test_past_the_grace_in_flight_episodes_are_cancelled_and_left_pending(
 def test_a_redis_restart_mid_run_is_retried_and_loses_nothing(
     r: redis.Redis, names: Names, workers: Callable[..., Worker], tmp_path: Path
 ) -> None:
-    own = Server(_free_port(), tmp_path, persistent=True)
+    own = Server(free_port(), tmp_path, persistent=True)
     own.start()
     client = redis.Redis.from_url(own.url, decode_responses=True, socket_timeout=2.0)
     try:
@@ -815,7 +800,7 @@ async def test_a_redis_that_lost_its_data_gets_the_waiting_slots_again(
     from trio_tasksets._monitor.dashboard import Progress
     from trio_tasksets.redis._coordinator import via_runner
 
-    own = Server(_free_port(), tmp_path)
+    own = Server(free_port(), tmp_path)
     own.start()
     client = redis.Redis.from_url(own.url, decode_responses=True, socket_timeout=2.0)
     env, ctx = graded_env(), tt.ModelContext(tt.EchoClient(), "echo")
@@ -899,7 +884,7 @@ async def test_every_path_survives_a_group_that_is_gone(
 def test_redis_killed_and_restarted_empty_mid_run_workers_recreate_the_group_and_go_on(
     names: Names, workers: Callable[..., Worker], tmp_path: Path
 ) -> None:
-    own = Server(_free_port(), tmp_path)  # no persistence: a restart loses everything
+    own = Server(free_port(), tmp_path)  # no persistence: a restart loses everything
     own.start()
     client = redis.Redis.from_url(own.url, decode_responses=True, socket_timeout=2.0)
     try:
