@@ -269,15 +269,27 @@ def test_a_live_workers_long_episodes_are_kept_alive_not_reclaimed(
     assert not any("reclaimed" in worker.log for worker in pair)
 
 
+def _sigterm_when_full(
+    names: Names, r: redis.Redis, worker: Callable[..., Worker], tasks: int, *options: str
+) -> Worker:
+    """`tasks` tasks for a worker "w" of `options` (``-c N`` first); SIGTERM once its N
+    places are busy: it exits 0 within 5 s."""
+    push(r, names.stream, make_tasks(tasks))
+    started = worker(names, "w", *options)
+    places = int(options[1])
+    until(lambda: pending_of(r, names).get("w") == places, f"{places} episodes in flight")
+    began = time.monotonic()
+    assert started.stop(signal.SIGTERM) == 0, started.log
+    assert time.monotonic() - began < 5
+    return started
+
+
 def test_sigterm_finishes_in_flight_episodes_within_the_grace_and_exits_0(
     server: Server, r: redis.Redis, names: Names, workers: Callable[..., Worker]
 ) -> None:
-    push(r, names.stream, make_tasks(10))
-    worker = workers(server.url, names, "w", "-c", "4", "--echo-delay", "1.0", "--grace", "20")
-    until(lambda: pending_of(r, names).get("w") == 4, "4 episodes in flight")
-    began = time.monotonic()
-    assert worker.stop(signal.SIGTERM) == 0, worker.log
-    assert time.monotonic() - began < 5  # the episodes' own second, not the 20 s grace
+    """Within 5 s: the episodes' own second, not the 20 s grace."""
+    options = ("-c", "4", "--echo-delay", "1.0", "--grace", "20")
+    worker = _sigterm_when_full(names, r, functools.partial(workers, server.url), 10, *options)
     assert r.xlen(names.results) == 4  # the in-flight four finished and were published...
     assert pending(r, names) == 0  # ...and acknowledged; nothing else was pulled
     group = r.xinfo_groups(names.stream)[0]
@@ -289,12 +301,8 @@ def test_sigterm_finishes_in_flight_episodes_within_the_grace_and_exits_0(
 def test_past_the_grace_in_flight_episodes_are_cancelled_and_left_pending(
     server: Server, r: redis.Redis, names: Names, workers: Callable[..., Worker]
 ) -> None:
-    push(r, names.stream, make_tasks(3))
-    worker = workers(server.url, names, "w", "-c", "2", "--echo-delay", "60", "--grace", "0.3")
-    until(lambda: pending_of(r, names).get("w") == 2, "2 episodes in flight")
-    began = time.monotonic()
-    assert worker.stop(signal.SIGTERM) == 0, worker.log
-    assert time.monotonic() - began < 5
+    options = ("-c", "2", "--echo-delay", "60", "--grace", "0.3")
+    worker = _sigterm_when_full(names, r, functools.partial(workers, server.url), 3, *options)
     assert r.xlen(names.results) == 0
     assert pending_of(r, names) == {"w": 2}  # left for another worker; so is its name
     assert "2 cancelled at the grace deadline" in worker.log
@@ -485,21 +493,30 @@ async def test_enqueue_round_trips_a_taskset_to_equal_tasks(
     assert all(isinstance(t, tt.Task) for t in got)
 
 
-async def test_run_worker_in_process_stops_when_told(
-    server: Server, r: redis.Redis, names: Names
-) -> None:
-    push(r, names.stream, make_tasks(5))
+async def _work_until_told(
+    server: Server, r: redis.Redis, names: Names, count: int, window: int | AdaptiveBounds
+) -> list[str]:
+    """`count` tasks for an in-process worker of `window` whose episodes take 0.2 s (so they
+    overlap and the window fills whatever the timing), told to stop once all are published;
+    its log lines."""
+    push(r, names.stream, make_tasks(count))
     config = WorkerConfig(server.url, names.stream, names.group, names.results, consumer="me",
-                          max_concurrent=2, dashboard=False)  # fmt: skip
+                          max_concurrent=window, dashboard=False)  # fmt: skip
     lines: list[str] = []
-    # Episodes that take a while overlap, so the window fills (peak 2) whatever the timing.
     ctx = tt.ModelContext(tt.EchoClient(delay=0.2), "echo")
     async with trio.open_nursery() as nursery:
         start = functools.partial(run_worker, config, ctx, handle_signals=False, log=lines.append)
         shut_down = await nursery.start(start)
-        await wait_for(lambda: r.xlen(names.results) >= 5)
+        await wait_for(lambda: r.xlen(names.results) >= count)
         shut_down("told")
     assert pending(r, names) == 0
+    return lines
+
+
+async def test_run_worker_in_process_stops_when_told(
+    server: Server, r: redis.Redis, names: Names
+) -> None:
+    lines = await _work_until_told(server, r, names, 5, window=2)
     assert lines[-1].startswith("stopped: published 5 episodes; peak in flight 2/2")
     assert any(line.startswith("told: stopping") for line in lines)
 
@@ -509,17 +526,7 @@ async def test_a_worker_with_an_adaptive_window_grows_it_while_episodes_succeed(
 ) -> None:
     """`worker -c 1-1-4`: the window (episodes in flight, entries held) starts at 1 and
     doubles per full round of successes, as an eval's does."""
-    push(r, names.stream, make_tasks(30))
-    config = WorkerConfig(server.url, names.stream, names.group, names.results, consumer="me",
-                          max_concurrent=AdaptiveBounds(1, 1, 4), dashboard=False)  # fmt: skip
-    lines: list[str] = []
-    ctx = tt.ModelContext(tt.EchoClient(delay=0.2), "echo")
-    async with trio.open_nursery() as nursery:
-        start = functools.partial(run_worker, config, ctx, handle_signals=False, log=lines.append)
-        shut_down = await nursery.start(start)
-        await wait_for(lambda: r.xlen(names.results) >= 30)
-        shut_down("told")
-    assert pending(r, names) == 0
+    lines = await _work_until_told(server, r, names, 30, window=AdaptiveBounds(1, 1, 4))
     assert "window 1-1-4" in lines[0]
     assert lines[-1].startswith("stopped: published 30 episodes; peak in flight 4/4 (adaptive")
 
