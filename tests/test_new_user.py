@@ -27,7 +27,6 @@ import pytest
 import trio
 
 import trio_tasksets as tt
-from trio_tasksets._cli import main
 from trio_tasksets._report.data import load_run
 from trio_tasksets._report.figures import compute
 from trio_tasksets._report.stats import mean_interval, reward_interval, wilson_interval
@@ -38,6 +37,7 @@ if str(FIXTURES) not in sys.path:
     sys.path.insert(0, str(FIXTURES))
 
 from chat_server import ChatServer  # noqa: E402
+from helpers import cli  # noqa: E402
 
 LIMIT = 60  # seconds: real sockets, so the real clock; a hang fails the test
 
@@ -46,14 +46,6 @@ LIMIT = 60  # seconds: real sockets, so the real clock; a hang fails the test
 def server() -> Iterator[ChatServer]:
     with ChatServer() as chat:
         yield chat
-
-
-def cli(*words: str) -> int:
-    """`trio-tasksets WORDS...` in this process: its exit code (argparse's SystemExit too)."""
-    try:
-        return main(list(words))
-    except SystemExit as exc:
-        return int(exc.code or 0)
 
 
 def summary_of(run_dir: Path) -> dict[str, Any]:

@@ -41,6 +41,7 @@ FIXTURES = ROOT / "tests" / "fixtures"
 if str(FIXTURES) not in sys.path:  # verifiers imports tasksets by name, as vf-eval does
     sys.path.insert(0, str(FIXTURES))
 
+import helpers  # noqa: E402
 from chat_server import ChatServer, reply_to  # noqa: E402
 
 # verifiers takes 5 s of CPU to import: the tests import it (not the module, which every xdist
@@ -516,11 +517,7 @@ def test_cli_vf_over_workers_needs_no_base_url(
     for (here the Redis is unreachable: that is the error, exit 2, before any run)."""
     argv = ["eval", "vf:vf_arith", "--env-args", json.dumps(ENV), "-m", MODEL, "--via",
             "redis://127.0.0.1:9/0", "-o", str(tmp_path), "--no-dashboard"]  # fmt: skip
-    try:
-        code = cli.main(argv)
-    except SystemExit as exc:
-        code = int(exc.code or 0)
-    assert code == 2
+    assert helpers.cli(*argv) == 2
     line = next(x for x in capsys.readouterr().err.splitlines() if ": error: " in x)
     assert "--base-url" not in line
     assert "--via redis://127.0.0.1:9/0: cannot reach Redis" in line
