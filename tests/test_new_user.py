@@ -57,6 +57,14 @@ class Sums(tt.Taskset[tt.Task, tt.TasksetConfig]):
         return [tt.Task(f"What is {i} + 1?", answer=str(i + 1)) for i in range(8)]
 
 
+async def eval_sums(server: ChatServer, tmp_path: Path) -> tt.EvalResult:
+    """The 8 `Sums` against `server`, into ``tmp_path/r``."""
+    ctx = tt.ModelContext(tt.OpenAIClient(server.url), "m")
+    config = tt.EvalConfig(output_dir=str(tmp_path), run_name="r", dashboard=False)
+    with trio.fail_after(LIMIT):
+        return await tt.run_eval(tt.Env(Sums()), ctx, config)
+
+
 # --- token figures ---------------------------------------------------------------------------
 
 
@@ -64,10 +72,7 @@ async def test_usage_sums_prompt_and_completion_tokens_only_and_the_report_agree
     server: ChatServer, tmp_path: Path
 ) -> None:
     """The server sends `total_tokens` too (as OpenAI and vLLM do): it is not added in."""
-    ctx = tt.ModelContext(tt.OpenAIClient(server.url), "m")
-    config = tt.EvalConfig(output_dir=str(tmp_path), run_name="r", dashboard=False)
-    with trio.fail_after(LIMIT):
-        result = await tt.run_eval(tt.Env(Sums()), ctx, config)
+    result = await eval_sums(server, tmp_path)
     assert result.summary["usage"] == {"prompt_tokens": 80, "completion_tokens": 8}
     row = json.loads((result.run_dir / "traces.jsonl").read_text().splitlines()[0])
     assert row["usage"]["total_tokens"] == 11  # the row keeps what the server said
@@ -81,10 +86,7 @@ async def test_usage_sums_prompt_and_completion_tokens_only_and_the_report_agree
 async def test_an_old_summary_that_summed_total_tokens_reads_right(
     server: ChatServer, tmp_path: Path
 ) -> None:
-    ctx = tt.ModelContext(tt.OpenAIClient(server.url), "m")
-    config = tt.EvalConfig(output_dir=str(tmp_path), run_name="r", dashboard=False)
-    with trio.fail_after(LIMIT):
-        run_dir = (await tt.run_eval(tt.Env(Sums()), ctx, config)).run_dir
+    run_dir = (await eval_sums(server, tmp_path)).run_dir
     summary = summary_of(run_dir)
     summary["usage"]["total_tokens"] = 88  # as versions before this fix wrote it
     (run_dir / "summary.json").write_text(json.dumps(summary))

@@ -122,6 +122,12 @@ def subprocess_env() -> dict[str, str]:
     return {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), str(FIXTURES)])}
 
 
+def python_c(script: str) -> subprocess.CompletedProcess[str]:
+    """``python -c SCRIPT`` in `subprocess_env()`, its output captured."""
+    return subprocess.run([sys.executable, "-c", script], env=subprocess_env(),
+                          capture_output=True, text=True, timeout=LIMIT)  # fmt: skip
+
+
 # --- Python: tt.run_eval ------------------------------------------------------------------------
 
 
@@ -416,13 +422,7 @@ def test_the_anyio_case_httpx_in_guest_mode_first_then_httpx_in_a_bridged_env(
         print(json.dumps(trio.run(main)))
         """
     )
-    done = subprocess.run(
-        [sys.executable, "-c", script],
-        env=subprocess_env(),
-        capture_output=True,
-        text=True,
-        timeout=LIMIT,
-    )
+    done = python_c(script)
     assert done.returncode == 0, done.stderr[-3000:]
     assert json.loads(done.stdout.splitlines()[-1]) == ["1", "2", "4"]
 
@@ -463,13 +463,7 @@ def test_importing_trio_tasksets_never_needs_verifiers(monkeypatch: pytest.Monke
     check = "import sys, trio_tasksets, trio_tasksets._cli\n" + (
         "assert not any(m.startswith('verifiers') for m in sys.modules)"
     )
-    done = subprocess.run(
-        [sys.executable, "-c", check],
-        env=subprocess_env(),
-        capture_output=True,
-        text=True,
-        timeout=LIMIT,
-    )
+    done = python_c(check)
     assert done.returncode == 0, done.stderr
     monkeypatch.setitem(sys.modules, "verifiers.v1", None)  # as if it were not installed
     with pytest.raises(ImportError, match=r"pip install 'trio-tasksets\[verifiers\]'"):
