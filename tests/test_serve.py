@@ -25,8 +25,8 @@ import httpx
 import orjson
 import pytest
 import trio
-from helpers import HTTPCase, http_cases
-from raw_ws import RawWS, run_item
+from helpers import HTTPCase, alive, http_cases
+from raw_ws import RawWS, run_item, send_once
 from wsproto.events import CloseConnection
 
 import trio_tasksets as tt
@@ -121,15 +121,6 @@ def rows(path: Path) -> list[dict[str, Any]]:
 
 def line_count(path: Path) -> int:
     return path.read_bytes().count(b"\n") if path.exists() else 0
-
-
-def alive(pid: int) -> bool:
-    """Running, i.e. not gone and not a zombie waiting for a reaper."""
-    try:
-        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
-    except (FileNotFoundError, ProcessLookupError):
-        return False
-    return state != "Z"
 
 
 def descendants(pid: int) -> list[int]:
@@ -515,13 +506,8 @@ BAD_MESSAGES = [
 async def test_an_unreadable_websocket_message_closes_that_connection_and_the_server_goes_on(
     server: str, data: bytes, code: int, needle: str
 ) -> None:
-    ws = await RawWS.connect(server, TOKEN)
-    try:
-        with trio.fail_after(10):
-            await ws.send(data)
-            closed = await ws.receive()
-    finally:
-        await ws.aclose()
+    with trio.fail_after(10):
+        closed = await send_once(server, TOKEN, data)
     assert isinstance(closed, CloseConnection)
     assert closed.code == code
     assert needle in (closed.reason or "")

@@ -29,7 +29,7 @@ from env_server import EnvServer, start_env_server
 from helpers import HTTPCase, http_cases
 from hypercorn.config import Config
 from hypercorn.trio import serve
-from raw_ws import RawWS, run_item
+from raw_ws import RawWS, run_item, send_once
 from wsproto.events import CloseConnection
 
 import trio_tasksets as tt
@@ -841,14 +841,9 @@ async def test_oversize_bodies_and_messages_are_refused(basic: Server) -> None:
                 response = await http.post("/run", content=content, headers={**JSON, **AUTH})
                 assert response.status_code == 413, response.text
                 assert "--max-body-bytes" in response.json()["error"]
-            ws = await RawWS.connect(basic.url, TOKEN)
-            try:
-                with trio.fail_after(20):
-                    with contextlib.suppress(trio.BrokenResourceError):
-                        await ws.send(b'[{"op":"run","id":1,"body":' + body + b"}]")
-                    closed = await ws.receive()
-            finally:
-                await ws.aclose()
+            frame = b'[{"op":"run","id":1,"body":' + body + b"}]"
+            with trio.fail_after(20):
+                closed = await send_once(basic.url, TOKEN, frame)
             assert closed is None or (isinstance(closed, CloseConnection) and closed.code == 1009)
     await serves_a_good_run(basic)
 
@@ -910,13 +905,8 @@ async def test_garbage_frames_and_unknown_items_never_crash_the_websocket(basic:
     assert {a["status"] for a in answers} == {422}
     for item in UNANSWERABLE:
         for frame in (orjson.dumps(item), orjson.dumps(item).decode()):  # binary and text
-            ws = await RawWS.connect(basic.url, TOKEN)
-            try:
-                with trio.fail_after(20):
-                    await ws.send(frame)
-                    closed = await ws.receive()
-            finally:
-                await ws.aclose()
+            with trio.fail_after(20):
+                closed = await send_once(basic.url, TOKEN, frame)
             assert isinstance(closed, CloseConnection), (item, closed)
             assert closed.code == 1007
     await serves_a_good_run(basic)
