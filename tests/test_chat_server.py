@@ -6,11 +6,13 @@ from __future__ import annotations
 
 import http.client
 import json
+import ssl
 import threading
 from typing import Any
 
 import pytest
 import trio
+import trustme
 from chat_server import Capacity, ChatServer, Reply
 
 from trio_tasksets._transport import ConnectError, HTTPClient
@@ -108,3 +110,21 @@ async def test_served_in_the_tests_run_its_delays_are_the_clocks(autojump_clock:
         async with HTTPClient() as fresh:  # a new connection: the port refuses it
             with pytest.raises(ConnectError):
                 await fresh.request("POST", server.url + "/chat/completions", body=b"{}")
+
+
+async def test_with_a_tls_context_it_serves_https() -> None:
+    ca = trustme.CA()
+    context = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+    ca.issue_cert("127.0.0.1").configure_cert(context)
+    client_context = ssl.create_default_context()
+    ca.configure_trust(client_context)
+    with trio.fail_after(10):
+        async with (
+            ChatServer(tls=context) as server,
+            HTTPClient(ssl_context=client_context) as http,
+        ):
+            payload = json.dumps({"messages": [{"role": "user", "content": "What is 3 + 4?"}]})
+            url = server.url + "/chat/completions"
+            response = await http.request("POST", url, body=payload.encode())
+    assert server.url.startswith("https://127.0.0.1:")
+    assert json.loads(response.body)["choices"][0]["message"]["content"] == "7"
