@@ -394,6 +394,21 @@ def open_source(
     return receive, None, receive
 
 
+def taken_and_windowed(
+    sc: Scenario, obs: Observed, helpers: trio.Nursery, source: Source
+) -> tuple[Source, int | Window | None]:
+    """`source` cut at the scenario's `take`, and its window: with `use_window` a `Window`,
+    its resizer started in `helpers`."""
+    if sc.take is not None:
+        source = tt.take(source, sc.take)  # type: ignore[assignment]
+    if not sc.use_window:
+        return source, sc.window
+    assert sc.window is not None
+    window = Window(sc.window)
+    helpers.start_soon(resizer, sc, obs, window)
+    return source, window
+
+
 async def feeder(sc: Scenario, feed: Feed[int]) -> None:
     for i in range(sc.n):
         await trio.sleep(sc.gaps[i])
@@ -507,14 +522,7 @@ async def execute(sc: Scenario, api: Api) -> None:
     with trio.fail_after(HANG):
         async with trio.open_nursery() as helpers:
             source, feed, receive = open_source(sc, obs, helpers)
-
-            if sc.take is not None:
-                source = tt.take(source, sc.take)  # type: ignore[assignment]
-            window: int | Window | None = sc.window
-            if sc.use_window:
-                assert sc.window is not None
-                window = Window(sc.window)
-                helpers.start_soon(resizer, sc, obs, window)
+            source, window = taken_and_windowed(sc, obs, helpers, source)
             with trio.CancelScope(deadline=cancel_deadline) as outside:
                 try:
                     if api == "run_stream":
@@ -788,17 +796,10 @@ async def test_runs_that_fan_out_keep_the_bound_and_answer_every_child(
         return value_of(i)
 
     error: BaseException | None = None
-    window: int | Window | None = sc.window
     cancel_deadline = obs.t0 + sc.cancel_at if sc.cancel_at is not None else INF
     with trio.fail_after(HANG):
         async with trio.open_nursery() as helpers:
-            source, _, _ = open_source(sc, obs, helpers)
-            if sc.take is not None:
-                source = tt.take(source, sc.take)  # type: ignore[assignment]
-            if sc.use_window:
-                assert sc.window is not None
-                window = Window(sc.window)
-                helpers.start_soon(resizer, sc, obs, window)
+            source, window = taken_and_windowed(sc, obs, helpers, open_source(sc, obs, helpers)[0])
             with trio.CancelScope(deadline=cancel_deadline):
                 try:
                     await tt.run_stream(source, run, window=window)
