@@ -10,9 +10,7 @@ sockets on 127.0.0.1); the command line runs in this process (`trio_tasksets._cl
 from __future__ import annotations
 
 import json
-import shutil
 import signal
-import socket
 import subprocess
 import sys
 import textwrap
@@ -38,6 +36,7 @@ if str(FIXTURES) not in sys.path:
 
 from chat_server import ChatServer  # noqa: E402
 from helpers import cli  # noqa: E402
+from redis_server import REDIS_SERVER, RedisServer  # noqa: E402
 
 LIMIT = 60  # seconds: real sockets, so the real clock; a hang fails the test
 
@@ -277,32 +276,15 @@ def test_a_run_stopped_early_says_of_how_many_planned(
 
 @pytest.fixture(scope="module")
 def redis_url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
-    binary = shutil.which("redis-server")
-    if binary is None:
+    """A redis-server of this module's own: its commands use the default stream names."""
+    if REDIS_SERVER is None:
         pytest.skip("redis-server is not on PATH (apt-get install -y redis-server)")
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    directory = tmp_path_factory.mktemp("redis")
-    process = subprocess.Popen(
-        [binary, "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly",
-         "no", "--dir", str(directory)],
-        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-    )  # fmt: skip
+    server = RedisServer.on_free_ports(tmp_path_factory.mktemp("redis"))
+    server.start()
     try:
-        deadline = time.monotonic() + 10
-        while True:
-            try:
-                socket.create_connection(("127.0.0.1", port), timeout=1).close()
-                break
-            except OSError:
-                if time.monotonic() > deadline:
-                    raise
-                time.sleep(0.02)
-        yield f"redis://127.0.0.1:{port}/0"
+        yield server.url
     finally:
-        process.terminate()
-        process.wait(timeout=10)
+        server.stop()
 
 
 def test_eval_via_needs_no_base_url_and_keeps_no_run_dir_without_workers(
