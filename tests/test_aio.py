@@ -60,6 +60,7 @@ class _Changed:
 _END = object()
 
 
+# duplicates: test_bridge_env's asyncio feed has other counters; each suite owns its feed
 class AioFeed:
     """An asyncio async generator fed by the test through an `asyncio.Queue`.
 

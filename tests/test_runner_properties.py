@@ -680,6 +680,7 @@ async def test_run_stream_holds_its_invariants_on_random_schedules(
     await execute(sc, "run_stream")
 
 
+# duplicates: not one parametrized test: each API draws scenarios of its own (a consumer or not)
 @SETTINGS
 @given(sc=scenarios(consumer=True))
 async def test_as_completed_holds_its_invariants_on_random_schedules(
