@@ -13,6 +13,10 @@
 - Python commands (`python -m trio_tasksets ...`, `python FILE.py`): `forkserver.run` /
   `forkserver.popen` (`tests/fixtures/forkserver.py`) fork them from a Python that imported
   trio_tasksets once, instead of paying the interpreter's start-up each time.
+- Small shared helpers (`tests/fixtures/helpers.py`): `free_port`, `until` (polling another
+  process), `Concurrency` (tasks at once and the peak), `http_cases` (a table of requests),
+  `cli` (the command line in this process), `alive(pid)`; a bare WebSocket to an env server:
+  `tests/fixtures/raw_ws.py`.
 
 The suite runs on four workers (`pytest -n 4`, pytest-xdist): session fixtures are per worker.
 
