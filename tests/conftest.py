@@ -1,9 +1,11 @@
 """Fixtures shared by the test files.
 
 - `chat`: the suite's one fake OpenAI-compatible model server (`tests/fixtures/chat_server.py`),
-  a fresh one per test on a free port of 127.0.0.1, scripted through its attributes and
-  `script(...)` (latency, statuses, Retry-After, a capacity, what it answers). A module that
-  needs one server for several tests starts a `ChatServer` in a module-scoped fixture.
+  a fresh one per test on a free port of 127.0.0.1, in a thread of its own, scripted through
+  its attributes and `script(...)` (latency, statuses, Retry-After, what it answers, a policy:
+  a capacity, a rate limit, or `tests/fixtures/engine.py`'s continuous-batching engine). A
+  test on virtual time serves one in its own trio run (``async with ChatServer(...)``); a
+  module that needs one server for several tests starts one in a module-scoped fixture.
 - `redis_server`: one real `redis-server` for the session (`tests/fixtures/redis_server.py`),
   on free ports: TCP, TLS and a unix socket. Tests share it, so each uses keys of its own
   (a uuid prefix) and never flushes it; a test that stops a server starts its own.
@@ -11,6 +13,10 @@
 - Python commands (`python -m trio_tasksets ...`, `python FILE.py`): `forkserver.run` /
   `forkserver.popen` (`tests/fixtures/forkserver.py`) fork them from a Python that imported
   trio_tasksets once, instead of paying the interpreter's start-up each time.
+- Small shared helpers (`tests/fixtures/helpers.py`): `free_port`, `until` (polling another
+  process), `Concurrency` (tasks at once and the peak), `http_cases` (a table of requests),
+  `cli` (the command line in this process), `alive(pid)`; a bare WebSocket to an env server:
+  `tests/fixtures/raw_ws.py`.
 
 The suite runs on four workers (`pytest -n 4`, pytest-xdist): session fixtures are per worker.
 

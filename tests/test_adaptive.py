@@ -2,12 +2,10 @@
 (`--max-connections`, `--rpm`, `--tpm`), `--rollout-timeout` and `--time-limit`, through
 `run_eval` and `OpenAIClient`.
 
-One test talks to a real model server on 127.0.0.1 (the suite's fake, the `chat` fixture, on
-the real clock). The others run
-on virtual time, where the spacing of calls can be asserted exactly: there the model server
-is a handler answering in memory, `OpenAIClient(http_client=tt.HTTPClient(handler=...))` (a
-real server cannot run on a MockClock), so everything from `OpenAIClient.chat` up is the real
-code.
+The model server is the suite's fake on 127.0.0.1 (`tests/fixtures/chat_server.py`): in one
+test the `chat` fixture, on the real clock; in the others it serves in the test's own trio
+run, on virtual time, where the spacing of calls can be asserted exactly. Everything from
+`OpenAIClient.chat` down to the socket is the real code.
 """
 
 from __future__ import annotations
@@ -17,16 +15,14 @@ from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
-import attrs
 import pytest
 import trio
-from chat_server import ChatServer
+from chat_server import Capacity, ChatServer
 from trio.testing import MockClock
 
 import trio_tasksets as tt
 from trio_tasksets._core.adaptive import AdaptiveBounds, AdaptiveWindow
 from trio_tasksets._core.limits import EndpointLimits
-from trio_tasksets._transport import Request, Response
 
 
 class Calls(tt.Taskset[tt.Task, tt.TasksetConfig]):
@@ -40,13 +36,6 @@ def calls(n: int) -> Calls:
     taskset = Calls()
     taskset.size = n
     return taskset
-
-
-def reply(usage: dict[str, int] | None = None) -> dict[str, Any]:
-    return {
-        "choices": [{"message": {"role": "assistant", "content": "7"}, "finish_reason": "stop"}],
-        "usage": usage if usage is not None else {"prompt_tokens": 3, "completion_tokens": 1},
-    }
 
 
 def config(tmp_path: Path, **kw: Any) -> tt.EvalConfig:
@@ -71,7 +60,7 @@ def summary(tmp_path: Path) -> dict[str, Any]:
 def capacity_5(chat: ChatServer) -> ChatServer:
     """The suite's fake with a hidden capacity: a completion takes 0.05 s holding one of 5
     places; a request above that is answered 429 at once, `Retry-After: 0.05`."""
-    chat.capacity, chat.delay, chat.retry_after = 5, 0.05, "0.05"
+    chat.policy, chat.delay, chat.retry_after = Capacity(5), 0.05, "0.05"
     chat.answer = lambda _: "7"
     chat.usage = {"prompt_tokens": 3, "completion_tokens": 1}
     return chat
@@ -103,50 +92,38 @@ async def test_the_adaptive_window_converges_on_a_real_servers_capacity(
     assert all(0 <= entry[0] < 60 for entry in recorded)  # seconds since the eval began
 
 
-# --- a virtual-time model server --------------------------------------------------------------
+# --- the model server in the test's run, on virtual time --------------------------------------
 
 
-@attrs.define
-class Scripted:
-    """A handler answering in memory on trio's clock: answers after `latency` seconds,
-    429 above `capacity` calls at once (with `Retry-After`), `usage` as given; notes when
-    each request arrived and the most in flight."""
+def model_server(
+    latency: float = 0.0, capacity: int | None = None, usage: dict[str, int] | None = None
+) -> ChatServer:
+    """The suite's fake, to serve in the test's run (``async with``: its clock is the
+    test's): answers "7" after `latency` seconds, 429 at once above `capacity` calls in
+    flight (``Retry-After: 1``), `usage` as given."""
+    return ChatServer(
+        latency,
+        policy=None if capacity is None else Capacity(capacity),
+        retry_after=1,
+        answer=lambda _: "7",
+        usage=usage if usage is not None else {"prompt_tokens": 3, "completion_tokens": 1},
+    )
 
-    latency: float = 0.0
-    capacity: int | None = None
-    usage: dict[str, int] | None = None
-    arrived: list[float] = attrs.Factory(list)
-    active: int = 0
-    peak: int = 0
-    limited: int = 0
 
-    async def __call__(self, request: Request) -> Response:
-        self.arrived.append(trio.current_time())
-        if self.capacity is not None and self.active >= self.capacity:
-            self.limited += 1
-            return Response(429, [(b"retry-after", b"1")], json.dumps({"error": "busy"}).encode())
-        self.active += 1
-        self.peak = max(self.peak, self.active)
-        try:
-            await trio.sleep(self.latency)
-        finally:
-            self.active -= 1
-        return Response(200, [(b"content-type", b"application/json")],
-                        json.dumps(reply(self.usage)).encode())  # fmt: skip
-
-    def client(self, **kw: Any) -> tt.OpenAIClient:
-        http = tt.HTTPClient(handler=self)
-        return tt.OpenAIClient("http://model.invalid/v1", http_client=http, **kw)
+def arrivals(server: ChatServer) -> list[float]:
+    """When each request arrived, in seconds since the first."""
+    return [request.at - server.received[0].at for request in server.received]
 
 
 async def test_rpm_600_spreads_an_evals_calls_one_per_100_ms(
     autojump_clock: MockClock, tmp_path: Path
 ) -> None:
-    handler = Scripted()
-    client = handler.client(limits=EndpointLimits(rpm=600))
-    await tt.run_eval(tt.Env(calls(10)), tt.ModelContext(client, "m"), config(tmp_path))
-    t0 = handler.arrived[0]
-    assert [t - t0 for t in handler.arrived] == pytest.approx([0.1 * k for k in range(10)])
+    async with (
+        model_server() as server,
+        tt.OpenAIClient(server.url, limits=EndpointLimits(rpm=600)) as client,
+    ):
+        await tt.run_eval(tt.Env(calls(10)), tt.ModelContext(client, "m"), config(tmp_path))
+    assert arrivals(server) == pytest.approx([0.1 * k for k in range(10)])
     waited = sorted(row["timing"]["waited_rate"] for row in rows(tmp_path))
     assert waited == pytest.approx([0.1 * k for k in range(10)])
     assert all(row["timing"]["waited_connection"] == 0.0 for row in rows(tmp_path))
@@ -159,12 +136,13 @@ async def test_tpm_reserves_max_tokens_and_meters_the_replies_usage(
     """6,000 tokens a minute is 100 a second. Each call reserves its max_tokens (100) before
     it goes and is charged its usage (150) after: the calls go 1.5 s apart once the first
     one's debt is known, whatever their concurrency."""
-    handler = Scripted(usage={"prompt_tokens": 50, "completion_tokens": 100})
-    client = handler.client(limits=EndpointLimits(tpm=6000))
-    ctx = tt.ModelContext(client, "m", tt.Sampling(max_tokens=100))
-    await tt.run_eval(tt.Env(calls(4)), ctx, config(tmp_path, max_concurrent=1))
-    t0 = handler.arrived[0]
-    assert [t - t0 for t in handler.arrived] == pytest.approx([0.0, 1.5, 3.0, 4.5])
+    async with (
+        model_server(usage={"prompt_tokens": 50, "completion_tokens": 100}) as server,
+        tt.OpenAIClient(server.url, limits=EndpointLimits(tpm=6000)) as client,
+    ):
+        ctx = tt.ModelContext(client, "m", tt.Sampling(max_tokens=100))
+        await tt.run_eval(tt.Env(calls(4)), ctx, config(tmp_path, max_concurrent=1))
+    assert arrivals(server) == pytest.approx([0.0, 1.5, 3.0, 4.5])
 
 
 async def test_max_connections_bounds_every_call_of_multi_call_rollouts(
@@ -177,12 +155,14 @@ async def test_max_connections_bounds_every_call_of_multi_call_rollouts(
                 await ctx.chat(messages)
             return messages, "7"
 
-    handler = Scripted(latency=1.0)
-    client = handler.client(limits=EndpointLimits(connections=2))
-    await tt.run_eval(ThreeCalls(calls(4)), tt.ModelContext(client, "m"),
-                      config(tmp_path, max_concurrent=4))  # fmt: skip
-    assert handler.peak == 2  # 4 rollouts in flight, 2 calls at once
-    assert len(handler.arrived) == 12
+    async with (
+        model_server(latency=1.0) as server,
+        tt.OpenAIClient(server.url, limits=EndpointLimits(connections=2)) as client,
+    ):
+        await tt.run_eval(ThreeCalls(calls(4)), tt.ModelContext(client, "m"),
+                          config(tmp_path, max_concurrent=4))  # fmt: skip
+    assert server.peak == 2  # 4 rollouts in flight, 2 calls at once
+    assert len(server.received) == 12
     written = rows(tmp_path)
     assert all(row["ok"] for row in written)
     # 12 one-second calls, 2 at a time, in 6 s: two rollouts wait 2 s for their places and
@@ -194,18 +174,21 @@ async def test_max_connections_bounds_every_call_of_multi_call_rollouts(
 async def test_adaptive_connections_find_the_capacity_and_are_recorded(
     autojump_clock: MockClock, tmp_path: Path
 ) -> None:
-    handler = Scripted(latency=0.05, capacity=10)
     limits = EndpointLimits(connections=AdaptiveBounds(1, 4, 64))
-    client = handler.client(limits=limits, max_retries=50, limits_key=("URL", "KEY"))
-    result = await tt.run_eval(tt.Env(calls(300)), tt.ModelContext(client, "m"),
-                               config(tmp_path, max_concurrent=100))  # fmt: skip
+    async with (
+        model_server(latency=0.05, capacity=10) as server,
+        tt.OpenAIClient(server.url, limits=limits, max_retries=50,
+                        limits_key=("URL", "KEY")) as client,
+    ):  # fmt: skip
+        result = await tt.run_eval(tt.Env(calls(300)), tt.ModelContext(client, "m"),
+                                   config(tmp_path, max_concurrent=100))  # fmt: skip
     assert result.summary["ok"] == 300
     assert limits.connections is not None
     assert limits.connections.window(("URL", "KEY")).size == 10
     history = summary(tmp_path)["connection_history"]["URL (KEY)"]
     assert [size for _, size, _ in history][:4] == [4, 8, 16, 12]
     assert history[-1][1:] == [10, "429 cap"]
-    assert handler.limited <= 6  # the overshoot of slow start, each refused call once
+    assert server.limited <= 6  # the overshoot of slow start, each refused call once
 
 
 async def test_an_adaptive_rollout_window_is_fed_by_its_model_calls(
@@ -214,17 +197,19 @@ async def test_an_adaptive_rollout_window_is_fed_by_its_model_calls(
     """`-c 1-8-512` in process: each 429 reaches the window as it comes (not when its
     episode ends) and the rollout waiting out its Retry-After lends its place, so the window
     settles on the capacity exactly and the endpoint stays full."""
-    handler = Scripted(latency=0.05, capacity=40)
-    client = handler.client(max_retries=50)
     window = AdaptiveWindow(1, 8, 512)
-    t0 = trio.current_time()
-    result = await tt.run_eval(tt.Env(calls(2000)), tt.ModelContext(client, "m"),
-                               config(tmp_path, max_concurrent=window))  # fmt: skip
-    elapsed = trio.current_time() - t0
+    async with (
+        model_server(latency=0.05, capacity=40) as server,
+        tt.OpenAIClient(server.url, max_retries=50) as client,
+    ):
+        t0 = trio.current_time()
+        result = await tt.run_eval(tt.Env(calls(2000)), tt.ModelContext(client, "m"),
+                                   config(tmp_path, max_concurrent=window))  # fmt: skip
+        elapsed = trio.current_time() - t0
     assert result.summary["ok"] == 2000
     assert window.size == 40
     assert window.resting == window.in_flight == 0
-    assert handler.limited / len(handler.arrived) < 0.015
+    assert server.limited / len(server.received) < 0.015
     assert 2000 / elapsed > 0.9 * 40 / 0.05
 
 
@@ -278,7 +263,7 @@ async def test_a_time_limit_drains_the_eval_and_says_so(
 
 
 async def test_limits_on_model_calls_cannot_travel_to_an_env_server(tmp_path: Path) -> None:
-    client = Scripted().client(limits=EndpointLimits(rpm=60))
+    client = tt.OpenAIClient("http://model.invalid/v1", limits=EndpointLimits(rpm=60))
     with pytest.raises(tt.EvalConfigError, match="serve: the model client's limits"):
         await tt.run_eval(tt.Env(calls(3)), tt.ModelContext(client, "m"),
                           config(tmp_path, serve=True))  # fmt: skip

@@ -269,12 +269,13 @@ async def test_token_limit_sums_the_usage_of_the_rollout() -> None:
 
 
 async def test_the_limits_are_checked() -> None:
-    for kwargs, flag in [
+    cases: list[tuple[dict[str, Any], str]] = [
         ({"max_turns": 0}, "max_turns"),
         ({"max_turns": None}, "max_turns"),
         ({"token_limit": 0}, "token_limit"),
         ({"tool_timeout": -1}, "tool_timeout"),
-    ]:
+    ]
+    for kwargs, flag in cases:
         with pytest.raises(ValueError, match=flag):
             tt.ToolEnv(One(), [add], **kwargs)
     with pytest.raises(ValueError, match="two tools are named 'add'"):

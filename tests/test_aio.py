@@ -60,6 +60,7 @@ class _Changed:
 _END = object()
 
 
+# duplicates: test_bridge_env's asyncio feed has other counters; each suite owns its feed
 class AioFeed:
     """An asyncio async generator fed by the test through an `asyncio.Queue`.
 
@@ -174,39 +175,29 @@ async def spin(n: int = 20) -> None:
 # --- R1 / R2: window and exact pull count ---------------------------------------------------
 
 
-@pytest.mark.parametrize("window", [1, 2, 5])
-def test_r1_exactly_window_items_pulled_while_asyncio_runs_are_held(window: int) -> None:
+@pytest.mark.parametrize(("window", "items"), [(1, 20), (2, 20), (5, 20), (None, 10)])
+def test_r1_r2_exactly_window_items_pulled_while_asyncio_runs_are_held(
+    window: int | None, items: int
+) -> None:
+    """R1: `window` items pulled while the runs are held; R2: None is unbounded (all)."""
+    held = items if window is None else window
+
     async def main() -> None:
-        feed = AioFeed(*range(20))
+        feed = AioFeed(*range(items))
         feed.end()
         gate = AioGate()
         async with asyncio.timeout(LIMIT):
             task = asyncio.create_task(aio.run_stream(feed.gen(), gate.run, window=window))
-            await gate.wait_running(window)
+            await gate.wait_running(held)
             await spin()
-            assert feed.pulled == window
-            assert gate.running == window
+            assert feed.pulled == held
+            assert gate.running == held
             gate.open()
-            assert await task == list(range(20))
-        assert feed.pulled == 20
-        assert gate.peak == window
+            assert await task == list(range(items))
+        assert feed.pulled == items
+        assert gate.peak == held
         assert feed.finally_runs == 1
         assert feed.outside_asyncio == 0
-
-    arun(main)
-
-
-def test_r2_window_none_is_unbounded() -> None:
-    async def main() -> None:
-        feed = AioFeed(*range(10))
-        feed.end()
-        gate = AioGate()
-        async with asyncio.timeout(LIMIT):
-            task = asyncio.create_task(aio.run_stream(feed.gen(), gate.run, window=None))
-            await gate.wait_running(10)
-            gate.open()
-            assert await task == list(range(10))
-        assert gate.peak == 10
 
     arun(main)
 
@@ -451,17 +442,28 @@ def test_r6_asyncio_timeout_around_the_call_becomes_timeout_error() -> None:
     arun(main)
 
 
+def _run_until_complete(main: Coroutine[Any, Any, None]) -> None:
+    loop = asyncio.new_event_loop()
+    try:
+        loop.run_until_complete(main)
+    finally:
+        loop.run_until_complete(loop.shutdown_asyncgens())
+        loop.close()
+
+
 @pytest.mark.skipif(sys.platform == "win32", reason="signal.raise_signal(SIGINT) on Windows")
-def test_r6_ctrl_c_under_asyncio_run_cancels_closes_and_raises_keyboard_interrupt() -> None:
+@pytest.mark.parametrize("run", [asyncio.run, _run_until_complete])
+def test_r6_ctrl_c_under_asyncio_cancels_closes_and_raises_keyboard_interrupt(
+    run: Callable[[Coroutine[Any, Any, None]], None],
+) -> None:
+    """Under `asyncio.run` (its SIGINT handler) and under `run_until_complete` (none: trio
+    installs its own for the life of the guest run, and delivers Ctrl-C to it)."""
     if signal.getsignal(signal.SIGINT) is not signal.default_int_handler:
         pytest.skip("needs Python's default SIGINT handler")
-    state: dict[str, Any] = {}
+    feed = AioFeed(0, 1)
+    gate = AioGate()
 
     async def main() -> None:
-        feed = AioFeed(0, 1)
-        gate = AioGate()
-        state.update(feed=feed, gate=gate)
-
         async def ctrl_c() -> None:
             await gate.wait_running(2)
             await feed.parked.wait()
@@ -473,46 +475,11 @@ def test_r6_ctrl_c_under_asyncio_run_cancels_closes_and_raises_keyboard_interrup
             await trigger
 
     with pytest.raises(KeyboardInterrupt):
-        asyncio.run(main())
-    assert state["gate"].cancelled == 2
-    assert state["feed"].finally_runs == 1
+        run(main())
+    assert gate.cancelled == 2
+    assert feed.finally_runs == 1
     assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
     assert not trio.lowlevel.in_trio_run()
-
-
-@pytest.mark.skipif(sys.platform == "win32", reason="signal.raise_signal(SIGINT) on Windows")
-def test_r6_ctrl_c_under_run_until_complete_is_delivered_to_trio_then_raised() -> None:
-    # Without asyncio.run's handler, trio installs its own for the life of the guest run.
-    if signal.getsignal(signal.SIGINT) is not signal.default_int_handler:
-        pytest.skip("needs Python's default SIGINT handler")
-    state: dict[str, Any] = {}
-
-    async def main() -> None:
-        feed = AioFeed(0, 1)
-        gate = AioGate()
-        state.update(feed=feed, gate=gate)
-
-        async def ctrl_c() -> None:
-            await gate.wait_running(2)
-            await feed.parked.wait()
-            signal.raise_signal(signal.SIGINT)
-
-        async with asyncio.timeout(LIMIT):
-            trigger = asyncio.create_task(ctrl_c())
-            await aio.run_stream(feed.gen(), gate.run, window=None)
-            await trigger
-
-    loop = asyncio.new_event_loop()
-    try:
-        with pytest.raises(KeyboardInterrupt):
-            loop.run_until_complete(main())
-        assert state["gate"].cancelled == 2
-        assert state["feed"].finally_runs == 1
-        assert not trio.lowlevel.in_trio_run()
-        assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
-    finally:
-        loop.run_until_complete(loop.shutdown_asyncgens())
-        loop.close()
 
 
 # --- R7: close-out ----------------------------------------------------------------------------

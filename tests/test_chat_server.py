@@ -1,16 +1,21 @@
 """The suite's fake model server (tests/fixtures/chat_server.py) does what its options say:
-the tests that script it rely on that. Plain HTTP from the stdlib, a client we did not write."""
+the tests that script it rely on that. Plain HTTP from the stdlib, a client we did not write,
+against the server in its own thread; in the test's trio run, the package's HTTP client."""
 
 from __future__ import annotations
 
 import http.client
 import json
+import ssl
 import threading
 from typing import Any
 
 import pytest
 import trio
-from chat_server import ChatServer, Reply
+import trustme
+from chat_server import Capacity, ChatServer, Reply
+
+from trio_tasksets._transport import ConnectError, HTTPClient
 
 
 def post(server: ChatServer, text: str = "What is 1 + 1?", **body: Any) -> tuple[int, Any, Any]:
@@ -59,7 +64,7 @@ def test_status_fail_on_answer_usage_and_finish_reason(chat: ChatServer) -> None
 
 
 def test_over_capacity_is_429_at_once_and_not_in_flight() -> None:
-    with ChatServer(delay=5, capacity=1, retry_after="0.05") as server:
+    with ChatServer(delay=5, policy=Capacity(1), retry_after="0.05") as server:
         server.script(Reply(delay=0.3))  # the first request holds the only place
         first = threading.Thread(target=post, args=(server,))
         first.start()
@@ -84,3 +89,42 @@ async def test_waits_for_trio_tests(chat: ChatServer) -> None:
             await chat.wait_received()
             await chat.wait_answered()
     assert chat.answered == 1
+
+
+async def test_served_in_the_tests_run_its_delays_are_the_clocks(autojump_clock: Any) -> None:
+    async with ChatServer(delay=30) as server, HTTPClient() as http:
+        server.script(Reply(503, retry_after=1), Reply(delay=0.5))
+        start = trio.current_time()
+        payload = json.dumps({"messages": [{"role": "user", "content": "What is 2 + 2?"}]})
+        answers = [
+            await http.request("POST", server.url + "/chat/completions", body=payload.encode())
+            for _ in range(3)
+        ]
+        await server.wait_answered(3)
+        assert trio.current_time() - start == pytest.approx(60.5)  # virtual: 30 + 0.5 + 30
+        assert [answer.status for answer in answers] == [503, 200, 200]
+        assert answers[0].retry_after == 1.0
+        assert json.loads(answers[2].body)["choices"][0]["message"]["content"] == "4"
+        assert [r.at - start for r in server.received] == pytest.approx([0, 30, 30.5])
+        server.kill()
+        async with HTTPClient() as fresh:  # a new connection: the port refuses it
+            with pytest.raises(ConnectError):
+                await fresh.request("POST", server.url + "/chat/completions", body=b"{}")
+
+
+async def test_with_a_tls_context_it_serves_https() -> None:
+    ca = trustme.CA()
+    context = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+    ca.issue_cert("127.0.0.1").configure_cert(context)
+    client_context = ssl.create_default_context()
+    ca.configure_trust(client_context)
+    with trio.fail_after(10):
+        async with (
+            ChatServer(tls=context) as server,
+            HTTPClient(ssl_context=client_context) as http,
+        ):
+            payload = json.dumps({"messages": [{"role": "user", "content": "What is 3 + 4?"}]})
+            url = server.url + "/chat/completions"
+            response = await http.request("POST", url, body=payload.encode())
+    assert server.url.startswith("https://127.0.0.1:")
+    assert json.loads(response.body)["choices"][0]["message"]["content"] == "7"

@@ -11,16 +11,9 @@ from typing import Any
 
 import pytest
 import trio
+from helpers import cli
 
 import trio_tasksets as tt
-from trio_tasksets._cli import main
-
-
-def cli(*words: str) -> int:
-    try:
-        return main(list(words))
-    except SystemExit as exc:
-        return int(exc.code or 0)
 
 
 def write_jsonl(path: Path, records: list[dict[str, Any]], tail: str = "") -> Path:

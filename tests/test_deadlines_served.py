@@ -14,7 +14,8 @@ from typing import Any
 import orjson
 import pytest
 import trio
-from test_serve_security import TOKEN, RawWS, Server, post_run, run_item, start
+from raw_ws import RawWS, run_item
+from test_serve_security import TOKEN, Server, post_run, start
 
 import trio_tasksets as tt
 from trio_tasksets._serve.wire import RunRequestEncoder, parse_run_request
@@ -54,7 +55,7 @@ async def test_post_run_is_cut_at_its_time_left(server: Server) -> None:
 async def test_a_websocket_run_is_cut_at_its_time_left_without_a_cancel(server: Server) -> None:
     """The caller never sends `cancel` (it died, or its cancel was lost): the server stops
     the episode at the time left all the same, and answers 504."""
-    ws = await RawWS.connect(server)
+    ws = await RawWS.connect(server.url, TOKEN)
     try:
         start_at = time.monotonic()
         await ws.send(orjson.dumps(run_item(1, slow_request(time_left=1.0))))
@@ -170,7 +171,7 @@ async def test_a_runs_limits_hold_on_the_server_over_post_and_the_websocket(
     row = response.json()
     assert (row["ok"], [e["type"] for e in row["errors"]]) == (False, ["RolloutTimeoutError"])
     assert time.monotonic() - start_at < 1.0 + MARGIN
-    ws = await RawWS.connect(server)
+    ws = await RawWS.connect(server.url, TOKEN)
     try:
         start_at = time.monotonic()
         await ws.send(orjson.dumps([run_item(1, body), run_item(2, body)]))

@@ -1,7 +1,9 @@
 """Engines that queue, rate limits that are not concurrency limits, many endpoints (issue 23).
 
-The servers are `tests/fixtures/engine.py`'s, real sockets on 127.0.0.1 in the test's own
-trio run, so every test runs on `MockClock(autojump_threshold=0)`: exact and quick.
+The servers are the suite's fake (`tests/fixtures/chat_server.py`) with the policies of an
+engine that queues (`tests/fixtures/engine.py`) or of a rate limit: real sockets on 127.0.0.1
+in the test's own trio run, so every test runs on `MockClock(autojump_threshold=0)`: exact
+and quick.
 """
 
 from __future__ import annotations
@@ -33,7 +35,8 @@ FIXTURES = Path(__file__).resolve().parent / "fixtures"
 if str(FIXTURES) not in sys.path:
     sys.path.insert(0, str(FIXTURES))
 
-from engine import RateLimitedServer, SimEngine  # noqa: E402
+from chat_server import ChatServer, RateLimit  # noqa: E402
+from engine import ContinuousBatching  # noqa: E402
 
 SAY = [{"role": "user", "content": "say 7"}]
 
@@ -53,10 +56,8 @@ async def _calls(client: tt.OpenAIClient, n: int, *, window: int) -> list[tt.Com
 
 
 async def test_a_call_alone_is_faster_than_one_in_a_full_batch(autojump_clock: Any) -> None:
-    async with (
-        SimEngine(capacity=48, kv_budget=10_000, spread=0) as engine,
-        tt.OpenAIClient(engine.url) as client,
-    ):
+    engine = ContinuousBatching(capacity=48, kv_budget=10_000, spread=0)
+    async with ChatServer(policy=engine) as server, tt.OpenAIClient(server.url) as client:
         await _calls(client, 1, window=1)
         alone = engine.latencies[-1]
         await _calls(client, 48, window=48)
@@ -69,9 +70,10 @@ async def test_a_call_alone_is_faster_than_one_in_a_full_batch(autojump_clock: A
 
 
 async def test_calls_past_the_capacity_wait_and_never_get_a_429(autojump_clock: Any) -> None:
+    engine = ContinuousBatching(capacity=8, kv_budget=10_000, spread=0)
     async with (
-        SimEngine(capacity=8, kv_budget=10_000, spread=0) as engine,
-        tt.OpenAIClient(engine.url, max_retries=0) as client,
+        ChatServer(policy=engine) as server,
+        tt.OpenAIClient(server.url, max_retries=0) as client,
     ):
         results = await _calls(client, 64, window=64)
     assert len(results) == 64  # max_retries=0: any 429 would have raised
@@ -84,19 +86,15 @@ async def test_calls_past_the_capacity_wait_and_never_get_a_429(autojump_clock: 
 async def test_past_the_kv_budget_the_youngest_running_call_is_preempted(
     autojump_clock: Any,
 ) -> None:
-    async with (
-        SimEngine(capacity=48, kv_budget=64, spread=0) as engine,
-        tt.OpenAIClient(engine.url) as client,
-    ):
+    engine = ContinuousBatching(capacity=48, kv_budget=64, spread=0)
+    async with ChatServer(policy=engine) as server, tt.OpenAIClient(server.url) as client:
         await _calls(client, 200, window=48)
         assert engine.preemptions > 0
         assert engine.wasted_tokens > 0
         assert engine.calls == 200
         assert len(engine.latencies) == 200
-    async with (
-        SimEngine(capacity=48, kv_budget=64, spread=0) as engine,
-        tt.OpenAIClient(engine.url) as client,
-    ):
+    engine = ContinuousBatching(capacity=48, kv_budget=64, spread=0)
+    async with ChatServer(policy=engine) as server, tt.OpenAIClient(server.url) as client:
         await _calls(client, 200, window=30)  # 30 calls hold at most 60 units
         assert engine.preemptions == 0
 
@@ -104,12 +102,13 @@ async def test_past_the_kv_budget_the_youngest_running_call_is_preempted(
 async def test_metrics_are_vllm_prometheus_text_read_by_prometheus_client(
     autojump_clock: Any,
 ) -> None:
+    engine = ContinuousBatching(capacity=4, kv_budget=100)
     async with (
-        SimEngine(capacity=4, kv_budget=100) as engine,
-        tt.OpenAIClient(engine.url) as client,
+        ChatServer(policy=engine) as server,
+        tt.OpenAIClient(server.url) as client,
         HTTPClient() as http,
     ):
-        metrics = EngineMetrics(engine.url.removesuffix("/v1") + "/metrics", http_client=http)
+        metrics = EngineMetrics(server.url.removesuffix("/v1") + "/metrics", http_client=http)
         async with trio.open_nursery() as nursery:
             nursery.start_soon(lambda: _calls(client, 10, window=10))
             await trio.sleep(0.05)  # a few engine steps in: 4 run, 6 wait
@@ -170,7 +169,7 @@ def test_a_429_is_a_request_rate_limit_when_its_headers_say_a_budget_is_spent(
 async def test_the_rate_limited_server_answers_429_with_headers_above_its_rate(
     autojump_clock: Any,
 ) -> None:
-    async with RateLimitedServer(50, latency=0.01, burst=1) as server, HTTPClient() as http:
+    async with ChatServer(0.01, policy=RateLimit(50, burst=1)) as server, HTTPClient() as http:
         statuses = []
         for _ in range(20):
             response = await http.request("POST", server.url + "/chat/completions", body=b"{}")
@@ -222,11 +221,11 @@ async def test_against_an_engine_that_queues_the_window_stops_where_throughput_d
 ) -> None:
     """Without a 429 ever, `-c 1-8-1024` would grow to 1024; here it stops near the capacity
     (48), and its throughput matches a fixed window of the capacity."""
-    async with SimEngine(capacity=48, kv_budget=10_000) as engine:
-        fixed, _ = await _eval(engine.url, 48, 600, tmp_path)
-    async with SimEngine(capacity=48, kv_budget=10_000) as engine:
+    async with ChatServer(policy=ContinuousBatching(capacity=48, kv_budget=10_000)) as server:
+        fixed, _ = await _eval(server.url, 48, 600, tmp_path)
+    async with ChatServer(policy=ContinuousBatching(capacity=48, kv_budget=10_000)) as server:
         window = AdaptiveWindow(1, 8, 1024)
-        adaptive, summary = await _eval(engine.url, window, 1500, tmp_path)
+        adaptive, summary = await _eval(server.url, window, 1500, tmp_path)
     reasons = {reason for _, _, reason in summary["window_history"]}
     assert "no gain" in reasons
     assert 32 <= window.size <= 96
@@ -312,7 +311,7 @@ def test_engine_metrics_cut_on_a_queue_preemptions_and_a_full_cache_and_freeze_w
 async def test_a_request_rate_limit_paces_the_calls_instead_of_cutting_the_window(
     autojump_clock: Any, tmp_path: Path
 ) -> None:
-    async with RateLimitedServer(200, latency=0.05) as server:
+    async with ChatServer(0.05, policy=RateLimit(200)) as server:
         rate, summary = await _eval(server.url, AdaptiveBounds(1, 8, 64), 2000, tmp_path,
                                     max_retries=20)  # fmt: skip
         share = server.limited / (server.ok + server.limited)
@@ -372,10 +371,11 @@ def test_the_pacer_gives_up_on_429s_that_pacing_does_not_lower() -> None:
 async def test_calls_go_to_the_least_loaded_endpoint_and_a_rollout_sticks_to_one(
     autojump_clock: Any,
 ) -> None:
+    a, b = (ContinuousBatching(capacity=64, kv_budget=10_000) for _ in range(2))
     async with (
-        SimEngine(capacity=64, kv_budget=10_000) as a,
-        SimEngine(capacity=64, kv_budget=10_000) as b,
-        tt.OpenAIClient([a.url, b.url]) as client,
+        ChatServer(policy=a) as server_a,
+        ChatServer(policy=b) as server_b,
+        tt.OpenAIClient([server_a.url, server_b.url]) as client,
     ):
         await _calls(client, 64, window=16)
         assert abs(a.calls - b.calls) <= 2  # least loaded: an even share
@@ -386,16 +386,17 @@ async def test_calls_go_to_the_least_loaded_endpoint_and_a_rollout_sticks_to_one
         assert {a.calls - before[0], b.calls - before[1]} == {0, 10}
         stats = client.endpoint_stats()
     assert stats is not None
-    assert sorted(stats) == sorted([a.url, b.url])
+    assert sorted(stats) == sorted([server_a.url, server_b.url])
     assert sum(s["calls"] for s in stats.values()) == 74
     assert all(s["latency_p99_s"] is not None for s in stats.values())
 
 
 async def test_a_sticky_binding_holds_for_every_call_of_its_block(autojump_clock: Any) -> None:
+    a, b = (ContinuousBatching(capacity=64, kv_budget=10_000) for _ in range(2))
     async with (
-        SimEngine(capacity=64, kv_budget=10_000) as a,
-        SimEngine(capacity=64, kv_budget=10_000) as b,
-        tt.OpenAIClient([a.url, b.url]) as client,
+        ChatServer(policy=a) as server_a,
+        ChatServer(policy=b) as server_b,
+        tt.OpenAIClient([server_a.url, server_b.url]) as client,
     ):
 
         async def rollout(key: int) -> set[int]:
@@ -412,37 +413,36 @@ async def test_a_sticky_binding_holds_for_every_call_of_its_block(autojump_clock
 async def test_an_engine_killed_mid_run_is_ejected_and_its_calls_answered_elsewhere(
     autojump_clock: Any, tmp_path: Path
 ) -> None:
-    async with (
-        SimEngine(capacity=16, kv_budget=10_000) as a,
-        SimEngine(capacity=16, kv_budget=10_000) as b,
-    ):
+    a, b = (ContinuousBatching(capacity=16, kv_budget=10_000) for _ in range(2))
+    async with ChatServer(policy=a) as server_a, ChatServer(policy=b) as server_b:
 
         async def kill_later() -> None:
             await trio.sleep(1.0)
-            b.kill()
+            server_b.kill()
 
         async with trio.open_nursery() as nursery:
             nursery.start_soon(kill_later)
-            _, summary = await _eval([a.url, b.url], 32, 600, tmp_path, backoff=0.05)
+            urls = [server_a.url, server_b.url]
+            _, summary = await _eval(urls, 32, 600, tmp_path, backoff=0.05)
     assert summary["ok"] == 600
     endpoints = summary["endpoints"]
-    assert endpoints[b.url]["ejections"] >= 1
-    assert endpoints[b.url]["errors"] >= 1
-    assert endpoints[a.url]["calls"] > endpoints[b.url]["calls"]
+    assert endpoints[server_b.url]["ejections"] >= 1
+    assert endpoints[server_b.url]["errors"] >= 1
+    assert endpoints[server_a.url]["calls"] > endpoints[server_b.url]["calls"]
     assert len(a.latencies) + len(b.latencies) >= 600
 
 
 async def test_an_ejected_endpoint_is_probed_back(autojump_clock: Any) -> None:
-    async with SimEngine(capacity=8, kv_budget=10_000) as a:
-        b = SimEngine(capacity=8, kv_budget=10_000)
-        async with b:
-            port = b._server.port
+    async with ChatServer(policy=ContinuousBatching(capacity=8, kv_budget=10_000)) as a:
+        async with ChatServer(policy=ContinuousBatching(capacity=8, kv_budget=10_000)) as b:
+            port = b.port
         async with tt.OpenAIClient([a.url, b.url], max_retries=0) as client:
             await _calls(client, 8, window=4)  # b refuses: ejected, its calls go to a
             stats = client.endpoint_stats()
             assert stats is not None
             assert stats[b.url]["ejected"]
-            async with SimEngine(capacity=8, kv_budget=10_000, port=port) as back:
+            back = ContinuousBatching(capacity=8, kv_budget=10_000)
+            async with ChatServer(port=port, policy=back):
                 await trio.sleep(2.0)
                 await _calls(client, 32, window=8)
                 stats = client.endpoint_stats()
@@ -498,10 +498,11 @@ def test_engine_metrics_needs_an_adaptive_window(tmp_path: Path) -> None:
 async def test_an_eval_reads_the_engines_metrics_into_its_window(
     autojump_clock: Any, tmp_path: Path
 ) -> None:
-    async with SimEngine(capacity=48, kv_budget=64) as engine:
-        metrics = engine.url.removesuffix("/v1") + "/metrics"
+    engine = ContinuousBatching(capacity=48, kv_budget=64)
+    async with ChatServer(policy=engine) as server:
+        metrics = server.url.removesuffix("/v1") + "/metrics"
         window = AdaptiveWindow(1, 8, 1024)
-        async with tt.OpenAIClient(engine.url) as model:
+        async with tt.OpenAIClient(server.url) as model:
             config = tt.EvalConfig(max_concurrent=window, output_dir=str(tmp_path),
                                    run_name="m", dashboard=False, engine_metrics=metrics)  # fmt: skip
             result = await tt.run_eval(tt.Env(Calls(2000)), tt.ModelContext(model, "sim"), config)

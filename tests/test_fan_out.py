@@ -28,9 +28,11 @@ import math
 import os
 from collections.abc import AsyncGenerator, Awaitable, Callable
 from dataclasses import dataclass, field
+from typing import TypeVar
 
 import pytest
 import trio
+from helpers import Concurrency
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from trio.testing import MockClock
@@ -38,6 +40,7 @@ from trio.testing import MockClock
 import trio_tasksets as tt
 
 HANG = 100_000
+T = TypeVar("T")
 
 SETTINGS = settings(
     suppress_health_check=[HealthCheck.function_scoped_fixture],
@@ -56,21 +59,17 @@ class Boom(Exception):
 async def test_outside_any_window_runs_unbounded_and_returns_in_thunk_order(
     autojump_clock: MockClock,
 ) -> None:
-    running = 0
-    peak = 0
+    working = Concurrency()
 
     async def job(i: int) -> int:
-        nonlocal running, peak
-        running += 1
-        peak = max(peak, running)
-        await trio.sleep(10 - i)  # the last finishes first
-        running -= 1
+        with working:
+            await trio.sleep(10 - i)  # the last finishes first
         return i * i
 
     start = trio.current_time()
     results = await tt.fan_out([functools.partial(job, i) for i in range(10)])
     assert results == [i * i for i in range(10)]
-    assert peak == 10
+    assert working.peak == 10
     assert trio.current_time() - start == 10
 
 
@@ -99,15 +98,11 @@ async def test_a_run_waiting_on_its_children_holds_no_place(
     autojump_clock: MockClock, window: int
 ) -> None:
     """N1 and N2: four runs of a best-of-4 under window w keep exactly w thunks working."""
-    working = 0
-    peak = 0
+    working = Concurrency()
 
     async def attempt() -> str:
-        nonlocal working, peak
-        working += 1
-        peak = max(peak, working)
-        await trio.sleep(1)
-        working -= 1
+        with working:
+            await trio.sleep(1)
         return "a"
 
     async def best_of_4(_: int) -> list[str]:
@@ -116,7 +111,7 @@ async def test_a_run_waiting_on_its_children_holds_no_place(
     start = trio.current_time()
     results = await tt.run_stream(_count(4), best_of_4, window=window)
     assert results == [["a"] * 4] * 4
-    assert peak == window
+    assert working.peak == window
     assert trio.current_time() - start == math.ceil(16 / window)
 
 
@@ -137,15 +132,11 @@ async def test_window_one_nests_without_deadlock(autojump_clock: MockClock) -> N
 
 async def test_a_growing_window_wakes_waiting_children(autojump_clock: MockClock) -> None:
     window = tt.Window(1)
-    working = 0
-    peak = 0
+    working = Concurrency()
 
     async def job() -> None:
-        nonlocal working, peak
-        working += 1
-        peak = max(peak, working)
-        await trio.sleep(10)
-        working -= 1
+        with working:
+            await trio.sleep(10)
 
     async def grow() -> None:
         await trio.sleep(5)
@@ -154,45 +145,37 @@ async def test_a_growing_window_wakes_waiting_children(autojump_clock: MockClock
     async with trio.open_nursery() as nursery:
         nursery.start_soon(grow)
         await tt.run_stream(_count(1), lambda _: tt.fan_out([job] * 4), window=window)
-    assert peak == 4
+    assert working.peak == 4
     assert trio.current_time() == 15  # the first from 0, the other three from 5
     assert window.in_flight == 0
 
 
 async def test_an_adaptive_window_bounds_children(autojump_clock: MockClock) -> None:
     window = tt.AdaptiveWindow(1, 2, 8)
-    working = 0
-    peak = 0
+    working = Concurrency()
 
     async def job() -> None:
-        nonlocal working, peak
-        working += 1
-        peak = max(peak, working)
-        await trio.sleep(1)
-        working -= 1
+        with working:
+            await trio.sleep(1)
 
     await tt.run_stream(_count(3), lambda _: tt.fan_out([job] * 3), window=window)
-    assert peak == 2
+    assert working.peak == 2
     assert window.in_flight == 0
 
 
 async def test_a_runner_without_a_window_masks_an_outer_one(autojump_clock: MockClock) -> None:
     """Inside `run_stream(window=None)` a fan-out is unbounded, even under an outer window."""
-    working = 0
-    peak = 0
+    working = Concurrency()
 
     async def job() -> None:
-        nonlocal working, peak
-        working += 1
-        peak = max(peak, working)
-        await trio.sleep(1)
-        working -= 1
+        with working:
+            await trio.sleep(1)
 
     async def inner(_: int) -> None:
         await tt.run_stream(_count(1), lambda _: tt.fan_out([job] * 5), window=None)
 
     await tt.run_stream(_count(1), inner, window=1)
-    assert peak == 5
+    assert working.peak == 5
 
 
 async def test_the_first_failure_is_raised_itself_and_cancels_siblings(
@@ -325,30 +308,39 @@ class Places:
     """Counts the thunks and runs doing work (each inside `work`), and when each began."""
 
     def __init__(self) -> None:
-        self.working = 0
-        self.peak = 0
+        self.working = Concurrency()
         self.began: dict[str, float] = {}
 
     async def work(self, name: str, seconds: float) -> str:
-        self.working += 1
-        self.peak = max(self.peak, self.working)
         self.began[name] = trio.current_time()
-        try:
+        with self.working:
             await trio.sleep(seconds)
-        finally:
-            self.working -= 1
         return name
 
 
-async def _hold(window: tt.Window, places: Places, name: str, at: float, seconds: float) -> None:
-    """Someone else on the same window: from `at`, wait for a place and work on it."""
-    await trio.sleep(at)
-    token = object()
-    await window.acquire(token)
-    try:
-        await places.work(name, seconds)
-    finally:
-        window.release(token)
+async def _beside_holders(
+    window: tt.Window, places: Places, run: Callable[[int], Awaitable[T]], second_at: float
+) -> list[T]:
+    """`run` once on `window` (2 places) beside two others that want a place on it: "first"
+    from 0.5 s for 5 s of work, "second" from `second_at` for 1 s. No more than 2 ever work,
+    and every place comes back."""
+
+    async def hold(name: str, at: float, seconds: float) -> None:
+        await trio.sleep(at)
+        token = object()
+        await window.acquire(token)
+        try:
+            await places.work(name, seconds)
+        finally:
+            window.release(token)
+
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(hold, "first", 0.5, 5)
+        nursery.start_soon(hold, "second", second_at, 1)
+        results = await tt.run_stream(_count(1), run, window=window)
+    assert places.working.peak == 2
+    assert (window.in_flight, window.resting) == (0, 0)
+    return results
 
 
 async def test_at_window_one_a_caller_fanning_out_three_completes(
@@ -363,7 +355,7 @@ async def test_at_window_one_a_caller_fanning_out_three_completes(
     with trio.fail_after(100):
         assert await tt.run_stream(_count(1), run, window=window) == [["c0", "c1", "c2"]]
     assert trio.current_time() == 3  # one at a time on the caller's place
-    assert places.peak == 1
+    assert places.working.peak == 1
     assert (window.in_flight, window.resting) == (0, 0)
 
 
@@ -388,7 +380,7 @@ async def test_a_waiting_caller_lends_its_place_so_w_thunks_work(
     assert results == [["S", ["l0", "l1", "l2"]]]
     assert trio.current_time() == 4
     assert places.began == {"S": 0, "l0": 0, "l1": 1, "l2": 2}
-    assert places.peak == 2
+    assert places.working.peak == 2
     if isinstance(window, tt.Window):
         assert (window.in_flight, window.resting) == (0, 0)
 
@@ -411,14 +403,9 @@ async def test_the_caller_takes_its_place_back_from_its_last_thunk(
         returned.append(trio.current_time())
         await places.work("after", 1)
 
-    async with trio.open_nursery() as nursery:
-        nursery.start_soon(_hold, window, places, "first", 0.5, 5)
-        nursery.start_soon(_hold, window, places, "second", 2, 1)
-        await tt.run_stream(_count(1), run, window=window)
+    await _beside_holders(window, places, run, second_at=2)
     assert returned == [3]
     assert places.began == {"S": 0, "T": 0, "first": 1, "after": 3, "second": 4}
-    assert places.peak == 2
-    assert (window.in_flight, window.resting) == (0, 0)
 
 
 async def test_a_caller_cancelled_while_lent_gets_its_place_back(
@@ -437,13 +424,8 @@ async def test_a_caller_cancelled_while_lent_gets_its_place_back(
             )
         await places.work("after", 1)
 
-    async with trio.open_nursery() as nursery:
-        nursery.start_soon(_hold, window, places, "first", 0.5, 5)
-        nursery.start_soon(_hold, window, places, "second", 1.5, 1)
-        await tt.run_stream(_count(1), run, window=window)
+    await _beside_holders(window, places, run, second_at=1.5)
     assert places.began == {"S": 0, "T": 0, "first": 1, "after": 2, "second": 3}
-    assert places.peak == 2
-    assert (window.in_flight, window.resting) == (0, 0)
 
 
 async def test_a_thunk_failing_while_the_caller_is_lent_raises_at_once(
@@ -464,13 +446,8 @@ async def test_a_thunk_failing_while_the_caller_is_lent_raises_at_once(
             return await places.work("after", 1)
         return "no failure"
 
-    async with trio.open_nursery() as nursery:
-        nursery.start_soon(_hold, window, places, "first", 0.5, 5)
-        nursery.start_soon(_hold, window, places, "second", 2, 1)
-        assert await tt.run_stream(_count(1), run, window=window) == ["after"]
+    assert await _beside_holders(window, places, run, second_at=2) == ["after"]
     assert places.began == {"S": 0, "T": 0, "first": 1, "after": 3, "second": 4}
-    assert places.peak == 2
-    assert (window.in_flight, window.resting) == (0, 0)
 
 
 async def _count(n: int) -> AsyncGenerator[int, None]:
@@ -557,8 +534,7 @@ def forests(draw: st.DrawFn) -> Forest:
 @dataclass
 class Probe:
     bound: int | None
-    working: int = 0
-    peak: int = 0
+    working: Concurrency = field(default_factory=Concurrency)
     entered: set[int] = field(default_factory=set)
     exited: dict[int, float] = field(default_factory=dict)
     cancelled: set[int] = field(default_factory=set)
@@ -568,14 +544,10 @@ class Probe:
     answers: dict[int, list[str]] = field(default_factory=dict)  # how each node's run ended
 
     async def work(self, seconds: int) -> None:
-        self.working += 1
-        self.peak = max(self.peak, self.working)
-        if self.bound is not None and self.working > self.bound:
-            self.problems.append(f"{self.working} working > window {self.bound}")
-        try:
+        with self.working:
+            if self.bound is not None and self.working.now > self.bound:
+                self.problems.append(f"{self.working.now} working > window {self.bound}")
             await trio.sleep(seconds)
-        finally:
-            self.working -= 1
 
 
 def thunk_for(node: Node, probe: Probe) -> Callable[[], Awaitable[int]]:
@@ -655,9 +627,9 @@ async def test_fan_out_trees_hold_their_invariants(
         await trio.sleep(0.25)
         while True:
             waiting = window.limiter.statistics().tasks_waiting
-            if waiting and probe.working < window.size:
+            if waiting and probe.working.now < window.size:
                 probe.problems.append(
-                    f"at {trio.current_time() - t0}: {probe.working} working < window "
+                    f"at {trio.current_time() - t0}: {probe.working.now} working < window "
                     f"{window.size} while {waiting} wait for a place"
                 )
             await trio.sleep(1)
@@ -680,9 +652,9 @@ async def test_fan_out_trees_hold_their_invariants(
     assert all(len(answers) == 1 for answers in probe.answers.values()), probe.answers
     # N1
     if forest.window is not None:
-        assert probe.peak <= forest.window
+        assert probe.working.peak <= forest.window
     # nothing still running, every place given back
-    assert probe.working == 0
+    assert probe.working.now == 0
     assert probe.entered == set(probe.exited)
     if isinstance(window, tt.Window):
         assert window.in_flight == 0
@@ -728,14 +700,11 @@ async def test_elastic_places_bound_fan_outs_by_the_runs_in_flight(
     from trio_tasksets._core.runner import ElasticPlaces
 
     places = ElasticPlaces()
-    working = peak = 0
+    working = Concurrency()
 
     async def job() -> None:
-        nonlocal working, peak
-        working += 1
-        peak = max(peak, working)
-        await trio.sleep(1)
-        working -= 1
+        with working:
+            await trio.sleep(1)
 
     async def request() -> None:
         async with places.run():
@@ -744,11 +713,11 @@ async def test_elastic_places_bound_fan_outs_by_the_runs_in_flight(
     async with trio.open_nursery() as nursery:
         nursery.start_soon(request)
         nursery.start_soon(request)
-    assert peak == 2
+    assert working.peak == 2
     assert trio.current_time() == 3
     assert (places.runs, places.in_flight) == (0, 0)
     assert await tt.fan_out([job] * 4) == [None] * 4  # outside: unbounded again
-    assert peak == 4
+    assert working.peak == 4
 
 
 async def test_failures_noted_in_a_nested_fan_out_reach_the_error_raised(

@@ -16,7 +16,7 @@ from __future__ import annotations
 import json
 import os
 import statistics
-from collections.abc import AsyncIterator, Mapping
+from collections.abc import AsyncIterator, Callable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -134,18 +134,24 @@ async def source(groups: list[Group]) -> AsyncIterator[Group]:
         yield group
 
 
-async def test_a_freed_place_goes_to_the_open_group_first(autojump_clock: MockClock) -> None:
-    groups = make_groups([4, 4])
-    script = Scripted(
-        {("t0", 0): 10, ("t0", 1): 1, ("t0", 2): 10, ("t0", 3): 1}
-        | {("t1", r): 1 for r in range(4)}
-    )
+async def run_gated(
+    sizes: list[int], seconds: Mapping[tuple[str, int], float], places: int
+) -> tuple[Scripted, tt.Window]:
+    """Groups of `sizes` through an `OpenGroups` gate on a window of `places`; rollout r of
+    task tN takes ``seconds[("tN", r)]``."""
+    script = Scripted(seconds)
     env = Grpo(tt.testing.FeedTaskset())
-    window = tt.Window(3)
-    opened = OpenGroups(window)
+    window = tt.Window(places)
+    gate = OpenGroups(window)
     await tt.run_stream(
-        opened.gate(source(groups)), lambda g: run_group(env, g, script), window=window
+        gate.gate(source(make_groups(sizes))), lambda g: run_group(env, g, script), window=window
     )
+    return script, window
+
+
+async def test_a_freed_place_goes_to_the_open_group_first(autojump_clock: MockClock) -> None:
+    seconds = {("t0", 0): 10, ("t0", 1): 1, ("t0", 2): 10, ("t0", 3): 1}
+    script, _ = await run_gated([4, 4], seconds | {("t1", r): 1 for r in range(4)}, places=3)
     # t0/1 ends at 1: its place goes to t0/3 (waiting), not to a pull of t1
     assert script.starts[("t0", 3)] == 1.0
     assert min(script.starts[("t1", r)] for r in range(4)) == 2.0
@@ -276,11 +282,16 @@ class Numbers(tt.Taskset[tt.Task, tt.TasksetConfig]):
         return [tt.Task(prompt=f"say {i}", answer=str(i % 2)) for i in range(3)]
 
 
-class Alternating(tt.EchoClient):
-    """An offline model whose replies alternate per call, so a group's rewards differ."""
+class Offline(tt.EchoClient):
+    """An offline model: a call waits `seconds(messages)` (1 s), then answers
+    `reply(messages, n)` (which may raise), n counting the calls that got that far."""
 
-    def __init__(self) -> None:
+    def __init__(
+        self, reply: Callable[[str, int], str], seconds: Callable[[str], float] = lambda _: 1
+    ) -> None:
         super().__init__()
+        self.reply = reply
+        self.seconds = seconds
         self.count = 0
 
     async def chat(
@@ -291,9 +302,14 @@ class Alternating(tt.EchoClient):
         sampling: tt.Sampling,
         tools: list[dict[str, Any]] | None = None,
     ) -> tt.Completion:
-        await trio.sleep(1)
+        await trio.sleep(self.seconds(str(messages)))
         self.count += 1
-        return tt.Completion(str(self.count % 2))
+        return tt.Completion(self.reply(str(messages), self.count))
+
+
+def alternating() -> Offline:
+    """Replies that alternate per call, so a group's rewards differ."""
+    return Offline(lambda _, count: str(count % 2))
 
 
 def read_rows(run_dir: Path) -> list[dict[str, Any]]:
@@ -302,7 +318,7 @@ def read_rows(run_dir: Path) -> list[dict[str, Any]]:
 
 async def test_eval_group_rows(autojump_clock: MockClock, tmp_path: Path) -> None:
     env = Grpo(Numbers())
-    ctx = tt.ModelContext(Alternating(), "alt")
+    ctx = tt.ModelContext(alternating(), "alt")
     config = tt.EvalConfig(
         rollouts_per_example=4, group=True, max_concurrent=3, output_dir=str(tmp_path),
         run_name="g", dashboard=False,
@@ -345,7 +361,7 @@ async def test_a_groups_rows_reach_the_file_in_one_write(
             rollouts_per_example=4, group=group, max_concurrent=3, output_dir=str(tmp_path),
             run_name=f"w{group}", dashboard=False,
         )  # fmt: skip
-        ctx = tt.ModelContext(Alternating(), "alt")
+        ctx = tt.ModelContext(alternating(), "alt")
         result = await tt.run_eval(Grpo(Numbers()), ctx, config)
         assert [len(data.splitlines()) for data in writes] == [4] * 3 if group else [1] * 12
         assert b"".join(writes) == (result.run_dir / "traces.jsonl").read_bytes()
@@ -374,7 +390,7 @@ async def test_eval_resume_reruns_a_half_finished_group_whole(
     autojump_clock: MockClock, tmp_path: Path
 ) -> None:
     env = Grpo(Numbers())
-    ctx = tt.ModelContext(Alternating(), "alt")
+    ctx = tt.ModelContext(alternating(), "alt")
 
     def config(resume: bool = False) -> tt.EvalConfig:
         return tt.EvalConfig(
@@ -399,29 +415,19 @@ async def test_eval_resume_reruns_a_half_finished_group_whole(
 
 
 async def test_eval_group_failing_after_retries(autojump_clock: MockClock, tmp_path: Path) -> None:
-    class Flaky(tt.EchoClient):
-        calls = 0
-
-        async def chat(
-            self,
-            messages: list[dict[str, Any]],
-            *,
-            model: str,
-            sampling: tt.Sampling,
-            tools: list[dict[str, Any]] | None = None,
-        ) -> tt.Completion:
-            Flaky.calls += 1
-            await trio.sleep(1 if "say 1" in str(messages) else 50)
-            if "say 1" in str(messages):
-                raise tt.ModelHTTPError("returned HTTP 500", status=500)
-            return tt.Completion("ok")
+    def flaky(messages: str, _: int) -> str:
+        if "say 1" in messages:
+            raise tt.ModelHTTPError("returned HTTP 500", status=500)
+        return "ok"
 
     env = Grpo(Numbers(), retries=tt.RetryPolicy(max_retries=2, backoff=0.0))
     config = tt.EvalConfig(
         num_examples=2, rollouts_per_example=3, group=True, output_dir=str(tmp_path),
         run_name="f", dashboard=False,
     )  # fmt: skip
-    result = await tt.run_eval(env, tt.ModelContext(Flaky(), "m"), config)
+    result = await tt.run_eval(
+        env, tt.ModelContext(Offline(flaky, lambda m: 1 if "say 1" in m else 50), "m"), config
+    )
     rows = read_rows(result.run_dir)
     failed = [r for r in rows if r["task"]["data"]["prompt"] == "say 1"]
     assert len(failed) == 3
@@ -441,23 +447,13 @@ async def test_the_report_groups_rows_and_shows_the_spread(
     from trio_tasksets._report.data import load_run
     from trio_tasksets._report.figures import compute
 
-    class Same(tt.EchoClient):  # "say 0" always right, "say 1" always wrong: no spread
-        async def chat(
-            self,
-            messages: list[dict[str, Any]],
-            *,
-            model: str,
-            sampling: tt.Sampling,
-            tools: list[dict[str, Any]] | None = None,
-        ) -> tt.Completion:
-            await trio.sleep(1)
-            return tt.Completion("0")
+    same = Offline(lambda *_: "0")  # "say 0" always right, "say 1" always wrong: no spread
 
     config = tt.EvalConfig(
         rollouts_per_example=3, group=True, output_dir=str(tmp_path), run_name="p",
         dashboard=False,
     )  # fmt: skip
-    result = await tt.run_eval(Grpo(Numbers()), tt.ModelContext(Same(), "same"), config)
+    result = await tt.run_eval(Grpo(Numbers()), tt.ModelContext(same, "same"), config)
     groups = compute(load_run(result.run_dir)).groups
     assert groups is not None
     assert sorted((n, ok, lo, hi) for _, n, ok, _, lo, hi in groups.groups) == [
@@ -490,14 +486,8 @@ async def test_group_feed_under_first_closes_the_tasks(autojump_clock: MockClock
 async def test_a_group_waiting_for_its_last_rollouts_lends_its_place(
     autojump_clock: MockClock,
 ) -> None:
-    groups = make_groups([2, 2])
-    script = Scripted({("t0", 0): 1, ("t0", 1): 10, ("t1", 0): 1, ("t1", 1): 1})
-    env = Grpo(tt.testing.FeedTaskset())
-    window = tt.Window(2)
-    gate = OpenGroups(window)
-    await tt.run_stream(
-        gate.gate(source(groups)), lambda g: run_group(env, g, script), window=window
-    )
+    seconds = {("t0", 0): 1, ("t0", 1): 10, ("t1", 0): 1, ("t1", 1): 1}
+    script, window = await run_gated([2, 2], seconds, places=2)
     # t0/0 ends at 1 and t0 waits for t0/1 until 10: its place goes to t1 meanwhile
     assert script.starts[("t1", 0)] == 1.0
     assert script.peak == 2

@@ -201,12 +201,13 @@ async def test_worker_metrics_port(tmp_path: Path) -> None:
     if REDIS_SERVER is None:
         pytest.skip("redis-server is not on PATH")
     import redis
+    from helpers import free_port
     from test_redis import Server as RedisServer
-    from test_redis import _free_port, make_tasks, push
+    from test_redis import make_tasks, push
 
     from trio_tasksets.redis._worker import WorkerConfig, run_worker
 
-    server = RedisServer(_free_port(), tmp_path)
+    server = RedisServer(free_port(), tmp_path)
     server.start()
     try:
         r = redis.Redis.from_url(server.url, decode_responses=True)

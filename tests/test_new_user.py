@@ -10,9 +10,7 @@ sockets on 127.0.0.1); the command line runs in this process (`trio_tasksets._cl
 from __future__ import annotations
 
 import json
-import shutil
 import signal
-import socket
 import subprocess
 import sys
 import textwrap
@@ -27,7 +25,6 @@ import pytest
 import trio
 
 import trio_tasksets as tt
-from trio_tasksets._cli import main
 from trio_tasksets._report.data import load_run
 from trio_tasksets._report.figures import compute
 from trio_tasksets._report.stats import mean_interval, reward_interval, wilson_interval
@@ -38,6 +35,8 @@ if str(FIXTURES) not in sys.path:
     sys.path.insert(0, str(FIXTURES))
 
 from chat_server import ChatServer  # noqa: E402
+from helpers import cli  # noqa: E402
+from redis_server import REDIS_SERVER, RedisServer  # noqa: E402
 
 LIMIT = 60  # seconds: real sockets, so the real clock; a hang fails the test
 
@@ -46,14 +45,6 @@ LIMIT = 60  # seconds: real sockets, so the real clock; a hang fails the test
 def server() -> Iterator[ChatServer]:
     with ChatServer() as chat:
         yield chat
-
-
-def cli(*words: str) -> int:
-    """`trio-tasksets WORDS...` in this process: its exit code (argparse's SystemExit too)."""
-    try:
-        return main(list(words))
-    except SystemExit as exc:
-        return int(exc.code or 0)
 
 
 def summary_of(run_dir: Path) -> dict[str, Any]:
@@ -65,6 +56,14 @@ class Sums(tt.Taskset[tt.Task, tt.TasksetConfig]):
         return [tt.Task(f"What is {i} + 1?", answer=str(i + 1)) for i in range(8)]
 
 
+async def eval_sums(server: ChatServer, tmp_path: Path) -> tt.EvalResult:
+    """The 8 `Sums` against `server`, into ``tmp_path/r``."""
+    ctx = tt.ModelContext(tt.OpenAIClient(server.url), "m")
+    config = tt.EvalConfig(output_dir=str(tmp_path), run_name="r", dashboard=False)
+    with trio.fail_after(LIMIT):
+        return await tt.run_eval(tt.Env(Sums()), ctx, config)
+
+
 # --- token figures ---------------------------------------------------------------------------
 
 
@@ -72,10 +71,7 @@ async def test_usage_sums_prompt_and_completion_tokens_only_and_the_report_agree
     server: ChatServer, tmp_path: Path
 ) -> None:
     """The server sends `total_tokens` too (as OpenAI and vLLM do): it is not added in."""
-    ctx = tt.ModelContext(tt.OpenAIClient(server.url), "m")
-    config = tt.EvalConfig(output_dir=str(tmp_path), run_name="r", dashboard=False)
-    with trio.fail_after(LIMIT):
-        result = await tt.run_eval(tt.Env(Sums()), ctx, config)
+    result = await eval_sums(server, tmp_path)
     assert result.summary["usage"] == {"prompt_tokens": 80, "completion_tokens": 8}
     row = json.loads((result.run_dir / "traces.jsonl").read_text().splitlines()[0])
     assert row["usage"]["total_tokens"] == 11  # the row keeps what the server said
@@ -89,10 +85,7 @@ async def test_usage_sums_prompt_and_completion_tokens_only_and_the_report_agree
 async def test_an_old_summary_that_summed_total_tokens_reads_right(
     server: ChatServer, tmp_path: Path
 ) -> None:
-    ctx = tt.ModelContext(tt.OpenAIClient(server.url), "m")
-    config = tt.EvalConfig(output_dir=str(tmp_path), run_name="r", dashboard=False)
-    with trio.fail_after(LIMIT):
-        run_dir = (await tt.run_eval(tt.Env(Sums()), ctx, config)).run_dir
+    run_dir = (await eval_sums(server, tmp_path)).run_dir
     summary = summary_of(run_dir)
     summary["usage"]["total_tokens"] = 88  # as versions before this fix wrote it
     (run_dir / "summary.json").write_text(json.dumps(summary))
@@ -283,32 +276,15 @@ def test_a_run_stopped_early_says_of_how_many_planned(
 
 @pytest.fixture(scope="module")
 def redis_url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
-    binary = shutil.which("redis-server")
-    if binary is None:
+    """A redis-server of this module's own: its commands use the default stream names."""
+    if REDIS_SERVER is None:
         pytest.skip("redis-server is not on PATH (apt-get install -y redis-server)")
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    directory = tmp_path_factory.mktemp("redis")
-    process = subprocess.Popen(
-        [binary, "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly",
-         "no", "--dir", str(directory)],
-        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-    )  # fmt: skip
+    server = RedisServer.on_free_ports(tmp_path_factory.mktemp("redis"))
+    server.start()
     try:
-        deadline = time.monotonic() + 10
-        while True:
-            try:
-                socket.create_connection(("127.0.0.1", port), timeout=1).close()
-                break
-            except OSError:
-                if time.monotonic() > deadline:
-                    raise
-                time.sleep(0.02)
-        yield f"redis://127.0.0.1:{port}/0"
+        yield server.url
     finally:
-        process.terminate()
-        process.wait(timeout=10)
+        server.stop()
 
 
 def test_eval_via_needs_no_base_url_and_keeps_no_run_dir_without_workers(

@@ -5,17 +5,19 @@ CA), and ``rediss://`` against a real redis-server started with TLS. Every wait 
 
 from __future__ import annotations
 
+import json
 import shutil
 import socket
 import ssl
 import subprocess
-import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 import trio
 import trustme
+from chat_server import ChatServer
+from helpers import free_port, until
 
 import trio_tasksets as tt
 from trio_tasksets._transport import ConnectError, HTTPClient
@@ -24,20 +26,6 @@ from trio_tasksets.redis._resp import Address, Connection, Unreachable
 
 TINYPROXY = shutil.which("tinyproxy")
 REDIS_SERVER = shutil.which("redis-server")
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-def until(predicate: Callable[[], bool], what: str, timeout: float = 20.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not predicate():  # another process: polled
-        if time.monotonic() > deadline:
-            pytest.fail(f"timed out waiting for {what}")
-        time.sleep(0.05)
 
 
 def accepts(port: int) -> bool:
@@ -88,48 +76,6 @@ def proxy(tmp_path: Path) -> Iterator[Proxy]:
         process.wait(timeout=10)
 
 
-REPLY = (
-    b'{"choices": [{"message": {"role": "assistant", "content": "4"}, "finish_reason": "stop"}]}'
-)
-
-
-async def origin(nursery: trio.Nursery, context: ssl.SSLContext | None) -> int:
-    """An HTTP/1.1 server on 127.0.0.1 (TLS with `context`) answering every request with a
-    chat completion; its port."""
-
-    async def serve(stream: trio.abc.Stream) -> None:
-        buffer = b""
-        try:
-            while True:
-                while b"\r\n\r\n" not in buffer:
-                    data = await stream.receive_some(65536)
-                    if not data:
-                        return
-                    buffer += data
-                head, _, buffer = buffer.partition(b"\r\n\r\n")
-                length = 0
-                for line in head.split(b"\r\n")[1:]:
-                    name, _, value = line.partition(b":")
-                    if name.strip().lower() == b"content-length":
-                        length = int(value)
-                while len(buffer) < length:
-                    buffer += await stream.receive_some(65536)
-                buffer = buffer[length:]
-                await stream.send_all(
-                    b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\n"
-                    b"content-length: %d\r\n\r\n%s" % (len(REPLY), REPLY)
-                )
-        except (trio.BrokenResourceError, trio.ClosedResourceError):
-            return
-
-    if context is None:
-        listeners = await nursery.start(trio.serve_tcp, serve, 0)
-    else:
-        listeners = await nursery.start(trio.serve_ssl_over_tcp, serve, 0, context)
-    return int(listeners[0].transport_listener.socket.getsockname()[1]
-               if context is not None else listeners[0].socket.getsockname()[1])  # fmt: skip
-
-
 def server_context(ca: trustme.CA) -> ssl.SSLContext:
     context = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
     ca.issue_cert("localhost", "127.0.0.1").configure_cert(context)
@@ -143,36 +89,42 @@ def client_context(ca: trustme.CA) -> ssl.SSLContext:
 
 
 async def test_https_through_a_real_proxy_goes_through_its_connect_tunnel(
-    proxy: Proxy, ca: trustme.CA, nursery: trio.Nursery, monkeypatch: pytest.MonkeyPatch
+    proxy: Proxy, ca: trustme.CA, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """``HTTPS_PROXY`` from the environment: a CONNECT tunnel through tinyproxy, TLS to the
     origin inside it (the origin's certificate verified against the test CA)."""
-    port = await origin(nursery, server_context(ca))
     monkeypatch.setenv("HTTPS_PROXY", proxy.url)
     for name in ("NO_PROXY", "no_proxy", "https_proxy", "ALL_PROXY", "all_proxy"):
         monkeypatch.delenv(name, raising=False)
     with trio.fail_after(20):
-        async with HTTPClient(ssl_context=client_context(ca)) as http:
+        async with (
+            ChatServer(answer=lambda _: "4", tls=server_context(ca)) as origin,
+            HTTPClient(ssl_context=client_context(ca)) as http,
+        ):
+            url = f"https://localhost:{origin.port}/v1/chat/completions"
             for _ in range(3):
-                response = await http.request("POST", f"https://localhost:{port}/v1", body=b"{}")
-                assert (response.status, response.body) == (200, REPLY)
+                response = await http.request("POST", url, body=b"{}")
+                assert response.status == 200
+                assert json.loads(response.body)["choices"][0]["message"]["content"] == "4"
             assert http.stats.opened == 1  # one tunnel, kept alive
-    assert proxy.requests() == [f"CONNECT localhost:{port} HTTP/1.1"]
+    assert proxy.requests() == [f"CONNECT localhost:{origin.port} HTTP/1.1"]
 
 
 async def test_an_openai_client_reaches_http_through_a_real_proxy(
-    proxy: Proxy, nursery: trio.Nursery, monkeypatch: pytest.MonkeyPatch
+    proxy: Proxy, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """``HTTP_PROXY``: plain http goes to the proxy in absolute form; what the client
     sees is the origin's answer. Without the proxy running, the error names it."""
-    port = await origin(nursery, None)
     monkeypatch.setenv("HTTP_PROXY", proxy.url)
     for name in ("NO_PROXY", "no_proxy", "http_proxy", "ALL_PROXY", "all_proxy"):
         monkeypatch.delenv(name, raising=False)
-    url = f"http://127.0.0.1:{port}/v1"
     with trio.fail_after(20):
-        async with tt.OpenAIClient(url, max_retries=0) as client:
+        async with (
+            ChatServer(answer=lambda _: "4") as origin,
+            tt.OpenAIClient(origin.url, max_retries=0) as client,
+        ):
             completion = await client.chat([], model="m", sampling=tt.Sampling())
+        url = origin.url
         assert completion.content == "4"
         assert proxy.requests() == [f"POST {url}/chat/completions HTTP/1.1"]
         proxy.process.terminate()

@@ -12,7 +12,6 @@ import functools
 import json
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -27,6 +26,7 @@ import forkserver
 import pytest
 import redis
 import trio
+from helpers import free_port, until
 from redis_server import RedisServer
 
 import trio_tasksets as tt
@@ -57,21 +57,6 @@ ENV_WORKER = [sys.executable, str(ROOT / "tests" / "fixtures" / "redis_worker.py
 
 
 # --- servers, names and polling ---------------------------------------------------------------
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-def until(predicate: Callable[[], bool], what: str, timeout: float = 20.0) -> None:
-    """Poll `predicate` until it holds; fail naming `what` after `timeout` seconds."""
-    deadline = time.monotonic() + timeout
-    while not predicate():
-        if time.monotonic() > deadline:
-            pytest.fail(f"timed out after {timeout} s waiting for {what}")
-        time.sleep(0.02)
 
 
 @pytest.fixture
@@ -284,15 +269,27 @@ def test_a_live_workers_long_episodes_are_kept_alive_not_reclaimed(
     assert not any("reclaimed" in worker.log for worker in pair)
 
 
+def _sigterm_when_full(
+    names: Names, r: redis.Redis, worker: Callable[..., Worker], tasks: int, *options: str
+) -> Worker:
+    """`tasks` tasks for a worker "w" of `options` (``-c N`` first); SIGTERM once its N
+    places are busy: it exits 0 within 5 s."""
+    push(r, names.stream, make_tasks(tasks))
+    started = worker(names, "w", *options)
+    places = int(options[1])
+    until(lambda: pending_of(r, names).get("w") == places, f"{places} episodes in flight")
+    began = time.monotonic()
+    assert started.stop(signal.SIGTERM) == 0, started.log
+    assert time.monotonic() - began < 5
+    return started
+
+
 def test_sigterm_finishes_in_flight_episodes_within_the_grace_and_exits_0(
     server: Server, r: redis.Redis, names: Names, workers: Callable[..., Worker]
 ) -> None:
-    push(r, names.stream, make_tasks(10))
-    worker = workers(server.url, names, "w", "-c", "4", "--echo-delay", "1.0", "--grace", "20")
-    until(lambda: pending_of(r, names).get("w") == 4, "4 episodes in flight")
-    began = time.monotonic()
-    assert worker.stop(signal.SIGTERM) == 0, worker.log
-    assert time.monotonic() - began < 5  # the episodes' own second, not the 20 s grace
+    """Within 5 s: the episodes' own second, not the 20 s grace."""
+    options = ("-c", "4", "--echo-delay", "1.0", "--grace", "20")
+    worker = _sigterm_when_full(names, r, functools.partial(workers, server.url), 10, *options)
     assert r.xlen(names.results) == 4  # the in-flight four finished and were published...
     assert pending(r, names) == 0  # ...and acknowledged; nothing else was pulled
     group = r.xinfo_groups(names.stream)[0]
@@ -304,12 +301,8 @@ def test_sigterm_finishes_in_flight_episodes_within_the_grace_and_exits_0(
 def test_past_the_grace_in_flight_episodes_are_cancelled_and_left_pending(
     server: Server, r: redis.Redis, names: Names, workers: Callable[..., Worker]
 ) -> None:
-    push(r, names.stream, make_tasks(3))
-    worker = workers(server.url, names, "w", "-c", "2", "--echo-delay", "60", "--grace", "0.3")
-    until(lambda: pending_of(r, names).get("w") == 2, "2 episodes in flight")
-    began = time.monotonic()
-    assert worker.stop(signal.SIGTERM) == 0, worker.log
-    assert time.monotonic() - began < 5
+    options = ("-c", "2", "--echo-delay", "60", "--grace", "0.3")
+    worker = _sigterm_when_full(names, r, functools.partial(workers, server.url), 3, *options)
     assert r.xlen(names.results) == 0
     assert pending_of(r, names) == {"w": 2}  # left for another worker; so is its name
     assert "2 cancelled at the grace deadline" in worker.log
@@ -318,7 +311,7 @@ def test_past_the_grace_in_flight_episodes_are_cancelled_and_left_pending(
 def test_a_redis_restart_mid_run_is_retried_and_loses_nothing(
     r: redis.Redis, names: Names, workers: Callable[..., Worker], tmp_path: Path
 ) -> None:
-    own = Server(_free_port(), tmp_path, persistent=True)
+    own = Server(free_port(), tmp_path, persistent=True)
     own.start()
     client = redis.Redis.from_url(own.url, decode_responses=True, socket_timeout=2.0)
     try:
@@ -500,21 +493,30 @@ async def test_enqueue_round_trips_a_taskset_to_equal_tasks(
     assert all(isinstance(t, tt.Task) for t in got)
 
 
-async def test_run_worker_in_process_stops_when_told(
-    server: Server, r: redis.Redis, names: Names
-) -> None:
-    push(r, names.stream, make_tasks(5))
+async def _work_until_told(
+    server: Server, r: redis.Redis, names: Names, count: int, window: int | AdaptiveBounds
+) -> list[str]:
+    """`count` tasks for an in-process worker of `window` whose episodes take 0.2 s (so they
+    overlap and the window fills whatever the timing), told to stop once all are published;
+    its log lines."""
+    push(r, names.stream, make_tasks(count))
     config = WorkerConfig(server.url, names.stream, names.group, names.results, consumer="me",
-                          max_concurrent=2, dashboard=False)  # fmt: skip
+                          max_concurrent=window, dashboard=False)  # fmt: skip
     lines: list[str] = []
-    # Episodes that take a while overlap, so the window fills (peak 2) whatever the timing.
     ctx = tt.ModelContext(tt.EchoClient(delay=0.2), "echo")
     async with trio.open_nursery() as nursery:
         start = functools.partial(run_worker, config, ctx, handle_signals=False, log=lines.append)
         shut_down = await nursery.start(start)
-        await wait_for(lambda: r.xlen(names.results) >= 5)
+        await wait_for(lambda: r.xlen(names.results) >= count)
         shut_down("told")
     assert pending(r, names) == 0
+    return lines
+
+
+async def test_run_worker_in_process_stops_when_told(
+    server: Server, r: redis.Redis, names: Names
+) -> None:
+    lines = await _work_until_told(server, r, names, 5, window=2)
     assert lines[-1].startswith("stopped: published 5 episodes; peak in flight 2/2")
     assert any(line.startswith("told: stopping") for line in lines)
 
@@ -524,17 +526,7 @@ async def test_a_worker_with_an_adaptive_window_grows_it_while_episodes_succeed(
 ) -> None:
     """`worker -c 1-1-4`: the window (episodes in flight, entries held) starts at 1 and
     doubles per full round of successes, as an eval's does."""
-    push(r, names.stream, make_tasks(30))
-    config = WorkerConfig(server.url, names.stream, names.group, names.results, consumer="me",
-                          max_concurrent=AdaptiveBounds(1, 1, 4), dashboard=False)  # fmt: skip
-    lines: list[str] = []
-    ctx = tt.ModelContext(tt.EchoClient(delay=0.2), "echo")
-    async with trio.open_nursery() as nursery:
-        start = functools.partial(run_worker, config, ctx, handle_signals=False, log=lines.append)
-        shut_down = await nursery.start(start)
-        await wait_for(lambda: r.xlen(names.results) >= 30)
-        shut_down("told")
-    assert pending(r, names) == 0
+    lines = await _work_until_told(server, r, names, 30, window=AdaptiveBounds(1, 1, 4))
     assert "window 1-1-4" in lines[0]
     assert lines[-1].startswith("stopped: published 30 episodes; peak in flight 4/4 (adaptive")
 
@@ -821,7 +813,7 @@ async def test_a_redis_that_lost_its_data_gets_the_waiting_slots_again(
     from trio_tasksets._monitor.dashboard import Progress
     from trio_tasksets.redis._coordinator import via_runner
 
-    own = Server(_free_port(), tmp_path)
+    own = Server(free_port(), tmp_path)
     own.start()
     client = redis.Redis.from_url(own.url, decode_responses=True, socket_timeout=2.0)
     env, ctx = graded_env(), tt.ModelContext(tt.EchoClient(), "echo")
@@ -905,7 +897,7 @@ async def test_every_path_survives_a_group_that_is_gone(
 def test_redis_killed_and_restarted_empty_mid_run_workers_recreate_the_group_and_go_on(
     names: Names, workers: Callable[..., Worker], tmp_path: Path
 ) -> None:
-    own = Server(_free_port(), tmp_path)  # no persistence: a restart loses everything
+    own = Server(free_port(), tmp_path)  # no persistence: a restart loses everything
     own.start()
     client = redis.Redis.from_url(own.url, decode_responses=True, socket_timeout=2.0)
     try:

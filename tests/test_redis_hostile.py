@@ -49,6 +49,7 @@ class RawRedis:
     def __exit__(self, *exc: object) -> None:
         self.close()
 
+    # duplicates: test_hostile_servers' RawHTTP accepts so too; two raw servers, each read alone
     def _accept(self) -> None:
         while True:
             try:

@@ -12,7 +12,8 @@ from pathlib import Path
 import forkserver
 import pytest
 import trio
-from redis_server import RedisServer, free_port
+from helpers import free_port
+from redis_server import RedisServer
 
 from trio_tasksets.redis._link import Link, server_run_id
 from trio_tasksets.redis._resp import Address, Connection, ReplyError, Unreachable, pack

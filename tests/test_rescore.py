@@ -13,7 +13,6 @@ from typing import Any
 import pytest
 
 import trio_tasksets as tt
-from trio_tasksets._cli import main
 from trio_tasksets._eval.rescore import rescore
 
 FIXTURES = Path(__file__).resolve().parent / "fixtures"
@@ -21,6 +20,7 @@ if str(FIXTURES) not in sys.path:
     sys.path.insert(0, str(FIXTURES))
 
 from chat_server import ChatServer  # noqa: E402
+from helpers import cli  # noqa: E402
 
 REWARDS = """
 def contains_answer(task, completion):
@@ -40,13 +40,6 @@ def picky(task, completion):
 def server() -> Iterator[ChatServer]:
     with ChatServer() as chat:
         yield chat
-
-
-def cli(*words: str) -> int:
-    try:
-        return main(list(words))
-    except SystemExit as exc:
-        return int(exc.code or 0)
 
 
 def rows(run_dir: Path) -> list[dict[str, Any]]:

@@ -27,6 +27,7 @@ async def collect(channel: trio.abc.ReceiveChannel[tuple[int, Any]]) -> list[tup
 
 
 @pytest.mark.parametrize("window", [1, 2, 5])
+# duplicates: test_window's resize tests start the same way; each file reads alone, R1 here
 async def test_r1_exactly_window_items_pulled_while_runs_are_held(
     autojump_clock: MockClock, window: int
 ) -> None:
@@ -366,6 +367,7 @@ async def test_r6_a_real_sigint_is_keyboard_interrupt(autojump_clock: MockClock)
 # --- R7 close-out ---------------------------------------------------------------------------
 
 
+# duplicates: test_until builds a feed as these do; the close-out rules are this file's
 async def test_r7_close_once_from_the_iterating_task_on_normal_end(
     autojump_clock: MockClock,
 ) -> None:
@@ -407,6 +409,7 @@ async def test_r7_close_error_is_raised_when_nothing_else_failed(autojump_clock:
     assert feed.close_calls == 1
 
 
+# duplicates: each R5/R7 test writes its own generator source: its finally block is the point
 async def test_r7_close_is_shielded_even_when_cancelled(autojump_clock: MockClock) -> None:
     closed_fully: list[bool] = []
 
@@ -699,6 +702,7 @@ async def test_r4_system_exit_is_raised_itself_and_a_later_failure_is_noted(
     assert any("KeyError" in note for note in getattr(first, "__notes__", []))
 
 
+# duplicates: a hand-written source as test_training's Closing; each counts what its test asks
 class TriggerFeed:
     """Pulling item `trigger_at` sets `event` and returns the item at once (no checkpoint),
     so a run waiting on `event` fails in the same tick as the pull returns. Records, for

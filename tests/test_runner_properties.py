@@ -394,6 +394,21 @@ def open_source(
     return receive, None, receive
 
 
+def taken_and_windowed(
+    sc: Scenario, obs: Observed, helpers: trio.Nursery, source: Source
+) -> tuple[Source, int | Window | None]:
+    """`source` cut at the scenario's `take`, and its window: with `use_window` a `Window`,
+    its resizer started in `helpers`."""
+    if sc.take is not None:
+        source = tt.take(source, sc.take)  # type: ignore[assignment]
+    if not sc.use_window:
+        return source, sc.window
+    assert sc.window is not None
+    window = Window(sc.window)
+    helpers.start_soon(resizer, sc, obs, window)
+    return source, window
+
+
 async def feeder(sc: Scenario, feed: Feed[int]) -> None:
     for i in range(sc.n):
         await trio.sleep(sc.gaps[i])
@@ -507,14 +522,7 @@ async def execute(sc: Scenario, api: Api) -> None:
     with trio.fail_after(HANG):
         async with trio.open_nursery() as helpers:
             source, feed, receive = open_source(sc, obs, helpers)
-
-            if sc.take is not None:
-                source = tt.take(source, sc.take)  # type: ignore[assignment]
-            window: int | Window | None = sc.window
-            if sc.use_window:
-                assert sc.window is not None
-                window = Window(sc.window)
-                helpers.start_soon(resizer, sc, obs, window)
+            source, window = taken_and_windowed(sc, obs, helpers, source)
             with trio.CancelScope(deadline=cancel_deadline) as outside:
                 try:
                     if api == "run_stream":
@@ -672,6 +680,7 @@ async def test_run_stream_holds_its_invariants_on_random_schedules(
     await execute(sc, "run_stream")
 
 
+# duplicates: not one parametrized test: each API draws scenarios of its own (a consumer or not)
 @SETTINGS
 @given(sc=scenarios(consumer=True))
 async def test_as_completed_holds_its_invariants_on_random_schedules(
@@ -680,23 +689,28 @@ async def test_as_completed_holds_its_invariants_on_random_schedules(
     await execute(sc, "as_completed")
 
 
+def by_hand(
+    durations: tuple[int, ...],
+    gaps: tuple[int, ...],
+    end_gap: int,
+    window: int,
+    *,
+    use_window: bool = False,
+    resizes: tuple[tuple[int, int], ...] = (),
+) -> Scenario:
+    """A scenario to check by hand: an async generator of len(durations) items that all
+    succeed, `gaps` apart, under `window`."""
+    n = len(durations)
+    none = (False,) * n
+    return Scenario(durations=durations, fails=none, fatal=none, cleanup_fails=none, gaps=gaps,
+                    end_gap=end_gap, quiet=False, source_fails=False, window=window,
+                    cancel_at=None, kind="agen", delays=(0,) * n, stop_after=None,
+                    use_window=use_window, resizes=resizes)  # fmt: skip
+
+
 def test_the_model_on_a_hand_checked_schedule() -> None:
     """The model itself, on a schedule worked out by hand (window 2, an async generator)."""
-    sc = Scenario(
-        durations=(3, 1, 1, 0),
-        fails=(False,) * 4,
-        fatal=(False,) * 4,
-        cleanup_fails=(False,) * 4,
-        gaps=(0, 1, 0, 2),
-        end_gap=1,
-        quiet=False,
-        source_fails=False,
-        window=2,
-        cancel_at=None,
-        kind="agen",
-        delays=(0,) * 4,
-        stop_after=None,
-    )
+    sc = by_hand((3, 1, 1, 0), (0, 1, 0, 2), end_gap=1, window=2)
     model = simulate(sc, "run_stream")
     # item 0 at 0 (runs to 3); item 1 asked at 0, yielded at 1 (runs to 2); item 2 asked at 2
     # when run 1 frees its slot, yielded at 2 (runs to 3); item 3 asked at 3, yielded at 5;
@@ -708,23 +722,7 @@ def test_the_model_on_a_hand_checked_schedule() -> None:
 
 def test_the_model_on_a_hand_checked_schedule_with_a_resize() -> None:
     """Window 1 grows to 3 at +1.25: the two items waiting start then, not when run 0 ends."""
-    sc = Scenario(
-        durations=(4, 4, 4),
-        fails=(False,) * 3,
-        fatal=(False,) * 3,
-        cleanup_fails=(False,) * 3,
-        gaps=(0, 0, 0),
-        end_gap=0,
-        quiet=False,
-        source_fails=False,
-        window=1,
-        cancel_at=None,
-        kind="agen",
-        delays=(0,) * 3,
-        stop_after=None,
-        use_window=True,
-        resizes=((1, 3),),
-    )
+    sc = by_hand((4, 4, 4), (0, 0, 0), end_gap=0, window=1, use_window=True, resizes=((1, 3),))
     model = simulate(sc, "run_stream")
     assert model.start == [0, 1.25, 1.25]
     assert model.natural == 5.25
@@ -788,17 +786,10 @@ async def test_runs_that_fan_out_keep_the_bound_and_answer_every_child(
         return value_of(i)
 
     error: BaseException | None = None
-    window: int | Window | None = sc.window
     cancel_deadline = obs.t0 + sc.cancel_at if sc.cancel_at is not None else INF
     with trio.fail_after(HANG):
         async with trio.open_nursery() as helpers:
-            source, _, _ = open_source(sc, obs, helpers)
-            if sc.take is not None:
-                source = tt.take(source, sc.take)  # type: ignore[assignment]
-            if sc.use_window:
-                assert sc.window is not None
-                window = Window(sc.window)
-                helpers.start_soon(resizer, sc, obs, window)
+            source, window = taken_and_windowed(sc, obs, helpers, open_source(sc, obs, helpers)[0])
             with trio.CancelScope(deadline=cancel_deadline):
                 try:
                     await tt.run_stream(source, run, window=window)

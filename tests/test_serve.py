@@ -25,15 +25,16 @@ import httpx
 import orjson
 import pytest
 import trio
-from wsproto import ConnectionType, WSConnection
-from wsproto.events import BytesMessage, CloseConnection, Request, TextMessage
+from helpers import HTTPCase, alive, http_cases
+from raw_ws import RawWS, run_item, send_once
+from wsproto.events import CloseConnection
 
 import trio_tasksets as tt
 from trio_tasksets._core.builtin import EchoConfig, EchoTaskset
 from trio_tasksets._env.spec import EnvSpec, TravelError, config_from_json
 from trio_tasksets._serve import EnvServerError, spawn_server
 from trio_tasksets._serve.client import retry_server_error
-from trio_tasksets._serve.transport import HandshakeRefused, handshake
+from trio_tasksets._serve.transport import HandshakeRefused
 from trio_tasksets._serve.wire import (
     EchoSpec,
     OpenAISpec,
@@ -120,15 +121,6 @@ def rows(path: Path) -> list[dict[str, Any]]:
 
 def line_count(path: Path) -> int:
     return path.read_bytes().count(b"\n") if path.exists() else 0
-
-
-def alive(pid: int) -> bool:
-    """Running, i.e. not gone and not a zombie waiting for a reaper."""
-    try:
-        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
-    except (FileNotFoundError, ProcessLookupError):
-        return False
-    return state != "Z"
 
 
 def descendants(pid: int) -> list[int]:
@@ -388,85 +380,26 @@ BAD_REQUESTS = [
 ]  # fmt: skip
 
 
-@pytest.mark.parametrize(
-    ("method", "path", "headers", "body", "status", "needle"),
-    [case[1:] for case in BAD_REQUESTS],
-    ids=[case[0] for case in BAD_REQUESTS],
-)
+@http_cases(BAD_REQUESTS)
 async def test_a_bad_request_gets_its_4xx_and_the_server_goes_on(
-    server: str,
-    method: str,
-    path: str,
-    headers: dict[str, str] | None,
-    body: str | None,
-    status: int,
-    needle: str,
+    server: str, case: HTTPCase
 ) -> None:
     auth = {"Authorization": f"Bearer {TOKEN}"}
     json_type = {"Content-Type": "application/json"}
     async with httpx.AsyncClient(base_url=server, timeout=10) as http:
         response = await http.request(
-            method,
-            path,
-            content=body,
-            headers={**json_type, **(auth if headers is None else headers)},
+            case.method,
+            case.path,
+            content=case.body,
+            headers={**json_type, **(auth if case.headers is None else case.headers)},
         )
-        assert response.status_code == status, response.text
-        assert needle in response.json()["error"]
+        assert response.status_code == case.status, response.text
+        assert case.needle in response.json()["error"]
         good = await http.post("/run", json=good_request(), headers=auth)
     assert good.status_code == 200, good.text
     episode = tt.Episode.from_row(good.json())
     assert episode.ok
     assert (episode.completion, episode.task.key) == ("say hi", "k1")
-
-
-class RawWS:
-    """A bare WebSocket to a server's /ws (wsproto over a trio stream), to send what
-    `EnvClient` never would."""
-
-    def __init__(self, stream: trio.SocketStream, ws: WSConnection) -> None:
-        self.stream = stream
-        self.ws = ws
-
-    @classmethod
-    async def connect(cls, url: str, token: str | None = TOKEN) -> RawWS:
-        host, port = url.removeprefix("http://").rsplit(":", 1)
-        stream = await trio.open_tcp_stream(host, int(port))
-        ws = WSConnection(ConnectionType.CLIENT)
-        headers = [(b"authorization", f"Bearer {token}".encode())] if token else []
-        await stream.send_all(ws.send(Request(host=f"{host}:{port}", target="/ws",
-                                              extra_headers=headers)))  # fmt: skip
-        try:
-            await handshake(stream, ws)
-        except BaseException:
-            await stream.aclose()
-            raise
-        return cls(stream, ws)
-
-    async def send(self, data: bytes | str) -> None:
-        message = TextMessage(data) if isinstance(data, str) else BytesMessage(data)
-        await self.stream.send_all(self.ws.send(message))
-
-    async def receive(self) -> list[dict[str, Any]] | CloseConnection:
-        """The next message's answers, or the server's close."""
-        while True:
-            for event in self.ws.events():
-                if isinstance(event, CloseConnection):
-                    return event
-                if isinstance(event, BytesMessage | TextMessage):
-                    assert event.message_finished
-                    answers: list[dict[str, Any]] = orjson.loads(event.data)
-                    return answers
-            data = await self.stream.receive_some(1 << 16)
-            assert data, "the server closed the connection without a close frame"
-            self.ws.receive_data(data)
-
-    async def aclose(self) -> None:
-        await self.stream.aclose()
-
-
-def run_item(ident: int | str, body: object) -> dict[str, Any]:
-    return {"op": "run", "id": ident, "body": body}
 
 
 async def serves_a_good_run(url: str) -> None:
@@ -481,7 +414,7 @@ ECHO = tt.ModelContext(tt.EchoClient(), "echo")
 
 async def test_websocket_runs_are_multiplexed_and_answered_by_id(server: str) -> None:
     """Several runs in one message, answered by id (in any order and grouping)."""
-    ws = await RawWS.connect(server)
+    ws = await RawWS.connect(server, TOKEN)
     try:
         bodies = [good_request() for _ in range(3)]
         for i, body in enumerate(bodies):
@@ -518,7 +451,7 @@ BAD_ITEMS = [
 async def test_a_bad_websocket_item_gets_an_error_for_its_id_and_the_connection_goes_on(
     server: str, item: dict[str, Any], status: int, needle: str
 ) -> None:
-    ws = await RawWS.connect(server)
+    ws = await RawWS.connect(server, TOKEN)
     try:
         with trio.fail_after(10):
             await ws.send(orjson.dumps(item))
@@ -537,7 +470,7 @@ async def test_a_bad_websocket_item_gets_an_error_for_its_id_and_the_connection_
 async def test_a_bad_item_after_good_ones_with_the_same_context_is_still_named(
     server: str,
 ) -> None:
-    ws = await RawWS.connect(server)
+    ws = await RawWS.connect(server, TOKEN)
     bad = good_request()
     bad["slot"]["task"]["data"]["answer"] = 7
     try:
@@ -573,13 +506,8 @@ BAD_MESSAGES = [
 async def test_an_unreadable_websocket_message_closes_that_connection_and_the_server_goes_on(
     server: str, data: bytes, code: int, needle: str
 ) -> None:
-    ws = await RawWS.connect(server)
-    try:
-        with trio.fail_after(10):
-            await ws.send(data)
-            closed = await ws.receive()
-    finally:
-        await ws.aclose()
+    with trio.fail_after(10):
+        closed = await send_once(server, TOKEN, data)
     assert isinstance(closed, CloseConnection)
     assert closed.code == code
     assert needle in (closed.reason or "")
@@ -591,7 +519,7 @@ async def test_a_websocket_without_the_right_token_is_refused_with_401(
     server: str, token: str | None, needle: str
 ) -> None:
     with trio.fail_after(10), pytest.raises(HandshakeRefused) as refused:
-        await RawWS.connect(server, token=token)
+        await RawWS.connect(server, token)
     assert refused.value.status == 401
     assert needle in str(refused.value)
     async with tt.EnvClient(server, token=token) as client:

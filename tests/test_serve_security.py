@@ -26,10 +26,11 @@ import pytest
 import trio
 from chat_server import ChatServer
 from env_server import EnvServer, start_env_server
+from helpers import HTTPCase, http_cases
 from hypercorn.config import Config
 from hypercorn.trio import serve
-from wsproto import ConnectionType, WSConnection
-from wsproto.events import BytesMessage, CloseConnection, Request, TextMessage
+from raw_ws import RawWS, run_item, send_once
+from wsproto.events import CloseConnection
 
 import trio_tasksets as tt
 from trio_tasksets._core.builtin import EchoTaskset
@@ -42,7 +43,7 @@ from trio_tasksets._serve.policy import (
     RequestRefused,
     normalize_base_url,
 )
-from trio_tasksets._serve.transport import HandshakeRefused, handshake
+from trio_tasksets._serve.transport import HandshakeRefused
 from trio_tasksets._serve.wire import (
     MAX_DEPTH,
     EchoSpec,
@@ -131,70 +132,6 @@ async def serves_a_good_run(server: Server) -> None:
         assert (episode.ok, episode.completion) == (True, "say ok")
         response = await post_run(server, good_request())
     assert response.status_code == 200, response.text
-
-
-class RawWS:
-    """A bare WebSocket (wsproto over a trio stream), to send what `EnvClient` never would."""
-
-    def __init__(self, stream: trio.SocketStream, ws: WSConnection) -> None:
-        self.stream = stream
-        self.ws = ws
-
-    @classmethod
-    async def connect(
-        cls, server: Server, *, host: str | None = None, headers: dict[str, str] | None = None
-    ) -> RawWS:
-        stream = await trio.open_tcp_stream("127.0.0.1", server.port)
-        ws = WSConnection(ConnectionType.CLIENT)
-        extra = [(k.encode(), v.encode()) for k, v in {**AUTH, **(headers or {})}.items()]
-        request = Request(host=host or f"127.0.0.1:{server.port}", target="/ws",
-                          extra_headers=extra)  # fmt: skip
-        try:
-            await stream.send_all(ws.send(request))
-            await handshake(stream, ws)
-        except BaseException:
-            await stream.aclose()
-            raise
-        return cls(stream, ws)
-
-    async def send(self, data: bytes | str) -> None:
-        message = TextMessage(data) if isinstance(data, str) else BytesMessage(data)
-        await self.stream.send_all(self.ws.send(message))
-
-    async def receive(self) -> list[dict[str, Any]] | CloseConnection | None:
-        """The next message's answers, the server's close, or None if the socket ended."""
-        while True:
-            for event in self.ws.events():
-                if isinstance(event, CloseConnection):
-                    return event
-                if isinstance(event, BytesMessage | TextMessage):
-                    assert event.message_finished
-                    answers: list[dict[str, Any]] = orjson.loads(event.data)
-                    return answers
-            try:
-                data = await self.stream.receive_some(1 << 16)
-            except trio.BrokenResourceError:
-                return None
-            if not data:
-                return None
-            self.ws.receive_data(data)
-
-    async def answers(self, count: int) -> list[dict[str, Any]] | CloseConnection | None:
-        """`count` answers (or what ended the connection first)."""
-        got: list[dict[str, Any]] = []
-        while len(got) < count:
-            received = await self.receive()
-            if not isinstance(received, list):
-                return received
-            got += received
-        return got
-
-    async def aclose(self) -> None:
-        await self.stream.aclose()
-
-
-def run_item(ident: int | str, body: object) -> dict[str, Any]:
-    return {"op": "run", "id": ident, "body": body}
 
 
 # --- the fake model endpoint, and a listener that must hear nothing ----------------------------
@@ -412,7 +349,7 @@ async def test_a_run_cannot_send_a_server_secret_to_an_endpoint_it_names(
             response = await post_run(server, body)
             assert response.status_code == 403, response.text
             assert flag in response.json()["error"]
-            ws = await RawWS.connect(server)
+            ws = await RawWS.connect(server.url, TOKEN)
             try:
                 with trio.fail_after(10):
                     await ws.send(orjson.dumps([run_item(1, body)]))
@@ -463,52 +400,34 @@ ACCEPTED = [
 ]  # fmt: skip
 
 
-async def _request(
-    server: Server, method: str, path: str, headers: dict[str, str], body: str | None
-) -> httpx.Response:
+async def _request(server: Server, case: HTTPCase) -> httpx.Response:
     merged = {**JSON, **AUTH}
-    for name, value in headers.items():
+    for name, value in (case.headers or {}).items():
         merged[name] = value.format(port=server.port)
     merged = {k: v for k, v in merged.items() if v}
-    content = orjson.dumps(good_request()) if body == "good" else None
+    content = orjson.dumps(good_request()) if case.body == "good" else None
     async with httpx.AsyncClient(base_url=server.url, timeout=20) as http:
-        return await http.request(method, path, headers=merged, content=content)
+        return await http.request(case.method, case.path, headers=merged, content=content)
 
 
-@pytest.mark.parametrize(
-    ("method", "path", "headers", "body", "status", "needle"),
-    [case[1:] for case in REFUSALS],
-    ids=[case[0] for case in REFUSALS],
-)
+@http_cases(REFUSALS)
 async def test_host_origin_content_type_and_token_refusals_are_logged_once(
-    basic: Server,
-    method: str,
-    path: str,
-    headers: dict[str, str],
-    body: str | None,
-    status: int,
-    needle: str,
+    basic: Server, case: HTTPCase
 ) -> None:
     logged = len(basic.refusals())
-    response = await _request(basic, method, path, headers, body)
-    assert response.status_code == status, response.text
-    assert needle in response.json()["error"]
+    response = await _request(basic, case)
+    assert response.status_code == case.status, response.text
+    assert case.needle in response.json()["error"]
     lines = basic.refusals()[logged:]
     assert len(lines) == 1
-    assert f"refused {status} {method} {path} from 127.0.0.1:" in lines[0]
+    assert f"refused {case.status} {case.method} {case.path} from 127.0.0.1:" in lines[0]
     await serves_a_good_run(basic)
 
 
-@pytest.mark.parametrize(
-    ("method", "path", "headers", "body"),
-    [case[1:] for case in ACCEPTED],
-    ids=[case[0] for case in ACCEPTED],
-)
-async def test_what_the_checks_let_through(
-    basic: Server, method: str, path: str, headers: dict[str, str], body: str | None
-) -> None:
-    response = await _request(basic, method, path, headers, body)
-    assert response.status_code == 200, response.text
+@http_cases(ACCEPTED)
+async def test_what_the_checks_let_through(basic: Server, case: HTTPCase) -> None:
+    response = await _request(basic, case)
+    assert response.status_code == case.status == 200, response.text
 
 
 @pytest.mark.parametrize(
@@ -523,7 +442,7 @@ async def test_a_websocket_handshake_is_checked_the_same_way(
     logged = len(basic.refusals())
     with trio.fail_after(10), pytest.raises(HandshakeRefused) as refused:
         await RawWS.connect(
-            basic, host=host.format(port=basic.port) if host else None, headers=headers
+            basic.url, TOKEN, host=host.format(port=basic.port) if host else None, headers=headers
         )
     assert refused.value.status == status
     assert needle in str(refused.value)
@@ -538,7 +457,9 @@ async def test_allowed_hosts_and_origins_are_served(lenient: Server) -> None:
             assert (await http.get("/health", headers=headers)).status_code == 200
         refused = await http.get("/health", headers={"Origin": "http://ok.example:8080"})
         assert refused.status_code == 403
-    ws = await RawWS.connect(lenient, host="ok.example", headers={"Origin": "http://ok.example"})
+    ws = await RawWS.connect(
+        lenient.url, TOKEN, host="ok.example", headers={"Origin": "http://ok.example"}
+    )
     await ws.aclose()
 
 
@@ -618,8 +539,8 @@ async def test_a_client_that_never_reads_cannot_grow_the_server(tmp_path: Path) 
                 await ws.send(orjson.dumps([run_item(sent + i, body) for i in range(16)]))
                 sent += 16
 
-        flooder = await RawWS.connect(server)
-        sleeper = await RawWS.connect(server)
+        flooder = await RawWS.connect(server.url, TOKEN)
+        sleeper = await RawWS.connect(server.url, TOKEN)
         try:
             async with trio.open_nursery() as nursery:
                 nursery.start_soon(sample)
@@ -700,7 +621,7 @@ async def test_a_connection_holds_at_most_its_runs_and_the_client_opens_another(
     connections, with no 429."""
     slow = good_request()
     slow["ctx"]["client"]["delay"] = 30
-    ws = await RawWS.connect(lenient)
+    ws = await RawWS.connect(lenient.url, TOKEN)
     try:
         with trio.fail_after(10):
             await ws.send(orjson.dumps([run_item(i, slow) for i in range(5)]))
@@ -766,7 +687,7 @@ async def test_slow_headers_idle_connections_and_slow_bodies_time_out(lenient: S
             while b"\r\n\r\n" not in answer:
                 answer += await stream.receive_some(4096)
     assert answer.startswith(b"HTTP/1.1 408"), answer
-    ws = await RawWS.connect(lenient)
+    ws = await RawWS.connect(lenient.url, TOKEN)
     try:
         with trio.fail_after(10):
             gone = await ws.receive()
@@ -890,7 +811,7 @@ async def test_fuzzed_run_requests_get_a_4xx_never_a_500(
 
 async def _ws_status(server: Server, body: bytes) -> int:
     """The status of `body` as a run item on a fresh WebSocket, or the close code."""
-    ws = await RawWS.connect(server)
+    ws = await RawWS.connect(server.url, TOKEN)
     try:
         with trio.fail_after(20):
             await ws.send(b'[{"op":"run","id":1,"body":' + body + b"}]")
@@ -920,14 +841,9 @@ async def test_oversize_bodies_and_messages_are_refused(basic: Server) -> None:
                 response = await http.post("/run", content=content, headers={**JSON, **AUTH})
                 assert response.status_code == 413, response.text
                 assert "--max-body-bytes" in response.json()["error"]
-            ws = await RawWS.connect(basic)
-            try:
-                with trio.fail_after(20):
-                    with contextlib.suppress(trio.BrokenResourceError):
-                        await ws.send(b'[{"op":"run","id":1,"body":' + body + b"}]")
-                    closed = await ws.receive()
-            finally:
-                await ws.aclose()
+            frame = b'[{"op":"run","id":1,"body":' + body + b"}]"
+            with trio.fail_after(20):
+                closed = await send_once(basic.url, TOKEN, frame)
             assert closed is None or (isinstance(closed, CloseConnection) and closed.code == 1009)
     await serves_a_good_run(basic)
 
@@ -966,7 +882,7 @@ async def test_garbage_frames_and_unknown_items_never_crash_the_websocket(basic:
     1007. The server serves a good run after each kind."""
     rng = random.Random("issue-11-frames")
     for _ in range(CASES):
-        ws = await RawWS.connect(basic)
+        ws = await RawWS.connect(basic.url, TOKEN)
         try:
             await ws.stream.send_all(ws_frame(rng))
             with trio.move_on_after(0.2):  # it may wait for the rest of a frame: fine
@@ -974,7 +890,7 @@ async def test_garbage_frames_and_unknown_items_never_crash_the_websocket(basic:
         finally:
             await ws.aclose()
     await serves_a_good_run(basic)
-    ws = await RawWS.connect(basic)
+    ws = await RawWS.connect(basic.url, TOKEN)
     try:
         with trio.fail_after(20):
             await ws.send(b"[]")  # no item: nothing to answer
@@ -989,13 +905,8 @@ async def test_garbage_frames_and_unknown_items_never_crash_the_websocket(basic:
     assert {a["status"] for a in answers} == {422}
     for item in UNANSWERABLE:
         for frame in (orjson.dumps(item), orjson.dumps(item).decode()):  # binary and text
-            ws = await RawWS.connect(basic)
-            try:
-                with trio.fail_after(20):
-                    await ws.send(frame)
-                    closed = await ws.receive()
-            finally:
-                await ws.aclose()
+            with trio.fail_after(20):
+                closed = await send_once(basic.url, TOKEN, frame)
             assert isinstance(closed, CloseConnection), (item, closed)
             assert closed.code == 1007
     await serves_a_good_run(basic)

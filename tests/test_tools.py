@@ -11,6 +11,7 @@ from typing import Annotated, Any, Literal, Optional, TypedDict
 import attrs
 import pytest
 import trio
+from helpers import alive
 
 import trio_tasksets as tt
 from trio_tasksets.tools import ToolArgumentError
@@ -163,18 +164,9 @@ async def test_arguments_are_validated_and_converted_before_the_call() -> None:
 posix = pytest.mark.skipif(sys.platform == "win32", reason="process groups are POSIX")
 
 
-def _alive(pid: int) -> bool:
-    """The process exists and is not a zombie waiting to be reaped."""
-    try:
-        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
-    except (FileNotFoundError, ProcessLookupError):
-        return False
-    return state != "Z"
-
-
 async def _gone(pid: int) -> bool:
     with trio.move_on_after(5):
-        while _alive(pid):  # noqa: ASYNC110 (a process's state: no event to wait on)
+        while alive(pid):  # noqa: ASYNC110 (a process's state: no event to wait on)
             await trio.sleep(0.01)
         return True
     return False

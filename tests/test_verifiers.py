@@ -41,6 +41,7 @@ FIXTURES = ROOT / "tests" / "fixtures"
 if str(FIXTURES) not in sys.path:  # verifiers imports tasksets by name, as vf-eval does
     sys.path.insert(0, str(FIXTURES))
 
+import helpers  # noqa: E402
 from chat_server import ChatServer, reply_to  # noqa: E402
 
 # verifiers takes 5 s of CPU to import: the tests import it (not the module, which every xdist
@@ -119,6 +120,12 @@ def outcome(run_rows: list[dict[str, Any]]) -> Outcome:
 
 def subprocess_env() -> dict[str, str]:
     return {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), str(FIXTURES)])}
+
+
+def python_c(script: str) -> subprocess.CompletedProcess[str]:
+    """``python -c SCRIPT`` in `subprocess_env()`, its output captured."""
+    return subprocess.run([sys.executable, "-c", script], env=subprocess_env(),
+                          capture_output=True, text=True, timeout=LIMIT)  # fmt: skip
 
 
 # --- Python: tt.run_eval ------------------------------------------------------------------------
@@ -415,13 +422,7 @@ def test_the_anyio_case_httpx_in_guest_mode_first_then_httpx_in_a_bridged_env(
         print(json.dumps(trio.run(main)))
         """
     )
-    done = subprocess.run(
-        [sys.executable, "-c", script],
-        env=subprocess_env(),
-        capture_output=True,
-        text=True,
-        timeout=LIMIT,
-    )
+    done = python_c(script)
     assert done.returncode == 0, done.stderr[-3000:]
     assert json.loads(done.stdout.splitlines()[-1]) == ["1", "2", "4"]
 
@@ -462,13 +463,7 @@ def test_importing_trio_tasksets_never_needs_verifiers(monkeypatch: pytest.Monke
     check = "import sys, trio_tasksets, trio_tasksets._cli\n" + (
         "assert not any(m.startswith('verifiers') for m in sys.modules)"
     )
-    done = subprocess.run(
-        [sys.executable, "-c", check],
-        env=subprocess_env(),
-        capture_output=True,
-        text=True,
-        timeout=LIMIT,
-    )
+    done = python_c(check)
     assert done.returncode == 0, done.stderr
     monkeypatch.setitem(sys.modules, "verifiers.v1", None)  # as if it were not installed
     with pytest.raises(ImportError, match=r"pip install 'trio-tasksets\[verifiers\]'"):
@@ -516,11 +511,7 @@ def test_cli_vf_over_workers_needs_no_base_url(
     for (here the Redis is unreachable: that is the error, exit 2, before any run)."""
     argv = ["eval", "vf:vf_arith", "--env-args", json.dumps(ENV), "-m", MODEL, "--via",
             "redis://127.0.0.1:9/0", "-o", str(tmp_path), "--no-dashboard"]  # fmt: skip
-    try:
-        code = cli.main(argv)
-    except SystemExit as exc:
-        code = int(exc.code or 0)
-    assert code == 2
+    assert helpers.cli(*argv) == 2
     line = next(x for x in capsys.readouterr().err.splitlines() if ": error: " in x)
     assert "--base-url" not in line
     assert "--via redis://127.0.0.1:9/0: cannot reach Redis" in line
