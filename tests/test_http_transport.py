@@ -23,6 +23,7 @@ import pytest
 import trio
 import trio.testing
 import trustme
+from helpers import free_port
 from hypothesis import strategies as st
 
 import trio_tasksets._transport.client as http_transport
@@ -567,13 +568,6 @@ async def test_a_request_in_a_cancelled_scope_sends_nothing(server: Server) -> N
 
 
 # --- errors -----------------------------------------------------------------------------------
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port: int = sock.getsockname()[1]
-    return port
 
 
 async def test_refused_connection_names_the_url() -> None:
