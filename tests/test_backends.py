@@ -214,6 +214,7 @@ async def test_resume_runs_exactly_the_owed_slots(
     )
 
 
+# duplicates: every test here runs an eval on each backend the same way; what each asserts differs
 async def test_a_429_reaches_an_adaptive_window(
     backend: str, request: pytest.FixtureRequest, chat: ChatServer, ctx: tt.ModelContext,
     tmp_path: Path,

@@ -423,6 +423,7 @@ def test_bad_taskset_args_are_usage_errors(tmp_path: Path, args: list[str], mess
 # --- checks before any work -------------------------------------------------------------------
 
 
+# duplicates: a table of bad flags and their messages; its rows are alike by design
 @pytest.mark.parametrize(
     ("args", "message"),
     [(["--base-url", "localhost:8000/v1", "-m", "x"],

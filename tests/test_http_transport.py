@@ -823,6 +823,7 @@ async def canned_server(nursery: trio.Nursery, reply: bytes) -> str:
     return f"http://127.0.0.1:{listeners[0].socket.getsockname()[1]}/"
 
 
+# duplicates: a table of raw responses; its rows are alike by design, each a case of its own
 @pytest.mark.parametrize(
     ("reply", "method", "body", "kept"),
     [
