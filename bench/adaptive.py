@@ -57,6 +57,10 @@ WINDOWS = {ORACLE: "40", HIGH: "512", LOW: "8", ADAPTIVE: "1-8-512", CONNECTIONS
 ADAPTIVES = (ADAPTIVE, CONNECTIONS)
 
 # --- the model server (its own process) ---------------------------------------------------
+# Not the tests' ChatServer with a `Capacity` policy (tests/fixtures/chat_server.py), on
+# purpose: the figures are rollouts per wall second against a process pinned to a core, so the
+# server must stay far cheaper than the eval it serves; this protocol writes prebuilt bytes
+# (the same choice as bench/http's server).
 
 REPLY = json.dumps(
     {

@@ -2,8 +2,9 @@
 
     python -m bench.engines [--quick] [--n 3000] [--warm 0] [--only engine rate pool kill]
 
-Every server is `tests/fixtures/engine.py`'s, on 127.0.0.1 sockets, in the same trio run as
-the eval, on `MockClock(autojump_threshold=0)`: the figures are in the simulation's own
+Every server is the tests' fake OpenAI server (`tests/fixtures/chat_server.py`) with a
+policy: `engine.py`'s `ContinuousBatching` or a `RateLimit`, on 127.0.0.1 sockets, in the same
+trio run as the eval, on `MockClock(autojump_threshold=0)`: the figures are in the simulation's own
 seconds, so they do not depend on the machine's load (real sockets and the real client all
 the same; the wall time is printed apart). Each contender is `tt.run_eval` of `--n`
 single-call rollouts over `tt.OpenAIClient`, dashboard off, traces written.
@@ -60,7 +61,8 @@ FIXTURES = Path(__file__).resolve().parent.parent / "tests" / "fixtures"
 if str(FIXTURES) not in sys.path:
     sys.path.insert(0, str(FIXTURES))
 
-from engine import RateLimitedServer, SimEngine  # noqa: E402
+from chat_server import ChatServer, RateLimit  # noqa: E402
+from engine import ContinuousBatching  # noqa: E402
 
 FIXED_ENGINE = ["8", "16", "32", "48", "64", "128", "1024"]
 QUICK_ENGINE = ["32", "48", "64"]  # --quick: the full sweep's best fixed window, either side
@@ -146,15 +148,18 @@ async def engine_sweep(
 ) -> dict[str, dict[str, Any]]:
     found: dict[str, dict[str, Any]] = {}
     for spec in [*fixed, "1-8-1024", "1-8-1024 --engine-metrics"]:
-        async with SimEngine(capacity=48, kv_budget=64) as engine:
-            metrics = engine.url.removesuffix("/v1") + "/metrics" if "metrics" in spec else None
+        engine = ContinuousBatching(capacity=48, kv_budget=64)
+        async with ChatServer(policy=engine) as server:
+            metrics = server.url.removesuffix("/v1") + "/metrics" if "metrics" in spec else None
             at: dict[str, tuple[int, int, int]] = {"warm": (0, 0, 0)}
 
-            def snapshot(label: str, engine: SimEngine = engine, at: dict[str, Any] = at) -> None:
+            def snapshot(
+                label: str, engine: ContinuousBatching = engine, at: dict[str, Any] = at
+            ) -> None:
                 at[label] = (engine.calls, engine.preemptions, len(engine.latencies))
 
             result = await _eval(
-                engine.url, spec.split()[0], n, metrics=metrics, warm=warm, tail=tail,
+                server.url, spec.split()[0], n, metrics=metrics, warm=warm, tail=tail,
                 answered=functools.partial(len, engine.latencies), on_mark=snapshot,
             )  # fmt: skip
             (calls0, preempted0, answered0), (calls1, preempted1, answered1) = (
@@ -172,15 +177,13 @@ async def engine_sweep(
 async def rate_sweep(n: int, *, warm: int = 0, tail: int = 0) -> dict[str, dict[str, Any]]:
     found: dict[str, dict[str, Any]] = {}
     for spec in [*FIXED_RATE, "1-8-64"]:
-        async with RateLimitedServer(200, latency=0.05) as server:
+        async with ChatServer(0.05, policy=RateLimit(200)) as server:
             at: dict[str, tuple[int, int]] = {"warm": (0, 0)}
 
-            def snapshot(
-                label: str, server: RateLimitedServer = server, at: dict[str, Any] = at
-            ) -> None:
+            def snapshot(label: str, server: ChatServer = server, at: dict[str, Any] = at) -> None:
                 at[label] = (server.ok, server.limited)
 
-            def answered(server: RateLimitedServer = server) -> int:
+            def answered(server: ChatServer = server) -> int:
                 return server.ok
 
             result = await _eval(
@@ -194,7 +197,7 @@ async def rate_sweep(n: int, *, warm: int = 0, tail: int = 0) -> dict[str, dict[
     return found
 
 
-async def _watch_idle(engines: list[SimEngine], found: dict[str, int]) -> None:
+async def _watch_idle(engines: list[ContinuousBatching], found: dict[str, int]) -> None:
     """Every 10 ms: is an engine idle (nothing running) while another queues?"""
     while True:
         await trio.sleep(0.01)
@@ -210,12 +213,14 @@ async def pool_run(n: int, *, kill: bool, warm: int = 0, tail: int = 0) -> dict[
     alone = []
     if not kill:
         for capacity in POOL:
-            async with SimEngine(capacity=capacity, kv_budget=10_000, seed=capacity) as engine:
+            engine = ContinuousBatching(capacity=capacity, kv_budget=10_000, seed=capacity)
+            async with ChatServer(policy=engine) as server:
                 answered = functools.partial(len, engine.latencies)
-                run = await _eval(engine.url, str(capacity), n // 4, warm=warm // 4,
+                run = await _eval(server.url, str(capacity), n // 4, warm=warm // 4,
                                   tail=tail // 4, answered=answered)  # fmt: skip
                 alone.append(run["rate"])
-    engines = [SimEngine(capacity=c, kv_budget=10_000, seed=c) for c in POOL]
+    engines = [ContinuousBatching(capacity=c, kv_budget=10_000, seed=c) for c in POOL]
+    servers = [ChatServer(policy=engine) for engine in engines]
     idle = {"samples": 0, "idle_while_queued": 0}
     at: dict[str, list[int]] = {"warm": [0] * len(POOL)}
     judged = {"idle": idle}
@@ -228,8 +233,8 @@ async def pool_run(n: int, *, kill: bool, warm: int = 0, tail: int = 0) -> dict[
             judged["idle"] = dict(idle)
 
     async with AsyncExitStack() as stack:
-        for engine in engines:
-            await stack.enter_async_context(engine)
+        for server in servers:
+            await stack.enter_async_context(server)
         async with trio.open_nursery() as nursery:
             nursery.start_soon(_watch_idle, engines, idle)
             if kill:
@@ -237,11 +242,11 @@ async def pool_run(n: int, *, kill: bool, warm: int = 0, tail: int = 0) -> dict[
                 async def killer() -> None:
                     while sum(len(e.latencies) for e in engines) < n // 3:  # noqa: ASYNC110
                         await trio.sleep(0.01)  # a poll of the simulation
-                    engines[2].kill()
+                    servers[2].kill()
 
                 nursery.start_soon(killer)
             result = await _eval(
-                [e.url for e in engines], "1024", n, backoff=0.05, warm=warm, tail=tail,
+                [s.url for s in servers], "1024", n, backoff=0.05, warm=warm, tail=tail,
                 answered=lambda: sum(len(e.latencies) for e in engines), on_mark=snapshot,
             )  # fmt: skip
             nursery.cancel_scope.cancel()

@@ -63,6 +63,10 @@ MESSAGES = [{"role": "system", "content": "be brief"}, {"role": "user", "content
 PAYLOAD = json.dumps({"model": "fake", "messages": MESSAGES}).encode()
 
 # --- the fake server -----------------------------------------------------------------------
+# Not the tests' ChatServer (tests/fixtures/chat_server.py), on purpose: this measures HTTP
+# clients in wall time, so the server must cost far less per request than any contender and
+# the same for all of them. An asyncio protocol pinned to a core of its own, writing one
+# prebuilt reply, is that; ChatServer's h11 parsing and JSON per request would be measured too.
 
 REPLY = json.dumps(
     {

@@ -9,7 +9,9 @@
 - `redis_server`: one real `redis-server` for the session (`tests/fixtures/redis_server.py`),
   on free ports: TCP, TLS and a unix socket. Tests share it, so each uses keys of its own
   (a uuid prefix) and never flushes it; a test that stops a server starts its own.
-- `trio-tasksets serve` processes: `start_env_server` of `tests/fixtures/env_server.py`.
+- `env_server`: starts `trio-tasksets serve ARGS` processes (`start_env_server` of
+  `tests/fixtures/env_server.py`, each one's stderr in the test's tmp_path) and stops every
+  one the test started.
 - Python commands (`python -m trio_tasksets ...`, `python FILE.py`): `forkserver.run` /
   `forkserver.popen` (`tests/fixtures/forkserver.py`) fork them from a Python that imported
   trio_tasksets once, instead of paying the interpreter's start-up each time.
@@ -28,7 +30,7 @@ from __future__ import annotations
 
 import os
 import sys
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 
 import pytest
@@ -45,6 +47,7 @@ if str(FIXTURES) not in sys.path:
     sys.path.insert(0, str(FIXTURES))
 
 from chat_server import ChatServer  # noqa: E402
+from env_server import EnvServer, start_env_server  # noqa: E402
 from redis_server import REDIS_SERVER, RedisServer  # noqa: E402
 
 
@@ -53,6 +56,25 @@ def chat() -> Iterator[ChatServer]:
     """A fake OpenAI-compatible server for this test (`chat.url` is its base URL)."""
     with ChatServer() as server:
         yield server
+
+
+@pytest.fixture
+def env_server(tmp_path: Path) -> Iterator[Callable[..., EnvServer]]:
+    """``env_server(*args, env=None, timeout=60)``: a `trio-tasksets serve ARGS` process for
+    this test (an `EnvServer`); every one it started is stopped at the test's end."""
+    started: list[EnvServer] = []
+
+    def start(*args: str, env: Mapping[str, str] | None = None, timeout: float = 60) -> EnvServer:
+        log = tmp_path / f"serve-{len(started)}.stderr"
+        server = start_env_server(log, *args, env=env, timeout=timeout)
+        started.append(server)
+        return server
+
+    try:
+        yield start
+    finally:
+        for server in started:
+            server.stop()
 
 
 @pytest.fixture(scope="session")

@@ -11,11 +11,9 @@ from __future__ import annotations
 
 import json
 import shutil
-import socket
 import subprocess
 import sys
-import time
-from collections.abc import Iterator
+import uuid
 from pathlib import Path
 from typing import Any
 
@@ -33,6 +31,7 @@ sys.path.insert(0, str(FIXTURES))
 
 from calc_env import CalcEnv, Sums  # noqa: E402
 from chat_server import ChatServer  # noqa: E402
+from redis_server import RedisServer  # noqa: E402
 
 CALC = str(FIXTURES / "calc_env.py")
 
@@ -517,43 +516,12 @@ def test_a_fan_out_env_keeps_c_model_calls_in_flight(tmp_path: Path, where: str)
         assert server.peak == 3
 
 
-REDIS_SERVER = shutil.which("redis-server")
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-@pytest.fixture
-def redis_url(tmp_path: Path) -> Iterator[str]:
-    if REDIS_SERVER is None:
-        pytest.skip("redis-server is not installed")
-    port = _free_port()
-    process = subprocess.Popen(
-        [REDIS_SERVER, "--port", str(port), "--bind", "127.0.0.1", "--save", "",
-         "--appendonly", "no", "--dir", str(tmp_path)],
-        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-    )  # fmt: skip
-    deadline = time.monotonic() + 10
-    while True:
-        try:
-            socket.create_connection(("127.0.0.1", port), timeout=0.2).close()
-            break
-        except OSError:
-            if time.monotonic() > deadline:
-                process.kill()
-                pytest.fail("redis-server did not start")
-            time.sleep(0.02)
-    yield f"redis://127.0.0.1:{port}/0"
-    process.terminate()
-    process.wait(timeout=10)
-
-
 def test_the_calculator_via_redis_workers_gives_the_same_rows(
-    tmp_path: Path, redis_url: str
+    tmp_path: Path, redis_server: RedisServer
 ) -> None:
+    redis_url = redis_server.url  # the session's: streams of this test's own
+    tag = uuid.uuid4().hex[:8]
+    tasks, more = f"{tag}:tasks", f"{tag}:more"
     with ChatServer(tools=True) as server:
         model = ["-m", "m", "--base-url", server.url]
         log = (tmp_path / "worker.log").open("wb")
@@ -573,11 +541,11 @@ def test_the_calculator_via_redis_workers_gives_the_same_rows(
                 "--via", redis_url, "--stream", stream,
             )  # fmt: skip
 
-        workers = [worker("Sums", "tasks"), worker("Continued", "more")]
+        workers = [worker("Sums", tasks), worker("Continued", more)]
         try:
-            done = via("Sums", "tasks", "via")
+            done = via("Sums", tasks, "via")
             assert done.returncode == 0, done.stderr + (tmp_path / "worker.log").read_text()
-            continued = via("Continued", "more", "continued")
+            continued = via("Continued", more, "continued")
             assert continued.returncode == 0, continued.stderr
             local = cli(
                 tmp_path, "eval", f"{CALC}:Sums", "--env-class", f"{CALC}:CalcEnv", *model,

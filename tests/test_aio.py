@@ -60,7 +60,6 @@ class _Changed:
 _END = object()
 
 
-# duplicates: test_bridge_env's asyncio feed has other counters; each suite owns its feed
 class AioFeed:
     """An asyncio async generator fed by the test through an `asyncio.Queue`.
 
@@ -89,6 +88,7 @@ class AioFeed:
     def fail(self, error: BaseException) -> None:
         self.queue.put_nowait(error)
 
+    # duplicates: test_bridge_env's QueueFeed parks alike, other counters; each suite owns its feed
     async def gen(self) -> AsyncGenerator[Any, None]:
         try:
             while True:

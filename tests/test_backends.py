@@ -11,11 +11,7 @@ from __future__ import annotations
 
 import functools
 import json
-import shutil
-import socket
-import subprocess
 import sys
-import time
 import uuid
 from collections.abc import AsyncIterator, Iterator
 from contextlib import asynccontextmanager
@@ -35,7 +31,6 @@ sys.path.insert(0, str(Path(__file__).resolve().parent / "fixtures"))
 from chat_server import ChatServer
 
 REDIS_ENV = str(Path(__file__).resolve().parent / "fixtures" / "redis_env.py")
-REDIS_SERVER = shutil.which("redis-server")
 BACKENDS = ["in_process", "served", "via"]
 SAME = ("task", "rollout", "ok", "reward", "completion", "messages", "errors", "attempts")
 
@@ -62,34 +57,6 @@ def chat() -> Iterator[ChatServer]:
         yield server
 
 
-@pytest.fixture(scope="module")
-def redis_url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
-    if REDIS_SERVER is None:
-        pytest.skip("redis-server is not on PATH (apt-get install -y redis-server)")
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = int(s.getsockname()[1])
-    directory = tmp_path_factory.mktemp("redis")
-    process = subprocess.Popen(
-        [REDIS_SERVER, "--port", str(port), "--bind", "127.0.0.1", "--save", "",
-         "--appendonly", "no", "--dir", str(directory)],
-        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-    )  # fmt: skip
-    deadline = time.monotonic() + 10
-    while True:  # until it accepts a connection
-        try:
-            socket.create_connection(("127.0.0.1", port), timeout=1).close()
-            break
-        except OSError:
-            if time.monotonic() > deadline:
-                process.kill()
-                pytest.fail("redis-server did not start")
-            time.sleep(0.02)
-    yield f"redis://127.0.0.1:{port}/0"
-    process.terminate()
-    process.wait(timeout=10)
-
-
 @pytest.fixture(params=BACKENDS)
 def backend(request: pytest.FixtureRequest) -> str:
     return str(request.param)
@@ -114,7 +81,7 @@ async def running_on(
     else:
         from trio_tasksets.redis._worker import WorkerConfig, run_worker
 
-        url = request.getfixturevalue("redis_url")
+        url = request.getfixturevalue("redis_server").url  # the session's, keys of our own
         tag = uuid.uuid4().hex[:8]
         async with trio.open_nursery() as nursery:
             stops = []
@@ -214,6 +181,7 @@ async def test_resume_runs_exactly_the_owed_slots(
     )
 
 
+# duplicates: every test here runs an eval on each backend the same way; what each asserts differs
 async def test_a_429_reaches_an_adaptive_window(
     backend: str, request: pytest.FixtureRequest, chat: ChatServer, ctx: tt.ModelContext,
     tmp_path: Path,

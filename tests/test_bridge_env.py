@@ -829,6 +829,7 @@ def test_cli_runs_an_asyncio_feed_n3(tmp_path: Path) -> None:
     assert _pulls(tmp_path) == 3
 
 
+# duplicates: the feed test's command with the bridged env: apart, each names what failed
 def test_cli_runs_a_bridged_asyncio_env_n3(tmp_path: Path) -> None:
     done = _cli(tmp_path, f"{AIO_ENV}:QuestionsEnv", "-n", "3", "--run-name", "q")
     assert done.returncode == 0, done.stderr

@@ -7,13 +7,12 @@ import os
 import signal
 import subprocess
 import sys
-import time
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import forkserver
 import pytest
+from helpers import until
 
 ROOT = Path(__file__).resolve().parent.parent
 FEEDS = str(ROOT / "tests" / "fixtures" / "feeds.py")
@@ -38,14 +37,6 @@ def rows(run_dir: Path) -> list[dict[str, Any]]:
 def pulls(tmp_path: Path) -> int:
     log = tmp_path / "pulls.log"
     return len(log.read_text().splitlines()) if log.exists() else 0
-
-
-def wait_for(predicate: Callable[[], bool], timeout: float = 30) -> None:
-    deadline = time.monotonic() + timeout
-    while not predicate():
-        if time.monotonic() > deadline:
-            raise AssertionError("timed out waiting for the subprocess")
-        time.sleep(0.02)
 
 
 def test_a_never_draining_stream_with_n3_ends_with_exactly_3(tmp_path: Path) -> None:
@@ -123,7 +114,7 @@ def test_sigkill_midway_then_resume_ends_with_exactly_the_owed_rows(tmp_path: Pa
     args = (f"{FEEDS}:Numbers", "-n", "60", "-r", "2", "-c", "4", "--run-name", "k")
     traces = tmp_path / "out" / "k" / "traces.jsonl"
     proc = start(tmp_path, *args, "--echo-delay", "0.05")
-    wait_for(lambda: line_count(traces) >= 20)
+    until(lambda: line_count(traces) >= 20, "20 rows", timeout=30)
     proc.send_signal(signal.SIGKILL)
     proc.wait(timeout=30)
     before = line_count(traces)
@@ -147,7 +138,7 @@ def test_sigint_exits_130_with_every_finished_episode_on_disk(tmp_path: Path) ->
     traces = tmp_path / "out" / "i" / "traces.jsonl"
     proc = start(tmp_path, "echo-stream", "-n", "1000", "-c", "8", "--run-name", "i",
                  "--echo-delay", "0.2")  # fmt: skip
-    wait_for(lambda: line_count(traces) >= 3)
+    until(lambda: line_count(traces) >= 3, "3 rows", timeout=30)
     proc.send_signal(signal.SIGINT)
     _, stderr = proc.communicate(timeout=30)
     assert proc.returncode == 130, stderr

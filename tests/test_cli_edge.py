@@ -32,6 +32,7 @@ def parsed(*words: str) -> object:
     return args
 
 
+# duplicates: a table of bad flags and their messages; its rows are alike by design
 @pytest.mark.parametrize(
     ("words", "message"),
     [

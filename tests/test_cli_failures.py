@@ -19,9 +19,7 @@ import socket
 import subprocess
 import sys
 import textwrap
-import time
 import uuid
-from collections.abc import Callable
 from functools import partial
 from pathlib import Path
 from typing import Any, cast
@@ -30,6 +28,7 @@ import forkserver
 import pytest
 import trio
 from chat_server import ChatServer
+from helpers import until
 from redis_server import RedisServer
 
 import trio_tasksets as tt
@@ -109,14 +108,6 @@ def rows(run_dir: Path) -> list[dict[str, Any]]:
 
 def summary_of(run_dir: Path) -> dict[str, Any]:
     return json.loads((run_dir / "summary.json").read_text())  # type: ignore[no-any-return]
-
-
-def wait_for(predicate: Callable[[], bool], timeout: float = 30) -> None:
-    deadline = time.monotonic() + timeout
-    while not predicate():
-        if time.monotonic() > deadline:
-            raise AssertionError("timed out waiting for the subprocess")
-        time.sleep(0.02)
 
 
 def line_count(path: Path) -> int:
@@ -283,7 +274,7 @@ def test_a_signal_drains_writes_the_summary_and_the_printed_command_resumes(
     traces = tmp_path / "out" / "t" / "traces.jsonl"
     proc = forkserver.popen(command(*args), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                             text=True, cwd=tmp_path, env=environ())  # fmt: skip
-    wait_for(lambda: line_count(traces) >= 8)
+    until(lambda: line_count(traces) >= 8, "8 rows", timeout=30)
     proc.send_signal(sig)
     out, err = proc.communicate(timeout=30)
     assert proc.returncode == code, err
@@ -313,7 +304,7 @@ def test_sigterm_on_a_stream_says_it_cannot_be_resumed(tmp_path: Path) -> None:
     traces = tmp_path / "out" / "s" / "traces.jsonl"
     proc = forkserver.popen(command(*args), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                             text=True, cwd=tmp_path, env=environ())  # fmt: skip
-    wait_for(lambda: line_count(traces) >= 3)
+    until(lambda: line_count(traces) >= 3, "3 rows", timeout=30)
     proc.send_signal(signal.SIGTERM)
     _, err = proc.communicate(timeout=30)
     assert proc.returncode == 143, err
@@ -432,6 +423,7 @@ def test_bad_taskset_args_are_usage_errors(tmp_path: Path, args: list[str], mess
 # --- checks before any work -------------------------------------------------------------------
 
 
+# duplicates: a table of bad flags and their messages; its rows are alike by design
 @pytest.mark.parametrize(
     ("args", "message"),
     [(["--base-url", "localhost:8000/v1", "-m", "x"],
@@ -685,7 +677,7 @@ def test_the_worker_scores_with_the_taskset_its_env_class_and_system_prompt(
     )  # fmt: skip
     client = redis.Redis.from_url(redis_url, decode_responses=True)
     try:
-        wait_for(lambda: client.xlen(results) >= 3)
+        until(lambda: client.xlen(results) >= 3, "3 results", timeout=30)
     finally:
         worker.send_signal(signal.SIGTERM)
         _, err = worker.communicate(timeout=30)

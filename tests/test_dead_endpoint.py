@@ -1,15 +1,13 @@
 """A dead endpoint is found before the run spends its slots: against a refused
 port, a name that does not resolve, a TLS server it cannot trust, or a 401/403 on the first
 calls, the eval ends within 5 s with at most `-c` failed rows, exit 1 and the fix; a
-transient failure of an endpoint that has answered does not end it. Real servers on
-127.0.0.1; the in-process runs are on the autojump clock (backoff sleeps are virtual)."""
+transient failure of an endpoint that has answered does not end it. The fake model server
+(`chat_server.ChatServer`) on 127.0.0.1; the in-process runs are on the autojump clock
+(backoff sleeps are virtual)."""
 
 from __future__ import annotations
 
-import contextlib
-import functools
 import json
-import socket
 import ssl
 import sys
 from pathlib import Path
@@ -20,13 +18,10 @@ import pytest
 import trio
 import trio.testing
 import trustme
+from chat_server import ChatServer
+from helpers import free_port
 
 import trio_tasksets as tt
-
-BODY = (
-    b'{"choices": [{"message": {"role": "assistant", "content": "ok"}, '
-    b'"finish_reason": "stop"}], "usage": {"prompt_tokens": 1, "completion_tokens": 1}}'
-)
 
 
 class Many(tt.Taskset[tt.Task, tt.TasksetConfig]):
@@ -34,45 +29,13 @@ class Many(tt.Taskset[tt.Task, tt.TasksetConfig]):
         return [tt.Task(f"q{i}", answer="ok") for i in range(200)]
 
 
-def refused_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port: int = sock.getsockname()[1]
-    return port  # closed: nothing listens there now
+def refused_url() -> str:
+    return f"http://127.0.0.1:{free_port()}/v1"  # closed: nothing listens there now
 
 
-async def _answer(stream: trio.SocketStream, statuses: list[int]) -> None:
-    """Answer each request with the next status of `statuses` (then 200s)."""
-    try:
-        buffer = b""
-        while True:
-            while b"\r\n\r\n" not in buffer:
-                data = await stream.receive_some(65536)
-                if not data:
-                    return
-                buffer += data
-            head, _, buffer = buffer.partition(b"\r\n\r\n")
-            length = next(
-                int(line.split(b":", 1)[1])
-                for line in head.split(b"\r\n")
-                if line.lower().startswith(b"content-length:")
-            )
-            while len(buffer) < length:
-                buffer += await stream.receive_some(65536)
-            buffer = buffer[length:]
-            status = statuses.pop(0) if statuses else 200
-            body = BODY if status == 200 else b'{"error": "no"}'
-            await stream.send_all(
-                b"HTTP/1.1 %d X\r\ncontent-length: %d\r\n\r\n%s" % (status, len(body), body)
-            )
-    except trio.BrokenResourceError:
-        pass
-
-
-async def _server(nursery: trio.Nursery, statuses: list[int]) -> str:
-    handler = functools.partial(_answer, statuses=statuses)
-    listeners = await nursery.start(functools.partial(trio.serve_tcp, handler, 0, host="127.0.0.1"))
-    return f"http://127.0.0.1:{listeners[0].socket.getsockname()[1]}/v1"
+def answering_ok(**options: Any) -> ChatServer:
+    """The fake model server, answering "ok" (each task's answer) unless scripted."""
+    return ChatServer(answer=lambda _: "ok", **options)
 
 
 def _config(tmp_path: Path, **kw: Any) -> tt.EvalConfig:
@@ -100,34 +63,28 @@ async def _dead(tmp_path: Path, url: str, **client: Any) -> tt.EvalResult:
 async def test_a_refused_port_ends_the_eval_at_once(
     tmp_path: Path, autojump_clock: trio.testing.MockClock
 ) -> None:
-    url = f"http://127.0.0.1:{refused_port()}/v1"
+    url = refused_url()
     result = await _dead(tmp_path, url)
     assert result.summary["error"].startswith(f"the model endpoint {url} is dead:")
     assert "ModelConnectionError" in result.summary["error"]
 
 
 async def test_a_401_on_the_first_calls_ends_the_eval(
-    tmp_path: Path, nursery: trio.Nursery, autojump_clock: trio.testing.MockClock
+    tmp_path: Path, autojump_clock: trio.testing.MockClock
 ) -> None:
-    url = await _server(nursery, [401] * 1000)
-    result = await _dead(tmp_path, url)
+    async with answering_ok(status=401) as server:
+        result = await _dead(tmp_path, server.url)
     assert "HTTP 401" in result.summary["error"]
 
 
 async def test_a_tls_server_it_cannot_trust_ends_the_eval(
-    tmp_path: Path, nursery: trio.Nursery, autojump_clock: trio.testing.MockClock
+    tmp_path: Path, autojump_clock: trio.testing.MockClock
 ) -> None:
     context = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
-    trustme.CA().issue_cert("127.0.0.1").configure_cert(context)
-
-    async def tls(stream: trio.SocketStream) -> None:
-        wrapped = trio.SSLStream(stream, context, server_side=True)
-        with contextlib.suppress(trio.BrokenResourceError):
-            await wrapped.do_handshake()
-
-    listeners = await nursery.start(functools.partial(trio.serve_tcp, tls, 0, host="127.0.0.1"))
-    url = f"https://127.0.0.1:{listeners[0].socket.getsockname()[1]}/v1"
-    result = await _dead(tmp_path, url)
+    trustme.CA().issue_cert("127.0.0.1").configure_cert(context)  # a CA the client lacks
+    async with answering_ok(tls=context) as server:
+        assert server.url.startswith("https://")
+        result = await _dead(tmp_path, server.url)
     assert "certificate" in result.summary["error"]
 
 
@@ -137,23 +94,24 @@ async def test_a_name_that_does_not_resolve_ends_the_eval(tmp_path: Path) -> Non
 
 
 async def test_a_transient_failure_of_a_live_endpoint_does_not_end_the_eval(
-    tmp_path: Path, nursery: trio.Nursery, autojump_clock: trio.testing.MockClock
+    tmp_path: Path, autojump_clock: trio.testing.MockClock
 ) -> None:
     """The endpoint answers, then refuses one request with 401 and fails a few with 503
     past the client's retries: those rows fail, the eval goes on to the end."""
-    url = await _server(nursery, [200, 200, 401, *([503] * 8)])
-    ctx = tt.ModelContext(tt.OpenAIClient(url, max_retries=1), "m")
-    config = _config(tmp_path, num_examples=40)
-    config.max_concurrent = 1
-    result = await tt.run_eval(tt.Env(Many()), ctx, config)
-    await ctx.client.aclose()
+    async with answering_ok() as server:
+        server.script(200, 200, 401, *([503] * 8))
+        ctx = tt.ModelContext(tt.OpenAIClient(server.url, max_retries=1), "m")
+        config = _config(tmp_path, num_examples=40)
+        config.max_concurrent = 1
+        result = await tt.run_eval(tt.Env(Many()), ctx, config)
+        await ctx.client.aclose()
     assert result.summary["stopped"] is None
     assert result.summary["finished"] == 40
     assert 1 <= result.summary["failed"] <= 6
 
 
 def test_the_cli_exits_1_with_the_fix_and_few_rows(tmp_path: Path) -> None:
-    url = f"http://127.0.0.1:{refused_port()}/v1"
+    url = refused_url()
     argv = [sys.executable, "-m", "trio_tasksets", "eval", "echo", "-m", "m", "--base-url",
             url, "-n", "300", "-c", "4", "-o", str(tmp_path), "--run-name", "run",
             "--no-dashboard"]  # fmt: skip
@@ -167,13 +125,13 @@ def test_the_cli_exits_1_with_the_fix_and_few_rows(tmp_path: Path) -> None:
 async def test_many_dead_endpoints_are_all_named(
     tmp_path: Path, autojump_clock: trio.testing.MockClock
 ) -> None:
-    urls = [f"http://127.0.0.1:{refused_port()}/v1" for _ in range(2)]
+    urls = [refused_url() for _ in range(2)]
     result = await _dead(tmp_path, urls)  # type: ignore[arg-type]
     assert result.summary["error"].startswith(f"the model endpoints {urls[0]}, {urls[1]} are dead:")
 
 
 def test_the_cli_fix_line_names_every_base_url(tmp_path: Path) -> None:
-    urls = [f"http://127.0.0.1:{refused_port()}/v1" for _ in range(2)]
+    urls = [refused_url() for _ in range(2)]
     argv = [sys.executable, "-m", "trio_tasksets", "eval", "echo", "-m", "m", "--base-url",
             urls[0], "--base-url", urls[1], "-n", "300", "-c", "4", "-o", str(tmp_path),
             "--run-name", "run", "--no-dashboard"]  # fmt: skip
@@ -184,8 +142,8 @@ def test_the_cli_fix_line_names_every_base_url(tmp_path: Path) -> None:
 
 @pytest.mark.parametrize("status", [403])
 async def test_a_403_is_dead_too(
-    tmp_path: Path, nursery: trio.Nursery, autojump_clock: trio.testing.MockClock, status: int
+    tmp_path: Path, autojump_clock: trio.testing.MockClock, status: int
 ) -> None:
-    url = await _server(nursery, [status] * 1000)
-    result = await _dead(tmp_path, url)
+    async with answering_ok(status=status) as server:
+        result = await _dead(tmp_path, server.url)
     assert f"HTTP {status}" in result.summary["error"]

@@ -69,6 +69,7 @@ async def test_timeout_bounds_the_whole_request_of_a_trickling_server(
         assert trio.current_time() - start == pytest.approx(2.0, abs=MARGIN)
 
 
+# duplicates: the same trickle as the test above, another bound (each attempt's): one rule a test
 async def test_each_attempt_has_the_whole_timeout(
     nursery: trio.Nursery, autojump_clock: trio.testing.MockClock
 ) -> None:

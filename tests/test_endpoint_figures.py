@@ -1,7 +1,8 @@
 """Per-endpoint figures (issue 23): the dashboard's row per endpoint, and
 `--engine-metrics` with repeated `--base-url` on `worker` and `serve`.
 
-The engines are `tests/fixtures/engine.py`'s simulated continuous-batching engines on
+The engines are the fake OpenAI server (`tests/fixtures/chat_server.py`) with
+`tests/fixtures/engine.py`'s simulated continuous-batching engine as its policy, on
 127.0.0.1: in this trio run (on the `autojump_clock`) for the dashboard, as processes of their
 own for the real worker and served server. Every wait polls real state under a deadline.
 """
@@ -16,7 +17,6 @@ import select
 import signal
 import subprocess
 import sys
-import time
 import uuid
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -26,8 +26,10 @@ import forkserver
 import httpx
 import pytest
 import trio
-from engine import SimEngine
+from chat_server import ChatServer
+from engine import ContinuousBatching
 from env_server import start_env_server
+from helpers import until
 from prometheus_client.parser import text_string_to_metric_families
 from rich.console import Console
 from trio.testing import MockClock
@@ -57,8 +59,8 @@ async def test_the_dashboard_shows_a_row_per_endpoint_and_which_one_is_ejected(
 ) -> None:
     sampling = tt.Sampling(max_tokens=200)  # about 2 s a call: the engines are busy when read
     async with (
-        SimEngine(capacity=4, kv_budget=1000, seed=1) as a,
-        SimEngine(capacity=4, kv_budget=1000, seed=2) as b,
+        ChatServer(policy=ContinuousBatching(capacity=4, kv_budget=1000, seed=1)) as a,
+        ChatServer(policy=ContinuousBatching(capacity=4, kv_budget=1000, seed=2)) as b,
         tt.OpenAIClient([a.url, b.url], max_retries=0, timeout=30,
                         engine_metrics=[metrics_of(a.url), metrics_of(b.url)]) as client,
     ):  # fmt: skip
@@ -119,7 +121,10 @@ async def test_the_dashboard_shows_a_row_per_endpoint_and_which_one_is_ejected(
 
 
 async def test_one_endpoint_keeps_the_compact_view(autojump_clock: MockClock) -> None:
-    async with SimEngine(capacity=4) as engine, tt.OpenAIClient(engine.url) as client:
+    async with (
+        ChatServer(policy=ContinuousBatching(capacity=4)) as engine,
+        tt.OpenAIClient(engine.url) as client,
+    ):
         await client.chat([{"role": "user", "content": "hi"}], model="sim",
                           sampling=tt.Sampling())  # fmt: skip
         progress = Progress(endpoints=client.endpoint_stats)
@@ -140,9 +145,10 @@ class _Calls(tt.Taskset[tt.Task, tt.TasksetConfig]):
 async def test_an_eval_reads_each_engine_into_its_endpoints_window_and_summary(
     autojump_clock: MockClock, tmp_path: Path
 ) -> None:
+    queued = ContinuousBatching(capacity=4, kv_budget=1000, seed=1)
     async with (
-        SimEngine(capacity=4, kv_budget=1000, seed=1) as a,
-        SimEngine(capacity=4, kv_budget=1000, seed=2) as b,
+        ChatServer(policy=queued) as a,
+        ChatServer(policy=ContinuousBatching(capacity=4, kv_budget=1000, seed=2)) as b,
         tt.OpenAIClient([a.url, b.url], engine_metrics=[metrics_of(a.url), metrics_of(b.url)]) as client,
     ):  # fmt: skip
         config = tt.EvalConfig(max_concurrent=64, output_dir=str(tmp_path), run_name="two",
@@ -157,7 +163,7 @@ async def test_an_eval_reads_each_engine_into_its_endpoints_window_and_summary(
         # the engine's queue (capacity 4, window 8 at the start) cut this endpoint's window
         reasons = {reason for _, _, reason in summary["connection_history"][url]}
         assert "engine queue" in reasons, summary["connection_history"][url]
-    assert a.peak_waiting > 0  # (so there was a queue to read)
+    assert queued.peak_waiting > 0  # (so there was a queue to read)
 
 
 async def test_one_endpoints_engine_is_read_into_the_window_it_is_given(
@@ -167,7 +173,7 @@ async def test_one_endpoints_engine_is_read_into_the_window_it_is_given(
     rollout window the caller gives `feed_engine_metrics`."""
     window = tt.AdaptiveWindow(1, 8, 64)
     async with (
-        SimEngine(capacity=2, kv_budget=1000) as engine,
+        ChatServer(policy=ContinuousBatching(capacity=2, kv_budget=1000)) as engine,
         tt.OpenAIClient(engine.url, engine_metrics=metrics_of(engine.url)) as client,
     ):
         assert client.has_engine_metrics
@@ -227,12 +233,8 @@ def engines() -> Iterator[list[str]]:
                 proc.stdout.close()
 
 
-def _until(predicate: Callable[[], bool], what: str, timeout: float = 60.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not predicate():
-        if time.monotonic() > deadline:
-            pytest.fail(f"timed out after {timeout} s waiting for {what}")
-        time.sleep(0.05)
+def _until(predicate: Callable[[], bool], what: str) -> None:
+    until(predicate, what, timeout=60.0, every=0.05)  # a worker or served server starting
 
 
 def _samples(text: str) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:

@@ -5,19 +5,15 @@ purpose. Every wait is bounded (`trio.fail_after`, or a subprocess timeout).
 
 from __future__ import annotations
 
-import select
 import socket
 import struct
-import subprocess
 import sys
-import threading
 import zlib
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import attrs
-import forkserver
 import pytest
 import trio
 
@@ -30,59 +26,8 @@ if str(FIXTURES) not in sys.path:
     sys.path.insert(0, str(FIXTURES))
 
 from chat_server import ChatServer  # noqa: E402
-
-# --- an env server process -------------------------------------------------------------------
-
-
-@attrs.define
-class Served:
-    proc: subprocess.Popen[str]
-    url: str
-    log: Path
-
-    @property
-    def pid(self) -> int:
-        return self.proc.pid
-
-    def stop(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(timeout=10)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
-        if self.proc.stdout is not None:
-            self.proc.stdout.close()
-
-
-@pytest.fixture
-def serve(tmp_path: Path) -> Iterator[Callable[..., Served]]:
-    """Start ``trio-tasksets serve echo --port 0 ARGS``; stopped at the end of the test."""
-    started: list[Served] = []
-
-    def start(*args: str) -> Served:
-        log = tmp_path / f"serve-{len(started)}.stderr"
-        with log.open("w") as stderr:
-            proc = forkserver.popen(
-                [sys.executable, "-m", "trio_tasksets", "serve", "echo", "--port", "0", *args],
-                stdout=subprocess.PIPE, stderr=stderr, text=True,
-            )  # fmt: skip
-        assert proc.stdout is not None
-        ready, _, _ = select.select([proc.stdout], [], [], 60)
-        line = proc.stdout.readline().strip() if ready else ""
-        if not line.startswith("serving on http://127.0.0.1:"):
-            proc.kill()
-            raise AssertionError(f"the server did not start: {line!r} {log.read_text()}")
-        server = Served(proc, line.removeprefix("serving on "), log)
-        started.append(server)
-        return server
-
-    try:
-        yield start
-    finally:
-        for server in started:
-            server.stop()
+from env_server import EnvServer  # noqa: E402
+from helpers import RawServer  # noqa: E402
 
 
 def peak_rss_mb(pid: int) -> float:
@@ -99,39 +44,17 @@ def slot(prompt: str = "say hi") -> tt.RunSlot[tt.Task]:
 # --- a raw HTTP server that answers every request with the same bytes ---------------------------
 
 
-class RawHTTP:
-    """A socket server on 127.0.0.1 (a thread per connection): reads each request (head and
-    Content-Length body) and writes `reply(n)` for the n-th request; counts `connections`
-    and `requests`."""
+class RawHTTP(RawServer):
+    """Reads each request (head and Content-Length body) and writes `reply(n)` for the n-th
+    request; counts `connections` and `requests`."""
 
     def __init__(self, reply: Callable[[int], bytes]) -> None:
         self.reply = reply
-        self.connections = 0
         self.requests = 0
-        self._lock = threading.Lock()
-        self._sock = socket.create_server(("127.0.0.1", 0))
-        self.port = self._sock.getsockname()[1]
+        super().__init__()
         self.url = f"http://127.0.0.1:{self.port}/v1"
-        self._thread = threading.Thread(target=self._accept, daemon=True)
 
-    def __enter__(self) -> RawHTTP:
-        self._thread.start()
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self._sock.close()
-
-    def _accept(self) -> None:
-        while True:
-            try:
-                conn, _ = self._sock.accept()
-            except OSError:
-                return
-            with self._lock:
-                self.connections += 1
-            threading.Thread(target=self._serve, args=(conn,), daemon=True).start()
-
-    def _serve(self, conn: socket.socket) -> None:
+    def serve(self, conn: socket.socket) -> None:
         buffer = b""
         with conn:
             while True:
@@ -179,13 +102,13 @@ def gzip_of_zeros(mib: int) -> bytes:
 
 
 async def test_an_env_servers_model_calls_go_through_the_projects_transport(
-    serve: Callable[..., Served],
+    env_server: Callable[..., EnvServer],
 ) -> None:
     """Issue 20: the server's model calls went through an `httpx.AsyncClient`. Now they go
     through `trio_tasksets._transport` (its User-Agent), on its keep-alive pool: 24 runs, 4
     at a time, reach the model endpoint over at most 4 connections."""
     with ChatServer() as chat:
-        server = serve(f"--allow-base-url={chat.url}")
+        server = env_server("echo", f"--allow-base-url={chat.url}")
         ctx = tt.ModelContext(tt.OpenAIClient(chat.url, max_retries=0), "m")
         with trio.fail_after(60):
             async with tt.EnvClient(server.url) as client:
@@ -209,7 +132,7 @@ async def _count(n: int) -> Any:
 
 
 async def test_a_gzip_bomb_from_an_allowed_endpoint_fails_the_run_and_not_the_server(
-    serve: Callable[..., Served],
+    env_server: Callable[..., EnvServer],
 ) -> None:
     """D1: 512 MiB of zeros as gzip (about half a MiB on the wire) took the server from 39
     to 1,596 MiB. On the transport the decoded body stops at its 64 MiB limit: the run fails
@@ -221,7 +144,7 @@ async def test_a_gzip_bomb_from_an_allowed_endpoint_fails_the_run_and_not_the_se
         b"content-length: %d\r\n\r\n" % len(bomb)
     )
     with RawHTTP(lambda _: head + bomb) as endpoint:
-        server = serve(f"--allow-base-url={endpoint.url}")
+        server = env_server("echo", f"--allow-base-url={endpoint.url}")
         ctx = tt.ModelContext(tt.OpenAIClient(endpoint.url, max_retries=0), "m")
         with trio.fail_after(60):
             async with tt.EnvClient(server.url) as client:
@@ -324,7 +247,7 @@ def test_the_policy_caps_retries_and_raises_a_small_backoff() -> None:
 
 
 async def test_a_run_asking_for_more_retries_than_the_cap_is_refused_before_any_request(
-    serve: Callable[..., Served],
+    env_server: Callable[..., EnvServer],
 ) -> None:
     """D5: ``ctx.client.max_retries`` had no bound and ``backoff`` could be 0: one run made
     the server send 1,025 requests in 3 s to its allowed endpoint, with its key. Now a run
@@ -332,8 +255,8 @@ async def test_a_run_asking_for_more_retries_than_the_cap_is_refused_before_any_
     any request; one within it makes at most its retries + 1 requests."""
     failing = b"HTTP/1.1 500 Internal Server Error\r\ncontent-length: 4\r\n\r\nnope"
     with RawHTTP(lambda _: failing) as endpoint:
-        server = serve(
-            f"--allow-base-url={endpoint.url}", "--max-model-retries", "2",
+        server = env_server(
+            "echo", f"--allow-base-url={endpoint.url}", "--max-model-retries", "2",
             "--min-model-backoff", "0.01",
         )  # fmt: skip
         greedy = tt.ModelContext(tt.OpenAIClient(endpoint.url, max_retries=1024, backoff=0), "m")
@@ -349,13 +272,15 @@ async def test_a_run_asking_for_more_retries_than_the_cap_is_refused_before_any_
         assert endpoint.requests == 3
 
 
-async def test_every_worker_of_a_pool_keeps_the_retry_cap(serve: Callable[..., Served]) -> None:
+async def test_every_worker_of_a_pool_keeps_the_retry_cap(
+    env_server: Callable[..., EnvServer],
+) -> None:
     """D5 with ``--workers 2``: each pool worker enforces the ``--max-model-retries`` and
     ``--min-model-backoff`` the server was started with, not the defaults (10)."""
     failing = b"HTTP/1.1 500 Internal Server Error\r\ncontent-length: 4\r\n\r\nnope"
     with RawHTTP(lambda _: failing) as endpoint:
-        server = serve(
-            f"--allow-base-url={endpoint.url}", "--max-model-retries", "2", "--workers", "2"
+        server = env_server(
+            "echo", f"--allow-base-url={endpoint.url}", "--max-model-retries", "2", "--workers", "2"
         )
         over = tt.ModelContext(tt.OpenAIClient(endpoint.url, max_retries=5, backoff=0), "m")
         with trio.fail_after(60):

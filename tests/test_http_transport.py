@@ -23,6 +23,7 @@ import pytest
 import trio
 import trio.testing
 import trustme
+from helpers import free_port
 from hypothesis import strategies as st
 
 import trio_tasksets._transport.client as http_transport
@@ -569,13 +570,6 @@ async def test_a_request_in_a_cancelled_scope_sends_nothing(server: Server) -> N
 # --- errors -----------------------------------------------------------------------------------
 
 
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port: int = sock.getsockname()[1]
-    return port
-
-
 async def test_refused_connection_names_the_url() -> None:
     url = f"http://127.0.0.1:{free_port()}/v1/x"
     async with HTTPClient() as http:
@@ -829,6 +823,7 @@ async def canned_server(nursery: trio.Nursery, reply: bytes) -> str:
     return f"http://127.0.0.1:{listeners[0].socket.getsockname()[1]}/"
 
 
+# duplicates: a table of raw responses; its rows are alike by design, each a case of its own
 @pytest.mark.parametrize(
     ("reply", "method", "body", "kept"),
     [

@@ -7,7 +7,6 @@ fake (`tests/fixtures/chat_server.py`, the `chat` fixture), scripted per test.
 from __future__ import annotations
 
 import email.utils
-import socket
 import time
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
@@ -19,6 +18,7 @@ import pytest
 import trio
 import trio.testing
 from chat_server import ChatServer, Reply
+from helpers import free_port
 
 from trio_tasksets._core.adaptive import AdaptiveBounds, Outcome
 from trio_tasksets._core.limits import CallObserver, EndpointLimits, observe_calls
@@ -411,13 +411,6 @@ async def test_openai_timeout_then_retry_succeeds(server: ChatServer) -> None:
         result = await client.chat(MESSAGES, model="m", sampling=Sampling())
     assert result.content == "second try"
     assert len(server.received) == 2
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port: int = sock.getsockname()[1]
-    return port
 
 
 async def test_openai_unreachable_server() -> None:

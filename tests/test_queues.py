@@ -304,6 +304,7 @@ async def test_an_entrys_deadline_is_enforced(
         assert what in row["errors"][-1]["message"]
 
 
+# duplicates: each test starts a worker on the harness alike; what it puts and asserts differs
 async def test_a_group_entry_runs_on_one_worker_and_is_answered_as_one(
     harness: Harness, clock: trio.abc.Clock | None
 ) -> None:

@@ -9,13 +9,13 @@ import os
 import socket
 import subprocess
 import sys
-import threading
 from collections.abc import Callable
 from pathlib import Path
 
 import forkserver
 import pytest
 import trio
+from helpers import RawServer
 
 from trio_tasksets.redis._link import Link
 from trio_tasksets.redis._resp import Address, Connection, Unreachable
@@ -25,42 +25,17 @@ pytest.importorskip("hiredis")
 Answer = Callable[[list[bytes], int], bytes]  # a command and its number (from 1): the bytes sent
 
 
-class RawRedis:
-    """A socket server on 127.0.0.1 that reads RESP commands and answers each with
-    `answer(command, n)` (n counts commands over all connections, from 1); counts
-    `connections`."""
+class RawRedis(RawServer):
+    """Reads RESP commands and answers each with `answer(command, n)` (n counts commands over
+    all connections, from 1); counts `connections`."""
 
     def __init__(self, answer: Answer) -> None:
         self.answer = answer
-        self.connections = 0
         self.commands: list[list[bytes]] = []
-        self._lock = threading.Lock()
-        self._sock = socket.create_server(("127.0.0.1", 0))
-        self.port = self._sock.getsockname()[1]
+        super().__init__()
         self.url = f"redis://127.0.0.1:{self.port}/0"
-        threading.Thread(target=self._accept, daemon=True).start()
 
-    def close(self) -> None:
-        self._sock.close()
-
-    def __enter__(self) -> RawRedis:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
-
-    # duplicates: test_hostile_servers' RawHTTP accepts so too; two raw servers, each read alone
-    def _accept(self) -> None:
-        while True:
-            try:
-                conn, _ = self._sock.accept()
-            except OSError:
-                return
-            with self._lock:
-                self.connections += 1
-            threading.Thread(target=self._serve, args=(conn,), daemon=True).start()
-
-    def _serve(self, conn: socket.socket) -> None:
+    def serve(self, conn: socket.socket) -> None:
         reader = conn.makefile("rb")
         with conn, reader:
             try:

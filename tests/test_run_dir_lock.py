@@ -9,13 +9,12 @@ import json
 import signal
 import subprocess
 import sys
-import time
-from collections.abc import Callable
 from pathlib import Path
 
 import forkserver
 import pytest
 import trio
+from helpers import until
 
 import trio_tasksets as tt
 from trio_tasksets._core.builtin import EchoTaskset
@@ -43,14 +42,6 @@ def run(tmp_path: Path, *args: str) -> subprocess.CompletedProcess[str]:
     )
 
 
-def wait_for(predicate: Callable[[], bool], what: str, timeout: float = 30) -> None:
-    deadline = time.monotonic() + timeout
-    while not predicate():  # another process's files: polled
-        if time.monotonic() > deadline:
-            pytest.fail(f"timed out waiting for {what}")
-        time.sleep(0.05)
-
-
 def lines(path: Path) -> int:
     return path.read_bytes().count(b"\n") if path.exists() else 0
 
@@ -66,13 +57,13 @@ def test_a_second_resume_of_a_run_dir_in_use_exits_2_naming_the_holder(tmp_path:
     run_dir = tmp_path / "out" / "k"
     traces = run_dir / "traces.jsonl"
     first = start(tmp_path, *ARGS, "--echo-delay", "0.5")  # a run that leaves slots owed
-    wait_for(lambda: lines(traces) >= 2, "the first rows")
+    until(lambda: lines(traces) >= 2, "the first rows", 30, 0.05)
     interrupt(first)
     owed_from = lines(traces)
     assert owed_from < 200
 
     resuming = start(tmp_path, *ARGS, "--echo-delay", "0.5", "--resume")
-    wait_for(lambda: f"pid {resuming.pid} " in (run_dir / ".lock").read_text(), "the lock")
+    until(lambda: f"pid {resuming.pid} " in (run_dir / ".lock").read_text(), "the lock", 30, 0.05)
     second = run(tmp_path, *ARGS, "--resume")
     assert second.returncode == 2, second.stderr
     error = second.stderr.strip().splitlines()[-1]

@@ -16,6 +16,7 @@ from pathlib import Path
 
 import pytest
 import trio
+from helpers import alive
 
 import trio_tasksets as tt
 from trio_tasksets.testing import ScriptedClient, reply
@@ -38,20 +39,11 @@ class One(tt.Taskset[tt.Task, tt.TasksetConfig]):
 TASK = tt.Task("What is 2 + 3?", answer="5")
 
 
-def _alive(pid: int) -> bool:
-    """The process exists and is not a zombie waiting to be reaped."""
-    try:
-        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
-    except (FileNotFoundError, ProcessLookupError):
-        return False
-    return state != "Z"
-
-
 async def _gone_at(tmp_path: Path) -> float:
     """When both recorded processes were seen gone (trio time); fails after 10 s."""
     pids = [int((tmp_path / name).read_text()) for name in ("leader", "child")]
     with trio.fail_after(10):
-        while any(_alive(pid) for pid in pids):  # noqa: ASYNC110 (no event to wait on)
+        while any(alive(pid) for pid in pids):  # noqa: ASYNC110 (no event to wait on)
             await trio.sleep(0.005)
     return trio.current_time()
 

@@ -103,6 +103,7 @@ async def test_growing_2_to_5_pulls_exactly_3_more_at_once(
 
 
 @pytest.mark.parametrize("api", APIS)
+# duplicates: grow and shrink start alike (a feed, a gate, a window); each states its own rule
 async def test_shrinking_5_to_1_cancels_nothing_and_pulls_nothing_until_in_flight_is_below(
     autojump_clock: MockClock, api: str
 ) -> None:
