@@ -24,10 +24,10 @@ import inspect
 import json
 import os
 from collections.abc import Awaitable, Callable, Iterable
-from types import TracebackType
-from typing import Any, Protocol, Self, cast, runtime_checkable
+from typing import Any, Protocol, cast, runtime_checkable
 
 import attrs
+import trio
 
 from .._core.exceptions import ConfigError, TrioTasksetsError
 from .._core.limits import EndpointLimits, report_progress
@@ -319,7 +319,7 @@ class ClientDescription:
     engine_metrics: Callable[[Window | None], Awaitable[None]] | None = None
 
 
-class ModelClientBase:
+class ModelClientBase(trio.abc.AsyncResource):
     """What every model client of the package shares (`EchoClient`, `OpenAIClient`,
     `testing.ScriptedClient`): ``async with client:`` gives the client itself and awaits its
     `aclose` on the way out, however the block ends (an error, a cancellation). A subclass
@@ -333,17 +333,6 @@ class ModelClientBase:
 
     async def aclose(self) -> None:
         """Nothing to release."""
-
-    async def __aenter__(self) -> Self:
-        return self
-
-    async def __aexit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
-        await self.aclose()
 
 
 def describe(client: ModelClient) -> ClientDescription:

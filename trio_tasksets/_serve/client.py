@@ -5,8 +5,7 @@ from __future__ import annotations
 import json
 import math
 import time
-from types import TracebackType
-from typing import Any, Self
+from typing import Any
 from urllib.parse import urlsplit
 
 import trio
@@ -138,7 +137,7 @@ class _WSPool:
             await connection.close()
 
 
-class EnvClient:
+class EnvClient(trio.abc.AsyncResource):
     """A client of an env server: `await client.run(slot, ctx) -> Episode`.
 
     `transport="websocket"` (the default) multiplexes the runs over a few long-lived
@@ -350,17 +349,6 @@ class EnvClient:
         connections (one in use closes when its request ends)."""
         await self._ws.aclose()
         await self._connections.aclose()
-
-    async def __aenter__(self) -> Self:
-        return self
-
-    async def __aexit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
-        await self.aclose()
 
 
 def retry_server_error(policy: RetryPolicy | None, exc: EnvServerError, attempt: int) -> bool:

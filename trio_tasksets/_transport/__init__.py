@@ -7,18 +7,16 @@ answers in memory instead of a server: the test seam), `support` (errors, timeou
 TLS, decoding). Nothing else of the package is imported here.
 """
 
-from .client import (
+from .client import HTTPClient, PoolStats
+from .messages import Request, Response
+from .support import (
     ConnectError,
     ConnectionClosed,
     DecodingError,
-    HTTPClient,
     HTTPError,
     HTTPTimeout,
-    PoolStats,
     ProtocolError,
     ProxyError,
-    Request,
-    Response,
     ResponseTooLarge,
     Timeouts,
     UnsupportedProxy,

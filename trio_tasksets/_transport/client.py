@@ -29,8 +29,6 @@ import os
 import ssl
 from collections import deque
 from collections.abc import Mapping, Sequence
-from types import TracebackType
-from typing import Self
 
 import attrs
 import h11
@@ -53,40 +51,19 @@ from .messages import Request, Response
 from .support import (
     ConnectError,
     ConnectionClosed,
-    DecodingError,
-    HTTPError,
     HTTPTimeout,
     ProtocolError,
     Proxies,
-    ProxyError,
     ResponseTooLarge,
     Route,
     Timeouts,
-    UnsupportedProxy,
     decode_body,
-    parse_retry_after,
     proxies_from_env,
     route_for,
     tls_context,
 )
 
-__all__ = [
-    "ConnectError",
-    "ConnectionClosed",
-    "DecodingError",
-    "HTTPClient",
-    "HTTPError",
-    "HTTPTimeout",
-    "PoolStats",
-    "ProtocolError",
-    "ProxyError",
-    "Request",
-    "Response",
-    "ResponseTooLarge",
-    "Timeouts",
-    "UnsupportedProxy",
-    "parse_retry_after",
-]
+__all__ = ["HTTPClient", "PoolStats"]
 
 USER_AGENT = b"trio-tasksets"
 _CACHE = 256  # routes and request heads kept, each
@@ -105,7 +82,7 @@ class PoolStats:
     stale: int
 
 
-class HTTPClient:
+class HTTPClient(trio.abc.AsyncResource):
     """HTTP/1.1 requests over pooled keep-alive connections (see the module docstring).
 
     ``timeouts``: the default `Timeouts` of a request. ``max_connections``: at most this many
@@ -354,17 +331,6 @@ class HTTPClient:
             while idle:
                 self._discard(idle.pop())
         await trio.lowlevel.checkpoint()
-
-    async def __aenter__(self) -> Self:
-        return self
-
-    async def __aexit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
-        await self.aclose()
 
 
 def _tls_failure(exc: BaseException) -> str:
