@@ -30,6 +30,7 @@ from collections import deque
 from collections.abc import (
     AsyncGenerator,
     AsyncIterable,
+    AsyncIterator,
     Awaitable,
     Callable,
     Iterable,
@@ -154,6 +155,25 @@ async def close_iterator(iterator: object, source: object) -> BaseException | No
             else:
                 add_note(error, "while closing the source", exc)
     return error
+
+
+class SourceIterator(AsyncIterator[T]):
+    """An async iterator class over `source` (not a generator: closable before it starts, and
+    it holds no cancel scope between pulls) that closes `source` once, as the runners do. The
+    iterators the core hands back (`take`, `until`, `Staleness.feed`) build on it."""
+
+    def __init__(self, source: AsyncIterable[T]) -> None:
+        self._source = source
+        self._iterator = aiter(source)
+        self._closed = False
+
+    async def aclose(self) -> None:
+        """Close `source` (once); raises the first exception its close raised."""
+        if not self._closed:
+            self._closed = True
+            error = await close_iterator(self._iterator, self._source)
+            if error is not None:
+                raise error
 
 
 def add_note(error: BaseException, when: str, extra: BaseException) -> None:

@@ -80,17 +80,22 @@ class Sampling:
     # trainer: each reply's `Completion.tokens`, and the rows' `tokens`.
     return_tokens: bool = attrs.field(default=False, validator=attrs.validators.instance_of(bool))
 
-    def to_request(self) -> dict[str, Any]:
-        """Return the OpenAI request fields that are set: ``None`` fields are omitted,
-        ``return_tokens`` adds ``return_token_ids: true`` and ``logprobs: true``, and
-        ``extra`` is merged last (so it may override the named fields)."""
+    def named_settings(self) -> dict[str, Any]:
+        """The named settings that are set (``temperature``, ``max_tokens``, ``top_p``,
+        ``seed``; not ``None``), without ``extra``."""
         fields: dict[str, Any] = {
             "temperature": self.temperature,
             "max_tokens": self.max_tokens,
             "top_p": self.top_p,
             "seed": self.seed,
         }
-        request = {name: value for name, value in fields.items() if value is not None}
+        return {name: value for name, value in fields.items() if value is not None}
+
+    def to_request(self) -> dict[str, Any]:
+        """Return the OpenAI request fields that are set: ``None`` fields are omitted,
+        ``return_tokens`` adds ``return_token_ids: true`` and ``logprobs: true``, and
+        ``extra`` is merged last (so it may override the named fields)."""
+        request = self.named_settings()
         if self.return_tokens:
             request["return_token_ids"] = True
             request["logprobs"] = True
