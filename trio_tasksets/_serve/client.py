@@ -215,7 +215,7 @@ class EnvClient(trio.abc.AsyncResource):
 
     async def _request(self, method: str, path: str, body: bytes = b"") -> Any:
         headers = self._headers if not body else self._json_headers
-        if self._connections.closed:
+        if self._connections.http.is_closed:
             raise EnvServerError(f"{self.url}: the client was closed", url=self.url)
         try:
             status, content = await self._connections.request(method, path, headers, body)
@@ -256,7 +256,8 @@ class EnvClient(trio.abc.AsyncResource):
             raise EnvServerError(f"env server {self.url}: /health is not an object", url=self.url)
         keepalive = payload.get("header_timeout")
         if isinstance(keepalive, int | float) and keepalive > 0:  # close idle ones first
-            self._connections.keepalive = min(self._connections.keepalive, keepalive / 2)
+            http = self._connections.http
+            http.keepalive_expiry = min(http.keepalive_expiry, keepalive / 2)
         return payload
 
     async def run(self, slot: RunSlot[Any], ctx: ModelContext) -> Episode:
