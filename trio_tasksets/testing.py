@@ -31,7 +31,7 @@ from typing import Any, Generic, TypeVar
 import attrs
 import trio
 
-from ._core.exceptions import TrioTasksetsError
+from ._core.exceptions import ConfigError, ConfigTypeError, TrioTasksetsError
 from ._core.tasksets import Task, Taskset, TasksetConfig
 from ._env.env import task_data, task_key
 from ._models import Completion, ModelClientBase, Sampling
@@ -318,13 +318,15 @@ class ScriptedClient(ModelClientBase):
     dict (the assistant message as a server would send it), or a function of
     ``(messages, tools)``, sync or async, returning one of those (it may sleep, or raise to
     play a failing model). Every call is recorded in `calls` (a `ScriptedCall`), before it is
-    answered. A call past the end of the script raises `ScriptExhausted`. Each call
-    checkpoints, and waits `delay` seconds first (`trio.sleep`: a MockClock controls it).
+    answered. A call past the end of the script raises `ScriptExhausted`, and a step that
+    gives none of those a `ConfigTypeError` naming ``replies``. Each call checkpoints, and
+    waits `delay` seconds first (`trio.sleep`: a MockClock controls it); a `delay` below 0
+    raises a `ConfigError` naming it.
     """
 
     def __init__(self, replies: Sequence[ScriptStep] | ScriptStep, *, delay: float = 0.0) -> None:
         if not delay >= 0:
-            raise ValueError(f"delay must be >= 0, got {delay!r}")
+            raise ConfigError(f"{{delay}} must be >= 0, got {delay!r}", parameter="delay")
         if callable(replies) or isinstance(replies, Completion | str | dict):
             self._steps: list[ScriptStep] | None = None
             self._every: ScriptStep | None = replies
@@ -383,9 +385,10 @@ def _completion(answer: object) -> Completion:
             finish_reason="tool_calls" if message.get("tool_calls") else "stop",
             message=message,
         )
-    raise TypeError(
-        f"ScriptedClient: a script step gave {type(answer).__name__}; give a Completion "
-        f"(testing.reply(...)), a str or an assistant message dict"
+    raise ConfigTypeError(
+        f"ScriptedClient: a script step of {{replies}} gave {type(answer).__name__}; give a "
+        f"Completion (testing.reply(...)), a str or an assistant message dict",
+        parameter="replies",
     )
 
 

@@ -181,8 +181,9 @@ class HTTPClient(trio.abc.AsyncResource):
         timeouts: Timeouts | None = None,
     ) -> Response:
         """Send one request and read the whole response (any status). Raises an `HTTPError`
-        subclass naming ``url`` when there is no usable response, ``ValueError`` for a URL
-        that is not absolute http(s) or a bad header, ``RuntimeError`` once closed."""
+        subclass naming ``url`` when there is no usable response, a `ConfigError` (a
+        ValueError) naming ``url``, ``method`` or ``headers`` for a URL that is not absolute
+        http(s), a bad method or a bad header, ``RuntimeError`` once closed."""
         if self._closed:
             raise RuntimeError(f"HTTPClient is closed; cannot request {url}")
         await trio.lowlevel.checkpoint_if_cancelled()  # not a byte out if already cancelled
@@ -215,7 +216,7 @@ class HTTPClient(trio.abc.AsyncResource):
     ) -> Response:
         """The handler's response (`trio_tasksets._transport.memory`), to the request as it
         would have been sent."""
-        route_for(url, self._proxies)  # a URL that is not absolute http(s): ValueError
+        route_for(url, self._proxies)  # a URL that is not absolute http(s): ConfigError
         fields = {name: value.decode("latin-1") for name, value in self._base_headers.items()}
         for name, value in headers.items() if isinstance(headers, Mapping) else headers or ():
             fields[name.lower()] = value
