@@ -542,7 +542,8 @@ class Env(Generic[TaskT]):
     backoff), the working and stall clocks stop. A slot's caller may tighten the limits
     for its slot (`RunSlot.limits`), never loosen them.
 
-    Raises `ConfigError` for limits that are given twice or out of range, naming them.
+    Raises `ConfigError` for limits that are given twice or out of range, naming them, and
+    naming ``reward`` for a mapping of named rewards that cannot be summed.
     """
 
     rollout_limits: RolloutLimits = RolloutLimits()  # also here: a subclass may skip __init__
