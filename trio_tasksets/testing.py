@@ -161,6 +161,7 @@ class FeedTaskset(Taskset[Task, TasksetConfig]):
         super().__init__(config)
         self._state = _FeedState()
 
+    # duplicates: read-only views of the state this feed's views share
     @property
     def pulled(self) -> int:
         return self._state.pulled
@@ -340,6 +341,7 @@ class ScriptedClient(ModelClientBase):
         size = "a function" if self._steps is None else f"{len(self._steps)} replies"
         return f"ScriptedClient({size}, calls={len(self.calls)})"
 
+    # duplicates: ModelClient.chat's signature (with tools), which every client implements
     async def chat(
         self,
         messages: list[dict[str, Any]],
@@ -419,6 +421,7 @@ class MemoryTaskQueue:
         self._stop = trio.Event()
         self._changed = trio.Event()
 
+    # duplicates: the TaskQueue protocol's read-only properties, as every class's plain getters
     @property
     def consumer(self) -> str:
         return self._consumer
@@ -434,6 +437,7 @@ class MemoryTaskQueue:
     def describe(self) -> str:
         return f"memory queue {self._consumer} ({len(self.ready)} ready)"
 
+    # duplicates: keyword settings with defaults: the shape of every such signature
     def put(
         self,
         task: Any,

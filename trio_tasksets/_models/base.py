@@ -33,6 +33,7 @@ from .._core.exceptions import ConfigError, ConfigTypeError, TrioTasksetsError
 from .._core.limits import EndpointLimits, report_progress
 from .._core.window import Window
 
+# duplicates: _models and the flat API re-list these names; each __all__ is its module's own
 __all__ = [
     "ClientDescription",
     "Completion",

@@ -188,6 +188,7 @@ class OpenAIClient(ModelClientBase):
             limits_key=self.limits_key,
         )  # fmt: skip
 
+    # duplicates: read-only views of the call loop's settings, as other classes' views of theirs
     @property
     def timeout(self) -> float:
         """Seconds per request, as a whole (each attempt its own)."""
@@ -263,6 +264,7 @@ class OpenAIClient(ModelClientBase):
                         metrics.feed, own if isinstance(own, AdaptiveWindow) else None
                     )
 
+    # duplicates: ModelClient.chat's signature (with tools), which every client implements
     async def chat(
         self,
         messages: list[dict[str, Any]],

@@ -64,6 +64,7 @@ class EndpointClient(Protocol):
     @property
     def throttled(self) -> int: ...  # attempts answered 429
 
+    # duplicates: ModelClient.chat's signature (with tools), which every client implements
     async def chat(
         self,
         messages: list[dict[str, Any]],
@@ -270,6 +271,7 @@ class EndpointPool:
             binding._endpoint = chosen.index
         return chosen
 
+    # duplicates: ModelClient.chat's signature (with tools), which every client implements
     async def chat(
         self,
         messages: list[dict[str, Any]],

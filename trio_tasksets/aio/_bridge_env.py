@@ -120,6 +120,7 @@ class AsyncioModelContext:
     context: ModelContext
     loop: Any = attrs.field(repr=False)
 
+    # duplicates: read-only views of the trio context's model and sampling
     @property
     def model(self) -> str:
         return self.context.model
@@ -465,6 +466,7 @@ class BridgedEnv(Env[TaskT]):
                 value = await self._aio(_await, value)
         return value if isinstance(value, Mapping) else float(value)
 
+    # duplicates: Env.run_slot's signature, which this overrides
     async def run_slot(
         self,
         slot: RunSlot[TaskT],
