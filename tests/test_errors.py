@@ -326,13 +326,14 @@ async def test_bad_input_to_the_async_api_is_a_config_error_naming_its_parameter
 def test_a_wrong_kind_of_argument_is_still_a_type_error() -> None:
     from trio_tasksets._core.exceptions import ConfigTypeError
 
-    for call in (
+    calls: list[Callable[[], object]] = [
         lambda: tt.tool(bad(5)),
         lambda: tt.take(_items(), bad("2")),
         lambda: tt.Staleness(1).run(bad(5)),
         lambda: tt.Tokens(prompt_ids=bad(["a"])),
         lambda: _thread_bridged(aio_env=object()),
-    ):
+    ]
+    for call in calls:
         with pytest.raises(TypeError) as raised:
             call()
         assert isinstance(raised.value, ConfigTypeError)
