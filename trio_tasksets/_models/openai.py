@@ -169,7 +169,7 @@ class OpenAIClient(ModelClientBase):
         self._closed = False
         self.limits = limits
         self.limits_key: Hashable = base_url if limits_key is None else limits_key
-        self.pool: EndpointPool | None = None
+        self.pool: EndpointPool[OpenAIClient] | None = None
         if len(urls) > 1:
             shared = pool_limits(limits)
             self.limits = shared
@@ -282,7 +282,9 @@ class OpenAIClient(ModelClientBase):
         if self._closed:
             raise RuntimeError("OpenAIClient is closed")
         if self.pool is not None:
-            return await self.pool.chat(messages, model=model, sampling=sampling, tools=tools)
+            return await self.pool.run(
+                lambda client: client.chat(messages, model=model, sampling=sampling, tools=tools)
+            )
         payload: dict[str, Any] = {"model": model, "messages": messages}
         if tools is not None:
             payload["tools"] = tools
