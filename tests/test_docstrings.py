@@ -35,7 +35,7 @@ THROUGH_A_CHECK = [
     tt.run_stream, tt.as_completed, tt.fan_out, tt.first, tt.take, tt.until, tt.merge,
     tt.Window, tt.AdaptiveWindow, tt.EndpointLimits, tt.RateLimiter, tt.tool, tt.build_window,
     tt.JsonlTaskset, tt.CsvTaskset, tt.HFTaskset, tt.EnvClient, tt.Staleness, tt.report,
-    tt.rescore,
+    tt.rescore, tt.Env, tt.Sampling, tt.Tokens, tt.aio.BridgedEnv, tt.testing.ScriptedClient,
 ]  # fmt: skip
 
 

@@ -158,6 +158,24 @@ def _redis() -> Any:
 
 URL = "redis://127.0.0.1:1"
 
+
+def _answer(task: object, completion: str) -> float:
+    return 1.0  # pragma: no cover (never called: the env is refused first)
+
+
+def _thread_bridged(**given: Any) -> object:
+    """A `BridgedEnv` on a thread loop (no trio-asyncio needed), built with `given`."""
+
+    class ThreadBridged(tt.aio.BridgedEnv[tt.Task]):
+        asyncio_loop = "thread"
+
+    return ThreadBridged(**given)
+
+
+class _AsyncioEnv:
+    taskset = tt.EchoTaskset()
+
+
 BAD_CALLS: list[tuple[str, Callable[[], object], str]] = [
     ("Window(0)", lambda: tt.Window(0), "size"),
     ("Window('3')", lambda: tt.Window(bad("3")), "size"),
@@ -230,6 +248,43 @@ BAD_CALLS: list[tuple[str, Callable[[], object], str]] = [
         lambda: tt.worker.TaskEntry(None, "1-0", "k", {}, rollouts=0),
         "rollouts",
     ),
+    ("ScriptedClient(delay=-1)", lambda: tt.testing.ScriptedClient("hi", delay=-1), "delay"),
+    ("Sampling(return_tokens=1)", lambda: tt.Sampling(return_tokens=bad(1)), "return_tokens"),
+    ("Tokens(prompt_ids=['a'])", lambda: tt.Tokens(prompt_ids=bad(["a"])), "prompt_ids"),
+    (
+        "Tokens(completion_logprobs=[0.5])",
+        lambda: tt.Tokens(completion_logprobs=bad([0.5, "x"])),
+        "completion_logprobs",
+    ),
+    (
+        "Tokens(2 ids, 1 logprob)",
+        lambda: tt.Tokens(completion_ids=[1, 2], completion_logprobs=[-0.5]),
+        "completion_logprobs",
+    ),
+    ("Env(reward={})", lambda: tt.Env(tt.EchoTaskset(), reward={}), "reward"),
+    (
+        "Env(reward={x: not a function})",
+        lambda: tt.Env(tt.EchoTaskset(), reward={"x": bad(5)}),
+        "reward",
+    ),
+    (
+        "Env(reward={x: (fn, 'heavy')})",
+        lambda: tt.Env(tt.EchoTaskset(), reward={"x": (_answer, bad("heavy"))}),
+        "reward",
+    ),
+    (
+        "Env(reward={reward: fn})",
+        lambda: tt.Env(tt.EchoTaskset(), reward={"reward": _answer}),
+        "reward",
+    ),
+    ("BridgedEnv(aio_env=object())", lambda: _thread_bridged(aio_env=object()), "aio_env"),
+    ("BridgedEnv(aio_env=Env)", lambda: _thread_bridged(aio_env=tt.Env()), "aio_env"),
+    ("BridgedEnv()", lambda: _thread_bridged(), "aio_env"),
+    (
+        "BridgedEnv(taskset, aio_env=)",
+        lambda: _thread_bridged(taskset=tt.EchoTaskset(), aio_env=_AsyncioEnv()),
+        "taskset",
+    ),
 ]
 
 
@@ -253,6 +308,14 @@ async def test_bad_input_to_the_async_api_is_a_config_error_naming_its_parameter
         (lambda: tt.fan_out(bad(5)), "thunks"),
         (lambda: tt.fan_out(bad([5])), "thunks"),
         (lambda: tt.RateLimiter(60).acquire(-1), "cost"),
+        (lambda: tt.HTTPClient().request("GET", "ftp://x"), "url"),
+        (lambda: tt.HTTPClient().request("GET", "http://h:x/"), "url"),
+        (lambda: tt.HTTPClient().request("G T", "http://127.0.0.1:1/"), "method"),
+        (
+            lambda: tt.HTTPClient().request("GET", "http://127.0.0.1:1/", headers={"a b": "c"}),
+            "headers",
+        ),
+        (lambda: tt.ModelContext(tt.EchoClient(), "m").chat([], extra={}), "extra"),
     ]
     for call, parameter in calls:
         with pytest.raises(tt.ConfigError) as raised:
@@ -263,11 +326,14 @@ async def test_bad_input_to_the_async_api_is_a_config_error_naming_its_parameter
 def test_a_wrong_kind_of_argument_is_still_a_type_error() -> None:
     from trio_tasksets._core.exceptions import ConfigTypeError
 
-    for call in (
+    calls: list[Callable[[], object]] = [
         lambda: tt.tool(bad(5)),
         lambda: tt.take(_items(), bad("2")),
         lambda: tt.Staleness(1).run(bad(5)),
-    ):
+        lambda: tt.Tokens(prompt_ids=bad(["a"])),
+        lambda: _thread_bridged(aio_env=object()),
+    ]
+    for call in calls:
         with pytest.raises(TypeError) as raised:
             call()
         assert isinstance(raised.value, ConfigTypeError)

@@ -29,7 +29,7 @@ from hypothesis import strategies as st
 import trio_tasksets._transport.client as http_transport
 import trio_tasksets._transport.connection as http_wire
 from trio_tasksets._models import ModelConnectionError, ModelResponseError, OpenAIClient, Sampling
-from trio_tasksets._transport.client import (
+from trio_tasksets._transport import (
     ConnectError,
     ConnectionClosed,
     DecodingError,

@@ -31,7 +31,7 @@ from typing import Any, Generic, TypeVar
 import attrs
 import trio
 
-from ._core.exceptions import TrioTasksetsError
+from ._core.exceptions import ConfigError, ConfigTypeError, TrioTasksetsError
 from ._core.tasksets import Task, Taskset, TasksetConfig
 from ._env.env import task_data, task_key
 from ._models import Completion, ModelClientBase, Sampling
@@ -161,6 +161,7 @@ class FeedTaskset(Taskset[Task, TasksetConfig]):
         super().__init__(config)
         self._state = _FeedState()
 
+    # duplicates: read-only views of the state this feed's views share
     @property
     def pulled(self) -> int:
         return self._state.pulled
@@ -318,13 +319,15 @@ class ScriptedClient(ModelClientBase):
     dict (the assistant message as a server would send it), or a function of
     ``(messages, tools)``, sync or async, returning one of those (it may sleep, or raise to
     play a failing model). Every call is recorded in `calls` (a `ScriptedCall`), before it is
-    answered. A call past the end of the script raises `ScriptExhausted`. Each call
-    checkpoints, and waits `delay` seconds first (`trio.sleep`: a MockClock controls it).
+    answered. A call past the end of the script raises `ScriptExhausted`, and a step that
+    gives none of those a `ConfigTypeError` naming ``replies``. Each call checkpoints, and
+    waits `delay` seconds first (`trio.sleep`: a MockClock controls it); a `delay` below 0
+    raises a `ConfigError` naming it.
     """
 
     def __init__(self, replies: Sequence[ScriptStep] | ScriptStep, *, delay: float = 0.0) -> None:
         if not delay >= 0:
-            raise ValueError(f"delay must be >= 0, got {delay!r}")
+            raise ConfigError(f"{{delay}} must be >= 0, got {delay!r}", parameter="delay")
         if callable(replies) or isinstance(replies, Completion | str | dict):
             self._steps: list[ScriptStep] | None = None
             self._every: ScriptStep | None = replies
@@ -338,6 +341,7 @@ class ScriptedClient(ModelClientBase):
         size = "a function" if self._steps is None else f"{len(self._steps)} replies"
         return f"ScriptedClient({size}, calls={len(self.calls)})"
 
+    # duplicates: ModelClient.chat's signature (with tools), which every client implements
     async def chat(
         self,
         messages: list[dict[str, Any]],
@@ -383,9 +387,10 @@ def _completion(answer: object) -> Completion:
             finish_reason="tool_calls" if message.get("tool_calls") else "stop",
             message=message,
         )
-    raise TypeError(
-        f"ScriptedClient: a script step gave {type(answer).__name__}; give a Completion "
-        f"(testing.reply(...)), a str or an assistant message dict"
+    raise ConfigTypeError(
+        f"ScriptedClient: a script step of {{replies}} gave {type(answer).__name__}; give a "
+        f"Completion (testing.reply(...)), a str or an assistant message dict",
+        parameter="replies",
     )
 
 
@@ -416,6 +421,7 @@ class MemoryTaskQueue:
         self._stop = trio.Event()
         self._changed = trio.Event()
 
+    # duplicates: the TaskQueue protocol's read-only properties, as every class's plain getters
     @property
     def consumer(self) -> str:
         return self._consumer
@@ -431,6 +437,7 @@ class MemoryTaskQueue:
     def describe(self) -> str:
         return f"memory queue {self._consumer} ({len(self.ready)} ready)"
 
+    # duplicates: keyword settings with defaults: the shape of every such signature
     def put(
         self,
         task: Any,

@@ -607,6 +607,7 @@ class AdaptiveWindow(Window):
     ``1 <= min <= start <= max``, or a bad option, raise a `ConfigError` naming them.
     """
 
+    # duplicates: keyword options with defaults, as the Pacer's: each class's own settings
     def __init__(
         self,
         min: int,  # public names: AdaptiveWindow(min, start, max)
@@ -627,6 +628,7 @@ class AdaptiveWindow(Window):
         self.pacer = Pacer()
         super().__init__(start)
 
+    # duplicates: read-only views of the controller's bounds, as other classes' views of theirs
     @property
     def min(self) -> int:
         return self.controller.min

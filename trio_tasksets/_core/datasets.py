@@ -31,7 +31,7 @@ import json
 import os
 from collections.abc import AsyncIterator, Iterable, Iterator, Mapping
 from pathlib import Path
-from typing import Any, TextIO
+from typing import Any, Protocol, TextIO
 
 import attrs
 import trio
@@ -139,7 +139,26 @@ def _config(cls: type[Any], config: Any, fields: dict[str, Any]) -> Any:
     return config
 
 
-class JsonlTaskset(Taskset[Task, JsonlConfig]):
+class _PathConfig(Protocol):
+    @property
+    def path(self) -> str: ...
+
+
+class _OfAFile(Protocol):
+    @property
+    def config(self) -> _PathConfig: ...
+
+
+class _FromFile:
+    """What a taskset read from the file at its config's `path` shares: that name."""
+
+    @property
+    def taskset_id(self: _OfAFile) -> str:
+        """The file, as given: how runs name this taskset."""
+        return self.config.path
+
+
+class JsonlTaskset(_FromFile, Taskset[Task, JsonlConfig]):
     """The records of a JSONL file as tasks, read lazily (module docstring); with
     `follow=True`, a feed of the lines appended to it. A bad `poll` raises a `ConfigError`
     here; reading raises a `ConfigError` naming `path` when it is empty, and `DatasetError`
@@ -152,11 +171,6 @@ class JsonlTaskset(Taskset[Task, JsonlConfig]):
     @property
     def streaming(self) -> bool:
         return self.config.follow
-
-    @property
-    def taskset_id(self) -> str:
-        """The file, as given: how runs name this taskset."""
-        return self.config.path
 
     def _path(self) -> Path:
         return Path(_checked_path(self.config.path, "JsonlTaskset"))
@@ -245,7 +259,7 @@ class CsvConfig(RecordFields):
     delimiter: str = ","
 
 
-class CsvTaskset(Taskset[Task, CsvConfig]):
+class CsvTaskset(_FromFile, Taskset[Task, CsvConfig]):
     """The rows of a CSV file as tasks, read lazily (module docstring). Reading (`load`)
     raises a `ConfigError` naming `path` when it is empty, and `DatasetError` for a file
     that cannot be read or a row that is not a task."""
@@ -253,11 +267,6 @@ class CsvTaskset(Taskset[Task, CsvConfig]):
     def __init__(self, config: CsvConfig | str | os.PathLike[str] | None = None,
                  /, **fields: Any) -> None:  # fmt: skip
         super().__init__(_config(CsvConfig, config, fields))
-
-    @property
-    def taskset_id(self) -> str:
-        """The file, as given: how runs name this taskset."""
-        return self.config.path
 
     def load(self) -> Iterator[Task]:
         """The rows as tasks, read as they are taken. Raises a `ConfigError` naming `path`

@@ -211,6 +211,7 @@ class Slot:
     window: Window
     waited: float
 
+    # duplicates: AdaptiveWindow.record's signature, which this forwards to
     def record(
         self,
         outcome: Outcome | int,

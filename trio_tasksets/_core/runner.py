@@ -30,6 +30,7 @@ from collections import deque
 from collections.abc import (
     AsyncGenerator,
     AsyncIterable,
+    AsyncIterator,
     Awaitable,
     Callable,
     Iterable,
@@ -154,6 +155,25 @@ async def close_iterator(iterator: object, source: object) -> BaseException | No
             else:
                 add_note(error, "while closing the source", exc)
     return error
+
+
+class SourceIterator(AsyncIterator[T]):
+    """An async iterator class over `source` (not a generator: closable before it starts, and
+    it holds no cancel scope between pulls) that closes `source` once, as the runners do. The
+    iterators the core hands back (`take`, `until`, `Staleness.feed`) build on it."""
+
+    def __init__(self, source: AsyncIterable[T]) -> None:
+        self._source = source
+        self._iterator = aiter(source)
+        self._closed = False
+
+    async def aclose(self) -> None:
+        """Close `source` (once); raises the first exception its close raised."""
+        if not self._closed:
+            self._closed = True
+            error = await close_iterator(self._iterator, self._source)
+            if error is not None:
+                raise error
 
 
 def add_note(error: BaseException, when: str, extra: BaseException) -> None:
@@ -590,7 +610,7 @@ async def fan_out_placing(
                 if fan.drawn and not fan.failures:
                     # Nothing left to start: the caller's place is lent to the window while
                     # the last runs go on, and the last of them to end hands its own place
-                    # back to the caller (`_FanOut.run_on`), so no place idles and the
+                    # back to the caller (`_FanOut.run`), so no place idles and the
                     # caller resumes at once, within the bound.
                     fan.lent = True
                     places.lend()
@@ -657,6 +677,7 @@ class ElasticPlaces:
         window its fan_outs draw from."""
         return _ElasticRun(self)
 
+    # duplicates: four counter steps (and two error builders above), alike but too small to share
     def _enter(self) -> None:
         self._runs += 1
         self._resize()
@@ -745,27 +766,11 @@ class _FanOut:
         self.drawn = 0
         self.lent = False
 
-    async def run(self, index: int, item: Any) -> None:
+    async def run(self, index: int, item: Any, borrower: object = None) -> None:
         """Run one item, keeping its result; its failure (or a refused result) cancels the
-        others (fail-fast)."""
-        awaitable: Any = _UNSET
-        try:
-            awaitable = self.call(item)
-            result = self.results[index] = await awaitable
-            if self.accept is not None and not self.accept(result):
-                _fail(self.failures, ResultRefused(index, result), self.nursery.cancel_scope)
-        except Exception as exc:
-            self._failed(index, item, awaitable, exc)
-        except trio.Cancelled:
-            raise
-        except BaseException as exc:
-            self._failed(index, item, awaitable, exc)
-            raise
-
-    async def run_on(self, index: int, item: Any, borrower: object) -> None:
-        """`run` on the place `borrower` holds, given back when it ends (to the caller, if it
-        is the last drawn run and the caller's place is lent). (`run`'s body, not a call of
-        it: one coroutine frame less for every step of a drawn run.)"""
+        others (fail-fast). A drawn run holds a place for `borrower`, given back when it
+        ends (to the caller, if it is the last drawn run and the caller's place is lent).
+        (One method for both: one coroutine frame for every step of a run.)"""
         awaitable: Any = _UNSET
         try:
             awaitable = self.call(item)
@@ -780,12 +785,13 @@ class _FanOut:
             self._failed(index, item, awaitable, exc)
             raise
         finally:
-            places = self.places
-            self.drawn -= 1
-            if self.lent and not self.drawn:
-                self.lent = False
-                places.unlend()  # lowered first: the release below wakes no one
-            places.limiter.release_on_behalf_of(borrower)
+            if borrower is not None:
+                places = self.places
+                self.drawn -= 1
+                if self.lent and not self.drawn:
+                    self.lent = False
+                    places.unlend()  # lowered first: the release below wakes no one
+                places.limiter.release_on_behalf_of(borrower)
 
     def _failed(self, index: int, item: Any, awaitable: Any, exc: BaseException) -> None:
         if isinstance(exc, Exception) and not (
@@ -801,7 +807,7 @@ class _FanOut:
         many started."""
         pending = self.pending
         limiter = self.places.limiter
-        start_soon, run_on = self.nursery.start_soon, self.run_on
+        start_soon, run = self.nursery.start_soon, self.run
         started = 0
         while pending:
             borrower = object()
@@ -809,7 +815,7 @@ class _FanOut:
                 limiter.acquire_on_behalf_of_nowait(borrower)
             except trio.WouldBlock:
                 break
-            start_soon(run_on, *pending.popleft(), borrower)
+            start_soon(run, *pending.popleft(), borrower)
             started += 1
         self.drawn += started
         return started
@@ -832,7 +838,7 @@ class _FanOut:
                     limiter.release_on_behalf_of(borrower)
                     return
                 index, item = pending.popleft()
-                self.nursery.start_soon(self.run_on, index, item, borrower)
+                self.nursery.start_soon(self.run, index, item, borrower)
                 self.drawn += 1
                 if self.on_start is not None:
                     self.on_start(1)

@@ -16,7 +16,7 @@ from typing import Any, TypeVar
 import trio
 
 from .exceptions import ConfigError, ConfigTypeError
-from .runner import check_source, close_iterator, pick_one
+from .runner import SourceIterator, check_source, close_iterator, pick_one
 
 __all__ = ["Merged", "Until", "merge", "take", "until"]
 
@@ -43,15 +43,12 @@ def take(source: AsyncIterable[T], n: int) -> AsyncIterator[T]:
     return _Take(source, n)
 
 
-class _Take(AsyncIterator[T]):
-    """`take` as an iterator class, not a generator: closable before it starts, and it holds
-    no cancel scope between pulls."""
+class _Take(SourceIterator[T]):
+    """`take` as an iterator class, not a generator."""
 
     def __init__(self, source: AsyncIterable[T], n: int) -> None:
-        self._source = source
-        self._iterator = aiter(source)
+        super().__init__(source)
         self._left = n
-        self._closed = False
 
     async def __anext__(self) -> T:
         if self._left <= 0 or self._closed:
@@ -73,13 +70,6 @@ class _Take(AsyncIterator[T]):
             return
         with trio.CancelScope(shield=True):
             await self.aclose()
-
-    async def aclose(self) -> None:
-        if not self._closed:
-            self._closed = True
-            error = await close_iterator(self._iterator, self._source)
-            if error is not None:
-                raise error
 
 
 def until(
@@ -116,14 +106,13 @@ def until(
     return Until(source, stop)
 
 
-class Until(AsyncIterator[T]):
+class Until(SourceIterator[T]):
     """What `until` returns: an async iterator with `stop()` and `stopped`."""
 
     def __init__(
         self, source: AsyncIterable[T], stop: trio.Event | Callable[[], bool] | None
     ) -> None:
-        self._source = source
-        self._iterator = aiter(source)
+        super().__init__(source)
         if isinstance(self._iterator, Merged) or _holds_scope(self._iterator):
             raise ConfigTypeError(
                 "until({source}): a bare tt.merge(...) keeps a nursery on the iterating task, "
@@ -134,7 +123,6 @@ class Until(AsyncIterator[T]):
         self._event = stop if isinstance(stop, trio.Event) else None
         self._predicate = None if isinstance(stop, trio.Event) else stop
         self._stopped = False
-        self._closed = False
         self._pull: trio.CancelScope | None = None
 
     @property
@@ -188,13 +176,11 @@ class Until(AsyncIterator[T]):
         self.stop()
 
     async def aclose(self) -> None:
-        """Close `source` (once); shield it if it must not be cut short."""
+        """Close `source` (once); shield it if it must not be cut short. Raises the first
+        exception its close raised."""
         if not self._closed:
-            self._closed = True
             self._stopped = True
-            error = await close_iterator(self._iterator, self._source)
-            if error is not None:
-                raise error
+        await super().aclose()
 
 
 def _holds_scope(iterator: object) -> bool:

@@ -153,22 +153,11 @@ class Taskset(Generic[TaskT, ConfigT]):
         the views applied on the streaming path too. Leaving the `async with` block closes
         `stream()`, shielded (a closed channel closes it at its next pull).
         """
-        return trio.as_safe_channel(self._tasks)()
+        return trio.as_safe_channel(guarded_tasks)(self._open_stream)
 
-    async def _tasks(self) -> AsyncGenerator[TaskT, None]:
-        # Only channel()'s own background task iterates this generator, and it enters no
-        # scope between pulls, so `guard` may stay open across the yield. It is entered before
-        # stream() is first pulled and shielded only for the close: stream()'s cleanup is
-        # shielded without a scope entered after any scope stream() holds (a merge's nursery).
-        with trio.CancelScope() as guard:
-            # A static taskset's default stream() already applies prompt and views.
-            source = stream_view(self) if self.streaming else self.stream()
-            try:
-                async for task in source:
-                    yield task
-            finally:
-                guard.shield = True
-                await aclose_source(source)
+    def _open_stream(self) -> AsyncIterator[TaskT]:
+        # A static taskset's default stream() already applies prompt and views.
+        return stream_view(self) if self.streaming else self.stream()
 
     # --- views ------------------------------------------------------------------------------
 
@@ -243,11 +232,30 @@ async def aclose_source(source: AsyncIterator[Any]) -> None:
         await aclose()
 
 
+async def guarded_tasks(
+    open_source: Callable[[], AsyncIterator[TaskT]],
+) -> AsyncGenerator[TaskT, None]:
+    """The tasks of `open_source()`, for a `trio.as_safe_channel` (`Taskset.channel`, and an
+    asyncio taskset's bridged channel): the source is closed on every exit, shielded."""
+    # Only the channel's own background task iterates this generator, and it enters no scope
+    # between pulls, so `guard` may stay open across the yield. It is entered before the
+    # source is opened and shielded only for the close: the source's cleanup is shielded
+    # without a scope entered after any scope the source holds (a merge's nursery).
+    with trio.CancelScope() as guard:
+        source = open_source()
+        try:
+            async for task in source:
+                yield task
+        finally:
+            guard.shield = True
+            await aclose_source(source)
+
+
 async def stream_view(taskset: Taskset[TaskT, Any]) -> AsyncGenerator[TaskT, None]:
     """`taskset.stream()` with the system prompt and the views applied, pulled on demand.
 
     A head view stops *before* requesting an (n+1)th task; a shuffle after a head buffers the
-    n tasks it bounds. `stream()` is closed on every exit (shielded by `_tasks`).
+    n tasks it bounds. `stream()` is closed on every exit (shielded by `guarded_tasks`).
     """
     source = taskset.stream()
     steps = taskset._steps

@@ -28,7 +28,7 @@ import attrs
 import trio
 
 from .exceptions import ConfigError, ConfigTypeError
-from .runner import as_completed, check_source, close_iterator
+from .runner import SourceIterator, as_completed, check_source, close_iterator
 from .window import Window
 
 __all__ = ["LiveRun", "Staleness", "current_run", "first", "policy_fields"]
@@ -258,27 +258,18 @@ def _mark(result: object) -> None:
             item.stale = True
 
 
-class _Fed(AsyncIterator[T]):
-    """`Staleness.feed` as an iterator class: closable before it starts, no scope held."""
+class _Fed(SourceIterator[T]):
+    """`Staleness.feed` as an iterator class."""
 
     def __init__(self, staleness: Staleness, source: AsyncIterable[T]) -> None:
+        super().__init__(source)
         self._staleness = staleness
-        self._source = source
-        self._iterator = aiter(source)
-        self._closed = False
 
     async def __anext__(self) -> T:
         if self._closed:
             raise StopAsyncIteration
         await self._staleness.wait_until_fed()
         return await self._iterator.__anext__()
-
-    async def aclose(self) -> None:
-        if not self._closed:
-            self._closed = True
-            error = await close_iterator(self._iterator, self._source)
-            if error is not None:
-                raise error
 
 
 def policy_fields() -> tuple[int | None, bool]:

@@ -18,7 +18,7 @@ import trio
 
 from .._core.adaptive import AdaptiveWindow, Outcome
 from .._core.backoff import FIRST, MOST, Backoff
-from .._core.exceptions import ConfigError, TrioTasksetsError
+from .._core.exceptions import ConfigError, ConfigTypeError, TrioTasksetsError
 from .._core.limits import CallObserver, observe_calls, parked
 from .._core.tasksets import Taskset
 from .._core.training import current_run
@@ -429,18 +429,33 @@ def weighted_reward(rewards: WeightedRewards) -> Reward:
     """One reward from several named ones (as a verifiers rubric): each `name: fn` or
     `name: (fn, weight)` (weight 1.0 when not given; a fn may be sync or async and return a
     number). The episode's reward is the weighted sum; its metrics are each fn's own,
-    unweighted value, under its name. `tt.Env(taskset, reward={...})` builds one."""
+    unweighted value, under its name. `tt.Env(taskset, reward={...})` builds one.
+
+    Raises a `ConfigError` naming ``reward`` (the `Env`'s parameter that takes the mapping)
+    for an empty mapping or a part named ``reward``, and a `ConfigTypeError` for a part that
+    is not a function or a weight that is not a number."""
     if not rewards:
-        raise ValueError("reward=: a mapping of named rewards needs at least one")
+        raise ConfigError(
+            "{reward}: a mapping of named rewards needs at least one", parameter="reward"
+        )
     parts: list[tuple[str, Reward, float]] = []
     for name, spec in rewards.items():
         fn, weight = spec if isinstance(spec, tuple) else (spec, 1.0)
         if not callable(fn):
-            raise TypeError(f"reward {name!r}: expected a function (task, completion), got {fn!r}")
+            raise ConfigTypeError(
+                f"{{reward}} {name!r}: expected a function (task, completion), got {fn!r}",
+                parameter="reward",
+            )
         if isinstance(weight, bool) or not isinstance(weight, int | float):
-            raise TypeError(f"reward {name!r}: the weight must be a number, got {weight!r}")
+            raise ConfigTypeError(
+                f"{{reward}} {name!r}: the weight must be a number, got {weight!r}",
+                parameter="reward",
+            )
         if name == "reward":
-            raise ValueError("reward=: 'reward' names the weighted sum: name the parts otherwise")
+            raise ConfigError(
+                "{reward}: 'reward' names the weighted sum: name the parts otherwise",
+                parameter="reward",
+            )
         parts.append((str(name), fn, float(weight)))
 
     async def weighted(task: Any, completion: str) -> dict[str, float]:
@@ -527,7 +542,8 @@ class Env(Generic[TaskT]):
     backoff), the working and stall clocks stop. A slot's caller may tighten the limits
     for its slot (`RunSlot.limits`), never loosen them.
 
-    Raises `ConfigError` for limits that are given twice or out of range, naming them.
+    Raises `ConfigError` for limits that are given twice or out of range, naming them, and
+    naming ``reward`` for a mapping of named rewards that cannot be summed.
     """
 
     rollout_limits: RolloutLimits = RolloutLimits()  # also here: a subclass may skip __init__

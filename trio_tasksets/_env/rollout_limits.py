@@ -30,6 +30,7 @@ __all__ = [
     "StalledError",
     "Waits",
     "given_limits",
+    "is_seconds",
     "run_within",
 ]
 
@@ -54,15 +55,18 @@ def _to_float(value: object) -> object:
     return float(value) if type(value) is int else value
 
 
+def is_seconds(value: object) -> bool:
+    """Whether `value` is a number of seconds > 0: a finite int or float (not a bool)."""
+    return (
+        not isinstance(value, bool)
+        and isinstance(value, int | float)
+        and math.isfinite(value)
+        and value > 0
+    )
+
+
 def _seconds(instance: object, attribute: attrs.Attribute[Any], value: object) -> None:
-    if value is None:
-        return
-    if (
-        isinstance(value, bool)
-        or not isinstance(value, int | float)
-        or not math.isfinite(value)
-        or value <= 0
-    ):
+    if value is not None and not is_seconds(value):
         raise ConfigError(
             f"{{{attribute.name}}} must be a number of seconds > 0, or None, got {value!r}",
             parameter=attribute.name,

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import math
 import os
 import time
 from collections.abc import Callable
@@ -25,6 +24,7 @@ from .._core.exceptions import EvalWarning as EvalWarning
 from .._env.backend import InProcess, SlotBackend, served_backend
 from .._env.env import Env, Episode
 from .._env.loading import taskset_label, taskset_short_name, upgraded_label
+from .._env.rollout_limits import is_seconds
 from .._models import ModelContext
 from .._monitor.metrics import check_metrics
 
@@ -245,12 +245,7 @@ def _check_backend(value: object) -> None:
 
 
 def _check_time_limit(limit: object) -> None:
-    if limit is not None and (
-        isinstance(limit, bool)
-        or not isinstance(limit, int | float)
-        or not math.isfinite(limit)
-        or limit <= 0
-    ):
+    if limit is not None and not is_seconds(limit):
         raise EvalConfigError(
             f"{{time_limit}} must be a number of seconds > 0, got {limit!r}",
             parameter="time_limit",

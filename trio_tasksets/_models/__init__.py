@@ -32,6 +32,7 @@ from .calls import EndpointCalls
 from .echo import EchoClient
 from .openai import OpenAIClient
 
+# duplicates: base.__all__ and the flat API list these names too; each list is its module's own
 __all__ = [
     "ClientDescription",
     "Completion",

@@ -24,15 +24,16 @@ import inspect
 import json
 import os
 from collections.abc import Awaitable, Callable, Iterable
-from types import TracebackType
-from typing import Any, Protocol, Self, cast, runtime_checkable
+from typing import Any, Protocol, cast, runtime_checkable
 
 import attrs
+import trio
 
-from .._core.exceptions import ConfigError, TrioTasksetsError
+from .._core.exceptions import ConfigError, ConfigTypeError, TrioTasksetsError
 from .._core.limits import EndpointLimits, report_progress
 from .._core.window import Window
 
+# duplicates: _models and the flat API re-list these names; each __all__ is its module's own
 __all__ = [
     "ClientDescription",
     "Completion",
@@ -67,9 +68,17 @@ Message = dict[str, Any]
 # ---------------------------------------------------------------------------------------
 
 
+def _is_bool(instance: object, attribute: attrs.Attribute[Any], value: object) -> None:
+    if not isinstance(value, bool):
+        raise ConfigTypeError(
+            f"{{{attribute.name}}} must be a bool, got {value!r}", parameter=attribute.name
+        )
+
+
 @attrs.frozen
 class Sampling:
-    """Sampling settings for a chat request; ``None`` means "use the server's default"."""
+    """Sampling settings for a chat request; ``None`` means "use the server's default". A
+    `return_tokens` that is not a bool raises a `ConfigTypeError` naming it."""
 
     temperature: float | None = None
     max_tokens: int | None = None
@@ -78,19 +87,24 @@ class Sampling:
     extra: dict[str, Any] = attrs.field(factory=dict)
     # Ask for token ids and logprobs (vLLM's `return_token_ids` and `logprobs`), for a
     # trainer: each reply's `Completion.tokens`, and the rows' `tokens`.
-    return_tokens: bool = attrs.field(default=False, validator=attrs.validators.instance_of(bool))
+    return_tokens: bool = attrs.field(default=False, validator=_is_bool)
 
-    def to_request(self) -> dict[str, Any]:
-        """Return the OpenAI request fields that are set: ``None`` fields are omitted,
-        ``return_tokens`` adds ``return_token_ids: true`` and ``logprobs: true``, and
-        ``extra`` is merged last (so it may override the named fields)."""
+    def named_settings(self) -> dict[str, Any]:
+        """The named settings that are set (``temperature``, ``max_tokens``, ``top_p``,
+        ``seed``; not ``None``), without ``extra``."""
         fields: dict[str, Any] = {
             "temperature": self.temperature,
             "max_tokens": self.max_tokens,
             "top_p": self.top_p,
             "seed": self.seed,
         }
-        request = {name: value for name, value in fields.items() if value is not None}
+        return {name: value for name, value in fields.items() if value is not None}
+
+    def to_request(self) -> dict[str, Any]:
+        """Return the OpenAI request fields that are set: ``None`` fields are omitted,
+        ``return_tokens`` adds ``return_token_ids: true`` and ``logprobs: true``, and
+        ``extra`` is merged last (so it may override the named fields)."""
+        request = self.named_settings()
         if self.return_tokens:
             request["return_token_ids"] = True
             request["logprobs"] = True
@@ -102,14 +116,20 @@ def _int_list(instance: object, attribute: attrs.Attribute[Any], value: object) 
     if not isinstance(value, list) or not all(
         isinstance(v, int) and not isinstance(v, bool) for v in value
     ):
-        raise TypeError(f"Tokens.{attribute.name} must be a list of ints, got {value!r:.80}")
+        raise ConfigTypeError(
+            f"Tokens.{{{attribute.name}}} must be a list of ints, got {value!r:.80}",
+            parameter=attribute.name,
+        )
 
 
 def _float_list(instance: object, attribute: attrs.Attribute[Any], value: object) -> None:
     if not isinstance(value, list) or not all(
         isinstance(v, float | int) and not isinstance(v, bool) for v in value
     ):
-        raise TypeError(f"Tokens.{attribute.name} must be a list of floats, got {value!r:.80}")
+        raise ConfigTypeError(
+            f"Tokens.{{{attribute.name}}} must be a list of floats, got {value!r:.80}",
+            parameter=attribute.name,
+        )
 
 
 @attrs.frozen
@@ -117,7 +137,8 @@ class Tokens:
     """The token ids and logprobs of one model call, for a trainer: the prompt's ids as the
     server tokenized it, the reply's ids, and each reply token's logprob. A part the server
     did not send is ``[]``; when both are sent, ``completion_logprobs`` has one entry per
-    ``completion_ids`` entry (else ``ValueError``)."""
+    ``completion_ids`` entry. Else a `ConfigError` (a ValueError) naming both; a part that is
+    not a list of numbers raises a `ConfigTypeError` naming it."""
 
     prompt_ids: list[int] = attrs.field(factory=list, validator=_int_list)
     completion_ids: list[int] = attrs.field(factory=list, validator=_int_list)
@@ -126,9 +147,10 @@ class Tokens:
     def __attrs_post_init__(self) -> None:
         ids, logprobs = self.completion_ids, self.completion_logprobs
         if ids and logprobs and len(ids) != len(logprobs):
-            raise ValueError(
-                f"Tokens: {len(ids)} completion_ids but {len(logprobs)} completion_logprobs "
-                f"(one logprob per completion token)"
+            raise ConfigError(
+                f"Tokens: {len(ids)} {{completion_ids}} but {len(logprobs)} "
+                f"{{completion_logprobs}} (one logprob per completion token)",
+                parameter=("completion_ids", "completion_logprobs"),
             )
 
     def to_dict(self) -> dict[str, Any]:
@@ -319,7 +341,7 @@ class ClientDescription:
     engine_metrics: Callable[[Window | None], Awaitable[None]] | None = None
 
 
-class ModelClientBase:
+class ModelClientBase(trio.abc.AsyncResource):
     """What every model client of the package shares (`EchoClient`, `OpenAIClient`,
     `testing.ScriptedClient`): ``async with client:`` gives the client itself and awaits its
     `aclose` on the way out, however the block ends (an error, a cancellation). A subclass
@@ -333,17 +355,6 @@ class ModelClientBase:
 
     async def aclose(self) -> None:
         """Nothing to release."""
-
-    async def __aenter__(self) -> Self:
-        return self
-
-    async def __aexit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
-        await self.aclose()
 
 
 def describe(client: ModelClient) -> ClientDescription:
@@ -375,9 +386,10 @@ class ModelContext:
 
         ``tools`` (OpenAI function schemas, e.g. ``[tool.schema for tool in tools]``) go to
         the client as ``tools=``; a client whose ``chat`` takes no ``tools`` gets a clear
-        TypeError. ``sampling_overrides`` replace this context's sampling for this call:
-        `Sampling`'s own fields by name (``temperature=0``), any other name into its
-        ``extra`` request fields (``tool_choice="required"``)."""
+        `ConfigTypeError` (a TypeError) naming ``tools``. ``sampling_overrides`` replace this
+        context's sampling for this call: `Sampling`'s own fields by name (``temperature=0``),
+        any other name into its ``extra`` request fields (``tool_choice="required"``; an
+        override named ``extra`` raises a `ConfigTypeError` naming it)."""
         sampling = self.sampling
         if sampling_overrides:
             sampling = override_sampling(sampling, sampling_overrides)
@@ -402,10 +414,12 @@ class ModelContext:
         except TypeError as exc:
             if _takes_tools(chat):
                 raise
-            raise TypeError(
-                f"ModelContext.chat(tools=...): the model client {type(self.client).__name__} "
-                f"takes no `tools`; give its chat a `tools: list[dict] | None = None` "
-                f"parameter (OpenAIClient sends them as the request's `tools`)"
+            raise ConfigTypeError(
+                f"ModelContext.chat({{tools}}=...): the model client "
+                f"{type(self.client).__name__} takes no `tools`; give its chat a "
+                f"`tools: list[dict] | None = None` parameter (OpenAIClient sends them as the "
+                f"request's `tools`)",
+                parameter="tools",
             ) from exc
 
 
@@ -421,11 +435,14 @@ _SAMPLING_FIELDS = frozenset({"temperature", "max_tokens", "top_p", "seed"})
 
 
 def override_sampling(sampling: Sampling, overrides: dict[str, Any]) -> Sampling:
-    """`sampling` with `overrides`: its own fields by name, anything else into `extra`."""
+    """`sampling` with `overrides`: its own fields by name, anything else into `extra`. An
+    override named ``extra`` raises a `ConfigTypeError` naming it."""
     named = {k: v for k, v in overrides.items() if k in _SAMPLING_FIELDS}
     extra = {k: v for k, v in overrides.items() if k not in _SAMPLING_FIELDS}
     if "extra" in extra:
-        raise TypeError("chat(): pass extra request fields by name, not as extra=")
+        raise ConfigTypeError(
+            "chat(): pass extra request fields by name, not as {extra}=", parameter="extra"
+        )
     if extra:
         named["extra"] = {**sampling.extra, **extra}
     return attrs.evolve(sampling, **named)

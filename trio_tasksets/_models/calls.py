@@ -21,6 +21,7 @@ the same for every provider and lives here, once:
 from __future__ import annotations
 
 from collections.abc import Callable, Hashable, Mapping
+from contextlib import AbstractAsyncContextManager, nullcontext
 from typing import Any
 
 import orjson
@@ -218,38 +219,32 @@ class EndpointCalls:
         """One POST, under the endpoint's limits if there are any: (status, body,
         Retry-After seconds, the completion of a 2xx). Its outcome is recorded."""
         await pace()  # a request-rate limit's pacing (an adaptive window's), before any limit
-        if self.limits is None:
-            return await self._post_recorded(body, headers, parse, None)
-        async with self.limits.call(self.limits_key, reserve_tokens=reserve) as call:
-            return await self._post_recorded(body, headers, parse, call)
-
-    async def _post_recorded(
-        self,
-        body: bytes,
-        headers: Mapping[str, str],
-        parse: Callable[[bytes], Completion],
-        call: Call | None,
-    ) -> tuple[int, bytes, float | None, Completion | None]:
-        started = trio.current_time()
-        try:
-            status, content, retry_after, request_rate = await self._post(body, headers)
-        except HTTPTimeout:
-            _record(call, Outcome.TIMEOUT)
-            raise
-        latency = trio.current_time() - started
-        if status == 429:
-            self.throttled += 1
-        if not 200 <= status <= 299:
-            outcome: Outcome | int = Outcome.REQUEST_RATE if request_rate else status
-            _record(call, outcome, retry_after, latency=latency)
-            return status, content, retry_after, None
-        try:
-            completion = parse(content)
-        except ModelResponseError:
-            _record(call, status)
-            raise
-        _record(call, status, tokens=_tokens(completion.usage), latency=latency)
-        return status, content, retry_after, completion
+        gate: AbstractAsyncContextManager[Call | None] = (
+            nullcontext()
+            if self.limits is None
+            else self.limits.call(self.limits_key, reserve_tokens=reserve)
+        )
+        async with gate as call:
+            started = trio.current_time()
+            try:
+                status, content, retry_after, request_rate = await self._post(body, headers)
+            except HTTPTimeout:
+                _record(call, Outcome.TIMEOUT)
+                raise
+            latency = trio.current_time() - started
+            if status == 429:
+                self.throttled += 1
+            if not 200 <= status <= 299:
+                outcome: Outcome | int = Outcome.REQUEST_RATE if request_rate else status
+                _record(call, outcome, retry_after, latency=latency)
+                return status, content, retry_after, None
+            try:
+                completion = parse(content)
+            except ModelResponseError:
+                _record(call, status)
+                raise
+            _record(call, status, tokens=_tokens(completion.usage), latency=latency)
+            return status, content, retry_after, completion
 
     async def _post(
         self, body: bytes, headers: Mapping[str, str]

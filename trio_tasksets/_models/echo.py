@@ -31,6 +31,7 @@ class EchoClient(ModelClientBase):
         """No endpoint; it travels as ``{"type": "echo", "delay": ...}``."""
         return ClientDescription(travel={"type": "echo", "delay": float(self.delay)})
 
+    # duplicates: ModelClient.chat's signature (with tools), which every client implements
     async def chat(
         self,
         messages: list[dict[str, Any]],

@@ -169,7 +169,7 @@ class OpenAIClient(ModelClientBase):
         self._closed = False
         self.limits = limits
         self.limits_key: Hashable = base_url if limits_key is None else limits_key
-        self.pool: EndpointPool | None = None
+        self.pool: EndpointPool[OpenAIClient] | None = None
         if len(urls) > 1:
             shared = pool_limits(limits)
             self.limits = shared
@@ -188,6 +188,7 @@ class OpenAIClient(ModelClientBase):
             limits_key=self.limits_key,
         )  # fmt: skip
 
+    # duplicates: read-only views of the call loop's settings, as other classes' views of theirs
     @property
     def timeout(self) -> float:
         """Seconds per request, as a whole (each attempt its own)."""
@@ -263,6 +264,7 @@ class OpenAIClient(ModelClientBase):
                         metrics.feed, own if isinstance(own, AdaptiveWindow) else None
                     )
 
+    # duplicates: ModelClient.chat's signature (with tools), which every client implements
     async def chat(
         self,
         messages: list[dict[str, Any]],
@@ -280,7 +282,9 @@ class OpenAIClient(ModelClientBase):
         if self._closed:
             raise RuntimeError("OpenAIClient is closed")
         if self.pool is not None:
-            return await self.pool.chat(messages, model=model, sampling=sampling, tools=tools)
+            return await self.pool.run(
+                lambda client: client.chat(messages, model=model, sampling=sampling, tools=tools)
+            )
         payload: dict[str, Any] = {"model": model, "messages": messages}
         if tools is not None:
             payload["tools"] = tools

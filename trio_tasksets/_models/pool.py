@@ -2,7 +2,7 @@
 ejection of a dead endpoint and its probing back, a window and figures per endpoint.
 
 `OpenAIClient([url, ...])` builds an `EndpointPool` over one `OpenAIClient` per URL (each
-with the same options) and hands each `chat` to it. The rules:
+with the same options) and hands each `chat` to it (`EndpointPool.run`). The rules:
 
 * **A window per endpoint.** Each endpoint's calls hold a place in its own window (the
   pool's `EndpointLimits`, keyed by the endpoint: adaptive `1-8-1024` unless the caller's
@@ -39,8 +39,8 @@ from __future__ import annotations
 import contextvars
 import math
 from collections import deque
-from collections.abc import Hashable, Sequence
-from typing import Any, Protocol
+from collections.abc import Awaitable, Callable, Hashable, Sequence
+from typing import Any, Generic, Protocol, TypeVar
 
 import attrs
 import trio
@@ -49,12 +49,13 @@ from .._core.adaptive import AdaptiveBounds
 from .._core.exceptions import ConfigError
 from .._core.limits import EndpointLimits
 from .._core.window import Window
-from .base import Completion, ModelConnectionError, ModelTimeoutError, Sampling
+from .base import ModelConnectionError, ModelTimeoutError
 from .engine import EngineMetrics
 
 
 class EndpointClient(Protocol):
-    """What the pool needs of one endpoint's client (an `OpenAIClient` of one URL)."""
+    """What the pool needs of one endpoint's client (an `OpenAIClient` of one URL); the
+    calls it routes are the caller's (`EndpointPool.run`)."""
 
     base_url: str
     limits: EndpointLimits | None
@@ -63,15 +64,6 @@ class EndpointClient(Protocol):
 
     @property
     def throttled(self) -> int: ...  # attempts answered 429
-
-    async def chat(
-        self,
-        messages: list[dict[str, Any]],
-        *,
-        model: str,
-        sampling: Sampling,
-        tools: list[dict[str, Any]] | None = None,
-    ) -> Completion: ...
 
     async def aclose(self) -> None: ...
 
@@ -166,8 +158,12 @@ class EndpointStats:
         return found
 
 
-class _Endpoint:
-    def __init__(self, index: int, client: EndpointClient) -> None:
+C = TypeVar("C", bound=EndpointClient)
+T = TypeVar("T")
+
+
+class _Endpoint(Generic[C]):
+    def __init__(self, index: int, client: C) -> None:
         self.index = index
         self.client = client
         self.stats = EndpointStats(client.base_url)
@@ -205,8 +201,8 @@ class _Endpoint:
         return False
 
 
-class EndpointPool:
-    """Routes `chat` calls over `clients` (one client per endpoint); see the module.
+class EndpointPool(Generic[C]):
+    """Routes calls (`run`) over `clients` (one client per endpoint); see the module.
 
     `probe_after` (seconds) is the first ejection's length, doubling per failed probe up to
     `max_probe_after`. No client, one endpoint twice or a bad `probe_after` raise
@@ -215,7 +211,7 @@ class EndpointPool:
 
     def __init__(
         self,
-        clients: Sequence[EndpointClient],
+        clients: Sequence[C],
         *,
         probe_after: float = 1.0,
         max_probe_after: float = 30.0,
@@ -251,7 +247,7 @@ class EndpointPool:
                 return
             await self._freed.wait()
 
-    def _pick(self, tried: set[int]) -> _Endpoint | None:
+    def _pick(self, tried: set[int]) -> _Endpoint[C] | None:
         now = trio.current_time()
         candidates = [e for e in self.endpoints if e.index not in tried]
         if not candidates:
@@ -270,17 +266,12 @@ class EndpointPool:
             binding._endpoint = chosen.index
         return chosen
 
-    async def chat(
-        self,
-        messages: list[dict[str, Any]],
-        *,
-        model: str,
-        sampling: Sampling,
-        tools: list[dict[str, Any]] | None = None,
-    ) -> Completion:
-        """One chat completion on the least loaded live endpoint (or this context's sticky
-        one); a failure to connect or a timeout ejects the endpoint and retries the call on
-        another, each endpoint at most once."""
+    async def run(self, call: Callable[[C], Awaitable[T]]) -> T:
+        """`call(client)` (one chat completion, say) on the least loaded live endpoint's
+        client (or this context's sticky one). A failure to connect or a timeout
+        (`ModelConnectionError`, `ModelTimeoutError`) ejects the endpoint and runs `call`
+        again on another, each endpoint at most once: once every endpoint failed, the last
+        failure is raised; any other exception is raised at once."""
         tried: set[int] = set()
         error: BaseException | None = None
         while True:
@@ -298,9 +289,7 @@ class EndpointPool:
             endpoint.stats.calls += 1
             started = now
             try:
-                completion = await endpoint.client.chat(
-                    messages, model=model, sampling=sampling, tools=tools
-                )
+                result = await call(endpoint.client)
             except (ModelConnectionError, ModelTimeoutError) as exc:
                 endpoint.stats.errors += 1
                 self._eject(endpoint)
@@ -319,9 +308,9 @@ class EndpointPool:
             if endpoint.ejected_until > -math.inf:  # a probe answered: it is back
                 endpoint.ejected_until = -math.inf
                 endpoint.probe_after = 0.0
-            return completion
+            return result
 
-    def _eject(self, endpoint: _Endpoint) -> None:
+    def _eject(self, endpoint: _Endpoint[C]) -> None:
         endpoint.probe_after = min(
             self.max_probe_after,
             self.probe_after if endpoint.probe_after == 0 else 2 * endpoint.probe_after,

@@ -5,8 +5,7 @@ from __future__ import annotations
 import json
 import math
 import time
-from types import TracebackType
-from typing import Any, Self
+from typing import Any
 from urllib.parse import urlsplit
 
 import trio
@@ -138,7 +137,7 @@ class _WSPool:
             await connection.close()
 
 
-class EnvClient:
+class EnvClient(trio.abc.AsyncResource):
     """A client of an env server: `await client.run(slot, ctx) -> Episode`.
 
     `transport="websocket"` (the default) multiplexes the runs over a few long-lived
@@ -216,7 +215,7 @@ class EnvClient:
 
     async def _request(self, method: str, path: str, body: bytes = b"") -> Any:
         headers = self._headers if not body else self._json_headers
-        if self._connections.closed:
+        if self._connections.http.is_closed:
             raise EnvServerError(f"{self.url}: the client was closed", url=self.url)
         try:
             status, content = await self._connections.request(method, path, headers, body)
@@ -257,7 +256,8 @@ class EnvClient:
             raise EnvServerError(f"env server {self.url}: /health is not an object", url=self.url)
         keepalive = payload.get("header_timeout")
         if isinstance(keepalive, int | float) and keepalive > 0:  # close idle ones first
-            self._connections.keepalive = min(self._connections.keepalive, keepalive / 2)
+            http = self._connections.http
+            http.keepalive_expiry = min(http.keepalive_expiry, keepalive / 2)
         return payload
 
     async def run(self, slot: RunSlot[Any], ctx: ModelContext) -> Episode:
@@ -350,17 +350,6 @@ class EnvClient:
         connections (one in use closes when its request ends)."""
         await self._ws.aclose()
         await self._connections.aclose()
-
-    async def __aenter__(self) -> Self:
-        return self
-
-    async def __aexit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
-        await self.aclose()
 
 
 def retry_server_error(policy: RetryPolicy | None, exc: EnvServerError, attempt: int) -> bool:

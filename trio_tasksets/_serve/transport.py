@@ -38,8 +38,8 @@ class HTTPConnections:
         self.max_answer = max_answer
         # Shorter than the server's keep-alive (its --header-timeout, 10 s by default; set
         # from /health when known): an idle connection is dropped here before the server
-        # could close it under a request.
-        self._http = HTTPClient(
+        # could close it under a request. (`http.is_closed` says whether it is closed.)
+        self.http = HTTPClient(
             timeouts=Timeouts(connect=connect_timeout, read=None, write=None),
             max_connections=limit,
             keepalive_expiry=4.0,
@@ -47,34 +47,20 @@ class HTTPConnections:
             trust_env=False,
         )
 
-    @property
-    def closed(self) -> bool:
-        return self._http.is_closed
-
-    @property
-    def keepalive(self) -> float:
-        return self._http.keepalive_expiry
-
-    @keepalive.setter
-    def keepalive(self, seconds: float) -> None:
-        self._http.keepalive_expiry = seconds
-
     async def request(
         self, method: str, path: str, headers: dict[str, str], body: bytes
     ) -> tuple[int, bytes]:
         """One request (`path` under the server's URL); the status and the whole body.
         Raises `TooLarge`, or the transport's `HTTPError` when no answer came."""
         try:
-            response = await self._http.request(
-                method, self.base + path, headers=headers, body=body
-            )
+            response = await self.http.request(method, self.base + path, headers=headers, body=body)
         except ResponseTooLarge:
             raise TooLarge(f"the server sent an answer over {self.max_answer} bytes "
                            f"(the client's max_message_bytes)") from None  # fmt: skip
         return response.status, response.body
 
     async def aclose(self) -> None:
-        await self._http.aclose()
+        await self.http.aclose()
 
 
 # --- the WebSocket transport -----------------------------------------------------------------

@@ -4,21 +4,20 @@ its load (docs/models.md, and docs/benchmarks.md for why not httpx).
 Rooms: `client` (`HTTPClient`, the pool, deadlines), `connection` (one connection: sockets,
 request heads, responses), `messages` (`Request`, `Response`), `memory` (a handler that
 answers in memory instead of a server: the test seam), `support` (errors, timeouts, proxies,
-TLS, decoding). Nothing else of the package is imported here.
+TLS, decoding). Of the rest of the package, only its exceptions (`_core.exceptions`) are
+imported here.
 """
 
-from .client import (
+from .client import HTTPClient, PoolStats
+from .messages import Request, Response
+from .support import (
     ConnectError,
     ConnectionClosed,
     DecodingError,
-    HTTPClient,
     HTTPError,
     HTTPTimeout,
-    PoolStats,
     ProtocolError,
     ProxyError,
-    Request,
-    Response,
     ResponseTooLarge,
     Timeouts,
     UnsupportedProxy,

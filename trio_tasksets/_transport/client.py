@@ -29,8 +29,6 @@ import os
 import ssl
 from collections import deque
 from collections.abc import Mapping, Sequence
-from types import TracebackType
-from typing import Self
 
 import attrs
 import h11
@@ -53,40 +51,19 @@ from .messages import Request, Response
 from .support import (
     ConnectError,
     ConnectionClosed,
-    DecodingError,
-    HTTPError,
     HTTPTimeout,
     ProtocolError,
     Proxies,
-    ProxyError,
     ResponseTooLarge,
     Route,
     Timeouts,
-    UnsupportedProxy,
     decode_body,
-    parse_retry_after,
     proxies_from_env,
     route_for,
     tls_context,
 )
 
-__all__ = [
-    "ConnectError",
-    "ConnectionClosed",
-    "DecodingError",
-    "HTTPClient",
-    "HTTPError",
-    "HTTPTimeout",
-    "PoolStats",
-    "ProtocolError",
-    "ProxyError",
-    "Request",
-    "Response",
-    "ResponseTooLarge",
-    "Timeouts",
-    "UnsupportedProxy",
-    "parse_retry_after",
-]
+__all__ = ["HTTPClient", "PoolStats"]
 
 USER_AGENT = b"trio-tasksets"
 _CACHE = 256  # routes and request heads kept, each
@@ -105,7 +82,7 @@ class PoolStats:
     stale: int
 
 
-class HTTPClient:
+class HTTPClient(trio.abc.AsyncResource):
     """HTTP/1.1 requests over pooled keep-alive connections (see the module docstring).
 
     ``timeouts``: the default `Timeouts` of a request. ``max_connections``: at most this many
@@ -204,8 +181,9 @@ class HTTPClient:
         timeouts: Timeouts | None = None,
     ) -> Response:
         """Send one request and read the whole response (any status). Raises an `HTTPError`
-        subclass naming ``url`` when there is no usable response, ``ValueError`` for a URL
-        that is not absolute http(s) or a bad header, ``RuntimeError`` once closed."""
+        subclass naming ``url`` when there is no usable response, a `ConfigError` (a
+        ValueError) naming ``url``, ``method`` or ``headers`` for a URL that is not absolute
+        http(s), a bad method or a bad header, ``RuntimeError`` once closed."""
         if self._closed:
             raise RuntimeError(f"HTTPClient is closed; cannot request {url}")
         await trio.lowlevel.checkpoint_if_cancelled()  # not a byte out if already cancelled
@@ -238,7 +216,7 @@ class HTTPClient:
     ) -> Response:
         """The handler's response (`trio_tasksets._transport.memory`), to the request as it
         would have been sent."""
-        route_for(url, self._proxies)  # a URL that is not absolute http(s): ValueError
+        route_for(url, self._proxies)  # a URL that is not absolute http(s): ConfigError
         fields = {name: value.decode("latin-1") for name, value in self._base_headers.items()}
         for name, value in headers.items() if isinstance(headers, Mapping) else headers or ():
             fields[name.lower()] = value
@@ -354,17 +332,6 @@ class HTTPClient:
             while idle:
                 self._discard(idle.pop())
         await trio.lowlevel.checkpoint()
-
-    async def __aenter__(self) -> Self:
-        return self
-
-    async def __aexit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
-        await self.aclose()
 
 
 def _tls_failure(exc: BaseException) -> str:

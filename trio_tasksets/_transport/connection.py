@@ -24,7 +24,7 @@ import attrs
 import h11
 import trio
 
-from .._core.exceptions import TrioTasksetsError
+from .._core.exceptions import ConfigError, TrioTasksetsError
 from .support import ConnectError, ProtocolError, ProxyError, Route
 
 __all__ = [
@@ -204,10 +204,11 @@ class RequestHead:
 
 
 def request_head(method: str, route: Route, fields: dict[str, bytes]) -> RequestHead:
-    """The head of a request to ``route`` with ``fields`` (lower-case names); ``ValueError``
-    for a method or header that would not be a valid (or would be a smuggled) header."""
+    """The head of a request to ``route`` with ``fields`` (lower-case names); a `ConfigError`
+    (a ValueError) naming ``method`` or ``headers`` for a method or header that would not be
+    a valid (or would be a smuggled) header."""
     if not TOKEN.fullmatch(method.encode("latin-1")):
-        raise ValueError(f"bad HTTP method {method!r}")
+        raise ConfigError(f"bad HTTP {{method}} {method!r}", parameter="method")
     lines = [b"%s %s HTTP/1.1\r\n" % (method.encode(), route.target)]
     fields = {"host": route.host_header, **fields}  # a Host of the caller's wins, first
     for name, value in fields.items():
@@ -215,7 +216,10 @@ def request_head(method: str, route: Route, fields: dict[str, bytes]) -> Request
         if name in ("content-length", "transfer-encoding"):
             continue  # the transport frames the body
         if not TOKEN.fullmatch(raw) or not VALUE.fullmatch(value):
-            raise ValueError(f"bad header for a request to {route.host}: {name!r}: {value!r}")
+            raise ConfigError(
+                f"bad {{headers}} entry for a request to {route.host}: {name!r}: {value!r}",
+                parameter="headers",
+            )
         lines.append(b"%s: %s\r\n" % (raw, value))
     close = b"close" in _tokens(fields.get("connection", b""))
     return RequestHead(b"".join(lines), method, close)

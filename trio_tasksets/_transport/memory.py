@@ -24,6 +24,7 @@ from collections.abc import Awaitable, Callable
 import attrs
 import trio
 
+from .._core.exceptions import ConfigTypeError
 from .messages import Request, Response
 from .support import HTTPTimeout, ResponseTooLarge, Timeouts, decode_body
 
@@ -51,8 +52,9 @@ async def answer(
             f"{phase} timeout ({limit:g}s)", url=request.url, phase=phase, timeout=limit
         )
     if not isinstance(response, Response):
-        raise TypeError(
-            f"an HTTPClient handler must return a Response, got {type(response).__name__}"
+        raise ConfigTypeError(
+            f"an HTTPClient {{handler}} must return a Response, got {type(response).__name__}",
+            parameter="handler",
         )
     body = response.body
     encoding = response.header("content-encoding")

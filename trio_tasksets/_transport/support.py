@@ -257,16 +257,20 @@ def no_proxy_matches(entries: tuple[str, ...], host: str, port: int) -> bool:
 
 
 def route_for(url: str, proxies: Proxies) -> Route:
-    """The route of an absolute ``http://`` or ``https://`` URL. Raises ``ValueError``
-    naming the URL if it is not one."""
+    """The route of an absolute ``http://`` or ``https://`` URL. Raises a `ConfigError` (a
+    ValueError) naming ``url`` if it is not one."""
     parts = urlsplit(url)
     scheme = parts.scheme.lower()
     if scheme not in _DEFAULT_PORTS or not parts.hostname:
-        raise ValueError(f"URL must be absolute http:// or https://, got {url!r}")
+        raise ConfigError(
+            f"{{url}} must be an absolute http:// or https:// URL, got {url!r}", parameter="url"
+        )
     try:
         port = parts.port or _DEFAULT_PORTS[scheme]
     except ValueError as exc:
-        raise ValueError(f"URL {url!r} has a bad port: {exc}") from None
+        raise ConfigError(
+            f"{{url}}: the URL {url!r} has a bad port: {exc}", parameter="url"
+        ) from None
     host = parts.hostname
     netloc = parts.netloc.rpartition("@")[2]
     path = (parts.path or "/") + (f"?{parts.query}" if parts.query else "")

@@ -68,6 +68,7 @@ from typing import Any, ClassVar, TypeVar, cast
 import attrs
 import trio
 
+from .._core.exceptions import ConfigTypeError
 from .._core.limits import observe_calls, parked
 from .._core.tasksets import Taskset, TasksetConfig
 from .._env.env import (
@@ -119,6 +120,7 @@ class AsyncioModelContext:
     context: ModelContext
     loop: Any = attrs.field(repr=False)
 
+    # duplicates: read-only views of the trio context's model and sampling
     @property
     def model(self) -> str:
         return self.context.model
@@ -233,9 +235,10 @@ def _is_verifiers(obj: object, module: str, name: str) -> bool:
 
 
 def _check_call(owner: str, name: str, fn: object, params: tuple[str, ...], is_async: bool) -> None:
-    """`fn` can be called as the protocol calls it: `TypeError` naming the mismatch."""
+    """`fn` can be called as the protocol calls it: a `ConfigTypeError` naming the mismatch
+    (and ``aio_env``)."""
     if not callable(fn):
-        raise TypeError(f"the asyncio env's {name} must be callable")
+        raise ConfigTypeError(f"the asyncio env's {name} must be callable", parameter="aio_env")
     call = f"{name}({', '.join(params)})"
     try:
         signature = inspect.signature(fn)
@@ -249,13 +252,17 @@ def _check_call(owner: str, name: str, fn: object, params: tuple[str, ...], is_a
             parameters=[p.replace(annotation=empty) for p in signature.parameters.values()],
             return_annotation=empty,
         )
-        raise TypeError(
+        raise ConfigTypeError(
             f"{owner}.{name}{bare} cannot be called as {call}, as the asyncio env protocol "
-            f"calls it ({exc})"
+            f"calls it ({exc})",
+            parameter="aio_env",
         ) from None
     method = getattr(fn, "__call__", None)  # noqa: B004 - an object with an async __call__
     if is_async and not (inspect.iscoroutinefunction(fn) or inspect.iscoroutinefunction(method)):
-        raise TypeError(f"{owner}.{name} must be a coroutine function (async def {call})")
+        raise ConfigTypeError(
+            f"{owner}.{name} must be a coroutine function (async def {call})",
+            parameter="aio_env",
+        )
 
 
 def _check_protocol(aio_env: object) -> None:
@@ -263,26 +270,30 @@ def _check_protocol(aio_env: object) -> None:
     docstring), naming what is missing or mismatched."""
     owner = type(aio_env).__name__
     if isinstance(aio_env, Env):
-        raise TypeError(
+        raise ConfigTypeError(
             f"{owner} is already a trio env (a tt.Env): run it as it is; "
-            f"bridge_env takes an asyncio env"
+            f"bridge_env takes an asyncio env",
+            parameter="aio_env",
         )
     if _is_verifiers(aio_env, "verifiers.v1.env", "Env"):
-        raise TypeError(
+        raise ConfigTypeError(
             f"{owner} is a verifiers v1 Env: its run_slot takes verifiers' RunSlot and returns "
             f"verifiers' Episode, not the asyncio env protocol bridge_env drives. Run it with "
-            f"tt.aio.verifiers_env(env) (or tt.aio.verifiers_env('taskset-id', **env_config))"
+            f"tt.aio.verifiers_env(env) (or tt.aio.verifiers_env('taskset-id', **env_config))",
+            parameter="aio_env",
         )
     if not hasattr(aio_env, "taskset"):
-        raise TypeError(
+        raise ConfigTypeError(
             f"an asyncio env needs a `taskset` attribute (and optionally rollout, run_slot, "
-            f"score, serving, retries); {owner} has none"
+            f"score, serving, retries); {owner} has none",
+            parameter="aio_env",
         )
     taskset = aio_env.taskset
     if _is_verifiers(taskset, "verifiers.v1.taskset", "Taskset"):
-        raise TypeError(
+        raise ConfigTypeError(
             f"{owner}.taskset is a verifiers Taskset ({type(taskset).__name__}): run verifiers "
-            f"envs with tt.aio.verifiers_env('taskset-id', **env_config)"
+            f"envs with tt.aio.verifiers_env('taskset-id', **env_config)",
+            parameter="aio_env",
         )
     if not isinstance(taskset, Taskset):
         for name in ("stream", "load"):
@@ -330,7 +341,9 @@ class BridgedEnv(Env[TaskT]):
 
     `serving()` opens the asyncio loop and holds the asyncio env's ``serving()``; `run_slot`
     must run under it (it raises `RuntimeError` otherwise). Raises `TrioAsyncioUnavailable`
-    where trio-asyncio cannot import.
+    where trio-asyncio cannot import, and a `ConfigTypeError` (a TypeError) naming ``aio_env``
+    for an object that does not follow the asyncio env protocol (or ``taskset`` and
+    ``aio_env`` when both are given).
     """
 
     aio_env_class: ClassVar[Callable[..., Any] | None] = None
@@ -354,19 +367,24 @@ class BridgedEnv(Env[TaskT]):
         if aio_env is None:
             factory = type(self).aio_env_class
             if factory is None:
-                raise TypeError(
-                    f"{type(self).__name__}: pass aio_env=, or set aio_env_class on the class "
-                    f"(or use tt.aio.bridge_env(aio_env))"
+                raise ConfigTypeError(
+                    f"{type(self).__name__}: pass {{aio_env}}=, or set aio_env_class on the "
+                    f"class (or use tt.aio.bridge_env(aio_env))",
+                    parameter="aio_env",
                 )
             aio_env = factory() if taskset is None else factory(taskset)
         elif taskset is not None:
-            raise TypeError("pass either a taskset (to build aio_env_class) or aio_env, not both")
+            raise ConfigTypeError(
+                "pass either a {taskset} (to build aio_env_class) or {aio_env}, not both",
+                parameter=("taskset", "aio_env"),
+            )
         _check_protocol(aio_env)
         if retries is None:
             retries = getattr(aio_env, "retries", None)
             if retries is not None and not isinstance(retries, RetryPolicy):
-                raise TypeError(
-                    f"the asyncio env's retries must be a tt.RetryPolicy, got {retries!r}"
+                raise ConfigTypeError(
+                    f"the asyncio env's retries must be a tt.RetryPolicy, got {retries!r}",
+                    parameter="aio_env",
                 )
         self.aio_env: Any = aio_env
         super().__init__(
@@ -448,6 +466,7 @@ class BridgedEnv(Env[TaskT]):
                 value = await self._aio(_await, value)
         return value if isinstance(value, Mapping) else float(value)
 
+    # duplicates: Env.run_slot's signature, which this overrides
     async def run_slot(
         self,
         slot: RunSlot[TaskT],
@@ -580,9 +599,10 @@ def bridge_env(
     `rollout`, `run_slot`, `score`, `serving`, `retries`; `rollout_limits` bound its episodes as
     `tt.Env`'s (its own `run_slot` included). The result is driven like any env:
     `tt.run_eval(env, ctx, config)`, or `async with env.serving(), env.taskset.channel() as
-    tasks:` then `env.run_slot(slot, ctx)` per task. Raises `TypeError` for an object that is not
-    an asyncio env, `TrioAsyncioUnavailable` where trio-asyncio cannot import (Python 3.14).
-    For the served path, declare a `BridgedEnv` subclass at module level instead.
+    tasks:` then `env.run_slot(slot, ctx)` per task. Raises a `ConfigTypeError` (a TypeError)
+    naming ``aio_env`` for an object that is not an asyncio env, `TrioAsyncioUnavailable`
+    where trio-asyncio cannot import (Python 3.14). For the served path, declare a
+    `BridgedEnv` subclass at module level instead.
     """
     trio_asyncio_module()
     return BridgedEnv(

@@ -10,7 +10,7 @@ from typing import Any, ClassVar, TypeVar, cast
 import trio
 
 from .._core.exceptions import ConfigTypeError
-from .._core.tasksets import Taskset, TasksetConfig, aclose_source, stream_view
+from .._core.tasksets import Taskset, TasksetConfig, aclose_source, guarded_tasks, stream_view
 from ._loop import LoopKind, add_note, bridge_loop, call_aio, open_loop, trio_asyncio_module
 
 __all__ = ["AsyncioTaskset", "as_taskset"]
@@ -93,26 +93,18 @@ class AsyncioTaskset(Taskset[TaskT, ConfigT]):
         if loop is None and self.asyncio_loop == "trio-asyncio":
             loop = trio_asyncio_module().current_loop.get()
         if loop is not None:
-            async with trio.as_safe_channel(self._bridged_tasks)(loop) as tasks:
+            async with trio.as_safe_channel(guarded_tasks)(self._bridged(loop)) as tasks:
                 yield tasks
             return
         async with (
             open_loop(self.asyncio_loop) as own,
-            trio.as_safe_channel(self._bridged_tasks)(own) as tasks,
+            trio.as_safe_channel(guarded_tasks)(self._bridged(own)) as tasks,
         ):
             yield tasks
 
-    async def _bridged_tasks(self, loop: Any) -> AsyncGenerator[TaskT, None]:
-        # As Taskset._tasks: only the channel's background task iterates this, the guard is
-        # entered before the first pull and shielded only for the close.
-        with trio.CancelScope() as guard:
-            source = stream_view(_TrioView(self, loop))
-            try:
-                async for task in source:
-                    yield task
-            finally:
-                guard.shield = True
-                await aclose_source(source)
+    def _bridged(self, loop: Any) -> Callable[[], AsyncIterator[TaskT]]:
+        """What opens the asyncio `stream()` on `loop`, views applied, as a trio iterator."""
+        return lambda: stream_view(_TrioView(self, loop))
 
 
 def _feed_view_class() -> Callable[[Any], Taskset[Any, Any]]:

@@ -70,6 +70,23 @@ class _Bridge:
         with contextlib.suppress(trio.RunFinishedError):
             self._token.run_sync_soon(fn, *args)
 
+    def _start(
+        self,
+        future: asyncio.Future[Any],
+        scope: trio.CancelScope,
+        run: Callable[[], Awaitable[None]],
+    ) -> asyncio.Future[Any]:
+        """`trio_as_future`'s end: start `run` as a trio task (it settles `future` in `scope`)
+        and cancel `scope` when the future is cancelled; `future`."""
+
+        def cancelled(done: asyncio.Future[Any]) -> None:
+            if done.cancelled():
+                self._to_trio(scope.cancel)
+
+        future.add_done_callback(cancelled)
+        self._to_trio(self._nursery.start_soon, run)
+        return future
+
 
 def _raise_unwound(task: asyncio.Task[Any]) -> None:
     """After a trio cancellation cancelled `task` and it ended: the real error it raised while
@@ -124,13 +141,7 @@ class HostLoop(_Bridge):
                 if not future.done():  # cancelled: by the future's owner, or the run ended
                     future.cancel()
 
-        def cancelled(done: asyncio.Future[Any]) -> None:
-            if done.cancelled():
-                self._to_trio(scope.cancel)
-
-        future.add_done_callback(cancelled)
-        self._to_trio(self._nursery.start_soon, run)
-        return future
+        return self._start(future, scope, run)
 
 
 @asynccontextmanager
@@ -202,13 +213,7 @@ class ThreadLoop(_Bridge):
                 with contextlib.suppress(RuntimeError):  # the loop is closed already
                     loop.call_soon_threadsafe(settle, *outcome)
 
-        def cancelled(done: asyncio.Future[Any]) -> None:
-            if done.cancelled():
-                self._to_trio(scope.cancel)
-
-        future.add_done_callback(cancelled)
-        self._to_trio(self._nursery.start_soon, run)
-        return future
+        return self._start(future, scope, run)
 
 
 def _native_loop() -> asyncio.AbstractEventLoop:

@@ -337,13 +337,7 @@ def vf_model_context(ctx: ModelContext) -> Any:
             parameter="client",
         )
     sampling: Sampling = ctx.sampling
-    knobs: dict[str, Any] = {
-        "temperature": sampling.temperature,
-        "top_p": sampling.top_p,
-        "max_tokens": sampling.max_tokens,
-        "seed": sampling.seed,
-    }
-    values = {name: value for name, value in knobs.items() if value is not None}
+    values = sampling.named_settings()
     values.update(sampling.extra)
     timeout = float(travel["timeout"])
     endpoint = vf.EvalClientConfig(

@@ -124,15 +124,9 @@ class RedisStreamTaskset(Taskset[RedisTask, TasksetConfig]):
         finally:
             link.close()
 
-    async def stream(self) -> AsyncIterator[RedisTask]:
-        reader = _Reader(self, plain_task)
-        try:
-            if not await reader.open():
-                return
-            while (task := await reader.next()) is not None:
-                yield task
-        finally:
-            reader.close()
+    def stream(self) -> AsyncIterator[RedisTask]:
+        """The claimed entries as plain tasks (`claims` of `plain_task`)."""
+        return self.claims(plain_task)
 
     async def claims(
         self, build: Callable[[Delivery], T], *, room: Callable[[], int] | None = None

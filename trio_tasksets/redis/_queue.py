@@ -48,6 +48,7 @@ class RedisTaskQueue:
     entry is taken for a dead worker's and reclaimed (held entries are kept alive every
     `claim_idle / 3` s); `block`: the longest one read waits (so a stop waits for it)."""
 
+    # duplicates: RedisStreamTaskset's stream settings: a queue and a taskset over one stream
     def __init__(
         self,
         url: str,

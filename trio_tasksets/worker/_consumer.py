@@ -49,6 +49,7 @@ from .._core.runner import as_completed, pick_one
 from .._core.tasksets import Task, Taskset, TasksetConfig
 from .._core.window import Window
 from .._env.env import (
+    # duplicates: the env names the consumer uses, which the package also exports flat
     DeadlineExceededError,
     Env,
     Episode,
