@@ -30,7 +30,6 @@ __all__ = [
     "UsageError",
     "add_time_limit_option",
     "add_window_option",
-    "given",
     "names",
     "per_minute",
     "seconds",
@@ -141,11 +140,6 @@ class HelpFormatter(argparse.HelpFormatter):
 def names(text: str) -> tuple[str, ...]:
     """The comma-separated names of an option such as `--retry-on A,B`."""
     return tuple(part.strip() for part in text.split(",") if part.strip())
-
-
-def given(args: argparse.Namespace, dest: str) -> bool:
-    """Whether an option whose default is None (a 'not given' sentinel) was given."""
-    return getattr(args, dest, None) is not None
 
 
 # --- argparse types (argparse names the flag: "argument --rpm: must be ...") ------------------

@@ -24,9 +24,9 @@ from .._serve.wire import MAX_BODY_BYTES, READY_PREFIX
 if TYPE_CHECKING:
     from .options import Commands
 
-from .env_options import add_env_options, build_env, env_spec
+from .env_options import add_env_options, build_env, env_options, env_spec
 from .heap import settle_heap
-from .model_options import add_endpoint_options, base_urls, engine_metrics_urls
+from .model_options import add_endpoint_options, endpoints, engine_metrics_urls
 from .options import (
     PARAMETER_FLAGS,
     CommandError,
@@ -272,20 +272,28 @@ def serve_command(args: argparse.Namespace) -> ServeCommand:
     token = _token(args.token_var, host)
     allow_hosts = tuple[str, ...](args.allow_host)
     _check_wildcard(host, allow_hosts)
+    given = endpoints(args)
     if args.model_policy is not None:  # a worker of a pool: its parent's policy, as data
         models = _policy_of_json(args.model_policy)
     else:
         models = _policy(
-            [*args.allow_base_url], base_urls(args), engine_metrics_urls(args), args.api_key_var,
-            max_retries=args.max_model_retries, min_backoff=args.min_model_backoff,
+            [*args.allow_base_url], list(given.base_urls), engine_metrics_urls(given),
+            args.api_key_var, max_retries=args.max_model_retries,
+            min_backoff=args.min_model_backoff,
         )  # fmt: skip
     limits = Limits(
         max_body=args.max_body_bytes, max_runs=args.max_runs_per_connection,
         header_timeout=args.header_timeout, idle_timeout=args.idle_timeout,
         model_clients=args.max_model_clients,
     )  # fmt: skip
-    spec = env_spec(args)
-    env = build_env(args, check_retry_names=not args.die_with_parent)
+    env_given = env_options(
+        args, reward=args.reward, backoff=(args.retry_backoff, args.retry_max_backoff),
+        env_spec=args.env_spec,
+    )  # fmt: skip
+    spec = env_spec(env_given)
+    env = build_env(
+        env_given, endpoint=given.base_url is not None, check_retry_names=not args.die_with_parent
+    )
     return ServeCommand(
         host=host, port=args.port, workers=args.workers, token_var=args.token_var, token=token,
         allow_hosts=allow_hosts, allow_origins=tuple(args.allow_origin), models=models,

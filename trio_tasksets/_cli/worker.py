@@ -24,9 +24,11 @@ from .env_options import (
     build_env,
     build_taskset,
     check_retry_flags,
+    env_options,
+    taskset_options,
 )
 from .heap import settle_heap
-from .model_options import add_model_options, check_engine_metrics, model_context
+from .model_options import add_model_options, check_engine_metrics, model_context, model_options
 from .options import (
     PARAMETER_FLAGS,
     HelpFormatter,
@@ -178,10 +180,11 @@ def worker_command(args: argparse.Namespace) -> WorkerCommand:
         window = build_window(config.max_concurrent, parameter="max_concurrent")
     except ConfigError as exc:
         raise _usage(exc) from None
-    check_engine_metrics(args, args.max_concurrent)
-    check_retry_flags(args)
-    env = build_env(args)
-    ctx = model_context(args)
+    given, model = env_options(args), model_options(args)
+    check_engine_metrics(model, args.max_concurrent)
+    check_retry_flags(given)
+    env = build_env(given, endpoint=model.base_url is not None)
+    ctx = model_context(model)
     return WorkerCommand(config, window, env, ctx, own_process=args.tt_own_process)
 
 
@@ -240,7 +243,7 @@ def enqueue_command(args: argparse.Namespace) -> EnqueueCommand:
     n: int | None = args.num_examples
     if n is not None and n < 0:
         raise UsageError(f"-n/--num-examples must be >= 0, got {n}")
-    taskset, _env_class = build_taskset(args)  # a bad TASKSET or -a is a UsageError too
+    taskset, _env_class = build_taskset(taskset_options(args))  # a bad one: a UsageError too
     if (taskset.streaming or taskset.INFINITE) and n is None:
         kind = "streams its tasks" if taskset.streaming else "is INFINITE"
         raise UsageError(
