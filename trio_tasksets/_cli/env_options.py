@@ -28,6 +28,7 @@ from .options import (
     PARAMETER_FLAGS,
     TASKSET_HELP,
     UsageError,
+    add_flags,
     flag_message,
     names,
     seconds,
@@ -67,15 +68,12 @@ def add_taskset_options(parser: argparse.ArgumentParser, *, optional: bool = Fal
     # The name `--serve` has passed to its server child since before -a existed.
     parser.add_argument("--taskset-config", dest="taskset_args", help=argparse.SUPPRESS)
     data = parser.add_argument_group("a data file TASKSET (data.jsonl, data.csv, hf:NAME)")
-    data.add_argument(
-        "--prompt-field", default=None, metavar="NAME",
-        help="the record field that is the prompt (default: prompt, else question)",
-    )  # fmt: skip
-    data.add_argument(
-        "--answer-field", default=None, metavar="NAME",
-        help="the record field that is the answer (default: answer); the other fields go to "
-        "the task's info",
-    )  # fmt: skip
+    add_flags(data, {
+        "--prompt-field NAME": "the record field that is the prompt (default: prompt, else "
+        "question)",
+        "--answer-field NAME": "the record field that is the answer (default: answer); the "
+        "other fields go to the task's info",
+    })  # fmt: skip
     data.add_argument(
         "--follow", action="store_true",
         help="with data.jsonl: a feed that follows the file as lines are appended (needs -n)",
@@ -137,56 +135,38 @@ def add_env_options(
     `--retry-on`, `--no-retry-on`: what `build_env` builds the env from."""
     add_taskset_options(parser, optional=optional_taskset)
     env = parser.add_argument_group("the env")
-    env.add_argument(
-        "--env-args", default=None, metavar="JSON",
-        help="with TASKSET vf:TASKSET_ID: verifiers' own env config keys (agent, taskset, "
-        "retries...) as a JSON object (default: none)",
-    )  # fmt: skip
-    env.add_argument(
-        "--env-class", default=None, metavar="TARGET",
-        help="an Env subclass (file.py:Class or pkg.mod:Class) that runs each slot "
-        "(default: tt.Env, or the Env class TASKSET names)",
-    )  # fmt: skip
-    prompt = env.add_mutually_exclusive_group()
-    prompt.add_argument(
-        "--system-prompt", default=None, metavar="TEXT",
-        help="the system prompt of every task (default: the taskset's own)",
-    )  # fmt: skip
-    prompt.add_argument(
-        "--system-prompt-file", default=None, metavar="PATH",
-        help="read the system prompt from PATH (default: the taskset's own)",
-    )  # fmt: skip
+    add_flags(env, {
+        "--env-args JSON": "with TASKSET vf:TASKSET_ID: verifiers' own env config keys (agent, "
+        "taskset, retries...) as a JSON object (default: none)",
+        "--env-class TARGET": "an Env subclass (file.py:Class or pkg.mod:Class) that runs each "
+        "slot (default: tt.Env, or the Env class TASKSET names)",
+    })  # fmt: skip
+    add_flags(env.add_mutually_exclusive_group(), {
+        "--system-prompt TEXT": "the system prompt of every task (default: the taskset's own)",
+        "--system-prompt-file PATH": "read the system prompt from PATH (default: the taskset's "
+        "own)",
+    })  # fmt: skip
     env.add_argument(
         "--retries", type=int, default=0, metavar="K", help="retry a failed episode up to K times"
     )
-    env.add_argument(
-        "--retry-on", default="", metavar="TYPES",
-        help="comma-separated exception type names to retry; base classes match too "
-        "(default: every type)",
-    )  # fmt: skip
-    env.add_argument(
-        "--no-retry-on", default="", metavar="TYPES",
-        help="comma-separated exception type names never to retry (default: none)",
-    )  # fmt: skip
-    env.add_argument(
-        "--rollout-timeout", type=seconds, default=None, metavar="S",
-        help="bound each attempt of an episode (rollout and scoring) to S seconds: a slower "
-        "one is cancelled and becomes an episode error, RolloutTimeoutError, retried per "
+    add_flags(env, {
+        "--retry-on TYPES": "comma-separated exception type names to retry; base classes match "
+        "too (default: every type)",
+        "--no-retry-on TYPES": "comma-separated exception type names never to retry (default: "
+        "none)",
+    }, default="")  # fmt: skip
+    add_flags(env, {
+        "--rollout-timeout S": "bound each attempt of an episode (rollout and scoring) to S "
+        "seconds: a slower one is cancelled and becomes an episode error, RolloutTimeoutError, "
+        "retried per --retries (default: no bound)",
+        "--working-limit S": "bound each attempt's working time to S seconds: wall time less its "
+        "waits on the limiters (--max-connections, --rpm, --tpm), Retry-After and retry "
+        "backoff; an attempt that reaches it is cut and scored, stop_reason \"working_limit\" "
+        "(default: no bound)",
+        "--stall-timeout S": "cancel an attempt in which no model or tool call finished for S "
+        "seconds of working time: it becomes an episode error, StalledError, retried per "
         "--retries (default: no bound)",
-    )  # fmt: skip
-    env.add_argument(
-        "--working-limit", type=seconds, default=None, metavar="S",
-        help="bound each attempt's working time to S seconds: wall time less its waits on "
-        "the limiters (--max-connections, --rpm, --tpm), Retry-After and retry backoff; "
-        "an attempt that reaches it is cut and scored, stop_reason \"working_limit\" "
-        "(default: no bound)",
-    )  # fmt: skip
-    env.add_argument(
-        "--stall-timeout", type=seconds, default=None, metavar="S",
-        help="cancel an attempt in which no model or tool call finished for S seconds of "
-        "working time: it becomes an episode error, StalledError, retried per --retries "
-        "(default: no bound)",
-    )  # fmt: skip
+    }, type=seconds)  # fmt: skip
     return env
 
 
@@ -363,18 +343,14 @@ def _check_fields(cls: type[Taskset[Any, Any]], fields: dict[str, Any]) -> None:
             )
 
 
+# A JSON value's kind, by its Python type (the first that matches).
+_JSON_KINDS = ((bool, "boolean"), (int | float, "number"), (str, "string"),
+               (list | tuple, "list"), (dict, "object"))  # fmt: skip
+
+
 def _json_kind(value: object) -> str:
-    if isinstance(value, bool):
-        return "boolean"
-    if isinstance(value, int | float):
-        return "number"
-    if isinstance(value, str):
-        return "string"
-    if isinstance(value, list | tuple):
-        return "list"
-    if isinstance(value, dict):
-        return "object"
-    return type(value).__name__
+    return next((name for kind, name in _JSON_KINDS if isinstance(value, kind)),
+                type(value).__name__)  # fmt: skip
 
 
 def _fits(value: object, default: object) -> bool:

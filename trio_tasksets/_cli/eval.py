@@ -51,7 +51,10 @@ from .options import (
     CommandError,
     HelpFormatter,
     UsageError,
+    add_flags,
     add_metrics_option,
+    add_output_options,
+    add_reward_option,
     add_time_limit_option,
     add_window_option,
     flag_message,
@@ -92,57 +95,42 @@ def add_parser(commands: Commands) -> argparse.ArgumentParser:
         allow_abbrev=False,  # the resume command rewrites --run-name and --resume by name
     )
     env = add_env_options(ev)
-    env.add_argument(
-        "--reward", default=None, metavar="TARGET",
-        help="score with this reward (file.py:function or pkg.mod:function: (task, completion) "
-        "-> a number or {'reward': ..., name: metric}) (default: the taskset's, else answer "
-        "match)",
+    add_reward_option(
+        env, help="score with this reward (file.py:function or pkg.mod:function: (task, "
+        "completion) -> a number or {'reward': ..., name: metric}) (default: the taskset's, "
+        "else answer match)",
     )  # fmt: skip
     run = ev.add_argument_group("the run")
-    run.add_argument(
-        "-n", "--num-examples", type=int, default=None, metavar="N",
-        help="take N tasks; required on a streaming or INFINITE taskset (default: every task "
-        "of a static taskset)",
-    )  # fmt: skip
-    run.add_argument(
-        "-r", "--rollouts-per-example", type=int, default=1, metavar="R", help="slots per task"
-    )
+    add_flags(run, {
+        "-n --num-examples N": "take N tasks; required on a streaming or INFINITE taskset "
+        "(default: every task of a static taskset)",
+    }, type=int)  # fmt: skip
+    add_flags(run, {"-r --rollouts-per-example R": "slots per task"}, type=int, default=1)
     add_window_option(run, help="the window: most rollouts in flight")
-    run.add_argument(
-        "--group", action="store_true",
-        help="a task's -r rollouts are one group: they run together, Env.score_group scores "
-        "them, their rows are written together (with `group` and `advantage`), and one that "
-        "fails after its retries fails the group",
+    add_flags(run, {
+        "--group": "a task's -r rollouts are one group: they run together, Env.score_group "
+        "scores them, their rows are written together (with `group` and `advantage`), and one "
+        "that fails after its retries fails the group",
+        "--shuffle": "shuffle a static taskset before taking N",
+    }, action="store_true")  # fmt: skip
+    add_flags(run, {"--seed S": "the seed of --shuffle (default: 0)"}, type=int)
+    add_flags(run, {
+        "--resume": "finish the owed rollouts of a run dir: --run-name's, or else the latest "
+        "run of this taskset and model in -o",
+    }, action="store_true")  # fmt: skip
+    add_output_options(
+        run, output_dir="outputs", output_help="where run dirs go",
+        run_name_help="the run dir's name (default: <Taskset>-<model>-<YYYYmmdd-HHMMSS>)",
     )  # fmt: skip
-    run.add_argument(
-        "--shuffle", action="store_true", help="shuffle a static taskset before taking N"
-    )
-    run.add_argument(
-        "--seed", type=int, default=None, metavar="S", help="the seed of --shuffle (default: 0)"
-    )
-    run.add_argument(
-        "--resume", action="store_true",
-        help="finish the owed rollouts of a run dir: --run-name's, or else the latest run of "
-        "this taskset and model in -o",
-    )  # fmt: skip
-    run.add_argument(
-        "-o", "--output-dir", default="outputs", metavar="DIR", help="where run dirs go"
-    )
-    run.add_argument(
-        "--run-name", default=None, metavar="NAME",
-        help="the run dir's name (default: <Taskset>-<model>-<YYYYmmdd-HHMMSS>)",
-    )  # fmt: skip
-    run.add_argument(
-        "--max-failures", type=_max_failures, default=None, metavar="N|FRACTION",
-        help="stop (exit 1) once N episodes failed, or once more than FRACTION of the planned "
-        "slots (of a stream: of the finished ones) failed (default: never stop early; exit 1 "
-        "only when no episode succeeded)",
-    )  # fmt: skip
-    run.add_argument(
-        "--max-consecutive-failures", type=int, default=None, metavar="N",
-        help="stop (exit 1) after N failed episodes in a row: a dead service fails every one "
-        "(default: never)",
-    )  # fmt: skip
+    add_flags(run, {
+        "--max-failures N|FRACTION": "stop (exit 1) once N episodes failed, or once more than "
+        "FRACTION of the planned slots (of a stream: of the finished ones) failed (default: "
+        "never stop early; exit 1 only when no episode succeeded)",
+    }, type=_max_failures)  # fmt: skip
+    add_flags(run, {
+        "--max-consecutive-failures N": "stop (exit 1) after N failed episodes in a row: a dead "
+        "service fails every one (default: never)",
+    }, type=int)  # fmt: skip
     add_time_limit_option(
         run, what="stop pulling, cancel the rollouts in flight and keep the finished rows "
         "(summary.json: stopped \"time_limit\"; exit 0 if any episode succeeded)",
@@ -151,29 +139,19 @@ def add_parser(commands: Commands) -> argparse.ArgumentParser:
     add_metrics_option(run)
     served = ev.add_argument_group("the served path")
     served.add_argument("--serve", action="store_true", help="run the env in a server process")
-    served.add_argument(
-        "--workers", type=int, default=1, metavar="K", help="server processes, with --serve"
-    )
-    served.add_argument(
-        "--server-url", default=None, metavar="URL",
-        help="use a running `trio-tasksets serve` (default: none: run in this process)",
-    )  # fmt: skip
-    served.add_argument(
-        "--token-var", default=None, metavar="NAME",
-        help=f"with --server-url: the environment variable holding its token "
+    add_flags(served, {"--workers K": "server processes, with --serve"}, type=int, default=1)
+    add_flags(served, {
+        "--server-url URL": "use a running `trio-tasksets serve` (default: none: run in this "
+        "process)",
+        "--token-var NAME": f"with --server-url: the environment variable holding its token "
         f"(default: {TOKEN_VAR})",
-    )  # fmt: skip
-    workers = ev.add_argument_group("over workers (trio-tasksets worker)")
-    workers.add_argument(
-        "--via", default=None, metavar="URL",
-        help="run the slots on `trio-tasksets worker`s through this Redis, e.g. "
+    })  # fmt: skip
+    add_flags(ev.add_argument_group("over workers (trio-tasksets worker)"), {
+        "--via URL": "run the slots on `trio-tasksets worker`s through this Redis, e.g. "
         "redis://127.0.0.1:6379/0 (the eval enqueues and collects; -c spans all workers; "
         "default: none: run in this process)",
-    )  # fmt: skip
-    workers.add_argument(
-        "--stream", default=None, metavar="S",
-        help="with --via: the workers' task stream (default: tasks)",
-    )  # fmt: skip
+        "--stream S": "with --via: the workers' task stream (default: tasks)",
+    })  # fmt: skip
     add_model_options(ev)
     return ev
 

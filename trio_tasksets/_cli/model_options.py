@@ -29,7 +29,7 @@ from .._models import (
 )
 from .._models.calls import TIMEOUT
 from .._models.engine import EngineMetrics
-from .options import DEFAULT_API_KEY_VAR, UsageError, per_minute, window_option
+from .options import DEFAULT_API_KEY_VAR, UsageError, add_flags, per_minute, window_option
 
 __all__ = [
     "Endpoints",
@@ -60,31 +60,19 @@ def add_model_options(parser: argparse.ArgumentParser) -> argparse._ArgumentGrou
         help=f"the environment variable holding the API key (default: {DEFAULT_API_KEY_VAR}; "
         f"no key is sent when it is unset)",
     )  # fmt: skip
-    model.add_argument(
-        "--timeout", type=float, default=None, metavar="S",
-        help="bound each model request as a whole, from connecting to the reply's last byte, "
-        "to S seconds (each retry has its own S; never past the rollout's deadline) "
+    add_flags(model, {
+        "--timeout S": "bound each model request as a whole, from connecting to the reply's "
+        "last byte, to S seconds (each retry has its own S; never past the rollout's deadline) "
         f"(default: {TIMEOUT:g})",
-    )  # fmt: skip
-    model.add_argument(
-        "--temperature", type=float, default=None, metavar="T", help="sampling temperature >= 0 "
-        "(default: the server's)",
-    )  # fmt: skip
-    model.add_argument(
-        "--max-tokens",
-        type=int,
-        default=None,
-        metavar="N",
-        help="most tokens per reply (default: the server's)",
-    )
-    model.add_argument(
-        "--top-p", type=float, default=None, metavar="P", help="nucleus sampling, in (0, 1] (default: the "
-        "server's)",
-    )  # fmt: skip
-    model.add_argument(
-        "--sampling-seed", type=int, default=None, metavar="N", help="the seed sent with each request "
-        "(default: none)",
-    )  # fmt: skip
+        "--temperature T": "sampling temperature >= 0 (default: the server's)",
+    }, type=float)  # fmt: skip
+    add_flags(model, {
+        "--max-tokens N": "most tokens per reply (default: the server's)",
+    }, type=int)  # fmt: skip
+    add_flags(model, {"--top-p P": "nucleus sampling, in (0, 1] (default: the server's)"},
+              type=float)  # fmt: skip
+    add_flags(model, {"--sampling-seed N": "the seed sent with each request (default: none)"},
+              type=int)  # fmt: skip
     model.add_argument(
         "-S", "--sampling-args", default=None, metavar="JSON",
         help="more request fields as a JSON object, merged into every request: e.g. "
@@ -97,25 +85,20 @@ def add_model_options(parser: argparse.ArgumentParser) -> argparse._ArgumentGrou
         help="ask the server for token ids and logprobs (vLLM's return_token_ids and "
         "logprobs); rows keep them per model call under `tokens`",
     )  # fmt: skip
-    model.add_argument(
-        "--echo-delay", type=float, default=None, metavar="S",
-        help="latency of the echo model, to watch the window work (default: 0)",
-    )  # fmt: skip
-    model.add_argument(
-        "--max-connections", type=window_option, default=None, metavar="N|MIN-START-MAX",
-        help="most model calls in flight to the endpoint (--base-url and its key variable), "
-        "across every rollout of this process: a rollout's every call counts; MIN-START-MAX "
-        "adapts it on the calls' 429s (default: no bound)",
-    )  # fmt: skip
-    model.add_argument(
-        "--rpm", type=per_minute, default=None, metavar="N",
-        help="most model calls started per minute, spread evenly (GCRA) (default: no limit)",
-    )  # fmt: skip
-    model.add_argument(
-        "--tpm", type=per_minute, default=None, metavar="N",
-        help="most tokens per minute, metered from the replies' usage; --max-tokens is "
+    add_flags(model, {
+        "--echo-delay S": "latency of the echo model, to watch the window work (default: 0)",
+    }, type=float)  # fmt: skip
+    add_flags(model, {
+        "--max-connections N|MIN-START-MAX": "most model calls in flight to the endpoint "
+        "(--base-url and its key variable), across every rollout of this process: a rollout's "
+        "every call counts; MIN-START-MAX adapts it on the calls' 429s (default: no bound)",
+    }, type=window_option)  # fmt: skip
+    add_flags(model, {
+        "--rpm N": "most model calls started per minute, spread evenly (GCRA) (default: no "
+        "limit)",
+        "--tpm N": "most tokens per minute, metered from the replies' usage; --max-tokens is "
         "reserved before each call (default: no limit)",
-    )  # fmt: skip
+    }, type=per_minute)  # fmt: skip
     return model
 
 

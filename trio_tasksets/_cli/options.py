@@ -16,7 +16,8 @@ from __future__ import annotations
 import argparse
 import math
 import sys
-from typing import TYPE_CHECKING
+from collections.abc import Mapping
+from typing import TYPE_CHECKING, Any
 
 from .._core.adaptive import AdaptiveBounds, WindowArgumentError, parse_window
 from .._core.exceptions import ConfigError, EvalWarning, TrioTasksetsError
@@ -28,6 +29,7 @@ __all__ = [
     "CommandError",
     "HelpFormatter",
     "UsageError",
+    "add_flags",
     "add_time_limit_option",
     "add_window_option",
     "names",
@@ -173,6 +175,19 @@ def per_minute(text: str) -> float:
     return _positive(text, "units per minute")
 
 
+def add_flags(
+    group: argparse._ActionsContainer, options: Mapping[str, str], **settings: Any
+) -> None:
+    """Add each of `options`, written as its usage (``"-o --output-dir DIR"``: its flags, then
+    its metavar when it takes a value) with its help; each takes the same argparse `settings`
+    (`type`, `default`, `action`): the options of a group that differ only in name and help."""
+    for usage, text in options.items():
+        words = usage.split()
+        flags = [word for word in words if word.startswith("-")]
+        metavar: dict[str, Any] = {} if words[-1].startswith("-") else {"metavar": words[-1]}
+        group.add_argument(*flags, help=text, **settings, **metavar)
+
+
 def add_window_option(group: argparse._ActionsContainer, *, help: str) -> None:
     """`-c/--max-concurrent N|MIN-START-MAX` (default 32): an int or `AdaptiveBounds`."""
     group.add_argument(
@@ -182,19 +197,34 @@ def add_window_option(group: argparse._ActionsContainer, *, help: str) -> None:
     )  # fmt: skip
 
 
-def add_metrics_option(parser: argparse.ArgumentParser | argparse._ArgumentGroup) -> None:
+def add_metrics_option(parser: argparse._ActionsContainer) -> None:
     """`--metrics-port N` (eval, worker, serve): Prometheus text at 127.0.0.1:N/metrics."""
-    parser.add_argument(
-        "--metrics-port", type=int, default=None, metavar="N",
-        help="serve the run's counters and health (scheduler lag, in flight, waits) as "
-        "Prometheus text at http://127.0.0.1:N/metrics while it runs; 0 picks a free port "
-        "(printed) (default: none; needs the metrics extra)",
-    )  # fmt: skip
+    add_flags(parser, {
+        "--metrics-port N": "serve the run's counters and health (scheduler lag, in flight, "
+        "waits) as Prometheus text at http://127.0.0.1:N/metrics while it runs; 0 picks a free "
+        "port (printed) (default: none; needs the metrics extra)",
+    }, type=int)  # fmt: skip
 
 
 def add_time_limit_option(group: argparse._ActionsContainer, *, what: str) -> None:
     """`--time-limit S` (default: none)."""
-    group.add_argument(
-        "--time-limit", type=seconds, default=None, metavar="S",
-        help=f"after S seconds, {what} (default: no limit)",
-    )  # fmt: skip
+    add_flags(group, {"--time-limit S": f"after S seconds, {what} (default: no limit)"},
+              type=seconds)  # fmt: skip
+
+
+def add_reward_option(
+    group: argparse._ActionsContainer, *, help: str, required: bool = False
+) -> None:
+    """`--reward TARGET` (eval, serve, rescore): a reward function, file.py:function or
+    pkg.mod:function."""
+    group.add_argument("--reward", required=required, metavar="TARGET", help=help)
+
+
+def add_output_options(
+    group: argparse._ActionsContainer, *, output_dir: str | None, output_help: str,
+    run_name_help: str,
+) -> None:  # fmt: skip
+    """`-o/--output-dir DIR` (default `output_dir`) and `--run-name NAME` (eval, rescore):
+    where the run dir goes, and its name."""
+    add_flags(group, {"-o --output-dir DIR": output_help}, default=output_dir)
+    add_flags(group, {"--run-name NAME": run_name_help})

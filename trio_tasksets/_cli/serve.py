@@ -32,7 +32,9 @@ from .options import (
     CommandError,
     HelpFormatter,
     UsageError,
+    add_flags,
     add_metrics_option,
+    add_reward_option,
 )
 
 DEFAULTS = Limits()
@@ -61,56 +63,30 @@ def add_parser(commands: Commands) -> argparse.ArgumentParser:
         default=8000,
         help=f"port (0: the OS picks one; the '{READY_PREFIX}URL' line on stdout tells it)",
     )
-    sv.add_argument("--workers", type=int, default=1, metavar="K", help="worker processes")
+    add_flags(sv, {"--workers K": "worker processes"}, type=int, default=1)
     add_metrics_option(sv)
-    sv.add_argument(
-        "--token-var",
-        default=None,
-        metavar="NAME",
-        help="environment variable holding the bearer token every request must carry "
-        "(default: none: no token, loopback only)",
-    )
-    sv.add_argument(
-        "--max-body-bytes",
-        type=int,
-        default=MAX_BODY_BYTES,
-        metavar="N",
-        help="larger request bodies get 413 (default 1 MiB)",
-    )
-    access = sv.add_argument_group("who may talk to the server (docs/security.md)")
-    access.add_argument(
-        "--allow-host",
-        action="extend",
-        nargs="+",
-        default=[],
-        metavar="NAME",
-        help="Host names (NAME or NAME:PORT) served besides the bound one; required for a "
-        "wildcard --host; '*' serves any (behind a proxy that checks Host) (default: none)",
-    )
-    access.add_argument(
-        "--allow-origin",
-        action="extend",
-        nargs="+",
-        default=[],
-        metavar="ORIGIN",
-        help="browser Origins served (default none: a request from a web page is refused)",
-    )
+    add_flags(sv, {
+        "--token-var NAME": "environment variable holding the bearer token every request must "
+        "carry (default: none: no token, loopback only)",
+    })  # fmt: skip
+    add_flags(sv, {"--max-body-bytes N": "larger request bodies get 413 (default 1 MiB)"},
+              type=int, default=MAX_BODY_BYTES)  # fmt: skip
+    add_flags(sv.add_argument_group("who may talk to the server (docs/security.md)"), {
+        "--allow-host NAME": "Host names (NAME or NAME:PORT) served besides the bound one; "
+        "required for a wildcard --host; '*' serves any (behind a proxy that checks Host) "
+        "(default: none)",
+        "--allow-origin ORIGIN": "browser Origins served (default none: a request from a web "
+        "page is refused)",
+    }, action="extend", nargs="+", default=[])  # fmt: skip
     models = sv.add_argument_group("what a run may reach (docs/security.md)")
-    models.add_argument(
-        "--api-key-var",
-        default=None,
-        metavar="NAME",
-        help="the environment variable holding the model API key (read once at start); a "
-        "run may use this key or none, never another variable (default: none)",
-    )
-    models.add_argument(
-        "--allow-base-url",
-        action="extend",
-        nargs="+",
-        default=[],
-        metavar="URL",
-        help="the OpenAI-compatible endpoints a run may reach (default none: echo only)",
-    )
+    add_flags(models, {
+        "--api-key-var NAME": "the environment variable holding the model API key (read once "
+        "at start); a run may use this key or none, never another variable (default: none)",
+    })  # fmt: skip
+    add_flags(models, {
+        "--allow-base-url URL": "the OpenAI-compatible endpoints a run may reach (default none: "
+        "echo only)",
+    }, action="extend", nargs="+", default=[])  # fmt: skip
     add_endpoint_options(
         models,
         base_url_help="an endpoint runs may reach, as --allow-base-url; repeat it for many "
@@ -123,64 +99,34 @@ def add_parser(commands: Commands) -> argparse.ArgumentParser:
     # How a pool's workers get the model policy: as data (the key: from --api-key-var's
     # variable, read by each worker), never as flags.
     sv.add_argument("--model-policy", default=None, metavar="JSON", help=argparse.SUPPRESS)
-    models.add_argument(
-        "--max-model-retries",
-        type=int,
-        default=MAX_MODEL_RETRIES,
-        metavar="N",
-        help="the most retries a run's model client may ask for; a run asking more is refused "
-        f"with 403 (default {MAX_MODEL_RETRIES})",
-    )
-    models.add_argument(
-        "--min-model-backoff",
-        type=float,
-        default=MIN_MODEL_BACKOFF,
-        metavar="S",
-        help="seconds: a run's model client backoff below this is raised to it (default "
-        f"{MIN_MODEL_BACKOFF:g})",
-    )
+    add_flags(models, {
+        "--max-model-retries N": "the most retries a run's model client may ask for; a run "
+        f"asking more is refused with 403 (default {MAX_MODEL_RETRIES})",
+    }, type=int, default=MAX_MODEL_RETRIES)  # fmt: skip
+    add_flags(models, {
+        "--min-model-backoff S": "seconds: a run's model client backoff below this is raised "
+        f"to it (default {MIN_MODEL_BACKOFF:g})",
+    }, type=float, default=MIN_MODEL_BACKOFF)  # fmt: skip
     limits = sv.add_argument_group("limits per connection (docs/security.md)")
-    limits.add_argument(
-        "--max-runs-per-connection",
-        type=int,
-        default=DEFAULTS.max_runs,
-        metavar="N",
-        help=f"runs in flight on one WebSocket (default {DEFAULTS.max_runs})",
-    )
-    limits.add_argument(
-        "--header-timeout",
-        type=float,
-        default=DEFAULTS.header_timeout,
-        metavar="S",
-        help="seconds for a request head (and then its body) to arrive; also the keep-alive "
-        f"idle time (default {DEFAULTS.header_timeout:g})",
-    )
-    limits.add_argument(
-        "--idle-timeout",
-        type=float,
-        default=DEFAULTS.idle_timeout,
-        metavar="S",
-        help="seconds a WebSocket may stay idle (nothing in flight, sent or received) "
-        f"before it is closed (default {DEFAULTS.idle_timeout:g})",
-    )
-    limits.add_argument(
-        "--max-model-clients",
-        type=int,
-        default=DEFAULTS.model_clients,
-        metavar="N",
-        help=f"model clients kept open, least recently used closed (default "
-        f"{DEFAULTS.model_clients})",
-    )
-    env.add_argument(
-        "--reward", default=None, metavar="TARGET",
-        help="a reward function (default: the taskset's, else answer match)",
-    )  # fmt: skip
-    env.add_argument(
-        "--retry-backoff", type=float, default=FIRST, metavar="S", help="first retry's backoff cap"
-    )
-    env.add_argument(
-        "--retry-max-backoff", type=float, default=MOST, metavar="S", help="largest backoff"
-    )
+    add_flags(limits, {
+        "--max-runs-per-connection N": f"runs in flight on one WebSocket (default "
+        f"{DEFAULTS.max_runs})",
+    }, type=int, default=DEFAULTS.max_runs)  # fmt: skip
+    add_flags(limits, {
+        "--header-timeout S": "seconds for a request head (and then its body) to arrive; also "
+        f"the keep-alive idle time (default {DEFAULTS.header_timeout:g})",
+    }, type=float, default=DEFAULTS.header_timeout)  # fmt: skip
+    add_flags(limits, {
+        "--idle-timeout S": "seconds a WebSocket may stay idle (nothing in flight, sent or "
+        f"received) before it is closed (default {DEFAULTS.idle_timeout:g})",
+    }, type=float, default=DEFAULTS.idle_timeout)  # fmt: skip
+    add_flags(limits, {
+        "--max-model-clients N": f"model clients kept open, least recently used closed "
+        f"(default {DEFAULTS.model_clients})",
+    }, type=int, default=DEFAULTS.model_clients)  # fmt: skip
+    add_reward_option(env, help="a reward function (default: the taskset's, else answer match)")
+    add_flags(env, {"--retry-backoff S": "first retry's backoff cap"}, type=float, default=FIRST)
+    add_flags(env, {"--retry-max-backoff S": "largest backoff"}, type=float, default=MOST)
     sv.add_argument(
         "--die-with-parent",
         action="store_true",

@@ -33,6 +33,7 @@ from .options import (
     PARAMETER_FLAGS,
     HelpFormatter,
     UsageError,
+    add_flags,
     add_metrics_option,
     add_time_limit_option,
     add_window_option,
@@ -52,10 +53,9 @@ def _feed_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--feed", required=True, metavar="URL", help="the Redis URL, e.g. redis://127.0.0.1:6379/0"
     )
-    parser.add_argument(
-        "--stream", default="tasks", metavar="S",
-        help="the stream of tasks (the one `eval --via` writes by default)",
-    )  # fmt: skip
+    add_flags(parser, {
+        "--stream S": "the stream of tasks (the one `eval --via` writes by default)",
+    }, default="tasks")  # fmt: skip
 
 
 def add_parsers(subparsers: Commands) -> None:
@@ -71,25 +71,17 @@ def add_parsers(subparsers: Commands) -> None:
     add_env_options(worker, optional_taskset=True)
     _feed_options(worker)
     worker.add_argument("--group", default="workers", metavar="G", help="the consumer group")
-    worker.add_argument(
-        "--consumer", default=None, metavar="NAME", help="this worker's name (default host-pid)"
-    )
-    worker.add_argument(
-        "--results", default="results", metavar="R",
-        help="the results stream of entries that name none (an `eval --via`'s name their own)",
-    )  # fmt: skip
+    add_flags(worker, {"--consumer NAME": "this worker's name (default host-pid)"})
+    add_flags(worker, {
+        "--results R": "the results stream of entries that name none (an `eval --via`'s name "
+        "their own)",
+    }, default="results")  # fmt: skip
     add_window_option(worker, help="the window: most episodes in flight, and most entries held")
-    worker.add_argument(
-        "--claim-idle",
-        type=float,
-        default=60.0,
-        metavar="S",
-        help="reclaim a dead worker's entries once idle S seconds (default 60; live workers "
-        "keep theirs fresh every S/3 s)",
-    )
-    worker.add_argument(
-        "--grace", type=float, default=30.0, metavar="S", help="seconds for in-flight runs"
-    )
+    add_flags(worker, {
+        "--claim-idle S": "reclaim a dead worker's entries once idle S seconds (default 60; "
+        "live workers keep theirs fresh every S/3 s)",
+    }, type=float, default=60.0)  # fmt: skip
+    add_flags(worker, {"--grace S": "seconds for in-flight runs"}, type=float, default=30.0)
     add_time_limit_option(
         worker, what="shut down as on SIGTERM (in-flight runs get --grace seconds)"
     )
