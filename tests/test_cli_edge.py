@@ -5,7 +5,9 @@ naming the flag, found before any work; below it, no function sees an `argparse.
 from __future__ import annotations
 
 import ast
+import inspect
 from pathlib import Path
+from typing import Any
 
 import attrs
 import pytest
@@ -16,6 +18,7 @@ from trio_tasksets._cli.eval import eval_command
 from trio_tasksets._cli.main import _parse
 from trio_tasksets._cli.rescore import rescore_command
 from trio_tasksets._cli.serve import serve_command
+from trio_tasksets._core.exceptions import ConfigError
 
 CLI = Path(tt.__file__).parent / "_cli"
 
@@ -156,3 +159,32 @@ def test_eval_builds_the_library_objects(monkeypatch: pytest.MonkeyPatch) -> Non
     assert command.argv[:2] == ("eval", "echo")
     with pytest.raises(attrs.exceptions.FrozenInstanceError):
         command.env = command.env  # type: ignore[misc]
+
+
+def test_serve_spells_the_servers_real_parameters_as_its_flags() -> None:
+    """`serve`'s FLAGS names parameters that exist (`ModelPolicy`'s, `Limits`',
+    `Access.for_bind`'s), so each error of the model policy and each refusal is spelled as
+    the flag that sets it."""
+    from trio_tasksets._cli.options import PARAMETER_FLAGS
+    from trio_tasksets._cli.serve import FLAGS
+    from trio_tasksets._serve.policy import SETTINGS, Access, Limits, ModelPolicy
+
+    real = (
+        {field.name for field in attrs.fields(ModelPolicy)}
+        | {field.name for field in attrs.fields(Limits)}
+        | set(inspect.signature(Access.for_bind).parameters)
+    )
+    assert FLAGS.keys() - PARAMETER_FLAGS.keys() <= real
+    assert FLAGS.keys() >= SETTINGS
+    cases: list[tuple[dict[str, Any], str]] = [
+             ({"max_retries": -1}, "--max-model-retries must be >= 0"),
+             ({"min_backoff": -1.0}, "--min-model-backoff must be >= 0"),
+             ({"base_urls": ["ftp://x/v1"]}, "--allow-base-url: expected http://"),
+             ({"engine_metrics": [("http://h/v1", "ftp://m")]}, "--engine-metrics: "),
+             ({"api_key_var": "TT_EDGE_UNSET"}, "--api-key-var: environment variable")]  # fmt: skip
+    for given, said in cases:
+        settings: dict[str, Any] = {"base_urls": [], "api_key_var": None, **given}
+        with pytest.raises(ConfigError) as caught:
+            ModelPolicy.from_flags(environ={}, **settings)
+        assert caught.value.parameter in FLAGS
+        assert caught.value.spelled(FLAGS).startswith(said)

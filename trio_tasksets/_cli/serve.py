@@ -136,17 +136,25 @@ def add_parser(commands: Commands) -> argparse.ArgumentParser:
     return sv
 
 
-# The served path's settings, as this command spells them (a `ConfigError` from the model
-# policy or the env names these).
+# The server's settings, as this command spells them: a `ConfigError` from the model policy
+# or the env names them, and so does a refusal the server answers (`ServerApp(spelling=)`).
 FLAGS = {
     **PARAMETER_FLAGS,
+    # Access.for_bind's parameters
+    "allow_hosts": "--allow-host",
+    "allow_origins": "--allow-origin",
+    # ModelPolicy's (its fields, and from_flags' parameters)
     "base_urls": "--allow-base-url",
-    "allow_base_urls": "--allow-base-url",
     "api_key_var": "--api-key-var",
     "max_retries": "--max-model-retries",
     "min_backoff": "--min-model-backoff",
     "engine_metrics": "--engine-metrics",
-    "workers": "--workers",
+    # Limits' fields
+    "max_body": "--max-body-bytes",
+    "max_runs": "--max-runs-per-connection",
+    "header_timeout": "--header-timeout",
+    "idle_timeout": "--idle-timeout",
+    "model_clients": "--max-model-clients",
 }
 
 
@@ -253,7 +261,8 @@ def _policy_of_json(text: str) -> ModelPolicy:
     try:
         return ModelPolicy.from_json(text, os.environ)
     except (ValueError, KeyError, TypeError) as exc:
-        raise UsageError(f"--model-policy: {exc}") from None
+        said = exc.spelled(FLAGS) if isinstance(exc, ConfigError) else str(exc)
+        raise UsageError(f"--model-policy: {said}") from None
 
 
 def _policy(
@@ -358,7 +367,8 @@ def run(args: argparse.Namespace) -> int:
     settle_heap(command.own_process)  # the set-up is done: full collections no longer walk it
     if command.listen_fd is not None:  # a worker of a pool
         app = ServerApp(command.env, access=command.access(command.port), models=command.models,
-                        limits=command.limits, workers=command.workers)  # fmt: skip
+                        limits=command.limits, workers=command.workers,
+                        spelling=FLAGS)  # fmt: skip
         worker = partial(serve_worker, url=None, die_with_parent=command.die_with_parent)
         trio.run(worker, app, command.listen_fd)
         return 0
@@ -378,7 +388,7 @@ def run(args: argparse.Namespace) -> int:
                 command.die_with_parent,
             )  # fmt: skip
     app = ServerApp(command.env, access=command.access(port), models=command.models,
-                    limits=command.limits)  # fmt: skip
+                    limits=command.limits, spelling=FLAGS)  # fmt: skip
     serve = partial(serve_worker, url=url, die_with_parent=command.die_with_parent,
                     metrics_port=command.metrics_port)  # fmt: skip
     trio.run(serve, app, sock.detach())
