@@ -206,13 +206,15 @@ def _backend(slots: SlotOptions) -> DescribedBackend:
             raise UsageError("--workers applies to a server spawned with --serve, not to --via")
         try:
             from ..redis import ViaBackend
+            from ..redis._entries import stderr_log
         except ImportError as exc:
             raise UsageError(
                 f"--via needs hiredis ({exc})", fix="pip install 'trio-tasksets[redis]'"
             ) from None
+        log = stderr_log("trio-tasksets eval --via")  # its lines, as this command's
         if slots.stream is None:
-            return ViaBackend(slots.via)
-        return ViaBackend(slots.via, stream=slots.stream)
+            return ViaBackend(slots.via, log=log)
+        return ViaBackend(slots.via, stream=slots.stream, log=log)
     if slots.serve or slots.server_url is not None:
         return ServedBackend(
             server_url=slots.server_url, workers=slots.workers, token=_server_token(slots)
