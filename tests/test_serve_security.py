@@ -40,6 +40,7 @@ from trio_tasksets._env.traces import write_atomic
 from trio_tasksets._serve import EnvServerError
 from trio_tasksets._serve.policy import (
     Access,
+    Limits,
     ModelClients,
     ModelPolicy,
     RequestRefused,
@@ -204,6 +205,24 @@ def test_base_urls_are_compared_normalized_and_exactly() -> None:
         with pytest.raises(ConfigError, match="base_urls") as caught:
             ModelPolicy.from_flags(urls, None, {})
         assert caught.value.parameter == "base_urls"
+
+
+@pytest.mark.parametrize(
+    ("build", "name"),
+    [(lambda: Limits(max_runs=0), "max_runs"), (lambda: Limits(max_body=-1), "max_body"),
+     (lambda: Limits(header_timeout=0.0), "header_timeout"),
+     (lambda: Limits(idle_timeout=float("nan")), "idle_timeout"),
+     (lambda: Limits(model_clients=True), "model_clients"),
+     (lambda: ModelPolicy(max_retries=-1), "max_retries"),
+     (lambda: ModelPolicy(min_backoff=-0.1), "min_backoff"),
+     (lambda: ModelPolicy(engine_metrics=(("http://h/v1", "http://h/metrics"),)),
+      "engine_metrics")],
+)  # fmt: skip
+def test_the_servers_settings_are_valid_once_built(build: Callable[[], object], name: str) -> None:
+    with pytest.raises(ConfigError) as caught:
+        build()
+    assert caught.value.parameter == name
+    assert caught.value.spelled(SERVE_FLAGS).startswith(SERVE_FLAGS[name])
 
 
 def test_a_request_names_the_servers_key_variable_or_none() -> None:

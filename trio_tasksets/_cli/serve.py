@@ -215,12 +215,15 @@ class ServeCommand:
 def serve_command(args: argparse.Namespace) -> ServeCommand:
     """The server's objects from its command line; a bad value is a `UsageError` naming its
     flag (the only function of `serve` that reads `args`)."""
-    _check_numbers(
-        workers=args.workers, port=args.port, max_body_bytes=args.max_body_bytes,
-        max_runs_per_connection=args.max_runs_per_connection,
-        max_model_clients=args.max_model_clients, header_timeout=args.header_timeout,
-        idle_timeout=args.idle_timeout,
-    )  # fmt: skip
+    _check_numbers(workers=args.workers, port=args.port)
+    try:  # each a count >= 1 or a timeout > 0: a ConfigError naming it
+        limits = Limits(
+            max_body=args.max_body_bytes, max_runs=args.max_runs_per_connection,
+            header_timeout=args.header_timeout, idle_timeout=args.idle_timeout,
+            model_clients=args.max_model_clients,
+        )  # fmt: skip
+    except ConfigError as exc:
+        raise _usage(exc) from None
     _check_metrics_port(args.metrics_port, args.workers)
     host: str = args.host
     token = _token(args.token_var, host)
@@ -235,11 +238,6 @@ def serve_command(args: argparse.Namespace) -> ServeCommand:
             args.api_key_var, max_retries=args.max_model_retries,
             min_backoff=args.min_model_backoff,
         )  # fmt: skip
-    limits = Limits(
-        max_body=args.max_body_bytes, max_runs=args.max_runs_per_connection,
-        header_timeout=args.header_timeout, idle_timeout=args.idle_timeout,
-        model_clients=args.max_model_clients,
-    )  # fmt: skip
     env_given = env_options(
         args, reward=args.reward, backoff=(args.retry_backoff, args.retry_max_backoff),
         env_spec=args.env_spec,
@@ -334,30 +332,11 @@ def _check_metrics_port(port: int | None, workers: int) -> None:
         raise _usage(exc) from None
 
 
-def _check_numbers(
-    *,
-    workers: int,
-    port: int,
-    max_body_bytes: int,
-    max_runs_per_connection: int,
-    max_model_clients: int,
-    header_timeout: float,
-    idle_timeout: float,
-) -> None:
+def _check_numbers(*, workers: int, port: int) -> None:
     if workers < 1:
         raise UsageError(f"--workers must be >= 1, got {workers}")
     if not 0 <= port <= 65535:
         raise UsageError(f"--port must be in 0..65535, got {port}")
-    if max_body_bytes < 1:
-        raise UsageError(f"--max-body-bytes must be >= 1, got {max_body_bytes}")
-    for flag, value in (("--max-runs-per-connection", max_runs_per_connection),
-                        ("--max-model-clients", max_model_clients)):  # fmt: skip
-        if value < 1:
-            raise UsageError(f"{flag} must be >= 1, got {value}")
-    for flag, seconds in (("--header-timeout", header_timeout),
-                          ("--idle-timeout", idle_timeout)):  # fmt: skip
-        if not seconds > 0:
-            raise UsageError(f"{flag} must be > 0 seconds, got {seconds}")
 
 
 def run(args: argparse.Namespace) -> int:

@@ -27,7 +27,7 @@ import json
 import logging
 import re
 from collections import OrderedDict
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 from urllib.parse import urlsplit
 
@@ -253,6 +253,33 @@ def normalize_base_url(url: str) -> str:
     return f"{scheme}://{netloc}{parts.path.rstrip('/')}"
 
 
+def _count(least: int) -> Callable[[object, attrs.Attribute[Any], object], None]:
+    """A validator: an int >= `least`, else `ConfigError` naming the field."""
+
+    def check(instance: object, attribute: attrs.Attribute[Any], value: object) -> None:
+        if isinstance(value, bool) or not isinstance(value, int) or value < least:
+            name = attribute.name
+            raise ConfigError(f"{{{name}}} must be >= {least}, got {value!r}", parameter=name)
+
+    return check
+
+
+def _seconds(*, strict: bool) -> Callable[[object, attrs.Attribute[Any], object], None]:
+    """A validator: a number of seconds, > 0 (`strict`) or >= 0, else `ConfigError` naming
+    the field."""
+
+    def check(instance: object, attribute: attrs.Attribute[Any], value: object) -> None:
+        if (
+            isinstance(value, bool)
+            or not isinstance(value, int | float)
+            or not (value > 0 if strict else value >= 0)
+        ):
+            name, bound = attribute.name, "> 0" if strict else ">= 0"
+            raise ConfigError(f"{{{name}}} must be {bound} seconds, got {value!r}", parameter=name)
+
+    return check
+
+
 @attrs.frozen
 class ModelPolicy:
     """The model endpoints and the credential a run may use. Contract of `check`:
@@ -276,8 +303,8 @@ class ModelPolicy:
     base_urls: frozenset[str] = frozenset()
     api_key_var: str | None = None
     api_key: str | None = attrs.field(default=None, repr=False)
-    max_retries: int = attrs.field(default=MAX_MODEL_RETRIES, validator=attrs.validators.ge(0))
-    min_backoff: float = attrs.field(default=MIN_MODEL_BACKOFF, validator=attrs.validators.ge(0))
+    max_retries: int = attrs.field(default=MAX_MODEL_RETRIES, validator=_count(0))
+    min_backoff: float = attrs.field(default=MIN_MODEL_BACKOFF, validator=_seconds(strict=False))
     engine_metrics: tuple[tuple[str, str], ...] = attrs.field(default=())
 
     @engine_metrics.validator
@@ -455,14 +482,16 @@ class Limits:
       received before the server closes it (code 1001);
     - `model_clients`: model clients kept open (an LRU; an evicted one is closed once no run
       uses it).
+
+    Each count is >= 1 and each timeout > 0 seconds: else `ConfigError` naming the field.
     """
 
-    max_body: int = MAX_BODY_BYTES
-    max_runs: int = 1024
-    max_queued: int = 256
-    header_timeout: float = 10.0
-    idle_timeout: float = 60.0
-    model_clients: int = 16
+    max_body: int = attrs.field(default=MAX_BODY_BYTES, validator=_count(1))
+    max_runs: int = attrs.field(default=1024, validator=_count(1))
+    max_queued: int = attrs.field(default=256, validator=_count(1))
+    header_timeout: float = attrs.field(default=10.0, validator=_seconds(strict=True))
+    idle_timeout: float = attrs.field(default=60.0, validator=_seconds(strict=True))
+    model_clients: int = attrs.field(default=16, validator=_count(1))
 
 
 class ModelClients:
