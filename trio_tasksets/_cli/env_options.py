@@ -30,6 +30,7 @@ from .options import (
     UsageError,
     add_flags,
     flag_message,
+    json_object,
     names,
     seconds,
     warn,
@@ -222,20 +223,10 @@ def env_options(
 
 
 def _taskset_fields(given: TasksetOptions) -> dict[str, Any]:
-    text = given.taskset_args
-    if text is None:
+    if given.taskset_args is None:
         return {}
-    try:
-        fields = json.loads(text)
-    except ValueError as exc:
-        raise UsageError(
-            f"-a/--taskset-args is not JSON ({exc})", fix="""quote it: -a '{"field": 1}'"""
-        ) from None
-    if not isinstance(fields, dict):
-        raise UsageError(
-            f"-a/--taskset-args must be a JSON object, got {text!r}", fix="""-a '{"field": 1}'"""
-        )
-    return fields
+    example = """-a '{"field": 1}'"""
+    return json_object(given.taskset_args, "-a/--taskset-args", quoted=example, example=example)
 
 
 def _system_prompt(options: EnvOptions) -> str | None:

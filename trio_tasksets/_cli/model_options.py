@@ -9,7 +9,6 @@ below takes that object."""
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import os
 from typing import Any
@@ -29,7 +28,14 @@ from .._models import (
 )
 from .._models.calls import TIMEOUT
 from .._models.engine import EngineMetrics
-from .options import DEFAULT_API_KEY_VAR, UsageError, add_flags, per_minute, window_option
+from .options import (
+    DEFAULT_API_KEY_VAR,
+    UsageError,
+    add_flags,
+    json_object,
+    per_minute,
+    window_option,
+)
 
 __all__ = [
     "Endpoints",
@@ -215,21 +221,13 @@ _OWNED = {"model": "-m/--model", "messages": "the taskset's prompts",
 def _sampling_args(options: ModelOptions) -> tuple[dict[str, Any], dict[str, Any]]:
     """`-S/--sampling-args JSON`: (the values of named sampling fields it gives, the other
     request fields)."""
-    text = options.sampling_args
-    if text is None:
+    if options.sampling_args is None:
         return {}, {}
-    try:
-        fields = json.loads(text)
-    except ValueError as exc:
-        raise UsageError(
-            f"-S/--sampling-args is not JSON ({exc})",
-            fix="""quote it: -S '{"response_format": {"type": "json_object"}}'""",
-        ) from None
-    if not isinstance(fields, dict):
-        raise UsageError(
-            f"-S/--sampling-args must be a JSON object of request fields, got {text!r}",
-            fix="""-S '{"stop": ["\\n"]}'""",
-        )
+    fields = json_object(
+        options.sampling_args, "-S/--sampling-args", what="a JSON object of request fields",
+        quoted="""-S '{"response_format": {"type": "json_object"}}'""",
+        example="""-S '{"stop": ["\\n"]}'""",
+    )  # fmt: skip
     named: dict[str, Any] = {}
     extra: dict[str, Any] = {}
     for key, value in fields.items():

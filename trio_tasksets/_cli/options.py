@@ -14,6 +14,7 @@ and the fix; a value argparse cannot parse is refused by argparse, naming the fl
 from __future__ import annotations
 
 import argparse
+import json
 import math
 import sys
 from collections.abc import Mapping
@@ -32,6 +33,7 @@ __all__ = [
     "add_flags",
     "add_time_limit_option",
     "add_window_option",
+    "json_object",
     "names",
     "per_minute",
     "seconds",
@@ -142,6 +144,20 @@ class HelpFormatter(argparse.HelpFormatter):
 def names(text: str) -> tuple[str, ...]:
     """The comma-separated names of an option such as `--retry-on A,B`."""
     return tuple(part.strip() for part in text.split(",") if part.strip())
+
+
+def json_object(
+    text: str, flag: str, *, quoted: str, example: str, what: str = "a JSON object"
+) -> dict[str, Any]:
+    """A flag's JSON value (`-a`, `-S`) as a dict: a `UsageError` naming `flag` if it is not
+    JSON (fix: `quoted`, the value quoted for a shell) or not `what` (fix: `example`)."""
+    try:
+        value = json.loads(text)
+    except ValueError as exc:
+        raise UsageError(f"{flag} is not JSON ({exc})", fix=f"quote it: {quoted}") from None
+    if not isinstance(value, dict):
+        raise UsageError(f"{flag} must be {what}, got {text!r}", fix=example)
+    return value
 
 
 # --- argparse types (argparse names the flag: "argument --rpm: must be ...") ------------------
