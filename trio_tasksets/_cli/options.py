@@ -1,14 +1,17 @@
-"""What the commands share: their errors and help format, small argparse types, and the run's
-limits (`eval`, `worker`). The env options are `env_options`, the model options
-`model_options`.
+"""What the commands share: their errors and help format, small argparse types, the option
+groups several commands take, and how the library's parameters are spelled as flags
+(`PARAMETER_FLAGS`). The env options are `env_options`, the model options `model_options`.
 
-`add_env_options` / `build_env`: TASKSET, `-a/--taskset-args`, `--env-class`, the system
-prompt, the retry policy and `--rollout-timeout`, built into the user's `Env`.
-`add_model_options` / `model_context`: the model client, its endpoint and key, the sampling
-settings, and the limits on its calls (`--max-connections`, `--rpm`, `--tpm`).
-`add_window_option` (`-c/--max-concurrent N|MIN-START-MAX`) and `add_time_limit_option`
-(`--time-limit S`). Each builder checks its values and raises `UsageError` naming the flag
-and the fix; a value argparse cannot parse is refused by argparse, naming the flag.
+Each command turns its arguments into the library's objects at its edge: its
+`*_command(args)` reads them once (the shared groups through `env_options(args)`,
+`model_options(args)`, ...: frozen objects) and nothing below sees the `Namespace`.
+
+`add_flags` declares the options of a group that differ only in name and help;
+`add_window_option` (`-c/--max-concurrent N|MIN-START-MAX`), `add_time_limit_option`
+(`--time-limit S`), `add_metrics_option`, `add_reward_option` and `add_output_options` are
+the groups several commands share. Each builder checks its values and raises `UsageError`
+naming the flag and the fix; a value argparse cannot parse is refused by argparse, naming
+the flag.
 """
 
 from __future__ import annotations
