@@ -9,14 +9,14 @@ from pathlib import Path
 import pytest
 
 import trio_tasksets as tt
-from trio_tasksets._cli.eval import _build
+from trio_tasksets._cli.eval import eval_command
 from trio_tasksets._cli.main import main, parser
 
 
 def built(monkeypatch: pytest.MonkeyPatch, *flags: str) -> tt.EvalConfig:
     monkeypatch.setenv("TT_SERVE_TOKEN", "the-token")
     args = parser().parse_args(["eval", "echo", *flags])
-    return _build(args)[2]
+    return eval_command(args).config
 
 
 def refused(capsys: pytest.CaptureFixture[str], tmp_path: Path, *flags: str) -> str:

@@ -5,15 +5,20 @@ naming the flag, found before any work; below it, no function sees an `argparse.
 from __future__ import annotations
 
 import ast
+import inspect
 from pathlib import Path
+from typing import Any
 
+import attrs
 import pytest
 
 import trio_tasksets as tt
 from trio_tasksets._cli import main
+from trio_tasksets._cli.eval import eval_command
 from trio_tasksets._cli.main import _parse
 from trio_tasksets._cli.rescore import rescore_command
 from trio_tasksets._cli.serve import serve_command
+from trio_tasksets._core.exceptions import ConfigError
 
 CLI = Path(tt.__file__).parent / "_cli"
 
@@ -100,19 +105,87 @@ def test_each_command_builds_the_library_objects(tmp_path: Path) -> None:
     assert "--allow-host" in cmd
 
 
-@pytest.mark.parametrize("name", ["serve.py", "worker.py", "report.py", "rescore.py", "heap.py"])
-def test_no_namespace_below_a_commands_edge(name: str) -> None:
-    """Only `run`-like entry points and the `*_command` builders take the Namespace."""
+# The readers of an option group that several commands share: each command's edge calls them.
+READERS = {"taskset_options", "env_options", "endpoints", "model_options"}
+EDGES = {"run", "run_worker_command", "run_enqueue"}
+
+
+def _functions(name: str) -> list[ast.FunctionDef]:
     tree = ast.parse((CLI / name).read_text())
+    return [node for node in ast.walk(tree) if isinstance(node, ast.FunctionDef)]
+
+
+@pytest.mark.parametrize("name", sorted(p.name for p in CLI.glob("*.py")))
+def test_no_namespace_below_a_commands_edge(name: str) -> None:
+    """Only `run`-like entry points, the `*_command` builders and the option groups' readers
+    take the Namespace; nothing reads it with a default (`getattr(args, ...)`)."""
     takers = {
         node.name
-        for node in ast.walk(tree)
-        if isinstance(node, ast.FunctionDef)
-        and any(
+        for node in _functions(name)
+        if any(
             "Namespace" in ast.unparse(arg.annotation or ast.Constant(None))
             for arg in node.args.args
         )
     }
-    edges = {"run", "run_worker_command", "run_enqueue"}
-    assert {t for t in takers if not t.endswith("_command")} <= edges, takers
+    assert {t for t in takers if not t.endswith("_command")} <= EDGES | READERS, takers
     assert "getattr(args" not in (CLI / name).read_text()
+
+
+@pytest.mark.parametrize("name", sorted(p.name for p in CLI.glob("*.py")))
+def test_the_readers_are_called_at_the_edge_only(name: str) -> None:
+    """A shared group's reader is called by a command's `*_command` builder (or another
+    reader), never deeper."""
+    for node in _functions(name):
+        called = {
+            call.func.id
+            for call in ast.walk(node)
+            if isinstance(call, ast.Call) and isinstance(call.func, ast.Name)
+        }
+        if called & READERS:
+            assert node.name.endswith("_command") or node.name in READERS, node.name
+
+
+def test_eval_builds_the_library_objects(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("OPENAI_API_KEY", raising=False)
+    command = eval_command(parsed(
+        "eval", "echo", "-m", "m", "--base-url", "http://127.0.0.1:9/v1", "--rpm", "60",
+        "--rollout-timeout", "5", "--retries", "2", "-c", "4", "--temperature", "0.5",
+    ))  # type: ignore[arg-type]  # fmt: skip
+    assert isinstance(command.ctx.client, tt.OpenAIClient)
+    assert command.ctx.sampling.temperature == 0.5
+    assert command.env.rollout_limits == tt.RolloutLimits(rollout_timeout=5)
+    assert command.env.retries.max_retries == 2
+    assert command.config.max_concurrent == 4
+    assert command.model.endpoints.base_urls == ("http://127.0.0.1:9/v1",)
+    assert command.argv[:2] == ("eval", "echo")
+    with pytest.raises(attrs.exceptions.FrozenInstanceError):
+        command.env = command.env  # type: ignore[misc]
+
+
+def test_serve_spells_the_servers_real_parameters_as_its_flags() -> None:
+    """`serve`'s FLAGS names parameters that exist (`ModelPolicy`'s, `Limits`',
+    `Access.for_bind`'s), so each error of the model policy and each refusal is spelled as
+    the flag that sets it."""
+    from trio_tasksets._cli.options import PARAMETER_FLAGS
+    from trio_tasksets._cli.serve import FLAGS
+    from trio_tasksets._serve.policy import SETTINGS, Access, Limits, ModelPolicy
+
+    real = (
+        {field.name for field in attrs.fields(ModelPolicy)}
+        | {field.name for field in attrs.fields(Limits)}
+        | set(inspect.signature(Access.for_bind).parameters)
+    )
+    assert FLAGS.keys() - PARAMETER_FLAGS.keys() <= real
+    assert FLAGS.keys() >= SETTINGS
+    cases: list[tuple[dict[str, Any], str]] = [
+             ({"max_retries": -1}, "--max-model-retries must be >= 0"),
+             ({"min_backoff": -1.0}, "--min-model-backoff must be >= 0"),
+             ({"base_urls": ["ftp://x/v1"]}, "--allow-base-url: expected http://"),
+             ({"engine_metrics": [("http://h/v1", "ftp://m")]}, "--engine-metrics: "),
+             ({"api_key_var": "TT_EDGE_UNSET"}, "--api-key-var: environment variable")]  # fmt: skip
+    for given, said in cases:
+        settings: dict[str, Any] = {"base_urls": [], "api_key_var": None, **given}
+        with pytest.raises(ConfigError) as caught:
+            ModelPolicy.from_flags(environ={}, **settings)
+        assert caught.value.parameter in FLAGS
+        assert caught.value.spelled(FLAGS).startswith(said)

@@ -457,29 +457,30 @@ async def test_an_ejected_endpoint_is_probed_back(autojump_clock: Any) -> None:
 
 def test_base_url_repeats_into_one_client_over_every_endpoint() -> None:
     from trio_tasksets._cli.main import parser
-    from trio_tasksets._cli.model_options import model_context
+    from trio_tasksets._cli.model_options import model_context, model_options
     from trio_tasksets._cli.options import UsageError
 
     urls = ["http://127.0.0.1:8001/v1", "http://127.0.0.1:8002/v1"]
     args = parser().parse_args(
         ["eval", "echo", "-m", "m", "--base-url", urls[0], "--base-url", urls[1]]
     )
-    client = model_context(args).client
+    client = model_context(model_options(args)).client
     assert isinstance(client, tt.OpenAIClient)
     assert client.base_urls == urls
     assert client.pool is not None
     assert client.pool.urls == urls
-    single = model_context(parser().parse_args(["eval", "echo", "-m", "m", "--base-url", urls[0]]))
+    one = parser().parse_args(["eval", "echo", "-m", "m", "--base-url", urls[0]])
+    single = model_context(model_options(one))
     assert isinstance(single.client, tt.OpenAIClient)
     assert single.client.pool is None  # one endpoint: the client as before
     twice = parser().parse_args(
         ["eval", "echo", "-m", "m", "--base-url", urls[0], "--base-url", urls[0]]
     )
     with pytest.raises(UsageError, match="twice"):
-        model_context(twice)
+        model_context(model_options(twice))
     bad = parser().parse_args(["eval", "echo", "-m", "m", "--base-url", urls[0], "--base-url", "x"])
     with pytest.raises(UsageError, match="--base-url must be an http"):
-        model_context(bad)
+        model_context(model_options(bad))
 
 
 def test_engine_metrics_needs_an_adaptive_window(tmp_path: Path) -> None:

@@ -479,8 +479,9 @@ async def test_group_feed_under_first_closes_the_tasks(autojump_clock: MockClock
     assert feed.closed
     assert script.live == set()
     assert script.peak <= 4
-    with pytest.raises(ValueError, match="rollouts must be an int >= 1"):
+    with pytest.raises(tt.ConfigError, match="rollouts must be an int >= 1") as caught:
         group_feed(feed, 0, window)
+    assert caught.value.parameter == "rollouts"
 
 
 async def test_a_group_waiting_for_its_last_rollouts_lends_its_place(

@@ -18,6 +18,7 @@ import pytest
 import trio
 
 import trio_tasksets as tt
+from trio_tasksets._core.exceptions import ConfigError
 from trio_tasksets._serve import EnvServerError
 from trio_tasksets._transport import HTTPClient, ProtocolError
 
@@ -238,12 +239,13 @@ def test_the_policy_caps_retries_and_raises_a_small_backoff() -> None:
     client = policy.build(spec)
     assert isinstance(client, tt.OpenAIClient)
     assert (client.max_retries, client.backoff, client.max_backoff) == (4, 0.25, 0.25)
-    with pytest.raises(Forbidden, match="--max-model-retries 5"):
+    with pytest.raises(Forbidden, match="max_retries 5"):
         policy.check(attrs.evolve(spec, max_retries=5))
-    for flag, kwargs in [("--max-model-retries", {"max_retries": -1}),
-                         ("--min-model-backoff", {"min_backoff": -0.5})]:  # fmt: skip
-        with pytest.raises(ValueError, match=flag):
+    for name, kwargs in [("max_retries", {"max_retries": -1}),
+                         ("min_backoff", {"min_backoff": -0.5})]:  # fmt: skip
+        with pytest.raises(ConfigError, match=name) as caught:
             ModelPolicy.from_flags([], None, {}, **kwargs)  # type: ignore[arg-type]
+        assert caught.value.parameter == name
 
 
 async def test_a_run_asking_for_more_retries_than_the_cap_is_refused_before_any_request(

@@ -345,7 +345,7 @@ async def test_an_entry_declared_for_another_env_is_refused_not_run(
     assert [row["task"]["key"] for row in harness.rows()] == [b.key]
     [reason] = harness.refused()
     assert "declared for taskset elsewhere.py:Other" in reason
-    assert "start the worker with TASKSET elsewhere.py:Other" in reason
+    assert "start the worker with taskset elsewhere.py:Other" in reason
     assert harness.unacknowledged() == 0
 
 

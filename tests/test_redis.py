@@ -710,10 +710,13 @@ async def test_a_worker_runs_the_users_env_so_its_rows_equal_an_in_process_evals
 @pytest.mark.parametrize(
     ("worker_env", "reason"),
     [
-        (lambda: graded_env("Graded"), "--env-class"),  # the same taskset, a plain Env
-        (lambda: graded_env(bonus=0.5), '-a \'{"bonus":0.25,"size":40}\''),  # another config
-        (lambda: tt.Env(tt._core.builtin.EchoTaskset()), "TASKSET"),  # another taskset
-        (lambda: None, "runs no TASKSET"),  # no env at all
+        (lambda: graded_env("Graded"), "with env class"),  # the same taskset, a plain Env
+        (
+            lambda: graded_env(bonus=0.5),
+            'taskset config {"bonus":0.25,"size":40}',
+        ),  # another config
+        (lambda: tt.Env(tt._core.builtin.EchoTaskset()), "with taskset"),  # another taskset
+        (lambda: None, "runs no taskset"),  # no env at all
     ],
 )
 async def test_a_worker_with_another_env_refuses_the_entries_and_the_eval_says_why(
@@ -795,7 +798,7 @@ async def test_with_no_worker_the_dashboard_says_so_and_stopping_leaves_nothing_
                 nursery.start_soon(run, tt.RunSlot(task))
             await wait_for(lambda: progress.note is not None)
             assert "no worker reads" in str(progress.note)
-            assert "trio-tasksets worker" in str(progress.note)
+            assert "start one on this Redis" in str(progress.note)
             assert r.xlen(names.stream) == 3
             # A group appears, but nobody in it pulls:
             r.xgroup_create(names.stream, names.group, id="0")
@@ -1026,9 +1029,9 @@ def test_a_declaration_names_what_differs_and_the_fix() -> None:
     assert plain.differs(Declaration.of(graded_env("Graded"), echo)) is None
     assert "system_prompt" not in (plain.config or {})  # each task carries its own
     echo_tasks = Declaration.of(tt.Env(tt._core.builtin.EchoTaskset()), echo)
-    assert "start the worker with TASKSET echo" in str(echo_tasks.differs(ours))
+    assert "start the worker with taskset echo" in str(echo_tasks.differs(ours))
     other_model = Declaration.of(graded_env(), tt.ModelContext(tt.EchoClient(), "m2"))
-    assert "-m/--model" in str(other_model.differs(ours))
+    assert "the same model" in str(other_model.differs(ours))
     hot = Declaration.of(graded_env(), tt.ModelContext(tt.EchoClient(), "echo",
                                                        tt.Sampling(temperature=0.7)))  # fmt: skip
     assert "sampling" in str(hot.differs(ours))

@@ -10,7 +10,7 @@ from typing import Any
 import pytest
 
 import trio_tasksets as tt
-from trio_tasksets._cli.env_options import add_env_options, build_env, env_spec
+from trio_tasksets._cli.env_options import add_env_options, build_env, env_options, env_spec
 from trio_tasksets._core.exceptions import MalformedEntry
 from trio_tasksets._env.spec import Declaration, EnvSpec
 
@@ -136,6 +136,10 @@ def test_the_cli_builds_the_object_from_its_flags_at_its_edge() -> None:
     args = parser.parse_args(["echo", "--rollout-timeout", "30", "--stall-timeout", "5"])
     args.command = "eval"
     expected = tt.RolloutLimits(rollout_timeout=30, stall_timeout=5)
-    assert env_spec(args).limits == expected
-    assert build_env(args).rollout_limits == expected
-    assert env_spec(parser.parse_args(["echo"])).limits == tt.RolloutLimits()
+    given = env_options(args)
+    assert given.limits == expected
+    assert env_spec(given).limits == expected
+    assert build_env(given, endpoint=False).rollout_limits == expected
+    plain = parser.parse_args(["echo"])
+    plain.command = "eval"
+    assert env_spec(env_options(plain)).limits == tt.RolloutLimits()

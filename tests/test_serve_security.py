@@ -33,11 +33,14 @@ from raw_ws import RawWS, run_item, send_once
 from wsproto.events import CloseConnection
 
 import trio_tasksets as tt
+from trio_tasksets._cli.serve import FLAGS as SERVE_FLAGS
 from trio_tasksets._core.builtin import EchoTaskset
+from trio_tasksets._core.exceptions import ConfigError
 from trio_tasksets._env.traces import write_atomic
 from trio_tasksets._serve import EnvServerError
 from trio_tasksets._serve.policy import (
     Access,
+    Limits,
     ModelClients,
     ModelPolicy,
     RequestRefused,
@@ -194,11 +197,32 @@ def test_base_urls_are_compared_normalized_and_exactly() -> None:
     for url in ("http://127.0.0.1:9/v2", "http://127.0.0.1:10/v1", "https://127.0.0.1:9/v1",
                 "http://127.0.0.1:9@evil.example/v1", "http://evil.example/v1?u=127.0.0.1:9",
                 "file:///etc/passwd", "http://127.0.0.1:9/v1/../.."):  # fmt: skip
-        with pytest.raises(Forbidden, match="--allow-base-url"):
+        with pytest.raises(Forbidden, match="base_urls"):
             policy.check(OpenAISpec(url))
-    for flag in (["ftp://x/v1"], ["http://x/v1?q=1"]):
-        with pytest.raises(ValueError, match="--allow-base-url"):
-            ModelPolicy.from_flags(flag, None, {})
+        with pytest.raises(Forbidden, match="--allow-base-url"):  # as the command line spells it
+            policy.check(OpenAISpec(url), SERVE_FLAGS)
+    for urls in (["ftp://x/v1"], ["http://x/v1?q=1"]):
+        with pytest.raises(ConfigError, match="base_urls") as caught:
+            ModelPolicy.from_flags(urls, None, {})
+        assert caught.value.parameter == "base_urls"
+
+
+@pytest.mark.parametrize(
+    ("build", "name"),
+    [(lambda: Limits(max_runs=0), "max_runs"), (lambda: Limits(max_body=-1), "max_body"),
+     (lambda: Limits(header_timeout=0.0), "header_timeout"),
+     (lambda: Limits(idle_timeout=float("nan")), "idle_timeout"),
+     (lambda: Limits(model_clients=True), "model_clients"),
+     (lambda: ModelPolicy(max_retries=-1), "max_retries"),
+     (lambda: ModelPolicy(min_backoff=-0.1), "min_backoff"),
+     (lambda: ModelPolicy(engine_metrics=(("http://h/v1", "http://h/metrics"),)),
+      "engine_metrics")],
+)  # fmt: skip
+def test_the_servers_settings_are_valid_once_built(build: Callable[[], object], name: str) -> None:
+    with pytest.raises(ConfigError) as caught:
+        build()
+    assert caught.value.parameter == name
+    assert caught.value.spelled(SERVE_FLAGS).startswith(SERVE_FLAGS[name])
 
 
 def test_a_request_names_the_servers_key_variable_or_none() -> None:
@@ -211,10 +235,13 @@ def test_a_request_names_the_servers_key_variable_or_none() -> None:
         policy.check(OpenAISpec("http://h/v1", api_key_var="OTHER"))
     assert caught.value.status == 403
     keyless = ModelPolicy.from_flags(["http://h/v1"], None, {"OTHER": "s"})
-    with pytest.raises(Forbidden, match="--api-key-var OTHER"):
+    with pytest.raises(Forbidden, match="api_key_var OTHER"):
         keyless.check(OpenAISpec("http://h/v1", api_key_var="OTHER"))
-    with pytest.raises(ValueError, match="--api-key-var: environment variable TT_NOPE"):
+    with pytest.raises(Forbidden, match="--api-key-var OTHER"):
+        keyless.check(OpenAISpec("http://h/v1", api_key_var="OTHER"), SERVE_FLAGS)
+    with pytest.raises(ConfigError, match="api_key_var: environment variable TT_NOPE") as unset:
         ModelPolicy.from_flags([], "TT_NOPE", {})
+    assert unset.value.spelled(SERVE_FLAGS).startswith("--api-key-var: environment variable")
 
 
 HOST_CASES = [
@@ -250,7 +277,10 @@ def test_access_checks_host_and_origin(host: str, origin: str | None, status: in
         with pytest.raises(RequestRefused) as caught:
             access.check(headers)
         assert caught.value.status == status
-        assert ("--allow-origin" if origin else "--allow-host") in str(caught.value)
+        assert ("allow_origins" if origin else "allow_hosts") in str(caught.value)
+        with pytest.raises(RequestRefused) as spelled:
+            access.check(headers, SERVE_FLAGS)
+        assert ("--allow-origin" if origin else "--allow-host") in str(spelled.value)
 
 
 def test_access_wants_one_host_and_a_bearer_token_in_any_case() -> None:

@@ -13,7 +13,7 @@ import pytest
 from trio.testing import MockClock
 
 import trio_tasksets as tt
-from trio_tasksets._cli.eval import _fix_for
+from trio_tasksets._cli.eval import _fix_for, eval_command
 from trio_tasksets._cli.main import parser
 from trio_tasksets._env.env import EpisodeError, EpisodeTask
 from trio_tasksets._eval.run import dead_endpoint
@@ -82,12 +82,14 @@ def test_the_commands_fix_follows_the_status(
 ) -> None:
     monkeypatch.delenv("OPENAI_API_KEY", raising=False)
     monkeypatch.delenv("TT_SERVE_TOKEN", raising=False)
-    args = parser().parse_args(["eval", "echo"])
-    said = _fix_for(error_type, "the endpoint said no", status, args, tmp_path)
+    command = eval_command(parser().parse_args(["eval", "echo"]))
+    said = _fix_for(error_type, "the endpoint said no", status, command, tmp_path)
     assert said is not None
     assert fix in said
     # The same words without the status: no status-specific fix.
-    assert fix not in (_fix_for(error_type, f"returned HTTP {status}", None, args, tmp_path) or "")
+    assert fix not in (
+        _fix_for(error_type, f"returned HTTP {status}", None, command, tmp_path) or ""
+    )
 
 
 def test_an_env_servers_error_carries_its_status() -> None:

@@ -247,6 +247,23 @@ def test_cli_an_env_whose_every_episode_fails_exits_1(
     assert [[e["type"] for e in r["errors"]] for r in written] == [["ProviderError"]] * 3
 
 
+def test_cli_vf_taskset_honours_the_rollout_limit_flags(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """`--rollout-timeout` (and `--working-limit`, `--stall-timeout`) bound a vf: env's
+    episodes as they bound any env's: a model slower than the bound fails each episode."""
+    with ChatServer(delay=30) as slow:
+        argv = ["eval", "vf:vf_arith", "--env-args", json.dumps(ENV), "-m", MODEL, "-n", "2",
+                "--base-url", slow.url, "-o", str(tmp_path), "--run-name", "bounded",
+                "--no-dashboard", "--rollout-timeout", "0.5", "--working-limit", "20",
+                "--stall-timeout", "25"]  # fmt: skip
+        assert cli.main(argv) == 1
+    captured = capsys.readouterr()
+    assert "0/2 ok" in captured.out
+    written = rows(tmp_path / "bounded")
+    assert [[e["type"] for e in r["errors"]] for r in written] == [["RolloutTimeoutError"]] * 2
+
+
 @pytest.mark.parametrize(
     ("args", "message"),
     [

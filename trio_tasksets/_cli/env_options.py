@@ -1,8 +1,11 @@
 """The env options of `eval`, `serve` and `worker`: TASKSET, `-a/--taskset-args`, `--env-class`,
 the system prompt, the retry policy, the rollout limits (`--rollout-timeout`,
-`--working-limit`, `--stall-timeout`: one `tt.RolloutLimits`, `rollout_limits_of`) (and
-`vf:TASKSET_ID --env-args`), built by `build_env` into the user's `Env`; each value checked,
-naming its flag."""
+`--working-limit`, `--stall-timeout`: one `tt.RolloutLimits`) (and `vf:TASKSET_ID
+--env-args`), built by `build_env` into the user's `Env`; each value checked, naming its flag.
+
+A command reads them once at its edge (`env_options(args)`, `taskset_options(args)`: the only
+functions here that see the parsed arguments) into a frozen `EnvOptions`; every builder below
+takes that object."""
 
 from __future__ import annotations
 
@@ -25,21 +28,26 @@ from .options import (
     PARAMETER_FLAGS,
     TASKSET_HELP,
     UsageError,
+    add_flags,
     flag_message,
+    json_object,
     names,
     seconds,
     warn,
 )
 
 __all__ = [
+    "EnvOptions",
+    "TasksetOptions",
     "add_env_options",
     "add_taskset_options",
     "build_env",
     "build_taskset",
     "check_retry_flags",
+    "env_options",
     "env_spec",
     "load_reward",
-    "rollout_limits_of",
+    "taskset_options",
 ]
 
 
@@ -61,31 +69,45 @@ def add_taskset_options(parser: argparse.ArgumentParser, *, optional: bool = Fal
     # The name `--serve` has passed to its server child since before -a existed.
     parser.add_argument("--taskset-config", dest="taskset_args", help=argparse.SUPPRESS)
     data = parser.add_argument_group("a data file TASKSET (data.jsonl, data.csv, hf:NAME)")
-    data.add_argument(
-        "--prompt-field", default=None, metavar="NAME",
-        help="the record field that is the prompt (default: prompt, else question)",
-    )  # fmt: skip
-    data.add_argument(
-        "--answer-field", default=None, metavar="NAME",
-        help="the record field that is the answer (default: answer); the other fields go to "
-        "the task's info",
-    )  # fmt: skip
+    add_flags(data, {
+        "--prompt-field NAME": "the record field that is the prompt (default: prompt, else "
+        "question)",
+        "--answer-field NAME": "the record field that is the answer (default: answer); the "
+        "other fields go to the task's info",
+    })  # fmt: skip
     data.add_argument(
         "--follow", action="store_true",
         help="with data.jsonl: a feed that follows the file as lines are appended (needs -n)",
     )  # fmt: skip
 
 
-def _data_fields(args: argparse.Namespace) -> dict[str, Any]:
+@attrs.frozen
+class TasksetOptions:
+    """TASKSET and what configures it, as given: `-a/--taskset-args`, and a data file's
+    `--prompt-field`, `--answer-field`, `--follow`."""
+
+    taskset: str | None  # None: `worker` without TASKSET
+    taskset_args: str | None = None
+    prompt_field: str | None = None
+    answer_field: str | None = None
+    follow: bool = False
+
+
+def taskset_options(args: argparse.Namespace) -> TasksetOptions:
+    """The taskset options of a command that added them (`add_taskset_options`)."""
+    return TasksetOptions(
+        args.taskset, args.taskset_args, args.prompt_field, args.answer_field, args.follow
+    )
+
+
+def _data_fields(given: TasksetOptions) -> dict[str, Any]:
     """The config fields a data file TASKSET and its flags set (`--prompt-field`,
     `--answer-field`, `--follow`); those flags on another TASKSET are a usage error."""
-    target = getattr(args, "taskset", None)
+    target = given.taskset
     found = None if target is None else data_target(target)
-    flags = {"prompt_field": getattr(args, "prompt_field", None),
-             "answer_field": getattr(args, "answer_field", None)}  # fmt: skip
-    follow = bool(getattr(args, "follow", False))
+    flags = {"prompt_field": given.prompt_field, "answer_field": given.answer_field}
     given_flags = [f"--{k.replace('_', '-')}" for k, v in flags.items() if v is not None]
-    if follow:
+    if given.follow:
         given_flags.append("--follow")
     if found is None:
         if given_flags:
@@ -96,19 +118,15 @@ def _data_fields(args: argparse.Namespace) -> dict[str, Any]:
             )
         return {}
     cls, fields = found
-    if follow and cls is not JsonlTaskset:
+    if given.follow and cls is not JsonlTaskset:
         raise UsageError(
             f"--follow follows a growing JSONL file; TASKSET {target} is not one",
             fix="drop --follow, or name a .jsonl file",
         )
     fields.update({k: v for k, v in flags.items() if v is not None})
-    if follow:
+    if given.follow:
         fields["follow"] = True
     return fields
-
-
-def _names_verifiers(args: argparse.Namespace) -> bool:
-    return str(getattr(args, "taskset", None) or "").startswith("vf:")
 
 
 def add_env_options(
@@ -118,117 +136,127 @@ def add_env_options(
     `--retry-on`, `--no-retry-on`: what `build_env` builds the env from."""
     add_taskset_options(parser, optional=optional_taskset)
     env = parser.add_argument_group("the env")
-    env.add_argument(
-        "--env-args", default=None, metavar="JSON",
-        help="with TASKSET vf:TASKSET_ID: verifiers' own env config keys (agent, taskset, "
-        "retries...) as a JSON object (default: none)",
-    )  # fmt: skip
-    env.add_argument(
-        "--env-class", default=None, metavar="TARGET",
-        help="an Env subclass (file.py:Class or pkg.mod:Class) that runs each slot "
-        "(default: tt.Env, or the Env class TASKSET names)",
-    )  # fmt: skip
-    prompt = env.add_mutually_exclusive_group()
-    prompt.add_argument(
-        "--system-prompt", default=None, metavar="TEXT",
-        help="the system prompt of every task (default: the taskset's own)",
-    )  # fmt: skip
-    prompt.add_argument(
-        "--system-prompt-file", default=None, metavar="PATH",
-        help="read the system prompt from PATH (default: the taskset's own)",
-    )  # fmt: skip
+    add_flags(env, {
+        "--env-args JSON": "with TASKSET vf:TASKSET_ID: verifiers' own env config keys (agent, "
+        "taskset, retries...) as a JSON object (default: none)",
+        "--env-class TARGET": "an Env subclass (file.py:Class or pkg.mod:Class) that runs each "
+        "slot (default: tt.Env, or the Env class TASKSET names)",
+    })  # fmt: skip
+    add_flags(env.add_mutually_exclusive_group(), {
+        "--system-prompt TEXT": "the system prompt of every task (default: the taskset's own)",
+        "--system-prompt-file PATH": "read the system prompt from PATH (default: the taskset's "
+        "own)",
+    })  # fmt: skip
     env.add_argument(
         "--retries", type=int, default=0, metavar="K", help="retry a failed episode up to K times"
     )
-    env.add_argument(
-        "--retry-on", default="", metavar="TYPES",
-        help="comma-separated exception type names to retry; base classes match too "
-        "(default: every type)",
-    )  # fmt: skip
-    env.add_argument(
-        "--no-retry-on", default="", metavar="TYPES",
-        help="comma-separated exception type names never to retry (default: none)",
-    )  # fmt: skip
-    env.add_argument(
-        "--rollout-timeout", type=seconds, default=None, metavar="S",
-        help="bound each attempt of an episode (rollout and scoring) to S seconds: a slower "
-        "one is cancelled and becomes an episode error, RolloutTimeoutError, retried per "
+    add_flags(env, {
+        "--retry-on TYPES": "comma-separated exception type names to retry; base classes match "
+        "too (default: every type)",
+        "--no-retry-on TYPES": "comma-separated exception type names never to retry (default: "
+        "none)",
+    }, default="")  # fmt: skip
+    add_flags(env, {
+        "--rollout-timeout S": "bound each attempt of an episode (rollout and scoring) to S "
+        "seconds: a slower one is cancelled and becomes an episode error, RolloutTimeoutError, "
+        "retried per --retries (default: no bound)",
+        "--working-limit S": "bound each attempt's working time to S seconds: wall time less its "
+        "waits on the limiters (--max-connections, --rpm, --tpm), Retry-After and retry "
+        "backoff; an attempt that reaches it is cut and scored, stop_reason \"working_limit\" "
+        "(default: no bound)",
+        "--stall-timeout S": "cancel an attempt in which no model or tool call finished for S "
+        "seconds of working time: it becomes an episode error, StalledError, retried per "
         "--retries (default: no bound)",
-    )  # fmt: skip
-    env.add_argument(
-        "--working-limit", type=seconds, default=None, metavar="S",
-        help="bound each attempt's working time to S seconds: wall time less its waits on "
-        "the limiters (--max-connections, --rpm, --tpm), Retry-After and retry backoff; "
-        "an attempt that reaches it is cut and scored, stop_reason \"working_limit\" "
-        "(default: no bound)",
-    )  # fmt: skip
-    env.add_argument(
-        "--stall-timeout", type=seconds, default=None, metavar="S",
-        help="cancel an attempt in which no model or tool call finished for S seconds of "
-        "working time: it becomes an episode error, StalledError, retried per --retries "
-        "(default: no bound)",
-    )  # fmt: skip
+    }, type=seconds)  # fmt: skip
     return env
 
 
-def _taskset_fields(args: argparse.Namespace) -> dict[str, Any]:
-    text = args.taskset_args
-    if text is None:
-        return {}
+@attrs.frozen
+class EnvOptions:
+    """The env options as given (`env_options` reads them): what `build_env` and `env_spec`
+    build the env from."""
+
+    taskset: TasksetOptions
+    command: str  # the command they were given to, for its warnings
+    env_args: str | None = None
+    env_class: str | None = None
+    system_prompt: str | None = None
+    system_prompt_file: str | None = None
+    retries: int = 0
+    retry_on: str = ""
+    no_retry_on: str = ""
+    backoff: tuple[float, float] = (FIRST, MOST)  # the retries' first and largest backoff
+    limits: RolloutLimits = attrs.field(factory=RolloutLimits)
+    reward: str | None = None  # `--reward`, where the command takes it
+    env_spec: str | None = None  # a spawned server's `--env-spec JSON`
+
+    @property
+    def verifiers(self) -> bool:
+        """Whether TASKSET names a verifiers env (`vf:TASKSET_ID`)."""
+        return str(self.taskset.taskset or "").startswith("vf:")
+
+
+def env_options(
+    args: argparse.Namespace,
+    *,
+    reward: str | None = None,
+    backoff: tuple[float, float] = (FIRST, MOST),
+    env_spec: str | None = None,
+) -> EnvOptions:
+    """The env options of a command that added them (`add_env_options`); what only some
+    commands take (`--reward`, `serve`'s `--retry-backoff`/`--retry-max-backoff` and
+    `--env-spec`) the command passes. The rollout limits become one `tt.RolloutLimits`: a
+    bad one is a `UsageError` naming its flag."""
     try:
-        fields = json.loads(text)
-    except ValueError as exc:
-        raise UsageError(
-            f"-a/--taskset-args is not JSON ({exc})", fix="""quote it: -a '{"field": 1}'"""
-        ) from None
-    if not isinstance(fields, dict):
-        raise UsageError(
-            f"-a/--taskset-args must be a JSON object, got {text!r}", fix="""-a '{"field": 1}'"""
-        )
-    return fields
+        limits = RolloutLimits(
+            rollout_timeout=args.rollout_timeout, working_limit=args.working_limit,
+            stall_timeout=args.stall_timeout,
+        )  # fmt: skip
+    except ConfigError as exc:
+        raise UsageError(flag_message(exc)) from None
+    return EnvOptions(
+        taskset_options(args), args.command, env_args=args.env_args, env_class=args.env_class,
+        system_prompt=args.system_prompt, system_prompt_file=args.system_prompt_file,
+        retries=args.retries, retry_on=args.retry_on, no_retry_on=args.no_retry_on,
+        backoff=backoff, limits=limits, reward=reward, env_spec=env_spec,
+    )  # fmt: skip
 
 
-def _system_prompt(args: argparse.Namespace) -> str | None:
-    path = getattr(args, "system_prompt_file", None)
+def _taskset_fields(given: TasksetOptions) -> dict[str, Any]:
+    if given.taskset_args is None:
+        return {}
+    example = """-a '{"field": 1}'"""
+    return json_object(given.taskset_args, "-a/--taskset-args", quoted=example, example=example)
+
+
+def _system_prompt(options: EnvOptions) -> str | None:
+    path = options.system_prompt_file
     if path is None:
-        return getattr(args, "system_prompt", None)
+        return options.system_prompt
     try:
         return Path(path).read_text()
     except OSError as exc:
         raise UsageError(f"--system-prompt-file: cannot read {path}: {exc.strerror}") from None
 
 
-def rollout_limits_of(args: argparse.Namespace) -> RolloutLimits:
-    """The rollout limits the flags give (`--rollout-timeout`, `--working-limit`,
-    `--stall-timeout`; a command without them: none), as one `tt.RolloutLimits`: the
-    library below the command line takes the object. A bad value is a usage error naming
-    its flag."""
-    try:
-        return RolloutLimits(
-            rollout_timeout=getattr(args, "rollout_timeout", None),
-            working_limit=getattr(args, "working_limit", None),
-            stall_timeout=getattr(args, "stall_timeout", None),
-        )
-    except ConfigError as exc:
-        raise UsageError(flag_message(exc)) from None
-
-
-def env_spec(args: argparse.Namespace) -> EnvSpec:
+def env_spec(options: EnvOptions | TasksetOptions) -> EnvSpec:
     """The env the options describe, by names and JSON (what `serve` hands its workers); a
-    spawned server's `--env-spec JSON` (`EnvSpec.to_json`) is that spec whole."""
-    given = getattr(args, "env_spec", None)
-    if given is not None:
+    spawned server's `--env-spec JSON` (`EnvSpec.to_json`) is that spec whole. Taskset
+    options alone (`enqueue`) describe a plain env. A bad value is a `UsageError` naming its
+    flag."""
+    if isinstance(options, TasksetOptions):
+        options = EnvOptions(options, "")
+    target = options.taskset.taskset
+    if options.env_spec is not None:
         try:
-            spec = EnvSpec.from_json(given)
+            spec = EnvSpec.from_json(options.env_spec)
         except TravelError as exc:
             raise UsageError(f"--env-spec: {exc}") from None
-        if spec.taskset != args.taskset:
-            raise UsageError(
-                f"--env-spec describes taskset {spec.taskset}, not TASKSET {args.taskset}"
-            )
+        if spec.taskset != target:
+            raise UsageError(f"--env-spec describes taskset {spec.taskset}, not TASKSET {target}")
         return spec
-    fields = {**_data_fields(args), **_taskset_fields(args)}
-    prompt = _system_prompt(args)
+    fields = {**_data_fields(options.taskset), **_taskset_fields(options.taskset)}
+    prompt = _system_prompt(options)
     if prompt is not None:
         if "system_prompt" in fields:
             raise UsageError(
@@ -236,28 +264,24 @@ def env_spec(args: argparse.Namespace) -> EnvSpec:
                 fix="drop one",
             )
         fields["system_prompt"] = prompt
-    count: int = getattr(args, "retries", 0)
-    if count < 0:
-        raise UsageError(f"--retries must be >= 0, got {count}")
+    if options.retries < 0:
+        raise UsageError(f"--retries must be >= 0, got {options.retries}")
     try:
         retries = RetryPolicy(
-            count, names(getattr(args, "retry_on", "")), names(getattr(args, "no_retry_on", "")),
-            getattr(args, "retry_backoff", FIRST), getattr(args, "retry_max_backoff", MOST),
+            options.retries, names(options.retry_on), names(options.no_retry_on),
+            *options.backoff,
         )  # fmt: skip
     except ValueError as exc:
         raise UsageError(f"--retries/--retry-backoff: {exc}") from None
-    env_class = getattr(args, "env_class", None)
-    return EnvSpec(
-        args.taskset or "", fields, env_class, getattr(args, "reward", None), retries,
-        rollout_limits_of(args),
-    )  # fmt: skip
+    return EnvSpec(target or "", fields, options.env_class, options.reward, retries, options.limits)
 
 
-def check_retry_flags(args: argparse.Namespace) -> None:
+def check_retry_flags(options: EnvOptions) -> None:
     """`--retry-on` / `--no-retry-on` choose which errors `--retries` retries: alone, they do
-    nothing (a usage error)."""
-    if args.retries == 0:
-        for flag, value in (("--retry-on", args.retry_on), ("--no-retry-on", args.no_retry_on)):
+    nothing (a `UsageError`)."""
+    if options.retries == 0:
+        for flag, value in (("--retry-on", options.retry_on),
+                            ("--no-retry-on", options.no_retry_on)):  # fmt: skip
             if value:
                 raise UsageError(
                     f"{flag} does nothing without --retries", fix="add --retries K (K >= 1)"
@@ -310,18 +334,14 @@ def _check_fields(cls: type[Taskset[Any, Any]], fields: dict[str, Any]) -> None:
             )
 
 
+# A JSON value's kind, by its Python type (the first that matches).
+_JSON_KINDS = ((bool, "boolean"), (int | float, "number"), (str, "string"),
+               (list | tuple, "list"), (dict, "object"))  # fmt: skip
+
+
 def _json_kind(value: object) -> str:
-    if isinstance(value, bool):
-        return "boolean"
-    if isinstance(value, int | float):
-        return "number"
-    if isinstance(value, str):
-        return "string"
-    if isinstance(value, list | tuple):
-        return "list"
-    if isinstance(value, dict):
-        return "object"
-    return type(value).__name__
+    return next((name for kind, name in _JSON_KINDS if isinstance(value, kind)),
+                type(value).__name__)  # fmt: skip
 
 
 def _fits(value: object, default: object) -> bool:
@@ -339,20 +359,24 @@ def _fits(value: object, default: object) -> bool:
     return True  # a type JSON has no name for: the config class decides
 
 
-def build_taskset(args: argparse.Namespace) -> tuple[Taskset[Any, Any], type[Env[Any]] | None]:
+def build_taskset(
+    options: EnvOptions | TasksetOptions,
+) -> tuple[Taskset[Any, Any], type[Env[Any]] | None]:
     """The taskset TASKSET names, built with the config `-a` and the system prompt give, and
-    the env class TASKSET names (None unless it names an Env subclass)."""
-    return _build_taskset(args, env_spec(args))
+    the env class TASKSET names (None unless it names an Env subclass); a bad one is a
+    `UsageError` naming its flag."""
+    return _build_taskset(options.taskset if isinstance(options, EnvOptions) else options,
+                          env_spec(options))  # fmt: skip
 
 
 def _build_taskset(
-    args: argparse.Namespace, spec: EnvSpec
+    given: TasksetOptions, spec: EnvSpec
 ) -> tuple[Taskset[Any, Any], type[Env[Any]] | None]:
-    if args.taskset is None:  # `worker` without TASKSET: a plain config, tasks from the stream
+    if given.taskset is None:  # `worker` without TASKSET: a plain config, tasks from the stream
         if spec.config.keys() - {"system_prompt"}:
             raise UsageError("-a/--taskset-args needs a TASKSET to configure")
         return Taskset(TasksetConfig(**spec.config)), None
-    cls, env_cls = resolve_target(args.taskset)
+    cls, env_cls = resolve_target(given.taskset)
     _check_fields(cls, spec.config)
     try:
         config = config_from_json(cls, spec.config)
@@ -366,64 +390,67 @@ def _build_taskset(
         ) from exc
 
 
-def build_env(args: argparse.Namespace, *, check_retry_names: bool = True) -> Env[Any]:
+def build_env(options: EnvOptions, *, endpoint: bool, check_retry_names: bool = True) -> Env[Any]:
     """The env the options describe: the user's Env subclass (or tt.Env) around the taskset,
-    with the reward (`serve`'s `--reward`) and the retry policy. With `check_retry_names`, a
-    `--retry-on`/`--no-retry-on` name that no loaded exception type has is warned about."""
-    if getattr(args, "env_args", None) is not None and not _names_verifiers(args):
+    with the reward (`--reward`), the retry policy and the rollout limits. `endpoint`: the
+    model's endpoint is known (`--base-url`, or the workers' own with `--via`), which a
+    verifiers env needs. With `check_retry_names`, a `--retry-on`/`--no-retry-on` name that
+    no loaded exception type has is warned about. A bad value is a `UsageError` naming its
+    flag."""
+    target = options.taskset.taskset
+    if options.env_args is not None and not options.verifiers:
         raise UsageError(
             "--env-args applies to a verifiers env", fix="name it as TASKSET vf:TASKSET_ID"
         )
-    if _names_verifiers(args):
-        if getattr(args, "reward", None) is not None:
+    if options.verifiers:
+        if options.reward is not None:
             raise UsageError(
-                f"TASKSET {args.taskset} is a verifiers env: it scores its episodes itself "
+                f"TASKSET {target} is a verifiers env: it scores its episodes itself "
                 f"(its @vf.reward methods), so --reward does not apply",
                 fix="drop --reward (rescore its rows with trio-tasksets rescore RUN_DIR "
                 "--reward TARGET)",
             )
-        if args.taskset_args is not None or getattr(args, "env_class", None) is not None:
+        if options.taskset.taskset_args is not None or options.env_class is not None:
             raise UsageError(
-                f"TASKSET {args.taskset} is a verifiers env: -a and --env-class do not apply",
+                f"TASKSET {target} is a verifiers env: -a and --env-class do not apply",
                 fix="give verifiers' own config keys with --env-args JSON",
             )
-        check_retry_flags(args)
-        policy = RetryPolicy(args.retries, names(args.retry_on), names(args.no_retry_on))
-        return _verifiers_env(args, _system_prompt(args), policy)
-    spec = env_spec(args)
-    taskset, target_env = _build_taskset(args, spec)
+        check_retry_flags(options)
+        policy = RetryPolicy(options.retries, names(options.retry_on), names(options.no_retry_on))
+        return _verifiers_env(options, policy, endpoint=endpoint)
+    spec = env_spec(options)
+    taskset, target_env = _build_taskset(options.taskset, spec)
     try:
         env = spec.build(taskset, target_env=target_env)  # the one env builder
     except ConfigError as exc:
         raise UsageError(flag_message(exc), fix=exc.spelled_fix(PARAMETER_FLAGS)) from exc
     if check_retry_names:
-        _check_retry_names(args.command, spec.retries)
+        _check_retry_names(options.command, spec.retries)
     return env
 
 
-def _verifiers_env(
-    args: argparse.Namespace, system_prompt: str | None, retries: RetryPolicy
-) -> Env[Any]:
-    """The verifiers env `vf:TASKSET_ID [--env-args JSON]` names; its errors are usage errors.
+def _verifiers_env(options: EnvOptions, retries: RetryPolicy, *, endpoint: bool) -> Env[Any]:
+    """The verifiers env `vf:TASKSET_ID [--env-args JSON]` names, with the rollout limits;
+    its errors are usage errors.
 
     verifiers' harness calls the model itself over HTTP, so `--base-url` is required (but
     with `--via`, where the workers call it with their own)."""
     from ..aio._verifiers import VerifiersEnv, VerifiersTaskset, env_from_cli  # imports verifiers
 
-    if args.base_url is None and getattr(args, "via", None) is None:  # --via: the workers'
+    target = str(options.taskset.taskset)
+    system_prompt = _system_prompt(options)
+    if not endpoint:
         raise UsageError(
-            f"TASKSET {args.taskset}: verifiers' harness calls the model itself over HTTP",
+            f"TASKSET {target}: verifiers' harness calls the model itself over HTTP",
             fix="give -m MODEL --base-url URL (an OpenAI-compatible endpoint)",
         )
     try:
-        config = attrs.evolve(
-            env_from_cli(args.taskset, args.env_args), system_prompt=system_prompt
+        config = attrs.evolve(env_from_cli(target, options.env_args), system_prompt=system_prompt)
+        return VerifiersEnv(
+            VerifiersTaskset(config), retries=retries, rollout_limits=options.limits
         )
-        return VerifiersEnv(VerifiersTaskset(config), retries=retries)
     except (ImportError, ValueError, TypeError) as exc:
-        raise UsageError(
-            f"TASKSET {args.taskset}: {type(exc).__name__}: {flag_message(exc)}"
-        ) from exc
+        raise UsageError(f"TASKSET {target}: {type(exc).__name__}: {flag_message(exc)}") from exc
 
 
 def _exception_names() -> set[str]:

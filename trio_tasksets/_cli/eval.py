@@ -16,11 +16,12 @@ import shlex
 import shutil
 import sys
 import warnings
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, NamedTuple, TextIO
 
+import attrs
 import trio
 
 from .._env.backend import DescribedBackend, InProcess
@@ -31,16 +32,17 @@ from .._models import ModelContext, ModelHTTPError
 from .._serve.errors import EnvServerError
 from .._serve.slots import ServedBackend
 from .._serve.wire import TOKEN_VAR
-from .env_options import add_env_options, build_env, check_retry_flags
+from .env_options import EnvOptions, add_env_options, build_env, check_retry_flags, env_options
 from .heap import settle_heap
 from .model_options import (
+    ModelOptions,
     add_model_options,
     api_key_var,
-    base_urls,
     check_engine_metrics,
     engine_metrics_urls,
     limit_flags,
     model_context,
+    model_options,
 )
 from .options import (
     DEFAULT_API_KEY_VAR,
@@ -49,11 +51,13 @@ from .options import (
     CommandError,
     HelpFormatter,
     UsageError,
+    add_flags,
     add_metrics_option,
+    add_output_options,
+    add_reward_option,
     add_time_limit_option,
     add_window_option,
     flag_message,
-    given,
     warn,
 )
 
@@ -91,57 +95,42 @@ def add_parser(commands: Commands) -> argparse.ArgumentParser:
         allow_abbrev=False,  # the resume command rewrites --run-name and --resume by name
     )
     env = add_env_options(ev)
-    env.add_argument(
-        "--reward", default=None, metavar="TARGET",
-        help="score with this reward (file.py:function or pkg.mod:function: (task, completion) "
-        "-> a number or {'reward': ..., name: metric}) (default: the taskset's, else answer "
-        "match)",
+    add_reward_option(
+        env, help="score with this reward (file.py:function or pkg.mod:function: (task, "
+        "completion) -> a number or {'reward': ..., name: metric}) (default: the taskset's, "
+        "else answer match)",
     )  # fmt: skip
     run = ev.add_argument_group("the run")
-    run.add_argument(
-        "-n", "--num-examples", type=int, default=None, metavar="N",
-        help="take N tasks; required on a streaming or INFINITE taskset (default: every task "
-        "of a static taskset)",
-    )  # fmt: skip
-    run.add_argument(
-        "-r", "--rollouts-per-example", type=int, default=1, metavar="R", help="slots per task"
-    )
+    add_flags(run, {
+        "-n --num-examples N": "take N tasks; required on a streaming or INFINITE taskset "
+        "(default: every task of a static taskset)",
+    }, type=int)  # fmt: skip
+    add_flags(run, {"-r --rollouts-per-example R": "slots per task"}, type=int, default=1)
     add_window_option(run, help="the window: most rollouts in flight")
-    run.add_argument(
-        "--group", action="store_true",
-        help="a task's -r rollouts are one group: they run together, Env.score_group scores "
-        "them, their rows are written together (with `group` and `advantage`), and one that "
-        "fails after its retries fails the group",
+    add_flags(run, {
+        "--group": "a task's -r rollouts are one group: they run together, Env.score_group "
+        "scores them, their rows are written together (with `group` and `advantage`), and one "
+        "that fails after its retries fails the group",
+        "--shuffle": "shuffle a static taskset before taking N",
+    }, action="store_true")  # fmt: skip
+    add_flags(run, {"--seed S": "the seed of --shuffle (default: 0)"}, type=int)
+    add_flags(run, {
+        "--resume": "finish the owed rollouts of a run dir: --run-name's, or else the latest "
+        "run of this taskset and model in -o",
+    }, action="store_true")  # fmt: skip
+    add_output_options(
+        run, output_dir="outputs", output_help="where run dirs go",
+        run_name_help="the run dir's name (default: <Taskset>-<model>-<YYYYmmdd-HHMMSS>)",
     )  # fmt: skip
-    run.add_argument(
-        "--shuffle", action="store_true", help="shuffle a static taskset before taking N"
-    )
-    run.add_argument(
-        "--seed", type=int, default=None, metavar="S", help="the seed of --shuffle (default: 0)"
-    )
-    run.add_argument(
-        "--resume", action="store_true",
-        help="finish the owed rollouts of a run dir: --run-name's, or else the latest run of "
-        "this taskset and model in -o",
-    )  # fmt: skip
-    run.add_argument(
-        "-o", "--output-dir", default="outputs", metavar="DIR", help="where run dirs go"
-    )
-    run.add_argument(
-        "--run-name", default=None, metavar="NAME",
-        help="the run dir's name (default: <Taskset>-<model>-<YYYYmmdd-HHMMSS>)",
-    )  # fmt: skip
-    run.add_argument(
-        "--max-failures", type=_max_failures, default=None, metavar="N|FRACTION",
-        help="stop (exit 1) once N episodes failed, or once more than FRACTION of the planned "
-        "slots (of a stream: of the finished ones) failed (default: never stop early; exit 1 "
-        "only when no episode succeeded)",
-    )  # fmt: skip
-    run.add_argument(
-        "--max-consecutive-failures", type=int, default=None, metavar="N",
-        help="stop (exit 1) after N failed episodes in a row: a dead service fails every one "
-        "(default: never)",
-    )  # fmt: skip
+    add_flags(run, {
+        "--max-failures N|FRACTION": "stop (exit 1) once N episodes failed, or once more than "
+        "FRACTION of the planned slots (of a stream: of the finished ones) failed (default: "
+        "never stop early; exit 1 only when no episode succeeded)",
+    }, type=_max_failures)  # fmt: skip
+    add_flags(run, {
+        "--max-consecutive-failures N": "stop (exit 1) after N failed episodes in a row: a dead "
+        "service fails every one (default: never)",
+    }, type=int)  # fmt: skip
     add_time_limit_option(
         run, what="stop pulling, cancel the rollouts in flight and keep the finished rows "
         "(summary.json: stopped \"time_limit\"; exit 0 if any episode succeeded)",
@@ -150,29 +139,19 @@ def add_parser(commands: Commands) -> argparse.ArgumentParser:
     add_metrics_option(run)
     served = ev.add_argument_group("the served path")
     served.add_argument("--serve", action="store_true", help="run the env in a server process")
-    served.add_argument(
-        "--workers", type=int, default=1, metavar="K", help="server processes, with --serve"
-    )
-    served.add_argument(
-        "--server-url", default=None, metavar="URL",
-        help="use a running `trio-tasksets serve` (default: none: run in this process)",
-    )  # fmt: skip
-    served.add_argument(
-        "--token-var", default=None, metavar="NAME",
-        help=f"with --server-url: the environment variable holding its token "
+    add_flags(served, {"--workers K": "server processes, with --serve"}, type=int, default=1)
+    add_flags(served, {
+        "--server-url URL": "use a running `trio-tasksets serve` (default: none: run in this "
+        "process)",
+        "--token-var NAME": f"with --server-url: the environment variable holding its token "
         f"(default: {TOKEN_VAR})",
-    )  # fmt: skip
-    workers = ev.add_argument_group("over workers (trio-tasksets worker)")
-    workers.add_argument(
-        "--via", default=None, metavar="URL",
-        help="run the slots on `trio-tasksets worker`s through this Redis, e.g. "
+    })  # fmt: skip
+    add_flags(ev.add_argument_group("over workers (trio-tasksets worker)"), {
+        "--via URL": "run the slots on `trio-tasksets worker`s through this Redis, e.g. "
         "redis://127.0.0.1:6379/0 (the eval enqueues and collects; -c spans all workers; "
         "default: none: run in this process)",
-    )  # fmt: skip
-    workers.add_argument(
-        "--stream", default=None, metavar="S",
-        help="with --via: the workers' task stream (default: tasks)",
-    )  # fmt: skip
+        "--stream S": "with --via: the workers' task stream (default: tasks)",
+    })  # fmt: skip
     add_model_options(ev)
     return ev
 
@@ -180,26 +159,38 @@ def add_parser(commands: Commands) -> argparse.ArgumentParser:
 # --- checks and building ----------------------------------------------------------------------
 
 
-def _refuse_idle_options(args: argparse.Namespace) -> None:
+@attrs.frozen
+class SlotOptions:
+    """Where the slots run, as given: `--serve`, `--workers`, `--server-url` (`--token-var`),
+    `--via`, `--stream`."""
+
+    serve: bool = False
+    workers: int = 1
+    server_url: str | None = None
+    token_var: str | None = None
+    via: str | None = None
+    stream: str | None = None
+
+
+def _refuse_idle_options(seed: int | None, shuffle: bool, slots: SlotOptions) -> None:
     """An option that would do nothing in this combination is a usage error."""
-    if args.seed is not None and not args.shuffle:
+    if seed is not None and not shuffle:
         raise UsageError(
             "--seed does nothing without --shuffle", fix="add --shuffle, or drop --seed"
         )
-    if args.token_var is not None and args.server_url is None:
+    if slots.token_var is not None and slots.server_url is None:
         raise UsageError(
             "--token-var applies to --server-url only",
             fix="add --server-url URL, or drop --token-var",
         )
-    check_retry_flags(args)
 
 
-def _backend(args: argparse.Namespace) -> DescribedBackend:
+def _backend(slots: SlotOptions) -> DescribedBackend:
     """Where the slots run, built from --serve, --workers, --server-url (its token), --via
     and --stream; options that contradict each other are usage errors, and a backend's own
     bad value (a `ConfigError`) names its flag."""
-    named = (("--via", args.via is not None), ("--serve", args.serve),
-             ("--server-url", args.server_url is not None))  # fmt: skip
+    named = (("--via", slots.via is not None), ("--serve", slots.serve),
+             ("--server-url", slots.server_url is not None))  # fmt: skip
     chosen = [flag for flag, given in named if given]
     if len(chosen) > 1:
         why = (
@@ -208,27 +199,29 @@ def _backend(args: argparse.Namespace) -> DescribedBackend:
             else "workers over Redis, or a server"
         )
         raise UsageError(f"{chosen[0]} and {chosen[1]}: choose one ({why})")
-    if args.stream is not None and args.via is None:
+    if slots.stream is not None and slots.via is None:
         raise UsageError("--stream names the workers' stream: it needs --via")
-    if args.via is not None:
-        if args.workers != 1:
+    if slots.via is not None:
+        if slots.workers != 1:
             raise UsageError("--workers applies to a server spawned with --serve, not to --via")
         try:
             from ..redis import ViaBackend
+            from ..redis._entries import stderr_log
         except ImportError as exc:
             raise UsageError(
                 f"--via needs hiredis ({exc})", fix="pip install 'trio-tasksets[redis]'"
             ) from None
-        if args.stream is None:
-            return ViaBackend(args.via)
-        return ViaBackend(args.via, stream=args.stream)
-    if args.serve or args.server_url is not None:
+        log = stderr_log("trio-tasksets eval --via")  # its lines, as this command's
+        if slots.stream is None:
+            return ViaBackend(slots.via, log=log)
+        return ViaBackend(slots.via, stream=slots.stream, log=log)
+    if slots.serve or slots.server_url is not None:
         return ServedBackend(
-            server_url=args.server_url, workers=args.workers, token=_server_token(args)
+            server_url=slots.server_url, workers=slots.workers, token=_server_token(slots)
         )
-    if args.workers < 1:
-        raise UsageError(f"--workers must be an integer >= 1, got {args.workers}")
-    if args.workers != 1:
+    if slots.workers < 1:
+        raise UsageError(f"--workers must be an integer >= 1, got {slots.workers}")
+    if slots.workers != 1:
         raise UsageError("--workers applies to a spawned server: add --serve")
     return InProcess()
 
@@ -255,7 +248,7 @@ _PLACES = {
 }
 
 
-def _refuse_remote_limits(args: argparse.Namespace, backend: DescribedBackend) -> None:
+def _refuse_remote_limits(model: ModelOptions, env: EnvOptions, backend: DescribedBackend) -> None:
     """What acts only where the slots run is refused when the backend runs them elsewhere:
     the model-call limits act in the process that makes the calls (`remote`); the reward and
     the per-rollout limits (`--rollout-timeout`, ...) only where the eval's own env runs the
@@ -266,8 +259,8 @@ def _refuse_remote_limits(args: argparse.Namespace, backend: DescribedBackend) -
     flag = PARAMETER_FLAGS[backend.parameter]
     place = _PLACES[backend.parameter]
     who, how = place.who, place.how
-    limits = limit_flags(args)
-    if len(getattr(args, "engine_metrics", None) or []) > 1:
+    limits = limit_flags(model)
+    if len(model.endpoints.engine_metrics) > 1:
         limits.append("--engine-metrics (one per --base-url)")
     if limits:
         flags = ", ".join(limits)
@@ -281,9 +274,8 @@ def _refuse_remote_limits(args: argparse.Namespace, backend: DescribedBackend) -
     if not backend.uses_client:
         # The model is called with the place's own endpoint: this eval needs only the model's
         # name and sampling (which its entries declare).
-        endpoint = (("--base-url", "base_url"), ("--api-key-var", "api_key_var"),
-                    ("--timeout", "timeout"), ("--echo-delay", "echo_delay"))  # fmt: skip
-        unused = [name for name, dest in endpoint if given(args, dest)]
+        unused = model.given(("--base-url", "base_url"), ("--api-key-var", "api_key_var"),
+                             ("--timeout", "timeout"), ("--echo-delay", "echo_delay"))  # fmt: skip
         if unused:  # said, not refused: commands written when --via required them still run
             flags = ", ".join(unused)
             warn(
@@ -294,20 +286,19 @@ def _refuse_remote_limits(args: argparse.Namespace, backend: DescribedBackend) -
             )
     if backend.uses_env:
         return
-    if getattr(args, "reward", None) is not None:
+    if env.reward is not None:
         raise UsageError(
             f"--reward with {flag}: {who} {place.scores} the episodes, with {place.its} own "
             f"TASKSET's reward",
             fix="drop --reward here (or rescore the run: trio-tasksets rescore RUN_DIR "
             "--reward TARGET)",
         )
-    for name, dest in (("--rollout-timeout", "rollout_timeout"),
-                       ("--working-limit", "working_limit"),
-                       ("--stall-timeout", "stall_timeout")):  # fmt: skip
-        if getattr(args, dest, None) is not None:
+    for name in ("rollout_timeout", "working_limit", "stall_timeout"):
+        if getattr(env.limits, name) is not None:
+            limit = PARAMETER_FLAGS[name]
             raise UsageError(
-                f"{name} with {flag}: the episodes run in {who}, whose own {name} bounds them",
-                fix=f"drop {name} here{how}",
+                f"{limit} with {flag}: the episodes run in {who}, whose own {limit} bounds them",
+                fix=f"drop {limit} here{how}",
             )
 
 
@@ -320,20 +311,44 @@ def program() -> list[str]:
     return ["python" if same else sys.executable, "-m", "trio_tasksets"]
 
 
-def _build(args: argparse.Namespace) -> tuple[Env[Any], ModelContext, EvalConfig]:
-    _refuse_idle_options(args)
-    backend = _backend(args)
-    _refuse_remote_limits(args, backend)
-    env = build_env(args)
+@attrs.frozen
+class EvalCommand:
+    """What `trio-tasksets eval` runs, built from its command line and checked, with what
+    its messages name (the model options, the token's variable, the words to resume it)."""
+
+    env: Env[Any]
+    ctx: ModelContext
+    config: EvalConfig
+    model: ModelOptions
+    token_var: str | None  # `--token-var`: the variable holding a --server-url's token
+    argv: tuple[str, ...]  # the command line as given, for the resume command
+    debug: bool
+    own_process: bool  # the CLI's own process: `settle_heap` may freeze its set-up
+
+
+def eval_command(args: argparse.Namespace) -> EvalCommand:
+    """The eval's objects from its command line; a bad value is a `UsageError` naming its
+    flag (the only function of `eval` that reads `args`)."""
+    slots = SlotOptions(
+        serve=args.serve, workers=args.workers, server_url=args.server_url,
+        token_var=args.token_var, via=args.via, stream=args.stream,
+    )  # fmt: skip
+    env_given = env_options(args, reward=args.reward)
+    model = model_options(args)
+    _refuse_idle_options(args.seed, args.shuffle, slots)
+    check_retry_flags(env_given)
+    backend = _backend(slots)
+    _refuse_remote_limits(model, env_given, backend)
+    env = build_env(env_given, endpoint=model.base_url is not None or slots.via is not None)
     # One endpoint's --engine-metrics moves this eval's -c window (EvalConfig.engine_metrics,
     # wherever the calls are made); many endpoints' each move their endpoint's own window,
     # in the process that makes the calls (the client's).
-    metrics = engine_metrics_urls(args)
-    one_engine = len(metrics) == 1 and len(base_urls(args)) <= 1
+    metrics = engine_metrics_urls(model.endpoints)
+    one_engine = len(metrics) == 1 and len(model.endpoints.base_urls) <= 1
     if metrics and not one_engine:
-        check_engine_metrics(args, args.max_concurrent)
+        check_engine_metrics(model, args.max_concurrent)
     ctx = model_context(
-        args, remote=not backend.uses_client, engine_metrics_on_client=not one_engine
+        model, remote=not backend.uses_client, engine_metrics_on_client=not one_engine
     )
     config = EvalConfig(
         num_examples=args.num_examples,
@@ -349,23 +364,26 @@ def _build(args: argparse.Namespace) -> tuple[Env[Any], ModelContext, EvalConfig
         max_failures=args.max_failures,
         max_consecutive_failures=args.max_consecutive_failures,
         metrics_port=args.metrics_port,
-        command=[*program(), *getattr(args, "argv", [])],
-        api_key_var=api_key_var(args),
+        command=[*program(), *args.argv],
+        api_key_var=api_key_var(model),
         time_limit=args.time_limit,
         engine_metrics=metrics[0] if one_engine else None,
         group=args.group,
     )
-    return env, ctx, config
+    return EvalCommand(
+        env, ctx, config, model, slots.token_var, tuple(args.argv), debug=args.debug,
+        own_process=args.tt_own_process,
+    )  # fmt: skip
 
 
-def _server_token(args: argparse.Namespace) -> str | None:
+def _server_token(slots: SlotOptions) -> str | None:
     """A --server-url's bearer token, read here from $TT_SERVE_TOKEN or the variable
     --token-var names; it goes to the eval as the served backend's `token`."""
-    if args.server_url is None:
+    if slots.server_url is None:
         return None
-    var = args.token_var or TOKEN_VAR
+    var = slots.token_var or TOKEN_VAR
     token = os.environ.get(var, "").strip()
-    if not token and args.token_var is not None:
+    if not token and slots.token_var is not None:
         raise UsageError(
             f"--token-var: environment variable {var} is not set",
             fix=f"export {var}=<the server's token>",
@@ -459,13 +477,14 @@ def _print_tracebacks(summary: dict[str, Any], run_dir: Path, *, debug: bool) ->
 
 
 def _fix_for(
-    error_type: str, message: str, status: int | None, args: argparse.Namespace, run_dir: Path
+    error_type: str, message: str, status: int | None, command: EvalCommand, run_dir: Path
 ) -> str | None:
     """What the user can do about an error, from its type and HTTP `status` (the endpoint's,
     or an env server's); where the rows are only when a run dir holds them."""
+    model = command.model
     if error_type == "ModelHTTPError" and status in (401, 403):
-        var = args.api_key_var or DEFAULT_API_KEY_VAR
-        if api_key_var(args):
+        var = model.api_key_var or DEFAULT_API_KEY_VAR
+        if api_key_var(model):
             return (
                 f"the server refused the API key in ${var}: check it (or name another "
                 "variable with --api-key-var)"
@@ -475,12 +494,12 @@ def _fix_for(
             "variable with --api-key-var)"
         )
     if error_type == "ModelHTTPError" and status == 400:
-        context = _context_fix(message, args)
+        context = _context_fix(message, model.max_tokens)
         if context is not None:
             return context
     if error_type == "ModelHTTPError" and status == 404:
         return (
-            f"check -m/--model {args.model!r} and --base-url {args.base_url} (the URL stops "
+            f"check -m/--model {model.model!r} and --base-url {model.base_url} (the URL stops "
             f"before /chat/completions, e.g. http://127.0.0.1:8000/v1)"
         )
     if error_type == "ModelHTTPError" and status == 429:
@@ -488,7 +507,7 @@ def _fix_for(
     if error_type == "ModelHTTPError" and status is not None and status >= 500:
         return "the model server failed: see its log (--retries K retries whole episodes)"
     if error_type == "ModelConnectionError":
-        urls = " ".join(f"--base-url {url}" for url in base_urls(args))
+        urls = " ".join(f"--base-url {url}" for url in model.endpoints.base_urls)
         return f"nothing answers at {urls}: start the server, or fix the URL"
     if error_type == "ModelTimeoutError":
         return "raise --timeout S, or lower -c/--max-concurrent"
@@ -502,7 +521,7 @@ def _fix_for(
     if error_type == "ModelResponseError":
         return "the endpoint does not answer as an OpenAI /chat/completions does: check --base-url"
     if error_type == "EnvServerError" and status == 401:
-        var = args.token_var or TOKEN_VAR
+        var = command.token_var or TOKEN_VAR
         if os.environ.get(var):
             return (
                 f"the env server refused the token in ${var}: check it (or name another "
@@ -515,7 +534,7 @@ def _fix_for(
     if (run_dir / "traces.jsonl").is_file():
         return f"every failed row's errors are in {run_dir}/traces.jsonl"
     # No row was kept (a run that failed before its first one leaves no run dir).
-    return None if getattr(args, "debug", False) else "run again with --debug for the traceback"
+    return None if command.debug else "run again with --debug for the traceback"
 
 
 def _status(exc: BaseException) -> int | None:
@@ -539,7 +558,7 @@ def _first_number(pattern: re.Pattern[str], text: str) -> int | None:
     return int(next(group for group in found.groups() if group is not None))
 
 
-def _context_fix(message: str, args: argparse.Namespace) -> str | None:
+def _context_fix(message: str, max_tokens: int | None) -> str | None:
     """The fix for a 400 whose body says the request is longer than the model's context
     (vLLM's and OpenAI's wording): the prompt's own length, or `--max-tokens` on top of it.
     None for another 400."""
@@ -548,7 +567,6 @@ def _context_fix(message: str, args: argparse.Namespace) -> str | None:
         return None
     prompt = _first_number(_PROMPT_TOKENS, message)
     reply = _first_number(_REPLY_TOKENS, message)
-    max_tokens = getattr(args, "max_tokens", None)
     if prompt is not None and prompt >= context:
         return (
             f"the prompt alone ({prompt} tokens) is longer than the server's context of "
@@ -567,25 +585,26 @@ def _context_fix(message: str, args: argparse.Namespace) -> str | None:
     )
 
 
-def _resume_lines(args: argparse.Namespace, run_dir: Path, env: Env[Any]) -> tuple[str, ...]:
+def _resume_lines(command: EvalCommand, run_dir: Path) -> tuple[str, ...]:
     if not run_dir.is_dir():
         return ("no episode had finished: no run dir was kept",)
-    if env.taskset.streaming:
+    if command.env.taskset.streaming:
         return (
             f"finished episodes are in {run_dir}; a stream cannot be resumed: run again "
             f"(with another --run-name) to take more tasks",
         )
     return (
         f"finished episodes are in {run_dir}",
-        f"resume: {shlex.join(resume_command(args, run_dir.name))}",
+        f"resume: {shlex.join(resume_command(command.argv, run_dir.name))}",
     )
 
 
-def resume_command(args: argparse.Namespace, run_name: str) -> list[str]:
-    """The command that resumes this run: the same words with `--run-name NAME --resume`."""
+def resume_command(argv: Iterable[str], run_name: str) -> list[str]:
+    """The command that resumes this run: the same words `argv` with `--run-name NAME
+    --resume`."""
     words: list[str] = []
     skip = False
-    for word in getattr(args, "argv", []):
+    for word in argv:
         if skip:
             skip = False
         elif word == "--run-name":
@@ -640,9 +659,10 @@ def _summary_on_disk(run_dir: Path) -> dict[str, Any] | None:
 
 def run(args: argparse.Namespace) -> int:
     """Run the eval the options describe; print the summary; the exit code (see `main`)."""
-    env, ctx, config = _build(args)
+    command = eval_command(args)
+    env, ctx, config = command.env, command.ctx, command.config
     run_dir = _name_the_run(env, ctx, config)
-    settle_heap(args.tt_own_process)  # the set-up is done: full collections no longer walk it
+    settle_heap(command.own_process)  # the set-up is done: full collections no longer walk it
     try:
         with _warnings_as_lines():
             result = trio.run(_eval, env, ctx, config)
@@ -651,7 +671,7 @@ def run(args: argparse.Namespace) -> int:
         if summary is not None:
             _print_summary(summary, run_dir)
         print(f"{PROG} eval: interrupted", file=sys.stderr)
-        for line in _resume_lines(args, run_dir, env):
+        for line in _resume_lines(command, run_dir):
             print(line, file=sys.stderr)
         return 130
     except (EvalConfigError, CommandError):
@@ -662,41 +682,41 @@ def run(args: argparse.Namespace) -> int:
             _print_summary(summary, run_dir)
         raise CommandError(
             f"{type(exc).__name__}: {exc}",
-            fix=_fix_for(type(exc).__name__, str(exc), _status(exc), args, run_dir),
-            details=_resume_lines(args, run_dir, env) if summary is not None else (),
+            fix=_fix_for(type(exc).__name__, str(exc), _status(exc), command, run_dir),
+            details=_resume_lines(command, run_dir) if summary is not None else (),
         ) from exc
     summary = result.summary
     _print_summary(summary, run_dir)
-    _print_tracebacks(summary, run_dir, debug=getattr(args, "debug", False))
+    _print_tracebacks(summary, run_dir, debug=command.debug)
     stopped = summary["stopped"]
     first = summary.get("first_error") or {}
     fix = _fix_for(
-        first.get("type", ""), first.get("message", ""), first.get("status"), args, run_dir
+        first.get("type", ""), first.get("message", ""), first.get("status"), command, run_dir
     )
     if stopped in EXIT_ON_SIGNAL:
         print(f"{PROG} eval: stopped by {stopped}", file=sys.stderr)
-        for line in _resume_lines(args, run_dir, env):
+        for line in _resume_lines(command, run_dir):
             print(line, file=sys.stderr)
         return EXIT_ON_SIGNAL[stopped]
     if stopped == "time_limit":
+        limit = config.time_limit
         print(
-            f"{PROG} eval: stopped at --time-limit {args.time_limit:g}s: "
+            f"{PROG} eval: stopped at --time-limit {limit:g}s: "
             f"{summary['finished']} of {summary['planned']} slots finished",
             file=sys.stderr,
         )
-        for line in _resume_lines(args, run_dir, env):
+        for line in _resume_lines(command, run_dir):
             print(line, file=sys.stderr)
         if not summary["ok"]:
             raise CommandError(
-                f"no episode succeeded within --time-limit {args.time_limit:g}s "
-                f"({summary['failed']} failed)",
+                f"no episode succeeded within --time-limit {limit:g}s ({summary['failed']} failed)",
                 fix="raise --time-limit, or lower the work (-n)",
             )
         return 0
     if stopped is not None:  # a limit (max_failures, ...), or a dead endpoint
         raise CommandError(
             _spell_limit(stopped, summary["error"]), fix=fix,
-            details=_resume_lines(args, run_dir, env),
+            details=_resume_lines(command, run_dir),
         )  # fmt: skip
     if summary["finished"] and not summary["ok"]:
         raise CommandError(f"no episode succeeded ({summary['failed']} failed)", fix=fix)

@@ -37,6 +37,9 @@ def parser() -> argparse.ArgumentParser:
         formatter_class=HelpFormatter,
     )
     top.add_argument("--version", action="version", version=f"{PROG} {__version__}")
+    # What `main` sets after parsing (the words, whose process this is), for a parse without
+    # it; and the parser whose usage an error shows (each command's own, set below).
+    top.set_defaults(argv=[], tt_subparser=top, **{OWN_PROCESS: False})
     commands = top.add_subparsers(dest="command", required=True, metavar="COMMAND")
     eval_command.add_parser(commands)
     serve_command.add_parser(commands)
@@ -84,7 +87,7 @@ def _parse(words: list[str]) -> argparse.Namespace:
     top = parser()
     args, extras = top.parse_known_args(words)
     if extras:
-        sub: argparse.ArgumentParser = getattr(args, "tt_subparser", top)
+        sub: argparse.ArgumentParser = args.tt_subparser
         known = [flag for action in sub._actions for flag in action.option_strings]
         for word in extras:
             name = word.partition("=")[0]

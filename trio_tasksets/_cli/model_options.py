@@ -1,15 +1,20 @@
 """The model options of `eval` and `worker`: the model client, its endpoints and key, the
 sampling settings, the limits on its calls (`--max-connections`, `--rpm`, `--tpm`) and the
-engines' own metrics (`--engine-metrics`, one per `--base-url`)."""
+engines' own metrics (`--engine-metrics`, one per `--base-url`).
+
+A command reads them once at its edge (`model_options(args)`, `endpoints(args)`: the only
+functions here that see the parsed arguments) into a frozen `ModelOptions`; every builder
+below takes that object."""
 
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import os
 from typing import Any
 from urllib.parse import urlsplit
+
+import attrs
 
 from .._core.adaptive import AdaptiveBounds
 from .._core.limits import EndpointLimits
@@ -23,18 +28,28 @@ from .._models import (
 )
 from .._models.calls import TIMEOUT
 from .._models.engine import EngineMetrics
-from .options import DEFAULT_API_KEY_VAR, UsageError, given, per_minute, window_option
+from .options import (
+    DEFAULT_API_KEY_VAR,
+    UsageError,
+    add_flags,
+    json_object,
+    per_minute,
+    window_option,
+)
 
 __all__ = [
+    "Endpoints",
+    "ModelOptions",
     "add_endpoint_options",
     "add_model_options",
     "api_key_var",
-    "base_urls",
     "check_engine_metrics",
     "endpoint_limits",
+    "endpoints",
     "engine_metrics_urls",
     "limit_flags",
     "model_context",
+    "model_options",
 ]
 
 
@@ -51,31 +66,19 @@ def add_model_options(parser: argparse.ArgumentParser) -> argparse._ArgumentGrou
         help=f"the environment variable holding the API key (default: {DEFAULT_API_KEY_VAR}; "
         f"no key is sent when it is unset)",
     )  # fmt: skip
-    model.add_argument(
-        "--timeout", type=float, default=None, metavar="S",
-        help="bound each model request as a whole, from connecting to the reply's last byte, "
-        "to S seconds (each retry has its own S; never past the rollout's deadline) "
+    add_flags(model, {
+        "--timeout S": "bound each model request as a whole, from connecting to the reply's "
+        "last byte, to S seconds (each retry has its own S; never past the rollout's deadline) "
         f"(default: {TIMEOUT:g})",
-    )  # fmt: skip
-    model.add_argument(
-        "--temperature", type=float, default=None, metavar="T", help="sampling temperature >= 0 "
-        "(default: the server's)",
-    )  # fmt: skip
-    model.add_argument(
-        "--max-tokens",
-        type=int,
-        default=None,
-        metavar="N",
-        help="most tokens per reply (default: the server's)",
-    )
-    model.add_argument(
-        "--top-p", type=float, default=None, metavar="P", help="nucleus sampling, in (0, 1] (default: the "
-        "server's)",
-    )  # fmt: skip
-    model.add_argument(
-        "--sampling-seed", type=int, default=None, metavar="N", help="the seed sent with each request "
-        "(default: none)",
-    )  # fmt: skip
+        "--temperature T": "sampling temperature >= 0 (default: the server's)",
+    }, type=float)  # fmt: skip
+    add_flags(model, {
+        "--max-tokens N": "most tokens per reply (default: the server's)",
+    }, type=int)  # fmt: skip
+    add_flags(model, {"--top-p P": "nucleus sampling, in (0, 1] (default: the server's)"},
+              type=float)  # fmt: skip
+    add_flags(model, {"--sampling-seed N": "the seed sent with each request (default: none)"},
+              type=int)  # fmt: skip
     model.add_argument(
         "-S", "--sampling-args", default=None, metavar="JSON",
         help="more request fields as a JSON object, merged into every request: e.g. "
@@ -88,25 +91,20 @@ def add_model_options(parser: argparse.ArgumentParser) -> argparse._ArgumentGrou
         help="ask the server for token ids and logprobs (vLLM's return_token_ids and "
         "logprobs); rows keep them per model call under `tokens`",
     )  # fmt: skip
-    model.add_argument(
-        "--echo-delay", type=float, default=None, metavar="S",
-        help="latency of the echo model, to watch the window work (default: 0)",
-    )  # fmt: skip
-    model.add_argument(
-        "--max-connections", type=window_option, default=None, metavar="N|MIN-START-MAX",
-        help="most model calls in flight to the endpoint (--base-url and its key variable), "
-        "across every rollout of this process: a rollout's every call counts; MIN-START-MAX "
-        "adapts it on the calls' 429s (default: no bound)",
-    )  # fmt: skip
-    model.add_argument(
-        "--rpm", type=per_minute, default=None, metavar="N",
-        help="most model calls started per minute, spread evenly (GCRA) (default: no limit)",
-    )  # fmt: skip
-    model.add_argument(
-        "--tpm", type=per_minute, default=None, metavar="N",
-        help="most tokens per minute, metered from the replies' usage; --max-tokens is "
+    add_flags(model, {
+        "--echo-delay S": "latency of the echo model, to watch the window work (default: 0)",
+    }, type=float)  # fmt: skip
+    add_flags(model, {
+        "--max-connections N|MIN-START-MAX": "most model calls in flight to the endpoint "
+        "(--base-url and its key variable), across every rollout of this process: a rollout's "
+        "every call counts; MIN-START-MAX adapts it on the calls' 429s (default: no bound)",
+    }, type=window_option)  # fmt: skip
+    add_flags(model, {
+        "--rpm N": "most model calls started per minute, spread evenly (GCRA) (default: no "
+        "limit)",
+        "--tpm N": "most tokens per minute, metered from the replies' usage; --max-tokens is "
         "reserved before each call (default: no limit)",
-    )  # fmt: skip
+    }, type=per_minute)  # fmt: skip
     return model
 
 
@@ -131,43 +129,76 @@ def add_endpoint_options(
     engine_metrics_help: str = ENGINE_METRICS_HELP,
 ) -> None:
     """`--base-url URL` (repeatable) and `--engine-metrics URL` (one per `--base-url`): the
-    endpoints, as `eval`, `worker` and `serve` take them (read with `base_urls` and
-    `engine_metrics_urls`)."""
+    endpoints, as `eval`, `worker` and `serve` take them (read with `endpoints`)."""
     group.add_argument(
-        "--base-url", default=None, metavar="URL", action=_BaseURLs, help=base_url_help
-    )
+        "--base-url", dest="base_urls", default=None, metavar="URL", action="append",
+        help=base_url_help,
+    )  # fmt: skip
     group.add_argument(
         "--engine-metrics", default=None, metavar="URL", action="append",
         help=engine_metrics_help,
     )  # fmt: skip
 
 
-class _BaseURLs(argparse.Action):
-    """`--base-url` may be repeated: `base_url` is the first URL (what the single-endpoint
-    code reads), `base_urls` every one, in order."""
+@attrs.frozen
+class Endpoints:
+    """Every `--base-url` and every `--engine-metrics` given, in order."""
 
-    def __call__(
-        self,
-        parser: argparse.ArgumentParser,
-        namespace: argparse.Namespace,
-        values: object,
-        option_string: str | None = None,
-    ) -> None:
-        urls = [*(getattr(namespace, "base_urls", None) or []), str(values)]
-        namespace.base_urls = urls
-        namespace.base_url = urls[0]
+    base_urls: tuple[str, ...] = ()
+    engine_metrics: tuple[str, ...] = ()
+
+    @property
+    def base_url(self) -> str | None:
+        """The first `--base-url` (what a single endpoint's code reads), or None."""
+        return self.base_urls[0] if self.base_urls else None
 
 
-def base_urls(args: argparse.Namespace) -> list[str]:
-    """Every `--base-url` given, in order (empty: none)."""
-    urls = getattr(args, "base_urls", None)
-    if urls:
-        return list(urls)
-    return [] if args.base_url is None else [args.base_url]
+def endpoints(args: argparse.Namespace) -> Endpoints:
+    """The endpoints of a command that added them (`add_endpoint_options`)."""
+    return Endpoints(tuple(args.base_urls or ()), tuple(args.engine_metrics or ()))
 
 
-def _is_echo(args: argparse.Namespace) -> bool:
-    return bool(args.model == "echo" and args.base_url is None)
+@attrs.frozen
+class ModelOptions:
+    """The model options as given (`model_options` reads them): what `model_context` builds
+    the model client from."""
+
+    model: str = "echo"
+    endpoints: Endpoints = Endpoints()
+    api_key_var: str | None = None
+    timeout: float | None = None
+    temperature: float | None = None
+    max_tokens: int | None = None
+    top_p: float | None = None
+    sampling_seed: int | None = None
+    sampling_args: str | None = None
+    return_tokens: bool = False
+    echo_delay: float | None = None
+    max_connections: int | AdaptiveBounds | None = None
+    rpm: float | None = None
+    tpm: float | None = None
+
+    @property
+    def base_url(self) -> str | None:
+        """The first `--base-url`, or None."""
+        return self.endpoints.base_url
+
+    def given(self, *pairs: tuple[str, str]) -> list[str]:
+        """The flags of `pairs` (a flag, its field) whose option was given (not None)."""
+        return [flag for flag, field in pairs if getattr(self, field) is not None]
+
+
+def model_options(args: argparse.Namespace) -> ModelOptions:
+    """The model options of a command that added them (`add_model_options`)."""
+    return ModelOptions(
+        args.model, endpoints(args), args.api_key_var, args.timeout, args.temperature,
+        args.max_tokens, args.top_p, args.sampling_seed, args.sampling_args,
+        args.return_tokens, args.echo_delay, args.max_connections, args.rpm, args.tpm,
+    )  # fmt: skip
+
+
+def _is_echo(options: ModelOptions) -> bool:
+    return options.model == "echo" and options.base_url is None
 
 
 def _check_base_url(url: str) -> None:
@@ -187,24 +218,16 @@ _OWNED = {"model": "-m/--model", "messages": "the taskset's prompts",
           "stream": "the client (it reads whole replies)", "stream_options": "the client"}  # fmt: skip
 
 
-def _sampling_args(args: argparse.Namespace) -> tuple[dict[str, Any], dict[str, Any]]:
+def _sampling_args(options: ModelOptions) -> tuple[dict[str, Any], dict[str, Any]]:
     """`-S/--sampling-args JSON`: (the values of named sampling fields it gives, the other
     request fields)."""
-    text = getattr(args, "sampling_args", None)
-    if text is None:
+    if options.sampling_args is None:
         return {}, {}
-    try:
-        fields = json.loads(text)
-    except ValueError as exc:
-        raise UsageError(
-            f"-S/--sampling-args is not JSON ({exc})",
-            fix="""quote it: -S '{"response_format": {"type": "json_object"}}'""",
-        ) from None
-    if not isinstance(fields, dict):
-        raise UsageError(
-            f"-S/--sampling-args must be a JSON object of request fields, got {text!r}",
-            fix="""-S '{"stop": ["\\n"]}'""",
-        )
+    fields = json_object(
+        options.sampling_args, "-S/--sampling-args", what="a JSON object of request fields",
+        quoted="""-S '{"response_format": {"type": "json_object"}}'""",
+        example="""-S '{"stop": ["\\n"]}'""",
+    )  # fmt: skip
     named: dict[str, Any] = {}
     extra: dict[str, Any] = {}
     for key, value in fields.items():
@@ -214,7 +237,7 @@ def _sampling_args(args: argparse.Namespace) -> tuple[dict[str, Any], dict[str, 
             )
         if key in _NAMED:
             flag, field = _NAMED[key]
-            if getattr(args, "sampling_seed" if field == "seed" else field, None) is not None:
+            if options.given((flag, "sampling_seed" if field == "seed" else field)):
                 raise UsageError(
                     f"{flag} and -S/--sampling-args {key!r} both set {key}", fix="give one"
                 )
@@ -224,11 +247,12 @@ def _sampling_args(args: argparse.Namespace) -> tuple[dict[str, Any], dict[str, 
     return named, extra
 
 
-def _sampling(args: argparse.Namespace) -> Sampling:
-    named, extra = _sampling_args(args)
-    temperature = named.get("temperature", args.temperature)
-    top_p, max_tokens = named.get("top_p", args.top_p), named.get("max_tokens", args.max_tokens)
-    seed = named.get("seed", args.sampling_seed)
+def _sampling(options: ModelOptions) -> Sampling:
+    named, extra = _sampling_args(options)
+    temperature = named.get("temperature", options.temperature)
+    top_p = named.get("top_p", options.top_p)
+    max_tokens = named.get("max_tokens", options.max_tokens)
+    seed = named.get("seed", options.sampling_seed)
     for field, value, kind in (("temperature", temperature, (int, float)),
                                ("top_p", top_p, (int, float)), ("max_tokens", max_tokens, int),
                                ("seed", seed, int)):  # fmt: skip
@@ -242,19 +266,27 @@ def _sampling(args: argparse.Namespace) -> Sampling:
         raise UsageError(f"--max-tokens must be >= 1, got {max_tokens}")
     return Sampling(temperature=temperature, max_tokens=max_tokens, top_p=top_p,
                     seed=seed, extra=extra,
-                    return_tokens=args.return_tokens)  # fmt: skip
+                    return_tokens=options.return_tokens)  # fmt: skip
 
 
-def api_key_var(args: argparse.Namespace) -> str | None:
+def api_key_var(options: ModelOptions) -> str | None:
     """The variable the model's API key is read from, when a key is sent (never the key)."""
-    if _is_echo(args):
+    if _is_echo(options):
         return None
-    var: str = args.api_key_var or DEFAULT_API_KEY_VAR
+    var = options.api_key_var or DEFAULT_API_KEY_VAR
     return var if os.environ.get(var, "").strip() else None
 
 
+# What only shapes an HTTP request or its limits: (the flag, its field).
+_HTTP_ONLY = (("--timeout", "timeout"), ("--api-key-var", "api_key_var"),
+              ("--max-connections", "max_connections"), ("--rpm", "rpm"), ("--tpm", "tpm"),
+              ("--temperature", "temperature"), ("--max-tokens", "max_tokens"),
+              ("--top-p", "top_p"), ("--sampling-seed", "sampling_seed"),
+              ("-S/--sampling-args", "sampling_args"))  # fmt: skip
+
+
 def model_context(
-    args: argparse.Namespace, *, remote: bool = False, engine_metrics_on_client: bool = True
+    options: ModelOptions, *, remote: bool = False, engine_metrics_on_client: bool = True
 ) -> ModelContext:
     """The model the options name; a bad value, or an option that would do nothing with this
     model, is a `UsageError` naming its flag.
@@ -267,72 +299,68 @@ def model_context(
     (`OpenAIClient(engine_metrics=...)`: each endpoint's own); False when the caller feeds
     it to its rollout window itself (`eval` with one endpoint: `EvalConfig.engine_metrics`)."""
     client: ModelClient
-    sampling = _sampling(args)
-    if remote and not _is_echo(args):
-        return ModelContext(EchoClient(), args.model, sampling)
-    if _is_echo(args):
+    sampling = _sampling(options)
+    if remote and not _is_echo(options):
+        return ModelContext(EchoClient(), options.model, sampling)
+    if _is_echo(options):
         # Every option that only shapes an HTTP request or its limits does nothing here:
         # each is refused alike (the sampling flags, -S and --timeout included).
-        idle = (("--timeout", "timeout"), ("--api-key-var", "api_key_var"),
-                ("--max-connections", "max_connections"), ("--rpm", "rpm"), ("--tpm", "tpm"),
-                ("--temperature", "temperature"), ("--max-tokens", "max_tokens"),
-                ("--top-p", "top_p"), ("--sampling-seed", "sampling_seed"),
-                ("-S/--sampling-args", "sampling_args"),
-                ("--engine-metrics", "engine_metrics"))  # fmt: skip
-        unused = [flag for flag, dest in idle if given(args, dest)]
+        unused = options.given(*_HTTP_ONLY)
+        if options.endpoints.engine_metrics:
+            unused.append("--engine-metrics")
         if unused and not remote:
             flags = ", ".join(unused)
             raise UsageError(
                 f"{flags} {'does' if len(unused) == 1 else 'do'} nothing with the echo model",
                 fix=f"drop {flags}, or name an HTTP model with -m MODEL --base-url URL",
             )
-        delay = 0.0 if args.echo_delay is None else args.echo_delay
+        delay = 0.0 if options.echo_delay is None else options.echo_delay
         if not delay >= 0:
             raise UsageError(f"--echo-delay must be >= 0, got {delay}")
         client = EchoClient(delay=delay)
-        return ModelContext(client, args.model, sampling)
-    if args.base_url is None:
+        return ModelContext(client, options.model, sampling)
+    if options.base_url is None:
         raise UsageError(
-            f"-m/--model {args.model!r} needs --base-url (an OpenAI-compatible endpoint)",
+            f"-m/--model {options.model!r} needs --base-url (an OpenAI-compatible endpoint)",
             fix="add --base-url http://127.0.0.1:8000/v1 (or https://api.openai.com/v1), "
             "or use -m echo",
         )
-    urls = base_urls(args)
+    urls = list(options.endpoints.base_urls)
     for url in urls:
         _check_base_url(url)
     if len(set(urls)) != len(urls):
         raise UsageError(
             f"--base-url names an endpoint twice: {urls}", fix="give each endpoint once"
         )
-    if given(args, "echo_delay"):
+    if options.echo_delay is not None:
         raise UsageError(
             "--echo-delay applies to the echo model only", fix="drop it (or drop --base-url)"
         )
-    timeout = TIMEOUT if args.timeout is None else args.timeout
+    timeout = TIMEOUT if options.timeout is None else options.timeout
     if not timeout > 0:
         raise UsageError(f"--timeout must be > 0, got {timeout}")
     key = None
-    if args.api_key_var is not None:  # named: it must hold a key
+    if options.api_key_var is not None:  # named: it must hold a key
         try:
-            key = api_key_from_env(args.api_key_var)
+            key = api_key_from_env(options.api_key_var)
         except ValueError as exc:
             raise UsageError(f"--api-key-var: {exc}") from None
     else:
         key = os.environ.get(DEFAULT_API_KEY_VAR, "").strip() or None
-    limits = endpoint_limits(args)
-    metrics = engine_metrics_urls(args) if engine_metrics_on_client else []
+    limits = endpoint_limits(options)
+    metrics = engine_metrics_urls(options.endpoints) if engine_metrics_on_client else []
     client = OpenAIClient(
-        urls if len(urls) > 1 else args.base_url, key, timeout=timeout, limits=limits,
-        limits_key=(args.base_url, args.api_key_var or DEFAULT_API_KEY_VAR),
+        urls if len(urls) > 1 else options.base_url, key, timeout=timeout, limits=limits,
+        limits_key=(options.base_url, options.api_key_var or DEFAULT_API_KEY_VAR),
         engine_metrics=metrics or None,
     )  # fmt: skip
-    return ModelContext(client, args.model, sampling)
+    return ModelContext(client, options.model, sampling)
 
 
-def engine_metrics_urls(args: argparse.Namespace) -> list[str]:
+def engine_metrics_urls(given: Endpoints) -> list[str]:
     """Every `--engine-metrics URL`, checked: each an http(s) URL, and one per `--base-url`
     (in the same order) when there are many; a `UsageError` naming the flag otherwise."""
-    found = list(getattr(args, "engine_metrics", None) or [])
+    found = list(given.engine_metrics)
     if not found:
         return []
     for url in found:
@@ -343,7 +371,7 @@ def engine_metrics_urls(args: argparse.Namespace) -> list[str]:
                 f"--engine-metrics: {exc}",
                 fix="e.g. --engine-metrics http://127.0.0.1:8000/metrics",
             ) from None
-    urls = base_urls(args)
+    urls = given.base_urls
     if len(found) != max(1, len(urls)):
         raise UsageError(
             f"--engine-metrics given {len(found)} times for {len(urls)} --base-url: give one "
@@ -354,15 +382,15 @@ def engine_metrics_urls(args: argparse.Namespace) -> list[str]:
     return found
 
 
-def check_engine_metrics(args: argparse.Namespace, window: int | AdaptiveBounds) -> None:
+def check_engine_metrics(options: ModelOptions, window: int | AdaptiveBounds) -> None:
     """`--engine-metrics` moves an adaptive window: `window` (`-c`) with one endpoint, each
     endpoint's own (`--max-connections`, adaptive unless a fixed N) with many. One that would
     move nothing is a `UsageError` naming the flags."""
-    found = engine_metrics_urls(args)
-    if not found or _is_echo(args):  # the echo model: `model_context` refuses the flag
+    found = engine_metrics_urls(options.endpoints)
+    if not found or _is_echo(options):  # the echo model: `model_context` refuses the flag
         return
-    if len(base_urls(args)) > 1:
-        connections = getattr(args, "max_connections", None)
+    if len(options.endpoints.base_urls) > 1:
+        connections = options.max_connections
         if connections is not None and not isinstance(connections, AdaptiveBounds):
             raise UsageError(
                 f"--engine-metrics moves each endpoint's adaptive window, but "
@@ -376,17 +404,16 @@ def check_engine_metrics(args: argparse.Namespace, window: int | AdaptiveBounds)
         )
 
 
-def endpoint_limits(args: argparse.Namespace) -> EndpointLimits | None:
+def endpoint_limits(options: ModelOptions) -> EndpointLimits | None:
     """The limits `--max-connections`, `--rpm` and `--tpm` set on the model's calls (one
     `EndpointLimits` for the process: every rollout's calls share it), or None."""
-    connections = getattr(args, "max_connections", None)
-    rpm, tpm = getattr(args, "rpm", None), getattr(args, "tpm", None)
+    connections, rpm, tpm = options.max_connections, options.rpm, options.tpm
     if connections is None and rpm is None and tpm is None:
         return None
     return EndpointLimits(connections=connections, rpm=rpm, tpm=tpm)
 
 
-def limit_flags(args: argparse.Namespace) -> list[str]:
+def limit_flags(options: ModelOptions) -> list[str]:
     """The model-call limit flags given (`--max-connections`, `--rpm`, `--tpm`)."""
-    flags = (("--max-connections", "max_connections"), ("--rpm", "rpm"), ("--tpm", "tpm"))
-    return [flag for flag, dest in flags if given(args, dest)]
+    return options.given(("--max-connections", "max_connections"), ("--rpm", "rpm"),
+                         ("--tpm", "tpm"))  # fmt: skip

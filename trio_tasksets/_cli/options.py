@@ -1,36 +1,47 @@
-"""What the commands share: their errors and help format, small argparse types, and the run's
-limits (`eval`, `worker`). The env options are `env_options`, the model options
-`model_options`.
+"""What the commands share: their errors and help format, small argparse types, the option
+groups several commands take, and how the library's parameters are spelled as flags
+(`PARAMETER_FLAGS`). The env options are `env_options`, the model options `model_options`.
 
-`add_env_options` / `build_env`: TASKSET, `-a/--taskset-args`, `--env-class`, the system
-prompt, the retry policy and `--rollout-timeout`, built into the user's `Env`.
-`add_model_options` / `model_context`: the model client, its endpoint and key, the sampling
-settings, and the limits on its calls (`--max-connections`, `--rpm`, `--tpm`).
-`add_window_option` (`-c/--max-concurrent N|MIN-START-MAX`) and `add_time_limit_option`
-(`--time-limit S`). Each builder checks its values and raises `UsageError` naming the flag
-and the fix; a value argparse cannot parse is refused by argparse, naming the flag.
+Each command turns its arguments into the library's objects at its edge: its
+`*_command(args)` reads them once (the shared groups through `env_options(args)`,
+`model_options(args)`, ...: frozen objects) and nothing below sees the `Namespace`.
+
+`add_flags` declares the options of a group that differ only in name and help;
+`add_window_option` (`-c/--max-concurrent N|MIN-START-MAX`), `add_time_limit_option`
+(`--time-limit S`), `add_metrics_option`, `add_reward_option` and `add_output_options` are
+the groups several commands share. Each builder checks its values and raises `UsageError`
+naming the flag and the fix; a value argparse cannot parse is refused by argparse, naming
+the flag.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import math
 import sys
-from typing import TYPE_CHECKING
+from collections.abc import Mapping
+from typing import TYPE_CHECKING, Any
 
 from .._core.adaptive import AdaptiveBounds, WindowArgumentError, parse_window
 from .._core.exceptions import ConfigError, EvalWarning, TrioTasksetsError
 
 __all__ = [
     "DEFAULT_API_KEY_VAR",
+    "PARAMETER_FLAGS",
     "PROG",
     "TASKSET_HELP",
     "CommandError",
     "HelpFormatter",
     "UsageError",
+    "add_flags",
+    "add_metrics_option",
+    "add_output_options",
+    "add_reward_option",
     "add_time_limit_option",
     "add_window_option",
-    "given",
+    "flag_message",
+    "json_object",
     "names",
     "per_minute",
     "seconds",
@@ -143,9 +154,18 @@ def names(text: str) -> tuple[str, ...]:
     return tuple(part.strip() for part in text.split(",") if part.strip())
 
 
-def given(args: argparse.Namespace, dest: str) -> bool:
-    """Whether an option whose default is None (a 'not given' sentinel) was given."""
-    return getattr(args, dest, None) is not None
+def json_object(
+    text: str, flag: str, *, quoted: str, example: str, what: str = "a JSON object"
+) -> dict[str, Any]:
+    """A flag's JSON value (`-a`, `-S`) as a dict: a `UsageError` naming `flag` if it is not
+    JSON (fix: `quoted`, the value quoted for a shell) or not `what` (fix: `example`)."""
+    try:
+        value = json.loads(text)
+    except ValueError as exc:
+        raise UsageError(f"{flag} is not JSON ({exc})", fix=f"quote it: {quoted}") from None
+    if not isinstance(value, dict):
+        raise UsageError(f"{flag} must be {what}, got {text!r}", fix=example)
+    return value
 
 
 # --- argparse types (argparse names the flag: "argument --rpm: must be ...") ------------------
@@ -179,6 +199,19 @@ def per_minute(text: str) -> float:
     return _positive(text, "units per minute")
 
 
+def add_flags(
+    group: argparse._ActionsContainer, options: Mapping[str, str], **settings: Any
+) -> None:
+    """Add each of `options`, written as its usage (``"-o --output-dir DIR"``: its flags, then
+    its metavar when it takes a value) with its help; each takes the same argparse `settings`
+    (`type`, `default`, `action`): the options of a group that differ only in name and help."""
+    for usage, text in options.items():
+        words = usage.split()
+        flags = [word for word in words if word.startswith("-")]
+        metavar: dict[str, Any] = {} if words[-1].startswith("-") else {"metavar": words[-1]}
+        group.add_argument(*flags, help=text, **settings, **metavar)
+
+
 def add_window_option(group: argparse._ActionsContainer, *, help: str) -> None:
     """`-c/--max-concurrent N|MIN-START-MAX` (default 32): an int or `AdaptiveBounds`."""
     group.add_argument(
@@ -188,19 +221,34 @@ def add_window_option(group: argparse._ActionsContainer, *, help: str) -> None:
     )  # fmt: skip
 
 
-def add_metrics_option(parser: argparse.ArgumentParser | argparse._ArgumentGroup) -> None:
+def add_metrics_option(parser: argparse._ActionsContainer) -> None:
     """`--metrics-port N` (eval, worker, serve): Prometheus text at 127.0.0.1:N/metrics."""
-    parser.add_argument(
-        "--metrics-port", type=int, default=None, metavar="N",
-        help="serve the run's counters and health (scheduler lag, in flight, waits) as "
-        "Prometheus text at http://127.0.0.1:N/metrics while it runs; 0 picks a free port "
-        "(printed) (default: none; needs the metrics extra)",
-    )  # fmt: skip
+    add_flags(parser, {
+        "--metrics-port N": "serve the run's counters and health (scheduler lag, in flight, "
+        "waits) as Prometheus text at http://127.0.0.1:N/metrics while it runs; 0 picks a free "
+        "port (printed) (default: none; needs the metrics extra)",
+    }, type=int)  # fmt: skip
 
 
 def add_time_limit_option(group: argparse._ActionsContainer, *, what: str) -> None:
     """`--time-limit S` (default: none)."""
-    group.add_argument(
-        "--time-limit", type=seconds, default=None, metavar="S",
-        help=f"after S seconds, {what} (default: no limit)",
-    )  # fmt: skip
+    add_flags(group, {"--time-limit S": f"after S seconds, {what} (default: no limit)"},
+              type=seconds)  # fmt: skip
+
+
+def add_reward_option(
+    group: argparse._ActionsContainer, *, help: str, required: bool = False
+) -> None:
+    """`--reward TARGET` (eval, serve, rescore): a reward function, file.py:function or
+    pkg.mod:function."""
+    group.add_argument("--reward", required=required, metavar="TARGET", help=help)
+
+
+def add_output_options(
+    group: argparse._ActionsContainer, *, output_dir: str | None, output_help: str,
+    run_name_help: str,
+) -> None:  # fmt: skip
+    """`-o/--output-dir DIR` (default `output_dir`) and `--run-name NAME` (eval, rescore):
+    where the run dir goes, and its name."""
+    add_flags(group, {"-o --output-dir DIR": output_help}, default=output_dir)
+    add_flags(group, {"--run-name NAME": run_name_help})

@@ -15,7 +15,7 @@ from .._core.window import Window
 from .._env.env import Reward
 from .._eval.rescore import rescore
 from .env_options import load_reward
-from .options import HelpFormatter
+from .options import HelpFormatter, add_flags, add_output_options, add_reward_option
 
 if TYPE_CHECKING:
     from .options import Commands
@@ -33,23 +33,18 @@ def add_parser(commands: Commands) -> argparse.ArgumentParser:
         allow_abbrev=False,
     )
     parser.add_argument("run_dir", metavar="RUN_DIR", help="<output-dir>/<run-name>")
-    parser.add_argument(
-        "--reward", required=True, metavar="TARGET",
-        help="the reward: file.py:function or package.module:function, (task, completion) -> "
-        "a number or {'reward': ..., name: metric}",
+    add_reward_option(
+        parser, required=True, help="the reward: file.py:function or package.module:function, "
+        "(task, completion) -> a number or {'reward': ..., name: metric}",
     )  # fmt: skip
-    parser.add_argument(
-        "-o", "--output-dir", default=None, metavar="DIR",
-        help="where the new run dir goes (default: next to RUN_DIR)",
+    add_output_options(
+        parser, output_dir=None, output_help="where the new run dir goes (default: next to "
+        "RUN_DIR)", run_name_help="the new run dir's name (default: <RUN_DIR's "
+        "name>-rescored-<YYYYmmdd-HHMMSS>)",
     )  # fmt: skip
-    parser.add_argument(
-        "--run-name", default=None, metavar="NAME",
-        help="the new run dir's name (default: <RUN_DIR's name>-rescored-<YYYYmmdd-HHMMSS>)",
-    )  # fmt: skip
-    parser.add_argument(
-        "-c", "--max-concurrent", type=int, default=32, metavar="N",
-        help="rewards scored at once (an LLM judge is a reward too)",
-    )  # fmt: skip
+    add_flags(parser, {
+        "-c --max-concurrent N": "rewards scored at once (an LLM judge is a reward too)",
+    }, type=int, default=32)  # fmt: skip
     return parser
 
 

@@ -24,15 +24,17 @@ from .._serve.wire import MAX_BODY_BYTES, READY_PREFIX
 if TYPE_CHECKING:
     from .options import Commands
 
-from .env_options import add_env_options, build_env, env_spec
+from .env_options import add_env_options, build_env, env_options, env_spec
 from .heap import settle_heap
-from .model_options import add_endpoint_options, base_urls, engine_metrics_urls
+from .model_options import add_endpoint_options, endpoints, engine_metrics_urls
 from .options import (
     PARAMETER_FLAGS,
     CommandError,
     HelpFormatter,
     UsageError,
+    add_flags,
     add_metrics_option,
+    add_reward_option,
 )
 
 DEFAULTS = Limits()
@@ -61,56 +63,30 @@ def add_parser(commands: Commands) -> argparse.ArgumentParser:
         default=8000,
         help=f"port (0: the OS picks one; the '{READY_PREFIX}URL' line on stdout tells it)",
     )
-    sv.add_argument("--workers", type=int, default=1, metavar="K", help="worker processes")
+    add_flags(sv, {"--workers K": "worker processes"}, type=int, default=1)
     add_metrics_option(sv)
-    sv.add_argument(
-        "--token-var",
-        default=None,
-        metavar="NAME",
-        help="environment variable holding the bearer token every request must carry "
-        "(default: none: no token, loopback only)",
-    )
-    sv.add_argument(
-        "--max-body-bytes",
-        type=int,
-        default=MAX_BODY_BYTES,
-        metavar="N",
-        help="larger request bodies get 413 (default 1 MiB)",
-    )
-    access = sv.add_argument_group("who may talk to the server (docs/security.md)")
-    access.add_argument(
-        "--allow-host",
-        action="extend",
-        nargs="+",
-        default=[],
-        metavar="NAME",
-        help="Host names (NAME or NAME:PORT) served besides the bound one; required for a "
-        "wildcard --host; '*' serves any (behind a proxy that checks Host) (default: none)",
-    )
-    access.add_argument(
-        "--allow-origin",
-        action="extend",
-        nargs="+",
-        default=[],
-        metavar="ORIGIN",
-        help="browser Origins served (default none: a request from a web page is refused)",
-    )
+    add_flags(sv, {
+        "--token-var NAME": "environment variable holding the bearer token every request must "
+        "carry (default: none: no token, loopback only)",
+    })  # fmt: skip
+    add_flags(sv, {"--max-body-bytes N": "larger request bodies get 413 (default 1 MiB)"},
+              type=int, default=MAX_BODY_BYTES)  # fmt: skip
+    add_flags(sv.add_argument_group("who may talk to the server (docs/security.md)"), {
+        "--allow-host NAME": "Host names (NAME or NAME:PORT) served besides the bound one; "
+        "required for a wildcard --host; '*' serves any (behind a proxy that checks Host) "
+        "(default: none)",
+        "--allow-origin ORIGIN": "browser Origins served (default none: a request from a web "
+        "page is refused)",
+    }, action="extend", nargs="+", default=[])  # fmt: skip
     models = sv.add_argument_group("what a run may reach (docs/security.md)")
-    models.add_argument(
-        "--api-key-var",
-        default=None,
-        metavar="NAME",
-        help="the environment variable holding the model API key (read once at start); a "
-        "run may use this key or none, never another variable (default: none)",
-    )
-    models.add_argument(
-        "--allow-base-url",
-        action="extend",
-        nargs="+",
-        default=[],
-        metavar="URL",
-        help="the OpenAI-compatible endpoints a run may reach (default none: echo only)",
-    )
+    add_flags(models, {
+        "--api-key-var NAME": "the environment variable holding the model API key (read once "
+        "at start); a run may use this key or none, never another variable (default: none)",
+    })  # fmt: skip
+    add_flags(models, {
+        "--allow-base-url URL": "the OpenAI-compatible endpoints a run may reach (default none: "
+        "echo only)",
+    }, action="extend", nargs="+", default=[])  # fmt: skip
     add_endpoint_options(
         models,
         base_url_help="an endpoint runs may reach, as --allow-base-url; repeat it for many "
@@ -123,64 +99,34 @@ def add_parser(commands: Commands) -> argparse.ArgumentParser:
     # How a pool's workers get the model policy: as data (the key: from --api-key-var's
     # variable, read by each worker), never as flags.
     sv.add_argument("--model-policy", default=None, metavar="JSON", help=argparse.SUPPRESS)
-    models.add_argument(
-        "--max-model-retries",
-        type=int,
-        default=MAX_MODEL_RETRIES,
-        metavar="N",
-        help="the most retries a run's model client may ask for; a run asking more is refused "
-        f"with 403 (default {MAX_MODEL_RETRIES})",
-    )
-    models.add_argument(
-        "--min-model-backoff",
-        type=float,
-        default=MIN_MODEL_BACKOFF,
-        metavar="S",
-        help="seconds: a run's model client backoff below this is raised to it (default "
-        f"{MIN_MODEL_BACKOFF:g})",
-    )
+    add_flags(models, {
+        "--max-model-retries N": "the most retries a run's model client may ask for; a run "
+        f"asking more is refused with 403 (default {MAX_MODEL_RETRIES})",
+    }, type=int, default=MAX_MODEL_RETRIES)  # fmt: skip
+    add_flags(models, {
+        "--min-model-backoff S": "seconds: a run's model client backoff below this is raised "
+        f"to it (default {MIN_MODEL_BACKOFF:g})",
+    }, type=float, default=MIN_MODEL_BACKOFF)  # fmt: skip
     limits = sv.add_argument_group("limits per connection (docs/security.md)")
-    limits.add_argument(
-        "--max-runs-per-connection",
-        type=int,
-        default=DEFAULTS.max_runs,
-        metavar="N",
-        help=f"runs in flight on one WebSocket (default {DEFAULTS.max_runs})",
-    )
-    limits.add_argument(
-        "--header-timeout",
-        type=float,
-        default=DEFAULTS.header_timeout,
-        metavar="S",
-        help="seconds for a request head (and then its body) to arrive; also the keep-alive "
-        f"idle time (default {DEFAULTS.header_timeout:g})",
-    )
-    limits.add_argument(
-        "--idle-timeout",
-        type=float,
-        default=DEFAULTS.idle_timeout,
-        metavar="S",
-        help="seconds a WebSocket may stay idle (nothing in flight, sent or received) "
-        f"before it is closed (default {DEFAULTS.idle_timeout:g})",
-    )
-    limits.add_argument(
-        "--max-model-clients",
-        type=int,
-        default=DEFAULTS.model_clients,
-        metavar="N",
-        help=f"model clients kept open, least recently used closed (default "
-        f"{DEFAULTS.model_clients})",
-    )
-    env.add_argument(
-        "--reward", default=None, metavar="TARGET",
-        help="a reward function (default: the taskset's, else answer match)",
-    )  # fmt: skip
-    env.add_argument(
-        "--retry-backoff", type=float, default=FIRST, metavar="S", help="first retry's backoff cap"
-    )
-    env.add_argument(
-        "--retry-max-backoff", type=float, default=MOST, metavar="S", help="largest backoff"
-    )
+    add_flags(limits, {
+        "--max-runs-per-connection N": f"runs in flight on one WebSocket (default "
+        f"{DEFAULTS.max_runs})",
+    }, type=int, default=DEFAULTS.max_runs)  # fmt: skip
+    add_flags(limits, {
+        "--header-timeout S": "seconds for a request head (and then its body) to arrive; also "
+        f"the keep-alive idle time (default {DEFAULTS.header_timeout:g})",
+    }, type=float, default=DEFAULTS.header_timeout)  # fmt: skip
+    add_flags(limits, {
+        "--idle-timeout S": "seconds a WebSocket may stay idle (nothing in flight, sent or "
+        f"received) before it is closed (default {DEFAULTS.idle_timeout:g})",
+    }, type=float, default=DEFAULTS.idle_timeout)  # fmt: skip
+    add_flags(limits, {
+        "--max-model-clients N": f"model clients kept open, least recently used closed "
+        f"(default {DEFAULTS.model_clients})",
+    }, type=int, default=DEFAULTS.model_clients)  # fmt: skip
+    add_reward_option(env, help="a reward function (default: the taskset's, else answer match)")
+    add_flags(env, {"--retry-backoff S": "first retry's backoff cap"}, type=float, default=FIRST)
+    add_flags(env, {"--retry-max-backoff S": "largest backoff"}, type=float, default=MOST)
     sv.add_argument(
         "--die-with-parent",
         action="store_true",
@@ -190,17 +136,25 @@ def add_parser(commands: Commands) -> argparse.ArgumentParser:
     return sv
 
 
-# The served path's settings, as this command spells them (a `ConfigError` from the model
-# policy or the env names these).
+# The server's settings, as this command spells them: a `ConfigError` from the model policy
+# or the env names them, and so does a refusal the server answers (`ServerApp(spelling=)`).
 FLAGS = {
     **PARAMETER_FLAGS,
+    # Access.for_bind's parameters
+    "allow_hosts": "--allow-host",
+    "allow_origins": "--allow-origin",
+    # ModelPolicy's (its fields, and from_flags' parameters)
     "base_urls": "--allow-base-url",
-    "allow_base_urls": "--allow-base-url",
     "api_key_var": "--api-key-var",
     "max_retries": "--max-model-retries",
     "min_backoff": "--min-model-backoff",
     "engine_metrics": "--engine-metrics",
-    "workers": "--workers",
+    # Limits' fields
+    "max_body": "--max-body-bytes",
+    "max_runs": "--max-runs-per-connection",
+    "header_timeout": "--header-timeout",
+    "idle_timeout": "--idle-timeout",
+    "model_clients": "--max-model-clients",
 }
 
 
@@ -261,31 +215,37 @@ class ServeCommand:
 def serve_command(args: argparse.Namespace) -> ServeCommand:
     """The server's objects from its command line; a bad value is a `UsageError` naming its
     flag (the only function of `serve` that reads `args`)."""
-    _check_numbers(
-        workers=args.workers, port=args.port, max_body_bytes=args.max_body_bytes,
-        max_runs_per_connection=args.max_runs_per_connection,
-        max_model_clients=args.max_model_clients, header_timeout=args.header_timeout,
-        idle_timeout=args.idle_timeout,
-    )  # fmt: skip
+    _check_numbers(workers=args.workers, port=args.port)
+    try:  # each a count >= 1 or a timeout > 0: a ConfigError naming it
+        limits = Limits(
+            max_body=args.max_body_bytes, max_runs=args.max_runs_per_connection,
+            header_timeout=args.header_timeout, idle_timeout=args.idle_timeout,
+            model_clients=args.max_model_clients,
+        )  # fmt: skip
+    except ConfigError as exc:
+        raise _usage(exc) from None
     _check_metrics_port(args.metrics_port, args.workers)
     host: str = args.host
     token = _token(args.token_var, host)
     allow_hosts = tuple[str, ...](args.allow_host)
     _check_wildcard(host, allow_hosts)
+    given = endpoints(args)
     if args.model_policy is not None:  # a worker of a pool: its parent's policy, as data
         models = _policy_of_json(args.model_policy)
     else:
         models = _policy(
-            [*args.allow_base_url], base_urls(args), engine_metrics_urls(args), args.api_key_var,
-            max_retries=args.max_model_retries, min_backoff=args.min_model_backoff,
+            [*args.allow_base_url], list(given.base_urls), engine_metrics_urls(given),
+            args.api_key_var, max_retries=args.max_model_retries,
+            min_backoff=args.min_model_backoff,
         )  # fmt: skip
-    limits = Limits(
-        max_body=args.max_body_bytes, max_runs=args.max_runs_per_connection,
-        header_timeout=args.header_timeout, idle_timeout=args.idle_timeout,
-        model_clients=args.max_model_clients,
+    env_given = env_options(
+        args, reward=args.reward, backoff=(args.retry_backoff, args.retry_max_backoff),
+        env_spec=args.env_spec,
     )  # fmt: skip
-    spec = env_spec(args)
-    env = build_env(args, check_retry_names=not args.die_with_parent)
+    spec = env_spec(env_given)
+    env = build_env(
+        env_given, endpoint=given.base_url is not None, check_retry_names=not args.die_with_parent
+    )
     return ServeCommand(
         host=host, port=args.port, workers=args.workers, token_var=args.token_var, token=token,
         allow_hosts=allow_hosts, allow_origins=tuple(args.allow_origin), models=models,
@@ -299,7 +259,8 @@ def _policy_of_json(text: str) -> ModelPolicy:
     try:
         return ModelPolicy.from_json(text, os.environ)
     except (ValueError, KeyError, TypeError) as exc:
-        raise UsageError(f"--model-policy: {exc}") from None
+        said = exc.spelled(FLAGS) if isinstance(exc, ConfigError) else str(exc)
+        raise UsageError(f"--model-policy: {said}") from None
 
 
 def _policy(
@@ -371,30 +332,11 @@ def _check_metrics_port(port: int | None, workers: int) -> None:
         raise _usage(exc) from None
 
 
-def _check_numbers(
-    *,
-    workers: int,
-    port: int,
-    max_body_bytes: int,
-    max_runs_per_connection: int,
-    max_model_clients: int,
-    header_timeout: float,
-    idle_timeout: float,
-) -> None:
+def _check_numbers(*, workers: int, port: int) -> None:
     if workers < 1:
         raise UsageError(f"--workers must be >= 1, got {workers}")
     if not 0 <= port <= 65535:
         raise UsageError(f"--port must be in 0..65535, got {port}")
-    if max_body_bytes < 1:
-        raise UsageError(f"--max-body-bytes must be >= 1, got {max_body_bytes}")
-    for flag, value in (("--max-runs-per-connection", max_runs_per_connection),
-                        ("--max-model-clients", max_model_clients)):  # fmt: skip
-        if value < 1:
-            raise UsageError(f"{flag} must be >= 1, got {value}")
-    for flag, seconds in (("--header-timeout", header_timeout),
-                          ("--idle-timeout", idle_timeout)):  # fmt: skip
-        if not seconds > 0:
-            raise UsageError(f"{flag} must be > 0 seconds, got {seconds}")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -404,7 +346,8 @@ def run(args: argparse.Namespace) -> int:
     settle_heap(command.own_process)  # the set-up is done: full collections no longer walk it
     if command.listen_fd is not None:  # a worker of a pool
         app = ServerApp(command.env, access=command.access(command.port), models=command.models,
-                        limits=command.limits, workers=command.workers)  # fmt: skip
+                        limits=command.limits, workers=command.workers,
+                        spelling=FLAGS)  # fmt: skip
         worker = partial(serve_worker, url=None, die_with_parent=command.die_with_parent)
         trio.run(worker, app, command.listen_fd)
         return 0
@@ -424,7 +367,7 @@ def run(args: argparse.Namespace) -> int:
                 command.die_with_parent,
             )  # fmt: skip
     app = ServerApp(command.env, access=command.access(port), models=command.models,
-                    limits=command.limits)  # fmt: skip
+                    limits=command.limits, spelling=FLAGS)  # fmt: skip
     serve = partial(serve_worker, url=url, die_with_parent=command.die_with_parent,
                     metrics_port=command.metrics_port)  # fmt: skip
     trio.run(serve, app, sock.detach())

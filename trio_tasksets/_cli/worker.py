@@ -24,13 +24,16 @@ from .env_options import (
     build_env,
     build_taskset,
     check_retry_flags,
+    env_options,
+    taskset_options,
 )
 from .heap import settle_heap
-from .model_options import add_model_options, check_engine_metrics, model_context
+from .model_options import add_model_options, check_engine_metrics, model_context, model_options
 from .options import (
     PARAMETER_FLAGS,
     HelpFormatter,
     UsageError,
+    add_flags,
     add_metrics_option,
     add_time_limit_option,
     add_window_option,
@@ -50,10 +53,9 @@ def _feed_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--feed", required=True, metavar="URL", help="the Redis URL, e.g. redis://127.0.0.1:6379/0"
     )
-    parser.add_argument(
-        "--stream", default="tasks", metavar="S",
-        help="the stream of tasks (the one `eval --via` writes by default)",
-    )  # fmt: skip
+    add_flags(parser, {
+        "--stream S": "the stream of tasks (the one `eval --via` writes by default)",
+    }, default="tasks")  # fmt: skip
 
 
 def add_parsers(subparsers: Commands) -> None:
@@ -69,25 +71,17 @@ def add_parsers(subparsers: Commands) -> None:
     add_env_options(worker, optional_taskset=True)
     _feed_options(worker)
     worker.add_argument("--group", default="workers", metavar="G", help="the consumer group")
-    worker.add_argument(
-        "--consumer", default=None, metavar="NAME", help="this worker's name (default host-pid)"
-    )
-    worker.add_argument(
-        "--results", default="results", metavar="R",
-        help="the results stream of entries that name none (an `eval --via`'s name their own)",
-    )  # fmt: skip
+    add_flags(worker, {"--consumer NAME": "this worker's name (default host-pid)"})
+    add_flags(worker, {
+        "--results R": "the results stream of entries that name none (an `eval --via`'s name "
+        "their own)",
+    }, default="results")  # fmt: skip
     add_window_option(worker, help="the window: most episodes in flight, and most entries held")
-    worker.add_argument(
-        "--claim-idle",
-        type=float,
-        default=60.0,
-        metavar="S",
-        help="reclaim a dead worker's entries once idle S seconds (default 60; live workers "
-        "keep theirs fresh every S/3 s)",
-    )
-    worker.add_argument(
-        "--grace", type=float, default=30.0, metavar="S", help="seconds for in-flight runs"
-    )
+    add_flags(worker, {
+        "--claim-idle S": "reclaim a dead worker's entries once idle S seconds (default 60; "
+        "live workers keep theirs fresh every S/3 s)",
+    }, type=float, default=60.0)  # fmt: skip
+    add_flags(worker, {"--grace S": "seconds for in-flight runs"}, type=float, default=30.0)
     add_time_limit_option(
         worker, what="shut down as on SIGTERM (in-flight runs get --grace seconds)"
     )
@@ -178,10 +172,11 @@ def worker_command(args: argparse.Namespace) -> WorkerCommand:
         window = build_window(config.max_concurrent, parameter="max_concurrent")
     except ConfigError as exc:
         raise _usage(exc) from None
-    check_engine_metrics(args, args.max_concurrent)
-    check_retry_flags(args)
-    env = build_env(args)
-    ctx = model_context(args)
+    given, model = env_options(args), model_options(args)
+    check_engine_metrics(model, args.max_concurrent)
+    check_retry_flags(given)
+    env = build_env(given, endpoint=model.base_url is not None)
+    ctx = model_context(model)
     return WorkerCommand(config, window, env, ctx, own_process=args.tt_own_process)
 
 
@@ -240,7 +235,7 @@ def enqueue_command(args: argparse.Namespace) -> EnqueueCommand:
     n: int | None = args.num_examples
     if n is not None and n < 0:
         raise UsageError(f"-n/--num-examples must be >= 0, got {n}")
-    taskset, _env_class = build_taskset(args)  # a bad TASKSET or -a is a UsageError too
+    taskset, _env_class = build_taskset(taskset_options(args))  # a bad one: a UsageError too
     if (taskset.streaming or taskset.INFINITE) and n is None:
         kind = "streams its tasks" if taskset.streaming else "is INFINITE"
         raise UsageError(

@@ -31,7 +31,7 @@ from typing import Any
 import attrs
 import trio
 
-from .._core.exceptions import TrioTasksetsError
+from .._core.exceptions import ConfigError, TrioTasksetsError
 from .._core.runner import ResultRefused, close_iterator, fan_out_placing
 from .._core.window import Window, prioritized
 from .._models.pool import sticky
@@ -170,10 +170,12 @@ def group_feed(
     """A feed of tasks as a feed of groups of `rollouts` slots each, for a runner over
     `window` (the same `tt.Window` the runner is given): the next task is pulled only once
     every open group's rollouts have started (`OpenGroups.gate`). Closing it closes `tasks`.
-    Run each group with `run_group`. Raises a ValueError naming `rollouts` unless it is an
+    Run each group with `run_group`. Raises `ConfigError` naming `rollouts` unless it is an
     int >= 1."""
     if isinstance(rollouts, bool) or not isinstance(rollouts, int) or rollouts < 1:
-        raise ValueError(f"rollouts must be an int >= 1, got {rollouts!r}")
+        raise ConfigError(
+            f"{{rollouts}} must be an int >= 1, got {rollouts!r}", parameter="rollouts"
+        )
     return OpenGroups(window).gate(_as_groups(tasks, rollouts))
 
 

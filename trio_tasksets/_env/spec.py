@@ -101,16 +101,17 @@ def rebuild_task(
 
     `taskset_cls.task_from_data(data, key)` when the taskset class defines it, else
     `task_cls(**data, key=key, **extra)` (`tt.Task`, or a subclass with fields of its own
-    given as `extra`). Raises `ValueError` saying why when `data` is not a `tt.Task`'s (no
-    prompt, or fields beyond `TASK_FIELDS`), and what `task_from_data` raises."""
+    given as `extra`). Raises `ConfigError` naming ``data`` saying why when `data` is not a
+    `tt.Task`'s (no prompt, or fields beyond `TASK_FIELDS`), and what `task_from_data`
+    raises."""
     factory: Any = getattr(taskset_cls, "task_from_data", None)
     if factory is not None:
         return factory(data, key)
     if "prompt" not in data:
-        raise ValueError("its task has no prompt")
+        raise ConfigError("its task has no prompt", parameter="data")
     unknown = sorted(set(data) - TASK_FIELDS)
     if unknown:
-        raise ValueError(f"unknown task fields {unknown}")
+        raise ConfigError(f"unknown task fields {unknown}", parameter="data")
     return task_cls(**data, key=key, **extra)
 
 
@@ -333,32 +334,34 @@ class Declaration:
             raise MalformedEntry(f"'env' is not a declaration ({exc})") from None
 
     def differs(self, own: Declaration) -> str | None:
-        """Why an entry declared so cannot run on a worker whose env is `own`, or None."""
+        """Why an entry declared so cannot run on a worker whose env is `own` (what differs,
+        and what to start the worker with), or None."""
         if not _same_class(self.taskset, own.taskset):
             return (
                 f"declared for taskset {self.taskset}, but this worker runs {own.taskset}: "
-                f"start the worker with TASKSET {taskset_arg(self.taskset)}"
+                f"start the worker with taskset {taskset_arg(self.taskset)}"
             )
         if None not in (self.config, own.config) and self.config != own.config:
             args = orjson.dumps(self.config).decode()
             return (
                 f"declared with taskset config {args}, but this worker's is "
-                f"{orjson.dumps(own.config).decode()}: start the worker with -a '{args}'"
+                f"{orjson.dumps(own.config).decode()}: start the worker with taskset config "
+                f"{args}"
             )
         mine, theirs = self.env_class, own.env_class
         if mine is not None and theirs is not None and not _same_class(mine, theirs):
             return (
                 f"declared for env class {mine}, but this worker runs {theirs}: start the "
-                f"worker with --env-class {mine}"
+                f"worker with env class {mine}"
             )
         if None not in (self.model, own.model) and self.model != own.model:
             return (
                 f"declared for model {self.model!r}, but this worker runs {own.model!r}: give "
-                f"the eval and the worker the same -m/--model"
+                f"the eval and the worker the same model"
             )
         if None not in (self.sampling, own.sampling) and self.sampling != own.sampling:
             return (
                 f"declared with sampling {self.sampling}, but this worker samples with "
-                f"{own.sampling}: give the eval and the worker the same sampling flags"
+                f"{own.sampling}: give the eval and the worker the same sampling"
             )
         return None

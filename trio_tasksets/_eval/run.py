@@ -4,8 +4,8 @@ An eval ends in one of three ways, and `summary.json` is written on each of them
 
 * it completes (every planned slot ran): `stopped` and `error` are null;
 * it is stopped early, and drains (stops pulling, cancels the runs in flight, keeps every
-  finished row): by `--max-failures`, by `--time-limit`, or with ``handle_signals`` by
-  SIGINT or SIGTERM. It returns; `summary["stopped"]` says why;
+  finished row): by `max_failures` (or `max_consecutive_failures`), by `time_limit`, or
+  with ``handle_signals`` by SIGINT or SIGTERM. It returns; `summary["stopped"]` says why;
 * something ends it that is not an episode's own failure (the feed raised, an env's
   `serving()` failed, an outside cancellation, a KeyboardInterrupt): the summary records it
   (`error`, or `stopped: "SIGINT"` / `"cancelled"`) and `run_eval` raises it.
@@ -14,7 +14,7 @@ A run that did not complete and in which no episode finished leaves no run dir b
 
 The rollout window is `config.max_concurrent` as a `tt.Window`; an adaptive one is fed by
 the runs (`WindowFeed`), and `summary.json` keeps its `window_history` (and, when the model
-client has adaptive `--max-connections`, each endpoint's `connection_history`).
+client's endpoint limits adapt their connections, each endpoint's `connection_history`).
 """
 
 from __future__ import annotations
@@ -490,7 +490,7 @@ async def _run_eval(
 
 
 async def _start_metrics(nursery: trio.Nursery, metrics: Any, port: int | None) -> None:
-    """`--metrics-port`: serve `metrics` in `nursery`, and say where (on stderr)."""
+    """`config.metrics_port`: serve `metrics` in `nursery`, and say where (on stderr)."""
     from .._monitor.metrics import serve_metrics
 
     bound = await nursery.start(serve_metrics, metrics, port or 0)

@@ -7,6 +7,7 @@ import math
 import os
 import sys
 import traceback
+from collections.abc import Mapping
 from typing import Any, ClassVar
 
 import attrs
@@ -20,7 +21,15 @@ from .._env.env import Env, Episode, RunSlot
 from .._models import ModelContext
 from .._monitor.metrics import Metrics
 from .asgi import Message, Receive, Send, ServerStats, encode_answer
-from .policy import Access, Limits, ModelClients, ModelPolicy, RequestRefused, log_refusal
+from .policy import (
+    Access,
+    Limits,
+    ModelClients,
+    ModelPolicy,
+    RequestRefused,
+    log_refusal,
+    spell,
+)
 from .session import WSSession, deadline_passed
 from .wire import (
     WS_PATH,
@@ -105,7 +114,7 @@ class ServerApp:
     Then an unknown path gets 404, a wrong method 405; ``POST /run`` needs ``Content-Type:
     application/json`` (415), a body within `limits.max_body` bytes (413) that arrives
     within `limits.header_timeout` (408), strict JSON (400), the wire format (422 naming the
-    field) and a model client `models` allows (403 naming the flag), all checked before the
+    field) and a model client `models` allows (403 naming the setting), all checked before the
     run starts. Each refusal is answered, counted in `stats.rejected` and logged in one line,
     and the server goes on serving. An episode whose client disconnects is cancelled
     (counted in `stats.cancelled`).
@@ -121,8 +130,12 @@ class ServerApp:
         models: ModelPolicy | None = None,
         limits: Limits | None = None,
         workers: int = 1,
+        spelling: Mapping[str, str] | None = None,
     ) -> None:
         self.env = env
+        # How a refusal names the server's own settings (`policy.spell`): their parameter
+        # names, unless the server's starter spells them otherwise (the CLI: its flags).
+        self.spelling = spelling
         # The runs' fan_outs draw from a window as large as the runs in flight: the eval's
         # -c, which admits the runs, bounds their fan-outs too.
         self.places = ElasticPlaces()
@@ -130,12 +143,12 @@ class ServerApp:
         self.access = access
         self.limits = limits = Limits() if limits is None else limits
         self.clients = ModelClients(ModelPolicy() if models is None else models,
-                                    limits.model_clients)  # fmt: skip
+                                    limits.model_clients, spelling=spelling)  # fmt: skip
         self.max_body = limits.max_body
         self._workers = workers
         self.taskset_cls: type[Taskset[Any, Any]] = type(env.taskset)
         self.plain_tasks = getattr(self.taskset_cls, "task_from_data", None) is None
-        # --metrics-port: the worker's health (its runs' waits, model calls, in flight) and
+        # Served metrics: the worker's health (its runs' waits, model calls, in flight) and
         # metrics (each answered episode), when it serves them.
         self.run_health: Health | None = None
         self.metrics: Metrics | None = None
@@ -179,12 +192,12 @@ class ServerApp:
             "header_timeout": limits.header_timeout, "idle_timeout": limits.idle_timeout,
             **attrs.asdict(self.stats),
         }  # fmt: skip
-        if endpoints:  # runs over many endpoints, or --engine-metrics: a figure set each
+        if endpoints:  # runs over many endpoints, or engines read: a figure set each
             found["endpoints"] = endpoints
         return found
 
     async def _route(self, scope: Message, receive: Receive, send: Send) -> None:
-        self.access.check(scope["headers"])
+        self.access.check(scope["headers"], self.spelling)
         path, method = scope["path"], scope["method"]
         if path not in self.ROUTES:
             raise RequestRefused(404, f"no such path {path!r} (the paths are /health and /run)")
@@ -205,8 +218,8 @@ class ServerApp:
         if length is not None and length.isdigit() and int(length) > limit:
             if int(length) <= LINGER_BYTES:
                 await _linger(receive, LINGER_BYTES, timeout)
-            raise RequestRefused(413, f"request body of {int(length)} bytes is over the {limit} limit "
-                               f"(--max-body-bytes)")  # fmt: skip
+            raise RequestRefused(413, spell(f"request body of {int(length)} bytes is over the "
+                                            f"{limit} limit ({{max_body}})", self.spelling))  # fmt: skip
         chunks: list[bytes] = []
         size = 0
         with trio.move_on_after(timeout):
@@ -219,13 +232,13 @@ class ServerApp:
                 if size > limit:
                     if message.get("more_body", False):
                         await _linger(receive, LINGER_BYTES - size, timeout)
-                    raise RequestRefused(413, f"request body is over the {limit} byte limit "
-                                       f"(--max-body-bytes)")  # fmt: skip
+                    raise RequestRefused(413, spell(f"request body is over the {limit} byte "
+                                                    f"limit ({{max_body}})", self.spelling))  # fmt: skip
                 chunks.append(chunk)
                 if not message.get("more_body", False):
                     return b"".join(chunks)
-        raise RequestRefused(408, f"the request body did not arrive within {timeout:g}s "
-                           f"(--header-timeout)")  # fmt: skip
+        raise RequestRefused(408, spell(f"the request body did not arrive within {timeout:g}s "
+                                        f"({{header_timeout}})", self.spelling))  # fmt: skip
 
     def prepare(self, decoded: object) -> tuple[RunSlot[Any], ModelContext]:
         """The slot and model context of a decoded run request: `WireError` naming the field
@@ -308,7 +321,7 @@ class ServerApp:
         return episode
 
     def _check_handshake(self, scope: Message) -> None:
-        self.access.check(scope["headers"])
+        self.access.check(scope["headers"], self.spelling)
         if scope["path"] != WS_PATH:
             raise RequestRefused(404, f"no WebSocket at {scope['path']!r} (it is at {WS_PATH})")
 
@@ -341,7 +354,7 @@ LINGER_BYTES = 16 << 20
 """How much of a refused (413) body the server still reads, and throws away, before it
 answers: a client that is still sending when the answer comes and the connection closes
 may lose the answer to the reset (the unread bytes), and see only "server disconnected".
-Bounded in bytes (this) and in time (`--header-timeout`); nothing of it is kept."""
+Bounded in bytes (this) and in time (`Limits.header_timeout`); nothing of it is kept."""
 
 
 async def _linger(receive: Receive, budget: int, seconds: float) -> None:

@@ -1,10 +1,10 @@
-"""What an env server lets a request do, decided by the server's own flags.
+"""What an env server lets a request do, decided by the server's own settings.
 
-* `Access`: who may talk to it: the ``Host`` a request names (the bound name, or one allowed
-  by ``--allow-host``), its ``Origin`` (none, unless allowed by ``--allow-origin``: a browser
-  page is refused) and its bearer token (``--token-var``).
-* `ModelPolicy`: which model endpoints a run may reach (``--allow-base-url``) and with which
-  credential (``--api-key-var``, read once at start): a request never names a variable or
+* `Access`: who may talk to it: the ``Host`` a request names (the bound name, or one in
+  ``allow_hosts``), its ``Origin`` (none, unless in ``allow_origins``: a browser page is
+  refused) and its bearer token.
+* `ModelPolicy`: which model endpoints a run may reach (``base_urls``) and with which
+  credential (``api_key_var``, read once at start): a request never names a variable or
   an endpoint the server was not started to allow (`Forbidden`, 403, before any outbound
   request).
 * `Limits`: what one connection may hold (runs in flight, queued answers) and for how long
@@ -13,7 +13,11 @@
   most `Limits.model_clients`; an evicted client is closed once no run uses it. The clients
   of one endpoint share its connection pool; the runs over many endpoints share one window
   per endpoint, moved by its engine's `/metrics` when the server reads them
-  (``--engine-metrics``), and `endpoint_stats` gives each endpoint's figures (``/health``).
+  (``engine_metrics``), and `endpoint_stats` gives each endpoint's figures (``/health``).
+
+A refusal names the server setting that would allow the request by its parameter name
+(``max_runs``, ``base_urls``), written as a mark (``{max_runs}``) and spelled by `spell`
+with the server's `spelling` (the command line passes its flags, ``--max-runs-per-connection``).
 """
 
 from __future__ import annotations
@@ -21,8 +25,9 @@ from __future__ import annotations
 import hmac
 import json
 import logging
+import re
 from collections import OrderedDict
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 from urllib.parse import urlsplit
 
@@ -30,7 +35,7 @@ import attrs
 import trio
 
 from .._core.adaptive import AdaptiveWindow
-from .._core.exceptions import TrioTasksetsError
+from .._core.exceptions import ConfigError, TrioTasksetsError
 from .._core.limits import EndpointLimits
 from .._core.window import Window
 from .._models import EchoClient, ModelClient, OpenAIClient, describe
@@ -42,12 +47,34 @@ from .wire import MAX_BODY_BYTES, ClientSpec, EchoSpec, Forbidden, OpenAISpec
 log = logging.getLogger("trio_tasksets._serve")
 
 MAX_MODEL_RETRIES = 10
-"""``--max-model-retries``'s default: the most retries a run's model client may ask for."""
+"""`ModelPolicy.max_retries`' default: the most retries a run's model client may ask for."""
 MIN_MODEL_BACKOFF = 0.1
-"""``--min-model-backoff``'s default: seconds; a run's smaller backoff is raised to it."""
+"""`ModelPolicy.min_backoff`'s default: seconds; a run's smaller backoff is raised to it."""
 
 ANY = "*"
-"""``--allow-host '*'`` / ``--allow-origin '*'``: any value (behind a proxy that checks it)."""
+"""In ``allow_hosts`` / ``allow_origins``: any value (behind a proxy that checks it)."""
+
+SETTINGS = frozenset({
+    "allow_hosts", "allow_origins",  # Access.for_bind
+    "base_urls", "api_key_var", "max_retries", "min_backoff", "engine_metrics",  # ModelPolicy
+    "max_body", "max_runs", "header_timeout", "idle_timeout",  # Limits
+})  # fmt: skip
+"""The server settings a refusal may name (each a parameter of `Access.for_bind`,
+`ModelPolicy` or `Limits`)."""
+
+_MARK = re.compile(r"\{(\w+)\}")
+
+
+def spell(template: str, spelling: Mapping[str, str] | None = None) -> str:
+    """`template` with each mark of a server setting (``{max_runs}``) spelled as `spelling`
+    says (default, and for a name it lacks: the parameter name itself)."""
+    spelling = spelling or {}
+
+    def one(match: re.Match[str]) -> str:
+        name = match.group(1)
+        return spelling.get(name, name) if name in SETTINGS else match.group(0)
+
+    return _MARK.sub(one, template)
 
 
 class RequestRefused(TrioTasksetsError):
@@ -131,8 +158,11 @@ class Access:
             token.encode() if token else None,
         )
 
-    def check(self, headers: Iterable[tuple[bytes, bytes]]) -> None:
-        """`RequestRefused` unless the request's headers pass (see the class docstring)."""
+    def check(
+        self, headers: Iterable[tuple[bytes, bytes]], spelling: Mapping[str, str] | None = None
+    ) -> None:
+        """`RequestRefused` unless the request's headers pass (see the class docstring); its
+        message names the setting that would allow the request as `spelling` says (`spell`)."""
         host: bytes | None = None
         origin: bytes | None = None
         auth: bytes | None = None
@@ -147,13 +177,13 @@ class Access:
                 auth = value
         if host is None or hosts > 1:
             raise RequestRefused(400, "a request needs exactly one Host header")
-        self._check_host(host.decode("latin-1"))
+        self._check_host(host.decode("latin-1"), spelling)
         if origin is not None:
-            self._check_origin(origin.decode("latin-1"))
+            self._check_origin(origin.decode("latin-1"), spelling)
         if self.token is not None:
             self._check_token(auth)
 
-    def _check_host(self, value: str) -> None:
+    def _check_host(self, value: str, spelling: Mapping[str, str] | None) -> None:
         if ANY in self.allowed_hosts:
             return
         parts = _split_host(value)
@@ -166,22 +196,22 @@ class Access:
                 return
             if port is not None and f"[{name}]:{port}" in allowed:
                 return
-        raise RequestRefused(
-            403,
+        template = (
             f"Host {value!r} is not this server's name (it serves "
             f"{_host_port(min(self.names), self.port)}); to serve requests for that name, "
-            f"start it with --allow-host {value.strip() or 'NAME'}",
+            f"start it with {{allow_hosts}} {value.strip() or 'NAME'}"
         )
+        raise RequestRefused(403, spell(template, spelling))
 
-    def _check_origin(self, value: str) -> None:
+    def _check_origin(self, value: str, spelling: Mapping[str, str] | None) -> None:
         allowed = self.allowed_origins
         if ANY in allowed or value.strip().lower().rstrip("/") in allowed:
             return
-        raise RequestRefused(
-            403,
+        template = (
             f"Origin {value!r} is refused: requests from web pages are not served (start the "
-            f"server with --allow-origin {value.strip() or 'ORIGIN'} to allow that page)",
+            f"server with {{allow_origins}} {value.strip() or 'ORIGIN'} to allow that page)"
         )
+        raise RequestRefused(403, spell(template, spelling))
 
     def _check_token(self, auth: bytes | None) -> None:
         scheme, _, given = (auth or b"").strip().partition(b" ")
@@ -202,13 +232,16 @@ def _host_port(name: str, port: int) -> str:
 
 def normalize_base_url(url: str) -> str:
     """`url` in the form base URLs are compared in: scheme and host in lower case, no
-    default port, no trailing slash; `ValueError` for one that is not http(s)://host..."""
+    default port, no trailing slash. Raises `ConfigError` (``url``) for one that is not
+    http(s)://host..."""
     parts = urlsplit(url.strip())
     scheme = parts.scheme.lower()
     if scheme not in ("http", "https") or not parts.hostname:
-        raise ValueError(f"expected http://host[:port]/path or https://..., got {url!r}")
+        raise ConfigError(
+            f"expected http://host[:port]/path or https://..., got {url!r}", parameter="url"
+        )
     if parts.query or parts.fragment:
-        raise ValueError(f"a base URL has no query or fragment, got {url!r}")
+        raise ConfigError(f"a base URL has no query or fragment, got {url!r}", parameter="url")
     port = parts.port
     default = {"http": 80, "https": 443}[scheme]
     host = parts.hostname.lower()
@@ -220,23 +253,49 @@ def normalize_base_url(url: str) -> str:
     return f"{scheme}://{netloc}{parts.path.rstrip('/')}"
 
 
+def _count(least: int) -> Callable[[object, attrs.Attribute[Any], object], None]:
+    """A validator: an int >= `least`, else `ConfigError` naming the field."""
+
+    def check(instance: object, attribute: attrs.Attribute[Any], value: object) -> None:
+        if isinstance(value, bool) or not isinstance(value, int) or value < least:
+            name = attribute.name
+            raise ConfigError(f"{{{name}}} must be >= {least}, got {value!r}", parameter=name)
+
+    return check
+
+
+def _seconds(*, strict: bool) -> Callable[[object, attrs.Attribute[Any], object], None]:
+    """A validator: a number of seconds, > 0 (`strict`) or >= 0, else `ConfigError` naming
+    the field."""
+
+    def check(instance: object, attribute: attrs.Attribute[Any], value: object) -> None:
+        if (
+            isinstance(value, bool)
+            or not isinstance(value, int | float)
+            or not (value > 0 if strict else value >= 0)
+        ):
+            name, bound = attribute.name, "> 0" if strict else ">= 0"
+            raise ConfigError(f"{{{name}}} must be {bound} seconds, got {value!r}", parameter=name)
+
+    return check
+
+
 @attrs.frozen
 class ModelPolicy:
     """The model endpoints and the credential a run may use. Contract of `check`:
 
     - an echo model needs nothing;
     - an OpenAI endpoint's ``base_url`` must be one of `base_urls` (compared after
-      `normalize_base_url`): else `Forbidden` naming ``--allow-base-url``;
+      `normalize_base_url`): else `Forbidden` naming the setting ``base_urls``;
     - ``api_key_var`` must be null (no key) or the server's own `api_key_var`: else
-      `Forbidden` naming ``--api-key-var``. The key was read from the server's environment
+      `Forbidden` naming ``api_key_var``. The key was read from the server's environment
       at start; a request cannot make the server read any other variable.
-    - ``max_retries`` must be at most `max_retries` (``--max-model-retries``): else
-      `Forbidden` naming it, so one run cannot make the server hammer its endpoint with
-      its key. `build` raises ``backoff`` and ``max_backoff`` to at least `min_backoff`
-      (``--min-model-backoff``).
+    - ``max_retries`` must be at most `max_retries`: else `Forbidden` naming it, so one run
+      cannot make the server hammer its endpoint with its key. `build` raises ``backoff``
+      and ``max_backoff`` to at least `min_backoff`.
 
     `engine_metrics` pairs an allowed endpoint (normalized) with its engine's ``/metrics``
-    URL (``--base-url`` with ``--engine-metrics``): the server reads it, never a request.
+    URL: the server reads it, never a request. A bad field is a `ConfigError` naming it.
     The policy crosses to a pool's worker processes as data (`to_json`, `from_json`): the
     key itself never does (each worker reads it from ``api_key_var``).
     """
@@ -244,18 +303,25 @@ class ModelPolicy:
     base_urls: frozenset[str] = frozenset()
     api_key_var: str | None = None
     api_key: str | None = attrs.field(default=None, repr=False)
-    max_retries: int = attrs.field(default=MAX_MODEL_RETRIES, validator=attrs.validators.ge(0))
-    min_backoff: float = attrs.field(default=MIN_MODEL_BACKOFF, validator=attrs.validators.ge(0))
+    max_retries: int = attrs.field(default=MAX_MODEL_RETRIES, validator=_count(0))
+    min_backoff: float = attrs.field(default=MIN_MODEL_BACKOFF, validator=_seconds(strict=False))
     engine_metrics: tuple[tuple[str, str], ...] = attrs.field(default=())
 
     @engine_metrics.validator
     def _check_engine_metrics(self, _: object, pairs: tuple[tuple[str, str], ...]) -> None:
         for base_url, url in pairs:
             if base_url not in self.base_urls:
-                raise ValueError(
-                    f"engine_metrics names {base_url!r}, not an allowed endpoint (base_urls)"
+                raise ConfigError(
+                    f"{{engine_metrics}} names {base_url!r}, not an allowed endpoint "
+                    f"({{base_urls}})",
+                    parameter=("engine_metrics", "base_urls"),
                 )
-            EngineMetrics(url)  # an http(s) URL, or ValueError
+            try:
+                EngineMetrics(url)  # an http(s) URL
+            except ValueError as exc:
+                raise ConfigError(
+                    f"{{engine_metrics}}: {exc}", parameter="engine_metrics"
+                ) from None
 
     def to_json(self) -> str:
         """The policy as JSON, without the key (`from_json` reads it again)."""
@@ -267,7 +333,9 @@ class ModelPolicy:
 
     @classmethod
     def from_json(cls, text: str, environ: Mapping[str, str]) -> ModelPolicy:
-        """The policy `to_json` wrote, its key read from `environ` (`ValueError` if unset)."""
+        """The policy `to_json` wrote, its key read from `environ`. Raises `ConfigError` as
+        `from_flags` does (the variable unset, ...), and `ValueError`, `KeyError` or
+        `TypeError` for text `to_json` did not write."""
         data = json.loads(text)
         return cls.from_flags(
             data["base_urls"], data["api_key_var"], environ, max_retries=data["max_retries"],
@@ -286,75 +354,83 @@ class ModelPolicy:
         min_backoff: float = MIN_MODEL_BACKOFF,
         engine_metrics: Iterable[tuple[str, str]] = (),
     ) -> ModelPolicy:
-        """The policy of ``--allow-base-url`` (and ``--base-url``), ``--api-key-var``,
-        ``--max-model-retries``, ``--min-model-backoff`` and ``--engine-metrics`` (pairs of
-        an endpoint and its engine's /metrics URL, the endpoint allowed with them);
-        `ValueError` naming the flag for a URL that is not one, a variable that is not set,
-        or a negative number."""
+        """The policy of the endpoints runs may reach (`base_urls`), the variable holding the
+        key (`api_key_var`, read from `environ`), the limits on a run's model client
+        (`max_retries`, `min_backoff`) and `engine_metrics` (pairs of an endpoint and its
+        engine's /metrics URL, the endpoint allowed with them). Raises `ConfigError` naming
+        the parameter for a URL that is not one, a variable that is not set, or a negative
+        number."""
         if max_retries < 0:
-            raise ValueError(f"--max-model-retries must be >= 0, got {max_retries}")
+            raise ConfigError(
+                f"{{max_retries}} must be >= 0, got {max_retries}", parameter="max_retries"
+            )
         if not min_backoff >= 0:
-            raise ValueError(f"--min-model-backoff must be >= 0 seconds, got {min_backoff}")
+            raise ConfigError(
+                f"{{min_backoff}} must be >= 0 seconds, got {min_backoff}", parameter="min_backoff"
+            )
         urls = set()
         for url in base_urls:
             try:
                 urls.add(normalize_base_url(url))
             except ValueError as exc:
-                raise ValueError(f"--allow-base-url: {exc}") from None
+                raise ConfigError(f"{{base_urls}}: {exc}", parameter="base_urls") from None
         pairs = []
         for base_url, url in engine_metrics:
             try:
                 EngineMetrics(url)
                 normal = normalize_base_url(base_url)
             except ValueError as exc:
-                raise ValueError(f"--engine-metrics: {exc}") from None
+                raise ConfigError(
+                    f"{{engine_metrics}}: {exc}", parameter="engine_metrics"
+                ) from None
             urls.add(normal)
             pairs.append((normal, url))
         key = None
         if api_key_var is not None:
             key = environ.get(api_key_var, "").strip()
             if not key:
-                raise ValueError(f"--api-key-var: environment variable {api_key_var} is not set")
+                raise ConfigError(
+                    f"{{api_key_var}}: environment variable {api_key_var} is not set",
+                    parameter="api_key_var",
+                )
         return cls(frozenset(urls), api_key_var, key, max_retries, min_backoff, tuple(pairs))
 
-    def check(self, spec: ClientSpec) -> None:
-        """`Forbidden` unless `spec` is allowed (see the class docstring)."""
+    def check(self, spec: ClientSpec, spelling: Mapping[str, str] | None = None) -> None:
+        """`Forbidden` unless `spec` is allowed (see the class docstring); its message names
+        the setting that would allow it as `spelling` says (`spell`)."""
         if isinstance(spec, EchoSpec):
             return
         for requested in (spec.base_url, *spec.base_urls):  # many endpoints: each one
             try:
                 url = normalize_base_url(requested)
             except ValueError as exc:
-                raise Forbidden(
-                    "ctx.client.base_url", f"{exc}; the server reaches only its --allow-base-url"
-                ) from None
+                problem = f"{exc}; the server reaches only its {{base_urls}}"
+                raise Forbidden("ctx.client.base_url", spell(problem, spelling)) from None
             if url not in self.base_urls:
                 allowed = ", ".join(sorted(self.base_urls)) or "none"
-                raise Forbidden(
-                    "ctx.client.base_url",
+                problem = (
                     f"{requested!r} is not an endpoint this server may reach (allowed: "
-                    f"{allowed}); start the server with --allow-base-url {url}",
+                    f"{allowed}); start the server with {{base_urls}} {url}"
                 )
+                raise Forbidden("ctx.client.base_url", spell(problem, spelling))
         var = spec.api_key_var
         if var is not None and var != self.api_key_var:
             if self.api_key_var is None:
-                fix = f"start the server with --api-key-var {var} (the variable set there)"
+                fix = f"start the server with {{api_key_var}} {var} (the variable set there)"
             else:
                 fix = (
-                    f"the server's key is in {self.api_key_var} (its --api-key-var): name "
+                    f"the server's key is in {self.api_key_var} (its {{api_key_var}}): name "
                     f"that, or null for no key"
                 )
-            raise Forbidden(
-                "ctx.client.api_key_var",
-                f"{var!r} is not the server's key variable; {fix}",
-            )
+            problem = f"{var!r} is not the server's key variable; {fix}"
+            raise Forbidden("ctx.client.api_key_var", spell(problem, spelling))
         if spec.max_retries > self.max_retries:
-            raise Forbidden(
-                "ctx.client.max_retries",
+            problem = (
                 f"{spec.max_retries} retries is over this server's cap of {self.max_retries} "
-                f"(its --max-model-retries): ask for at most {self.max_retries}, or start the "
-                f"server with --max-model-retries {spec.max_retries}",
+                f"(its {{max_retries}}): ask for at most {self.max_retries}, or start the "
+                f"server with {{max_retries}} {spec.max_retries}"
             )
+            raise Forbidden("ctx.client.max_retries", spell(problem, spelling))
 
     def build(
         self,
@@ -406,14 +482,16 @@ class Limits:
       received before the server closes it (code 1001);
     - `model_clients`: model clients kept open (an LRU; an evicted one is closed once no run
       uses it).
+
+    Each count is >= 1 and each timeout > 0 seconds: else `ConfigError` naming the field.
     """
 
-    max_body: int = MAX_BODY_BYTES
-    max_runs: int = 1024
-    max_queued: int = 256
-    header_timeout: float = 10.0
-    idle_timeout: float = 60.0
-    model_clients: int = 16
+    max_body: int = attrs.field(default=MAX_BODY_BYTES, validator=_count(1))
+    max_runs: int = attrs.field(default=1024, validator=_count(1))
+    max_queued: int = attrs.field(default=256, validator=_count(1))
+    header_timeout: float = attrs.field(default=10.0, validator=_seconds(strict=True))
+    idle_timeout: float = attrs.field(default=60.0, validator=_seconds(strict=True))
+    model_clients: int = attrs.field(default=16, validator=_count(1))
 
 
 class ModelClients:
@@ -425,16 +503,19 @@ class ModelClients:
     nothing and is not counted. `generation` changes on each eviction, so that a cache of
     contexts knows to drop its entries."""
 
-    def __init__(self, policy: ModelPolicy, size: int) -> None:
+    def __init__(
+        self, policy: ModelPolicy, size: int, *, spelling: Mapping[str, str] | None = None
+    ) -> None:
         self.policy = policy
         self.size = size
+        self.spelling = spelling  # how a refusal names the server's settings (`spell`)
         self.generation = 0
         self._clients: OrderedDict[ClientSpec, ModelClient] = OrderedDict()
         self._users: dict[ModelClient, int] = {}  # open non-echo clients -> runs using them
         self._retired: list[ModelClient] = []
         self._pools: dict[str, HTTPClient] = {}  # by normalized base URL
         # Runs over many endpoints: one window per endpoint (by its normalized URL) for
-        # every client, and one reader of its engine's /metrics (--engine-metrics).
+        # every client, and one reader of its engine's /metrics (`engine_metrics`).
         self.endpoint_limits = EndpointLimits(connections=DEFAULT_WINDOW)
         self.engines = {base: EngineMetrics(url) for base, url in policy.engine_metrics}
 
@@ -456,7 +537,7 @@ class ModelClients:
         if client is not None:
             self._clients.move_to_end(spec)
             return client
-        self.policy.check(spec)
+        self.policy.check(spec, self.spelling)
         client = self._clients[spec] = self.policy.build(
             spec, self._pool(spec), limits=self.endpoint_limits, engines=self.engines
         )
@@ -470,7 +551,7 @@ class ModelClients:
         return client
 
     async def feed_engines(self) -> None:
-        """Read each engine's `/metrics` (``--engine-metrics``) every second into its
+        """Read each engine's `/metrics` (the policy's `engine_metrics`) every second into its
         endpoint's window until cancelled; without any, return at once."""
         async with trio.open_nursery() as nursery:
             for url, metrics in self.engines.items():

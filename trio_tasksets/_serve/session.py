@@ -7,6 +7,7 @@ import contextlib
 import math
 import sys
 import traceback
+from collections.abc import Mapping
 from typing import Any, Protocol
 
 import orjson
@@ -17,7 +18,7 @@ from .._core.tasksets import Taskset
 from .._env.env import Episode, RunSlot
 from .._models import ModelContext
 from .asgi import Message, Receive, Send, ServerStats, encode_answer
-from .policy import Limits, ModelClients
+from .policy import Limits, ModelClients, spell
 from .wire import (
     LIMITS,
     TIME_LEFT,
@@ -55,6 +56,7 @@ class SessionHost(Protocol):
     clients: ModelClients
     limits: Limits
     stats: ServerStats
+    spelling: Mapping[str, str] | None  # how a refusal names the server's settings
     plain_tasks: bool
     taskset_cls: type[Taskset[Any, Any]]
 
@@ -159,7 +161,7 @@ class WSSession:
         and discard its messages until it goes. The close frame (1008) goes out if it ever
         reads again (a send hypercorn has begun cannot be taken back)."""
         idle = self.app.limits.idle_timeout
-        reason = f"answers not read for {idle:g}s (--idle-timeout)"
+        reason = spell(f"answers not read for {idle:g}s ({{idle_timeout}})", self.app.spelling)
         self.app.refused(self.scope, 1008, f"{reason}: its runs are cancelled")
         for scope in self.running.values():
             scope.cancel()
@@ -230,9 +232,10 @@ class WSSession:
             unknown = sorted(set(item) - _ITEM_FIELDS)
             self._refuse(ident, 422, f"{unknown[0]}: unknown field")
         elif len(self.running) >= self.max_runs:
-            self._refuse(ident, 429, f"this connection has {len(self.running)} runs in flight, "
-                                     f"the server's limit (--max-runs-per-connection); wait "
-                                     f"for an answer, or open another connection")  # fmt: skip
+            self._refuse(ident, 429, spell(f"this connection has {len(self.running)} runs in "
+                                           f"flight, the server's limit ({{max_runs}}); wait "
+                                           f"for an answer, or open another connection",
+                                           self.app.spelling))  # fmt: skip
         else:
             body = item.get("body")
             try:

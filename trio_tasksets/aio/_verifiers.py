@@ -59,6 +59,7 @@ import attrs
 from .._core.exceptions import ConfigError, ConfigTypeError, TrioTasksetsError
 from .._core.tasksets import TasksetConfig
 from .._env.env import Episode, EpisodeError, EpisodeTask, RetryPolicy, Reward, RunSlot
+from .._env.rollout_limits import RolloutLimits
 from .._models import ModelContext, Sampling, describe
 from ._bridge_env import AsyncioModelContext, BridgedEnv
 from ._feeds import AsyncioTaskset
@@ -472,7 +473,8 @@ class VerifiersEnv(BridgedEnv[VerifiersTask]):
 
     ``VerifiersEnv(VerifiersTaskset(VerifiersConfig(target=..., env_config=...)))`` is what a
     server process builds from the env's spec. verifiers scores and retries its own episodes
-    (its env config's ``retries``): a tt `reward=` or a non-default `retries=` is refused.
+    (its env config's ``retries``): a tt `reward=` or a non-default `retries=` is refused;
+    `rollout_limits=` bounds its episodes as `tt.Env`'s do.
     """
 
     aio_env_class = _VerifiersAsyncioEnv
@@ -487,6 +489,7 @@ class VerifiersEnv(BridgedEnv[VerifiersTask]):
         aio_env: Any = None,
         reward: Reward | None = None,
         retries: RetryPolicy | None = None,
+        rollout_limits: RolloutLimits | None = None,
     ) -> None:
         if reward is not None:
             raise ConfigTypeError(
@@ -508,7 +511,7 @@ class VerifiersEnv(BridgedEnv[VerifiersTask]):
                 f"got {type(taskset).__name__}",
                 parameter="taskset",
             )
-        super().__init__(taskset, aio_env=aio_env)
+        super().__init__(taskset, aio_env=aio_env, rollout_limits=rollout_limits)
 
     @property
     def vf_env(self) -> Any:

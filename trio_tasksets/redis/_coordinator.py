@@ -49,7 +49,7 @@ import orjson
 import trio
 
 from .._core.batching import take_ready
-from .._core.exceptions import EvalConfigError, TrioTasksetsError
+from .._core.exceptions import ConfigError, EvalConfigError, TrioTasksetsError
 from .._core.runner import fan_out
 from .._core.window import Window, prioritized
 from .._env.backend import GroupRunner, SlotRunner, Track
@@ -345,7 +345,9 @@ class _Coordinator:
         slots = group.slots
         first = slots[0].rollout
         if [slot.rollout for slot in slots] != list(range(first, first + len(slots))):
-            raise ValueError(f"group {group.id}: its rollouts must be consecutive")
+            raise ConfigError(
+                f"{{group}} {group.id}: its rollouts must be consecutive", parameter="group"
+            )
         fields = self._fields(slots[0])
         fields[GROUP_FIELD] = group.id
         fields[ROLLOUTS_FIELD] = str(len(slots))
@@ -523,9 +525,8 @@ class _Coordinator:
         groups, held = await self._link.call("looking for workers", look)
         if not groups:
             return (
-                f"no worker reads {stream} (no consumer group); start one: "
-                f"trio-tasksets worker TASKSET --feed URL"
-                + ("" if stream == "tasks" else f" --stream {stream}")
+                f"no worker reads {stream} (no consumer group); start one on this Redis, "
+                f"reading stream {stream}"
             )
         consumers = sum(int(g.get("consumers", 0)) for g in groups)
         where = f"{consumers} consumers in {len(groups)} group(s) of {stream}"
@@ -604,7 +605,7 @@ async def via_runner(
     seconds Redis is checked; after `quiet` seconds without a result `progress.note` (and
     the log, when the reason changes and once a minute) says why.
     """
-    say = log if log is not None else stderr_log("trio-tasksets eval --via")
+    say = log if log is not None else stderr_log("eval over workers")
     if run_id is None:
         run_id = await reach(url)
     coordinator = _Coordinator(

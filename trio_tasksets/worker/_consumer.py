@@ -205,8 +205,8 @@ class Builder:
             limits = theirs.limits
             if self._own is None:
                 reason = (
-                    f"declared for taskset {theirs.taskset}, but this worker runs no TASKSET: "
-                    f"start the worker with TASKSET {taskset_arg(theirs.taskset)}"
+                    f"declared for taskset {theirs.taskset}, but this worker runs no taskset: "
+                    f"start the worker with taskset {taskset_arg(theirs.taskset)}"
                 )
             else:
                 reason = theirs.differs(self._own)
