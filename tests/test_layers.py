@@ -13,6 +13,7 @@ the package's own, as in trio's `from ._core import ...`). Tests may import priv
 from __future__ import annotations
 
 import ast
+import re
 from pathlib import Path
 
 import pytest
@@ -279,3 +280,55 @@ def test_the_checker_sees_a_bad_import(tmp_path: Path) -> None:
     assert ("trio_tasksets._env", ["_private"], 2) in found
     assert LAYERS[_room("trio_tasksets._cli")] > LAYERS[_room("trio_tasksets._core.runner")]
     assert reached == [("trio_tasksets.redis._feed", 1), ("trio_tasksets._models._openai", 2)]
+
+
+ARCHITECTURE = PACKAGE.parent / "docs" / "architecture.md"
+
+
+def _drawn_tree() -> dict[str, tuple[str, str]]:
+    """The tree `docs/architecture.md` draws: {top-level unit: (its text, its layer text)}."""
+    text = ARCHITECTURE.read_text()
+    block = text.split("```text\n", 1)[1].split("```", 1)[0]
+    units: dict[str, tuple[str, str]] = {}
+    current = ""
+    for line in block.splitlines()[1:]:
+        head = line[:14].strip()
+        if head and head not in {"|"} and not line.startswith("  "):
+            current = head.rstrip("/").removesuffix(".py")
+            units[current] = ("", line[85:].strip() if len(line) > 85 else "")
+        if current:
+            body, layer = units[current]
+            units[current] = (body + " " + line[14:], layer or line.strip().split()[-1])
+    return units
+
+
+def test_the_architecture_page_draws_the_tree_as_it_is() -> None:
+    """docs/architecture.md names every top-level unit with its layer in `LAYERS`, every
+    module of each folder inside that folder's entry, and only paths that exist."""
+    drawn = _drawn_tree()
+    units = {
+        p.name.removesuffix(".py")
+        for p in PACKAGE.iterdir()
+        if (p.suffix == ".py" or (p / "__init__.py").exists())
+        and p.name not in {"__init__.py", "__main__.py"}
+    }
+    assert set(drawn) == units
+    for unit, (body, layer) in drawn.items():
+        numbers = [int(n) for n in re.findall(r"\d+", layer)]
+        inside = [LAYERS[r] for r in LAYERS if r == unit or r.startswith(unit + ".")]
+        assert numbers, f"{unit}: give its layer in docs/architecture.md"
+        assert min(numbers) == min(inside), (unit, layer, inside)
+        folder = PACKAGE / unit
+        if folder.is_dir():
+            missing = [
+                m.stem
+                for m in folder.glob("*.py")
+                if m.stem != "__init__" and not re.search(rf"(?<![\w]){m.stem}(?![\w])", body)
+            ]
+            assert not missing, f"{unit}/: draw {missing} in docs/architecture.md"
+    text = ARCHITECTURE.read_text()
+    named = set(re.findall(r"`((?:_[a-z]+|aio|redis|tools|worker)/[a-z_]+)`", text))
+    gone = sorted(
+        n for n in named if not (PACKAGE / f"{n}.py").exists() and not (PACKAGE / n).is_dir()
+    )
+    assert not gone, f"docs/architecture.md names modules that do not exist: {gone}"
