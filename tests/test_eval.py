@@ -433,8 +433,9 @@ async def test_a_feed_that_breaks_midway_is_the_summary_error(
 async def test_config_json_records_what_reproduces_the_run(
     autojump_clock: MockClock, tmp_path: Path
 ) -> None:
-    ctx = tt.ModelContext(tt.OpenAIClient("http://127.0.0.1:9/v1"), "m")  # -n 0: never called
-    cfg = config(tmp_path, num_examples=0, command=["trio-tasksets", "eval", "x"],
+    # Nothing answers at port 9: the one slot fails (a run that plans no slot writes nothing).
+    ctx = tt.ModelContext(tt.OpenAIClient("http://127.0.0.1:9/v1"), "m")
+    cfg = config(tmp_path, num_examples=1, command=["trio-tasksets", "eval", "x"],
                  api_key_var="MY_KEY")  # fmt: skip
     result = await tt.run_eval(tt.Env(Numbers()), ctx, cfg)
     await ctx.client.aclose()

@@ -49,6 +49,7 @@ FLAT = [
     "EchoStreamConfig",
     "EchoStreamTaskset",
     "EchoTaskset",
+    "EmptyEvalError",
     "EndpointCalls",
     "EndpointLimits",
     "Env",

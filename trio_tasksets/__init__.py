@@ -39,7 +39,7 @@ from ._core.datasets import (
     JsonlConfig,
     JsonlTaskset,
 )
-from ._core.exceptions import ConfigError, ConfigTypeError, TrioTasksetsError
+from ._core.exceptions import ConfigError, ConfigTypeError, EmptyEvalError, TrioTasksetsError
 from ._core.limits import (
     CallObserver,
     EndpointLimits,
@@ -113,6 +113,7 @@ __all__ = [
     "EchoStreamConfig",
     "EchoStreamTaskset",
     "EchoTaskset",
+    "EmptyEvalError",
     "EndpointCalls",
     "EndpointLimits",
     "Env",

@@ -24,6 +24,7 @@ from typing import TYPE_CHECKING, Any, NamedTuple, TextIO
 import attrs
 import trio
 
+from .._core.exceptions import EmptyEvalError
 from .._env.backend import DescribedBackend, InProcess
 from .._env.env import Env
 from .._eval import EvalConfig, EvalConfigError, EvalResult, EvalWarning, run_eval
@@ -658,7 +659,15 @@ def _summary_on_disk(run_dir: Path) -> dict[str, Any] | None:
 
 
 def run(args: argparse.Namespace) -> int:
-    """Run the eval the options describe; print the summary; the exit code (see `main`)."""
+    """Run the eval the options describe; print the summary; the exit code (see `main`). An
+    eval that plans no slot (`EmptyEvalError`) is a failure (exit 1) saying why."""
+    try:
+        return _run(args)
+    except EmptyEvalError as exc:
+        raise CommandError(flag_message(exc), fix=exc.spelled_fix(PARAMETER_FLAGS)) from exc
+
+
+def _run(args: argparse.Namespace) -> int:
     command = eval_command(args)
     env, ctx, config = command.env, command.ctx, command.config
     run_dir = _name_the_run(env, ctx, config)
@@ -674,7 +683,7 @@ def run(args: argparse.Namespace) -> int:
         for line in _resume_lines(command, run_dir):
             print(line, file=sys.stderr)
         return 130
-    except (EvalConfigError, CommandError):
+    except (EvalConfigError, EmptyEvalError, CommandError):
         raise
     except Exception as exc:
         summary = _summary_on_disk(run_dir)

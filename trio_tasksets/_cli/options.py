@@ -24,7 +24,7 @@ from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
 from .._core.adaptive import AdaptiveBounds, WindowArgumentError, parse_window
-from .._core.exceptions import ConfigError, EvalWarning, TrioTasksetsError
+from .._core.exceptions import ConfigError, EmptyEvalError, EvalWarning, TrioTasksetsError
 
 __all__ = [
     "DEFAULT_API_KEY_VAR",
@@ -123,7 +123,7 @@ def flag_message(error: BaseException | Warning) -> str:
     """A library error's (or warning's) message as the command line says it: a
     `ConfigError` (an `EvalWarning`) with each parameter it names (``num_examples``) spelled
     as its flag (``-n/--num-examples``)."""
-    if isinstance(error, ConfigError | EvalWarning):
+    if isinstance(error, ConfigError | EmptyEvalError | EvalWarning):
         return error.spelled(PARAMETER_FLAGS)
     return str(error)
 

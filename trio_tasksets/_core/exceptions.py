@@ -15,6 +15,7 @@ TrioTasksetsError
 │   ├── UnsupportedProxy                a proxy setting the transport cannot use
 │   ├── VerifiersUsageError             a bad vf: command line (aio.verifiers)
 │   └── ReportError                     a run dir the report cannot read (report)
+├── EmptyEvalError (ValueError)         an eval that plans no slot (eval; CLI: exit 1)
 ├── LoadError (ValueError)              an object spec that failed to import (loading)
 ├── EngineMetricsError (ValueError)     an engine's /metrics that cannot be read (models.engine)
 ├── GroupFailedError                    a group's rollout failed after its retries (groups)
@@ -76,6 +77,7 @@ from collections.abc import Mapping
 __all__ = [
     "ConfigError",
     "ConfigTypeError",
+    "EmptyEvalError",
     "EvalConfigError",
     "EvalWarning",
     "TrioTasksetsError",
@@ -146,6 +148,17 @@ class ConfigTypeError(ConfigError, TypeError):
 
 class EvalConfigError(ConfigError):
     """A bad eval setting: an `EvalConfig` field, or where its slots run."""
+
+
+class EmptyEvalError(_Spelled, TrioTasksetsError, ValueError):
+    """An eval that plans no slot at all: ``num_examples=0``, a static taskset whose `load()`
+    gives no task (an empty data file), or a stream that ends before its first task.
+
+    `run_eval` raises it before it writes anything (a stream, once it has taken back what it
+    wrote), so no run dir is left; the command line exits 1: an eval that evaluated nothing
+    is not a pass. `parameter` is ``num_examples`` when that planned nothing, else None;
+    `fix` says what to do. A ``resume`` with nothing owed is not one (it plans its slots, all
+    kept). A ValueError, as ``max([])`` raises one; not a `ConfigError` (whose exit is 2)."""
 
 
 class EvalWarning(_Spelled, UserWarning):

@@ -18,7 +18,7 @@ from .._core.adaptive import (
     WindowSpec,
     check_window_spec,
 )
-from .._core.exceptions import ConfigError
+from .._core.exceptions import ConfigError, EmptyEvalError
 from .._core.exceptions import EvalConfigError as EvalConfigError  # their home is _exceptions
 from .._core.exceptions import EvalWarning as EvalWarning
 from .._env.backend import InProcess, SlotBackend, served_backend
@@ -380,8 +380,16 @@ def preflight(env: Env[Any], ctx: ModelContext, config: EvalConfig) -> SlotBacke
         EvalConfigError: naming the parameter: a streaming or INFINITE taskset without
             ``num_examples`` (or with ``shuffle`` or ``resume``), ``metrics_port`` without
             prometheus_client, or what the backend's `check` refuses.
+        EmptyEvalError: ``num_examples`` 0 (the eval would plan no slot).
     """
     check_metrics_port(config.metrics_port)
+    if config.num_examples == 0:
+        raise EmptyEvalError(
+            "{num_examples} 0 plans no slot: there is nothing to evaluate (no run dir is written)",
+            parameter="num_examples",
+            fix="give {num_examples} N >= 1, or leave it out to take every task of a static "
+            "taskset",
+        )
     taskset = env.taskset
     name = type(taskset).__name__
     if taskset.streaming or taskset.INFINITE:

@@ -10,7 +10,9 @@ An eval ends in one of three ways, and `summary.json` is written on each of them
   `serving()` failed, an outside cancellation, a KeyboardInterrupt): the summary records it
   (`error`, or `stopped: "SIGINT"` / `"cancelled"`) and `run_eval` raises it.
 
-A run that did not complete and in which no episode finished leaves no run dir behind.
+A run that did not complete and in which no episode finished leaves no run dir behind. An
+eval that plans no slot (``num_examples=0``, an empty taskset or data file, a stream that
+ends before its first task) raises `EmptyEvalError` and leaves none either.
 
 The rollout window is `config.max_concurrent` as a `tt.Window`; an adaptive one is fed by
 the runs (`WindowFeed`), and `summary.json` keeps its `window_history` (and, when the model
@@ -36,7 +38,9 @@ import attrs
 import trio
 
 from .._core.adaptive import AdaptiveWindow, build_window, window_spec
+from .._core.datasets import DATA_SUFFIXES
 from .._core.drain import stop_on
+from .._core.exceptions import EmptyEvalError
 from .._core.health import Health
 from .._core.limits import EndpointLimits, observe_calls
 from .._core.runner import pick_one, require_trio, run_stream
@@ -397,6 +401,9 @@ async def run_eval(
             the env, the model or the run dir as well as the config (a streaming taskset
             without ``num_examples``, a backend that cannot run this env or be reached, a
             run dir that holds another run, a resume whose saved config differs).
+        EmptyEvalError: the eval plans no slot (``num_examples=0``, an empty taskset or
+            data file: before any write; a stream that ends before its first task: once it
+            has taken back what it wrote). A resume with nothing owed returns.
         RuntimeError: awaited from asyncio (it names `tt.aio.run_eval`).
         BaseException: what ended the run otherwise (the feed's error, a KeyboardInterrupt,
             a cancellation), after `summary.json` records it.
@@ -415,6 +422,8 @@ async def _run_eval(
     streaming = env.taskset.streaming
     slots: list[RunSlot[Any]] = [] if streaming else static_slots(env, config)
     planned = len(slots)
+    if not streaming and not planned:
+        raise _empty(env, "holds no task", "its load() gave none")
     if not streaming and not env.taskset.INFINITE:
         _say_if_short(env, config, slots)
     kept_rows: list[dict[str, Any]] = []
@@ -458,6 +467,7 @@ async def _run_eval(
     named = list(describe(ctx.client).endpoints)  # many --base-url: every one
     tally.unproven = named if named and not kept else None
     new: list[Episode] | None = None
+    empty = False  # a stream that ended before its first task
     began = time.monotonic()
     t0 = trio.current_time()
     try:
@@ -470,12 +480,13 @@ async def _run_eval(
         raise
     finally:
         complete = new is not None
+        empty = complete and streaming and not new
         done = kept + (new if new is not None else tally.recorded)
         summary = _summary(done, progress.total, began, len(kept), tally, complete)
         summary.update(_histories(window, ctx, t0))
         summary["health"] = health.snapshot()
         summary.update(identity)
-        if not complete and not tally.recorded and not config.resume:
+        if empty or (not complete and not tally.recorded and not config.resume):
             _remove_run(run_dir, created)  # nothing finished: a rerun starts afresh
         else:
             try:
@@ -486,7 +497,27 @@ async def _run_eval(
                     print(f"trio_tasksets: could not write summary.json: {exc}", file=sys.stderr)
                 else:
                     raise
+    if empty:
+        raise _empty(env, "ended before its first task", "its feed closed without one")
     return EvalResult(episodes=done, run_dir=run_dir, summary=summary)
+
+
+def _empty(env: Env[Any], what: str, why: str) -> EmptyEvalError:
+    """The `EmptyEvalError` of a taskset that planned no slot: `what` it did, and `why` in
+    the fix (a data file: which file, and what it must hold)."""
+    taskset = env.taskset
+    own = getattr(taskset, "taskset_id", None)
+    if isinstance(own, str) and Path(own).suffix.lower() in DATA_SUFFIXES:
+        holds = "one JSON object a line" if own.endswith(".jsonl") else "a header, then rows"
+        return EmptyEvalError(
+            f"data file {own} {what}: there is nothing to evaluate (no run dir is written)",
+            fix=f"check that {own} holds records ({holds})",
+        )
+    label = own if isinstance(own, str) and own else type(taskset).__name__
+    return EmptyEvalError(
+        f"taskset {label} {what}: there is nothing to evaluate (no run dir is written)",
+        fix=f"check taskset {label}: {why}",
+    )
 
 
 async def _start_metrics(nursery: trio.Nursery, metrics: Any, port: int | None) -> None:
