@@ -28,7 +28,7 @@ from .._core.exceptions import EmptyEvalError
 from .._env.backend import DescribedBackend, InProcess
 from .._env.env import Env
 from .._eval import EvalConfig, EvalConfigError, EvalResult, EvalWarning, run_eval
-from .._eval.config import check_max_failures, preflight, run_dir_for
+from .._eval.config import check_max_failures, claim_run_dir, preflight, run_dir_for
 from .._models import ModelContext, ModelHTTPError
 from .._serve.errors import EnvServerError
 from .._serve.slots import ServedBackend
@@ -121,7 +121,8 @@ def add_parser(commands: Commands) -> argparse.ArgumentParser:
     }, action="store_true")  # fmt: skip
     add_output_options(
         run, output_dir="outputs", output_help="where run dirs go",
-        run_name_help="the run dir's name (default: <Taskset>-<model>-<YYYYmmdd-HHMMSS>)",
+        run_name_help="the run dir's name (default: <Taskset>-<model>-<YYYYmmdd-HHMMSS>, then "
+        "-2, -3, ... when evals start in the same second: each gets its own)",
     )  # fmt: skip
     add_flags(run, {
         "--max-failures N|FRACTION": "stop (exit 1) once N episodes failed, or once more than "
@@ -392,19 +393,34 @@ def _server_token(slots: SlotOptions) -> str | None:
     return token or None
 
 
-def _name_the_run(env: Env[Any], ctx: ModelContext, config: EvalConfig) -> Path:
-    """Fix the run dir before the run (so that every way of ending can point at it); a
-    `--resume` without `--run-name` says which run it picked."""
+def _name_the_run(env: Env[Any], ctx: ModelContext, config: EvalConfig) -> tuple[Path, list[Path]]:
+    """Fix the run dir before the run (so that every way of ending can point at it): the
+    run dir, and the directories made to claim a default name (`claim_run_dir`: evals
+    started in the same second each get their own), which `run` takes back if the run
+    keeps nothing. A `--resume` without `--run-name` says which run it picked."""
     preflight(env, ctx, config)
     run_dir = run_dir_for(env, ctx, config)
+    claimed: list[Path] = []
     if config.resume and config.run_name is None:
         print(
             f"{PROG} eval: resuming {run_dir}, the latest run of taskset "
             f"{type(env.taskset).__name__} with model {ctx.model!r} in {config.output_dir}",
             file=sys.stderr,
         )
+    elif config.run_name is None:
+        run_dir, claimed = claim_run_dir(run_dir)
     config.run_name = run_dir.name
-    return run_dir
+    return run_dir, claimed
+
+
+def _release(claimed: list[Path]) -> None:
+    """Take back the directories claimed for a run that kept nothing (only empty ones: a run
+    that kept rows keeps its dir)."""
+    for directory in claimed:
+        try:
+            directory.rmdir()
+        except OSError:
+            break
 
 
 # --- what is printed --------------------------------------------------------------------------
@@ -661,16 +677,24 @@ def _summary_on_disk(run_dir: Path) -> dict[str, Any] | None:
 def run(args: argparse.Namespace) -> int:
     """Run the eval the options describe; print the summary; the exit code (see `main`). An
     eval that plans no slot (`EmptyEvalError`) is a failure (exit 1) saying why."""
+    command = eval_command(args)
     try:
-        return _run(args)
+        return _run(command)
     except EmptyEvalError as exc:
         raise CommandError(flag_message(exc), fix=exc.spelled_fix(PARAMETER_FLAGS)) from exc
 
 
-def _run(args: argparse.Namespace) -> int:
-    command = eval_command(args)
+def _run(command: EvalCommand) -> int:
     env, ctx, config = command.env, command.ctx, command.config
-    run_dir = _name_the_run(env, ctx, config)
+    run_dir, claimed = _name_the_run(env, ctx, config)
+    try:
+        return _run_named(command, run_dir)
+    finally:
+        _release(claimed)
+
+
+def _run_named(command: EvalCommand, run_dir: Path) -> int:
+    env, ctx, config = command.env, command.ctx, command.config
     settle_heap(command.own_process)  # the set-up is done: full collections no longer walk it
     try:
         with _warnings_as_lines():

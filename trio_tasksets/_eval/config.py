@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import json
 import os
 import time
@@ -433,9 +434,28 @@ def run_identity(env: Env[Any], ctx: ModelContext, config: EvalConfig) -> dict[s
 
 def default_run_name(env: Env[Any], ctx: ModelContext) -> str:
     """`<Taskset>-<model>-<YYYYmmdd-HHMMSS>`, the run name when none is given (`<Taskset>`:
-    the class name, or a verifiers env's taskset id)."""
+    the class name, or a verifiers env's taskset id). Two evals may start within a second:
+    `claim_run_dir` makes the name unique."""
     stamp = time.strftime("%Y%m%d-%H%M%S")
     return f"{taskset_short_name(env.taskset)}-{ctx.model}-{stamp}".replace("/", "_")
+
+
+def claim_run_dir(run_dir: Path) -> tuple[Path, list[Path]]:
+    """Make a new, empty run dir at `run_dir` or, when that name is taken, at the next free
+    one (`NAME-2`, `NAME-3`, ...): each try is one `mkdir`, which the file system makes
+    atomic, so evals started at once (in processes or in one) each get their own. The run
+    dir made, and every directory this made (innermost first: it, then the parents it
+    needed), for taking them back when the run keeps nothing."""
+    parents = [p for p in run_dir.parents if not p.exists()]
+    run_dir.parent.mkdir(parents=True, exist_ok=True)
+    for n in itertools.count(1):
+        candidate = run_dir if n == 1 else run_dir.with_name(f"{run_dir.name}-{n}")
+        try:
+            candidate.mkdir()
+        except FileExistsError:
+            continue
+        return candidate, [candidate, *parents]
+    raise AssertionError("unreachable")  # pragma: no cover
 
 
 def latest_run(env: Env[Any], ctx: ModelContext, output_dir: str) -> Path | None:

@@ -60,6 +60,7 @@ from .config import (
     EvalConfigError,
     EvalResult,
     EvalWarning,
+    claim_run_dir,
     parameter_values,
     preflight,
     run_dir_for,
@@ -427,17 +428,21 @@ async def _run_eval(
     if not streaming and not env.taskset.INFINITE:
         _say_if_short(env, config, slots)
     kept_rows: list[dict[str, Any]] = []
+    default_name = config.run_name is None and not config.resume
     if config.resume:
         if run_dir.is_dir():
             lock.take(run_dir)  # before reading it: no other eval writes it meanwhile
         kept_rows, slots = keep_resumable(run_dir, identity, slots, groups=config.group)
-    elif run_dir.exists() and any(run_dir.iterdir()):
+    elif not default_name and run_dir.exists() and any(run_dir.iterdir()):
         raise EvalConfigError(
             f"{run_dir} already holds a run: pass {{resume}} to continue it, or choose another "
             f"{{run_name}} / {{output_dir}}",
             parameter=("resume", "run_name", "output_dir"),
         )
-    created = _make_dir(run_dir)
+    if default_name:  # its own dir, even when another eval started in the same second
+        run_dir, created = claim_run_dir(run_dir)
+    else:
+        created = _make_dir(run_dir)
     lock.take(run_dir)
     record = _record_of(env, ctx, config, identity, run_dir)
     write_atomic(run_dir / "config.json", text=json.dumps(record, indent=2, default=str))
