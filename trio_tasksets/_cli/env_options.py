@@ -400,7 +400,9 @@ def build_env(options: EnvOptions, *, endpoint: bool, check_retry_names: bool = 
     target = options.taskset.taskset
     if options.env_args is not None and not options.verifiers:
         raise UsageError(
-            "--env-args applies to a verifiers env", fix="name it as TASKSET vf:TASKSET_ID"
+            "--env-args applies to a verifiers env",
+            fix="name it as TASKSET vf:TASKSET_ID (a taskset's own config fields, what "
+            "vf-eval's --env-args sets, are -a/--taskset-args JSON)",
         )
     if options.verifiers:
         if options.reward is not None:

@@ -178,7 +178,9 @@ def _refuse_idle_options(seed: int | None, shuffle: bool, slots: SlotOptions) ->
     """An option that would do nothing in this combination is a usage error."""
     if seed is not None and not shuffle:
         raise UsageError(
-            "--seed does nothing without --shuffle", fix="add --shuffle, or drop --seed"
+            "--seed does nothing without --shuffle",
+            fix="add --shuffle, or drop --seed (it seeds the shuffle; the model's seed, "
+            "inspect eval's --seed, is --sampling-seed N)",
         )
     if slots.token_var is not None and slots.server_url is None:
         raise UsageError(

@@ -80,21 +80,113 @@ def _traceback(debug: bool, exc: BaseException) -> None:
         traceback.print_exception(exc, file=sys.stderr)
 
 
+INSPECT, VF_EVAL, VF_V1 = "inspect eval's", "vf-eval's", "verifiers' eval command's"
+
+# Flags of inspect_ai's `inspect eval`, verifiers' `vf-eval` and verifiers' newer `eval`
+# that this tool spells otherwise: (whose, this tool's spelling or None, a note). Checked
+# against their own sources (inspect_ai `_cli/eval.py`; verifiers `scripts/eval.py`,
+# `v1/configs/cli/eval.py`). A hint names a flag of ours only where the command has it.
+# Spelt alike and meant alike, so taken as they are: -n/--num-examples, -r, -c/
+# --max-concurrent, -m/--model, --max-tokens, --temperature, --top-p, --max-connections,
+# -S/--sampling-args, --api-key-var, -o/--output-dir, --shuffle, --resume. Spelt alike but
+# meant otherwise: inspect's --seed (the model's: --sampling-seed here; the usage error of a
+# --seed without --shuffle says so), inspect's --time-limit (one sample's: --rollout-timeout
+# here), vf-eval's --timeout (one rollout's: --rollout-timeout here) and --env-args (its
+# env's arguments: a taskset's own are -a here; --env-args without vf: says so).
+FOREIGN_FLAGS: dict[str, tuple[str, str | None, str]] = {
+    "--limit": (INSPECT, "-n/--num-examples N", "the first N tasks, no M-N range"),
+    "--epochs": (INSPECT, "-r/--rollouts-per-example R", "each rollout is a row of its own"),
+    "--max-samples": (INSPECT, "-c/--max-concurrent N", "the rollouts in flight"),
+    "--max-tasks": (INSPECT, None, "one eval runs one taskset here: start an eval per taskset, "
+                    "evals started at once each get their own run dir"),
+    "--model-base-url": (INSPECT, "--base-url URL", ""),
+    "--log-dir": (INSPECT, "-o/--output-dir DIR", "the run dir is DIR/<run-name>/"),
+    "--fail-on-error": (INSPECT, "--max-failures N|FRACTION", ""),
+    "--retry-on-error": (INSPECT, "--retries K", "whole episodes"),
+    "--sample-shuffle": (INSPECT, "--shuffle", "with --seed S"),
+    "--display": (INSPECT, "--no-dashboard", "plain log lines"),
+    "--system-message": (INSPECT, "--system-prompt TEXT", ""),
+    "--max-retries": ("inspect eval's and vf-eval's", None, "a model call is retried on 429, "
+                      "5xx and timeouts without a flag here, and --retries K retries whole "
+                      "episodes"),
+    "-T": ("vf-eval's and inspect eval's", None, "vf-eval's temperature is --temperature T "
+           "here, inspect eval's task arguments are -a/--taskset-args JSON"),
+    "--temp": ("", "--temperature T", ""),
+    "--rollouts": (VF_EVAL, "-r/--rollouts-per-example R", ""),
+    "--max-concurrent-requests": (VF_EVAL, "-c/--max-concurrent N", ""),
+    "--api-base-url": (VF_EVAL, "--base-url URL", ""),
+    "-b": (VF_EVAL, "--base-url URL", ""),
+    "-k": (VF_EVAL, "--api-key-var VAR", ""),
+    "-t": (VF_EVAL, "--max-tokens N", ""),
+    "--save-dataset": (VF_EVAL, None, "every run is saved here, to -o/--output-dir "
+                       "DIR/<run-name>/traces.jsonl: drop it"),
+    "--save-results": (VF_EVAL, None, "every run is saved here, to -o/--output-dir "
+                       "DIR/<run-name>/traces.jsonl: drop it"),
+    "-s": (VF_EVAL, None, "every run is saved here, to -o/--output-dir DIR/<run-name>/"
+           "traces.jsonl: drop it"),
+    "--save-path": (VF_EVAL, "-o/--output-dir DIR", ""),
+    "--shuffle-seed": (VF_EVAL, "--seed S", "with --shuffle"),
+    "-R": (VF_EVAL, "--resume", ""),
+    "--independent-scoring": (VF_EVAL, None, "each rollout is scored alone by default "
+                              "here, and --group scores a task's -r rollouts together"),
+    "-i": (VF_EVAL, None, "each rollout is scored alone by default here, and --group scores "
+           "a task's -r rollouts together"),
+    "--num-tasks": (VF_V1, "-n/--num-examples N", ""),
+    "--num-rollouts": (VF_V1, "-r/--rollouts-per-example R", ""),
+    "--group-size": (VF_V1, "-r/--rollouts-per-example R", "with --group to score them together"),
+    "--client.base-url": (VF_V1, "--base-url URL", ""),
+    "--client.api-key-var": (VF_V1, "--api-key-var VAR", ""),
+    "--sampling.temperature": (VF_V1, "--temperature T", ""),
+    "--sampling.max-tokens": (VF_V1, "--max-tokens N", ""),
+    "--sampling.top-p": (VF_V1, "--top-p P", ""),
+    "--run.name": (VF_V1, "--run-name NAME", ""),
+    "--env.": (VF_V1, "--env-args JSON", "verifiers' env config as one JSON object, with "
+               "TASKSET vf:ID"),
+}  # fmt: skip
+
+
+def foreign_hint(word: str, known: set[str]) -> str | None:
+    """What to say about `word`, a flag this command does not take, when inspect eval or
+    vf-eval spells one of ours that way (None: it is no flag of theirs we know, or ours is
+    not a flag of this command)."""
+    name = word.partition("=")[0]
+    if name.startswith("--"):
+        name = name.replace("_", "-")
+    key = "--env." if name.startswith("--env.") else name
+    if key not in FOREIGN_FLAGS:
+        return None
+    whose, ours, note = FOREIGN_FLAGS[key]
+    said = f"{whose} {name}" if whose and key != "-T" else name
+    if ours is None:
+        return f"{said}: {note}"
+    if not known.intersection(ours.split()[0].split("/")):
+        return None
+    return f"{said}: this tool spells it {ours}" + (f", {note}" if note else "")
+
+
 def _parse(words: list[str]) -> argparse.Namespace:
     """The parsed command line; an unknown option is refused by its command's parser (its
-    usage, exit 2) naming the option it is closest to (`--num-example` -> `--num-examples`):
-    the commands do not take abbreviations, so that a resume command stays exact."""
+    usage, exit 2) naming the option it is closest to (`--num-example` -> `--num-examples`),
+    or how this tool spells a flag of inspect eval or vf-eval (`FOREIGN_FLAGS`): the
+    commands do not take abbreviations, so that a resume command stays exact."""
     top = parser()
     args, extras = top.parse_known_args(words)
     if extras:
         sub: argparse.ArgumentParser = args.tt_subparser
-        known = [flag for action in sub._actions for flag in action.option_strings]
+        known = {flag for action in sub._actions for flag in action.option_strings}
+        hints: list[str] = []
         for word in extras:
-            name = word.partition("=")[0]
-            close = difflib.get_close_matches(name, known, n=1, cutoff=0.75)
-            if name.startswith("-") and close:
-                sub.error(f"unrecognized arguments: {' '.join(extras)} (did you mean {close[0]}?)")
-        sub.error(f"unrecognized arguments: {' '.join(extras)}")
+            if not word.startswith("-"):
+                continue
+            hint = foreign_hint(word, known)
+            if hint is None:
+                name = word.partition("=")[0]
+                close = difflib.get_close_matches(name, sorted(known), n=1, cutoff=0.75)
+                hint = f"did you mean {close[0]}?" if close else None
+            if hint is not None:
+                hints.append(hint)
+        said = f" ({'; '.join(hints)})" if hints else ""
+        sub.error(f"unrecognized arguments: {' '.join(extras)}{said}")
     return args
 
 
