@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import sys
+import time
 from pathlib import Path
 from subprocess import PIPE
 from typing import Any
@@ -19,7 +20,6 @@ from helpers import cli
 from trio.testing import MockClock
 
 import trio_tasksets as tt
-from trio_tasksets._eval import config as eval_config
 
 STAMP = "20260101-120000"
 
@@ -31,7 +31,7 @@ def one_second(monkeypatch: pytest.MonkeyPatch) -> None:
     def frozen(fmt: str, *args: Any) -> str:
         return STAMP
 
-    monkeypatch.setattr(eval_config.time, "strftime", frozen)
+    monkeypatch.setattr(time, "strftime", frozen)  # what default_run_name reads
 
 
 def rows(run_dir: Path) -> int:
