@@ -48,7 +48,8 @@ if str(FIXTURES) not in sys.path:
 
 from chat_server import ChatServer  # noqa: E402
 from env_server import EnvServer, start_env_server  # noqa: E402
-from redis_server import REDIS_SERVER, RedisServer  # noqa: E402
+from helpers import need  # noqa: E402
+from redis_server import RedisServer  # noqa: E402
 
 
 @pytest.fixture
@@ -80,8 +81,7 @@ def env_server(tmp_path: Path) -> Iterator[Callable[..., EnvServer]]:
 @pytest.fixture(scope="session")
 def redis_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RedisServer]:
     """The session's redis-server (skips the test when redis-server is not installed)."""
-    if REDIS_SERVER is None:
-        pytest.skip("redis-server is not on PATH (apt-get install -y redis-server)")
+    need("redis-server", why="a test against a real Redis")
     server = RedisServer.on_free_ports(tmp_path_factory.mktemp("redis"), tls=True, unix=True)
     server.start()
     try:

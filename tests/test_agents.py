@@ -10,7 +10,6 @@ loop's own cases (each tool failure, each limit, timeouts, cancellation) run on
 from __future__ import annotations
 
 import json
-import shutil
 import subprocess
 import sys
 import uuid
@@ -31,6 +30,7 @@ sys.path.insert(0, str(FIXTURES))
 
 from calc_env import CalcEnv, Sums  # noqa: E402
 from chat_server import ChatServer  # noqa: E402
+from helpers import needs, which  # noqa: E402
 from redis_server import RedisServer  # noqa: E402
 
 CALC = str(FIXTURES / "calc_env.py")
@@ -603,13 +603,14 @@ def _run_dir(tmp_path: Path, rows: list[dict[str, Any]]) -> Path:
     return run_dir
 
 
-CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
-CHROMEDRIVER = shutil.which("chromedriver")
+CHROMIUM = which("chromium")
+CHROMEDRIVER = which("chromedriver")
 
 
+@needs("chromium", "chromedriver", why="the report in a real browser")
 async def test_in_chromium_an_expanded_row_shows_the_tool_calls(tmp_path: Path) -> None:
-    if CHROMIUM is None or CHROMEDRIVER is None:
-        pytest.skip("the browser test needs chromium and chromedriver on PATH")
+    assert CHROMIUM is not None
+    assert CHROMEDRIVER is not None
     from selenium import webdriver
     from selenium.webdriver.chrome.service import Service
     from selenium.webdriver.common.by import By

@@ -12,7 +12,8 @@ from typing import Any
 import pytest
 import redis
 import trio
-from test_redis import REDIS_SERVER, Names, Server, make_tasks, names, r, results, server, wait_for
+from helpers import needs
+from test_redis import Names, Server, make_tasks, names, r, results, server, wait_for
 
 import trio_tasksets as tt
 from trio_tasksets._env.spec import Declaration
@@ -26,7 +27,7 @@ from trio_tasksets.redis._entries import (
 )
 from trio_tasksets.redis._worker import WorkerConfig, run_worker
 
-pytestmark = pytest.mark.skipif(REDIS_SERVER is None, reason="redis-server is not on PATH")
+pytestmark = needs("redis-server", why="deadlines over a real Redis")
 __all__ = ["names", "r", "server"]  # the fixtures, used by name
 
 MARGIN = 1.5  # seconds an answer may come after the deadline, on a loaded machine

@@ -19,6 +19,7 @@ import forkserver
 import pytest
 import trio
 import trio.testing
+from helpers import needs
 
 import trio_tasksets as tt
 from trio_tasksets._core.health import Health
@@ -194,12 +195,9 @@ def test_a_bad_metrics_port_is_a_usage_error(tmp_path: Path, bad: str) -> None:
     assert "--metrics-port must be a port number" in done.stderr
 
 
+@needs("redis-server", why="a worker's metrics port, the worker on a real Redis")
 async def test_worker_metrics_port(tmp_path: Path) -> None:
     pytest.importorskip("hiredis")
-    from test_redis import REDIS_SERVER
-
-    if REDIS_SERVER is None:
-        pytest.skip("redis-server is not on PATH")
     import redis
     from helpers import free_port
     from test_redis import Server as RedisServer

@@ -35,8 +35,8 @@ if str(FIXTURES) not in sys.path:
     sys.path.insert(0, str(FIXTURES))
 
 from chat_server import ChatServer  # noqa: E402
-from helpers import cli  # noqa: E402
-from redis_server import REDIS_SERVER, RedisServer  # noqa: E402
+from helpers import cli, need  # noqa: E402
+from redis_server import RedisServer  # noqa: E402
 
 LIMIT = 60  # seconds: real sockets, so the real clock; a hang fails the test
 
@@ -277,8 +277,7 @@ def test_a_run_stopped_early_says_of_how_many_planned(
 @pytest.fixture(scope="module")
 def redis_url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     """A redis-server of this module's own: its commands use the default stream names."""
-    if REDIS_SERVER is None:
-        pytest.skip("redis-server is not on PATH (apt-get install -y redis-server)")
+    need("redis-server", why="eval --via against a real Redis")
     server = RedisServer.on_free_ports(tmp_path_factory.mktemp("redis"))
     server.start()
     try:

@@ -6,7 +6,6 @@ CA), and ``rediss://`` against a real redis-server started with TLS. Every wait 
 from __future__ import annotations
 
 import json
-import shutil
 import socket
 import ssl
 import subprocess
@@ -17,15 +16,15 @@ import pytest
 import trio
 import trustme
 from chat_server import ChatServer
-from helpers import free_port, until
+from helpers import free_port, need, until, which
 
 import trio_tasksets as tt
 from trio_tasksets._transport import ConnectError, HTTPClient
 from trio_tasksets.redis._link import Link
 from trio_tasksets.redis._resp import Address, Connection, Unreachable
 
-TINYPROXY = shutil.which("tinyproxy")
-REDIS_SERVER = shutil.which("redis-server")
+TINYPROXY = which("tinyproxy")
+REDIS_SERVER = which("redis-server")
 
 
 def accepts(port: int) -> bool:
@@ -57,8 +56,8 @@ class Proxy:
 
 @pytest.fixture
 def proxy(tmp_path: Path) -> Iterator[Proxy]:
-    if TINYPROXY is None:
-        pytest.fail("tinyproxy is not installed: apt-get install tinyproxy (.ci/run does)")
+    need("tinyproxy", why="HTTP through a real forward proxy")
+    assert TINYPROXY is not None
     port = free_port()
     config = tmp_path / "tinyproxy.conf"
     config.write_text(
@@ -139,8 +138,8 @@ async def test_an_openai_client_reaches_http_through_a_real_proxy(
 
 @pytest.fixture(scope="module")
 def tls_redis(tmp_path_factory: pytest.TempPathFactory, ca: trustme.CA) -> Iterator[int]:
-    if REDIS_SERVER is None:
-        pytest.fail("redis-server is not installed (.ci/run installs it)")
+    need("redis-server", why="rediss:// against a real Redis with TLS")
+    assert REDIS_SERVER is not None
     directory = tmp_path_factory.mktemp("tls-redis")
     cert = ca.issue_cert("localhost", "127.0.0.1")
     cert.private_key_pem.write_to_path(str(directory / "key.pem"))

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import functools
 import json
-import shutil
 import signal
 import subprocess
 import sys
@@ -26,7 +25,7 @@ import forkserver
 import pytest
 import redis
 import trio
-from helpers import free_port, until
+from helpers import free_port, needs, until
 from redis_server import RedisServer
 
 import trio_tasksets as tt
@@ -44,11 +43,8 @@ from trio_tasksets.redis import (
 from trio_tasksets.redis._worker import WorkerConfig, run_worker
 from trio_tasksets.testing import Gate
 
-REDIS_SERVER = shutil.which("redis-server")
 Server = RedisServer  # the name other test files import from here
-pytestmark = pytest.mark.skipif(
-    REDIS_SERVER is None, reason="redis-server is not on PATH (apt-get install -y redis-server)"
-)
+pytestmark = needs("redis-server", why="the Redis Streams feed against a real Redis")
 WORKER = [sys.executable, "-m", "trio_tasksets", "worker", "--no-dashboard"]
 ROOT = Path(__file__).resolve().parent.parent
 REDIS_ENV = str(ROOT / "tests" / "fixtures" / "redis_env.py")

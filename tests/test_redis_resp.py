@@ -4,7 +4,6 @@ What it wrote is checked with redis-py, a client we did not write."""
 
 from __future__ import annotations
 
-import shutil
 import ssl
 import sys
 from pathlib import Path
@@ -12,16 +11,13 @@ from pathlib import Path
 import forkserver
 import pytest
 import trio
-from helpers import free_port
+from helpers import free_port, needs
 from redis_server import RedisServer
 
 from trio_tasksets.redis._link import Link, server_run_id
 from trio_tasksets.redis._resp import Address, Connection, ReplyError, Unreachable, pack
 
-REDIS_SERVER = shutil.which("redis-server")
-needs_server = pytest.mark.skipif(
-    REDIS_SERVER is None, reason="redis-server is not on PATH (apt-get install -y redis-server)"
-)
+needs_server = needs("redis-server", why="the Redis connection against a real Redis")
 USER, PASSWORD = "alice", "s3cret:@/%"  # characters a URL must escape
 ESCAPED = "s3cret%3A%40%2F%25"
 

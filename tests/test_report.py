@@ -7,7 +7,6 @@ import importlib
 import json
 import math
 import re
-import shutil
 import statistics
 import sys
 import tempfile
@@ -19,6 +18,7 @@ from typing import Any
 import forkserver
 import pytest
 import trio
+from helpers import need, which
 from trio.testing import MockClock
 
 import trio_tasksets as tt
@@ -503,8 +503,8 @@ def test_the_report_command_is_wired_into_python_m_trio_tasksets(graded: Path) -
 
 # --- in a real browser -------------------------------------------------------------------
 
-CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
-CHROMEDRIVER = shutil.which("chromedriver")
+CHROMIUM = which("chromium")
+CHROMEDRIVER = which("chromedriver")
 FLAGS = ("--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
          "--disable-background-networking", "--disable-component-update", "--disable-sync",
          "--window-size=1400,1000")  # fmt: skip
@@ -512,11 +512,9 @@ FLAGS = ("--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-
 
 @pytest.fixture
 def browser() -> Iterator[Any]:
-    if CHROMIUM is None or CHROMEDRIVER is None:
-        pytest.skip(
-            "no Chromium here: the browser test needs chromium and chromedriver on PATH "
-            "(Debian: apt-get install -y chromium chromium-driver)"
-        )
+    need("chromium", "chromedriver", why="the report in a real browser")
+    assert CHROMIUM is not None
+    assert CHROMEDRIVER is not None
     from selenium import webdriver
     from selenium.webdriver.chrome.service import Service
 

@@ -99,6 +99,75 @@ async def test_an_event_set_before_the_first_pull_pulls_nothing(
     assert feed.close_calls == 1
 
 
+# --- a pull parked on a quiet feed (issue 35) -------------------------------------------------
+
+
+@pytest.mark.parametrize("through", ["until", "take"])
+async def test_a_predicate_on_the_runs_stops_a_pull_parked_on_a_quiet_feed(
+    autojump_clock: MockClock, through: str
+) -> None:
+    """The runs make the predicate true while the runner waits on the quiet feed: it is looked
+    at again as each run ends, so the parked pull is cancelled and the stream ends."""
+    feed: Feed[int] = Feed(0, 1, 2)  # then quiet forever
+    done: list[int] = []
+
+    async def run(item: int) -> int:
+        await trio.sleep(1 + item)
+        done.append(item)
+        return item
+
+    source = tt.until(feed, lambda: len(done) >= 2)
+    with trio.fail_after(60):
+        results = await tt.run_stream(
+            source if through == "until" else tt.take(source, 10), run, window=8
+        )
+    assert results == [0, 1, 2]  # nothing pulled is lost: the third run finished too
+    assert trio.current_time() == 3
+    assert source.stopped
+    assert (feed.pulled, feed.close_calls, feed.closed_while_pulling) == (3, 1, False)
+
+
+async def test_a_predicate_that_raises_as_a_run_ends_fails_the_runner(
+    autojump_clock: MockClock,
+) -> None:
+    feed: Feed[int] = Feed(0)  # then quiet
+    boom = Boom("predicate")
+    calls: list[int] = []
+
+    def stop() -> bool:
+        calls.append(1)
+        if len(calls) > 2:  # the checks before the two pulls pass; the run's end raises
+            raise boom
+        return False
+
+    with trio.fail_after(60), pytest.raises(Boom) as info:
+        await tt.run_stream(tt.until(feed, stop), Gate(opened=True).run, window=2)
+    assert info.value is boom
+    assert feed.close_calls == 1
+
+
+async def test_an_event_ends_a_plain_async_for_and_closes_the_source_once(
+    autojump_clock: MockClock,
+) -> None:
+    """Without a runner to close it, the stream closes its source itself when it ends."""
+    feed: Feed[int] = Feed(0, 1)  # then quiet
+    stop = trio.Event()
+    got: list[int] = []
+
+    async def set_later() -> None:
+        await trio.sleep(5)
+        stop.set()
+
+    with trio.fail_after(60):
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(set_later)
+            async for item in tt.until(feed, stop):
+                got.append(item)
+    assert got == [0, 1]
+    assert trio.current_time() == 5
+    assert (feed.close_calls, feed.foreign_close) == (1, False)
+
+
 # --- R1-R8 hold through it ------------------------------------------------------------------
 
 

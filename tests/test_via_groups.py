@@ -17,12 +17,11 @@ from pathlib import Path
 from typing import Any
 
 import forkserver
-import pytest
 import redis
 import trio
+from helpers import needs
 from test_redis import (
     REDIS_ENV,
-    REDIS_SERVER,
     Names,
     Server,
     Worker,
@@ -37,7 +36,7 @@ from test_redis import (
 
 import trio_tasksets as tt
 
-pytestmark = pytest.mark.skipif(REDIS_SERVER is None, reason="redis-server is not on PATH")
+pytestmark = needs("redis-server", why="eval --via --group over a real Redis")
 __all__ = ["names", "r", "server", "workers"]  # the fixtures, used by name
 
 SPEC = f"{REDIS_ENV}:GroupedTurns"

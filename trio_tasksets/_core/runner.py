@@ -175,6 +175,13 @@ class SourceIterator(AsyncIterator[T]):
             if error is not None:
                 raise error
 
+    def _run_ended(self) -> None:
+        """A run of the runner this iterator feeds has ended, its result delivered: an
+        iterator that stops on a condition of its own looks at it again (`until`'s
+        predicate), one that wraps another passes it on."""
+        if isinstance(self._iterator, SourceIterator):
+            self._iterator._run_ended()
+
 
 def add_note(error: BaseException, when: str, extra: BaseException) -> None:
     """Attach `extra` to `error` as a note, with the failures already noted on `extra` (a
@@ -247,6 +254,9 @@ async def _drive(
     # appended too, once it has been noted on the first.
     failures: list[BaseException] = []
     iterator = aiter(source)
+    # A stop condition of the source's own (`tt.until`'s predicate) is looked at again as each
+    # run ends: the runs may make it true while the pull waits on a quiet feed.
+    run_ended = iterator._run_ended if isinstance(iterator, SourceIterator) else None
     error: BaseException | None = None
 
     def fail(exc: BaseException, cancel_scope: trio.CancelScope) -> None:
@@ -273,6 +283,8 @@ async def _drive(
                             await send.send((index, result))
                         except trio.BrokenResourceError:
                             scope.cancel()  # the consumer closed its channel: stop quietly
+                    if run_ended is not None:
+                        run_ended()  # what it raises fails the runner, as a run's error
                 except Exception as exc:
                     if isinstance(exc, TypeError) and not (
                         pending is _UNSET or inspect.isawaitable(pending)

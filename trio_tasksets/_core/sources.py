@@ -83,12 +83,18 @@ def until(
 
     * a `trio.Event`: once set, a pull parked on a quiet feed is cancelled and the stream
       ends at once;
-    * a predicate, called before each pull: once it returns True, the stream ends;
+    * a predicate, called before each pull and, when the result is the source of
+      `tt.run_stream` or `tt.as_completed` (directly or through `take`), as each run ends:
+      once it returns True, the stream ends, a pull parked on a quiet feed cancelled. A
+      predicate cannot wake anything: what changes elsewhere (the consumer of
+      `as_completed`, another task, the clock) is seen only at those moments, and a parked
+      pull waits for the feed's next item meanwhile. There, set an Event instead;
     * `.stop()` on the result (any time, from any task of the run): as a set Event.
 
     An item whose pull completed before the stop was seen is still handed on, so nothing
-    pulled is lost; nothing is pulled after it. The stream keeps the runner's promises
-    about a source: it pulls only when asked, the source's own errors pass
+    pulled is lost; nothing is pulled after it. When the stream ends (a stop or the source's
+    end) it closes `source`, so a plain ``async for`` closes it too. The stream keeps the
+    runner's promises about a source: it pulls only when asked, the source's own errors pass
     through unchanged, an outside cancellation is not swallowed, and closing it
     closes `source` exactly once, from the task that iterates it. A bare `tt.merge(...)`
     is refused (a pull cancelled inside its nursery would corrupt the cancel scope stack):
@@ -141,19 +147,33 @@ class Until(SourceIterator[T]):
         if self._pull is not None:
             self._pull.cancel()
 
+    def _run_ended(self) -> None:
+        """A run of the runner this stream feeds has ended: the predicate is looked at again,
+        and once it holds, a pull parked on a quiet feed is cancelled."""
+        if self._predicate is not None and not self._stopped and self._predicate():
+            self.stop()
+        super()._run_ended()
+
     async def __anext__(self) -> T:
-        if self._closed or self.stopped:
+        if self._closed:
             raise StopAsyncIteration
-        with trio.CancelScope() as pull:
-            self._pull = pull
-            try:
-                if self._event is None:
-                    return await self._iterator.__anext__()
-                return await self._pull_or_event(self._event)
-            finally:
-                self._pull = None
-        # Reached only when the pull was cancelled by a stop (an outside cancellation
-        # propagates out of the scope): the stream ends here.
+        if not self.stopped:
+            with trio.CancelScope() as pull:
+                self._pull = pull
+                try:
+                    if self._event is None:
+                        return await self._iterator.__anext__()
+                    return await self._pull_or_event(self._event)
+                except StopAsyncIteration:
+                    pass  # the source ended
+                finally:
+                    self._pull = None
+            # Here the source ended or a stop cancelled the pull (an outside cancellation
+            # propagates out of the scope).
+        # The stream ends: it closes the source itself, as `take` does, so that a plain
+        # `async for` closes it too (a runner's own close then finds it closed).
+        with trio.CancelScope(shield=True):
+            await self.aclose()
         raise StopAsyncIteration
 
     async def _pull_or_event(self, event: trio.Event) -> T:
