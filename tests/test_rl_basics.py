@@ -257,13 +257,22 @@ def run_cli(tmp_path: Path, *args: str) -> subprocess.CompletedProcess[str]:
     )  # fmt: skip
 
 
-@pytest.mark.parametrize("how", ["mean", "std"])
-def test_the_command_line_writes_the_advantage(tmp_path: Path, how: str) -> None:
+@pytest.mark.parametrize(
+    ("how", "where"), [("mean", ()), ("std", ()), ("std", ("--serve",)), ("none", ("--serve",))]
+)
+def test_the_command_line_writes_the_advantage(
+    tmp_path: Path, how: str, where: tuple[str, ...]
+) -> None:
     extra = () if how == "mean" else ("--advantage", how)
-    done = run_cli(tmp_path, "--group", "-r", "4", *extra)
+    done = run_cli(tmp_path, "--group", "-r", "4", *extra, *where)
     assert done.returncode == 0, done.stderr
     text = (tmp_path / "out" / "g" / "traces.jsonl").read_text()
-    check_rows([json.loads(line) for line in text.splitlines()], how)
+    rows = [json.loads(line) for line in text.splitlines()]
+    if how == "none":
+        assert len(rows) == 8
+        assert all(row["advantage"] is None for row in rows)
+    else:
+        check_rows(rows, how)  # served: each rollout on the server, the group scored here
 
 
 def test_the_command_line_refuses_a_bad_advantage(tmp_path: Path) -> None:
