@@ -11,6 +11,7 @@
 
 from __future__ import annotations
 
+import itertools
 import json
 import os
 import statistics
@@ -354,6 +355,26 @@ async def test_batches_keep_what_accept_takes(autojump_clock: MockClock) -> None
         async with tt.batches(2, Source(9), Runs(lambda i: i), window=3, accept=even) as feed:
             got = [batch async for batch in feed]
     assert got == [[0, 2], [4, 6], [8]]
+
+
+async def test_a_pull_cancelled_midway_loses_no_result(autojump_clock: MockClock) -> None:
+    async def slow_accept(result: int) -> bool:
+        await trio.sleep(2)
+        return True
+
+    got: list[list[int]] = []
+    with trio.fail_after(100):
+        async with tt.batches(
+            2, Source(6), Runs(lambda i: 1), window=2, accept=slow_accept
+        ) as feed:
+            iterator = aiter(feed)
+            for pull in itertools.count():
+                with trio.move_on_after(1.5 if pull % 2 else 10):  # odd: cut in `accept`
+                    try:
+                        got.append(await anext(iterator))
+                    except StopAsyncIteration:
+                        break
+    assert sorted(item for batch in got for item in batch) == list(range(6))
 
 
 async def test_leaving_the_block_cancels_and_awaits_the_runs_and_closes_the_source(

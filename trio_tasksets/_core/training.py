@@ -385,6 +385,7 @@ class _Batches(Generic[R], AsyncIterator[list[R]]):
         self._staleness = staleness
         self._accept = accept
         self._batch: list[tuple[int, R]] = []  # (the version its run started at, result)
+        self._taken: tuple[int, R] | None = None  # received, `accept` not yet done with it
         self._ended = False
 
     async def __anext__(self) -> list[R]:
@@ -394,24 +395,29 @@ class _Batches(Generic[R], AsyncIterator[list[R]]):
                 self._fresh(batch)
                 if len(batch) >= self._size:
                     break
-            try:
-                _index, (started, result) = await self._completed.receive()
-            except trio.EndOfChannel:
-                self._ended = True
-                break
-            if self._staleness is not None:
-                if result is None:
-                    continue  # cancelled as stale
-                if not self._keep(started, result):
-                    continue
-            kept: Any = result  # (R: None only as a result of `run` itself)
+            if self._taken is None:
+                try:
+                    _index, (started, result) = await self._completed.receive()
+                except trio.EndOfChannel:
+                    self._ended = True
+                    break
+                if self._staleness is not None:
+                    if result is None:
+                        continue  # cancelled as stale
+                    if not self._keep(started, result):
+                        continue
+                kept: Any = result  # (R: None only as a result of `run` itself)
+                self._taken = (started, kept)
             if self._accept is not None:
-                verdict = self._accept(kept)
+                # A pull cancelled while `accept` runs keeps the result for the next pull.
+                verdict = self._accept(self._taken[1])
                 if inspect.isawaitable(verdict):
                     verdict = await verdict
                 if not verdict:
+                    self._taken = None
                     continue
-            batch.append((started, kept))
+            batch.append(self._taken)
+            self._taken = None
         self._fresh(batch)
         if not batch:
             raise StopAsyncIteration
