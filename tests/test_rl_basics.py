@@ -182,6 +182,20 @@ async def test_run_eval_writes_the_default_advantage(
     assert saved["identity"].get("advantage") == (None if how == "mean" else how)
 
 
+async def test_a_resume_keeps_one_advantage_rule(autojump_clock: MockClock, tmp_path: Path) -> None:
+    ctx = tt.ModelContext(tt.EchoClient(), "echo")
+    kw: dict[str, Any] = dict(num_examples=2, rollouts_per_example=2, group=True,
+                              output_dir=str(tmp_path), run_name="r", dashboard=False)  # fmt: skip
+    await tt.run_eval(Counted(tt.EchoTaskset()), ctx, tt.EvalConfig(advantage="std", **kw))
+    again = tt.EvalConfig(resume=True, **kw)  # the default: mean
+    with pytest.raises(tt.EvalConfigError, match="advantage: saved 'std', now None"):
+        await tt.run_eval(Counted(tt.EchoTaskset()), ctx, again)
+    resumed = await tt.run_eval(
+        Counted(tt.EchoTaskset()), ctx, tt.EvalConfig(resume=True, advantage="std", **kw)
+    )
+    assert resumed.summary["kept_from_resume"] == 4
+
+
 async def test_a_worker_computes_the_advantage_the_entry_asks_for(
     autojump_clock: MockClock,
 ) -> None:
