@@ -1,19 +1,20 @@
-"""A trio-native async RL feeding loop: a feed of prompts, groups, over-sampling, staleness.
+"""A trio-native async RL feeding loop: a feed of prompts, groups, batches, staleness.
 
 The shape of an async GRPO trainer's rollout side, with a fake trainer and a fake policy:
 
-* a feed of prompts (an endless stream, read on demand through a zero-buffer channel);
-* each prompt is a group of `GROUP` rollouts (one nursery, one cancel scope, their places
-  taken from one `tt.Window`), scored together: GRPO's advantage, reward minus group mean;
-* a batch is `tt.first(BATCH, ...)` over the groups whose rewards are not all equal (a group
-  where every rollout got the same reward carries no learning signal): once BATCH are in,
-  every other group is cancelled *and awaited* before the batch is handed on, so no
-  straggler runs into the next step;
+* a feed of prompts (an endless async generator, pulled on demand);
+* each prompt is a group of `GROUP` rollouts (`tt.group_feed`, `tt.run_group`: one nursery,
+  one cancel scope, their places taken from one `tt.Window`), given GRPO's advantage (reward
+  minus the group mean) by default: the env has no `score_group` of its own;
+* `tt.batches(BATCH, ...)` hands the trainer batches of BATCH groups whose rewards are not
+  all equal (a group where every rollout got the same reward carries no learning signal),
+  while the next groups run during the trainer's step (at most `WINDOW` live rollouts);
 * `tt.Staleness(max_lag=2)`: the trainer advances the policy after each batch; a rollout
   never trains more than 2 versions after the policy that produced it (the feed pauses while
-  the trainer is behind, and rollouts that fall further behind are cancelled);
-* batches reach the trainer through a bounded memory channel: a slow trainer back-pressures
-  the whole feed, and memory stays bounded (at most `QUEUED` batches wait).
+  the trainer is behind; a group that falls further behind is cancelled, or dropped before
+  a batch);
+* leaving the `async with` block cancels the groups still running, waits for them and
+  closes the prompt feed: nothing runs once the loop returns.
 
     python examples/rl_loop.py              # 6 steps, printed as they are trained
     python examples/rl_loop.py --steps 20 --train-time 0.5
@@ -24,8 +25,10 @@ The shape of an async GRPO trainer's rollout side, with a fake trainer and a fak
 from __future__ import annotations
 
 import argparse
+import itertools
 import random
 import statistics
+from collections.abc import AsyncIterator
 from typing import Any
 
 import attrs
@@ -36,7 +39,6 @@ import trio_tasksets as tt
 GROUP = 8  # rollouts per prompt
 BATCH = 4  # groups per training batch
 MAX_LAG = 2  # policy versions a rollout may lag the trainer when it is trained on
-QUEUED = 2  # batches that may wait for the trainer
 WINDOW = 16  # live rollouts at once
 
 
@@ -78,26 +80,15 @@ class FakePolicy:
         pass
 
 
-class Grpo(tt.Env[tt.Task]):
-    """Scores a group as GRPO does: each rollout's advantage is its reward minus the mean."""
-
-    async def score_group(self, task: tt.Task, episodes: list[tt.Episode]) -> None:
-        mean = statistics.fmean(e.reward for e in episodes)
-        for episode in episodes:
-            episode.advantage = episode.reward - mean
+def varied(group: list[tt.Episode]) -> bool:
+    """A group worth training on: every rollout is ok and their rewards differ."""
+    return all(e.ok for e in group) and len({e.reward for e in group}) > 1
 
 
-def varied(group: list[tt.Episode] | None) -> bool:
-    """A group worth training on: it ran (not cancelled as stale), every rollout is ok, and
-    their rewards differ."""
-    return group is not None and all(e.ok for e in group) and len({e.reward for e in group}) > 1
-
-
-async def prompts(send: trio.MemorySendChannel[tt.Task]) -> None:
-    """The feed: an endless stream of prompts; a zero-buffer channel hands each on demand."""
-    async with send:
-        for number in range(1_000_000):
-            await send.send(tt.Task(prompt=f"prompt #{number}: what is 6 * 7?", answer="42"))
+async def prompts() -> AsyncIterator[tt.Task]:
+    """The feed: an endless stream of prompts, pulled on demand."""
+    for number in itertools.count():
+        yield tt.Task(prompt=f"prompt #{number}: what is 6 * 7?", answer="42")
 
 
 @attrs.define
@@ -116,24 +107,28 @@ class Loop:
     """What the loop did, for its caller (and its test)."""
 
     steps: list[Step] = attrs.Factory(list)
-    queued_peak: int = 0  # batches waiting for the trainer, at most
     ahead_peak: int = 0  # batches handed minus policy version, at most
-    live_after_batch: list[int] = attrs.Factory(list)  # model calls running when first returned
+    overlapped: int = 0  # model calls that ran while the trainer trained
+    live_after: int = 0  # model calls still running once the loop returned
     pauses: int = 0  # pulls the feed held back while the trainer was behind
+    dropped: int = 0  # groups that went stale: cancelled, or dropped before a batch
 
 
 async def rl_loop(
-    *, steps: int = 6, train_time: float = 0.2, model_delay: float = 0.01, seed: int = 0
+    *,
+    steps: int = 6,
+    train_time: float = 0.2,
+    model_delay: float = 0.01,
+    seed: int = 0,
+    max_lag: int = MAX_LAG,
 ) -> Loop:
     """Run `steps` training steps of the loop described above; return what it did."""
-    staleness = tt.Staleness(max_lag=MAX_LAG)
+    staleness = tt.Staleness(max_lag)
     policy = FakePolicy(staleness, delay=model_delay, seed=seed)
-    env = Grpo(tt.testing.FeedTaskset())  # the tasks come from the feed, not this taskset
+    env = tt.Env(tt.testing.FeedTaskset())  # no score_group: GRPO's advantage by default
     ctx = tt.ModelContext(policy, "policy")
-    window = tt.Window(WINDOW)
+    window = tt.Window(WINDOW)  # live rollouts, shared by the groups and the runs
     loop = Loop()
-    send_batch, receive_batch = trio.open_memory_channel[list[list[tt.Episode]]](QUEUED)
-    send_prompt, receive_prompt = trio.open_memory_channel[tt.Task](0)
 
     async def rollout(slot: tt.RunSlot[tt.Task]) -> tt.Episode:
         return await env.run_slot(slot, ctx)
@@ -141,37 +136,24 @@ async def rl_loop(
     async def run_one(group: tt.Group) -> list[tt.Episode]:
         return await tt.run_group(env, group, rollout)
 
-    run = staleness.run(run_one)  # a group more than MAX_LAG behind is cancelled: None
-
-    async def produce() -> None:
-        async with send_batch:
-            for _ in range(steps):
-                # a clone: tt.first closes its source, the prompt feed goes on
-                feed = staleness.feed(receive_prompt.clone())
-                groups = tt.group_feed(feed, GROUP, window)
-                batch = await tt.first(BATCH, groups, run, window=window, accept=varied)
-                loop.live_after_batch.append(policy.live)
-                staleness.handed()
-                loop.ahead_peak = max(loop.ahead_peak, staleness.handed_count - staleness.version)
-                await send_batch.send([group for group in batch if group is not None])
-                queued = send_batch.statistics().current_buffer_used
-                loop.queued_peak = max(loop.queued_peak, queued)
-
-    async def train() -> None:
-        async for batch in receive_batch:
+    groups = tt.group_feed(prompts(), GROUP, window)
+    async with tt.batches(
+        BATCH, groups, run_one, window=window, staleness=staleness, accept=varied
+    ) as batches:
+        async for batch in batches:
             version = staleness.version
             lags = [version - (e.policy_version or 0) for group in batch for e in group]
+            calls = policy.calls
             await trio.sleep(train_time)  # the fake trainer's optimizer step
+            loop.overlapped += policy.calls - calls
             loop.steps.append(Step(len(loop.steps), version, batch, lags))
+            loop.ahead_peak = max(loop.ahead_peak, staleness.handed_count - version)
             staleness.advance()
-
-    async with trio.open_nursery() as nursery:
-        nursery.start_soon(prompts, send_prompt)
-        async with trio.open_nursery() as pipeline:
-            pipeline.start_soon(train)  # ends once produce closes the batch channel
-            await produce()
-        nursery.cancel_scope.cancel()  # every batch is trained: stop the prompt feed
+            if len(loop.steps) == steps:
+                break
+    loop.live_after = policy.live
     loop.pauses = staleness.pauses
+    loop.dropped = staleness.cancelled + staleness.dropped
     return loop
 
 
@@ -183,7 +165,7 @@ async def _demo(steps: int, train_time: float) -> None:
             f"step {step.step}: policy v{step.version}, {len(step.groups)} groups of {GROUP}, "
             f"reward mean {statistics.fmean(rewards):.2f}, lag max {max(step.lags)}"
         )
-    print(f"feed paused {loop.pauses} times; at most {loop.queued_peak} batches queued")
+    print(f"feed paused {loop.pauses} times; {loop.dropped} groups went stale")
 
 
 def main() -> None:

@@ -27,6 +27,7 @@ from test_redis import (
     Worker,
     eval_config,
     graded_env,
+    in_process_worker,
     names,
     r,
     server,
@@ -151,3 +152,38 @@ def test_resume_reruns_a_half_finished_group_whole(
     summary = json.loads((tmp_path / "run" / "summary.json").read_text())
     assert summary["kept_from_resume"] == 6
     assert comparable(after) == comparable(local_rows(tmp_path, 4, 3))
+
+
+async def test_a_worker_gives_an_env_without_score_group_the_evals_advantage(
+    server: Server, names: Names, tmp_path: Path
+) -> None:
+    """`--advantage std` travels in the group entry: the worker (this process, its env
+    rebuilt from nothing but its own class) divides by the group's standard deviation."""
+    import itertools
+    import statistics
+
+    class Counted(tt.Env[Any]):  # no score_group: the default advantage
+        rewards = itertools.count()
+
+        async def score(self, task: Any, completion: str) -> float:
+            return float(next(Counted.rewards) % 3)
+
+    worker = in_process_worker(server, names)
+    ctx = tt.ModelContext(tt.EchoClient(), "echo")
+    via = eval_config(tmp_path, "std", num_examples=3, rollouts_per_example=4, group=True,
+                      advantage="std", max_concurrent=4, via=server.url, stream=names.stream)  # fmt: skip
+    async with trio.open_nursery() as nursery:
+        shut_down = await nursery.start(worker.run, Counted(tt.EchoTaskset()))
+        with trio.fail_after(20):
+            result = await tt.run_eval(Counted(tt.EchoTaskset()), ctx, via)
+        shut_down("done")
+    groups = by_group(trace_rows(result.run_dir))
+    assert len(groups) == 3
+    for rows in groups.values():
+        rewards = [row["reward"] for row in rows]
+        assert len(set(rewards)) > 1
+        mean, std = statistics.fmean(rewards), statistics.pstdev(rewards)
+        assert [row["advantage"] for row in rows] == pytest.approx(
+            [(reward - mean) / std for reward in rewards]
+        )
+        assert all(row["worker"] == "w" for row in rows)

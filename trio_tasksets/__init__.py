@@ -10,8 +10,8 @@ another provider `ModelClientBase`, `ClientDescription`, `EndpointCalls`), agent
 `Tool`, `ToolEnv`, `fan_out`), windows and limits on model calls (`Window`, `AdaptiveWindow`, `AdaptiveBounds`,
 `EndpointLimits`, `RateLimiter`; for a model client of your own `report_outcome`, `rest`,
 `observe_calls`; for a tool runner `parked`, `report_progress`; `sticky` to keep calls on one
-endpoint), groups for training (`Group`, `group_feed`, `run_group`, `GroupFailedError`,
-`first`, `Staleness`), the served path (`EnvClient`, `EnvServerError`, `spawn_server`) and the
+endpoint), groups for training (`Group`, `group_feed`, `run_group`, `group_advantages`,
+`GroupFailedError`, `first`, `Staleness`, `batches`), the served path (`EnvClient`, `EnvServerError`, `spawn_server`) and the
 eval (`EvalConfig`, `run_eval`, `EvalResult`, `report`, `rescore`; where its slots run:
 `SlotBackend`, `InProcess`, `ServedBackend`, and `trio_tasksets.redis.ViaBackend`). Every
 exception the library defines is a `TrioTasksetsError` (the tree: `trio_tasksets._core.exceptions`).
@@ -53,7 +53,7 @@ from ._core.limits import (
 from ._core.runner import as_completed, fan_out, run_stream
 from ._core.sources import merge, take, until
 from ._core.tasksets import Task, Taskset, TasksetConfig
-from ._core.training import Staleness, first
+from ._core.training import Staleness, batches, first
 from ._core.version import __version__
 from ._core.window import Window
 from ._env.agents import ToolEnv
@@ -70,7 +70,7 @@ from ._env.env import (
     StalledError,
     chat_messages,
 )
-from ._env.groups import Group, GroupFailedError, group_feed, run_group
+from ._env.groups import Group, GroupFailedError, group_advantages, group_feed, run_group
 from ._eval import EvalConfig, EvalConfigError, EvalResult, run_eval
 from ._eval.rescore import rescore
 from ._models import (
@@ -168,10 +168,12 @@ __all__ = [
     "aio",
     "api_key_from_env",
     "as_completed",
+    "batches",
     "build_window",
     "chat_messages",
     "fan_out",
     "first",
+    "group_advantages",
     "group_feed",
     "merge",
     "observe_calls",

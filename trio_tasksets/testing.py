@@ -34,6 +34,7 @@ import trio
 from ._core.exceptions import ConfigError, ConfigTypeError, TrioTasksetsError
 from ._core.tasksets import Task, Taskset, TasksetConfig
 from ._env.env import task_data, task_key
+from ._env.groups import Advantage
 from ._models import Completion, ModelClientBase, Sampling
 from .worker import Finished, MalformedEntry, TaskEntry
 
@@ -447,13 +448,15 @@ class MemoryTaskQueue:
         group: str | None = None,
         declared: str | None = None,
         deadline: float | None = None,
+        advantage: Advantage = "mean",
     ) -> TaskEntry:
         """Add an entry for `task` (`group`: one entry of `rollouts` rollouts run as a
-        group); return it."""
+        group, its advantages as `advantage` says); return it."""
         self._ids += 1
         entry = TaskEntry(
             None, f"m-{self._ids}", task_key(task), task_data(task), rollout=rollout,
             rollouts=rollouts, group=group, declared=declared, deadline=deadline,
+            advantage=advantage,
         )  # fmt: skip
         self.ready.append(entry)
         self._wake()

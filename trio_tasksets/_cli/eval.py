@@ -27,6 +27,7 @@ import trio
 from .._core.exceptions import EmptyEvalError
 from .._env.backend import DescribedBackend, InProcess
 from .._env.env import Env
+from .._env.groups import ADVANTAGES
 from .._eval import EvalConfig, EvalConfigError, EvalResult, EvalWarning, run_eval
 from .._eval.config import check_max_failures, claim_run_dir, preflight, run_dir_for
 from .._models import ModelContext, ModelHTTPError
@@ -110,10 +111,15 @@ def add_parser(commands: Commands) -> argparse.ArgumentParser:
     add_window_option(run, help="the window: most rollouts in flight")
     add_flags(run, {
         "--group": "a task's -r rollouts are one group: they run together, Env.score_group "
-        "scores them, their rows are written together (with `group` and `advantage`), and one "
-        "that fails after its retries fails the group",
+        "scores them (without one: --advantage), their rows are written together (with `group` "
+        "and `advantage`), and one that fails after its retries fails the group",
         "--shuffle": "shuffle a static taskset before taking N",
     }, action="store_true")  # fmt: skip
+    add_flags(run, {
+        "--advantage mean|std|none": "with --group, each row's `advantage` when the env has no "
+        "score_group of its own: mean (GRPO's: reward minus the group mean), std (that divided "
+        "by the group's standard deviation; 0 when the rewards are all equal) or none (null)",
+    }, choices=ADVANTAGES, default="mean")  # fmt: skip
     add_flags(run, {"--seed S": "the seed of --shuffle (default: 0)"}, type=int)
     add_flags(run, {
         "--resume": "finish the owed rollouts of a run dir: --run-name's, or else the latest "
@@ -373,6 +379,7 @@ def eval_command(args: argparse.Namespace) -> EvalCommand:
         time_limit=args.time_limit,
         engine_metrics=metrics[0] if one_engine else None,
         group=args.group,
+        advantage=args.advantage,
     )
     return EvalCommand(
         env, ctx, config, model, slots.token_var, tuple(args.argv), debug=args.debug,

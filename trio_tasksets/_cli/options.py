@@ -114,6 +114,7 @@ PARAMETER_FLAGS = {
     "env_class": "--env-class",
     "reward": "--reward",
     "group": "--group",
+    "advantage": "--advantage",
     "retries": "--retries",
     "env_args": "--env-args",
 }

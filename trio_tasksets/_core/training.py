@@ -1,5 +1,6 @@
-"""The training feed's primitives: `first` (over-sampling with a clean cut) and
-`Staleness` (a policy-version gate for a trainer consuming a feed).
+"""The training feed's primitives: `first` (over-sampling with a clean cut), `Staleness`
+(a policy-version gate for a trainer consuming a feed) and `batches` (a feed run into
+trainer batches under a `Staleness`).
 
 `first(n, source, run, window=..., accept=...)` runs `source` windowed, as `as_completed`
 does, keeps the first `n` results `accept` takes (in completion order), then leaves the
@@ -15,6 +16,11 @@ pulls the next item only while the batch being built is at most `max_lag` versio
 of the trainer: the feed's consumer calls `staleness.handed()` for each batch it hands the
 trainer, so a slow trainer pauses the feed instead of piling up rollouts it would train on
 stale.
+
+`batches(size, source, run, window=..., staleness=..., accept=...)` is the rollout side of
+an async trainer in one block: it runs `source` windowed, keeps the results `accept` takes
+and hands them out `size` at a time, the runs going on while the trainer trains (bounded
+by the window), under the staleness gate.
 """
 
 from __future__ import annotations
@@ -22,7 +28,8 @@ from __future__ import annotations
 import contextvars
 import inspect
 from collections.abc import AsyncIterable, AsyncIterator, Awaitable, Callable
-from typing import TypeVar
+from contextlib import AbstractAsyncContextManager, asynccontextmanager
+from typing import Any, Generic, TypeVar
 
 import attrs
 import trio
@@ -31,7 +38,7 @@ from .exceptions import ConfigError, ConfigTypeError
 from .runner import SourceIterator, as_completed, check_source, close_iterator
 from .window import Window
 
-__all__ = ["LiveRun", "Staleness", "current_run", "first", "policy_fields"]
+__all__ = ["LiveRun", "Staleness", "batches", "current_run", "first", "policy_fields"]
 
 T = TypeVar("T")
 R = TypeVar("R")
@@ -159,6 +166,7 @@ class Staleness:
         self._changed = trio.Event()
         self.cancelled = 0  # runs cancelled as stale
         self.withheld = 0  # runs marked stale and left to finish
+        self.dropped = 0  # results `tt.batches` dropped: stale by the time they were handed
         self.pauses = 0  # pulls of `feed` that waited for the trainer
 
     def __repr__(self) -> str:
@@ -270,6 +278,170 @@ class _Fed(SourceIterator[T]):
             raise StopAsyncIteration
         await self._staleness.wait_until_fed()
         return await self._iterator.__anext__()
+
+
+def batches(
+    size: int,
+    source: AsyncIterable[T],
+    run: Callable[[T], Awaitable[R]],
+    *,
+    window: int | Window | None,
+    staleness: Staleness | None = None,
+    accept: Callable[[R], bool | Awaitable[bool]] | None = None,
+) -> AbstractAsyncContextManager[AsyncIterator[list[R]]]:
+    """Run `run` over `source` (at most `window` runs at once) and hand the results out as
+    batches of `size`, for a trainer: the rollout side of an async RL loop in one block.
+
+    Use as ``async with tt.batches(B, groups, run, window=w, staleness=s) as feed: async for
+    batch in feed: ...train...; s.advance()``. Typically `source` is `tt.group_feed(...)`
+    and `run` runs a group (`tt.run_group`), so a batch is a list of `size` groups' episodes.
+
+    Guarantees:
+
+    - A batch holds `size` results that `accept` took (every result when it is None; sync
+      or async), in completion order; every kept result is in exactly one batch. The last
+      batch may be shorter: the source ended (an empty one is never handed out).
+    - The runs go on while the consumer works on a batch (the next batch builds meanwhile);
+      a finished run not yet taken holds its place of the window, so memory and work ahead
+      stay bounded by the window (as `as_completed`).
+    - With `staleness`: `source` is pulled through `staleness.feed` (paused while the
+      trainer is behind), each run through `staleness.run` (a run cancelled as stale is
+      dropped, before `accept`), and `staleness.handed()` is called for each batch handed
+      out. A result whose run started more than `max_lag` versions before the version
+      current when it is taken, or when its batch is handed out, is dropped (counted in
+      `staleness.dropped`), or, with `withhold=True`, kept and marked `stale`. So every
+      result of a batch was produced at most `max_lag` policy versions before the version
+      current when the batch is handed out. The consumer calls `staleness.advance()` as its
+      policy changes: one that takes more than `max_lag + 1` batches without advancing
+      waits for ever, as the gate promises.
+    - Leaving the block (done, `break`, an error, a cancellation) cancels the runs still in
+      flight and waits until each has unwound, and closes `source` exactly once; nothing it
+      started runs after it. A run's failure, or `accept`'s, cancels the rest and is raised
+      itself from the iteration.
+
+    Raises:
+        ConfigError: before anything is pulled: naming `size` (not an int >= 1; not an int,
+            a `ConfigTypeError`, also a TypeError), `staleness` (not a `tt.Staleness`),
+            `accept` (not callable), or `window`, `source` and `run` as `as_completed` does.
+    """
+    _check_int(size, "size", 1)
+    if staleness is not None and not isinstance(staleness, Staleness):
+        raise ConfigTypeError(
+            f"{{staleness}} must be a tt.Staleness or None, got {staleness!r}",
+            parameter="staleness",
+        )
+    if accept is not None and not callable(accept):
+        raise ConfigTypeError(
+            f"{{accept}} must be a callable taking a result, or None, got {accept!r}",
+            parameter="accept",
+        )
+    as_completed(source, run, window=window)  # checks source, run and window, starts nothing
+    return _batches(size, source, run, window, staleness, accept)
+
+
+@asynccontextmanager
+async def _batches(
+    size: int,
+    source: AsyncIterable[T],
+    run: Callable[[T], Awaitable[R]],
+    window: int | Window | None,
+    staleness: Staleness | None,
+    accept: Callable[[R], bool | Awaitable[bool]] | None,
+) -> AsyncIterator[AsyncIterator[list[R]]]:
+    if isinstance(window, int):
+        window = Window(window)  # (as `first`: a group's waiting rollouts before a new pull)
+    tagged: Callable[[T], Awaitable[tuple[int, R | None]]]
+    if staleness is None:
+
+        async def tagged(item: T) -> tuple[int, R | None]:
+            return 0, await run(item)
+
+    else:
+        gate = staleness
+        staled = gate.run(run)
+        source = gate.feed(source)
+
+        async def tagged(item: T) -> tuple[int, R | None]:
+            started = gate.version  # the version `staled` records (no checkpoint between)
+            return started, await staled(item)
+
+    async with as_completed(source, tagged, window=window) as completed:
+        yield _Batches(size, completed, staleness, accept)
+
+
+class _Batches(Generic[R], AsyncIterator[list[R]]):
+    """The batches of `batches`: an iterator class (a consumer's cancelled pull keeps what
+    it had received for the next one)."""
+
+    def __init__(
+        self,
+        size: int,
+        completed: trio.abc.ReceiveChannel[tuple[int, tuple[int, R | None]]],
+        staleness: Staleness | None,
+        accept: Callable[[R], bool | Awaitable[bool]] | None,
+    ) -> None:
+        self._size = size
+        self._completed = completed
+        self._staleness = staleness
+        self._accept = accept
+        self._batch: list[tuple[int, R]] = []  # (the version its run started at, result)
+        self._taken: tuple[int, R] | None = None  # received, `accept` not yet done with it
+        self._ended = False
+
+    async def __anext__(self) -> list[R]:
+        batch = self._batch
+        while not self._ended:
+            if len(batch) >= self._size:
+                self._fresh(batch)
+                if len(batch) >= self._size:
+                    break
+            if self._taken is None:
+                try:
+                    _index, (started, result) = await self._completed.receive()
+                except trio.EndOfChannel:
+                    self._ended = True
+                    break
+                if self._staleness is not None:
+                    if result is None:
+                        continue  # cancelled as stale
+                    if not self._keep(started, result):
+                        continue
+                kept: Any = result  # (R: None only as a result of `run` itself)
+                self._taken = (started, kept)
+            if self._accept is not None:
+                # A pull cancelled while `accept` runs keeps the result for the next pull.
+                verdict = self._accept(self._taken[1])
+                if inspect.isawaitable(verdict):
+                    verdict = await verdict
+                if not verdict:
+                    self._taken = None
+                    continue
+            batch.append(self._taken)
+            self._taken = None
+        self._fresh(batch)
+        if not batch:
+            raise StopAsyncIteration
+        self._batch = []
+        if self._staleness is not None:
+            self._staleness.handed()
+        return [result for _started, result in batch]
+
+    def _keep(self, started: int, result: object) -> bool:
+        """Whether a result started at version `started` may still be handed out (marked
+        stale, with `withhold`, when it is too old)."""
+        gate = self._staleness
+        if gate is None or gate.version - started <= gate.max_lag:
+            return True
+        if gate.withhold:
+            _mark(result)
+            return True
+        gate.dropped += 1
+        return False
+
+    def _fresh(self, batch: list[tuple[int, R]]) -> None:
+        """Drop (or mark) the results of `batch` that went stale while it was built."""
+        if self._staleness is not None:
+            batch[:] = [pair for pair in batch if self._keep(*pair)]
 
 
 def policy_fields() -> tuple[int | None, bool]:

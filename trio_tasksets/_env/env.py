@@ -117,10 +117,29 @@ def new_id() -> str:
 
 @attrs.frozen
 class EpisodeTask:
-    """The task an episode ran: its `key` and its own fields (`data`)."""
+    """The task an episode ran: its `key` and its own fields (`data`, as the row keeps them
+    under `task.data`).
+
+    `prompt` and `answer` read `data` (``episode.task.prompt`` is
+    ``episode.task.data["prompt"]``): a `tt.Task`'s prompt (a str, or a list of chat
+    messages) and answer (a str, or None). A task of another class has the fields its `data`
+    (or `attrs.asdict`) gave; either property is None when `data` has no such key.
+    """
 
     key: str
     data: dict[str, Any]
+
+    @property
+    def prompt(self) -> str | list[dict[str, Any]] | None:
+        """The task's prompt (`data["prompt"]`), None when its data has none."""
+        prompt: str | list[dict[str, Any]] | None = self.data.get("prompt")
+        return prompt
+
+    @property
+    def answer(self) -> Any:
+        """The task's answer (`data["answer"]`: a `tt.Task`'s str, or None), None when its
+        data has none."""
+        return self.data.get("answer")
 
 
 @attrs.frozen
@@ -597,9 +616,11 @@ class Env(Generic[TaskT]):
 
     async def score_group(self, task: TaskT, episodes: list[Episode]) -> None:
         """Score a group (`--group`: a task's `-r` rollouts), once all are done and ok: set
-        each episode's `reward` and `advantage` as you like (e.g. GRPO's reward minus the
-        group mean). Default: nothing (each keeps its own reward; `advantage` stays None).
-        Raising fails the group (every row `ok=False` with the cause)."""
+        each episode's `reward` and `advantage` as you like. Defining it takes full control:
+        without one of your own (this one does nothing), `run_group` sets GRPO's advantage
+        as the group says (`Group.advantage`: reward minus the group mean by default; see
+        `tt.group_advantages`, which yours may call after changing rewards). Raising fails
+        the group (every row `ok=False` with the cause)."""
 
     async def run_slot(
         self,

@@ -12,6 +12,16 @@ tail. When every rollout is done,
 `env.score_group(task, episodes)` runs once (it may set each episode's `reward` and
 `advantage`); every episode gets the group's id (`Episode.group`).
 
+An env without a `score_group` of its own (it keeps `Env.score_group`, which does nothing)
+gets GRPO's advantage, as the group says (`Group.advantage`, `group_feed(advantage=)`,
+`EvalConfig(advantage=)`, `--advantage`): `"mean"` (the default) sets each episode's
+`advantage` to its reward minus the group's mean reward; `"std"` divides that by the
+group's population standard deviation (`statistics.pstdev`), and a group whose rewards are
+all equal (a standard deviation of 0) gets 0.0 everywhere; `"none"` leaves `advantage`
+None. An env that defines `score_group` has full control: nothing is computed for it (a
+`score_group` may call `group_advantages(episodes, how)` itself after changing rewards). A
+failed group gets no advantage.
+
 A rollout that still fails after its retries fails the group: the others are cancelled at
 once (no straggler burns tokens) and awaited, and every episode of the group comes back
 with `ok=False`: the failed one with its own errors, each other one with a
@@ -24,9 +34,11 @@ unfinished group leaves no episode: a resume re-runs it whole).
 from __future__ import annotations
 
 import functools
+import math
 import operator
+import statistics
 from collections.abc import AsyncIterable, AsyncIterator, Awaitable, Callable
-from typing import Any
+from typing import Any, Literal
 
 import attrs
 import trio
@@ -38,16 +50,58 @@ from .._models.pool import sticky
 from .env import Env, Episode, EpisodeError, EpisodeTask, RunSlot, new_id, task_data, task_key
 
 __all__ = [
+    "ADVANTAGES",
+    "Advantage",
     "Group",
     "GroupFailedError",
     "OpenGroups",
     "cause_first",
+    "check_advantage",
+    "group_advantages",
     "group_feed",
     "group_slots",
     "run_group",
 ]
 
 RunRollout = Callable[[RunSlot[Any]], Awaitable[Episode]]
+
+Advantage = Literal["mean", "std", "none"]
+"""How a group's advantages are computed when its env has no `score_group` of its own."""
+ADVANTAGES: tuple[Advantage, ...] = ("mean", "std", "none")
+
+
+def check_advantage(value: object, parameter: str = "advantage") -> Advantage:
+    """`value` if it is one of `ADVANTAGES`; else a `ConfigError` naming `parameter`."""
+    if value not in ADVANTAGES:
+        raise ConfigError(
+            f"{{{parameter}}} must be one of {', '.join(map(repr, ADVANTAGES))} (reward minus "
+            f"the group mean; divided by the group's standard deviation; none), got {value!r}",
+            parameter=parameter,
+        )
+    return value
+
+
+def _advantage(group: Group, attribute: attrs.Attribute[Any], value: object) -> None:
+    check_advantage(value, attribute.name)
+
+
+def group_advantages(episodes: list[Episode], how: Advantage = "mean") -> None:
+    """Set each episode's `advantage` from the group's rewards: `"mean"`, reward minus the
+    group's mean (GRPO's); `"std"`, that divided by the group's population standard
+    deviation (0.0 for every episode when the rewards are all equal); `"none"`: leave them
+    as they are. Raises `ConfigError` naming `how` for another value."""
+    check_advantage(how, "how")
+    if how == "none" or not episodes:
+        return
+    rewards = [episode.reward for episode in episodes]
+    if min(rewards) == max(rewards):  # no spread: exactly 0.0 (no rounding residue)
+        for episode in episodes:
+            episode.advantage = 0.0
+        return
+    mean = math.fsum(rewards) / len(rewards)
+    scale = statistics.pstdev(rewards, mean) if how == "std" else 1.0
+    for episode in episodes:
+        episode.advantage = (episode.reward - mean) / scale
 
 
 class GroupFailedError(TrioTasksetsError):
@@ -57,12 +111,16 @@ class GroupFailedError(TrioTasksetsError):
 
 @attrs.define(eq=False)
 class Group:
-    """The slots of one task's group, and the group's id (shared by its rows)."""
+    """The slots of one task's group, the group's id (shared by its rows), and how its
+    advantages are computed when its env has no `score_group` of its own (`advantage`:
+    ``"mean"``, ``"std"`` or ``"none"``; see the module docstring; another value raises a
+    `ConfigError` naming ``advantage``)."""
 
     task: Any
     slots: list[RunSlot[Any]]
     id: str = attrs.Factory(new_id)  # 32 random hex digits
     opened: OpenGroups | None = None  # the runner's open groups, when it gates its pulls
+    advantage: Advantage = attrs.field(default="mean", validator=_advantage, kw_only=True)
 
 
 class OpenGroups:
@@ -152,7 +210,7 @@ class OpenGroups:
                 raise error
 
 
-def group_slots(slots: list[RunSlot[Any]]) -> list[Group]:
+def group_slots(slots: list[RunSlot[Any]], advantage: Advantage = "mean") -> list[Group]:
     """Planned slots as groups: each run of consecutive slots of one task (the same object,
     as `static_slots` plans a task's `-r` slots) is one group."""
     groups: list[Group] = []
@@ -160,26 +218,37 @@ def group_slots(slots: list[RunSlot[Any]]) -> list[Group]:
         if groups and groups[-1].task is slot.task:
             groups[-1].slots.append(slot)
         else:
-            groups.append(Group(slot.task, [slot]))
+            groups.append(Group(slot.task, [slot], advantage=advantage))
     return groups
 
 
 def group_feed(
-    tasks: AsyncIterable[Any], rollouts: int, window: Window | None
+    tasks: AsyncIterable[Any],
+    rollouts: int,
+    window: Window | None,
+    *,
+    advantage: Advantage = "mean",
 ) -> AsyncIterator[Group]:
     """A feed of tasks as a feed of groups of `rollouts` slots each, for a runner over
     `window` (the same `tt.Window` the runner is given): the next task is pulled only once
     every open group's rollouts have started (`OpenGroups.gate`). Closing it closes `tasks`.
-    Run each group with `run_group`. Raises `ConfigError` naming `rollouts` unless it is an
-    int >= 1."""
+    Run each group with `run_group`; an env without a `score_group` of its own gets each
+    group's advantages as `advantage` says (``"mean"``: reward minus the group mean;
+    ``"std"``: divided by the group's standard deviation; ``"none"``).
+
+    Raises `ConfigError` naming `rollouts` unless it is an int >= 1, or `advantage` unless
+    it is one of those three."""
     if isinstance(rollouts, bool) or not isinstance(rollouts, int) or rollouts < 1:
         raise ConfigError(
             f"{{rollouts}} must be an int >= 1, got {rollouts!r}", parameter="rollouts"
         )
-    return OpenGroups(window).gate(_as_groups(tasks, rollouts))
+    check_advantage(advantage)
+    return OpenGroups(window).gate(_as_groups(tasks, rollouts, advantage))
 
 
-async def _as_groups(tasks: AsyncIterable[Any], rollouts: int) -> AsyncIterator[Group]:
+async def _as_groups(
+    tasks: AsyncIterable[Any], rollouts: int, advantage: Advantage
+) -> AsyncIterator[Group]:
     iterator = aiter(tasks)
     try:
         while True:
@@ -187,7 +256,8 @@ async def _as_groups(tasks: AsyncIterable[Any], rollouts: int) -> AsyncIterator[
                 task = await anext(iterator)
             except StopAsyncIteration:
                 return
-            yield Group(task, [RunSlot(task, rollout) for rollout in range(rollouts)])
+            slots = [RunSlot(task, rollout) for rollout in range(rollouts)]
+            yield Group(task, slots, advantage=advantage)
     finally:
         with trio.CancelScope(shield=True):
             error = await close_iterator(iterator, tasks)
@@ -220,7 +290,8 @@ _errors = operator.attrgetter("errors")
 async def run_group(env: Env[Any], group: Group, run_rollout: RunRollout) -> list[Episode]:
     """Run `group`'s rollouts (`run_rollout(slot)` each, e.g. `env.run_slot` with a model
     context) as one group; see the module docstring. Returns one episode per slot, in slot
-    order, each with `group` set. `run_rollout` must not raise for an episode's own failure
+    order, each with `group` set, and `advantage` as `group.advantage` says when `env` has
+    no `score_group` of its own. `run_rollout` must not raise for an episode's own failure
     (`Env.run_slot` does not): it returns an episode with `ok=False`."""
     opened = group.opened
     # counted as each rollout is given its place, so the runner's next pull waits no longer
@@ -236,7 +307,10 @@ async def run_group(env: Env[Any], group: Group, run_rollout: RunRollout) -> lis
             except ResultRefused as refused:
                 return _failed(group, refused.result, refused.results)
             try:
-                await env.score_group(group.task, episodes)
+                if type(env).score_group is Env.score_group:  # none of its own: the default
+                    group_advantages(episodes, group.advantage)
+                else:
+                    await env.score_group(group.task, episodes)
             except Exception as exc:
                 cause = f"score_group raised {type(exc).__name__}: {exc}"
                 for episode in episodes:

@@ -24,6 +24,7 @@ from .._core.exceptions import EvalConfigError as EvalConfigError  # their home 
 from .._core.exceptions import EvalWarning as EvalWarning
 from .._env.backend import InProcess, SlotBackend, served_backend
 from .._env.env import Env, Episode
+from .._env.groups import Advantage, check_advantage
 from .._env.loading import taskset_label, taskset_short_name, upgraded_label
 from .._env.rollout_limits import is_seconds
 from .._models import ModelContext
@@ -107,6 +108,10 @@ class EvalConfig:
     # --group: a task's rollouts are one group: run together, scored together by
     # Env.score_group, written together; one failing after its retries fails the group.
     group: bool = attrs.field(default=False, validator=_valid)
+    # --advantage: with group, the advantages of an env without a score_group of its own:
+    # "mean" (reward minus the group mean), "std" (divided by the group's standard
+    # deviation; 0.0 when the rewards are all equal) or "none" (null).
+    advantage: Advantage = attrs.field(default="mean", validator=_valid)
     # Recorded in config.json only (never compared by a resume): the command line that ran
     # the eval (default: sys.argv) and the name of the variable the model's API key came from.
     command: list[str] | None = attrs.field(default=None, validator=_valid)
@@ -285,6 +290,13 @@ def _check_engine_metrics(url: object) -> None:
         )
 
 
+def _check_advantage(value: object) -> None:
+    try:
+        check_advantage(value)
+    except ConfigError as exc:
+        raise EvalConfigError(exc.template, parameter=exc.parameters) from None
+
+
 def _check_command(value: object) -> None:
     if value is not None and not (
         isinstance(value, list | tuple) and all(isinstance(word, str) for word in value)
@@ -314,6 +326,7 @@ _CHECKS: dict[str, Check] = {
     "metrics_port": _check_port,
     "engine_metrics": _check_engine_metrics,
     "group": _switch("group"),
+    "advantage": _check_advantage,
     "command": _check_command,
     "api_key_var": _text("api_key_var", "the name of an environment variable"),
 }
@@ -348,10 +361,18 @@ def _engine_metrics_need_adaptive(values: dict[str, Any]) -> None:
         )
 
 
+def _advantage_needs_group(values: dict[str, Any]) -> None:
+    if values["advantage"] != "mean" and not values["group"]:
+        raise EvalConfigError(
+            "{advantage} applies to groups: add {group}", parameter=("advantage", "group")
+        )
+
+
 _CONTRADICTIONS: list[tuple[tuple[str, ...], Check]] = [
     (("workers", "serve"), _workers_need_serve),
     (("serve", "backend"), _serve_or_backend),
     (("engine_metrics", "max_concurrent"), _engine_metrics_need_adaptive),
+    (("advantage", "group"), _advantage_needs_group),
 ]
 
 
@@ -370,7 +391,7 @@ class EvalResult:
 
 # The saved config keys that decide which slots a run owes; a resume must match them all.
 IDENTITY = ("taskset", "taskset_config", "model", "sampling", "num_examples",
-             "rollouts_per_example", "shuffle", "seed", "group")  # fmt: skip
+             "rollouts_per_example", "shuffle", "seed", "group", "advantage")  # fmt: skip
 
 
 def preflight(env: Env[Any], ctx: ModelContext, config: EvalConfig) -> SlotBackend:
@@ -429,6 +450,8 @@ def run_identity(env: Env[Any], ctx: ModelContext, config: EvalConfig) -> dict[s
     }
     if config.group:  # absent otherwise: runs saved before groups existed still resume
         identity["group"] = True
+        if config.advantage != "mean":  # (likewise: runs saved before it still resume)
+            identity["advantage"] = config.advantage
     return identity
 
 

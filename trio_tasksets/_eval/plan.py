@@ -11,7 +11,7 @@ from typing import Any
 import trio
 
 from .._env.env import Env, Episode, RunSlot, task_data, task_key
-from .._env.groups import Group, group_slots
+from .._env.groups import Advantage, Group, group_slots
 from .._env.loading import upgraded_label
 from .._env.traces import read_rows
 from .._monitor import dashboard
@@ -111,12 +111,16 @@ async def from_list(slots: list[RunSlot[Any]]) -> AsyncIterator[RunSlot[Any]]:
 
 
 async def plan_groups(
-    tasks: trio.abc.ReceiveChannel[Any], rollouts: int, progress: dashboard.Progress
+    tasks: trio.abc.ReceiveChannel[Any],
+    rollouts: int,
+    progress: dashboard.Progress,
+    advantage: Advantage = "mean",
 ) -> AsyncIterator[Group]:
     """A task's `rollouts` slots as one group, as each task arrives (`--group`)."""
     async for task in tasks:
         progress.planned(rollouts)
-        yield Group(task, [RunSlot(task, rollout) for rollout in range(rollouts)])
+        slots = [RunSlot(task, rollout) for rollout in range(rollouts)]
+        yield Group(task, slots, advantage=advantage)
     progress.stop_growing()
 
 

@@ -657,7 +657,8 @@ async def _execute(
                     r = config.rollouts_per_example
                     with observe_calls(health):  # the waits and model calls of every run
                         if config.group and not env.taskset.streaming:
-                            grouped = opened.gate(from_groups(group_slots(slots)))
+                            planned_groups = group_slots(slots, config.advantage)
+                            grouped = opened.gate(from_groups(planned_groups))
                             done = await run_stream(grouped, run_one_group, window=window)
                             episodes = [episode for group in done for episode in group]
                         elif not env.taskset.streaming:
@@ -667,7 +668,8 @@ async def _execute(
                             assert config.num_examples is not None
                             async with env.taskset.head(config.num_examples).channel() as tasks:
                                 if config.group:
-                                    groups = opened.gate(plan_groups(tasks, r, progress))
+                                    arriving = plan_groups(tasks, r, progress, config.advantage)
+                                    groups = opened.gate(arriving)
                                     done = await run_stream(groups, run_one_group, window=window)
                                     episodes = [episode for group in done for episode in group]
                                 else:

@@ -58,6 +58,7 @@ from .._env.groups import Group
 from .._models import ModelContext
 from .._monitor import dashboard
 from ._entries import (
+    ADVANTAGE_FIELD,
     DEADLINE_FIELD,
     ENV_FIELD,
     GROUP_FIELD,
@@ -351,6 +352,7 @@ class _Coordinator:
         fields = self._fields(slots[0])
         fields[GROUP_FIELD] = group.id
         fields[ROLLOUTS_FIELD] = str(len(slots))
+        fields[ADVANTAGE_FIELD] = group.advantage  # the worker computes what the eval asked
         waiting = _Slot(fields)
         opened = group.opened
         answered: list[Episode] = []

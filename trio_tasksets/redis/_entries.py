@@ -7,8 +7,10 @@ rollout, default 0), `reply_to` (the stream its result goes to, instead of the w
 `--results`) and `deadline` (epoch seconds: the producer's deadline; a worker runs the slot
 under the time left, and answers an entry taken after it as timed out, without running it).
 A group entry (`eval --via --group`: a task's rollouts, run and scored as one unit) adds `group` (the id its rows share) and
-`rollouts` (how many: `rollout` .. `rollout + rollouts - 1`); one worker runs them as a group
-and answers with one result entry whose `rows` field holds every row of the group.
+`rollouts` (how many: `rollout` .. `rollout + rollouts - 1`), and `advantage` (how the
+group's advantages are computed when the env has no `score_group` of its own: `mean`,
+`std` or `none`; default `mean`); one worker runs them as a group and answers with one
+result entry whose `rows` field holds every row of the group.
 """
 
 from __future__ import annotations
@@ -27,11 +29,13 @@ import trio
 from .._core.exceptions import ConfigError
 from .._core.tasksets import Task, Taskset
 from .._env.env import task_data, task_key
+from .._env.groups import ADVANTAGES, Advantage
 from .._env.spec import TASK_FIELDS, Declaration, rebuild_task, taskset_arg
 from ..worker import EntryRefused, MalformedEntry
 from ._resp import Address
 
 __all__ = [
+    "ADVANTAGE_FIELD",
     "DEADLINE_FIELD",
     "ENV_FIELD",
     "GROUP_FIELD",
@@ -79,6 +83,9 @@ GROUP_FIELD = "group"
 """The entry field holding a group's id: the entry is a group of `rollouts` rollouts."""
 ROLLOUTS_FIELD = "rollouts"
 """The entry field holding a group's size (with `group`; default 1)."""
+ADVANTAGE_FIELD = "advantage"
+"""The entry field saying how a group's advantages are computed (with `group`; default
+`mean`): the eval's `advantage`, for an env without a `score_group` of its own."""
 ROWS_FIELD = "rows"
 """In a result entry: a group's rows (a JSON list, in rollout order), instead of `row`."""
 REFUSED_FIELD = "refused"
@@ -119,6 +126,7 @@ class Delivery:
     deadline: float | None = None  # epoch seconds (`time.time()`), None: no deadline
     group: str | None = None  # a group's id: the entry runs `rollouts` rollouts as one group
     rollouts: int = 1
+    advantage: Advantage = "mean"  # a group's advantages, without a score_group of the env's
 
 
 def encode_task(task: Any, *, any_data: bool = False) -> bytes:
@@ -178,9 +186,15 @@ def decode_entry(entry: EntryRef, fields: Fields | None) -> Delivery:
         raise MalformedEntry(f"entry {entry.id}: {GROUP_FIELD!r} must be a non-empty id")
     if group is None and rollouts != "1":
         raise MalformedEntry(f"entry {entry.id}: {ROLLOUTS_FIELD!r} needs {GROUP_FIELD!r}")
+    advantage = fields.get(ADVANTAGE_FIELD, "mean")
+    if advantage not in ADVANTAGES:
+        raise MalformedEntry(
+            f"entry {entry.id}: {ADVANTAGE_FIELD!r} must be one of {', '.join(ADVANTAGES)}: "
+            f"{advantage!r}"
+        )
     return Delivery(entry, key, data, int(rollout), reply_to, fields.get(ENV_FIELD),
                     None if deadline is None else _epoch(entry, deadline),
-                    group, int(rollouts))  # fmt: skip
+                    group, int(rollouts), advantage)  # fmt: skip
 
 
 def _epoch(entry: EntryRef, text: str) -> float:

@@ -39,6 +39,7 @@ def task_entry(delivery: Delivery) -> TaskEntry:
         _Handle(delivery.entry, delivery.reply_to), delivery.entry.id, delivery.key,
         delivery.data, rollout=delivery.rollout, rollouts=delivery.rollouts,
         group=delivery.group, declared=delivery.declared, deadline=delivery.deadline,
+        advantage=delivery.advantage,
     )  # fmt: skip
 
 

@@ -295,7 +295,7 @@ async def consume(
                 episodes = [await rollout(claim.slot(entry.rollout), entry.deadline)]
             else:
                 slots = [claim.slot(entry.rollout + i) for i in range(entry.rollouts)]
-                group = Group(claim.task, slots, id=entry.group)
+                group = Group(claim.task, slots, id=entry.group, advantage=entry.advantage)
                 episodes = await run_group_by(running_env, group, entry.deadline, rollout)
             for episode in episodes:
                 episode.worker = consumer

@@ -53,6 +53,7 @@ import attrs
 from .._core.exceptions import ConfigError, MalformedEntry
 from .._core.tasksets import Task, Taskset
 from .._env.env import Episode
+from .._env.groups import Advantage, check_advantage
 from .._env.spec import rebuild_task
 
 __all__ = ["Finished", "TaskEntry", "TaskQueue", "plain_task"]
@@ -64,6 +65,10 @@ def _positive(instance: object, attribute: attrs.Attribute[int], value: int) -> 
     if isinstance(value, bool) or not isinstance(value, int) or value < 1:
         name = attribute.name
         raise ConfigError(f"{{{name}}} must be an int >= 1, got {value!r}", parameter=name)
+
+
+def _advantage(instance: object, attribute: attrs.Attribute[str], value: object) -> None:
+    check_advantage(value, attribute.name)
 
 
 def _rollout(instance: object, attribute: attrs.Attribute[int], value: int) -> None:
@@ -81,8 +86,10 @@ class TaskEntry:
     lines, keep-alive). `key` and `data` are the task's (rebuilt by the env's taskset class,
     `task_from_data` or `tt.Task`); `rollout` the slot's rollout. A group entry (`group`, the
     id its rows share) runs `rollouts` rollouts, `rollout` .. `rollout + rollouts - 1`, as
-    one group. `declared` is the producer's `Declaration` as written (None: none), and
-    `deadline` its deadline in epoch seconds (None: none).
+    one group, its advantages computed as `advantage` says when the env has no
+    `score_group` of its own (``"mean"``, ``"std"``, ``"none"``; another value raises a
+    `ConfigError` naming ``advantage``). `declared` is the producer's `Declaration` as
+    written (None: none), and `deadline` its deadline in epoch seconds (None: none).
     """
 
     handle: Any = attrs.field(eq=False, repr=False)
@@ -94,6 +101,7 @@ class TaskEntry:
     group: str | None = None
     declared: str | None = None
     deadline: float | None = None
+    advantage: Advantage = attrs.field(default="mean", validator=_advantage)
 
 
 @attrs.frozen
