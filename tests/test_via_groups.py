@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 import forkserver
+import pytest
 import redis
 import trio
 from helpers import needs
