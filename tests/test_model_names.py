@@ -32,6 +32,7 @@ from chat_server import ChatServer
 from helpers import free_port
 
 import trio_tasksets as tt
+from trio_tasksets._cli.model_options import offered_models
 from trio_tasksets._env.env import EpisodeError, EpisodeTask
 from trio_tasksets._eval.run import dead_endpoint
 
@@ -242,6 +243,14 @@ def test_a_base_url_ending_in_chat_completions_is_a_usage_error_naming_the_fix(
     assert line.endswith(f"; fix: --base-url {strict.url}")  # the URL to give instead
     assert strict.received == []
     assert not (tmp_path / "out").exists()
+
+
+async def test_the_listing_says_what_it_found_even_from_a_trio_run(strict: ChatServer) -> None:
+    """`offered_models` runs a trio run of its own: from inside one (a command's edge driven
+    by a trio test), in a thread. A URL without the API's prefix lists nothing: a 404."""
+    assert offered_models(strict.url).names == MODELS
+    wrong = offered_models(strict.url.removesuffix("/v1"))
+    assert (wrong.names, wrong.problem) == (None, "HTTP 404")
 
 
 def test_the_fake_server_answers_an_unknown_model_as_vllm_and_openai_do() -> None:
