@@ -157,7 +157,7 @@ async def test_a_401_on_every_call_exits_1_naming_the_key_variable(
 
 @pytest.mark.parametrize(
     ("status", "fix"),
-    [(404, "fix: check -m/--model 'test-model' and --base-url http://127.0.0.1:"),
+    [(404, "fix: check -m/--model 'test-model': the server offers sim (e.g. -m sim)"),
      (500, "fix: the model server failed: see its log"),
      (429, "fix: the server is rate-limiting")],
 )  # fmt: skip

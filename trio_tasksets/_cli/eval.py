@@ -39,12 +39,14 @@ from .heap import settle_heap
 from .model_options import (
     ModelOptions,
     add_model_options,
+    api_key,
     api_key_var,
     check_engine_metrics,
     engine_metrics_urls,
     limit_flags,
     model_context,
     model_options,
+    offered_models,
 )
 from .options import (
     DEFAULT_API_KEY_VAR,
@@ -524,10 +526,7 @@ def _fix_for(
         if context is not None:
             return context
     if error_type == "ModelHTTPError" and status == 404:
-        return (
-            f"check -m/--model {model.model!r} and --base-url {model.base_url} (the URL stops "
-            f"before /chat/completions, e.g. http://127.0.0.1:8000/v1)"
-        )
+        return _not_found_fix(model)
     if error_type == "ModelHTTPError" and status == 429:
         return "the server is rate-limiting: lower -c/--max-concurrent, or add --retries K"
     if error_type == "ModelHTTPError" and status is not None and status >= 500:
@@ -561,6 +560,31 @@ def _fix_for(
         return f"every failed row's errors are in {run_dir}/traces.jsonl"
     # No row was kept (a run that failed before its first one leaves no run dir).
     return None if command.debug else "run again with --debug for the traceback"
+
+
+def _not_found_fix(model: ModelOptions) -> str:
+    """The fix for a 404 of the model calls: the model's name when the server does not list
+    it (with the names it lists), else the URL."""
+    url_fix = (
+        f"--base-url {model.base_url} (the URL stops before /chat/completions, e.g. "
+        f"http://127.0.0.1:8000/v1)"
+    )
+    if model.base_url is None:
+        return f"check -m/--model {model.name!r} and {url_fix}"
+    offered = offered_models(model.base_url, api_key(model))
+    if offered.names is None:
+        return (
+            f"check -m/--model {model.name!r} and {url_fix}; could not list the server's "
+            f"models at {offered.url}: {offered.problem}"
+        )
+    if model.name in offered.names:
+        return f"the server lists model {model.name!r}: check {url_fix}"
+    if not offered.names:
+        return f"check -m/--model {model.name!r}: {offered.url} lists no model"
+    return (
+        f"check -m/--model {model.name!r}: the server offers {offered.shown()} (e.g. -m "
+        f"{shlex.quote(offered.closest(model.name) or '')})"
+    )
 
 
 def _status(exc: BaseException) -> int | None:

@@ -4,17 +4,26 @@ engines' own metrics (`--engine-metrics`, one per `--base-url`).
 
 A command reads them once at its edge (`model_options(args)`, `endpoints(args)`: the only
 functions here that see the parsed arguments) into a frozen `ModelOptions`; every builder
-below takes that object."""
+below takes that object.
+
+`--base-url` without `-m` is a usage error that lists the models the server offers
+(`offered_models`: its `GET /models`, asked with the project's HTTP client under a short
+timeout): the default model name, ``echo``, is the offline model's, never one to send."""
 
 from __future__ import annotations
 
 import argparse
+import difflib
+import json
 import math
 import os
+import shlex
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 from urllib.parse import urlsplit
 
 import attrs
+import trio
 
 from .._core.adaptive import AdaptiveBounds
 from .._core.limits import EndpointLimits
@@ -28,6 +37,7 @@ from .._models import (
 )
 from .._models.calls import TIMEOUT
 from .._models.engine import EngineMetrics
+from .._transport import HTTPClient, HTTPError, Timeouts
 from .options import (
     DEFAULT_API_KEY_VAR,
     UsageError,
@@ -38,10 +48,13 @@ from .options import (
 )
 
 __all__ = [
+    "LIST_TIMEOUT",
     "Endpoints",
     "ModelOptions",
+    "OfferedModels",
     "add_endpoint_options",
     "add_model_options",
+    "api_key",
     "api_key_var",
     "check_engine_metrics",
     "endpoint_limits",
@@ -50,6 +63,7 @@ __all__ = [
     "limit_flags",
     "model_context",
     "model_options",
+    "offered_models",
 ]
 
 
@@ -57,8 +71,9 @@ def add_model_options(parser: argparse.ArgumentParser) -> argparse._ArgumentGrou
     """Add the model options (`-m`, `--base-url`, `--api-key-var`, sampling, ...)."""
     model = parser.add_argument_group("the model")
     model.add_argument(
-        "-m", "--model", default="echo",
-        help="model name; 'echo' is the built-in offline model (replies with the prompt)",
+        "-m", "--model", default=None,
+        help="model name, as the server lists it (its /v1/models); required with --base-url "
+        "(default: echo, the built-in offline model: replies with the prompt)",
     )  # fmt: skip
     add_endpoint_options(model)
     model.add_argument(
@@ -154,8 +169,28 @@ class Endpoints:
 
 
 def endpoints(args: argparse.Namespace) -> Endpoints:
-    """The endpoints of a command that added them (`add_endpoint_options`)."""
-    return Endpoints(tuple(args.base_urls or ()), tuple(args.engine_metrics or ()))
+    """The endpoints of a command that added them (`add_endpoint_options`); a `--base-url`
+    that ends in ``/chat/completions`` (the path the client adds itself) is a `UsageError`
+    naming the URL to give."""
+    given = Endpoints(tuple(args.base_urls or ()), tuple(args.engine_metrics or ()))
+    for url in given.base_urls:
+        _refuse_endpoint_path(url)
+    return given
+
+
+_CHAT_PATH = "/chat/completions"
+
+
+def _refuse_endpoint_path(url: str) -> None:
+    """A base URL is what precedes ``/chat/completions``: given with it, every call would
+    go to ``.../chat/completions/chat/completions`` and fail 404."""
+    trimmed = url.rstrip("/")
+    if trimmed.endswith(_CHAT_PATH):
+        base = trimmed.removesuffix(_CHAT_PATH)
+        raise UsageError(
+            f"--base-url {url} ends in {_CHAT_PATH}, the path each call adds to it",
+            fix=f"--base-url {base}",
+        )
 
 
 @attrs.frozen
@@ -163,7 +198,7 @@ class ModelOptions:
     """The model options as given (`model_options` reads them): what `model_context` builds
     the model client from."""
 
-    model: str = "echo"
+    model: str | None = None  # `-m`; None: not given (the echo model, unless --base-url)
     endpoints: Endpoints = Endpoints()
     api_key_var: str | None = None
     timeout: float | None = None
@@ -177,6 +212,11 @@ class ModelOptions:
     max_connections: int | AdaptiveBounds | None = None
     rpm: float | None = None
     tpm: float | None = None
+
+    @property
+    def name(self) -> str:
+        """The model's name: `-m`'s, else ``echo``."""
+        return "echo" if self.model is None else self.model
 
     @property
     def base_url(self) -> str | None:
@@ -198,7 +238,7 @@ def model_options(args: argparse.Namespace) -> ModelOptions:
 
 
 def _is_echo(options: ModelOptions) -> bool:
-    return options.model == "echo" and options.base_url is None
+    return options.name == "echo" and options.base_url is None
 
 
 def _check_base_url(url: str) -> None:
@@ -299,9 +339,13 @@ def model_context(
     (`OpenAIClient(engine_metrics=...)`: each endpoint's own); False when the caller feeds
     it to its rollout window itself (`eval` with one endpoint: `EvalConfig.engine_metrics`)."""
     client: ModelClient
+    if options.model is None and options.base_url is not None:
+        for url in options.endpoints.base_urls:
+            _check_base_url(url)
+        raise _no_model(options)
     sampling = _sampling(options)
     if remote and not _is_echo(options):
-        return ModelContext(EchoClient(), options.model, sampling)
+        return ModelContext(EchoClient(), options.name, sampling)
     if _is_echo(options):
         # Every option that only shapes an HTTP request or its limits does nothing here:
         # each is refused alike (the sampling flags, -S and --timeout included).
@@ -318,7 +362,7 @@ def model_context(
         if not delay >= 0:
             raise UsageError(f"--echo-delay must be >= 0, got {delay}")
         client = EchoClient(delay=delay)
-        return ModelContext(client, options.model, sampling)
+        return ModelContext(client, options.name, sampling)
     if options.base_url is None:
         raise UsageError(
             f"-m/--model {options.model!r} needs --base-url (an OpenAI-compatible endpoint)",
@@ -354,7 +398,7 @@ def model_context(
         limits_key=(options.base_url, options.api_key_var or DEFAULT_API_KEY_VAR),
         engine_metrics=metrics or None,
     )  # fmt: skip
-    return ModelContext(client, options.model, sampling)
+    return ModelContext(client, options.name, sampling)
 
 
 def engine_metrics_urls(given: Endpoints) -> list[str]:
@@ -402,6 +446,103 @@ def check_engine_metrics(options: ModelOptions, window: int | AdaptiveBounds) ->
             f"--engine-metrics moves an adaptive window, but -c/--max-concurrent {window} is fixed",
             fix="give -c as MIN-START-MAX, e.g. -c 1-8-1024",
         )
+
+
+# --- the models a server offers ------------------------------------------------------------------
+
+LIST_TIMEOUT = 2.0
+"""Seconds `offered_models` waits for a server's model list, all told: it is asked only to
+word an error, which must not wait on a server that does not answer."""
+
+_SHOWN = 12  # the most model names a message lists
+
+
+@attrs.frozen
+class OfferedModels:
+    """What `GET {base_url}/models` said: the model ids it lists (`names`), or why none
+    could be read (`problem`: a phrase, e.g. "HTTP 404" or the connection's error)."""
+
+    url: str  # the listing's URL
+    names: tuple[str, ...] | None = None
+    problem: str | None = None
+
+    def shown(self) -> str:
+        """The names as a message lists them (the first few, and how many more)."""
+        names = self.names or ()
+        more = len(names) - _SHOWN
+        return ", ".join(names[:_SHOWN]) + (f" (and {more} more)" if more > 0 else "")
+
+    def closest(self, model: str) -> str | None:
+        """The listed name closest to `model` (a case or a suffix apart), else the first."""
+        if not self.names:
+            return None
+        by_case = {name.lower(): name for name in self.names}
+        close = difflib.get_close_matches(model.lower(), list(by_case), n=1, cutoff=0.6)
+        return by_case[close[0]] if close else self.names[0]
+
+
+def offered_models(
+    base_url: str, api_key: str | None = None, *, timeout: float = LIST_TIMEOUT
+) -> OfferedModels:
+    """The models the OpenAI-compatible server at `base_url` offers, from its
+    ``GET {base_url}/models`` (OpenAI's and vLLM's ``{"data": [{"id": ...}, ...]}``), asked
+    with `api_key` (as the model calls are) within `timeout` seconds. Never raises for what
+    the server does: an `OfferedModels` with the `problem`. Runs a trio run of its own: call
+    it from synchronous code (the command line's edge, or after its run); from a trio run it
+    runs in a thread, blocking that run for up to `timeout` seconds."""
+    url = f"{base_url.rstrip('/')}/models"
+    headers = {"authorization": f"Bearer {api_key}"} if api_key else {}
+
+    async def ask() -> OfferedModels:
+        limit = Timeouts(connect=timeout, read=timeout, write=timeout, total=timeout)
+        async with HTTPClient(timeouts=limit, max_response_bytes=4 * 2**20) as http:
+            with trio.move_on_after(timeout):
+                try:
+                    response = await http.request("GET", url, headers=headers)
+                except (HTTPError, ValueError) as exc:
+                    return OfferedModels(url, problem=getattr(exc, "reason", None) or str(exc))
+                return _read_models(url, response.status, response.body)
+        return OfferedModels(url, problem=f"no answer within {timeout:g}s")
+
+    if not trio.lowlevel.in_trio_run():
+        return trio.run(ask)
+    # Called from a trio run (a command's edge driven from one): a run of its own, in a
+    # thread, which this one waits for (the timeout bounds it).
+    with ThreadPoolExecutor(1) as thread:
+        return thread.submit(trio.run, ask).result()
+
+
+def _read_models(url: str, status: int, body: bytes) -> OfferedModels:
+    if status != 200:
+        return OfferedModels(url, problem=f"HTTP {status}")
+    try:
+        data = json.loads(body).get("data")
+        names = tuple(str(item["id"]) for item in data)
+    except (ValueError, TypeError, KeyError, AttributeError):
+        return OfferedModels(url, problem='not a model list ({"data": [{"id": ...}, ...]})')
+    return OfferedModels(url, names=names)
+
+
+def api_key(options: ModelOptions) -> str | None:
+    """The API key the model calls carry (from `api_key_var`'s variable), or None."""
+    var = api_key_var(options)
+    return None if var is None else os.environ[var].strip()
+
+
+def _no_model(options: ModelOptions) -> UsageError:
+    """`--base-url` without `-m`: the error, listing what the server offers."""
+    url = options.endpoints.base_urls[0]
+    offered = offered_models(url, api_key(options))
+    message = f"--base-url {url} needs -m/--model: the model to ask the server for"
+    if offered.names:
+        example = shlex.quote(offered.names[0])
+        return UsageError(message, fix=f"add -m {example} (the server offers {offered.shown()})")
+    if offered.names is not None:
+        return UsageError(message, fix=f"add -m MODEL ({offered.url} lists no model)")
+    return UsageError(
+        message,
+        fix=f"add -m MODEL (could not list the models at {offered.url}: {offered.problem})",
+    )
 
 
 def endpoint_limits(options: ModelOptions) -> EndpointLimits | None:

@@ -24,6 +24,7 @@ from __future__ import annotations
 import functools
 import json
 import math
+import re
 import statistics
 import sys
 import time
@@ -83,6 +84,7 @@ class Tally:
     # The model endpoints' URLs while they are not known to answer (None: known, or no URL):
     # the first episode to finish tells (see `dead_endpoint`).
     unproven: list[str] | None = None
+    model: str | None = None  # the model's name the calls send (a 404 may name it)
     planned: int | None = None  # the static plan's slots (a fraction's base); None on a stream
     recorded: list[Episode] = attrs.Factory(list)  # new episodes, in completion order
     failed: int = 0
@@ -97,12 +99,16 @@ class Tally:
     def record(self, episode: Episode) -> None:
         self.recorded.append(episode)
         if self.unproven is not None:
-            dead = dead_endpoint(episode)
+            dead = dead_endpoint(episode, model=self.model)
             if dead is not None and self.stopped is None:
                 urls = ", ".join(self.unproven)
                 many = len(self.unproven) > 1
-                self.error = (f"the model endpoint{'s' if many else ''} {urls} "
-                              f"{'are' if many else 'is'} dead: {dead}")  # fmt: skip
+                what = (
+                    f"{'do' if many else 'does'} not serve model {self.model!r}"
+                    if _names_model(episode.errors[-1], self.model)
+                    else f"{'are' if many else 'is'} dead"
+                )
+                self.error = f"the model endpoint{'s' if many else ''} {urls} {what}: {dead}"
                 self.stop("dead_endpoint")
             self.unproven = None
         if episode.ok:
@@ -160,20 +166,35 @@ class Tally:
             self.error = f"{type(exc).__name__}: {exc}"
 
 
-def dead_endpoint(episode: Episode) -> str | None:
+def dead_endpoint(episode: Episode, *, model: str | None = None) -> str | None:
     """Why the first episode of a run to finish says its endpoint is dead, or None: it failed
     because the endpoint could not be reached (refused, DNS, TLS: `ModelConnectionError`,
-    after the client's retries) or refused the key (HTTP 401 or 403). Nothing has answered
-    before it, so no slot would do better: the eval stops (`stopped: "dead_endpoint"`)
-    instead of spending every slot on it."""
+    after the client's retries), refused the key (HTTP 401 or 403), or does not serve
+    `model` (an HTTP 404 whose message names it: vLLM's "The model `x` does not exist.",
+    OpenAI's "... does not exist or you do not have access to it.", Ollama's "model "x" not
+    found"). Nothing has answered before it, so no slot would do better: the eval stops
+    (`stopped: "dead_endpoint"`) instead of spending every slot on it."""
     if episode.ok or not episode.errors:
         return None
     last = episode.errors[-1]
-    if last.type == "ModelConnectionError" or (
-        last.type == "ModelHTTPError" and last.status in (401, 403)
-    ):
+    refused = last.type == "ModelHTTPError" and last.status in (401, 403)
+    if last.type == "ModelConnectionError" or refused or _names_model(last, model):
         return f"{last.type}: {last.message}"
     return None
+
+
+def _names_model(error: EpisodeError, model: str | None) -> bool:
+    """A 404 whose message names `model` (as a whole name: quoted, or set apart by spaces)
+    and speaks of a model: the server does not serve it. A 404 that does not name it (a
+    wrong path) says nothing of the model."""
+    if model is None or error.type != "ModelHTTPError" or error.status != 404:
+        return False
+    name = re.compile(rf"(?<![\w./:-]){re.escape(model)}(?![\w/:-]|\.\w)")
+    said = error.message
+    return _MODEL_WORD.search(said) is not None and name.search(said) is not None
+
+
+_MODEL_WORD = re.compile(r"\bmodel\b", re.IGNORECASE)
 
 
 def _waited(episodes: list[Episode]) -> dict[str, float]:
@@ -471,6 +492,7 @@ async def _run_eval(
                   planned=None if streaming else planned)  # fmt: skip
     named = list(describe(ctx.client).endpoints)  # many --base-url: every one
     tally.unproven = named if named and not kept else None
+    tally.model = ctx.model
     new: list[Episode] | None = None
     empty = False  # a stream that ended before its first task
     began = time.monotonic()
