@@ -57,6 +57,7 @@ from .options import (
     add_reward_option,
     add_time_limit_option,
     add_window_option,
+    debug_fix,
     flag_message,
     warn,
 )
@@ -534,7 +535,7 @@ def _fix_for(
     if (run_dir / "traces.jsonl").is_file():
         return f"every failed row's errors are in {run_dir}/traces.jsonl"
     # No row was kept (a run that failed before its first one leaves no run dir).
-    return None if command.debug else "run again with --debug for the traceback"
+    return debug_fix(message, debug=command.debug)
 
 
 def _status(exc: BaseException) -> int | None:
