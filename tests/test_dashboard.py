@@ -92,7 +92,51 @@ def test_line_format() -> None:
     progress = Progress(started_at=time.monotonic() - 100.5)
     progress.planned(20)
     run_some(progress, ok=9, failed=1, running=3)
-    assert progress.line() == "eval: 10/20 done, 3 running, 1 failed, reward 0.900, 0.10/s, 01:40"
+    assert progress.line() == (
+        "eval: 10/20 done, 3 running, 1 failed, reward 0.900 (failed rows count 0), 0.10/s, 01:40"
+    )
+    clean = Progress(started_at=time.monotonic() - 100.5)
+    run_some(clean, ok=2)
+    assert "reward 1.000, " in clean.line()  # nothing failed: nothing to say
+
+
+def test_named_metrics_are_one_compact_line_only_when_there_are_any() -> None:
+    """Issue 35 (4): each named metric with its mean and 95% interval, read once a draw."""
+    progress = Progress(started_at=time.monotonic() - 1)
+    run_some(progress, ok=2)
+    assert "metrics" not in progress.line()
+    assert progress.metrics_text() is None
+    reads = []
+
+    def figures() -> dict[str, tuple[float, tuple[float, float] | None]]:
+        reads.append(1)
+        return {"exact": (0.5, (0.1875, 0.8125)), "chars": (12.0, None)}
+
+    progress.metrics = figures
+    line = progress.line()
+    assert line.endswith("; metrics (95% CI): exact 0.500 [0.188, 0.812], chars 12.000")
+    assert len(reads) == 1
+    progress.metrics = dict
+    assert "metrics" not in progress.line()  # none yet (no episode carried one)
+
+
+async def test_the_live_panel_shows_the_metrics_line_and_that_failed_rows_count_0(
+    autojump_clock: MockClock,
+) -> None:
+    console, buffer = make_console(terminal=True)
+    progress = Progress(title="m", metrics=lambda: {"exact": (0.75, (0.25, 1.0))})
+    progress.planned(4)
+    async with show(progress, live=True, console=console):
+        run_some(progress, ok=3, failed=1)
+        await trio.sleep(0.3)
+        frame = last_frame(buffer)
+        assert "metrics (95% CI): exact 0.750 [0.250, 1.000]" in frame
+        assert "reward: failed rows count 0" in frame
+    console, buffer = make_console(terminal=True)
+    async with show(Progress(title="plain"), live=True, console=console):
+        await trio.sleep(0.3)
+    assert "metrics" not in last_frame(buffer)
+    assert "count 0" not in last_frame(buffer)
 
 
 def test_line_growing_and_before_any_result() -> None:
@@ -221,7 +265,9 @@ async def test_plain_logs_every_log_every_seconds(
         "plain: 4/6 done",
         "plain: 4/6 done",
     ]
-    assert lines[-1].startswith("plain: 4/6 done, 0 running, 1 failed, reward 0.750, ")
+    assert lines[-1].startswith(
+        "plain: 4/6 done, 0 running, 1 failed, reward 0.750 (failed rows count 0), "
+    )
     assert TOP not in buffer.getvalue()
     if not terminal:
         assert "\x1b" not in buffer.getvalue()

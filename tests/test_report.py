@@ -625,3 +625,47 @@ def test_in_chromium_the_page_shows_the_run_and_its_table_works(graded: Path, br
     assert [c.text for c in cells[1:5]] == ["t6", "2", "2", "1 / 2"]
 
     assert [e for e in browser.get_log("browser") if e["level"] == "SEVERE"] == []
+
+
+def test_in_chromium_an_agent_runs_table_has_turns_tool_calls_and_advantage_columns(
+    tmp_path: Path, graded: Path, browser: Any
+) -> None:
+    """Issue 35 (10c): the columns a run's rows have (turns and tool calls of an agent, a
+    group's advantage), sortable; a run without them shows none, also beside one with them."""
+    from selenium.webdriver.common.by import By
+    from selenium.webdriver.support.ui import Select
+
+    agent = tmp_path / "agent"
+    agent.mkdir()
+    rows = [
+        {"id": f"r{i}", "task": {"key": f"t{i // 2}", "data": {"prompt": f"p{i}"}},
+         "rollout": i % 2, "ok": True, "reward": float(i % 2), "completion": "c",
+         "messages": [], "errors": [], "attempts": 1, "timing": {"duration": 0.5},
+         "usage": {}, "finish_reason": "stop", "turns": i + 1, "tool_calls": i,
+         "group": f"g{i // 2}", "advantage": (i % 2 - 0.5) * (i + 1)}
+        for i in range(4)
+    ]  # fmt: skip
+    (agent / "traces.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    (agent / "config.json").write_text("{}")
+    out = tt.report([agent, graded], output=tmp_path / "both.html")
+    browser.get(out.resolve().as_uri())
+
+    def headers() -> list[str]:
+        return [b.get_attribute("data-key")
+                for b in browser.find_elements(By.CSS_SELECTOR, "#table thead button.sort")]  # fmt: skip
+
+    assert headers() == ["line", "task", "rollout", "ok", "reward", "dur", "att", "tn", "tc",
+                         "adv", "err"]  # fmt: skip
+    first = browser.find_elements(By.CSS_SELECTOR, "#table tbody tr.main")[0]
+    cells = [td.text for td in first.find_elements(By.TAG_NAME, "td")]
+    assert cells[8:11] == ["1", "0", "-0.500"]
+    adv = browser.find_element(By.CSS_SELECTOR, 'button.sort[data-key="adv"]')
+    adv.click()
+    adv = browser.find_element(By.CSS_SELECTOR, 'button.sort[data-key="adv"]')
+    adv.click()  # descending: the largest advantage first
+    assert shown_lines(browser)[0] == 4  # advantage 2.0
+    # the other run has none of these: no such columns (and the sort falls back to lines)
+    Select(browser.find_element(By.ID, "f-run")).select_by_index(1)
+    assert headers() == ["line", "task", "rollout", "ok", "reward", "dur", "att", "err"]
+    assert shown_lines(browser)[:3] == [1, 2, 3]
+    assert [e for e in browser.get_log("browser") if e["level"] == "SEVERE"] == []

@@ -1,9 +1,10 @@
 """`trio-tasksets eval TASKSET`: the eval's command (exit codes: see `trio_tasksets._cli.main`).
 
-What it prints: the one-line summary on stdout and, when episodes failed, the failures by
-type with the first error's message. When the run did not succeed, one error line on stderr
-with the fix the first error suggests; when it stopped early, where its rows are and the
-exact command that resumes it.
+What it prints: the one-line summary on stdout (its reward mean counts a failed row as 0, and
+says so when one failed), a line of the named metrics' means and 95% intervals when the rows
+carry any, and, when episodes failed, the failures by type with the first error's message.
+When the run did not succeed, one error line on stderr with the fix the first error
+suggests; when it stopped early, where its rows are and the exact command that resumes it.
 """
 
 from __future__ import annotations
@@ -31,6 +32,7 @@ from .._env.groups import ADVANTAGES
 from .._eval import EvalConfig, EvalConfigError, EvalResult, EvalWarning, run_eval
 from .._eval.config import check_max_failures, claim_run_dir, preflight, run_dir_for
 from .._models import ModelContext, ModelHTTPError
+from .._monitor.dashboard import FAILED_COUNT_0, MetricFigures, metrics_text
 from .._serve.errors import EnvServerError
 from .._serve.slots import ServedBackend
 from .._serve.wire import TOKEN_VAR
@@ -61,6 +63,7 @@ from .options import (
     add_reward_option,
     add_time_limit_option,
     add_window_option,
+    debug_fix,
     flag_message,
     warn,
 )
@@ -457,12 +460,17 @@ def _print_summary(summary: dict[str, Any], run_dir: Path) -> None:
         if (run_dir / "traces.jsonl").is_file()
         else "no run dir was kept"
     )
+    counted = f" ({FAILED_COUNT_0})" if mean is not None and summary.get("failed") else ""
     print(
         f"{summary['ok']}/{finished} ok{of}, reward mean "
-        f"{'-' if mean is None else f'{mean:.3f}'}, {summary['rollouts_per_s']:.1f} rollouts/s, "
+        f"{'-' if mean is None else f'{mean:.3f}'}{counted}, "
+        f"{summary['rollouts_per_s']:.1f} rollouts/s, "
         f"{usage.get('prompt_tokens', 0)} tokens in / {usage.get('completion_tokens', 0)} out; "
         f"{where}"
     )
+    metrics = metrics_text(_metric_figures(summary.get("metrics")))
+    if metrics is not None:
+        print(metrics)
     by_type = summary.get("errors_by_type") or {}
     first = summary.get("first_error")
     if by_type and first:
@@ -473,8 +481,19 @@ def _print_summary(summary: dict[str, Any], run_dir: Path) -> None:
         )
 
 
+def _metric_figures(metrics: object) -> MetricFigures:
+    """`summary.json`'s `metrics` as the dashboard's line takes them (mean, interval)."""
+    found: MetricFigures = {}
+    for name, figures in metrics.items() if isinstance(metrics, dict) else ():
+        if isinstance(figures, dict) and isinstance(figures.get("mean"), int | float):
+            ci = figures.get("ci")
+            found[str(name)] = (float(figures["mean"]), (ci[0], ci[1]) if ci else None)
+    return found
+
+
 def print_summary(summary: dict[str, Any], run_dir: Path) -> None:
-    """The one-line summary (and the failures by type) of a run, as `eval` prints it."""
+    """The one-line summary (the named metrics' line, the failures by type) of a run, as
+    `eval` prints it."""
     _print_summary(summary, run_dir)
 
 
@@ -559,7 +578,7 @@ def _fix_for(
     if (run_dir / "traces.jsonl").is_file():
         return f"every failed row's errors are in {run_dir}/traces.jsonl"
     # No row was kept (a run that failed before its first one leaves no run dir).
-    return None if command.debug else "run again with --debug for the traceback"
+    return debug_fix(message, debug=command.debug)
 
 
 def _not_found_fix(model: ModelOptions) -> str:

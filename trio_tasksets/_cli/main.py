@@ -24,7 +24,7 @@ from . import rescore as rescore_command
 from . import serve as serve_command
 from . import worker as worker_command
 from .heap import OWN_PROCESS
-from .options import PROG, CommandError, HelpFormatter, UsageError, flag_message
+from .options import PROG, CommandError, HelpFormatter, UsageError, debug_fix, flag_message
 
 __all__ = ["main"]
 
@@ -221,8 +221,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 130
     except Exception as exc:
         _traceback(debug, exc)
-        fix = None if debug else "run again with --debug for the traceback"
-        print(CommandError(f"{type(exc).__name__}: {exc}", fix=fix).line(command), file=sys.stderr)
+        message = f"{type(exc).__name__}: {exc}"
+        print(CommandError(message, fix=debug_fix(message, debug=debug)).line(command),
+              file=sys.stderr)  # fmt: skip
         return 1
 
 

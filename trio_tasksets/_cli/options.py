@@ -19,6 +19,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import re
 import sys
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
@@ -40,6 +41,7 @@ __all__ = [
     "add_reward_option",
     "add_time_limit_option",
     "add_window_option",
+    "debug_fix",
     "flag_message",
     "json_object",
     "names",
@@ -85,6 +87,23 @@ class UsageError(CommandError):
     """A bad command line, found before any work: the command's usage, then the line (exit 2)."""
 
     exit_code = 2
+
+
+# A message that gives its own fix: a clause that starts with what to do (the library's
+# messages say "...: give them a with_system_prompt(text) method", "...; install it with ...").
+_GIVES_FIX = re.compile(
+    r"(?:[;:]|, or) (?:add|call|check|choose|create|define|drop|export|fix|give|install|leave"
+    r"|lower|name|pass|raise|remove|rename|run|serve|set|shorten|start|use|wrap)\b"
+)
+
+
+def debug_fix(message: str, *, debug: bool) -> str | None:
+    """The fix of an error nothing else fixes: "run again with --debug for the traceback",
+    unless --debug is given already or `message` gives a fix of its own (then it is the
+    fix: a second one would only send the user away from it)."""
+    if debug or _GIVES_FIX.search(message):
+        return None
+    return "run again with --debug for the traceback"
 
 
 # The library's parameter names, as the command line spells them: a ConfigError names its

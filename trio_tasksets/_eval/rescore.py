@@ -8,8 +8,8 @@ What a user iterating on a reward needs (`inspect score` gives the same): each r
 (sync or async; a number, or named metrics with a `reward` entry), the task rebuilt from the
 row's `task.data`; its `reward` and `metrics` are replaced, everything else (messages, usage,
 timing, errors) kept. A reward that raises on a row fails that row (`ok: false`, the error
-appended), as it would in an eval. Rows without a completion (episodes that failed before
-one) are kept as they were. The result is a new run dir (never the old one rewritten): its
+appended, its reward 0 and no metrics), as it would in an eval. Rows without a completion
+(episodes that failed before one) are kept as they were. The result is a new run dir (never the old one rewritten): its
 `traces.jsonl`, a `summary.json` recomputed from the new rows (the run's duration and rate
 kept from the original), and a `config.json` that records where it came from (`rescore`:
 the source run dir and the reward's name). Rewards run `window` at a time (an LLM judge is a
@@ -106,8 +106,8 @@ async def rescore(
         try:
             task = rebuild_task(Taskset, episode.task.key, dict(episode.task.data))
             score, metrics = await _score(reward, task, episode.completion)
-        except Exception as exc:
-            episode.ok = False
+        except Exception as exc:  # a failed row's reward is 0, as in an eval
+            episode.ok, episode.reward, episode.metrics = False, 0.0, {}
             episode.errors.append(EpisodeError(type(exc).__name__, str(exc), episode.attempts))
             return episode
         episode.reward, episode.metrics = score, metrics

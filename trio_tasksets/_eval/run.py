@@ -54,7 +54,7 @@ from .._env.traces import open_traces, write_atomic
 from .._models import ModelContext, describe
 from .._models.engine import EngineMetrics
 from .._monitor import dashboard
-from .._report.stats import reward_interval
+from .._report.stats import RunningInterval, reward_interval
 from .config import (
     RECORD_FIELDS,
     EvalConfig,
@@ -72,6 +72,34 @@ from .plan import from_groups, from_list, keep_resumable, plan_groups, plan_stre
 
 # What each file of a run dir is called; a run that leaves no row behind removes them.
 _FILES = ("config.json", "traces.jsonl", "summary.json")
+
+
+@attrs.define
+class LiveMetrics:
+    """Each named metric of the episodes so far, its mean and 95% interval as
+    `metric_summary` will give them (by task, the report's reward interval), kept one
+    episode at a time: O(1) per episode and per reading, for the dashboard's redraws."""
+
+    tallies: dict[str, RunningInterval] = attrs.Factory(dict)
+
+    def add(self, episode: Episode) -> None:
+        key = episode.task.key
+        for name, value in episode.metrics.items():
+            tally = self.tallies.get(name)
+            if tally is None:
+                tally = self.tallies[name] = RunningInterval()
+            tally.add(value, key)
+
+    def figures(self) -> dict[str, tuple[float, tuple[float, float] | None]]:
+        """Per metric: (mean, (low, high) or None with fewer than two tasks)."""
+        found: dict[str, tuple[float, tuple[float, float] | None]] = {}
+        for name, tally in self.tallies.items():
+            interval = tally.interval()
+            found[name] = (
+                tally.mean or 0.0,
+                None if interval is None else (interval.low, interval.high),
+            )
+        return found
 
 
 @attrs.define
@@ -95,9 +123,12 @@ class Tally:
     # <its value>: what happened" (the command line spells the parameter as its flag).
     error: str | None = None
     scope: trio.CancelScope | None = None  # cancelled to stop early
+    named: LiveMetrics = attrs.Factory(LiveMetrics)  # the dashboard's metrics line
 
     def record(self, episode: Episode) -> None:
         self.recorded.append(episode)
+        if episode.metrics:
+            self.named.add(episode)
         if self.unproven is not None:
             dead = dead_endpoint(episode, model=self.model)
             if dead is not None and self.stopped is None:
@@ -481,15 +512,18 @@ async def _run_eval(
         connections=None if limits is None else limits.connections,
     )
     progress.planned(planned)
+    tally = Tally(config.max_failures, config.max_consecutive_failures,
+                  planned=None if streaming else planned)  # fmt: skip
     for episode in kept:
         progress.started()
         progress.finished(episode.ok, episode.reward)
+        if episode.metrics:
+            tally.named.add(episode)
     progress.carried = len(kept)
+    progress.metrics = tally.named.figures  # named metrics: a line of their means and intervals
     health = Health()
     progress.health = health.lag_text
     progress.endpoints = describe(ctx.client).endpoint_stats  # many --base-url: a row each
-    tally = Tally(config.max_failures, config.max_consecutive_failures,
-                  planned=None if streaming else planned)  # fmt: skip
     named = list(describe(ctx.client).endpoints)  # many --base-url: every one
     tally.unproven = named if named and not kept else None
     tally.model = ctx.model

@@ -5,7 +5,8 @@
 
 * ``live=True`` on a terminal: a `rich.live.Live` panel (total, done, running, failed, reward
   mean, rate, elapsed and a progress bar; the rollout window's size and the model calls'
-  connection limit when the run has them; with many endpoints, a row per endpoint: its
+  connection limit when the run has them; a line of the named metrics' means and 95%
+  intervals when the episodes carry any; with many endpoints, a row per endpoint: its
   state, calls in flight, window, calls, errors, 429s, p50 latency, and its engine's running,
   waiting, KV usage and preemptions when `--engine-metrics` reads them), redrawn by a trio
   task every
@@ -43,7 +44,7 @@ from .._core.exceptions import ConfigError
 from .._core.limits import ConnectionLimiter
 from .._core.window import Window
 
-__all__ = ["Progress", "show"]
+__all__ = ["FAILED_COUNT_0", "MetricFigures", "Progress", "metrics_text", "show"]
 
 
 def _fmt_elapsed(seconds: float) -> str:
@@ -59,6 +60,26 @@ def _fmt_rate(rate: float) -> str:
 
 def _fmt_reward(mean: float | None) -> str:
     return "-" if mean is None else f"{mean:.3f}"
+
+
+# A mean reward counts a failed slot's reward, 0: said beside it once any slot failed.
+FAILED_COUNT_0 = "failed rows count 0"
+
+MetricFigures = dict[str, tuple[float, tuple[float, float] | None]]
+"""Named metrics as the dashboard and the command line show them: per name, its mean and
+its 95% interval (low, high), None with fewer than two tasks."""
+
+
+def metrics_text(figures: MetricFigures) -> str | None:
+    """The named metrics in one line, each with its mean and 95% interval, e.g.
+    ``metrics (95% CI): exact 0.500 [0.188, 0.812], chars 9.000``; None without any."""
+    if not figures:
+        return None
+    shown = [
+        f"{name} {mean:.3f}" + ("" if ci is None else f" [{ci[0]:.3f}, {ci[1]:.3f}]")
+        for name, (mean, ci) in figures.items()
+    ]
+    return f"metrics (95% CI): {', '.join(shown)}"
 
 
 @attrs.define
@@ -81,6 +102,8 @@ class Progress:
     health: Callable[[], str | None] | None = None  # the scheduler's lag now, as text
     # many endpoints: their figures now, per URL (`OpenAIClient.endpoint_stats`)
     endpoints: Callable[[], dict[str, dict[str, Any]] | None] | None = None
+    # the named metrics so far, each one's mean and interval (read once a redraw: O(1) each)
+    metrics: Callable[[], MetricFigures] | None = None
 
     def planned(self, n: int = 1) -> None:
         """`n` more slots are planned (static: all at once; a stream: as tasks arrive)."""
@@ -104,8 +127,18 @@ class Progress:
 
     @property
     def reward_mean(self) -> float | None:
-        """Mean reward over finished slots, or None before the first one finishes."""
+        """Mean reward over finished slots, a failed one's as 0 (as `summary.json`'s
+        `reward_mean`), or None before the first one finishes."""
         return self.reward_sum / self.done if self.done else None
+
+    def reward_text(self) -> str:
+        """The reward mean, saying that failed slots count 0 once one failed."""
+        mean = _fmt_reward(self.reward_mean)
+        return f"{mean} ({FAILED_COUNT_0})" if self.failed and self.done else mean
+
+    def metrics_text(self) -> str | None:
+        """The named metrics' line (`metrics_text`), None while the episodes carry none."""
+        return metrics_text(self.metrics()) if self.metrics is not None else None
 
     @property
     def elapsed(self) -> float:
@@ -135,10 +168,11 @@ class Progress:
 
     def line(self) -> str:
         """One plain-text status line, e.g.
-        ``eval: 12/20 done, 3 running, 1 failed, reward 0.917, 4.1/s, 00:03; window 32``."""
+        ``eval: 12/20 done, 3 running, 1 failed, reward 0.917 (failed rows count 0), 4.1/s,
+        00:03; window 32``, then the named metrics' line when there are any."""
         line = (
             f"{self.title}: {self.done}/{self._total_text()} done, {self.running} running, "
-            f"{self.failed} failed, reward {_fmt_reward(self.reward_mean)}, "
+            f"{self.failed} failed, reward {self.reward_text()}, "
             f"{_fmt_rate(self.rate)}, {_fmt_elapsed(self.elapsed)}"
         )
         limits = self.limits_text()
@@ -150,6 +184,9 @@ class Progress:
         endpoints = self.endpoints_text()
         if endpoints is not None:
             line = f"{line}; {endpoints}"
+        metrics = self.metrics_text()
+        if metrics is not None:
+            line = f"{line}; {metrics}"
         return line if self.note is None else f"{line}; {self.note}"
 
     def endpoint_figures(self) -> dict[str, dict[str, Any]]:
@@ -317,6 +354,11 @@ def _render(progress: Progress, max_width: int) -> RenderableType:
     if growing:
         title.append("  (streaming)", style="dim italic")
     rows: list[RenderableType] = [bar_row, Text(""), counts]
+    if progress.failed and progress.done:
+        rows += [Text(f"reward: {FAILED_COUNT_0}", style="dim")]
+    metrics = progress.metrics_text()
+    if metrics is not None:
+        rows += [Text(metrics, style="magenta")]
     limits = progress.limits_text()
     if limits is not None:
         rows += [Text(limits, style="dim")]

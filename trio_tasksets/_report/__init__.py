@@ -51,8 +51,15 @@ def payload(run: RunData, fig: Figures) -> dict[str, Any]:
     t0 = fig.t0 or 0.0
     tasks = fig.tasks
     consecutive = all(line == i for i, line in enumerate(run.line, 1))
+    # The rows table's columns beyond the fixed ones, only when a row has them: an agent's
+    # turns and tool calls (a single-turn row has 1 and 0: no column for it), a group's
+    # advantage (a run without any carries no such column, nor its data).
+    agent = any(calls for calls in run.tool_calls) or any(turns > 1 for turns in run.turns)
+    advantage = any(value is not None for value in run.advantage)
+    more = [*(["tn", "tc"] if agent else []), *(["adv"] if advantage else [])]
     return {
         "name": run.name,
+        "more": more,
         "cut": run.cut,
         "t0": fig.t0,
         "threshold": tasks.threshold,
@@ -85,6 +92,7 @@ def payload(run: RunData, fig: Figures) -> dict[str, Any]:
             "tn": run.turns,
             "tc": run.tool_calls,
             "sr": run.stop_reason,
+            "adv": run.advantage if advantage else None,
             "extra": run.extra,
         },
     }

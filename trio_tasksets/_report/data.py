@@ -26,7 +26,8 @@ __all__ = ["ReportError", "RunData", "load_run", "run_from_rows"]
 # Row fields the report takes apart; any other field is kept and shown as it is.
 _KNOWN = frozenset(
     ("id", "task", "rollout", "ok", "reward", "completion", "messages", "errors", "attempts",
-     "timing", "usage", "finish_reason", "turns", "tool_calls", "stop_reason", "metrics")
+     "timing", "usage", "finish_reason", "turns", "tool_calls", "stop_reason", "metrics",
+     "advantage")
 )  # fmt: skip
 _TIMING = frozenset(("started", "finished", "duration"))
 _USAGE = frozenset(("prompt_tokens", "completion_tokens", "total_tokens"))
@@ -126,6 +127,7 @@ class RunData:
     turns: list[int] = attrs.Factory(list)  # model replies of the row's attempt
     tool_calls: list[int] = attrs.Factory(list)
     stop_reason: list[int] = attrs.Factory(list)  # a string's index, or -1
+    advantage: list[float | None] = attrs.Factory(list)  # `--group`: set by a score_group
     extra: dict[int, dict[str, Any]] = attrs.Factory(dict)  # row index -> its other fields
 
     @property
@@ -174,7 +176,7 @@ class RunData:
         add_prompt, add_generated = self.prompt_tokens.append, self.completion_tokens.append
         add_reason, add_group = self.finish_reason.append, self.group.append
         add_turns, add_calls = self.turns.append, self.tool_calls.append
-        add_stop = self.stop_reason.append
+        add_stop, add_advantage = self.stop_reason.append, self.advantage.append
         for line, row in numbered:
             if type(row) is not dict:
                 self.unreadable.append(line)
@@ -249,6 +251,7 @@ class RunData:
             add_turns(turns if type(turns) is int else 0)
             add_calls(calls if type(calls) is int else 0)
             add_stop(text(stop, len(index)) if type(stop) is str else -1)
+            add_advantage(_number(get("advantage")))
             if (
                 row.keys() - _KNOWN
                 or get("metrics")

@@ -13,6 +13,7 @@ from collections.abc import Sequence
 from html import escape
 from typing import Any
 
+from .._monitor.dashboard import FAILED_COUNT_0
 from .charts import Bar, Line, Mark, Plot, fmt_number, fmt_seconds
 from .data import RunData
 from .figures import Figures, Histogram
@@ -64,6 +65,8 @@ def _kpis(fig: Figures) -> str:
     else:
         ci = "too few tasks for an interval"
     std = f"; std {fmt_reward(fig.reward_std)}" if fig.reward_std is not None else ""
+    if fig.failed and fig.reward_mean is not None:  # as the command line and the dashboard say
+        ci = f"{FAILED_COUNT_0}; {ci}"
     rate_note = (
         f"{fmt_rate(fig.rows_rate)}/s over the rows' wall-clock span"
         if fig.rows_rate is not None

@@ -1,5 +1,7 @@
 """Statistics for the report: a t quantile, a clustered confidence interval, the Wilson
-interval and the reward interval built from them, percentiles, pass@k. Plain functions over lists, each checked against a textbook value in the tests."""
+interval and the reward interval built from them, percentiles, pass@k. Plain functions over
+lists, each checked against a textbook value in the tests; and `RunningInterval`, the reward
+interval kept up to date one value at a time (the dashboard's named metrics)."""
 
 from __future__ import annotations
 
@@ -11,6 +13,7 @@ import attrs
 __all__ = [
     "CONFIDENCE",
     "Interval",
+    "RunningInterval",
     "mean_interval",
     "nice_step",
     "pass_at_k",
@@ -110,21 +113,99 @@ def reward_interval(
     interval = mean_interval(values, clusters, confidence)
     if interval is None:
         return None
-    low, high = interval
-    if all(v in (0.0, 1.0) for v in values):
-        n = len(values)
-        p = math.fsum(values) / n
-        clustered = _clustered_se(values, clusters)
-        independent = _clustered_se(values, list(range(n)))
+    n = len(values)
+    binary = all(v in (0.0, 1.0) for v in values)
+    return _bounded(
+        interval, math.fsum(values) / n, n, len(set(clusters)),
+        _clustered_se(values, clusters) if binary else 0.0,
+        _clustered_se(values, list(range(n))) if binary else 0.0,
+        binary=binary, unit=all(0.0 <= v <= 1.0 for v in values), confidence=confidence,
+    )  # fmt: skip
+
+
+def _bounded(
+    interval: tuple[float, float], p: float, n: int, groups: int, clustered: float,
+    independent: float, *, binary: bool, unit: bool, confidence: float,
+) -> Interval:  # fmt: skip
+    """`reward_interval`'s choice between the Wilson interval (0/1 values), the t interval
+    clipped to [0, 1] and the t interval as it is, from the figures it needs."""
+    if binary:
         if clustered > 0 and independent > 0:  # n over the design effect (1: no clustering)
             effective = min(float(n), n * (independent / clustered) ** 2)
         else:  # every reward equal: as many draws as tasks
-            effective = float(len(set(clusters)))
+            effective = float(groups)
         low, high = wilson_interval(p * effective, effective, confidence)
         return Interval(low, high, "wilson")
-    if all(0.0 <= v <= 1.0 for v in values):
+    low, high = interval
+    if unit:
         return Interval(max(0.0, low), min(1.0, high), "t, clipped to [0, 1]")
     return Interval(low, high, "t")
+
+
+class RunningInterval:
+    """`reward_interval` of the values added so far, kept up to date one value at a time:
+    O(1) to `add` a value and to read `interval()`, from running sums (what a live display
+    redrawn several times a second can afford over a run of any length).
+
+    The sums are of each value less the first one (the variance does not change, and
+    values near each other lose no precision); the clustered sum of squares is
+    sum over clusters g of (S_g - n_g m)^2 = A - 2 m B + m^2 C, with S_g and n_g each
+    cluster's sum and count, A = sum S_g^2, B = sum S_g n_g, C = sum n_g^2. A sum of
+    squares within a millionth of a millionth of the values' own counts as 0 (every value,
+    or every cluster's mean, equal), where float rounding would leave a trace."""
+
+    __slots__ = ("_a", "_b", "_binary", "_c", "_clusters", "_shift", "_squares", "_sum",
+                 "_unit", "n")  # fmt: skip
+
+    def __init__(self) -> None:
+        self.n = 0
+        self._shift = 0.0
+        self._sum = 0.0  # of (value - shift)
+        self._squares = 0.0  # of (value - shift)^2
+        self._clusters: dict[object, tuple[float, int]] = {}  # g: (S_g, n_g)
+        self._a = self._b = self._c = 0.0
+        self._binary = self._unit = True
+
+    def add(self, value: float, cluster: object) -> None:
+        """One more value, of `cluster` (a task: its key or index)."""
+        if not self.n:
+            self._shift = value
+        d = value - self._shift
+        s, k = self._clusters.get(cluster, (0.0, 0))
+        self._clusters[cluster] = (s + d, k + 1)
+        self._a += d * (2 * s + d)
+        self._b += s + d * (k + 1)
+        self._c += 2 * k + 1
+        self.n += 1
+        self._sum += d
+        self._squares += d * d
+        self._binary = self._binary and value in (0.0, 1.0)
+        self._unit = self._unit and 0.0 <= value <= 1.0
+
+    @property
+    def mean(self) -> float | None:
+        """The mean of the values, None before the first."""
+        return self._shift + self._sum / self.n if self.n else None
+
+    def interval(self, confidence: float = CONFIDENCE) -> Interval | None:
+        """`reward_interval` of the values so far (None with fewer than two clusters)."""
+        n, groups = self.n, len(self._clusters)
+        if groups < 2:
+            return None
+        m = self._sum / n
+        noise = 1e-12 * self._squares
+        between = self._a - 2 * m * self._b + m * m * self._c
+        within = self._squares - n * m * m
+        between = between if between > noise else 0.0
+        within = within if within > noise else 0.0
+        clustered = math.sqrt(groups / (groups - 1) * between) / n
+        independent = math.sqrt(n / (n - 1) * within) / n if n > 1 else 0.0
+        mean = self._shift + m
+        half = t_quantile(0.5 + confidence / 2, groups - 1) * clustered
+        return _bounded(
+            (mean - half, mean + half), mean, n, groups, clustered, independent,
+            binary=self._binary, unit=self._unit, confidence=confidence,
+        )  # fmt: skip
 
 
 def percentile(ordered: list[float], q: float) -> float:
