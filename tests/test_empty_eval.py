@@ -113,6 +113,7 @@ def test_cli_n_0_exits_1_says_why_and_writes_no_run_dir(
     assert left_behind(tmp_path) == []
 
 
+# duplicates: one empty input a test, alike by design; each names what it left behind
 def test_cli_an_empty_data_file_exits_1_naming_the_file(
     tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
 ) -> None:

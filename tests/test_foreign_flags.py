@@ -14,6 +14,7 @@ from chat_server import ChatServer
 from helpers import cli
 
 # (the words, what the error line must say)
+# duplicates: a table of other tools' flags and their hints: its rows are alike by design
 HINTS = [
     # inspect eval
     (["--limit", "5"], "inspect eval's --limit: this tool spells it -n/--num-examples N"),

@@ -29,6 +29,7 @@ LAYERS: dict[str, int] = {
     # the core: no I/O beyond the source and the runs
     "_core": 0,  # the floor's __init__ (a docstring)
     "_core.exceptions": 0,
+    "_core.views": 0,
     "_core.version": 1,
     "_core.backoff": 1,
     "_core.window": 1,

@@ -303,6 +303,7 @@ def test_the_command_line_refuses_a_bad_advantage(tmp_path: Path) -> None:
 # --- tt.batches -----------------------------------------------------------------------------
 
 
+# duplicates: a counting source as test_training's; each file reads alone
 class Source:
     """Items 0, 1, ... (`limit` of them, or endless); counts pulls and closes."""
 

@@ -162,6 +162,7 @@ def test_rescore_prints_each_named_metric_with_its_interval(
 # --- 10a: the reward mean counts failed rows as 0, and says so ---------------------------
 
 
+# duplicates: each CLI test runs an eval of its own reward; apart, each names what it shows
 def test_the_reward_mean_says_failed_rows_count_0_in_the_cli_the_dashboard_and_the_report(
     here: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:

@@ -33,6 +33,7 @@ import trio
 
 from ._core.exceptions import ConfigError, ConfigTypeError, TrioTasksetsError
 from ._core.tasksets import Task, Taskset, TasksetConfig
+from ._core.views import View
 from ._env.env import task_data, task_key
 from ._env.groups import Advantage
 from ._models import Completion, ModelClientBase, Sampling
@@ -162,14 +163,8 @@ class FeedTaskset(Taskset[Task, TasksetConfig]):
         super().__init__(config)
         self._state = _FeedState()
 
-    # duplicates: read-only views of the state this feed's views share
-    @property
-    def pulled(self) -> int:
-        return self._state.pulled
-
-    @property
-    def closed(self) -> bool:
-        return self._state.closed
+    pulled = View[int]("_state", "Tasks pulled so far, by any view of this feed.")
+    closed = View[bool]("_state", "Whether a view of this feed closed it.")
 
     def put(self, *tasks: Task | str) -> None:
         self._state.queue.put(*(Task(t, answer=t) if isinstance(t, str) else t for t in tasks))

@@ -82,6 +82,11 @@ def _traceback(debug: bool, exc: BaseException) -> None:
 
 INSPECT, VF_EVAL, VF_V1 = "inspect eval's", "vf-eval's", "verifiers' eval command's"
 
+SAVED = "every run is saved here, to -o/--output-dir DIR/<run-name>/traces.jsonl: drop it"
+SCORED_ALONE = (
+    "each rollout is scored alone by default here, and --group scores a task's -r rollouts together"
+)
+
 # Flags of inspect_ai's `inspect eval`, verifiers' `vf-eval` and verifiers' newer `eval`
 # that this tool spells otherwise: (whose, this tool's spelling or None, a note). Checked
 # against their own sources (inspect_ai `_cli/eval.py`; verifiers `scripts/eval.py`,
@@ -93,6 +98,7 @@ INSPECT, VF_EVAL, VF_V1 = "inspect eval's", "vf-eval's", "verifiers' eval comman
 # --seed without --shuffle says so), inspect's --time-limit (one sample's: --rollout-timeout
 # here), vf-eval's --timeout (one rollout's: --rollout-timeout here) and --env-args (its
 # env's arguments: a taskset's own are -a here; --env-args without vf: says so).
+# duplicates: a table of other tools' flags: its rows are alike by design
 FOREIGN_FLAGS: dict[str, tuple[str, str | None, str]] = {
     "--limit": (INSPECT, "-n/--num-examples N", "the first N tasks, no M-N range"),
     "--epochs": (INSPECT, "-r/--rollouts-per-example R", "each rollout is a row of its own"),
@@ -118,19 +124,14 @@ FOREIGN_FLAGS: dict[str, tuple[str, str | None, str]] = {
     "-b": (VF_EVAL, "--base-url URL", ""),
     "-k": (VF_EVAL, "--api-key-var VAR", ""),
     "-t": (VF_EVAL, "--max-tokens N", ""),
-    "--save-dataset": (VF_EVAL, None, "every run is saved here, to -o/--output-dir "
-                       "DIR/<run-name>/traces.jsonl: drop it"),
-    "--save-results": (VF_EVAL, None, "every run is saved here, to -o/--output-dir "
-                       "DIR/<run-name>/traces.jsonl: drop it"),
-    "-s": (VF_EVAL, None, "every run is saved here, to -o/--output-dir DIR/<run-name>/"
-           "traces.jsonl: drop it"),
+    "--save-dataset": (VF_EVAL, None, SAVED),
+    "--save-results": (VF_EVAL, None, SAVED),
+    "-s": (VF_EVAL, None, SAVED),
     "--save-path": (VF_EVAL, "-o/--output-dir DIR", ""),
     "--shuffle-seed": (VF_EVAL, "--seed S", "with --shuffle"),
     "-R": (VF_EVAL, "--resume", ""),
-    "--independent-scoring": (VF_EVAL, None, "each rollout is scored alone by default "
-                              "here, and --group scores a task's -r rollouts together"),
-    "-i": (VF_EVAL, None, "each rollout is scored alone by default here, and --group scores "
-           "a task's -r rollouts together"),
+    "--independent-scoring": (VF_EVAL, None, SCORED_ALONE),
+    "-i": (VF_EVAL, None, SCORED_ALONE),
     "--num-tasks": (VF_V1, "-n/--num-examples N", ""),
     "--num-rollouts": (VF_V1, "-r/--rollouts-per-example R", ""),
     "--group-size": (VF_V1, "-r/--rollouts-per-example R", "with --group to score them together"),

@@ -26,6 +26,7 @@ import attrs
 import trio
 
 from .exceptions import ConfigError
+from .views import View
 from .window import Window, check_size
 
 __all__ = [
@@ -628,14 +629,8 @@ class AdaptiveWindow(Window):
         self.pacer = Pacer()
         super().__init__(start)
 
-    # duplicates: read-only views of the controller's bounds, as other classes' views of theirs
-    @property
-    def min(self) -> int:
-        return self.controller.min
-
-    @property
-    def max(self) -> int:
-        return self.controller.max
+    min = View[int]("controller", "The smallest size the controller sets.")
+    max = View[int]("controller", "The largest size the controller sets.")
 
     def resize(self, size: int, reason: str = "set") -> None:
         """Set the size by hand (within `[min, max]`); the controller goes on from there.

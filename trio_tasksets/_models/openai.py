@@ -13,6 +13,7 @@ from .._core.adaptive import AdaptiveWindow
 from .._core.backoff import FIRST, MODEL_RETRIES, MOST
 from .._core.exceptions import ConfigError
 from .._core.limits import EndpointLimits
+from .._core.views import View
 from .._core.window import Window
 from .._transport import HTTPClient, Timeouts
 from .base import (
@@ -188,21 +189,9 @@ class OpenAIClient(ModelClientBase):
             limits_key=self.limits_key,
         )  # fmt: skip
 
-    # duplicates: read-only views of the call loop's settings, as other classes' views of theirs
-    @property
-    def timeout(self) -> float:
-        """Seconds per request, as a whole (each attempt its own)."""
-        return self._calls.timeout
-
-    @property
-    def max_retries(self) -> int:
-        """Retries after a call's first attempt."""
-        return self._calls.max_retries
-
-    @property
-    def throttled(self) -> int:
-        """Attempts answered 429 (a pool: per endpoint's client)."""
-        return self._calls.throttled
+    timeout = View[float]("_calls", "Seconds per request, as a whole (each attempt its own).")
+    max_retries = View[int]("_calls", "Retries after a call's first attempt.")
+    throttled = View[int]("_calls", "Attempts answered 429 (a pool: per endpoint's client).")
 
     def __repr__(self) -> str:
         urls = self.base_url if self.pool is None else self.base_urls

@@ -175,18 +175,10 @@ class Progress:
             f"{self.failed} failed, reward {self.reward_text()}, "
             f"{_fmt_rate(self.rate)}, {_fmt_elapsed(self.elapsed)}"
         )
-        limits = self.limits_text()
-        if limits is not None:
-            line = f"{line}; {limits}"
-        health = self.health_text()
-        if health is not None:
-            line = f"{line}; {health}"
-        endpoints = self.endpoints_text()
-        if endpoints is not None:
-            line = f"{line}; {endpoints}"
-        metrics = self.metrics_text()
-        if metrics is not None:
-            line = f"{line}; {metrics}"
+        for part in (self.limits_text(), self.health_text(), self.endpoints_text(),
+                     self.metrics_text()):  # fmt: skip
+            if part is not None:
+                line = f"{line}; {part}"
         return line if self.note is None else f"{line}; {self.note}"
 
     def endpoint_figures(self) -> dict[str, dict[str, Any]]:

@@ -71,6 +71,7 @@ import trio
 from .._core.exceptions import ConfigTypeError
 from .._core.limits import observe_calls, parked
 from .._core.tasksets import Taskset, TasksetConfig
+from .._core.views import View
 from .._env.env import (
     Env,
     Episode,
@@ -120,14 +121,8 @@ class AsyncioModelContext:
     context: ModelContext
     loop: Any = attrs.field(repr=False)
 
-    # duplicates: read-only views of the trio context's model and sampling
-    @property
-    def model(self) -> str:
-        return self.context.model
-
-    @property
-    def sampling(self) -> Sampling:
-        return self.context.sampling
+    model = View[str]("context", "The trio context's model name.")
+    sampling = View[Sampling]("context", "The trio context's sampling.")
 
     async def chat(
         self,
