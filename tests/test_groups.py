@@ -484,6 +484,85 @@ async def test_group_feed_under_first_closes_the_tasks(autojump_clock: MockClock
     assert caught.value.parameter == "rollouts"
 
 
+async def test_a_group_feed_closed_before_its_first_pull_closes_its_tasks_once(
+    autojump_clock: MockClock,
+) -> None:
+    env = Grpo(tt.testing.FeedTaskset())
+    script = Scripted({})
+    for how in ("first(0)", "aclose", "cancelled run_stream", "cancelled first"):
+        feed = tt.testing.Feed(*(tt.Task(prompt=f"t{i}") for i in range(3)))
+        window = tt.Window(2)
+        groups = tt.group_feed(feed, 2, window)
+        if how == "first(0)":
+            assert (
+                await tt.first(0, groups, lambda g: run_group(env, g, script), window=window) == []
+            )
+        elif how == "aclose":
+            await groups.aclose()  # type: ignore[attr-defined]
+            await groups.aclose()  # type: ignore[attr-defined]
+        else:
+            with trio.CancelScope() as scope:
+                scope.cancel()  # cancelled before the first pull
+                if how == "cancelled run_stream":
+                    await tt.run_stream(groups, lambda g: run_group(env, g, script), window=window)
+                else:
+                    await tt.first(1, groups, lambda g: run_group(env, g, script), window=window)
+        assert (feed.close_calls, feed.pulled) == (1, 0), how
+    assert script.calls == []
+
+
+@given(
+    tasks=st.integers(0, 6),
+    rollouts=st.integers(1, 3),
+    places=st.integers(1, 4),
+    n=st.one_of(st.none(), st.integers(0, 8)),  # None: run_stream, else first(n)
+    cancel_at=st.one_of(st.none(), st.integers(0, 12)),
+    source_fails_at=st.one_of(st.none(), st.integers(0, 6)),
+    run_fails_at=st.one_of(st.none(), st.integers(0, 6)),
+    quiet=st.booleans(),  # the feed goes quiet after its tasks (never ends)
+)
+@PROPERTY
+async def test_property_a_group_feed_closes_its_tasks_exactly_once(
+    autojump_clock: MockClock,
+    tasks: int,
+    rollouts: int,
+    places: int,
+    n: int | None,
+    cancel_at: int | None,
+    source_fails_at: int | None,
+    run_fails_at: int | None,
+    quiet: bool,
+) -> None:
+    feed = tt.testing.Feed(*(tt.Task(prompt=f"t{i}") for i in range(tasks)))
+    if source_fails_at is not None and source_fails_at <= tasks:
+        feed = tt.testing.Feed(*(tt.Task(prompt=f"t{i}") for i in range(source_fails_at)))
+        feed.fail(ValueError("the source broke"))
+    elif not quiet:
+        feed.end()
+    script = Scripted({(f"t{i}", r): 1.0 + (i + r) % 3 for i in range(tasks) for r in range(3)})
+    env = Grpo(tt.testing.FeedTaskset())
+    window = tt.Window(places)
+    groups = tt.group_feed(feed, rollouts, window)
+
+    async def run(group: Group) -> list[tt.Episode]:
+        if run_fails_at is not None and str(group.task.prompt) == f"t{run_fails_at}":
+            await trio.sleep(0.5)
+            raise KeyError("the run broke")
+        return await run_group(env, group, script)
+
+    with trio.move_on_after(cancel_at + 0.25 if cancel_at is not None else 100):
+        try:
+            if n is None:
+                await tt.run_stream(groups, run, window=window)
+            else:
+                await tt.first(n, groups, run, window=window)
+        except (ValueError, KeyError):
+            pass
+    assert feed.close_calls == 1
+    assert not feed.foreign_close
+    assert script.live == set()
+
+
 async def test_a_group_waiting_for_its_last_rollouts_lends_its_place(
     autojump_clock: MockClock,
 ) -> None:

@@ -44,7 +44,7 @@ import attrs
 import trio
 
 from .._core.exceptions import ConfigError, TrioTasksetsError
-from .._core.runner import ResultRefused, close_iterator, fan_out_placing
+from .._core.runner import ResultRefused, SourceIterator, fan_out_placing
 from .._core.window import Window, prioritized
 from .._models.pool import sticky
 from .env import Env, Episode, EpisodeError, EpisodeTask, RunSlot, new_id, task_data, task_key
@@ -184,30 +184,45 @@ class OpenGroups:
         while self._unstarted:
             await self._changed.park()
 
-    async def gate(self, source: AsyncIterable[Group]) -> AsyncIterator[Group]:
+    def gate(self, source: AsyncIterable[Group]) -> AsyncIterator[Group]:
         """`source`'s groups, each pulled once no open group's rollout would wait for a place
         the new group takes: the group's rollouts beyond the first (which runs on the place
-        the runner took for the pull) are expected to need as many places as the last one's."""
-        groups = aiter(source)
-        expect = 0  # places the next group is expected to need beyond the pull's
+        the runner took for the pull) are expected to need as many places as the last one's.
+        An iterator class, not a generator: closing it closes `source` exactly once, even
+        before its first pull (`tt.first(0, ...)`, a cancel before the first pull)."""
+        return _Gated(self, source)
+
+
+class _Gated(SourceIterator[Group]):
+    """What `OpenGroups.gate` returns."""
+
+    def __init__(self, opened: OpenGroups, source: AsyncIterable[Group]) -> None:
+        super().__init__(source)
+        self._opened = opened
+        self._expect = 0  # places the next group is expected to need beyond the pull's
+
+    async def __anext__(self) -> Group:
+        opened = self._opened
+        if self._closed:
+            raise StopAsyncIteration
+        if opened._unstarted and not opened._room(self._expect):
+            await opened._quiet()
         try:
-            while True:
-                if self._unstarted and not self._room(expect):
-                    await self._quiet()
-                try:
-                    group = await anext(groups)
-                except StopAsyncIteration:
-                    return
-                expect = len(group.slots) - 1
-                if self._unstarted and not self._room(expect):  # (larger than the last)
-                    await self._quiet()
-                self.open(group)
-                yield group
-        finally:
-            with trio.CancelScope(shield=True):
-                error = await close_iterator(groups, source)
-            if error is not None:
-                raise error
+            group = await self._iterator.__anext__()
+        except StopAsyncIteration:
+            await _close_shielded(self)
+            raise
+        self._expect = len(group.slots) - 1
+        if opened._unstarted and not opened._room(self._expect):  # (larger than the last)
+            await opened._quiet()
+        opened.open(group)
+        return group
+
+
+async def _close_shielded(iterator: SourceIterator[Any]) -> None:
+    """The source ended: close it at once (as a generator's `finally` would), shielded."""
+    with trio.CancelScope(shield=True):
+        await iterator.aclose()
 
 
 def group_slots(slots: list[RunSlot[Any]], advantage: Advantage = "mean") -> list[Group]:
@@ -231,7 +246,8 @@ def group_feed(
 ) -> AsyncIterator[Group]:
     """A feed of tasks as a feed of groups of `rollouts` slots each, for a runner over
     `window` (the same `tt.Window` the runner is given): the next task is pulled only once
-    every open group's rollouts have started (`OpenGroups.gate`). Closing it closes `tasks`.
+    every open group's rollouts have started (`OpenGroups.gate`). Closing it closes `tasks`
+    exactly once, on every path (even before its first pull).
     Run each group with `run_group`; an env without a `score_group` of its own gets each
     group's advantages as `advantage` says (``"mean"``: reward minus the group mean;
     ``"std"``: divided by the group's standard deviation; ``"none"``).
@@ -243,26 +259,28 @@ def group_feed(
             f"{{rollouts}} must be an int >= 1, got {rollouts!r}", parameter="rollouts"
         )
     check_advantage(advantage)
-    return OpenGroups(window).gate(_as_groups(tasks, rollouts, advantage))
+    return OpenGroups(window).gate(_AsGroups(tasks, rollouts, advantage))
 
 
-async def _as_groups(
-    tasks: AsyncIterable[Any], rollouts: int, advantage: Advantage
-) -> AsyncIterator[Group]:
-    iterator = aiter(tasks)
-    try:
-        while True:
-            try:
-                task = await anext(iterator)
-            except StopAsyncIteration:
-                return
-            slots = [RunSlot(task, rollout) for rollout in range(rollouts)]
-            yield Group(task, slots, advantage=advantage)
-    finally:
-        with trio.CancelScope(shield=True):
-            error = await close_iterator(iterator, tasks)
-        if error is not None:
-            raise error
+class _AsGroups(SourceIterator[Group]):
+    """A feed of tasks as groups of `rollouts` slots each (an iterator class: closing it
+    closes the tasks exactly once, even before its first pull)."""
+
+    def __init__(self, tasks: AsyncIterable[Any], rollouts: int, advantage: Advantage) -> None:
+        super().__init__(tasks)
+        self._rollouts = rollouts
+        self._advantage = advantage
+
+    async def __anext__(self) -> Group:
+        if self._closed:
+            raise StopAsyncIteration
+        try:
+            task = await self._iterator.__anext__()
+        except StopAsyncIteration:
+            await _close_shielded(self)
+            raise
+        slots = [RunSlot(task, rollout) for rollout in range(self._rollouts)]
+        return Group(task, slots, advantage=self._advantage)
 
 
 def _cancelled(slot: RunSlot[Any], cause: str) -> Episode:
