@@ -29,7 +29,7 @@ FIXTURES = ROOT / "tests" / "fixtures"
 sys.path.insert(0, str(FIXTURES))
 
 from calc_env import CalcEnv, Sums  # noqa: E402
-from chat_server import ChatServer  # noqa: E402
+from chat_server import ChatServer, Reply  # noqa: E402
 from helpers import needs, which  # noqa: E402
 from redis_server import RedisServer  # noqa: E402
 
@@ -273,12 +273,123 @@ async def test_the_limits_are_checked() -> None:
         ({"max_turns": None}, "max_turns"),
         ({"token_limit": 0}, "token_limit"),
         ({"tool_timeout": -1}, "tool_timeout"),
+        ({"max_answer_bytes": 0}, "max_answer_bytes"),
+        ({"max_conversation_bytes": 1.5}, "max_conversation_bytes"),
     ]
     for kwargs, flag in cases:
         with pytest.raises(ValueError, match=flag):
             tt.ToolEnv(One(), [add], **kwargs)
     with pytest.raises(ValueError, match="two tools are named 'add'"):
         tt.ToolEnv(One(), [add, add])
+
+
+@tt.tool
+def echo(x: Any) -> Any:
+    """Answers with its argument."""
+    return x
+
+
+async def test_deeply_nested_arguments_are_an_error_text_never_a_failed_episode() -> None:
+    """F6 (issue 36): 100,000 levels of nesting (past the JSON decoder's own recursion bound)
+    or 101 (past the bound, `MAX_ARGUMENT_DEPTH`), as text or as an object, over HTTP."""
+
+    def nested(depth: int) -> str:
+        return '{"x": ' + "[" * (depth - 1) + "]" * (depth - 1) + "}"
+
+    calls = [
+        {
+            "id": "deep",
+            "type": "function",
+            "function": {"name": "echo", "arguments": nested(10**5)},
+        },
+        {"id": "over", "type": "function", "function": {"name": "echo", "arguments": nested(101)}},
+        {"id": "edge", "type": "function", "function": {"name": "echo", "arguments": nested(100)}},
+        {
+            "id": "object",  # arguments sent as an object, as some servers do
+            "type": "function",
+            "function": {"name": "echo", "arguments": json.loads(nested(101))},
+        },
+    ]
+    message = {"role": "assistant", "content": None, "tool_calls": calls}
+    body = {"choices": [{"message": message, "finish_reason": "tool_calls"}], "usage": {}}
+    with ChatServer() as server:
+        server.script(Reply(body=body))
+        async with tt.OpenAIClient(server.url, max_retries=0) as client:
+            episode = await run_one(tt.ToolEnv(One(), [echo]), client)
+    assert (episode.ok, episode.errors, episode.attempts, episode.turns) == (True, [], 1, 2)
+    answers = {m["tool_call_id"]: m["content"] for m in episode.messages if m["role"] == "tool"}
+    too_deep = "Error: echo: the arguments nest more than 100 levels deep: "
+    for name in ("deep", "over", "object"):
+        assert answers[name].startswith(too_deep), answers[name][:100]
+    assert answers["edge"] == "[" * 99 + "]" * 99  # 100 levels: decoded, the tool ran
+    assert len(server.requests) == 2  # the second turn went out: no retry of the episode
+
+
+async def test_a_tool_answer_utf8_cannot_hold_reaches_the_model_escaped() -> None:
+    """F6 (issue 36): a lone surrogate in a tool's answer (or its error) never fails the
+    encoding of the next request."""
+
+    @tt.tool
+    async def add(a: int, b: int) -> str:
+        """Adds, with a stray half of a surrogate pair."""
+        if a > b:
+            raise ValueError("no \udc80 here")
+        return f"{a + b} \ud800"
+
+    with ChatServer(tools=True, parallel_calls=2) as server:
+        async with tt.OpenAIClient(server.url, max_retries=0) as client:
+            episode = await run_one(tt.ToolEnv(One(), [add]), client)
+    assert (episode.ok, episode.errors, episode.attempts) == (True, [], 1)
+    sent = [m["content"] for m in server.requests[1]["messages"] if m["role"] == "tool"]
+    assert sent == ["5 \\ud800", "Error: add raised ValueError: no \\udc80 here"]
+
+
+async def test_a_tool_answer_is_cut_above_max_answer_bytes_saying_so() -> None:
+    """F13 (issue 36): one tool answer is bounded (1 MiB by default), at a character's
+    boundary, and the model reads that it was cut."""
+
+    @tt.tool
+    def big(n: int) -> str:
+        """n bytes of answer (two-byte characters)."""
+        return "é" * (n // 2)
+
+    client = ScriptedClient([reply(tool_calls=[("big", {"n": 3 << 20}), ("big", {"n": 8})]), "ok"])
+    episode = await run_one(tt.ToolEnv(One(), [big]), client)
+    cut, whole = [m["content"] for m in episode.messages if m["role"] == "tool"]
+    assert whole == "éééé"
+    kept, note = cut.rsplit("\n", 1)
+    assert kept == "é" * (1 << 19)  # 1 MiB exactly: 524,288 two-byte characters
+    assert note == (
+        "[cut: the answer has 3,145,728 bytes; the first 1,048,576 are shown (max_answer_bytes)]"
+    )
+    client = ScriptedClient([reply(tool_calls=[("big", {"n": 7})]), "ok"])
+    episode = await run_one(tt.ToolEnv(One(), [big], max_answer_bytes=5), client)
+    assert episode.messages[2]["content"] == (
+        "éé\n[cut: the answer has 6 bytes; the first 5 are shown (max_answer_bytes)]"
+    )  # (the third character would straddle the cut: dropped whole)
+    client = ScriptedClient([reply(tool_calls=[("big", {"n": 3 << 20})]), "ok"])
+    episode = await run_one(tt.ToolEnv(One(), [big], max_answer_bytes=None), client)
+    assert len(episode.messages[2]["content"]) == 3 << 19  # no bound: the whole answer
+
+
+async def test_the_conversation_is_bounded_by_max_conversation_bytes() -> None:
+    """F13 (issue 36): two 50 MB answers made requests of 105 and 210 MB; now each answer is
+    cut at 1 MiB and the rollout ends, scored, once its messages outgrow 8 MiB."""
+
+    @tt.tool
+    def big() -> str:
+        """50 MB of answer."""
+        return "x" * 50_000_000
+
+    client = ScriptedClient(lambda messages, tools: reply("more", tool_calls=[("big", {})]))
+    episode = await run_one(tt.ToolEnv(One(), [big], max_turns=100), client)
+    assert (episode.ok, episode.stop_reason, episode.turns) == (True, "max_conversation_bytes", 8)
+    sent = [len(json.dumps(call.messages)) for call in client.calls]
+    assert max(sent) < 8 << 20  # no request carried more than the bound
+    client = ScriptedClient(lambda messages, tools: reply("more", tool_calls=[("big", {})]))
+    env = tt.ToolEnv(One(), [big], max_turns=100, max_conversation_bytes=3 << 20)
+    episode = await run_one(env, client)
+    assert (episode.stop_reason, episode.turns) == ("max_conversation_bytes", 3)
 
 
 def test_a_tool_envs_limits_are_one_rollout_limits() -> None:

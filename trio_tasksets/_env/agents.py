@@ -22,6 +22,7 @@ from collections.abc import Iterable
 from typing import Any, TypeVar
 
 import attrs
+import orjson
 import trio
 
 from .._core.exceptions import ConfigError
@@ -33,13 +34,16 @@ from ..tools import Tool, ToolArgumentError, tool
 from .env import Env, Message, chat_messages, current_limits, note_rollout
 from .rollout_limits import LimitAttribute, RolloutLimits
 
-__all__ = ["ToolEnv", "tool_answer_text"]
+__all__ = ["ToolEnv", "model_text", "tool_answer_text"]
 
 TaskT = TypeVar("TaskT")
 
 STOP_MAX_TURNS = "max_turns"
 STOP_TOKEN_LIMIT = "token_limit"
+STOP_CONVERSATION_BYTES = "max_conversation_bytes"
 DEFAULT_MAX_TURNS = 10
+DEFAULT_MAX_ANSWER_BYTES = 1 << 20  # one tool answer, as the model reads it: 1 MiB
+DEFAULT_MAX_CONVERSATION_BYTES = 8 << 20  # the messages a rollout sends: 8 MiB
 
 
 class ToolEnv(Env[TaskT]):
@@ -53,6 +57,13 @@ class ToolEnv(Env[TaskT]):
     left None is 10: a tool loop always has a turn bound). Other keyword arguments go to
     `tt.Env` (`reward`, `retries`, `rollout_timeout`, ...). The completion scored is the
     last reply's text.
+
+    `max_answer_bytes` (None or >= 1; 1 MiB by default) bounds one tool answer: a longer one
+    is cut there (at a character's boundary) and says so in the text the model reads.
+    `max_conversation_bytes` (None or >= 1; 8 MiB by default) bounds the messages a rollout
+    sends: once they outgrow it, the rollout ends normally before the next model call, its
+    row's `stop_reason` ``"max_conversation_bytes"``. A tool answer that cannot be encoded
+    (a lone surrogate) reaches the model escaped (``\\ud800``).
 
     Raises `ConfigError` naming the parameter: a limit out of range or given twice (in
     `rollout_limits` and as a keyword argument), two tools of one name.
@@ -76,9 +87,13 @@ class ToolEnv(Env[TaskT]):
         max_turns: int = DEFAULT_MAX_TURNS,
         token_limit: int | None = None,
         tool_timeout: float | None = None,
+        max_answer_bytes: int | None = DEFAULT_MAX_ANSWER_BYTES,
+        max_conversation_bytes: int | None = DEFAULT_MAX_CONVERSATION_BYTES,
         **env_kwargs: Any,
     ) -> None:
         super().__init__(taskset, **env_kwargs)
+        self.max_answer_bytes = _bytes_bound(max_answer_bytes, "max_answer_bytes")
+        self.max_conversation_bytes = _bytes_bound(max_conversation_bytes, "max_conversation_bytes")
         if env_kwargs.get("rollout_limits") is None:
             if max_turns is None:  # a tool loop always has a turn bound
                 raise ConfigError(
@@ -121,6 +136,7 @@ class ToolEnv(Env[TaskT]):
         max_turns = limits.max_turns or DEFAULT_MAX_TURNS
         token_limit = limits.token_limit
         turns = calls = used = 0
+        sent = _size(messages)  # the conversation's bytes (max_conversation_bytes)
         stop: str | None = None
         completion = ""
         while True:
@@ -136,11 +152,15 @@ class ToolEnv(Env[TaskT]):
                 [functools.partial(self._answer, call) for call in reply.tool_calls]
             )
             messages.extend(answers)
+            sent += _size([reply.message, *answers])
             if token_limit is not None and used >= token_limit:
                 stop = STOP_TOKEN_LIMIT
                 break
             if turns >= max_turns:
                 stop = STOP_MAX_TURNS
+                break
+            if self.max_conversation_bytes is not None and sent > self.max_conversation_bytes:
+                stop = STOP_CONVERSATION_BYTES
                 break
         note_rollout(stop_reason=stop, turns=turns, tool_calls=calls)
         return messages, completion
@@ -152,6 +172,7 @@ class ToolEnv(Env[TaskT]):
             text = f"Error: there is no tool named {call.name!r} (the tools: {names})"
         else:
             text = await self.answer(call, found)
+        text = model_text(text, self.max_answer_bytes)
         report_progress("tool")  # a call that finished is progress, for --stall-timeout
         return {"role": "tool", "tool_call_id": call.id, "content": text}
 
@@ -197,6 +218,44 @@ def _jsonable(value: Any) -> Any:
     if isinstance(value, set | frozenset | tuple):
         return list(value)
     return str(value)
+
+
+def model_text(text: str, limit: int | None) -> str:
+    """`text` as a tool answer the model reads: what UTF-8 cannot encode (a lone surrogate)
+    escaped (``\\ud800``), and over `limit` bytes (None: no bound) cut there, at a
+    character's boundary, with a line saying how much was cut."""
+    try:
+        data = text.encode()
+    except UnicodeEncodeError:  # else the next request's encoding fails, not this answer
+        text = text.encode("utf-8", "backslashreplace").decode()
+        data = text.encode()
+    if limit is None or len(data) <= limit:
+        return text
+    kept = data[:limit].decode("utf-8", "ignore")
+    return (
+        f"{kept}\n[cut: the answer has {len(data):,} bytes; the first {limit:,} are shown "
+        f"(max_answer_bytes)]"
+    )
+
+
+def _size(messages: list[Message]) -> int:
+    """The bytes `messages` take in a request body (about: JSON, without the separators)."""
+    total = 0
+    for message in messages:
+        try:
+            total += len(orjson.dumps(message, default=str))
+        except TypeError:  # (what orjson refuses, e.g. a str UTF-8 cannot hold)
+            total += len(repr(message))
+    return total
+
+
+def _bytes_bound(value: object, parameter: str) -> int | None:
+    if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+        raise ConfigError(
+            f"{{{parameter}}} must be an int >= 1 (bytes) or None (no bound), got {value!r}",
+            parameter=parameter,
+        )
+    return value
 
 
 def _tokens(usage: dict[str, int]) -> int:

@@ -206,6 +206,26 @@ def _arguments_error(raw: str) -> str | None:
     return _decode_arguments(raw)[1]
 
 
+MAX_ARGUMENT_DEPTH = 100
+"""How deeply a tool call's arguments may nest (arrays and objects): deeper ones are an
+error text for the model, never a `RecursionError` that fails the episode."""
+_TOO_DEEP = f"the arguments nest more than {MAX_ARGUMENT_DEPTH} levels deep"
+
+
+def _nested_over(value: object, limit: int) -> bool:
+    """Whether `value` (decoded JSON) nests arrays and objects more than `limit` deep; it
+    recurses nowhere."""
+    stack: list[tuple[object, int]] = [(value, 0)]
+    while stack:
+        item, depth = stack.pop()
+        if isinstance(item, dict | list):
+            if depth >= limit:
+                return True
+            inner = item.values() if isinstance(item, dict) else item
+            stack.extend((child, depth + 1) for child in inner)
+    return False
+
+
 def _decode_arguments(raw: str) -> tuple[dict[str, Any], str | None]:
     """(the arguments, None), or ({}, why the text is not a JSON object)."""
     if not raw.strip():
@@ -214,6 +234,13 @@ def _decode_arguments(raw: str) -> tuple[dict[str, Any], str | None]:
         value = json.loads(raw)
     except ValueError as exc:
         return {}, f"the arguments are not valid JSON ({exc})"
+    except RecursionError:  # (the decoder's own bound, far deeper than ours)
+        return {}, _TOO_DEEP
+    # (with fewer brackets than the bound, nothing can nest that deep: no walk)
+    if raw.count("[") + raw.count("{") > MAX_ARGUMENT_DEPTH and _nested_over(
+        value, MAX_ARGUMENT_DEPTH
+    ):
+        return {}, _TOO_DEEP
     if not isinstance(value, dict):
         return {}, f"the arguments must be a JSON object, got {type(value).__name__}"
     return value, None
@@ -235,7 +262,12 @@ def parse_tool_calls(message: dict[str, Any]) -> list[ToolCall]:
         name, ident, raw = function.get("name"), entry.get("id"), function.get("arguments")
         if isinstance(raw, dict):
             arguments: dict[str, Any] = raw
-            raw = json.dumps(raw)
+            if _nested_over(raw, MAX_ARGUMENT_DEPTH):
+                arguments = {}  # (arguments_error says why, from the text)
+            try:
+                raw = json.dumps(raw)
+            except RecursionError:  # too deep to encode: a text that says as much
+                raw = "[" * (MAX_ARGUMENT_DEPTH + 1) + "]" * (MAX_ARGUMENT_DEPTH + 1)
         else:
             raw = raw if isinstance(raw, str) else ("" if raw is None else json.dumps(raw))
             arguments = _decode_arguments(raw)[0]
