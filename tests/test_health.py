@@ -100,10 +100,11 @@ def test_the_dashboard_shows_the_lag() -> None:
     assert progress.line().endswith("; lag 2.0 ms (p99 2.0 ms, max 2.0 ms)")
 
 
-async def _scrape(port: int, path: str = "/metrics") -> tuple[int, str]:
+async def _scrape(port: int, path: str = "/metrics", host: str | None = None) -> tuple[int, str]:
     stream = await trio.open_tcp_stream("127.0.0.1", port)
+    named = f"host: {host or f'127.0.0.1:{port}'}\r\n" if host != "" else ""
     async with stream:
-        await stream.send_all(f"GET {path} HTTP/1.1\r\nhost: x\r\n\r\n".encode())
+        await stream.send_all(f"GET {path} HTTP/1.1\r\n{named}\r\n".encode())
         data = b""
         while chunk := await stream.receive_some(65536):
             data += chunk
@@ -147,6 +148,159 @@ async def test_metrics_served_over_http() -> None:
     assert _value(text, "trio_tasksets_peak_in_flight") == 2
     assert _value(text, "trio_tasksets_window_size") == 8
     assert _value(text, "trio_tasksets_scheduler_lag_seconds") == 0.004
+
+
+async def test_the_metrics_server_answers_only_its_own_host() -> None:
+    """F11 (issue 36): against DNS rebinding, a Host other than a loopback name or the bound
+    address with the bound port is refused (403), a request without one too (400)."""
+    async with trio.open_nursery() as nursery:
+        port = await nursery.start(serve_metrics, Metrics(Health()), 0)
+        with trio.fail_after(10):
+            got = {
+                host: (await _scrape(port, host=host))[0]
+                for host in (
+                    f"127.0.0.1:{port}", f"LOCALHOST:{port}", f"[::1]:{port}", "",
+                    f"evil.example:{port}", "evil.example", f"127.0.0.1:{port + 1}",
+                    "127.0.0.1", f"127.0.0.1.evil.example:{port}",
+                )
+            }  # fmt: skip
+        nursery.cancel_scope.cancel()
+    assert got == {
+        f"127.0.0.1:{port}": 200, f"LOCALHOST:{port}": 200, f"[::1]:{port}": 200, "": 400,
+        f"evil.example:{port}": 403, "evil.example": 403, f"127.0.0.1:{port + 1}": 403,
+        "127.0.0.1": 403, f"127.0.0.1.evil.example:{port}": 403,
+    }  # fmt: skip
+
+
+async def test_the_metrics_server_holds_few_connections_and_drops_idle_ones(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    """F4 (issue 36): at most MAX_CONNECTIONS held at once (the rest wait in the kernel's
+    queue, holding no descriptor of the run), an idle one dropped after READ_WITHIN."""
+    from trio_tasksets._monitor.metrics import MAX_CONNECTIONS, READ_WITHIN
+
+    async with trio.open_nursery() as nursery:
+        port = await nursery.start(serve_metrics, Metrics(Health()), 0)
+        idle = [await trio.open_tcp_stream("127.0.0.1", port) for _ in range(3 * MAX_CONNECTIONS)]
+        dropped: list[float] = []
+
+        async def watch(stream: trio.SocketStream) -> None:
+            assert await stream.receive_some(100) == b""  # closed unanswered: it sent nothing
+            dropped.append(trio.current_time())
+
+        start = trio.current_time()
+        with trio.fail_after(60):
+            async with trio.open_nursery() as watching:
+                for stream in idle:
+                    watching.start_soon(watch, stream)
+            status, _ = await _scrape(port)
+        nursery.cancel_scope.cancel()
+    assert status == 200
+    # in waves of MAX_CONNECTIONS, each held READ_WITHIN: never more at once
+    waves = [round((t - start) / READ_WITHIN) for t in sorted(dropped)]
+    assert waves == [1] * MAX_CONNECTIONS + [2] * MAX_CONNECTIONS + [3] * MAX_CONNECTIONS
+
+
+METRICS_FLOOD = """
+import resource, sys
+import trio
+import trio_tasksets as tt
+
+resource.setrlimit(resource.RLIMIT_NOFILE, (128, resource.getrlimit(resource.RLIMIT_NOFILE)[1]))
+url, out = sys.argv[1], sys.argv[2]
+
+
+class Sums(tt.Taskset[tt.Task, tt.TasksetConfig]):
+    def load(self):
+        return [tt.Task(f"What is {a} + 1?", answer=str(a + 1)) for a in range(60)]
+
+
+class Gated(tt.Env[tt.Task]):
+    # The model calls start once the test says so (a line on stdin): after the flood.
+
+    go = None
+
+    async def rollout(self, task, ctx):
+        if Gated.go is None:
+            Gated.go = trio.Event()
+            await trio.to_thread.run_sync(sys.stdin.readline)
+            Gated.go.set()
+        await Gated.go.wait()
+        return await super().rollout(task, ctx)
+
+
+async def main():
+    async with tt.OpenAIClient(url, max_retries=0) as client:
+        config = tt.EvalConfig(output_dir=out, run_name="run", dashboard=False, metrics_port=0,
+                               max_concurrent=6)
+        await tt.run_eval(Gated(Sums()), tt.ModelContext(client, "sim"), config)
+
+
+trio.run(main)
+"""
+
+
+def test_idle_connections_to_the_metrics_port_never_starve_the_model_calls(
+    tmp_path: Path,
+) -> None:
+    """F4 (issue 36): 300 idle connections to the metrics port of an eval whose descriptors
+    are limited to 128, made before its model calls start (each on a new connection: the
+    server closes each): every row is ok. Before, the idle connections took every
+    descriptor and the calls failed with `Too many open files`."""
+    import socket
+
+    from chat_server import ChatServer, Reply
+    from helpers import until
+
+    from trio_tasksets._monitor.metrics import MAX_CONNECTIONS
+
+    body = {"choices": [{"message": {"role": "assistant", "content": "1"}, "finish_reason": "stop"}],
+            "usage": {"prompt_tokens": 1, "completion_tokens": 1}}  # fmt: skip
+    script = tmp_path / "flood.py"
+    script.write_text(METRICS_FLOOD)
+    held: list[socket.socket] = []
+    with ChatServer() as server:
+        server.script(*[Reply(body=body, headers={"connection": "close"}, delay=0.25)] * 60)
+        argv = [sys.executable, str(script), server.url, str(tmp_path)]
+        go_read, go = os.pipe()  # the child's stdin: a line once the flood is in place
+        proc = forkserver.popen(argv, stdin=go_read, stderr=subprocess.PIPE, text=True)
+        os.close(go_read)
+        try:
+            port = int(_read_until(proc, r"metrics on http://127\.0\.0\.1:(\d+)/metrics").group(1))
+            before = _descriptors(proc.pid)
+            for _ in range(300):
+                held.append(socket.create_connection(("127.0.0.1", port), timeout=10))
+            # Until the metrics server has taken what it takes (the count holds still).
+            seen: list[int] = []
+            until(
+                lambda: _settled(seen, _descriptors(proc.pid), before + MAX_CONNECTIONS),
+                "the metrics server to take the idle connections",
+            )
+            os.write(go, b"go\n")  # now the model calls start
+            _, stderr = proc.communicate(timeout=120)
+        finally:
+            os.close(go)
+            for sock in held:
+                sock.close()
+            if proc.poll() is None:
+                proc.kill()
+                proc.communicate()
+        assert proc.returncode == 0, stderr
+        assert len(server.requests) == 60
+    summary = json.loads((tmp_path / "run" / "summary.json").read_text())
+    rows = [json.loads(line) for line in (tmp_path / "run" / "traces.jsonl").open()]
+    assert [row["errors"] for row in rows if not row["ok"]] == []
+    assert (len(rows), summary["failed"]) == (60, 0)
+
+
+def _descriptors(pid: int) -> int:
+    return len(os.listdir(f"/proc/{pid}/fd"))
+
+
+def _settled(seen: list[int], count: int, least: int) -> bool:
+    """Whether `count` is at least `least` and the same as at the last four polls."""
+    seen.append(count)
+    return count >= least and seen[-5:] == [count] * 5
 
 
 def _read_until(proc: subprocess.Popen[str], pattern: str, timeout: float = 60) -> re.Match[str]:

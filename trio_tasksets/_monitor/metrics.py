@@ -6,8 +6,16 @@ global one): counters of episodes by outcome and error type, model calls and tok
 seconds waited per kind of limit; gauges of the slots in flight, the window's size and the
 scheduler's lag (read from a `health.Health` when scraped). `serve_metrics` answers
 ``GET /metrics`` on a port of its own, in the run's trio loop (no thread); it binds
-127.0.0.1 unless told otherwise, reads at most 8 KiB of a request within 5 s, and answers
-anything but ``GET /metrics`` with 404. `prometheus_client` is the `metrics` extra.
+127.0.0.1 unless told otherwise and answers anything but ``GET /metrics`` with 404.
+
+It never costs the run its file descriptors (a local process holding a thousand idle
+connections made model calls fail with ``Too many open files``): it holds at most
+`MAX_CONNECTIONS` connections at once (the others wait in the kernel's accept queue, holding
+none of the run's descriptors), reads at most 8 KiB of a request within
+`READ_WITHIN` seconds and closes every connection within `ANSWER_WITHIN` seconds. Against
+DNS rebinding (a web page that names its own host at 127.0.0.1), a request whose ``Host`` is
+not a loopback name or the bound address with the bound port is answered 403 (400 without
+exactly one ``Host``), as the env server's are. `prometheus_client` is the `metrics` extra.
 
 The metric names (all prefixed ``trio_tasksets_``): ``episodes_total{outcome, error_type}``,
 ``model_calls_total``, ``tokens_total{kind}`` (``prompt``, ``completion``),
@@ -19,9 +27,10 @@ env adds ``served_total{outcome}`` (``served``, ``failed``, ``cancelled``, ``rej
 from __future__ import annotations
 
 import contextlib
+import errno
 import functools
 from collections import Counter
-from collections.abc import Callable, Iterator
+from collections.abc import Awaitable, Callable, Iterator
 from typing import TYPE_CHECKING, Any
 
 import trio
@@ -32,11 +41,25 @@ from .._core.window import Window
 if TYPE_CHECKING:
     from prometheus_client.registry import CollectorRegistry
 
-__all__ = ["Metrics", "check_metrics", "serve_metrics"]
+__all__ = [
+    "ANSWER_WITHIN",
+    "MAX_CONNECTIONS",
+    "READ_WITHIN",
+    "Metrics",
+    "check_metrics",
+    "serve_metrics",
+]
 
 _PREFIX = "trio_tasksets_"
 _MAX_REQUEST = 8192
-_READ_WITHIN = 5.0
+MAX_CONNECTIONS = 8
+"""The connections the metrics server holds at once (a scraper needs one)."""
+READ_WITHIN = 2.0
+"""Seconds a connection has to send its request (a scraper sends it at once)."""
+ANSWER_WITHIN = 5.0
+"""Seconds a connection lasts at most, answer included (a client that reads nothing)."""
+_OUT_OF_DESCRIPTORS = {errno.EMFILE, errno.ENFILE, errno.ENOMEM, errno.ENOBUFS}
+_LOOPBACK = ("localhost", "127.0.0.1", "[::1]")
 
 
 def check_metrics() -> str | None:
@@ -198,24 +221,93 @@ async def serve_metrics(
     task_status: trio.TaskStatus[int] = trio.TASK_STATUS_IGNORED,
 ) -> None:
     """Answer ``GET /metrics`` with `metrics.text()` on `host:port` until cancelled; with
-    ``nursery.start`` the started value is the port bound (for `port` 0, a free one)."""
+    ``nursery.start`` the started value is the port bound (for `port` 0, a free one). At
+    most `MAX_CONNECTIONS` connections at once, each closed within `ANSWER_WITHIN` seconds;
+    a ``Host`` other than the bound address or a loopback name is refused (see the module)."""
     listeners = await trio.open_tcp_listeners(port, host=host)
     bound: int = listeners[0].socket.getsockname()[1]
-    task_status.started(bound)
-    await trio.serve_listeners(functools.partial(_answer, metrics=metrics), listeners)
+    answer = functools.partial(_answer, metrics=metrics, hosts=_hosts(host, bound))
+    places = trio.Semaphore(MAX_CONNECTIONS)
+    async with trio.open_nursery() as nursery:
+        for listener in listeners:
+            nursery.start_soon(_accept, listener, places, answer, nursery)
+        task_status.started(bound)
 
 
-async def _answer(stream: trio.SocketStream, *, metrics: Metrics) -> None:
+def _hosts(host: str, port: int) -> frozenset[bytes]:
+    """The ``Host`` values (lower case) a request may name: the bound address or a loopback
+    name, with the bound port (or none at port 80)."""
+    bound = f"[{host}]" if ":" in host else host
+    names = {bound.lower(), *_LOOPBACK}
+    values = {f"{name}:{port}" for name in names}
+    if port == 80:
+        values |= names
+    return frozenset(value.encode() for value in values)
+
+
+async def _accept(
+    listener: trio.SocketListener,
+    places: trio.Semaphore,
+    answer: Callable[[trio.SocketStream], Awaitable[None]],
+    nursery: trio.Nursery,
+) -> None:
+    async with listener:
+        while True:
+            await places.acquire()  # a place first: beyond the cap, the kernel holds them
+            try:
+                stream = await listener.accept()
+            except OSError as exc:
+                places.release()
+                if exc.errno not in _OUT_OF_DESCRIPTORS:
+                    raise
+                await trio.sleep(0.1)  # (as trio.serve_listeners does)
+                continue
+            nursery.start_soon(_held, answer, stream, places)
+
+
+async def _held(
+    answer: Callable[[trio.SocketStream], Awaitable[None]],
+    stream: trio.SocketStream,
+    places: trio.Semaphore,
+) -> None:
+    try:
+        with trio.move_on_after(ANSWER_WITHIN):
+            await answer(stream)
+    finally:
+        await trio.aclose_forcefully(stream)  # (closed already on the usual path)
+        places.release()
+
+
+def _host_of(request: bytes) -> bytes | None:
+    """The request's one ``Host`` value (lower case, stripped); None without exactly one."""
+    found = [
+        value.strip().lower()
+        for name, _, value in (line.partition(b":") for line in request.split(b"\r\n")[1:])
+        if name.strip().lower() == b"host"
+    ]
+    return found[0] if len(found) == 1 else None
+
+
+async def _answer(stream: trio.SocketStream, *, metrics: Metrics, hosts: frozenset[bytes]) -> None:
     async with stream:
         request = b""
-        with trio.move_on_after(_READ_WITHIN):
+        with trio.move_on_after(READ_WITHIN):
             while b"\r\n\r\n" not in request and len(request) <= _MAX_REQUEST:
                 data = await stream.receive_some(_MAX_REQUEST)
                 if not data:
                     return
                 request += data
-        line = request.split(b"\r\n", 1)[0].split()
-        if len(line) >= 2 and line[0] == b"GET" and line[1].split(b"?")[0] == b"/metrics":
+        if not request:
+            return  # idle: closed unanswered
+        head = request.split(b"\r\n\r\n", 1)[0]
+        line = head.split(b"\r\n", 1)[0].split()
+        host = _host_of(head)
+        if host is None:
+            status, kind, body = b"400 Bad Request", b"text/plain", b"one Host header, please\n"
+        elif host not in hosts:
+            status, kind = b"403 Forbidden", b"text/plain"
+            body = b"the metrics are served to this machine only, at 127.0.0.1\n"
+        elif len(line) >= 2 and line[0] == b"GET" and line[1].split(b"?")[0] == b"/metrics":
             status, kind, body = (
                 b"200 OK",
                 b"text/plain; version=0.0.4; charset=utf-8",
@@ -223,6 +315,6 @@ async def _answer(stream: trio.SocketStream, *, metrics: Metrics) -> None:
             )
         else:
             status, kind, body = b"404 Not Found", b"text/plain", b"the metrics are at /metrics\n"
-        head = b"HTTP/1.1 %s\r\ncontent-type: %s\r\ncontent-length: %d\r\nconnection: close\r\n\r\n"
+        form = b"HTTP/1.1 %s\r\ncontent-type: %s\r\ncontent-length: %d\r\nconnection: close\r\n\r\n"
         with contextlib.suppress(trio.BrokenResourceError):
-            await stream.send_all(head % (status, kind, len(body)) + body)
+            await stream.send_all(form % (status, kind, len(body)) + body)
