@@ -18,6 +18,7 @@ from collections.abc import Callable, Sequence
 from .._core.datasets import DatasetError
 from .._core.exceptions import ConfigError
 from .._core.version import __version__
+from .._transport import redact_url
 from . import eval as eval_command
 from . import report as report_command
 from . import rescore as rescore_command
@@ -215,7 +216,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         _data_fix(exc)
         print(exc.line(command), file=sys.stderr)
         for line in exc.details:
-            print(line, file=sys.stderr)
+            print(redact_url(line), file=sys.stderr)
         return exc.exit_code
     except KeyboardInterrupt:
         print(f"{PROG} {command}: interrupted", file=sys.stderr)

@@ -26,6 +26,7 @@ from typing import TYPE_CHECKING, Any
 
 from .._core.adaptive import AdaptiveBounds, WindowArgumentError, parse_window
 from .._core.exceptions import ConfigError, EmptyEvalError, EvalWarning, TrioTasksetsError
+from .._transport import redact_url
 
 __all__ = [
     "DEFAULT_API_KEY_VAR",
@@ -79,8 +80,9 @@ class CommandError(TrioTasksetsError):
         self.details = details
 
     def line(self, command: str) -> str:
+        """The error line (a URL's password in it redacted, `redact_url`)."""
         text = f"{PROG} {command}: error: {self}"
-        return f"{text}; fix: {self.fix}" if self.fix else text
+        return redact_url(f"{text}; fix: {self.fix}" if self.fix else text)
 
 
 class UsageError(CommandError):
@@ -150,7 +152,7 @@ def flag_message(error: BaseException | Warning) -> str:
 
 def warn(command: str, message: str) -> None:
     """One warning line on stderr, in the style of the error lines."""
-    print(f"{PROG} {command}: warning: {message}", file=sys.stderr)
+    print(redact_url(f"{PROG} {command}: warning: {message}"), file=sys.stderr)
 
 
 class HelpFormatter(argparse.HelpFormatter):

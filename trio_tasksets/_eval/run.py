@@ -55,6 +55,7 @@ from .._models import ModelContext, describe
 from .._models.engine import EngineMetrics
 from .._monitor import dashboard
 from .._report.stats import RunningInterval, reward_interval
+from .._transport import redact_url
 from .config import (
     RECORD_FIELDS,
     EvalConfig,
@@ -245,8 +246,14 @@ def endpoint_limits(ctx: ModelContext) -> EndpointLimits | None:
 def endpoint_name(key: object) -> str:
     """An endpoint key as text: `(base_url, api_key_var)` as "URL (VAR)"."""
     if isinstance(key, tuple) and len(key) == 2 and isinstance(key[0], str):
-        return key[0] if key[1] is None else f"{key[0]} ({key[1]})"
-    return str(key)
+        url = redact_url(key[0])
+        return url if key[1] is None else f"{url} ({key[1]})"
+    return redact_url(str(key))
+
+
+def _shown(value: Any) -> Any:
+    """`value` as config.json records it: a str with its URLs' passwords redacted."""
+    return redact_url(value) if isinstance(value, str) else value
 
 
 def _histories(window: Window, ctx: ModelContext, t0: float) -> dict[str, Any]:
@@ -380,16 +387,19 @@ def _record_of(
     many = {"base_urls": urls} if len(urls) > 1 else {}
     skip = (*RECORD_FIELDS, *_BACKEND_FIELDS)
     settings = {k: v for k, v in parameter_values(config).items() if k not in skip}
-    settings.update(_where(config.backend))
+    # (a URL's password is never recorded: --via redis://:pw@..., --base-url http://u:pw@...)
+    settings.update({k: _shown(v) for k, v in _where(config.backend).items()})
     settings["max_concurrent"] = window_spec(config.max_concurrent)
     limits = endpoint_limits(ctx)
     connections = None if limits is None else limits.connections
     return {
         "version": __version__,
-        "command": list(sys.argv) if config.command is None else list(config.command),
+        "command": [
+            redact_url(part) for part in (sys.argv if config.command is None else config.command)
+        ],
         "started_at": datetime.now(UTC).isoformat(timespec="milliseconds"),
-        "base_url": base_url if isinstance(base_url, str) else None,
-        **many,
+        "base_url": _shown(base_url) if isinstance(base_url, str) else None,
+        **{key: [_shown(url) for url in urls] for key, urls in many.items()},
         "api_key_var": config.api_key_var,
         "identity": identity,
         "eval": settings,

@@ -15,7 +15,7 @@ from .._core.exceptions import ConfigError
 from .._core.limits import EndpointLimits
 from .._core.views import View
 from .._core.window import Window
-from .._transport import HTTPClient, Timeouts
+from .._transport import HTTPClient, Timeouts, redact_url
 from .base import (
     ClientDescription,
     Completion,
@@ -35,6 +35,15 @@ from .pool import EndpointPool, pool_limits
 __all__ = ["OpenAIClient"]
 
 _OWN_HEADERS = frozenset({"Content-Type", "Authorization"})  # the ones every request has
+
+
+def _redacted(key: Hashable | None) -> Hashable | None:
+    """A limits key with the password of its URL(s) redacted (`redact_url`)."""
+    if isinstance(key, str):
+        return redact_url(key)
+    if isinstance(key, tuple):
+        return tuple(redact_url(part) if isinstance(part, str) else part for part in key)
+    return key
 
 
 def _endpoint_key(url: str, first: str, key: Hashable | None) -> Hashable:
@@ -100,6 +109,10 @@ class OpenAIClient(ModelClientBase):
     to use it as is; it is left open. The retries, limits and outcomes are those of every
     HTTP model client (`trio_tasksets._models.calls.EndpointCalls`).
 
+    A password in a ``base_url`` (``http://user:pw@host/v1``) is not sent (give a key as
+    ``api_key``), and the client keeps, shows and records the URL without it
+    (``http://user:***@host/v1``).
+
     A bad ``base_url``, ``timeout``, ``max_retries``, ``backoff``, ``max_backoff`` or
     ``engine_metrics`` raises `ConfigError` naming it.
     """
@@ -130,6 +143,10 @@ class OpenAIClient(ModelClientBase):
                 f"{{base_url}} must be a URL or a list of URLs, got {base_url!r}",
                 parameter="base_url",
             )
+        # A URL's userinfo is never sent (a key goes as api_key): every URL and key the
+        # client keeps, shows (repr, errors, figures, config.json) and sends on is redacted.
+        urls = [redact_url(url) for url in urls]
+        limits_key = _redacted(limits_key)
         base_url = urls[0]
         self.base_urls = urls
         metrics_urls: list[str | EngineMetrics | None] = (

@@ -14,6 +14,7 @@ from html import escape
 from typing import Any
 
 from .._monitor.dashboard import FAILED_COUNT_0
+from .._transport import redact_url
 from .charts import Bar, Line, Mark, Plot, fmt_number, fmt_seconds
 from .data import RunData
 from .figures import Figures, Histogram
@@ -135,7 +136,7 @@ def _config_rows(config: dict[str, Any], summary: dict[str, Any] | None) -> list
             text = json.dumps(value, default=str)
         else:
             text = str(value)
-        rows.append((label, text))
+        rows.append((label, redact_url(text)))  # (a run recorded before URLs were redacted)
 
     add("model", get("model"))
     add("taskset", get("taskset"))

@@ -41,7 +41,7 @@ from .._core.window import Window
 from .._models import EchoClient, ModelClient, OpenAIClient, describe
 from .._models.engine import EngineMetrics
 from .._models.pool import DEFAULT_WINDOW
-from .._transport import HTTPClient
+from .._transport import HTTPClient, redact_url
 from .wire import MAX_BODY_BYTES, ClientSpec, EchoSpec, Forbidden, OpenAISpec
 
 log = logging.getLogger("trio_tasksets._serve")
@@ -232,8 +232,8 @@ def _host_port(name: str, port: int) -> str:
 
 def normalize_base_url(url: str) -> str:
     """`url` in the form base URLs are compared in: scheme and host in lower case, no
-    default port, no trailing slash. Raises `ConfigError` (``url``) for one that is not
-    http(s)://host..."""
+    default port, no trailing slash, its password redacted (`redact_url`). Raises
+    `ConfigError` (``url``) for one that is not http(s)://host..."""
     parts = urlsplit(url.strip())
     scheme = parts.scheme.lower()
     if scheme not in ("http", "https") or not parts.hostname:
@@ -250,7 +250,8 @@ def normalize_base_url(url: str) -> str:
     if parts.username is not None or parts.password is not None:
         userinfo = parts.netloc.rpartition("@")[0]
         netloc = f"{userinfo}@{netloc}"
-    return f"{scheme}://{netloc}{parts.path.rstrip('/')}"
+    # (a password is never sent, and a client keeps its URL redacted: compared redacted)
+    return redact_url(f"{scheme}://{netloc}{parts.path.rstrip('/')}")
 
 
 def _count(least: int) -> Callable[[object, attrs.Attribute[Any], object], None]:

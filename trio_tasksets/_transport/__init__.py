@@ -22,6 +22,7 @@ from .support import (
     Timeouts,
     UnsupportedProxy,
     parse_retry_after,
+    redact_url,
 )
 
 __all__ = [
@@ -40,4 +41,5 @@ __all__ = [
     "Timeouts",
     "UnsupportedProxy",
     "parse_retry_after",
+    "redact_url",
 ]

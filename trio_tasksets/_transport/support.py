@@ -12,6 +12,7 @@ import functools
 import ipaddress
 import math
 import os
+import re
 import ssl
 import zlib
 from collections.abc import Mapping
@@ -41,6 +42,7 @@ __all__ = [
     "no_proxy_matches",
     "parse_retry_after",
     "proxies_from_env",
+    "redact_url",
     "route_for",
     "tls_context",
 ]
@@ -169,11 +171,23 @@ class Route:
 _DEFAULT_PORTS = {"http": 80, "https": 443}
 
 
+_USERINFO_PASSWORD = re.compile(r"(?i)\b([a-z][a-z0-9+.-]*://[^\s:/?#@]*):[^\s/?#]*@")
+
+
+def redact_url(text: str) -> str:
+    """`text` (a URL, a command-line argument, a log line) with the password of every URL in
+    it replaced by ``***`` (``http://user:***@host/v1``), for anything shown or recorded: the
+    one redaction of proxy, Redis and model endpoint URLs."""
+    if "@" not in text:
+        return text  # (the usual case)
+    return _USERINFO_PASSWORD.sub(r"\1:***@", text)
+
+
 def _parse_proxy(variable: str, value: str) -> Proxy:
     raw = value if "://" in value else "http://" + value
     parts = urlsplit(raw)
     scheme = parts.scheme.lower()
-    shown = raw.replace(f":{parts.password}@", ":***@") if parts.password else raw
+    shown = redact_url(raw)
     if scheme != "http":
         raise UnsupportedProxy(
             f"{variable}={shown}: {scheme}:// proxies are not supported, only http:// ones "

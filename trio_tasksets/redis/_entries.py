@@ -20,7 +20,6 @@ import sys
 import time
 from collections.abc import Callable, Mapping
 from typing import Any, TypeVar
-from urllib.parse import urlsplit, urlunsplit
 
 import attrs
 import orjson
@@ -31,6 +30,7 @@ from .._core.tasksets import Task, Taskset
 from .._env.env import task_data, task_key
 from .._env.groups import ADVANTAGES, Advantage
 from .._env.spec import TASK_FIELDS, Declaration, rebuild_task, taskset_arg
+from .._transport import redact_url
 from ..worker import EntryRefused, MalformedEntry
 from ._resp import Address
 
@@ -254,13 +254,8 @@ def check_url(url: str) -> None:
 
 
 def redact(url: str) -> str:
-    """`url` with its password (if any) replaced by ***, for log lines."""
-    parts = urlsplit(url)
-    if parts.password is None:
-        return url
-    netloc = parts.netloc.rsplit("@", 1)[1]
-    user = parts.username or ""
-    return urlunsplit(parts._replace(netloc=f"{user}:***@{netloc}"))
+    """`url` with its password (if any) replaced by ***, for log lines (`redact_url`)."""
+    return redact_url(url)
 
 
 def stderr_log(prefix: str) -> Log:
