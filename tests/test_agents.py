@@ -344,6 +344,33 @@ async def test_a_tool_answer_utf8_cannot_hold_reaches_the_model_escaped() -> Non
     assert sent == ["5 \\ud800", "Error: add raised ValueError: no \\udc80 here"]
 
 
+async def test_a_tool_answer_json_cannot_hold_is_an_error_text() -> None:
+    """F6 (issue 36): a result that cannot become text (circular, nested past what the JSON
+    encoder takes) answers the model with an error text; the episode goes on."""
+    circular: list[Any] = []
+    circular.append(circular)
+    deep: list[Any] = []
+    for _ in range(100_000):
+        deep = [deep]
+
+    @tt.tool
+    def odd(which: str) -> Any:
+        """A result JSON cannot hold."""
+        return circular if which == "circular" else deep
+
+    client = ScriptedClient(
+        [reply(tool_calls=[("odd", {"which": "circular"}), ("odd", {"which": "deep"})]), "ok"]
+    )
+    episode = await run_one(tt.ToolEnv(One(), [odd]), client)
+    assert (episode.ok, episode.errors) == (True, [])
+    answers = [m["content"] for m in episode.messages if m["role"] == "tool"]
+    assert answers == [
+        "Error: odd: its answer cannot be read as text (ValueError: Circular reference detected)",
+        answers[1],
+    ]
+    assert answers[1].startswith("Error: odd: its answer cannot be read as text (RecursionError")
+
+
 async def test_a_tool_answer_is_cut_above_max_answer_bytes_saying_so() -> None:
     """F13 (issue 36): one tool answer is bounded (1 MiB by default), at a character's
     boundary, and the model reads that it was cut."""

@@ -190,13 +190,20 @@ class ToolEnv(Env[TaskT]):
             else:
                 with trio.move_on_after(timeout):
                     value = await tool.call(call.arguments)
-                    return self.tool_text(value)
+                    return self._text(tool, value)
                 return f"Error: {tool.name} timed out after {timeout:g}s and was cancelled"
         except ToolArgumentError as exc:
             return f"Error: {tool.name}: {exc}"
         except Exception as exc:
             return f"Error: {tool.name} raised {type(exc).__name__}: {exc}"
-        return self.tool_text(value)
+        return self._text(tool, value)
+
+    def _text(self, tool: Tool, value: Any) -> str:
+        try:
+            return self.tool_text(value)
+        except Exception as exc:  # (a value JSON cannot hold: circular, too deep)
+            what = f"{type(exc).__name__}: {exc}"
+            return f"Error: {tool.name}: its answer cannot be read as text ({what})"
 
     def tool_text(self, value: Any) -> str:
         """How a tool's result reads to the model: a str as is, None as ``""``, anything
