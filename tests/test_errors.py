@@ -262,6 +262,7 @@ BAD_CALLS: list[tuple[str, Callable[[], object], str]] = [
         "completion_logprobs",
     ),
     ("Env(reward={})", lambda: tt.Env(tt.EchoTaskset(), reward={}), "reward"),
+    ("Env(retries=0)", lambda: tt.Env(tt.EchoTaskset(), retries=0), "retries"),  # type: ignore[arg-type]
     (
         "Env(reward={x: not a function})",
         lambda: tt.Env(tt.EchoTaskset(), reward={"x": bad(5)}),

@@ -561,8 +561,9 @@ class Env(Generic[TaskT]):
     backoff), the working and stall clocks stop. A slot's caller may tighten the limits
     for its slot (`RunSlot.limits`), never loosen them.
 
-    Raises `ConfigError` for limits that are given twice or out of range, naming them, and
-    naming ``reward`` for a mapping of named rewards that cannot be summed.
+    Raises `ConfigError` for limits that are given twice or out of range, naming them, a
+    `ConfigTypeError` naming ``retries`` for one that is not a `RetryPolicy`, and a
+    `ConfigError` naming ``reward`` for a mapping of named rewards that cannot be summed.
     """
 
     rollout_limits: RolloutLimits = RolloutLimits()  # also here: a subclass may skip __init__
@@ -583,6 +584,12 @@ class Env(Generic[TaskT]):
     ) -> None:
         # No taskset: a service whose tasks come from its own channel (an empty one stands in).
         self.taskset: Taskset[TaskT, Any] = taskset if taskset is not None else Taskset()
+        if retries is not None and not isinstance(retries, RetryPolicy):
+            raise ConfigTypeError(
+                f"Env({{retries}}={retries!r}): give a tt.RetryPolicy, e.g. "
+                f"{{retries}}=tt.RetryPolicy(max_retries=N)",
+                parameter="retries",
+            )
         self.retries = retries if retries is not None else RetryPolicy()
         self.rollout_limits = given_limits(
             rollout_limits, rollout_timeout=rollout_timeout, working_limit=working_limit,
