@@ -87,6 +87,8 @@ def run(args: argparse.Namespace) -> int:
         )
     )  # fmt: skip
     print_summary(result.summary, result.run_dir)
+    if result.summary.get("skipped"):  # lines of the old traces that are not rows
+        print(f"rescore: {result.summary['skipped']}", file=sys.stderr)
     print(
         f"rescored {command.run_dir} with {command.reward_name} into {result.run_dir}",
         file=sys.stderr,

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import bisect
 import math
-import statistics
 from collections import Counter
 from collections.abc import Callable, Iterable, Iterator
 from datetime import datetime
@@ -19,7 +18,7 @@ from typing import Any
 import attrs
 
 from .data import RunData
-from .stats import Interval, nice_step, pass_at_k, percentile, reward_interval
+from .stats import Interval, mean_and_std, nice_step, pass_at_k, percentile, reward_interval
 
 __all__ = [
     "Figures",
@@ -282,7 +281,7 @@ def _groups(run: RunData) -> GroupFigures | None:
         lo, hi = (min(rewards), max(rewards)) if rewards else (None, None)
         if lo is not None and lo == hi:
             flat += 1
-        mean = math.fsum(rewards) / len(rewards) if rewards else None
+        mean = mean_and_std(rewards)[0] if rewards else None
         ok = sum(1 for i in rows if run.ok[i])
         table.append((run.task[rows[0]], len(rows), ok, mean, lo, hi))
     return GroupFigures(groups=table, flat=flat)
@@ -356,7 +355,7 @@ def _metrics(run: RunData) -> dict[str, tuple[float, int, Interval | None]]:
                 values.setdefault(str(name), []).append(float(value))
                 clusters.setdefault(str(name), []).append(run.task[index])
     return {
-        name: (math.fsum(numbers) / len(numbers), len(numbers),
+        name: (mean_and_std(numbers)[0], len(numbers),
                reward_interval(numbers, clusters[name]))
         for name, numbers in sorted(values.items())
     }  # fmt: skip
@@ -369,12 +368,7 @@ def compute(run: RunData, *, threshold: float = 1.0) -> Figures:
     finished = len(run)
     rewards = [r for r in run.reward if r is not None]
     clusters = [t for t, r in zip(run.task, run.reward, strict=True) if r is not None]
-    rows_mean = statistics.fmean(rewards) if rewards else None
-    rows_std = (  # as statistics.pstdev, which is exact but ~10x slower
-        math.sqrt(math.fsum((r - rows_mean) ** 2 for r in rewards) / len(rewards))
-        if rewards and rows_mean is not None
-        else None
-    )
+    rows_mean, rows_std = mean_and_std(rewards) if rewards else (None, None)
     durations = [d for d in run.duration if d is not None]
     started = [s for s in run.started if s is not None]
     ends = [f for f in run.finished if f is not None]

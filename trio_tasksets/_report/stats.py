@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import math
 import statistics
+import sys
+from collections.abc import Sequence
 
 import attrs
 
@@ -14,6 +16,7 @@ __all__ = [
     "CONFIDENCE",
     "Interval",
     "RunningInterval",
+    "mean_and_std",
     "mean_interval",
     "nice_step",
     "pass_at_k",
@@ -41,6 +44,23 @@ def t_quantile(p: float, df: int) -> float:
     g3 = (3 * z**7 + 19 * z**5 + 17 * z**3 - 15 * z) / 384
     g4 = (79 * z**9 + 776 * z**7 + 1482 * z**5 - 1920 * z**3 - 945 * z) / 92160
     return z + g1 / df + g2 / df**2 + g3 / df**3 + g4 / df**4
+
+
+def mean_and_std(values: Sequence[float]) -> tuple[float, float]:
+    """The mean and population standard deviation of finite `values` (at least one), finite
+    themselves however large the values (`1e308` twice: its sum and its squares overflow a
+    float; here every value is scaled by the largest magnitude first)."""
+    n = len(values)
+    try:
+        mean = math.fsum(values) / n
+        return mean, math.sqrt(math.fsum((v - mean) ** 2 for v in values) / n)
+    except OverflowError:
+        pass
+    scale = max(abs(v) for v in values)
+    scaled = [v / scale for v in values]
+    mean = math.fsum(scaled) / n
+    std = math.sqrt(math.fsum((v - mean) ** 2 for v in scaled) / n)
+    return mean * scale, min(std * scale, sys.float_info.max)
 
 
 def mean_interval(
@@ -110,8 +130,11 @@ def reward_interval(
     Rewards in [0, 1]: the clustered t interval (`mean_interval`) clipped to [0, 1]. Other
     rewards: that t interval as it is. None with fewer than two clusters.
     """
-    interval = mean_interval(values, clusters, confidence)
-    if interval is None:
+    try:
+        interval = mean_interval(values, clusters, confidence)
+    except OverflowError:  # values near the float's limit (1e308): no interval to show
+        return None
+    if interval is None or not all(map(math.isfinite, interval)):
         return None
     n = len(values)
     binary = all(v in (0.0, 1.0) for v in values)
