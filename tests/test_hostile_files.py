@@ -10,8 +10,12 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import trio
+import trio.testing
+from helpers import cli
 
 import trio_tasksets as tt
+from trio_tasksets._core.datasets import record_problem
 from trio_tasksets._core.exceptions import EvalWarning
 from trio_tasksets._env.traces import TraceRows, open_traces, read_rows
 from trio_tasksets._eval.rescore import rescore
@@ -131,3 +135,144 @@ def test_trace_rows_stream_and_count_what_is_not_a_row(tmp_path: Path) -> None:
     assert [b.line for b in read.first_bad] == [2, 5]
     assert "a list, not a JSON object" in read.first_bad[0].reason
     assert list(TraceRows(tmp_path / "missing.jsonl")) == []
+
+
+# --- F5: a data record that cannot be read fails its own row, not the run --------------------
+
+POISON = {
+    50: rb'{"prompt": "bad \ud800", "answer": "x"}',
+    52: b'{"prompt": "caf\xe9"}',
+    54: b'{"prompt": ' + b"[" * 100_000 + b"]" * 100_000 + b"}",
+    56: b"{not json",
+    58: b"[1, 2]",
+}
+REASONS = {
+    50: "the record holds a lone surrogate (\\ud800), which is not text",
+    52: "the line is not UTF-8 (invalid continuation byte at byte 16)",
+    54: "the record nests deeper than 100 levels",
+    56: "not a JSON line (",
+    58: "a record must be a JSON object, got [1, 2]",
+}
+
+
+def test_poison_records_fail_their_own_rows_and_a_resume_goes_on(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    monkeypatch.chdir(tmp_path)
+    lines = [json.dumps({"prompt": f"p{i}", "answer": f"p{i}"}).encode() for i in range(1, 62)]
+    for number, line in POISON.items():
+        lines[number - 1] = line
+    (tmp_path / "d.jsonl").write_bytes(b"\n".join(lines) + b"\n")
+    for resume in ([], ["--resume"]):
+        code = cli("eval", "d.jsonl", "-m", "echo", "--run-name", "x", "--no-dashboard", *resume)
+        said = capsys.readouterr()
+        err = said.out + said.err
+        assert code == 0, err
+        assert "56/61 ok" in err
+        assert "5 failed: DatasetError 5; first error: DatasetError: d.jsonl:5" in err
+        written = rows(tmp_path / "outputs" / "x")
+        assert len(written) == 61
+        failed = {r["errors"][-1]["message"] for r in written if not r["ok"]}
+        assert len(failed) == 5
+        for number, reason in REASONS.items():
+            assert any(m.startswith(f"d.jsonl:{number}: {reason}") for m in failed), number
+        assert all(r["attempts"] == 1 and r["completion"] is None for r in written if not r["ok"])
+
+
+def test_csv_long_fields_and_bytes_that_are_not_utf8(tmp_path: Path) -> None:
+    path = tmp_path / "d.csv"
+    long = "x" * 200_000  # over Python's csv default limit of 131,072
+    path.write_bytes(f"q,a\n{long},1\n".encode() + b"caf\xe9,2\nok,3\n")
+    tasks = list(tt.CsvTaskset(path, prompt_field="q", answer_field="a"))
+    assert tasks[0].prompt == long
+    problem = record_problem(tasks[1])
+    assert str(problem).startswith(f"{path}:3: the row is not UTF-8 (byte 0xe9 in field 'q')")
+    assert tasks[2].prompt == "ok"
+    small = list(tt.CsvTaskset(path, prompt_field="q", max_field=100_000_000))
+    assert len(small) == 3
+    with pytest.raises(tt.ConfigError, match="max_field"):
+        tt.CsvConfig(max_field=0)
+
+
+def test_a_csv_field_over_max_field_fails_its_row_naming_the_line(tmp_path: Path) -> None:
+    import csv
+
+    path = tmp_path / "d.csv"
+    path.write_text("q\nshort\n" + "y" * 300 + "\nlast\n")
+    limit = csv.field_size_limit()
+    try:
+        csv.field_size_limit(200)  # the process's limit is only ever raised to max_field
+        tasks = list(tt.CsvTaskset(path, prompt_field="q", max_field=100))
+    finally:
+        csv.field_size_limit(limit)
+    assert [t.prompt for t in tasks if record_problem(t) is None] == ["short", "last"]
+    assert str(record_problem(tasks[1])).startswith(f"{path}:3: not a CSV row (field larger")
+
+
+# --- F7: --follow follows the file by name through log rotation ------------------------------
+
+
+def _line(prompt: str) -> str:
+    return json.dumps({"prompt": prompt}) + "\n"
+
+
+async def _next(tasks: trio.abc.ReceiveChannel[tt.Task]) -> str:
+    with trio.fail_after(30):  # a MockClock's seconds: the feed polls every 0.25 s
+        task = await tasks.receive()
+    problem = record_problem(task)
+    assert problem is None, problem  # never a line read from its middle
+    return str(task.prompt)
+
+
+async def test_follow_through_rename_and_create(
+    tmp_path: Path, autojump_clock: trio.testing.MockClock
+) -> None:
+    path = tmp_path / "feed.jsonl"
+    path.write_text(_line("one"))
+    async with tt.JsonlTaskset(path, follow=True).channel() as tasks:
+        assert await _next(tasks) == "one"
+        with path.open("a") as old:
+            old.write(_line("two, the old file's last"))
+        path.rename(tmp_path / "feed.jsonl.1")  # logrotate's default: rename, then create
+        path.write_text(_line("three, in the new file"))
+        assert await _next(tasks) == "two, the old file's last"
+        assert await _next(tasks) == "three, in the new file"
+        with path.open("a") as new:
+            new.write(_line("four"))
+        assert await _next(tasks) == "four"
+
+
+async def test_follow_through_delete_and_recreate(
+    tmp_path: Path, autojump_clock: trio.testing.MockClock
+) -> None:
+    path = tmp_path / "feed.jsonl"
+    path.write_text(_line("one"))
+    async with tt.JsonlTaskset(path, follow=True).channel() as tasks:
+        assert await _next(tasks) == "one"
+        path.unlink()
+        with trio.move_on_after(5):  # no file at the path: the feed waits for one
+            await tasks.receive()
+            pytest.fail("a task came from a deleted file")
+        path.write_text(_line("two"))
+        assert await _next(tasks) == "two"
+
+
+async def test_follow_truncate_then_write_at_once_restarts_at_the_top(
+    tmp_path: Path, autojump_clock: trio.testing.MockClock
+) -> None:
+    path = tmp_path / "feed.jsonl"
+    path.write_text(_line("one") + _line("two"))
+    async with tt.JsonlTaskset(path, follow=True).channel() as tasks:
+        assert [await _next(tasks), await _next(tasks)] == ["one", "two"]
+        # truncated and written again, longer than before, between two reads: the size alone
+        # does not tell; the bytes before the position read so far do
+        path.write_text(_line("a longer first line after the rotation") + _line("b"))
+        assert await _next(tasks) == "a longer first line after the rotation"
+        assert await _next(tasks) == "b"
+        # and a half-written line, truncated under it, is never finished by other bytes
+        with path.open("a") as file:
+            file.write('{"prompt": "hal')
+        await trio.sleep(1)
+        path.write_text(_line("c") + _line("d, written at once with c"))
+        assert await _next(tasks) == "c"
+        assert await _next(tasks) == "d, written at once with c"
