@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import json
 import math
+import shutil
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -276,3 +278,100 @@ async def test_follow_truncate_then_write_at_once_restarts_at_the_top(
         path.write_text(_line("c") + _line("d, written at once with c"))
         assert await _next(tasks) == "c"
         assert await _next(tasks) == "d, written at once with c"
+
+
+# --- F10: rescore streams; the report's page and memory stay bounded at any row count --------
+
+
+def _big_run(root: Path, n: int, name: str = "big") -> Path:
+    """A run dir of `n` distinct one-rollout tasks shaped as an echo eval writes them (every
+    13th failed), written fast (as bench/scale.py does for 10^6 rows)."""
+    import orjson
+
+    run_dir = root / name
+    run_dir.mkdir()
+    lines = []
+    for i in range(n):
+        prompt = f"{i} + {i % 997} = ?"
+        failed = i % 13 == 0
+        row = {
+            "id": f"{i:032x}", "task": {"key": f"{i:016x}", "data": {"prompt": prompt,
+            "answer": str(i), "info": {}, "system_prompt": None}}, "rollout": 0,
+            "ok": not failed, "reward": 0.0 if failed else 1.0,
+            "completion": None if failed else prompt,
+            "messages": [] if failed else [{"role": "user", "content": prompt},
+                                           {"role": "assistant", "content": prompt}],
+            "errors": [{"type": "ModelTimeoutError", "message": "no answer", "attempt": 1}]
+            if failed else [],
+            "attempts": 1, "timing": {"started": 1e9 + i, "finished": 1e9 + i + 0.5,
+                                      "duration": 0.5},
+            "usage": {"prompt_tokens": 3, "completion_tokens": 3}, "finish_reason": "stop",
+        }  # fmt: skip
+        lines.append(orjson.dumps(row, option=orjson.OPT_APPEND_NEWLINE))
+    (run_dir / "traces.jsonl").write_bytes(b"".join(lines))
+    (run_dir / "config.json").write_text(json.dumps({"identity": {"model": "echo"}}))
+    return run_dir
+
+
+def _peak(run: Any) -> int:
+    """The peak of Python's allocations (tracemalloc) while `run()` runs, in bytes."""
+    import tracemalloc
+
+    tracemalloc.start()
+    try:
+        run()
+        return tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+
+
+def test_rescore_memory_is_flat_in_the_number_of_rows(tmp_path: Path) -> None:
+    """Ten times the rows, about the same peak: rows stream from the old traces to the new
+    (the old rescore held every row and episode: 6.8 GB at 10^6 rows; docs/benchmarks.md)."""
+    peaks = []
+    for n in (300, 3_000):
+        run_dir = _big_run(tmp_path, n, f"r{n}")
+
+        def run(run_dir: Path = run_dir) -> None:
+            trio.run(partial(rescore, run_dir, lambda task, completion: 0.5, run_name="again",
+                             keep_episodes=False))  # fmt: skip
+
+        peaks.append(_peak(run))
+        summary = json.loads((run_dir.parent / "again" / "summary.json").read_text())
+        assert (summary["finished"], summary["ok"]) == (n, n - len(range(0, n, 13)))
+        shutil.rmtree(run_dir.parent / "again")
+    assert peaks[1] < 1.5 * peaks[0], peaks  # flat: not 10x
+
+
+def test_the_report_table_of_a_large_run_is_a_sample_and_says_so(tmp_path: Path) -> None:
+    from trio_tasksets._report import page
+    from trio_tasksets._report.data import load_run
+    from trio_tasksets._report.figures import compute
+
+    run_dir = _big_run(tmp_path, 3_000)
+    run = load_run(run_dir, table_rows=200)
+    assert len(run) == 3_000  # the figures count every row
+    assert compute(run).failed == 231
+    assert run.table is not None
+    shown = [run.line[i] for i in run.table]
+    assert len(shown) <= 200
+    assert shown == sorted(shown)
+    failed_lines = [i * 13 + 1 for i in range(231)]
+    assert failed_lines[:100] == [n for n in shown if (n - 1) % 13 == 0][:100]  # failures first
+    html = page([run])
+    assert "The table shows 200 of the 3,000 rows: every 30th line of traces.jsonl" in html
+    assert "the figures count every row" in html
+    # the page does not grow with the rows the table leaves out
+    small = page([load_run(_big_run(tmp_path, 600, "small"), table_rows=200)])
+    assert len(html) < 1.3 * len(small)
+
+
+def test_report_memory_per_row_left_out_of_the_table_is_small(tmp_path: Path) -> None:
+    """A row the table leaves out keeps only the figures' numbers: the old report took 2.4 GB
+    for 10^6 rows (2.4 KB a row)."""
+    from trio_tasksets._report.data import load_run
+
+    sizes = {n: _big_run(tmp_path, n, f"r{n}") for n in (1_000, 5_000)}
+    peaks = {n: _peak(lambda d=d: load_run(d, table_rows=500)) for n, d in sizes.items()}
+    per_row = (peaks[5_000] - peaks[1_000]) / 4_000
+    assert per_row < 700, per_row

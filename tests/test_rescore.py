@@ -129,7 +129,7 @@ async def test_a_reward_that_raises_fails_its_row_and_failed_rows_are_kept(
         import rewards  # type: ignore[import-not-found]
     finally:
         sys.path.remove(str(arith))
-    result = await rescore(first.run_dir, rewards.picky, run_name="p", window=2, keep_episodes=True)
+    result = await rescore(first.run_dir, rewards.picky, run_name="p", window=2)
     by_prompt = {e.task.data["prompt"]: e for e in result.episodes}
     failed = by_prompt["What is 7 + 7?"]
     assert (failed.ok, failed.errors[-1].type) == (False, "ValueError")

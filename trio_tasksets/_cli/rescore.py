@@ -83,7 +83,7 @@ def run(args: argparse.Namespace) -> int:
         partial(
             rescore, command.run_dir, command.reward, reward_name=command.reward_name,
             output_dir=command.output_dir, run_name=command.run_name, window=command.window,
-            command=command.command,
+            command=command.command, keep_episodes=False,
         )
     )  # fmt: skip
     print_summary(result.summary, result.run_dir)

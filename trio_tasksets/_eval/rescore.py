@@ -38,12 +38,14 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
+import trio
+
 from .._core.runner import as_completed
 from .._core.tasksets import Taskset
 from .._core.window import Window
 from .._env.env import Episode, EpisodeError, Reward, split_score
 from .._env.spec import rebuild_task
-from .._env.traces import TraceRows, open_traces, write_atomic
+from .._env.traces import TraceRows, TraceWriter, open_traces, write_atomic
 from .._report.stats import mean_and_std
 from .config import EvalConfigError, EvalResult
 from .plan import row_episode
@@ -144,14 +146,14 @@ async def rescore(
     run_name: str | None = None,
     window: int | Window | None = 32,
     command: list[str] | None = None,
-    keep_episodes: bool = False,
+    keep_episodes: bool = True,
 ) -> EvalResult:
     """Score `run_dir`'s rows with `reward` into a new run dir (module docstring):
     `<output_dir>/<run_name>`, by default next to `run_dir` as `<its name>-rescored-<time>`;
     `window` (an int or a `tt.Window`) bounds the rewards scored at once. Rows stream from
-    the old traces to the new ones (memory does not grow with the run); the result's
-    `episodes` are kept only with `keep_episodes` (else empty: the rows are in the new
-    run dir's traces.jsonl). A line that is not an episode row is skipped and counted
+    the old traces to the new ones; the result's `episodes` hold every one unless
+    `keep_episodes` is False (then it is empty, the rows are in the new run dir's
+    traces.jsonl, and memory does not grow with the run: the command line's way). A line that is not an episode row is skipped and counted
     (`summary.json`'s `skipped_lines`, its file and first lines in `skipped`), never fatal.
 
     Raises `EvalConfigError` (a `ConfigError`) naming `run_dir` for a path that is not a run
@@ -202,16 +204,25 @@ async def rescore(
     made = not target.exists()
     target.mkdir(parents=True, exist_ok=True)
     partial = target / f".traces.jsonl.{secrets.token_hex(8)}.tmp"
+    scoring = as_completed(each_episode(), one, window=window)  # a bad window raises here
+
+    def keep(out: TraceWriter, episode: Episode) -> None:
+        out.write(episode.to_row())
+        figures.add(episode)
+        if keep_episodes:
+            episodes.append(episode)
+
     try:
-        async with (
-            open_traces(partial) as out,
-            as_completed(each_episode(), one, window=window) as scored,
-        ):
-            async for _index, episode in scored:
-                out.write(episode.to_row())
-                figures.add(episode)
-                if keep_episodes:
-                    episodes.append(episode)
+        async with open_traces(partial) as out:
+            if _is_async(reward):  # `window` rewards (an LLM judge) at once, through the runner
+                async with scoring as scored:
+                    async for _index, episode in scored:
+                        keep(out, episode)
+            else:  # a sync reward gains nothing from a window: scored in turn, no task each
+                async for episode in each_episode():
+                    keep(out, await one(episode))
+                    if figures.finished % 256 == 0:
+                        await trio.lowlevel.checkpoint()
         partial.replace(target / "traces.jsonl")
     except BaseException:
         partial.unlink(missing_ok=True)
@@ -238,6 +249,11 @@ async def rescore(
         summary["skipped"] = rows.describe()
     write_atomic(target / "summary.json", text=json.dumps(summary, indent=2, default=str))
     return EvalResult(episodes=episodes, run_dir=target, summary=summary)
+
+
+def _is_async(reward: Reward) -> bool:
+    """Whether `reward` is an async function (or a callable whose `__call__` is one)."""
+    return inspect.iscoroutinefunction(reward) or inspect.iscoroutinefunction(type(reward).__call__)
 
 
 def _name_of(reward: Reward) -> str:
