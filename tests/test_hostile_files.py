@@ -375,3 +375,18 @@ def test_report_memory_per_row_left_out_of_the_table_is_small(tmp_path: Path) ->
     peaks = {n: _peak(lambda d=d: load_run(d, table_rows=500)) for n, d in sizes.items()}
     per_row = (peaks[5_000] - peaks[1_000]) / 4_000
     assert per_row < 700, per_row
+
+
+async def test_a_row_nested_past_the_encoders_is_written_saying_so(tmp_path: Path) -> None:
+    deep: Any = "bottom"
+    for _ in range(5_000):
+        deep = [deep]
+    cycle: dict[str, Any] = {}
+    cycle["self"] = cycle
+    path = tmp_path / "traces.jsonl"
+    async with open_traces(path) as out:
+        out.write({"id": "a", "task": {"key": "k", "data": {"deep": deep}}, "info": cycle})
+    (row,), bad = read_rows(path)
+    assert bad == 0 and row["id"] == "a"
+    assert row["task"].startswith("<not written: RecursionError")
+    assert row["info"].startswith("<not written: ValueError: Circular reference")

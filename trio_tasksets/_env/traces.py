@@ -48,7 +48,25 @@ def _encode(row: dict[str, Any]) -> bytes:
             row, default=str, option=orjson.OPT_APPEND_NEWLINE | orjson.OPT_NON_STR_KEYS
         )
     except TypeError:
+        pass
+    try:
         return (json.dumps(row, default=str) + "\n").encode()
+    except (ValueError, RecursionError):  # nested past the encoders' depth, or a cycle
+        return (json.dumps(_writable(row), default=str) + "\n").encode()
+
+
+def _writable(row: dict[str, Any]) -> dict[str, Any]:
+    """`row` with each field that cannot be encoded (nested too deep, a cycle) replaced by a
+    text saying why: the row is written, and reads back as a row that is not an episode
+    (counted by whoever reads it), never a writer that raises mid-run."""
+    kept: dict[str, Any] = {}
+    for key, value in row.items():
+        try:
+            json.dumps(value, default=str)
+        except (ValueError, RecursionError) as exc:
+            value = f"<not written: {type(exc).__name__}: {exc}>"
+        kept[str(key)] = value
+    return kept
 
 
 class TraceWriter:
