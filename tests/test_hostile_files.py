@@ -387,6 +387,6 @@ async def test_a_row_nested_past_the_encoders_is_written_saying_so(tmp_path: Pat
     async with open_traces(path) as out:
         out.write({"id": "a", "task": {"key": "k", "data": {"deep": deep}}, "info": cycle})
     (row,), bad = read_rows(path)
-    assert bad == 0 and row["id"] == "a"
+    assert (bad, row["id"]) == (0, "a")
     assert row["task"].startswith("<not written: RecursionError")
     assert row["info"].startswith("<not written: ValueError: Circular reference")
