@@ -60,10 +60,10 @@ def payload(run: RunData, fig: Figures) -> dict[str, Any]:
         task_of = {t: j for j, t in enumerate(used)}
         task_ids = [task_of[run.task[i]] for i in pick]
 
-    def keep_rows(column: list[T]) -> list[T]:
+    def keep_rows(column: Sequence[T]) -> list[T]:
         return _taken(column, pick)
 
-    def keep_tasks(column: list[T]) -> list[T]:
+    def keep_tasks(column: Sequence[T]) -> list[T]:
         return _taken(column, used)
 
     line = keep_rows(run.line)
@@ -123,8 +123,10 @@ def payload(run: RunData, fig: Figures) -> dict[str, Any]:
     }
 
 
-def _taken(column: list[T], indices: list[int] | None) -> list[T]:
-    return column if indices is None else [column[i] for i in indices]
+def _taken(column: Sequence[T], indices: list[int] | None) -> list[T]:
+    if indices is None:
+        return column if isinstance(column, list) else list(column)
+    return [column[i] for i in indices]
 
 
 def _dump(value: Any) -> bytes:

@@ -12,9 +12,10 @@ from __future__ import annotations
 
 import json
 import math
-from collections.abc import Iterable, Iterator
+from array import array
+from collections.abc import Iterable, Iterator, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, overload
 
 import attrs
 import orjson
@@ -75,6 +76,39 @@ def _other_fields(row: dict[str, Any], usage: Any, timing: dict[str, Any]) -> di
     if timing:
         other["timing"] = timing
     return other
+
+
+class Floats(Sequence[float | None]):
+    """A column of floats or None in 8 bytes a row (an array of doubles, NaN for None: a
+    column never holds a NaN itself, `_number` makes it None), not a float object each: the
+    figures' columns of a run of millions of rows."""
+
+    __slots__ = ("_values",)
+
+    def __init__(self, values: Iterable[float | None] = ()) -> None:
+        self._values = array("d")
+        for value in values:
+            self.append(value)
+
+    def append(self, value: float | None) -> None:
+        self._values.append(math.nan if value is None else value)
+
+    def __len__(self) -> int:
+        return len(self._values)
+
+    @overload
+    def __getitem__(self, index: int) -> float | None: ...
+    @overload
+    def __getitem__(self, index: slice) -> list[float | None]: ...
+    def __getitem__(self, index: int | slice) -> float | list[float | None] | None:
+        if isinstance(index, slice):
+            return [None if v != v else v for v in self._values[index]]
+        value = self._values[index]
+        return None if value != value else value
+
+    def __iter__(self) -> Iterator[float | None]:
+        for value in self._values:
+            yield None if value != value else value
 
 
 MAX_TABLE_ROWS = 50_000  # rows the page's table holds; a larger run's table is a sample
@@ -152,11 +186,11 @@ class RunData:
     task: list[int] = attrs.Factory(list)
     rollout: list[int] = attrs.Factory(list)
     ok: list[bool] = attrs.Factory(list)
-    reward: list[float | None] = attrs.Factory(list)
+    reward: Floats = attrs.Factory(Floats)
     attempts: list[int] = attrs.Factory(list)
-    started: list[float | None] = attrs.Factory(list)  # seconds since the epoch
-    finished: list[float | None] = attrs.Factory(list)
-    duration: list[float | None] = attrs.Factory(list)
+    started: Floats = attrs.Factory(Floats)  # seconds since the epoch
+    finished: Floats = attrs.Factory(Floats)
+    duration: Floats = attrs.Factory(Floats)
     error_types: list[list[str]] = attrs.Factory(list)
     errors: list[list[list[int]]] = attrs.Factory(list)  # [[type, message, attempt], ...]
     completion: list[int] = attrs.Factory(list)
@@ -168,7 +202,7 @@ class RunData:
     turns: list[int] = attrs.Factory(list)  # model replies of the row's attempt
     tool_calls: list[int] = attrs.Factory(list)
     stop_reason: list[int] = attrs.Factory(list)  # a string's index, or -1
-    advantage: list[float | None] = attrs.Factory(list)  # `--group`: set by a score_group
+    advantage: Floats = attrs.Factory(Floats)  # `--group`: set by a score_group
     extra: dict[int, dict[str, Any]] = attrs.Factory(dict)  # row index -> its other fields
 
     @property
