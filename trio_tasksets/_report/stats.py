@@ -64,7 +64,7 @@ def mean_and_std(values: Sequence[float]) -> tuple[float, float]:
 
 
 def mean_interval(
-    values: list[float], clusters: list[int], confidence: float = CONFIDENCE
+    values: Sequence[float], clusters: Sequence[int], confidence: float = CONFIDENCE
 ) -> tuple[float, float] | None:
     """A t confidence interval for the mean of `values`, its standard error clustered by
     `clusters` (a task's rollouts are not independent draws).
@@ -81,7 +81,7 @@ def mean_interval(
     return (mean - half, mean + half)
 
 
-def _clustered_se(values: list[float], clusters: list[int]) -> float:
+def _clustered_se(values: Sequence[float], clusters: Sequence[int]) -> float:
     """The clustered standard error of the mean (see `mean_interval`); >= 2 clusters."""
     groups = len(set(clusters))
     mean = math.fsum(values) / len(values)
@@ -120,7 +120,7 @@ class Interval:
 
 
 def reward_interval(
-    values: list[float], clusters: list[int], confidence: float = CONFIDENCE
+    values: Sequence[float], clusters: Sequence[int], confidence: float = CONFIDENCE
 ) -> Interval | None:
     """The interval the report shows for a mean reward, inside the rewards' bounds.
 
@@ -231,7 +231,7 @@ class RunningInterval:
         )  # fmt: skip
 
 
-def percentile(ordered: list[float], q: float) -> float:
+def percentile(ordered: Sequence[float], q: float) -> float:
     """The q-th percentile (0..100) of sorted values, interpolated linearly between ranks (as
     `statistics.quantiles(method="inclusive")` and numpy's default)."""
     if not ordered:
