@@ -10,6 +10,8 @@ filterable, sortable, paged table of the rows, each expanding to its messages. F
 computed in Python (`report_figures`); the page's script only draws the table.
 
 It reads a run that is still being written (whole lines only) and 100,000 rows in seconds.
+The table holds at most 50,000 rows (a larger run's is a sample, and the page says so; the
+figures count every row), so the page stays near its bound at any row count.
 """
 
 from __future__ import annotations

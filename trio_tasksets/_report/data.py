@@ -6,6 +6,11 @@ and is left out), and a missing `summary.json` means the run has not ended. Rows
 as dicts: each one is taken apart at once into columns (for the figures) and a compact
 encoding of its texts (for the page), every distinct string stored once, so a 100,000-row run
 reads in about a second and the page carries each prompt once, not once per rollout.
+
+The page's table holds at most `MAX_TABLE_ROWS` rows: a larger run's table is a `Sample`
+(every k-th line and the failed rows, chosen as they are read, the page saying so), and the
+rows it leaves out keep only the figures' numbers (floats in arrays: `Floats`), so memory
+per row stays small and the page's size does not grow with the run.
 """
 
 from __future__ import annotations
