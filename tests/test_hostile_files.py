@@ -7,6 +7,8 @@ from __future__ import annotations
 import json
 import math
 import shutil
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
 from functools import partial
 from pathlib import Path
 from typing import Any
@@ -226,13 +228,22 @@ async def _next(tasks: trio.abc.ReceiveChannel[tt.Task]) -> str:
     return str(task.prompt)
 
 
+@asynccontextmanager
+async def _following(
+    tmp_path: Path, *first: str
+) -> AsyncIterator[tuple[Path, trio.abc.ReceiveChannel[tt.Task]]]:
+    """A feed of `feed.jsonl` holding the records `first`, each taken already."""
+    path = tmp_path / "feed.jsonl"
+    path.write_text("".join(map(_line, first)))
+    async with tt.JsonlTaskset(path, follow=True).channel() as tasks:
+        assert [await _next(tasks) for _ in first] == list(first)
+        yield path, tasks
+
+
 async def test_follow_through_rename_and_create(
     tmp_path: Path, autojump_clock: trio.testing.MockClock
 ) -> None:
-    path = tmp_path / "feed.jsonl"
-    path.write_text(_line("one"))
-    async with tt.JsonlTaskset(path, follow=True).channel() as tasks:
-        assert await _next(tasks) == "one"
+    async with _following(tmp_path, "one") as (path, tasks):
         with path.open("a") as old:
             old.write(_line("two, the old file's last"))
         path.rename(tmp_path / "feed.jsonl.1")  # logrotate's default: rename, then create
@@ -247,10 +258,7 @@ async def test_follow_through_rename_and_create(
 async def test_follow_through_delete_and_recreate(
     tmp_path: Path, autojump_clock: trio.testing.MockClock
 ) -> None:
-    path = tmp_path / "feed.jsonl"
-    path.write_text(_line("one"))
-    async with tt.JsonlTaskset(path, follow=True).channel() as tasks:
-        assert await _next(tasks) == "one"
+    async with _following(tmp_path, "one") as (path, tasks):
         path.unlink()
         with trio.move_on_after(5):  # no file at the path: the feed waits for one
             await tasks.receive()
@@ -262,10 +270,7 @@ async def test_follow_through_delete_and_recreate(
 async def test_follow_truncate_then_write_at_once_restarts_at_the_top(
     tmp_path: Path, autojump_clock: trio.testing.MockClock
 ) -> None:
-    path = tmp_path / "feed.jsonl"
-    path.write_text(_line("one") + _line("two"))
-    async with tt.JsonlTaskset(path, follow=True).channel() as tasks:
-        assert [await _next(tasks), await _next(tasks)] == ["one", "two"]
+    async with _following(tmp_path, "one", "two") as (path, tasks):
         # truncated and written again, longer than before, between two reads: the size alone
         # does not tell; the bytes before the position read so far do
         path.write_text(_line("a longer first line after the rotation") + _line("b"))
