@@ -14,6 +14,7 @@ import trio
 from helpers import cli
 
 import trio_tasksets as tt
+from trio_tasksets._core.datasets import record_problem
 
 
 def write_jsonl(path: Path, records: list[dict[str, Any]], tail: str = "") -> Path:
@@ -49,11 +50,11 @@ def test_chat_messages_as_the_prompt_and_a_missing_answer(tmp_path: Path) -> Non
 
 def test_head_reads_only_the_records_it_takes(tmp_path: Path) -> None:
     """-n 10 of a huge file decodes 10 records: the 11th line is not JSON, and is never read
-    as a record."""
+    as a record (read, it is a task whose row fails, naming the file and line)."""
     path = write_jsonl(tmp_path / "big.jsonl", SUMS[:10], tail="{not json\n" * 1000)
     assert len(list(tt.JsonlTaskset(path).head(10))) == 10
-    with pytest.raises(tt.DatasetError, match=r"big.jsonl:11: not a JSON line"):
-        list(tt.JsonlTaskset(path).head(11))
+    eleventh = list(tt.JsonlTaskset(path).head(11))[-1]
+    assert str(record_problem(eleventh)).startswith(f"{path}:11: not a JSON line")
 
 
 def test_eval_of_a_data_file_with_n_reads_n_records(

@@ -575,9 +575,9 @@ def _fix_for(
             f"the env server wants a bearer token: export {var}=<its token> (or name the "
             "variable with --token-var)"
         )
-    if (run_dir / "traces.jsonl").is_file():
+    if (run_dir / "traces.jsonl").is_file() and (_summary_on_disk(run_dir) or {}).get("failed"):
         return f"every failed row's errors are in {run_dir}/traces.jsonl"
-    # No row was kept (a run that failed before its first one leaves no run dir).
+    # No failed row was kept (a run that failed before its first one leaves no run dir).
     return debug_fix(message, debug=command.debug)
 
 

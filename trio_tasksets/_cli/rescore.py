@@ -83,10 +83,12 @@ def run(args: argparse.Namespace) -> int:
         partial(
             rescore, command.run_dir, command.reward, reward_name=command.reward_name,
             output_dir=command.output_dir, run_name=command.run_name, window=command.window,
-            command=command.command,
+            command=command.command, keep_episodes=False,
         )
     )  # fmt: skip
     print_summary(result.summary, result.run_dir)
+    if result.summary.get("skipped"):  # lines of the old traces that are not rows
+        print(f"rescore: {result.summary['skipped']}", file=sys.stderr)
     print(
         f"rescored {command.run_dir} with {command.reward_name} into {result.run_dir}",
         file=sys.stderr,

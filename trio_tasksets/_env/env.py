@@ -18,6 +18,7 @@ import trio
 
 from .._core.adaptive import AdaptiveWindow, Outcome
 from .._core.backoff import FIRST, MOST, Backoff
+from .._core.datasets import check_record, record_problem
 from .._core.exceptions import ConfigError, ConfigTypeError, TrioTasksetsError
 from .._core.limits import CallObserver, observe_calls, parked
 from .._core.tasksets import Taskset
@@ -658,12 +659,15 @@ class Env(Generic[TaskT]):
         own = self.rollout_limits
         limits = own if slot.limits is None else own.within(slot.limits)
         bounded = limits.bounds_attempt
+        unreadable = record_problem(task) is not None  # a data file's unreadable record
         attempt = 0
         while True:
             attempt += 1
             stats = _Rollout(episode, limits)
             token = _rollout.set(stats)
             try:
+                if unreadable:  # its row fails at once: no model call, no retry
+                    check_record(task)
                 # sticky: with many endpoints, an attempt's calls stay on one (its prefix cache)
                 if not bounded:  # inline: this runs once per attempt of every episode
                     with observe_completions(stats), observe_calls(waits), sticky(episode.id):
@@ -676,7 +680,7 @@ class Env(Generic[TaskT]):
                         )
             except Exception as exc:
                 episode.errors.append(EpisodeError.of(exc, attempt))
-                if not self.retries.should_retry(exc, attempt):
+                if unreadable or not self.retries.should_retry(exc, attempt):
                     break
                 with observe_calls(waits), parked("retry"):
                     await trio.sleep(self.retries.delay(attempt))

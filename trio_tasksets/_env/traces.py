@@ -15,28 +15,58 @@ import json
 import os
 import secrets
 import stat
-from collections.abc import AsyncIterator, Iterable
+from collections.abc import AsyncIterator, Callable, Iterable, Iterator
 from contextlib import asynccontextmanager
 from pathlib import Path
 from typing import Any
 
+import attrs
 import orjson
 import trio
 
 from .._core.runner import pick_one
 
-__all__ = ["TraceWriter", "open_traces", "read_rows", "write_atomic"]
+__all__ = [
+    "BadLine",
+    "TraceRows",
+    "TraceWriter",
+    "decode_line",
+    "open_traces",
+    "read_rows",
+    "write_atomic",
+]
 
 
 def _encode(row: dict[str, Any]) -> bytes:
     # orjson: a row is encoded on the eval's hot path, ~0.4 us against ~5 us for json.dumps.
-    # What it refuses (an int beyond 64 bits, a tuple key) goes through json with str().
+    # What it refuses (an int beyond 64 bits, a tuple key, a str that is not Unicode: a lone
+    # surrogate such as "\ud800", which Python's json reads from any file) goes through json
+    # with str() and every non-ASCII character escaped: ASCII always encodes, so writing a row
+    # never raises for its text, and the escape reads back as the same str (`read_rows`).
     try:
         return orjson.dumps(
             row, default=str, option=orjson.OPT_APPEND_NEWLINE | orjson.OPT_NON_STR_KEYS
         )
     except TypeError:
-        return (json.dumps(row, ensure_ascii=False, default=str) + "\n").encode()
+        pass
+    try:
+        return (json.dumps(row, default=str) + "\n").encode()
+    except (ValueError, RecursionError):  # nested past the encoders' depth, or a cycle
+        return (json.dumps(_writable(row), default=str) + "\n").encode()
+
+
+def _writable(row: dict[str, Any]) -> dict[str, Any]:
+    """`row` with each field that cannot be encoded (nested too deep, a cycle) replaced by a
+    text saying why: the row is written, and reads back as a row that is not an episode
+    (counted by whoever reads it), never a writer that raises mid-run."""
+    kept: dict[str, Any] = {}
+    for key, value in row.items():
+        try:
+            json.dumps(value, default=str)
+        except (ValueError, RecursionError) as exc:
+            value = f"<not written: {type(exc).__name__}: {exc}>"
+        kept[str(key)] = value
+    return kept
 
 
 class TraceWriter:
@@ -104,29 +134,102 @@ async def open_traces(path: Path, *, fsync_interval: float = 0.5) -> AsyncIterat
             os.close(fd)
 
 
+@attrs.frozen
+class BadLine:
+    """A line of a trace file that is not a row: its 1-based number and why."""
+
+    line: int
+    reason: str
+
+
+def decode_line(line: bytes) -> tuple[Any, str | None]:
+    """One trace line's JSON value, or (None, why it cannot be read). orjson first (fast);
+    what it refuses but a row may hold is tried with json: a lone surrogate's escape, NaN
+    and Infinity (as json writes them). Nesting beyond orjson's depth (1,024) is refused
+    without recursing; invalid UTF-8 too."""
+    try:
+        return orjson.loads(line), None
+    except orjson.JSONDecodeError as exc:
+        first = str(exc)
+    if first.startswith("depth limit"):
+        return None, f"nested deeper than {MAX_DEPTH} levels"
+    try:
+        return json.loads(line.decode("utf-8")), None
+    except UnicodeDecodeError as exc:
+        return None, f"not UTF-8 ({exc.reason} at byte {exc.start})"
+    except (ValueError, RecursionError):
+        return None, f"not JSON ({first})"
+
+
+MAX_DEPTH = 1024  # orjson's bound on nesting, and so a trace row's
+
+
+class TraceRows:
+    """The rows of a trace file, read as they are iterated (one line at a time: memory does
+    not grow with the file): `(line number, row)` for each JSON object. A line that is not
+    one (not JSON, not UTF-8, nested too deep, not an object) is counted in `bad`, with its
+    number and why, never raised; blank lines are skipped, and a torn last line (a killed
+    writer's: no newline, not JSON) is left out as `torn`, expected.
+    `accept(row)` may refuse a row with a reason (counted too). A missing file has no rows.
+    """
+
+    KEPT = 10  # bad lines whose number and reason are kept (all are counted)
+
+    def __init__(self, path: Path, accept: Callable[[dict[str, Any]], str | None] | None = None):
+        self.path = path
+        self.accept = accept
+        self.bad = 0
+        self.first_bad: list[BadLine] = []
+        self.torn = False  # the last line was cut short (no newline) and is left out
+
+    def refuse(self, line: int, reason: str) -> None:
+        """Count line `line` as not a row, for `reason`."""
+        self.bad += 1
+        if len(self.first_bad) < self.KEPT:
+            self.first_bad.append(BadLine(line, reason))
+
+    def __iter__(self) -> Iterator[tuple[int, dict[str, Any]]]:
+        try:
+            file = self.path.open("rb")
+        except FileNotFoundError:
+            return
+        with file:
+            for number, line in enumerate(file, 1):
+                if not line.strip():
+                    continue
+                row, why = decode_line(line)
+                if why is None and type(row) is not dict:
+                    why = f"a {type(row).__name__}, not a JSON object"
+                if why is None and self.accept is not None:
+                    why = self.accept(row)
+                if why is not None:
+                    if line.endswith(b"\n"):
+                        self.refuse(number, why)
+                    else:  # the last line, torn by a killed writer: expected, not counted
+                        self.torn = True
+                    continue
+                yield number, row
+
+    def describe(self) -> str:
+        """The bad lines in one sentence naming the file and the first lines ("" for none)."""
+        if not self.bad:
+            return ""
+        shown = "; ".join(f"line {b.line}: {b.reason}" for b in self.first_bad)
+        more = ", ..." if self.bad > len(self.first_bad) else ""
+        lines = "line" if self.bad == 1 else "lines"
+        return f"{self.path}: {self.bad:,} {lines} skipped, not rows ({shown}{more})"
+
+
 def read_rows(path: Path) -> tuple[list[dict[str, Any]], int]:
-    """The whole rows of a trace file, and how many lines could not be read.
+    """The whole rows of a trace file, and how many lines could not be read (`TraceRows`,
+    kept in a list: for a small file; a large one is iterated with `TraceRows`).
 
     A torn last line (a killed writer) is expected; an unreadable line elsewhere is counted
     too, never raised, so a resume keeps what is whole.
     """
-    rows: list[dict[str, Any]] = []
-    bad = 0
-    if not path.exists():
-        return rows, bad
-    for line in path.read_bytes().split(b"\n"):
-        if not line.strip():
-            continue
-        try:
-            row = json.loads(line)
-        except ValueError:
-            bad += 1
-            continue
-        if isinstance(row, dict):
-            rows.append(row)
-        else:
-            bad += 1
-    return rows, bad
+    rows = TraceRows(path)
+    found = [row for _line, row in rows]
+    return found, rows.bad + rows.torn
 
 
 def write_atomic(path: Path, rows: Iterable[dict[str, Any]] | None = None, text: str = "") -> None:

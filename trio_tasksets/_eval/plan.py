@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import math
+import warnings
 from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
@@ -13,9 +14,9 @@ import trio
 from .._env.env import Env, Episode, RunSlot, task_data, task_key
 from .._env.groups import Advantage, Group, group_slots
 from .._env.loading import upgraded_label
-from .._env.traces import read_rows
+from .._env.traces import TraceRows
 from .._monitor import dashboard
-from .config import IDENTITY, EvalConfig, EvalConfigError
+from .config import IDENTITY, EvalConfig, EvalConfigError, EvalWarning
 
 
 def static_slots(env: Env[Any], config: EvalConfig) -> list[RunSlot[Any]]:
@@ -59,15 +60,18 @@ def keep_resumable(
             f"same settings, or start a new run with another {{run_name}}",
             parameter=("resume", "run_name"),
         )
-    rows, _bad = read_rows(run_dir / "traces.jsonl")
     # A row stands for a slot by its task's key, its rollout and the task's own data (two
     # different tasks may share a key); only whole, ok rows that read back as an episode.
+    # Any other line (not JSON, nested too deep, not an episode) is skipped and counted, and
+    # said once (file, count, first lines), as `report` and `rescore` do.
+    read = TraceRows(run_dir / "traces.jsonl", accept=episode_problem)
+    rows = [row for _line, row in read]
+    if read.bad:
+        warnings.warn(EvalWarning(f"{{resume}}: {read.describe()}; left out, as the report leaves them",
+                                  parameter="resume"), stacklevel=3)  # fmt: skip
     by_slot: dict[tuple[str, int, str], list[dict[str, Any]]] = {}
     for row in rows:
-        try:
-            episode = Episode.from_row(row)
-        except (KeyError, TypeError, ValueError, AttributeError):
-            continue
+        episode = Episode.from_row(row)
         if episode.ok and math.isfinite(episode.reward):
             slot_id = (episode.task.key, episode.rollout, _canonical(episode.task.data))
             by_slot.setdefault(slot_id, []).append(row)
@@ -90,6 +94,22 @@ def keep_resumable(
         dropped = {_slot_id(slot) for slot in owed}
         chosen = {i for i in chosen if _row_slot(by_id[i]) not in dropped}
     return [row for row in rows if id(row) in chosen], owed
+
+
+def row_episode(row: dict[str, Any]) -> Episode | str:
+    """The episode of a trace row, or why the row is not one (a field missing or of the
+    wrong type: `{}`, a row without `task`, `"reward": "abc"`)."""
+    try:
+        return Episode.from_row(row)
+    except (KeyError, TypeError, ValueError, AttributeError, OverflowError) as exc:
+        detail = f"no field {exc}" if isinstance(exc, KeyError) else str(exc)
+        return f"not an episode row ({detail})"
+
+
+def episode_problem(row: dict[str, Any]) -> str | None:
+    """Why a trace row is not an episode row, None when it is one (`TraceRows`'s accept)."""
+    found = row_episode(row)
+    return found if isinstance(found, str) else None
 
 
 def _slot_id(slot: RunSlot[Any]) -> tuple[str, int, str]:

@@ -25,12 +25,11 @@ import functools
 import json
 import math
 import re
-import statistics
 import sys
 import time
 import warnings
 from collections import Counter
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Mapping
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
@@ -54,7 +53,7 @@ from .._env.traces import open_traces, write_atomic
 from .._models import ModelContext, describe
 from .._models.engine import EngineMetrics
 from .._monitor import dashboard
-from .._report.stats import RunningInterval, reward_interval
+from .._report.stats import RunningInterval, mean_and_std, reward_interval
 from .._transport import redact_url
 from .config import (
     RECORD_FIELDS,
@@ -300,12 +299,20 @@ def metric_summary(episodes: list[Episode]) -> dict[str, dict[str, Any]]:
         for name, value in episode.metrics.items():
             values.setdefault(name, []).append(value)
             clusters.setdefault(name, []).append(task)
+    return metric_figures(values, clusters)
+
+
+def metric_figures(
+    values: Mapping[str, list[float]], clusters: Mapping[str, list[int]]
+) -> dict[str, dict[str, Any]]:
+    """`metric_summary` from each metric's values and their tasks' numbers (`clusters`)."""
     found: dict[str, dict[str, Any]] = {}
     for name, numbers in values.items():
         interval = reward_interval(numbers, clusters[name])
+        mean, std = mean_and_std(numbers)  # finite for any finite values (1e308 included)
         found[name] = {
-            "mean": statistics.fmean(numbers),
-            "std": statistics.pstdev(numbers),
+            "mean": mean,
+            "std": std,
             "n": len(numbers),
             "ci": None if interval is None else [interval.low, interval.high],
             "ci_method": None if interval is None else interval.method,
@@ -328,30 +335,22 @@ def _summary(
         "ok": ok,
         "failed": len(episodes) - ok,
         "kept_from_resume": kept,
-        "reward_mean": statistics.fmean(rewards) if rewards else None,
-        "reward_std": statistics.pstdev(rewards) if rewards else None,
+        "reward_mean": mean_and_std(rewards)[0] if rewards else None,
+        "reward_std": mean_and_std(rewards)[1] if rewards else None,
         "duration_s": duration,
         "rollouts_per_s": (len(episodes) - kept) / duration if duration > 0 else math.nan,
         "interrupted": not complete,
         "stopped": tally.stopped,
         "error": tally.error,
         "errors_by_type": dict(by_type.most_common()),
-        "first_error": None if first is None else _first_error(first),
+        "first_error": None if first is None else first_error(first),
         "usage": _usage(episodes),
         "waited_s": _waited(episodes),
         "metrics": metric_summary(episodes),
     }
 
 
-def summarize(episodes: list[Episode], planned: int) -> dict[str, Any]:
-    """The figures of `summary.json` for `episodes` of a run that completed (what a rescore
-    writes: its duration and rate are the original run's)."""
-    tally = Tally(recorded=list(episodes))
-    tally.failed = sum(1 for e in episodes if not e.ok)
-    return _summary(episodes, planned, time.monotonic(), 0, tally, True)
-
-
-def _first_error(error: EpisodeError) -> dict[str, Any]:
+def first_error(error: EpisodeError) -> dict[str, Any]:
     first: dict[str, Any] = {"type": error.type, "message": error.message}
     if error.status is not None:
         first["status"] = error.status  # the HTTP status the endpoint answered with

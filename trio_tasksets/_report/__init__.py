@@ -10,6 +10,8 @@ filterable, sortable, paged table of the rows, each expanding to its messages. F
 computed in Python (`report_figures`); the page's script only draws the table.
 
 It reads a run that is still being written (whole lines only) and 100,000 rows in seconds.
+The table holds at most 50,000 rows (a larger run's is a sample, and the page says so; the
+figures count every row), so the page stays near its bound at any row count.
 """
 
 from __future__ import annotations
@@ -23,7 +25,7 @@ from contextlib import contextmanager
 from html import escape
 from importlib import metadata, resources
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import orjson
 
@@ -38,6 +40,7 @@ MAX_SIZE = 27_000_000  # bytes: about the largest page; row texts are cut to fit
 MIN_TEXT = 1_000_000  # characters of texts a run keeps, whatever its size
 _RESERVE = 400_000  # bytes for the template and the summary's HTML
 _PLACEHOLDER = re.compile(r"\{\{(\w+)\}\}")
+T = TypeVar("T")
 
 
 def _scaled(values: list[float | None], scale: float, base: float = 0.0) -> list[int | None]:
@@ -47,16 +50,40 @@ def _scaled(values: list[float | None], scale: float, base: float = 0.0) -> list
 
 def payload(run: RunData, fig: Figures) -> dict[str, Any]:
     """The table's data for one run, column by column, without its texts (`run.strings`,
-    which `page` adds as `S`; text columns hold indices into it)."""
+    which `page` adds as `S`; text columns hold indices into it). A run with a sampled
+    table (`run.table`) gives the sampled rows only, and the tasks they name."""
     t0 = fig.t0 or 0.0
     tasks = fig.tasks
-    consecutive = all(line == i for i, line in enumerate(run.line, 1))
+    pick = run.table
+    used: list[int] | None = None  # the tasks the sampled rows name (None: all)
+    task_ids = run.task
+    if pick is not None:
+        used = sorted({run.task[i] for i in pick})
+        task_of = {t: j for j, t in enumerate(used)}
+        task_ids = [task_of[run.task[i]] for i in pick]
+
+    def keep_rows(column: Sequence[T]) -> list[T]:
+        return _taken(column, pick)
+
+    def keep_tasks(column: Sequence[T]) -> list[T]:
+        return _taken(column, used)
+
+    line = keep_rows(run.line)
+    consecutive = pick is None and all(n == i for i, n in enumerate(line, 1))
+    turns, calls, advantages = (
+        keep_rows(run.turns),
+        keep_rows(run.tool_calls),
+        keep_rows(run.advantage),
+    )
     # The rows table's columns beyond the fixed ones, only when a row has them: an agent's
     # turns and tool calls (a single-turn row has 1 and 0: no column for it), a group's
     # advantage (a run without any carries no such column, nor its data).
-    agent = any(calls for calls in run.tool_calls) or any(turns > 1 for turns in run.turns)
-    advantage = any(value is not None for value in run.advantage)
+    agent = any(calls) or any(n > 1 for n in turns)
+    advantage = any(value is not None for value in advantages)
     more = [*(["tn", "tc"] if agent else []), *(["adv"] if advantage else [])]
+    extra = run.extra if pick is None else {
+        j: run.extra[i] for j, i in enumerate(pick) if i in run.extra
+    }  # fmt: skip
     return {
         "name": run.name,
         "more": more,
@@ -64,38 +91,44 @@ def payload(run: RunData, fig: Figures) -> dict[str, Any]:
         "t0": fig.t0,
         "threshold": tasks.threshold,
         "tasks": {
-            "key": run.task_keys,
-            "fields": run.task_fields,
-            "n": tasks.rollouts,
-            "ok": tasks.ok,
-            "passed": tasks.passed,
-            "mean": tasks.reward_mean,
+            "key": keep_tasks(run.task_keys),
+            "fields": [(name, kind, keep_tasks(column)) for name, kind, column in run.task_fields],
+            "n": keep_tasks(tasks.rollouts),
+            "ok": keep_tasks(tasks.ok),
+            "passed": keep_tasks(tasks.passed),
+            "mean": keep_tasks(tasks.reward_mean),
         },
         "rows": {
-            "line": None if consecutive else run.line,  # None: row i is on line i + 1
-            "id": run.id,
-            "task": run.task,
-            "rollout": run.rollout,
-            "ok": [1 if ok else 0 for ok in run.ok],
-            "reward": run.reward,
-            "att": run.attempts,
-            "start": _scaled(run.started, 1e3, t0),  # ms since t0
-            "fin": _scaled(run.finished, 1e3, t0),
-            "dur": _scaled(run.duration, 1e6),  # µs
-            "err": [errors[-1][0] if errors else -1 for errors in run.errors],
-            "errs": run.errors,
-            "comp": run.completion,
-            "msgs": run.messages,
-            "pt": run.prompt_tokens,
-            "ct": run.completion_tokens,
-            "fr": run.finish_reason,
-            "tn": run.turns,
-            "tc": run.tool_calls,
-            "sr": run.stop_reason,
-            "adv": run.advantage if advantage else None,
-            "extra": run.extra,
+            "line": None if consecutive else line,  # None: row i is on line i + 1
+            "id": keep_rows(run.id),
+            "task": task_ids,
+            "rollout": keep_rows(run.rollout),
+            "ok": [1 if ok else 0 for ok in keep_rows(run.ok)],
+            "reward": keep_rows(run.reward),
+            "att": keep_rows(run.attempts),
+            "start": _scaled(keep_rows(run.started), 1e3, t0),  # ms since t0
+            "fin": _scaled(keep_rows(run.finished), 1e3, t0),
+            "dur": _scaled(keep_rows(run.duration), 1e6),  # µs
+            "err": [errors[-1][0] if errors else -1 for errors in keep_rows(run.errors)],
+            "errs": keep_rows(run.errors),
+            "comp": keep_rows(run.completion),
+            "msgs": keep_rows(run.messages),
+            "pt": keep_rows(run.prompt_tokens),
+            "ct": keep_rows(run.completion_tokens),
+            "fr": keep_rows(run.finish_reason),
+            "tn": turns,
+            "tc": calls,
+            "sr": keep_rows(run.stop_reason),
+            "adv": advantages if advantage else None,
+            "extra": extra,
         },
     }
+
+
+def _taken(column: Sequence[T], indices: list[int] | None) -> list[T]:
+    if indices is None:
+        return column if isinstance(column, list) else list(column)
+    return [column[i] for i in indices]
 
 
 def _dump(value: Any) -> bytes:

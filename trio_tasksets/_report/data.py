@@ -6,22 +6,28 @@ and is left out), and a missing `summary.json` means the run has not ended. Rows
 as dicts: each one is taken apart at once into columns (for the figures) and a compact
 encoding of its texts (for the page), every distinct string stored once, so a 100,000-row run
 reads in about a second and the page carries each prompt once, not once per rollout.
+
+The page's table holds at most `MAX_TABLE_ROWS` rows: a larger run's table is a `Sample`
+(every k-th line and the failed rows, chosen as they are read, the page saying so), and the
+rows it leaves out keep only the figures' numbers (floats in arrays: `Floats`), so memory
+per row stays small and the page's size does not grow with the run.
 """
 
 from __future__ import annotations
 
 import json
 import math
-from collections.abc import Iterable, Iterator
+from array import array
+from collections.abc import Iterable, Iterator, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, overload
 
 import attrs
 import orjson
 
 from .._core.exceptions import ConfigError
 
-__all__ = ["ReportError", "RunData", "load_run", "run_from_rows"]
+__all__ = ["MAX_TABLE_ROWS", "ReportError", "RunData", "Sample", "load_run", "run_from_rows"]
 
 # Row fields the report takes apart; any other field is kept and shown as it is.
 _KNOWN = frozenset(
@@ -77,6 +83,75 @@ def _other_fields(row: dict[str, Any], usage: Any, timing: dict[str, Any]) -> di
     return other
 
 
+class Floats(Sequence[float | None]):
+    """A column of floats or None in 8 bytes a row (an array of doubles, NaN for None: a
+    column never holds a NaN itself, `_number` makes it None), not a float object each: the
+    figures' columns of a run of millions of rows."""
+
+    __slots__ = ("_values",)
+
+    def __init__(self, values: Iterable[float | None] = ()) -> None:
+        self._values = array("d")
+        for value in values:
+            self.append(value)
+
+    def append(self, value: float | None) -> None:
+        self._values.append(math.nan if value is None else value)
+
+    def __len__(self) -> int:
+        return len(self._values)
+
+    @overload
+    def __getitem__(self, index: int) -> float | None: ...
+    @overload
+    def __getitem__(self, index: slice) -> list[float | None]: ...
+    def __getitem__(self, index: int | slice) -> float | list[float | None] | None:
+        if isinstance(index, slice):
+            return [None if v != v else v for v in self._values[index]]
+        value = self._values[index]
+        return None if value != value else value
+
+    def __iter__(self) -> Iterator[float | None]:
+        for value in self._values:
+            yield None if value != value else value
+
+
+MAX_TABLE_ROWS = 50_000  # rows the page's table holds; a larger run's table is a sample
+_EMPTY: list[Any] = []  # shared by the rows that have none (never changed)
+
+
+@attrs.define
+class Sample:
+    """Which rows of a run larger than the table the table shows, decided as each is read:
+    every `stride`-th row (an even sample of about half the table) and every failed row
+    until `failed_room` of them are taken (the other half): at most `limit` rows."""
+
+    limit: int
+    lines: int  # the trace file's lines
+    stride: int = 1
+    failed_room: int = 0
+
+    def __attrs_post_init__(self) -> None:
+        half = max(self.limit // 2, 1)
+        self.stride = max(-(-self.lines // half), 1)
+        self.failed_room = self.limit - half
+
+    def takes(self, line: int, ok: bool) -> bool:
+        if line % self.stride == 0:
+            return True
+        if not ok and self.failed_room > 0:
+            self.failed_room -= 1
+            return True
+        return False
+
+    def describe(self, shown: int, rows: int) -> str:
+        return (
+            f"The table shows {shown:,} of the {rows:,} rows: every {self.stride:,}th line of "
+            f"traces.jsonl, and its failed rows up to {self.limit - self.limit // 2:,}, in "
+            f"file order; the figures count every row."
+        )
+
+
 @attrs.define
 class RunData:
     """One run, taken apart: its files' JSON, one list per row field, and the page's texts.
@@ -91,6 +166,11 @@ class RunData:
     summary: dict[str, Any] | None = None
     label: str | None = None  # the name shown, when the dir's own name is not enough
     unreadable: list[int] = attrs.Factory(list)  # 1-based lines that are not a JSON object
+    # A run of more rows than the table holds (`MAX_TABLE_ROWS`): which rows the table shows
+    # (`table`: row indices, in file order), chosen as they are read by `sample`. The other
+    # rows keep only what the figures need (no texts, no messages): None for a table of all.
+    sample: Sample | None = None
+    table: list[int] | None = None
     torn: bool = False  # a last line without its newline was left out
     # the texts, each distinct string once
     strings: list[str] = attrs.Factory(list)
@@ -111,11 +191,11 @@ class RunData:
     task: list[int] = attrs.Factory(list)
     rollout: list[int] = attrs.Factory(list)
     ok: list[bool] = attrs.Factory(list)
-    reward: list[float | None] = attrs.Factory(list)
+    reward: Floats = attrs.Factory(Floats)
     attempts: list[int] = attrs.Factory(list)
-    started: list[float | None] = attrs.Factory(list)  # seconds since the epoch
-    finished: list[float | None] = attrs.Factory(list)
-    duration: list[float | None] = attrs.Factory(list)
+    started: Floats = attrs.Factory(Floats)  # seconds since the epoch
+    finished: Floats = attrs.Factory(Floats)
+    duration: Floats = attrs.Factory(Floats)
     error_types: list[list[str]] = attrs.Factory(list)
     errors: list[list[list[int]]] = attrs.Factory(list)  # [[type, message, attempt], ...]
     completion: list[int] = attrs.Factory(list)
@@ -127,7 +207,7 @@ class RunData:
     turns: list[int] = attrs.Factory(list)  # model replies of the row's attempt
     tool_calls: list[int] = attrs.Factory(list)
     stop_reason: list[int] = attrs.Factory(list)  # a string's index, or -1
-    advantage: list[float | None] = attrs.Factory(list)  # `--group`: set by a score_group
+    advantage: Floats = attrs.Factory(Floats)  # `--group`: set by a score_group
     extra: dict[int, dict[str, Any]] = attrs.Factory(dict)  # row index -> its other fields
 
     @property
@@ -177,11 +257,20 @@ class RunData:
         add_reason, add_group = self.finish_reason.append, self.group.append
         add_turns, add_calls = self.turns.append, self.tool_calls.append
         add_stop, add_advantage = self.stop_reason.append, self.advantage.append
+        sample = self.sample
+        table = self.table if self.table is not None or sample is None else []
+        self.table = table
         for line, row in numbered:
             if type(row) is not dict:
                 self.unreadable.append(line)
                 continue
             get = row.get
+            shown = sample is None or sample.takes(line, get("ok") is True)
+            if not shown:
+                self._add_figures_only(row)
+                continue
+            if table is not None:
+                table.append(len(self.line))
             add_line(line)
             add_id(str(get("id", "")))
             task = get("task")
@@ -192,8 +281,10 @@ class RunData:
             if number is None:
                 number = tasks[key] = len(task_keys)
                 task_keys.append(key)
+                task_data.append(None)
+            if task_data[number] is None:
                 data = task.get("data") if type(task) is dict else None
-                task_data.append(data if type(data) is dict else None)
+                task_data[number] = data if type(data) is dict else None
             add_task(number)
             rollout = get("rollout")
             add_rollout(rollout if type(rollout) is int else 0)
@@ -260,6 +351,60 @@ class RunData:
             ):
                 extra[len(self.line) - 1] = other = _other_fields(row, usage, timing)
                 raw.append(other)
+
+    def _add_figures_only(self, row: dict[str, Any]) -> None:
+        """A row the table does not show (`sample`): only the columns the figures read
+        (its texts, messages, id and task data are not kept)."""
+        get = row.get
+        self.line.append(0)
+        self.id.append("")
+        task = get("task")
+        key = task.get("key") if type(task) is dict else None
+        if type(key) is not str:
+            key = json.dumps(key)
+        number = self._task_index.get(key)
+        if number is None:
+            number = self._task_index[key] = len(self.task_keys)
+            self.task_keys.append(key)
+            self._task_data.append(None)
+        self.task.append(number)
+        rollout, attempts = get("rollout"), get("attempts")
+        self.rollout.append(rollout if type(rollout) is int else 0)
+        self.ok.append(get("ok") is True)
+        self.reward.append(_number(get("reward")))
+        self.attempts.append(attempts if type(attempts) is int else 0)
+        timing = get("timing")
+        if type(timing) is not dict:
+            timing = {}
+        self.started.append(_number(timing.get("started")))
+        self.finished.append(_number(timing.get("finished")))
+        self.duration.append(_number(timing.get("duration")))
+        errors = get("errors")
+        kinds = _EMPTY
+        if errors and type(errors) is list:
+            kinds = [str(e.get("type", "?")) if type(e) is dict else "?" for e in errors]
+        self.error_types.append(kinds)
+        self.errors.append(_EMPTY)
+        self.completion.append(-1)
+        self.messages.append(_EMPTY)
+        usage = get("usage")
+        if type(usage) is dict:
+            self.prompt_tokens.append(_count(usage.get("prompt_tokens")))
+            self.completion_tokens.append(_count(usage.get("completion_tokens")))
+        else:
+            self.prompt_tokens.append(None)
+            self.completion_tokens.append(None)
+        self.finish_reason.append(-1)
+        group = get("group")
+        self.group.append(group if type(group) is str else None)
+        turns, calls = get("turns"), get("tool_calls")
+        self.turns.append(turns if type(turns) is int else 0)
+        self.tool_calls.append(calls if type(calls) is int else 0)
+        self.stop_reason.append(-1)
+        self.advantage.append(_number(get("advantage")))
+        metrics = get("metrics")
+        if metrics and type(metrics) is dict:  # the figures sum up named metrics
+            self.extra[len(self.line) - 1] = {"metrics": metrics}
 
     def fit_texts(self, budget: int) -> int | None:
         """Cut the texts so that together they take about `budget` characters.
@@ -342,8 +487,9 @@ def read_lines(run: RunData, lines: Iterable[bytes]) -> None:
     run.finish()
 
 
-def load_run(path: str | Path) -> RunData:
-    """Read the run dir at `path` (finished, or still being written)."""
+def load_run(path: str | Path, *, table_rows: int = MAX_TABLE_ROWS) -> RunData:
+    """Read the run dir at `path` (finished, or still being written). A run of more than
+    `table_rows` lines keeps texts for a sample of that many rows only (`Sample`)."""
     path = Path(path)
     if not path.is_dir():
         what = "is not a directory" if path.exists() else "does not exist"
@@ -362,11 +508,22 @@ def load_run(path: str | Path) -> RunData:
     run.summary = _read_json(path / "summary.json")
     if traces.exists():
         try:
-            with traces.open("rb") as lines:  # line by line: a large run is never all in memory
-                read_lines(run, lines)
+            lines = _count_lines(traces)
+            if lines > table_rows:  # the table shows a sample; the figures count every row
+                run.sample = Sample(table_rows, lines)
+            with traces.open("rb") as whole:  # line by line: a large run is never all in memory
+                read_lines(run, whole)
         except OSError as exc:
             raise ReportError(f"{traces}: cannot read it ({exc})") from exc
     return run
+
+
+def _count_lines(path: Path) -> int:
+    count = 0
+    with path.open("rb") as file:
+        while chunk := file.read(1 << 20):
+            count += chunk.count(b"\n")
+    return count
 
 
 def run_from_rows(

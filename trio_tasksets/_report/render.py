@@ -357,6 +357,8 @@ def _notes(run: RunData, fig: Figures) -> str:
         lines = ", ".join(str(n) for n in run.unreadable[:10])
         notes.append(f"{len(run.unreadable):,} lines of traces.jsonl are not JSON rows and are "
                      f"left out (lines {lines}{', …' if len(run.unreadable) > 10 else ''}).")  # fmt: skip
+    if run.sample is not None and run.table is not None:
+        notes.append(escape(run.sample.describe(len(run.table), len(run))))
     for mismatch in fig.mismatches:
         notes.append(f"summary.json and the rows disagree on {escape(mismatch)}.")
     if run.cap is not None:

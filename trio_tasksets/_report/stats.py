@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import math
 import statistics
+import sys
+from collections.abc import Sequence
 
 import attrs
 
@@ -14,6 +16,7 @@ __all__ = [
     "CONFIDENCE",
     "Interval",
     "RunningInterval",
+    "mean_and_std",
     "mean_interval",
     "nice_step",
     "pass_at_k",
@@ -43,8 +46,25 @@ def t_quantile(p: float, df: int) -> float:
     return z + g1 / df + g2 / df**2 + g3 / df**3 + g4 / df**4
 
 
+def mean_and_std(values: Sequence[float]) -> tuple[float, float]:
+    """The mean and population standard deviation of finite `values` (at least one), finite
+    themselves however large the values (`1e308` twice: its sum and its squares overflow a
+    float; here every value is scaled by the largest magnitude first)."""
+    n = len(values)
+    try:
+        mean = math.fsum(values) / n
+        return mean, math.sqrt(math.fsum((v - mean) ** 2 for v in values) / n)
+    except OverflowError:
+        pass
+    scale = max(abs(v) for v in values)
+    scaled = [v / scale for v in values]
+    mean = math.fsum(scaled) / n
+    std = math.sqrt(math.fsum((v - mean) ** 2 for v in scaled) / n)
+    return mean * scale, min(std * scale, sys.float_info.max)
+
+
 def mean_interval(
-    values: list[float], clusters: list[int], confidence: float = CONFIDENCE
+    values: Sequence[float], clusters: Sequence[int], confidence: float = CONFIDENCE
 ) -> tuple[float, float] | None:
     """A t confidence interval for the mean of `values`, its standard error clustered by
     `clusters` (a task's rollouts are not independent draws).
@@ -61,7 +81,7 @@ def mean_interval(
     return (mean - half, mean + half)
 
 
-def _clustered_se(values: list[float], clusters: list[int]) -> float:
+def _clustered_se(values: Sequence[float], clusters: Sequence[int]) -> float:
     """The clustered standard error of the mean (see `mean_interval`); >= 2 clusters."""
     groups = len(set(clusters))
     mean = math.fsum(values) / len(values)
@@ -100,7 +120,7 @@ class Interval:
 
 
 def reward_interval(
-    values: list[float], clusters: list[int], confidence: float = CONFIDENCE
+    values: Sequence[float], clusters: Sequence[int], confidence: float = CONFIDENCE
 ) -> Interval | None:
     """The interval the report shows for a mean reward, inside the rewards' bounds.
 
@@ -110,8 +130,11 @@ def reward_interval(
     Rewards in [0, 1]: the clustered t interval (`mean_interval`) clipped to [0, 1]. Other
     rewards: that t interval as it is. None with fewer than two clusters.
     """
-    interval = mean_interval(values, clusters, confidence)
-    if interval is None:
+    try:
+        interval = mean_interval(values, clusters, confidence)
+    except OverflowError:  # values near the float's limit (1e308): no interval to show
+        return None
+    if interval is None or not all(map(math.isfinite, interval)):
         return None
     n = len(values)
     binary = all(v in (0.0, 1.0) for v in values)
@@ -208,7 +231,7 @@ class RunningInterval:
         )  # fmt: skip
 
 
-def percentile(ordered: list[float], q: float) -> float:
+def percentile(ordered: Sequence[float], q: float) -> float:
     """The q-th percentile (0..100) of sorted values, interpolated linearly between ranks (as
     `statistics.quantiles(method="inclusive")` and numpy's default)."""
     if not ordered:
