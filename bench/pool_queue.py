@@ -24,19 +24,16 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import os
 import sys
 import tempfile
 import time
-from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
 import trio
 
 import trio_tasksets as tt
-from trio_tasksets._core.adaptive import Outcome
 
 from .common import goal_line, markdown_table
 
@@ -44,38 +41,14 @@ FIXTURES = Path(__file__).resolve().parent.parent / "tests" / "fixtures"
 if str(FIXTURES) not in sys.path:
     sys.path.insert(0, str(FIXTURES))
 
-from vllm_server import DEFAULT_VENV, SERVED_NAME, VLLMServer, find_vllm  # noqa: E402
+from vllm_server import DEFAULT_VENV, SERVED_NAME, VLLMServer  # noqa: E402
 
-PROMPT = "Count from one to twenty, in words."
+from .real_engine import Calls, Latencies, _quantile, on_engine  # noqa: E402
+
 LIMITS = {
     "stall": tt.RolloutLimits(stall_timeout=5.0),
     "working": tt.RolloutLimits(working_limit=2.0),
 }
-
-
-class Calls(tt.Taskset[tt.Task, tt.TasksetConfig]):
-    def __init__(self, n: int) -> None:
-        super().__init__()
-        self.n = n
-
-    def load(self) -> Iterable[tt.Task]:
-        return [tt.Task(PROMPT, answer="", key=str(i)) for i in range(self.n)]
-
-
-class Latencies(tt.CallObserver):
-    """Every answered attempt's latency, as the model client reports it."""
-
-    def __init__(self) -> None:
-        self.ok: list[float] = []
-
-    def on_call(self, outcome: Outcome, retry_after: float | None, latency: float | None) -> None:
-        if outcome is Outcome.SUCCESS and latency is not None:
-            self.ok.append(latency)
-
-
-def _quantile(values: list[float], q: float) -> float:
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, math.ceil(q * len(ordered)) - 1)] if ordered else math.nan
 
 
 def rank_correlation(order: list[int]) -> float:
@@ -168,6 +141,7 @@ def report(found: dict[str, Any]) -> bool:
     return met
 
 
+# duplicates: bench.real_engine's options, which these are where they mean the same
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--quick", action="store_true", help="a smoke run: n=300")
@@ -192,21 +166,7 @@ def main(argv: list[str] | None = None) -> int:
         )
         return report(found)
 
-    started = time.perf_counter()
-    if args.url is not None:
-        passed = run(args.url)
-    else:
-        why = find_vllm(args.venv)
-        if why is not None:
-            print(f"bench.pool_queue: {why}", file=sys.stderr)
-            return 2
-        with VLLMServer(args.venv, log=args.log) as server:
-            print(f"vllm serve started in {server.startup_seconds:.0f} s")
-            passed = run(server.url)
-    print(
-        f"{time.perf_counter() - started:.0f} s wall in all; goals {'met' if passed else 'missed'}"
-    )
-    return 0
+    return on_engine("bench.pool_queue", args.url, run, VLLMServer(args.venv, log=args.log))
 
 
 if __name__ == "__main__":

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import json
 import sys
-from collections.abc import Hashable, Iterable
+from collections.abc import Hashable
 from pathlib import Path
 from typing import Any
 
@@ -37,18 +37,7 @@ if str(FIXTURES) not in sys.path:
 
 from chat_server import ChatServer  # noqa: E402
 from engine import ContinuousBatching  # noqa: E402
-
-
-class Calls(tt.Taskset[tt.Task, tt.TasksetConfig]):
-    def __init__(self, n: int) -> None:
-        super().__init__()
-        self.n = n
-
-    def load(self) -> Iterable[tt.Task]:
-        return [tt.Task("say 7", answer="7", key=str(i)) for i in range(self.n)]
-
-
-SAY = [{"role": "user", "content": "say 7"}]
+from test_engines import SAY, Calls  # noqa: E402
 
 
 def _p99(values: list[float]) -> float:
