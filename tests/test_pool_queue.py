@@ -28,6 +28,7 @@ import trio
 import trio_tasksets as tt
 from trio_tasksets._core.health import Health
 from trio_tasksets._core.limits import observe_calls
+from trio_tasksets._models.base import ModelConnectionError
 from trio_tasksets._models.engine import EngineMetrics
 from trio_tasksets._models.pool import EndpointPool, sticky
 
@@ -193,6 +194,38 @@ async def test_a_call_cancelled_in_the_queue_leaves_no_place_taken(autojump_cloc
     assert served.cancelled_caught
     assert pool.queued == 0
     assert [e.pending for e in pool.endpoints] == [0, 0]
+
+
+async def test_a_call_that_cannot_use_the_free_place_does_not_hold_up_those_behind(
+    autojump_clock: Any,
+) -> None:
+    """X fails on A (ejected for 1 s) and waits for B, which Y holds for 10 s. Once A is due
+    back, N (who came later) takes A's place at once: X could not use it, so X keeps its
+    turn for B and N overtakes no one who could have gone."""
+    limits = tt.EndpointLimits(connections=1)
+    pool = EndpointPool([Endpoint("http://a/v1", limits), Endpoint("http://b/v1", limits)])
+    started: list[tuple[float, str, str]] = []
+
+    async def call(label: str, seconds: float) -> None:
+        async def work(client: Endpoint) -> None:
+            started.append((trio.current_time(), label, client.base_url))
+            if label == "X" and client.base_url == "http://a/v1":
+                await trio.sleep(0.1)
+                raise ModelConnectionError("refused", url=client.base_url)
+            await trio.sleep(seconds)
+
+        await pool.run(work)
+
+    with trio.fail_after(60):
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(call, "X", 1.0)
+            await trio.lowlevel.checkpoint()
+            nursery.start_soon(call, "Y", 10.0)
+            await trio.sleep(2.0)  # A is due back (probing); X still waits for B
+            assert pool.queued == 1
+            nursery.start_soon(call, "N", 1.0)
+    assert started == [(0.0, "X", "http://a/v1"), (0.0, "Y", "http://b/v1"),
+                       (2.0, "N", "http://a/v1"), (10.0, "X", "http://b/v1")]  # fmt: skip
 
 
 # --- a hung endpoint (F15) ---------------------------------------------------------------------

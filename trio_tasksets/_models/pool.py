@@ -343,6 +343,8 @@ class EndpointPool(Generic[C]):
             self._queue.appendleft(waiter)
         else:
             self._queue.append(waiter)
+            if self._choose(set(), None) is not _FULL:  # room that those ahead cannot use
+                self._dispatch()
         began = trio.current_time()
         try:
             with parked("connection"):
