@@ -228,6 +228,51 @@ async def test_a_call_that_cannot_use_the_free_place_does_not_hold_up_those_behi
                        (2.0, "N", "http://a/v1"), (10.0, "X", "http://b/v1")]  # fmt: skip
 
 
+async def test_an_endpoint_due_back_gets_one_probe_however_many_calls_wait(
+    autojump_clock: Any,
+) -> None:
+    """A refuses; X's failure ejects it for 1 s. B's four places are held until t=3 while
+    W1-W6 queue. At t=3, as B's places free in one step, A is due back: W1 alone probes it
+    (and fails, going back to the head of the queue), the others wait for B."""
+    limits = tt.EndpointLimits(connections=4)
+    a, b = "http://a/v1", "http://b/v1"
+    pool = EndpointPool([Endpoint(a, limits), Endpoint(b, limits)])
+    started: list[tuple[float, str, str]] = []
+
+    async def call(label: str) -> None:
+        async def work(client: Endpoint) -> None:
+            started.append((trio.current_time(), label, client.base_url))
+            if client.base_url == a:
+                await trio.sleep(0.1)
+                raise ModelConnectionError("refused", url=a)
+            if label.startswith("W"):
+                await trio.sleep(1.0)
+            else:
+                await trio.sleep_until(3.0)
+
+        await pool.run(work)
+
+    with trio.fail_after(60):
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(call, "X")
+            await trio.sleep(0.5)
+            for label in ("H1", "H2", "H3"):
+                nursery.start_soon(call, label)
+            await trio.sleep(0.5)
+            for i in range(1, 7):
+                nursery.start_soon(call, f"W{i}")
+                await trio.sleep(0.01)  # they queue in their order
+            await trio.sleep(0.5)
+            assert pool.queued == 6
+    on_a = [(at, label) for at, label, url in started if url == a]
+    assert on_a == [(0.0, "X"), (3.0, "W1")]
+    stats = pool.stats()
+    assert stats[a]["errors"] == 2
+    assert stats[a]["ejections"] == 2
+    assert [e.pending for e in pool.endpoints] == [0, 0]
+    assert not pool.endpoints[0].probing
+
+
 # --- a hung endpoint (F15) ---------------------------------------------------------------------
 
 

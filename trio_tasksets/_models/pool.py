@@ -210,16 +210,19 @@ class _Endpoint(Generic[C]):
 
 class _Waiter:
     """A call waiting in the pool's queue: what it may not use (`tried`), its `binding`
-    (its caller's `sticky` block), and once served the endpoint whose place it holds."""
+    (its caller's `sticky` block), and once served the place it holds (`_take`)."""
 
-    __slots__ = ("binding", "endpoint", "gone", "served", "tried")
+    __slots__ = ("binding", "gone", "placed", "served", "tried")
 
     def __init__(self, tried: set[int], binding: sticky | None) -> None:
         self.tried = tried
         self.binding = binding
-        self.endpoint: _Endpoint[Any] | None = None
+        self.placed: _Placed[Any] | None = None
         self.served = trio.Event()
         self.gone = False  # cancelled while waiting: skipped when its turn comes
+
+
+_Placed = tuple["_Endpoint[C]", bool]  # where a call goes, and whether it probes it
 
 
 class _FULL:
@@ -310,19 +313,26 @@ class EndpointPool(Generic[C]):
         chosen = min(live, key=lambda e: (e.load(), e.stats.calls, e.index))
         return chosen if chosen.has_room() else _FULL
 
-    def _take(self, endpoint: _Endpoint[C], binding: sticky | None) -> _Endpoint[C]:
-        """A place at `endpoint` for a call (bound there from now on, if it has a binding)."""
+    def _take(self, endpoint: _Endpoint[C], binding: sticky | None) -> _Placed[C]:
+        """A place at `endpoint` for a call (bound there from now on, if it has a binding):
+        the endpoint, and whether the call is its probe (it is due back and no other call
+        probes it): marked at once, so that no other call is placed there meanwhile."""
         endpoint.pending += 1
         if binding is not None:
             binding._endpoint = endpoint.index
-        return endpoint
+        due = -math.inf < endpoint.ejected_until <= trio.current_time()
+        probe = due and not endpoint.probing
+        if probe:
+            endpoint.probing = True
+        return endpoint, probe
 
     def _others_live(self, endpoint: _Endpoint[C]) -> bool:
         """Whether an endpoint other than `endpoint` is live (not ejected)."""
         return any(e is not endpoint and e.ejected_until == -math.inf for e in self.endpoints)
 
-    async def _place(self, tried: set[int], *, retry: bool) -> _Endpoint[C] | None:
-        """A place at an endpoint for one call (its `pending` already counted), or None once
+    async def _place(self, tried: set[int], *, retry: bool) -> _Placed[C] | None:
+        """A place at an endpoint for one call (its `pending` already counted; see `_take`),
+        or None once
         the call has tried every endpoint. While every live endpoint's window is full the
         call waits in the pool's one queue, first come first served (a `retry` of a call
         that failed elsewhere at its head): a newcomer never takes a place ahead of a
@@ -351,12 +361,15 @@ class EndpointPool(Generic[C]):
                 await waiter.served.wait()
         except BaseException:
             waiter.gone = True
-            if waiter.endpoint is not None:  # served as it was cancelled: give it back
-                waiter.endpoint.pending -= 1
+            if waiter.placed is not None:  # served as it was cancelled: give it back
+                endpoint, probe = waiter.placed
+                endpoint.pending -= 1
+                if probe:
+                    endpoint.probing = False
                 self._dispatch()
             raise
         report_wait(trio.current_time() - began)
-        return waiter.endpoint
+        return waiter.placed
 
     def _dispatch(self) -> None:
         """Hand the places free now to the waiting calls, in their order. A waiter that
@@ -378,7 +391,7 @@ class EndpointPool(Generic[C]):
             queue.popleft()
             if found is not None:
                 assert isinstance(found, _Endpoint)
-                waiter.endpoint = self._take(found, waiter.binding)
+                waiter.placed = self._take(found, waiter.binding)
             waiter.served.set()
         queue.extendleft(reversed(skipped))
 
@@ -392,17 +405,14 @@ class EndpointPool(Generic[C]):
         tried: set[int] = set()
         error: BaseException | None = None
         while True:
-            endpoint = await self._place(tried, retry=error is not None)
-            if endpoint is None:  # every endpoint failed this call
+            placed = await self._place(tried, retry=error is not None)
+            if placed is None:  # every endpoint failed this call
                 assert error is not None
                 raise error
+            endpoint, probe = placed
             tried.add(endpoint.index)
-            now = trio.current_time()
-            probe = endpoint.ejected_until > -math.inf and now >= endpoint.ejected_until
-            if probe:
-                endpoint.probing = True
             endpoint.stats.calls += 1
-            started = now
+            started = trio.current_time()
             watch = _Watch(self, endpoint)
             try:
                 with watch.scope, observe_calls(watch):
