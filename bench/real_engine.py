@@ -37,7 +37,7 @@ import statistics
 import sys
 import tempfile
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any
 
@@ -216,15 +216,22 @@ def main(argv: list[str] | None = None) -> int:
         )
         return report(found, args.fixed)
 
+    return on_engine("bench.real_engine", args.url, run, VLLMServer(
+        args.venv, max_num_seqs=args.max_num_seqs, log=args.log))  # fmt: skip
+
+
+def on_engine(name: str, url: str | None, run: Callable[[str], bool], server: VLLMServer) -> int:
+    """`run(url)` against `url`, else against `server` (started, then stopped); the wall
+    time and whether the goals were met are printed. 2 (said on stderr) without a vLLM."""
     started = time.perf_counter()
-    if args.url is not None:
-        passed = run(args.url)
+    if url is not None:
+        passed = run(url)
     else:
-        why = find_vllm(args.venv)
+        why = find_vllm(server.venv)
         if why is not None:
-            print(f"bench.real_engine: {why}", file=sys.stderr)
+            print(f"{name}: {why}", file=sys.stderr)
             return 2
-        with VLLMServer(args.venv, max_num_seqs=args.max_num_seqs, log=args.log) as server:
+        with server:
             print(f"vllm serve started in {server.startup_seconds:.0f} s")
             passed = run(server.url)
     print(

@@ -290,7 +290,8 @@ def _refuse_remote_limits(model: ModelOptions, env: EnvOptions, backend: Describ
         # The model is called with the place's own endpoint: this eval needs only the model's
         # name and sampling (which its entries declare).
         unused = model.given(("--base-url", "base_url"), ("--api-key-var", "api_key_var"),
-                             ("--timeout", "timeout"), ("--echo-delay", "echo_delay"))  # fmt: skip
+                             ("--timeout", "timeout"), ("--max-model-retries", "max_retries"),
+                             ("--echo-delay", "echo_delay"))  # fmt: skip
         if unused:  # said, not refused: commands written when --via required them still run
             flags = ", ".join(unused)
             warn(

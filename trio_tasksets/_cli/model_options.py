@@ -26,6 +26,7 @@ import attrs
 import trio
 
 from .._core.adaptive import AdaptiveBounds
+from .._core.backoff import MODEL_RETRIES
 from .._core.limits import EndpointLimits
 from .._models import (
     EchoClient,
@@ -88,6 +89,9 @@ def add_model_options(parser: argparse.ArgumentParser) -> argparse._ArgumentGrou
         "--temperature T": "sampling temperature >= 0 (default: the server's)",
     }, type=float)  # fmt: skip
     add_flags(model, {
+        "--max-model-retries N": "retries of a model call after its first attempt: a 429, "
+        "a 5xx, a failed connection or a timeout is tried again on its endpoint, N times at "
+        f"most; 0: never (default: {MODEL_RETRIES})",
         "--max-tokens N": "most tokens per reply (default: the server's)",
     }, type=int)  # fmt: skip
     add_flags(model, {"--top-p P": "nucleus sampling, in (0, 1] (default: the server's)"},
@@ -212,6 +216,7 @@ class ModelOptions:
     max_connections: int | AdaptiveBounds | None = None
     rpm: float | None = None
     tpm: float | None = None
+    max_retries: int | None = None  # `--max-model-retries`; None: the client's default
 
     @property
     def name(self) -> str:
@@ -234,6 +239,7 @@ def model_options(args: argparse.Namespace) -> ModelOptions:
         args.model, endpoints(args), args.api_key_var, args.timeout, args.temperature,
         args.max_tokens, args.top_p, args.sampling_seed, args.sampling_args,
         args.return_tokens, args.echo_delay, args.max_connections, args.rpm, args.tpm,
+        args.max_model_retries,
     )  # fmt: skip
 
 
@@ -318,7 +324,8 @@ def api_key_var(options: ModelOptions) -> str | None:
 
 
 # What only shapes an HTTP request or its limits: (the flag, its field).
-_HTTP_ONLY = (("--timeout", "timeout"), ("--api-key-var", "api_key_var"),
+_HTTP_ONLY = (("--timeout", "timeout"), ("--max-model-retries", "max_retries"),
+              ("--api-key-var", "api_key_var"),
               ("--max-connections", "max_connections"), ("--rpm", "rpm"), ("--tpm", "tpm"),
               ("--temperature", "temperature"), ("--max-tokens", "max_tokens"),
               ("--top-p", "top_p"), ("--sampling-seed", "sampling_seed"),
@@ -383,6 +390,12 @@ def model_context(
     timeout = TIMEOUT if options.timeout is None else options.timeout
     if not timeout > 0:
         raise UsageError(f"--timeout must be > 0, got {timeout}")
+    retries = MODEL_RETRIES if options.max_retries is None else options.max_retries
+    if retries < 0:
+        raise UsageError(
+            f"--max-model-retries must be >= 0, got {retries}",
+            fix="give a count >= 0 (0: a failed model call is not tried again on its endpoint)",
+        )
     key = None
     if options.api_key_var is not None:  # named: it must hold a key
         try:
@@ -394,7 +407,8 @@ def model_context(
     limits = endpoint_limits(options)
     metrics = engine_metrics_urls(options.endpoints) if engine_metrics_on_client else []
     client = OpenAIClient(
-        urls if len(urls) > 1 else options.base_url, key, timeout=timeout, limits=limits,
+        urls if len(urls) > 1 else options.base_url, key, timeout=timeout,
+        max_retries=retries, limits=limits,
         limits_key=(options.base_url, options.api_key_var or DEFAULT_API_KEY_VAR),
         engine_metrics=metrics or None,
     )  # fmt: skip

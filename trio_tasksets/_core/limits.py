@@ -16,6 +16,8 @@
   and every `rest` (a client's wait before a retry) happens inside `observer.resting`: how
   an episode's row learns its waits, and an adaptive rollout window its 429s (and lends the
   place of a rollout waiting out a Retry-After).
+* `report_wait(connection, rate)`: a wait outside `EndpointLimits` (a pool's queue), told
+  to the observers as `on_wait`.
 * `parked(kind)`: the block is one of the runner's own waits (`"connection"`, `"rpm"`,
   `"tpm"`, `"retry_after"`, `"backoff"`, `"retry"`, `"pace"`: a request-rate limit's
   pacing); the observers hear it begin
@@ -55,6 +57,7 @@ __all__ = [
     "parked",
     "report_outcome",
     "report_progress",
+    "report_wait",
     "rest",
     "says_request_rate",
 ]
@@ -396,13 +399,13 @@ class EndpointLimits:
             if rpm is not None:
                 call.waited_rate += await rpm.acquire(1)
             if tpm is None:
-                _report_wait(call)
+                report_wait(call.waited_connection, call.waited_rate)
                 yield call
                 return
             async with tpm.reserve(reserve_tokens) as metered:
                 call.metered = metered
                 call.waited_rate += metered.waited
-                _report_wait(call)
+                report_wait(call.waited_connection, call.waited_rate)
                 yield call
 
 
@@ -572,6 +575,9 @@ class parked:  # lower case: it reads as a call in `with parked("rpm"):`
                 observer.on_unpark(self._kind, seconds)
 
 
-def _report_wait(call: Call) -> None:
+def report_wait(connection: float, rate: float = 0.0) -> None:
+    """Tell the observers of this context that a model call waited `connection` seconds for
+    a place at an endpoint and `rate` seconds for rate limiters (`CallObserver.on_wait`):
+    what `EndpointLimits.call` reports, and a pool of endpoints for its queue."""
     for observer in _observers.get():
-        observer.on_wait(call.waited_connection, call.waited_rate)
+        observer.on_wait(connection, rate)

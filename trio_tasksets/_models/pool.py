@@ -10,15 +10,21 @@ with the same options) and hands each `chat` to it (`EndpointPool.run`). The rul
 * **Least loaded.** A call goes to the endpoint whose window is least used: the fewest
   calls routed to it and not yet answered, as a fraction of its window's size (ties: the
   one with fewer calls so far). While every live endpoint's window is full, calls wait in
-  the pool, in one queue, and each goes to the first endpoint that frees a place: none
-  idles while another queues.
+  the pool, in one queue, first come first served: each freed place is handed to the
+  call at the head (a call that just failed elsewhere goes to the head), so a newcomer
+  never takes a place ahead of a waiting call, and none idles while another queues. The
+  wait is one of the runner's own, `parked("connection")`, and the call's connection wait
+  (`report_wait`): the run's health counts it as such, never as working time nor as a
+  stall, as one endpoint's window does.
 * **Sticky.** All calls made under one `sticky()` block go to the endpoint the first one
   went to (its prefix cache holds their shared prefix). The eval runs each rollout in its
   own block; an enclosing block (a group's) wins over the inner ones, so a group's
   rollouts share one endpoint. A binding moves only when its endpoint is ejected, or when
   its window is full while another endpoint has room (an imbalanced pool rebalances).
-* **Eject and probe back.** An endpoint whose call fails to connect or times out (after its
-  client's own retries) is ejected: no call goes to it for `probe_after` seconds (doubling
+* **Eject and probe back.** An endpoint whose call fails to connect or times out is
+  ejected: at the first such attempt while another endpoint is live (an endpoint that
+  accepts and then says nothing costs one `timeout`, not one per retry), else once its
+  client's own retries are spent. No call goes to it for `probe_after` seconds (doubling
   on each failed probe, up to `max_probe_after`); then one call at a time probes it, and a
   probe that succeeds brings it back. The failed call is retried at once on another
   endpoint (each endpoint at most once per call); with every endpoint ejected, the one due
@@ -39,15 +45,16 @@ from __future__ import annotations
 import contextvars
 import math
 from collections import deque
-from collections.abc import Awaitable, Callable, Hashable, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Hashable, Sequence
+from contextlib import asynccontextmanager
 from typing import Any, Generic, Protocol, TypeVar
 
 import attrs
 import trio
 
-from .._core.adaptive import AdaptiveBounds
+from .._core.adaptive import AdaptiveBounds, Outcome
 from .._core.exceptions import ConfigError
-from .._core.limits import EndpointLimits
+from .._core.limits import CallObserver, EndpointLimits, observe_calls, parked, report_wait
 from .._core.window import Window
 from .base import ModelConnectionError, ModelTimeoutError
 from .engine import EngineMetrics
@@ -201,6 +208,51 @@ class _Endpoint(Generic[C]):
         return False
 
 
+class _Waiter:
+    """A call waiting in the pool's queue: what it may not use (`tried`), its `binding`
+    (its caller's `sticky` block), and once served the place it holds (`_take`)."""
+
+    __slots__ = ("binding", "gone", "placed", "served", "tried")
+
+    def __init__(self, tried: set[int], binding: sticky | None) -> None:
+        self.tried = tried
+        self.binding = binding
+        self.placed: _Placed[Any] | None = None
+        self.served = trio.Event()
+        self.gone = False  # cancelled while waiting: skipped when its turn comes
+
+
+_Placed = tuple["_Endpoint[C]", bool]  # where a call goes, and whether it probes it
+
+
+class _FULL:
+    """`EndpointPool._choose`'s answer when every live endpoint's window is full."""
+
+
+class _Watch(CallObserver):
+    """Watches one call on one endpoint of a pool: when an attempt timed out or could not
+    connect and the client is about to retry it there (`resting`), while another endpoint
+    is live, the endpoint is ejected and the call cancelled (`scope`), to be retried at once
+    elsewhere: a hung endpoint costs one `timeout`, not one per retry."""
+
+    __slots__ = ("endpoint", "pool", "scope", "timed_out")
+
+    def __init__(self, pool: EndpointPool[Any], endpoint: _Endpoint[Any]) -> None:
+        self.pool = pool
+        self.endpoint = endpoint
+        self.scope = trio.CancelScope()
+        self.timed_out = False  # the attempt it cancelled on timed out (else: no connection)
+
+    @asynccontextmanager
+    async def resting(self, outcome: Outcome | None) -> AsyncIterator[None]:
+        if (outcome is None or outcome is Outcome.TIMEOUT) and self.pool._others_live(
+            self.endpoint
+        ):
+            self.timed_out = outcome is Outcome.TIMEOUT
+            self.scope.cancel()
+        yield
+
+
 class EndpointPool(Generic[C]):
     """Routes calls (`run`) over `clients` (one client per endpoint); see the module.
 
@@ -231,65 +283,140 @@ class EndpointPool(Generic[C]):
         self.endpoints = [_Endpoint(i, client) for i, client in enumerate(clients)]
         self.probe_after = probe_after
         self.max_probe_after = max_probe_after
-        self._freed = trio.Event()  # set (and replaced) whenever a call leaves an endpoint
+        self._queue: deque[_Waiter] = deque()  # calls waiting for a place, first come first
 
     @property
     def urls(self) -> list[str]:
         return [endpoint.client.base_url for endpoint in self.endpoints]
 
-    async def _room(self, tried: set[int]) -> None:
-        """Wait while every live endpoint's window is full: the calls queue here, in one
-        queue, and each goes to whichever endpoint frees a place first."""
-        while True:
-            now = trio.current_time()
-            live = [e for e in self.endpoints if e.index not in tried and e.usable(now)]
-            if not live or any(e.has_room() for e in live):
-                return
-            await self._freed.wait()
+    @property
+    def queued(self) -> int:
+        """Calls waiting in the pool's queue for a place at an endpoint."""
+        return sum(1 for waiter in self._queue if not waiter.gone)
 
-    def _pick(self, tried: set[int]) -> _Endpoint[C] | None:
+    def _choose(self, tried: set[int], binding: sticky | None) -> _Endpoint[C] | type[_FULL] | None:
+        """Where a call goes now: its binding's endpoint if live with room, else the least
+        loaded live one with room; `_FULL` when every live endpoint's window is full; with
+        no live endpoint left, the ejected one due back first (probed); None once the call
+        has tried every endpoint."""
         now = trio.current_time()
         candidates = [e for e in self.endpoints if e.index not in tried]
         if not candidates:
             return None
         live = [e for e in candidates if e.usable(now)]
-        binding = _binding.get()
+        if not live:  # every endpoint left is ejected: probe the one due back first
+            return min(candidates, key=lambda e: (e.ejected_until, e.index))
         if binding is not None and binding._endpoint is not None:
             bound = self.endpoints[binding._endpoint]
-            if bound in live and (bound.has_room() or not any(e.has_room() for e in live)):
+            if bound in live and bound.has_room():
                 return bound
-        if not live:  # every endpoint left is ejected: probe the one due back first
-            chosen = min(candidates, key=lambda e: (e.ejected_until, e.index))
-        else:
-            chosen = min(live, key=lambda e: (e.load(), e.stats.calls, e.index))
+        chosen = min(live, key=lambda e: (e.load(), e.stats.calls, e.index))
+        return chosen if chosen.has_room() else _FULL
+
+    def _take(self, endpoint: _Endpoint[C], binding: sticky | None) -> _Placed[C]:
+        """A place at `endpoint` for a call (bound there from now on, if it has a binding):
+        the endpoint, and whether the call is its probe (it is due back and no other call
+        probes it): marked at once, so that no other call is placed there meanwhile."""
+        endpoint.pending += 1
         if binding is not None:
-            binding._endpoint = chosen.index
-        return chosen
+            binding._endpoint = endpoint.index
+        due = -math.inf < endpoint.ejected_until <= trio.current_time()
+        probe = due and not endpoint.probing
+        if probe:
+            endpoint.probing = True
+        return endpoint, probe
+
+    def _others_live(self, endpoint: _Endpoint[C]) -> bool:
+        """Whether an endpoint other than `endpoint` is live (not ejected)."""
+        return any(e is not endpoint and e.ejected_until == -math.inf for e in self.endpoints)
+
+    async def _place(self, tried: set[int], *, retry: bool) -> _Placed[C] | None:
+        """A place at an endpoint for one call (its `pending` already counted; see `_take`),
+        or None once
+        the call has tried every endpoint. While every live endpoint's window is full the
+        call waits in the pool's one queue, first come first served (a `retry` of a call
+        that failed elsewhere at its head): a newcomer never takes a place ahead of a
+        waiter. The wait is `parked("connection")` and reported as the call's connection
+        wait (`report_wait`): not working time, not a stall."""
+        binding = _binding.get()
+        if self._queue and not retry:
+            self._dispatch()  # places freed since (a window grew, an endpoint came due)
+        if retry or not self._queue:
+            found = self._choose(tried, binding)
+            if found is None:
+                return None
+            if found is not _FULL:
+                assert isinstance(found, _Endpoint)
+                return self._take(found, binding)
+        waiter = _Waiter(tried, binding)
+        if retry:
+            self._queue.appendleft(waiter)
+        else:
+            self._queue.append(waiter)
+            if self._choose(set(), None) is not _FULL:  # room that those ahead cannot use
+                self._dispatch()
+        began = trio.current_time()
+        try:
+            with parked("connection"):
+                await waiter.served.wait()
+        except BaseException:
+            waiter.gone = True
+            if waiter.placed is not None:  # served as it was cancelled: give it back
+                endpoint, probe = waiter.placed
+                endpoint.pending -= 1
+                if probe:
+                    endpoint.probing = False
+                self._dispatch()
+            raise
+        report_wait(trio.current_time() - began)
+        return waiter.placed
+
+    def _dispatch(self) -> None:
+        """Hand the places free now to the waiting calls, in their order. A waiter that
+        cannot use any (it failed on the endpoints that have room) keeps its turn while the
+        ones behind it are served."""
+        queue = self._queue
+        skipped: list[_Waiter] = []
+        while queue:
+            waiter = queue[0]
+            if waiter.gone:
+                queue.popleft()
+                continue
+            found = self._choose(waiter.tried, waiter.binding)
+            if found is _FULL:
+                if waiter.tried and self._choose(set(), None) is not _FULL:
+                    skipped.append(queue.popleft())  # room, but not for this one
+                    continue
+                break
+            queue.popleft()
+            if found is not None:
+                assert isinstance(found, _Endpoint)
+                waiter.placed = self._take(found, waiter.binding)
+            waiter.served.set()
+        queue.extendleft(reversed(skipped))
 
     async def run(self, call: Callable[[C], Awaitable[T]]) -> T:
         """`call(client)` (one chat completion, say) on the least loaded live endpoint's
-        client (or this context's sticky one). A failure to connect or a timeout
-        (`ModelConnectionError`, `ModelTimeoutError`) ejects the endpoint and runs `call`
+        client (or this context's sticky one), once it has a place there (see `_place`).
+        A failure to connect or a timeout (`ModelConnectionError`, `ModelTimeoutError`, or
+        one attempt's while another endpoint is live) ejects the endpoint and runs `call`
         again on another, each endpoint at most once: once every endpoint failed, the last
         failure is raised; any other exception is raised at once."""
         tried: set[int] = set()
         error: BaseException | None = None
         while True:
-            await self._room(tried)
-            endpoint = self._pick(tried)
-            if endpoint is None:  # every endpoint failed this call
+            placed = await self._place(tried, retry=error is not None)
+            if placed is None:  # every endpoint failed this call
                 assert error is not None
                 raise error
+            endpoint, probe = placed
             tried.add(endpoint.index)
-            now = trio.current_time()
-            probe = endpoint.ejected_until > -math.inf and now >= endpoint.ejected_until
-            if probe:
-                endpoint.probing = True
-            endpoint.pending += 1
             endpoint.stats.calls += 1
-            started = now
+            started = trio.current_time()
+            watch = _Watch(self, endpoint)
             try:
-                result = await call(endpoint.client)
+                with watch.scope, observe_calls(watch):
+                    result = await call(endpoint.client)
             except (ModelConnectionError, ModelTimeoutError) as exc:
                 endpoint.stats.errors += 1
                 self._eject(endpoint)
@@ -302,8 +429,12 @@ class EndpointPool(Generic[C]):
                 endpoint.pending -= 1
                 if probe:
                     endpoint.probing = False
-                self._freed.set()  # a place is free: the calls waiting for one pick again
-                self._freed = trio.Event()
+                self._dispatch()  # a place is free: the next waiting call takes it
+            if watch.scope.cancelled_caught:  # an attempt failed; the others answer
+                endpoint.stats.errors += 1
+                self._eject(endpoint)
+                error = _failure(endpoint.client, timed_out=watch.timed_out)
+                continue
             endpoint.stats.latencies.append(trio.current_time() - started)
             if endpoint.ejected_until > -math.inf:  # a probe answered: it is back
                 endpoint.ejected_until = -math.inf
@@ -311,12 +442,13 @@ class EndpointPool(Generic[C]):
             return result
 
     def _eject(self, endpoint: _Endpoint[C]) -> None:
+        if endpoint.ejected_until > trio.current_time():
+            return  # ejected already (by a call that failed there at the same time)
         endpoint.probe_after = min(
             self.max_probe_after,
             self.probe_after if endpoint.probe_after == 0 else 2 * endpoint.probe_after,
         )
-        if endpoint.ejected_until <= trio.current_time():
-            endpoint.stats.ejections += 1
+        endpoint.stats.ejections += 1
         endpoint.ejected_until = trio.current_time() + endpoint.probe_after
 
     def stats(self) -> dict[str, dict[str, Any]]:
@@ -343,6 +475,22 @@ class EndpointPool(Generic[C]):
         for endpoint in self.endpoints:
             with trio.CancelScope(shield=True):
                 await endpoint.client.aclose()
+
+
+def _failure(client: EndpointClient, *, timed_out: bool) -> Exception:
+    """The error of a call `_Watch` moved off `client`'s endpoint after one attempt."""
+    url = client.base_url
+    if timed_out:
+        timeout = float(getattr(client, "timeout", 0.0))
+        return ModelTimeoutError(
+            f"request to {url} timed out after {timeout:g}s (ejected at once: another endpoint "
+            f"is live)",
+            url=url,
+            timeout=timeout,
+        )
+    return ModelConnectionError(
+        f"cannot reach {url} (ejected at once: another endpoint is live)", url=url
+    )
 
 
 def pool_limits(limits: EndpointLimits | None) -> EndpointLimits:
