@@ -107,6 +107,7 @@ FLAT = [
     "batches",
     "build_window",
     "chat_messages",
+    "current_sandbox",
     "fan_out",
     "first",
     "group_advantages",
@@ -156,7 +157,24 @@ PUBLIC_SUBMODULES = {
         "ScriptedClient",
         "reply",
     ],
-    "tools": ["Tool", "ToolArgumentError", "shell", "tool"],
+    "sandboxes": [
+        "ExecResult",
+        "NoSandboxError",
+        "Sandbox",
+        "SandboxStartError",
+        "current_or_none",
+        "current_sandbox",
+        "using",
+    ],
+    "tools": [
+        "Tool",
+        "ToolArgumentError",
+        "list_dir",
+        "read_file",
+        "shell",
+        "tool",
+        "write_file",
+    ],
     # The worker side: a feed of one's own implements `worker.TaskQueue` and runs
     # `worker.consume` over it.
     "worker": [

@@ -96,6 +96,7 @@ from ._models.pool import sticky
 from ._report import report
 from ._serve import EnvClient, EnvServerError, ServedBackend, spawn_server
 from ._transport import HTTPClient, Request, Response, Timeouts
+from .sandboxes import current_sandbox
 from .tools import Tool, tool
 
 __all__ = [
@@ -171,6 +172,7 @@ __all__ = [
     "batches",
     "build_window",
     "chat_messages",
+    "current_sandbox",
     "fan_out",
     "first",
     "group_advantages",
