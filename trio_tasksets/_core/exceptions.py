@@ -53,6 +53,8 @@ TrioTasksetsError
 ├── ViaError (RuntimeError)             a worker refused a slot of an --via eval
 ├── DatasetError (ValueError)           a record that cannot be a task, a dataset unread (datasets)
 ├── ToolArgumentError (ValueError)      arguments that do not fit a tool's schema (tools)
+├── SandboxError                        a sandbox cannot start a command, reach a path, be made
+│   └── ExecTimeoutError (TimeoutError) a command outlived its timeout (.result: its output)
 ├── ScriptExhausted (RuntimeError)      a ScriptedClient called past its script (testing)
 ├── CommandError                        a command-line failure (cli; exit 1)
 │   └── UsageError                      a bad command line (exit 2)
