@@ -330,7 +330,7 @@ def test_the_architecture_page_draws_the_tree_as_it_is() -> None:
             ]
             assert not missing, f"{unit}/: draw {missing} in docs/architecture.md"
     text = ARCHITECTURE.read_text()
-    named = set(re.findall(r"`((?:_[a-z]+|aio|redis|tools|worker)/[a-z_]+)`", text))
+    named = set(re.findall(r"`((?:_[a-z]+|aio|redis|sandboxes|tools|worker)/[a-z_]+)`", text))
     gone = sorted(
         n for n in named if not (PACKAGE / f"{n}.py").exists() and not (PACKAGE / n).is_dir()
     )

@@ -32,7 +32,7 @@ from __future__ import annotations
 import math
 import os
 import time
-from collections.abc import Awaitable, Callable, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from contextlib import AsyncExitStack, suppress
 from typing import Any, Literal
 
@@ -44,7 +44,15 @@ from .._core.backoff import Backoff
 from .._core.exceptions import ConfigError, ConfigTypeError
 from .._core.limits import parked
 from .._core.window import Window
-from ..sandboxes import ExecResult, Sandbox, SandboxStartError, current_or_none, using
+from ..sandboxes import (
+    ExecResult,
+    Sandbox,
+    SandboxFactory,
+    SandboxStartError,
+    current_or_none,
+    open_sandbox,
+    using,
+)
 
 __all__ = [
     "CLOSE_TIMEOUT",
@@ -69,10 +77,6 @@ SCOPES: tuple[SandboxScope, ...] = ("rollout", "group")
 CLOSE_TIMEOUT = 30.0  # seconds a box's close may take, shielded, before it is abandoned
 START_ATTEMPTS = 3  # tries to make one box before its rollout fails
 CREATE_TIMEOUT = 120.0  # seconds one creation may take (shielded: a half-made box is closed)
-
-SandboxFactory = Callable[[], Any]
-"""What makes a box: an async callable returning a `tt.Sandbox`, or a callable returning an
-async context manager that yields one (its exit closes the box)."""
 
 
 def check_scope(value: object, parameter: str = "sandbox_scope") -> SandboxScope:
@@ -281,16 +285,10 @@ class SandboxAdmission:
 
 
 async def open_box(factory: SandboxFactory, stack: AsyncExitStack) -> Sandbox:
-    """Make one box with `factory`, its closing pushed onto `stack`: the factory's result is
-    a `tt.Sandbox` (closed with `aclose`), an awaitable of one, or an async context manager
-    yielding one. Raises `ConfigTypeError` naming ``sandbox`` for anything else."""
-    made = factory()
-    if hasattr(made, "__aenter__"):
-        box = await stack.enter_async_context(made)
-    else:
-        box = await made if isinstance(made, Awaitable) else made
-        if _is_box(box):
-            stack.push_async_callback(box.aclose)
+    """Make one box with `factory` (`tt.sandboxes.open_sandbox`: either kind of factory),
+    its destruction pushed onto `stack`. Raises `ConfigTypeError` naming ``sandbox`` for a
+    factory that makes something else."""
+    box = await stack.enter_async_context(open_sandbox(factory))
     if not _is_box(box):
         raise ConfigTypeError(
             f"{{sandbox}}: the factory gave a {type(box).__name__}, not a tt.Sandbox (an "

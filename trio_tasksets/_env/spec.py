@@ -152,8 +152,10 @@ class SandboxSpec:
         built)."""
         value = text.strip() if isinstance(text, str) else ""
         kind, colon, rest = value.partition(":")
-        if value in _BACKENDS or (kind == "docker" and rest.strip()) or (
-            colon and kind not in ("docker", "") and rest.strip()
+        if (
+            value in _BACKENDS
+            or (kind == "docker" and rest.strip())
+            or (colon and kind not in ("docker", "") and rest.strip())
         ):
             return cls(value)
         raise ConfigError(
@@ -162,24 +164,11 @@ class SandboxSpec:
             parameter=parameter,
         )
 
-    def factory(self, *, parameter: str = "sandbox") -> Any:
-        """The sandbox factory the spec names: `tt.sandboxes.local()`, `bwrap()`,
-        `docker(IMAGE)`, or the object a ``pkg.mod:factory`` names. Raises `ConfigError`
-        naming `parameter` when it cannot be loaded or is not callable."""
-        kind, _, rest = self.text.partition(":")
-        if self.text in _BACKENDS:
-            return getattr(sandboxes, self.text)()
-        if kind == "docker":
-            return sandboxes.docker(rest)  # type: ignore[attr-defined]
-        found = _load(self.text, parameter)
-        if not callable(found):
-            raise ConfigError(
-                f"{{{parameter}}} {self.text}: not a sandbox factory (an async callable "
-                f"returning a tt.Sandbox, or an async context manager factory), got "
-                f"{type(found).__name__}",
-                parameter=parameter,
-            )
-        return found
+    def factory(self) -> Any:
+        """The sandbox factory the spec names (`tt.sandboxes.parse`: `local()`, `bwrap()`,
+        `docker(IMAGE)`, or the factory ``pkg.mod:factory`` names). Raises `ConfigError`
+        naming ``sandbox`` when it cannot be made or loaded."""
+        return sandboxes.parse(self.text)
 
 
 def _max_sandboxes(value: object) -> int | AdaptiveBounds | None:

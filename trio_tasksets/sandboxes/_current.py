@@ -13,9 +13,10 @@ import contextvars
 from typing import TYPE_CHECKING
 
 from .._core.exceptions import TrioTasksetsError
+from ._base import SandboxError
 
 if TYPE_CHECKING:
-    from . import Sandbox
+    from ._base import Sandbox
 
 __all__ = ["NoSandboxError", "SandboxStartError", "current_or_none", "current_sandbox", "using"]
 
@@ -29,7 +30,7 @@ class NoSandboxError(TrioTasksetsError, LookupError):
     an env given one (`sandbox=` / `--sandbox`) and outside `tt.sandboxes.using(box)`."""
 
 
-class SandboxStartError(TrioTasksetsError):
+class SandboxStartError(SandboxError):
     """A rollout's sandbox could not be made (its factory raised or timed out, three times,
     or its scope had ended): an episode error like any other, retried per the env's
     policy."""

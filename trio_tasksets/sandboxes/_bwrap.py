@@ -1,0 +1,186 @@
+"""`bwrap`: each command in a bubblewrap sandbox.
+
+A command runs as ``prlimit LIMITS [setpriv --reuid U --regid G --clear-groups] bwrap
+--die-with-parent --new-session --unshare-all ... /bin/sh -c COMMAND`` in a new root made of:
+
+- the host's top-level folders bound read-only (or those of a given `root`), but
+  `hide` (default ``/home``, ``/root``, ``/run``, ``/var/run``, ``/sys``, ``/mnt``,
+  ``/media``, ``/srv``: where secrets and sockets live) which are left out;
+- ``/work``: the box's work folder, private and writable, bound from a fresh host folder
+  (removed with the box); ``/tmp``: a private tmpfs of `tmp_size` bytes; a minimal
+  ``/dev``; a fresh ``/proc``;
+- the root itself remounted read-only.
+
+Its own user, PID, IPC, network, UTS and cgroup namespaces (`network=True` shares the
+host's network): no 127.0.0.1, no interface but an unconfigured loopback; it sees only its
+own processes. bwrap's init is PID 1: when the command's shell ends, every process of the
+box dies (a ``setsid`` daemon, a double fork, ``nohup``). ``--die-with-parent`` (set from the
+trio thread, see `_process`) kills the box when the eval dies, by SIGKILL too.
+
+Run by root, the box runs as `user` (default ``nobody``, 65534) after dropping root with
+``setpriv``: the process limit (RLIMIT_NPROC, which the kernel does not apply to root) then
+holds, and the work folder is chowned to that user.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import shutil
+from collections.abc import AsyncIterator, Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import attrs
+
+from .._core.exceptions import ConfigError
+from ._base import Sandbox, SandboxError
+from ._box import ProcessBox, new_workdir
+from ._local import make_limits
+from ._process import Limits
+
+__all__ = ["BwrapBox", "BwrapFactory", "bwrap"]
+
+WORK = "/work"
+DEFAULT_HIDE = ("/home", "/root", "/run", "/var/run", "/sys", "/mnt", "/media", "/srv")
+_SKIP = {"proc", "dev", "tmp", "lost+found"}
+
+
+def _root_entries(root: str, hide: Sequence[str]) -> list[str]:
+    """bwrap arguments that lay the top level of `root` read-only into the box."""
+    args: list[str] = []
+    hidden = {h.rstrip("/") for h in hide}
+    for entry in sorted(os.scandir(root), key=lambda e: e.name):
+        dest = "/" + entry.name
+        if entry.name in _SKIP or dest in hidden or dest == WORK:
+            continue
+        if entry.is_symlink():
+            args += ["--symlink", os.readlink(entry.path), dest]
+        elif entry.is_dir():
+            args += ["--ro-bind", entry.path, dest]
+            for sub in sorted(h for h in hidden if h.startswith(dest + "/")):
+                if os.path.isdir(os.path.join(root, sub.lstrip("/"))) and not os.path.islink(
+                    os.path.join(root, sub.lstrip("/"))
+                ):
+                    args += ["--tmpfs", sub]
+    return args
+
+
+class BwrapBox(ProcessBox):
+    name = "bwrap"
+
+    def __init__(self, *, prefix: list[str], **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self.prefix = prefix
+
+    def wrap(self, argv: list[str], cwd: str) -> tuple[list[str], str | None]:
+        return [*self.prefix, "--chdir", cwd, "--", *argv], None
+
+
+@attrs.frozen
+class BwrapFactory:
+    """Makes `bwrap` sandboxes (see `bwrap`)."""
+
+    limits: Limits = attrs.field(factory=Limits)
+    root: str = "/"
+    hide: tuple[str, ...] = DEFAULT_HIDE
+    network: bool = False
+    tmp_size: int = 256 << 20
+    user: int | None = None
+    env: dict[str, str] = attrs.field(factory=dict)
+
+    def __call__(self) -> contextlib.AbstractAsyncContextManager[Sandbox]:
+        return self._open()
+
+    def _identity(self) -> tuple[int, int] | None:
+        if os.geteuid() != 0:
+            return None  # bwrap runs as the eval's user, in a user namespace
+        uid = 65534 if self.user is None else self.user
+        return (uid, uid) if uid != 0 else None
+
+    def command_prefix(self, workdir: Path) -> list[str]:
+        identity = self._identity()
+        prefix = self.limits.prlimit()
+        if identity is not None:
+            uid, gid = identity
+            prefix += ["setpriv", f"--reuid={uid}", f"--regid={gid}", "--clear-groups"]
+            prefix += ["--inh-caps=-all", "--bounding-set=-all"]
+        prefix += ["bwrap", "--die-with-parent", "--new-session", "--unshare-all"]
+        prefix += ["--unshare-user", "--disable-userns"]  # no nested user namespaces
+        if self.network:
+            prefix.append("--share-net")
+        prefix += _root_entries(self.root, self.hide)
+        prefix += ["--dev", "/dev", "--proc", "/proc"]
+        prefix += ["--size", str(self.tmp_size), "--tmpfs", "/tmp"]
+        prefix += ["--dir", WORK, "--bind", str(workdir), WORK]
+        prefix += ["--hostname", "sandbox", "--remount-ro", "/"]
+        return prefix
+
+    @contextlib.asynccontextmanager
+    async def _open(self) -> AsyncIterator[Sandbox]:
+        if shutil.which("bwrap") is None:
+            raise SandboxError(
+                "the bwrap sandbox needs bubblewrap: install it (apt-get install bubblewrap, "
+                "dnf install bubblewrap) or use another backend (local, docker:IMAGE)"
+            )
+        workdir = new_workdir("bwrap")
+        owner = self._identity()
+        if owner is not None:
+            os.chown(workdir, *owner)
+        box = BwrapBox(
+            prefix=self.command_prefix(workdir),
+            workdir=workdir,
+            inside=WORK,
+            owned=True,
+            limits=self.limits,
+            env=self.env,
+            file_owner=owner,
+        )
+        try:
+            yield box
+        finally:
+            await box.aclose()
+
+
+def bwrap(
+    *,
+    root: str | os.PathLike[str] = "/",
+    hide: Sequence[str] = DEFAULT_HIDE,
+    network: bool = False,
+    tmp_size: int = 256 << 20,
+    user: int | None = None,
+    env: Mapping[str, str] | None = None,
+    **limits: Any,
+) -> BwrapFactory:
+    """A factory of `bwrap` sandboxes (see the module): `root`'s top-level folders
+    read-only but `hide`, a private ``/work`` and ``/tmp`` (`tmp_size` bytes), no network
+    unless `network`, as `user` (a uid; default 65534 when the eval is root), with `env`
+    added to the clean environment and `limits` (the fields of `Limits`). Raises ConfigError
+    naming a bad option."""
+    if not Path(root).is_dir():
+        raise ConfigError(
+            f"{{root}} must be an existing directory, got {str(root)!r}", parameter="root"
+        )
+    if isinstance(hide, str):
+        raise ConfigError(
+            f"{{hide}} must be a list of absolute paths, got the string {hide!r}",
+            parameter="hide",
+        )
+    for path in hide:
+        if not isinstance(path, str) or not path.startswith("/"):
+            raise ConfigError(f"{{hide}} must hold absolute paths, got {path!r}", parameter="hide")
+    if isinstance(tmp_size, bool) or not isinstance(tmp_size, int) or tmp_size <= 0:
+        raise ConfigError(
+            f"{{tmp_size}} must be an int > 0 (bytes), got {tmp_size!r}", parameter="tmp_size"
+        )
+    if user is not None and (isinstance(user, bool) or not isinstance(user, int) or user < 0):
+        raise ConfigError(f"{{user}} must be a uid (an int >= 0), got {user!r}", parameter="user")
+    return BwrapFactory(
+        limits=make_limits(limits),
+        root=str(root),
+        hide=tuple(hide),
+        network=bool(network),
+        tmp_size=tmp_size,
+        user=user,
+        env=dict(env or {}),
+    )

@@ -1,0 +1,158 @@
+"""`local`: commands run on the host, as the eval's user, in the host's file system and
+network, but in a PID namespace of their own where the kernel allows one.
+
+Each command runs as ``prlimit LIMITS setpriv --pdeathsig KILL unshare --pid --fork
+--kill-child --mount-proc [--user --map-root-user] /bin/sh -c COMMAND``:
+
+- its own PID namespace with a fresh ``/proc``: it sees no host process (the eval's
+  ``/proc/PID/environ`` included: no path to the eval's secrets), and when its first
+  process ends the kernel kills every process in the namespace (a ``setsid`` daemon, a
+  double fork, ``nohup``);
+- the parent-death signal on its first process (set from the thread running trio, see
+  `_process`): a SIGKILLed eval takes its commands with it;
+- a clean environment (PATH, LANG, HOME), no inherited descriptors, the limits of `Limits`.
+
+Where no PID namespace can be made (no ``unshare``, user namespaces disabled for a
+non-root user), the command runs in its own session only, and the eval is made
+non-dumpable (``PR_SET_DUMPABLE 0``) so that its ``/proc/PID/environ`` is not readable by
+its user's other processes; a process that leaves the session can then outlive its
+command (docs/security.md).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import os
+import shutil
+from collections.abc import AsyncIterator, Mapping
+from pathlib import Path
+from typing import Any
+
+import attrs
+import trio
+
+from .._core.exceptions import ConfigError
+from ._base import Sandbox
+from ._box import ProcessBox, new_workdir
+from ._process import Limits
+
+__all__ = ["LocalBox", "LocalFactory", "local", "namespaces_available"]
+
+_probe: bool | None = None
+_PR_SET_DUMPABLE = 4
+
+
+def _namespace_prefix() -> list[str]:
+    prefix = ["setpriv", "--pdeathsig", "KILL", "unshare", "--pid", "--fork", "--kill-child"]
+    prefix.append("--mount-proc")
+    if os.geteuid() != 0:
+        prefix += ["--user", "--map-root-user"]
+    return prefix
+
+
+async def namespaces_available() -> bool:
+    """Whether commands can run in a PID namespace here (tried once per process)."""
+    global _probe
+    if _probe is None:
+        if not all(shutil.which(tool) for tool in ("setpriv", "unshare", "prlimit")):
+            _probe = False
+        else:
+            probe = await trio.run_process(
+                [*_namespace_prefix(), "/bin/sh", "-c", "test $$ = 1"],
+                check=False,
+                capture_stdout=True,
+                capture_stderr=True,
+            )
+            _probe = probe.returncode == 0
+        if not _probe:
+            _not_dumpable()
+    return _probe
+
+
+def _not_dumpable() -> None:
+    """Keep this process's /proc files (environ, mem, fds) from its user's other processes."""
+    with contextlib.suppress(OSError, AttributeError):
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(_PR_SET_DUMPABLE, 0, 0, 0, 0)
+
+
+class LocalBox(ProcessBox):
+    name = "local"
+
+    def __init__(self, *, isolated: bool, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self.isolated = isolated
+
+    def wrap(self, argv: list[str], cwd: str) -> tuple[list[str], str | None]:
+        if not self.isolated:
+            return [*self.limits.prlimit(), *argv], cwd
+        return [*self.limits.prlimit(), *_namespace_prefix(), *argv], cwd
+
+
+@attrs.frozen
+class LocalFactory:
+    """Makes `local` sandboxes (see `local`)."""
+
+    limits: Limits = attrs.field(factory=Limits)
+    workdir: str | None = None
+    env: dict[str, str] = attrs.field(factory=dict)
+
+    def __call__(self) -> contextlib.AbstractAsyncContextManager[Sandbox]:
+        return self._open()
+
+    @contextlib.asynccontextmanager
+    async def _open(self) -> AsyncIterator[Sandbox]:
+        isolated = await namespaces_available()
+        if self.workdir is not None:
+            workdir, owned = Path(self.workdir), False
+        else:
+            workdir, owned = new_workdir("local"), True
+        box = LocalBox(
+            isolated=isolated,
+            workdir=workdir,
+            inside=str(workdir),
+            owned=owned,
+            limits=self.limits,
+            env=self.env,
+        )
+        try:
+            yield box
+        finally:
+            await box.aclose()
+
+
+def local(
+    *,
+    workdir: str | os.PathLike[str] | None = None,
+    env: Mapping[str, str] | None = None,
+    **limits: Any,
+) -> LocalFactory:
+    """A factory of `local` sandboxes: commands on the host, each in its own PID namespace
+    where the kernel allows one (see the module), in `workdir` (default: a fresh folder
+    per sandbox, removed with it; a given one is kept), with `env` added to the clean
+    environment and `limits` (the fields of `Limits`: ``timeout``, ``memory``,
+    ``processes``, ``file_size``, ``max_output``, ...). Raises ConfigError naming a bad
+    option or a `workdir` that is not a folder."""
+    if workdir is not None and not Path(workdir).is_dir():
+        raise ConfigError(
+            f"{{workdir}} must be an existing directory, got {str(workdir)!r}",
+            parameter="workdir",
+        )
+    return LocalFactory(
+        limits=make_limits(limits),
+        workdir=None if workdir is None else os.path.realpath(workdir),
+        env=dict(env or {}),
+    )
+
+
+def make_limits(options: Mapping[str, Any]) -> Limits:
+    """`Limits` from keyword options, naming an unknown one."""
+    known = {field.name for field in attrs.fields(Limits)}
+    unknown = sorted(set(options) - known)
+    if unknown:
+        raise ConfigError(
+            f"{{{unknown[0]}}} is not a sandbox option (the limits are: {', '.join(sorted(known))})",
+            parameter=unknown[0],
+        )
+    return Limits(**options)
