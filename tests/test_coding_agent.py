@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+import uuid
 from pathlib import Path
 from typing import Any
 
@@ -27,6 +28,7 @@ sys.path.insert(0, str(ROOT / "tests" / "fixtures"))
 import coding_agent  # noqa: E402
 from chat_server import ChatServer  # noqa: E402
 from helpers import needs  # noqa: E402
+from redis_server import RedisServer  # noqa: E402
 
 EXAMPLE = str(ROOT / "examples" / "coding_agent.py")
 BWRAP = needs("bwrap", why="the bwrap backend runs bubblewrap (apt-get install bubblewrap)")
@@ -123,6 +125,49 @@ def test_bad_sandbox_flags_are_refused_before_any_work(
     assert done.returncode == 2, done.stderr
     assert said in done.stderr
     assert not any(tmp_path.iterdir())  # nothing written
+
+
+def test_via_the_worker_makes_the_sandbox_where_it_runs(
+    tmp_path: Path, redis_server: RedisServer
+) -> None:
+    """`--via`: a worker started with `--sandbox local` runs the entries of an eval that asked
+    for it, each rollout's box made on the worker; a worker without a sandbox refuses them
+    (the eval fails loudly, naming the fix), never running them without a box."""
+    tag = uuid.uuid4().hex[:8]
+    with ChatServer() as server:
+        model = ["-m", "m", "--base-url", server.url]
+        env = [f"{EXAMPLE}:CodingTasks", "--env-class", f"{EXAMPLE}:CodingAgent"]
+        log = (tmp_path / "worker.log").open("wb")
+
+        def worker(stream: str, *flags: str) -> subprocess.Popen[bytes]:
+            return forkserver.popen(
+                [sys.executable, "-m", "trio_tasksets", "worker", *env, "--feed",
+                 redis_server.url, "--stream", stream, "--group", "g", "--results",
+                 f"{stream}:results", "--no-dashboard", *model, *flags],
+                stdout=subprocess.DEVNULL, stderr=log,
+            )  # fmt: skip
+
+        def via(stream: str, name: str) -> subprocess.CompletedProcess[str]:
+            return cli(
+                tmp_path, "eval", *env, *model, "--sandbox", "local", "-n", "2", "-o",
+                str(tmp_path), "--no-dashboard", "--run-name", name, "--via",
+                redis_server.url, "--stream", stream, "--max-failures", "1",
+            )  # fmt: skip
+
+        workers = [worker(f"{tag}:boxed", "--sandbox", "local"), worker(f"{tag}:bare")]
+        try:
+            done = via(f"{tag}:boxed", "boxed")
+            assert done.returncode == 0, done.stderr + (tmp_path / "worker.log").read_text()
+            refused = via(f"{tag}:bare", "bare")
+        finally:
+            for process in workers:
+                process.terminate()
+                process.wait(timeout=30)
+            log.close()
+    rows = [json.loads(line) for line in (tmp_path / "boxed" / "traces.jsonl").open()]
+    assert [(row["ok"], row["metrics"]) for row in rows] == [(True, {"tests_ran": 1.0})] * 2
+    assert refused.returncode == 1
+    assert "start the worker with --sandbox local" in refused.stderr
 
 
 # --- how it travels -------------------------------------------------------------------------

@@ -221,12 +221,13 @@ async def test_a_failed_attempt_closes_its_box_and_the_retry_gets_a_fresh_one(
     assert all(box.closed for box in maker.boxes)
 
 
-@pytest.mark.parametrize("how", ["deadline", "cancel", "first", "fail-fast"])
+@pytest.mark.parametrize("how", ["deadline", "cancel", "first", "fail-fast", "policy update"])
 async def test_every_cancellation_closes_the_box(
     autojump_clock: trio.testing.MockClock, how: str
 ) -> None:
-    """A rollout timeout (a deadline), a cancelled eval, `tt.first`'s cut and a fan-out's
-    fail-fast each end the scope: every box made is closed and its place given back."""
+    """A rollout timeout (a deadline), a cancelled eval, `tt.first`'s cut, a fan-out's
+    fail-fast and a policy update that leaves rollouts too stale (`tt.Staleness`) each end
+    the scope: every box made is closed and its place given back."""
     maker = Maker(make_time=0.2, exec_time=100.0, close_time=0.3)
     timeout = 5.0 if how == "deadline" else None
     env = tt.ToolEnv(Tasks(4), [run], sandbox=maker, max_sandboxes=2, rollout_timeout=timeout)
@@ -246,6 +247,18 @@ async def test_every_cancellation_closes_the_box(
             return await env.run_slot(slot, ctx(client))
 
         assert await tt.first(1, slots_of(env), one, window=4) == ["quick"]
+    elif how == "policy update":
+        staleness = tt.Staleness(max_lag=0)
+        run_stale = staleness.run(lambda slot: env.run_slot(slot, ctx(client)))
+
+        async def trainer() -> None:
+            await trio.sleep(1.0)  # the rollouts are in their boxes
+            staleness.advance()
+
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(trainer)
+            results = await tt.run_stream(slots_of(env), run_stale, window=4)
+        assert results == [None] * 4  # cancelled as stale
     else:
 
         async def doomed() -> None:

@@ -1,0 +1,148 @@
+"""Sandbox admission (issue 34): 64 rollouts, each making a sandbox, on this machine's cores.
+
+    python -m bench.sandbox_admission [--rollouts 64] [--backend bwrap] [--repeat 3] [--quick]
+
+One eval (`run_eval`, window 64: every rollout starts at once) of a `tt.ToolEnv` whose model
+(a `ScriptedClient`) asks for one tool call per rollout; the tool runs a command in the
+rollout's sandbox (``python3 -c ...``: a second of a core's work, in chunks, as a test suite
+would), so each rollout makes a box, runs in it, and the box is destroyed at its end. The
+contenders differ only in the admission window (`max_sandboxes`):
+
+* ``adaptive`` (the default, ``1-CORES-256``): grows while boxes start cleanly, cut on the
+  host's CPU and memory pressure (PSI) and slow or failed starts;
+* ``fixed 4``: at most 4 alive;
+* ``none`` (``--max-sandboxes 64``: every rollout's box at once): no admission.
+
+Reported for each (the median run of `--repeat`, by lag p99): the eval's scheduler lag (the
+health probe's p50 / p99 / max: how late the eval's own trio loop ran, what every model
+call, heartbeat and dashboard of the eval pays), boxes made and failed to start, most alive
+at once, the boxes' start-up time (median, max), and the eval's wall time. Goals (issue 34):
+with the admission window the lag p99 stays under 50 ms and no sandbox fails to start.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import tempfile
+import time
+from collections.abc import Iterable
+from typing import Any
+
+import trio
+
+import trio_tasksets as tt
+from trio_tasksets.testing import ScriptedClient, reply
+
+from .common import env_info, goal_line, markdown_table
+
+WORK = (
+    "import time\nend = time.process_time() + {cpu}\n"
+    "while time.process_time() < end:\n    sum(range(10000))\n"
+)
+
+
+class Rollouts(tt.Taskset[tt.Task, tt.TasksetConfig]):
+    size = 64
+
+    def load(self) -> Iterable[tt.Task]:
+        return [tt.Task(f"task {i}", answer="done", key=str(i)) for i in range(self.size)]
+
+
+def _env(backend: str, max_sandboxes: Any, cpu: float) -> tt.ToolEnv[tt.Task]:
+    @tt.tool
+    async def work() -> str:
+        """Run the task's work in the sandbox."""
+        result = await tt.current_sandbox().exec(["python3", "-c", WORK.format(cpu=cpu)])
+        return f"exit {result.returncode}"
+
+    return tt.ToolEnv(
+        Rollouts(), [work], sandbox=tt.sandboxes.parse(backend), max_sandboxes=max_sandboxes,
+        reward=lambda task, completion: float(completion == "done"),
+    )  # fmt: skip
+
+
+def _script(messages: list[dict[str, Any]], tools: Any) -> tt.Completion:
+    if messages[-1]["role"] == "tool":
+        return tt.Completion("done" if messages[-1]["content"] == "exit 0" else "failed")
+    return reply(tool_calls=[("work", {})])
+
+
+async def _run(backend: str, max_sandboxes: Any, n: int, cpu: float) -> dict[str, Any]:
+    Rollouts.size = n
+    env = _env(backend, max_sandboxes, cpu)
+    with tempfile.TemporaryDirectory() as out:
+        config = tt.EvalConfig(num_examples=n, max_concurrent=n, output_dir=out, run_name="r",
+                               dashboard=False)  # fmt: skip
+        began = time.perf_counter()
+        result = await tt.run_eval(env, tt.ModelContext(ScriptedClient(_script), "m"), config)
+        wall = time.perf_counter() - began
+    assert env.sandboxes is not None
+    stats = env.sandboxes.admission.stats()
+    lag = result.summary["health"]["lag_s"]
+    return {
+        "lag": lag, "wall": wall, "ok": result.summary["ok"], "reward": result.summary.get(
+            "reward_mean", result.summary.get("reward")), **stats,
+        "sizes": [size for _, size, _ in env.sandboxes.admission.window.history],
+    }  # fmt: skip
+
+
+def _ms(seconds: float | None) -> str:
+    return "-" if seconds is None else f"{seconds * 1000:.0f} ms"
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--rollouts", type=int, default=64)
+    parser.add_argument("--backend", default="bwrap")
+    parser.add_argument("--cpu", type=float, default=1.0, help="CPU seconds of work per box")
+    parser.add_argument("--repeat", type=int, default=3)
+    parser.add_argument("--quick", action="store_true")
+    args = parser.parse_args()
+    if args.quick:
+        args.rollouts, args.cpu, args.repeat = 16, 0.2, 1
+    print(env_info())
+    cores = os.cpu_count() or 1
+    contenders: dict[str, Any] = {
+        f"adaptive (default, 1-{cores}-256)": None,
+        "fixed 4": 4,
+        f"none (max_sandboxes={args.rollouts}: all at once)": args.rollouts,
+    }
+    runs: dict[str, list[dict[str, Any]]] = {name: [] for name in contenders}
+    names = list(contenders)
+    for r in range(args.repeat):
+        for name in names[r % len(names) :] + names[: r % len(names)]:
+            runs[name].append(
+                trio.run(_run, args.backend, contenders[name], args.rollouts, args.cpu)
+            )
+    rows, chosen = [], {}
+    for name, found in runs.items():
+        found.sort(key=lambda run: run["lag"]["p99"] or 0.0)
+        run = chosen[name] = found[len(found) // 2]
+        lag = run["lag"]
+        rows.append([
+            name, _ms(lag["p50"]), _ms(lag["p99"]), _ms(lag["max"]),
+            f"{run['made']}/{args.rollouts}", str(run["failed"]), str(run["peak_alive"]),
+            f"{_ms(run['creation_p50_s'])} / {_ms(run['creation_max_s'])}",
+            f"{run['wall']:.1f} s", f"{run['ok']}",
+        ])  # fmt: skip
+        print(f"{name}: window sizes {run['sizes'][:12]}{' ...' if len(run['sizes']) > 12 else ''}")
+    headers = ["admission", "lag p50", "lag p99", "lag max", "boxes made", "failed starts",
+               "most alive", "start-up p50 / max", "wall", "rows ok"]  # fmt: skip
+    print(markdown_table(headers, rows))
+    adaptive = chosen[names[0]]
+    print(goal_line(
+        (adaptive["lag"]["p99"] or 0.0) < 0.050, "adaptive admission: lag p99 < 50 ms",
+        _ms(adaptive["lag"]["p99"]),
+    ))  # fmt: skip
+    print(goal_line(
+        adaptive["failed"] == 0 and adaptive["made"] == args.rollouts,
+        "adaptive admission: no sandbox fails to start",
+        f"{adaptive['made']} made, {adaptive['failed']} failed starts",
+    ))  # fmt: skip
+    print("median of", statistics.median([len(v) for v in runs.values()]), "runs each")
+
+
+if __name__ == "__main__":
+    main()
