@@ -495,6 +495,19 @@ class Sandboxes:
         window = _window(limit, "max_sandboxes")
         return cls(factory, check_scope(scope), SandboxAdmission(window), spec)
 
+    def report(self, since: float | None = None) -> dict[str, Any]:
+        """`summary.json["sandboxes"]`: the backend (its `--sandbox` form when it has one),
+        the scope, the admission's figures (`SandboxAdmission.stats`) and its window's
+        history (seconds since `since`, size, reason). Boxes made in another process (an
+        env server's) are counted there."""
+        window = self.admission.window
+        return {
+            "sandbox": getattr(self.spec, "text", None),
+            "scope": self.scope,
+            **self.admission.stats(),
+            "window_history": window.history_since(since),
+        }
+
     def attempt(self) -> _Scope:
         """The scope of one attempt of a rollout: a box of its own (``"rollout"``), or
         none new when a group's box is current (``"group"``, within `group()`)."""

@@ -546,6 +546,8 @@ async def _run_eval(
         summary = _summary(done, progress.total, began, len(kept), tally, complete)
         summary.update(_histories(window, ctx, t0))
         summary["health"] = health.snapshot()
+        if env.sandboxes is not None and not backend.remote:  # the boxes made in this process
+            summary["sandboxes"] = env.sandboxes.report(t0)
         summary.update(identity)
         if empty or (not complete and not tally.recorded and not config.resume):
             _remove_run(run_dir, created)  # nothing finished: a rerun starts afresh
