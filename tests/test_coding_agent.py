@@ -103,9 +103,8 @@ def test_the_example_runs_from_the_cli_with_a_sandbox(tmp_path: Path, where: str
     summary = json.loads((tmp_path / "r" / "summary.json").read_text())
     if where == "in process":  # the boxes were made here, admitted by the window asked for
         boxes = summary["sandboxes"]
-        assert (boxes["sandbox"], boxes["made"], boxes["alive"], boxes["failed"]) == (
-            "local", 4, 0, 0
-        )
+        found = (boxes["sandbox"], boxes["made"], boxes["alive"], boxes["failed"])
+        assert found == ("local", 4, 0, 0)
         assert boxes["window_history"][0][1:] == [2, "start"]
         assert boxes["peak_alive"] <= 4
     else:  # made by the env server: counted there

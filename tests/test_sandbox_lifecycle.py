@@ -360,16 +360,41 @@ async def test_host_pressure_cuts_the_adaptive_window_and_holds_its_growth(
     assert env.sandboxes is not None
     admission = env.sandboxes.admission
     admission.pressure = lambda: readings["now"]
+    admission.cores = 2
     readings["now"] = Pressure(0.9, 0.0)  # the CPU is saturated from the start
     await run_all(env, ScriptedClient(tool_then_done), window=64)
     reasons = [reason for _, _, reason in admission.window.history]
     assert "cpu pressure" in reasons
-    assert admission.window.size == 1  # cut down to its min, never grown meanwhile
+    # cut down to the host's cores (not below: fewer would leave CPUs idle), never grown
+    assert admission.window.size == 2
+    assert maker.peak <= 6  # cut at the first admission already (8 -> 6)
     assert not any(r in ("slow start", "grow") for r in reasons)
-    memory = SandboxAdmission(tt.AdaptiveWindow(1, 8, 64), pressure=lambda: Pressure(0.0, 0.5))
-    memory.created(0.1)
-    assert memory.window.size < 8
-    assert memory.window.history[-1][2] == "memory pressure"
+    # memory pressure cuts to the window's min
+    readings["now"] = Pressure(0.0, 0.5)
+    await run_all(env, ScriptedClient(tool_then_done), window=64)
+    assert admission.window.size == 1
+    assert admission.window.history[-1][2] == "memory pressure"
+    # once the pressure is gone, clean starts grow it again
+    readings["now"] = Pressure(0.0, 0.0)
+    await run_all(env, ScriptedClient(tool_then_done), window=64)
+    assert admission.window.size > 2
+
+
+async def test_slow_start_ups_cut_the_window_to_the_cores(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    quiet = Pressure(0.0, 0.0)
+    admission = SandboxAdmission(tt.AdaptiveWindow(1, 8, 64), pressure=lambda: quiet, cores=2)
+    admission.created(0.01)
+    admission.created(0.03)  # 3x the quickest: no trouble
+    assert admission.window.size == 8
+    admission.created(0.05)  # 5x, but under 0.1 s: jitter, not trouble
+    assert admission.window.size == 8
+    for _ in range(20):
+        admission.created(0.5)  # 50x, and half a second: the host is struggling
+        await trio.sleep(1.0)
+    sizes = [size for _, size, reason in admission.window.history if reason == "slow start-up"]
+    assert sizes == [6, 4, 3, 2]  # by a fifth a second, down to the cores
 
 
 async def test_creation_failures_are_retried_and_cap_the_window(

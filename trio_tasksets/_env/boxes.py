@@ -22,7 +22,9 @@ boxes alive less one when a creation fails, and is cut (by a fifth, at most once
 while the host is under pressure: CPU or memory pressure (the kernel's PSI,
 ``/proc/pressure/cpu|memory``, where present; else the load average and ``MemAvailable``)
 above a threshold, or creations that take `slow` times longer than the quickest seen; no
-creation counts toward growth meanwhile. A creation that fails is retried (`START_ATTEMPTS`
+creation counts toward growth meanwhile. CPU pressure cuts it no lower than the host's
+cores: on a machine other work keeps busy, fewer boxes than cores would only leave the
+eval's share of the CPUs idle; memory pressure cuts it to its `min`. A creation that fails is retried (`START_ATTEMPTS`
 in all, the project's `Backoff` between them) before the rollout fails with
 `SandboxStartError`.
 """
@@ -185,7 +187,9 @@ class SandboxAdmission:
     which this moves: successes grow it through its controller, a failed creation caps it,
     pressure (`pressure`, a callable returning a `Pressure`: `HostPressure().read` by
     default) above `cpu_high` / `memory_high`, or a creation slower than `slow` times the
-    quickest seen, cuts it by a fifth at most once per `hold` seconds and withholds growth.
+    quickest seen (and than `slow_after` seconds), cuts it by a fifth at most once per
+    `hold` seconds and withholds growth; CPU pressure and slow creations never cut it below
+    the host's `cores` (default: `os.cpu_count()`), memory pressure down to its `min`.
     """
 
     def __init__(
@@ -196,14 +200,18 @@ class SandboxAdmission:
         cpu_high: float = 0.6,
         memory_high: float = 0.1,
         slow: float = 4.0,
+        slow_after: float = 0.1,
         hold: float = 1.0,
+        cores: int | None = None,
     ) -> None:
         self.window = window
         self.pressure = pressure if pressure is not None else HostPressure().read
         self.cpu_high = cpu_high
         self.memory_high = memory_high
         self.slow = slow
+        self.slow_after = slow_after
         self.hold = hold
+        self.cores = cores if cores is not None else os.cpu_count() or 1
         self.alive = 0
         self.peak = 0
         self.made = 0
@@ -234,7 +242,7 @@ class SandboxAdmission:
         self.creation.append(seconds)
         del self.creation[:-256]
         quickest, self.quickest = self.quickest, min(self.quickest, seconds)
-        slow = self.made > 1 and seconds > self.slow * quickest
+        slow = self.made > 1 and seconds > max(self.slow * quickest, self.slow_after)
         if not self._check_pressure("slow start-up" if slow else None) and isinstance(
             self.window, AdaptiveWindow
         ):
@@ -248,22 +256,25 @@ class SandboxAdmission:
 
     def _check_pressure(self, reason: str | None) -> bool:
         """Whether the host is under pressure now; an adaptive window is cut for it (at most
-        once per `hold`)."""
+        once per `hold`): memory pressure down to its `min`; CPU pressure and slow start-ups
+        down to the host's cores at the least (`cores`: fewer boxes than cores would leave
+        CPUs idle that other work holds no less, and the eval's own loop keeps its share)."""
         window = self.window
         if not isinstance(window, AdaptiveWindow):
             return False
+        floor = max(window.min, min(window.max, self.cores))
         if reason is None:
             found = self.pressure()
             if found.memory > self.memory_high:
-                reason = "memory pressure"
+                reason, floor = "memory pressure", window.min
             elif found.cpu > self.cpu_high:
                 reason = "cpu pressure"
             else:
                 return False
         now = trio.current_time()
-        if now - self._cut_at >= self.hold and window.size > window.min:
+        if now - self._cut_at >= self.hold and window.size > floor:
             self._cut_at = now
-            window.resize(max(window.min, math.floor(window.size * 0.8)), reason)
+            window.resize(max(floor, math.floor(window.size * 0.8)), reason)
         return True
 
     def stats(self) -> dict[str, Any]:
