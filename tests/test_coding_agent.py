@@ -20,6 +20,7 @@ import trio
 
 import trio_tasksets as tt
 from trio_tasksets._env.spec import Declaration, EnvSpec, SandboxSpec
+from trio_tasksets._serve import EnvServerError, spawn_server
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "examples"))
@@ -175,6 +176,30 @@ def test_via_the_worker_makes_the_sandbox_where_it_runs(
     assert [(row["ok"], row["metrics"]) for row in rows] == [(True, {"tests_ran": 1.0})] * 2
     assert refused.returncode == 1
     assert "start the worker with --sandbox local" in refused.stderr
+
+
+async def test_a_running_server_without_the_sandbox_asked_for_is_refused(tmp_path: Path) -> None:
+    """`--server-url`: the server's health says which sandbox it makes; an eval that asks for
+    one the server does not make fails before its first slot, naming the fix."""
+    spec = EnvSpec(f"{EXAMPLE}:CodingTasks", {}, env_class=f"{EXAMPLE}:CodingAgent")
+    boxed = attrs_evolve(spec, sandbox="local").build()
+    with trio.fail_after(60):
+        async with spawn_server(boxed) as server:
+            async with tt.EnvClient(server.url, token=server.token) as client:
+                assert (await client.health())["sandbox"] == "local"
+            asks_bwrap = attrs_evolve(spec, sandbox="bwrap").build()
+            config = tt.EvalConfig(
+                num_examples=1, output_dir=str(tmp_path), run_name="r", dashboard=False,
+                backend=tt.ServedBackend(server_url=server.url, token=server.token),
+            )  # fmt: skip
+            with pytest.RaisesGroup(
+                pytest.RaisesExc(
+                    EnvServerError, match="asks for --sandbox bwrap, but env server .* runs "
+                    "with local: start the server with --sandbox bwrap",
+                ),
+                allow_unwrapped=True, flatten_subgroups=True,
+            ):  # fmt: skip
+                await tt.run_eval(asks_bwrap, tt.ModelContext(tt.EchoClient(), "m"), config)
 
 
 # --- how it travels -------------------------------------------------------------------------
