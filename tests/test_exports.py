@@ -169,6 +169,7 @@ PUBLIC_SUBMODULES = {
         "SandboxFactory",
         "bwrap",
         "docker",
+        "effective_timeout",
         "load",
         "local",
         "open_sandbox",

@@ -12,7 +12,8 @@ project's backends:
 - `docker(image, **options)`: a container per sandbox, where a Docker daemon is reachable.
 
 `load("pkg.mod:factory")` imports a factory of one's own; `parse(spec)` reads the command
-line's ``local|bwrap|docker:IMAGE|pkg.mod:factory``. docs/security.md says what each backend
+line's ``local|bwrap|docker:IMAGE|pkg.mod:factory``; `effective_timeout` is how a backend of
+one's own cuts a command's timeout to its caller's deadline. docs/security.md says what each backend
 isolates and what it does not.
 
 Rooms (private): `_base` (the protocol, errors, factories), `_process` (one process: spawn,
@@ -33,7 +34,7 @@ from ._base import (
 from ._bwrap import bwrap
 from ._docker import docker
 from ._local import local
-from ._process import Limits
+from ._process import Limits, effective_timeout
 from ._spec import parse
 
 __all__ = [
@@ -45,6 +46,7 @@ __all__ = [
     "SandboxFactory",
     "bwrap",
     "docker",
+    "effective_timeout",
     "load",
     "local",
     "open_sandbox",

@@ -35,7 +35,7 @@ import attrs
 
 from .._core.exceptions import ConfigError
 from ._base import Sandbox, SandboxError
-from ._box import ProcessBox, new_workdir
+from ._box import ProcessBox, new_workdir, signalled
 from ._local import make_limits
 from ._process import Limits
 
@@ -68,6 +68,7 @@ def _root_entries(root: str, hide: Sequence[str]) -> list[str]:
 
 class BwrapBox(ProcessBox):
     name = "bwrap"
+    wrappers = 2  # bwrap, then its init (PID 1)
 
     def __init__(self, *, prefix: list[str], **kwargs: Any) -> None:
         super().__init__(**kwargs)
@@ -75,6 +76,9 @@ class BwrapBox(ProcessBox):
 
     def wrap(self, argv: list[str], cwd: str) -> tuple[list[str], str | None]:
         return [*self.prefix, "--chdir", cwd, "--", *argv], None
+
+    def status(self, returncode: int) -> int:
+        return signalled(returncode)  # bwrap's init exits 128 + N for signal N
 
 
 @attrs.frozen

@@ -2,7 +2,9 @@
 network, but in a PID namespace of their own where the kernel allows one.
 
 Each command runs as ``prlimit LIMITS setpriv --pdeathsig KILL unshare --pid --fork
---kill-child --mount-proc [--user --map-root-user] /bin/sh -c COMMAND``:
+--kill-child --mount-proc [--user --map-root-user] INIT /bin/sh -c COMMAND`` (INIT: a shell
+that runs the command as PID 2 and exits with its status, 128 + N for signal N, which `exec`
+reports as ``-N``):
 
 - its own PID namespace with a fresh ``/proc``: it sees no host process (the eval's
   ``/proc/PID/environ`` included: no path to the eval's secrets), and when its first
@@ -34,11 +36,17 @@ import trio
 
 from .._core.exceptions import ConfigError
 from ._base import Sandbox
-from ._box import ProcessBox, new_workdir
+from ._box import ProcessBox, new_workdir, signalled
 from ._process import Limits
 
 __all__ = ["LocalBox", "LocalFactory", "local", "namespaces_available"]
 
+# PID 1 of the namespace: a shell that runs the command as PID 2 (so that the command can
+# be signalled from inside, `kill $$` included) and exits with its status
+# (in the background, with the init's stdin given back: a shell's background job would get
+# /dev/null; waited for, so that the init says nothing of a signal as a foreground job would)
+# (its own stderr to /dev/null: dash would report a command killed by a signal there)
+INIT = ["/bin/sh", "-c", 'exec 3<&0 4>&2 2>/dev/null; "$@" <&3 2>&4 3<&- 4>&- & wait $!', "init"]
 _probe: bool | None = None
 _PR_SET_DUMPABLE = 4
 
@@ -83,11 +91,15 @@ class LocalBox(ProcessBox):
     def __init__(self, *, isolated: bool, **kwargs: Any) -> None:
         super().__init__(**kwargs)
         self.isolated = isolated
+        self.wrappers = 2 if isolated else 0  # unshare, then INIT
 
     def wrap(self, argv: list[str], cwd: str) -> tuple[list[str], str | None]:
         if not self.isolated:
             return [*self.limits.prlimit(), *argv], cwd
-        return [*self.limits.prlimit(), *_namespace_prefix(), *argv], cwd
+        return [*self.limits.prlimit(), *_namespace_prefix(), *INIT, *argv], cwd
+
+    def status(self, returncode: int) -> int:
+        return signalled(returncode) if self.isolated else returncode
 
 
 @attrs.frozen
