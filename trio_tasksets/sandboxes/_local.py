@@ -38,6 +38,7 @@ from .._core.exceptions import ConfigError
 from ._base import Sandbox
 from ._box import ProcessBox, new_workdir, signalled
 from ._process import Limits
+from ._state import owner_folder
 
 __all__ = ["LocalBox", "LocalFactory", "local", "namespaces_available"]
 
@@ -116,6 +117,7 @@ class LocalFactory:
     @contextlib.asynccontextmanager
     async def _open(self) -> AsyncIterator[Sandbox]:
         isolated = await namespaces_available()
+        owner_folder()  # the first box of this process reaps what dead owners left
         if self.workdir is not None:
             workdir, owned = Path(self.workdir), False
         else:
