@@ -83,6 +83,10 @@ class ProcessBox:
         """The command's exit status from the wrapper's."""
         return returncode
 
+    def pass_fds(self) -> tuple[int, ...]:
+        """Descriptors the wrapper needs (the others are closed)."""
+        return ()
+
     def _cwd(self, cwd: str | None) -> str:
         if cwd is None:
             return self.inside
@@ -118,6 +122,7 @@ class ProcessBox:
             timeout=self.limits.timeout if timeout is None else timeout,
             limits=self.limits,
             kill=stop_below(self.wrappers) if self.wrappers else kill_group,
+            pass_fds=self.pass_fds(),
         )
         result = attrs.evolve(outcome.result, returncode=self.status(outcome.result.returncode))
         if outcome.overflowed:

@@ -196,6 +196,7 @@ async def run(
     timeout: float,  # noqa: ASYNC109 (the command's limit, cut to the deadline)
     limits: Limits,
     kill: Callable[[int, int], None] = kill_group,
+    pass_fds: tuple[int, ...] = (),
 ) -> Outcome:
     """Run `argv` in a new session and return its outcome. `kill(pid, sig)` stops what it
     started (default: its process group). Raises ExecTimeoutError when `timeout` (cut to the
@@ -215,6 +216,7 @@ async def run(
             env=dict(env),
             cwd=cwd,
             close_fds=True,
+            pass_fds=pass_fds,
             start_new_session=True,
         )
     except OSError as exc:
