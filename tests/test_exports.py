@@ -173,6 +173,7 @@ PUBLIC_SUBMODULES = {
         "current_or_none",
         "current_sandbox",
         "docker",
+        "effective_timeout",
         "load",
         "local",
         "open_sandbox",

@@ -12,7 +12,8 @@ project's backends:
 - `docker(image, **options)`: a container per sandbox, where a Docker daemon is reachable.
 
 `load("pkg.mod:factory")` imports a factory of one's own; `parse(spec)` reads the command
-line's ``local|bwrap|docker:IMAGE|pkg.mod:factory``. docs/security.md says what each backend
+line's ``local|bwrap|docker:IMAGE|pkg.mod:factory``; `effective_timeout` is how a backend of
+one's own cuts a command's timeout to its caller's deadline. docs/security.md says what each backend
 isolates and what it does not.
 
 `current_sandbox()` is the running rollout's box (made on first use by the env that was
@@ -44,7 +45,7 @@ from ._current import (
 )
 from ._docker import docker
 from ._local import local
-from ._process import Limits
+from ._process import Limits, effective_timeout
 from ._spec import parse
 
 __all__ = [
@@ -60,6 +61,7 @@ __all__ = [
     "current_or_none",
     "current_sandbox",
     "docker",
+    "effective_timeout",
     "load",
     "local",
     "open_sandbox",

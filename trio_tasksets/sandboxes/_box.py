@@ -7,17 +7,19 @@ from __future__ import annotations
 import itertools
 import os
 import shutil
+import signal
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 
+import attrs
 import trio
 
 from ._base import ExecResult, SandboxError
 from ._files import read_in, relative_parts, write_in
-from ._process import Limits, run
+from ._process import Limits, kill_group, run, stop_below
 from ._state import owner_folder
 
-__all__ = ["ProcessBox", "base_env", "new_workdir"]
+__all__ = ["ProcessBox", "base_env", "new_workdir", "signalled"]
 
 _numbers = itertools.count()
 
@@ -36,6 +38,14 @@ def base_env(home: str) -> dict[str, str]:
         "LANG": os.environ.get("LANG", "C.UTF-8"),
         "HOME": home,
     }
+
+
+def signalled(returncode: int) -> int:
+    """An init's exit status (128 + N when its command was killed by signal N) as
+    `subprocess` reports a signal: -N."""
+    if 128 < returncode < 128 + signal.NSIG:
+        return -(returncode - 128)
+    return returncode
 
 
 class ProcessBox:
@@ -66,6 +76,16 @@ class ProcessBox:
         """The command line that runs `argv` in the box with working directory `cwd` (as the
         box sees it), and the host directory to start it in."""
         raise NotImplementedError
+
+    wrappers = 0  # generations of wrapper processes above the command (`stop_below`)
+
+    def status(self, returncode: int) -> int:
+        """The command's exit status from the wrapper's."""
+        return returncode
+
+    def pass_fds(self) -> tuple[int, ...]:
+        """Descriptors the wrapper needs (the others are closed)."""
+        return ()
 
     def _cwd(self, cwd: str | None) -> str:
         if cwd is None:
@@ -101,8 +121,10 @@ class ProcessBox:
             input=input,
             timeout=self.limits.timeout if timeout is None else timeout,
             limits=self.limits,
+            kill=stop_below(self.wrappers) if self.wrappers else kill_group,
+            pass_fds=self.pass_fds(),
         )
-        result = outcome.result
+        result = attrs.evolve(outcome.result, returncode=self.status(outcome.result.returncode))
         if outcome.overflowed:
             note = (
                 f"\n[the command wrote over {self.limits.output_limit} bytes of output "

@@ -25,23 +25,30 @@ holds, and the work folder is chowned to that user.
 from __future__ import annotations
 
 import contextlib
+import itertools
+import json
 import os
 import shutil
+import signal
+import subprocess
 from collections.abc import AsyncIterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
 import attrs
+import trio
 
 from .._core.exceptions import ConfigError
 from ._base import Sandbox, SandboxError
-from ._box import ProcessBox, new_workdir
+from ._box import ProcessBox, new_workdir, signalled
 from ._local import make_limits
 from ._process import Limits
 
 __all__ = ["BwrapBox", "BwrapFactory", "bwrap"]
 
 WORK = "/work"
+_BOX_UIDS = 2_000_000_000
+_boxes = itertools.count()
 DEFAULT_HIDE = ("/home", "/root", "/run", "/var/run", "/sys", "/mnt", "/media", "/srv")
 _SKIP = {"proc", "dev", "tmp", "lost+found"}
 
@@ -67,14 +74,100 @@ def _root_entries(root: str, hide: Sequence[str]) -> list[str]:
 
 
 class BwrapBox(ProcessBox):
-    name = "bwrap"
+    """A bwrap sandbox: one bubblewrap process for the box's life (its namespaces, its
+    root, its init), and each command entered into it with ``nsenter``."""
 
-    def __init__(self, *, prefix: list[str], **kwargs: Any) -> None:
+    name = "bwrap"
+    wrappers = 1  # nsenter, which forks the command inside
+
+    def __init__(self, *, keeper: list[str], identity: tuple[int, int], **kwargs: Any) -> None:
         super().__init__(**kwargs)
-        self.prefix = prefix
+        self.keeper_argv = keeper
+        self.identity = identity
+        self.keeper: subprocess.Popen[bytes] | None = None
+        self.death_pipe = -1
+        self.target = 0
+        self.enter: list[str] = []
+
+    async def start(self) -> None:
+        """Start the box's bwrap and learn its init's pid (``--info-fd``)."""
+        info_r, info_w = os.pipe()
+        keep_r, self.death_pipe = os.pipe()  # the keeper reads it: EOF when we are gone
+        argv = [*self.keeper_argv[:-1], "--info-fd", str(info_w), self.keeper_argv[-1]]
+        argv += ["/bin/sh", "-c", "echo ready; read _"]  # said once the box is all set up
+        try:
+            self.keeper = subprocess.Popen(  # noqa: ASYNC220 (the trio thread: see _process)
+                argv,
+                stdin=keep_r,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.PIPE,
+                close_fds=True,
+                pass_fds=(info_w,),
+                start_new_session=True,
+                env=self.env,
+            )
+        except OSError as exc:
+            os.close(info_r)
+            raise SandboxError(f"could not start bwrap: {exc}") from exc
+        finally:
+            os.close(info_w)
+            os.close(keep_r)
+        assert self.keeper.stdout is not None
+        text = ready = b""
+        async with trio.lowlevel.FdStream(info_r) as info:
+            ready_stream = trio.lowlevel.FdStream(os.dup(self.keeper.stdout.fileno()))
+            self.keeper.stdout.close()
+            async with ready_stream:
+                with trio.move_on_after(30):
+                    while chunk := await info.receive_some(4096):
+                        text += chunk
+                        if text.rstrip().endswith(b"}"):
+                            break
+                    while b"\n" not in ready and (chunk := await ready_stream.receive_some(64)):
+                        ready += chunk
+        try:
+            self.target = int(json.loads(text)["child-pid"]) if ready == b"ready\n" else 0
+        except (ValueError, KeyError):
+            self.target = 0
+        if not self.target:
+            await self._stop_keeper()
+            assert self.keeper.stderr is not None
+            why = self.keeper.stderr.read().decode(errors="replace").strip()
+            raise SandboxError(f"bwrap could not make the sandbox: {why or text!r}")
+        uid, gid = self.identity
+        self.enter = [
+            *self.limits.prlimit(), "nsenter", f"--target={self.target}", "--user", "--mount",
+            "--pid", "--ipc", "--net", "--uts", "--root", "--wd",
+            f"--setuid={uid}", f"--setgid={gid}", "--",
+        ]  # fmt: skip
+
+    def status(self, returncode: int) -> int:
+        return signalled(returncode)  # nsenter exits 128 + N for some signals N
 
     def wrap(self, argv: list[str], cwd: str) -> tuple[list[str], str | None]:
-        return [*self.prefix, "--chdir", cwd, "--", *argv], None
+        if cwd != WORK:  # nsenter starts in the box's work folder
+            argv = ["/bin/sh", "-c", 'cd -- "$0" && exec "$@"', cwd, *argv]
+        return [*self.enter, *argv], None
+
+    async def _stop_keeper(self) -> None:
+        keeper = self.keeper
+        if keeper is None:
+            return
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(keeper.pid, signal.SIGKILL)  # bwrap: its init and the box go with it
+        if self.death_pipe >= 0:
+            os.close(self.death_pipe)
+            self.death_pipe = -1
+        with trio.CancelScope(shield=True):
+            await trio.to_thread.run_sync(keeper.wait)
+            if keeper.stderr is not None:
+                keeper.stderr.close()
+
+    async def aclose(self) -> None:
+        if self.closed:
+            return
+        await self._stop_keeper()
+        await super().aclose()
 
 
 @attrs.frozen
@@ -93,13 +186,17 @@ class BwrapFactory:
         return self._open()
 
     def _identity(self) -> tuple[int, int] | None:
+        """The uid and gid the box runs as, when root drops to them (None: not root)."""
         if os.geteuid() != 0:
             return None  # bwrap runs as the eval's user, in a user namespace
-        uid = 65534 if self.user is None else self.user
-        return (uid, uid) if uid != 0 else None
+        if self.user is not None:
+            return (self.user, self.user) if self.user != 0 else None
+        # a uid of the box's own, so that its process limit is its own (RLIMIT_NPROC counts
+        # per user): far above the system's and login users' ranges
+        uid = _BOX_UIDS + (os.getpid() % 100_000) * 1000 + next(_boxes) % 1000
+        return (uid, uid)
 
-    def command_prefix(self, workdir: Path) -> list[str]:
-        identity = self._identity()
+    def command_prefix(self, workdir: Path, identity: tuple[int, int] | None) -> list[str]:
         prefix = self.limits.prlimit()
         if identity is not None:
             uid, gid = identity
@@ -113,7 +210,7 @@ class BwrapFactory:
         prefix += ["--dev", "/dev", "--proc", "/proc"]
         prefix += ["--size", str(self.tmp_size), "--tmpfs", "/tmp"]
         prefix += ["--dir", WORK, "--bind", str(workdir), WORK]
-        prefix += ["--hostname", "sandbox", "--remount-ro", "/"]
+        prefix += ["--hostname", "sandbox", "--remount-ro", "/", "--chdir", WORK, "--"]
         return prefix
 
     @contextlib.asynccontextmanager
@@ -128,7 +225,8 @@ class BwrapFactory:
         if owner is not None:
             os.chown(workdir, *owner)
         box = BwrapBox(
-            prefix=self.command_prefix(workdir),
+            keeper=self.command_prefix(workdir, owner),
+            identity=owner or (os.getuid(), os.getgid()),
             workdir=workdir,
             inside=WORK,
             owned=True,
@@ -137,6 +235,7 @@ class BwrapFactory:
             file_owner=owner,
         )
         try:
+            await box.start()
             yield box
         finally:
             await box.aclose()

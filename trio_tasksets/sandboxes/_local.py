@@ -2,14 +2,17 @@
 network, but in a PID namespace of their own where the kernel allows one.
 
 Each command runs as ``prlimit LIMITS setpriv --pdeathsig KILL unshare --pid --fork
---kill-child --mount-proc [--user --map-root-user] /bin/sh -c COMMAND``:
+--kill-child --mount-proc [--user --map-root-user] INIT /bin/sh -c COMMAND`` (INIT, `init`:
+a shell that runs the command as PID 2 and exits with its status, 128 + N for signal N,
+which `exec` reports as ``-N``, and kills the namespace when the eval's death pipe closes):
 
 - its own PID namespace with a fresh ``/proc``: it sees no host process (the eval's
   ``/proc/PID/environ`` included: no path to the eval's secrets), and when its first
   process ends the kernel kills every process in the namespace (a ``setsid`` daemon, a
   double fork, ``nohup``);
 - the parent-death signal on its first process (set from the thread running trio, see
-  `_process`): a SIGKILLed eval takes its commands with it;
+  `_process`) and the death pipe its init watches (which also holds when the eval dies
+  before the signal is set): a SIGKILLed eval takes its commands with it;
 - a clean environment (PATH, LANG, HOME), no inherited descriptors, the limits of `Limits`.
 
 Where no PID namespace can be made (no ``unshare``, user namespaces disabled for a
@@ -34,10 +37,39 @@ import trio
 
 from .._core.exceptions import ConfigError
 from ._base import Sandbox
-from ._box import ProcessBox, new_workdir
+from ._box import ProcessBox, new_workdir, signalled
 from ._process import Limits
+from ._state import owner_folder
 
 __all__ = ["LocalBox", "LocalFactory", "local", "namespaces_available"]
+
+
+def init(death: int) -> list[str]:
+    """PID 1 of a command's namespace: a shell that runs the command as PID 2 (so that it can
+    be signalled from inside, `kill $$` included) and exits with its status; beside it a
+    watcher reads the death pipe `death` (whose write end only this process holds) and, at
+    its end (this process gone, SIGKILL included, however early), kills every process of the
+    namespace. The command runs in the background with the init's stdin given back (a
+    background job would get /dev/null) and is waited for, so that the init says nothing of
+    a signal (its own stderr is /dev/null: dash would report a killed foreground job)."""
+    script = (  # (dash names no descriptor over 9 in a redirection: the pipe by its path)
+        f"exec 3<&0 4>&2 2>/dev/null; {{ read _ < /proc/self/fd/{death}; kill -KILL -1; }} "
+        f'</dev/null & "$@" <&3 2>&4 3<&- 4>&- & wait $!'
+    )
+    return ["/bin/sh", "-c", script, "init"]
+
+
+_death_read = -1
+
+
+def death_pipe() -> int:
+    """The read end of this process's death pipe (made once; the write end is never written
+    and never inherited: it closes only when this process ends)."""
+    global _death_read
+    if _death_read < 0:
+        _death_read, _ = os.pipe()  # both ends close-on-exec; the read end is passed by name
+    return _death_read
+
 
 _probe: bool | None = None
 _PR_SET_DUMPABLE = 4
@@ -83,11 +115,18 @@ class LocalBox(ProcessBox):
     def __init__(self, *, isolated: bool, **kwargs: Any) -> None:
         super().__init__(**kwargs)
         self.isolated = isolated
+        self.wrappers = 2 if isolated else 0  # unshare, then INIT
 
     def wrap(self, argv: list[str], cwd: str) -> tuple[list[str], str | None]:
         if not self.isolated:
             return [*self.limits.prlimit(), *argv], cwd
-        return [*self.limits.prlimit(), *_namespace_prefix(), *argv], cwd
+        return [*self.limits.prlimit(), *_namespace_prefix(), *init(death_pipe()), *argv], cwd
+
+    def pass_fds(self) -> tuple[int, ...]:
+        return (death_pipe(),) if self.isolated else ()
+
+    def status(self, returncode: int) -> int:
+        return signalled(returncode) if self.isolated else returncode
 
 
 @attrs.frozen
@@ -104,6 +143,7 @@ class LocalFactory:
     @contextlib.asynccontextmanager
     async def _open(self) -> AsyncIterator[Sandbox]:
         isolated = await namespaces_available()
+        owner_folder()  # the first box of this process reaps what dead owners left
         if self.workdir is not None:
             workdir, owned = Path(self.workdir), False
         else:

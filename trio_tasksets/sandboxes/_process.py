@@ -29,10 +29,11 @@ from ._base import ExecResult, ExecTimeoutError, SandboxError
 __all__ = [
     "Limits",
     "Outcome",
+    "descendants",
     "effective_timeout",
     "kill_group",
     "run",
-    "status_text",
+    "stop_below",
 ]
 
 READ_AFTER_EXIT = 1.0  # seconds the output may still drain once the command is gone
@@ -115,20 +116,50 @@ def effective_timeout(timeout: float, left: float, grace: float) -> float:
     return max(0.0, min(timeout, left - min(grace, left / 4)))
 
 
+def descendants(pid: int, below: int) -> list[int]:
+    """The host pids of `pid`'s descendants more than `below` generations down (from /proc:
+    how a wrapped command is found under its wrappers, whatever its namespace)."""
+    children: dict[int, list[int]] = {}
+    for entry in os.scandir("/proc"):
+        if not entry.name.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry.name}/stat", "rb") as file:
+                ppid = int(file.read().rpartition(b")")[2].split()[1])
+        except (OSError, ValueError, IndexError):
+            continue
+        children.setdefault(ppid, []).append(int(entry.name))
+    found: list[int] = []
+    level, depth = [pid], 0
+    while level:
+        level = [child for parent in level for child in children.get(parent, [])]
+        depth += 1
+        if depth > below:
+            found += level
+    return found
+
+
+def stop_below(wrappers: int) -> Callable[[int, int], None]:
+    """A `kill` for a command under `wrappers` generations of wrapper processes (a PID
+    namespace's init, bwrap's two): SIGKILL goes to the group (the wrappers take the
+    namespace down with them); another signal to the command and its descendants only,
+    so that a command given SIGTERM has its grace before the namespace goes."""
+
+    def kill(pid: int, sig: int) -> None:
+        if sig == signal.SIGKILL:
+            kill_group(pid, sig)
+            return
+        for child in descendants(pid, wrappers - 1):
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.kill(child, sig)
+
+    return kill
+
+
 def kill_group(group: int, sig: int) -> None:
     """Send `sig` to process group `group`, quietly when it is gone."""
     with contextlib.suppress(ProcessLookupError, PermissionError):
         os.killpg(group, sig)
-
-
-def status_text(status: int) -> str:
-    """An exit status as a person reads it (``-9 (killed by SIGKILL)``)."""
-    if status < 0:
-        try:
-            return f"{status} (killed by {signal.Signals(-status).name})"
-        except ValueError:
-            return str(status)
-    return str(status)
 
 
 @attrs.frozen
@@ -165,6 +196,7 @@ async def run(
     timeout: float,  # noqa: ASYNC109 (the command's limit, cut to the deadline)
     limits: Limits,
     kill: Callable[[int, int], None] = kill_group,
+    pass_fds: tuple[int, ...] = (),
 ) -> Outcome:
     """Run `argv` in a new session and return its outcome. `kill(pid, sig)` stops what it
     started (default: its process group). Raises ExecTimeoutError when `timeout` (cut to the
@@ -184,6 +216,7 @@ async def run(
             env=dict(env),
             cwd=cwd,
             close_fds=True,
+            pass_fds=pass_fds,
             start_new_session=True,
         )
     except OSError as exc:
@@ -259,6 +292,9 @@ async def run(
             returncode = process.wait()
             for stream in (*streams, *([feed] if feed is not None else [])):
                 await stream.aclose()
+    # a deadline that passed while the command was being stopped cancels the call: its
+    # caller's scope ends, as it would have without the grace
+    await trio.lowlevel.checkpoint_if_cancelled()
     truncated = any(seen[i] > len(kept[i]) for i in (0, 1))
     result = ExecResult(returncode, bytes(kept[0]), bytes(kept[1]), truncated)
     if scope.cancelled_caught and not exited:
