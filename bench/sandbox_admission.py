@@ -12,8 +12,9 @@ contenders differ only in the admission window (`max_sandboxes`):
   host's CPU and memory pressure (PSI) and slow or failed starts;
 * ``fixed 4``: at most 4 alive;
 * ``none`` (``--max-sandboxes 64``: every rollout's box at once): no admission;
-* ``no sandbox``: the same eval whose tool sleeps as long instead (no box, no process): the
-  lag this machine gives an eval anyway (on a shared machine, other work's).
+* ``no sandbox``: the same eval whose tool sleeps as long instead (no box, no process), as
+  many at once as there are cores (so that it lasts as long): the lag this machine gives an
+  eval anyway (on a shared machine, other work's).
 
 Reported for each (the median run of `--repeat`, by lag p99): the eval's scheduler lag (the
 health probe's p50 / p99 / max: how late the eval's own trio loop ran, what every model
@@ -90,8 +91,10 @@ async def _run(backend: str | None, max_sandboxes: Any, n: int, cpu: float) -> d
     Rollouts.size = n
     env = _env(backend, max_sandboxes, cpu)
     with tempfile.TemporaryDirectory() as out:
-        config = tt.EvalConfig(num_examples=n, max_concurrent=n, output_dir=out, run_name="r",
-                               dashboard=False)  # fmt: skip
+        # the floor runs as many tools at once as there are cores: as long as the others
+        window = n if backend is not None else os.cpu_count() or 1
+        config = tt.EvalConfig(num_examples=n, max_concurrent=window, output_dir=out,
+                               run_name="r", dashboard=False)  # fmt: skip
         stall, began = _cpu_stall_us(), time.perf_counter()
         result = await tt.run_eval(env, tt.ModelContext(ScriptedClient(_script), "m"), config)
         wall, stalled = time.perf_counter() - began, _cpu_stall_us()
@@ -147,7 +150,9 @@ def main() -> None:
             f"{run['wall']:.1f} s", f"{run['ok']}",
             "-" if run["pressure"] is None else f"{run['pressure']:.0%}",
         ])  # fmt: skip
-        print(f"{name}: window sizes {run['sizes'][:12]}{' ...' if len(run['sizes']) > 12 else ''}")
+        each = ", ".join(f"{_ms(r['lag']['p99'])} in {r['wall']:.0f} s" for r in found)
+        sizes = run["sizes"][:12]
+        print(f"{name}: lag p99 of each run {each}; window sizes {sizes}")
     headers = ["admission", "lag p50", "lag p99", "lag max", "boxes made", "failed starts",
                "most alive", "start-up p50 / max", "wall", "rows ok",
                "host CPU pressure"]  # fmt: skip

@@ -131,7 +131,7 @@ ANSWERS = {
 
 def scripted_model(answers: dict[str, str] = ANSWERS) -> ScriptedClient:
     """A model that, for each task, writes the answer in `answers` (by the function the
-    prompt names), lists the folder, then replies DONE."""
+    prompt names), lists the folder and imports it with the shell, then replies DONE."""
 
     def step(messages: list[dict[str, Any]], tools: Any) -> tt.Completion:
         prompt = str(messages[0]["content"]) if messages else ""
@@ -141,7 +141,8 @@ def scripted_model(answers: dict[str, str] = ANSWERS) -> ScriptedClient:
             code = answers[key]
             return reply(tool_calls=[("write_file", {"path": SOLUTION, "content": code})])
         if done == 1:
-            return reply(tool_calls=[("list_dir", {"path": "."})])
+            check = "python3 -c 'import solution; print(\"imported\")'"
+            return reply(tool_calls=[("list_dir", {"path": "."}), ("shell", {"command": check})])
         return tt.Completion("DONE")
 
     return ScriptedClient(step)

@@ -58,6 +58,7 @@ async def test_the_scripted_agent_passes_the_tests_in_its_box(backend: str) -> N
     assert all(e.metrics == {"tests_ran": 1.0} for e in episodes)
     listing = episodes[0].messages[4]["content"]  # list_dir's answer: the file, no tests
     assert listing.split() == ["solution.py"]
+    assert episodes[0].messages[5]["content"].strip() == "imported"  # the shell, in the box
     assert env.sandboxes is not None
     stats = env.sandboxes.admission.stats()
     assert (stats["made"], stats["alive"], stats["failed"]) == (4, 0, 0)
