@@ -480,6 +480,24 @@ def test_bad_sandbox_settings_name_their_parameter() -> None:
         tt.ToolEnv(Tasks(), [], max_sandboxes=4)
 
 
+async def test_a_box_that_fails_to_close_is_said_and_counted(
+    autojump_clock: trio.testing.MockClock, capsys: pytest.CaptureFixture[str]
+) -> None:
+    class Stuck(MemoryBox):
+        async def aclose(self) -> None:
+            raise OSError("device busy")
+
+    async def stuck() -> MemoryBox:
+        return Stuck(Maker(), 0)
+
+    sandboxes = Sandboxes.of(stuck, max_sandboxes=1)
+    async with sandboxes.attempt():
+        await tt.current_sandbox().write_file("a", b"1")
+    assert sandboxes.admission.stats()["close_failed"] == 1
+    assert sandboxes.admission.alive == 0  # its place is given back all the same
+    assert "a sandbox did not close (OSError: device busy)" in capsys.readouterr().err
+
+
 async def test_a_factory_that_makes_no_box_says_so() -> None:
     async def wrong() -> str:
         return "not a box"

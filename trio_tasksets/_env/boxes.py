@@ -24,18 +24,23 @@ while the host is under pressure: CPU or memory pressure (the kernel's PSI,
 above a threshold, or creations that take `slow` times longer than the quickest seen; no
 creation counts toward growth meanwhile. CPU pressure cuts it no lower than the host's
 cores: on a machine other work keeps busy, fewer boxes than cores would only leave the
-eval's share of the CPUs idle; memory pressure cuts it to its `min`. A creation that fails is retried (`START_ATTEMPTS`
-in all, the project's `Backoff` between them) before the rollout fails with
-`SandboxStartError`.
+eval's share of the CPUs idle; memory pressure cuts it to its `min`. A creation that fails
+is retried (`START_ATTEMPTS` in all, the project's `Backoff` between them) before the
+rollout fails with `SandboxStartError`.
+
+The window is the project's `AdaptiveWindow`, driven through its public surface only
+(`record` for clean starts and failed ones, `resize` for pressure): one adaptive mechanism
+for every window of a run.
 """
 
 from __future__ import annotations
 
 import math
 import os
+import sys
 import time
 from collections.abc import Callable, Mapping, Sequence
-from contextlib import AsyncExitStack, suppress
+from contextlib import AsyncExitStack
 from typing import Any, Literal
 
 import attrs
@@ -216,6 +221,7 @@ class SandboxAdmission:
         self.peak = 0
         self.made = 0
         self.failed = 0
+        self.close_failed = 0
         self.creation: list[float] = []  # the newest creation times (seconds)
         self.quickest = math.inf
         self._cut_at = -math.inf
@@ -284,6 +290,7 @@ class SandboxAdmission:
         return {
             "made": self.made,
             "failed": self.failed,
+            "close_failed": self.close_failed,
             "alive": self.alive,
             "peak_alive": self.peak,
             "window": self.window.size,
@@ -400,10 +407,16 @@ class LazyBox:
         stack, self._stack, self._box = self._stack, None, None
         with trio.CancelScope(shield=True):
             try:
-                if stack is not None:
-                    await _close(stack)
+                problem = None if stack is None else await _close(stack)
             finally:
                 self._give_back()
+        if problem is not None:  # loud, but no failure of the rollout it served
+            self.sandboxes.admission.close_failed += 1
+            print(
+                f"trio_tasksets: a sandbox did not close ({problem}); its backend removes "
+                f"what it left at the next start",
+                file=sys.stderr,
+            )
 
     async def exec(
         self,
@@ -434,12 +447,15 @@ class LazyBox:
         return f"<sandbox of this {self.sandboxes.scope} ({state}): {self._box!r}>"
 
 
-async def _close(stack: AsyncExitStack) -> None:
-    """Close what `stack` holds within `CLOSE_TIMEOUT`; a failing close is dropped (the
+async def _close(stack: AsyncExitStack) -> str | None:
+    """Close what `stack` holds within `CLOSE_TIMEOUT`; None, or why it did not close (the
     backend's own sweep at the next start finds what it left)."""
-    with trio.move_on_after(CLOSE_TIMEOUT):
-        with suppress(Exception):
+    with trio.move_on_after(CLOSE_TIMEOUT) as scope:
+        try:
             await stack.aclose()
+        except Exception as exc:
+            return f"{type(exc).__name__}: {exc}"
+    return f"its close took over {CLOSE_TIMEOUT:g}s" if scope.cancelled_caught else None
 
 
 # --- an env's sandboxes -----------------------------------------------------------------------
