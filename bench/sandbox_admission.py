@@ -123,7 +123,7 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true")
     args = parser.parse_args()
     if args.quick:
-        args.rollouts, args.cpu, args.repeat = 16, 0.2, 1
+        args.rollouts, args.cpu, args.repeat = 16, 0.1, 1
     print(env_info())
     cores = os.cpu_count() or 1
     contenders: dict[str, tuple[str | None, Any]] = {
