@@ -249,7 +249,11 @@ async def test_every_cancellation_closes_the_box(
         assert await tt.first(1, slots_of(env), one, window=4) == ["quick"]
     elif how == "policy update":
         staleness = tt.Staleness(max_lag=0)
-        run_stale = staleness.run(lambda slot: env.run_slot(slot, ctx(client)))
+
+        async def rollout(slot: tt.RunSlot[Any]) -> tt.Episode:
+            return await env.run_slot(slot, ctx(client))
+
+        run_stale = staleness.run(rollout)
 
         async def trainer() -> None:
             await trio.sleep(1.0)  # the rollouts are in their boxes
