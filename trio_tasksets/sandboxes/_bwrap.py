@@ -1,7 +1,8 @@
-"""`bwrap`: each command in a bubblewrap sandbox.
+"""`bwrap`: a bubblewrap sandbox per box, each command entered into it.
 
-A command runs as ``prlimit LIMITS [setpriv --reuid U --regid G --clear-groups] bwrap
---die-with-parent --new-session --unshare-all ... /bin/sh -c COMMAND`` in a new root made of:
+Making a box starts one ``[setpriv --reuid U --regid G --clear-groups] bwrap --die-with-parent
+--new-session --unshare-all --unshare-user --disable-userns ... -- /bin/sh -c "echo ready;
+read _"`` (its *keeper*, reading a death pipe only the eval holds) in a new root made of:
 
 - the host's top-level folders bound read-only (or those of a given `root`), but
   `hide` (default ``/home``, ``/root``, ``/run``, ``/var/run``, ``/sys``, ``/mnt``,
@@ -13,13 +14,18 @@ A command runs as ``prlimit LIMITS [setpriv --reuid U --regid G --clear-groups] 
 
 Its own user, PID, IPC, network, UTS and cgroup namespaces (`network=True` shares the
 host's network): no 127.0.0.1, no interface but an unconfigured loopback; it sees only its
-own processes. bwrap's init is PID 1: when the command's shell ends, every process of the
-box dies (a ``setsid`` daemon, a double fork, ``nohup``). ``--die-with-parent`` (set from the
-trio thread, see `_process`) kills the box when the eval dies, by SIGKILL too.
+own processes. Each `exec` is ``prlimit LIMITS nsenter --target INIT --user --mount --pid
+--ipc --net --uts --root --wd --setuid U --setgid U -- COMMAND``: a fork and an exec, no new
+root per command. What a command leaves running (a ``setsid`` daemon, a double fork,
+``nohup``) lives until the box is closed: closing it kills bwrap, its init (PID 1) and so
+every process of the namespace. A SIGKILLed eval takes the box with it: bwrap's
+parent-death signal (set from the trio thread, see `_process`), and the keeper's death pipe
+(which also holds when the eval dies before the signal is set).
 
-Run by root, the box runs as `user` (default ``nobody``, 65534) after dropping root with
-``setpriv``: the process limit (RLIMIT_NPROC, which the kernel does not apply to root) then
-holds, and the work folder is chowned to that user.
+Run by root, the box runs as a uid of its own (`user` to choose one) after dropping root
+with ``setpriv``, without capabilities: the process limit (RLIMIT_NPROC, which the kernel
+does not apply to root) holds, per box, and the work folder is chowned to that uid. Run by
+a user, it runs as that user in its user namespace.
 """
 
 from __future__ import annotations
@@ -197,7 +203,9 @@ class BwrapFactory:
         return (uid, uid)
 
     def command_prefix(self, workdir: Path, identity: tuple[int, int] | None) -> list[str]:
-        prefix = self.limits.prlimit()
+        # (no limits on the box itself: its user namespace is then made without a process
+        # limit, so the one each command gets counts the box's processes, not its user's)
+        prefix: list[str] = []
         if identity is not None:
             uid, gid = identity
             prefix += ["setpriv", f"--reuid={uid}", f"--regid={gid}", "--clear-groups"]

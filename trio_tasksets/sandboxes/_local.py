@@ -1,8 +1,8 @@
 """`local`: commands run on the host, as the eval's user, in the host's file system and
 network, but in a PID namespace of their own where the kernel allows one.
 
-Each command runs as ``prlimit LIMITS setpriv --pdeathsig KILL unshare --pid --fork
---kill-child --mount-proc [--user --map-root-user] INIT /bin/sh -c COMMAND`` (INIT, `init`:
+Each command runs as ``setpriv --pdeathsig KILL unshare --pid --fork --kill-child
+--mount-proc [--user --map-root-user] prlimit LIMITS INIT /bin/sh -c COMMAND`` (INIT, `init`:
 a shell that runs the command as PID 2 and exits with its status, 128 + N for signal N,
 which `exec` reports as ``-N``, and kills the namespace when the eval's death pipe closes):
 
@@ -118,9 +118,11 @@ class LocalBox(ProcessBox):
         self.wrappers = 2 if isolated else 0  # unshare, then INIT
 
     def wrap(self, argv: list[str], cwd: str) -> tuple[list[str], str | None]:
-        if not self.isolated:
-            return [*self.limits.prlimit(), *argv], cwd
-        return [*self.limits.prlimit(), *_namespace_prefix(), *init(death_pipe()), *argv], cwd
+        if not self.isolated:  # RLIMIT_NPROC would count every process of the user's
+            return [*self.limits.prlimit(processes=os.geteuid() == 0), *argv], cwd
+        # the limits inside the namespace: RLIMIT_NPROC then counts the box's processes
+        limits = self.limits.prlimit()
+        return [*_namespace_prefix(), *limits, *init(death_pipe()), *argv], cwd
 
     def pass_fds(self) -> tuple[int, ...]:
         return (death_pipe(),) if self.isolated else ()

@@ -93,12 +93,15 @@ class Limits:
                 parameter="max_output",
             )
 
-    def prlimit(self) -> list[str]:
-        """These limits as a `prlimit` command prefix (applied, then the rest exec'd)."""
+    def prlimit(self, *, processes: bool = True) -> list[str]:
+        """These limits as a `prlimit` command prefix (applied, then the rest exec'd);
+        without RLIMIT_NPROC when not `processes`. (The kernel counts RLIMIT_NPROC per user
+        and user namespace, and up the namespaces against the limit their creator had: set
+        inside a user namespace made without it, it bounds the box's processes only.)"""
         return [
             "prlimit",
             f"--as={self.memory}",
-            f"--nproc={self.processes}",
+            *([f"--nproc={self.processes}"] if processes else []),
             f"--fsize={self.file_size}",
             f"--nofile={self.open_files}",
             "--core=0",
