@@ -119,6 +119,8 @@ class LocalBox(ProcessBox):
 
     def wrap(self, argv: list[str], cwd: str) -> tuple[list[str], str | None]:
         if not self.isolated:  # RLIMIT_NPROC would count every process of the user's
+            if shutil.which("prlimit") is None:  # (not Linux: no limits but the output's)
+                return argv, cwd
             return [*self.limits.prlimit(processes=os.geteuid() == 0), *argv], cwd
         # the limits inside the namespace: RLIMIT_NPROC then counts the box's processes
         limits = self.limits.prlimit()

@@ -261,7 +261,14 @@ async def run(
                 await feed.send_all(view[start : start + CHUNK])
         await feed.aclose()
 
-    pidfd = os.pidfd_open(pid)
+    pidfd = os.pidfd_open(pid) if hasattr(os, "pidfd_open") else -1  # Linux >= 5.3
+
+    async def exit() -> None:
+        if pidfd >= 0:
+            await trio.lowlevel.wait_readable(pidfd)
+        else:  # elsewhere: a thread waits (and is left behind if cancelled)
+            await trio.to_thread.run_sync(process.wait, abandon_on_cancel=True)
+
     try:
         with trio.move_on_after(budget) as scope:
             async with trio.open_nursery() as nursery:
@@ -276,7 +283,7 @@ async def run(
                 nursery.start_soon(readers)
                 if feed is not None:
                     nursery.start_soon(send_input)
-                await trio.lowlevel.wait_readable(pidfd)
+                await exit()
                 exited = True
                 kill(pid, signal.SIGKILL)  # what it left in its group goes with it
                 with trio.move_on_after(READ_AFTER_EXIT):
@@ -288,10 +295,11 @@ async def run(
                 kill(pid, signal.SIGTERM)
                 left = max(0.0, deadline - trio.current_time())
                 with trio.move_on_after(min(limits.grace, left)):
-                    await trio.lowlevel.wait_readable(pidfd)
+                    await exit()
                 kill(pid, signal.SIGKILL)
-                await trio.lowlevel.wait_readable(pidfd)
-            os.close(pidfd)
+                await exit()
+            if pidfd >= 0:
+                os.close(pidfd)
             returncode = process.wait()
             for stream in (*streams, *([feed] if feed is not None else [])):
                 await stream.aclose()
