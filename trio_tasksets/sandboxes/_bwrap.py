@@ -25,7 +25,9 @@ parent-death signal (set from the trio thread, see `_process`), and the keeper's
 Run by root, the box runs as a uid of its own (`user` to choose one) after dropping root
 with ``setpriv``, without capabilities: the process limit (RLIMIT_NPROC, which the kernel
 does not apply to root) holds, per box, and the work folder is chowned to that uid. Run by
-a user, it runs as that user in its user namespace.
+a user, it runs as that user in its user namespace, and each command is a bubblewrap of its
+own (`BwrapEachBox`: a user's nsenter has no rights over the namespaces bwrap nests): what a
+command leaves running then dies with the command, and a command costs a new root.
 """
 
 from __future__ import annotations
@@ -50,7 +52,7 @@ from ._box import ProcessBox, new_workdir, signalled
 from ._local import make_limits
 from ._process import Limits
 
-__all__ = ["BwrapBox", "BwrapFactory", "bwrap"]
+__all__ = ["BwrapBox", "BwrapEachBox", "BwrapFactory", "bwrap"]
 
 WORK = "/work"
 _BOX_UIDS = 2_000_000_000
@@ -99,7 +101,7 @@ class BwrapBox(ProcessBox):
         """Start the box's bwrap and learn its init's pid (``--info-fd``)."""
         info_r, info_w = os.pipe()
         keep_r, self.death_pipe = os.pipe()  # the keeper reads it: EOF when we are gone
-        argv = [*self.keeper_argv[:-1], "--info-fd", str(info_w), self.keeper_argv[-1]]
+        argv = [*self.keeper_argv[:-1], "--chdir", WORK, "--info-fd", str(info_w), "--"]
         argv += ["/bin/sh", "-c", "echo ready; read _"]  # said once the box is all set up
         try:
             self.keeper = subprocess.Popen(  # noqa: ASYNC220 (the trio thread: see _process)
@@ -176,6 +178,27 @@ class BwrapBox(ProcessBox):
         await super().aclose()
 
 
+class BwrapEachBox(ProcessBox):
+    """A bwrap sandbox run by a user (not root): each command a bubblewrap of its own (a
+    user's nsenter has no rights over the namespaces bwrap nests), its limits applied
+    inside (so that RLIMIT_NPROC counts the box's processes, not all of the user's).
+    What a command leaves running dies with it."""
+
+    name = "bwrap"
+    wrappers = 2  # bwrap, then its init (PID 1)
+
+    def __init__(self, *, prefix: list[str], **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self.prefix = prefix
+
+    def status(self, returncode: int) -> int:
+        return signalled(returncode)  # bwrap's init exits 128 + N for signal N
+
+    def wrap(self, argv: list[str], cwd: str) -> tuple[list[str], str | None]:
+        prefix = self.prefix[:-1]  # (without its "--")
+        return [*prefix, "--chdir", cwd, "--", *self.limits.prlimit(), *argv], None
+
+
 @attrs.frozen
 class BwrapFactory:
     """Makes `bwrap` sandboxes (see `bwrap`)."""
@@ -211,14 +234,18 @@ class BwrapFactory:
             prefix += ["setpriv", f"--reuid={uid}", f"--regid={gid}", "--clear-groups"]
             prefix += ["--inh-caps=-all", "--bounding-set=-all"]
         prefix += ["bwrap", "--die-with-parent", "--new-session", "--unshare-all"]
-        prefix += ["--unshare-user", "--disable-userns"]  # no nested user namespaces
+        prefix.append("--unshare-user")
+        if identity is not None:
+            # no nested user namespaces (bwrap nests one more to forbid them: nsenter, run by
+            # root, enters it; a user's nsenter would have no rights over the outer one)
+            prefix.append("--disable-userns")
         if self.network:
             prefix.append("--share-net")
         prefix += _root_entries(self.root, self.hide)
         prefix += ["--dev", "/dev", "--proc", "/proc"]
         prefix += ["--size", str(self.tmp_size), "--tmpfs", "/tmp"]
         prefix += ["--dir", WORK, "--bind", str(workdir), WORK]
-        prefix += ["--hostname", "sandbox", "--remount-ro", "/", "--chdir", WORK, "--"]
+        prefix += ["--hostname", "sandbox", "--remount-ro", "/", "--"]
         return prefix
 
     @contextlib.asynccontextmanager
@@ -230,11 +257,24 @@ class BwrapFactory:
             )
         workdir = new_workdir("bwrap")
         owner = self._identity()
-        if owner is not None:
-            os.chown(workdir, *owner)
+        if owner is None:  # run by a user: a bubblewrap per command
+            each = BwrapEachBox(
+                prefix=self.command_prefix(workdir, None),
+                workdir=workdir,
+                inside=WORK,
+                owned=True,
+                limits=self.limits,
+                env=self.env,
+            )
+            try:
+                yield each
+            finally:
+                await each.aclose()
+            return
+        os.chown(workdir, *owner)
         box = BwrapBox(
             keeper=self.command_prefix(workdir, owner),
-            identity=owner or (os.getuid(), os.getgid()),
+            identity=owner,
             workdir=workdir,
             inside=WORK,
             owned=True,
