@@ -75,28 +75,33 @@ _probe: bool | None = None
 _PR_SET_DUMPABLE = 4
 
 
+_user_map = "--map-current-user"  # (util-linux >= 2.38; the probe falls back to root's)
+
+
 def _namespace_prefix() -> list[str]:
     prefix = ["setpriv", "--pdeathsig", "KILL", "unshare", "--pid", "--fork", "--kill-child"]
     prefix.append("--mount-proc")
-    if os.geteuid() != 0:
-        prefix += ["--user", "--map-root-user"]
+    if os.geteuid() != 0:  # a user namespace, where the command keeps its uid
+        prefix += ["--user", _user_map]
     return prefix
 
 
 async def namespaces_available() -> bool:
     """Whether commands can run in a PID namespace here (tried once per process)."""
-    global _probe
+    global _probe, _user_map
     if _probe is None:
-        if not all(shutil.which(tool) for tool in ("setpriv", "unshare", "prlimit")):
-            _probe = False
-        else:
-            probe = await trio.run_process(
-                [*_namespace_prefix(), "/bin/sh", "-c", "test $$ = 1"],
-                check=False,
-                capture_stdout=True,
-                capture_stderr=True,
-            )
-            _probe = probe.returncode == 0
+        _probe = False
+        if all(shutil.which(tool) for tool in ("setpriv", "unshare", "prlimit")):
+            for _user_map in ("--map-current-user", "--map-root-user"):
+                probe = await trio.run_process(
+                    [*_namespace_prefix(), "/bin/sh", "-c", "test $$ = 1"],
+                    check=False,
+                    capture_stdout=True,
+                    capture_stderr=True,
+                )
+                if probe.returncode == 0:
+                    _probe = True
+                    break
         if not _probe:
             _not_dumpable()
     return _probe
