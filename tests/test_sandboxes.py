@@ -53,6 +53,9 @@ def _docker_missing() -> str | None:
 BACKENDS: dict[str, tuple[Callable[..., Any], Callable[[], str | None]]] = {
     "local": (sandboxes.local, lambda: None),
     "bwrap": (sandboxes.bwrap, lambda: BWRAP_MISSING),
+    # as bwrap runs for a user who is not root (here: root asking for uid 0): a bubblewrap
+    # per command, its limits inside
+    "bwrap-per-command": (lambda **o: sandboxes.bwrap(user=0, **o), lambda: BWRAP_MISSING),
     "docker": (lambda **o: sandboxes.docker("debian:stable-slim", **o), _docker_missing),
 }
 

@@ -249,6 +249,14 @@ def test_shell_options_are_checked(tmp_path: Path) -> None:
 
 
 @posix
+async def test_a_command_over_the_argument_limit_answers_E2BIG(tmp_path: Path) -> None:
+    """Issue 36, F12: the model reads the cause, not "ExceptionGroup"."""
+    text = await tt.tools.shell(cwd=tmp_path)(command="echo " + "x" * 300_000)
+    assert text.startswith("[could not start the command: E2BIG: Argument list too long")
+    assert "ExceptionGroup" not in text
+
+
+@posix
 async def test_a_command_killed_by_a_signal_says_so(tmp_path: Path) -> None:
     assert await tt.tools.shell(cwd=tmp_path)(command="kill -KILL $$") == (
         f"[exit status -{int(signal.SIGKILL)} (killed by SIGKILL)]"

@@ -14,9 +14,9 @@ from pathlib import Path
 import attrs
 import trio
 
-from ._base import ExecResult, SandboxError
+from ._base import ExecResult, ExecTimeoutError, SandboxError
 from ._files import read_in, relative_parts, write_in
-from ._process import Limits, kill_group, run, stop_below
+from ._process import Limits, Outcome, kill_group, run, stop_below
 from ._state import owner_folder
 
 __all__ = ["ProcessBox", "base_env", "new_workdir", "signalled"]
@@ -114,7 +114,29 @@ class ProcessBox:
         if timeout is not None and not timeout > 0:
             raise SandboxError(f"timeout must be > 0 seconds, got {timeout!r}")
         wrapped, host_cwd = self.wrap(argv, self._cwd(cwd))
-        outcome = await run(
+        try:
+            outcome = await self._run(wrapped, host_cwd, input, timeout, env)
+        except ExecTimeoutError as exc:
+            exc.result = attrs.evolve(exc.result, returncode=self.status(exc.result.returncode))
+            raise
+        result = attrs.evolve(outcome.result, returncode=self.status(outcome.result.returncode))
+        if outcome.overflowed:
+            note = (
+                f"\n[the command wrote over {self.limits.output_limit} bytes of output "
+                "(output_limit) and was killed]"
+            ).encode()
+            result = ExecResult(result.returncode, result.stdout, result.stderr + note, True)
+        return result
+
+    async def _run(
+        self,
+        wrapped: list[str],
+        host_cwd: str | None,
+        input: bytes | None,
+        timeout: float | None,  # noqa: ASYNC109 (the command's)
+        env: Mapping[str, str] | None,
+    ) -> Outcome:
+        return await run(
             wrapped,
             env={**self.env, **(env or {})},
             cwd=host_cwd,
@@ -124,14 +146,6 @@ class ProcessBox:
             kill=stop_below(self.wrappers) if self.wrappers else kill_group,
             pass_fds=self.pass_fds(),
         )
-        result = attrs.evolve(outcome.result, returncode=self.status(outcome.result.returncode))
-        if outcome.overflowed:
-            note = (
-                f"\n[the command wrote over {self.limits.output_limit} bytes of output "
-                "(output_limit) and was killed]"
-            ).encode()
-            result = ExecResult(result.returncode, result.stdout, result.stderr + note, True)
-        return result
 
     def _path(self, path: str) -> list[str]:
         if self.closed:

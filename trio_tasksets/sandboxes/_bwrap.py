@@ -1,7 +1,8 @@
-"""`bwrap`: each command in a bubblewrap sandbox.
+"""`bwrap`: a bubblewrap sandbox per box, each command entered into it.
 
-A command runs as ``prlimit LIMITS [setpriv --reuid U --regid G --clear-groups] bwrap
---die-with-parent --new-session --unshare-all ... /bin/sh -c COMMAND`` in a new root made of:
+Making a box starts one ``[setpriv --reuid U --regid G --clear-groups] bwrap --die-with-parent
+--new-session --unshare-all --unshare-user --disable-userns ... -- /bin/sh -c "echo ready;
+read _"`` (its *keeper*, reading a death pipe only the eval holds) in a new root made of:
 
 - the host's top-level folders bound read-only (or those of a given `root`), but
   `hide` (default ``/home``, ``/root``, ``/run``, ``/var/run``, ``/sys``, ``/mnt``,
@@ -13,13 +14,20 @@ A command runs as ``prlimit LIMITS [setpriv --reuid U --regid G --clear-groups] 
 
 Its own user, PID, IPC, network, UTS and cgroup namespaces (`network=True` shares the
 host's network): no 127.0.0.1, no interface but an unconfigured loopback; it sees only its
-own processes. bwrap's init is PID 1: when the command's shell ends, every process of the
-box dies (a ``setsid`` daemon, a double fork, ``nohup``). ``--die-with-parent`` (set from the
-trio thread, see `_process`) kills the box when the eval dies, by SIGKILL too.
+own processes. Each `exec` is ``prlimit LIMITS nsenter --target INIT --user --mount --pid
+--ipc --net --uts --root --wd --setuid U --setgid U -- COMMAND``: a fork and an exec, no new
+root per command. What a command leaves running (a ``setsid`` daemon, a double fork,
+``nohup``) lives until the box is closed: closing it kills bwrap, its init (PID 1) and so
+every process of the namespace. A SIGKILLed eval takes the box with it: bwrap's
+parent-death signal (set from the trio thread, see `_process`), and the keeper's death pipe
+(which also holds when the eval dies before the signal is set).
 
-Run by root, the box runs as `user` (default ``nobody``, 65534) after dropping root with
-``setpriv``: the process limit (RLIMIT_NPROC, which the kernel does not apply to root) then
-holds, and the work folder is chowned to that user.
+Run by root, the box runs as a uid of its own (`user` to choose one) after dropping root
+with ``setpriv``, without capabilities: the process limit (RLIMIT_NPROC, which the kernel
+does not apply to root) holds, per box, and the work folder is chowned to that uid. Run by
+a user, it runs as that user in its user namespace, and each command is a bubblewrap of its
+own (`BwrapEachBox`: a user's nsenter has no rights over the namespaces bwrap nests): what a
+command leaves running then dies with the command, and a command costs a new root.
 """
 
 from __future__ import annotations
@@ -44,7 +52,7 @@ from ._box import ProcessBox, new_workdir, signalled
 from ._local import make_limits
 from ._process import Limits
 
-__all__ = ["BwrapBox", "BwrapFactory", "bwrap"]
+__all__ = ["BwrapBox", "BwrapEachBox", "BwrapFactory", "bwrap"]
 
 WORK = "/work"
 _BOX_UIDS = 2_000_000_000
@@ -93,7 +101,7 @@ class BwrapBox(ProcessBox):
         """Start the box's bwrap and learn its init's pid (``--info-fd``)."""
         info_r, info_w = os.pipe()
         keep_r, self.death_pipe = os.pipe()  # the keeper reads it: EOF when we are gone
-        argv = [*self.keeper_argv[:-1], "--info-fd", str(info_w), self.keeper_argv[-1]]
+        argv = [*self.keeper_argv[:-1], "--chdir", WORK, "--info-fd", str(info_w), "--"]
         argv += ["/bin/sh", "-c", "echo ready; read _"]  # said once the box is all set up
         try:
             self.keeper = subprocess.Popen(  # noqa: ASYNC220 (the trio thread: see _process)
@@ -170,6 +178,27 @@ class BwrapBox(ProcessBox):
         await super().aclose()
 
 
+class BwrapEachBox(ProcessBox):
+    """A bwrap sandbox run by a user (not root): each command a bubblewrap of its own (a
+    user's nsenter has no rights over the namespaces bwrap nests), its limits applied
+    inside (so that RLIMIT_NPROC counts the box's processes, not all of the user's).
+    What a command leaves running dies with it."""
+
+    name = "bwrap"
+    wrappers = 2  # bwrap, then its init (PID 1)
+
+    def __init__(self, *, prefix: list[str], **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self.prefix = prefix
+
+    def status(self, returncode: int) -> int:
+        return signalled(returncode)  # bwrap's init exits 128 + N for signal N
+
+    def wrap(self, argv: list[str], cwd: str) -> tuple[list[str], str | None]:
+        prefix = self.prefix[:-1]  # (without its "--")
+        return [*prefix, "--chdir", cwd, "--", *self.limits.prlimit(), *argv], None
+
+
 @attrs.frozen
 class BwrapFactory:
     """Makes `bwrap` sandboxes (see `bwrap`)."""
@@ -197,20 +226,26 @@ class BwrapFactory:
         return (uid, uid)
 
     def command_prefix(self, workdir: Path, identity: tuple[int, int] | None) -> list[str]:
-        prefix = self.limits.prlimit()
+        # (no limits on the box itself: its user namespace is then made without a process
+        # limit, so the one each command gets counts the box's processes, not its user's)
+        prefix: list[str] = []
         if identity is not None:
             uid, gid = identity
             prefix += ["setpriv", f"--reuid={uid}", f"--regid={gid}", "--clear-groups"]
             prefix += ["--inh-caps=-all", "--bounding-set=-all"]
         prefix += ["bwrap", "--die-with-parent", "--new-session", "--unshare-all"]
-        prefix += ["--unshare-user", "--disable-userns"]  # no nested user namespaces
+        prefix.append("--unshare-user")
+        if identity is not None:
+            # no nested user namespaces (bwrap nests one more to forbid them: nsenter, run by
+            # root, enters it; a user's nsenter would have no rights over the outer one)
+            prefix.append("--disable-userns")
         if self.network:
             prefix.append("--share-net")
         prefix += _root_entries(self.root, self.hide)
         prefix += ["--dev", "/dev", "--proc", "/proc"]
         prefix += ["--size", str(self.tmp_size), "--tmpfs", "/tmp"]
         prefix += ["--dir", WORK, "--bind", str(workdir), WORK]
-        prefix += ["--hostname", "sandbox", "--remount-ro", "/", "--chdir", WORK, "--"]
+        prefix += ["--hostname", "sandbox", "--remount-ro", "/", "--"]
         return prefix
 
     @contextlib.asynccontextmanager
@@ -222,11 +257,24 @@ class BwrapFactory:
             )
         workdir = new_workdir("bwrap")
         owner = self._identity()
-        if owner is not None:
-            os.chown(workdir, *owner)
+        if owner is None:  # run by a user: a bubblewrap per command
+            each = BwrapEachBox(
+                prefix=self.command_prefix(workdir, None),
+                workdir=workdir,
+                inside=WORK,
+                owned=True,
+                limits=self.limits,
+                env=self.env,
+            )
+            try:
+                yield each
+            finally:
+                await each.aclose()
+            return
+        os.chown(workdir, *owner)
         box = BwrapBox(
             keeper=self.command_prefix(workdir, owner),
-            identity=owner or (os.getuid(), os.getgid()),
+            identity=owner,
             workdir=workdir,
             inside=WORK,
             owned=True,

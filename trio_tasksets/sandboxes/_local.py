@@ -1,8 +1,8 @@
 """`local`: commands run on the host, as the eval's user, in the host's file system and
 network, but in a PID namespace of their own where the kernel allows one.
 
-Each command runs as ``prlimit LIMITS setpriv --pdeathsig KILL unshare --pid --fork
---kill-child --mount-proc [--user --map-root-user] INIT /bin/sh -c COMMAND`` (INIT, `init`:
+Each command runs as ``setpriv --pdeathsig KILL unshare --pid --fork --kill-child
+--mount-proc [--user --map-root-user] prlimit LIMITS INIT /bin/sh -c COMMAND`` (INIT, `init`:
 a shell that runs the command as PID 2 and exits with its status, 128 + N for signal N,
 which `exec` reports as ``-N``, and kills the namespace when the eval's death pipe closes):
 
@@ -75,28 +75,33 @@ _probe: bool | None = None
 _PR_SET_DUMPABLE = 4
 
 
+_user_map = "--map-current-user"  # (util-linux >= 2.38; the probe falls back to root's)
+
+
 def _namespace_prefix() -> list[str]:
     prefix = ["setpriv", "--pdeathsig", "KILL", "unshare", "--pid", "--fork", "--kill-child"]
     prefix.append("--mount-proc")
-    if os.geteuid() != 0:
-        prefix += ["--user", "--map-root-user"]
+    if os.geteuid() != 0:  # a user namespace, where the command keeps its uid
+        prefix += ["--user", _user_map]
     return prefix
 
 
 async def namespaces_available() -> bool:
     """Whether commands can run in a PID namespace here (tried once per process)."""
-    global _probe
+    global _probe, _user_map
     if _probe is None:
-        if not all(shutil.which(tool) for tool in ("setpriv", "unshare", "prlimit")):
-            _probe = False
-        else:
-            probe = await trio.run_process(
-                [*_namespace_prefix(), "/bin/sh", "-c", "test $$ = 1"],
-                check=False,
-                capture_stdout=True,
-                capture_stderr=True,
-            )
-            _probe = probe.returncode == 0
+        _probe = False
+        if all(shutil.which(tool) for tool in ("setpriv", "unshare", "prlimit")):
+            for _user_map in ("--map-current-user", "--map-root-user"):
+                probe = await trio.run_process(
+                    [*_namespace_prefix(), "/bin/sh", "-c", "test $$ = 1"],
+                    check=False,
+                    capture_stdout=True,
+                    capture_stderr=True,
+                )
+                if probe.returncode == 0:
+                    _probe = True
+                    break
         if not _probe:
             _not_dumpable()
     return _probe
@@ -118,9 +123,13 @@ class LocalBox(ProcessBox):
         self.wrappers = 2 if isolated else 0  # unshare, then INIT
 
     def wrap(self, argv: list[str], cwd: str) -> tuple[list[str], str | None]:
-        if not self.isolated:
-            return [*self.limits.prlimit(), *argv], cwd
-        return [*self.limits.prlimit(), *_namespace_prefix(), *init(death_pipe()), *argv], cwd
+        if not self.isolated:  # RLIMIT_NPROC would count every process of the user's
+            if shutil.which("prlimit") is None:  # (not Linux: no limits but the output's)
+                return argv, cwd
+            return [*self.limits.prlimit(processes=os.geteuid() == 0), *argv], cwd
+        # the limits inside the namespace: RLIMIT_NPROC then counts the box's processes
+        limits = self.limits.prlimit()
+        return [*_namespace_prefix(), *limits, *init(death_pipe()), *argv], cwd
 
     def pass_fds(self) -> tuple[int, ...]:
         return (death_pipe(),) if self.isolated else ()

@@ -93,12 +93,15 @@ class Limits:
                 parameter="max_output",
             )
 
-    def prlimit(self) -> list[str]:
-        """These limits as a `prlimit` command prefix (applied, then the rest exec'd)."""
+    def prlimit(self, *, processes: bool = True) -> list[str]:
+        """These limits as a `prlimit` command prefix (applied, then the rest exec'd);
+        without RLIMIT_NPROC when not `processes`. (The kernel counts RLIMIT_NPROC per user
+        and user namespace, and up the namespaces against the limit their creator had: set
+        inside a user namespace made without it, it bounds the box's processes only.)"""
         return [
             "prlimit",
             f"--as={self.memory}",
-            f"--nproc={self.processes}",
+            *([f"--nproc={self.processes}"] if processes else []),
             f"--fsize={self.file_size}",
             f"--nofile={self.open_files}",
             "--core=0",
@@ -258,7 +261,14 @@ async def run(
                 await feed.send_all(view[start : start + CHUNK])
         await feed.aclose()
 
-    pidfd = os.pidfd_open(pid)
+    pidfd = os.pidfd_open(pid) if hasattr(os, "pidfd_open") else -1  # Linux >= 5.3
+
+    async def exit() -> None:
+        if pidfd >= 0:
+            await trio.lowlevel.wait_readable(pidfd)
+        else:  # elsewhere: a thread waits (and is left behind if cancelled)
+            await trio.to_thread.run_sync(process.wait, abandon_on_cancel=True)
+
     try:
         with trio.move_on_after(budget) as scope:
             async with trio.open_nursery() as nursery:
@@ -273,7 +283,7 @@ async def run(
                 nursery.start_soon(readers)
                 if feed is not None:
                     nursery.start_soon(send_input)
-                await trio.lowlevel.wait_readable(pidfd)
+                await exit()
                 exited = True
                 kill(pid, signal.SIGKILL)  # what it left in its group goes with it
                 with trio.move_on_after(READ_AFTER_EXIT):
@@ -285,10 +295,11 @@ async def run(
                 kill(pid, signal.SIGTERM)
                 left = max(0.0, deadline - trio.current_time())
                 with trio.move_on_after(min(limits.grace, left)):
-                    await trio.lowlevel.wait_readable(pidfd)
+                    await exit()
                 kill(pid, signal.SIGKILL)
-                await trio.lowlevel.wait_readable(pidfd)
-            os.close(pidfd)
+                await exit()
+            if pidfd >= 0:
+                os.close(pidfd)
             returncode = process.wait()
             for stream in (*streams, *([feed] if feed is not None else [])):
                 await stream.aclose()

@@ -1,7 +1,8 @@
 """Tools a model may call: `tt.tool` (a typed function becomes a `tt.Tool`) and the tools
-the project ships (`shell`: a command in a working directory, its process group killed on
-timeout or cancel; `read_file`, `write_file`, `list_dir`: files of the rollout's sandbox,
-`tt.current_sandbox()`). `tt.ToolEnv` runs them; docs/agents.md shows them together.
+the project ships (`shell`: a command in a sandbox, the current one or a `local` box per
+call, nothing it starts outliving it; `read_file`, `write_file`, `list_dir`: files of the
+rollout's sandbox, `tt.current_sandbox()`). `tt.ToolEnv` runs them; docs/agents.md shows
+them together.
 
 Rooms (private): `_schema` (`Tool`, `tool`, `ToolArgumentError`), `_shell`, `_files`.
 """
