@@ -102,6 +102,8 @@ def test_the_example_runs_from_the_cli_with_a_sandbox(tmp_path: Path, where: str
     assert len(rows) == 4
     assert all(row["ok"] and row["reward"] == 0.0 for row in rows)
     assert all(row["metrics"] == {"tests_ran": 1.0} for row in rows)
+    config = json.loads((tmp_path / "r" / "config.json").read_text())
+    assert config["sandbox"] == {"backend": "local", "scope": "rollout", "max_sandboxes": "1-2-4"}
     summary = json.loads((tmp_path / "r" / "summary.json").read_text())
     if where == "in process":  # the boxes were made here, admitted by the window asked for
         boxes = summary["sandboxes"]

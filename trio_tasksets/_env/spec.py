@@ -304,22 +304,21 @@ class EnvSpec:
         own = env.sandboxes
         if self.sandbox is None and self.max_sandboxes is None:
             return
-        if self.sandbox is None and own is None:
+        if self.sandbox is not None:
+            factory, spec = self.sandbox.factory(), self.sandbox
+        elif own is not None:
+            factory, spec = own.factory, own.spec
+        else:
             raise ConfigError(
                 "{max_sandboxes} admits sandboxes, but the env makes none",
                 parameter="max_sandboxes",
                 fix="add {sandbox} (local, bwrap, docker:IMAGE or pkg.mod:factory)",
             )
-        factory = own.factory if self.sandbox is None else self.sandbox.factory()  # type: ignore[union-attr]
         limit: Any = self.max_sandboxes
         if limit is None and own is not None:
             limit = own.admission.window
-        env.sandboxes = Sandboxes.of(
-            factory,
-            scope=own.scope if own is not None else "rollout",
-            max_sandboxes=limit,
-            spec=self.sandbox if self.sandbox is not None else own.spec,  # type: ignore[union-attr]
-        )
+        scope = own.scope if own is not None else "rollout"
+        env.sandboxes = Sandboxes.of(factory, scope=scope, max_sandboxes=limit, spec=spec)
 
 
 def _sandbox_text(own: Sandboxes | None) -> str | None:

@@ -401,8 +401,21 @@ def _record_of(
             "working_limit": env.working_limit,
             "stall_timeout": env.stall_timeout,
         },
+        **_sandbox_record(env),
         "run_dir": str(run_dir),
     }
+
+
+def _sandbox_record(env: Env[Any]) -> dict[str, Any]:
+    """config.json's ``sandbox``: the env's sandboxes (`--sandbox`'s form, or the env's
+    own), their scope and admission window; nothing for an env without."""
+    boxes = env.sandboxes
+    if boxes is None:
+        return {}
+    named = getattr(boxes.spec, "text", None)
+    backend = named if named is not None else f"the env's own ({type(boxes.factory).__name__})"
+    window = window_spec(boxes.admission.window)
+    return {"sandbox": {"backend": backend, "scope": boxes.scope, "max_sandboxes": window}}
 
 
 # EvalConfig fields config.json records otherwise: where the slots run (`_where`).

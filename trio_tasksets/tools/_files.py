@@ -128,7 +128,10 @@ def write_file(
     return tool(name=name)(run)
 
 
-_LIST = 'base=$(pwd -P) && cd -P -- "$1" && case "$(pwd -P)/" in "$base"/*) ls -1Ap ;; *) echo "outside the work folder" >&2; exit 3 ;; esac'
+_LIST = (  # in the box: list `$1` if it resolves (symlinks too) inside the work folder
+    'base=$(pwd -P) && cd -P -- "$1" && case "$(pwd -P)/" in "$base"/*) ls -1Ap ;; '
+    '*) echo "outside the work folder" >&2; exit 3 ;; esac'
+)
 
 
 def list_dir(
