@@ -78,5 +78,5 @@ def test_bad_options_name_their_parameter(tmp_path: Path) -> None:
         tt.tools.write_file(max_bytes=0)
     assert caught.value.parameter == "max_bytes"
     with pytest.raises(tt.ConfigError) as caught:
-        tt.tools.list_dir(max_entries=True)  # type: ignore[arg-type]
+        tt.tools.list_dir(max_entries=True)
     assert caught.value.parameter == "max_entries"
