@@ -51,8 +51,9 @@ class ToolEnv(Env[TaskT]):
     seconds > 0) each tool call. They are the env's `rollout_limits` (a `tt.RolloutLimits`,
     with `tt.Env`'s), which may instead be given whole (`rollout_limits=`; its `max_turns`
     left None is 10: a tool loop always has a turn bound). Other keyword arguments go to
-    `tt.Env` (`reward`, `retries`, `rollout_timeout`, ...). The completion scored is the
-    last reply's text.
+    `tt.Env` (`reward`, `retries`, `rollout_timeout`, ..., and `sandbox`, `sandbox_scope`,
+    `max_sandboxes`: a box per rollout, in which `tt.tools.shell` and the file tools run).
+    The completion scored is the last reply's text.
 
     Raises `ConfigError` naming the parameter: a limit out of range or given twice (in
     `rollout_limits` and as a keyword argument), two tools of one name.
