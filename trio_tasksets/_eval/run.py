@@ -524,6 +524,8 @@ async def _run_eval(
         window=window,
         connections=None if limits is None else limits.connections,
     )
+    if env.sandboxes is not None and not config.backend.remote:  # boxes made in this process
+        progress.sandboxes = env.sandboxes.admission.window
     progress.planned(planned)
     tally = Tally(config.max_failures, config.max_consecutive_failures,
                   planned=None if streaming else planned)  # fmt: skip
