@@ -78,11 +78,11 @@ _PR_SET_DUMPABLE = 4
 _user_map = "--map-current-user"  # (util-linux >= 2.38; the probe falls back to root's)
 
 
-def _namespace_prefix() -> list[str]:
+def _namespace_prefix(user_map: str | None = None) -> list[str]:
     prefix = ["setpriv", "--pdeathsig", "KILL", "unshare", "--pid", "--fork", "--kill-child"]
     prefix.append("--mount-proc")
     if os.geteuid() != 0:  # a user namespace, where the command keeps its uid
-        prefix += ["--user", _user_map]
+        prefix += ["--user", user_map or _user_map]
     return prefix
 
 
@@ -90,18 +90,22 @@ async def namespaces_available() -> bool:
     """Whether commands can run in a PID namespace here (tried once per process)."""
     global _probe, _user_map
     if _probe is None:
-        _probe = False
+        found = False  # (set once the probe is over: a concurrent first box waits its own)
         if all(shutil.which(tool) for tool in ("setpriv", "unshare", "prlimit")):
-            for _user_map in ("--map-current-user", "--map-root-user"):
+            for mapping in ("--map-current-user", "--map-root-user"):
                 probe = await trio.run_process(
-                    [*_namespace_prefix(), "/bin/sh", "-c", "test $$ = 1"],
+                    [*_namespace_prefix(mapping), "/bin/sh", "-c", "test $$ = 1"],
                     check=False,
                     capture_stdout=True,
                     capture_stderr=True,
                 )
                 if probe.returncode == 0:
-                    _probe = True
+                    found = True
                     break
+        if _probe is None:
+            _probe = found
+            if found:
+                _user_map = mapping
         if not _probe:
             _not_dumpable()
     return _probe
