@@ -158,6 +158,11 @@ async def test_the_window_and_connection_limit_are_shown_as_they_move(
     fixed = Progress(window=Window(32), connections=ConnectionLimiter(16))
     assert fixed.limits_text() == "window 32, connections 16"
     assert Progress().limits_text() is None
+    boxes = AdaptiveWindow(1, 2, 256)
+    await boxes.acquire("a box")
+    alive = Progress(window=Window(64), sandboxes=boxes)
+    assert alive.limits_text() == "window 64, sandboxes 1/2 (adapts 1-256)"  # alive / window
+    boxes.release("a box")
     console, buffer = make_console(terminal=True)
     async with show(progress, live=True, console=console):
         pass

@@ -1,7 +1,7 @@
 """The public API is deliberate (as trio's `test_exports` and httpx's `test_exported_members`).
 
 The public names are `__all__` of `trio_tasksets` (the flat API), of its public submodules
-(`trio_tasksets.aio`, `trio_tasksets.testing`, `trio_tasksets.tools`, `trio_tasksets.worker`,
+(`trio_tasksets.aio`, `trio_tasksets.testing`, `trio_tasksets.tools`, `trio_tasksets.sandboxes`, `trio_tasksets.worker`,
 `trio_tasksets.redis`), pinned below: adding or
 dropping one is a change to this file and to CHANGELOG.md. Every other module of the package
 is private (a leading underscore: `trio_tasksets._core.window`, `trio_tasksets.aio._guest`; trio's
@@ -61,6 +61,7 @@ FLAT = [
     "EvalConfig",
     "EvalConfigError",
     "EvalResult",
+    "ExecResult",
     "Group",
     "GroupFailedError",
     "HFConfig",
@@ -86,6 +87,7 @@ FLAT = [
     "RolloutTimeoutError",
     "RunSlot",
     "Sampling",
+    "Sandbox",
     "ServedBackend",
     "SlotBackend",
     "Staleness",
@@ -107,6 +109,7 @@ FLAT = [
     "batches",
     "build_window",
     "chat_messages",
+    "current_sandbox",
     "fan_out",
     "first",
     "group_advantages",
@@ -123,6 +126,7 @@ FLAT = [
     "run_eval",
     "run_group",
     "run_stream",
+    "sandboxes",
     "spawn_server",
     "sticky",
     "take",
@@ -156,7 +160,35 @@ PUBLIC_SUBMODULES = {
         "ScriptedClient",
         "reply",
     ],
-    "tools": ["Tool", "ToolArgumentError", "shell", "tool"],
+    "sandboxes": [
+        "ExecResult",
+        "ExecTimeoutError",
+        "Limits",
+        "NoSandboxError",
+        "Sandbox",
+        "SandboxError",
+        "SandboxFactory",
+        "SandboxStartError",
+        "bwrap",
+        "current_or_none",
+        "current_sandbox",
+        "docker",
+        "effective_timeout",
+        "load",
+        "local",
+        "open_sandbox",
+        "parse",
+        "using",
+    ],
+    "tools": [
+        "Tool",
+        "ToolArgumentError",
+        "list_dir",
+        "read_file",
+        "shell",
+        "tool",
+        "write_file",
+    ],
     # The worker side: a feed of one's own implements `worker.TaskQueue` and runs
     # `worker.consume` over it.
     "worker": [

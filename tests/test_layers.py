@@ -45,6 +45,7 @@ LAYERS: dict[str, int] = {
     "_core.datasets": 4,
     "_core.health": 4,
     # beside the core: tools, the HTTP client, the live view
+    "sandboxes": 9,  # below the tools that run in them
     "tools": 10,
     "_transport": 10,
     "_monitor": 10,
@@ -52,6 +53,7 @@ LAYERS: dict[str, int] = {
     # the env side
     "_env": 20,
     "_env.rollout_limits": 19,  # below the env that holds them
+    "_env.boxes": 19,  # an env's sandboxes: below the env that holds them
     "_env.env": 20,
     "_env.traces": 20,
     "_env.loading": 21,
@@ -328,7 +330,7 @@ def test_the_architecture_page_draws_the_tree_as_it_is() -> None:
             ]
             assert not missing, f"{unit}/: draw {missing} in docs/architecture.md"
     text = ARCHITECTURE.read_text()
-    named = set(re.findall(r"`((?:_[a-z]+|aio|redis|tools|worker)/[a-z_]+)`", text))
+    named = set(re.findall(r"`((?:_[a-z]+|aio|redis|sandboxes|tools|worker)/[a-z_]+)`", text))
     gone = sorted(
         n for n in named if not (PACKAGE / f"{n}.py").exists() and not (PACKAGE / n).is_dir()
     )

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 import trio
-from helpers import alive
+from helpers import marked
 
 import trio_tasksets as tt
 from trio_tasksets.testing import ScriptedClient, reply
@@ -25,10 +25,12 @@ from trio_tasksets.tools._shell import effective_timeout
 pytestmark = pytest.mark.skipif(sys.platform == "win32", reason="process groups are POSIX")
 
 MARGIN = 1.0  # seconds a killed group may take to be gone after the deadline (stated in docs)
-# the shell and its child both ignore SIGTERM and record their pids, then wait
-STUBBORN = (
-    "trap '' TERM; sh -c \"trap '' TERM; sleep 60\" & echo $! > child; echo $$ > leader; wait"
-)
+
+
+def stubborn(token: str) -> str:
+    """A shell and its child that both ignore SIGTERM, marked by `token` (a sleep's length):
+    the commands run in a PID namespace, so the test finds them by their command line."""
+    return f"trap '' TERM; sh -c \"trap '' TERM; sleep {token}\" & wait"
 
 
 class One(tt.Taskset[tt.Task, tt.TasksetConfig]):
@@ -39,11 +41,10 @@ class One(tt.Taskset[tt.Task, tt.TasksetConfig]):
 TASK = tt.Task("What is 2 + 3?", answer="5")
 
 
-async def _gone_at(tmp_path: Path) -> float:
-    """When both recorded processes were seen gone (trio time); fails after 10 s."""
-    pids = [int((tmp_path / name).read_text()) for name in ("leader", "child")]
+async def _gone_at(token: str) -> float:
+    """When every process marked by `token` was seen gone (trio time); fails after 10 s."""
     with trio.fail_after(10):
-        while any(alive(pid) for pid in pids):  # noqa: ASYNC110 (no event to wait on)
+        while marked(token):  # noqa: ASYNC110 (no event to wait on)
             await trio.sleep(0.005)
     return trio.current_time()
 
@@ -72,7 +73,7 @@ async def test_the_kill_lands_on_the_deadline_not_a_grace_after_it(
     shell = tt.tools.shell(cwd=tmp_path, timeout=30, grace=3.0)
     began = trio.current_time()
     with trio.move_on_after(2.0):
-        await shell(command=STUBBORN)
+        await shell(command=stubborn("60.7201"))
     assert trio.current_time() - began <= 2.0
 
 
@@ -100,9 +101,9 @@ async def test_a_command_with_2s_left_is_killed_with_its_group_by_the_deadline(
     shell = tt.tools.shell(cwd=tmp_path, timeout=30, grace=3.0)
     began = trio.current_time()
     with trio.move_on_after(2.0) as scope:
-        text = await shell(command=STUBBORN)
+        text = await shell(command=stubborn("60.7202"))
     returned = trio.current_time()
-    gone = await _gone_at(tmp_path)
+    gone = await _gone_at("60.7202")
     assert returned - began <= 2.0 + MARGIN, returned - began
     assert gone - began <= 2.0 + MARGIN, gone - began
     if not scope.cancelled_caught:  # the shell answered just before the deadline
@@ -114,11 +115,12 @@ async def test_a_working_limit_of_2s_kills_the_command_and_scores_the_rollout(
 ) -> None:
     shell = tt.tools.shell(cwd=tmp_path, timeout=30, grace=3.0)
     env = tt.ToolEnv(One(), [shell], working_limit=2.0)
-    client = ScriptedClient([reply(tool_calls=[("shell", {"command": STUBBORN})]), reply("5")])
+    command = stubborn("60.7203")
+    client = ScriptedClient([reply(tool_calls=[("shell", {"command": command})]), reply("5")])
     began = trio.current_time()
     episode = await env.run_slot(tt.RunSlot(TASK), tt.ModelContext(client, "m"))
     returned = trio.current_time()
-    gone = await _gone_at(tmp_path)
+    gone = await _gone_at("60.7203")
     assert returned - began <= 2.0 + MARGIN, returned - began
     assert gone - began <= 2.0 + MARGIN, gone - began
     # cut at its working limit (the group was killed at it), then scored

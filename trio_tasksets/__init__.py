@@ -21,13 +21,14 @@ shows the flag instead); an argument of the wrong kind (a `run` that is not call
 a TypeError. Each public function says in its docstring what it raises.
 
 Public submodules: `aio` (the asyncio bridge), `testing` (helpers for deterministic tests,
-`ScriptedClient`), `tools` (`tools.shell`), `trio_tasksets.worker` (the worker's queue seam and
+`ScriptedClient`), `tools` (`tools.shell`), `sandboxes` (`Sandbox` backends: `sandboxes.local`, `sandboxes.bwrap`,
+`sandboxes.docker`), `trio_tasksets.worker` (the worker's queue seam and
 loop) and `trio_tasksets.redis` (the Redis feed), the last two imported by name. The `__all__` of each is its public API, pinned by `tests/test_exports.py`; every
 other module is private (`trio_tasksets._core.window`, `trio_tasksets.aio._guest`, ...: a leading
 underscore, free to change in any release), as in trio and httpx.
 """
 
-from . import aio, testing, tools
+from . import aio, sandboxes, testing, tools
 from ._core.adaptive import AdaptiveBounds, AdaptiveWindow, build_window, parse_window
 from ._core.builtin import EchoStreamConfig, EchoStreamTaskset, EchoTaskset
 from ._core.datasets import (
@@ -96,6 +97,7 @@ from ._models.pool import sticky
 from ._report import report
 from ._serve import EnvClient, EnvServerError, ServedBackend, spawn_server
 from ._transport import HTTPClient, Request, Response, Timeouts
+from .sandboxes import ExecResult, Sandbox, current_sandbox
 from .tools import Tool, tool
 
 __all__ = [
@@ -125,6 +127,7 @@ __all__ = [
     "EvalConfig",
     "EvalConfigError",
     "EvalResult",
+    "ExecResult",
     "Group",
     "GroupFailedError",
     "HFConfig",
@@ -150,6 +153,7 @@ __all__ = [
     "RolloutTimeoutError",
     "RunSlot",
     "Sampling",
+    "Sandbox",
     "ServedBackend",
     "SlotBackend",
     "Staleness",
@@ -171,6 +175,7 @@ __all__ = [
     "batches",
     "build_window",
     "chat_messages",
+    "current_sandbox",
     "fan_out",
     "first",
     "group_advantages",
@@ -187,6 +192,7 @@ __all__ = [
     "run_eval",
     "run_group",
     "run_stream",
+    "sandboxes",
     "spawn_server",
     "sticky",
     "take",

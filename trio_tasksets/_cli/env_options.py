@@ -17,13 +17,14 @@ from typing import Any
 
 import attrs
 
+from .._core.adaptive import AdaptiveBounds, parse_window
 from .._core.backoff import FIRST, MOST
 from .._core.datasets import JsonlTaskset, data_target
 from .._core.exceptions import ConfigError
 from .._core.tasksets import Taskset, TasksetConfig
 from .._env.env import Env, RetryPolicy, RolloutLimits
 from .._env.loading import LoadError, TravelError, import_failure, load_object, resolve_target
-from .._env.spec import EnvSpec, config_from_json
+from .._env.spec import EnvSpec, SandboxSpec, config_from_json
 from .options import (
     PARAMETER_FLAGS,
     TASKSET_HELP,
@@ -168,6 +169,17 @@ def add_env_options(
         "seconds of working time: it becomes an episode error, StalledError, retried per "
         "--retries (default: no bound)",
     }, type=seconds)  # fmt: skip
+    boxes = parser.add_argument_group("sandboxes (docs/agents.md, docs/security.md)")
+    add_flags(boxes, {
+        "--sandbox BACKEND": "give each rollout a box of its own, made on first use (the "
+        "shell and file tools run in it, tt.current_sandbox()) and destroyed when it ends: "
+        "local, bwrap, docker:IMAGE or pkg.mod:factory; a server or worker makes it where "
+        "it runs (default: none, the tools run on the host)",
+        "--max-sandboxes N|MIN-START-MAX": "at most N sandboxes alive at once (a rollout waits "
+        "for a place before its box is made; not working time), or adaptive between MIN and "
+        "MAX on the host's CPU and memory pressure and the boxes' start-up (default with "
+        "--sandbox: 1-CORES-256)",
+    })  # fmt: skip
     return env
 
 
@@ -189,6 +201,8 @@ class EnvOptions:
     limits: RolloutLimits = attrs.field(factory=RolloutLimits)
     reward: str | None = None  # `--reward`, where the command takes it
     env_spec: str | None = None  # a spawned server's `--env-spec JSON`
+    sandbox: SandboxSpec | None = None  # `--sandbox`
+    max_sandboxes: int | AdaptiveBounds | None = None  # `--max-sandboxes`
 
     @property
     def verifiers(self) -> bool:
@@ -214,11 +228,20 @@ def env_options(
         )  # fmt: skip
     except ConfigError as exc:
         raise UsageError(flag_message(exc)) from None
+    try:
+        sandbox = None if args.sandbox is None else SandboxSpec.parse(args.sandbox)
+        most = (
+            None if args.max_sandboxes is None
+            else parse_window(args.max_sandboxes, parameter="max_sandboxes")
+        )  # fmt: skip
+    except ConfigError as exc:
+        raise UsageError(flag_message(exc)) from None
     return EnvOptions(
         taskset_options(args), args.command, env_args=args.env_args, env_class=args.env_class,
         system_prompt=args.system_prompt, system_prompt_file=args.system_prompt_file,
         retries=args.retries, retry_on=args.retry_on, no_retry_on=args.no_retry_on,
-        backoff=backoff, limits=limits, reward=reward, env_spec=env_spec,
+        backoff=backoff, limits=limits, reward=reward, env_spec=env_spec, sandbox=sandbox,
+        max_sandboxes=most,
     )  # fmt: skip
 
 
@@ -273,7 +296,10 @@ def env_spec(options: EnvOptions | TasksetOptions) -> EnvSpec:
         )  # fmt: skip
     except ValueError as exc:
         raise UsageError(f"--retries/--retry-backoff: {exc}") from None
-    return EnvSpec(target or "", fields, options.env_class, options.reward, retries, options.limits)
+    return EnvSpec(
+        target or "", fields, options.env_class, options.reward, retries, options.limits,
+        options.sandbox, options.max_sandboxes,
+    )  # fmt: skip
 
 
 def check_retry_flags(options: EnvOptions) -> None:
@@ -411,6 +437,13 @@ def build_env(options: EnvOptions, *, endpoint: bool, check_retry_names: bool = 
                 f"(its @vf.reward methods), so --reward does not apply",
                 fix="drop --reward (rescore its rows with trio-tasksets rescore RUN_DIR "
                 "--reward TARGET)",
+            )
+        if options.sandbox is not None or options.max_sandboxes is not None:
+            raise UsageError(
+                f"TASKSET {target} is a verifiers env: its harness runs in verifiers' own "
+                f"runtime, so --sandbox and --max-sandboxes do not apply",
+                fix='drop them, and choose its runtime with --env-args (e.g. \'{"agent": '
+                '{"runtime": {"type": "subprocess"}}}\')',
             )
         if options.taskset.taskset_args is not None or options.env_class is not None:
             raise UsageError(

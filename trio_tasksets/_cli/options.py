@@ -138,6 +138,8 @@ PARAMETER_FLAGS = {
     "advantage": "--advantage",
     "retries": "--retries",
     "env_args": "--env-args",
+    "sandbox": "--sandbox",
+    "max_sandboxes": "--max-sandboxes",
 }
 
 

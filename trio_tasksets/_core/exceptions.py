@@ -53,6 +53,10 @@ TrioTasksetsError
 ├── ViaError (RuntimeError)             a worker refused a slot of an --via eval
 ├── DatasetError (ValueError)           a record that cannot be a task, a dataset unread (datasets)
 ├── ToolArgumentError (ValueError)      arguments that do not fit a tool's schema (tools)
+├── NoSandboxError (LookupError)        tt.current_sandbox() where none is current (sandboxes)
+├── SandboxError                        a sandbox cannot start a command, reach a path, be made
+│   ├── ExecTimeoutError (TimeoutError) a command outlived its timeout (.result: its output)
+│   └── SandboxStartError               a rollout's sandbox could not be made (sandboxes)
 ├── ScriptExhausted (RuntimeError)      a ScriptedClient called past its script (testing)
 ├── CommandError                        a command-line failure (cli; exit 1)
 │   └── UsageError                      a bad command line (exit 2)

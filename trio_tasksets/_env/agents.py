@@ -55,8 +55,9 @@ class ToolEnv(Env[TaskT]):
     seconds > 0) each tool call. They are the env's `rollout_limits` (a `tt.RolloutLimits`,
     with `tt.Env`'s), which may instead be given whole (`rollout_limits=`; its `max_turns`
     left None is 10: a tool loop always has a turn bound). Other keyword arguments go to
-    `tt.Env` (`reward`, `retries`, `rollout_timeout`, ...). The completion scored is the
-    last reply's text.
+    `tt.Env` (`reward`, `retries`, `rollout_timeout`, ..., and `sandbox`, `sandbox_scope`,
+    `max_sandboxes`: a box per rollout, in which `tt.tools.shell` and the file tools run).
+    The completion scored is the last reply's text.
 
     `max_answer_bytes` (None or >= 1; 1 MiB by default) bounds one tool answer: a longer one
     is cut there (at a character's boundary) and says so in the text the model reads.

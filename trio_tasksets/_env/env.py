@@ -26,6 +26,7 @@ from .._core.training import current_run
 from .._core.window import Window
 from .._models import Completion, ModelContext, ModelHTTPError, Tokens, observe_completions
 from .._models.pool import sticky
+from .boxes import Sandboxes
 from .rollout_limits import (
     LimitAttribute,
     RolloutLimits,
@@ -562,12 +563,22 @@ class Env(Generic[TaskT]):
     backoff), the working and stall clocks stop. A slot's caller may tighten the limits
     for its slot (`RunSlot.limits`), never loosen them.
 
+    `sandbox` (a factory: `tt.sandboxes.local()`, `tt.sandboxes.bwrap()`, ...) gives each
+    attempt of a rollout a box of its own (`sandbox_scope="group"`: each group one, shared
+    by its rollouts), made on first use of `tt.current_sandbox()` (the tools', a reward's)
+    and destroyed when the attempt (the group) ends, however it ends; `max_sandboxes` (an
+    int, ``(min, start, max)`` bounds, a `tt.Window`; default adaptive, ``1-CORES-256``)
+    admits at most that many alive at once (see `trio_tasksets._env.boxes`).
+
     Raises `ConfigError` for limits that are given twice or out of range, naming them, a
-    `ConfigTypeError` naming ``retries`` for one that is not a `RetryPolicy`, and a
-    `ConfigError` naming ``reward`` for a mapping of named rewards that cannot be summed.
+    `ConfigTypeError` naming ``retries`` for one that is not a `RetryPolicy`, a `ConfigError`
+    naming ``reward`` for a mapping of named rewards that cannot be summed, and naming
+    ``sandbox``, ``sandbox_scope`` or ``max_sandboxes`` for a bad one (or the last two
+    without a sandbox).
     """
 
     rollout_limits: RolloutLimits = RolloutLimits()  # also here: a subclass may skip __init__
+    sandboxes: Sandboxes | None = None  # `sandbox=`: a box per rollout (`_env.boxes`)
     rollout_timeout: LimitAttribute[float | None] = LimitAttribute()
     working_limit: LimitAttribute[float | None] = LimitAttribute()
     stall_timeout: LimitAttribute[float | None] = LimitAttribute()
@@ -582,6 +593,9 @@ class Env(Generic[TaskT]):
         rollout_timeout: float | None = None,
         working_limit: float | None = None,
         stall_timeout: float | None = None,
+        sandbox: Any = None,
+        sandbox_scope: str = "rollout",
+        max_sandboxes: Any = None,
     ) -> None:
         # No taskset: a service whose tasks come from its own channel (an empty one stands in).
         self.taskset: Taskset[TaskT, Any] = taskset if taskset is not None else Taskset()
@@ -602,6 +616,14 @@ class Env(Generic[TaskT]):
         if isinstance(taskset_reward, Mapping):  # a taskset's `reward = {name: fn, ...}`
             taskset_reward = weighted_reward(taskset_reward)
         self._reward: Reward = reward or taskset_reward or answer_match
+        if sandbox is not None:
+            self.sandboxes = Sandboxes.of(sandbox, scope=sandbox_scope, max_sandboxes=max_sandboxes)
+        elif max_sandboxes is not None or sandbox_scope != "rollout":
+            raise ConfigError(
+                "{sandbox_scope} and {max_sandboxes} need a {sandbox}: give "
+                "sandbox=tt.sandboxes.local() (or another backend)",
+                parameter=("sandbox", "sandbox_scope", "max_sandboxes"),
+            )
 
     def serving(self) -> AbstractAsyncContextManager[Env[TaskT]]:
         """Env-level resources for the life of a service or an eval (default: none)."""
@@ -660,6 +682,7 @@ class Env(Generic[TaskT]):
         limits = own if slot.limits is None else own.within(slot.limits)
         bounded = limits.bounds_attempt
         unreadable = record_problem(task) is not None  # a data file's unreadable record
+        boxes = self.sandboxes
         attempt = 0
         while True:
             attempt += 1
@@ -669,7 +692,12 @@ class Env(Generic[TaskT]):
                 if unreadable:  # its row fails at once: no model call, no retry
                     check_record(task)
                 # sticky: with many endpoints, an attempt's calls stay on one (its prefix cache)
-                if not bounded:  # inline: this runs once per attempt of every episode
+                if boxes is not None:  # a box for the attempt (or its group's): `_env.boxes`
+                    async with boxes.attempt():
+                        messages, completion, (reward, metrics) = await self._attempt(
+                            task, ctx, stats, waits, bounded
+                        )
+                elif not bounded:  # inline: this runs once per attempt of every episode
                     with observe_completions(stats), observe_calls(waits), sticky(episode.id):
                         messages, completion = await self.rollout(task, ctx)
                         reward, metrics = split_score(await self.score(task, completion))
@@ -707,6 +735,18 @@ class Env(Generic[TaskT]):
         if live is not None:
             episode.stale = live.stale  # withheld: finished more than max_lag behind
         return await complete_slot(slot, episode, on_complete)
+
+    async def _attempt(
+        self, task: TaskT, ctx: ModelContext, stats: _Rollout, waits: Waits, bounded: bool
+    ) -> tuple[list[Message], str, tuple[float, dict[str, float]]]:
+        """One attempt, as `run_slot` runs it inline (an env with sandboxes, inside the
+        attempt's box scope)."""
+        with sticky(stats.episode.id):
+            if bounded:
+                return await self._bounded(task, ctx, stats, waits)
+            with observe_completions(stats), observe_calls(waits):
+                messages, completion = await self.rollout(task, ctx)
+                return messages, completion, split_score(await self.score(task, completion))
 
     async def _bounded(
         self, task: TaskT, ctx: ModelContext, stats: _Rollout, waits: Waits

@@ -317,29 +317,39 @@ async def run_group(env: Env[Any], group: Group, run_rollout: RunRollout) -> lis
     try:
         # with many endpoints, the whole group on one (the rollouts share the task's prefix)
         with sticky(("group", group.id)):
-            try:
-                with prioritized():  # a waiting rollout of this group goes before a new pull
-                    episodes: list[Episode] = await fan_out_placing(
-                        run_rollout, group.slots, placed, _ok
-                    )
-            except ResultRefused as refused:
-                return _failed(group, refused.result, refused.results)
-            try:
-                if type(env).score_group is Env.score_group:  # none of its own: the default
-                    group_advantages(episodes, group.advantage)
-                else:
-                    await env.score_group(group.task, episodes)
-            except Exception as exc:
-                cause = f"score_group raised {type(exc).__name__}: {exc}"
-                for episode in episodes:
-                    episode.ok = False
-                    episode.errors.append(EpisodeError(type(exc).__name__, cause))
-            for episode in episodes:
-                episode.group = group.id
-            return episodes
+            if env.sandboxes is None:
+                return await _run_group(env, group, run_rollout, placed)
+            async with env.sandboxes.group():  # sandbox_scope="group": one box for them all
+                return await _run_group(env, group, run_rollout, placed)
     finally:
         if opened is not None:
             opened.closed(group)  # ended, failed or cancelled: it waits for nothing more
+
+
+async def _run_group(
+    env: Env[Any],
+    group: Group,
+    run_rollout: RunRollout,
+    placed: Callable[[int], None] | None,
+) -> list[Episode]:
+    try:
+        with prioritized():  # a waiting rollout of this group goes before a new pull
+            episodes: list[Episode] = await fan_out_placing(run_rollout, group.slots, placed, _ok)
+    except ResultRefused as refused:
+        return _failed(group, refused.result, refused.results)
+    try:
+        if type(env).score_group is Env.score_group:  # none of its own: the default
+            group_advantages(episodes, group.advantage)
+        else:
+            await env.score_group(group.task, episodes)
+    except Exception as exc:
+        cause = f"score_group raised {type(exc).__name__}: {exc}"
+        for episode in episodes:
+            episode.ok = False
+            episode.errors.append(EpisodeError(type(exc).__name__, cause))
+    for episode in episodes:
+        episode.group = group.id
+    return episodes
 
 
 def _failed(group: Group, failed: Episode, done: list[Episode | None]) -> list[Episode]:

@@ -10,10 +10,13 @@ from typing import Any
 import attrs
 import orjson
 
+from .. import sandboxes
+from .._core.adaptive import AdaptiveBounds, WindowArgumentError, parse_window, window_spec
 from .._core.builtin import BUILTIN
 from .._core.exceptions import ConfigError, MalformedEntry
 from .._core.tasksets import Task, Taskset
 from .._models import ModelContext
+from .boxes import Sandboxes
 from .env import Env, RetryPolicy, answer_match
 from .loading import (
     LoadError,
@@ -29,6 +32,7 @@ __all__ = [
     "TASK_FIELDS",
     "Declaration",
     "EnvSpec",
+    "SandboxSpec",
     "TravelError",
     "config_from_json",
     "config_to_json",
@@ -129,6 +133,54 @@ def _reward_spec(env: Env[Any]) -> str | None:
     return object_spec(reward, "the reward")
 
 
+_BACKENDS = ("local", "bwrap")
+
+
+@attrs.frozen
+class SandboxSpec:
+    """A sandbox backend by name, as `--sandbox` gives it and as it travels (an env spec, a
+    Redis declaration): ``local``, ``bwrap``, ``docker:IMAGE``, or ``pkg.mod:factory`` /
+    ``file.py:factory`` (a factory of your own: called with no argument, it makes one box).
+    `text` is that form; `factory()` the factory it names."""
+
+    text: str
+
+    @classmethod
+    def parse(cls, text: str, *, parameter: str = "sandbox") -> SandboxSpec:
+        """`text` checked: one of the forms above. Raises `ConfigError` naming `parameter`
+        otherwise (a factory by import path is loaded by `factory()`, when the env is
+        built)."""
+        value = text.strip() if isinstance(text, str) else ""
+        kind, colon, rest = value.partition(":")
+        if (
+            value in _BACKENDS
+            or (kind == "docker" and rest.strip())
+            or (colon and kind not in ("docker", "") and rest.strip())
+        ):
+            return cls(value)
+        raise ConfigError(
+            f"{{{parameter}}} must be local, bwrap, docker:IMAGE or pkg.mod:factory (a "
+            f"factory of your own), got {text!r}",
+            parameter=parameter,
+        )
+
+    def factory(self) -> Any:
+        """The sandbox factory the spec names (`tt.sandboxes.parse`: `local()`, `bwrap()`,
+        `docker(IMAGE)`, or the factory ``pkg.mod:factory`` names). Raises `ConfigError`
+        naming ``sandbox`` when it cannot be made or loaded."""
+        return sandboxes.parse(self.text)
+
+
+def _max_sandboxes(value: object) -> int | AdaptiveBounds | None:
+    """A `max_sandboxes` as it travels (``N`` or ``MIN-START-MAX`` text, or None)."""
+    if value is None:
+        return None
+    try:
+        return parse_window(str(value), parameter="max_sandboxes")
+    except WindowArgumentError as exc:
+        raise TravelError(f"not an env spec ({exc})") from None
+
+
 @attrs.frozen
 class EnvSpec:
     """How another process rebuilds an env: `taskset_cls(config)` wrapped in
@@ -145,6 +197,8 @@ class EnvSpec:
     reward: str | None = None
     retries: RetryPolicy = attrs.field(factory=RetryPolicy)
     limits: RolloutLimits = attrs.field(factory=RolloutLimits)
+    sandbox: SandboxSpec | None = None
+    max_sandboxes: int | AdaptiveBounds | None = None
 
     @classmethod
     def of(cls, env: Env[Any]) -> EnvSpec:
@@ -158,6 +212,7 @@ class EnvSpec:
             reward=_reward_spec(env),
             retries=env.retries,
             limits=env.rollout_limits,
+            **_sandbox_fields(env.sandboxes),
         )
 
     def to_json(self) -> str:
@@ -166,6 +221,10 @@ class EnvSpec:
         return json.dumps({
             "taskset": self.taskset, "config": self.config, "env_class": self.env_class,
             "reward": self.reward, "limits": self.limits.to_json(),
+            "sandbox": None if self.sandbox is None else self.sandbox.text,
+            "max_sandboxes": (
+                None if self.max_sandboxes is None else window_spec(self.max_sandboxes)
+            ),
             "retries": {"max_retries": r.max_retries, "include": list(r.include),
                         "exclude": list(r.exclude), "backoff": r.backoff,
                         "max_backoff": r.max_backoff},
@@ -178,7 +237,12 @@ class EnvSpec:
             data = json.loads(text)
             retries = RetryPolicy(**data.pop("retries"))
             limits = RolloutLimits.from_json(data.pop("limits"))
-            spec = cls(**data, retries=retries, limits=limits)
+            sandbox = data.pop("sandbox", None)
+            boxes = _max_sandboxes(data.pop("max_sandboxes", None))
+            spec = cls(
+                **data, retries=retries, limits=limits, max_sandboxes=boxes,
+                sandbox=None if sandbox is None else SandboxSpec.parse(sandbox),
+            )  # fmt: skip
         except (ValueError, TypeError, KeyError, AttributeError) as exc:
             raise TravelError(f"not an env spec ({type(exc).__name__}: {exc})") from None
         if not isinstance(spec.taskset, str) or not isinstance(spec.config, dict):
@@ -232,7 +296,43 @@ class EnvSpec:
                 parameter="env_class",
             ) from exc
         env.rollout_limits = env.rollout_limits.updated(self.limits)
+        self._give_sandboxes(env)
         return env
+
+    def _give_sandboxes(self, env: Env[Any]) -> None:
+        """`sandbox` and `max_sandboxes` in place of the env's own (its scope kept)."""
+        own = env.sandboxes
+        if self.sandbox is None and self.max_sandboxes is None:
+            return
+        if self.sandbox is not None:
+            factory, spec = self.sandbox.factory(), self.sandbox
+        elif own is not None:
+            factory, spec = own.factory, own.spec
+        else:
+            raise ConfigError(
+                "{max_sandboxes} admits sandboxes, but the env makes none",
+                parameter="max_sandboxes",
+                fix="add {sandbox} (local, bwrap, docker:IMAGE or pkg.mod:factory)",
+            )
+        limit: Any = self.max_sandboxes
+        if limit is None and own is not None:
+            limit = own.admission.window
+        scope = own.scope if own is not None else "rollout"
+        env.sandboxes = Sandboxes.of(factory, scope=scope, max_sandboxes=limit, spec=spec)
+
+
+def _sandbox_text(own: Sandboxes | None) -> str | None:
+    return own.spec.text if own is not None and isinstance(own.spec, SandboxSpec) else None
+
+
+def _sandbox_fields(own: Sandboxes | None) -> dict[str, Any]:
+    """What of an env's sandboxes travels: the `--sandbox` spec they came from, with their
+    admission window's spec (an env whose own class makes its sandboxes rebuilds them
+    itself: nothing travels)."""
+    if own is None or not isinstance(own.spec, SandboxSpec):
+        return {}
+    window = own.admission.window
+    return {"sandbox": own.spec, "max_sandboxes": parse_window(window_spec(window))}
 
 
 def _load(spec: str, parameter: str) -> Any:
@@ -283,7 +383,11 @@ class Declaration:
     not checked). A worker refuses an entry whose declaration `differs` from its own.
 
     `limits`: the producer's env's limits, when it sets any; never a reason to refuse, a
-    worker runs the entry under them and its own, each the tighter (`RunSlot.limits`)."""
+    worker runs the entry under them and its own, each the tighter (`RunSlot.limits`).
+
+    `sandbox`: the producer's `--sandbox` (its text form), when it gave one: the worker
+    makes the box where it runs, so a worker with another sandbox, or none, refuses the
+    entry (an eval that asked for a box is never run without one)."""
 
     taskset: str
     config: dict[str, Any] | None = None
@@ -291,6 +395,7 @@ class Declaration:
     model: str | None = None
     sampling: dict[str, Any] | None = None
     limits: RolloutLimits | None = None
+    sandbox: str | None = None
 
     @classmethod
     def of_taskset(cls, taskset: Taskset[Any, Any]) -> Declaration:
@@ -313,6 +418,7 @@ class Declaration:
             model=None if ctx is None else ctx.model,
             sampling=sampling,
             limits=env.rollout_limits if env.rollout_limits.to_json() else None,
+            sandbox=_sandbox_text(env.sandboxes),
         )
 
     def to_json(self) -> str:
@@ -358,6 +464,12 @@ class Declaration:
             return (
                 f"declared for model {self.model!r}, but this worker runs {own.model!r}: give "
                 f"the eval and the worker the same model"
+            )
+        if self.sandbox is not None and self.sandbox != own.sandbox:
+            has = "no sandbox" if own.sandbox is None else f"--sandbox {own.sandbox}"
+            return (
+                f"declared with --sandbox {self.sandbox}, but this worker has {has}: start "
+                f"the worker with --sandbox {self.sandbox}"
             )
         if None not in (self.sampling, own.sampling) and self.sampling != own.sampling:
             return (

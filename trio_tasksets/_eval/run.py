@@ -410,8 +410,21 @@ def _record_of(
             "working_limit": env.working_limit,
             "stall_timeout": env.stall_timeout,
         },
+        **_sandbox_record(env),
         "run_dir": str(run_dir),
     }
+
+
+def _sandbox_record(env: Env[Any]) -> dict[str, Any]:
+    """config.json's ``sandbox``: the env's sandboxes (`--sandbox`'s form, or the env's
+    own), their scope and admission window; nothing for an env without."""
+    boxes = env.sandboxes
+    if boxes is None:
+        return {}
+    named = getattr(boxes.spec, "text", None)
+    backend = named if named is not None else f"the env's own ({type(boxes.factory).__name__})"
+    window = window_spec(boxes.admission.window)
+    return {"sandbox": {"backend": backend, "scope": boxes.scope, "max_sandboxes": window}}
 
 
 # EvalConfig fields config.json records otherwise: where the slots run (`_where`).
@@ -520,6 +533,8 @@ async def _run_eval(
         window=window,
         connections=None if limits is None else limits.connections,
     )
+    if env.sandboxes is not None and not config.backend.remote:  # boxes made in this process
+        progress.sandboxes = env.sandboxes.admission.window
     progress.planned(planned)
     tally = Tally(config.max_failures, config.max_consecutive_failures,
                   planned=None if streaming else planned)  # fmt: skip
@@ -555,6 +570,8 @@ async def _run_eval(
         summary = _summary(done, progress.total, began, len(kept), tally, complete)
         summary.update(_histories(window, ctx, t0))
         summary["health"] = health.snapshot()
+        if env.sandboxes is not None and not backend.remote:  # the boxes made in this process
+            summary["sandboxes"] = env.sandboxes.report(t0)
         summary.update(identity)
         if empty or (not complete and not tally.recorded and not config.resume):
             _remove_run(run_dir, created)  # nothing finished: a rerun starts afresh

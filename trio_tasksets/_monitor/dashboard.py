@@ -98,6 +98,7 @@ class Progress:
     note: str | None = None  # why nothing moves, when the runner knows (e.g. no worker)
     window: Window | None = None  # the rollout window (-c): its size now is shown
     connections: ConnectionLimiter | None = None  # model calls per endpoint (--max-connections)
+    sandboxes: Window | None = None  # the sandboxes' admission window (--max-sandboxes)
     stalled: int = 0  # attempts cancelled as StalledError (--stall-timeout), retried or not
     health: Callable[[], str | None] | None = None  # the scheduler's lag now, as text
     # many endpoints: their figures now, per URL (`OpenAIClient.endpoint_stats`)
@@ -156,7 +157,8 @@ class Progress:
 
     def limits_text(self) -> str | None:
         """The window and connection limits now, e.g. ``window 51 (adapts 1-512),
-        connections 40``; None when the run has neither."""
+        connections 40, sandboxes 3/4 (adapts 1-256)`` (boxes alive / their window); None
+        when the run has none."""
         parts = []
         if self.window is not None:
             parts.append(f"window {_fmt_window(self.window)}")
@@ -164,6 +166,8 @@ class Progress:
             windows = self.connections.windows.values()
             sizes = ", ".join(_fmt_window(w) for w in windows)
             parts.append(f"connections {sizes or _fmt_limit(self.connections)}")
+        if self.sandboxes is not None:  # boxes alive now / the window
+            parts.append(f"sandboxes {self.sandboxes.in_flight}/{_fmt_window(self.sandboxes)}")
         return ", ".join(parts) or None
 
     def line(self) -> str:

@@ -194,6 +194,10 @@ class ServerApp:
         }  # fmt: skip
         if endpoints:  # runs over many endpoints, or engines read: a figure set each
             found["endpoints"] = endpoints
+        boxes = self.env.sandboxes
+        if boxes is not None:  # what a --server-url eval that asks for a box checks
+            found["sandbox"] = getattr(boxes.spec, "text", "the env's own")
+            found["sandboxes"] = boxes.admission.stats()
         return found
 
     async def _route(self, scope: Message, receive: Receive, send: Send) -> None:

@@ -223,12 +223,22 @@ def _bound(window: int | Window) -> int | None:
 
 
 async def _check_remote(client: EnvClient, env: Env[Any]) -> None:
-    """Before the first slot: the server answers (with this token) and serves our taskset."""
-    served = (await client.health()).get("taskset")
+    """Before the first slot: the server answers (with this token), serves our taskset, and
+    makes the sandbox this eval asks for (`--sandbox`: never run without the box)."""
+    health = await client.health()
+    served = health.get("taskset")
     ours = type(env.taskset).__name__
     if served != ours:
         raise EnvServerError(
             f"env server {client.url} serves taskset {served}, but this eval's is {ours}",
+            url=client.url,
+        )
+    asked = getattr(env.sandboxes.spec, "text", None) if env.sandboxes is not None else None
+    if asked is not None and health.get("sandbox") != asked:
+        has = health.get("sandbox") or "no sandbox"
+        raise EnvServerError(
+            f"this eval asks for --sandbox {asked}, but env server {client.url} runs with "
+            f"{has}: start the server with --sandbox {asked}",
             url=client.url,
         )
 

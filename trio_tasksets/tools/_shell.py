@@ -1,43 +1,41 @@
-"""`tt.tools.shell(...)`: a tool that runs a shell command with `trio.run_process`.
+"""`tt.tools.shell(...)`: a tool that runs a shell command in a sandbox.
 
-Each call runs ``/bin/sh -c COMMAND`` in its own session (a new process group), in the
-working directory given, with stdin closed and stdout and stderr captured together. What the
-model gets back: the output (the first `max_output` bytes, then a line saying how much was
-dropped), then the exit status when it is not 0, or the timeout.
-
-No process outlives its call: when the command ends, the rest of its process group (a
-background job, a daemon it started) is killed; when the call times out or is cancelled (the
-env's `tool_timeout`, the eval stopped, Ctrl-C) the whole group gets SIGTERM and, after
-`grace` seconds, SIGKILL (a child that ignores SIGTERM included). POSIX only.
+Where a sandbox is current (`tt.current_sandbox()`: a `ToolEnv` given ``sandbox=``, or
+``--sandbox``) each call runs ``/bin/sh -c COMMAND`` in it; elsewhere each call runs in a
+fresh `local` sandbox of its own (`trio_tasksets.sandboxes`) in the working directory given:
+its own PID namespace where the kernel allows one, so the command sees no host process
+(not the eval, not its ``/proc/PID/environ``) and every process it starts, a ``setsid``
+daemon or a double fork included, dies when the command ends, when the call times out or is
+cancelled, and when the eval is killed (SIGKILL included). What the model gets back: the
+output (stdout, then stderr, the first `max_output` bytes, then a line saying it was cut),
+then the exit status when it is not 0, or the timeout, or why the command could not start
+(``E2BIG`` for a command over the kernel's argument limit). POSIX only.
 
 Deadlines travel into the command: a call made under a deadline (the enclosing
 cancel scopes': the env's `tool_timeout`, `rollout_timeout`, `working_limit`, a `--via`
 entry's or a served run's time left, `--time-limit`) never outlives it. With ``t`` seconds
 left when the call starts, the command's effective timeout is ``min(timeout, t - g)`` with
-``g = min(grace, t / 4)``: SIGTERM then, SIGKILL at the deadline at the latest (so the group
-is gone by the deadline plus the time the kernel takes to reap it), and the model reads the
-effective timeout it had (``[timed out after 1.5s, the time this call had left: ...]``). A
-cancellation before that (Ctrl-C) still gives SIGTERM `grace` seconds, cut to the deadline.
+``g = min(grace, t / 4)``: SIGTERM then, SIGKILL at the deadline at the latest (so the
+command is gone by the deadline plus the time the kernel takes to reap it), and the model
+reads the effective timeout it had (``[timed out after 1.5s, the time this call had left:
+...]``). A cancellation before that (Ctrl-C) still gives SIGTERM `grace` seconds, cut to the
+deadline.
 
 The command's environment is *not* the eval's: by default only ``PATH``, ``LANG`` and
 ``HOME`` (the working directory), so the model cannot read the API keys and tokens the eval
 holds; pass `env=` to add variables, or `inherit_env=True` to pass the eval's environment
-(with `env=` on top).
+(with `env=` on top). The `local` sandbox is not a security boundary for files and network:
+docs/security.md says what each backend isolates.
 """
 
 from __future__ import annotations
 
-import contextlib
-import functools
-import math
 import os
 import signal
-import subprocess
 from collections.abc import Mapping
 from pathlib import Path
 
-import trio
-
+from .. import sandboxes
 from .._core.exceptions import ConfigError
 from ._schema import Tool, tool
 
@@ -110,103 +108,67 @@ class _Shell:
         self.grace = grace
 
     def environment(self) -> dict[str, str]:
-        if self.inherit_env:
-            base = dict(os.environ)
-        else:
-            home = str(self.cwd if self.cwd is not None else Path.cwd())
-            base = {
-                "PATH": os.environ.get("PATH", "/usr/local/bin:/usr/bin:/bin"),
-                "LANG": os.environ.get("LANG", "C.UTF-8"),
-                "HOME": home,
-            }
+        base = dict(os.environ) if self.inherit_env else {}
         return {**base, **self.extra_env}
 
+    def _local(self) -> sandboxes.SandboxFactory:
+        workdir = self.cwd if self.cwd is not None else Path.cwd()
+        return sandboxes.local(
+            workdir=workdir,
+            timeout=self.timeout,
+            grace=self.grace,
+            max_output=self.max_output,
+            output_limit=max(self.max_output, 64 << 20),
+        )
+
     async def run(self, command: str) -> str:
-        kept = bytearray()
-        dropped = 0
-        group: int | None = None
-        status: int | None = None
-        now = trio.current_time()
-        deadline = trio.current_effective_deadline()  # math.inf when nothing bounds the call
-        budget = effective_timeout(self.timeout, deadline - now, self.grace)
-        with trio.move_on_after(budget) as scope:
-            try:
-                async with trio.open_nursery() as nursery:
-                    process: trio.Process = await nursery.start(
-                        functools.partial(
-                            trio.run_process,
-                            ["/bin/sh", "-c", command],
-                            stdin=subprocess.DEVNULL,
-                            stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT,
-                            cwd=self.cwd,
-                            env=self.environment(),
-                            check=False,
-                            start_new_session=True,
-                            deliver_cancel=functools.partial(self._terminate, deadline),
-                        )
-                    )
-                    group = process.pid
-                    assert process.stdout is not None
-                    stdout = process.stdout
+        box = _current_box()
+        # stderr after stdout; `exec 2>&1` would interleave them, but also move a
+        # syntax error's line number
+        try:
+            if box is not None:
+                result = await box.exec(command, timeout=self.timeout, env=self.environment())
+            else:
+                async with sandboxes.open_sandbox(self._local()) as own:
+                    result = await own.exec(command, env=self.environment())
+        except sandboxes.ExecTimeoutError as exc:
+            return self._answer(exc.result, timed_out=exc.timeout)
+        except sandboxes.SandboxError as exc:
+            return f"[{exc}]"
+        return self._answer(result, timed_out=None)
 
-                    async def read() -> None:
-                        nonlocal dropped
-                        async with stdout:
-                            async for chunk in stdout:
-                                room = self.max_output - len(kept)
-                                if room > 0:
-                                    kept.extend(chunk[:room])
-                                dropped += max(0, len(chunk) - max(room, 0))
-
-                    nursery.start_soon(read)
-                    status = await process.wait()
-                    # The command is over: its background jobs go too, which also ends the
-                    # output (they held the pipe) so the reader sees its end.
-                    _kill_group(group, signal.SIGKILL)
-            finally:
-                if group is not None:
-                    _kill_group(group, signal.SIGKILL)  # whatever survived SIGTERM
-        text = kept.decode("utf-8", errors="replace")
+    def _answer(self, result: sandboxes.ExecResult, *, timed_out: float | None) -> str:
+        output = result.stdout + result.stderr
+        truncated = result.truncated or len(output) > self.max_output
+        text = output[: self.max_output].decode("utf-8", errors="replace")
         parts = [text] if text else []
-        if dropped:
-            parts.append(f"[output truncated: {dropped} more bytes]")
-        if scope.cancelled_caught:
-            if budget < self.timeout:
+        if truncated:
+            parts.append(f"[output truncated: only its first {self.max_output} bytes are shown]")
+        if timed_out is not None:
+            if timed_out < self.timeout:
                 parts.append(
-                    f"[timed out after {budget:.3g}s, the time this call had left (the shell's "
-                    f"own timeout is {self.timeout:g}s): the command was killed]"
+                    f"[timed out after {timed_out:.3g}s, the time this call had left (the "
+                    f"shell's own timeout is {self.timeout:g}s): the command was killed]"
                 )
             else:
                 parts.append(f"[timed out after {self.timeout:g}s: the command was killed]")
-        elif status:
-            parts.append(f"[exit status {_status_text(status)}]")
+        elif result.returncode:
+            parts.append(f"[exit status {status_text(result.returncode)}]")
         return "\n".join(parts) if parts else "[no output]"
 
-    async def _terminate(self, deadline: float, process: trio.Process) -> None:
-        """`run_process`'s deliver_cancel (shielded): SIGTERM to the group, SIGKILL after
-        `grace` seconds or at the call's `deadline`, whichever is first."""
-        _kill_group(process.pid, signal.SIGTERM)
-        await trio.sleep(max(0.0, min(self.grace, deadline - trio.current_time())))
-        _kill_group(process.pid, signal.SIGKILL)
+
+def _current_box() -> sandboxes.Sandbox | None:
+    """The current sandbox, where the env's lifecycle provides one (`current_or_none`)."""
+    lookup = getattr(sandboxes, "current_or_none", None)
+    box: sandboxes.Sandbox | None = lookup() if lookup is not None else None
+    return box
 
 
-def effective_timeout(timeout: float, left: float, grace: float) -> float:
-    """The seconds a command may run before its SIGTERM: the shell's `timeout`, cut so that
-    SIGTERM comes ``min(grace, left / 4)`` seconds before the deadline `left` seconds away
-    (`math.inf`: none) and SIGKILL at the deadline; 0 once the deadline has passed."""
-    if left == math.inf:
-        return timeout
-    left = max(0.0, left)
-    return max(0.0, min(timeout, left - min(grace, left / 4)))
+effective_timeout = sandboxes.effective_timeout  # (tests/test_shell_deadlines.py reads it here)
 
 
-def _kill_group(group: int, sig: int) -> None:
-    with contextlib.suppress(ProcessLookupError, PermissionError):  # the group is gone
-        os.killpg(group, sig)
-
-
-def _status_text(status: int) -> str:
+def status_text(status: int) -> str:
+    """An exit status as a person reads it (``-9 (killed by SIGKILL)``)."""
     if status < 0:
         try:
             return f"{status} (killed by {signal.Signals(-status).name})"
