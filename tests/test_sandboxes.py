@@ -341,9 +341,9 @@ async def test_the_box_cannot_see_or_signal_host_processes(bwrap_box: tt.Sandbox
 
 @security
 async def test_a_fork_bomb_is_bounded_and_reported() -> None:
-    async with sandboxes.open_sandbox(sandboxes.bwrap(processes=64, timeout=3)) as box:
+    async with sandboxes.open_sandbox(sandboxes.bwrap(processes=64, timeout=1.5)) as box:
         try:
-            result = await box.exec(["/bin/bash", "-c", "b() { b | b & }; b; sleep 2; echo end"])
+            result = await box.exec(["/bin/bash", "-c", "b() { b | b & }; b; sleep 0.5; echo end"])
             said = result.stdout + result.stderr
         except sandboxes.ExecTimeoutError as exc:
             said = exc.result.stdout + exc.result.stderr
