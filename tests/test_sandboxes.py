@@ -19,6 +19,7 @@ from __future__ import annotations
 import functools
 import json
 import os
+import secrets
 import signal
 import socket
 import subprocess
@@ -411,7 +412,7 @@ def test_a_sigkilled_eval_leaves_no_process_and_its_leftovers_are_reaped(
         pytest.skip(BWRAP_MISSING)
     from chat_server import ChatServer
 
-    token = f"61.{os.getpid() % 1000:03d}{box == 'bwrap':d}"
+    token = f"61.{secrets.randbelow(10**6):06d}{box == 'bwrap':d}"  # (unique to this run)
     with ChatServer(tools=True) as server:
         process = _eval(
             tmp_path, server.url, {"TT_TEST_SHELL": f"detach:{token}", "TT_TEST_BOX": box}
@@ -430,11 +431,16 @@ def test_a_sigkilled_eval_leaves_no_process_and_its_leftovers_are_reaped(
         finally:
             process.kill()
             process.wait()
-        for _ in range(500):
+        for _ in range(1500):
             if not marked(token):
                 break
             subprocess.run(["sleep", "0.01"], check=True)
-        assert marked(token) == []
+        left = marked(token)
+        assert not left, subprocess.run(
+            ["ps", "-o", "pid,ppid,sid,stat,etimes,cmd", "-p", ",".join(map(str, left))],
+            capture_output=True,
+            text=True,
+        ).stdout
     root = Path(tempfile.gettempdir()) / f"trio-tasksets-sandboxes-{os.getuid()}"
     _state.reap(root)  # (another start may have reaped it already: both are fine)
     assert not [f for f in root.iterdir() if f.name.startswith(f"{process.pid}-")]
