@@ -99,6 +99,7 @@ FLAT = [
     "ToolCall",
     "ToolEnv",
     "TrioTasksetsError",
+    "VersionSpan",
     "Window",
     "__version__",
     "aio",

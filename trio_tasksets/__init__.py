@@ -90,6 +90,7 @@ from ._models import (
     Sampling,
     Tokens,
     ToolCall,
+    VersionSpan,
     api_key_from_env,
 )
 from ._models.pool import sticky
@@ -163,6 +164,7 @@ __all__ = [
     "ToolCall",
     "ToolEnv",
     "TrioTasksetsError",
+    "VersionSpan",
     "Window",
     "__version__",
     "aio",
