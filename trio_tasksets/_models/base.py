@@ -79,7 +79,7 @@ def _is_bool(instance: object, attribute: attrs.Attribute[Any], value: object) -
 @attrs.frozen
 class Sampling:
     """Sampling settings for a chat request; ``None`` means "use the server's default". A
-    `return_tokens` that is not a bool raises a `ConfigTypeError` naming it."""
+    `return_tokens` or `stream` that is not a bool raises a `ConfigTypeError` naming it."""
 
     temperature: float | None = None
     max_tokens: int | None = None
@@ -89,6 +89,9 @@ class Sampling:
     # Ask for token ids and logprobs (vLLM's `return_token_ids` and `logprobs`), for a
     # trainer: each reply's `Completion.tokens`, and the rows' `tokens`.
     return_tokens: bool = attrs.field(default=False, validator=_is_bool)
+    # Ask for the reply as server-sent events (`stream: true`), read as it arrives: the
+    # reply's time to first token (`Completion.ttft`), tokens arriving count as progress.
+    stream: bool = attrs.field(default=False, validator=_is_bool)
 
     def named_settings(self) -> dict[str, Any]:
         """The named settings that are set (``temperature``, ``max_tokens``, ``top_p``,
@@ -103,12 +106,17 @@ class Sampling:
 
     def to_request(self) -> dict[str, Any]:
         """Return the OpenAI request fields that are set: ``None`` fields are omitted,
-        ``return_tokens`` adds ``return_token_ids: true`` and ``logprobs: true``, and
-        ``extra`` is merged last (so it may override the named fields)."""
+        ``return_tokens`` adds ``return_token_ids: true`` and ``logprobs: true``, ``stream``
+        adds ``stream: true`` and ``stream_options: {"include_usage": true}`` (the usage
+        in the last event), and ``extra`` is merged last (so it may override the named
+        fields)."""
         request = self.named_settings()
         if self.return_tokens:
             request["return_token_ids"] = True
             request["logprobs"] = True
+        if self.stream:
+            request["stream"] = True
+            request["stream_options"] = {"include_usage": True}
         request.update(self.extra)
         return request
 

@@ -21,10 +21,11 @@ arrived::
 from __future__ import annotations
 
 import contextvars
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any, NoReturn, cast
 
+import orjson
 import trio
 
 from .._core.limits import report_progress
@@ -37,11 +38,23 @@ from .base import (
     text_of,
 )
 
-__all__ = ["PROGRESS_EVERY", "ReplyBuilder", "ReplyWatch", "attach_reply", "watch_reply"]
+__all__ = [
+    "MAX_EVENT",
+    "PROGRESS_EVERY",
+    "ReplyBuilder",
+    "ReplyWatch",
+    "SSEReply",
+    "attach_reply",
+    "watch_reply",
+]
 
 PROGRESS_EVERY = 0.5
 """Seconds: tokens arriving report progress (`report_progress("tokens")`, what a
 ``--stall-timeout`` watches) at most this often per reply, so a fast stream costs nothing."""
+
+MAX_EVENT = 16 * 2**20
+"""Bytes of one server-sent event, at most (a longer one is a `ModelResponseError`): what the
+reader holds of an event not yet whole (the body as a whole is bounded by the transport)."""
 
 # The message fields a stream sends in pieces, joined in order; any other string field of a
 # delta (e.g. a server's own reasoning field) is joined the same way.
@@ -243,10 +256,14 @@ class ReplyBuilder:
 
     def message(self) -> dict[str, Any]:
         """The assistant message so far: ``role``, ``content`` (None until a piece of it
-        came), every other joined text field, and ``tool_calls`` when any came."""
+        came, or when it is empty and tool calls came), every other joined text field, and
+        ``tool_calls`` when any came."""
         message: dict[str, Any] = {"role": self.role}
         content = self._pieces.get("content")
-        message["content"] = None if content is None else "".join(content)
+        text = None if content is None else "".join(content)
+        # A reply of tool calls whose content never had a character: null, as sent whole
+        # (vLLM streams its first delta as `content: ""` whatever follows).
+        message["content"] = None if not text and self._tools else text
         for name, pieces in self._pieces.items():
             if name != "content":
                 message[name] = "".join(pieces)
@@ -350,3 +367,116 @@ def attach_reply(builder: ReplyBuilder) -> None:
     a streaming client calls it once per attempt, before feeding the first chunk."""
     for watch in _watches.get():
         watch.attach(builder)
+
+
+_DONE = b"[DONE]"
+
+
+class SSEReply:
+    """The body of one streamed attempt, read incrementally: `feed` takes the body's pieces
+    as the transport hands them over (``HTTPClient.request(on_body=...)``), splits them into
+    server-sent events (``data:`` lines; CRLF, LF or CR line ends; comments, ``event:``,
+    ``id:`` and ``retry:`` fields skipped; the lines of one event joined by a newline) and
+    feeds each event's JSON to a `ReplyBuilder`, which the attempt hands to the watches of
+    its context (`attach_reply`) when it is made. The events of one piece are decoded in one
+    go. `finish` gives the whole reply once the body has ended.
+
+    Raises `ModelResponseError` naming the URL for an event that is not JSON, an event of
+    the server's own error (``{"error": ...}``, as vLLM sends on a failure mid-stream), an
+    event over `MAX_EVENT` bytes, or (`finish`) a body that ended before ``data: [DONE]``
+    and without a ``finish_reason``."""
+
+    __slots__ = ("_cr", "_feed", "_nl", "_parts", "_size", "builder", "done", "received")
+
+    def __init__(self, url: str = "") -> None:
+        self.builder = ReplyBuilder(url=url)
+        self._feed: Callable[[Any], None] = self.builder.feed
+        self._parts: list[bytes] = []  # the event not yet whole
+        self._size = 0  # its bytes
+        self._nl = False  # it ends in a line end (a blank line may be split)
+        self._cr = False  # the last piece ended in a CR (a CRLF may be split)
+        self.done = False
+        self.received = 0  # bytes of the body so far
+        attach_reply(self.builder)
+
+    def feed(self, piece: bytes) -> None:
+        """Add the next piece of the body."""
+        self.received += len(piece)
+        if self._cr or b"\r" in piece:
+            piece = self._lines(piece)
+        parts = self._parts
+        if b"\n\n" not in piece and not (self._nl and piece.startswith(b"\n")):
+            if piece:  # no event ends in it
+                parts.append(piece)
+                self._size += len(piece)
+                self._nl = piece.endswith(b"\n")
+                if self._size > MAX_EVENT:
+                    self._error(f"an event over {MAX_EVENT:,} bytes")
+            return
+        buffer = b"".join(parts) + piece if parts else piece
+        parts.clear()
+        *events, rest = buffer.split(b"\n\n")
+        if rest:
+            parts.append(rest)
+        self._size, self._nl = len(rest), rest.endswith(b"\n")
+        datas = []
+        for event in events:
+            if event.startswith(b"data: ") and b"\n" not in event:
+                data = event[6:]  # the usual event: one data line
+            else:
+                found = _data_of(event)
+                if found is None:
+                    continue
+                data = found
+            if data == _DONE:
+                self.done = True
+                continue
+            datas.append(data)
+        if not datas:
+            return
+        try:
+            chunks = orjson.loads(b"[" + b",".join(datas) + b"]") if len(datas) > 1 else None
+        except orjson.JSONDecodeError:
+            chunks = None  # one of them is not JSON: each on its own, to name it
+        if chunks is None:
+            chunks = [self._decode(data) for data in datas]
+        feed = self._feed
+        for chunk in chunks:
+            if type(chunk) is dict and "error" in chunk:
+                self._error(f"an error: {excerpt(repr(chunk['error']), 400)}")
+            feed(chunk)
+
+    def _lines(self, piece: bytes) -> bytes:
+        """``piece`` with its CRLF and CR line ends as LF (a CR ending the previous piece
+        already counted as a line end)."""
+        if self._cr and piece.startswith(b"\n"):
+            piece = piece[1:]
+        self._cr = piece.endswith(b"\r")
+        return piece.replace(b"\r\n", b"\n").replace(b"\r", b"\n")
+
+    def _decode(self, data: bytes) -> Any:
+        try:
+            return orjson.loads(data)
+        except orjson.JSONDecodeError:
+            self._error(f"an event that is not JSON: {excerpt(data.decode('utf-8', 'replace'))}")
+
+    def _error(self, what: str) -> NoReturn:
+        url = self.builder.url
+        raise ModelResponseError(f"{url} streamed {what}", url=url)
+
+    def finish(self) -> Completion:
+        """The whole reply (`ReplyBuilder.finish`), once the body has ended."""
+        if b"".join(self._parts).strip():
+            self.feed(b"\n\n")  # a last event without its blank line
+        if not self.done and self.builder.finish_reason is None:
+            self._error("a reply that ended before its last event (no [DONE], no finish_reason)")
+        return self.builder.finish()
+
+
+def _data_of(event: bytes) -> bytes | None:
+    """The data of one event (its ``data:`` lines joined by a newline), or None when it has
+    none (a comment, a keep-alive)."""
+    lines = [
+        line[5:].removeprefix(b" ") for line in event.split(b"\n") if line.startswith(b"data:")
+    ]
+    return b"\n".join(lines) if lines else None
