@@ -4,11 +4,15 @@ what a caller keeps of a cut call (`watch_reply`), and `VersionSpan`."""
 from __future__ import annotations
 
 import itertools
+import json
 import socket
+import sys
 import time
+from pathlib import Path
 from typing import Any
 
 import attrs
+import forkserver
 import h11
 import hypothesis
 import orjson
@@ -20,7 +24,9 @@ from hypothesis import strategies as st
 
 import trio_tasksets as tt
 import trio_tasksets._transport.connection as http_wire
+from trio_tasksets._core.health import Health
 from trio_tasksets._models.stream import ReplyBuilder, SSEReply, attach_reply, watch_reply
+from trio_tasksets._monitor.metrics import Metrics
 
 
 def _chunk(delta: dict[str, object] | None = None, **choice: object) -> dict[str, object]:
@@ -219,7 +225,7 @@ def streamed(draw: st.DrawFn, answer: dict[str, Any]) -> list[bytes]:
     return [bytes(piece) for piece in _split(draw, body)]
 
 
-@hypothesis.settings(max_examples=300, deadline=None)
+@hypothesis.settings(max_examples=150, deadline=None)
 @hypothesis.given(data=st.data())
 def test_a_streamed_reply_is_the_completion_the_whole_reply_parses_to(data: st.DataObject) -> None:
     """Property: whatever the reply and however its stream is cut (into chunks, events and
@@ -239,7 +245,7 @@ def test_a_streamed_reply_is_the_completion_the_whole_reply_parses_to(data: st.D
     assert got.ttft is not None or not any(
         [got.content, got.tool_calls, got.tokens and got.tokens.completion_ids]
     )
-    assert attrs.evolve(got, ttft=None) == whole
+    assert attrs.evolve(got, ttft=None, tpot=None) == whole
 
 
 CLIENT = tt.OpenAIClient("http://127.0.0.1:9/v1")
@@ -273,7 +279,7 @@ def _chunked(head: list[tuple[str, str]], pieces: list[bytes], trailer: bool) ->
     return out + (server.send(end) or b"")
 
 
-@hypothesis.settings(max_examples=200, deadline=None)
+@hypothesis.settings(max_examples=100, deadline=None)
 @hypothesis.given(
     pieces=st.lists(st.binary(min_size=1, max_size=40), max_size=8),
     chunked=st.booleans(),
@@ -340,6 +346,7 @@ async def test_a_streamed_body_over_the_limit_or_encoded_is_refused() -> None:
 MESSAGES = [{"role": "user", "content": "What is 40 + 2? Say it in words, é included."}]
 STREAM = tt.Sampling(stream=True)
 ANSWER = "Forty-two, or quarante-deux in French (é), is the answer."
+USAGE = {"prompt_tokens": 10, "completion_tokens": 9}  # ANSWER streamed a word a token
 
 
 def test_stream_asks_for_events_and_the_usage() -> None:
@@ -367,7 +374,7 @@ async def test_a_streamed_call_equals_the_whole_one_and_times_its_first_token(
         asked = server.requests[-1]
     assert asked["stream"] is True
     assert asked["stream_options"] == {"include_usage": True}
-    assert attrs.evolve(got, ttft=None) == whole
+    assert attrs.evolve(got, ttft=None, tpot=None) == whole
     assert whole.ttft is None
     # The role comes after the delay and one gap, the first token after the next one.
     assert got.ttft == pytest.approx(1.5)
@@ -416,7 +423,13 @@ class BreaksOff(RawServer):
 
     def serve(self, conn: socket.socket) -> None:
         with conn:
-            conn.recv(65536)
+            request = b""
+            while b"\r\n\r\n" not in request:  # the whole request, so a close sends no RST
+                request += conn.recv(65536)
+            head, _, body = request.partition(b"\r\n\r\n")
+            length = int(head.lower().split(b"content-length:")[1].split(b"\r\n")[0])
+            while len(body) < length:
+                body += conn.recv(65536)
             self.requests += 1
             conn.sendall(b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\n"
                          b"transfer-encoding: chunked\r\n\r\n")  # fmt: skip
@@ -466,3 +479,77 @@ async def test_tokens_arriving_are_progress_for_the_stall_timeout(
         server.delay, server.token_delay = 6.0, 0.0
         whole = await env.run_slot(tt.RunSlot(task), tt.ModelContext(client, "m", STREAM))
     assert [e.type for e in whole.errors] == ["StalledError"]
+
+
+# --- time to first token and per output token: rows, summary, dashboard, metrics ---------------
+
+
+def test_the_cli_streams_replies_and_its_rows_and_summary_carry_their_times(
+    tmp_path: Path,
+) -> None:
+    with ChatServer(token_delay=0.02, answer=lambda _: ANSWER, usage=USAGE) as server:
+        done = forkserver.run(
+            [sys.executable, "-m", "trio_tasksets", "eval", "trio_tasksets:EchoTaskset", "-m", "tiny", "-n", "2",
+             "--base-url", server.url, "--stream-replies", "--no-dashboard",
+             "-o", str(tmp_path / "out"), "--run-name", "r"],
+            capture_output=True, text=True, timeout=60,
+        )  # fmt: skip
+        assert done.returncode == 0, done.stderr
+        assert all(asked["stream"] is True for asked in server.requests)
+    rows = [json.loads(x) for x in (tmp_path / "out/r/traces.jsonl").read_text().splitlines()]
+    for row in rows:
+        assert row["completion"] == ANSWER
+        assert 0.02 <= row["timing"]["ttft"] < row["timing"]["duration"]
+        assert row["timing"]["tpot"] > 0
+    summary = json.loads((tmp_path / "out/r/summary.json").read_text())
+    assert summary["health"]["streamed"] == 2
+    assert summary["health"]["ttft_s"]["samples"] == 2
+    assert summary["health"]["tpot_s"]["p50"] > 0
+    saved = json.loads((tmp_path / "out/r/config.json").read_text())
+    assert saved["identity"]["sampling"]["stream"] is True
+
+
+def test_stream_travels_to_an_env_server() -> None:
+    from trio_tasksets._serve.wire import WireError, encode_run_request, parse_run_request
+
+    ctx = tt.ModelContext(tt.EchoClient(), "echo", STREAM)
+    body = json.loads(encode_run_request(tt.RunSlot(tt.Task("x")), ctx))
+    assert parse_run_request(body).sampling == ctx.sampling
+    body["ctx"]["sampling"]["stream"] = 1
+    with pytest.raises(WireError) as caught:
+        parse_run_request(body)
+    assert caught.value.field == "ctx.sampling.stream"
+
+
+async def test_health_keeps_the_streamed_replies_times_for_the_dashboard_and_metrics() -> None:
+    health = Health()
+    assert health.replies() == {}
+    assert health.dashboard_text() is None
+    for ttft, tpot in [(0.1, 0.02), (0.3, None), (0.2, 0.04)]:
+        health.on_stream(ttft, tpot)
+    figures = health.replies()
+    assert figures["streamed"] == 3
+    assert figures["ttft_s"]["p50"] == 0.2
+    assert figures["ttft_s"]["p99"] == 0.3
+    assert figures["tpot_s"]["samples"] == 2
+    assert health.snapshot()["ttft_s"] == figures["ttft_s"]
+    assert health.dashboard_text() == "ttft p50 200 ms (p99 300 ms), tpot p50 20.0 ms"
+    text = Metrics(health).text().decode()
+    assert 'trio_tasksets_ttft_seconds{quantile="0.5"} 0.2' in text
+    assert "trio_tasksets_ttft_seconds_count 3.0" in text
+    assert "trio_tasksets_tpot_seconds_sum 0.06" in text
+
+
+async def test_a_model_context_reports_each_streamed_reply_to_the_observers(
+    autojump_clock: trio.abc.Clock,
+) -> None:
+    health = Health()
+    server = ChatServer(token_delay=0.5, answer=lambda _: ANSWER, usage=USAGE)
+    async with server, tt.OpenAIClient(server.url) as client:
+        ctx = tt.ModelContext(client, "m", STREAM)
+        with tt.observe_calls(health):
+            reply = await ctx.chat(MESSAGES)
+            await ctx.chat(MESSAGES, stream=False)
+    assert health.streamed == 1
+    assert list(health.ttfts) == [reply.ttft] == [1.0]  # the role, then the first word
+    assert reply.tpot == pytest.approx(0.5)  # 9 tokens, 0.5 s apart

@@ -30,7 +30,7 @@ import attrs
 import trio
 
 from .._core.exceptions import ConfigError, ConfigTypeError, TrioTasksetsError
-from .._core.limits import EndpointLimits, report_progress
+from .._core.limits import EndpointLimits, report_progress, report_stream
 from .._core.window import Window
 
 # duplicates: _models and the flat API re-list these names; each __all__ is its module's own
@@ -341,7 +341,9 @@ class Completion:
     else None.
 
     `ttft` is the seconds from the request to the reply's first token, for a streamed reply
-    (``Sampling(stream=True)``), else None. `versions` says which policy version made which
+    (``Sampling(stream=True)``), else None; `tpot` the seconds per output token after the
+    first (from the first token to the last, over the output tokens but one), for a streamed
+    reply of two tokens or more, else None. `versions` says which policy version made which
     output tokens (`VersionSpan`s, in order), when the call ran under a `tt.Policy` or the
     engine reported them; [] when nothing said."""
 
@@ -355,6 +357,7 @@ class Completion:
     tokens: Tokens | None = None
     ttft: float | None = None
     versions: list[VersionSpan] = attrs.field(factory=list)
+    tpot: float | None = None
 
 
 @runtime_checkable
@@ -473,6 +476,8 @@ class ModelContext:
         if observer is not None:
             observer(completion)
         report_progress("model")  # for a stall timeout, and the run's count of calls
+        if completion.ttft is not None:
+            report_stream(completion.ttft, completion.tpot)
         return completion
 
     async def _chat_with_tools(

@@ -79,9 +79,10 @@ class ReplyBuilder:
       ``stream_options.include_usage``).
 
     `partial` is the reply as it stands, at any moment: the content, message, tool calls
-    and token ids so far, ``finish_reason`` None (the reply did not finish), ``ttft`` as
-    measured. `finish` is the whole reply once the stream has ended; it equals the
-    `Completion` the same reply sent whole would parse to, but for ``ttft``.
+    and token ids so far, ``finish_reason`` None (the reply did not finish), ``ttft`` and
+    ``tpot`` as measured. `finish` is the whole reply once the stream has ended; it equals
+    the `Completion` the same reply sent whole would parse to, but for ``ttft`` and
+    ``tpot``.
 
     `started` is when the attempt's request went out (trio's clock); ``ttft`` is the time
     from then to the first chunk that carried a token (content, a tool call's piece, token
@@ -90,6 +91,7 @@ class ReplyBuilder:
     """
 
     __slots__ = (
+        "_chunks",
         "_logprobs",
         "_pieces",
         "_progress_at",
@@ -119,6 +121,7 @@ class ReplyBuilder:
         self._prompt_ids: list[int] | None = None
         self._logprobs: list[float] | None = None
         self._progress_at = -float("inf")
+        self._chunks = 0  # chunks that carried a token
 
     # --- feeding ---------------------------------------------------------------------------
 
@@ -145,6 +148,7 @@ class ReplyBuilder:
             token = self._choice(choices[0], chunk)
         if token:
             now = trio.current_time()
+            self._chunks += 1
             if self.first_token_at is None:
                 self.first_token_at = now
             self.last_token_at = now
@@ -294,6 +298,19 @@ class ReplyBuilder:
                 url=self.url,
             ) from None
 
+    @property
+    def tpot(self) -> float | None:
+        """Seconds per output token after the first: from the first token to the last, over
+        the reply's output tokens but one (its usage's ``completion_tokens``, else its
+        token ids, else the chunks that carried a token); None below two tokens."""
+        first, last = self.first_token_at, self.last_token_at
+        if first is None or last is None:
+            return None
+        count = self.usage.get("completion_tokens")
+        if count is None:
+            count = len(self._token_ids) if self._token_ids is not None else self._chunks
+        return (last - first) / (count - 1) if count > 1 else None
+
     def partial(self) -> Completion:
         """The reply as it stands (see the class): ``finish_reason`` None."""
         return self._completion(None)
@@ -312,6 +329,7 @@ class ReplyBuilder:
             tool_calls=parse_tool_calls(message),
             tokens=self.tokens(),
             ttft=self.ttft,
+            tpot=self.tpot,
         )
 
 
