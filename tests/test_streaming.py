@@ -506,7 +506,8 @@ def test_the_cli_streams_replies_and_its_rows_and_summary_carry_their_times(
     assert summary["health"]["ttft_s"]["samples"] == 2
     assert summary["health"]["tpot_s"]["p50"] > 0
     saved = json.loads((tmp_path / "out/r/config.json").read_text())
-    assert saved["identity"]["sampling"]["stream"] is True
+    assert "--stream-replies" in saved["command"]
+    assert "stream" not in saved["identity"]["sampling"]  # a run resumes with or without it
 
 
 def test_stream_travels_to_an_env_server() -> None:
