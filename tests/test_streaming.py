@@ -268,27 +268,42 @@ class Segments:
         return self.segments.pop(0) if self.segments else b""
 
 
-def _chunked(head: list[tuple[str, str]], pieces: list[bytes], trailer: bool) -> bytes:
-    server = h11.Connection(h11.SERVER)
-    server.receive_data(b"GET / HTTP/1.1\r\nhost: x\r\n\r\n")
-    server.next_event()
-    out = server.send(h11.Response(status_code=200, headers=head)) or b""
+def _chunked(
+    head: list[tuple[str, str]], pieces: list[bytes], trailer: bool, extensions: bool = False
+) -> bytes:
+    """A chunked response of `pieces`, one chunk each (sizes in upper case hex and with a
+    chunk extension, with `extensions`), and a trailer field, with `trailer`."""
+    out = b"HTTP/1.1 200 \r\n"
+    for name, value in [*head, ("Transfer-Encoding", "chunked")]:
+        out += f"{name}: {value}\r\n".encode()
+    out += b"\r\n"
     for piece in pieces:
-        out += server.send(h11.Data(data=piece)) or b""
-    end = h11.EndOfMessage(headers=[("x-trailer", "1")] if trailer else [])
-    return out + (server.send(end) or b"")
+        size = b"%X;x=1" % len(piece) if extensions else b"%x" % len(piece)
+        out += size + b"\r\n" + piece + b"\r\n"
+    return out + b"0\r\n" + (b"x-trailer: 1\r\n" if trailer else b"") + b"\r\n"
+
+
+_PIECES = st.binary(min_size=1, max_size=40) | st.sampled_from(
+    [b"data: {}\n\n", b"a\r\nb", b"\r\n", b"1\r\n", b"0\r\n\r\n", b"\r"]
+)
 
 
 @hypothesis.settings(max_examples=100, deadline=None)
 @hypothesis.given(
-    pieces=st.lists(st.binary(min_size=1, max_size=40), max_size=8),
+    pieces=st.lists(_PIECES, max_size=8),
     chunked=st.booleans(),
     trailer=st.booleans(),
+    extensions=st.booleans(),
     after=st.sampled_from([b"", b"", b"junk"]),
     data=st.data(),
 )
 def test_a_streamed_body_reaches_the_sink_whole_however_it_is_cut(
-    pieces: list[bytes], chunked: bool, trailer: bool, after: bytes, data: st.DataObject
+    pieces: list[bytes],
+    chunked: bool,
+    trailer: bool,
+    extensions: bool,
+    after: bytes,
+    data: st.DataObject,
 ) -> None:
     """Differential: the streaming readers (chunked or Content-Length framing, the fast path
     and h11's) hand the sink exactly the body the whole-body reader returns, however the
@@ -296,7 +311,7 @@ def test_a_streamed_body_reaches_the_sink_whole_however_it_is_cut(
     body = b"".join(pieces)
     head = [("content-type", "text/event-stream")]
     if chunked:
-        raw = _chunked(head, pieces, trailer)
+        raw = _chunked(head, pieces, trailer, extensions)
     else:
         raw = b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\ncontent-length: %d\r\n\r\n%s" % (
             len(body), body)  # fmt: skip

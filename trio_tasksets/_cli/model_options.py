@@ -240,7 +240,8 @@ def model_options(args: argparse.Namespace) -> ModelOptions:
     return ModelOptions(
         args.model, endpoints(args), args.api_key_var, args.timeout, args.temperature,
         args.max_tokens, args.top_p, args.sampling_seed, args.sampling_args,
-        args.return_tokens, args.stream_replies, args.echo_delay, args.max_connections, args.rpm, args.tpm,
+        args.return_tokens, args.stream_replies, args.echo_delay, args.max_connections,
+        args.rpm, args.tpm,
     )  # fmt: skip
 
 

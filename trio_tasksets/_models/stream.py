@@ -422,8 +422,11 @@ class SSEReply:
     and without a ``finish_reason``."""
 
     __slots__ = (
+        "_between",
         "_cr",
+        "_end",
         "_feed",
+        "_lead",
         "_nl",
         "_parts",
         "_size",
@@ -443,6 +446,7 @@ class SSEReply:
         self.done = False
         self.received = 0  # bytes of the body so far
         self._template: tuple[bytes, bytes] | None = None  # the text chunks' shape: `_learn`
+        self._lead = self._between = self._end = b""  # its bytes around and between texts
         attach_reply(self.builder)
 
     def feed(self, piece: bytes) -> None:
@@ -461,12 +465,19 @@ class SSEReply:
             return
         buffer = b"".join(parts) + piece if parts else piece
         parts.clear()
-        *events, rest = buffer.split(b"\n\n")
+        end = buffer.rfind(b"\n\n")
+        region, rest = buffer[:end], buffer[end + 2 :]
         if rest:
             parts.append(rest)
         self._size, self._nl = len(rest), rest.endswith(b"\n")
-        datas = []
-        for event in events:
+        if self._template is None or not self._bulk(region):
+            self._events(region.split(b"\n\n"))
+
+    def _events(self, events: list[bytes]) -> None:
+        """Feed the builder `events` (raw, without their blank lines), in order, each
+        decoded whole, until the stream's text chunks have a shape (`_learn`): the rest then
+        in bulk (`_bulk`) where it can, else one by one."""
+        for at, event in enumerate(events):
             if event.startswith(b"data: ") and b"\n" not in event:
                 data = event[6:]  # the usual event: one data line
             else:
@@ -477,42 +488,72 @@ class SSEReply:
             if data == _DONE:
                 self.done = True
                 continue
-            datas.append(data)
-        if datas:
-            self._events(datas)
-
-    def _events(self, datas: list[bytes]) -> None:
-        """Feed the builder the events whose data are `datas`, in order: a run of text
-        chunks of the stream's learnt shape (`_learn`) by their text alone, each other
-        event decoded whole."""
-        template = self._template
-        at, count = 0, len(datas)
-        while at < count:
+            template = self._template
             if template is not None:
                 prefix, suffix = template
-                cut, end = len(prefix), -len(suffix)
-                texts: list[bytes] = []
-                for data in itertools.islice(datas, at, None):
-                    if not (data.startswith(prefix) and data.endswith(suffix)):
-                        break
-                    text = data[cut:end]
-                    if len(text) < 2 or text[0] != 34 or text[-1] != 34:  # not one '"...'
-                        break
-                    texts.append(text)
-                if texts:
-                    decoded = _strings(texts)
-                    if decoded is not None:
-                        self.builder.add_content(decoded)
-                        at += len(texts)
-                        continue
-            data = datas[at]
+                text = data[len(prefix) : len(data) - len(suffix)]
+                if (
+                    len(text) >= 2
+                    and data.startswith(prefix)
+                    and data.endswith(suffix)
+                    and (decoded := _strings([text])) is not None
+                ):
+                    self.builder.add_content(decoded)
+                    continue
             chunk = self._decode(data)
             if type(chunk) is dict and "error" in chunk:
                 self._error(f"an error: {excerpt(repr(chunk['error']), 400)}")
             self._feed(chunk)
             if template is None:
-                template = self._template = _learn(data, chunk)
-            at += 1
+                self._learn(data, chunk)
+                if self._template is not None and at + 2 < len(events):
+                    region = b"\n\n".join(events[at + 1 :])
+                    if not self._bulk(region):
+                        self._events(events[at + 1 :])
+                    return
+
+    def _learn(self, data: bytes, chunk: Any) -> None:
+        template = _learn(data, chunk)
+        if template is not None:
+            self._template = template
+            prefix, suffix = template
+            self._lead = b"data: " + prefix
+            self._between = suffix + b"\n\n" + self._lead
+            self._end = suffix + b"\n\n"
+
+    def _bulk(self, region: bytes) -> bool:
+        """Feed the builder the events of `region` (whole events, the blank line after the
+        last one cut off) with its runs of text chunks of the learnt shape read in bulk:
+        split where one such chunk ends and the next begins (bytes that cannot occur
+        inside a JSON string), their texts decoded in one go. False, having fed nothing,
+        when `region` has no such run or a part is not one JSON string (then each event
+        goes its own way, `_events`)."""
+        pieces = region.split(self._between)
+        if len(pieces) < 2:
+            return False
+        head, tail = pieces[0], pieces[-1]
+        cut = head.rfind(b"\n\n")  # the events before the run, then the run's first
+        early, first = (head[:cut], head[cut + 2 :]) if cut >= 0 else (b"", head)
+        if not first.startswith(self._lead):
+            return False
+        stop = tail.find(self._end)  # the run's last, then the events after it
+        suffix = self._end[:-2]
+        if stop >= 0:
+            last, later = tail[:stop], tail[stop + len(self._end) :]
+        elif tail.endswith(suffix):
+            last, later = tail[: len(tail) - len(suffix)], b""
+        else:
+            return False
+        pieces[0], pieces[-1] = first[len(self._lead) :], last
+        texts = _strings(pieces)
+        if texts is None:
+            return False
+        if early:
+            self._events(early.split(b"\n\n"))
+        self.builder.add_content(texts)
+        if later:
+            self._events(later.split(b"\n\n"))
+        return True
 
     def _lines(self, piece: bytes) -> bytes:
         """``piece`` with its CRLF and CR line ends as LF (a CR ending the previous piece

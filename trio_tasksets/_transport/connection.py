@@ -392,14 +392,24 @@ async def _stream_chunked(
     sink: Sink,
 ) -> bool:
     """Hand a chunked body (RFC 9112 7.1) to ``sink`` as it arrives, from what ``buffer``
-    holds on: every chunk's data as soon as it is read, the chunk sizes, extensions and
-    trailers dropped. Whether nothing followed the body. Bytes that are not chunked framing
-    raise h11's RemoteProtocolError (as the h11 path would)."""
+    holds on: what each read brings, its chunks' data joined in one call before the next
+    wait (a server streaming a token a chunk sends hundreds of small ones), the chunk
+    sizes, extensions and trailers dropped. Whether nothing followed the body. Bytes that
+    are not chunked framing raise h11's RemoteProtocolError (as the h11 path would)."""
     pos = 0
     total = 0
+    pending: list[bytes] = []
+    bulk = True  # whether `_whole_chunks` may find chunks in what the last read brought
+
+    def flush() -> None:
+        if pending:
+            data = pending[0] if len(pending) == 1 else b"".join(pending)
+            pending.clear()
+            sink(data)
 
     async def more() -> None:
-        nonlocal pos
+        nonlocal pos, bulk
+        flush()
         if pos:
             del buffer[:pos]
             pos = 0
@@ -408,8 +418,19 @@ async def _stream_chunked(
         if not data:
             raise EOFError("the server closed the connection mid-response")
         buffer.extend(data)
+        bulk = True
 
     while True:
+        if bulk:
+            bulk = False
+            datas, used = _whole_chunks(bytes(buffer[pos:]))
+            if used:
+                total += sum(map(len, datas))
+                if total > limit:
+                    raise ResponseTooLargeSignal
+                pending.extend(datas)
+                pos += used
+                bulk = True  # the next chunk may be one it leaves to the loop below
         while (eol := buffer.find(b"\r\n", pos)) < 0:
             if len(buffer) - pos > MAX_CHUNK_LINE:
                 raise h11.RemoteProtocolError("a chunk size line is too long")
@@ -420,6 +441,7 @@ async def _stream_chunked(
         size = int(size_text, 16)
         pos = eol + 2
         if size == 0:  # the last chunk: trailers (dropped) up to a blank line
+            flush()
             while True:
                 while (eol := buffer.find(b"\r\n", pos)) < 0:
                     if len(buffer) - pos > MAX_HEAD:
@@ -435,7 +457,7 @@ async def _stream_chunked(
             if pos >= len(buffer):
                 await more()
             take = min(size, len(buffer) - pos)
-            sink(bytes(buffer[pos : pos + take]))
+            pending.append(bytes(buffer[pos : pos + take]))
             pos += take
             size -= take
         while len(buffer) - pos < 2:
@@ -443,6 +465,34 @@ async def _stream_chunked(
         if buffer[pos : pos + 2] != b"\r\n":
             raise h11.RemoteProtocolError("a chunk's data is not followed by CRLF")
         pos += 2
+
+
+_HEXDIGITS = b"0123456789abcdefABCDEF"
+
+
+def _whole_chunks(region: bytes) -> tuple[list[bytes], int]:
+    """The data of the whole chunks at the start of `region` (which starts at a chunk's
+    size line) and the bytes they take, found in bulk: split at every CRLF, the parts are
+    size, data, size, data, ... as long as no data holds a CRLF of its own, and each size
+    (hex digits alone: no extension) must match its data's length. It stops before the
+    first chunk that does not (or the last chunk, size 0), which the exact loop reads:
+    ([], 0) when that is the first."""
+    parts = region.split(b"\r\n")
+    pairs = (len(parts) - 1) // 2  # the sizes whose data's CRLF has come
+    if not pairs:
+        return [], 0
+    sizes, datas = parts[0 : 2 * pairs : 2], parts[1 : 2 * pairs : 2]
+    if not all(sizes) or b"".join(sizes).translate(None, _HEXDIGITS) or max(map(len, sizes)) > 15:
+        return [], 0  # an extension or bad bytes: the loop reads (or refuses) them
+    declared = [int(size, 16) for size in sizes]
+    lengths = list(map(len, datas))
+    whole = pairs
+    if declared != lengths:
+        whole = next(k for k, (a, b) in enumerate(zip(declared, lengths, strict=True)) if a != b)
+    if 0 in declared[:whole]:
+        whole = declared.index(0)
+    used = sum(lengths[:whole]) + sum(map(len, sizes[:whole])) + 4 * whole
+    return datas[:whole], used
 
 
 @functools.cache
