@@ -21,7 +21,6 @@ arrived::
 from __future__ import annotations
 
 import contextvars
-import itertools
 import re
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
