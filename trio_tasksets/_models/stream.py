@@ -92,7 +92,8 @@ class ReplyBuilder:
     only ``choices[0]`` is read (a chat call asks for one). What it joins:
 
     - the delta's ``content`` pieces (and every other string field of the delta, such as a
-      server's reasoning text), in order; ``role`` is set, not joined;
+      server's reasoning text), in order; ``role`` is set, not joined; a field that is
+      neither (a legacy ``function_call``, ``audio``) is not kept;
     - ``tool_calls`` deltas by their ``index``: the first piece of an index brings its ``id``,
       ``type`` and ``function.name``, every piece may bring a piece of
       ``function.arguments``;
@@ -212,11 +213,14 @@ class ReplyBuilder:
                 elif isinstance(value, str):
                     self._pieces.setdefault(name, []).append(value)
                     token = token or bool(value)
-                elif isinstance(value, list) and name == "content":
-                    self._pieces.setdefault(name, []).append(text_of(value))
-                    token = True
-                elif value is not None:
-                    self._malformed(f"a delta field {name!r} that is not text", chunk)
+                elif name == "content":
+                    if isinstance(value, list):  # content parts: their text
+                        self._pieces.setdefault(name, []).append(text_of(value))
+                        token = True
+                    elif value is not None:
+                        self._malformed("a delta content that is not text", chunk)
+                # another field that is not text (a legacy `function_call`, `audio`): not
+                # joined, and not part of the reply's message
         ids = choice.get("token_ids")
         if ids is not None:
             ids = self._ints(ids, "token_ids", chunk)
