@@ -101,6 +101,7 @@ FLAT = [
     "ToolCall",
     "ToolEnv",
     "TrioTasksetsError",
+    "VersionSpan",
     "Window",
     "__version__",
     "aio",

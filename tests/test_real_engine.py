@@ -19,6 +19,7 @@ from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import Any, Literal
 
+import attrs
 import pytest
 import trio
 
@@ -241,3 +242,68 @@ async def test_a_model_the_engine_does_not_serve_is_a_clear_404(vllm: VLLMServer
                               sampling=tt.Sampling(max_tokens=4))  # fmt: skip
     assert caught.value.status == 404
     assert "nope" in str(caught.value)  # the server's own words reach the error
+
+
+@pytest.mark.real_engine
+async def test_a_streamed_reply_equals_the_whole_one_token_for_token(vllm: VLLMServer) -> None:
+    """Greedy decoding, token ids asked for: vLLM's own stream (its chunks, `token_ids` in
+    each, `prompt_token_ids` in the first, logprobs, the usage chunk) assembles into the
+    `Completion` its whole reply parses to, with a time to first token (issue 33)."""
+    greedy = tt.Sampling(temperature=0.0, max_tokens=24, return_tokens=True)
+    async with tt.OpenAIClient(vllm.url) as client:
+        for k in range(4):
+            messages = [{"role": "user", "content": f"Count to {k}."}]
+            with trio.fail_after(120):
+                whole = await client.chat(messages, model=SERVED_NAME, sampling=greedy)
+                streamed = await client.chat(
+                    messages, model=SERVED_NAME, sampling=attrs.evolve(greedy, stream=True)
+                )
+            assert streamed.ttft is not None
+            assert whole.tokens is not None
+            assert len(whole.tokens.completion_ids) == whole.usage["completion_tokens"]
+            assert attrs.evolve(streamed, ttft=None, tpot=None) == whole
+
+
+@pytest.mark.real_engine
+async def test_a_streamed_tool_call_equals_the_whole_one(vllm: VLLMServer) -> None:
+    """vLLM's tool-call deltas (hermes parser, a named `tool_choice`, greedy) assemble into
+    the tool call its whole reply carries: same name, same arguments, the rest of the reply
+    equal but for the call's id (vLLM draws one per request) and the spacing of the
+    arguments' text (vLLM streams the model's text, `{"colour":"green"}`, but re-encodes a
+    whole reply's with `json.dumps`, `{"colour": "green"}`)."""
+    tools = [{"type": "function", "function": {
+        "name": "pick", "description": "Pick a colour.",
+        "parameters": {"type": "object", "required": ["colour"], "properties": {
+            "colour": {"type": "string", "enum": ["red", "green", "blue"]}}},
+    }}]  # fmt: skip
+    extra = {
+        "tool_choice": {"type": "function", "function": {"name": "pick"}},
+        "logit_bias": _whitespace_ids(vllm.model),
+    }
+    greedy = tt.Sampling(max_tokens=64, temperature=0, extra=extra)
+    messages = [{"role": "user", "content": "Pick a colour."}]
+    async with tt.OpenAIClient(vllm.url, max_retries=0) as client:
+        with trio.fail_after(120):
+            whole = await client.chat(messages, model=SERVED_NAME, sampling=greedy, tools=tools)
+            streamed = await client.chat(
+                messages, model=SERVED_NAME, sampling=attrs.evolve(greedy, stream=True),
+                tools=tools,
+            )  # fmt: skip
+    [call] = whole.tool_calls
+    [got] = streamed.tool_calls
+    assert (got.name, got.arguments) == (call.name, call.arguments)
+    assert got.arguments["colour"] in ("red", "green", "blue")
+
+    def plain(completion: tt.Completion) -> tt.Completion:
+        """Without the calls' ids, their arguments' text re-encoded as vLLM does."""
+        message = dict(completion.message)
+        message["tool_calls"] = [
+            {**c, "id": "", "function": {**c["function"],
+                                         "arguments": json.dumps(json.loads(c["function"]["arguments"]))}}
+            for c in message["tool_calls"]
+        ]  # fmt: skip
+        calls = [attrs.evolve(c, id="", raw_arguments=json.dumps(c.arguments))
+                 for c in completion.tool_calls]  # fmt: skip
+        return attrs.evolve(completion, message=message, tool_calls=calls, ttft=None, tpot=None)
+
+    assert plain(streamed) == plain(whole)

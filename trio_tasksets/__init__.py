@@ -91,6 +91,7 @@ from ._models import (
     Sampling,
     Tokens,
     ToolCall,
+    VersionSpan,
     api_key_from_env,
 )
 from ._models.pool import sticky
@@ -167,6 +168,7 @@ __all__ = [
     "ToolCall",
     "ToolEnv",
     "TrioTasksetsError",
+    "VersionSpan",
     "Window",
     "__version__",
     "aio",

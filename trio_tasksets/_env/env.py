@@ -218,7 +218,9 @@ class Episode:
     and `waited_rate`: the seconds its model calls waited for a connection slot and for the
     rpm/tpm limiters (`trio_tasksets._core.limits.EndpointLimits`; 0.0 without limits; rows written
     before these existed lack them), and `working`: the duration less every wait of the
-    runner's own (`limits.parked`: limiters, rests before a retry, retry backoff).
+    runner's own (`limits.parked`: limiters, rests before a retry, retry backoff); with
+    streamed replies (``Sampling(stream=True)``), `ttft` and `tpot`: the mean seconds to
+    their first token and per output token after it (`stream_timing`).
 
     Of the attempt the row reports (the last): `turns` counts its model replies, `tool_calls`
     the tool calls those replies asked for, and `stop_reason` names the limit that ended its
@@ -254,10 +256,13 @@ class Episode:
     policy_version: int | None = None  # the `tt.Staleness` version when the slot started
     stale: bool = False  # finished more than `max_lag` versions behind (withheld)
     worker: str | None = None  # the worker that ran it (`--via`: its consumer name); row: if set
+    # Its streamed replies' times: [replies, sum of ttft, replies with a tpot, sum of tpot].
+    _streams: list[float] | None = attrs.field(default=None, init=False, eq=False, repr=False)
 
     def count(self, completion: Completion) -> None:
         """Add one model reply's token usage, keep its finish reason, and its token ids and
-        logprobs when the server returned them (one `tokens` entry per model call)."""
+        logprobs when the server returned them (one `tokens` entry per model call), and the
+        times of a streamed one (`stream_timing`)."""
         usage = self.usage
         for name, value in completion.usage.items():
             usage[name] = usage.get(name, 0) + value
@@ -265,6 +270,27 @@ class Episode:
             self.finish_reason = completion.finish_reason
         if completion.tokens is not None:
             self.tokens.append(completion.tokens.to_dict())
+        if completion.ttft is not None:
+            streams = self._streams
+            if streams is None:
+                streams = self._streams = [0, 0.0, 0, 0.0]
+            streams[0] += 1
+            streams[1] += completion.ttft
+            if completion.tpot is not None:
+                streams[2] += 1
+                streams[3] += completion.tpot
+
+    def stream_timing(self) -> dict[str, float]:
+        """The `timing` entries of its streamed replies: ``ttft``, the mean seconds to first
+        token, and ``tpot``, the mean seconds per output token after the first (of the
+        replies of two tokens or more); {} when no reply was streamed."""
+        streams = self._streams
+        if streams is None:
+            return {}
+        timing = {"ttft": streams[1] / streams[0]}
+        if streams[2]:
+            timing["tpot"] = streams[3] / streams[2]
+        return timing
 
     def to_row(self) -> dict[str, Any]:
         """The trace row: the episode's fields under the same names, JSON-ready."""
@@ -732,6 +758,8 @@ class Env(Generic[TaskT]):
             "waited_rate": waits.rate,
         }
         episode.timing["working"] = episode.timing["duration"] - waits.parked_so_far()
+        if episode._streams is not None:
+            episode.timing.update(episode.stream_timing())
         if live is not None:
             episode.stale = live.stale  # withheld: finished more than max_lag behind
         return await complete_slot(slot, episode, on_complete)

@@ -4,7 +4,8 @@
 `EndpointCalls`, the retry, limits and outcome loop of every HTTP client).
 
 Rooms: `base` (the shared types and errors), `calls` (the loop), `echo`, `openai`, `pool`
-(many endpoints behind one client), `engine` (an engine's own `/metrics`).
+(many endpoints behind one client), `engine` (an engine's own `/metrics`), `stream`
+(a streamed reply assembled as it arrives, and what a caller keeps of a cut one).
 
 A client for another provider is one module here: its request, headers and reply, on
 `EndpointCalls`, and its `describe` (docs/models.md, "A client for another provider").
@@ -24,6 +25,7 @@ from .base import (
     Sampling,
     Tokens,
     ToolCall,
+    VersionSpan,
     api_key_from_env,
     describe,
     observe_completions,
@@ -50,6 +52,7 @@ __all__ = [
     "Sampling",
     "Tokens",
     "ToolCall",
+    "VersionSpan",
     "api_key_from_env",
     "describe",
     "observe_completions",

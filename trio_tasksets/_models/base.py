@@ -30,7 +30,7 @@ import attrs
 import trio
 
 from .._core.exceptions import ConfigError, ConfigTypeError, TrioTasksetsError
-from .._core.limits import EndpointLimits, report_progress
+from .._core.limits import EndpointLimits, report_progress, report_stream
 from .._core.window import Window
 
 # duplicates: _models and the flat API re-list these names; each __all__ is its module's own
@@ -49,6 +49,7 @@ __all__ = [
     "Sampling",
     "Tokens",
     "ToolCall",
+    "VersionSpan",
     "api_key_from_env",
     "body_text",
     "describe",
@@ -78,7 +79,7 @@ def _is_bool(instance: object, attribute: attrs.Attribute[Any], value: object) -
 @attrs.frozen
 class Sampling:
     """Sampling settings for a chat request; ``None`` means "use the server's default". A
-    `return_tokens` that is not a bool raises a `ConfigTypeError` naming it."""
+    `return_tokens` or `stream` that is not a bool raises a `ConfigTypeError` naming it."""
 
     temperature: float | None = None
     max_tokens: int | None = None
@@ -88,6 +89,9 @@ class Sampling:
     # Ask for token ids and logprobs (vLLM's `return_token_ids` and `logprobs`), for a
     # trainer: each reply's `Completion.tokens`, and the rows' `tokens`.
     return_tokens: bool = attrs.field(default=False, validator=_is_bool)
+    # Ask for the reply as server-sent events (`stream: true`), read as it arrives: the
+    # reply's time to first token (`Completion.ttft`), tokens arriving count as progress.
+    stream: bool = attrs.field(default=False, validator=_is_bool)
 
     def named_settings(self) -> dict[str, Any]:
         """The named settings that are set (``temperature``, ``max_tokens``, ``top_p``,
@@ -102,12 +106,17 @@ class Sampling:
 
     def to_request(self) -> dict[str, Any]:
         """Return the OpenAI request fields that are set: ``None`` fields are omitted,
-        ``return_tokens`` adds ``return_token_ids: true`` and ``logprobs: true``, and
-        ``extra`` is merged last (so it may override the named fields)."""
+        ``return_tokens`` adds ``return_token_ids: true`` and ``logprobs: true``, ``stream``
+        adds ``stream: true`` and ``stream_options: {"include_usage": true}`` (the usage
+        in the last event), and ``extra`` is merged last (so it may override the named
+        fields)."""
         request = self.named_settings()
         if self.return_tokens:
             request["return_token_ids"] = True
             request["logprobs"] = True
+        if self.stream:
+            request["stream"] = True
+            request["stream_options"] = {"include_usage": True}
         request.update(self.extra)
         return request
 
@@ -282,6 +291,62 @@ def parse_tool_calls(message: dict[str, Any]) -> list[ToolCall]:
     return calls
 
 
+def _span_version(instance: object, attribute: attrs.Attribute[Any], value: object) -> None:
+    if not isinstance(value, str):
+        raise ConfigTypeError(
+            f"VersionSpan.{{version}} must be a str, got {value!r}", parameter="version"
+        )
+
+
+def _span_bound(instance: object, attribute: attrs.Attribute[Any], value: object) -> None:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise ConfigTypeError(
+            f"VersionSpan.{{{attribute.name}}} must be an int, got {value!r}",
+            parameter=attribute.name,
+        )
+    if value < 0:
+        raise ConfigError(
+            f"VersionSpan.{{{attribute.name}}} must be >= 0, got {value}",
+            parameter=attribute.name,
+        )
+
+
+@attrs.frozen
+class VersionSpan:
+    """Which policy version made which output tokens of one model call: the tokens
+    ``[start, end)`` (0-based positions in the reply's output tokens) were made by
+    `version` (`tt.Policy` versions are strings: ``Policy(0).version == "0"``). A
+    `Completion`'s spans are in order and do not overlap.
+
+    A `version` that is not a str, or a `start`/`end` that is not an int, raises
+    `ConfigTypeError` naming it; a negative one, or an `end` before `start`, a `ConfigError`
+    naming it."""
+
+    version: str = attrs.field(validator=_span_version)
+    start: int = attrs.field(validator=_span_bound)
+    end: int = attrs.field(validator=_span_bound)
+
+    def __attrs_post_init__(self) -> None:
+        if self.end < self.start:
+            raise ConfigError(
+                f"VersionSpan: {{end}} ({self.end}) is before start ({self.start}); a span "
+                f"is the tokens [start, end)",
+                parameter="end",
+            )
+
+    def __len__(self) -> int:
+        return self.end - self.start
+
+    def to_dict(self) -> dict[str, Any]:
+        """JSON-ready: ``{"version", "start", "end"}`` (a row's spans)."""
+        return {"version": self.version, "start": self.start, "end": self.end}
+
+    @classmethod
+    def from_dict(cls, value: dict[str, Any]) -> VersionSpan:
+        """The inverse of `to_dict`."""
+        return cls(value["version"], value["start"], value["end"])
+
+
 def _default_message(completion: Completion) -> dict[str, Any]:
     return {"role": "assistant", "content": completion.content}
 
@@ -305,7 +370,14 @@ class Completion:
     `tool_calls` are the `ToolCall`s parsed from ``message["tool_calls"]`` ([] when none);
     given explicitly, they are what a tool env runs. `tokens` holds the reply's token ids and
     logprobs when the server returned them (``Sampling(return_tokens=True)`` asks for them),
-    else None."""
+    else None.
+
+    `ttft` is the seconds from the request to the reply's first token, for a streamed reply
+    (``Sampling(stream=True)``), else None; `tpot` the seconds per output token after the
+    first (from the first token to the last, over the output tokens but one), for a streamed
+    reply of two tokens or more, else None. `versions` says which policy version made which
+    output tokens (`VersionSpan`s, in order), when the call ran under a `tt.Policy` or the
+    engine reported them; [] when nothing said."""
 
     content: str
     usage: dict[str, int] = attrs.field(factory=dict)
@@ -315,6 +387,9 @@ class Completion:
         default=attrs.Factory(_message_tool_calls, takes_self=True)
     )
     tokens: Tokens | None = None
+    ttft: float | None = None
+    versions: list[VersionSpan] = attrs.field(factory=list)
+    tpot: float | None = None
 
 
 @runtime_checkable
@@ -433,6 +508,8 @@ class ModelContext:
         if observer is not None:
             observer(completion)
         report_progress("model")  # for a stall timeout, and the run's count of calls
+        if completion.ttft is not None:
+            report_stream(completion.ttft, completion.tpot)
         return completion
 
     async def _chat_with_tools(

@@ -31,6 +31,7 @@ from .base import (
 from .calls import TIMEOUT, EndpointCalls, check_settings
 from .engine import EngineMetrics
 from .pool import EndpointPool, pool_limits
+from .stream import SSEReply
 
 __all__ = ["OpenAIClient"]
 
@@ -66,8 +67,19 @@ class OpenAIClient(ModelClientBase):
     - POSTs ``{"model", "messages", **sampling.to_request()}`` to
       ``{base_url}/chat/completions``, with ``Authorization: Bearer <api_key>`` when a key
       is given, plus ``headers``.
+    - The reply's message is kept as sent (``tool_calls``, reasoning and unknown fields),
+      but for the fields sent as null other than ``content`` (vLLM's ``refusal``,
+      ``audio``, ``function_call``, ...), left out as a streamed reply leaves them out.
     - A reply's token ids and logprobs, in vLLM's shape (asked for with
       ``Sampling(return_tokens=True)``), become ``Completion.tokens``.
+    - ``Sampling(stream=True)`` (or ``"stream": true`` in its ``extra``) asks for the reply
+      as server-sent events, read as they arrive (`trio_tasksets._models.stream.SSEReply`):
+      chat chunks, tool-call deltas, the usage of the last chunk, vLLM's token ids and
+      logprobs, assembled into the `Completion` the same reply sent whole parses to, with
+      its ``ttft``. An attempt is retried as below until the first byte of its body; a
+      stream that breaks off after it raises `ModelConnectionError` or `ModelTimeoutError`
+      at once, a streamed event that is not a chunk (or the server's ``{"error": ...}``)
+      `ModelResponseError`.
     - 429, 5xx, connection errors and timeouts are retried up to ``max_retries`` times
       (``max_retries + 1`` attempts in all), sleeping with full-jitter exponential backoff
       (``uniform(0, min(max_backoff, backoff * 2**retry))``) or, when the response has a
@@ -299,9 +311,13 @@ class OpenAIClient(ModelClientBase):
         reserve = payload.get("max_tokens")
         if isinstance(reserve, bool) or not isinstance(reserve, int) or reserve < 0:
             reserve = None
+        stream = self._stream if payload.get("stream") is True else None
         return await self._calls.post(
-            body, headers=self._headers, parse=self._parse, reserve_tokens=reserve
+            body, headers=self._headers, parse=self._parse, reserve_tokens=reserve, stream=stream
         )
+
+    def _stream(self) -> SSEReply:
+        return SSEReply(self.url)
 
     def _parse(self, content: bytes) -> Completion:
         try:
@@ -337,6 +353,9 @@ class OpenAIClient(ModelClientBase):
         finish_reason = choice.get("finish_reason")
         if "role" not in message:
             message["role"] = "assistant"  # so that it can be sent back as is
+        nulls = [key for key, value in message.items() if value is None and key != "content"]
+        for key in nulls:  # vLLM's `refusal`, `audio`, ...: they say nothing, a stream omits them
+            del message[key]
         return Completion(
             content=text_of(raw_content),
             usage=usage,
