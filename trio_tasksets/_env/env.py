@@ -49,6 +49,7 @@ __all__ = [
     "chat_messages",
     "current_limits",
     "note_rollout",
+    "version_range",
 ]
 
 TaskT = TypeVar("TaskT")
@@ -252,6 +253,10 @@ class Episode:
     policy_version: int | None = None  # the `tt.Staleness` version when the slot started
     stale: bool = False  # finished more than `max_lag` versions behind (withheld)
     worker: str | None = None  # the worker that ran it (`--via`: its consumer name); row: if set
+    # each model call's version spans (`Completion.versions`, as dicts); row: `versions`
+    # and `policy_versions` (oldest, newest), when a call had any
+    versions: list[list[dict[str, Any]]] = attrs.Factory(list)
+    group_versions: tuple[str, str] | None = None  # (oldest, newest) over its group's rows
 
     def count(self, completion: Completion) -> None:
         """Add one model reply's token usage, keep its finish reason, and its token ids and
@@ -263,6 +268,16 @@ class Episode:
             self.finish_reason = completion.finish_reason
         if completion.tokens is not None:
             self.tokens.append(completion.tokens.to_dict())
+        if completion.versions:
+            self.versions.append([
+                {"version": s.version, "start": s.start, "end": s.end}
+                for s in completion.versions
+            ])  # fmt: skip
+
+    @property
+    def policy_versions(self) -> tuple[str, str] | None:
+        """(oldest, newest) of the versions its model calls' tokens carry, or None."""
+        return version_range(s["version"] for spans in self.versions for s in spans)
 
     def to_row(self) -> dict[str, Any]:
         """The trace row: the episode's fields under the same names, JSON-ready."""
@@ -297,6 +312,11 @@ class Episode:
             row["stale"] = self.stale
         if self.worker is not None:
             row["worker"] = self.worker
+        if self.versions:
+            row["versions"] = self.versions
+            row["policy_versions"] = list(self.policy_versions or ())
+        if self.group_versions is not None:
+            row["group_versions"] = list(self.group_versions)
         return row
 
     @classmethod
@@ -327,6 +347,18 @@ class Episode:
             ),
             stale=bool(row.get("stale", False)),
             worker=None if row.get("worker") is None else str(row["worker"]),
+            versions=[
+                [
+                    {"version": str(s["version"]), "start": int(s["start"]), "end": int(s["end"])}
+                    for s in spans
+                ]
+                for spans in row.get("versions") or []
+            ],
+            group_versions=(
+                None
+                if not row.get("group_versions")
+                else (str(row["group_versions"][0]), str(row["group_versions"][-1]))
+            ),
         )
 
     @classmethod
@@ -372,7 +404,30 @@ class Episode:
         return cls.from_row(row)  # type: ignore[arg-type]  # not a dict: it raises
 
 
-_TRAINING_KEYS = frozenset({"tokens", "group", "advantage", "policy_version", "stale", "worker"})
+_TRAINING_KEYS = frozenset(
+    {
+        "tokens",
+        "group",
+        "advantage",
+        "policy_version",
+        "stale",
+        "worker",
+        "versions",
+        "group_versions",
+    }
+)
+
+
+def version_range(versions: Iterable[str]) -> tuple[str, str] | None:
+    """(oldest, newest) of policy `versions`: by number when every one is an integer, else
+    in the order they come (the first seen is the oldest). None for none."""
+    seen = list(dict.fromkeys(versions))
+    if not seen:
+        return None
+    if all(v.lstrip("-").isdigit() for v in seen):
+        ordered = sorted(seen, key=int)
+        return ordered[0], ordered[-1]
+    return seen[0], seen[-1]
 
 
 @attrs.define(eq=False)
@@ -695,6 +750,7 @@ class Env(Generic[TaskT]):
         episode.timing["working"] = episode.timing["duration"] - waits.parked_so_far()
         if live is not None:
             episode.stale = live.stale  # withheld: finished more than max_lag behind
+            episode.policy_version = live.version  # with a policy: its oldest token's
         return await complete_slot(slot, episode, on_complete)
 
     async def _bounded(

@@ -24,6 +24,7 @@ from .base import (
     Sampling,
     Tokens,
     ToolCall,
+    VersionSpan,
     api_key_from_env,
     describe,
     observe_completions,
@@ -31,6 +32,15 @@ from .base import (
 from .calls import EndpointCalls
 from .echo import EchoClient
 from .openai import OpenAIClient
+from .policy import (
+    EngineControl,
+    PartialReply,
+    Policy,
+    TokenContinuation,
+    VLLMControl,
+    current_partial,
+    partial_reply,
+)
 
 # duplicates: base.__all__ and the flat API list these names too; each list is its module's own
 __all__ = [
@@ -38,6 +48,7 @@ __all__ = [
     "Completion",
     "EchoClient",
     "EndpointCalls",
+    "EngineControl",
     "ModelClient",
     "ModelClientBase",
     "ModelConnectionError",
@@ -47,10 +58,17 @@ __all__ = [
     "ModelResponseError",
     "ModelTimeoutError",
     "OpenAIClient",
+    "PartialReply",
+    "Policy",
     "Sampling",
+    "TokenContinuation",
     "Tokens",
     "ToolCall",
+    "VLLMControl",
+    "VersionSpan",
     "api_key_from_env",
+    "current_partial",
     "describe",
     "observe_completions",
+    "partial_reply",
 ]
