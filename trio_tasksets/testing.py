@@ -760,14 +760,14 @@ class SimulatedEngine(ModelClientBase):
         made = 0
         ttft: float | None = None
 
-        def emit(n: int) -> None:
+        def emit(n: int, version: str) -> None:
             nonlocal made
             if n <= 0:
                 return
-            if spans and spans[-1][0] == self.version and spans[-1][2] == made:
+            if spans and spans[-1][0] == version and spans[-1][2] == made:
                 spans[-1][2] += n
             else:
-                spans.append([self.version, made, made + n])
+                spans.append([version, made, made + n])
             if builder is not None:
                 new = rest[made : made + n]
                 builder.prompt_ids = list(given)
@@ -778,7 +778,7 @@ class SimulatedEngine(ModelClientBase):
             made += n
             self.generated += n
 
-        segment = math.inf  # when the tokens being made now began (inf: none are)
+        segment, version = math.inf, self.version  # the tokens being made now: since, under
         try:
             if self.prefill_time:
                 await trio.sleep(self.prefill_time)
@@ -786,7 +786,7 @@ class SimulatedEngine(ModelClientBase):
                 if self.paused is not None:
                     await self._resumed.wait()
                     continue
-                segment = trio.current_time()
+                segment, version = trio.current_time(), self.version
                 changed = self._changed
                 left = (len(rest) - made) * self.decode_time
                 with trio.move_on_after(left):
@@ -798,7 +798,7 @@ class SimulatedEngine(ModelClientBase):
                     )
                 if ttft is None and steps:
                     ttft = segment + self.decode_time - began
-                emit(steps)
+                emit(steps, version)
                 segment = math.inf
         finally:
             if segment != math.inf and self.decode_time:  # cut mid-way: what it made
@@ -806,7 +806,8 @@ class SimulatedEngine(ModelClientBase):
                     min(
                         len(rest) - made,
                         int((trio.current_time() - segment) / self.decode_time + 1e-9),
-                    )
+                    ),
+                    version,
                 )
             self._running.discard(generation)
             if not self._running:
