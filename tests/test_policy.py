@@ -236,7 +236,8 @@ async def test_a_failed_update_resumes_the_engines_under_the_old_version(
         assert policy.updates == 0
         assert not policy.updating
         for engine in (control, other):
-            assert not engine.paused and engine.version == "0", (fail, engine.log)
+            assert not engine.paused, (fail, engine.log)
+            assert engine.version == "0", (fail, engine.log)
 
 
 async def test_an_update_cancelled_midway_leaves_no_engine_paused(

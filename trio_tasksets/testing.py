@@ -38,8 +38,15 @@ from ._core.tasksets import Task, Taskset, TasksetConfig
 from ._core.views import View
 from ._env.env import task_data, task_key
 from ._env.groups import Advantage
-from ._models import Completion, ModelClientBase, Sampling, Tokens, VersionSpan
-from ._models import current_partial as _current_partial
+from ._models import (
+    Completion,
+    ModelClientBase,
+    ReplyBuilder,
+    Sampling,
+    Tokens,
+    VersionSpan,
+    attach_reply,
+)
 from .worker import Finished, MalformedEntry, TaskEntry
 
 __all__ = [
@@ -755,7 +762,9 @@ class SimulatedEngine(ModelClientBase):
         generation = _Generation()
         self._running.add(generation)
         self._drained = trio.Event()
-        builder = _current_partial()
+        builder = ReplyBuilder(began)  # its tokens as a stream brings them
+        attach_reply(builder)
+        builder.feed({"prompt_token_ids": list(given)})
         spans: list[list[Any]] = []  # [version, start, end]
         made = 0
         ttft: float | None = None
@@ -768,13 +777,14 @@ class SimulatedEngine(ModelClientBase):
                 spans[-1][2] += n
             else:
                 spans.append([version, made, made + n])
-            if builder is not None:
-                new = rest[made : made + n]
-                builder.prompt_ids = list(given)
-                builder.completion_ids.extend(new)
-                builder.logprobs.extend(_logprob(t) for t in new)
-                builder.text += "".join(f"t{t} " for t in new)
-                builder.versions = [VersionSpan(v, s, e) for v, s, e in spans]
+            new = rest[made : made + n]
+            builder.feed({
+                "choices": [{
+                    "delta": {"content": "".join(f"t{t} " for t in new)},
+                    "token_ids": new,
+                    "logprobs": {"content": [{"logprob": _logprob(t)} for t in new]},
+                }]
+            })  # fmt: skip
             made += n
             self.generated += n
 

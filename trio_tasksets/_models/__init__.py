@@ -4,7 +4,8 @@
 `EndpointCalls`, the retry, limits and outcome loop of every HTTP client).
 
 Rooms: `base` (the shared types and errors), `calls` (the loop), `echo`, `openai`, `pool`
-(many endpoints behind one client), `engine` (an engine's own `/metrics`).
+(many endpoints behind one client), `engine` (an engine's own `/metrics`), `stream`
+(a streamed reply assembled as it arrives, and what a caller keeps of a cut one).
 
 A client for another provider is one module here: its request, headers and reply, on
 `EndpointCalls`, and its `describe` (docs/models.md, "A client for another provider").
@@ -34,13 +35,11 @@ from .echo import EchoClient
 from .openai import OpenAIClient
 from .policy import (
     EngineControl,
-    PartialReply,
     Policy,
     TokenContinuation,
     VLLMControl,
-    current_partial,
-    partial_reply,
 )
+from .stream import ReplyBuilder, attach_reply
 
 # duplicates: base.__all__ and the flat API list these names too; each list is its module's own
 __all__ = [
@@ -58,8 +57,8 @@ __all__ = [
     "ModelResponseError",
     "ModelTimeoutError",
     "OpenAIClient",
-    "PartialReply",
     "Policy",
+    "ReplyBuilder",
     "Sampling",
     "TokenContinuation",
     "Tokens",
@@ -67,8 +66,7 @@ __all__ = [
     "VLLMControl",
     "VersionSpan",
     "api_key_from_env",
-    "current_partial",
+    "attach_reply",
     "describe",
     "observe_completions",
-    "partial_reply",
 ]

@@ -174,15 +174,6 @@ class Tokens:
 
 
 @attrs.frozen
-class VersionSpan:
-    """Which policy version made the output tokens ``[start, end)`` of one model reply."""
-
-    version: str
-    start: int
-    end: int
-
-
-@attrs.frozen
 class ToolCall:
     """One tool call of a model reply, as OpenAI-compatible servers send it
     (``{"id", "type": "function", "function": {"name", "arguments"}}``).
@@ -261,6 +252,62 @@ def parse_tool_calls(message: dict[str, Any]) -> list[ToolCall]:
     return calls
 
 
+def _span_version(instance: object, attribute: attrs.Attribute[Any], value: object) -> None:
+    if not isinstance(value, str):
+        raise ConfigTypeError(
+            f"VersionSpan.{{version}} must be a str, got {value!r}", parameter="version"
+        )
+
+
+def _span_bound(instance: object, attribute: attrs.Attribute[Any], value: object) -> None:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise ConfigTypeError(
+            f"VersionSpan.{{{attribute.name}}} must be an int, got {value!r}",
+            parameter=attribute.name,
+        )
+    if value < 0:
+        raise ConfigError(
+            f"VersionSpan.{{{attribute.name}}} must be >= 0, got {value}",
+            parameter=attribute.name,
+        )
+
+
+@attrs.frozen
+class VersionSpan:
+    """Which policy version made which output tokens of one model call: the tokens
+    ``[start, end)`` (0-based positions in the reply's output tokens) were made by
+    `version` (`tt.Policy` versions are strings: ``Policy(0).version == "0"``). A
+    `Completion`'s spans are in order and do not overlap.
+
+    A `version` that is not a str, or a `start`/`end` that is not an int, raises
+    `ConfigTypeError` naming it; a negative one, or an `end` before `start`, a `ConfigError`
+    naming it."""
+
+    version: str = attrs.field(validator=_span_version)
+    start: int = attrs.field(validator=_span_bound)
+    end: int = attrs.field(validator=_span_bound)
+
+    def __attrs_post_init__(self) -> None:
+        if self.end < self.start:
+            raise ConfigError(
+                f"VersionSpan: {{end}} ({self.end}) is before start ({self.start}); a span "
+                f"is the tokens [start, end)",
+                parameter="end",
+            )
+
+    def __len__(self) -> int:
+        return self.end - self.start
+
+    def to_dict(self) -> dict[str, Any]:
+        """JSON-ready: ``{"version", "start", "end"}`` (a row's spans)."""
+        return {"version": self.version, "start": self.start, "end": self.end}
+
+    @classmethod
+    def from_dict(cls, value: dict[str, Any]) -> VersionSpan:
+        """The inverse of `to_dict`."""
+        return cls(value["version"], value["start"], value["end"])
+
+
 def _default_message(completion: Completion) -> dict[str, Any]:
     return {"role": "assistant", "content": completion.content}
 
@@ -284,7 +331,12 @@ class Completion:
     `tool_calls` are the `ToolCall`s parsed from ``message["tool_calls"]`` ([] when none);
     given explicitly, they are what a tool env runs. `tokens` holds the reply's token ids and
     logprobs when the server returned them (``Sampling(return_tokens=True)`` asks for them),
-    else None."""
+    else None.
+
+    `ttft` is the seconds from the request to the reply's first token, for a streamed reply
+    (``Sampling(stream=True)``), else None. `versions` says which policy version made which
+    output tokens (`VersionSpan`s, in order), when the call ran under a `tt.Policy` or the
+    engine reported them; [] when nothing said."""
 
     content: str
     usage: dict[str, int] = attrs.field(factory=dict)

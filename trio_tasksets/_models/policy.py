@@ -11,7 +11,7 @@ A `ModelContext(..., policy=p)` routes each call through `Policy.govern`, the ga
   behind earlier updates (a fair `trio.Lock`: in order), then by mode: ``wait`` drains the
   calls in flight, ``keep`` pauses the engines with them kept in place (their time is
   parked, told to each call's observers), ``abort`` cancels each call's scope: the call
-  keeps the tokens it had received (the reply's partial builder, `partial_reply`) and, after
+  keeps the tokens it had received (a streamed reply's: `stream.watch_reply`) and, after
   the update, continues from its prompt plus those token ids through the client's
   `TokenContinuation.complete_ids` until its own stop or length. Then `load()`, the
   engines' `set_version` and `resume`, the version changes, the stale runs of a
@@ -19,13 +19,13 @@ A `ModelContext(..., policy=p)` routes each call through `Policy.govern`, the ga
   under the old version (shielded, bounded by `RESTORE_TIMEOUT`) and is raised; so does a
   cancellation mid-update.
 - each reply carries `Completion.versions`: the engine's own spans where the client read
-  them, else the gate's (the version it was admitted under; a continued reply one span per
-  piece).
+  them, else the gate's: the version it was admitted under, split where a ``keep`` update
+  held a streamed call (at the tokens it had then), one span per piece of a continued
+  reply.
 """
 
 from __future__ import annotations
 
-import contextvars
 from collections.abc import Awaitable, Callable, Iterable, Sequence
 from typing import TYPE_CHECKING, Any, Literal, Protocol, runtime_checkable
 
@@ -46,6 +46,7 @@ from .base import (
     VersionSpan,
     excerpt,
 )
+from .stream import ReplyWatch, watch_reply
 
 if TYPE_CHECKING:
     from .base import ModelContext
@@ -54,13 +55,10 @@ __all__ = [
     "MODES",
     "RESTORE_TIMEOUT",
     "EngineControl",
-    "PartialReply",
     "Policy",
     "TokenContinuation",
     "VLLMControl",
-    "current_partial",
     "join_spans",
-    "partial_reply",
 ]
 
 MODES = ("wait", "keep", "abort")
@@ -91,46 +89,6 @@ class TokenContinuation(Protocol):
     ) -> Completion: ...
 
 
-@attrs.define(eq=False)
-class PartialReply:
-    """What a reply in progress has received so far: its prompt's token ids (when the
-    server gave them), its output token ids, their logprobs and text, and the engine's own
-    version spans. A client that streams fills the one `current_partial()` hands it, so a
-    call cut by an ``abort`` update leaves its tokens with the gate."""
-
-    prompt_ids: list[int] | None = None
-    completion_ids: list[int] = attrs.Factory(list)
-    logprobs: list[float] = attrs.Factory(list)
-    text: str = ""
-    versions: list[VersionSpan] = attrs.Factory(list)
-
-
-_partial: contextvars.ContextVar[PartialReply | None] = contextvars.ContextVar(
-    "trio_tasksets_partial_reply", default=None
-)
-
-
-def current_partial() -> PartialReply | None:
-    """The partial reply the gate handed this call, if any (a streaming client fills it)."""
-    return _partial.get()
-
-
-class partial_reply:  # lower case: it reads as a call in `with partial_reply(...)`
-    """``with partial_reply(builder):`` the model call made inside fills `builder`."""
-
-    __slots__ = ("_builder", "_token")
-
-    def __init__(self, builder: PartialReply) -> None:
-        self._builder = builder
-
-    def __enter__(self) -> PartialReply:
-        self._token = _partial.set(self._builder)
-        return self._builder
-
-    def __exit__(self, *exc_info: object) -> None:
-        _partial.reset(self._token)
-
-
 def join_spans(spans: Iterable[VersionSpan]) -> list[VersionSpan]:
     """`spans` in order with neighbours of one version joined (and empty ones dropped,
     unless all are)."""
@@ -158,7 +116,24 @@ class _Call:
     index: int
     scope: trio.CancelScope
     observers: tuple[CallObserver, ...]
+    watch: ReplyWatch | None = None
+    marks: list[tuple[int, str]] = attrs.Factory(list)  # (tokens made then, the new version)
     cut: bool = False
+
+    def spans(self, count: int) -> list[VersionSpan]:
+        """The gate's spans over `count` output tokens."""
+        spans, start, version = [], 0, self.version
+        for at, new in self.marks:
+            at = min(at, count)
+            spans.append(VersionSpan(version, start, at))
+            start, version = at, new
+        spans.append(VersionSpan(version, start, count))
+        return join_spans(spans)
+
+    def made(self) -> int | None:
+        """Output tokens a streamed call has received so far (None: not streamed)."""
+        builder = None if self.watch is None else self.watch.builder
+        return None if builder is None else len(builder.token_ids)
 
 
 def _version_text(value: object, name: str) -> str:
@@ -341,6 +316,10 @@ class Policy:
             done = True
             self._version = new
             self._updates += 1
+            for call in held:
+                made = call.made()
+                if made is not None:
+                    call.marks.append((made, new))
         finally:
             with trio.CancelScope(shield=True) as restoring:
                 restoring.deadline = trio.current_time() + RESTORE_TIMEOUT
@@ -383,18 +362,17 @@ class Policy:
 
     async def _run(
         self, send: Callable[[], Awaitable[Completion]]
-    ) -> tuple[_Call, PartialReply, Completion | None]:
-        """Admit one call and run it: (the call, what it received, its reply or None when
-        an ``abort`` update cut it)."""
+    ) -> tuple[_Call, Completion | None]:
+        """Admit one call and run it: (the call, its reply or None when an ``abort`` update
+        cut it: `call.watch` then holds what had arrived)."""
         call = await self._admit()
-        builder = PartialReply()
         completion: Completion | None = None
         try:
-            with partial_reply(builder), call.scope:
+            with watch_reply() as call.watch, call.scope:
                 completion = await send()
         finally:
             self._release(call)
-        return call, builder, completion
+        return call, completion
 
     async def govern(
         self, ctx: ModelContext, send: Callable[[], Awaitable[Completion]], sampling: Sampling
@@ -403,10 +381,10 @@ class Policy:
         while an update is pending, stamp the reply's versions, and continue it when an
         ``abort`` update cuts it. Raises what `send` raises."""
         while True:
-            call, builder, completion = await self._run(send)
+            call, completion = await self._run(send)
             if completion is not None and completion.finish_reason != "abort":
                 return _stamped(completion, call)
-            piece = _Piece.of(builder, completion, call)
+            piece = _Piece.of(completion, call)
             client: Any = ctx.client
             if piece.prompt_ids is None or not isinstance(client, TokenContinuation):
                 self.restarted += 1  # nothing to continue from: start over
@@ -433,9 +411,9 @@ class Policy:
             async def send(ids: list[int] = ids, s: Sampling = more_sampling) -> Completion:
                 return await client.complete_ids(ids, model=model, sampling=s)
 
-            call, builder, completion = await self._run(send)
+            call, completion = await self._run(send)
             if completion is None or completion.finish_reason == "abort":
-                piece = _Piece.of(builder, completion, call)
+                piece = _Piece.of(completion, call)
                 self.cut += 1
                 self.kept_tokens += len(piece.ids)
                 pieces.append(piece)
@@ -459,8 +437,7 @@ def _stamped(completion: Completion, call: _Call) -> Completion:
     one span of the version the call was admitted under."""
     if completion.versions:
         return completion
-    span = VersionSpan(call.version, 0, _output_count(completion))
-    return attrs.evolve(completion, versions=[span])
+    return attrs.evolve(completion, versions=call.spans(_output_count(completion)))
 
 
 @attrs.frozen
@@ -475,18 +452,12 @@ class _Piece:
     ttft: float | None = None
 
     @classmethod
-    def of(cls, builder: PartialReply, completion: Completion | None, call: _Call) -> _Piece:
-        """A cut run: what its builder received, or the reply an engine ended (``abort``)."""
-        if completion is not None and completion.tokens is not None:
-            return cls.of_reply(completion, call)
-        spans = builder.versions or [VersionSpan(call.version, 0, len(builder.completion_ids))]
-        return cls(
-            builder.prompt_ids,
-            list(builder.completion_ids),
-            list(builder.logprobs),
-            builder.text,
-            spans,
-        )
+    def of(cls, completion: Completion | None, call: _Call) -> _Piece:
+        """A cut run: what its stream had brought, or the reply an engine ended
+        (``finish_reason`` ``"abort"``)."""
+        if completion is None:
+            completion = Completion("") if call.watch is None else call.watch.partial()
+        return cls.of_reply(completion, call)
 
     @classmethod
     def of_reply(cls, completion: Completion, call: _Call) -> _Piece:
