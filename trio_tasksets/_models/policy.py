@@ -10,8 +10,10 @@ A `ModelContext(..., policy=p)` routes each call through `Policy.govern`, the ga
 - `update(version, mode=...)` makes new calls park from the moment it is called, queues
   behind earlier updates (a fair `trio.Lock`: in order), then by mode: ``wait`` drains the
   calls in flight, ``keep`` pauses the engines with them kept in place (their time is
-  parked, told to each call's observers), ``abort`` cancels each call's scope: the call
-  keeps the tokens it had received (a streamed reply's: `stream.watch_reply`) and, after
+  parked, told to each call's observers), ``abort`` has the engines end their requests
+  (each reply comes back with the tokens made, ``finish_reason`` ``"abort"``) and cuts the
+  calls still in flight through their cancel scopes (each keeping what its stream had
+  brought, `stream.watch_reply`; without engines, at once); each cut call, after
   the update, continues from its prompt plus those token ids through the client's
   `TokenContinuation.complete_ids` until its own stop or length. Then `load()`, the
   engines' `set_version` and `resume`, the version changes, the stale runs of a
@@ -52,6 +54,7 @@ if TYPE_CHECKING:
     from .base import ModelContext
 
 __all__ = [
+    "ABORT_GRACE",
     "MODES",
     "RESTORE_TIMEOUT",
     "EngineControl",
@@ -64,6 +67,10 @@ __all__ = [
 MODES = ("wait", "keep", "abort")
 RESTORE_TIMEOUT = 30.0
 """Seconds a failed or cancelled update spends, shielded, putting the engines back."""
+ABORT_GRACE = 5.0
+"""Seconds an ``abort`` update waits, once its engines have ended their requests (vLLM's
+``/pause?mode=abort``: each reply comes back with ``finish_reason`` ``"abort"`` and the
+tokens made), for those replies, before it cuts the calls still in flight itself."""
 
 
 @runtime_checkable
@@ -296,13 +303,17 @@ class Policy:
             if mode == "wait":
                 while self._calls:
                     await self._idle.wait()
-            elif mode == "abort":
-                for call in list(self._calls):
-                    call.cut = True
-                    call.scope.cancel()
             for engine in self.engines:
                 paused.append(engine)  # before the await: a pause cut short is undone too
                 await engine.pause(mode)
+            if mode == "abort":
+                if self.engines:  # they end their requests: the replies bring their tokens
+                    with trio.move_on_after(ABORT_GRACE):
+                        while self._calls:
+                            await self._idle.wait()
+                for call in list(self._calls):  # the rest: cut here, keeping what streamed
+                    call.cut = True
+                    call.scope.cancel()
             if mode == "keep":
                 held, held_at = list(self._calls), trio.current_time()
                 for call in held:
