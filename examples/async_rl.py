@@ -84,7 +84,9 @@ async def async_rl(
     policy = tt.Policy(0, engines=engines or [])
     staleness = tt.Staleness(MAX_LAG, policy=policy)
     env = tt.Env(tt.testing.FeedTaskset())
-    ctx = tt.ModelContext(client, model, tt.Sampling(max_tokens=256), policy=policy)
+    ctx = tt.ModelContext(
+        client, model, tt.Sampling(max_tokens=256, return_tokens=True), policy=policy
+    )
     window = tt.Window(WINDOW)
     run = Run(mode)
     began = trio.current_time()
@@ -133,8 +135,9 @@ async def _demo(args: argparse.Namespace) -> None:
         print(
             f"{mode:>5}: {run.steps} steps in {run.seconds:.1f} s, {run.tokens} tokens trained "
             f"on ({run.tokens / run.seconds:.0f}/s), policy now v{run.policy['version']}, "
-            f"{run.policy['cut']} calls cut and continued, {run.policy['discarded_tokens']} "
-            f"tokens thrown away, {run.stale} stale rollouts; rows' policy versions: "
+            f"{run.policy['cut']} calls cut and continued, {run.policy['restarted']} started "
+            f"over ({run.policy['discarded_tokens']} tokens thrown away), {run.stale} stale "
+            f"rollouts; rows' policy versions: "
             f"{sorted(run.versions_seen())}"
         )
 

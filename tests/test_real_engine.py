@@ -310,6 +310,15 @@ async def test_an_update_while_32_rollouts_run_loses_no_token(
         assert policy.cut > 0  # vLLM ended them, their tokens came back, they went on
         spans = {tuple(s.version for s in reply.versions) for reply in replies}
         assert ("0", "1") in spans
+        # greedy, weights unchanged: each cut-and-continued reply is the uncut one
+        async with tt.OpenAIClient(vllm.url, max_retries=0) as client:
+            for reply in replies[:8]:
+                assert reply.tokens is not None
+                again = await client.complete_ids(
+                    reply.tokens.prompt_ids, model=SERVED_NAME, sampling=LONG
+                )
+                assert again.tokens is not None
+                assert again.tokens.completion_ids == reply.tokens.completion_ids
 
 
 @pytest.mark.real_engine

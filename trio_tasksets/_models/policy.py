@@ -399,7 +399,8 @@ class Policy:
             client: Any = ctx.client
             if piece.prompt_ids is None or not isinstance(client, TokenContinuation):
                 self.restarted += 1  # nothing to continue from: start over
-                self.discarded_tokens += len(piece.ids)
+                made = 0 if completion is None else _output_count(completion)
+                self.discarded_tokens += max(len(piece.ids), made)
                 continue
             self.cut += 1
             return await self._continue(client, ctx.model, sampling, piece)
