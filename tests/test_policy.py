@@ -9,6 +9,7 @@ from __future__ import annotations
 import random
 from typing import Any
 
+import attrs
 import pytest
 import trio
 import trio.lowlevel
@@ -362,3 +363,35 @@ async def test_a_call_without_token_ids_starts_over_and_says_so(
     assert policy.restarted == 1
     assert policy.cut == 0
     assert [s.version for s in got[0].versions] == ["1"]
+
+
+class Unversioned(SimulatedEngine):
+    """An engine that streams its tokens but reports no versions of its own."""
+
+    async def chat(self, messages: list[dict[str, Any]], **kwargs: Any) -> tt.Completion:
+        reply = await super().chat(messages, **kwargs)
+        return attrs.evolve(reply, versions=[])
+
+
+async def test_the_gate_splits_a_held_streamed_call_where_it_was_held(
+    autojump_clock: MockClock,
+) -> None:
+    engine = Unversioned(decode_time=0.01, mean_tokens=300, sigma=0.01, seed=6)
+    policy = tt.Policy(0, engines=[engine])
+    ctx = context(engine, policy)
+    got: list[tt.Completion] = []
+
+    async def call() -> None:
+        got.append(await ctx.chat(PROMPT))
+
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(call)
+        await trio.sleep(1.0)
+        await policy.update(1, mode="keep")
+    (reply,) = got
+    assert reply.tokens is not None
+    total = len(reply.tokens.completion_ids)
+    assert [(s.version, s.start, s.end) for s in reply.versions] == [
+        ("0", 0, 100),
+        ("1", 100, total),
+    ]
