@@ -129,6 +129,8 @@ class _Call:
 
     def spans(self, count: int) -> list[VersionSpan]:
         """The gate's spans over `count` output tokens."""
+        if not self.marks:  # (every call but those a keep update held)
+            return [VersionSpan(self.version, 0, count)]
         spans, start, version = [], 0, self.version
         for at, new in self.marks:
             at = min(at, count)
@@ -202,8 +204,7 @@ class Policy:
         self._open.set()
         self._lock = trio.Lock()  # fair: updates go in the order they were called
         self._calls: set[_Call] = set()
-        self._idle = trio.Event()
-        self._idle.set()
+        self._drained: trio.Event | None = None  # set when the last call in flight ends
         self._listeners: list[Callable[[], object]] = []
         self.parked = 0
         self.cut = 0
@@ -301,16 +302,14 @@ class Policy:
         failed: list[BaseException] = []
         try:
             if mode == "wait":
-                while self._calls:
-                    await self._idle.wait()
+                await self._drain()
             for engine in self.engines:
                 paused.append(engine)  # before the await: a pause cut short is undone too
                 await engine.pause(mode)
             if mode == "abort":
                 if self.engines:  # they end their requests: the replies bring their tokens
                     with trio.move_on_after(ABORT_GRACE):
-                        while self._calls:
-                            await self._idle.wait()
+                        await self._drain()
                 for call in list(self._calls):  # the rest: cut here, keeping what streamed
                     call.cut = True
                     call.scope.cancel()
@@ -351,15 +350,15 @@ class Policy:
 
     # --- the gate --------------------------------------------------------------------------
 
-    async def _admit(self) -> _Call:
-        if self._pending:
-            self.parked += 1
-            with parked("policy"):
-                while self._pending:
-                    await self._open.wait()
+    async def _park(self) -> None:
+        """Wait, as a `"policy"` wait, until no update is pending."""
+        self.parked += 1
+        with parked("policy"):
+            while self._pending:
+                await self._open.wait()
+
+    def _enter(self) -> _Call:
         call = _Call(self._version, self._updates, trio.CancelScope(), current_observers())
-        if not self._calls:
-            self._idle = trio.Event()
         self._calls.add(call)
         live = current_run()
         if live is not None:
@@ -368,15 +367,24 @@ class Policy:
 
     def _release(self, call: _Call) -> None:
         self._calls.discard(call)
-        if not self._calls:
-            self._idle.set()
+        if not self._calls and self._drained is not None:
+            self._drained.set()
+
+    async def _drain(self) -> None:
+        """Return once no call is in flight."""
+        while self._calls:
+            self._drained = trio.Event()
+            await self._drained.wait()
+        self._drained = None
 
     async def _run(
         self, send: Callable[[], Awaitable[Completion]]
     ) -> tuple[_Call, Completion | None]:
         """Admit one call and run it: (the call, its reply or None when an ``abort`` update
         cut it: `call.watch` then holds what had arrived)."""
-        call = await self._admit()
+        if self._pending:
+            await self._park()
+        call = self._enter()
         completion: Completion | None = None
         try:
             with watch_reply() as call.watch, call.scope:
@@ -392,7 +400,15 @@ class Policy:
         while an update is pending, stamp the reply's versions, and continue it when an
         ``abort`` update cuts it. Raises what `send` raises."""
         while True:
-            call, completion = await self._run(send)
+            if self._pending:  # (inline: every governed call runs this)
+                await self._park()
+            call = self._enter()
+            completion: Completion | None = None
+            try:
+                with watch_reply() as call.watch, call.scope:
+                    completion = await send()
+            finally:
+                self._release(call)
             if completion is not None and completion.finish_reason != "abort":
                 return _stamped(completion, call)
             piece = _Piece.of(completion, call)
@@ -449,7 +465,11 @@ def _stamped(completion: Completion, call: _Call) -> Completion:
     one span of the version the call was admitted under."""
     if completion.versions:
         return completion
-    return attrs.evolve(completion, versions=call.spans(_output_count(completion)))
+    c = completion  # a copy with its spans (as attrs.evolve, without its generic cost)
+    return Completion(
+        c.content, c.usage, c.finish_reason, c.message, c.tool_calls, c.tokens, c.ttft,
+        call.spans(_output_count(c)),
+    )  # fmt: skip
 
 
 @attrs.frozen
