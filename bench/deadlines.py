@@ -55,12 +55,12 @@ class _Before(EndpointCalls):
     """`EndpointCalls` before deadlines travelled: every attempt with its own timeouts."""
 
     async def _post(
-        self, body: bytes, headers: Mapping[str, str]
+        self, body: bytes, headers: Mapping[str, str], on_body: Any = None
     ) -> tuple[int, bytes, float | None, bool]:
         t = self.timeout
         response = await self.http.request(
             "POST", self.url, headers=headers, body=body,
-            timeouts=Timeouts(connect=t, read=t, write=t),
+            timeouts=Timeouts(connect=t, read=t, write=t), on_body=on_body,
         )  # fmt: skip
         return response.status, response.body, response.retry_after, False  # not a rate 429
 

@@ -106,6 +106,12 @@ def add_model_options(parser: argparse.ArgumentParser) -> argparse._ArgumentGrou
         help="ask the server for token ids and logprobs (vLLM's return_token_ids and "
         "logprobs); rows keep them per model call under `tokens`",
     )  # fmt: skip
+    model.add_argument(
+        "--stream-replies", action="store_true",
+        help="ask for each reply as server-sent events, read as it arrives: rows, the "
+        "summary, the dashboard and --metrics-port get time to first token and per output "
+        "token, and tokens arriving count as progress for --stall-timeout",
+    )  # fmt: skip
     add_flags(model, {
         "--echo-delay S": "latency of the echo model, to watch the window work (default: 0)",
     }, type=float)  # fmt: skip
@@ -208,6 +214,7 @@ class ModelOptions:
     sampling_seed: int | None = None
     sampling_args: str | None = None
     return_tokens: bool = False
+    stream_replies: bool = False
     echo_delay: float | None = None
     max_connections: int | AdaptiveBounds | None = None
     rpm: float | None = None
@@ -233,7 +240,8 @@ def model_options(args: argparse.Namespace) -> ModelOptions:
     return ModelOptions(
         args.model, endpoints(args), args.api_key_var, args.timeout, args.temperature,
         args.max_tokens, args.top_p, args.sampling_seed, args.sampling_args,
-        args.return_tokens, args.echo_delay, args.max_connections, args.rpm, args.tpm,
+        args.return_tokens, args.stream_replies, args.echo_delay, args.max_connections,
+        args.rpm, args.tpm,
     )  # fmt: skip
 
 
@@ -306,7 +314,8 @@ def _sampling(options: ModelOptions) -> Sampling:
         raise UsageError(f"--max-tokens must be >= 1, got {max_tokens}")
     return Sampling(temperature=temperature, max_tokens=max_tokens, top_p=top_p,
                     seed=seed, extra=extra,
-                    return_tokens=options.return_tokens)  # fmt: skip
+                    return_tokens=options.return_tokens,
+                    stream=options.stream_replies)  # fmt: skip
 
 
 def api_key_var(options: ModelOptions) -> str | None:

@@ -13,7 +13,8 @@ on the hot path of a 2,000-episodes/s eval). The probe's clock is the run's
 
 `Health` is also a `limits.CallObserver`: under `observe_calls(health)` it sums the seconds
 of every wait of the runner's own (`limits.parked`: `connection`, `rpm`, `tpm`,
-`retry_after`, `backoff`, `retry`) and counts the model calls that finished.
+`retry_after`, `backoff`, `retry`), counts the model calls that finished, and keeps the
+streamed replies' times to first token and per output token (`on_stream`).
 """
 
 from __future__ import annotations
@@ -47,6 +48,12 @@ class Health(CallObserver):
         self.peak_in_flight = 0
         self.waited: dict[str, float] = {}
         self.model_calls = 0
+        self.ttfts: deque[float] = deque(maxlen=_SAMPLES)  # streamed replies' (the newest)
+        self.tpots: deque[float] = deque(maxlen=_SAMPLES)
+        self.streamed = 0  # streamed replies, all of them
+        self.ttft_sum = 0.0  # over all of them (a Prometheus summary's sum)
+        self.tpot_count = 0
+        self.tpot_sum = 0.0
 
     # --- what the eval tells it ------------------------------------------------------------
 
@@ -68,6 +75,15 @@ class Health(CallObserver):
     def on_progress(self, kind: str) -> None:
         if kind == "model":
             self.model_calls += 1
+
+    def on_stream(self, ttft: float, tpot: float | None) -> None:
+        self.streamed += 1
+        self.ttft_sum += ttft
+        self.ttfts.append(ttft)
+        if tpot is not None:
+            self.tpot_count += 1
+            self.tpot_sum += tpot
+            self.tpots.append(tpot)
 
     # --- the lag ---------------------------------------------------------------------------
 
@@ -97,10 +113,43 @@ class Health(CallObserver):
         p99 = _percentile(sorted(self.lags), 0.99) or 0.0
         return f"lag {_ms(self.lag_now())} (p99 {_ms(p99)}, max {_ms(self.lag_max)})"
 
+    def replies_text(self) -> str | None:
+        """Streamed replies for the dashboard, e.g. ``ttft p50 120 ms (p99 480 ms), tpot p50
+        21 ms``; None before the first."""
+        if not self.ttfts:
+            return None
+        ttfts = sorted(self.ttfts)
+        text = (
+            f"ttft p50 {_ms(_percentile(ttfts, 0.5) or 0.0)} "
+            f"(p99 {_ms(_percentile(ttfts, 0.99) or 0.0)})"
+        )
+        if self.tpots:
+            text += f", tpot p50 {_ms(_percentile(sorted(self.tpots), 0.5) or 0.0)}"
+        return text
+
+    def dashboard_text(self) -> str | None:
+        """The dashboard's line of health: the lag (`lag_text`) and the streamed replies'
+        times (`replies_text`), those there are."""
+        parts = [text for text in (self.lag_text(), self.replies_text()) if text is not None]
+        return ", ".join(parts) or None
+
+    def replies(self) -> dict[str, Any]:
+        """The streamed replies' times: ``ttft_s`` and ``tpot_s``, each ``p50``, ``p99``,
+        ``mean`` and ``samples`` (the newest 4,096 replies'), and ``streamed`` (every
+        streamed reply); {} when there was none."""
+        if not self.streamed:
+            return {}
+        return {
+            "streamed": self.streamed,
+            "ttft_s": _figures(self.ttfts),
+            "tpot_s": _figures(self.tpots),
+        }
+
     def snapshot(self) -> dict[str, Any]:
         """`summary.json["health"]`: ``lag_s`` (``p50``, ``p99``, ``max``, ``samples``,
-        ``probe_interval``), ``peak_in_flight``, ``waited_s`` (seconds per kind of wait) and
-        ``model_calls`` (the calls made in this process)."""
+        ``probe_interval``), ``peak_in_flight``, ``waited_s`` (seconds per kind of wait),
+        ``model_calls`` (the calls made in this process) and, when replies were streamed,
+        their times to first token and per output token (`replies`)."""
         ordered = sorted(self.lags)
         return {
             "lag_s": {
@@ -113,7 +162,18 @@ class Health(CallObserver):
             "peak_in_flight": self.peak_in_flight,
             "waited_s": dict(sorted(self.waited.items())),
             "model_calls": self.model_calls,
+            **self.replies(),
         }
+
+
+def _figures(samples: deque[float]) -> dict[str, Any]:
+    ordered = sorted(samples)
+    return {
+        "p50": _percentile(ordered, 0.5),
+        "p99": _percentile(ordered, 0.99),
+        "mean": sum(ordered) / len(ordered) if ordered else None,
+        "samples": len(ordered),
+    }
 
 
 def _percentile(ordered: list[float], q: float) -> float | None:

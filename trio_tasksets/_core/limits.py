@@ -56,6 +56,7 @@ __all__ = [
     "parked",
     "report_outcome",
     "report_progress",
+    "report_stream",
     "rest",
     "says_request_rate",
 ]
@@ -457,8 +458,13 @@ class CallObserver:
         """That wait ended after `seconds`."""
 
     def on_progress(self, kind: str) -> None:
-        """A model call (`kind` "model") or a tool call ("tool") finished
-        (`report_progress`)."""
+        """A model call (`kind` "model") or a tool call ("tool") finished, or tokens of a
+        streamed reply arrived ("tokens") (`report_progress`)."""
+
+    def on_stream(self, ttft: float, tpot: float | None) -> None:
+        """A streamed model reply finished: `ttft` seconds from its request to its first
+        token, `tpot` seconds per output token after the first (None below two tokens)
+        (`report_stream`)."""
 
 
 _NO_PACING = CallObserver.pacing
@@ -495,9 +501,17 @@ def current_observers() -> tuple[CallObserver, ...]:
 def report_progress(kind: str = "tool") -> None:
     """Tell the observers of this context that a call finished: what a `--stall-timeout`
     watches, and the run's count of model calls. `ModelContext.chat` reports each reply
-    (`kind="model"`); a tool runner calls this as each tool call returns."""
+    (`kind="model"`); a tool runner calls this as each tool call returns; a streamed reply
+    as its tokens arrive (`kind="tokens"`, at most twice a second)."""
     for observer in _observers.get():
         observer.on_progress(kind)
+
+
+def report_stream(ttft: float, tpot: float | None) -> None:
+    """Tell the observers of this context how a streamed reply went (`CallObserver.on_stream`);
+    `ModelContext.chat` reports each streamed reply."""
+    for observer in _observers.get():
+        observer.on_stream(ttft, tpot)
 
 
 def report_outcome(

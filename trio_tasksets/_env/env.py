@@ -217,7 +217,9 @@ class Episode:
     and `waited_rate`: the seconds its model calls waited for a connection slot and for the
     rpm/tpm limiters (`trio_tasksets._core.limits.EndpointLimits`; 0.0 without limits; rows written
     before these existed lack them), and `working`: the duration less every wait of the
-    runner's own (`limits.parked`: limiters, rests before a retry, retry backoff).
+    runner's own (`limits.parked`: limiters, rests before a retry, retry backoff); with
+    streamed replies (``Sampling(stream=True)``), `ttft` and `tpot`: the mean seconds to
+    their first token and per output token after it (`stream_timing`).
 
     Of the attempt the row reports (the last): `turns` counts its model replies, `tool_calls`
     the tool calls those replies asked for, and `stop_reason` names the limit that ended its
@@ -257,10 +259,13 @@ class Episode:
     # and `policy_versions` (oldest, newest), when a call had any
     versions: list[list[dict[str, Any]]] = attrs.Factory(list)
     group_versions: tuple[str, str] | None = None  # (oldest, newest) over its group's rows
+    # Its streamed replies' times: [replies, sum of ttft, replies with a tpot, sum of tpot].
+    _streams: list[float] | None = attrs.field(default=None, init=False, eq=False, repr=False)
 
     def count(self, completion: Completion) -> None:
         """Add one model reply's token usage, keep its finish reason, and its token ids and
-        logprobs when the server returned them (one `tokens` entry per model call)."""
+        logprobs when the server returned them (one `tokens` entry per model call), and the
+        times of a streamed one (`stream_timing`)."""
         usage = self.usage
         for name, value in completion.usage.items():
             usage[name] = usage.get(name, 0) + value
@@ -273,6 +278,27 @@ class Episode:
                 {"version": s.version, "start": s.start, "end": s.end}
                 for s in completion.versions
             ])  # fmt: skip
+        if completion.ttft is not None:
+            streams = self._streams
+            if streams is None:
+                streams = self._streams = [0, 0.0, 0, 0.0]
+            streams[0] += 1
+            streams[1] += completion.ttft
+            if completion.tpot is not None:
+                streams[2] += 1
+                streams[3] += completion.tpot
+
+    def stream_timing(self) -> dict[str, float]:
+        """The `timing` entries of its streamed replies: ``ttft``, the mean seconds to first
+        token, and ``tpot``, the mean seconds per output token after the first (of the
+        replies of two tokens or more); {} when no reply was streamed."""
+        streams = self._streams
+        if streams is None:
+            return {}
+        timing = {"ttft": streams[1] / streams[0]}
+        if streams[2]:
+            timing["tpot"] = streams[3] / streams[2]
+        return timing
 
     @property
     def policy_versions(self) -> tuple[str, str] | None:
@@ -748,6 +774,8 @@ class Env(Generic[TaskT]):
             "waited_rate": waits.rate,
         }
         episode.timing["working"] = episode.timing["duration"] - waits.parked_so_far()
+        if episode._streams is not None:
+            episode.timing.update(episode.stream_timing())
         if live is not None:
             episode.stale = live.stale  # withheld: finished more than max_lag behind
             episode.policy_version = live.version  # with a policy: its oldest token's

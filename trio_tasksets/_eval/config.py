@@ -436,13 +436,22 @@ def preflight(env: Env[Any], ctx: ModelContext, config: EvalConfig) -> SlotBacke
     return config.backend
 
 
+def _sampling_identity(ctx: ModelContext) -> dict[str, Any]:
+    """The sampling of a run's identity: every field but `stream`, how the replies travel
+    (a run resumed with or without it gets the same replies; and runs begun before it
+    existed resume)."""
+    sampling = attrs.asdict(ctx.sampling)
+    del sampling["stream"]
+    return sampling
+
+
 def run_identity(env: Env[Any], ctx: ModelContext, config: EvalConfig) -> dict[str, Any]:
     taskset = env.taskset
     identity: dict[str, Any] = {
         "taskset": taskset_label(taskset),
         "taskset_config": json.loads(json.dumps(attrs.asdict(taskset.config), default=str)),
         "model": ctx.model,
-        "sampling": json.loads(json.dumps(attrs.asdict(ctx.sampling), default=str)),
+        "sampling": json.loads(json.dumps(_sampling_identity(ctx), default=str)),
         "num_examples": config.num_examples,
         "rollouts_per_example": config.rollouts_per_example,
         "shuffle": config.shuffle,

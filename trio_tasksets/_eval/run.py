@@ -522,7 +522,7 @@ async def _run_eval(
     progress.carried = len(kept)
     progress.metrics = tally.named.figures  # named metrics: a line of their means and intervals
     health = Health()
-    progress.health = health.lag_text
+    progress.health = health.dashboard_text
     progress.endpoints = describe(ctx.client).endpoint_stats  # many --base-url: a row each
     named = list(describe(ctx.client).endpoints)  # many --base-url: every one
     tally.unproven = named if named and not kept else None

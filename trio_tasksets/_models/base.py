@@ -30,7 +30,7 @@ import attrs
 import trio
 
 from .._core.exceptions import ConfigError, ConfigTypeError, TrioTasksetsError
-from .._core.limits import EndpointLimits, report_progress
+from .._core.limits import EndpointLimits, report_progress, report_stream
 from .._core.window import Window
 
 # duplicates: _models and the flat API re-list these names; each __all__ is its module's own
@@ -80,7 +80,7 @@ def _is_bool(instance: object, attribute: attrs.Attribute[Any], value: object) -
 @attrs.frozen
 class Sampling:
     """Sampling settings for a chat request; ``None`` means "use the server's default". A
-    `return_tokens` that is not a bool raises a `ConfigTypeError` naming it."""
+    `return_tokens` or `stream` that is not a bool raises a `ConfigTypeError` naming it."""
 
     temperature: float | None = None
     max_tokens: int | None = None
@@ -90,6 +90,9 @@ class Sampling:
     # Ask for token ids and logprobs (vLLM's `return_token_ids` and `logprobs`), for a
     # trainer: each reply's `Completion.tokens`, and the rows' `tokens`.
     return_tokens: bool = attrs.field(default=False, validator=_is_bool)
+    # Ask for the reply as server-sent events (`stream: true`), read as it arrives: the
+    # reply's time to first token (`Completion.ttft`), tokens arriving count as progress.
+    stream: bool = attrs.field(default=False, validator=_is_bool)
 
     def named_settings(self) -> dict[str, Any]:
         """The named settings that are set (``temperature``, ``max_tokens``, ``top_p``,
@@ -104,12 +107,17 @@ class Sampling:
 
     def to_request(self) -> dict[str, Any]:
         """Return the OpenAI request fields that are set: ``None`` fields are omitted,
-        ``return_tokens`` adds ``return_token_ids: true`` and ``logprobs: true``, and
-        ``extra`` is merged last (so it may override the named fields)."""
+        ``return_tokens`` adds ``return_token_ids: true`` and ``logprobs: true``, ``stream``
+        adds ``stream: true`` and ``stream_options: {"include_usage": true}`` (the usage
+        in the last event), and ``extra`` is merged last (so it may override the named
+        fields)."""
         request = self.named_settings()
         if self.return_tokens:
             request["return_token_ids"] = True
             request["logprobs"] = True
+        if self.stream:
+            request["stream"] = True
+            request["stream_options"] = {"include_usage": True}
         request.update(self.extra)
         return request
 
@@ -334,7 +342,9 @@ class Completion:
     else None.
 
     `ttft` is the seconds from the request to the reply's first token, for a streamed reply
-    (``Sampling(stream=True)``), else None. `versions` says which policy version made which
+    (``Sampling(stream=True)``), else None; `tpot` the seconds per output token after the
+    first (from the first token to the last, over the output tokens but one), for a streamed
+    reply of two tokens or more, else None. `versions` says which policy version made which
     output tokens (`VersionSpan`s, in order), when the call ran under a `tt.Policy` or the
     engine reported them; [] when nothing said."""
 
@@ -348,6 +358,7 @@ class Completion:
     tokens: Tokens | None = None
     ttft: float | None = None
     versions: list[VersionSpan] = attrs.field(factory=list)
+    tpot: float | None = None
 
 
 @runtime_checkable
@@ -491,6 +502,8 @@ class ModelContext:
         if observer is not None:
             observer(completion)
         report_progress("model")  # for a stall timeout, and the run's count of calls
+        if completion.ttft is not None:
+            report_stream(completion.ttft, completion.tpot)
         return completion
 
     async def _send(

@@ -22,7 +22,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Hashable, Mapping
 from contextlib import AbstractAsyncContextManager, nullcontext
-from typing import Any
+from typing import Any, Protocol
 
 import orjson
 import trio
@@ -49,7 +49,22 @@ from .base import (
     plural,
 )
 
-__all__ = ["TIMEOUT", "EndpointCalls", "check_settings", "error_message"]
+__all__ = ["TIMEOUT", "EndpointCalls", "StreamedReply", "check_settings", "error_message"]
+
+Sink = Callable[[bytes], None]
+
+
+class StreamedReply(Protocol):
+    """What reads one attempt's streamed reply (`EndpointCalls.post`'s ``stream``):
+    `feed` takes the body's pieces as they arrive, `received` counts their bytes, `finish`
+    is the whole reply once the body has ended (`ModelResponseError` if it is not one)."""
+
+    received: int
+
+    def feed(self, piece: bytes) -> None: ...
+
+    def finish(self) -> Completion: ...
+
 
 TIMEOUT = 120.0
 """Seconds: a model request's default timeout, the request as a whole (each attempt's own)."""
@@ -151,10 +166,19 @@ class EndpointCalls:
         headers: Mapping[str, str],
         parse: Callable[[bytes], Completion],
         reserve_tokens: int | None = None,
+        stream: Callable[[], StreamedReply] | None = None,
     ) -> Completion:
         """POST ``body`` to the URL until a 2xx reply, which `parse` reads; ``reserve_tokens``
         (the request's ``max_tokens``, if set) is held against a tpm limit until the reply's
         usage settles it.
+
+        ``stream``: the reply is streamed. Each attempt makes its reader (``stream()``, as
+        its request goes out), the transport hands it the 2xx body as it arrives
+        (`StreamedReply.feed`) and its `StreamedReply.finish` is the reply (`parse` is not
+        used). An attempt is retried as above until its first byte of body; once bytes have
+        come, a broken connection or a timeout ends the call (`ModelConnectionError`,
+        `ModelTimeoutError` saying mid-stream), never a retry that would stream the reply
+        twice.
 
         Raises `ModelHTTPError` (a status that is not retried, or retries exhausted),
         `ModelConnectionError`, `ModelTimeoutError` (retries exhausted),
@@ -168,7 +192,7 @@ class EndpointCalls:
             outcome: Outcome | None = None  # of this attempt, for the rest before a retry
             try:
                 status, content, retry_after, completion = await self._attempt(
-                    body, headers, parse, reserve_tokens
+                    body, headers, parse, reserve_tokens, stream
                 )
             except (ResponseTooLarge, DecodingError) as exc:
                 raise ModelResponseError(f"{self.url}: {exc.reason}", url=self.url) from exc
@@ -215,6 +239,7 @@ class EndpointCalls:
         headers: Mapping[str, str],
         parse: Callable[[bytes], Completion],
         reserve: int | None,
+        stream: Callable[[], StreamedReply] | None = None,
     ) -> tuple[int, bytes, float | None, Completion | None]:
         """One POST, under the endpoint's limits if there are any: (status, body,
         Retry-After seconds, the completion of a 2xx). Its outcome is recorded."""
@@ -226,10 +251,26 @@ class EndpointCalls:
         )
         async with gate as call:
             started = trio.current_time()
+            reader = None if stream is None else stream()
             try:
-                status, content, retry_after, request_rate = await self._post(body, headers)
-            except HTTPTimeout:
+                status, content, retry_after, request_rate = await self._post(
+                    body, headers, None if reader is None else reader.feed
+                )
+            except HTTPTimeout as exc:
                 _record(call, Outcome.TIMEOUT)
+                if reader is not None and reader.received:
+                    if trio.current_time() >= trio.current_effective_deadline():
+                        await trio.lowlevel.checkpoint()  # the caller's deadline: its Cancelled
+                    raise self._mid_stream(exc, reader.received) from exc
+                raise
+            except (ResponseTooLarge, DecodingError):
+                raise
+            except HTTPError as exc:
+                if reader is not None and reader.received:
+                    raise self._mid_stream(exc, reader.received) from exc
+                raise
+            except ModelResponseError:  # the reader's: a streamed event it cannot use
+                _record(call, 200)
                 raise
             latency = trio.current_time() - started
             if status == 429:
@@ -239,15 +280,29 @@ class EndpointCalls:
                 _record(call, outcome, retry_after, latency=latency)
                 return status, content, retry_after, None
             try:
-                completion = parse(content)
+                completion = parse(content) if reader is None else reader.finish()
             except ModelResponseError:
                 _record(call, status)
                 raise
             _record(call, status, tokens=_tokens(completion.usage), latency=latency)
             return status, content, retry_after, completion
 
+    def _mid_stream(
+        self, exc: HTTPError, received: int
+    ) -> ModelTimeoutError | ModelConnectionError:
+        """The error ending a call whose reply broke off mid-stream (after `received` bytes
+        of it): not retried."""
+        where = f"mid-stream, after {received:,} bytes of the reply"
+        if isinstance(exc, HTTPTimeout):
+            return ModelTimeoutError(
+                f"request to {self.url} timed out {where} ({exc.reason})",
+                url=self.url,
+                timeout=self.timeout,
+            )
+        return ModelConnectionError(f"{self.url} broke off {where}: {exc.reason}", url=self.url)
+
     async def _post(
-        self, body: bytes, headers: Mapping[str, str]
+        self, body: bytes, headers: Mapping[str, str], on_body: Sink | None = None
     ) -> tuple[int, bytes, float | None, bool]:
         """One POST: (status, body, Retry-After seconds, whether it is a 429 whose headers
         name a spent rate budget: `says_request_rate`). Raises the transport's `HTTPError`
@@ -256,11 +311,14 @@ class EndpointCalls:
             raise RuntimeError(f"the model client of {self.url} is closed")
         timeouts, timeout = self._timeouts, self.timeout
         left = trio.current_effective_deadline() - trio.current_time()
-        if left < timeout:  # the caller's deadline comes first: no request outlives it
+        # The caller's deadline comes first: no request outlives it. A streamed one is not
+        # cut to it here: its tokens arriving may move that deadline (a stall timeout's),
+        # and the caller's own scope ends the request when the deadline passes.
+        if left < timeout and on_body is None:
             timeout = max(left, 1e-6)
             timeouts = Timeouts(connect=timeout, read=timeout, write=timeout, total=timeout)
         response = await self.http.request(
-            "POST", self.url, headers=headers, body=body, timeouts=timeouts
+            "POST", self.url, headers=headers, body=body, timeouts=timeouts, on_body=on_body
         )
         request_rate = response.status == 429 and says_request_rate(
             (name.decode("latin-1"), value.decode("latin-1")) for name, value in response.headers

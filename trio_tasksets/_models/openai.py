@@ -31,6 +31,7 @@ from .base import (
 from .calls import TIMEOUT, EndpointCalls, check_settings
 from .engine import EngineMetrics
 from .pool import EndpointPool, pool_limits
+from .stream import SSEReply
 
 __all__ = ["OpenAIClient"]
 
@@ -59,6 +60,14 @@ class OpenAIClient(ModelClientBase):
       is given, plus ``headers``.
     - A reply's token ids and logprobs, in vLLM's shape (asked for with
       ``Sampling(return_tokens=True)``), become ``Completion.tokens``.
+    - ``Sampling(stream=True)`` (or ``"stream": true`` in its ``extra``) asks for the reply
+      as server-sent events, read as they arrive (`trio_tasksets._models.stream.SSEReply`):
+      chat chunks, tool-call deltas, the usage of the last chunk, vLLM's token ids and
+      logprobs, assembled into the `Completion` the same reply sent whole parses to, with
+      its ``ttft``. An attempt is retried as below until the first byte of its body; a
+      stream that breaks off after it raises `ModelConnectionError` or `ModelTimeoutError`
+      at once, a streamed event that is not a chunk (or the server's ``{"error": ...}``)
+      `ModelResponseError`.
     - 429, 5xx, connection errors and timeouts are retried up to ``max_retries`` times
       (``max_retries + 1`` attempts in all), sleeping with full-jitter exponential backoff
       (``uniform(0, min(max_backoff, backoff * 2**retry))``) or, when the response has a
@@ -287,8 +296,9 @@ class OpenAIClient(ModelClientBase):
         reserve = payload.get("max_tokens")
         if isinstance(reserve, bool) or not isinstance(reserve, int) or reserve < 0:
             reserve = None
+        stream = self._stream if payload.get("stream") is True else None
         return await self._calls.post(
-            body, headers=self._headers, parse=self._parse, reserve_tokens=reserve
+            body, headers=self._headers, parse=self._parse, reserve_tokens=reserve, stream=stream
         )
 
     async def complete_ids(
@@ -345,6 +355,9 @@ class OpenAIClient(ModelClientBase):
                 f"{url} returned no usable completion ({exc}): {excerpt(body_text(content))}",
                 url=url,
             ) from None
+
+    def _stream(self) -> SSEReply:
+        return SSEReply(self.url)
 
     def _parse(self, content: bytes) -> Completion:
         try:

@@ -467,8 +467,8 @@ def _stamped(completion: Completion, call: _Call) -> Completion:
         return completion
     c = completion  # a copy with its spans (as attrs.evolve, without its generic cost)
     return Completion(
-        c.content, c.usage, c.finish_reason, c.message, c.tool_calls, c.tokens, c.ttft,
-        call.spans(_output_count(c)),
+        c.content, c.usage, c.finish_reason, c.message, c.tool_calls, c.tokens,
+        ttft=c.ttft, tpot=c.tpot, versions=call.spans(_output_count(c)),
     )  # fmt: skip
 
 

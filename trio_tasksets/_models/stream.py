@@ -21,10 +21,12 @@ arrived::
 from __future__ import annotations
 
 import contextvars
-from collections.abc import Iterator
+import re
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any, NoReturn, cast
 
+import orjson
 import trio
 
 from .._core.limits import report_progress
@@ -37,11 +39,23 @@ from .base import (
     text_of,
 )
 
-__all__ = ["PROGRESS_EVERY", "ReplyBuilder", "ReplyWatch", "attach_reply", "watch_reply"]
+__all__ = [
+    "MAX_EVENT",
+    "PROGRESS_EVERY",
+    "ReplyBuilder",
+    "ReplyWatch",
+    "SSEReply",
+    "attach_reply",
+    "watch_reply",
+]
 
 PROGRESS_EVERY = 0.5
 """Seconds: tokens arriving report progress (`report_progress("tokens")`, what a
 ``--stall-timeout`` watches) at most this often per reply, so a fast stream costs nothing."""
+
+MAX_EVENT = 16 * 2**20
+"""Bytes of one server-sent event, at most (a longer one is a `ModelResponseError`): what the
+reader holds of an event not yet whole (the body as a whole is bounded by the transport)."""
 
 # The message fields a stream sends in pieces, joined in order; any other string field of a
 # delta (e.g. a server's own reasoning field) is joined the same way.
@@ -66,9 +80,10 @@ class ReplyBuilder:
       ``stream_options.include_usage``).
 
     `partial` is the reply as it stands, at any moment: the content, message, tool calls
-    and token ids so far, ``finish_reason`` None (the reply did not finish), ``ttft`` as
-    measured. `finish` is the whole reply once the stream has ended; it equals the
-    `Completion` the same reply sent whole would parse to, but for ``ttft``.
+    and token ids so far, ``finish_reason`` None (the reply did not finish), ``ttft`` and
+    ``tpot`` as measured. `finish` is the whole reply once the stream has ended; it equals
+    the `Completion` the same reply sent whole would parse to, but for ``ttft`` and
+    ``tpot``.
 
     `started` is when the attempt's request went out (trio's clock); ``ttft`` is the time
     from then to the first chunk that carried a token (content, a tool call's piece, token
@@ -77,6 +92,7 @@ class ReplyBuilder:
     """
 
     __slots__ = (
+        "_chunks",
         "_logprobs",
         "_pieces",
         "_progress_at",
@@ -106,6 +122,7 @@ class ReplyBuilder:
         self._prompt_ids: list[int] | None = None
         self._logprobs: list[float] | None = None
         self._progress_at = -float("inf")
+        self._chunks = 0  # chunks that carried a token
 
     # --- feeding ---------------------------------------------------------------------------
 
@@ -131,13 +148,29 @@ class ReplyBuilder:
                 self._malformed("choices that are not a list of objects", chunk)
             token = self._choice(choices[0], chunk)
         if token:
-            now = trio.current_time()
-            if self.first_token_at is None:
-                self.first_token_at = now
-            self.last_token_at = now
-            if now - self._progress_at >= PROGRESS_EVERY:
-                self._progress_at = now
-                report_progress("tokens")
+            self._chunks += 1
+            self._tokens_came()
+
+    def add_content(self, texts: list[str]) -> None:
+        """Add the texts of plain text chunks that came together, as `feed` would add each
+        chunk ``{"choices": [{"delta": {"content": text}}]}``."""
+        pieces = self._pieces.get("content")
+        if pieces is None:
+            pieces = self._pieces["content"] = []
+        pieces.extend(texts)
+        tokens = sum(1 for text in texts if text)
+        if tokens:
+            self._chunks += tokens
+            self._tokens_came()
+
+    def _tokens_came(self) -> None:
+        now = trio.current_time()
+        if self.first_token_at is None:
+            self.first_token_at = now
+        self.last_token_at = now
+        if now - self._progress_at >= PROGRESS_EVERY:
+            self._progress_at = now
+            report_progress("tokens")
 
     def _choice(self, choice: dict[str, Any], chunk: Any) -> bool:
         """Add one chunk's choice; whether it carried a token."""
@@ -243,10 +276,14 @@ class ReplyBuilder:
 
     def message(self) -> dict[str, Any]:
         """The assistant message so far: ``role``, ``content`` (None until a piece of it
-        came), every other joined text field, and ``tool_calls`` when any came."""
+        came, or when it is empty and tool calls came), every other joined text field, and
+        ``tool_calls`` when any came."""
         message: dict[str, Any] = {"role": self.role}
         content = self._pieces.get("content")
-        message["content"] = None if content is None else "".join(content)
+        text = None if content is None else "".join(content)
+        # A reply of tool calls whose content never had a character: null, as sent whole
+        # (vLLM streams its first delta as `content: ""` whatever follows).
+        message["content"] = None if not text and self._tools else text
         for name, pieces in self._pieces.items():
             if name != "content":
                 message[name] = "".join(pieces)
@@ -277,6 +314,19 @@ class ReplyBuilder:
                 url=self.url,
             ) from None
 
+    @property
+    def tpot(self) -> float | None:
+        """Seconds per output token after the first: from the first token to the last, over
+        the reply's output tokens but one (its usage's ``completion_tokens``, else its
+        token ids, else the chunks that carried a token); None below two tokens."""
+        first, last = self.first_token_at, self.last_token_at
+        if first is None or last is None:
+            return None
+        count = self.usage.get("completion_tokens")
+        if count is None:
+            count = len(self._token_ids) if self._token_ids is not None else self._chunks
+        return (last - first) / (count - 1) if count > 1 else None
+
     def partial(self) -> Completion:
         """The reply as it stands (see the class): ``finish_reason`` None."""
         return self._completion(None)
@@ -295,6 +345,7 @@ class ReplyBuilder:
             tool_calls=parse_tool_calls(message),
             tokens=self.tokens(),
             ttft=self.ttft,
+            tpot=self.tpot,
         )
 
 
@@ -350,3 +401,239 @@ def attach_reply(builder: ReplyBuilder) -> None:
     a streaming client calls it once per attempt, before feeding the first chunk."""
     for watch in _watches.get():
         watch.attach(builder)
+
+
+_DONE = b"[DONE]"
+
+
+class SSEReply:
+    """The body of one streamed attempt, read incrementally: `feed` takes the body's pieces
+    as the transport hands them over (``HTTPClient.request(on_body=...)``), splits them into
+    server-sent events (``data:`` lines; CRLF, LF or CR line ends; comments, ``event:``,
+    ``id:`` and ``retry:`` fields skipped; the lines of one event joined by a newline) and
+    feeds each event's JSON to a `ReplyBuilder`, which the attempt hands to the watches of
+    its context (`attach_reply`) when it is made. The events of one piece are decoded in one
+    go. `finish` gives the whole reply once the body has ended.
+
+    Raises `ModelResponseError` naming the URL for an event that is not JSON, an event of
+    the server's own error (``{"error": ...}``, as vLLM sends on a failure mid-stream), an
+    event over `MAX_EVENT` bytes, or (`finish`) a body that ended before ``data: [DONE]``
+    and without a ``finish_reason``."""
+
+    __slots__ = (
+        "_between",
+        "_cr",
+        "_end",
+        "_feed",
+        "_lead",
+        "_nl",
+        "_parts",
+        "_size",
+        "_template",
+        "builder",
+        "done",
+        "received",
+    )
+
+    def __init__(self, url: str = "") -> None:
+        self.builder = ReplyBuilder(url=url)
+        self._feed: Callable[[Any], None] = self.builder.feed
+        self._parts: list[bytes] = []  # the event not yet whole
+        self._size = 0  # its bytes
+        self._nl = False  # it ends in a line end (a blank line may be split)
+        self._cr = False  # the last piece ended in a CR (a CRLF may be split)
+        self.done = False
+        self.received = 0  # bytes of the body so far
+        self._template: tuple[bytes, bytes] | None = None  # the text chunks' shape: `_learn`
+        self._lead = self._between = self._end = b""  # its bytes around and between texts
+        attach_reply(self.builder)
+
+    def feed(self, piece: bytes) -> None:
+        """Add the next piece of the body."""
+        self.received += len(piece)
+        if self._cr or b"\r" in piece:
+            piece = self._lines(piece)
+        parts = self._parts
+        if b"\n\n" not in piece and not (self._nl and piece.startswith(b"\n")):
+            if piece:  # no event ends in it
+                parts.append(piece)
+                self._size += len(piece)
+                self._nl = piece.endswith(b"\n")
+                if self._size > MAX_EVENT:
+                    self._error(f"an event over {MAX_EVENT:,} bytes")
+            return
+        buffer = b"".join(parts) + piece if parts else piece
+        parts.clear()
+        end = buffer.rfind(b"\n\n")
+        region, rest = buffer[:end], buffer[end + 2 :]
+        if rest:
+            parts.append(rest)
+        self._size, self._nl = len(rest), rest.endswith(b"\n")
+        if self._template is None or not self._bulk(region):
+            self._events(region.split(b"\n\n"))
+
+    def _events(self, events: list[bytes]) -> None:
+        """Feed the builder `events` (raw, without their blank lines), in order, each
+        decoded whole, until the stream's text chunks have a shape (`_learn`): the rest then
+        in bulk (`_bulk`) where it can, else one by one."""
+        for at, event in enumerate(events):
+            if event.startswith(b"data: ") and b"\n" not in event:
+                data = event[6:]  # the usual event: one data line
+            else:
+                found = _data_of(event)
+                if found is None:
+                    continue
+                data = found
+            if data == _DONE:
+                self.done = True
+                continue
+            template = self._template
+            if template is not None:
+                prefix, suffix = template
+                text = data[len(prefix) : len(data) - len(suffix)]
+                if (
+                    len(text) >= 2
+                    and data.startswith(prefix)
+                    and data.endswith(suffix)
+                    and (decoded := _strings([text])) is not None
+                ):
+                    self.builder.add_content(decoded)
+                    continue
+            chunk = self._decode(data)
+            if type(chunk) is dict and "error" in chunk:
+                self._error(f"an error: {excerpt(repr(chunk['error']), 400)}")
+            self._feed(chunk)
+            if template is None:
+                self._learn(data, chunk)
+                if self._template is not None and at + 2 < len(events):
+                    region = b"\n\n".join(events[at + 1 :])
+                    if not self._bulk(region):
+                        self._events(events[at + 1 :])
+                    return
+
+    def _learn(self, data: bytes, chunk: Any) -> None:
+        template = _learn(data, chunk)
+        if template is not None:
+            self._template = template
+            prefix, suffix = template
+            self._lead = b"data: " + prefix
+            self._between = suffix + b"\n\n" + self._lead
+            self._end = suffix + b"\n\n"
+
+    def _bulk(self, region: bytes) -> bool:
+        """Feed the builder the events of `region` (whole events, the blank line after the
+        last one cut off) with its runs of text chunks of the learnt shape read in bulk:
+        split where one such chunk ends and the next begins (bytes that cannot occur
+        inside a JSON string), their texts decoded in one go. False, having fed nothing,
+        when `region` has no such run or a part is not one JSON string (then each event
+        goes its own way, `_events`)."""
+        pieces = region.split(self._between)
+        if len(pieces) < 2:
+            return False
+        head, tail = pieces[0], pieces[-1]
+        cut = head.rfind(b"\n\n")  # the events before the run, then the run's first
+        early, first = (head[:cut], head[cut + 2 :]) if cut >= 0 else (b"", head)
+        if not first.startswith(self._lead):
+            return False
+        stop = tail.find(self._end)  # the run's last, then the events after it
+        suffix = self._end[:-2]
+        if stop >= 0:
+            last, later = tail[:stop], tail[stop + len(self._end) :]
+        elif tail.endswith(suffix):
+            last, later = tail[: len(tail) - len(suffix)], b""
+        else:
+            return False
+        pieces[0], pieces[-1] = first[len(self._lead) :], last
+        texts = _strings(pieces)
+        if texts is None:
+            return False
+        if early:
+            self._events(early.split(b"\n\n"))
+        self.builder.add_content(texts)
+        if later:
+            self._events(later.split(b"\n\n"))
+        return True
+
+    def _lines(self, piece: bytes) -> bytes:
+        """``piece`` with its CRLF and CR line ends as LF (a CR ending the previous piece
+        already counted as a line end)."""
+        if self._cr and piece.startswith(b"\n"):
+            piece = piece[1:]
+        self._cr = piece.endswith(b"\r")
+        return piece.replace(b"\r\n", b"\n").replace(b"\r", b"\n")
+
+    def _decode(self, data: bytes) -> Any:
+        try:
+            return orjson.loads(data)
+        except orjson.JSONDecodeError:
+            self._error(f"an event that is not JSON: {excerpt(data.decode('utf-8', 'replace'))}")
+
+    def _error(self, what: str) -> NoReturn:
+        url = self.builder.url
+        raise ModelResponseError(f"{url} streamed {what}", url=url)
+
+    def finish(self) -> Completion:
+        """The whole reply (`ReplyBuilder.finish`), once the body has ended."""
+        if b"".join(self._parts).strip():
+            self.feed(b"\n\n")  # a last event without its blank line
+        if not self.done and self.builder.finish_reason is None:
+            self._error("a reply that ended before its last event (no [DONE], no finish_reason)")
+        return self.builder.finish()
+
+
+_CONTENT_KEY = b'"content":'
+_STRING = re.compile(rb'"(?:[^"\\]|\\.)*"')
+
+
+def _learn(data: bytes, chunk: Any) -> tuple[bytes, bytes] | None:
+    """The shape of a stream's text chunks, from one of them (`data`, decoded: `chunk`):
+    (the bytes before its text's JSON string, the bytes after it), or None when `chunk` is
+    not a plain text chunk (one choice, a delta of ``content`` alone, no finish reason,
+    token ids, logprobs, usage or prompt ids). A server sends the same id, time and model
+    in every chunk of a stream, so the chunks that carry the next tokens are these bytes
+    around another string: read by that string alone (`SSEReply._events`), they cost a
+    fraction of decoding each whole."""
+    if type(chunk) is not dict or any(
+        chunk.get(key) is not None for key in ("usage", "prompt_token_ids", "error")
+    ):
+        return None
+    choices = chunk.get("choices")
+    if type(choices) is not list or len(choices) != 1 or type(choices[0]) is not dict:
+        return None
+    choice = choices[0]
+    delta = choice.get("delta")
+    if type(delta) is not dict or delta.keys() != {"content"} or type(delta["content"]) is not str:
+        return None
+    if any(choice.get(key) is not None for key in ("finish_reason", "token_ids", "logprobs")):
+        return None
+    if data.count(_CONTENT_KEY) != 1:
+        return None  # the text's key is the only "content" of the chunk, and it names it
+    at = data.index(_CONTENT_KEY)
+    if at == 0 or data[at - 1] == 92:  # a backslash: an escaped quote, not the key
+        return None
+    start = at + len(_CONTENT_KEY)
+    found = _STRING.match(data, start)
+    if found is None or orjson.loads(found.group()) != delta["content"]:
+        return None
+    return data[:start], data[found.end() :]
+
+
+def _strings(texts: list[bytes]) -> list[str] | None:
+    """The JSON strings `texts`, decoded in one go; None unless each is exactly one string
+    (then the events are decoded one by one, and a bad one is named)."""
+    try:
+        decoded = orjson.loads(b"[" + b",".join(texts) + b"]")
+    except orjson.JSONDecodeError:
+        return None
+    if len(decoded) != len(texts) or not all(type(text) is str for text in decoded):
+        return None  # each text starts with a string: as many strings, one in each
+    return cast(list[str], decoded)
+
+
+def _data_of(event: bytes) -> bytes | None:
+    """The data of one event (its ``data:`` lines joined by a newline), or None when it has
+    none (a comment, a keep-alive)."""
+    lines = [
+        line[5:].removeprefix(b" ") for line in event.split(b"\n") if line.startswith(b"data:")
+    ]
+    return b"\n".join(lines) if lines else None

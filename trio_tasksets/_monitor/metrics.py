@@ -12,7 +12,9 @@ anything but ``GET /metrics`` with 404. `prometheus_client` is the `metrics` ext
 The metric names (all prefixed ``trio_tasksets_``): ``episodes_total{outcome, error_type}``,
 ``model_calls_total``, ``tokens_total{kind}`` (``prompt``, ``completion``),
 ``waited_seconds_total{kind}``, ``in_flight``, ``peak_in_flight``, ``window_size``,
-``scheduler_lag_seconds`` (the latest probe) and ``scheduler_lag_max_seconds``; a served
+``scheduler_lag_seconds`` (the latest probe) and ``scheduler_lag_max_seconds``; with
+streamed replies ``ttft_seconds`` and ``tpot_seconds`` (summaries: quantiles 0.5 and 0.99 of
+the newest replies, count and sum of all); a served
 env adds ``served_total{outcome}`` (``served``, ``failed``, ``cancelled``, ``rejected``).
 """
 
@@ -130,6 +132,8 @@ class _Collector:
             _PREFIX + "scheduler_lag_max_seconds", "The trio scheduler's largest lag so far",
             value=health.lag_max,
         )  # fmt: skip
+        if health.streamed:
+            yield from _reply_families(health)
         found = m.endpoints() if m.endpoints is not None else None
         if found:
             yield from _endpoint_families(found)
@@ -158,6 +162,29 @@ _ENGINE_FIGURES = (
     ("kv_usage", "engine_kv_cache_usage", "The engine's KV cache usage (0 to 1), last read"),
     ("preemptions", "engine_preemptions", "The engine's preemptions so far, last read"),
 )
+
+
+def _reply_families(health: Health) -> Iterator[Any]:
+    """The streamed replies' times to first token and per output token, as summaries: the
+    count and sum of all of them, the 0.5 and 0.99 quantiles of the newest."""
+    from prometheus_client.core import Metric
+
+    figures = health.replies()
+    for name, doc, count, total in (
+        ("ttft", "Seconds from a streamed reply's request to its first token",
+         health.streamed, health.ttft_sum),
+        ("tpot", "Seconds per output token of a streamed reply, after the first",
+         health.tpot_count, health.tpot_sum),
+    ):  # fmt: skip
+        full = f"{_PREFIX}{name}_seconds"
+        family = Metric(full, doc, "summary")
+        for key, quantile in (("p50", "0.5"), ("p99", "0.99")):
+            value = figures[f"{name}_s"][key]
+            if value is not None:
+                family.add_sample(full, {"quantile": quantile}, value)
+        family.add_sample(full + "_count", {}, count)
+        family.add_sample(full + "_sum", {}, total)
+        yield family
 
 
 def _endpoint_families(found: dict[str, dict[str, Any]]) -> Iterator[Any]:

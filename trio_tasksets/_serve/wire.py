@@ -379,19 +379,21 @@ def _task_fields(data: dict[str, Any], field: str) -> None:
 
 def _parse_sampling(value: object) -> Sampling:
     field = "ctx.sampling"
-    names = {"temperature", "max_tokens", "top_p", "seed", "extra", "return_tokens"}
+    names = {"temperature", "max_tokens", "top_p", "seed", "extra", "return_tokens", "stream"}
     obj = _object(value, field, names)
     extra = obj.get("extra")
-    return_tokens = obj.get("return_tokens", False)
-    if not isinstance(return_tokens, bool):
-        raise WireError(f"{field}.return_tokens", f"expected true or false, got {return_tokens!r}")
+    flags = {name: obj.get(name, False) for name in ("return_tokens", "stream")}
+    for name, flag in flags.items():
+        if not isinstance(flag, bool):
+            raise WireError(f"{field}.{name}", f"expected true or false, got {flag!r}")
     return Sampling(
         temperature=_number(obj.get("temperature"), f"{field}.temperature", optional=True),
         max_tokens=_int(obj.get("max_tokens"), f"{field}.max_tokens", optional=True),
         top_p=_number(obj.get("top_p"), f"{field}.top_p", optional=True),
         seed=_int(obj.get("seed"), f"{field}.seed", optional=True),
         extra={} if extra is None else _object(extra, f"{field}.extra"),
-        return_tokens=return_tokens,
+        return_tokens=flags["return_tokens"],
+        stream=flags["stream"],
     )
 
 

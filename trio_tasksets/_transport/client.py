@@ -40,6 +40,7 @@ from .connection import (
     RequestHead,
     ResponseTooLargeSignal,
     SendFailed,
+    Sink,
     close_socket,
     open_socket,
     read_response,
@@ -179,16 +180,33 @@ class HTTPClient(trio.abc.AsyncResource):
         headers: Mapping[str, str] | Sequence[tuple[str, str]] | None = None,
         body: bytes = b"",
         timeouts: Timeouts | None = None,
+        on_body: Sink | None = None,
     ) -> Response:
         """Send one request and read the whole response (any status). Raises an `HTTPError`
         subclass naming ``url`` when there is no usable response, a `ConfigError` (a
         ValueError) naming ``url``, ``method`` or ``headers`` for a URL that is not absolute
-        http(s), a bad method or a bad header, ``RuntimeError`` once closed."""
+        http(s), a bad method or a bad header, ``RuntimeError`` once closed.
+
+        ``on_body``: stream the body. A 2xx response's body is then handed to ``on_body``
+        piece by piece as it arrives (server-sent events, a streamed reply) and the
+        returned `Response` has an empty body; the request asks for ``identity`` encoding
+        (an encoded streamed body raises `ProtocolError`), ``max_response_bytes`` bounds the
+        body in all, the read timeout applies between pieces, the total one to the whole.
+        What ``on_body`` raises propagates (the connection is closed). A handler's
+        (in-memory) answer comes to ``on_body`` whole."""
         if self._closed:
             raise RuntimeError(f"HTTPClient is closed; cannot request {url}")
         await trio.lowlevel.checkpoint_if_cancelled()  # not a byte out if already cancelled
+        if on_body is not None:
+            pairs = list(headers.items() if isinstance(headers, Mapping) else headers or ())
+            headers = [*pairs, ("accept-encoding", "identity")]
         if self._handler is not None:
-            return await self._answer(self._handler, method, url, headers, body, timeouts)
+            response = await self._answer(self._handler, method, url, headers, body, timeouts)
+            if on_body is not None and 200 <= response.status <= 299:
+                if response.body:
+                    on_body(response.body)
+                response = attrs.evolve(response, body=b"")
+            return response
         route = self._routes.get(url)
         if route is None:
             route = self._route(url)
@@ -202,7 +220,7 @@ class HTTPClient(trio.abc.AsyncResource):
             data = head.data + b"\r\n"
         exchange = _Exchange(self, route, url, self.timeouts if timeouts is None else timeouts)
         with exchange.scope:
-            return await exchange.run(head, data)
+            return await exchange.run(head, data, on_body)
         raise exchange.timed_out()
 
     async def _answer(
@@ -413,7 +431,7 @@ class _Exchange:
     def _writing(self) -> None:
         self._enter("write", self.limits.write)
 
-    async def run(self, head: RequestHead, data: bytes) -> Response:
+    async def run(self, head: RequestHead, data: bytes, sink: Sink | None = None) -> Response:
         client = self.client
         connection, reused = await self._connection()
         try:
@@ -439,7 +457,7 @@ class _Exchange:
         limit = client.max_response_bytes
         try:
             status, headers, body, reusable = await read_response(
-                connection, head, limit, self._reading
+                connection, head, limit, self._reading, sink
             )
         except Exception as exc:
             client._discard(connection)

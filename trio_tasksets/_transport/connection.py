@@ -32,6 +32,7 @@ __all__ = [
     "RequestHead",
     "ResponseTooLargeSignal",
     "SendFailed",
+    "Sink",
     "open_socket",
     "parse_simple_head",
     "read_response",
@@ -235,9 +236,13 @@ def _tokens(value: bytes) -> list[bytes]:
 Headers = list[tuple[bytes, bytes]]
 
 
-def parse_simple_head(head: bytes) -> tuple[int, Headers, int, bool] | None:
+def parse_simple_head(
+    head: bytes, *, chunked: bool = False
+) -> tuple[int, Headers, int, bool] | None:
     """(status, headers, content length, keep-alive) of a response head (without its blank
-    line) of the simple kind the module docstring describes; None for any other."""
+    line) of the simple kind the module docstring describes; None for any other. With
+    ``chunked`` (a streamed body: `read_response`'s ``sink``), a head with exactly
+    ``Transfer-Encoding: chunked`` and no ``Content-Length`` is simple too, its length -1."""
     lines = head.split(b"\r\n")
     match = STATUS.fullmatch(lines[0])
     if match is None:
@@ -248,6 +253,7 @@ def parse_simple_head(head: bytes) -> tuple[int, Headers, int, bool] | None:
     headers: Headers = []
     length = -1
     keep = True
+    is_chunked = False
     for line in lines[1:]:
         name, colon, value = line.partition(b":")
         if not colon or not TOKEN.fullmatch(name):
@@ -261,20 +267,39 @@ def parse_simple_head(head: bytes) -> tuple[int, Headers, int, bool] | None:
                 return None
             length = int(value)
         elif name == b"transfer-encoding":
-            return None
+            if not chunked or value.lower() != b"chunked" or is_chunked:
+                return None
+            is_chunked = True
         elif name == b"connection" and b"close" in _tokens(value):
             keep = False
         headers.append((name, value))
+    if is_chunked:
+        return (status, headers, -1, keep) if length < 0 else None
     if length < 0:
         return None
     return status, headers, length, keep
 
 
+Sink = Callable[[bytes], None]
+"""Takes a streamed body's pieces as they arrive (`read_response`'s ``sink``)."""
+
+MAX_CHUNK_LINE = 4096  # bytes of a chunk's size line (extensions included)
+HEX = re.compile(rb"[0-9A-Fa-f]{1,15}")
+
+
 async def read_response(
-    connection: Connection, head: RequestHead, limit: int, before_read: Callable[[], None]
+    connection: Connection,
+    head: RequestHead,
+    limit: int,
+    before_read: Callable[[], None],
+    sink: Sink | None = None,
 ) -> tuple[int, Headers, bytes, bool]:
     """Read the response to ``head``: (status, headers, body, whether the connection can
     carry another request). Calls ``before_read`` before each read (to arm its deadline).
+    With a ``sink``, a 2xx body is not kept but handed to ``sink`` piece by piece as it
+    arrives (its framing removed; the returned body is then ``b""``), still within
+    ``limit`` in all; an exception the sink raises ends the read (the connection is not
+    reusable). Only what one read brings is held at a time: the buffers stay bounded.
     A head is at most `MAX_HEAD` bytes (64 KiB, its blank line included) on either path. A
     complete response is returned whatever bytes follow it (those make the connection not
     reusable: it is closed, and the request is never sent again). Raises
@@ -298,12 +323,20 @@ async def read_response(
     # The head ends at the first blank line, as h11 finds it; the fast path wants CRLF CRLF.
     end = blank.start() - 1 if blank is not None and blank.group() == b"\n\r\n" else -1
     if end >= 0 and buffer[end] == 13 and head.method not in ("HEAD", "CONNECT"):
-        simple = parse_simple_head(bytes(buffer[:end]))
+        simple = parse_simple_head(bytes(buffer[:end]), chunked=sink is not None)
     if simple is None:
-        return await _read_with_h11(connection, head, limit, before_read, buffer, closed)
+        return await _read_with_h11(connection, head, limit, before_read, buffer, closed, sink)
     status, headers, length, keep = simple
     if length > limit:
         raise ResponseTooLargeSignal
+    if sink is not None and 200 <= status <= 299:
+        _check_identity(headers)
+        del buffer[: end + 4]
+        if length < 0:
+            done = await _stream_chunked(connection, buffer, limit, before_read, sink)
+        else:
+            done = await _stream_length(connection, buffer, length, before_read, sink)
+        return status, headers, b"", keep and not head.close and done
     need = end + 4 + length
     while len(buffer) < need:
         before_read()
@@ -313,6 +346,153 @@ async def read_response(
         buffer += data
     reusable = keep and not head.close and len(buffer) == need  # no bytes nobody asked for
     return status, headers, bytes(buffer[end + 4 : need]), reusable
+
+
+def _check_identity(headers: Headers) -> None:
+    """A streamed body comes as sent (the client asks for ``identity``): an encoded one is
+    refused (h11's RemoteProtocolError), not handed on undecoded."""
+    for name, value in headers:
+        if name == b"content-encoding" and value.strip().lower() not in (b"", b"identity"):
+            raise h11.RemoteProtocolError(
+                f"a streamed body came with Content-Encoding {value.decode('latin-1')!r}, "
+                "though the client asked for identity"
+            )
+
+
+async def _stream_length(
+    connection: Connection,
+    buffer: bytearray,
+    length: int,
+    before_read: Callable[[], None],
+    sink: Sink,
+) -> bool:
+    """Hand a body of ``length`` bytes to ``sink`` as it arrives, from what ``buffer`` holds
+    on; whether nothing followed it."""
+    left = length
+    data = bytes(buffer)
+    while True:
+        piece = data[:left]
+        extra = len(data) > left  # bytes after the body: the connection is not reusable
+        if piece:
+            left -= len(piece)
+            sink(piece)
+        if left <= 0:
+            return not extra
+        before_read()
+        data = await connection.receive(wait=False)
+        if not data:
+            raise EOFError("the server closed the connection mid-response")
+
+
+async def _stream_chunked(
+    connection: Connection,
+    buffer: bytearray,
+    limit: int,
+    before_read: Callable[[], None],
+    sink: Sink,
+) -> bool:
+    """Hand a chunked body (RFC 9112 7.1) to ``sink`` as it arrives, from what ``buffer``
+    holds on: what each read brings, its chunks' data joined in one call before the next
+    wait (a server streaming a token a chunk sends hundreds of small ones), the chunk
+    sizes, extensions and trailers dropped. Whether nothing followed the body. Bytes that
+    are not chunked framing raise h11's RemoteProtocolError (as the h11 path would)."""
+    pos = 0
+    total = 0
+    pending: list[bytes] = []
+    bulk = True  # whether `_whole_chunks` may find chunks in what the last read brought
+
+    def flush() -> None:
+        if pending:
+            data = pending[0] if len(pending) == 1 else b"".join(pending)
+            pending.clear()
+            sink(data)
+
+    async def more() -> None:
+        nonlocal pos, bulk
+        flush()
+        if pos:
+            del buffer[:pos]
+            pos = 0
+        before_read()
+        data = await connection.receive(wait=False)
+        if not data:
+            raise EOFError("the server closed the connection mid-response")
+        buffer.extend(data)
+        bulk = True
+
+    while True:
+        if bulk:
+            bulk = False
+            datas, used = _whole_chunks(bytes(buffer[pos:]))
+            if used:
+                total += sum(map(len, datas))
+                if total > limit:
+                    raise ResponseTooLargeSignal
+                pending.extend(datas)
+                pos += used
+                bulk = True  # the next chunk may be one it leaves to the loop below
+        while (eol := buffer.find(b"\r\n", pos)) < 0:
+            if len(buffer) - pos > MAX_CHUNK_LINE:
+                raise h11.RemoteProtocolError("a chunk size line is too long")
+            await more()
+        size_text = bytes(buffer[pos:eol]).split(b";", 1)[0].strip(b" \t")
+        if not HEX.fullmatch(size_text):
+            raise h11.RemoteProtocolError(f"bad chunk size line {bytes(buffer[pos:eol])[:40]!r}")
+        size = int(size_text, 16)
+        pos = eol + 2
+        if size == 0:  # the last chunk: trailers (dropped) up to a blank line
+            flush()
+            while True:
+                while (eol := buffer.find(b"\r\n", pos)) < 0:
+                    if len(buffer) - pos > MAX_HEAD:
+                        raise h11.RemoteProtocolError("the trailers are too long")
+                    await more()
+                if eol == pos:
+                    return eol + 2 == len(buffer)
+                pos = eol + 2
+        total += size
+        if total > limit:
+            raise ResponseTooLargeSignal
+        while size:
+            if pos >= len(buffer):
+                await more()
+            take = min(size, len(buffer) - pos)
+            pending.append(bytes(buffer[pos : pos + take]))
+            pos += take
+            size -= take
+        while len(buffer) - pos < 2:
+            await more()
+        if buffer[pos : pos + 2] != b"\r\n":
+            raise h11.RemoteProtocolError("a chunk's data is not followed by CRLF")
+        pos += 2
+
+
+_HEXDIGITS = b"0123456789abcdefABCDEF"
+
+
+def _whole_chunks(region: bytes) -> tuple[list[bytes], int]:
+    """The data of the whole chunks at the start of `region` (which starts at a chunk's
+    size line) and the bytes they take, found in bulk: split at every CRLF, the parts are
+    size, data, size, data, ... as long as no data holds a CRLF of its own, and each size
+    (hex digits alone: no extension) must match its data's length. It stops before the
+    first chunk that does not (or the last chunk, size 0), which the exact loop reads:
+    ([], 0) when that is the first."""
+    parts = region.split(b"\r\n")
+    pairs = (len(parts) - 1) // 2  # the sizes whose data's CRLF has come
+    if not pairs:
+        return [], 0
+    sizes, datas = parts[0 : 2 * pairs : 2], parts[1 : 2 * pairs : 2]
+    if not all(sizes) or b"".join(sizes).translate(None, _HEXDIGITS) or max(map(len, sizes)) > 15:
+        return [], 0  # an extension or bad bytes: the loop reads (or refuses) them
+    declared = [int(size, 16) for size in sizes]
+    lengths = list(map(len, datas))
+    whole = pairs
+    if declared != lengths:
+        whole = next(k for k, (a, b) in enumerate(zip(declared, lengths, strict=True)) if a != b)
+    if 0 in declared[:whole]:
+        whole = declared.index(0)
+    used = sum(lengths[:whole]) + sum(map(len, sizes[:whole])) + 4 * whole
+    return datas[:whole], used
 
 
 @functools.cache
@@ -330,8 +510,10 @@ async def _read_with_h11(
     before_read: Callable[[], None],
     buffer: bytearray,
     eof: bool,
+    sink: Sink | None = None,
 ) -> tuple[int, Headers, bytes, bool]:
-    """`read_response` by h11, from what is in ``buffer`` (and EOF, if ``eof``) on."""
+    """`read_response` by h11, from what is in ``buffer`` (and EOF, if ``eof``) on (a 2xx
+    body to ``sink``, if given, as `read_response` says)."""
     state = h11.Connection(h11.CLIENT, max_incomplete_event_size=MAX_HEAD)
     state.send(_announcement(head.method, head.close))
     state.send(h11.EndOfMessage())
@@ -341,6 +523,7 @@ async def _read_with_h11(
         state.receive_data(b"")
     got_bytes = bool(buffer)
     status = 0
+    streaming = False
     headers: Headers = []
     chunks: list[bytes] = []
     size = 0
@@ -365,10 +548,16 @@ async def _read_with_h11(
             size += len(event.data)
             if size > limit:
                 raise ResponseTooLargeSignal
-            chunks.append(event.data)
+            if streaming:
+                sink(bytes(event.data))  # type: ignore[misc]
+            else:
+                chunks.append(event.data)
         elif type(event) is h11.Response:
             status = event.status_code
             headers = list(event.headers)
+            streaming = sink is not None and 200 <= status <= 299
+            if streaming:
+                _check_identity(headers)
             for name, value in headers:
                 if name == b"content-length" and int(value) > limit:
                     raise ResponseTooLargeSignal

@@ -264,7 +264,7 @@ async def consume(
     )  # fmt: skip
     feed = WindowFeed(window)
     health = Health()
-    progress.health = health.lag_text
+    progress.health = health.dashboard_text
     progress.endpoints = describe(ctx.client).endpoint_stats  # many --base-url: a row each
     metrics = None
     if metrics_port is not None:
