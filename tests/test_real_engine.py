@@ -257,7 +257,7 @@ async def test_a_model_the_engine_does_not_serve_is_a_clear_404(vllm: VLLMServer
 # penalty (on the prompt's tokens and the output's alike, so a continuation sees the same)
 # makes its replies varied, which is what makes an equal continuation mean something.
 VARIED = {"ignore_eos": True, "repetition_penalty": 2.0}
-LONG = tt.Sampling(max_tokens=200, temperature=0, return_tokens=True, extra=VARIED)
+LONG = tt.Sampling(max_tokens=400, temperature=0, return_tokens=True, extra=VARIED)
 
 
 async def _rollouts(ctx: tt.ModelContext, n: int, replies: list[tt.Completion]) -> None:
@@ -271,9 +271,10 @@ async def _rollouts(ctx: tt.ModelContext, n: int, replies: list[tt.Completion]) 
 
 
 @pytest.mark.real_engine
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "streamed"])
 @pytest.mark.parametrize("mode", ["keep", "abort"])
 async def test_an_update_while_32_rollouts_run_loses_no_token(
-    vllm: VLLMServer, mode: Literal["keep", "abort"]
+    vllm: VLLMServer, mode: Literal["keep", "abort"], stream: bool
 ) -> None:
     async with (
         tt.OpenAIClient(vllm.url, max_retries=0) as client,
@@ -281,7 +282,8 @@ async def test_an_update_while_32_rollouts_run_loses_no_token(
     ):
         policy = tt.Policy("0", engines=[control])
         await control.set_version("0")
-        ctx = tt.ModelContext(client, SERVED_NAME, LONG, policy=policy)
+        sampling = attrs.evolve(LONG, stream=stream)
+        ctx = tt.ModelContext(client, SERVED_NAME, sampling, policy=policy)
         replies: list[tt.Completion] = []
         loaded: list[bool] = []
 
@@ -292,7 +294,7 @@ async def test_an_update_while_32_rollouts_run_loses_no_token(
         with trio.fail_after(240):
             async with trio.open_nursery() as nursery:
                 nursery.start_soon(_rollouts, ctx, 32, replies)
-                await trio.sleep(1.0)
+                await trio.sleep(2.0)  # (their first tokens have come)
                 await policy.update("1", mode=mode, load=load)
         assert loaded == [True]
         assert not await control.is_paused()
@@ -301,15 +303,16 @@ async def test_an_update_while_32_rollouts_run_loses_no_token(
     for reply in replies:  # every one ran to its own length: nothing generated was lost
         assert reply.finish_reason == "length"
         assert reply.tokens is not None
-        assert len(reply.tokens.completion_ids) == 200
+        assert len(reply.tokens.completion_ids) == 400
         assert reply.versions[0].start == 0
-        assert reply.versions[-1].end == 200
+        assert reply.versions[-1].end == 400
     assert policy.discarded_tokens == 0
     assert policy.restarted == 0
+    spans = {tuple(s.version for s in reply.versions) for reply in replies}
+    if mode == "abort" or stream:  # a streamed call held by keep: split where it was held
+        assert ("0", "1") in spans
     if mode == "abort":
         assert policy.cut > 0  # vLLM ended them, their tokens came back, they went on
-        spans = {tuple(s.version for s in reply.versions) for reply in replies}
-        assert ("0", "1") in spans
         # greedy, weights unchanged: each cut-and-continued reply is the uncut one
         async with tt.OpenAIClient(vllm.url, max_retries=0) as client:
             for reply in replies[:8]:
