@@ -152,12 +152,13 @@ def virtual(fn: Any, *args: Any, **kwargs: Any) -> Any:
     return trio.run(lambda: fn(*args, **kwargs), clock=trio.testing.MockClock(autojump_threshold=0))
 
 
-async def idle(steps: int, gated: bool) -> int:
+async def idle(steps: int, gated: bool) -> tuple[int, float]:
     """The asynchronous run with no update (no staleness gate either: nothing would advance
     it), its model context with a `tt.Policy` (`gated`) or without: the gate's own cost."""
     sim = engine()
     ctx = tt.ModelContext(sim, "sim", policy=tt.Policy(0, engines=[sim]) if gated else None)
     accepted = 0
+    start = trio.current_time()
 
     async def run(number: int) -> int:
         return await run_group(ctx, number)
@@ -170,7 +171,7 @@ async def idle(steps: int, gated: bool) -> int:
             step += 1
             if step == steps:
                 break
-    return accepted
+    return accepted, trio.current_time() - start
 
 
 _REPLY = orjson.dumps({
@@ -229,6 +230,10 @@ def main() -> None:
           f"(goal >= 2x: {'met' if best.rate / base >= 2 else 'NOT met'}); "
           f"tokens thrown away by abort: {lost} (goal 0)")  # fmt: skip
 
+    plain_run, gated_run = virtual(idle, steps, False), virtual(idle, steps, True)
+    same = plain_run[0] == gated_run[0] and abs(plain_run[1] - gated_run[1]) < 1e-6
+    print(f"a run with no update, with and without the gate: the same schedule (tokens, "
+          f"virtual seconds): {'yes' if same else 'NO'}")  # fmt: skip
     gated_idle: list[float] = []
     plain_idle: list[float] = []
     for _ in range(max(repeat, 1)):
