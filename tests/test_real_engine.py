@@ -251,6 +251,26 @@ async def test_a_model_the_engine_does_not_serve_is_a_clear_404(vllm: VLLMServer
     assert "nope" in str(caught.value)  # the server's own words reach the error
 
 
+@pytest.mark.real_engine
+async def test_a_streamed_reply_equals_the_whole_one_token_for_token(vllm: VLLMServer) -> None:
+    """Greedy decoding, token ids asked for: vLLM's own stream (its chunks, `token_ids` in
+    each, `prompt_token_ids` in the first, logprobs, the usage chunk) assembles into the
+    `Completion` its whole reply parses to, with a time to first token (issue 33)."""
+    greedy = tt.Sampling(temperature=0.0, max_tokens=24, return_tokens=True)
+    async with tt.OpenAIClient(vllm.url) as client:
+        for k in range(4):
+            messages = [{"role": "user", "content": f"Count to {k}."}]
+            with trio.fail_after(120):
+                whole = await client.chat(messages, model=SERVED_NAME, sampling=greedy)
+                streamed = await client.chat(
+                    messages, model=SERVED_NAME, sampling=attrs.evolve(greedy, stream=True)
+                )
+            assert streamed.ttft is not None
+            assert whole.tokens is not None
+            assert len(whole.tokens.completion_ids) == whole.usage["completion_tokens"]
+            assert attrs.evolve(streamed, ttft=None, tpot=None) == whole
+
+
 # --- tt.Policy against vLLM's own pause, resume and versions (VLLM_SERVER_DEV_MODE=1) ----------
 
 # The tiny model's random weights repeat one token under greedy decoding; a repetition

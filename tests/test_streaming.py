@@ -145,6 +145,8 @@ def replies(draw: st.DrawFn) -> dict[str, Any]:
         message["tool_calls"] = calls
     if draw(st.booleans()):
         message["reasoning_content"] = draw(_text)
+    if draw(st.booleans()):  # as vLLM sends a whole reply's message: nulls a stream omits
+        message.update(refusal=None, annotations=None, audio=None, function_call=None)
     choice: dict[str, Any] = {"index": 0, "message": message,
                               "finish_reason": draw(st.sampled_from(["stop", "length", "tool_calls"]))}  # fmt: skip
     answer: dict[str, Any] = {"id": "chatcmpl-1", "object": "chat.completion", "model": "m",

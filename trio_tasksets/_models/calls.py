@@ -13,7 +13,10 @@ the same for every provider and lives here, once:
   after a rest (`trio_tasksets._core.limits.rest`, outside the limits' gate) of the server's
   Retry-After (capped) or else the shared `Backoff`;
 - each attempt's timeout is cut to the caller's deadline, which ends the call with the
-  caller's own ``trio.Cancelled``, never a retry;
+  caller's own ``trio.Cancelled``, never a retry (a streamed attempt's is not cut: its
+  tokens may move that deadline, a stall timeout's, and the caller's scope ends it);
+- a streamed reply (``post(stream=...)``) is read as it arrives and retried only until the
+  first byte of its body;
 - the errors are the model errors (`ModelHTTPError`, `ModelConnectionError`,
   `ModelTimeoutError`, `ModelResponseError`), each naming the URL.
 """

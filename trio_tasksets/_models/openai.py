@@ -58,6 +58,9 @@ class OpenAIClient(ModelClientBase):
     - POSTs ``{"model", "messages", **sampling.to_request()}`` to
       ``{base_url}/chat/completions``, with ``Authorization: Bearer <api_key>`` when a key
       is given, plus ``headers``.
+    - The reply's message is kept as sent (``tool_calls``, reasoning and unknown fields),
+      but for the fields sent as null other than ``content`` (vLLM's ``refusal``,
+      ``audio``, ``function_call``, ...), left out as a streamed reply leaves them out.
     - A reply's token ids and logprobs, in vLLM's shape (asked for with
       ``Sampling(return_tokens=True)``), become ``Completion.tokens``.
     - ``Sampling(stream=True)`` (or ``"stream": true`` in its ``extra``) asks for the reply
@@ -393,6 +396,9 @@ class OpenAIClient(ModelClientBase):
         finish_reason = choice.get("finish_reason")
         if "role" not in message:
             message["role"] = "assistant"  # so that it can be sent back as is
+        nulls = [key for key, value in message.items() if value is None and key != "content"]
+        for key in nulls:  # vLLM's `refusal`, `audio`, ...: they say nothing, a stream omits them
+            del message[key]
         return Completion(
             content=text_of(raw_content),
             usage=usage,

@@ -1,21 +1,43 @@
 """Streamed replies: a reply read as it arrives, and what a caller keeps of a cut one.
 
-`ReplyBuilder` assembles the chunks of one streamed attempt (OpenAI ``chat.completion.chunk``
-objects, decoded) into a `Completion`: whole with `finish` once the stream has ended, or as
-it stands at any moment with `partial`. A streaming client makes one builder per attempt
-that got a 2xx answer and feeds it every chunk as it is decoded.
+`SSEReply` reads the body of one streamed attempt as the transport hands it over (server-sent
+events, split and decoded as they come) and feeds a `ReplyBuilder`, which assembles the
+chunks (OpenAI ``chat.completion.chunk`` objects, vLLM's token ids) into a `Completion`:
+whole with `ReplyBuilder.finish` once the stream has ended, or as it stands at any moment
+with `ReplyBuilder.partial`. `OpenAIClient` makes one `SSEReply` per attempt of a call with
+``Sampling(stream=True)``, as the attempt's request goes out.
 
-`watch_reply` is the seam for a caller that may cut a call (a policy update's ``abort``):
-``with watch_reply() as watch:`` around a model call, and every streamed attempt made in
-the block, by this task or by tasks it starts, hands its builder to ``watch`` before its
-first chunk. When the call's cancel scope is cancelled, the caller still holds what had
-arrived::
+`watch_reply` is the seam for a caller that may cut a call (a policy update's ``abort``)::
 
     with watch_reply() as watch:
         with trio.CancelScope() as scope:   # cancelled by an update
             completion = await ctx.chat(messages)
     if scope.cancelled_caught:
         kept = watch.partial()              # the text and token ids that had arrived
+
+Its contract:
+
+- Every streamed attempt of a model call made inside the block, by this task or by a task
+  it starts inside it (trio copies the context into a new task), attaches its builder to
+  the watch when its request goes out, before any byte of its reply: `watch.builder` is
+  the latest attempt's (a retry replaces the one before: what a failed attempt had streamed
+  is not part of the reply), `watch.attempts` counts them. A call that is not streamed
+  attaches nothing: `watch.partial()` is then ``Completion("")``. Watches nest: an outer
+  watch sees the attempts of an inner block too. Watch one call per block (a second call's
+  attempts replace the first's).
+- `watch.partial()` may be called at any moment, during the call or after it ended however
+  it ended (returned, raised, cancelled), from any task of the run: it is a snapshot, a new
+  `Completion` that later chunks do not change, of every event received whole so far (an
+  event of which only part had come is not in it): ``content``; ``message`` (role, content,
+  every other text field of the deltas, ``tool_calls`` so far, the last one's arguments
+  maybe cut short, so maybe not JSON); ``tool_calls`` parsed from it; ``tokens`` (the
+  prompt's ids when the server sent them, the reply's ids and logprobs so far, as many
+  logprobs as ids when both come) or None when the server sent none; ``usage`` ({} until
+  the last chunk); ``finish_reason`` None (even for a reply that ended: it is a partial
+  view); ``ttft``, ``tpot`` as measured so far; ``versions`` [] (a policy stamps them).
+- Nothing is lost between what the transport has read and what `partial` shows but an
+  event not yet whole: a read's events are fed before the next wait, so when a cancel
+  scope cuts the call at a checkpoint, every whole event that had arrived is in the builder.
 """
 
 from __future__ import annotations
@@ -70,7 +92,8 @@ class ReplyBuilder:
     only ``choices[0]`` is read (a chat call asks for one). What it joins:
 
     - the delta's ``content`` pieces (and every other string field of the delta, such as a
-      server's reasoning text), in order; ``role`` is set, not joined;
+      server's reasoning text), in order; ``role`` is set, not joined; a field that is
+      neither (a legacy ``function_call``, ``audio``) is not kept;
     - ``tool_calls`` deltas by their ``index``: the first piece of an index brings its ``id``,
       ``type`` and ``function.name``, every piece may bring a piece of
       ``function.arguments``;
@@ -190,11 +213,14 @@ class ReplyBuilder:
                 elif isinstance(value, str):
                     self._pieces.setdefault(name, []).append(value)
                     token = token or bool(value)
-                elif isinstance(value, list) and name == "content":
-                    self._pieces.setdefault(name, []).append(text_of(value))
-                    token = True
-                elif value is not None:
-                    self._malformed(f"a delta field {name!r} that is not text", chunk)
+                elif name == "content":
+                    if isinstance(value, list):  # content parts: their text
+                        self._pieces.setdefault(name, []).append(text_of(value))
+                        token = True
+                    elif value is not None:
+                        self._malformed("a delta content that is not text", chunk)
+                # another field that is not text (a legacy `function_call`, `audio`): not
+                # joined, and not part of the reply's message
         ids = choice.get("token_ids")
         if ids is not None:
             ids = self._ints(ids, "token_ids", chunk)
