@@ -13,6 +13,7 @@ import attrs
 import pytest
 import trio
 import trio.lowlevel
+from helpers import free_port
 from trio.testing import MockClock
 
 import trio_tasksets as tt
@@ -395,3 +396,15 @@ async def test_the_gate_splits_a_held_streamed_call_where_it_was_held(
         ("0", 0, 100),
         ("1", 100, total),
     ]
+
+
+async def test_vllm_control_says_what_a_server_without_dev_mode_lacks(chat: Any) -> None:
+    # the suite's fake OpenAI server has no /pause: the error names the fix
+    async with tt.VLLMControl(chat.url) as control:
+        assert control.root == chat.url.removesuffix("/v1")
+        with pytest.raises(tt.ModelHTTPError, match="VLLM_SERVER_DEV_MODE=1") as caught:
+            await control.pause("keep")
+    assert caught.value.status == 404
+    async with tt.VLLMControl(f"http://127.0.0.1:{free_port()}/v1", timeout=5) as closed:
+        with pytest.raises(tt.ModelConnectionError, match="cannot reach"):
+            await closed.resume()
