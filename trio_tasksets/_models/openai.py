@@ -317,7 +317,9 @@ class OpenAIClient(ModelClientBase):
             return await self.pool.run(
                 lambda client: client.complete_ids(prompt_ids, model=model, sampling=sampling)
             )
-        payload: dict[str, Any] = {"model": model, "prompt": prompt_ids}
+        # max_tokens always sent: null is "to the context's end" (as a chat call's default),
+        # where /completions would stop a continuation at its own default of 16 tokens
+        payload: dict[str, Any] = {"model": model, "prompt": prompt_ids, "max_tokens": None}
         payload.update(sampling.named_settings())
         payload["return_token_ids"] = True
         if sampling.return_tokens:
