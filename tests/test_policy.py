@@ -6,6 +6,7 @@ or cancelled update leaving the engines resumed under the old version, updates i
 
 from __future__ import annotations
 
+import json
 import random
 from typing import Any
 
@@ -408,3 +409,27 @@ async def test_vllm_control_says_what_a_server_without_dev_mode_lacks(chat: Any)
     async with tt.VLLMControl(f"http://127.0.0.1:{free_port()}/v1", timeout=5) as closed:
         with pytest.raises(tt.ModelConnectionError, match="cannot reach"):
             await closed.resume()
+
+
+async def test_complete_ids_sends_a_token_id_prompt_and_reads_the_ids_back() -> None:
+    sent: list[dict[str, Any]] = []
+
+    def answer(request: tt.Request) -> tt.Response:
+        sent.append(json.loads(request.body))
+        body = {
+            "choices": [{"text": "t7 t8 ", "token_ids": [7, 8], "finish_reason": "stop",
+                         "logprobs": {"token_logprobs": [-0.5, -0.25]}}],
+            "usage": {"prompt_tokens": 3, "completion_tokens": 2},
+        }  # fmt: skip
+        return tt.Response(200, [], json.dumps(body).encode())
+
+    http = tt.HTTPClient(handler=answer)
+    async with tt.OpenAIClient("http://engine.invalid/v1", http_client=http) as client:
+        reply = await client.complete_ids(
+            [1, 2, 3], model="m", sampling=tt.Sampling(temperature=0, return_tokens=True)
+        )
+    assert sent == [{"model": "m", "prompt": [1, 2, 3], "max_tokens": None, "temperature": 0,
+                     "return_token_ids": True, "logprobs": 0}]  # fmt: skip
+    assert reply.content == "t7 t8 "
+    assert reply.finish_reason == "stop"
+    assert reply.tokens == tt.Tokens([], [7, 8], [-0.5, -0.25])
