@@ -415,6 +415,9 @@ async def test_complete_ids_sends_a_token_id_prompt_and_reads_the_ids_back() -> 
     sent: list[dict[str, Any]] = []
 
     def answer(request: tt.Request) -> tt.Response:
+        if request.method == "GET":  # the model's context, once (vLLM's max_model_len)
+            models = {"data": [{"id": "m", "max_model_len": 512}]}
+            return tt.Response(200, [], json.dumps(models).encode())
         sent.append(json.loads(request.body))
         body = {
             "choices": [{"text": "t7 t8 ", "token_ids": [7, 8], "finish_reason": "stop",
@@ -428,8 +431,13 @@ async def test_complete_ids_sends_a_token_id_prompt_and_reads_the_ids_back() -> 
         reply = await client.complete_ids(
             [1, 2, 3], model="m", sampling=tt.Sampling(temperature=0, return_tokens=True)
         )
-    assert sent == [{"model": "m", "prompt": [1, 2, 3], "max_tokens": None, "temperature": 0,
-                     "return_token_ids": True, "logprobs": 0}]  # fmt: skip
+        await client.complete_ids([1, 2, 3, 4], model="m", sampling=tt.Sampling(max_tokens=5))
+    # no max_tokens: to the context's end (the server's default would stop at 16)
+    assert sent == [
+        {"model": "m", "prompt": [1, 2, 3], "max_tokens": 509, "temperature": 0,
+         "return_token_ids": True, "logprobs": 0},
+        {"model": "m", "prompt": [1, 2, 3, 4], "max_tokens": 5, "return_token_ids": True},
+    ]  # fmt: skip
     assert reply.content == "t7 t8 "
     assert reply.finish_reason == "stop"
     assert reply.tokens == tt.Tokens([], [7, 8], [-0.5, -0.25])

@@ -397,3 +397,35 @@ async def test_no_engine_is_left_paused_when_an_update_fails_or_is_cancelled(
         await policy.update("2", mode="wait")  # and a good one ends resumed, versioned
         assert not await control.is_paused()
         assert (await control.weight_info())["weight_version"] == "2"
+
+
+@pytest.mark.real_engine
+async def test_an_aborted_call_without_max_tokens_runs_on_to_the_context_s_end(
+    vllm: VLLMServer,
+) -> None:
+    """No `max_tokens`: the continuation runs to the model's context (vLLM's
+    `max_model_len`), as the uncut call does, not to /completions' default of 16 tokens."""
+    sampling = tt.Sampling(temperature=0, return_tokens=True, extra=VARIED)
+    messages = [{"role": "user", "content": "Sing of the sea."}]
+    async with (
+        tt.OpenAIClient(vllm.url, max_retries=0) as client,
+        tt.VLLMControl(vllm.url) as control,
+    ):
+        whole = await client.chat(messages, model=SERVED_NAME, sampling=sampling)
+        policy = tt.Policy("0", engines=[control])
+        ctx = tt.ModelContext(client, SERVED_NAME, sampling, policy=policy)
+        cut: list[tt.Completion] = []
+
+        async def call() -> None:
+            cut.append(await ctx.chat(messages))
+
+        with trio.fail_after(120):
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(call)
+                await trio.sleep(0.7)
+                await policy.update("1", mode="abort")
+    assert policy.cut == 1
+    assert whole.tokens is not None
+    assert cut[0].tokens is not None
+    assert cut[0].tokens.completion_ids == whole.tokens.completion_ids
+    assert [s.version for s in cut[0].versions] == ["0", "1"]

@@ -15,7 +15,7 @@ from .._core.exceptions import ConfigError
 from .._core.limits import EndpointLimits
 from .._core.views import View
 from .._core.window import Window
-from .._transport import HTTPClient, Timeouts
+from .._transport import HTTPClient, HTTPError, Timeouts
 from .base import (
     ClientDescription,
     Completion,
@@ -200,6 +200,7 @@ class OpenAIClient(ModelClientBase):
             backoff=backoff, max_backoff=max_backoff, limits=self.limits,
             limits_key=self.limits_key,
         )  # fmt: skip
+        self._contexts: dict[str, int | None] = {}  # a model's context, asked once
         self._completions = EndpointCalls(
             self._http, base_url.rstrip("/") + "/completions", timeout=timeout,
             max_retries=max_retries, backoff=backoff, max_backoff=max_backoff,
@@ -317,9 +318,12 @@ class OpenAIClient(ModelClientBase):
             return await self.pool.run(
                 lambda client: client.complete_ids(prompt_ids, model=model, sampling=sampling)
             )
-        # max_tokens always sent: null is "to the context's end" (as a chat call's default),
-        # where /completions would stop a continuation at its own default of 16 tokens
-        payload: dict[str, Any] = {"model": model, "prompt": prompt_ids, "max_tokens": None}
+        payload: dict[str, Any] = {"model": model, "prompt": prompt_ids}
+        if sampling.max_tokens is None:  # to the context's end, as a chat call would go
+            # (/completions' own default is 16 tokens, and vLLM reads a null as that)
+            context = await self._context_length(model)
+            if context is not None:
+                payload["max_tokens"] = max(1, context - len(prompt_ids))
         payload.update(sampling.named_settings())
         payload["return_token_ids"] = True
         if sampling.return_tokens:
@@ -329,6 +333,26 @@ class OpenAIClient(ModelClientBase):
         return await self._completions.post(
             body, headers=self._headers, parse=self._parse_text, reserve_tokens=sampling.max_tokens
         )
+
+    async def _context_length(self, model: str) -> int | None:
+        """The model's context in tokens, as the server lists it (vLLM's `max_model_len` in
+        ``GET /models``), asked once per model; None when the server does not say."""
+        if model not in self._contexts:
+            found: int | None = None
+            http = self._http
+            try:
+                if http is not None:
+                    url = self.base_url.rstrip("/") + "/models"
+                    response = await http.request("GET", url, headers=self._headers)
+                    listed = orjson.loads(response.body) if response.status == 200 else {}
+                    for entry in listed.get("data") or []:
+                        if isinstance(entry, dict) and entry.get("id") == model:
+                            value = entry.get("max_model_len")
+                            found = value if isinstance(value, int) and value > 0 else None
+            except (HTTPError, orjson.JSONDecodeError, AttributeError):
+                found = None
+            self._contexts[model] = found
+        return self._contexts[model]
 
     def _parse_text(self, content: bytes) -> Completion:
         """A ``/completions`` reply: its text, token ids and logprobs (vLLM's shape)."""
