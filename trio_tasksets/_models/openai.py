@@ -310,8 +310,10 @@ class OpenAIClient(ModelClientBase):
     ) -> Completion:
         """Continue a sequence from token ids: POST ``{"prompt": prompt_ids}`` to
         ``{base_url}/completions`` (vLLM continues a token-id prompt exactly), asking for the
-        output's token ids (and logprobs with ``return_tokens``). What a call cut by a
-        ``tt.Policy`` update (``mode="abort"``) continues through. Raises as `chat`."""
+        output's token ids (and logprobs with ``return_tokens``). Without a ``max_tokens`` it
+        runs to the model's context, as the server lists it (vLLM's ``max_model_len`` in
+        ``GET /models``, asked once per model). What a call cut by a ``tt.Policy`` update
+        (``mode="abort"``) continues through. Raises as `chat`."""
         if self._closed:
             raise RuntimeError("OpenAIClient is closed")
         if self.pool is not None:
