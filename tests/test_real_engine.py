@@ -271,6 +271,51 @@ async def test_a_streamed_reply_equals_the_whole_one_token_for_token(vllm: VLLMS
             assert attrs.evolve(streamed, ttft=None, tpot=None) == whole
 
 
+@pytest.mark.real_engine
+async def test_a_streamed_tool_call_equals_the_whole_one(vllm: VLLMServer) -> None:
+    """vLLM's tool-call deltas (hermes parser, a named `tool_choice`, greedy) assemble into
+    the tool call its whole reply carries: same name, same arguments, the rest of the reply
+    equal but for the call's id (vLLM draws one per request) and the spacing of the
+    arguments' text (vLLM streams the model's text, `{"colour":"green"}`, but re-encodes a
+    whole reply's with `json.dumps`, `{"colour": "green"}`)."""
+    tools = [{"type": "function", "function": {
+        "name": "pick", "description": "Pick a colour.",
+        "parameters": {"type": "object", "required": ["colour"], "properties": {
+            "colour": {"type": "string", "enum": ["red", "green", "blue"]}}},
+    }}]  # fmt: skip
+    extra = {
+        "tool_choice": {"type": "function", "function": {"name": "pick"}},
+        "logit_bias": _whitespace_ids(vllm.model),
+    }
+    greedy = tt.Sampling(max_tokens=64, temperature=0, extra=extra)
+    messages = [{"role": "user", "content": "Pick a colour."}]
+    async with tt.OpenAIClient(vllm.url, max_retries=0) as client:
+        with trio.fail_after(120):
+            whole = await client.chat(messages, model=SERVED_NAME, sampling=greedy, tools=tools)
+            streamed = await client.chat(
+                messages, model=SERVED_NAME, sampling=attrs.evolve(greedy, stream=True),
+                tools=tools,
+            )  # fmt: skip
+    [call] = whole.tool_calls
+    [got] = streamed.tool_calls
+    assert (got.name, got.arguments) == (call.name, call.arguments)
+    assert got.arguments["colour"] in ("red", "green", "blue")
+
+    def plain(completion: tt.Completion) -> tt.Completion:
+        """Without the calls' ids, their arguments' text re-encoded as vLLM does."""
+        message = dict(completion.message)
+        message["tool_calls"] = [
+            {**c, "id": "", "function": {**c["function"],
+                                         "arguments": json.dumps(json.loads(c["function"]["arguments"]))}}
+            for c in message["tool_calls"]
+        ]  # fmt: skip
+        calls = [attrs.evolve(c, id="", raw_arguments=json.dumps(c.arguments))
+                 for c in completion.tool_calls]  # fmt: skip
+        return attrs.evolve(completion, message=message, tool_calls=calls, ttft=None, tpot=None)
+
+    assert plain(streamed) == plain(whole)
+
+
 # --- tt.Policy against vLLM's own pause, resume and versions (VLLM_SERVER_DEV_MODE=1) ----------
 
 # The tiny model's random weights repeat one token under greedy decoding; a repetition

@@ -180,10 +180,12 @@ def streamed(draw: st.DrawFn, answer: dict[str, Any]) -> list[bytes]:
     random line ends, comments and event names between."""
     choice = answer["choices"][0]
     message = choice["message"]
-    deltas: list[dict[str, Any]] = [{"role": "assistant", "content": ""}]
+    opening = "" if message["content"] is not None else None  # as vLLM, or as OpenAI's null
+    deltas: list[dict[str, Any]] = [{"role": "assistant", "content": opening}]
     if "reasoning_content" in message:
         deltas += [{"reasoning_content": p} for p in _split(draw, message["reasoning_content"])]
-    deltas += [{"content": p} for p in _split(draw, message["content"] or "")]
+    if message["content"] is not None:
+        deltas += [{"content": p} for p in _split(draw, message["content"])]
     for index, call in enumerate(message.get("tool_calls", [])):
         function = call["function"]
         deltas.append({"tool_calls": [{"index": index, "id": call["id"], "type": "function",

@@ -302,14 +302,12 @@ class ReplyBuilder:
 
     def message(self) -> dict[str, Any]:
         """The assistant message so far: ``role``, ``content`` (None until a piece of it
-        came, or when it is empty and tool calls came), every other joined text field, and
-        ``tool_calls`` when any came."""
+        came: a server that sends a whole reply's content as null streams it as null, as
+        OpenAI does with tool calls; one that streams ``""`` sends ``""``, as vLLM does),
+        every other joined text field, and ``tool_calls`` when any came."""
         message: dict[str, Any] = {"role": self.role}
         content = self._pieces.get("content")
-        text = None if content is None else "".join(content)
-        # A reply of tool calls whose content never had a character: null, as sent whole
-        # (vLLM streams its first delta as `content: ""` whatever follows).
-        message["content"] = None if not text and self._tools else text
+        message["content"] = None if content is None else "".join(content)
         for name, pieces in self._pieces.items():
             if name != "content":
                 message[name] = "".join(pieces)
