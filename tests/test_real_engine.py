@@ -14,6 +14,7 @@ The other tests here run in the normal suite: they parse a scrape of that real s
 from __future__ import annotations
 
 import json
+import random
 import sys
 from collections.abc import Iterable, Iterator
 from pathlib import Path
@@ -100,8 +101,14 @@ def vllm(
     if why is not None:
         pytest.skip(why)
     log = tmp_path_factory.mktemp("vllm") / "vllm.log"
-    with VLLMServer(venv, log=log, startup_timeout=600, extra=TOOL_CALLING) as server:
-        yield server
+    # dev mode: /pause, /resume, /update_weight_version for the policy tests (tt.VLLMControl)
+    patch = pytest.MonkeyPatch()
+    patch.setenv("VLLM_SERVER_DEV_MODE", "1")
+    try:
+        with VLLMServer(venv, log=log, startup_timeout=600, extra=TOOL_CALLING) as server:
+            yield server
+    finally:
+        patch.undo()
 
 
 # vLLM's hermes parser turns a `<tool_call>{"name": ..., "arguments": ...}</tool_call>` reply
@@ -307,3 +314,163 @@ async def test_a_streamed_tool_call_equals_the_whole_one(vllm: VLLMServer) -> No
         return attrs.evolve(completion, message=message, tool_calls=calls, ttft=None, tpot=None)
 
     assert plain(streamed) == plain(whole)
+
+
+# --- tt.Policy against vLLM's own pause, resume and versions (VLLM_SERVER_DEV_MODE=1) ----------
+
+# The tiny model's random weights repeat one token under greedy decoding; a repetition
+# penalty (on the prompt's tokens and the output's alike, so a continuation sees the same)
+# makes its replies varied, which is what makes an equal continuation mean something.
+VARIED = {"ignore_eos": True, "repetition_penalty": 2.0}
+LONG = tt.Sampling(max_tokens=400, temperature=0, return_tokens=True, extra=VARIED)
+
+
+async def _rollouts(ctx: tt.ModelContext, n: int, replies: list[tt.Completion]) -> None:
+    async def one(index: int) -> None:
+        messages = [{"role": "user", "content": f"Tell story number {index} of the sea."}]
+        replies.append(await ctx.chat(messages))
+
+    async with trio.open_nursery() as nursery:
+        for index in range(n):
+            nursery.start_soon(one, index)
+
+
+@pytest.mark.real_engine
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "streamed"])
+@pytest.mark.parametrize("mode", ["keep", "abort"])
+async def test_an_update_while_32_rollouts_run_loses_no_token(
+    vllm: VLLMServer, mode: Literal["keep", "abort"], stream: bool
+) -> None:
+    async with (
+        tt.OpenAIClient(vllm.url, max_retries=0) as client,
+        tt.VLLMControl(vllm.url) as control,
+    ):
+        policy = tt.Policy("0", engines=[control])
+        await control.set_version("0")
+        sampling = attrs.evolve(LONG, stream=stream)
+        ctx = tt.ModelContext(client, SERVED_NAME, sampling, policy=policy)
+        replies: list[tt.Completion] = []
+        loaded: list[bool] = []
+
+        async def load() -> None:
+            loaded.append(await control.is_paused())  # the engine is paused while it loads
+            await trio.sleep(0.5)
+
+        with trio.fail_after(240):
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(_rollouts, ctx, 32, replies)
+                await trio.sleep(2.0)  # (their first tokens have come)
+                await policy.update("1", mode=mode, load=load)
+        assert loaded == [True]
+        assert not await control.is_paused()
+        assert (await control.weight_info())["weight_version"] == "1"
+    assert len(replies) == 32
+    for reply in replies:  # every one ran to its own length: nothing generated was lost
+        assert reply.finish_reason == "length"
+        assert reply.tokens is not None
+        assert len(reply.tokens.completion_ids) == 400
+        assert reply.versions[0].start == 0
+        assert reply.versions[-1].end == 400
+    assert policy.discarded_tokens == 0
+    assert policy.restarted == 0
+    spans = {tuple(s.version for s in reply.versions) for reply in replies}
+    if mode == "abort" or stream:  # a streamed call held by keep: split where it was held
+        assert ("0", "1") in spans
+    if mode == "abort":
+        assert policy.cut > 0  # vLLM ended them, their tokens came back, they went on
+        # greedy, weights unchanged: each cut-and-continued reply is the uncut one
+        async with tt.OpenAIClient(vllm.url, max_retries=0) as client:
+            for reply in replies[:8]:
+                assert reply.tokens is not None
+                again = await client.complete_ids(
+                    reply.tokens.prompt_ids, model=SERVED_NAME, sampling=LONG
+                )
+                assert again.tokens is not None
+                assert again.tokens.completion_ids == reply.tokens.completion_ids
+
+
+@pytest.mark.real_engine
+async def test_a_greedy_cut_and_continue_equals_the_uncut_ids(vllm: VLLMServer) -> None:
+    sampling = tt.Sampling(max_tokens=120, temperature=0, return_tokens=True, extra=VARIED)
+    async with tt.OpenAIClient(vllm.url, max_retries=0) as client:
+        whole = await client.chat(
+            [{"role": "user", "content": "Name every river you know, slowly."}],
+            model=SERVED_NAME,
+            sampling=sampling,
+        )
+        assert whole.tokens is not None
+        prompt, uncut = whole.tokens.prompt_ids, whole.tokens.completion_ids
+        assert len(uncut) == 120
+        assert len(set(uncut)) > 60  # varied (see VARIED)
+        cuts = random.Random(33).sample(range(1, 120), 20)
+        for cut in cuts:
+            rest = await client.complete_ids(
+                prompt + uncut[:cut],
+                model=SERVED_NAME,
+                sampling=attrs.evolve(sampling, max_tokens=120 - cut),
+            )
+            assert rest.tokens is not None
+            assert uncut[:cut] + rest.tokens.completion_ids == uncut, cut
+
+
+@pytest.mark.real_engine
+async def test_no_engine_is_left_paused_when_an_update_fails_or_is_cancelled(
+    vllm: VLLMServer,
+) -> None:
+    async with tt.VLLMControl(vllm.url) as control:
+        await control.set_version("0")
+        policy = tt.Policy("0", engines=[control])
+
+        async def failing() -> None:
+            assert await control.is_paused()
+            raise RuntimeError("the weight push failed")
+
+        with pytest.raises(RuntimeError, match="weight push failed"):
+            await policy.update("1", mode="keep", load=failing)
+        assert not await control.is_paused()
+        assert (await control.weight_info())["weight_version"] == "0"
+        assert policy.version == "0"
+
+        async def forever() -> None:
+            await trio.sleep_forever()
+
+        with trio.move_on_after(2.0):
+            await policy.update("1", mode="abort", load=forever)
+        assert not await control.is_paused()
+        assert (await control.weight_info())["weight_version"] == "0"
+
+        await policy.update("2", mode="wait")  # and a good one ends resumed, versioned
+        assert not await control.is_paused()
+        assert (await control.weight_info())["weight_version"] == "2"
+
+
+@pytest.mark.real_engine
+async def test_an_aborted_call_without_max_tokens_runs_on_to_the_context_s_end(
+    vllm: VLLMServer,
+) -> None:
+    """No `max_tokens`: the continuation runs to the model's context (vLLM's
+    `max_model_len`), as the uncut call does, not to /completions' default of 16 tokens."""
+    sampling = tt.Sampling(temperature=0, return_tokens=True, extra=VARIED)
+    messages = [{"role": "user", "content": "Sing of the sea."}]
+    async with (
+        tt.OpenAIClient(vllm.url, max_retries=0) as client,
+        tt.VLLMControl(vllm.url) as control,
+    ):
+        whole = await client.chat(messages, model=SERVED_NAME, sampling=sampling)
+        policy = tt.Policy("0", engines=[control])
+        ctx = tt.ModelContext(client, SERVED_NAME, sampling, policy=policy)
+        cut: list[tt.Completion] = []
+
+        async def call() -> None:
+            cut.append(await ctx.chat(messages))
+
+        with trio.fail_after(120):
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(call)
+                await trio.sleep(0.7)
+                await policy.update("1", mode="abort")
+    assert policy.cut == 1
+    assert whole.tokens is not None
+    assert cut[0].tokens is not None
+    assert cut[0].tokens.completion_ids == whole.tokens.completion_ids
+    assert [s.version for s in cut[0].versions] == ["0", "1"]

@@ -11,7 +11,8 @@ another provider `ModelClientBase`, `ClientDescription`, `EndpointCalls`), agent
 `EndpointLimits`, `RateLimiter`; for a model client of your own `report_outcome`, `rest`,
 `observe_calls`; for a tool runner `parked`, `report_progress`; `sticky` to keep calls on one
 endpoint), groups for training (`Group`, `group_feed`, `run_group`, `group_advantages`,
-`GroupFailedError`, `first`, `Staleness`, `batches`), the served path (`EnvClient`, `EnvServerError`, `spawn_server`) and the
+`GroupFailedError`, `first`, `Staleness`, `batches`; policy updates while rollouts run:
+`Policy`, `EngineControl`, `VLLMControl`, `VersionSpan`), the served path (`EnvClient`, `EnvServerError`, `spawn_server`) and the
 eval (`EvalConfig`, `run_eval`, `EvalResult`, `report`, `rescore`; where its slots run:
 `SlotBackend`, `InProcess`, `ServedBackend`, and `trio_tasksets.redis.ViaBackend`). Every
 exception the library defines is a `TrioTasksetsError` (the tree: `trio_tasksets._core.exceptions`).
@@ -79,6 +80,7 @@ from ._models import (
     Completion,
     EchoClient,
     EndpointCalls,
+    EngineControl,
     ModelClient,
     ModelClientBase,
     ModelConnectionError,
@@ -88,10 +90,12 @@ from ._models import (
     ModelResponseError,
     ModelTimeoutError,
     OpenAIClient,
+    Policy,
     Sampling,
     Tokens,
     ToolCall,
     VersionSpan,
+    VLLMControl,
     api_key_from_env,
 )
 from ._models.pool import sticky
@@ -119,6 +123,7 @@ __all__ = [
     "EmptyEvalError",
     "EndpointCalls",
     "EndpointLimits",
+    "EngineControl",
     "Env",
     "EnvClient",
     "EnvServerError",
@@ -146,6 +151,7 @@ __all__ = [
     "ModelResponseError",
     "ModelTimeoutError",
     "OpenAIClient",
+    "Policy",
     "RateLimiter",
     "Request",
     "Response",
@@ -168,6 +174,7 @@ __all__ = [
     "ToolCall",
     "ToolEnv",
     "TrioTasksetsError",
+    "VLLMControl",
     "VersionSpan",
     "Window",
     "__version__",

@@ -23,6 +23,8 @@ import copy
 import inspect
 import json
 import math
+import random
+import zlib
 from collections import deque
 from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable, Sequence
 from contextlib import asynccontextmanager
@@ -36,10 +38,20 @@ from ._core.tasksets import Task, Taskset, TasksetConfig
 from ._core.views import View
 from ._env.env import task_data, task_key
 from ._env.groups import Advantage
-from ._models import Completion, ModelClientBase, Sampling
+from ._models import (
+    Completion,
+    ModelClientBase,
+    ReplyBuilder,
+    Sampling,
+    Tokens,
+    VersionSpan,
+    attach_reply,
+)
 from .worker import Finished, MalformedEntry, TaskEntry
 
 __all__ = [
+    "ASSISTANT",
+    "EOS",
     "Feed",
     "FeedTaskset",
     "Gate",
@@ -47,6 +59,7 @@ __all__ = [
     "ScriptExhausted",
     "ScriptedCall",
     "ScriptedClient",
+    "SimulatedEngine",
     "reply",
 ]
 
@@ -530,3 +543,300 @@ class MemoryTaskQueue:
     async def close(self) -> None:
         await trio.lowlevel.checkpoint()
         self.closed = True
+
+
+# --- a simulated inference engine ------------------------------------------------------------
+
+ASSISTANT = 1
+"""The simulated engine's token that opens the assistant's turn: the last token of a prompt."""
+EOS = 2
+"""The simulated engine's end-of-sequence token (a reply that ends on it stops)."""
+
+
+def _word_id(word: str, vocab: int) -> int:
+    return zlib.crc32(word.encode()) % (vocab - 3) + 3
+
+
+@attrs.define(eq=False)
+class _Generation:
+    aborted: bool = False
+
+
+class SimulatedEngine(ModelClientBase):
+    """An inference engine in memory, on trio's clock (a `MockClock` runs it in
+    milliseconds): a model client (`chat`, and `complete_ids`, a token-id prompt continued)
+    and an engine a `tt.Policy` updates (`pause`, `resume`, `set_version`: a
+    `tt.EngineControl`).
+
+    - A prompt is its messages' words as token ids, then `ASSISTANT`. The reply is a
+      function of the prompt alone: its length is drawn from a lognormal of mean
+      `mean_tokens` and shape `sigma` (seeded by `seed` and the prompt; at most
+      `longest`), each token a function of the prompt, its position and the token before,
+      the last one `EOS` (``finish_reason`` ``"stop"``; ``"length"`` when the request's
+      ``max_tokens`` comes first). So a reply cut anywhere and continued from the prompt
+      plus its tokens (`complete_ids`) equals the uncut one, token for token.
+    - Time: `prefill_time` before the first token, then `decode_time` per token, for each
+      of up to `max_running` requests at once (the rest queue; None: no bound).
+    - `pause("keep")` freezes the requests in place until `resume()`; `pause("abort")` ends
+      them (their replies end with ``finish_reason`` ``"abort"`` and the tokens made);
+      `pause("wait")` returns once none is running. New requests wait while paused.
+    - Each reply carries the engine's own `versions` (the version set by `set_version` when
+      each token was made), its token ids and logprobs (`tokens`), and `ttft`; as tokens are
+      made they go to the partial reply a `tt.Policy` hands the call, as a streamed reply's
+      would, so a call cut by an ``abort`` update keeps them.
+    - Figures: `requests`, `generated` (tokens made), `aborted` (requests ended by a pause).
+
+    A bad setting raises a `ConfigError` naming it."""
+
+    def __init__(
+        self,
+        *,
+        decode_time: float = 0.01,
+        prefill_time: float = 0.0,
+        mean_tokens: float = 256.0,
+        sigma: float = 1.0,
+        longest: int = 8192,
+        max_running: int | None = None,
+        vocab: int = 32000,
+        seed: int = 0,
+        version: str | int = 0,
+    ) -> None:
+        for name, value in (("decode_time", decode_time), ("prefill_time", prefill_time),
+                            ("sigma", sigma)):  # fmt: skip
+            if isinstance(value, bool) or not isinstance(value, int | float) or value < 0:
+                raise ConfigError(
+                    f"{{{name}}} must be a number >= 0, got {value!r}", parameter=name
+                )
+        if (
+            isinstance(mean_tokens, bool)
+            or not isinstance(mean_tokens, int | float)
+            or not mean_tokens >= 1
+        ):
+            raise ConfigError(
+                f"{{mean_tokens}} must be a number >= 1, got {mean_tokens!r}",
+                parameter="mean_tokens",
+            )
+        for name, count in (("longest", longest), ("vocab", vocab)):
+            if isinstance(count, bool) or not isinstance(count, int) or count < 4:
+                raise ConfigError(f"{{{name}}} must be an int >= 4, got {count!r}", parameter=name)
+        if max_running is not None and (
+            isinstance(max_running, bool) or not isinstance(max_running, int) or max_running < 1
+        ):
+            raise ConfigError(
+                f"{{max_running}} must be an int >= 1 or None, got {max_running!r}",
+                parameter="max_running",
+            )
+        self.decode_time = float(decode_time)
+        self.prefill_time = float(prefill_time)
+        self.mean_tokens = float(mean_tokens)
+        self.sigma = float(sigma)
+        self.longest = longest
+        self.vocab = vocab
+        self.seed = seed
+        self.version = str(version)
+        self.paused: str | None = None
+        self._resumed = trio.Event()
+        self._resumed.set()
+        self._changed = trio.Event()
+        self._running: set[_Generation] = set()
+        self._drained = trio.Event()
+        self._drained.set()
+        self._slots = None if max_running is None else trio.Semaphore(max_running)
+        self.requests = 0
+        self.generated = 0
+        self.aborted = 0
+
+    def __repr__(self) -> str:
+        return (
+            f"SimulatedEngine(mean_tokens={self.mean_tokens:g}, decode_time={self.decode_time:g}, "
+            f"version={self.version!r}, paused={self.paused!r})"
+        )
+
+    # --- the engine's control (tt.EngineControl) ------------------------------------------
+
+    async def pause(self, mode: str) -> None:
+        """Pause generation: ``"keep"``, ``"abort"`` or ``"wait"`` (as the class says).
+        Raises a `ConfigError` naming ``mode`` for another."""
+        if mode not in ("keep", "abort", "wait"):
+            raise ConfigError(
+                f"{{mode}} must be keep, abort or wait, got {mode!r}", parameter="mode"
+            )
+        if mode == "wait":
+            while self._running:
+                await self._drained.wait()
+        self.paused = mode
+        self._resumed = trio.Event()
+        if mode == "abort":
+            for generation in self._running:
+                generation.aborted = True
+        self._wake()
+        await trio.lowlevel.checkpoint()
+
+    async def resume(self) -> None:
+        """Resume generation."""
+        self.paused = None
+        self._resumed.set()
+        self._wake()
+        await trio.lowlevel.checkpoint()
+
+    async def set_version(self, version: str) -> None:
+        """The tokens made from now on carry `version`."""
+        self.version = str(version)
+        await trio.lowlevel.checkpoint()
+
+    def _wake(self) -> None:
+        self._changed.set()
+        self._changed = trio.Event()
+
+    # --- the model ----------------------------------------------------------------------------
+
+    def encode(self, messages: list[dict[str, Any]]) -> list[int]:
+        """The prompt of `messages` as token ids (their words, then `ASSISTANT`)."""
+        ids = [
+            _word_id(word, self.vocab)
+            for message in messages
+            for word in str(message.get("content") or "").split()
+        ]
+        return [*ids, ASSISTANT]
+
+    def length(self, prompt_ids: Sequence[int]) -> int:
+        """The number of tokens of the (whole) reply to `prompt_ids`, `EOS` included."""
+        key = zlib.crc32(repr((self.seed, list(prompt_ids))).encode())
+        draw = random.Random(key).lognormvariate(
+            math.log(self.mean_tokens) - self.sigma**2 / 2, self.sigma
+        )
+        return max(1, min(self.longest, round(draw)))
+
+    def _token(self, key: int, position: int, previous: int) -> int:
+        return (key * 1_000_003 + position * 7919 + previous * 31) % (self.vocab - 3) + 3
+
+    def reply_ids(self, prompt_ids: Sequence[int]) -> list[int]:
+        """The whole reply to `prompt_ids` (greedy, unchanged weights), `EOS` last."""
+        key = zlib.crc32(repr(list(prompt_ids)).encode())
+        ids: list[int] = []
+        previous = prompt_ids[-1] if prompt_ids else 0
+        for position in range(self.length(prompt_ids) - 1):
+            previous = self._token(key, position, previous)
+            ids.append(previous)
+        return [*ids, EOS]
+
+    # duplicates: ModelClient.chat's signature (with tools), which every client implements
+    async def chat(
+        self,
+        messages: list[dict[str, Any]],
+        *,
+        model: str,
+        sampling: Sampling,
+        tools: list[dict[str, Any]] | None = None,
+    ) -> Completion:
+        """Generate the reply to `messages`, as the class says."""
+        prompt = self.encode(messages)
+        return await self._generate(prompt, prompt, [], sampling)
+
+    async def complete_ids(
+        self, prompt_ids: list[int], *, model: str, sampling: Sampling
+    ) -> Completion:
+        """Continue `prompt_ids`: a prompt (up to its last `ASSISTANT`) and the reply's
+        tokens so far; the reply goes on from there as the uncut one would."""
+        split = (
+            len(prompt_ids) - 1 - prompt_ids[::-1].index(ASSISTANT)
+            if ASSISTANT in prompt_ids
+            else len(prompt_ids) - 1
+        )
+        prompt = prompt_ids[: split + 1]
+        return await self._generate(prompt_ids, prompt, prompt_ids[split + 1 :], sampling)
+
+    async def _generate(
+        self, given: list[int], prompt: list[int], done: list[int], sampling: Sampling
+    ) -> Completion:
+        whole = self.reply_ids(prompt)
+        rest = whole[len(done) :]
+        finish = "stop"
+        if sampling.max_tokens is not None and sampling.max_tokens < len(rest):
+            rest, finish = rest[: sampling.max_tokens], "length"
+        self.requests += 1
+        began = trio.current_time()
+        slot = self._slots
+        if slot is not None:
+            await slot.acquire()
+        generation = _Generation()
+        self._running.add(generation)
+        self._drained = trio.Event()
+        builder = ReplyBuilder(began)  # its tokens as a stream brings them
+        attach_reply(builder)
+        builder.feed({"prompt_token_ids": list(given)})
+        spans: list[list[Any]] = []  # [version, start, end]
+        made = 0
+        ttft: float | None = None
+
+        def emit(n: int, version: str) -> None:
+            nonlocal made
+            if n <= 0:
+                return
+            if spans and spans[-1][0] == version and spans[-1][2] == made:
+                spans[-1][2] += n
+            else:
+                spans.append([version, made, made + n])
+            new = rest[made : made + n]
+            builder.feed({
+                "choices": [{
+                    "delta": {"content": "".join(f"t{t} " for t in new)},
+                    "token_ids": new,
+                    "logprobs": {"content": [{"logprob": _logprob(t)} for t in new]},
+                }]
+            })  # fmt: skip
+            made += n
+            self.generated += n
+
+        segment, version = math.inf, self.version  # the tokens being made now: since, under
+        try:
+            if self.prefill_time:
+                await trio.sleep(self.prefill_time)
+            while made < len(rest) and not generation.aborted:
+                if self.paused is not None:
+                    await self._resumed.wait()
+                    continue
+                segment, version = trio.current_time(), self.version
+                changed = self._changed
+                left = (len(rest) - made) * self.decode_time
+                with trio.move_on_after(left):
+                    await changed.wait()
+                steps = len(rest) - made
+                if self.decode_time:
+                    steps = min(
+                        steps, int((trio.current_time() - segment) / self.decode_time + 1e-9)
+                    )
+                if ttft is None and steps:
+                    ttft = segment + self.decode_time - began
+                emit(steps, version)
+                segment = math.inf
+        finally:
+            if segment != math.inf and self.decode_time:  # cut mid-way: what it made
+                emit(
+                    min(
+                        len(rest) - made,
+                        int((trio.current_time() - segment) / self.decode_time + 1e-9),
+                    ),
+                    version,
+                )
+            self._running.discard(generation)
+            if not self._running:
+                self._drained.set()
+            if slot is not None:
+                slot.release()
+        if generation.aborted and made < len(rest):
+            self.aborted += 1
+            finish = "abort"
+        ids = rest[:made]
+        return Completion(
+            content="".join(f"t{t} " for t in ids),
+            usage={"prompt_tokens": len(given), "completion_tokens": len(ids)},
+            finish_reason=finish,
+            tokens=Tokens(list(given), list(ids), [_logprob(t) for t in ids]),
+            ttft=ttft,
+            versions=[VersionSpan(v, s, e) for v, s, e in spans],
+        )
+
+
+def _logprob(token: int) -> float:
+    return -((token % 97) + 1) / 100

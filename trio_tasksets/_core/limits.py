@@ -52,6 +52,7 @@ __all__ = [
     "RateLimiter",
     "Slot",
     "TokenLimiter",
+    "current_observers",
     "observe_calls",
     "pace",
     "parked",
@@ -492,6 +493,12 @@ class observe_calls:  # lower case: it reads as a call in `with observe_calls(..
 
     def __exit__(self, *exc_info: object) -> None:
         _observers.reset(self._token)
+
+
+def current_observers() -> tuple[CallObserver, ...]:
+    """The observers of this context's calls: what another task tells of a wait it imposes
+    on this one (a policy update holding a call in flight: their `on_park`/`on_unpark`)."""
+    return _observers.get()
 
 
 def report_progress(kind: str = "tool") -> None:

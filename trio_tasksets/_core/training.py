@@ -29,7 +29,7 @@ import contextvars
 import inspect
 from collections.abc import AsyncIterable, AsyncIterator, Awaitable, Callable
 from contextlib import AbstractAsyncContextManager, asynccontextmanager
-from typing import Any, Generic, TypeVar
+from typing import Any, Generic, Protocol, TypeVar
 
 import attrs
 import trio
@@ -38,7 +38,15 @@ from .exceptions import ConfigError, ConfigTypeError
 from .runner import SourceIterator, as_completed, check_source, close_iterator
 from .window import Window
 
-__all__ = ["LiveRun", "Staleness", "batches", "current_run", "first", "policy_fields"]
+__all__ = [
+    "LiveRun",
+    "PolicyUpdates",
+    "Staleness",
+    "batches",
+    "current_run",
+    "first",
+    "policy_fields",
+]
 
 T = TypeVar("T")
 R = TypeVar("R")
@@ -106,12 +114,34 @@ async def first(
 
 @attrs.define(eq=False)
 class LiveRun:
-    """One run under a `Staleness`: the version when it started, its cancel scope, and
-    whether it fell more than `max_lag` behind (`stale`)."""
+    """One run under a `Staleness`: the version its lag counts from, its cancel scope, and
+    whether it fell more than `max_lag` behind (`stale`).
+
+    Without a policy the version is the one current when it started. With one
+    (`Staleness(policy=)`) it is the version of the run's oldest token: until its first
+    model call is admitted (`tokenless`) it follows the current version, then the governed
+    calls tell it theirs (`note`)."""
 
     version: int
     scope: trio.CancelScope
     stale: bool = False
+    tokenless: bool = False
+
+    def note(self, version: int) -> None:
+        """A model call of this run makes tokens under `version` (a count of updates)."""
+        if self.tokenless or version < self.version:
+            self.version = version
+        self.tokenless = False
+
+
+class PolicyUpdates(Protocol):
+    """What a `Staleness` needs of a policy (`tt.Policy`): how many updates it has had, and
+    to hear of each one as it lands."""
+
+    @property
+    def updates(self) -> int: ...
+
+    def on_update(self, listener: Callable[[], object]) -> None: ...
 
 
 _current: contextvars.ContextVar[LiveRun | None] = contextvars.ContextVar(
@@ -149,18 +179,30 @@ class Staleness:
       is then trained at most `max_lag` versions after the policy that produced it. A trainer
       waiting for the next batch never blocks the feed (no deadlock).
 
-    A `max_lag` that is not an int >= 0, or a `withhold` that is not a bool, raises a
-    `ConfigError` naming it.
+    - With `policy` (a `tt.Policy`), the versions are the policy's updates: each
+      `policy.update(...)` advances the gate (call `advance()` yourself no more), and a
+      run's lag counts from its oldest token (the version its first governed model call
+      ran under), not from when it started: a run that waited is not stale for it.
+
+    A `max_lag` that is not an int >= 0, a `withhold` that is not a bool, or a `policy`
+    that is not a policy, raises a `ConfigError` naming it.
     """
 
-    def __init__(self, max_lag: int, *, withhold: bool = False) -> None:
+    def __init__(
+        self, max_lag: int, *, withhold: bool = False, policy: PolicyUpdates | None = None
+    ) -> None:
         self.max_lag = _check_int(max_lag, "max_lag", 0)
         if not isinstance(withhold, bool):
             raise ConfigTypeError(
                 f"{{withhold}} must be True or False, got {withhold!r}", parameter="withhold"
             )
+        if policy is not None and not callable(getattr(policy, "on_update", None)):
+            raise ConfigTypeError(
+                f"{{policy}} must be a tt.Policy or None, got {policy!r}", parameter="policy"
+            )
         self.withhold = withhold
-        self._version = 0
+        self.policy = policy
+        self._version = 0 if policy is None else policy.updates
         self._handed = 0
         self._live: set[LiveRun] = set()
         self._changed = trio.Event()
@@ -168,6 +210,8 @@ class Staleness:
         self.withheld = 0  # runs marked stale and left to finish
         self.dropped = 0  # results `tt.batches` dropped: stale by the time they were handed
         self.pauses = 0  # pulls of `feed` that waited for the trainer
+        if policy is not None:
+            policy.on_update(self._advance)
 
     def __repr__(self) -> str:
         return (
@@ -193,10 +237,23 @@ class Staleness:
 
     def advance(self) -> int:
         """The trainer's policy changed: bump the version, cancel (or withhold and mark) the
-        runs now more than `max_lag` behind, and wake a paused feed. Returns the version."""
+        runs now more than `max_lag` behind, and wake a paused feed. Returns the version.
+        Raises a `ConfigError` naming ``policy`` when the gate follows a policy (its updates
+        advance it)."""
+        if self.policy is not None:
+            raise ConfigError(
+                "Staleness.advance(): this gate follows its {policy}, whose updates advance "
+                "it; call `await policy.update(...)` instead",
+                parameter="policy",
+            )
+        return self._advance()
+
+    def _advance(self) -> int:
         self._version += 1
         oldest = self._version - self.max_lag
         for live in list(self._live):
+            if live.tokenless:
+                live.version = self._version  # no token yet: nothing of it is stale
             if live.version < oldest and not live.stale:
                 if self.withhold:
                     live.stale = True
@@ -228,21 +285,25 @@ class Staleness:
             )
 
         async def staled(item: T) -> R | None:
-            with trio.CancelScope() as scope:
-                live = LiveRun(self._version, scope)
-                self._live.add(live)
-                token = _current.set(live)
-                try:
-                    result = await fn(item)
-                finally:
-                    _current.reset(token)
-                    self._live.discard(live)
-                if live.stale:
-                    _mark(result)
-                return result
-            return None  # cancelled as stale
+            return (await self._run(fn, item))[1]
 
         return staled
+
+    async def _run(self, fn: Callable[[T], Awaitable[R]], item: T) -> tuple[int, R | None]:
+        """(the version the run's lag counts from, its result or None: cancelled as stale)."""
+        with trio.CancelScope() as scope:
+            live = LiveRun(self._version, scope, tokenless=self.policy is not None)
+            self._live.add(live)
+            token = _current.set(live)
+            try:
+                result = await fn(item)
+            finally:
+                _current.reset(token)
+                self._live.discard(live)
+            if live.stale:
+                _mark(result)
+            return live.version, result
+        return live.version, None  # cancelled as stale
 
     async def wait_until_fed(self) -> None:
         """Return once `feed` may pull (at once unless the trainer is behind)."""
@@ -358,12 +419,11 @@ async def _batches(
 
     else:
         gate = staleness
-        staled = gate.run(run)
+        gate.run(run)  # checks `run`
         source = gate.feed(source)
 
         async def tagged(item: T) -> tuple[int, R | None]:
-            started = gate.version  # the version `staled` records (no checkpoint between)
-            return started, await staled(item)
+            return await gate._run(run, item)  # the version its lag counts from
 
     async with as_completed(source, tagged, window=window) as completed:
         yield _Batches(size, completed, staleness, accept)

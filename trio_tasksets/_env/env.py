@@ -51,6 +51,7 @@ __all__ = [
     "chat_messages",
     "current_limits",
     "note_rollout",
+    "version_range",
 ]
 
 TaskT = TypeVar("TaskT")
@@ -256,6 +257,10 @@ class Episode:
     policy_version: int | None = None  # the `tt.Staleness` version when the slot started
     stale: bool = False  # finished more than `max_lag` versions behind (withheld)
     worker: str | None = None  # the worker that ran it (`--via`: its consumer name); row: if set
+    # each model call's version spans (`Completion.versions`, as dicts); row: `versions`
+    # and `policy_versions` (oldest, newest), when a call had any
+    versions: list[list[dict[str, Any]]] = attrs.Factory(list)
+    group_versions: tuple[str, str] | None = None  # (oldest, newest) over its group's rows
     # Its streamed replies' times: [replies, sum of ttft, replies with a tpot, sum of tpot].
     _streams: list[float] | None = attrs.field(default=None, init=False, eq=False, repr=False)
 
@@ -270,6 +275,11 @@ class Episode:
             self.finish_reason = completion.finish_reason
         if completion.tokens is not None:
             self.tokens.append(completion.tokens.to_dict())
+        if completion.versions:
+            self.versions.append([
+                {"version": s.version, "start": s.start, "end": s.end}
+                for s in completion.versions
+            ])  # fmt: skip
         if completion.ttft is not None:
             streams = self._streams
             if streams is None:
@@ -291,6 +301,11 @@ class Episode:
         if streams[2]:
             timing["tpot"] = streams[3] / streams[2]
         return timing
+
+    @property
+    def policy_versions(self) -> tuple[str, str] | None:
+        """(oldest, newest) of the versions its model calls' tokens carry, or None."""
+        return version_range(s["version"] for spans in self.versions for s in spans)
 
     def to_row(self) -> dict[str, Any]:
         """The trace row: the episode's fields under the same names, JSON-ready."""
@@ -325,6 +340,11 @@ class Episode:
             row["stale"] = self.stale
         if self.worker is not None:
             row["worker"] = self.worker
+        if self.versions:
+            row["versions"] = self.versions
+            row["policy_versions"] = list(self.policy_versions or ())
+        if self.group_versions is not None:
+            row["group_versions"] = list(self.group_versions)
         return row
 
     @classmethod
@@ -355,6 +375,18 @@ class Episode:
             ),
             stale=bool(row.get("stale", False)),
             worker=None if row.get("worker") is None else str(row["worker"]),
+            versions=[
+                [
+                    {"version": str(s["version"]), "start": int(s["start"]), "end": int(s["end"])}
+                    for s in spans
+                ]
+                for spans in row.get("versions") or []
+            ],
+            group_versions=(
+                None
+                if not row.get("group_versions")
+                else (str(row["group_versions"][0]), str(row["group_versions"][-1]))
+            ),
         )
 
     @classmethod
@@ -400,7 +432,30 @@ class Episode:
         return cls.from_row(row)  # type: ignore[arg-type]  # not a dict: it raises
 
 
-_TRAINING_KEYS = frozenset({"tokens", "group", "advantage", "policy_version", "stale", "worker"})
+_TRAINING_KEYS = frozenset(
+    {
+        "tokens",
+        "group",
+        "advantage",
+        "policy_version",
+        "stale",
+        "worker",
+        "versions",
+        "group_versions",
+    }
+)
+
+
+def version_range(versions: Iterable[str]) -> tuple[str, str] | None:
+    """(oldest, newest) of policy `versions`: by number when every one is an integer, else
+    in the order they come (the first seen is the oldest). None for none."""
+    seen = list(dict.fromkeys(versions))
+    if not seen:
+        return None
+    if all(v.lstrip("-").isdigit() for v in seen):
+        ordered = sorted(seen, key=int)
+        return ordered[0], ordered[-1]
+    return seen[0], seen[-1]
 
 
 @attrs.define(eq=False)
@@ -762,6 +817,7 @@ class Env(Generic[TaskT]):
             episode.timing.update(episode.stream_timing())
         if live is not None:
             episode.stale = live.stale  # withheld: finished more than max_lag behind
+            episode.policy_version = live.version  # with a policy: its oldest token's
         return await complete_slot(slot, episode, on_complete)
 
     async def _attempt(

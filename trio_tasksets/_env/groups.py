@@ -47,7 +47,17 @@ from .._core.exceptions import ConfigError, TrioTasksetsError
 from .._core.runner import ResultRefused, SourceIterator, fan_out_placing
 from .._core.window import Window, prioritized
 from .._models.pool import sticky
-from .env import Env, Episode, EpisodeError, EpisodeTask, RunSlot, new_id, task_data, task_key
+from .env import (
+    Env,
+    Episode,
+    EpisodeError,
+    EpisodeTask,
+    RunSlot,
+    new_id,
+    task_data,
+    task_key,
+    version_range,
+)
 
 __all__ = [
     "ADVANTAGES",
@@ -347,8 +357,10 @@ async def _run_group(
         for episode in episodes:
             episode.ok = False
             episode.errors.append(EpisodeError(type(exc).__name__, cause))
+    spread = version_range(s["version"] for e in episodes for spans in e.versions for s in spans)
     for episode in episodes:
         episode.group = group.id
+        episode.group_versions = spread  # the policy versions the group spans
     return episodes
 
 

@@ -33,6 +33,13 @@ from .base import (
 from .calls import EndpointCalls
 from .echo import EchoClient
 from .openai import OpenAIClient
+from .policy import (
+    EngineControl,
+    Policy,
+    TokenContinuation,
+    VLLMControl,
+)
+from .stream import ReplyBuilder, attach_reply
 
 # duplicates: base.__all__ and the flat API list these names too; each list is its module's own
 __all__ = [
@@ -40,6 +47,7 @@ __all__ = [
     "Completion",
     "EchoClient",
     "EndpointCalls",
+    "EngineControl",
     "ModelClient",
     "ModelClientBase",
     "ModelConnectionError",
@@ -49,11 +57,16 @@ __all__ = [
     "ModelResponseError",
     "ModelTimeoutError",
     "OpenAIClient",
+    "Policy",
+    "ReplyBuilder",
     "Sampling",
+    "TokenContinuation",
     "Tokens",
     "ToolCall",
+    "VLLMControl",
     "VersionSpan",
     "api_key_from_env",
+    "attach_reply",
     "describe",
     "observe_completions",
 ]

@@ -37,6 +37,7 @@ from .._core.window import Window
 __all__ = [
     "ClientDescription",
     "Completion",
+    "Governs",
     "Message",
     "ModelClient",
     "ModelClientBase",
@@ -472,13 +473,34 @@ def describe(client: ModelClient) -> ClientDescription:
     return ClientDescription()
 
 
+class Governs(Protocol):
+    """What governs a `ModelContext`'s calls (`tt.Policy`): `govern` runs one call, `send`
+    (the request as made without a policy), and may park it, cut it and continue it."""
+
+    async def govern(
+        self, ctx: ModelContext, send: Callable[[], Awaitable[Completion]], sampling: Sampling
+    ) -> Completion: ...
+
+
+def _is_policy(instance: object, attribute: attrs.Attribute[Any], value: object) -> None:
+    if value is not None and not callable(getattr(value, "govern", None)):
+        raise ConfigTypeError(
+            f"ModelContext({{policy}}=...) must be a tt.Policy or None, got {value!r}",
+            parameter="policy",
+        )
+
+
 @attrs.frozen
 class ModelContext:
-    """The model an episode talks to: a client, the model name and sampling settings."""
+    """The model an episode talks to: a client, the model name and sampling settings, and
+    the `tt.Policy` its calls run under, if any (they then park during its updates, carry
+    its versions and are cut and continued by an ``abort`` update). A `policy` that is not
+    a policy raises a `ConfigTypeError` naming it."""
 
     client: ModelClient
     model: str
     sampling: Sampling = attrs.field(factory=Sampling)
+    policy: Governs | None = attrs.field(default=None, kw_only=True, validator=_is_policy)
 
     async def chat(
         self,
@@ -500,7 +522,11 @@ class ModelContext:
         sampling = self.sampling
         if sampling_overrides:
             sampling = override_sampling(sampling, sampling_overrides)
-        if tools is None:
+        if self.policy is not None:
+            completion = await self.policy.govern(
+                self, lambda: self._send(messages, tools, sampling), sampling
+            )
+        elif tools is None:
             completion = await self.client.chat(messages, model=self.model, sampling=sampling)
         else:
             completion = await self._chat_with_tools(messages, tools, sampling)
@@ -511,6 +537,16 @@ class ModelContext:
         if completion.ttft is not None:
             report_stream(completion.ttft, completion.tpot)
         return completion
+
+    async def _send(
+        self,
+        messages: list[dict[str, Any]],
+        tools: list[dict[str, Any]] | None,
+        sampling: Sampling,
+    ) -> Completion:
+        if tools is None:
+            return await self.client.chat(messages, model=self.model, sampling=sampling)
+        return await self._chat_with_tools(messages, tools, sampling)
 
     async def _chat_with_tools(
         self, messages: list[dict[str, Any]], tools: list[dict[str, Any]], sampling: Sampling

@@ -15,7 +15,7 @@ from .._core.exceptions import ConfigError
 from .._core.limits import EndpointLimits
 from .._core.views import View
 from .._core.window import Window
-from .._transport import HTTPClient, Timeouts, redact_url
+from .._transport import HTTPClient, HTTPError, Timeouts, redact_url
 from .base import (
     ClientDescription,
     Completion,
@@ -217,6 +217,12 @@ class OpenAIClient(ModelClientBase):
             backoff=backoff, max_backoff=max_backoff, limits=self.limits,
             limits_key=self.limits_key,
         )  # fmt: skip
+        self._contexts: dict[str, int | None] = {}  # a model's context, asked once
+        self._completions = EndpointCalls(
+            self._http, base_url.rstrip("/") + "/completions", timeout=timeout,
+            max_retries=max_retries, backoff=backoff, max_backoff=max_backoff,
+            limits=self.limits, limits_key=self.limits_key,
+        )  # fmt: skip
 
     timeout = View[float]("_calls", "Seconds per request, as a whole (each attempt its own).")
     max_retries = View[int]("_calls", "Retries after a call's first attempt.")
@@ -316,6 +322,88 @@ class OpenAIClient(ModelClientBase):
             body, headers=self._headers, parse=self._parse, reserve_tokens=reserve, stream=stream
         )
 
+    async def complete_ids(
+        self, prompt_ids: list[int], *, model: str, sampling: Sampling
+    ) -> Completion:
+        """Continue a sequence from token ids: POST ``{"prompt": prompt_ids}`` to
+        ``{base_url}/completions`` (vLLM continues a token-id prompt exactly), asking for the
+        output's token ids (and logprobs with ``return_tokens``). Without a ``max_tokens`` it
+        runs to the model's context, as the server lists it (vLLM's ``max_model_len`` in
+        ``GET /models``, asked once per model). What a call cut by a ``tt.Policy`` update
+        (``mode="abort"``) continues through. Raises as `chat`."""
+        if self._closed:
+            raise RuntimeError("OpenAIClient is closed")
+        if self.pool is not None:
+            return await self.pool.run(
+                lambda client: client.complete_ids(prompt_ids, model=model, sampling=sampling)
+            )
+        payload: dict[str, Any] = {"model": model, "prompt": prompt_ids}
+        if sampling.max_tokens is None:  # to the context's end, as a chat call would go
+            # (/completions' own default is 16 tokens, and vLLM reads a null as that)
+            context = await self._context_length(model)
+            if context is not None:
+                payload["max_tokens"] = max(1, context - len(prompt_ids))
+        payload.update(sampling.named_settings())
+        payload["return_token_ids"] = True
+        if sampling.return_tokens:
+            payload["logprobs"] = 0  # the sampled token's own logprob
+        payload.update(sampling.extra)
+        body = orjson.dumps(payload, option=orjson.OPT_NON_STR_KEYS)
+        return await self._completions.post(
+            body, headers=self._headers, parse=self._parse_text, reserve_tokens=sampling.max_tokens
+        )
+
+    async def _context_length(self, model: str) -> int | None:
+        """The model's context in tokens, as the server lists it (vLLM's `max_model_len` in
+        ``GET /models``), asked once per model; None when the server does not say."""
+        if model not in self._contexts:
+            found: int | None = None
+            http = self._http
+            try:
+                if http is not None:
+                    url = self.base_url.rstrip("/") + "/models"
+                    response = await http.request("GET", url, headers=self._headers)
+                    listed = orjson.loads(response.body) if response.status == 200 else {}
+                    for entry in listed.get("data") or []:
+                        if isinstance(entry, dict) and entry.get("id") == model:
+                            value = entry.get("max_model_len")
+                            found = value if isinstance(value, int) and value > 0 else None
+            except (HTTPError, orjson.JSONDecodeError, AttributeError):
+                found = None
+            self._contexts[model] = found
+        return self._contexts[model]
+
+    def _parse_text(self, content: bytes) -> Completion:
+        """A ``/completions`` reply: its text, token ids and logprobs (vLLM's shape)."""
+        url = self._completions.url
+        try:
+            data = orjson.loads(content)
+            choice = data["choices"][0]
+            text = choice.get("text") or ""
+            ids = list(choice.get("token_ids") or [])
+            prompt_ids = list(choice.get("prompt_token_ids") or data.get("prompt_token_ids") or [])
+            logprobs = choice.get("logprobs")
+            values = (
+                list(logprobs.get("token_logprobs") or []) if isinstance(logprobs, dict) else []
+            )
+            usage = {
+                str(k): v
+                for k, v in (data.get("usage") or {}).items()
+                if isinstance(v, int) and not isinstance(v, bool)
+            }
+            finish = choice.get("finish_reason")
+            return Completion(
+                content=text if isinstance(text, str) else "",
+                usage=usage,
+                finish_reason=finish if isinstance(finish, str) else None,
+                tokens=Tokens(prompt_ids, ids, [float(v or 0.0) for v in values]),
+            )
+        except (orjson.JSONDecodeError, KeyError, IndexError, TypeError, AttributeError) as exc:
+            raise ModelResponseError(
+                f"{url} returned no usable completion ({exc}): {excerpt(body_text(content))}",
+                url=url,
+            ) from None
+
     def _stream(self) -> SSEReply:
         return SSEReply(self.url)
 
@@ -389,7 +477,7 @@ class OpenAIClient(ModelClientBase):
 
     async def aclose(self) -> None:
         """Close the HTTP client if this object created it. Idempotent."""
-        self._closed = self._calls.closed = True
+        self._closed = self._calls.closed = self._completions.closed = True
         if self.pool is not None:
             await self.pool.aclose()  # its clients share this one's HTTP client
         http, self._http = self._http, None

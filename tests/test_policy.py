@@ -1,0 +1,443 @@
+"""`tt.Policy` (SPEC 13) on trio's MockClock, against `testing.SimulatedEngine`: calls park
+during an update (parked, not working time), `wait` / `keep` / `abort`, an aborted call
+continued from its token ids equal to an uncut one, versions per reply and per row, a failed
+or cancelled update leaving the engines resumed under the old version, updates in order,
+`Staleness(policy=)` counting lag from a rollout's oldest token; `VLLMControl` over HTTP."""
+
+from __future__ import annotations
+
+import json
+import random
+from typing import Any
+
+import attrs
+import pytest
+import trio
+import trio.lowlevel
+from helpers import free_port
+from trio.testing import MockClock
+
+import trio_tasksets as tt
+from trio_tasksets._core.health import Health
+from trio_tasksets._env.rollout_limits import Waits
+from trio_tasksets.testing import EOS, SimulatedEngine
+
+PROMPT = [{"role": "user", "content": "count the stars tonight"}]
+
+
+def context(engine: SimulatedEngine, policy: tt.Policy | None, **sampling: Any) -> tt.ModelContext:
+    return tt.ModelContext(engine, "sim", tt.Sampling(**sampling), policy=policy)
+
+
+class Control:
+    """An engine control that records its calls and fails where told."""
+
+    def __init__(self, fail: str | None = None) -> None:
+        self.log: list[tuple[str, str]] = []
+        self.fail = fail
+        self.version = "0"
+        self.paused = False
+
+    async def pause(self, mode: str) -> None:
+        await trio.sleep(0.1)
+        self.log.append(("pause", mode))
+        self.paused = True
+        if self.fail == "pause":
+            raise RuntimeError("pause failed")
+
+    async def resume(self) -> None:
+        await trio.sleep(0.1)
+        self.log.append(("resume", ""))
+        self.paused = False
+
+    async def set_version(self, version: str) -> None:
+        await trio.sleep(0.1)
+        self.log.append(("set_version", version))
+        if self.fail == "set_version" and version != self.version:
+            raise RuntimeError("set_version failed")
+        self.version = version
+
+
+def test_versions_are_strings_and_bad_arguments_are_named() -> None:
+    assert tt.Policy(0).version == "0"
+    assert tt.Policy("v7").version == "v7"
+    with pytest.raises(tt.ConfigError) as caught:
+        tt.Policy(True)
+    assert caught.value.parameter == "version"
+    with pytest.raises(tt.ConfigError) as caught:
+        tt.Policy(0, engines=[object()])  # type: ignore[list-item]
+    assert caught.value.parameter == "engines"
+    with pytest.raises(tt.ConfigError) as caught:
+        tt.ModelContext(tt.EchoClient(), "m", policy=object())  # type: ignore[arg-type]
+    assert caught.value.parameter == "policy"
+    with pytest.raises(tt.ConfigError) as caught:
+        tt.Staleness(1, policy=object())  # type: ignore[arg-type]
+    assert caught.value.parameter == "policy"
+    with pytest.raises(tt.ConfigError) as caught:
+        tt.VLLMControl("localhost:8000")
+    assert caught.value.parameter == "base_url"
+    assert tt.VLLMControl("http://h:1/v1").root == "http://h:1"
+    assert tt.VLLMControl("http://h:1/").root == "http://h:1"
+
+
+async def test_bad_update_arguments_are_refused_before_anything() -> None:
+    policy = tt.Policy(0)
+    with pytest.raises(tt.ConfigError) as caught:
+        await policy.update(1, mode="drop")  # type: ignore[arg-type]
+    assert caught.value.parameter == "mode"
+    with pytest.raises(tt.ConfigError) as caught:
+        await policy.update(1, load=42)  # type: ignore[arg-type]
+    assert caught.value.parameter == "load"
+    assert not policy.updating
+    assert policy.version == "0"
+
+
+async def test_wait_lets_calls_finish_and_parks_new_ones_as_waits(
+    autojump_clock: MockClock,
+) -> None:
+    engine = SimulatedEngine(decode_time=0.01, mean_tokens=200, seed=1)
+    policy = tt.Policy(0, engines=[engine])
+    ctx = context(engine, policy)
+    replies: dict[str, tt.Completion] = {}
+    health = Health()
+    waits = Waits()
+
+    async def call(name: str) -> None:
+        with tt.observe_calls(health), tt.observe_calls(waits):
+            replies[name] = await ctx.chat(PROMPT)
+
+    loaded: list[float] = []
+
+    async def load() -> None:
+        assert engine.paused == "wait"
+        loaded.append(trio.current_time())
+        await trio.sleep(1.0)
+
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(call, "in flight")
+        await trio.sleep(0.05)
+        nursery.start_soon(lambda: policy.update(1, mode="wait", load=load))
+        await trio.sleep(0.01)
+        nursery.start_soon(call, "parked")
+    assert [s.version for s in replies["in flight"].versions] == ["0"]
+    assert [s.version for s in replies["parked"].versions] == ["1"]
+    assert policy.version == "1"
+    assert engine.version == "1"
+    assert engine.paused is None
+    assert policy.parked == 1
+    # the parked call waited from the update's start to its end: a wait, not working time
+    assert health.waited["policy"] >= 1.0
+    assert waits.parked >= 1.0
+
+
+async def test_keep_pauses_the_engine_with_calls_in_place(autojump_clock: MockClock) -> None:
+    engine = SimulatedEngine(decode_time=0.01, mean_tokens=300, sigma=0.1, seed=2)
+    policy = tt.Policy(0, engines=[engine])
+    ctx = context(engine, policy)
+    uncut = engine.reply_ids(engine.encode(PROMPT))
+    waits = Waits()
+    got: list[tt.Completion] = []
+
+    async def call() -> None:
+        with tt.observe_calls(waits):
+            got.append(await ctx.chat(PROMPT))
+
+    async def load() -> None:
+        assert engine.paused == "keep"
+        await trio.sleep(5.0)
+
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(call)
+        await trio.sleep(1.0)
+        await policy.update("v1", mode="keep", load=load)
+    (reply,) = got
+    assert reply.tokens is not None
+    assert reply.tokens.completion_ids == uncut
+    # the engine's own spans: the tokens before the pause under "0", after under "v1"
+    assert [s.version for s in reply.versions] == ["0", "v1"]
+    assert reply.versions[0].start == 0
+    assert reply.versions[-1].end == len(uncut)
+    assert 90 <= reply.versions[0].end <= 101
+    assert policy.cut == 0
+    assert policy.restarted == 0
+    assert waits.parked == pytest.approx(5.0 + 0.0, abs=0.01)  # the hold: a wait
+
+
+@pytest.mark.parametrize("seed", range(3))
+async def test_abort_cuts_and_continues_equal_to_an_uncut_call(
+    autojump_clock: MockClock, seed: int
+) -> None:
+    # greedy decoding and unchanged weights: cut at 20 random points, continued from the
+    # prompt plus the tokens it had, the reply is the uncut one, token for token
+    engine = SimulatedEngine(decode_time=0.01, mean_tokens=400, sigma=0.5, seed=seed)
+    policy = tt.Policy(0, engines=[engine])
+    ctx = context(engine, policy, temperature=0)
+    uncut = engine.reply_ids(engine.encode(PROMPT))
+    rng = random.Random(seed)
+    for round_ in range(20):
+        cut_at = rng.uniform(0.0, len(uncut) * 0.01)
+        got: list[tt.Completion] = []
+
+        async def call(got: list[tt.Completion] = got) -> None:
+            got.append(await ctx.chat(PROMPT))
+
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(call)
+            await trio.sleep(cut_at)
+            await policy.update(round_ + 1, mode="abort")
+        (reply,) = got
+        assert reply.tokens is not None
+        assert reply.tokens.completion_ids == uncut
+        assert reply.tokens.completion_ids[-1] == EOS
+        assert reply.finish_reason == "stop"
+        assert reply.content == "".join(f"t{t} " for t in uncut)
+        assert len(reply.tokens.completion_logprobs) == len(uncut)
+        assert reply.versions[-1].end == len(uncut)
+        assert reply.versions[0].start == 0
+        assert {s.version for s in reply.versions} <= {str(round_), str(round_ + 1)}
+    assert policy.discarded_tokens == 0
+    assert policy.restarted == 0
+    assert policy.cut >= 15  # (a cut at 0 s or after the reply ended cuts nothing)
+    assert policy.kept_tokens > 0
+
+
+async def test_an_aborted_call_keeps_its_own_length_limit(autojump_clock: MockClock) -> None:
+    engine = SimulatedEngine(decode_time=0.01, mean_tokens=2000, sigma=0.01, seed=3)
+    policy = tt.Policy(0, engines=[engine])
+    ctx = context(engine, policy, max_tokens=150)
+    got: list[tt.Completion] = []
+
+    async def call() -> None:
+        got.append(await ctx.chat(PROMPT))
+
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(call)
+        await trio.sleep(0.505)
+        await policy.update(1, mode="abort")
+    (reply,) = got
+    assert reply.finish_reason == "length"
+    assert reply.tokens is not None
+    assert len(reply.tokens.completion_ids) == 150
+    assert [(s.version, s.start, s.end) for s in reply.versions] == [("0", 0, 50), ("1", 50, 150)]
+
+
+async def test_a_failed_update_resumes_the_engines_under_the_old_version(
+    autojump_clock: MockClock,
+) -> None:
+    for fail in ("pause", "set_version", "load"):
+        control = Control(fail=None if fail == "load" else fail)
+        other = Control()
+        policy = tt.Policy(0, engines=[other, control])
+
+        async def load(fail: str = fail) -> None:
+            if fail == "load":
+                raise RuntimeError("load failed")
+
+        with pytest.raises(RuntimeError, match=f"{fail} failed"):
+            await policy.update(1, mode="keep", load=load)
+        assert policy.version == "0"
+        assert policy.updates == 0
+        assert not policy.updating
+        for engine in (control, other):
+            assert not engine.paused, (fail, engine.log)
+            assert engine.version == "0", (fail, engine.log)
+
+
+async def test_an_update_cancelled_midway_leaves_no_engine_paused(
+    autojump_clock: MockClock,
+) -> None:
+    control = Control()
+    policy = tt.Policy(0, engines=[control])
+
+    async def load() -> None:
+        await trio.sleep_forever()
+
+    with trio.move_on_after(1.0):
+        await policy.update(1, mode="abort", load=load)
+    assert not control.paused
+    assert control.log[-1] == ("resume", "")
+    assert policy.version == "0"
+    assert not policy.updating
+
+
+async def test_concurrent_updates_queue_in_order(autojump_clock: MockClock) -> None:
+    control = Control()
+    policy = tt.Policy(0, engines=[control])
+    order: list[int] = []
+
+    async def update(n: int) -> None:
+        await policy.update(n, mode="wait", load=loader(n))
+
+    def loader(n: int) -> Any:
+        async def load() -> None:
+            order.append(n)
+            await trio.sleep(1.0)
+
+        return load
+
+    async with trio.open_nursery() as nursery:
+        for n in range(1, 6):
+            nursery.start_soon(update, n)
+            await trio.lowlevel.checkpoint()
+    assert order == [1, 2, 3, 4, 5]
+    assert policy.version == "5"
+    assert policy.updates == 5
+    assert [v for what, v in control.log if what == "set_version"] == ["1", "2", "3", "4", "5"]
+
+
+async def test_staleness_counts_lag_from_a_rollouts_oldest_token(
+    autojump_clock: MockClock,
+) -> None:
+    engine = SimulatedEngine(decode_time=0.01, mean_tokens=1000, sigma=0.01, seed=4)
+    policy = tt.Policy(0, engines=[engine])
+    staleness = tt.Staleness(1, policy=policy)
+    ctx = context(engine, policy)
+    with pytest.raises(tt.ConfigError) as caught:
+        staleness.advance()
+    assert caught.value.parameter == "policy"
+    done: dict[str, Any] = {}
+
+    async def talker(_: object) -> str:
+        await ctx.chat(PROMPT)  # ~10 s: its first tokens under version 0
+        return "talker"
+
+    async def thinker(_: object) -> str:
+        await trio.sleep(2.5)  # no token until after two updates
+        await ctx.chat([{"role": "user", "content": "short"}], max_tokens=5)
+        return "thinker"
+
+    async def run(name: str, fn: Any) -> None:
+        done[name] = await staleness.run(fn)(None)
+
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(run, "talker", talker)
+        nursery.start_soon(run, "thinker", thinker)
+        await trio.sleep(1.0)
+        await policy.update(1, mode="keep")
+        await trio.sleep(0.5)
+        await policy.update(2, mode="keep")  # the talker's oldest token is 2 behind
+    assert done == {"talker": None, "thinker": "thinker"}
+    assert staleness.version == 2
+    assert staleness.cancelled == 1
+
+
+async def test_rows_carry_spans_and_policy_versions(autojump_clock: MockClock) -> None:
+    engine = SimulatedEngine(decode_time=0.01, mean_tokens=200, sigma=0.01, seed=5)
+    policy = tt.Policy(0, engines=[engine])
+    env = tt.Env(tt.EchoTaskset())
+    ctx = context(engine, policy)
+    task = next(iter(env.taskset.load()))
+    group = tt.Group(task, [tt.RunSlot(task, rollout) for rollout in range(2)])
+    episodes: list[tt.Episode] = []
+
+    async def run_group() -> None:
+        episodes.extend(await tt.run_group(env, group, lambda slot: env.run_slot(slot, ctx)))
+
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(run_group)
+        await trio.sleep(1.0)
+        await policy.update(1, mode="keep")
+    rows = [episode.to_row() for episode in episodes]
+    for row in rows:
+        assert row["policy_versions"] == ["0", "1"]
+        assert row["group_versions"] == ["0", "1"]
+        assert [s["version"] for s in row["versions"][0]] == ["0", "1"]
+        assert tt.Episode.from_row(row).to_row() == row
+
+
+async def test_a_call_without_token_ids_starts_over_and_says_so(
+    autojump_clock: MockClock,
+) -> None:
+    script = tt.testing.ScriptedClient(["an answer", "again"], delay=5.0)
+    policy = tt.Policy(0)
+    ctx = tt.ModelContext(script, "m", policy=policy)
+    got: list[tt.Completion] = []
+
+    async def call() -> None:
+        got.append(await ctx.chat(PROMPT))
+
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(call)
+        await trio.sleep(1.0)
+        await policy.update(1, mode="abort")
+    assert got[0].content == "again"
+    assert len(script.calls) == 2
+    assert policy.restarted == 1
+    assert policy.cut == 0
+    assert [s.version for s in got[0].versions] == ["1"]
+
+
+class Unversioned(SimulatedEngine):
+    """An engine that streams its tokens but reports no versions of its own."""
+
+    async def chat(self, messages: list[dict[str, Any]], **kwargs: Any) -> tt.Completion:
+        reply = await super().chat(messages, **kwargs)
+        return attrs.evolve(reply, versions=[])
+
+
+async def test_the_gate_splits_a_held_streamed_call_where_it_was_held(
+    autojump_clock: MockClock,
+) -> None:
+    engine = Unversioned(decode_time=0.01, mean_tokens=300, sigma=0.01, seed=6)
+    policy = tt.Policy(0, engines=[engine])
+    ctx = context(engine, policy)
+    got: list[tt.Completion] = []
+
+    async def call() -> None:
+        got.append(await ctx.chat(PROMPT))
+
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(call)
+        await trio.sleep(1.0)
+        await policy.update(1, mode="keep")
+    (reply,) = got
+    assert reply.tokens is not None
+    total = len(reply.tokens.completion_ids)
+    assert [(s.version, s.start, s.end) for s in reply.versions] == [
+        ("0", 0, 100),
+        ("1", 100, total),
+    ]
+
+
+async def test_vllm_control_says_what_a_server_without_dev_mode_lacks(chat: Any) -> None:
+    # the suite's fake OpenAI server has no /pause: the error names the fix
+    async with tt.VLLMControl(chat.url) as control:
+        assert control.root == chat.url.removesuffix("/v1")
+        with pytest.raises(tt.ModelHTTPError, match="VLLM_SERVER_DEV_MODE=1") as caught:
+            await control.pause("keep")
+    assert caught.value.status == 404
+    async with tt.VLLMControl(f"http://127.0.0.1:{free_port()}/v1", timeout=5) as closed:
+        with pytest.raises(tt.ModelConnectionError, match="cannot reach"):
+            await closed.resume()
+
+
+async def test_complete_ids_sends_a_token_id_prompt_and_reads_the_ids_back() -> None:
+    sent: list[dict[str, Any]] = []
+
+    def answer(request: tt.Request) -> tt.Response:
+        if request.method == "GET":  # the model's context, once (vLLM's max_model_len)
+            models = {"data": [{"id": "m", "max_model_len": 512}]}
+            return tt.Response(200, [], json.dumps(models).encode())
+        sent.append(json.loads(request.body))
+        body = {
+            "choices": [{"text": "t7 t8 ", "token_ids": [7, 8], "finish_reason": "stop",
+                         "logprobs": {"token_logprobs": [-0.5, -0.25]}}],
+            "usage": {"prompt_tokens": 3, "completion_tokens": 2},
+        }  # fmt: skip
+        return tt.Response(200, [], json.dumps(body).encode())
+
+    http = tt.HTTPClient(handler=answer)
+    async with tt.OpenAIClient("http://engine.invalid/v1", http_client=http) as client:
+        reply = await client.complete_ids(
+            [1, 2, 3], model="m", sampling=tt.Sampling(temperature=0, return_tokens=True)
+        )
+        await client.complete_ids([1, 2, 3, 4], model="m", sampling=tt.Sampling(max_tokens=5))
+    # no max_tokens: to the context's end (the server's default would stop at 16)
+    assert sent == [
+        {"model": "m", "prompt": [1, 2, 3], "max_tokens": 509, "temperature": 0,
+         "return_token_ids": True, "logprobs": 0},
+        {"model": "m", "prompt": [1, 2, 3, 4], "max_tokens": 5, "return_token_ids": True},
+    ]  # fmt: skip
+    assert reply.content == "t7 t8 "
+    assert reply.finish_reason == "stop"
+    assert reply.tokens == tt.Tokens([], [7, 8], [-0.5, -0.25])
