@@ -35,7 +35,7 @@ def bench(session: nox.Session) -> None:
     session.install("-e", ".[dev]")
     quick = ["--quick"] if "quick" in session.posargs else []
     benches = ("runner", "eval", "serve", "aio", "redis", "redis_client", "via", "report", "http",
-               "verifiers", "adaptive", "agents", "deadlines", "groups", "engines")  # fmt: skip
+               "verifiers", "adaptive", "agents", "deadlines", "groups", "engines", "zoo")  # fmt: skip
     for bench in benches:
         session.run("python", "-m", f"bench.{bench}", *quick)
     session.run("python", "-m", "bench.http", "--served", *quick)  # the served path's clients

@@ -152,13 +152,13 @@ class AdaptiveController:
       the next one measures, and the step is judged by the *elasticity* of throughput,
       ``e = log(X_new / X_old) / log(size_new / size_old)``. A step up is kept if ``e >=
       min_gain`` (by default per objective, `MIN_GAIN`: `knee` 0.12, `throughput` and
-      `p99` 0.03), else it goes back (reason "no gain"). Slow start doubles; its failed
-      doubling probes *down* from the size before it, by `probe` steps (reason "probe
-      down"), each kept while giving the step up costs less than `min_gain` of its share,
+      `p99` 0.03), else it goes back (reason "no gain"). Slow start doubles; with `knee`,
+      its failed doubling probes *down* from the size before it, by `probe` steps (reason
+      "probe down"), each kept while giving the step up costs less than `min_gain` of its share,
       until one costs more (it goes back, reason "lost throughput", and growth waits
       `cooldown` seconds): the window settles at the knee, where more concurrency adds
-      less than `min_gain` of itself, from either side. A failed small step up waits
-      `cooldown` too. After slow start a step adds `max(1, probe * size)`.
+      less than `min_gain` of itself, from either side (the other objectives go on up by
+      `probe` steps). A failed small step up waits `cooldown` too. After slow start a step adds `max(1, probe * size)`.
     * `p99=SECONDS`: a step up whose round had a call slower than SECONDS goes back, and
       two rounds in a row with one cut to `floor(size * cut)` (reason "p99").
     * Slower at a steady size (two rounds in a row whose mean latency exceeds `queueing`
@@ -498,8 +498,9 @@ class AdaptiveController:
                 if gain < self._gain or over:
                     # the knee is below: probe down from the old size next (a size that
                     # costs less than `min_gain` of its share of throughput is given up)
-                    self._down = not over and self.slow_start
-                    if not self._down:
+                    # (`knee` only: the other objectives want all the throughput there is)
+                    self._down = not over and self.slow_start and self.objective == "knee"
+                    if not self.slow_start:  # a failed doubling goes on by smaller steps
                         self._hold_until = now + self.cooldown
                     self.slow_start = False
                     self._settle = True
