@@ -231,9 +231,12 @@ async def test_zoo_a_header_less_token_bucket_is_paced_in_real_time(tmp_path: Pa
     finally:
         proc.terminate()
         proc.wait(10)
-    assert window.pacer.rate is not None  # found by behaviour: no header said so
-    assert done >= 0.6 * 50 * 4  # loose: the machine may be busy; bench.zoo measures
-    assert 0.7 * 50 <= window.pacer.rate <= 1.1 * 50
+    # found by behaviour (no header said so), and paced near the limit; loose bounds: the
+    # machine may be busy (bench.zoo measures the figures)
+    assert window.pacer.rate is not None
+    assert 0.5 * 50 <= window.pacer.rate <= 1.1 * 50
+    assert done >= 0.4 * 50 * 4
+    assert window.size >= 8  # the window was not collapsed
 
 
 async def test_zoo_a_concurrency_limit_keeps_its_cap_in_real_time(tmp_path: Path) -> None:
