@@ -208,6 +208,7 @@ class AdaptiveController:
     preemption_share: float = attrs.field(default=0.01, kw_only=True)
     engine_stale: float = attrs.field(default=5.0, kw_only=True)
     paced: bool = attrs.field(default=False, kw_only=True)  # set by the window's Pacer
+    pace_binds: bool = attrs.field(default=False, kw_only=True)  # calls wait for their turn
     objective: str = attrs.field(default="knee", kw_only=True)
     _successes: int = attrs.field(default=0, init=False)
     _peak: int = attrs.field(default=0, init=False)
@@ -430,7 +431,7 @@ class AdaptiveController:
             self._clean
             and self._peak >= self.utilization * self.size
             and now - self._last_429 >= self.cooldown
-            and not self.paced
+            and not self.pace_binds
         )
         measured = self._measure()
         settle, self._settle = self._settle, False
@@ -818,8 +819,10 @@ class AdaptiveWindow(Window):
             Outcome.REQUEST_RATE
         ):  # this very 429 showed it: a request-rate limit, found by behaviour
             self.pacer.limited(now, retry_after)
-        # the pacer binds (calls wait for their turn): the window's size does not matter
-        self.controller.paced = self.pacer.rate is not None and self.pacer.queued > 0
+        # paced: the limit's rate, not the window, sets the throughput (no latency signal);
+        # and while the pacer binds (calls wait for their turn) the size does not grow
+        self.controller.paced = self.pacer.rate is not None
+        self.controller.pace_binds = self.controller.paced and self.pacer.queued > 0
 
     def observe_latency(self, seconds: float) -> None:
         """One call's latency, apart from the success it may count for (a rollout window hears
