@@ -746,9 +746,12 @@ class AdaptiveWindow(Window):
     signal, or feed an engine's metrics to `engine_load()`. A 429 of a request-rate limit
     (`Outcome.REQUEST_RATE`) goes to the window's `pacer`: call `await window.pace()` before
     each call. The controller's options (`cut`, `cooldown`, `growth`, `utilization`,
-    `min_round`, and the keyword-only ones of `AdaptiveController`) are keyword arguments.
-    Each change is in `history` with its reason. Bounds that are not ints with
-    ``1 <= min <= start <= max``, or a bad option, raise a `ConfigError` naming them.
+    `min_round`, and the keyword-only ones of `AdaptiveController`) are keyword arguments;
+    `objective` (``knee``, ``throughput`` or ``p99=SECONDS``, `check_objective`) is what it
+    serves against an engine that queues. Each change is in `history` with its reason, and
+    `report()` says where it settled. Bounds that are not ints with
+    ``1 <= min <= start <= max``, a bad objective or a bad option raise a `ConfigError`
+    naming them.
     """
 
     # duplicates: keyword options with defaults, as the Pacer's: each class's own settings
