@@ -576,7 +576,8 @@ class Pacer:
     5 s, when the 429s had no Retry-After, whose probes cost less; a tenth of it, doubling
     three times slower, once a 429 found the limit within 10 % of the rate), at most 10 %
     a second: a limit may have risen, a Retry-After's hold may have set the rate low (the
-    seconds held count in what succeeded). Pacing ends once the rate is 4x what succeeds.
+    seconds held count in what succeeded); never while calls are held. Pacing ends once the
+    rate is 4x what succeeds.
 
     A 429's `retry_after` (seconds) holds every call start until it is over
     (`held_until`): the limit said when it lets calls through again, and calls sent before
@@ -644,7 +645,7 @@ class Pacer:
         growth = min(0.1, base * 2 ** (quiet / doubling))
         if self._cuts < 2:  # the first rate is a rough guess (from the calls of a moment)
             growth = 0.5
-        self.rate *= 1 + growth * max(0.0, now - self._grown_at)
+        self.rate *= 1 + growth * max(0.0, now - max(self._grown_at, self.held_until))
         self._grown_at = now
         if (
             self.rate > 4 * len(self._ok) / self.span
