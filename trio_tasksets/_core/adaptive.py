@@ -182,8 +182,8 @@ class AdaptiveController:
     window's `Pacer` spreads the calls at the rate the limit lets through, and the size
     does not grow while the pacing binds. A 429 without such headers is taken for a
     concurrency 429 (capped as above) until its behaviour says otherwise: 429s that keep
-    coming, with calls succeeding in between, once the size is down to half of what it was
-    when they began (a concurrency limit's stop there: a slow start overshoots it by at
+    coming, with calls succeeding since they began, once the size is down to half of what
+    it was then (a concurrency limit's stop there: a slow start overshoots it by at
     most twice) or to `min` with no more than `min` calls in flight, do not depend on the
     calls in flight. The size then goes back to where it was when those 429s began (reason
     "429 not concurrency"), and for `max(4 * cooldown, 120)` seconds, renewed by each,
@@ -238,6 +238,7 @@ class AdaptiveController:
     # 429s that do not depend on concurrency
     _before_429s: int = attrs.field(default=0, init=False)  # the size when they began
     _ok_since_429: int = attrs.field(default=0, init=False)
+    _ok_in_run: int = attrs.field(default=0, init=False)  # since these 429s began
     _independent_until: float = attrs.field(default=-math.inf, init=False)
     _answers_429: bool = attrs.field(default=False, init=False)  # a concurrency 429 came
     # the engine's metrics
@@ -323,6 +324,7 @@ class AdaptiveController:
                 self.latency(latency, in_flight)
             self._successes += 1
             self._ok_since_429 += 1
+            self._ok_in_run += 1
             self._succeeded.append(now)
             if self._successes >= max(self.size, self.min_round):
                 return self._end_round(now)
@@ -338,10 +340,13 @@ class AdaptiveController:
         if now - self._last_429 >= self.cooldown:
             self._overload_since = now  # the first 429 after a quiet cooldown
             self._before_429s = self.size
+            self._ok_in_run = 0
         self._last_429 = now
         served, self._ok_since_429 = self._ok_since_429, 0
         lowest = self.size <= self.min and in_flight <= self.min
-        if served and (lowest or 2 * self.size <= self._before_429s):
+        # calls succeeded since the last 429 (at the least size), or since these 429s began
+        # (at half the size: a limit's 429s may come in a run, a sliding window's)
+        if (lowest and served) or (self._ok_in_run and 2 * self.size <= self._before_429s):
             # at the least concurrency it may use, or at half the size at which 429s began,
             # the endpoint still answers some calls and refuses others: these 429s do not
             # depend on the calls in flight (a concurrency limit's stop once the window is
