@@ -36,7 +36,7 @@ def bench(session: nox.Session) -> None:
     quick = ["--quick"] if "quick" in session.posargs else []
     benches = ("runner", "eval", "serve", "aio", "redis", "redis_client", "via", "report", "http",
                "verifiers", "adaptive", "agents", "deadlines", "groups", "engines", "scale",
-               "sandboxes", "sandbox_admission", "streaming", "async_rl")  # fmt: skip
+               "sandboxes", "sandbox_admission", "streaming", "async_rl", "zoo")  # fmt: skip
     for bench in benches:
         session.run("python", "-m", f"bench.{bench}", *quick)
     session.run("python", "-m", "bench.http", "--served", *quick)  # the served path's clients

@@ -106,7 +106,7 @@ def test_each_command_builds_the_library_objects(tmp_path: Path) -> None:
 
 
 # The readers of an option group that several commands share: each command's edge calls them.
-READERS = {"taskset_options", "env_options", "endpoints", "model_options"}
+READERS = {"taskset_options", "env_options", "endpoints", "model_options", "window_arg"}
 EDGES = {"run", "run_worker_command", "run_enqueue"}
 
 

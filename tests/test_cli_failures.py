@@ -447,6 +447,11 @@ def test_bad_taskset_args_are_usage_errors(tmp_path: Path, args: list[str], mess
      (["-c", "8-4-16"],
       "argument -c/--max-concurrent: MIN-START-MAX needs 1 <= MIN <= START <= MAX, got '8-4-16'"),
      (["-c", "fast"], "argument -c/--max-concurrent: expected N or MIN-START-MAX"),
+     (["--window-objective", "p99=soon"],
+      "argument --window-objective: expected knee, throughput or p99=SECONDS (e.g. p99=2), "
+      "got 'p99=soon'"),
+     (["-c", "8", "--window-objective", "knee"],
+      "--window-objective knee moves an adaptive window, but -c/--max-concurrent 8 is fixed"),
      (["--max-connections", "0", "-m", "x", "--base-url", "http://127.0.0.1:9/v1"],
       "argument --max-connections: N must be >= 1"),
      (["--rpm", "0"], "argument --rpm: must be a number of units per minute > 0, got '0'"),
@@ -552,7 +557,7 @@ def test_version_and_help_show_every_default(tmp_path: Path) -> None:
     assert (
         "the window: most rollouts in flight; MIN-START-MAX (e.g. 1-8-512) adapts it" in help_text
     )
-    assert "timeouts (default: 32)" in help_text
+    assert "--window-objective (default: 32)" in help_text
 
 
 # --- serve, worker, enqueue: the same error lines -----------------------------------------------

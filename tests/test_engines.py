@@ -291,7 +291,7 @@ def test_engine_metrics_cut_on_a_queue_preemptions_and_a_full_cache_and_freeze_w
     c.engine(EngineLoad(40, 0, 0.5, 3), 10.0)
     assert full_round(10.5) is None  # held for a cooldown after the engine's last cut (3.0)
     c.engine(EngineLoad(40, 0, 0.5, 3), 18.5)
-    assert full_round(19.0) == tt._core.adaptive.Change(42, "grow")  # room: it grows by 5 %
+    assert full_round(19.0) == tt._core.adaptive.Change(50, "grow")  # room: a measured step of 25 %
     c.engine(EngineLoad(42, 0, 0.5, 3), 19.5)
     assert full_round(30.0) is None  # the last reading is 10.5 s old: frozen
     c.engine(EngineLoad(42, 0, 0.95, 3), 31.0)  # KV over kv_grow: no growth, no cut
@@ -315,7 +315,9 @@ async def test_a_request_rate_limit_paces_the_calls_instead_of_cutting_the_windo
         rate, summary = await _eval(server.url, AdaptiveBounds(1, 8, 64), 2000, tmp_path,
                                     max_retries=20)  # fmt: skip
         share = server.limited / (server.ok + server.limited)
-    assert rate >= 0.85 * 200  # the first second finds the rate; then about 200/s
+    # the first seconds find the rate, each 429's Retry-After (1 s) holding every call (the
+    # server's true wait is milliseconds: the hold's cost); then about 200/s
+    assert rate >= 0.75 * 200
     assert share < 0.05
     assert min(size for _, size, _ in summary["window_history"]) >= 8  # never cut
 

@@ -66,6 +66,7 @@ from .options import (
     debug_fix,
     flag_message,
     warn,
+    window_arg,
 )
 
 if TYPE_CHECKING:
@@ -369,7 +370,7 @@ def eval_command(args: argparse.Namespace) -> EvalCommand:
     config = EvalConfig(
         num_examples=args.num_examples,
         rollouts_per_example=args.rollouts_per_example,
-        max_concurrent=args.max_concurrent,
+        max_concurrent=window_arg(args),
         shuffle=args.shuffle,
         seed=0 if args.seed is None else args.seed,
         resume=args.resume,

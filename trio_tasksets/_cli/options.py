@@ -24,7 +24,7 @@ import sys
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
-from .._core.adaptive import AdaptiveBounds, WindowArgumentError, parse_window
+from .._core.adaptive import AdaptiveBounds, WindowArgumentError, check_objective, parse_window
 from .._core.exceptions import ConfigError, EmptyEvalError, EvalWarning, TrioTasksetsError
 from .._transport import redact_url
 
@@ -46,9 +46,11 @@ __all__ = [
     "flag_message",
     "json_object",
     "names",
+    "objective_option",
     "per_minute",
     "seconds",
     "warn",
+    "window_arg",
     "window_option",
 ]
 
@@ -237,12 +239,43 @@ def add_flags(
 
 
 def add_window_option(group: argparse._ActionsContainer, *, help: str) -> None:
-    """`-c/--max-concurrent N|MIN-START-MAX` (default 32): an int or `AdaptiveBounds`."""
+    """`-c/--max-concurrent N|MIN-START-MAX` (default 32): an int or `AdaptiveBounds`; and
+    `--window-objective knee|throughput|p99=SECONDS` (read together by `window_arg`)."""
     group.add_argument(
         "-c", "--max-concurrent", type=window_option, default=32, metavar="N|MIN-START-MAX",
-        help=f"{help}; MIN-START-MAX (e.g. 1-8-512) adapts it: it grows while runs succeed, "
-        "is cut on HTTP 429 and pauses on 5xx and timeouts",
+        help=f"{help}; MIN-START-MAX (e.g. 1-8-512) adapts it to what the endpoint does: "
+        "a request-rate limit's 429s pace the calls, a concurrency limit's cap the window, "
+        "and against an engine that queues it settles per --window-objective",
     )  # fmt: skip
+    group.add_argument(
+        "--window-objective", type=objective_option, default=None,
+        metavar="knee|throughput|p99=SECONDS",
+        help="what an adaptive -c serves: knee (the default: the most throughput at the "
+        "least queueing), throughput (grow while throughput still rises at all), or "
+        "p99=SECONDS (the most throughput whose p99 latency stays under SECONDS)",
+    )  # fmt: skip
+
+
+def objective_option(text: str) -> str:
+    """`--window-objective`: `check_objective`, whose message argparse shows after the flag."""
+    try:
+        return check_objective(text, parameter="value")
+    except ConfigError as exc:
+        raise argparse.ArgumentTypeError(str(exc).removeprefix("value: ")) from None
+
+
+def window_arg(args: argparse.Namespace) -> int | AdaptiveBounds:
+    """`-c` with `--window-objective` in it. Raises `UsageError` for an objective given with a
+    fixed `-c N` (nothing to adapt)."""
+    window, objective = args.max_concurrent, args.window_objective
+    if objective is None:
+        return window  # type: ignore[no-any-return]
+    if not isinstance(window, AdaptiveBounds):
+        raise UsageError(
+            f"--window-objective {objective} moves an adaptive window, but -c/--max-concurrent "
+            f"{window} is fixed: give -c MIN-START-MAX (e.g. -c 1-8-512)"
+        )
+    return window._replace(objective=objective)
 
 
 def add_metrics_option(parser: argparse._ActionsContainer) -> None:

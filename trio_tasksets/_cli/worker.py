@@ -37,6 +37,7 @@ from .options import (
     add_metrics_option,
     add_time_limit_option,
     add_window_option,
+    window_arg,
 )
 
 if TYPE_CHECKING:
@@ -164,7 +165,7 @@ def worker_command(args: argparse.Namespace) -> WorkerCommand:
         config = WorkerConfig(
             feed=args.feed, stream=args.stream, group=args.group, results=args.results,
             consumer=default_consumer() if args.consumer is None else args.consumer,
-            max_concurrent=args.max_concurrent, claim_idle=args.claim_idle, grace=args.grace,
+            max_concurrent=window_arg(args), claim_idle=args.claim_idle, grace=args.grace,
             retries=args.retries, dashboard=not args.no_dashboard, time_limit=args.time_limit,
             metrics_port=args.metrics_port,
         )  # fmt: skip

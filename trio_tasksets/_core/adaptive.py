@@ -14,6 +14,7 @@
 
 from __future__ import annotations
 
+import bisect
 import enum
 import math
 import re
@@ -30,6 +31,7 @@ from .views import View
 from .window import Window, check_size
 
 __all__ = [
+    "OBJECTIVES",
     "AdaptiveBounds",
     "AdaptiveController",
     "AdaptiveWindow",
@@ -40,10 +42,16 @@ __all__ = [
     "WindowArgumentError",
     "WindowSpec",
     "build_window",
+    "check_objective",
     "check_window_spec",
     "parse_window",
     "window_spec",
 ]
+
+
+MIN_GAIN = {"knee": 0.12, "throughput": 0.03, "p99": 0.03}
+"""Per objective: the least elasticity of throughput (d log X / d log size) a step up must
+show to be kept. A knee is where more window adds less than `knee`'s share of itself."""
 
 
 class Outcome(enum.Enum):
@@ -130,22 +138,32 @@ class AdaptiveController:
 
     Against a server that queues instead of answering 429 (a self-hosted engine), the
     *latency signal* (calls' latencies, `latency()` or `record(..., latency=)`; without any,
-    or once the endpoint has answered a concurrency 429, whose rules then speak for its
-    capacity, none of this applies):
+    once the endpoint has answered a concurrency 429, whose rules then speak for its
+    capacity, or while a request-rate limit's pacing binds, none of this applies) serves
+    the `objective`:
 
     * Each round's throughput is estimated by Little's law, ``X = mean in flight / mean
-      latency`` (latencies average out far better than completion counts). While a round's
-      mean latency stays under `probe_above` times the lowest seen, the size grows as it
-      would without the latency signal. Past that, a growth step is a probe: the round after it settles (its calls started at the old size), the next
-      one measures, and the step is kept only if it paid: ``(X_new / X_old - 1) /
-      (size_new / size_old - 1) >= min_gain`` (the throughput rose by at least `min_gain`
-      of the proportional rise). Otherwise the size goes back (reason "no gain"); a failed
-      doubling ends slow start and probing goes on at once by smaller steps, a failed small
-      step makes growth wait `cooldown` seconds before the next probe. After slow start a
-      probe adds `max(1, probe * size)` (a step big enough to measure).
-    * Queueing at a steady size: two rounds in a row whose mean latency exceeds `queueing`
-      times the latency measured when the size was taken cut to `floor(size * cut)` (reason
-      "latency"; one such round only pauses growth).
+      latency`` (latencies average out far better than completion counts, which come in
+      waves from an engine's batches). Sizes are kept or given up for that throughput
+      alone: a busy client (its own CPU, other processes beside it) makes every call
+      slower, but a smaller size then delivers less too, so the client's lag is never read
+      as the engine's queue.
+    * Every step is a probe: the round after it settles (its calls started at the old size),
+      the next one measures, and the step is judged by the *elasticity* of throughput,
+      ``e = log(X_new / X_old) / log(size_new / size_old)``. A step up is kept if ``e >=
+      min_gain`` (by default per objective, `MIN_GAIN`: `knee` 0.12, `throughput` and
+      `p99` 0.03), else it goes back (reason "no gain"). Slow start doubles; with `knee`,
+      its failed doubling probes *down* from the size before it, by `probe` steps (reason
+      "probe down"), each kept while giving the step up costs less than `min_gain` of its share,
+      until one costs more (it goes back, reason "lost throughput", and growth waits
+      `cooldown` seconds): the window settles at the knee, where more concurrency adds
+      less than `min_gain` of itself, from either side (the other objectives go on up by
+      `probe` steps). A failed small step up waits `cooldown` too. After slow start a step adds `max(1, probe * size)`.
+    * `p99=SECONDS`: a step up whose round had a call slower than SECONDS goes back, and
+      two rounds in a row with one cut to `floor(size * cut)` (reason "p99").
+    * Slower at a steady size (two rounds in a row whose mean latency exceeds `queueing`
+      times the latency measured when the size was taken): a probe down by `cut`
+      (reason "latency"), given up if it lost throughput.
 
     With the engine's own metrics (`engine()`, e.g. every second), growth also needs the last
     reading to show no waiting calls, KV usage under `kv_grow` and no preemptions too many
@@ -159,14 +177,17 @@ class AdaptiveController:
     the last reading, when the engine counts those; else any) or KV usage at `kv_high` cut
     by a tenth (reasons "preemption", "kv cache"); each cut by at most the factor `cut`.
 
-    429s that do not come from concurrency (`Outcome.REQUEST_RATE`, a request-rate limit
-    the server names in its headers) neither cut nor cap: the window's `Pacer` spreads the
-    calls instead, and the size does not grow while paced. A 429 without such headers is a
-    concurrency 429 unless it comes when the window is already at `min`, with no more than
-    `min` calls in flight, and calls have succeeded since the last 429 (at the same
-    concurrency the endpoint answers some calls and refuses others): such 429s do not depend
-    on the calls in flight, so the size goes back to where it was when those 429s began (reason "429 not
-    concurrency"), and for `4 * cooldown` seconds 429s count as `REQUEST_RATE`.
+    429s that do not come from concurrency (`Outcome.REQUEST_RATE`: a request-rate limit
+    the server names in its headers, or found by behaviour) neither cut nor cap: the
+    window's `Pacer` spreads the calls at the rate the limit lets through, and the size
+    does not grow while the pacing binds. A 429 without such headers is taken for a
+    concurrency 429 (capped as above) until its behaviour says otherwise: 429s that keep
+    coming, with calls succeeding since they began, once the size is down to half of what
+    it was then (a concurrency limit's stop there: a slow start overshoots it by at
+    most twice) or to `min` with no more than `min` calls in flight, do not depend on the
+    calls in flight. The size then goes back to where it was when those 429s began (reason
+    "429 not concurrency"), and for `max(4 * cooldown, 120)` seconds, renewed by each,
+    429s count as `REQUEST_RATE`.
     """
 
     min: int
@@ -178,7 +199,7 @@ class AdaptiveController:
     utilization: float = 0.8
     min_round: int = 4
     slow_start: bool = attrs.field(default=True, kw_only=True)
-    min_gain: float = attrs.field(default=0.3, kw_only=True)
+    min_gain: float | None = attrs.field(default=None, kw_only=True)  # None: the objective's
     probe: float = attrs.field(default=0.25, kw_only=True)
     queueing: float = attrs.field(default=1.5, kw_only=True)
     probe_above: float = attrs.field(default=1.2, kw_only=True)
@@ -187,6 +208,8 @@ class AdaptiveController:
     preemption_share: float = attrs.field(default=0.01, kw_only=True)
     engine_stale: float = attrs.field(default=5.0, kw_only=True)
     paced: bool = attrs.field(default=False, kw_only=True)  # set by the window's Pacer
+    pace_binds: bool = attrs.field(default=False, kw_only=True)  # calls wait for their turn
+    objective: str = attrs.field(default="knee", kw_only=True)
     _successes: int = attrs.field(default=0, init=False)
     _peak: int = attrs.field(default=0, init=False)
     _clean: bool = attrs.field(default=True, init=False)
@@ -198,6 +221,13 @@ class AdaptiveController:
     # the latency signal: this round's samples, the probe under way, the accepted latency
     _lat_sum: float = attrs.field(default=0.0, init=False)
     _lat_n: int = attrs.field(default=0, init=False)
+    _lat_max: float = attrs.field(default=0.0, init=False)  # the round's slowest call
+    _worst: float = attrs.field(default=0.0, init=False)  # the last round's
+    _bound: float | None = attrs.field(default=None, init=False)  # p99=SECONDS
+    _gain: float = attrs.field(default=0.0, init=False)  # min_gain, resolved
+    _down: bool = attrs.field(default=False, init=False)  # probing down for the knee
+    # the last round measured: (size, calls/s by Little's law, mean and worst latency)
+    measured: tuple[int, float, float, float] | None = attrs.field(default=None, init=False)
     _load_sum: float = attrs.field(default=0.0, init=False)
     _settle: bool = attrs.field(default=False, init=False)
     _probe_from: tuple[int, float] | None = attrs.field(default=None, init=False)
@@ -208,6 +238,7 @@ class AdaptiveController:
     # 429s that do not depend on concurrency
     _before_429s: int = attrs.field(default=0, init=False)  # the size when they began
     _ok_since_429: int = attrs.field(default=0, init=False)
+    _ok_in_run: int = attrs.field(default=0, init=False)  # since these 429s began
     _independent_until: float = attrs.field(default=-math.inf, init=False)
     _answers_429: bool = attrs.field(default=False, init=False)  # a concurrency 429 came
     # the engine's metrics
@@ -220,6 +251,11 @@ class AdaptiveController:
 
     def __attrs_post_init__(self) -> None:
         _check_bounds(self.min, self.size, self.max)
+        self.objective = check_objective(self.objective)
+        self._bound = objective_bound(self.objective)
+        if self.min_gain is None:
+            self.min_gain = MIN_GAIN[self.objective.split("=")[0]]
+        self._gain = self.min_gain
         self._succeeded = deque(maxlen=self.max)
         rules = (
             (0 < self.cut < 1, "cut", "between 0 and 1 (a factor)"),
@@ -227,7 +263,7 @@ class AdaptiveController:
             (self.growth > 0, "growth", "> 0 (a fraction of the size)"),
             (0 < self.utilization <= 1, "utilization", "in (0, 1]"),
             (self.min_round >= 1, "min_round", ">= 1"),
-            (0 <= self.min_gain <= 1, "min_gain", "in [0, 1]"),
+            (0 <= self._gain <= 1, "min_gain", "in [0, 1]"),
             (self.probe > 0, "probe", "> 0 (a fraction of the size)"),
             (self.probe_above >= 1, "probe_above", ">= 1 (a latency factor)"),
             (self.queueing > 1, "queueing", "> 1 (a latency factor)"),
@@ -253,6 +289,8 @@ class AdaptiveController:
         """The outcome as the controller counts it: a 429 while 429s were found not to
         depend on concurrency is `REQUEST_RATE`."""
         if outcome is Outcome.RATE_LIMITED and now < self._independent_until:
+            # still a request-rate limit's: recognised for as long again
+            self._independent_until = max(self._independent_until, now + 4 * self.cooldown)
             return Outcome.REQUEST_RATE
         return outcome
 
@@ -261,6 +299,7 @@ class AdaptiveController:
         if seconds >= 0 and math.isfinite(seconds):
             self._lat_sum += seconds
             self._lat_n += 1
+            self._lat_max = max(self._lat_max, seconds)
             self._load_sum += in_flight
 
     def record(
@@ -285,6 +324,7 @@ class AdaptiveController:
                 self.latency(latency, in_flight)
             self._successes += 1
             self._ok_since_429 += 1
+            self._ok_in_run += 1
             self._succeeded.append(now)
             if self._successes >= max(self.size, self.min_round):
                 return self._end_round(now)
@@ -300,12 +340,18 @@ class AdaptiveController:
         if now - self._last_429 >= self.cooldown:
             self._overload_since = now  # the first 429 after a quiet cooldown
             self._before_429s = self.size
+            self._ok_in_run = 0
         self._last_429 = now
         served, self._ok_since_429 = self._ok_since_429, 0
-        if self.size <= self.min and in_flight <= self.min and served:
-            # at the least concurrency it may use, the endpoint answers some calls and
-            # refuses others: these 429s do not depend on the calls in flight
-            self._independent_until = now + 4 * self.cooldown
+        lowest = self.size <= self.min and in_flight <= self.min
+        # calls succeeded since the last 429 (at the least size), or since these 429s began
+        # (at half the size: a limit's 429s may come in a run, a sliding window's)
+        if (lowest and served) or (self._ok_in_run and 2 * self.size <= self._before_429s):
+            # at the least concurrency it may use, or at half the size at which 429s began,
+            # the endpoint still answers some calls and refuses others: these 429s do not
+            # depend on the calls in flight (a concurrency limit's stop once the window is
+            # down to it, and a slow start overshoots it by at most twice)
+            self._independent_until = now + max(4 * self.cooldown, 120.0)
             self._new_round()
             size = min(self.max, max(self.size, self._before_429s))
             return self._set(size, "429 not concurrency")
@@ -390,11 +436,14 @@ class AdaptiveController:
             self._clean
             and self._peak >= self.utilization * self.size
             and now - self._last_429 >= self.cooldown
-            and not self.paced
+            and not self.pace_binds
         )
         measured = self._measure()
         settle, self._settle = self._settle, False
         probe_from = self._probe_from
+        self._worst = self._lat_max
+        if measured is not None and not settle:
+            self.measured = (self.size, measured[0], measured[1], self._worst)
         self._new_round()
         if self._engine_at > -math.inf:  # the engine's metrics gate growth too
             grow = (
@@ -403,60 +452,101 @@ class AdaptiveController:
                 and now - self._engine_at <= self.engine_stale
                 and self._engine_at > self._grown_at  # one step per reading, seen after it
             )
-        if measured is not None and not self._answers_429:
-            throughput, latency = measured
-            self._min_latency = min(self._min_latency, latency)
-            if settle:  # its calls started at the old size: measure the next round
-                self._probe_from = probe_from
-                grow = False
-            elif probe_from is not None:
-                old, old_throughput = probe_from
-                gain = (throughput / old_throughput - 1) / (self.size / old - 1)
-                if gain < self.min_gain:
-                    # a failed doubling goes on probing by smaller steps at once; a failed
-                    # small step waits a cooldown
-                    if not self.slow_start:
+        if measured is not None and not self._answers_429 and not self.paced:
+            change, grow = self._latency_signal(now, measured, settle, probe_from, grow)
+            if change is not None or not grow:
+                return change
+            self._grown_at = now
+            if self._down and self.size > self.min:  # looking for the knee below
+                size = max(self.min, math.ceil(self.size * (1 - self.probe)))
+                return self._set(size, "probe down", measured)
+            self._down = False
+            if self.slow_start:  # every step is a probe: measured, kept only if it paid
+                return self._set(min(self.max, 2 * self.size), "slow start", measured)
+            step = max(1, math.floor(self.probe * self.size))
+            return self._set(min(self.max, self.size + step), "grow", measured)
+        if not grow:
+            return None
+        self._grown_at = now
+        if self.slow_start:
+            return self._set(min(self.max, 2 * self.size), "slow start")
+        step = max(1, math.floor(self.growth * self.size))
+        return self._set(min(self.max, self.size + step), "grow")
+
+    def _elasticity(self, old: int, old_throughput: float, throughput: float) -> float:
+        """d log(throughput) / d log(size) between the old size and this one."""
+        if old == self.size or old_throughput <= 0 or throughput <= 0:
+            return 0.0
+        return math.log(throughput / old_throughput) / math.log(self.size / old)
+
+    def _latency_signal(
+        self,
+        now: float,
+        measured: tuple[float, float],
+        settle: bool,
+        probe_from: tuple[int, float] | None,
+        grow: bool,
+    ) -> tuple[Change | None, bool]:
+        """The objective's rules on one measured round: (a change, whether growth may go
+        on). See the class."""
+        throughput, latency = measured
+        self._min_latency = min(self._min_latency, latency)
+        bound = self._bound
+        worst = self._worst
+        if settle:  # its calls started at the old size: measure the next round
+            self._probe_from = probe_from
+            return None, False
+        if probe_from is not None:
+            old, old_throughput = probe_from
+            gain = self._elasticity(old, old_throughput, throughput)
+            over = bound is not None and worst > bound
+            if old < self.size:  # a step up: kept if throughput rose by `min_gain` of it
+                if gain < self._gain or over:
+                    # the knee is below: probe down from the old size next (a size that
+                    # costs less than `min_gain` of its share of throughput is given up)
+                    # (`knee` only: the other objectives want all the throughput there is)
+                    self._down = not over and self.slow_start and self.objective == "knee"
+                    if not self.slow_start:  # a failed doubling goes on by smaller steps
                         self._hold_until = now + self.cooldown
                     self.slow_start = False
                     self._settle = True
                     self._ref_latency = None
-                    return self._set(max(self.min, old), "no gain")
-                self._ref_latency = latency
-            elif self._ref_latency is None:
-                self._ref_latency = latency
-            elif latency > self.queueing * self._ref_latency:
-                self._slow_rounds += 1
-                if self._slow_rounds >= 2:  # two rounds in a row: not one noisy round
-                    self._slow_rounds = 0
-                    self._ref_latency = None
-                    self._settle = True
-                    return self._set(max(self.min, math.floor(self.size * self.cut)), "latency")
-                grow = False
-            else:
+                    return self._set(max(self.min, old), "no gain"), False
+            elif gain > self._gain and not over:  # a step down that cost throughput
+                self._down = False
+                self._hold_until = now + self.cooldown
+                self._settle = True
+                self._ref_latency = None
+                return self._set(min(self.max, old), "lost throughput"), False
+            self._ref_latency = latency
+            self._slow_rounds = 0
+            return None, grow and now >= self._hold_until
+        if self._ref_latency is None:
+            self._ref_latency = latency
+        elif (bound is not None and worst > bound) or latency > self.queueing * self._ref_latency:
+            # slower than when this size was taken (or over the p99 bound): two rounds in a
+            # row try a smaller size, measured like a step up (undone if it cost throughput;
+            # over the bound, kept)
+            self._slow_rounds += 1
+            if self._slow_rounds >= 2:
                 self._slow_rounds = 0
-            grow = grow and now >= self._hold_until
-        if not grow:
-            return None
-        self._grown_at = now
-        if self._answers_429 or (
-            measured is not None
-            and probe_from is None
-            and measured[1] < self.probe_above * self._min_latency
-        ):
-            measured = None  # latency as low as ever: grow as without the latency signal
-        if self.slow_start:
-            change = self._set(min(self.max, 2 * self.size), "slow start", measured)
+                self.slow_start = False
+                size = max(self.min, math.floor(self.size * self.cut))
+                if bound is not None and worst > bound:
+                    self._settle = True
+                    self._ref_latency = None
+                    return self._set(size, "p99"), False
+                return self._set(size, "latency", measured), False
+            return None, False
         else:
-            fraction = self.growth if measured is None else self.probe
-            step = max(1, math.floor(fraction * self.size))
-            change = self._set(min(self.max, self.size + step), "grow", measured)
-        return change
+            self._slow_rounds = 0
+        return None, grow and now >= self._hold_until
 
     def _new_round(self) -> None:
         self._successes = 0
         self._peak = 0
         self._clean = True
-        self._lat_sum = self._load_sum = 0.0
+        self._lat_sum = self._load_sum = self._lat_max = 0.0
         self._lat_n = 0
         self._probe_from = None
 
@@ -465,7 +555,7 @@ class AdaptiveController:
     ) -> Change | None:
         if size == self.size:
             return None
-        if measured is not None and size > self.size:  # a probe: settle, then measure
+        if measured is not None:  # a probe (either way): settle, then measure
             self._probe_from = (self.size, measured[0])
             self._settle = True
         elif size < self.size:  # measure the new size afresh, once its calls have turned over
@@ -476,28 +566,39 @@ class AdaptiveController:
 
 
 class Pacer:
-    """Call starts spread at `rate` a second, once a request-rate limit answered 429.
+    """Call starts spread at `rate` a second, once a request-rate limit answered 429, and
+    held, all of them, until a Retry-After is over.
 
     Unpaced (`rate` None) until `limited()` hears such a 429; then `rate` is `margin` times
-    the calls of the last `span` seconds (or since the first call, if sooner), and `wait()` spaces call starts `1 / rate` apart,
-    in arrival order. Each further 429, at most once per `span`, lowers it to `margin` times
-    the successes of the last `span` (what the limit evidently lets through); with no 429
-    the rate grows by `growth` a second (10x that after the first 429, a rough guess, until
-    the second), a limit may have risen, and pacing ends once the rate is 4x what
-    succeeds. If pacing did
-    not lower the 429s' share of calls (still at least half of it, and at least 10 %), the
-    429s do not depend on the rate either: pacing ends and 429s are ignored here for
-    `forget` seconds (they are only retried). Reads `trio.current_time()`, so it is exact on
-    a MockClock.
+    the rate at which calls were made over the last `span` seconds (since the first success
+    in it), a rate the limit is evidently below (a rough guess: until the next change it
+    grows by half a second). `wait()` spaces call starts
+    `1 / rate` apart, in arrival order. Each further 429, at most once per `span / 4`,
+    lowers it to `margin` times what succeeded since the last change (a rate set too high
+    lets the limit's own rate through; when a Retry-After held the calls for over a
+    quarter of that time, by at most 20 %). With no 429 the rate creeps up, by `growth` a
+    second at first and twice that every 10 s without a 429 (4x, and twice that every
+    5 s, when the 429s had no Retry-After, whose probes cost less; a tenth of it, doubling
+    three times slower, once a 429 found the limit within 10 % of the rate), at most 10 %
+    a second: a limit may have risen, a Retry-After's hold may have set the rate low (the
+    seconds held count in what succeeded); never while calls are held. Pacing ends once the
+    rate is 4x what succeeds.
+
+    A 429's `retry_after` (seconds) holds every call start until it is over
+    (`held_until`): the limit said when it lets calls through again, and calls sent before
+    then only add 429s. If pacing did not lower the 429s' share of calls (still half of
+    what it was once paced, and at least 10 %, after 4 changes), they do not depend on
+    the rate either: pacing ends and 429s are ignored here for `forget` seconds (only
+    retried). Reads `trio.current_time()`, so it is exact on a MockClock.
     """
 
     def __init__(
         self,
         *,
         span: float = 1.0,
-        margin: float = 0.95,
-        growth: float = 0.05,
-        min_rate: float = 1.0,
+        margin: float = 0.97,
+        growth: float = 0.005,
+        min_rate: float = 0.1,
         forget: float = 60.0,
     ) -> None:
         if not span > 0 or not 0 < margin <= 1 or not growth >= 0 or not min_rate > 0:
@@ -511,70 +612,118 @@ class Pacer:
         self.min_rate = min_rate
         self.forget = forget
         self.rate: float | None = None
+        self.held_until = -math.inf  # no call starts before (a Retry-After)
+        self.queued = 0  # calls waiting for their turn now
+        self._limited_at = -math.inf
+        self._held = False  # the last 429 had a Retry-After
+        self._settled = False  # the last change found the limit near the rate
+        self._held_from = -math.inf  # when the last hold began
+        self.most_cut = 0.8  # the most one change takes off, when calls were held
         self.waited = 0.0  # seconds call starts waited, in total
         self._next = -math.inf
         self._grown_at = 0.0
         self._ok: deque[float] = deque()
         self._limited: deque[float] = deque()
         self._cut_at = -math.inf
-        self._cut_share = 0.0
-        self._ignore_until = -math.inf
+        self._first_share = 0.0
         self._cuts = 0
+        self._ignore_until = -math.inf
 
     def _trim(self, now: float) -> None:
-        for times in (self._ok, self._limited):
-            while times and times[0] < now - self.span:
-                times.popleft()
+        while self._ok and self._ok[0] < now - self.span:
+            self._ok.popleft()
+        while self._limited and self._limited[0] < now - self.span:
+            self._limited.popleft()
 
     def success(self, now: float) -> None:
         self._ok.append(now)
         self._trim(now)
         if self.rate is None:
             return
-        growth = self.growth if self._cuts > 1 else 10 * self.growth  # first: a rough guess
-        self.rate *= 1 + growth * max(0.0, now - self._grown_at)
+        # creeping up, faster the longer no 429 came (doubling every 15 s, at most 5 %/s):
+        # a rate set low by a burst finds the limit again, a rate at it seldom probes over
+        # (slower after a Retry-After: each probe over the limit then holds every call)
+        quiet = min(now - self._limited_at, 120.0)
+        base, doubling = (self.growth, 10.0) if self._held else (4 * self.growth, 5.0)
+        if self._settled:  # the last 429 found the limit where the rate was: probe seldom
+            base, doubling = base / 10, 3 * doubling
+        growth = min(0.1, base * 2 ** (quiet / doubling))
+        if self._cuts < 2:  # the first rate is a rough guess (from the calls of a moment)
+            growth = 0.5
+        self.rate *= 1 + growth * max(0.0, now - max(self._grown_at, self.held_until))
         self._grown_at = now
-        if self.rate > 4 * len(self._ok) / self.span and now - self._cut_at > 4 * self.span:
+        if (
+            self.rate > 4 * len(self._ok) / self.span
+            and now - max(self._cut_at, self.held_until) > 4 * self.span
+        ):
             self.rate = None  # far above what succeeds: the limit no longer binds
             self._cuts = 0
 
-    def limited(self, now: float) -> None:
-        """A 429 of a request-rate limit came at `now`."""
+    def limited(self, now: float, retry_after: float | None = None) -> None:
+        """A 429 of a request-rate limit came at `now`, with its Retry-After if any."""
         if now < self._ignore_until:
             return
+        held, held_from, self._limited_at = self.held_until, self._held_from, now
+        self._held = retry_after is not None and retry_after > 0
+        if retry_after is not None and retry_after > 0:
+            if held <= now:
+                self._held_from = now
+            self.held_until = max(self.held_until, now + retry_after)
         self._limited.append(now)
         self._trim(now)
-        if now - self._cut_at < self.span:
+        if held > now:  # sent before the hold began: nothing new to measure
             return
-        share = len(self._limited) / (len(self._limited) + len(self._ok))
-        if self.rate is not None and share >= max(0.1, 0.5 * self._cut_share):
-            self.rate = None  # pacing did not help: these 429s do not depend on the rate
+        if self.rate is not None and now - self._cut_at < self.span / 4:
+            return
+        # the 429s' share since the last change of the rate (over the last span at most)
+        after = max(now - self.span, self._cut_at)
+        refused = len(self._limited) - bisect.bisect_right(self._limited, after)
+        share = refused / max(1, refused + len(self._ok) - bisect.bisect_right(self._ok, after))
+        if self._cuts >= 4 and share >= max(0.1, 0.5 * self._first_share):
+            # pacing did not lower the 429s' share: they do not depend on the rate either
+            self.rate = None
             self._ignore_until = now + self.forget
             self._cuts = 0
             return
-        # over the last span, or since the oldest call heard of if that is shorter
-        oldest = min(times[0] for times in (self._ok, self._limited) if times)
-        seconds = max(now - oldest, self.span / 10)
-        if self.rate is None:  # start at the calls' rate; the next span measures the limit
-            calls = len(self._ok) + len(self._limited)
-            self.rate = max(self.min_rate, self.margin * calls / seconds)
-        elif self._ok:
-            measured = self.margin * len(self._ok) / seconds
-            self.rate = max(self.min_rate, min(self.rate, measured))
+        if self._cuts == 1:  # the share once paced: what pacing should lower
+            self._first_share = share
+        # what succeeded over the last span (since the first success in it), or since the
+        # last change if sooner: a rate set too high lets the limit's own rate through
+        ok = len(self._ok) - bisect.bisect_right(self._ok, after)
+        if ok < 3:  # too few to measure (a Retry-After's hold, a slow limit)
+            return
+        start = self._ok[-ok] if self.rate is None else after
+        seconds = max(now - start, self.span / 10)
+        if self.rate is None:  # the first time, every call: the limit's rate is below
+            ok = refused + ok
+        measured = max(self.min_rate, self.margin * ok / seconds)
+        self._settled = self.rate is not None and measured >= 0.9 * self.rate
+        if self.rate is not None:
+            # a Retry-After's hold over much of it: the limit let little through because
+            # the calls were held, not only because it is low; down by at most `most_cut`
+            held = max(0.0, min(now, held) - max(start, held_from))
+            if held > seconds / 4:
+                measured = max(measured, self.most_cut * self.rate)
+            measured = min(self.rate, measured)
+        self.rate = measured
         self._grown_at = now
         self._cut_at = now
-        self._cut_share = share
         self._cuts += 1
 
     async def wait(self) -> float:
-        """Wait for this call's turn (at once when unpaced); return the seconds waited."""
-        if self.rate is None:
-            return 0.0
+        """Wait for this call's turn (at once when unpaced and not held); return the seconds
+        waited."""
         now = trio.current_time()
-        start = max(now, self._next)
-        self._next = start + 1.0 / self.rate
+        start = max(now, self.held_until)
+        if self.rate is not None:
+            start = max(start, self._next)
+            self._next = start + 1.0 / self.rate
         if start > now:
-            await trio.sleep_until(start)
+            self.queued += 1
+            try:
+                await trio.sleep_until(start)
+            finally:
+                self.queued -= 1
         waited = trio.current_time() - now
         self.waited += waited
         return waited
@@ -603,9 +752,12 @@ class AdaptiveWindow(Window):
     signal, or feed an engine's metrics to `engine_load()`. A 429 of a request-rate limit
     (`Outcome.REQUEST_RATE`) goes to the window's `pacer`: call `await window.pace()` before
     each call. The controller's options (`cut`, `cooldown`, `growth`, `utilization`,
-    `min_round`, and the keyword-only ones of `AdaptiveController`) are keyword arguments.
-    Each change is in `history` with its reason. Bounds that are not ints with
-    ``1 <= min <= start <= max``, or a bad option, raise a `ConfigError` naming them.
+    `min_round`, and the keyword-only ones of `AdaptiveController`) are keyword arguments;
+    `objective` (``knee``, ``throughput`` or ``p99=SECONDS``, `check_objective`) is what it
+    serves against an engine that queues. Each change is in `history` with its reason, and
+    `report()` says where it settled. Bounds that are not ints with
+    ``1 <= min <= start <= max``, a bad objective or a bad option raise a `ConfigError`
+    naming them.
     """
 
     # duplicates: keyword options with defaults, as the Pacer's: each class's own settings
@@ -614,6 +766,7 @@ class AdaptiveWindow(Window):
         min: int,  # public names: AdaptiveWindow(min, start, max)
         start: int,
         max: int,
+        objective: str = "knee",
         *,
         cut: float = 0.8,
         cooldown: float = 15.0,
@@ -623,8 +776,9 @@ class AdaptiveWindow(Window):
         **options: Any,
     ) -> None:
         self.controller = AdaptiveController(
-            min, max, start, cut, cooldown, growth, utilization, min_round, **options
-        )
+            min, max, start, cut, cooldown, growth, utilization, min_round,
+            objective=check_objective(objective), **options,
+        )  # fmt: skip
         self.start = start  # the size it started at (its CLI form is min-start-max)
         self.pacer = Pacer()
         super().__init__(start)
@@ -663,14 +817,21 @@ class AdaptiveWindow(Window):
         now = trio.current_time()
         outcome = self.controller.classify(outcome, now)
         if outcome is Outcome.REQUEST_RATE:
-            self.pacer.limited(now)
+            self.pacer.limited(now, retry_after)
         elif outcome is Outcome.SUCCESS:
             self.pacer.success(now)
-        self.controller.paced = self.pacer.rate is not None
         active = self.in_flight - self._lent
         change = self.controller.record(outcome, now, active, retry_after, latency=latency)
         if change is not None:
             self._apply(change.size, change.reason)
+        if outcome is Outcome.RATE_LIMITED and self.controller.classify(outcome, now) is (
+            Outcome.REQUEST_RATE
+        ):  # this very 429 showed it: a request-rate limit, found by behaviour
+            self.pacer.limited(now, retry_after)
+        # paced: the limit's rate, not the window, sets the throughput (no latency signal);
+        # and while the pacer binds (calls wait for their turn) the size does not grow
+        self.controller.paced = self.pacer.rate is not None
+        self.controller.pace_binds = self.controller.paced and self.pacer.queued > 0
 
     def observe_latency(self, seconds: float) -> None:
         """One call's latency, apart from the success it may count for (a rollout window hears
@@ -682,6 +843,25 @@ class AdaptiveWindow(Window):
         change = self.controller.engine(load, trio.current_time())
         if change is not None:
             self._apply(change.size, change.reason)
+
+    def report(self) -> dict[str, Any]:
+        """Where the window settled and what it measured there (`summary.json["window"]`):
+        `objective`, `size` (now), `min`, `max`, and of the last round measured, `at` (the
+        size then), `throughput` (calls/s), `latency_mean` and `latency_max` (seconds;
+        None before any), `paced` (calls/s a request-rate limit let through; None when
+        unpaced) and `changes` (the sizes it had)."""
+        measured = self.controller.measured
+        at, throughput, mean, worst = measured if measured is not None else (None,) * 4
+        rate = self.pacer.rate
+        return {
+            "objective": self.controller.objective,
+            "size": self.size, "min": self.min, "max": self.max, "at": at,
+            "throughput": None if throughput is None else round(throughput, 3),
+            "latency_mean": None if mean is None else round(mean, 4),
+            "latency_max": None if worst is None else round(worst, 4),
+            "paced": None if rate is None else round(rate, 3),
+            "changes": len(self._history) - 1,
+        }  # fmt: skip
 
     async def pace(self) -> float:
         """Wait for this call's turn under the window's `Pacer` (at once when unpaced)."""
@@ -726,11 +906,47 @@ class AdaptiveWindow(Window):
 
 
 class AdaptiveBounds(NamedTuple):
-    """`MIN-START-MAX` of an adaptive window: `AdaptiveWindow(*bounds)`."""
+    """`MIN-START-MAX` of an adaptive window, and the objective it serves (`knee`,
+    `throughput` or `p99=SECONDS`: see `check_objective`): `AdaptiveWindow(*bounds)`."""
 
     min: int
     start: int
     max: int
+    objective: str = "knee"
+
+
+OBJECTIVES = ("knee", "throughput", "p99=SECONDS")
+"""What an adaptive window can serve (`--window-objective`)."""
+
+
+def check_objective(objective: object, *, parameter: str = "objective") -> str:
+    """`objective` in its one text form: ``knee`` (the most throughput at the least
+    queueing), ``throughput`` (grow while throughput still rises at all) or ``p99=SECONDS``
+    (the most throughput whose p99 latency stays under SECONDS, e.g. ``p99=2``).
+
+    Raises:
+        ConfigError: naming `parameter`, for anything else (a p99 bound not > 0).
+    """
+    text = objective.strip().lower() if isinstance(objective, str) else None
+    if text in ("knee", "throughput"):
+        return text
+    if text is not None and text.startswith("p99="):
+        try:
+            bound = float(text.removeprefix("p99=").removesuffix("s"))
+        except ValueError:
+            bound = math.nan
+        if math.isfinite(bound) and bound > 0:
+            return f"p99={bound:g}"
+    raise ConfigError(
+        f"{{{parameter}}}: expected knee, throughput or p99=SECONDS (e.g. p99=2), got "
+        f"{objective!r}",
+        parameter=parameter,
+    )
+
+
+def objective_bound(objective: str) -> float | None:
+    """The p99 bound of a ``p99=SECONDS`` objective (checked), else None."""
+    return float(objective.removeprefix("p99=")) if objective.startswith("p99=") else None
 
 
 class WindowArgumentError(ConfigError):
@@ -772,10 +988,12 @@ def _checked(spec: object, parameter: str, *, text: str | None) -> WindowSpec:
         return spec
     if (
         isinstance(spec, tuple)
-        and len(spec) == 3
-        and all(isinstance(n, int) and not isinstance(n, bool) for n in spec)
+        and len(spec) in (3, 4)
+        and all(isinstance(n, int) and not isinstance(n, bool) for n in spec[:3])
     ):
-        bounds = AdaptiveBounds(*spec)
+        bounds = AdaptiveBounds(*spec[:3])
+        if len(spec) == 4:
+            bounds = bounds._replace(objective=check_objective(spec[3], parameter=parameter))
         if not 1 <= bounds.min <= bounds.start <= bounds.max:
             said = (
                 f"{{{parameter}}}: adaptive bounds (min, start, max) need 1 <= min <= start "
@@ -826,7 +1044,7 @@ def build_window(spec: WindowSpec | tuple[int, int, int], *, parameter: str = "w
     if isinstance(checked, Window):
         return checked
     if isinstance(checked, AdaptiveBounds):
-        return AdaptiveWindow(*checked)
+        return AdaptiveWindow(*checked)  # the objective too
     return Window(checked)
 
 
@@ -838,5 +1056,5 @@ def window_spec(window: WindowSpec | tuple[int, int, int]) -> str:
     if isinstance(window, Window):
         return str(window.size)
     if isinstance(window, tuple):
-        return "-".join(str(part) for part in window)
+        return "-".join(str(part) for part in window[:3])
     return str(window)

@@ -258,6 +258,8 @@ def _shown(value: Any) -> Any:
 def _histories(window: Window, ctx: ModelContext, t0: float) -> dict[str, Any]:
     """`window_history`, and `connection_history` per endpoint when they adapt."""
     found: dict[str, Any] = {"window_history": window.history_since(t0)}
+    if isinstance(window, AdaptiveWindow):  # the objective, where it settled, measured there
+        found["window"] = window.report()
     limits = endpoint_limits(ctx)
     if limits is not None and limits.connections is not None:
         found["connection_history"] = {
