@@ -17,18 +17,19 @@ import os
 import shutil
 import signal
 import subprocess
-from collections.abc import AsyncIterator, Mapping, Sequence
+from collections.abc import AsyncIterator, Mapping
+from pathlib import Path
 from typing import Any
 
 import attrs
 import trio
 
 from .._core.exceptions import ConfigError
-from ._base import ExecResult, Sandbox, SandboxError
-from ._box import base_env
+from ._base import Sandbox, SandboxError
+from ._box import ProcessBox
 from ._files import relative_parts
 from ._local import make_limits
-from ._process import Limits, kill_group, run
+from ._process import Limits, Outcome, kill_group, run
 from ._state import forget, note, owner_folder
 
 __all__ = ["DockerBox", "DockerFactory", "docker", "docker_available"]
@@ -60,15 +61,18 @@ def docker_available(binary: str = "docker") -> str | None:
     return None
 
 
-class DockerBox:
+class DockerBox(ProcessBox):
+    """`ProcessBox`'s `exec` (its checks, its timeout, its output limit), each command a
+    ``docker exec`` in the container; the file tools through ``docker exec`` too."""
+
     name = "docker"
 
     def __init__(self, factory: DockerFactory, container: str) -> None:
+        super().__init__(
+            workdir=Path(WORK), inside=WORK, owned=False, limits=factory.limits, env=factory.env
+        )
         self.factory = factory
         self.container = container
-        self.limits = factory.limits
-        self.env = {**base_env(WORK), **factory.env}
-        self.closed = False
 
     def _docker(self, *args: str) -> list[str]:
         return [self.factory.binary, *args]
@@ -85,24 +89,22 @@ class DockerBox:
             start_new_session=True,
         )
 
-    async def exec(
+    def wrap(self, argv: list[str], cwd: str) -> tuple[list[str], str | None]:
+        return ["-w", cwd, self.container, *argv], None  # `_run` puts ``docker exec`` before
+
+    async def _run(
         self,
-        command: str | Sequence[str],
-        *,
-        timeout: float | None = None,  # noqa: ASYNC109 (SPEC 14: a command's own limit)
-        input: bytes | None = None,
-        env: Mapping[str, str] | None = None,
-        cwd: str | None = None,
-    ) -> ExecResult:
-        if self.closed:
-            raise SandboxError("the docker sandbox is closed")
-        argv = ["/bin/sh", "-c", command] if isinstance(command, str) else list(command)
-        where = WORK if cwd is None else (cwd if cwd.startswith("/") else f"{WORK}/{cwd}")
+        wrapped: list[str],
+        host_cwd: str | None,
+        input: bytes | None,
+        timeout: float | None,  # noqa: ASYNC109 (the command's)
+        env: Mapping[str, str] | None,
+    ) -> Outcome:
         flags = ["-i"] if input is not None else []
         for key, value in {**self.env, **(env or {})}.items():
             flags += ["-e", f"{key}={value}"]
-        outcome = await run(
-            self._docker("exec", *flags, "-w", where, self.container, *argv),
+        return await run(
+            self._docker("exec", *flags, *wrapped),
             env=_cli_env(),
             cwd=None,
             input=input,
@@ -110,7 +112,6 @@ class DockerBox:
             limits=self.limits,
             kill=self._kill,
         )
-        return outcome.result
 
     async def read_file(self, path: str) -> bytes:
         parts = relative_parts(path, WORK)
