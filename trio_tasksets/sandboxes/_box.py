@@ -94,6 +94,7 @@ class ProcessBox:
             return cwd
         return f"{self.inside.rstrip('/')}/{cwd}"
 
+    # duplicates: Sandbox.exec's signature (SPEC 14), which this implements
     async def exec(
         self,
         command: str | Sequence[str],
