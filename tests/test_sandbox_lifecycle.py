@@ -37,6 +37,7 @@ class MemoryBox:
         self.files: dict[str, bytes] = {}
         self.closed = False
 
+    # duplicates: Sandbox.exec's signature (SPEC 14), which this fake implements
     async def exec(
         self,
         command: str | Sequence[str],

@@ -418,6 +418,7 @@ class LazyBox:
                 file=sys.stderr,
             )
 
+    # duplicates: Sandbox.exec's signature (SPEC 14), which this implements
     async def exec(
         self,
         command: str | Sequence[str],

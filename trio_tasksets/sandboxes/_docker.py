@@ -92,6 +92,7 @@ class DockerBox(ProcessBox):
     def wrap(self, argv: list[str], cwd: str) -> tuple[list[str], str | None]:
         return ["-w", cwd, self.container, *argv], None  # `_run` puts ``docker exec`` before
 
+    # duplicates: ProcessBox._run's signature, which this overrides
     async def _run(
         self,
         wrapped: list[str],
