@@ -544,6 +544,16 @@ class ModelContext:
         tools: list[dict[str, Any]] | None,
         sampling: Sampling,
     ) -> Completion:
+        """One call as a policy sends it: through the client's `chat_with_versions` when it
+        has one and the call asks for token ids (`OpenAIClient`'s: the engine's own version
+        spans, where vLLM offers them), else as without a policy."""
+        if sampling.return_tokens:
+            versioned = getattr(self.client, "chat_with_versions", None)
+            if versioned is not None:
+                return cast(
+                    Completion,
+                    await versioned(messages, model=self.model, sampling=sampling, tools=tools),
+                )
         if tools is None:
             return await self.client.chat(messages, model=self.model, sampling=sampling)
         return await self._chat_with_tools(messages, tools, sampling)
