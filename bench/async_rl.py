@@ -23,7 +23,11 @@ stale) are shown too.
 
 Then the gate's own cost: the same asynchronous run with no update (process CPU time of a
 run on the MockClock: pure Python), with and without a `tt.Policy` on the model context.
-Goal: <= 3 % more. Best and median of `--repeat` runs, interleaved.
+Goal: <= 3 % more. Best and median of `--repeat` runs, interleaved. And as a user sees it:
+an eval-shaped run (`tt.run_stream` of `ModelContext.chat` calls, 64 in flight) against a
+real HTTP server in another process (the tests' fake OpenAI server,
+`tests/fixtures/chat_server.py`: short replies, the client's work per call at its least), with and without `policy=`,
+alternated: calls a second and the client's CPU per call.
 """
 
 from __future__ import annotations
@@ -31,8 +35,11 @@ from __future__ import annotations
 import argparse
 import gc
 import statistics
+import subprocess
+import sys
 import time
 from collections.abc import AsyncIterator
+from pathlib import Path
 from typing import Any
 
 import attrs
@@ -192,6 +199,46 @@ async def http_calls(calls: int, gated: bool) -> None:
         await ctx.chat(messages)
 
 
+FIXTURES = Path(__file__).resolve().parent.parent / "tests" / "fixtures"
+SERVED_WINDOW = 64  # calls in flight, served
+
+
+def start_server() -> tuple[subprocess.Popen[str], str]:
+    """The tests' fake OpenAI server in a process of its own (its URL)."""
+    server = subprocess.Popen(
+        [sys.executable, str(FIXTURES / "chat_server.py")], stdout=subprocess.PIPE, text=True
+    )
+    assert server.stdout is not None
+    url = server.stdout.readline().strip()
+    if not url.startswith("http://127.0.0.1:"):
+        server.kill()
+        raise RuntimeError(f"the chat server did not start (said {url!r})")
+    return server, url
+
+
+async def served(url: str, calls: int, gated: bool) -> tuple[float, float]:
+    """`calls` model calls, `SERVED_WINDOW` in flight (`tt.run_stream`), through an
+    `OpenAIClient` to the server at `url`, under a `tt.Policy` (`gated`) or not, after a
+    warm-up: (wall seconds, process CPU seconds)."""
+    sampling = tt.Sampling(max_tokens=16)
+    async with tt.OpenAIClient(url, max_retries=0) as client:
+        ctx = tt.ModelContext(client, "m", sampling, policy=tt.Policy(0) if gated else None)
+        messages = [{"role": "user", "content": "What is 1 + 2?"}]
+
+        async def source(n: int) -> AsyncIterator[int]:
+            for i in range(n):
+                yield i
+
+        async def call(_: int) -> tt.Completion:
+            return await ctx.chat(messages)
+
+        await tt.run_stream(source(SERVED_WINDOW * 2), call, window=SERVED_WINDOW)  # warm
+        gc.collect()
+        wall, cpu = time.perf_counter(), time.process_time()
+        await tt.run_stream(source(calls), call, window=SERVED_WINDOW)
+        return time.perf_counter() - wall, time.process_time() - cpu
+
+
 def _cpu(fn: Any, *args: Any, **kwargs: Any) -> float:
     """The process CPU time of one virtual run (less disturbed than the wall clock by other
     work on a shared machine)."""
@@ -256,6 +303,24 @@ def main() -> None:
           f"tokens a reply; median of {len(gated_http)}): {plain_us:.1f} us without, "
           f"{gated_us:.1f} us with: {gated_us / plain_us:.3f}x, {gated_us - plain_us:+.1f} us "
           f"a call (goal <= 1.03x)")  # fmt: skip
+
+    server, url = start_server()
+    try:
+        calls = 2000 if args.quick else 20000
+        runs: dict[bool, list[tuple[float, float]]] = {False: [], True: []}
+        for _ in range(max(repeat, 1)):
+            for gated in (False, True):
+                runs[gated].append(trio.run(served, url, calls, gated))
+    finally:
+        server.terminate()
+        server.wait()
+    rate = {g: statistics.median(calls / wall for wall, _ in r) for g, r in runs.items()}
+    cpu = {g: statistics.median(c / calls * 1e6 for _, c in r) for g, r in runs.items()}
+    print(f"the gate's cost as a user sees it: {calls} calls, {SERVED_WINDOW} in flight, to a "
+          f"real HTTP server in another process (median of {len(runs[True])}, alternated): "
+          f"{rate[False]:.0f} calls/s without, {rate[True]:.0f} with ({rate[True] / rate[False]:.3f}x); "
+          f"client CPU {cpu[False]:.1f} us a call without, {cpu[True]:.1f} with "
+          f"({cpu[True] / cpu[False]:.3f}x, {cpu[True] - cpu[False]:+.1f} us; goal <= 1.03x)")  # fmt: skip
 
 
 if __name__ == "__main__":

@@ -418,6 +418,8 @@ async def test_complete_ids_sends_a_token_id_prompt_and_reads_the_ids_back() -> 
         if request.method == "GET":  # the model's context, once (vLLM's max_model_len)
             models = {"data": [{"id": "m", "max_model_len": 512}]}
             return tt.Response(200, [], json.dumps(models).encode())
+        if request.url.endswith("/inference/v1/generate"):  # no scale-out endpoints here
+            return tt.Response(404, [], b'{"detail": "Not Found"}')
         sent.append(json.loads(request.body))
         body = {
             "choices": [{"text": "t7 t8 ", "token_ids": [7, 8], "finish_reason": "stop",

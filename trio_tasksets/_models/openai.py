@@ -244,6 +244,10 @@ class OpenAIClient(ModelClientBase):
         self._generates: bool | None = None
         self._probing = trio.Lock()
 
+    cut_in_transport = True
+    """Its requests can be cut through the transport's own cancel scope (`CutSlot`): a
+    `tt.Policy` governing its calls needs no cancel scope of its own per call."""
+
     timeout = View[float]("_calls", "Seconds per request, as a whole (each attempt its own).")
     max_retries = View[int]("_calls", "Retries after a call's first attempt.")
     throttled = View[int]("_calls", "Attempts answered 429 (a pool: per endpoint's client).")

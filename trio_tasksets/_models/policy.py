@@ -38,7 +38,7 @@ import trio
 from .._core.exceptions import ConfigError, ConfigTypeError
 from .._core.limits import CallObserver, current_observers, parked
 from .._core.training import current_run
-from .._transport import HTTPClient, HTTPError, Timeouts
+from .._transport import CUT_SLOT, HTTPClient, HTTPError, RequestCut, Timeouts
 from .base import (
     Completion,
     ModelConnectionError,
@@ -48,7 +48,7 @@ from .base import (
     VersionSpan,
     excerpt,
 )
-from .stream import ReplyWatch, watch_reply
+from .stream import ReplyWatch, pop_watch, push_watch
 
 if TYPE_CHECKING:
     from .base import ModelContext
@@ -114,23 +114,30 @@ def join_spans(spans: Iterable[VersionSpan]) -> list[VersionSpan]:
     return joined
 
 
-@attrs.define(eq=False)
-class _Call:
-    """One admitted call: the version and update count it runs under, its cancel scope, the
-    observers of its task (told of a ``keep`` update's hold), and whether it was cut."""
+class _Call(ReplyWatch):
+    """One admitted call: the version and update count it runs under, the observers of its
+    task (told of a ``keep`` update's hold), the watch of its streamed reply (it is one:
+    `ReplyWatch`), and how an ``abort`` cuts it: `cut`, and `scope`, the cancel scope to
+    cancel: its own (a client that is not cut in its transport) or, for a client that is
+    (`OpenAIClient`), the cancel scope of its request in flight, which the transport puts
+    here (`CutSlot`), None between requests (a request begun once `cut` is set ends at
+    once)."""
 
-    version: str
-    index: int
-    scope: trio.CancelScope
-    observers: tuple[CallObserver, ...]
-    watch: ReplyWatch | None = None
-    marks: list[tuple[int, str]] = attrs.Factory(list)  # (tokens made then, the new version)
-    cut: bool = False
+    __slots__ = ("cut", "index", "marks", "observers", "scope", "version")
+
+    def __init__(self, version: str, index: int, observers: tuple[CallObserver, ...]) -> None:
+        super().__init__()
+        self.version = version
+        self.index = index
+        self.observers = observers
+        self.scope: trio.CancelScope | None = None
+        self.marks: list[tuple[int, str]] | None = None  # (tokens made then, the new version)
+        self.cut = False
 
     def spans(self, count: int) -> list[VersionSpan]:
         """The gate's spans over `count` output tokens."""
         if not self.marks:  # (every call but those a keep update held)
-            return [VersionSpan(self.version, 0, count)]
+            return [_span(self.version, count)]
         spans, start, version = [], 0, self.version
         for at, new in self.marks:
             at = min(at, count)
@@ -141,8 +148,22 @@ class _Call:
 
     def made(self) -> int | None:
         """Output tokens a streamed call has received so far (None: not streamed)."""
-        builder = None if self.watch is None else self.watch.builder
+        builder = self.builder
         return None if builder is None else len(builder.token_ids)
+
+
+_SPANS: dict[tuple[str, int], VersionSpan] = {}
+
+
+def _span(version: str, count: int) -> VersionSpan:
+    """`VersionSpan(version, 0, count)`, one object per (version, count) (they are frozen):
+    what nearly every call is stamped with, without building and checking a new one."""
+    span = _SPANS.get((version, count))
+    if span is None:
+        if len(_SPANS) >= 4096:
+            _SPANS.clear()
+        span = _SPANS[version, count] = VersionSpan(version, 0, count)
+    return span
 
 
 def _version_text(value: object, name: str) -> str:
@@ -312,7 +333,8 @@ class Policy:
                         await self._drain()
                 for call in list(self._calls):  # the rest: cut here, keeping what streamed
                     call.cut = True
-                    call.scope.cancel()
+                    if call.scope is not None:
+                        call.scope.cancel()
             if mode == "keep":
                 held, held_at = list(self._calls), trio.current_time()
                 for call in held:
@@ -329,7 +351,7 @@ class Policy:
             for call in held:
                 made = call.made()
                 if made is not None:
-                    call.marks.append((made, new))
+                    call.marks = [*(call.marks or ()), (made, new)]
         finally:
             with trio.CancelScope(shield=True) as restoring:
                 restoring.deadline = trio.current_time() + RESTORE_TIMEOUT
@@ -358,7 +380,7 @@ class Policy:
                 await self._open.wait()
 
     def _enter(self) -> _Call:
-        call = _Call(self._version, self._updates, trio.CancelScope(), current_observers())
+        call = _Call(self._version, self._updates, current_observers())
         self._calls.add(call)
         live = current_run()
         if live is not None:
@@ -378,18 +400,32 @@ class Policy:
         self._drained = None
 
     async def _run(
-        self, send: Callable[[], Awaitable[Completion]]
+        self, send: Callable[[], Awaitable[Completion]], cut_in_transport: bool
     ) -> tuple[_Call, Completion | None]:
         """Admit one call and run it: (the call, its reply or None when an ``abort`` update
-        cut it: `call.watch` then holds what had arrived)."""
+        cut it: the call, a `ReplyWatch`, then holds what had streamed). A client whose
+        requests are cut in its transport (`cut_in_transport`) gets the call as its
+        `CutSlot`: no cancel scope of the gate's own (the request's is cut); any other runs
+        in one."""
         if self._pending:
             await self._park()
         call = self._enter()
         completion: Completion | None = None
+        watching = push_watch(call)
         try:
-            with watch_reply() as call.watch, call.scope:
-                completion = await send()
+            if cut_in_transport:
+                slot = CUT_SLOT.set(call)
+                try:
+                    completion = await send()
+                except RequestCut:
+                    pass
+                finally:
+                    CUT_SLOT.reset(slot)
+            else:
+                with trio.CancelScope() as call.scope:
+                    completion = await send()
         finally:
+            pop_watch(watching)
             self._release(call)
         return call, completion
 
@@ -399,30 +435,28 @@ class Policy:
         """Run one model call of `ctx` under the policy (`ModelContext.chat` calls it): park
         while an update is pending, stamp the reply's versions, and continue it when an
         ``abort`` update cuts it. Raises what `send` raises."""
+        client: Any = ctx.client
+        cut_in_transport = getattr(client, "cut_in_transport", False) is True
         while True:
-            if self._pending:  # (inline: every governed call runs this)
-                await self._park()
-            call = self._enter()
-            completion: Completion | None = None
-            try:
-                with watch_reply() as call.watch, call.scope:
-                    completion = await send()
-            finally:
-                self._release(call)
+            call, completion = await self._run(send, cut_in_transport)
             if completion is not None and completion.finish_reason != "abort":
                 return _stamped(completion, call)
             piece = _Piece.of(completion, call)
-            client: Any = ctx.client
             if piece.prompt_ids is None or not isinstance(client, TokenContinuation):
                 self.restarted += 1  # nothing to continue from: start over
                 made = 0 if completion is None else _output_count(completion)
                 self.discarded_tokens += max(len(piece.ids), made)
                 continue
             self.cut += 1
-            return await self._continue(client, ctx.model, sampling, piece)
+            return await self._continue(client, ctx.model, sampling, piece, cut_in_transport)
 
     async def _continue(
-        self, client: TokenContinuation, model: str, sampling: Sampling, first: _Piece
+        self,
+        client: TokenContinuation,
+        model: str,
+        sampling: Sampling,
+        first: _Piece,
+        cut_in_transport: bool,
     ) -> Completion:
         pieces = [first]
         prompt_ids = first.prompt_ids or []
@@ -439,7 +473,7 @@ class Policy:
             async def send(ids: list[int] = ids, s: Sampling = more_sampling) -> Completion:
                 return await client.complete_ids(ids, model=model, sampling=s)
 
-            call, completion = await self._run(send)
+            call, completion = await self._run(send, cut_in_transport)
             if completion is None or completion.finish_reason == "abort":
                 piece = _Piece.of(completion, call)
                 self.cut += 1
@@ -488,7 +522,7 @@ class _Piece:
         """A cut run: what its stream had brought, or the reply an engine ended
         (``finish_reason`` ``"abort"``)."""
         if completion is None:
-            completion = Completion("") if call.watch is None else call.watch.partial()
+            completion = call.partial()
         return cls.of_reply(completion, call)
 
     @classmethod

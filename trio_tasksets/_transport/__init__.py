@@ -8,7 +8,7 @@ TLS, decoding). Of the rest of the package, only its exceptions (`_core.exceptio
 imported here.
 """
 
-from .client import HTTPClient, PoolStats
+from .client import CUT_SLOT, CutSlot, HTTPClient, PoolStats, RequestCut
 from .messages import Request, Response
 from .support import (
     ConnectError,
@@ -26,8 +26,10 @@ from .support import (
 )
 
 __all__ = [
+    "CUT_SLOT",
     "ConnectError",
     "ConnectionClosed",
+    "CutSlot",
     "DecodingError",
     "HTTPClient",
     "HTTPError",
@@ -36,6 +38,7 @@ __all__ = [
     "ProtocolError",
     "ProxyError",
     "Request",
+    "RequestCut",
     "Response",
     "ResponseTooLarge",
     "Timeouts",
