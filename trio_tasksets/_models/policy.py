@@ -5,8 +5,12 @@ rollouts are in flight; `EngineControl`, what an engine offers for an update, an
 A `ModelContext(..., policy=p)` routes each call through `Policy.govern`, the gate:
 
 - a call is *admitted* when no update is pending (else it parks, a `limits.parked("policy")`
-  wait: neither working time nor a stall), then runs in a cancel scope of its own, its
-  version and update count noted (and told to a `tt.Staleness` run: its oldest token);
+  wait: neither working time nor a stall), its version and update count noted (and told
+  to a `tt.Staleness` run: its oldest token); it runs as the transport's `CutSlot` when
+  its client's requests can be cut there (`OpenAIClient.cut_in_transport`: the request's
+  own cancel scope is the one an ``abort`` cancels, so the gate opens none: a call with
+  no update costs a few set and context-variable operations and the version stamp), else
+  in a cancel scope of its own;
 - `update(version, mode=...)` makes new calls park from the moment it is called, queues
   behind earlier updates (a fair `trio.Lock`: in order), then by mode: ``wait`` drains the
   calls in flight, ``keep`` pauses the engines with them kept in place (their time is

@@ -8,16 +8,19 @@ TLS, decoding). Of the rest of the package, only its exceptions (`_core.exceptio
 imported here.
 """
 
-from .client import CUT_SLOT, CutSlot, HTTPClient, PoolStats, RequestCut
+from .client import HTTPClient, PoolStats
 from .messages import Request, Response
 from .support import (
+    CUT_SLOT,
     ConnectError,
     ConnectionClosed,
+    CutSlot,
     DecodingError,
     HTTPError,
     HTTPTimeout,
     ProtocolError,
     ProxyError,
+    RequestCut,
     ResponseTooLarge,
     Timeouts,
     UnsupportedProxy,

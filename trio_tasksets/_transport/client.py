@@ -24,13 +24,11 @@ Why not httpx: see docs/benchmarks.md (HTTP client). This module, `connection` a
 
 from __future__ import annotations
 
-import contextvars
 import math
 import os
 import ssl
 from collections import deque
 from collections.abc import Mapping, Sequence
-from typing import Protocol
 
 import attrs
 import h11
@@ -52,11 +50,13 @@ from .connection import (
 from .memory import Handler, answer
 from .messages import Request, Response
 from .support import (
+    CUT_SLOT,
     ConnectError,
     ConnectionClosed,
     HTTPTimeout,
     ProtocolError,
     Proxies,
+    RequestCut,
     ResponseTooLarge,
     Route,
     Timeouts,
@@ -66,7 +66,7 @@ from .support import (
     tls_context,
 )
 
-__all__ = ["CUT_SLOT", "CutSlot", "HTTPClient", "PoolStats", "RequestCut"]
+__all__ = ["HTTPClient", "PoolStats"]
 
 USER_AGENT = b"trio-tasksets"
 _CACHE = 256  # routes and request heads kept, each
@@ -83,36 +83,6 @@ class PoolStats:
     open: int
     idle: int
     stale: int
-
-
-# --- cutting a request from outside (a policy update's abort) ----------------------------------
-
-
-class CutSlot(Protocol):
-    """What a caller hands the requests it makes (`CUT_SLOT`), to cut them from another task:
-    while one is in flight its cancel scope is in `scope` (None between requests); setting
-    `cut` and cancelling `scope` ends it with `RequestCut`, and a request begun once `cut`
-    is set ends so at once."""
-
-    cut: bool
-    scope: trio.CancelScope | None
-
-
-CUT_SLOT: contextvars.ContextVar[CutSlot | None] = contextvars.ContextVar(
-    "trio_tasksets_cut_slot", default=None
-)
-"""The `CutSlot` of the requests made in this context, if any: a caller that may cut them
-(`tt.Policy`'s gate) sets it around its call, so that it needs no cancel scope of its own: the
-request's own (one per request, for its timeouts) is the one cut."""
-
-
-class RequestCut(Exception):
-    """A request its caller cut (`CutSlot`): not an `HTTPError` (nothing failed, nothing to
-    retry); what the request had streamed to ``on_body`` before is all it gets."""
-
-    def __init__(self, url: str) -> None:
-        super().__init__(f"{url}: cut by its caller")
-        self.url = url
 
 
 class HTTPClient(trio.abc.AsyncResource):
@@ -236,16 +206,7 @@ class HTTPClient(trio.abc.AsyncResource):
         if slot is not None and slot.cut:
             raise RequestCut(url)
         if self._handler is not None:
-            if slot is None:
-                response = await self._answer(self._handler, method, url, headers, body, timeouts)
-            else:
-                with trio.CancelScope() as slot.scope:
-                    response = await self._answer(
-                        self._handler, method, url, headers, body, timeouts
-                    )
-                slot.scope = None
-                if slot.cut:
-                    raise RequestCut(url)
+            response = await self._answer(self._handler, method, url, headers, body, timeouts)
             if on_body is not None and 200 <= response.status <= 299:
                 if response.body:
                     on_body(response.body)
