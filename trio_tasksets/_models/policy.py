@@ -130,7 +130,8 @@ class _Call(ReplyWatch):
     __slots__ = ("cut", "index", "marks", "observers", "scope", "version")
 
     def __init__(self, version: str, index: int, observers: tuple[CallObserver, ...]) -> None:
-        super().__init__()
+        self.builder = None  # (ReplyWatch's, set here: every governed call makes one)
+        self.attempts = 0
         self.version = version
         self.index = index
         self.observers = observers
