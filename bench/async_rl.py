@@ -306,7 +306,7 @@ def main() -> None:
 
     server, url = start_server()
     try:
-        calls = 2000 if args.quick else 20000
+        calls = 1000 if args.quick else 5000
         runs: dict[bool, list[tuple[float, float]]] = {False: [], True: []}
         for _ in range(max(repeat, 1)):
             for gated in (False, True):

@@ -32,6 +32,7 @@ A `ModelContext(..., policy=p)` routes each call through `Policy.govern`, the ga
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Awaitable, Callable, Iterable, Sequence
 from typing import TYPE_CHECKING, Any, Literal, Protocol, runtime_checkable
 
@@ -404,92 +405,72 @@ class Policy:
             await self._drained.wait()
         self._drained = None
 
-    async def _run(
-        self, send: Callable[[], Awaitable[Completion]], cut_in_transport: bool
-    ) -> tuple[_Call, Completion | None]:
-        """Admit one call and run it: (the call, its reply or None when an ``abort`` update
-        cut it: the call, a `ReplyWatch`, then holds what had streamed). A client whose
-        requests are cut in its transport (`cut_in_transport`) gets the call as its
-        `CutSlot`: no cancel scope of the gate's own (the request's is cut); any other runs
-        in one."""
-        if self._pending:
-            await self._park()
-        call = self._enter()
-        completion: Completion | None = None
-        watching = push_watch(call)
-        try:
-            if cut_in_transport:
-                slot = CUT_SLOT.set(call)
-                try:
-                    completion = await send()
-                except RequestCut:
-                    pass
-                finally:
-                    CUT_SLOT.reset(slot)
-            else:
-                with trio.CancelScope() as call.scope:
-                    completion = await send()
-        finally:
-            pop_watch(watching)
-            self._release(call)
-        return call, completion
-
     async def govern(
         self, ctx: ModelContext, send: Callable[[], Awaitable[Completion]], sampling: Sampling
     ) -> Completion:
         """Run one model call of `ctx` under the policy (`ModelContext.chat` calls it): park
         while an update is pending, stamp the reply's versions, and continue it when an
-        ``abort`` update cuts it. Raises what `send` raises."""
+        ``abort`` update cuts it. Raises what `send` raises.
+
+        Each run of the call (the first, and each piece of a continued one) is admitted
+        (parked while an update is pending) and watched (the call is a `ReplyWatch`); a
+        client whose requests are cut in its transport (`cut_in_transport`) gets the call as
+        its `CutSlot`, so the gate opens no cancel scope (the request's own is cut); any
+        other runs in one of the gate's. One frame, no helper: each checkpoint of the call
+        resumes every frame above it."""
         client: Any = ctx.client
         cut_in_transport = getattr(client, "cut_in_transport", False) is True
+        pieces: list[_Piece] = []  # of a cut call: what each run made
+        prompt_ids: list[int] = []
         while True:
-            call, completion = await self._run(send, cut_in_transport)
+            if self._pending:
+                await self._park()
+            call = self._enter()
+            completion: Completion | None = None
+            watching = push_watch(call)
+            try:
+                if cut_in_transport:
+                    slot = CUT_SLOT.set(call)
+                    try:
+                        completion = await send()
+                    except RequestCut:
+                        pass
+                    finally:
+                        CUT_SLOT.reset(slot)
+                else:
+                    with trio.CancelScope() as call.scope:
+                        completion = await send()
+            finally:
+                pop_watch(watching)
+                self._release(call)
             if completion is not None and completion.finish_reason != "abort":
-                return _stamped(completion, call)
-            piece = _Piece.of(completion, call)
-            if piece.prompt_ids is None or not isinstance(client, TokenContinuation):
-                self.restarted += 1  # nothing to continue from: start over
-                made = 0 if completion is None else _output_count(completion)
-                self.discarded_tokens += max(len(piece.ids), made)
-                continue
+                if not pieces:
+                    return _stamped(completion, call)
+                pieces.append(_Piece.of_reply(completion, call))
+                self.continued += 1
+                return _joined(pieces, prompt_ids, completion.finish_reason)
+            piece = _Piece.of(completion, call)  # cut: what it had made
+            if not pieces:
+                if piece.prompt_ids is None or not isinstance(client, TokenContinuation):
+                    self.restarted += 1  # nothing to continue from: start over
+                    made = 0 if completion is None else _output_count(completion)
+                    self.discarded_tokens += max(len(piece.ids), made)
+                    continue
+                prompt_ids = piece.prompt_ids
             self.cut += 1
-            return await self._continue(client, ctx.model, sampling, piece, cut_in_transport)
-
-    async def _continue(
-        self,
-        client: TokenContinuation,
-        model: str,
-        sampling: Sampling,
-        first: _Piece,
-        cut_in_transport: bool,
-    ) -> Completion:
-        pieces = [first]
-        prompt_ids = first.prompt_ids or []
-        self.kept_tokens += len(first.ids)
-        finish: str | None = "length"
-        while True:
+            self.kept_tokens += len(piece.ids)
+            pieces.append(piece)
             kept = [token for piece in pieces for token in piece.ids]
             left = None if sampling.max_tokens is None else sampling.max_tokens - len(kept)
             if left is not None and left <= 0:
-                break
-            more_sampling = attrs.evolve(sampling, max_tokens=left, return_tokens=True)
-            ids = prompt_ids + kept
-
-            async def send(ids: list[int] = ids, s: Sampling = more_sampling) -> Completion:
-                return await client.complete_ids(ids, model=model, sampling=s)
-
-            call, completion = await self._run(send, cut_in_transport)
-            if completion is None or completion.finish_reason == "abort":
-                piece = _Piece.of(completion, call)
-                self.cut += 1
-                self.kept_tokens += len(piece.ids)
-                pieces.append(piece)
-                continue
-            pieces.append(_Piece.of_reply(completion, call))
-            finish = completion.finish_reason
-            break
-        self.continued += 1
-        return _joined(pieces, prompt_ids, finish)
+                self.continued += 1
+                return _joined(pieces, prompt_ids, "length")
+            send = functools.partial(  # after the update: on from the prompt and its tokens
+                client.complete_ids,
+                prompt_ids + kept,
+                model=ctx.model,
+                sampling=attrs.evolve(sampling, max_tokens=left, return_tokens=True),
+            )
 
 
 async def _try(step: Awaitable[None], failed: list[BaseException]) -> None:
