@@ -245,8 +245,10 @@ class OpenAIClient(ModelClientBase):
         self._probing = trio.Lock()
 
     cut_in_transport = True
-    """Its requests can be cut through the transport's own cancel scope (`CutSlot`): a
-    `tt.Policy` governing its calls needs no cancel scope of its own per call."""
+    """Its requests can be cut through the transport's own cancel scope (`CutSlot`), and
+    each reply it returns is a new object made for its call: a `tt.Policy` governing its
+    calls needs no cancel scope of its own per call and stamps a reply's versions in
+    place."""
 
     timeout = View[float]("_calls", "Seconds per request, as a whole (each attempt its own).")
     max_retries = View[int]("_calls", "Retries after a call's first attempt.")

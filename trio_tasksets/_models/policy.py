@@ -445,6 +445,11 @@ class Policy:
                 self._release(call)
             if completion is not None and completion.finish_reason != "abort":
                 if not pieces:
+                    if cut_in_transport and not completion.versions:
+                        # its replies are its own, made for this call: stamped in place
+                        # (the list is the reply's own, empty; no copy of the reply)
+                        completion.versions.extend(call.spans(_output_count(completion)))
+                        return completion
                     return _stamped(completion, call)
                 pieces.append(_Piece.of_reply(completion, call))
                 self.continued += 1
