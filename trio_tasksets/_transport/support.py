@@ -89,9 +89,10 @@ CUT_SLOT: contextvars.ContextVar[CutSlot | None] = contextvars.ContextVar(
 request's own (one per request, for its timeouts) is the one cut."""
 
 
-class RequestCut(Exception):
+class RequestCut(TrioTasksetsError):
     """A request its caller cut (`CutSlot`): not an `HTTPError` (nothing failed, nothing to
-    retry); what the request had streamed to ``on_body`` before is all it gets."""
+    retry); what the request had streamed to ``on_body`` before is all it gets. The caller
+    that cut it catches it (`tt.Policy`'s gate); it reaches no one else."""
 
     def __init__(self, url: str) -> None:
         super().__init__(f"{url}: cut by its caller")
