@@ -394,8 +394,10 @@ async def test_an_update_while_32_rollouts_run_loses_no_token(
         [spans] = row["versions"]
         assert spans[0]["start"] == 0
         assert spans[-1]["end"] == 400
+    # nothing generated thrown away; a call between its render and its generate request
+    # when the engine paused had made nothing: it starts over (at once: its generate request
+    # is cut as it begins, not left waiting for the paused engine), losing nothing
     assert policy.discarded_tokens == 0
-    assert policy.restarted == 0
     split = [row for row in rows if len(row["versions"][0]) == 2]
     assert split, [row["versions"] for row in rows]
     for row in split:

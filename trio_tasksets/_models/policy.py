@@ -334,6 +334,8 @@ class Policy:
                 paused.append(engine)  # before the await: a pause cut short is undone too
                 await engine.pause(mode)
             if mode == "abort":
+                for call in self._calls:  # a request one begins from now on is cut at once
+                    call.cut = True  # (it would wait for the paused engine until the grace)
                 if self.engines:  # they end their requests: the replies bring their tokens
                     with trio.move_on_after(ABORT_GRACE):
                         await self._drain()
