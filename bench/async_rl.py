@@ -35,11 +35,8 @@ from __future__ import annotations
 import argparse
 import gc
 import statistics
-import subprocess
-import sys
 import time
 from collections.abc import AsyncIterator
-from pathlib import Path
 from typing import Any
 
 import attrs
@@ -49,6 +46,8 @@ import trio.testing
 
 import trio_tasksets as tt
 from trio_tasksets.testing import SimulatedEngine
+
+from .verifiers import start_server
 
 GROUP = 8  # rollouts of a group
 BATCH = 8  # groups a step trains on
@@ -199,21 +198,7 @@ async def http_calls(calls: int, gated: bool) -> None:
         await ctx.chat(messages)
 
 
-FIXTURES = Path(__file__).resolve().parent.parent / "tests" / "fixtures"
 SERVED_WINDOW = 64  # calls in flight, served
-
-
-def start_server() -> tuple[subprocess.Popen[str], str]:
-    """The tests' fake OpenAI server in a process of its own (its URL)."""
-    server = subprocess.Popen(
-        [sys.executable, str(FIXTURES / "chat_server.py")], stdout=subprocess.PIPE, text=True
-    )
-    assert server.stdout is not None
-    url = server.stdout.readline().strip()
-    if not url.startswith("http://127.0.0.1:"):
-        server.kill()
-        raise RuntimeError(f"the chat server did not start (said {url!r})")
-    return server, url
 
 
 async def served(url: str, calls: int, gated: bool) -> tuple[float, float]:
@@ -310,7 +295,7 @@ def main() -> None:
           f"{gated_us:.1f} us with: {gated_us / plain_us:.3f}x, {gated_us - plain_us:+.1f} us "
           f"a call (no socket: the client's work at its least)")  # fmt: skip
 
-    server, url = start_server()
+    server, url = start_server(0.0)  # the tests' fake OpenAI server, its own process
     try:
         calls = 1000 if args.quick else 5000
         runs: dict[bool, list[tuple[float, float]]] = {False: [], True: []}

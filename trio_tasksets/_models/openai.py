@@ -390,6 +390,7 @@ class OpenAIClient(ModelClientBase):
             body, headers=self._headers, parse=self._parse_text, reserve_tokens=sampling.max_tokens
         )
 
+    # duplicates: ModelClient.chat's signature (with tools), which every client implements
     async def chat_with_versions(
         self,
         messages: list[dict[str, Any]],
