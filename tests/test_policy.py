@@ -8,18 +8,20 @@ from __future__ import annotations
 
 import json
 import random
-from typing import Any
+from typing import Any, Literal
 
 import attrs
 import pytest
 import trio
 import trio.lowlevel
+from chat_server import ChatServer
 from helpers import free_port
 from trio.testing import MockClock
 
 import trio_tasksets as tt
 from trio_tasksets._core.health import Health
 from trio_tasksets._env.rollout_limits import Waits
+from trio_tasksets._transport import CUT_SLOT, RequestCut
 from trio_tasksets.testing import EOS, SimulatedEngine
 
 PROMPT = [{"role": "user", "content": "count the stars tonight"}]
@@ -418,6 +420,8 @@ async def test_complete_ids_sends_a_token_id_prompt_and_reads_the_ids_back() -> 
         if request.method == "GET":  # the model's context, once (vLLM's max_model_len)
             models = {"data": [{"id": "m", "max_model_len": 512}]}
             return tt.Response(200, [], json.dumps(models).encode())
+        if request.url.endswith("/inference/v1/generate"):  # no scale-out endpoints here
+            return tt.Response(404, [], b'{"detail": "Not Found"}')
         sent.append(json.loads(request.body))
         body = {
             "choices": [{"text": "t7 t8 ", "token_ids": [7, 8], "finish_reason": "stop",
@@ -441,3 +445,285 @@ async def test_complete_ids_sends_a_token_id_prompt_and_reads_the_ids_back() -> 
     assert reply.content == "t7 t8 "
     assert reply.finish_reason == "stop"
     assert reply.tokens == tt.Tokens([], [7, 8], [-0.5, -0.25])
+
+
+# --- vLLM's scale-out endpoints (render, generate with weight_versions), in memory -------------
+
+
+class ScaleOut:
+    """vLLM served with ``--enable-scale-out`` and ``VLLM_SERVER_DEV_MODE=1``, in memory (an
+    `HTTPClient` handler on trio's clock) and as its own `EngineControl`: ``POST
+    /v1/chat/completions/render`` (a message's ids: its words' lengths), ``POST
+    /inference/v1/generate`` (token ids in, text and ids out, whole or streamed, a token each
+    10 ms, the next id a function of the sequence so far: greedy and deterministic, with
+    vLLM's ``weight_versions``, spans of the version current as each token was made), and
+    pause (``keep`` holds the tokens, ``abort`` ends each request, its reply carrying the
+    tokens made and ``finish_reason`` ``"abort"``), resume, set_version."""
+
+    def __init__(self) -> None:
+        self.version = "0"
+        self.running = True
+        self.changed = trio.Event()
+        self.live: list[dict[str, bool]] = []
+        self.paths: list[str] = []
+
+    def _change(self) -> None:
+        self.changed.set()
+        self.changed = trio.Event()
+
+    async def pause(self, mode: str) -> None:
+        self.running = False
+        if mode == "abort":
+            for state in self.live:
+                state["abort"] = True
+        self._change()
+
+    async def resume(self) -> None:
+        self.running = True
+        self._change()
+
+    async def set_version(self, version: str) -> None:
+        self.version = version
+
+    async def handle(self, request: tt.Request) -> tt.Response:
+        path = request.url.split("://", 1)[1].split("/", 1)[1]
+        self.paths.append(path)
+        body = json.loads(request.body or b"{}")
+        if path == "v1/chat/completions/render":
+            ids = [len(word) for m in body["messages"] for word in m["content"].split()]
+            params = {"max_tokens": body.get("max_tokens"), "logprobs": 0}
+            rendered = {"token_ids": ids, "sampling_params": params, "model": body["model"]}
+            return tt.Response(200, [], json.dumps(rendered).encode())
+        if path != "inference/v1/generate":
+            return tt.Response(404, [], b'{"detail": "Not Found"}')
+        if "token_ids" not in body:  # what an empty request gets: a validation error
+            return tt.Response(400, [], b'{"error": {"message": "token_ids: Field required"}}')
+        return await self._generate(body)
+
+    async def _generate(self, body: dict[str, Any]) -> tt.Response:
+        prompt = list(body["token_ids"])
+        limit = body["sampling_params"].get("max_tokens") or 60
+        out: list[int] = []
+        spans: list[dict[str, Any]] = []
+        state = {"abort": False}
+        self.live.append(state)
+        finish = "length"
+        try:
+            while len(out) < limit:
+                while not self.running and not state["abort"]:
+                    await self.changed.wait()
+                if state["abort"]:
+                    finish = "abort"
+                    break
+                await trio.sleep(0.01)
+                if state["abort"]:
+                    finish = "abort"
+                    break
+                seq = prompt + out  # the sequence so far: a continuation goes on alike
+                out.append((7 * sum(seq) + len(seq)) % 97)
+                if spans and spans[-1]["version"] == self.version:
+                    spans[-1]["end"] = len(out)
+                else:
+                    spans.append({"version": self.version, "start": len(out) - 1, "end": len(out)})
+        finally:
+            self.live.remove(state)
+        logprobs = [{"token": f"<{t}>", "logprob": -0.5} for t in out]
+        usage = {"prompt_tokens": len(prompt), "completion_tokens": len(out)}
+        choice = {"index": 0, "text": "".join(f"<{t}>" for t in out), "token_ids": out,
+                  "logprobs": {"content": logprobs}, "finish_reason": finish,
+                  "weight_versions": spans}  # fmt: skip
+        if not body.get("stream"):
+            whole = {"output_mode": "text", "prompt_token_ids": prompt, "choices": [choice],
+                     "usage": usage}  # fmt: skip
+            return tt.Response(200, [], json.dumps(whole).encode())
+        events = []  # a token a chunk, as vLLM streams them; the spans in the last
+        for i, token in enumerate(out):
+            last = i == len(out) - 1
+            piece = {"index": 0, "text": f"<{token}>", "token_ids": [token],
+                     "logprobs": {"content": [logprobs[i]]},
+                     "finish_reason": finish if last else None,
+                     "weight_versions": spans if last else None}  # fmt: skip
+            chunk: dict[str, Any] = {"output_mode": "text", "choices": [piece]}
+            if i == 0:
+                chunk["prompt_token_ids"] = prompt
+            events.append(chunk)
+        events.append({"output_mode": "text", "choices": [], "usage": usage})
+        data = b"".join(b"data: %s\n\n" % json.dumps(e).encode() for e in events)
+        return tt.Response(200, [], data + b"data: [DONE]\n\n")
+
+
+STORY = [{"role": "user", "content": "tell me a story of the sea"}]
+
+
+@pytest.mark.parametrize("mode", ["keep", "abort"])
+async def test_governed_calls_carry_the_engine_s_own_spans_through_its_generate_endpoint(
+    autojump_clock: MockClock, mode: Literal["keep", "abort"]
+) -> None:
+    """Where the server offers vLLM's generate endpoint (asked once), a governed call with
+    token ids goes render -> generate, and its reply's spans are the engine's own: a whole
+    (not streamed) call held by `keep` is split where the engine held it, which the gate
+    cannot see; one cut by `abort` continues through generate from its prompt plus its ids,
+    equal to an uncut call."""
+    engine = ScaleOut()
+    http = tt.HTTPClient(handler=engine.handle)
+    sampling = tt.Sampling(max_tokens=100, temperature=0, return_tokens=True)
+    async with tt.OpenAIClient("http://vllm.invalid/v1", http_client=http) as client:
+        uncut = await client.chat_with_versions(STORY, model="m", sampling=sampling)
+        assert uncut.versions == [tt.VersionSpan("0", 0, 100)]
+        policy = tt.Policy(0, engines=[engine])
+        ctx = tt.ModelContext(client, "m", sampling, policy=policy)
+        got: list[tt.Completion] = []
+
+        async def call() -> None:
+            got.append(await ctx.chat(STORY))
+
+        async with trio.open_nursery() as nursery:
+            for _ in range(4):
+                nursery.start_soon(call)
+            await trio.sleep(0.405)  # 40 tokens made
+            await policy.update(1, mode=mode)
+    assert engine.paths.count("inference/v1/generate") == 1 + 1 + 4 + (4 if mode == "abort" else 0)
+    assert engine.paths.count("v1/chat/completions") == 0  # (the probe, then generate only)
+    assert len(got) == 4
+    for reply in got:
+        assert reply.tokens is not None
+        assert uncut.tokens is not None
+        assert reply.tokens.completion_ids == uncut.tokens.completion_ids
+        assert reply.tokens.prompt_ids == uncut.tokens.prompt_ids
+        assert reply.content == uncut.content
+        assert reply.finish_reason == "length"
+        assert [(s.version, s.start, s.end) for s in reply.versions] == [
+            ("0", 0, 40),
+            ("1", 40, 100),
+        ]
+    assert (policy.cut, policy.continued) == ((4, 4) if mode == "abort" else (0, 0))
+    assert policy.discarded_tokens == policy.restarted == 0
+
+
+async def test_a_streamed_generate_reply_equals_the_whole_one(autojump_clock: MockClock) -> None:
+    engine = ScaleOut()
+    http = tt.HTTPClient(handler=engine.handle)
+    sampling = tt.Sampling(max_tokens=30, return_tokens=True)
+    async with tt.OpenAIClient("http://vllm.invalid/v1", http_client=http) as client:
+        whole = await client.chat_with_versions(STORY, model="m", sampling=sampling)
+        streamed = await client.chat_with_versions(
+            STORY, model="m", sampling=attrs.evolve(sampling, stream=True)
+        )
+        with pytest.raises(tt.ModelHTTPError) as caught:  # tools: the chat path (vLLM's
+            await client.chat_with_versions(  # tool parser runs there), which it lacks
+                STORY, model="m", sampling=sampling, tools=[{"type": "function"}]
+            )
+    assert caught.value.status == 404
+    assert engine.paths[-1] == "v1/chat/completions"
+    assert streamed.ttft is not None
+    assert attrs.evolve(streamed, ttft=None, tpot=None) == whole
+    assert whole.versions == [tt.VersionSpan("0", 0, 30)]
+    assert whole.tokens is not None
+    assert len(whole.tokens.completion_logprobs) == 30
+
+
+async def test_the_generate_endpoint_is_asked_for_once_and_a_server_without_it_gets_chat(
+    autojump_clock: MockClock,
+) -> None:
+    paths: list[str] = []
+
+    def answer(request: tt.Request) -> tt.Response:
+        paths.append(request.url.split("/", 3)[3])
+        if not request.url.endswith("/v1/chat/completions"):
+            return tt.Response(404, [], b'{"detail": "Not Found"}')
+        body = {"choices": [{"message": {"role": "assistant", "content": "4"},
+                             "finish_reason": "stop", "token_ids": [52]}],
+                "prompt_token_ids": [1, 2], "usage": {"completion_tokens": 1}}  # fmt: skip
+        return tt.Response(200, [], json.dumps(body).encode())
+
+    http = tt.HTTPClient(handler=answer)
+    async with tt.OpenAIClient("http://engine.invalid/v1", http_client=http) as client:
+        sampling = tt.Sampling(max_tokens=8, return_tokens=True)
+        ctx = tt.ModelContext(client, "m", sampling, policy=tt.Policy(0))
+        replies = [await ctx.chat([{"role": "user", "content": "What is 1 + 2?"}]) for _ in "abc"]
+        assert not await client.offers_generate()
+    assert [reply.content for reply in replies] == ["4"] * 3
+    assert [reply.versions for reply in replies] == [[tt.VersionSpan("0", 0, 1)]] * 3
+    assert paths == ["inference/v1/generate"] + ["v1/chat/completions"] * 3
+
+
+class Slot:
+    """A `CutSlot`, as the gate's calls are."""
+
+    def __init__(self) -> None:
+        self.cut = False
+        self.scope: trio.CancelScope | None = None
+
+
+async def test_a_request_is_cut_through_its_own_cancel_scope(autojump_clock: MockClock) -> None:
+    """The transport hands a request's own cancel scope to the caller's `CUT_SLOT` (how the
+    gate cuts an `OpenAIClient` call without a cancel scope of its own): cancelling it ends
+    the request with `RequestCut`, keeping what had streamed; a request begun once the slot
+    is cut never goes out."""
+    words = " ".join(["word"] * 100)
+    body = json.dumps({"model": "sim", "stream": True,
+                       "messages": [{"role": "user", "content": "talk"}]}).encode()  # fmt: skip
+    headers = {"Content-Type": "application/json"}
+    async with (
+        ChatServer(token_delay=0.01, answer=lambda question: words) as server,
+        tt.HTTPClient() as http,
+    ):
+        url = server.url + "/chat/completions"
+        slot, pieces, caught = Slot(), [], []
+
+        async def request() -> None:
+            token = CUT_SLOT.set(slot)
+            try:
+                await http.request("POST", url, headers=headers, body=body, on_body=pieces.append)
+            except RequestCut as exc:
+                caught.append(exc)
+            finally:
+                CUT_SLOT.reset(token)
+
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(request)
+            await trio.sleep(0.5)  # about half the words have come
+            assert slot.scope is not None
+            slot.cut = True
+            slot.scope.cancel()
+        assert [str(exc) for exc in caught] == [f"{url}: cut by its caller"]
+        assert slot.scope is None
+        assert 10 < b"".join(pieces).count(b"word") < 90
+        sent = len(server.requests)
+        token = CUT_SLOT.set(slot)
+        try:
+            with pytest.raises(RequestCut):
+                await http.request("POST", url, headers=headers, body=body)
+        finally:
+            CUT_SLOT.reset(token)
+        assert len(server.requests) == sent
+
+
+async def test_without_engines_abort_cuts_an_openai_call_through_its_request(
+    autojump_clock: MockClock,
+) -> None:
+    """No engine to end the request: the gate cuts it through the request's own cancel
+    scope (it has none of its own for an `OpenAIClient`); a whole reply brought nothing, so
+    the call starts over under the new version, and says so."""
+    engine = ScaleOut()
+    http = tt.HTTPClient(handler=engine.handle)
+    sampling = tt.Sampling(max_tokens=100, return_tokens=True)
+    async with tt.OpenAIClient("http://vllm.invalid/v1", http_client=http) as client:
+        policy = tt.Policy(0)
+        ctx = tt.ModelContext(client, "m", sampling, policy=policy)
+        got: list[tt.Completion] = []
+
+        async def call() -> None:
+            got.append(await ctx.chat(STORY))
+
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(call)
+            await trio.sleep(0.5)
+            began = trio.current_time()
+            await engine.set_version("1")  # (what a trainer's load would do)
+            await policy.update(1, mode="abort")
+            assert trio.current_time() == began  # cut at once
+    [reply] = got
+    assert (policy.cut, policy.restarted, policy.discarded_tokens) == (0, 1, 0)
+    assert reply.versions == [tt.VersionSpan("1", 0, 100)]
+    assert engine.live == []

@@ -101,11 +101,14 @@ def vllm(
     if why is not None:
         pytest.skip(why)
     log = tmp_path_factory.mktemp("vllm") / "vllm.log"
-    # dev mode: /pause, /resume, /update_weight_version for the policy tests (tt.VLLMControl)
+    # dev mode: /pause, /resume, /update_weight_version for the policy tests (tt.VLLMControl);
+    # scale-out: /v1/chat/completions/render and /inference/v1/generate, whose replies carry
+    # vLLM's own weight_versions (what a governed call goes through)
     patch = pytest.MonkeyPatch()
     patch.setenv("VLLM_SERVER_DEV_MODE", "1")
+    extra = (*TOOL_CALLING, "--enable-scale-out")
     try:
-        with VLLMServer(venv, log=log, startup_timeout=600, extra=TOOL_CALLING) as server:
+        with VLLMServer(venv, log=log, startup_timeout=600, extra=extra) as server:
             yield server
     finally:
         patch.undo()
@@ -325,22 +328,29 @@ VARIED = {"ignore_eos": True, "repetition_penalty": 2.0}
 LONG = tt.Sampling(max_tokens=400, temperature=0, return_tokens=True, extra=VARIED)
 
 
-async def _rollouts(ctx: tt.ModelContext, n: int, replies: list[tt.Completion]) -> None:
-    async def one(index: int) -> None:
-        messages = [{"role": "user", "content": f"Tell story number {index} of the sea."}]
-        replies.append(await ctx.chat(messages))
+class Stories(tt.Taskset[tt.Task, tt.TasksetConfig]):
+    def __init__(self, n: int) -> None:
+        super().__init__()
+        self.n = n
 
-    async with trio.open_nursery() as nursery:
-        for index in range(n):
-            nursery.start_soon(one, index)
+    def load(self) -> Iterable[tt.Task]:
+        return [
+            tt.Task(f"Tell story number {i} of the sea.", answer="-", key=str(i))
+            for i in range(self.n)
+        ]
 
 
 @pytest.mark.real_engine
 @pytest.mark.parametrize("stream", [False, True], ids=["whole", "streamed"])
 @pytest.mark.parametrize("mode", ["keep", "abort"])
 async def test_an_update_while_32_rollouts_run_loses_no_token(
-    vllm: VLLMServer, mode: Literal["keep", "abort"], stream: bool
+    vllm: VLLMServer, mode: Literal["keep", "abort"], stream: bool, tmp_path: Path
 ) -> None:
+    """32 rollouts of an eval run under a policy; an update lands while they run. The rows
+    the run writes carry vLLM's own version spans (its /inference/v1/generate reports
+    `weight_versions`, which a governed call goes through): a call the update fell inside
+    says "0" up to where it was held or cut and "1" after, a whole (not streamed) reply held
+    by `keep` too, which only the engine can split."""
     async with (
         tt.OpenAIClient(vllm.url, max_retries=0) as client,
         tt.VLLMControl(vllm.url) as control,
@@ -349,44 +359,63 @@ async def test_an_update_while_32_rollouts_run_loses_no_token(
         await control.set_version("0")
         sampling = attrs.evolve(LONG, stream=stream)
         ctx = tt.ModelContext(client, SERVED_NAME, sampling, policy=policy)
-        replies: list[tt.Completion] = []
         loaded: list[bool] = []
 
         async def load() -> None:
             loaded.append(await control.is_paused())  # the engine is paused while it loads
             await trio.sleep(0.5)
 
+        config = tt.EvalConfig(
+            max_concurrent=32, output_dir=str(tmp_path), run_name=f"{mode}-{stream}",
+            dashboard=False,
+        )  # fmt: skip
         with trio.fail_after(240):
             async with trio.open_nursery() as nursery:
-                nursery.start_soon(_rollouts, ctx, 32, replies)
+                done: list[tt.EvalResult] = []
+
+                async def run() -> None:
+                    done.append(await tt.run_eval(tt.Env(Stories(32)), ctx, config))
+
+                nursery.start_soon(run)
                 await trio.sleep(2.0)  # (their first tokens have come)
                 await policy.update("1", mode=mode, load=load)
         assert loaded == [True]
         assert not await control.is_paused()
         assert (await control.weight_info())["weight_version"] == "1"
-    assert len(replies) == 32
-    for reply in replies:  # every one ran to its own length: nothing generated was lost
-        assert reply.finish_reason == "length"
-        assert reply.tokens is not None
-        assert len(reply.tokens.completion_ids) == 400
-        assert reply.versions[0].start == 0
-        assert reply.versions[-1].end == 400
+        assert await client.offers_generate()  # vLLM served with --enable-scale-out
+    [result] = done
+    assert result.summary["ok"] == 32
+    rows = _rows(result.run_dir)
+    assert len(rows) == 32
+    for row in rows:  # every one ran to its own length: nothing generated was lost
+        assert row["finish_reason"] == "length"
+        [tokens] = row["tokens"]
+        assert len(tokens["completion_ids"]) == 400
+        [spans] = row["versions"]
+        assert spans[0]["start"] == 0
+        assert spans[-1]["end"] == 400
+    # nothing generated thrown away; a call between its render and its generate request
+    # when the engine paused had made nothing: it starts over (at once: its generate request
+    # is cut as it begins, not left waiting for the paused engine), losing nothing
     assert policy.discarded_tokens == 0
-    assert policy.restarted == 0
-    spans = {tuple(s.version for s in reply.versions) for reply in replies}
-    if mode == "abort" or stream:  # a streamed call held by keep: split where it was held
-        assert ("0", "1") in spans
+    split = [row for row in rows if len(row["versions"][0]) == 2]
+    assert split, [row["versions"] for row in rows]
+    for row in split:
+        first, second = row["versions"][0]
+        assert (first["version"], second["version"]) == ("0", "1")
+        assert 0 < first["end"] == second["start"] < 400
+        assert row["policy_versions"] == ["0", "1"]
     if mode == "abort":
         assert policy.cut > 0  # vLLM ended them, their tokens came back, they went on
         # greedy, weights unchanged: each cut-and-continued reply is the uncut one
         async with tt.OpenAIClient(vllm.url, max_retries=0) as client:
-            for reply in replies[:8]:
-                assert reply.tokens is not None
+            for row in rows[:8]:
+                [tokens] = row["tokens"]
                 again = await client.complete_ids(
-                    reply.tokens.prompt_ids, model=SERVED_NAME, sampling=LONG
+                    tokens["prompt_ids"], model=SERVED_NAME, sampling=LONG
                 )
                 assert again.tokens is not None
-                assert again.tokens.completion_ids == reply.tokens.completion_ids
+                assert again.tokens.completion_ids == tokens["completion_ids"]
 
 
 @pytest.mark.real_engine
@@ -457,6 +486,7 @@ async def test_an_aborted_call_without_max_tokens_runs_on_to_the_context_s_end(
         tt.VLLMControl(vllm.url) as control,
     ):
         whole = await client.chat(messages, model=SERVED_NAME, sampling=sampling)
+        await control.set_version("0")  # (an earlier test left its own): vLLM's spans say it
         policy = tt.Policy("0", engines=[control])
         ctx = tt.ModelContext(client, SERVED_NAME, sampling, policy=policy)
         cut: list[tt.Completion] = []

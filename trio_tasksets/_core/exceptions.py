@@ -37,6 +37,7 @@ TrioTasksetsError
 │   ├── ResponseTooLarge
 │   └── DecodingError
 ├── SendFailed, ResponseTooLargeSignal  inside the transport (never reach a caller)
+├── RequestCut                          a request its caller cut (a policy update's abort)
 ├── EnvServerError                      the served path's client (.status: the server's)
 ├── WireError (ValueError)              a malformed request or reply on the wire (serve.wire)
 │   └── Forbidden                       a run that asks for what the server does not allow

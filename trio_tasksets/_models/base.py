@@ -20,6 +20,7 @@ type names (``ModelConnectionError``, ``ModelTimeoutError``, ``ModelHTTPError``,
 from __future__ import annotations
 
 import contextvars
+import functools
 import inspect
 import json
 import os
@@ -524,7 +525,7 @@ class ModelContext:
             sampling = override_sampling(sampling, sampling_overrides)
         if self.policy is not None:
             completion = await self.policy.govern(
-                self, lambda: self._send(messages, tools, sampling), sampling
+                self, self._sender(messages, tools, sampling), sampling
             )
         elif tools is None:
             completion = await self.client.chat(messages, model=self.model, sampling=sampling)
@@ -538,15 +539,28 @@ class ModelContext:
             report_stream(completion.ttft, completion.tpot)
         return completion
 
-    async def _send(
+    def _sender(
         self,
         messages: list[dict[str, Any]],
         tools: list[dict[str, Any]] | None,
         sampling: Sampling,
-    ) -> Completion:
+    ) -> Callable[[], Awaitable[Completion]]:
+        """One call as a policy sends it, a partial of the client's own method (no frame of
+        its own: each checkpoint of a call resumes every frame above it): the client's
+        `chat_with_versions` when it has one and the call asks for token ids
+        (`OpenAIClient`'s: the engine's own version spans, where vLLM offers them), else as
+        without a policy."""
+        if sampling.return_tokens:
+            versioned = getattr(self.client, "chat_with_versions", None)
+            if versioned is not None:
+                return functools.partial(
+                    versioned, messages, model=self.model, sampling=sampling, tools=tools
+                )
         if tools is None:
-            return await self.client.chat(messages, model=self.model, sampling=sampling)
-        return await self._chat_with_tools(messages, tools, sampling)
+            return functools.partial(
+                self.client.chat, messages, model=self.model, sampling=sampling
+            )
+        return functools.partial(self._chat_with_tools, messages, tools, sampling)
 
     async def _chat_with_tools(
         self, messages: list[dict[str, Any]], tools: list[dict[str, Any]], sampling: Sampling

@@ -23,6 +23,7 @@ from .base import (
     ModelResponseError,
     Sampling,
     Tokens,
+    VersionSpan,
     body_text,
     excerpt,
     parse_tool_calls,
@@ -33,7 +34,11 @@ from .engine import EngineMetrics
 from .pool import EndpointPool, pool_limits
 from .stream import SSEReply
 
-__all__ = ["OpenAIClient"]
+__all__ = ["GENERATE_PATH", "OpenAIClient"]
+
+GENERATE_PATH = "/inference/v1/generate"
+"""vLLM's token-in/token-out endpoint (``vllm serve --enable-scale-out``), under the server's
+root: the one that reports each output token's weight version (``weight_versions``)."""
 
 _OWN_HEADERS = frozenset({"Content-Type", "Authorization"})  # the ones every request has
 
@@ -223,6 +228,27 @@ class OpenAIClient(ModelClientBase):
             max_retries=max_retries, backoff=backoff, max_backoff=max_backoff,
             limits=self.limits, limits_key=self.limits_key,
         )  # fmt: skip
+        # vLLM's scale-out endpoints (`--enable-scale-out`): the chat rendered to token ids
+        # (no engine work: outside the limits), then generated from them with the output's
+        # weight versions; whether the server offers them is asked once (`offers_generate`).
+        root = base_url.rstrip("/").removesuffix("/v1").rstrip("/")
+        self._render = EndpointCalls(
+            self._http, base_url.rstrip("/") + "/chat/completions/render", timeout=timeout,
+            max_retries=max_retries, backoff=backoff, max_backoff=max_backoff,
+        )  # fmt: skip
+        self._generate = EndpointCalls(
+            self._http, root + GENERATE_PATH, timeout=timeout, max_retries=max_retries,
+            backoff=backoff, max_backoff=max_backoff, limits=self.limits,
+            limits_key=self.limits_key,
+        )  # fmt: skip
+        self._generates: bool | None = None
+        self._probing = trio.Lock()
+
+    cut_in_transport = True
+    """Its requests can be cut through the transport's own cancel scope (`CutSlot`), and
+    each reply it returns is a new object made for its call: a `tt.Policy` governing its
+    calls needs no cancel scope of its own per call and stamps a reply's versions in
+    place."""
 
     timeout = View[float]("_calls", "Seconds per request, as a whole (each attempt its own).")
     max_retries = View[int]("_calls", "Retries after a call's first attempt.")
@@ -330,13 +356,24 @@ class OpenAIClient(ModelClientBase):
         output's token ids (and logprobs with ``return_tokens``). Without a ``max_tokens`` it
         runs to the model's context, as the server lists it (vLLM's ``max_model_len`` in
         ``GET /models``, asked once per model). What a call cut by a ``tt.Policy`` update
-        (``mode="abort"``) continues through. Raises as `chat`."""
+        (``mode="abort"``) continues through. Where the server offers vLLM's
+        ``/inference/v1/generate`` (`offers_generate`) the ids go there instead (its
+        ``sampling_params`` are the named settings and ``extra``; no ``max_tokens``: to the
+        context's end), and the reply carries vLLM's own ``weight_versions`` as its
+        `Completion.versions`. Raises as `chat`."""
         if self._closed:
             raise RuntimeError("OpenAIClient is closed")
         if self.pool is not None:
             return await self.pool.run(
                 lambda client: client.complete_ids(prompt_ids, model=model, sampling=sampling)
             )
+        if await self.offers_generate():
+            params: dict[str, Any] = sampling.named_settings()
+            if sampling.return_tokens:
+                params["logprobs"] = 0
+            params.update(sampling.extra)
+            request = {"model": model, "token_ids": prompt_ids, "sampling_params": params}
+            return await self._generate_from(request, stream=False)
         payload: dict[str, Any] = {"model": model, "prompt": prompt_ids}
         if sampling.max_tokens is None:  # to the context's end, as a chat call would go
             # (/completions' own default is 16 tokens, and vLLM reads a null as that)
@@ -352,6 +389,142 @@ class OpenAIClient(ModelClientBase):
         return await self._completions.post(
             body, headers=self._headers, parse=self._parse_text, reserve_tokens=sampling.max_tokens
         )
+
+    # duplicates: ModelClient.chat's signature (with tools), which every client implements
+    async def chat_with_versions(
+        self,
+        messages: list[dict[str, Any]],
+        *,
+        model: str,
+        sampling: Sampling,
+        tools: list[dict[str, Any]] | None = None,
+    ) -> Completion:
+        """`chat`, with the engine's own version spans where the server offers them: when it
+        serves vLLM's scale-out endpoints (`offers_generate`) and the call has no ``tools``,
+        the chat is rendered to token ids (``POST {base_url}/chat/completions/render``, the
+        model's own template and the request's sampling) and generated from them (``POST
+        /inference/v1/generate``, text and token ids out, streamed as ``sampling`` says),
+        so the reply's `Completion.versions` are vLLM's ``weight_versions`` (two spans when
+        a policy update fell inside the call) and its ``tokens`` the prompt's and output's
+        ids. Else (another server, or ``tools``: vLLM's tool parser runs only on the chat
+        path) it is `chat`. What a `tt.ModelContext` with a ``tt.Policy`` sends its calls
+        with ``Sampling(return_tokens=True)`` through. Raises as `chat`."""
+        if self._closed:
+            raise RuntimeError("OpenAIClient is closed")
+        if self.pool is not None:
+            return await self.pool.run(
+                lambda client: client.chat_with_versions(
+                    messages, model=model, sampling=sampling, tools=tools
+                )
+            )
+        if tools is not None or not await self.offers_generate():
+            return await self.chat(messages, model=model, sampling=sampling, tools=tools)
+        payload: dict[str, Any] = {"model": model, "messages": messages}
+        payload.update(sampling.to_request())
+        stream = payload.pop("stream", None) is True
+        payload.pop("stream_options", None)
+        rendered = await self._render.post(
+            orjson.dumps(payload, option=orjson.OPT_NON_STR_KEYS),
+            headers=self._headers,
+            parse=self._parse_rendered,
+        )
+        return await self._generate_from(rendered.message, stream=stream)
+
+    async def offers_generate(self) -> bool:
+        """Whether the server offers vLLM's token-in/token-out endpoints (``vllm serve
+        --enable-scale-out``): asked once per client (an empty ``POST
+        /inference/v1/generate``, which such a server refuses as invalid, 400 or 422, and
+        any other answers otherwise: 404, or 403 when served without the flag); a request
+        that gets no answer says no for this call and is asked again next time."""
+        if self._generates is None:
+            async with self._probing:
+                if self._generates is None:
+                    found = await self._probe_generate()
+                    if found is None:
+                        return False
+                    self._generates = found
+        return self._generates
+
+    async def _probe_generate(self) -> bool | None:
+        http = self._http
+        if http is None:
+            return None
+        try:
+            response = await http.request(
+                "POST", self._generate.url, headers=self._headers, body=b"{}"
+            )
+        except HTTPError:
+            return None
+        return response.status in (400, 422)
+
+    async def _generate_from(self, request: dict[str, Any], *, stream: bool) -> Completion:
+        """POST a rendered `request` (``token_ids``, ``sampling_params``, ...) to vLLM's
+        generate endpoint, asking for text and token ids back (streamed or whole)."""
+        request["output_mode"] = "text"
+        request["return_token_ids"] = True
+        if stream:
+            request["stream"] = True
+            request["stream_options"] = {"include_usage": True}
+        params = request.get("sampling_params")
+        reserve = params.get("max_tokens") if isinstance(params, dict) else None
+        if isinstance(reserve, bool) or not isinstance(reserve, int) or reserve < 0:
+            reserve = None
+        return await self._generate.post(
+            orjson.dumps(request, option=orjson.OPT_NON_STR_KEYS),
+            headers=self._headers,
+            parse=self._parse_generated,
+            reserve_tokens=reserve,
+            stream=self._generated_stream if stream else None,
+        )
+
+    def _parse_rendered(self, content: bytes) -> Completion:
+        """A ``/chat/completions/render`` reply (vLLM's ``GenerateRequest``), carried as the
+        `message` of a bare `Completion` (what `EndpointCalls` hands back)."""
+        url = self._render.url
+        try:
+            data = orjson.loads(content)
+        except orjson.JSONDecodeError:
+            data = None
+        if not isinstance(data, dict) or not isinstance(data.get("token_ids"), list):
+            raise ModelResponseError(
+                f"{url} returned no rendered request: {excerpt(body_text(content))}", url=url
+            )
+        return Completion("", message=data)
+
+    def _parse_generated(self, content: bytes) -> Completion:
+        """A whole ``/inference/v1/generate`` reply (``output_mode`` text): its text, token
+        ids, logprobs, usage, finish reason and vLLM's ``weight_versions``."""
+        url = self._generate.url
+        try:
+            data = orjson.loads(content)
+            choice = data["choices"][0]
+            text = choice.get("text") or ""
+            logprobs = choice.get("logprobs")
+            entries = logprobs.get("content") if isinstance(logprobs, dict) else None
+            finish = choice.get("finish_reason")
+            return Completion(
+                content=text if isinstance(text, str) else "",
+                usage={
+                    str(k): v
+                    for k, v in (data.get("usage") or {}).items()
+                    if isinstance(v, int) and not isinstance(v, bool)
+                },
+                finish_reason=finish if isinstance(finish, str) else None,
+                tokens=Tokens(
+                    list(data.get("prompt_token_ids") or []),
+                    list(choice.get("token_ids") or []),
+                    [float(entry["logprob"]) for entry in entries or ()],
+                ),
+                versions=_weight_versions(choice.get("weight_versions")),
+            )
+        except (orjson.JSONDecodeError, KeyError, IndexError, TypeError, ValueError) as exc:
+            raise ModelResponseError(
+                f"{url} returned no usable generation ({exc}): {excerpt(body_text(content))}",
+                url=url,
+            ) from None
+
+    def _generated_stream(self) -> _GeneratedReply:
+        return _GeneratedReply(self._generate.url)
 
     async def _context_length(self, model: str) -> int | None:
         """The model's context in tokens, as the server lists it (vLLM's `max_model_len` in
@@ -478,8 +651,72 @@ class OpenAIClient(ModelClientBase):
     async def aclose(self) -> None:
         """Close the HTTP client if this object created it. Idempotent."""
         self._closed = self._calls.closed = self._completions.closed = True
+        self._render.closed = self._generate.closed = True
         if self.pool is not None:
             await self.pool.aclose()  # its clients share this one's HTTP client
         http, self._http = self._http, None
         if http is not None and self._owns_http:
             await http.aclose()
+
+
+def _weight_versions(value: Any) -> list[VersionSpan]:
+    """vLLM's ``weight_versions`` (``[{"version", "start", "end"}]``) as `VersionSpan`s;
+    [] when it sent none. Malformed: `TypeError` or `ValueError` (the caller's
+    `ModelResponseError`)."""
+    if not value:
+        return []
+    if not isinstance(value, list):
+        raise TypeError(f"weight_versions is not a list: {value!r}")
+    try:
+        return [VersionSpan(str(span["version"]), span["start"], span["end"]) for span in value]
+    except (KeyError, ConfigError) as exc:
+        raise ValueError(f"malformed weight_versions {value!r}: {exc}") from None
+
+
+class _GeneratedReply(SSEReply):
+    """A streamed ``/inference/v1/generate`` reply (``output_mode`` text): each chunk's
+    ``choices[0]`` (``text``, ``token_ids``, ``logprobs``, ``finish_reason``) fed to the
+    builder as the chat chunk it stands for, and the last chunk's ``weight_versions`` kept
+    for the whole reply's `Completion.versions`."""
+
+    __slots__ = ("versions",)
+
+    def __init__(self, url: str) -> None:
+        super().__init__(url)
+        self.versions: list[VersionSpan] = []
+        self._feed = self._generated
+
+    def _generated(self, chunk: Any) -> None:
+        if not isinstance(chunk, dict):
+            self.builder.feed(chunk)  # (its error)
+            return
+        choices = chunk.get("choices")
+        converted: dict[str, Any] = {
+            key: chunk[key] for key in ("usage", "prompt_token_ids") if key in chunk
+        }
+        if isinstance(choices, list) and choices and isinstance(choices[0], dict):
+            choice = choices[0]
+            try:
+                spans = _weight_versions(choice.get("weight_versions"))
+            except (TypeError, ValueError) as exc:
+                self._error(f"malformed weight versions ({exc})")
+            if spans:
+                self.versions = spans
+            text = choice.get("text")
+            converted["choices"] = [{
+                "delta": {"content": text} if text else {},
+                "token_ids": choice.get("token_ids"),
+                "logprobs": choice.get("logprobs"),
+                "finish_reason": choice.get("finish_reason"),
+            }]  # fmt: skip
+        else:
+            converted["choices"] = choices
+        self.builder.feed(converted)
+
+    def finish(self) -> Completion:
+        """The whole reply, with vLLM's version spans."""
+        c = super().finish()
+        return Completion(
+            c.content, c.usage, c.finish_reason, c.message, c.tool_calls, c.tokens,
+            ttft=c.ttft, tpot=c.tpot, versions=self.versions,
+        )  # fmt: skip

@@ -5,8 +5,12 @@ rollouts are in flight; `EngineControl`, what an engine offers for an update, an
 A `ModelContext(..., policy=p)` routes each call through `Policy.govern`, the gate:
 
 - a call is *admitted* when no update is pending (else it parks, a `limits.parked("policy")`
-  wait: neither working time nor a stall), then runs in a cancel scope of its own, its
-  version and update count noted (and told to a `tt.Staleness` run: its oldest token);
+  wait: neither working time nor a stall), its version and update count noted (and told
+  to a `tt.Staleness` run: its oldest token); it runs as the transport's `CutSlot` when
+  its client's requests can be cut there (`OpenAIClient.cut_in_transport`: the request's
+  own cancel scope is the one an ``abort`` cancels, so the gate opens none: a call with
+  no update costs a few set and context-variable operations and the version stamp), else
+  in a cancel scope of its own;
 - `update(version, mode=...)` makes new calls park from the moment it is called, queues
   behind earlier updates (a fair `trio.Lock`: in order), then by mode: ``wait`` drains the
   calls in flight, ``keep`` pauses the engines with them kept in place (their time is
@@ -28,6 +32,7 @@ A `ModelContext(..., policy=p)` routes each call through `Policy.govern`, the ga
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Awaitable, Callable, Iterable, Sequence
 from typing import TYPE_CHECKING, Any, Literal, Protocol, runtime_checkable
 
@@ -38,7 +43,7 @@ import trio
 from .._core.exceptions import ConfigError, ConfigTypeError
 from .._core.limits import CallObserver, current_observers, parked
 from .._core.training import current_run
-from .._transport import HTTPClient, HTTPError, Timeouts
+from .._transport import CUT_SLOT, HTTPClient, HTTPError, RequestCut, Timeouts
 from .base import (
     Completion,
     ModelConnectionError,
@@ -48,7 +53,7 @@ from .base import (
     VersionSpan,
     excerpt,
 )
-from .stream import ReplyWatch, watch_reply
+from .stream import ReplyWatch, pop_watch, push_watch
 
 if TYPE_CHECKING:
     from .base import ModelContext
@@ -114,23 +119,31 @@ def join_spans(spans: Iterable[VersionSpan]) -> list[VersionSpan]:
     return joined
 
 
-@attrs.define(eq=False)
-class _Call:
-    """One admitted call: the version and update count it runs under, its cancel scope, the
-    observers of its task (told of a ``keep`` update's hold), and whether it was cut."""
+class _Call(ReplyWatch):
+    """One admitted call: the version and update count it runs under, the observers of its
+    task (told of a ``keep`` update's hold), the watch of its streamed reply (it is one:
+    `ReplyWatch`), and how an ``abort`` cuts it: `cut`, and `scope`, the cancel scope to
+    cancel: its own (a client that is not cut in its transport) or, for a client that is
+    (`OpenAIClient`), the cancel scope of its request in flight, which the transport puts
+    here (`CutSlot`), None between requests (a request begun once `cut` is set ends at
+    once)."""
 
-    version: str
-    index: int
-    scope: trio.CancelScope
-    observers: tuple[CallObserver, ...]
-    watch: ReplyWatch | None = None
-    marks: list[tuple[int, str]] = attrs.Factory(list)  # (tokens made then, the new version)
-    cut: bool = False
+    __slots__ = ("cut", "index", "marks", "observers", "scope", "version")
+
+    def __init__(self, version: str, index: int, observers: tuple[CallObserver, ...]) -> None:
+        self.builder = None  # (ReplyWatch's, set here: every governed call makes one)
+        self.attempts = 0
+        self.version = version
+        self.index = index
+        self.observers = observers
+        self.scope: trio.CancelScope | None = None
+        self.marks: list[tuple[int, str]] | None = None  # (tokens made then, the new version)
+        self.cut = False
 
     def spans(self, count: int) -> list[VersionSpan]:
         """The gate's spans over `count` output tokens."""
         if not self.marks:  # (every call but those a keep update held)
-            return [VersionSpan(self.version, 0, count)]
+            return [_span(self.version, count)]
         spans, start, version = [], 0, self.version
         for at, new in self.marks:
             at = min(at, count)
@@ -141,8 +154,22 @@ class _Call:
 
     def made(self) -> int | None:
         """Output tokens a streamed call has received so far (None: not streamed)."""
-        builder = None if self.watch is None else self.watch.builder
+        builder = self.builder
         return None if builder is None else len(builder.token_ids)
+
+
+_SPANS: dict[tuple[str, int], VersionSpan] = {}
+
+
+def _span(version: str, count: int) -> VersionSpan:
+    """`VersionSpan(version, 0, count)`, one object per (version, count) (they are frozen):
+    what nearly every call is stamped with, without building and checking a new one."""
+    span = _SPANS.get((version, count))
+    if span is None:
+        if len(_SPANS) >= 4096:
+            _SPANS.clear()
+        span = _SPANS[version, count] = VersionSpan(version, 0, count)
+    return span
 
 
 def _version_text(value: object, name: str) -> str:
@@ -307,12 +334,15 @@ class Policy:
                 paused.append(engine)  # before the await: a pause cut short is undone too
                 await engine.pause(mode)
             if mode == "abort":
+                for call in self._calls:  # a request one begins from now on is cut at once
+                    call.cut = True  # (it would wait for the paused engine until the grace)
                 if self.engines:  # they end their requests: the replies bring their tokens
                     with trio.move_on_after(ABORT_GRACE):
                         await self._drain()
                 for call in list(self._calls):  # the rest: cut here, keeping what streamed
                     call.cut = True
-                    call.scope.cancel()
+                    if call.scope is not None:
+                        call.scope.cancel()
             if mode == "keep":
                 held, held_at = list(self._calls), trio.current_time()
                 for call in held:
@@ -329,7 +359,7 @@ class Policy:
             for call in held:
                 made = call.made()
                 if made is not None:
-                    call.marks.append((made, new))
+                    call.marks = [*(call.marks or ()), (made, new)]
         finally:
             with trio.CancelScope(shield=True) as restoring:
                 restoring.deadline = trio.current_time() + RESTORE_TIMEOUT
@@ -358,7 +388,7 @@ class Policy:
                 await self._open.wait()
 
     def _enter(self) -> _Call:
-        call = _Call(self._version, self._updates, trio.CancelScope(), current_observers())
+        call = _Call(self._version, self._updates, current_observers())
         self._calls.add(call)
         live = current_run()
         if live is not None:
@@ -377,80 +407,77 @@ class Policy:
             await self._drained.wait()
         self._drained = None
 
-    async def _run(
-        self, send: Callable[[], Awaitable[Completion]]
-    ) -> tuple[_Call, Completion | None]:
-        """Admit one call and run it: (the call, its reply or None when an ``abort`` update
-        cut it: `call.watch` then holds what had arrived)."""
-        if self._pending:
-            await self._park()
-        call = self._enter()
-        completion: Completion | None = None
-        try:
-            with watch_reply() as call.watch, call.scope:
-                completion = await send()
-        finally:
-            self._release(call)
-        return call, completion
-
     async def govern(
         self, ctx: ModelContext, send: Callable[[], Awaitable[Completion]], sampling: Sampling
     ) -> Completion:
         """Run one model call of `ctx` under the policy (`ModelContext.chat` calls it): park
         while an update is pending, stamp the reply's versions, and continue it when an
-        ``abort`` update cuts it. Raises what `send` raises."""
+        ``abort`` update cuts it. Raises what `send` raises.
+
+        Each run of the call (the first, and each piece of a continued one) is admitted
+        (parked while an update is pending) and watched (the call is a `ReplyWatch`); a
+        client whose requests are cut in its transport (`cut_in_transport`) gets the call as
+        its `CutSlot`, so the gate opens no cancel scope (the request's own is cut); any
+        other runs in one of the gate's. One frame, no helper: each checkpoint of the call
+        resumes every frame above it."""
+        client: Any = ctx.client
+        cut_in_transport = getattr(client, "cut_in_transport", False) is True
+        pieces: list[_Piece] = []  # of a cut call: what each run made
+        prompt_ids: list[int] = []
         while True:
-            if self._pending:  # (inline: every governed call runs this)
+            if self._pending:
                 await self._park()
             call = self._enter()
             completion: Completion | None = None
+            watching = push_watch(call)
             try:
-                with watch_reply() as call.watch, call.scope:
-                    completion = await send()
+                if cut_in_transport:
+                    slot = CUT_SLOT.set(call)
+                    try:
+                        completion = await send()
+                    except RequestCut:
+                        pass
+                    finally:
+                        CUT_SLOT.reset(slot)
+                else:
+                    with trio.CancelScope() as call.scope:
+                        completion = await send()
             finally:
+                pop_watch(watching)
                 self._release(call)
             if completion is not None and completion.finish_reason != "abort":
-                return _stamped(completion, call)
-            piece = _Piece.of(completion, call)
-            client: Any = ctx.client
-            if piece.prompt_ids is None or not isinstance(client, TokenContinuation):
-                self.restarted += 1  # nothing to continue from: start over
-                made = 0 if completion is None else _output_count(completion)
-                self.discarded_tokens += max(len(piece.ids), made)
-                continue
+                if not pieces:
+                    if cut_in_transport and not completion.versions:
+                        # its replies are its own, made for this call: stamped in place
+                        # (the list is the reply's own, empty; no copy of the reply)
+                        completion.versions.extend(call.spans(_output_count(completion)))
+                        return completion
+                    return _stamped(completion, call)
+                pieces.append(_Piece.of_reply(completion, call))
+                self.continued += 1
+                return _joined(pieces, prompt_ids, completion.finish_reason)
+            piece = _Piece.of(completion, call)  # cut: what it had made
+            if not pieces:
+                if piece.prompt_ids is None or not isinstance(client, TokenContinuation):
+                    self.restarted += 1  # nothing to continue from: start over
+                    made = 0 if completion is None else _output_count(completion)
+                    self.discarded_tokens += max(len(piece.ids), made)
+                    continue
+                prompt_ids = piece.prompt_ids
             self.cut += 1
-            return await self._continue(client, ctx.model, sampling, piece)
-
-    async def _continue(
-        self, client: TokenContinuation, model: str, sampling: Sampling, first: _Piece
-    ) -> Completion:
-        pieces = [first]
-        prompt_ids = first.prompt_ids or []
-        self.kept_tokens += len(first.ids)
-        finish: str | None = "length"
-        while True:
+            self.kept_tokens += len(piece.ids)
+            pieces.append(piece)
             kept = [token for piece in pieces for token in piece.ids]
             left = None if sampling.max_tokens is None else sampling.max_tokens - len(kept)
             if left is not None and left <= 0:
-                break
-            more_sampling = attrs.evolve(sampling, max_tokens=left, return_tokens=True)
-            ids = prompt_ids + kept
-
-            async def send(ids: list[int] = ids, s: Sampling = more_sampling) -> Completion:
-                return await client.complete_ids(ids, model=model, sampling=s)
-
-            call, completion = await self._run(send)
-            if completion is None or completion.finish_reason == "abort":
-                piece = _Piece.of(completion, call)
-                self.cut += 1
-                self.kept_tokens += len(piece.ids)
-                pieces.append(piece)
-                continue
-            pieces.append(_Piece.of_reply(completion, call))
-            finish = completion.finish_reason
-            break
-        self.continued += 1
-        return _joined(pieces, prompt_ids, finish)
+                self.continued += 1
+                return _joined(pieces, prompt_ids, "length")
+            send = functools.partial(  # after the update: on from the prompt and its tokens
+                client.complete_ids,
+                prompt_ids + kept,
+                model=ctx.model,
+                sampling=attrs.evolve(sampling, max_tokens=left, return_tokens=True),
+            )
 
 
 async def _try(step: Awaitable[None], failed: list[BaseException]) -> None:
@@ -488,7 +515,7 @@ class _Piece:
         """A cut run: what its stream had brought, or the reply an engine ended
         (``finish_reason`` ``"abort"``)."""
         if completion is None:
-            completion = Completion("") if call.watch is None else call.watch.partial()
+            completion = call.partial()
         return cls.of_reply(completion, call)
 
     @classmethod

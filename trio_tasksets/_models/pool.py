@@ -56,6 +56,7 @@ from .._core.adaptive import AdaptiveBounds, Outcome
 from .._core.exceptions import ConfigError
 from .._core.limits import CallObserver, EndpointLimits, observe_calls, parked, report_wait
 from .._core.window import Window
+from .._transport import RequestCut
 from .base import ModelConnectionError, ModelTimeoutError
 from .engine import EngineMetrics
 
@@ -422,6 +423,8 @@ class EndpointPool(Generic[C]):
                 self._eject(endpoint)
                 error = exc
                 continue
+            except RequestCut:  # its caller cut it (a policy update): not the endpoint's fault
+                raise
             except Exception:
                 endpoint.stats.errors += 1
                 raise

@@ -68,6 +68,8 @@ __all__ = [
     "ReplyWatch",
     "SSEReply",
     "attach_reply",
+    "pop_watch",
+    "push_watch",
     "watch_reply",
 ]
 
@@ -413,11 +415,22 @@ def watch_reply() -> Iterator[ReplyWatch]:
     an inner block too. Watch one call at a time: a second call in the block replaces the
     first's builder, as a retry does."""
     watch = ReplyWatch()
-    token = _watches.set((*_watches.get(), watch))
+    token = push_watch(watch)
     try:
         yield watch
     finally:
         _watches.reset(token)
+
+
+def push_watch(watch: ReplyWatch) -> contextvars.Token[tuple[ReplyWatch, ...]]:
+    """`watch_reply` without the context manager (a hot path's): `watch` sees the streamed
+    attempts of this context from now until `pop_watch` of the token returned."""
+    return _watches.set((*_watches.get(), watch))
+
+
+def pop_watch(token: contextvars.Token[tuple[ReplyWatch, ...]]) -> None:
+    """End the watch `push_watch` began."""
+    _watches.reset(token)
 
 
 def attach_reply(builder: ReplyBuilder) -> None:

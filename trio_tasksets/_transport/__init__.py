@@ -11,13 +11,16 @@ imported here.
 from .client import HTTPClient, PoolStats
 from .messages import Request, Response
 from .support import (
+    CUT_SLOT,
     ConnectError,
     ConnectionClosed,
+    CutSlot,
     DecodingError,
     HTTPError,
     HTTPTimeout,
     ProtocolError,
     ProxyError,
+    RequestCut,
     ResponseTooLarge,
     Timeouts,
     UnsupportedProxy,
@@ -26,8 +29,10 @@ from .support import (
 )
 
 __all__ = [
+    "CUT_SLOT",
     "ConnectError",
     "ConnectionClosed",
+    "CutSlot",
     "DecodingError",
     "HTTPClient",
     "HTTPError",
@@ -36,6 +41,7 @@ __all__ = [
     "ProtocolError",
     "ProxyError",
     "Request",
+    "RequestCut",
     "Response",
     "ResponseTooLarge",
     "Timeouts",

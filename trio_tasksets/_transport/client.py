@@ -50,11 +50,13 @@ from .connection import (
 from .memory import Handler, answer
 from .messages import Request, Response
 from .support import (
+    CUT_SLOT,
     ConnectError,
     ConnectionClosed,
     HTTPTimeout,
     ProtocolError,
     Proxies,
+    RequestCut,
     ResponseTooLarge,
     Route,
     Timeouts,
@@ -200,6 +202,9 @@ class HTTPClient(trio.abc.AsyncResource):
         if on_body is not None:
             pairs = list(headers.items() if isinstance(headers, Mapping) else headers or ())
             headers = [*pairs, ("accept-encoding", "identity")]
+        slot = CUT_SLOT.get()
+        if slot is not None and slot.cut:
+            raise RequestCut(url)
         if self._handler is not None:
             response = await self._answer(self._handler, method, url, headers, body, timeouts)
             if on_body is not None and 200 <= response.status <= 299:
@@ -219,8 +224,18 @@ class HTTPClient(trio.abc.AsyncResource):
         else:
             data = head.data + b"\r\n"
         exchange = _Exchange(self, route, url, self.timeouts if timeouts is None else timeouts)
-        with exchange.scope:
-            return await exchange.run(head, data, on_body)
+        if slot is None:
+            with exchange.scope:
+                return await exchange.run(head, data, on_body)
+            raise exchange.timed_out()
+        slot.scope = exchange.scope
+        try:
+            with exchange.scope:
+                return await exchange.run(head, data, on_body)
+        finally:
+            slot.scope = None
+        if slot.cut:
+            raise RequestCut(url)
         raise exchange.timed_out()
 
     async def _answer(

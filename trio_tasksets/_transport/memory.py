@@ -26,7 +26,14 @@ import trio
 
 from .._core.exceptions import ConfigTypeError
 from .messages import Request, Response
-from .support import HTTPTimeout, ResponseTooLarge, Timeouts, decode_body
+from .support import (
+    CUT_SLOT,
+    HTTPTimeout,
+    RequestCut,
+    ResponseTooLarge,
+    Timeouts,
+    decode_body,
+)
 
 __all__ = ["Handler", "answer"]
 
@@ -44,10 +51,19 @@ async def answer(
     (`ResponseTooLarge`); a ``Content-Encoding`` is decoded."""
     await trio.lowlevel.checkpoint()  # a real call, as a request over a socket is
     phase, limit = _first_limit(timeouts)
+    slot = CUT_SLOT.get()  # (a caller that may cut it: this scope is the one it cancels)
     with trio.move_on_after(limit) as scope:
-        found = handler(request)
-        response = await found if inspect.isawaitable(found) else found
+        if slot is not None:
+            slot.scope = scope
+        try:
+            found = handler(request)
+            response = await found if inspect.isawaitable(found) else found
+        finally:
+            if slot is not None:
+                slot.scope = None
     if scope.cancelled_caught:
+        if slot is not None and slot.cut:
+            raise RequestCut(request.url)
         raise HTTPTimeout(
             f"{phase} timeout ({limit:g}s)", url=request.url, phase=phase, timeout=limit
         )

@@ -1,12 +1,15 @@
 """The parts of the HTTP transport that do no I/O: errors, timeouts, where a URL's requests
-go (proxies from the environment), TLS contexts, body decoding and ``Retry-After``.
+go (proxies from the environment), TLS contexts, body decoding and ``Retry-After``, and how
+a caller cuts its requests (`CUT_SLOT`).
 
-Depends on the standard library and attrs only; `transport.client` builds on it.
+Depends on the standard library, attrs and trio (the cut's cancel scope) only;
+`transport.client` builds on it.
 """
 
 from __future__ import annotations
 
 import base64
+import contextvars
 import email.utils
 import functools
 import ipaddress
@@ -17,16 +20,19 @@ import ssl
 import zlib
 from collections.abc import Mapping
 from datetime import UTC, datetime
-from typing import Any
+from typing import Any, Protocol
 from urllib.parse import unquote, urlsplit
 
 import attrs
+import trio
 
 from .._core.exceptions import ConfigError, TrioTasksetsError
 
 __all__ = [
+    "CUT_SLOT",
     "ConnectError",
     "ConnectionClosed",
+    "CutSlot",
     "DecodingError",
     "HTTPError",
     "HTTPTimeout",
@@ -34,6 +40,7 @@ __all__ = [
     "Proxies",
     "Proxy",
     "ProxyError",
+    "RequestCut",
     "ResponseTooLarge",
     "Route",
     "Timeouts",
@@ -59,6 +66,37 @@ class HTTPError(TrioTasksetsError):
         super().__init__(f"{url}: {reason}")
         self.url = url
         self.reason = reason
+
+
+# --- cutting a request from outside (a policy update's abort) ---------------------------------
+
+
+class CutSlot(Protocol):
+    """What a caller hands the requests it makes (`CUT_SLOT`), to cut them from another task:
+    while one is in flight its cancel scope is in `scope` (None between requests); setting
+    `cut` and cancelling `scope` ends it with `RequestCut`, and a request begun once `cut`
+    is set ends so at once."""
+
+    cut: bool
+    scope: trio.CancelScope | None
+
+
+CUT_SLOT: contextvars.ContextVar[CutSlot | None] = contextvars.ContextVar(
+    "trio_tasksets_cut_slot", default=None
+)
+"""The `CutSlot` of the requests made in this context, if any: a caller that may cut them
+(`tt.Policy`'s gate) sets it around its call, so that it needs no cancel scope of its own: the
+request's own (one per request, for its timeouts) is the one cut."""
+
+
+class RequestCut(TrioTasksetsError):
+    """A request its caller cut (`CutSlot`): not an `HTTPError` (nothing failed, nothing to
+    retry); what the request had streamed to ``on_body`` before is all it gets. The caller
+    that cut it catches it (`tt.Policy`'s gate); it reaches no one else."""
+
+    def __init__(self, url: str) -> None:
+        super().__init__(f"{url}: cut by its caller")
+        self.url = url
 
 
 class ConnectError(HTTPError):
