@@ -452,6 +452,7 @@ class SSEReply:
         "_feed",
         "_glue",
         "_head",
+        "_lead",
         "_learning",
         "_mid",
         "_needle",
@@ -476,7 +477,7 @@ class SSEReply:
         self._template: tuple[bytes, bytes] | None = None  # the text chunks' shape: `_learn`
         self._learning = _LEARN_TRIES  # chunks left to learn it from
         # its bytes around and between texts (`_learn`)
-        self._needle = self._head = self._mid = self._glue = self._end = b""
+        self._lead = self._needle = self._head = self._mid = self._glue = self._end = b""
         self._cut: Callable[[bytes], bytes] = bytes
         attach_reply(self.builder)
 
@@ -486,6 +487,19 @@ class SSEReply:
         if self._cr or b"\r" in piece:
             piece = self._lines(piece)
         parts = self._parts
+        if (
+            not parts
+            and self._template is not None
+            and piece.startswith(self._lead)
+            and piece.endswith(self._end)
+        ):  # one text chunk of the learnt shape, as a stream brings a token a read
+            try:
+                text = orjson.loads(piece[len(self._lead) : len(piece) - len(self._end)])
+            except orjson.JSONDecodeError:
+                text = None
+            if type(text) is str:  # no line end in it, so the piece is that one event
+                self.builder.add_content(text, 1 if text else 0)
+                return
         if b"\n\n" not in piece and not (self._nl and piece.startswith(b"\n")):
             if piece:  # no event ends in it
                 parts.append(piece)
@@ -561,7 +575,7 @@ class SSEReply:
             return
         self._template = template
         prefix, suffix = template
-        lead = b"data: " + prefix  # an event's bytes before its text
+        self._lead = lead = b"data: " + prefix  # an event's bytes before its text
         self._needle = lead[-_NEEDLE:]  # where `_bulk` splits (short: fast to find)
         self._head = lead[: len(lead) - len(self._needle)]
         self._mid = suffix + b"\n\n" + self._head  # from one text to the next needle
