@@ -277,6 +277,8 @@ class ReplyBuilder:
                     self._malformed("tool call arguments that are not text", chunk)
 
     def _ints(self, value: Any, name: str, chunk: Any) -> list[int]:
+        if type(value) is list and len(value) == 1 and type(value[0]) is int:
+            return value  # a token a chunk, as vLLM streams them
         if not isinstance(value, list) or not all(
             isinstance(v, int) and not isinstance(v, bool) for v in value
         ):
@@ -561,7 +563,10 @@ class SSEReply:
                 ):
                     self.builder.add_content(*decoded)
                     continue
-            chunk = self._decode(data)
+            try:
+                chunk = orjson.loads(data)
+            except orjson.JSONDecodeError:
+                chunk = self._decode(data)  # raises, naming it
             if type(chunk) is dict and "error" in chunk:
                 self._error(f"an error: {excerpt(repr(chunk['error']), 400)}")
             self._feed(chunk)
