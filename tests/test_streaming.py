@@ -351,6 +351,9 @@ def _texts(*events: bytes) -> list[bytes]:
     pieces=[_USUAL, _USUAL, _USUAL.replace(b'"@T@"', b'"a","b"'), b"data: [DONE]\n\n"]
 )
 @hypothesis.example(pieces=[_USUAL, _USUAL.replace(b'"@T@"', b"1"), b"data: [DONE]\n\n"])
+@hypothesis.example(  # a reasoning model's stream: its text comes after many other chunks
+    pieces=_texts(*[_USUAL.replace(b'"content"', b'"reasoning_content"')] * 12)
+)
 @hypothesis.example(  # a data line before a chunk of the run
     pieces=_texts(_USUAL, b"data: 1\n" + _USUAL)
 )  # fmt: skip

@@ -477,7 +477,7 @@ class SSEReply:
         self.done = False
         self.received = 0  # bytes of the body so far
         self._template: tuple[bytes, bytes] | None = None  # the text chunks' shape: `_learn`
-        self._learning = _LEARN_TRIES  # chunks left to learn it from
+        self._learning = _LEARN_TRIES  # chunks with token ids it still learns from
         # its bytes around and between texts (`_learn`)
         self._lead = self._needle = self._head = self._mid = self._glue = self._end = b""
         self._cut: Callable[[bytes], bytes] = bytes
@@ -576,7 +576,8 @@ class SSEReply:
     def _learn(self, data: bytes, chunk: Any) -> None:
         template = _learn(data, chunk)
         if template is None:
-            self._learning -= 1  # a stream whose chunks all carry more (token ids): stop
+            if _carries_tokens(chunk):  # as every chunk of a stream with token ids does:
+                self._learning -= 1  # stop looking after a few
             return
         self._template = template
         prefix, suffix = template
@@ -662,7 +663,7 @@ class SSEReply:
 
 _CONTENT_KEY = b'"content":'
 _NEEDLE = 16  # bytes: longer needles cost CPython's search more per match
-_LEARN_TRIES = 8  # chunks that are not plain text before `SSEReply` stops learning the shape
+_LEARN_TRIES = 8  # chunks with token ids before `SSEReply` stops learning the shape
 _STRING = re.compile(rb'"(?:[^"\\]|\\.)*"')
 
 
@@ -700,6 +701,16 @@ def _learn(data: bytes, chunk: Any) -> tuple[bytes, bytes] | None:
     if b"\n" in prefix or b"\n" in suffix:
         return None  # an event of many data lines: its raw bytes are not `data: ` + data
     return prefix, suffix
+
+
+def _carries_tokens(chunk: Any) -> bool:
+    """Whether `chunk` carries token ids or logprobs (so it is no plain text chunk, and no
+    chunk of its stream will be: a stream sends them with every token or never)."""
+    choices = chunk.get("choices") if type(chunk) is dict else None
+    choice = choices[0] if type(choices) is list and choices else None
+    return type(choice) is dict and (
+        choice.get("token_ids") is not None or choice.get("logprobs") is not None
+    )
 
 
 def _strings(texts: list[bytes]) -> tuple[str, int] | None:
