@@ -1,6 +1,6 @@
 """Streamed replies against whole ones: the client's CPU per call at 256 tokens a reply.
 
-    python -m bench.streaming [--quick] [--repeat R] [--tokens N] [--calls N]
+    python -m bench.streaming [--quick] [--repeat R] [--tokens N] [--calls N] [--interval K]
 
 A fake OpenAI-compatible server in its own process (pinned to CPU 0 when ``taskset``
 exists; an asyncio protocol writing prebuilt bytes, so that it costs the same for every
@@ -10,7 +10,8 @@ contender) answers ``POST /v1/chat/completions`` with one reply of N tokens (256
 bytes an event), each event its own HTTP chunk (``Transfer-Encoding: chunked``, as uvicorn
 sends them), the finish reason, the usage chunk, ``[DONE]``. With ``return_tokens`` the
 replies carry vLLM's ``token_ids`` and ``logprobs`` (whole: in the choice; streamed: in each
-chunk), and the prompt's ids.
+chunk), and the prompt's ids. ``--interval K`` sends K tokens an event, as vLLM does with
+``--stream-interval K`` (a paced event then comes every K tokens' time).
 
 Two scenarios, each with and without token ids:
 
@@ -54,8 +55,9 @@ PAYLOAD_MESSAGES = [{"role": "user", "content": "count"}]
 # --- the fake server (its own process) ---------------------------------------------------------
 
 
-def _reply_parts(tokens: int, with_ids: bool) -> tuple[bytes, list[bytes]]:
-    """(the whole reply's body, the streamed reply's events), of the same reply."""
+def _reply_parts(tokens: int, with_ids: bool, interval: int = 1) -> tuple[bytes, list[bytes]]:
+    """(the whole reply's body, the streamed reply's events), of the same reply: `interval`
+    tokens an event (vLLM's ``--stream-interval``)."""
     words = [f" w{i}" for i in range(tokens)]
     ids = list(range(1000, 1000 + tokens))
     logprobs = [{"token": w, "logprob": -0.25, "bytes": list(w.encode()), "top_logprobs": []}
@@ -81,13 +83,14 @@ def _reply_parts(tokens: int, with_ids: bool) -> tuple[bytes, list[bytes]]:
         one: dict[str, Any] = {"index": 0, "delta": delta, "logprobs": None,
                                "finish_reason": finish}  # fmt: skip
         if with_ids and k is not None:
-            one["logprobs"] = {"content": [logprobs[k]]}
-            one["token_ids"] = [ids[k]]
+            one["logprobs"] = {"content": logprobs[k : k + interval]}
+            one["token_ids"] = ids[k : k + interval]
         return one
 
     first = {"prompt_token_ids": list(range(12))} if with_ids else {}
     events = [event([step({"role": "assistant", "content": ""})], **first)]
-    events += [event([step({"content": w}, k)]) for k, w in enumerate(words)]
+    events += [event([step({"content": "".join(words[k : k + interval])}, k)])
+               for k in range(0, tokens, interval)]  # fmt: skip
     events.append(event([step({}, finish="stop")]))
     events.append(event([], usage=usage))
     events.append(b"data: [DONE]\n\n")
@@ -146,9 +149,9 @@ class _Server(asyncio.Protocol):
             self.transport.write(data)
 
 
-async def _serve(tokens: int, pace: float) -> None:
-    _Server.tokens, _Server.pace = tokens, pace
-    _Server.replies = {ids: _reply_parts(tokens, ids) for ids in (False, True)}
+async def _serve(tokens: int, pace: float, interval: int) -> None:
+    _Server.tokens, _Server.pace = tokens, pace * interval  # an event every `interval` tokens
+    _Server.replies = {ids: _reply_parts(tokens, ids, interval) for ids in (False, True)}
     loop = asyncio.get_running_loop()
     server = await loop.create_server(_Server, "127.0.0.1", 0, backlog=1024)
     print(server.sockets[0].getsockname()[1], flush=True)
@@ -249,7 +252,7 @@ async def _same_reply(url: str, ids: bool) -> None:
 def _scenario(name: str, pace: float, window: int, args: argparse.Namespace) -> list[list[str]]:
     server = subprocess.Popen(
         [*_pinned(0), sys.executable, "-m", "bench.streaming", "--serve", str(args.tokens),
-         str(pace)],
+         str(pace), str(args.interval)],
         stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
     )  # fmt: skip
     assert server.stdout is not None
@@ -296,10 +299,16 @@ def main() -> None:
         action="store_false",
         help="leave out openai.AsyncOpenAI (the reference; left out by --quick)",
     )
-    parser.add_argument("--serve", nargs=2, help=argparse.SUPPRESS)
+    parser.add_argument(
+        "--interval",
+        type=int,
+        default=1,
+        help="tokens a streamed event, as vLLM's --stream-interval sends them (1)",
+    )
+    parser.add_argument("--serve", nargs=3, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.serve:
-        asyncio.run(_serve(int(args.serve[0]), float(args.serve[1])))
+        asyncio.run(_serve(int(args.serve[0]), float(args.serve[1]), int(args.serve[2])))
         return
     args.repeat = args.repeat or (1 if args.quick else 3)
     args.openai = args.openai and not args.quick
@@ -307,7 +316,7 @@ def main() -> None:
     if shutil.which("taskset") and (os.cpu_count() or 1) > 1:
         os.sched_setaffinity(0, {1})
     print(f"# bench.streaming: client CPU per call, {args.tokens} tokens a reply, "
-          f"{args.calls} calls, best of {args.repeat}")  # fmt: skip
+          f"{args.interval} a streamed event, {args.calls} calls, best of {args.repeat}")  # fmt: skip
     for key, value in env_info()[:3]:
         print(f"#   {key}: {value}")
     rows = _scenario("burst, 8 in flight", 0.0, 8, args)

@@ -255,6 +255,129 @@ def test_a_streamed_reply_is_the_completion_the_whole_reply_parses_to(data: st.D
 CLIENT = tt.OpenAIClient("http://127.0.0.1:9/v1")
 
 
+# --- the fast paths read a stream as the event-by-event reader does --------------------------
+
+# Raw bytes a text chunk's content may be, beyond well-formed strings: not a string, more than
+# one, broken, a string with the bytes of the reader's needle or of the next event in it.
+_RAW_CONTENT = [b"1", b"null", b'["x"]', b'"a","content":"b"', b'"a","b"', b'"unterminated', b' "a" ',
+                b'"\\u00e9\\"\\\\"', b'"tab\there"', b'"a"}]}\n\ndata: {"x":1', b'""',
+                b'"a"},"logprobs":null,"finish_reason":null}]}\n\ndata: {"choices":[]}',
+                b'"lta\\":{\\"content\\":"']  # fmt: skip
+_TEXT = st.lists(st.sampled_from(["a", "é", '"', "\\", "\n", " ", "}", 'lta":{"content":', "\r"]),
+                 max_size=6).map("".join)  # fmt: skip
+
+
+@st.composite
+def text_streams(draw: st.DrawFn) -> list[bytes]:
+    """A stream of mostly plain text chunks of one shape (what the fast paths read in bulk),
+    some of them odd: a content that is not one well-formed string, a different envelope,
+    comments, event names, a chunk's data over two lines, CRLF line ends; cut at random."""
+    envelope = draw(st.sampled_from([{}, {"id": "chatcmpl-1", "created": 1, "model": "m"}]))
+    extra = draw(st.sampled_from([{}, {"logprobs": None, "finish_reason": None}]))
+
+    def event(choice: dict[str, Any], **more: Any) -> bytes:
+        chunk = {**envelope, "object": "chat.completion.chunk", "choices": [choice], **more}
+        return b"data: " + orjson.dumps(chunk) + b"\n\n"
+
+    events = [event({"index": 0, "delta": {"role": "assistant", "content": ""}, **extra})]
+    for text in draw(st.lists(_TEXT, min_size=2, max_size=16)):
+        raw = event({"index": 0, "delta": {"content": "@T@"}, **extra})
+        odd = draw(st.integers(0, 39))  # mostly the usual chunk
+        if odd == 0:
+            raw = raw.replace(b'"@T@"', draw(st.sampled_from(_RAW_CONTENT)))
+        elif odd == 1:
+            raw = raw.replace(b'"index":0', b'"index":0,"x":1')
+        elif odd == 2:
+            raw = b": keep-alive\n\n" + raw
+        elif odd == 3:
+            raw = b"event: message\n" + raw
+        elif odd == 4:
+            raw = raw.replace(b',"choices"', b'\ndata: ,"choices"')
+        elif odd == 5:
+            raw = raw.replace(b"\n", b"\r\n")
+        elif odd == 6:  # as long as the usual bytes, but saying more
+            raw = raw.replace(b'"logprobs":null', b'"token_ids":[7]')
+        elif odd == 7:  # a line that is not data
+            raw = raw.replace(b',"choices"', b'\n,"choices"')
+        events.append(raw.replace(b'"@T@"', orjson.dumps(text)))
+    events.append(event({"index": 0, "delta": {}, "finish_reason": "stop"}))
+    if draw(st.booleans()):
+        events.append(
+            b"data: " + orjson.dumps({"choices": [], "usage": {"completion_tokens": 3}}) + b"\n\n"
+        )
+    events.append(b"data: [DONE]\n\n")
+    if draw(st.booleans()):  # an event a read, as a stream paced by its tokens comes
+        return events
+    return [bytes(piece) for piece in _split(draw, b"".join(events))]
+
+
+_USUAL = b'data: {"object":"c","choices":[{"index":0,"delta":{"content":"@T@"}}]}\n\n'
+
+
+def _texts(*events: bytes) -> list[bytes]:
+    """A stream of the text chunks `events` (``@T@`` for a text) in one piece, usual ones
+    after them; the first that is read whole teaches the reader the shape."""
+    body = b"".join([*events, _USUAL, _USUAL]).replace(b"@T@", b"t")
+    return [body + b'data: {"choices":[{"delta":{},"finish_reason":"stop"}]}\n\n']
+
+
+@hypothesis.settings(max_examples=400, deadline=None)
+@hypothesis.given(pieces=text_streams())
+@hypothesis.example(  # a first event of many lines, then one with a line that is not data
+    pieces=[
+        _USUAL.replace(b',"choices"', b'\ndata: ,"choices"'),
+        _USUAL.replace(b',"choices"', b'\n,"choices"'),
+        b"data: [DONE]\n\n",
+    ]
+)
+@hypothesis.example(
+    pieces=[
+        b"".join(
+            _texts(
+                _USUAL.replace(b',"choices"', b'\ndata: ,"choices"'),
+                _USUAL.replace(b',"choices"', b'\n,"choices"'),
+            )
+        )
+    ]
+)
+@hypothesis.example(  # a chunk as long as the usual ones but the server's error, in a run
+    pieces=_texts(_USUAL, _USUAL.replace(b'"object"', b'"error" '))
+)
+@hypothesis.example(pieces=_texts(_USUAL, _USUAL, _USUAL.replace(b'"object"', b'"error" ')))
+@hypothesis.example(  # two strings where one goes, in a run or alone (as a read brings it)
+    pieces=_texts(_USUAL, _USUAL, _USUAL.replace(b'"@T@"', b'"a","b"'))
+)
+@hypothesis.example(
+    pieces=[_USUAL, _USUAL, _USUAL.replace(b'"@T@"', b'"a","b"'), b"data: [DONE]\n\n"]
+)
+@hypothesis.example(pieces=[_USUAL, _USUAL.replace(b'"@T@"', b"1"), b"data: [DONE]\n\n"])
+@hypothesis.example(  # a reasoning model's stream: its text comes after many other chunks
+    pieces=_texts(*[_USUAL.replace(b'"content"', b'"reasoning_content"')] * 12)
+)
+@hypothesis.example(  # a data line before a chunk of the run
+    pieces=_texts(_USUAL, b"data: 1\n" + _USUAL)
+)  # fmt: skip
+def test_the_fast_paths_read_a_stream_as_the_event_by_event_reader_does(
+    pieces: list[bytes],
+) -> None:
+    """Differential: `SSEReply` (a text chunk of a learnt shape read by its text alone, in
+    bulk or a token a read) gives the same `Completion`, or the same error, as the reader
+    that decodes every event whole, on any stream of text chunks, odd ones among them."""
+
+    async def read(fast: bool) -> tt.Completion | str:
+        reader = SSEReply(CLIENT.url)
+        if not fast:
+            reader._learning = 0  # never learns a shape: every event decoded whole
+        try:
+            for piece in pieces:
+                reader.feed(piece)
+            return attrs.evolve(reader.finish(), ttft=None, tpot=None)
+        except tt.ModelResponseError as exc:
+            return str(exc)
+
+    assert trio.run(read, True) == trio.run(read, False)
+
+
 # --- the transport hands a streamed body on as it arrives ------------------------------------
 
 

@@ -43,6 +43,7 @@ Its contract:
 from __future__ import annotations
 
 import contextvars
+import operator
 import re
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -176,14 +177,14 @@ class ReplyBuilder:
             self._chunks += 1
             self._tokens_came()
 
-    def add_content(self, texts: list[str]) -> None:
-        """Add the texts of plain text chunks that came together, as `feed` would add each
-        chunk ``{"choices": [{"delta": {"content": text}}]}``."""
+    def add_content(self, text: str, tokens: int) -> None:
+        """Add the joined texts of plain text chunks that came together, as `feed` would
+        add each chunk ``{"choices": [{"delta": {"content": piece}}]}``: ``tokens`` of them
+        were not empty."""
         pieces = self._pieces.get("content")
         if pieces is None:
             pieces = self._pieces["content"] = []
-        pieces.extend(texts)
-        tokens = sum(1 for text in texts if text)
+        pieces.append(text)
         if tokens:
             self._chunks += tokens
             self._tokens_came()
@@ -278,6 +279,8 @@ class ReplyBuilder:
                     self._malformed("tool call arguments that are not text", chunk)
 
     def _ints(self, value: Any, name: str, chunk: Any) -> list[int]:
+        if type(value) is list and len(value) == 1 and type(value[0]) is int:
+            return value  # a token a chunk, as vLLM streams them
         if not isinstance(value, list) or not all(
             isinstance(v, int) and not isinstance(v, bool) for v in value
         ):
@@ -458,11 +461,16 @@ class SSEReply:
     and without a ``finish_reason``."""
 
     __slots__ = (
-        "_between",
         "_cr",
+        "_cut",
         "_end",
         "_feed",
+        "_glue",
+        "_head",
         "_lead",
+        "_learning",
+        "_mid",
+        "_needle",
         "_nl",
         "_parts",
         "_size",
@@ -482,7 +490,10 @@ class SSEReply:
         self.done = False
         self.received = 0  # bytes of the body so far
         self._template: tuple[bytes, bytes] | None = None  # the text chunks' shape: `_learn`
-        self._lead = self._between = self._end = b""  # its bytes around and between texts
+        self._learning = _LEARN_TRIES  # chunks with token ids it still learns from
+        # its bytes around and between texts (`_learn`)
+        self._lead = self._needle = self._head = self._mid = self._glue = self._end = b""
+        self._cut: Callable[[bytes], bytes] = bytes
         attach_reply(self.builder)
 
     def feed(self, piece: bytes) -> None:
@@ -491,6 +502,19 @@ class SSEReply:
         if self._cr or b"\r" in piece:
             piece = self._lines(piece)
         parts = self._parts
+        if (
+            not parts
+            and self._template is not None
+            and piece.startswith(self._lead)
+            and piece.endswith(self._end)
+        ):  # one text chunk of the learnt shape, as a stream brings a token a read
+            try:
+                text = orjson.loads(piece[len(self._lead) : len(piece) - len(self._end)])
+            except orjson.JSONDecodeError:
+                text = None
+            if type(text) is str:  # no line end in it, so the piece is that one event
+                self.builder.add_content(text, 1 if text else 0)
+                return
         if b"\n\n" not in piece and not (self._nl and piece.startswith(b"\n")):
             if piece:  # no event ends in it
                 parts.append(piece)
@@ -506,14 +530,30 @@ class SSEReply:
         if rest:
             parts.append(rest)
         self._size, self._nl = len(rest), rest.endswith(b"\n")
-        if self._template is None or not self._bulk(region):
+        if self._template is None and self._learning:
+            region = self._first(region)
+        if region and (self._template is None or not self._bulk(region)):
             self._events(region.split(b"\n\n"))
 
+    def _first(self, region: bytes) -> bytes:
+        """Feed the builder the events at the start of `region` one by one until the
+        stream's text chunks have shown their shape (`_learn`) or it stops looking; the
+        rest of `region` (its events then go in bulk where they can)."""
+        at = 0
+        while self._template is None and self._learning:
+            end = region.find(b"\n\n", at)
+            if end < 0:
+                self._events([region[at:]])
+                return b""
+            self._events([region[at:end]])
+            at = end + 2
+        return region[at:]
+
     def _events(self, events: list[bytes]) -> None:
-        """Feed the builder `events` (raw, without their blank lines), in order, each
-        decoded whole, until the stream's text chunks have a shape (`_learn`): the rest then
-        in bulk (`_bulk`) where it can, else one by one."""
-        for at, event in enumerate(events):
+        """Feed the builder `events` (raw, without their blank lines), in order, one by
+        one: a text chunk of the learnt shape by its text alone, any other decoded whole
+        (and learnt from, until the shape is known: `_learn`)."""
+        for event in events:
             if event.startswith(b"data: ") and b"\n" not in event:
                 data = event[6:]  # the usual event: one data line
             else:
@@ -534,59 +574,75 @@ class SSEReply:
                     and data.endswith(suffix)
                     and (decoded := _strings([text])) is not None
                 ):
-                    self.builder.add_content(decoded)
+                    self.builder.add_content(*decoded)
                     continue
-            chunk = self._decode(data)
+            try:
+                chunk = orjson.loads(data)
+            except orjson.JSONDecodeError:
+                chunk = self._decode(data)  # raises, naming it
             if type(chunk) is dict and "error" in chunk:
                 self._error(f"an error: {excerpt(repr(chunk['error']), 400)}")
             self._feed(chunk)
-            if template is None:
+            if template is None and self._learning:
                 self._learn(data, chunk)
-                if self._template is not None and at + 2 < len(events):
-                    region = b"\n\n".join(events[at + 1 :])
-                    if not self._bulk(region):
-                        self._events(events[at + 1 :])
-                    return
 
     def _learn(self, data: bytes, chunk: Any) -> None:
         template = _learn(data, chunk)
-        if template is not None:
-            self._template = template
-            prefix, suffix = template
-            self._lead = b"data: " + prefix
-            self._between = suffix + b"\n\n" + self._lead
-            self._end = suffix + b"\n\n"
+        if template is None:
+            if _carries_tokens(chunk):  # as every chunk of a stream with token ids does:
+                self._learning -= 1  # stop looking after a few
+            return
+        self._template = template
+        prefix, suffix = template
+        self._lead = lead = b"data: " + prefix  # an event's bytes before its text
+        self._needle = lead[-_NEEDLE:]  # where `_bulk` splits (short: fast to find)
+        self._head = lead[: len(lead) - len(self._needle)]
+        self._mid = suffix + b"\n\n" + self._head  # from one text to the next needle
+        self._glue = self._mid + self._needle  # from one text to the next
+        self._end = suffix + b"\n\n"
+        self._cut = operator.itemgetter(slice(0, -len(self._mid)))
 
     def _bulk(self, region: bytes) -> bool:
         """Feed the builder the events of `region` (whole events, the blank line after the
-        last one cut off) with its runs of text chunks of the learnt shape read in bulk:
-        split where one such chunk ends and the next begins (bytes that cannot occur
-        inside a JSON string), their texts decoded in one go. False, having fed nothing,
-        when `region` has no such run or a part is not one JSON string (then each event
-        goes its own way, `_events`)."""
-        pieces = region.split(self._between)
+        last one cut off) with its run of text chunks of the learnt shape read in bulk, all
+        at C speed: split where each such chunk's text begins (a short `_needle`, the end
+        of the bytes before a text), each piece cut to its text (the bytes after a text
+        and up to the next needle are the same in every chunk of the run), the pieces
+        checked to be exactly that in one comparison (the run rebuilt from its texts), and
+        the texts decoded in one `orjson` call. False, having fed nothing, when `region`
+        has no such run or a text is not one JSON string (then each event goes its own way,
+        `_events`, which names a bad one)."""
+        pieces = region.split(self._needle)
         if len(pieces) < 2:
             return False
-        head, tail = pieces[0], pieces[-1]
-        cut = head.rfind(b"\n\n")  # the events before the run, then the run's first
-        early, first = (head[:cut], head[cut + 2 :]) if cut >= 0 else (b"", head)
-        if not first.startswith(self._lead):
+        first, last = pieces[0], pieces[-1]
+        head = self._head
+        if not first.endswith(head):  # the events before the run, then its first's lead
             return False
-        stop = tail.find(self._end)  # the run's last, then the events after it
-        suffix = self._end[:-2]
+        early = first[: len(first) - len(head)]
+        if early:
+            if not early.endswith(b"\n\n"):
+                return False
+            early = early[:-2]
+        end = self._end
+        stop = last.find(end)  # the run's last text, then the events after it
         if stop >= 0:
-            last, later = tail[:stop], tail[stop + len(self._end) :]
-        elif tail.endswith(suffix):
-            last, later = tail[: len(tail) - len(suffix)], b""
+            final, later = last[:stop], last[stop + len(end) :]
+        elif last.endswith(end[:-2]):
+            final, later = last[: len(last) - len(end) + 2], b""
         else:
             return False
-        pieces[0], pieces[-1] = first[len(self._lead) :], last
-        texts = _strings(pieces)
-        if texts is None:
+        middle = pieces[1:-1]
+        texts = list(map(self._cut, middle))
+        if middle and self._glue.join(texts) + self._mid != self._needle.join(middle):
+            return False  # a piece is not a text followed by the bytes between texts
+        texts.append(final)
+        decoded = _strings(texts)
+        if decoded is None:
             return False
         if early:
             self._events(early.split(b"\n\n"))
-        self.builder.add_content(texts)
+        self.builder.add_content(*decoded)
         if later:
             self._events(later.split(b"\n\n"))
         return True
@@ -619,6 +675,8 @@ class SSEReply:
 
 
 _CONTENT_KEY = b'"content":'
+_NEEDLE = 16  # bytes: longer needles cost CPython's search more per match
+_LEARN_TRIES = 8  # chunks with token ids before `SSEReply` stops learning the shape
 _STRING = re.compile(rb'"(?:[^"\\]|\\.)*"')
 
 
@@ -652,19 +710,37 @@ def _learn(data: bytes, chunk: Any) -> tuple[bytes, bytes] | None:
     found = _STRING.match(data, start)
     if found is None or orjson.loads(found.group()) != delta["content"]:
         return None
-    return data[:start], data[found.end() :]
+    prefix, suffix = data[:start], data[found.end() :]
+    if b"\n" in prefix or b"\n" in suffix:
+        return None  # an event of many data lines: its raw bytes are not `data: ` + data
+    return prefix, suffix
 
 
-def _strings(texts: list[bytes]) -> list[str] | None:
-    """The JSON strings `texts`, decoded in one go; None unless each is exactly one string
-    (then the events are decoded one by one, and a bad one is named)."""
+def _carries_tokens(chunk: Any) -> bool:
+    """Whether `chunk` carries token ids or logprobs (so it is no plain text chunk, and no
+    chunk of its stream will be: a stream sends them with every token or never)."""
+    choices = chunk.get("choices") if type(chunk) is dict else None
+    choice = choices[0] if type(choices) is list and choices else None
+    return type(choice) is dict and (
+        choice.get("token_ids") is not None or choice.get("logprobs") is not None
+    )
+
+
+def _strings(texts: list[bytes]) -> tuple[str, int] | None:
+    """The JSON strings `texts`, decoded in one go: (their texts joined, how many are not
+    empty); None unless each is exactly one string (then the events are decoded one by
+    one, and a bad one is named)."""
     try:
         decoded = orjson.loads(b"[" + b",".join(texts) + b"]")
     except orjson.JSONDecodeError:
         return None
-    if len(decoded) != len(texts) or not all(type(text) is str for text in decoded):
-        return None  # each text starts with a string: as many strings, one in each
-    return cast(list[str], decoded)
+    if len(decoded) != len(texts):
+        return None  # each text starts with a value: as many values, one in each
+    try:
+        joined = "".join(decoded)
+    except TypeError:  # a value that is not a string
+        return None
+    return joined, len(decoded) - decoded.count("")
 
 
 def _data_of(event: bytes) -> bytes | None:

@@ -370,6 +370,7 @@ async def _stream_length(
     on; whether nothing followed it."""
     left = length
     data = bytes(buffer)
+    drained = False
     while True:
         piece = data[:left]
         extra = len(data) > left  # bytes after the body: the connection is not reusable
@@ -379,9 +380,18 @@ async def _stream_length(
         if left <= 0:
             return not extra
         before_read()
-        data = await connection.receive(wait=False)
+        data = await connection.receive(wait=drained)
         if not data:
             raise EOFError("the server closed the connection mid-response")
+        drained = _drained(data)
+
+
+def _drained(data: bytes) -> bool:
+    """Whether a read that brought `data` took all the socket had (less than it asked
+    for): a stream's next read then waits for readability first rather than trying a
+    read that would fail (a reply streamed token by token brings one token a read, and a
+    failed read costs a system call and an exception)."""
+    return len(data) < RECEIVE
 
 
 async def _stream_chunked(
@@ -400,6 +410,7 @@ async def _stream_chunked(
     total = 0
     pending: list[bytes] = []
     bulk = True  # whether `_whole_chunks` may find chunks in what the last read brought
+    drained = False  # whether the last read took all there was (see `_drained`)
 
     def flush() -> None:
         if pending:
@@ -408,15 +419,16 @@ async def _stream_chunked(
             sink(data)
 
     async def more() -> None:
-        nonlocal pos, bulk
+        nonlocal pos, bulk, drained
         flush()
         if pos:
             del buffer[:pos]
             pos = 0
         before_read()
-        data = await connection.receive(wait=False)
+        data = await connection.receive(wait=drained)
         if not data:
             raise EOFError("the server closed the connection mid-response")
+        drained = _drained(data)
         buffer.extend(data)
         bulk = True
 
