@@ -669,7 +669,9 @@ async def test_a_request_is_cut_through_its_own_cancel_scope(autojump_clock: Moc
         tt.HTTPClient() as http,
     ):
         url = server.url + "/chat/completions"
-        slot, pieces, caught = Slot(), [], []
+        slot = Slot()
+        pieces: list[bytes] = []
+        caught: list[RequestCut] = []
 
         async def request() -> None:
             token = CUT_SLOT.set(slot)
