@@ -575,19 +575,22 @@ class Pacer:
     held, all of them, until a Retry-After is over.
 
     Unpaced (`rate` None) until `limited()` hears such a 429; then `rate` is `margin` times
-    the rate at which calls were made over the last `span` seconds (since the first success
-    in it), a rate the limit is evidently below (a rough guess: until the next change it
-    grows by half a second). `wait()` spaces call starts
-    `1 / rate` apart, in arrival order. Each further 429, at most once per `span / 4`,
-    lowers it to `margin` times what succeeded since the last change (a rate set too high
-    lets the limit's own rate through; when a Retry-After held the calls for over a
-    quarter of that time, by at most 20 %). With no 429 the rate creeps up, by `growth` a
-    second at first and twice that every 10 s without a 429 (4x, and twice that every
-    5 s, when the 429s had no Retry-After, whose probes cost less; a tenth of it, doubling
-    three times slower, once a 429 found the limit within 10 % of the rate), at most 10 %
-    a second: a limit may have risen, a Retry-After's hold may have set the rate low (the
-    seconds held count in what succeeded); never while calls are held. Pacing ends once the
-    rate is 4x what succeeds.
+    what succeeded since a run of 429s began, when `refused()` heard them for over half a
+    `span` before they were known to be a rate limit's (the limit bound all along, so that
+    is what it lets through), else the rate at which calls were made over the last `span`
+    seconds (since the first success in it: an overestimate, or, from fewer than 16
+    answers, perhaps low). `wait()` spaces call starts `1 / rate` apart, in arrival order.
+    Each further 429, at most once per `span / 4`, lowers it to `margin` times what
+    succeeded since the last change (up to `4 * span`), the seconds a Retry-After held
+    included: at most the limit's rate, as a bucket refills while calls are held only up to
+    its burst. A rate that may be low (a guess from a few answers, or one measured over a
+    time mostly held) grows by `fast` a second until the next 429, which, with no hold over
+    the last `span`, sets it to `margin` times what succeeded over that span (found from
+    below). Otherwise, with no 429, the rate creeps up, by `growth` a second at first and
+    twice that every 10 s without a 429 (4x, and twice that every 5 s, when the 429s had no
+    Retry-After, whose probes cost less; a tenth of it, doubling three times slower, once a
+    429 found the limit within 10 % of the rate), at most 10 % a second: a limit may have
+    risen; never while calls are held. Pacing ends once the rate is 4x what succeeds.
 
     A 429's `retry_after` (seconds) holds every call start until it is over
     (`held_until`): the limit said when it lets calls through again, and calls sent before
