@@ -54,6 +54,10 @@ MIN_GAIN = {"knee": 0.08, "throughput": 0.03, "p99": 0.03}
 show to be kept. A knee is where more window adds less than `knee`'s share of itself."""
 
 
+DOUBLING_GAIN = 0.15
+"""`knee`: the least elasticity a doubling (slow start) must show to be kept."""
+
+
 class Outcome(enum.Enum):
     """What one call told us about the endpoint's capacity."""
 
@@ -503,7 +507,12 @@ class AdaptiveController:
             gain = self._elasticity(old, old_throughput, throughput)
             over = bound is not None and worst > bound
             if old < self.size:  # a step up: kept if throughput rose by `min_gain` of it
-                if gain < self._gain or over:
+                least = self._gain
+                if self.objective == "knee" and self.size >= 1.5 * old:
+                    # a doubling (slow start) is judged more strictly: a saturated engine's
+                    # doubling gains nothing, and a busy machine's noise must not pass it
+                    least = max(least, DOUBLING_GAIN)
+                if gain < least or over:
                     # the knee is below: probe down from the old size next (a size that
                     # costs less than `min_gain` of its share of throughput is given up)
                     # (`knee` only: the other objectives want all the throughput there is)
