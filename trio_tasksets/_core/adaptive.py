@@ -58,6 +58,11 @@ DOUBLING_GAIN = 0.15
 """`knee`: the least elasticity a doubling (slow start) must show to be kept."""
 
 
+PROBE_ROUND = 24
+"""The fewest successes in the round that judges a probe (a small window's rounds are
+otherwise a few calls, and one stalled call decides it)."""
+
+
 class Outcome(enum.Enum):
     """What one call told us about the endpoint's capacity."""
 
@@ -332,7 +337,12 @@ class AdaptiveController:
             self._ok_since_429 += 1
             self._ok_in_run += 1
             self._succeeded.append(now)
-            if self._successes >= max(self.size, self.min_round):
+            need = max(self.size, self.min_round)
+            if self._probe_from is not None and not self._answers_429 and not self.paced:
+                # the round that judges a probe: enough calls that one stalled call (a busy
+                # machine's) does not decide it
+                need = max(need, PROBE_ROUND)
+            if self._successes >= need:
                 return self._end_round(now)
             return None
         if outcome is Outcome.REQUEST_RATE:
