@@ -158,9 +158,10 @@ class AdaptiveController:
       slower, but a smaller size then delivers less too, so the client's lag is never read
       as the engine's queue.
     * Every step is a probe: the round after it settles (its calls started at the old size),
-      the next one measures, and the step is judged by the *elasticity* of throughput,
-      ``e = log(X_new / X_old) / log(size_new / size_old)``. A step up is kept if ``e >=
-      min_gain`` (by default per objective, `MIN_GAIN`: `knee` 0.08, `throughput` and
+      the next one (of at least `PROBE_ROUND` successes) measures, and the step is judged
+      by the *elasticity* of throughput,
+      ``e = log(X_new / X_old) / log(size_new / size_old)``. A step up is kept if
+      ``e >= min_gain`` (a `knee` doubling: `DOUBLING_GAIN` at least) (by default per objective, `MIN_GAIN`: `knee` 0.08, `throughput` and
       `p99` 0.03), else it goes back (reason "no gain"). Slow start doubles; with `knee`,
       its failed doubling probes *down* from the size before it, by `probe` steps (reason
       "probe down"), each kept while giving the step up costs less than `min_gain` of its share,
