@@ -161,8 +161,8 @@ class AdaptiveController:
       the next one (of at least `PROBE_ROUND` successes) measures, and the step is judged
       by the *elasticity* of throughput,
       ``e = log(X_new / X_old) / log(size_new / size_old)``. A step up is kept if
-      ``e >= min_gain`` (a `knee` doubling: `DOUBLING_GAIN` at least) (by default per objective, `MIN_GAIN`: `knee` 0.08, `throughput` and
-      `p99` 0.03), else it goes back (reason "no gain"). Slow start doubles; with `knee`,
+      ``e >= min_gain`` (a `knee` doubling: `DOUBLING_GAIN` at least; by default per
+      objective, `MIN_GAIN`: `knee` 0.08, `throughput` and `p99` 0.03), else it goes back (reason "no gain"). Slow start doubles; with `knee`,
       its failed doubling probes *down* from the size before it, by `probe` steps (reason
       "probe down"), each kept while giving the step up costs less than `min_gain` of its share,
       until one costs more (it goes back, reason "lost throughput", and growth waits
