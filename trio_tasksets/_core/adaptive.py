@@ -55,7 +55,8 @@ show to be kept. A knee is where more window adds less than `knee`'s share of it
 
 
 DOUBLING_GAIN = 0.15
-"""`knee`: the least elasticity a doubling (slow start) must show to be kept."""
+"""The least elasticity a doubling (slow start) must show to be kept, whatever the
+objective (past it, the objective's quarter steps go on)."""
 
 
 PROBE_ROUND = 24
@@ -161,7 +162,7 @@ class AdaptiveController:
       the next one (of at least `PROBE_ROUND` successes) measures, and the step is judged
       by the *elasticity* of throughput,
       ``e = log(X_new / X_old) / log(size_new / size_old)``. A step up is kept if
-      ``e >= min_gain`` (a `knee` doubling: `DOUBLING_GAIN` at least; by default per
+      ``e >= min_gain`` (a doubling: `DOUBLING_GAIN` at least; by default per
       objective, `MIN_GAIN`: `knee` 0.08, `throughput` and `p99` 0.03), else it goes back (reason "no gain"). Slow start doubles; with `knee`,
       its failed doubling probes *down* from the size before it, by `probe` steps (reason
       "probe down"), each kept while giving the step up costs less than `min_gain` of its share,
@@ -519,7 +520,7 @@ class AdaptiveController:
             over = bound is not None and worst > bound
             if old < self.size:  # a step up: kept if throughput rose by `min_gain` of it
                 least = self._gain
-                if self.objective == "knee" and self.size >= 1.5 * old:
+                if self.size >= 1.5 * old:
                     # a doubling (slow start) is judged more strictly: a saturated engine's
                     # doubling gains nothing, and a busy machine's noise must not pass it
                     least = max(least, DOUBLING_GAIN)
