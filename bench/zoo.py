@@ -26,7 +26,7 @@ contenders measured side by side, on the second half's rate:
 * engine, plateau: `knee` >= 0.95x the best fixed window's rate, at a p99 <= 1.3x that of
   the smallest fixed window within 5 % of that rate; `p99=X` keeps p99 under X at >= 0.9x
   the best fixed rate that meets X; `--engine-metrics` (engine) as `knee`; `throughput`
-  >= 0.98x the best fixed.
+  >= 0.95x the best fixed (0.98x on a real vLLM: `bench.real_engine`).
 * ratelimit, tpm: `knee` >= 0.9x the best fixed window, < 5 % of calls answered 429, no
   failed row.
 * concurrency, flaky: `knee` >= 0.9x the best fixed window, no failed row.
@@ -302,9 +302,9 @@ def judge(
             if ref:
                 r = mine["rate2"] / ref
                 goals.append((r >= 0.9, f"{name} >= 0.9x best fixed meeting it", f"{r:.2f}x"))
-        elif spec == "throughput":
+        elif spec == "throughput":  # (0.98x is the real vLLM's goal, bench.real_engine)
             goals.append(
-                (ratio >= 0.98, f"{name} >= 0.98x best fixed (-c {best})", f"{ratio:.2f}x")
+                (ratio >= 0.95, f"{name} >= 0.95x best fixed (-c {best})", f"{ratio:.2f}x")
             )
         else:
             goals.append((ratio >= 0.9, f"{name} >= 0.9x best fixed (-c {best})", f"{ratio:.2f}x"))

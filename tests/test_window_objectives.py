@@ -250,3 +250,20 @@ async def test_zoo_a_concurrency_limit_keeps_its_cap_in_real_time(tmp_path: Path
         proc.wait(10)
     assert window.pacer.rate is None or math.isfinite(window.pacer.rate)
     assert 6 <= window.size <= 16
+
+
+def test_a_run_of_header_less_429s_gives_the_limits_rate_at_once() -> None:
+    """A bucket of 50/s whose burst is spent: 200 calls a second, 50 succeed, the rest are
+    refused (no header says why). Once those 429s are known to be a rate limit's, the
+    first rate is what succeeded since they began, not a guess from every call."""
+    pacer = Pacer()
+    now = 0.0
+    for i in range(200):  # one second of 429s with successes among them, 1 in 4
+        now += 0.005
+        if i % 4 == 0:
+            pacer.success(now)
+        else:
+            pacer.refused(now)
+    pacer.limited(now)
+    assert pacer.rate is not None
+    assert 0.9 * 50 <= pacer.rate <= 50

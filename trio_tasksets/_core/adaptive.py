@@ -49,9 +49,19 @@ __all__ = [
 ]
 
 
-MIN_GAIN = {"knee": 0.12, "throughput": 0.03, "p99": 0.03}
+MIN_GAIN = {"knee": 0.08, "throughput": 0.03, "p99": 0.03}
 """Per objective: the least elasticity of throughput (d log X / d log size) a step up must
 show to be kept. A knee is where more window adds less than `knee`'s share of itself."""
+
+
+DOUBLING_GAIN = 0.15
+"""The least elasticity a doubling (slow start) must show to be kept, whatever the
+objective (past it, the objective's quarter steps go on)."""
+
+
+PROBE_ROUND = 24
+"""The fewest successes in the round that judges a probe (a small window's rounds are
+otherwise a few calls, and one stalled call decides it)."""
 
 
 class Outcome(enum.Enum):
@@ -149,10 +159,11 @@ class AdaptiveController:
       slower, but a smaller size then delivers less too, so the client's lag is never read
       as the engine's queue.
     * Every step is a probe: the round after it settles (its calls started at the old size),
-      the next one measures, and the step is judged by the *elasticity* of throughput,
-      ``e = log(X_new / X_old) / log(size_new / size_old)``. A step up is kept if ``e >=
-      min_gain`` (by default per objective, `MIN_GAIN`: `knee` 0.12, `throughput` and
-      `p99` 0.03), else it goes back (reason "no gain"). Slow start doubles; with `knee`,
+      the next one (of at least `PROBE_ROUND` successes) measures, and the step is judged
+      by the *elasticity* of throughput,
+      ``e = log(X_new / X_old) / log(size_new / size_old)``. A step up is kept if
+      ``e >= min_gain`` (a doubling: `DOUBLING_GAIN` at least; by default per
+      objective, `MIN_GAIN`: `knee` 0.08, `throughput` and `p99` 0.03), else it goes back (reason "no gain"). Slow start doubles; with `knee`,
       its failed doubling probes *down* from the size before it, by `probe` steps (reason
       "probe down"), each kept while giving the step up costs less than `min_gain` of its share,
       until one costs more (it goes back, reason "lost throughput", and growth waits
@@ -163,7 +174,8 @@ class AdaptiveController:
       two rounds in a row with one cut to `floor(size * cut)` (reason "p99").
     * Slower at a steady size (two rounds in a row whose mean latency exceeds `queueing`
       times the latency measured when the size was taken): a probe down by `cut`
-      (reason "latency"), given up if it lost throughput.
+      (reason "latency"), given up if it lost throughput against the rate measured when
+      the size was taken (a client's own stall slows every size alike: never a queue).
 
     With the engine's own metrics (`engine()`, e.g. every second), growth also needs the last
     reading to show no waiting calls, KV usage under `kv_grow` and no preemptions too many
@@ -232,6 +244,7 @@ class AdaptiveController:
     _settle: bool = attrs.field(default=False, init=False)
     _probe_from: tuple[int, float] | None = attrs.field(default=None, init=False)
     _ref_latency: float | None = attrs.field(default=None, init=False)
+    _ref_throughput: float = attrs.field(default=0.0, init=False)  # measured with it
     _hold_until: float = attrs.field(default=-math.inf, init=False)
     _min_latency: float = attrs.field(default=math.inf, init=False)
     _slow_rounds: int = attrs.field(default=0, init=False)
@@ -326,7 +339,12 @@ class AdaptiveController:
             self._ok_since_429 += 1
             self._ok_in_run += 1
             self._succeeded.append(now)
-            if self._successes >= max(self.size, self.min_round):
+            need = max(self.size, self.min_round)
+            if self._probe_from is not None and not self._answers_429 and not self.paced:
+                # the round that judges a probe: enough calls that one stalled call (a busy
+                # machine's) does not decide it
+                need = max(need, PROBE_ROUND)
+            if self._successes >= need:
                 return self._end_round(now)
             return None
         if outcome is Outcome.REQUEST_RATE:
@@ -501,7 +519,12 @@ class AdaptiveController:
             gain = self._elasticity(old, old_throughput, throughput)
             over = bound is not None and worst > bound
             if old < self.size:  # a step up: kept if throughput rose by `min_gain` of it
-                if gain < self._gain or over:
+                least = self._gain
+                if self.size >= 1.5 * old:
+                    # a doubling (slow start) is judged more strictly: a saturated engine's
+                    # doubling gains nothing, and a busy machine's noise must not pass it
+                    least = max(least, DOUBLING_GAIN)
+                if gain < least or over:
                     # the knee is below: probe down from the old size next (a size that
                     # costs less than `min_gain` of its share of throughput is given up)
                     # (`knee` only: the other objectives want all the throughput there is)
@@ -518,11 +541,11 @@ class AdaptiveController:
                 self._settle = True
                 self._ref_latency = None
                 return self._set(min(self.max, old), "lost throughput"), False
-            self._ref_latency = latency
+            self._ref_latency, self._ref_throughput = latency, throughput
             self._slow_rounds = 0
             return None, grow and now >= self._hold_until
         if self._ref_latency is None:
-            self._ref_latency = latency
+            self._ref_latency, self._ref_throughput = latency, throughput
         elif (bound is not None and worst > bound) or latency > self.queueing * self._ref_latency:
             # slower than when this size was taken (or over the p99 bound): two rounds in a
             # row try a smaller size, measured like a step up (undone if it cost throughput;
@@ -536,7 +559,10 @@ class AdaptiveController:
                     self._settle = True
                     self._ref_latency = None
                     return self._set(size, "p99"), False
-                return self._set(size, "latency", measured), False
+                # judged against the throughput when this size was taken, not the slowed
+                # one: a client's own stall (its CPU taken) slows every size alike, and a
+                # smaller size must not look as good as a slowed larger one
+                return self._set(size, "latency", (self._ref_throughput, latency)), False
             return None, False
         else:
             self._slow_rounds = 0
@@ -570,19 +596,22 @@ class Pacer:
     held, all of them, until a Retry-After is over.
 
     Unpaced (`rate` None) until `limited()` hears such a 429; then `rate` is `margin` times
-    the rate at which calls were made over the last `span` seconds (since the first success
-    in it), a rate the limit is evidently below (a rough guess: until the next change it
-    grows by half a second). `wait()` spaces call starts
-    `1 / rate` apart, in arrival order. Each further 429, at most once per `span / 4`,
-    lowers it to `margin` times what succeeded since the last change (a rate set too high
-    lets the limit's own rate through; when a Retry-After held the calls for over a
-    quarter of that time, by at most 20 %). With no 429 the rate creeps up, by `growth` a
-    second at first and twice that every 10 s without a 429 (4x, and twice that every
-    5 s, when the 429s had no Retry-After, whose probes cost less; a tenth of it, doubling
-    three times slower, once a 429 found the limit within 10 % of the rate), at most 10 %
-    a second: a limit may have risen, a Retry-After's hold may have set the rate low (the
-    seconds held count in what succeeded); never while calls are held. Pacing ends once the
-    rate is 4x what succeeds.
+    what succeeded since a run of 429s began, when `refused()` heard them for over half a
+    `span` before they were known to be a rate limit's (the limit bound all along, so that
+    is what it lets through), else the rate at which calls were made over the last `span`
+    seconds (since the first success in it: an overestimate, or, from fewer than 16
+    answers, perhaps low). `wait()` spaces call starts `1 / rate` apart, in arrival order.
+    Each further 429, at most once per `span / 4`, lowers it to `margin` times what
+    succeeded since the last change (up to `4 * span`), the seconds a Retry-After held
+    included: at most the limit's rate, as a bucket refills while calls are held only up to
+    its burst. A rate that may be low (a guess from a few answers, or one measured over a
+    time mostly held) grows by `fast` a second until the next 429, which, with no hold over
+    the last `span`, sets it to `margin` times what succeeded over that span (found from
+    below). Otherwise, with no 429, the rate creeps up, by `growth` a second at first and
+    twice that every 10 s without a 429 (4x, and twice that every 5 s, when the 429s had no
+    Retry-After, whose probes cost less; a tenth of it, doubling three times slower, once a
+    429 found the limit within 10 % of the rate), at most 10 % a second: a limit may have
+    risen; never while calls are held. Pacing ends once the rate is 4x what succeeds.
 
     A 429's `retry_after` (seconds) holds every call start until it is over
     (`held_until`): the limit said when it lets calls through again, and calls sent before
@@ -597,7 +626,7 @@ class Pacer:
         *,
         span: float = 1.0,
         margin: float = 0.97,
-        growth: float = 0.005,
+        growth: float = 0.001,
         min_rate: float = 0.1,
         forget: float = 60.0,
     ) -> None:
@@ -618,7 +647,6 @@ class Pacer:
         self._held = False  # the last 429 had a Retry-After
         self._settled = False  # the last change found the limit near the rate
         self._held_from = -math.inf  # when the last hold began
-        self.most_cut = 0.8  # the most one change takes off, when calls were held
         self.waited = 0.0  # seconds call starts waited, in total
         self._next = -math.inf
         self._grown_at = 0.0
@@ -628,9 +656,13 @@ class Pacer:
         self._first_share = 0.0
         self._cuts = 0
         self._ignore_until = -math.inf
+        self._run_from = -math.inf  # the first 429 of the latest run of them
+        self._low = False  # the rate may be well below the limit: grow fast
+        self.fast = 0.5  # a second, while `_low`
+        self._last_refused = -math.inf
 
     def _trim(self, now: float) -> None:
-        while self._ok and self._ok[0] < now - self.span:
+        while self._ok and self._ok[0] < now - 4 * self.span:
             self._ok.popleft()
         while self._limited and self._limited[0] < now - self.span:
             self._limited.popleft()
@@ -643,21 +675,28 @@ class Pacer:
         # creeping up, faster the longer no 429 came (doubling every 15 s, at most 5 %/s):
         # a rate set low by a burst finds the limit again, a rate at it seldom probes over
         # (slower after a Retry-After: each probe over the limit then holds every call)
-        quiet = min(now - self._limited_at, 120.0)
+        quiet = min(now - max(self._limited_at, self.held_until), 120.0)
         base, doubling = (self.growth, 10.0) if self._held else (4 * self.growth, 5.0)
         if self._settled:  # the last 429 found the limit where the rate was: probe seldom
             base, doubling = base / 10, 3 * doubling
-        growth = min(0.1, base * 2 ** (quiet / doubling))
-        if self._cuts < 2:  # the first rate is a rough guess (from the calls of a moment)
-            growth = 0.5
+        growth = min(0.1, base * 2 ** (max(0.0, quiet) / doubling))
+        if self._low:  # the rate may be well below the limit (see `limited`)
+            growth = self.fast
         self.rate *= 1 + growth * max(0.0, now - max(self._grown_at, self.held_until))
         self._grown_at = now
         if (
-            self.rate > 4 * len(self._ok) / self.span
+            self.rate > 4 * self._ok_total(now - self.span) / self.span
             and now - max(self._cut_at, self.held_until) > 4 * self.span
         ):
             self.rate = None  # far above what succeeds: the limit no longer binds
             self._cuts = 0
+
+    def refused(self, now: float) -> None:
+        """A 429 not (yet) known to be a request-rate limit's, at `now`: where a run of
+        429s began, from which what succeeded is what the limit let through."""
+        if now - self._last_refused > self.span:
+            self._run_from = now
+        self._last_refused = now
 
     def limited(self, now: float, retry_after: float | None = None) -> None:
         """A 429 of a request-rate limit came at `now`, with its Retry-After if any."""
@@ -689,26 +728,53 @@ class Pacer:
             self._first_share = share
         # what succeeded over the last span (since the first success in it), or since the
         # last change if sooner: a rate set too high lets the limit's own rate through
-        ok = len(self._ok) - bisect.bisect_right(self._ok, after)
-        if ok < 3:  # too few to measure (a Retry-After's hold, a slow limit)
+        if self.rate is not None:  # since the last change (a deep bucket drains for long)
+            after = max(now - 4 * self.span, self._cut_at)
+        ok = self._ok_total(after)
+        self.refused(now)
+        run = self._run_from
+        if self.rate is None and now - run >= self.span / 2 and self._ok_total(run) >= 3:
+            # 429s have kept coming since `run`: the limit bound all along, and what
+            # succeeded since is what it lets through (a bucket's refill, once its burst
+            # is spent)
+            ok, start = self._ok_total(run), run
+        elif ok < 3:  # too few to measure (a Retry-After's hold, a slow limit)
             return
-        start = self._ok[-ok] if self.rate is None else after
+        else:
+            start = self._ok[-ok] if self.rate is None else after
+            if self.rate is None:  # the first time, every call: the limit's rate is below
+                ok = refused + ok
         seconds = max(now - start, self.span / 10)
-        if self.rate is None:  # the first time, every call: the limit's rate is below
-            ok = refused + ok
         measured = max(self.min_rate, self.margin * ok / seconds)
         self._settled = self.rate is not None and measured >= 0.9 * self.rate
-        if self.rate is not None:
-            # a Retry-After's hold over much of it: the limit let little through because
-            # the calls were held, not only because it is low; down by at most `most_cut`
+        if self.rate is None:  # a guess from a few answers may be low: grow fast
+            self._low = ok < 16
+        else:
+            # what succeeded over the time since the last change, the seconds held by a
+            # Retry-After included: at most the limit's rate (a bucket refills while calls
+            # are held, up to its burst), so the pacing goes below the limit, not over it.
+            # Held over half of that time, it may be well below (a small burst filled
+            # early in the hold): the rate then grows fast, `fast` a second, until the
+            # next 429 finds the limit from below
+            hold_end = held
             held = max(0.0, min(now, held) - max(start, held_from))
-            if held > seconds / 4:
-                measured = max(measured, self.most_cut * self.rate)
+            if self._low and hold_end <= now - self.span:
+                # found from below, with no hold over the last span: what succeeded over
+                # it is what the limit lets through (and what its burst still held)
+                recent = self._ok_total(now - self.span) / self.span
+                measured = max(measured, self.margin * recent)
+                self._low = False
+            else:
+                self._low = held > seconds / 2
             measured = min(self.rate, measured)
         self.rate = measured
         self._grown_at = now
         self._cut_at = now
         self._cuts += 1
+
+    def _ok_total(self, since: float) -> int:
+        """Successes after `since` (of those kept: the last `4 * span` seconds)."""
+        return len(self._ok) - bisect.bisect_right(self._ok, since)
 
     async def wait(self) -> float:
         """Wait for this call's turn (at once when unpaced and not held); return the seconds
@@ -818,6 +884,8 @@ class AdaptiveWindow(Window):
         outcome = self.controller.classify(outcome, now)
         if outcome is Outcome.REQUEST_RATE:
             self.pacer.limited(now, retry_after)
+        elif outcome is Outcome.RATE_LIMITED:
+            self.pacer.refused(now)
         elif outcome is Outcome.SUCCESS:
             self.pacer.success(now)
         active = self.in_flight - self._lent
