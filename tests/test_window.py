@@ -432,6 +432,7 @@ def test_the_size_stays_within_bounds_and_moves_only_as_the_rules_allow(
     c = AdaptiveController(min=low, max=low + extra + more, size=low + extra)
     now = 0.0
     last_cut = last_429 = since = independent_until = -math.inf
+    size_at_429s = 0  # the size when the current run of 429s began
     seen_429 = False
     for outcome, gap, load in script:
         now += gap
@@ -448,7 +449,7 @@ def test_the_size_stays_within_bounds_and_moves_only_as_the_rules_allow(
         if outcome is Outcome.RATE_LIMITED:
             first, seen_429 = not seen_429, True
             if now - last_429 >= c.cooldown:
-                since = now
+                since, size_at_429s = now, before
             last_429 = now
         if change is None:
             assert c.size == before
@@ -465,10 +466,12 @@ def test_the_size_stays_within_bounds_and_moves_only_as_the_rules_allow(
             cap = max(c.min, in_flight - 1, math.floor(before * c.cut))
             assert c.size == cap < before
         elif change.reason == "429 not concurrency":
+            # refused at the least size, or at half the size at which these 429s began: back
+            # to that size, and 429s are the request rate's for a while
             assert outcome is Outcome.RATE_LIMITED
-            assert before == c.min
-            assert in_flight <= c.min < c.size
-            independent_until = now + 4 * c.cooldown
+            assert (before == c.min and in_flight <= c.min) or 2 * before <= size_at_429s
+            assert c.size == min(c.max, max(before, size_at_429s)) > before
+            independent_until = now + max(4 * c.cooldown, 120.0)
         else:
             assert outcome is Outcome.SUCCESS
             assert c.size > before
