@@ -1,5 +1,5 @@
 """A URL's password is shown nowhere (issue 36, F11): a `--base-url http://user:pw@host/v1`
-(the client never sends it) is redacted in the `/metrics` labels, config.json, summary.json,
+(the client never sends it) or an `--engine-metrics` URL is redacted in the `/metrics` labels, config.json, summary.json,
 the rows, the report, the client's repr and the command's error lines, as Redis and proxy URLs
 are (one helper, `redact_url`)."""
 
@@ -51,8 +51,10 @@ def test_a_base_url_password_is_shown_nowhere(
 ) -> None:
     with ChatServer() as one, ChatServer() as two:
         urls = [with_password(one.url), with_password(two.url)]
+        metrics_urls = [url.removesuffix("/v1") + "/metrics" for url in urls]
         code = cli(
             "eval", SUMS, "-m", "sim", "--base-url", urls[0], "--base-url", urls[1],
+            "--engine-metrics", metrics_urls[0], "--engine-metrics", metrics_urls[1],
             "-o", str(tmp_path), "--run-name", "run", "--no-dashboard",
         )  # fmt: skip
         assert code == 0, capsys.readouterr().err

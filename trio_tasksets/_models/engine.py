@@ -29,7 +29,7 @@ import trio
 
 from .._core.adaptive import AdaptiveWindow, EngineLoad
 from .._core.exceptions import ConfigError, TrioTasksetsError
-from .._transport import HTTPClient, HTTPError, Timeouts
+from .._transport import HTTPClient, HTTPError, Timeouts, redact_url
 
 __all__ = ["EngineMetrics", "EngineMetricsError", "parse_engine_metrics"]
 
@@ -107,7 +107,8 @@ def parse_engine_metrics(text: str) -> EngineLoad:
 class EngineMetrics:
     """One engine's `/metrics` URL, read on demand (`read`) or fed to a window (`feed`).
 
-    Loopback or not, the URL is the caller's, never a request's. `timeout` bounds each
+    Loopback or not, the URL is the caller's, never a request's; its password, if any, is
+    never sent and never shown (`redact_url`). `timeout` bounds each
     reading; `interval` is the seconds between readings. A `url` that is not http(s), or an
     `interval` or `timeout` not > 0, raises `ConfigError`.
     """
@@ -132,7 +133,9 @@ class EngineMetrics:
                 f"{{interval}} and {{timeout}} must be > 0, got {interval!r}, {timeout!r}",
                 parameter=("interval", "timeout"),
             )
-        self.url = url
+        # A URL's userinfo is never sent (as the model client's): kept, shown and recorded
+        # (errors, figures, summary.json) with its password redacted
+        self.url = redact_url(url)
         self.interval = interval
         self._timeouts = Timeouts(connect=timeout, read=timeout, write=timeout)
         self._http = http_client
