@@ -309,6 +309,13 @@ async def test_deeply_nested_arguments_are_an_error_text_never_a_failed_episode(
             "type": "function",
             "function": {"name": "echo", "arguments": json.loads(nested(101))},
         },
+        {
+            # deeper than the request's encoder takes (orjson: 254 levels), shallower than
+            # the reply's decoder (1,024): kept as sent, the next request could not be sent
+            "id": "deeper",
+            "type": "function",
+            "function": {"name": "echo", "arguments": json.loads(nested(600))},
+        },
     ]
     message = {"role": "assistant", "content": None, "tool_calls": calls}
     body = {"choices": [{"message": message, "finish_reason": "tool_calls"}], "usage": {}}
@@ -319,10 +326,13 @@ async def test_deeply_nested_arguments_are_an_error_text_never_a_failed_episode(
     assert (episode.ok, episode.errors, episode.attempts, episode.turns) == (True, [], 1, 2)
     answers = {m["tool_call_id"]: m["content"] for m in episode.messages if m["role"] == "tool"}
     too_deep = "Error: echo: the arguments nest more than 100 levels deep: "
-    for name in ("deep", "over", "object"):
+    for name in ("deep", "over", "object", "deeper"):
         assert answers[name].startswith(too_deep), answers[name][:100]
     assert answers["edge"] == "[" * 99 + "]" * 99  # 100 levels: decoded, the tool ran
     assert len(server.requests) == 2  # the second turn went out: no retry of the episode
+    # the assistant message went back with its calls' arguments as text (OpenAI's form)
+    (sent,) = [m for m in server.requests[1]["messages"] if m["role"] == "assistant"]
+    assert all(isinstance(c["function"]["arguments"], str) for c in sent["tool_calls"])
 
 
 async def test_a_tool_answer_utf8_cannot_hold_reaches_the_model_escaped() -> None:

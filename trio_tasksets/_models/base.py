@@ -260,7 +260,8 @@ def _decode_arguments(raw: str) -> tuple[dict[str, Any], str | None]:
 def parse_tool_calls(message: dict[str, Any]) -> list[ToolCall]:
     """The `ToolCall`s of an assistant message's ``tool_calls`` ([] when it has none). An
     entry that is not an object is skipped (it stays in the message); a missing id or name is
-    ``""``; arguments given as an object (some servers do) are kept and encoded as text."""
+    ``""``; arguments given as an object (some servers do) are kept and encoded as text, and the
+    message then holds that text in their place (OpenAI's form, which any request can send)."""
     raw_calls = message.get("tool_calls")
     if not isinstance(raw_calls, list):
         return []
@@ -279,6 +280,9 @@ def parse_tool_calls(message: dict[str, Any]) -> list[ToolCall]:
                 raw = json.dumps(raw)
             except RecursionError:  # too deep to encode: a text that says as much
                 raw = "[" * (MAX_ARGUMENT_DEPTH + 1) + "]" * (MAX_ARGUMENT_DEPTH + 1)
+            # the message goes back to the model in the next request: as text, OpenAI's form
+            # (an object deeper than the request's encoder takes would fail that request)
+            function["arguments"] = raw
         else:
             raw = raw if isinstance(raw, str) else ("" if raw is None else json.dumps(raw))
             arguments = _decode_arguments(raw)[0]
