@@ -31,6 +31,24 @@ def context(engine: SimulatedEngine, policy: tt.Policy | None, **sampling: Any) 
     return tt.ModelContext(engine, "sim", tt.Sampling(**sampling), policy=policy)
 
 
+async def chat_across_update(
+    ctx: tt.ModelContext, policy: tt.Policy, *, at: float, version: int, mode: Any
+) -> tt.Completion:
+    """The reply of one `ctx.chat(PROMPT)`, started at once, with `policy.update(version,
+    mode=mode)` made `at` seconds later, while it runs."""
+    got: list[tt.Completion] = []
+
+    async def call() -> None:
+        got.append(await ctx.chat(PROMPT))
+
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(call)
+        await trio.sleep(at)
+        await policy.update(version, mode=mode)
+    (reply,) = got
+    return reply
+
+
 class Control:
     """An engine control that records its calls and fails where told."""
 
@@ -178,16 +196,7 @@ async def test_abort_cuts_and_continues_equal_to_an_uncut_call(
     rng = random.Random(seed)
     for round_ in range(20):
         cut_at = rng.uniform(0.0, len(uncut) * 0.01)
-        got: list[tt.Completion] = []
-
-        async def call(got: list[tt.Completion] = got) -> None:
-            got.append(await ctx.chat(PROMPT))
-
-        async with trio.open_nursery() as nursery:
-            nursery.start_soon(call)
-            await trio.sleep(cut_at)
-            await policy.update(round_ + 1, mode="abort")
-        (reply,) = got
+        reply = await chat_across_update(ctx, policy, at=cut_at, version=round_ + 1, mode="abort")
         assert reply.tokens is not None
         assert reply.tokens.completion_ids == uncut
         assert reply.tokens.completion_ids[-1] == EOS
@@ -207,16 +216,7 @@ async def test_an_aborted_call_keeps_its_own_length_limit(autojump_clock: MockCl
     engine = SimulatedEngine(decode_time=0.01, mean_tokens=2000, sigma=0.01, seed=3)
     policy = tt.Policy(0, engines=[engine])
     ctx = context(engine, policy, max_tokens=150)
-    got: list[tt.Completion] = []
-
-    async def call() -> None:
-        got.append(await ctx.chat(PROMPT))
-
-    async with trio.open_nursery() as nursery:
-        nursery.start_soon(call)
-        await trio.sleep(0.505)
-        await policy.update(1, mode="abort")
-    (reply,) = got
+    reply = await chat_across_update(ctx, policy, at=0.505, version=1, mode="abort")
     assert reply.finish_reason == "length"
     assert reply.tokens is not None
     assert len(reply.tokens.completion_ids) == 150
@@ -353,20 +353,12 @@ async def test_a_call_without_token_ids_starts_over_and_says_so(
     script = tt.testing.ScriptedClient(["an answer", "again"], delay=5.0)
     policy = tt.Policy(0)
     ctx = tt.ModelContext(script, "m", policy=policy)
-    got: list[tt.Completion] = []
-
-    async def call() -> None:
-        got.append(await ctx.chat(PROMPT))
-
-    async with trio.open_nursery() as nursery:
-        nursery.start_soon(call)
-        await trio.sleep(1.0)
-        await policy.update(1, mode="abort")
-    assert got[0].content == "again"
+    reply = await chat_across_update(ctx, policy, at=1.0, version=1, mode="abort")
+    assert reply.content == "again"
     assert len(script.calls) == 2
     assert policy.restarted == 1
     assert policy.cut == 0
-    assert [s.version for s in got[0].versions] == ["1"]
+    assert [s.version for s in reply.versions] == ["1"]
 
 
 class Unversioned(SimulatedEngine):
@@ -383,16 +375,7 @@ async def test_the_gate_splits_a_held_streamed_call_where_it_was_held(
     engine = Unversioned(decode_time=0.01, mean_tokens=300, sigma=0.01, seed=6)
     policy = tt.Policy(0, engines=[engine])
     ctx = context(engine, policy)
-    got: list[tt.Completion] = []
-
-    async def call() -> None:
-        got.append(await ctx.chat(PROMPT))
-
-    async with trio.open_nursery() as nursery:
-        nursery.start_soon(call)
-        await trio.sleep(1.0)
-        await policy.update(1, mode="keep")
-    (reply,) = got
+    reply = await chat_across_update(ctx, policy, at=1.0, version=1, mode="keep")
     assert reply.tokens is not None
     total = len(reply.tokens.completion_ids)
     assert [(s.version, s.start, s.end) for s in reply.versions] == [
