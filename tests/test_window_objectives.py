@@ -133,6 +133,122 @@ def test_a_busy_client_is_not_read_as_the_engines_queue() -> None:
     assert min(after[-20:]) >= 0.7 * before
 
 
+def _steps(
+    c: AdaptiveController, latency_of: Any, until: float, slow: Any = None, now: float = 0.0
+) -> tuple[float, list[tuple[float, int, str]]]:
+    """Closed-loop calls at `c.size` until `until` seconds; `slow(now, size)` is a factor on
+    the latency of the calls of the round it starts (a noisy round; default 1). Returns the
+    time and every change (time, size, reason)."""
+    changes: list[tuple[float, int, str]] = []
+    while now < until:
+        size = c.size
+        latency = latency_of(size) * (slow(now, size) if slow is not None else 1.0)
+        for _ in range(size):
+            now += latency / size
+            change = c.record(Outcome.SUCCESS, now, size, latency=latency)
+            if change is not None:
+                changes.append((now, change.size, change.reason))
+                break
+    return now, changes
+
+
+def test_p99_does_not_give_up_a_size_for_one_slow_call() -> None:
+    """Issue 32: `p99=` gave up a size for one call over the bound in its round (the round's
+    slowest call stood for its p99). One call of the round that judges a step up stalls (a
+    busy machine's): the step is kept, and the window grows to where the calls' own latency
+    reaches the bound; then, over the run, one call in 110 stalls and the size holds."""
+    latency_of = _engine(40, 1.0, base=0.1)  # 0.2 s at 40, 0.3 s at 60 (queueing past 40)
+    c = AdaptiveController(1, 1024, 20, objective="p99=0.3", slow_start=False, probe_above=1.0)
+    now, count, changes = 0.0, 0, []
+    sizes = []
+    for _ in range(300):
+        size = c.size
+        latency = latency_of(size)
+        for _ in range(size):
+            now += latency / size
+            count += 1
+            stalled = count == 60 or count % 110 == 0  # (call 60: the step to 25's round)
+            change = c.record(
+                Outcome.SUCCESS, now, size, latency=3 * latency if stalled else latency
+            )
+            if change is not None:
+                changes.append((now, change.size, change.reason))
+        sizes.append(c.size)
+    assert [(s, r) for _, s, r in changes[:4]] == [
+        (25, "grow"),
+        (31, "grow"),
+        (38, "grow"),
+        (47, "grow"),
+    ]
+    settled = sorted(sizes[-100:])
+    assert settled[len(settled) // 2] >= 40
+    assert all(latency_of(size) <= 0.3 * 1.001 for size in settled[:-5])
+
+
+def test_p99_gives_up_a_size_whose_calls_are_over_the_bound_too_often() -> None:
+    """The estimate spans a size's rounds: a size whose calls are over the bound one time in
+    twenty (p99 over, though no single round shows more than a call or two) is given up."""
+    c = AdaptiveController(1, 1024, 30, cooldown=5.0, objective="p99=0.3", slow_start=False)
+    now, count = 0.0, 0
+    for _ in range(60):
+        size = c.size
+        for _ in range(size):
+            now += 0.25 / size
+            count += 1
+            late = size >= 30 and count % 20 == 0  # 30 and more: 5 % of calls over
+            c.record(Outcome.SUCCESS, now, size, latency=0.5 if late else 0.25)
+    assert c.size < 30
+
+
+def test_a_no_gain_that_the_next_round_contradicts_is_probed_again_at_once() -> None:
+    """Issue 32: a wrong "no gain" (a noisy round on a loaded machine) waited a 15 s cooldown
+    before the next probe up. Here the round the step is judged against ran fast (the
+    machine had a quiet moment): the size's next round shows the step did pay, and it is
+    probed again at once, then kept."""
+    latency_of = _engine(40, 1.0)  # throughput rises to 40
+    c = AdaptiveController(1, 1024, 16, slow_start=False, probe_above=1.0)
+    quick = {"done": False}
+
+    def slow(now: float, size: int) -> float:
+        if size == 16 and not quick["done"]:  # the round before the step: fast
+            quick["done"] = True
+            return 0.6
+        return 1.0
+
+    _, changes = _steps(c, latency_of, 12.0, slow)
+    reasons = [reason for _, _, reason in changes]
+    assert "no gain" in reasons
+    undone = reasons.index("no gain")
+    assert reasons[undone + 1] == "no gain refuted"
+    assert changes[undone + 1][0] - changes[undone][0] < 2.0  # not a cooldown (15 s) later
+    assert c.size >= 20  # kept, and growth went on
+
+
+def test_after_a_no_gain_the_next_probe_comes_sooner_than_a_cooldown() -> None:
+    """A step up judged on a slow round (its own calls stalled) is given up, and the size's
+    next rounds do not contradict it; the next probe up comes after half a cooldown, not a
+    whole one (a second "no gain" in a row waits the whole cooldown)."""
+    latency_of = _engine(40, 1.0)
+    c = AdaptiveController(1, 1024, 16, slow_start=False, probe_above=1.0)
+    stalled = {"done": False}
+
+    def slow(now: float, size: int) -> float:
+        if size == 20 and not stalled["done"]:
+            stalled["done"] = True
+            return 1.0  # the settling round
+        if size == 20 and stalled["done"] and stalled.get("judged") is None:
+            stalled["judged"] = True
+            return 1.6  # the round that judges the step: slow
+        return 1.0
+
+    _, changes = _steps(c, latency_of, 30.0, slow)
+    reasons = [reason for _, _, reason in changes]
+    first = reasons.index("no gain")
+    assert reasons[first + 1] == "grow"
+    assert changes[first + 1][0] - changes[first][0] <= 0.5 * c.cooldown + 2.0
+    assert c.size >= 32
+
+
 # --- request-rate limits found by behaviour, Retry-After holds ----------------------------------
 
 

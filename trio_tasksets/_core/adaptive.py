@@ -64,6 +64,11 @@ PROBE_ROUND = 24
 otherwise a few calls, and one stalled call decides it)."""
 
 
+P99_MEMORY = 400
+"""`p99=SECONDS`: the most calls a size's tally of calls over the bound counts (past it,
+both counts are halved: the older rounds weigh less)."""
+
+
 class Outcome(enum.Enum):
     """What one call told us about the endpoint's capacity."""
 
@@ -234,6 +239,14 @@ class AdaptiveController:
     _lat_sum: float = attrs.field(default=0.0, init=False)
     _lat_n: int = attrs.field(default=0, init=False)
     _lat_max: float = attrs.field(default=0.0, init=False)  # the round's slowest call
+    _lat_over: int = attrs.field(default=0, init=False)  # the round's calls over the bound
+    # p99=SECONDS: per size, [calls, calls over the bound, when last measured]
+    _tally: dict[int, list[float]] = attrs.field(factory=dict, init=False)
+    # a step up given up ("no gain"): (the size before it, its size, its throughput, the
+    # gain it needed, slow start), until the size before it is measured again
+    _refute: tuple[int, int, float, float, bool] | None = attrs.field(default=None, init=False)
+    _reprobe: bool = attrs.field(default=False, init=False)  # the probe is a refuted step's
+    _no_gains: int = attrs.field(default=0, init=False)  # steps up given up in a row
     _worst: float = attrs.field(default=0.0, init=False)  # the last round's
     _bound: float | None = attrs.field(default=None, init=False)  # p99=SECONDS
     _gain: float = attrs.field(default=0.0, init=False)  # min_gain, resolved
@@ -242,6 +255,7 @@ class AdaptiveController:
     measured: tuple[int, float, float, float] | None = attrs.field(default=None, init=False)
     _load_sum: float = attrs.field(default=0.0, init=False)
     _settle: bool = attrs.field(default=False, init=False)
+    _settle_need: int = attrs.field(default=0, init=False)  # the calls in flight at a step down
     _probe_from: tuple[int, float] | None = attrs.field(default=None, init=False)
     _ref_latency: float | None = attrs.field(default=None, init=False)
     _ref_throughput: float = attrs.field(default=0.0, init=False)  # measured with it
@@ -314,6 +328,8 @@ class AdaptiveController:
             self._lat_n += 1
             self._lat_max = max(self._lat_max, seconds)
             self._load_sum += in_flight
+            if self._bound is not None and seconds > self._bound:
+                self._lat_over += 1
 
     def record(
         self,
@@ -344,6 +360,9 @@ class AdaptiveController:
                 # the round that judges a probe: enough calls that one stalled call (a busy
                 # machine's) does not decide it
                 need = max(need, PROBE_ROUND)
+            if self._settle and not self._answers_429 and not self.paced:
+                # after a step down, every call the larger size started ends first
+                need = max(need, self._settle_need)
             if self._successes >= need:
                 return self._end_round(now)
             return None
@@ -458,10 +477,13 @@ class AdaptiveController:
         )
         measured = self._measure()
         settle, self._settle = self._settle, False
+        self._settle_need = 0
         probe_from = self._probe_from
         self._worst = self._lat_max
         if measured is not None and not settle:
             self.measured = (self.size, measured[0], measured[1], self._worst)
+            if self._bound is not None:
+                self._count_over(now)
         self._new_round()
         if self._engine_at > -math.inf:  # the engine's metrics gate growth too
             grow = (
@@ -482,7 +504,10 @@ class AdaptiveController:
             if self.slow_start:  # every step is a probe: measured, kept only if it paid
                 return self._set(min(self.max, 2 * self.size), "slow start", measured)
             step = max(1, math.floor(self.probe * self.size))
-            return self._set(min(self.max, self.size + step), "grow", measured)
+            size = min(self.max, self.size + step)
+            if self._bound is not None and self._over_bound(now, size):  # p99=: a size found over the bound lately
+                return None
+            return self._set(size, "grow", measured)
         if not grow:
             return None
         self._grown_at = now
@@ -491,11 +516,43 @@ class AdaptiveController:
         step = max(1, math.floor(self.growth * self.size))
         return self._set(min(self.max, self.size + step), "grow")
 
-    def _elasticity(self, old: int, old_throughput: float, throughput: float) -> float:
-        """d log(throughput) / d log(size) between the old size and this one."""
-        if old == self.size or old_throughput <= 0 or throughput <= 0:
+    def _elasticity(
+        self, old: int, old_throughput: float, throughput: float, size: int | None = None
+    ) -> float:
+        """d log(throughput) / d log(size) between the old size and this one (or `size`)."""
+        size = self.size if size is None else size
+        if old == size or old_throughput <= 0 or throughput <= 0:
             return 0.0
-        return math.log(throughput / old_throughput) / math.log(self.size / old)
+        return math.log(throughput / old_throughput) / math.log(size / old)
+
+    def _count_over(self, now: float) -> None:
+        """Add this round's calls, and those over the p99 bound, to its size's tally."""
+        tally = self._tally.get(self.size)
+        if tally is None or now - tally[2] > 4 * self.cooldown:  # an old tally: start anew
+            tally = self._tally[self.size] = [0.0, 0.0, now]
+        tally[0] += self._lat_n
+        tally[1] += self._lat_over
+        tally[2] = now
+        if tally[0] > P99_MEMORY:
+            tally[0] /= 2
+            tally[1] /= 2
+
+    def _over_bound(self, now: float, size: int | None = None) -> bool:
+        """`p99=SECONDS`: is this size's (or `size`'s) p99 over the bound, as its tally
+        estimates it? More than 1 % of its calls, and more than one call, were over: one
+        slow call alone (a busy machine's) never gives a size up. A tally is forgotten
+        `4 * cooldown` seconds after its size was last measured."""
+        tally = self._tally.get(self.size if size is None else size)
+        if tally is None or now - tally[2] > 4 * self.cooldown:
+            return False
+        return tally[1] > 1 + 0.01 * tally[0]
+
+    def _hold(self, now: float) -> None:
+        """Growth waits after a step up that did not pay: half `cooldown` the first time,
+        `cooldown` after a second one in a row (a wrong "no gain", a noisy round's, is
+        probed again sooner; at a true knee the probes come every `cooldown`)."""
+        self._no_gains += 1
+        self._hold_until = now + self.cooldown * min(1.0, 2.0 ** (self._no_gains - 2))
 
     def _latency_signal(
         self,
@@ -510,14 +567,15 @@ class AdaptiveController:
         throughput, latency = measured
         self._min_latency = min(self._min_latency, latency)
         bound = self._bound
-        worst = self._worst
         if settle:  # its calls started at the old size: measure the next round
             self._probe_from = probe_from
             return None, False
+        over = bound is not None and self._over_bound(now)
+        refute, self._refute = self._refute, None
         if probe_from is not None:
+            reprobe, self._reprobe = self._reprobe, False
             old, old_throughput = probe_from
             gain = self._elasticity(old, old_throughput, throughput)
-            over = bound is not None and worst > bound
             if old < self.size:  # a step up: kept if throughput rose by `min_gain` of it
                 least = self._gain
                 if self.size >= 1.5 * old:
@@ -529,12 +587,16 @@ class AdaptiveController:
                     # costs less than `min_gain` of its share of throughput is given up)
                     # (`knee` only: the other objectives want all the throughput there is)
                     self._down = not over and self.slow_start and self.objective == "knee"
+                    if not over and not reprobe:
+                        # the old size's next round may show this round was the noisy one
+                        self._refute = (old, self.size, throughput, least, self.slow_start)
                     if not self.slow_start:  # a failed doubling goes on by smaller steps
-                        self._hold_until = now + self.cooldown
+                        self._hold(now)
                     self.slow_start = False
                     self._settle = True
                     self._ref_latency = None
                     return self._set(max(self.min, old), "no gain"), False
+                self._no_gains = 0
             elif gain > self._gain and not over:  # a step down that cost throughput
                 self._down = False
                 self._hold_until = now + self.cooldown
@@ -544,21 +606,36 @@ class AdaptiveController:
             self._ref_latency, self._ref_throughput = latency, throughput
             self._slow_rounds = 0
             return None, grow and now >= self._hold_until
+        if refute is not None and refute[0] == self.size and not over:
+            # the first round back at the size a step up left: if the step's throughput
+            # beats this round's by the gain it needed, the round it was judged against was
+            # the noisy one (a busy machine's): the step is probed again at once (once)
+            _, size, step_throughput, least, doubling = refute
+            if self._elasticity(self.size, throughput, step_throughput, size) >= least:
+                self._down = False
+                self._hold_until = -math.inf
+                self._no_gains = max(0, self._no_gains - 1)
+                self.slow_start = doubling
+                self._reprobe = True
+                return self._set(min(self.max, size), "no gain refuted", measured), False
         if self._ref_latency is None:
             self._ref_latency, self._ref_throughput = latency, throughput
-        elif (bound is not None and worst > bound) or latency > self.queueing * self._ref_latency:
-            # slower than when this size was taken (or over the p99 bound): two rounds in a
-            # row try a smaller size, measured like a step up (undone if it cost throughput;
-            # over the bound, kept)
+        elif over:
+            # over the p99 bound, as this size's tally estimates it: a cut, kept
+            self._slow_rounds = 0
+            self.slow_start = False
+            self._settle = True
+            self._ref_latency = None
+            size = max(self.min, math.floor(self.size * self.cut))
+            return self._set(size, "p99"), False
+        elif latency > self.queueing * self._ref_latency:
+            # slower than when this size was taken: two rounds in a row try a smaller size,
+            # measured like a step up (undone if it cost throughput)
             self._slow_rounds += 1
             if self._slow_rounds >= 2:
                 self._slow_rounds = 0
                 self.slow_start = False
                 size = max(self.min, math.floor(self.size * self.cut))
-                if bound is not None and worst > bound:
-                    self._settle = True
-                    self._ref_latency = None
-                    return self._set(size, "p99"), False
                 # judged against the throughput when this size was taken, not the slowed
                 # one: a client's own stall (its CPU taken) slows every size alike, and a
                 # smaller size must not look as good as a slowed larger one
@@ -573,7 +650,7 @@ class AdaptiveController:
         self._peak = 0
         self._clean = True
         self._lat_sum = self._load_sum = self._lat_max = 0.0
-        self._lat_n = 0
+        self._lat_n = self._lat_over = 0
         self._probe_from = None
 
     def _set(
@@ -587,6 +664,10 @@ class AdaptiveController:
         elif size < self.size:  # measure the new size afresh, once its calls have turned over
             self._settle = True
             self._ref_latency = None
+        # the settling round of a step down lasts until the calls the larger size started
+        # (queued, on an engine) are done: they would count their queueing against the new
+        # size
+        self._settle_need = self.size if self._settle and size < self.size else 0
         self.size = size
         return Change(size, reason)
 
