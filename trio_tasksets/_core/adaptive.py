@@ -505,7 +505,9 @@ class AdaptiveController:
                 return self._set(min(self.max, 2 * self.size), "slow start", measured)
             step = max(1, math.floor(self.probe * self.size))
             size = min(self.max, self.size + step)
-            if self._bound is not None and self._over_bound(now, size):  # p99=: a size found over the bound lately
+            if self._bound is not None and self._over_bound(
+                now, size
+            ):  # p99=: a size found over the bound lately
                 return None
             return self._set(size, "grow", measured)
         if not grow:
