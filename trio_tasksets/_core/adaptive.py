@@ -64,9 +64,10 @@ PROBE_ROUND = 24
 otherwise a few calls, and one stalled call decides it)."""
 
 
-P99_MEMORY = 400
-"""`p99=SECONDS`: the most calls a size's tally of calls over the bound counts (past it,
-both counts are halved: the older rounds weigh less)."""
+MEMORY = 400
+"""The most calls that a size's pooled rounds count (its throughput, and with `p99=` its
+calls over the bound): past it, every sum is halved, so older rounds weigh less. A size's
+rounds are forgotten `4 * cooldown` seconds after it was last measured."""
 
 
 class Outcome(enum.Enum):
@@ -242,20 +243,21 @@ class AdaptiveController:
     _lat_over: int = attrs.field(default=0, init=False)  # the round's calls over the bound
     # p99=SECONDS: per size, [calls, calls over the bound, when last measured]
     _tally: dict[int, list[float]] = attrs.field(factory=dict, init=False)
-    # a step up given up ("no gain"): (the size before it, its size, its throughput, the
-    # gain it needed, slow start), until the size before it is measured again
-    _refute: tuple[int, int, float, float, bool] | None = attrs.field(default=None, init=False)
-    _reprobe: bool = attrs.field(default=False, init=False)  # the probe is a refuted step's
+    # per size, its measured rounds pooled: [sum of in-flight, sum of latencies, calls, when
+    # last measured]
+    _seen: dict[int, list[float]] = attrs.field(factory=dict, init=False)
+    _pooled: bool = attrs.field(default=True, init=False)  # the probe's old size: pooled
     _no_gains: int = attrs.field(default=0, init=False)  # steps up given up in a row
     _worst: float = attrs.field(default=0.0, init=False)  # the last round's
     _bound: float | None = attrs.field(default=None, init=False)  # p99=SECONDS
     _gain: float = attrs.field(default=0.0, init=False)  # min_gain, resolved
     _down: bool = attrs.field(default=False, init=False)  # probing down for the knee
+    _down_from: int = attrs.field(default=0, init=False)  # below the doubling that failed
     # the last round measured: (size, calls/s by Little's law, mean and worst latency)
     measured: tuple[int, float, float, float] | None = attrs.field(default=None, init=False)
     _load_sum: float = attrs.field(default=0.0, init=False)
     _settle: bool = attrs.field(default=False, init=False)
-    _settle_need: int = attrs.field(default=0, init=False)  # the calls in flight at a step down
+    _settle_need: int = attrs.field(default=0, init=False)  # the size before a step down
     _probe_from: tuple[int, float] | None = attrs.field(default=None, init=False)
     _ref_latency: float | None = attrs.field(default=None, init=False)
     _ref_throughput: float = attrs.field(default=0.0, init=False)  # measured with it
@@ -361,7 +363,8 @@ class AdaptiveController:
                 # machine's) does not decide it
                 need = max(need, PROBE_ROUND)
             if self._settle and not self._answers_429 and not self.paced:
-                # after a step down, every call the larger size started ends first
+                # the round that settles a step down lasts until the calls the larger size
+                # started (queued, on an engine) are done
                 need = max(need, self._settle_need)
             if self._successes >= need:
                 return self._end_round(now)
@@ -482,8 +485,7 @@ class AdaptiveController:
         self._worst = self._lat_max
         if measured is not None and not settle:
             self.measured = (self.size, measured[0], measured[1], self._worst)
-            if self._bound is not None:
-                self._count_over(now)
+            self._pool_round(now)
         self._new_round()
         if self._engine_at > -math.inf:  # the engine's metrics gate growth too
             grow = (
@@ -527,17 +529,39 @@ class AdaptiveController:
             return 0.0
         return math.log(throughput / old_throughput) / math.log(size / old)
 
-    def _count_over(self, now: float) -> None:
-        """Add this round's calls, and those over the p99 bound, to its size's tally."""
+    def _pool_round(self, now: float) -> None:
+        """Add this measured round to its size's pooled rounds: its in-flight and latency
+        sums (the size's throughput over every recent round, `_estimate`) and with `p99=`
+        its calls over the bound (`_over_bound`)."""
+        seen = self._seen.get(self.size)
+        if seen is None or now - seen[3] > 4 * self.cooldown:  # forgotten: start anew
+            seen = self._seen[self.size] = [0.0, 0.0, 0.0, now]
+        seen[0] += self._load_sum
+        seen[1] += self._lat_sum
+        seen[2] += self._lat_n
+        seen[3] = now
+        if seen[2] > MEMORY:
+            seen[0] /= 2
+            seen[1] /= 2
+            seen[2] /= 2
+        if self._bound is None:
+            return
         tally = self._tally.get(self.size)
-        if tally is None or now - tally[2] > 4 * self.cooldown:  # an old tally: start anew
+        if tally is None or now - tally[2] > 4 * self.cooldown:
             tally = self._tally[self.size] = [0.0, 0.0, now]
         tally[0] += self._lat_n
         tally[1] += self._lat_over
         tally[2] = now
-        if tally[0] > P99_MEMORY:
+        if tally[0] > MEMORY:
             tally[0] /= 2
             tally[1] /= 2
+
+    def _estimate(self, size: int, now: float) -> float | None:
+        """`size`'s throughput by Little's law over its recent measured rounds, pooled."""
+        seen = self._seen.get(size)
+        if seen is None or now - seen[3] > 4 * self.cooldown or seen[1] <= 0:
+            return None
+        return seen[0] / seen[1]
 
     def _over_bound(self, now: float, size: int | None = None) -> bool:
         """`p99=SECONDS`: is this size's (or `size`'s) p99 over the bound, as its tally
@@ -573,10 +597,13 @@ class AdaptiveController:
             self._probe_from = probe_from
             return None, False
         over = bound is not None and self._over_bound(now)
-        refute, self._refute = self._refute, None
         if probe_from is not None:
-            reprobe, self._reprobe = self._reprobe, False
             old, old_throughput = probe_from
+            # each size's throughput over its recent rounds (one round's is noisy), but for
+            # the "latency" probe, judged against the rate when the size was taken
+            if self._pooled:
+                old_throughput = self._estimate(old, now) or old_throughput
+                throughput = self._estimate(self.size, now) or throughput
             gain = self._elasticity(old, old_throughput, throughput)
             if old < self.size:  # a step up: kept if throughput rose by `min_gain` of it
                 least = self._gain
@@ -589,9 +616,7 @@ class AdaptiveController:
                     # costs less than `min_gain` of its share of throughput is given up)
                     # (`knee` only: the other objectives want all the throughput there is)
                     self._down = not over and self.slow_start and self.objective == "knee"
-                    if not over and not reprobe:
-                        # the old size's next round may show this round was the noisy one
-                        self._refute = (old, self.size, throughput, least, self.slow_start)
+                    self._down_from = old if self._down else 0
                     if not self.slow_start:  # a failed doubling goes on by smaller steps
                         self._hold(now)
                     self.slow_start = False
@@ -601,25 +626,17 @@ class AdaptiveController:
                 self._no_gains = 0
             elif gain > self._gain and not over:  # a step down that cost throughput
                 self._down = False
-                self._hold_until = now + self.cooldown
+                # the first probe down from below a doubling that did not pay: the knee is
+                # between that size and the doubling, so growth goes on at once (by `probe`
+                # steps); any other waits `cooldown`
+                first, self._down_from = old == self._down_from, 0
+                self._hold_until = now if first else now + self.cooldown
                 self._settle = True
                 self._ref_latency = None
                 return self._set(min(self.max, old), "lost throughput"), False
             self._ref_latency, self._ref_throughput = latency, throughput
             self._slow_rounds = 0
             return None, grow and now >= self._hold_until
-        if refute is not None and refute[0] == self.size and not over:
-            # the first round back at the size a step up left: if the step's throughput
-            # beats this round's by the gain it needed, the round it was judged against was
-            # the noisy one (a busy machine's): the step is probed again at once (once)
-            _, size, step_throughput, least, doubling = refute
-            if self._elasticity(self.size, throughput, step_throughput, size) >= least:
-                self._down = False
-                self._hold_until = -math.inf
-                self._no_gains = max(0, self._no_gains - 1)
-                self.slow_start = doubling
-                self._reprobe = True
-                return self._set(min(self.max, size), "no gain refuted", measured), False
         if self._ref_latency is None:
             self._ref_latency, self._ref_throughput = latency, throughput
         elif over:
@@ -662,13 +679,14 @@ class AdaptiveController:
             return None
         if measured is not None:  # a probe (either way): settle, then measure
             self._probe_from = (self.size, measured[0])
+            self._pooled = reason != "latency"
             self._settle = True
         elif size < self.size:  # measure the new size afresh, once its calls have turned over
             self._settle = True
             self._ref_latency = None
         # the settling round of a step down lasts until the calls the larger size started
-        # (queued, on an engine) are done: they would count their queueing against the new
-        # size
+        # are done: they would count their queueing against the smaller size (that of a
+        # step up is the new size's calls: the first of them met a queue still growing)
         self._settle_need = self.size if self._settle and size < self.size else 0
         self.size = size
         return Change(size, reason)
