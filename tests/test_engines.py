@@ -278,7 +278,10 @@ def test_engine_metrics_cut_on_a_queue_preemptions_and_a_full_cache_and_freeze_w
     assert c.engine(EngineLoad(48, 0, 0.7, 3), 2.0) == tt._core.adaptive.Change(
         45, "preemption"
     )  # a tenth
-    assert c.engine(EngineLoad(46, 0, 0.99, 3), 3.0) == tt._core.adaptive.Change(40, "kv cache")
+    # a full cache with nothing waiting is a full batch (issue 32: the zoo's engine without
+    # a KV budget reports running / capacity as its usage): no cut; with calls waiting, a cut
+    assert c.engine(EngineLoad(46, 0, 0.99, 3), 2.5) is None
+    assert c.engine(EngineLoad(46, 2, 0.99, 3), 3.0) == tt._core.adaptive.Change(40, "kv cache")
     assert c.engine(EngineLoad(40, 0, 0.5, 3), 4.0) is None
 
     def full_round(now: float) -> Any:

@@ -200,21 +200,27 @@ def test_p99_gives_up_a_size_whose_calls_are_over_the_bound_too_often() -> None:
     assert c.size < 30
 
 
-def test_below_a_doubling_that_did_not_pay_growth_goes_on_at_once() -> None:
-    """Issue 32: a knee settled a size below the capacity and waited a cooldown. An engine
-    of 40 whose full batch runs three times slower (alpha 2): slow start's doubling 32 -> 64
-    gains too little to keep (0.115 < 0.15), the probe down to 24 costs throughput, so the
-    knee lies between 32 and 64: growth goes on at once, by quarter steps, to 40."""
-    latency_of = _engine(40, 2.0)
-    c = AdaptiveController(1, 1024, 8)  # cooldown 15 s
-    _, changes = _steps(c, latency_of, 30.0)
-    reasons = [(size, reason) for _, size, reason in changes]
-    assert reasons[:7] == [
-        (16, "slow start"), (32, "slow start"), (64, "slow start"), (32, "no gain"),
-        (24, "probe down"), (32, "lost throughput"), (40, "grow"),
-    ]  # fmt: skip
-    assert changes[6][0] - changes[5][0] < 2.0  # not a cooldown later
-    assert 40 <= c.size <= 50
+@pytest.mark.parametrize(
+    ("capacity", "alpha", "base"), [(40, 2.0, 0.2), (13, 1.53, 0.306), (220, 0.113, 0.423)]
+)
+def test_after_slow_start_the_knee_is_searched_to_the_capacity(
+    capacity: int, alpha: float, base: float
+) -> None:
+    """Issue 32: the knee settled a quarter below an engine's capacity and waited a cooldown
+    there (its quarter steps cannot reach a capacity between them), or above it, where calls
+    queue (p99 1.5x that of a window of the capacity). After slow start (a doubling that did
+    not pay, or `max` reached), the knee is searched between the last size that paid and
+    the first that did not, halving the gap, with no cooldown between the probes: the window
+    ends at the capacity, within a sixteenth."""
+    latency_of = _engine(capacity, alpha, base)
+    c = AdaptiveController(1, 256, 8)  # cooldown 15 s
+    _, changes = _steps(c, latency_of, 60.0)
+    times = [t for t, _, _ in changes]
+    gaps = [b - a for a, b in zip(times, times[1:], strict=False)]
+    ended = next(i for i, gap in enumerate(gaps) if gap >= c.cooldown)  # the search's end
+    assert max(gaps[:ended]) < 5.0  # no cooldown between its probes
+    settled = changes[ended][1]
+    assert capacity <= settled <= capacity * (1 + 1 / 16)  # (a queue of a sixteenth at most)
 
 
 def test_after_a_no_gain_the_next_probe_comes_sooner_than_a_cooldown() -> None:

@@ -164,24 +164,38 @@ class AdaptiveController:
       alone: a busy client (its own CPU, other processes beside it) makes every call
       slower, but a smaller size then delivers less too, so the client's lag is never read
       as the engine's queue.
-    * Every step is a probe: the round after it settles (its calls started at the old size),
-      the next one (of at least `PROBE_ROUND` successes) measures, and the step is judged
-      by the *elasticity* of throughput,
-      ``e = log(X_new / X_old) / log(size_new / size_old)``. A step up is kept if
-      ``e >= min_gain`` (a doubling: `DOUBLING_GAIN` at least; by default per
-      objective, `MIN_GAIN`: `knee` 0.08, `throughput` and `p99` 0.03), else it goes back (reason "no gain"). Slow start doubles; with `knee`,
-      its failed doubling probes *down* from the size before it, by `probe` steps (reason
-      "probe down"), each kept while giving the step up costs less than `min_gain` of its share,
-      until one costs more (it goes back, reason "lost throughput", and growth waits
-      `cooldown` seconds): the window settles at the knee, where more concurrency adds
-      less than `min_gain` of itself, from either side (the other objectives go on up by
-      `probe` steps). A failed small step up waits `cooldown` too. After slow start a step adds `max(1, probe * size)`.
-    * `p99=SECONDS`: a step up whose round had a call slower than SECONDS goes back, and
-      two rounds in a row with one cut to `floor(size * cut)` (reason "p99").
+    * Every step is a probe: the round after it settles (its calls started at the old size;
+      after a step down it lasts until every call the larger size started is done, as
+      they queued behind it), the next one (of at least `PROBE_ROUND` successes) measures,
+      and the step is judged by the *elasticity* of throughput,
+      ``e = log(X_new / X_old) / log(size_new / size_old)``, each side the size's
+      throughput over its recent rounds pooled (its in-flight and latency sums over the
+      rounds measured at it in the last `4 * cooldown` seconds, at most `MEMORY` calls:
+      one round of an engine's batches, or of a busy machine, is noisy). A step up is kept
+      if ``e >= min_gain`` (a doubling: `DOUBLING_GAIN` at least; by default per
+      objective, `MIN_GAIN`: `knee` 0.08, `throughput` and `p99` 0.03), else it goes back
+      (reason "no gain"). Slow start doubles; with `knee`, its failed doubling probes
+      *down* from the size before it, by `probe` steps (reason "probe down"), each kept
+      while giving the step up costs less than `min_gain` of its share, until one costs
+      more (it goes back, reason "lost throughput"): the window settles at the knee, where
+      more concurrency adds less than `min_gain` of itself, from either side (the other
+      objectives go on up by `probe` steps). When the first probe down already costs more,
+      the knee lies between that size and the doubling: growth goes on at once, by `probe`
+      steps; after any other "lost throughput" growth waits `cooldown` seconds. A failed
+      small step up waits half a `cooldown` (a wrong "no gain", a noisy round's, is
+      probed again soon), and a whole one when the step before failed too. After slow
+      start a step adds `max(1, probe * size)`.
+    * `p99=SECONDS`: each size keeps a tally of its calls and of those slower than SECONDS
+      over its measured rounds (the same memory); its p99 is over the bound when more than
+      1 % of its calls, and more than one call, were (one slow call alone, a busy
+      machine's, never decides). A step up to such a size goes back (and is not probed
+      again while its tally stands); at a steady size, a cut to `floor(size * cut)`
+      (reason "p99").
     * Slower at a steady size (two rounds in a row whose mean latency exceeds `queueing`
       times the latency measured when the size was taken): a probe down by `cut`
       (reason "latency"), given up if it lost throughput against the rate measured when
-      the size was taken (a client's own stall slows every size alike: never a queue).
+      the size was taken, not pooled (a client's own stall slows every size alike: never
+      a queue).
 
     With the engine's own metrics (`engine()`, e.g. every second), growth also needs the last
     reading to show no waiting calls, KV usage under `kv_grow` and no preemptions too many
@@ -191,9 +205,11 @@ class AdaptiveController:
     full, vLLM on a busy CPU, shows nothing waiting); every cut of the engine's makes growth
     wait `cooldown` seconds, as a probe that did not pay does;
     a waiting queue (more than a tenth of the running calls, or one) seen on two readings in
-    a row cuts by the calls waiting (reason "engine queue"), new preemptions (more than `preemption_share` of the requests finished since
-    the last reading, when the engine counts those; else any) or KV usage at `kv_high` cut
-    by a tenth (reasons "preemption", "kv cache"); each cut by at most the factor `cut`.
+    a row cuts by the calls waiting (reason "engine queue"), new preemptions (more than
+    `preemption_share` of the requests finished since the last reading, when the engine
+    counts those; else any) or KV usage at `kv_high` with calls waiting (a full cache with
+    nothing waiting is a full batch, and the batch is where the window belongs) cut by a
+    tenth (reasons "preemption", "kv cache"); each cut by at most the factor `cut`.
 
     429s that do not come from concurrency (`Outcome.REQUEST_RATE`: a request-rate limit
     the server names in its headers, or found by behaviour) neither cut nor cap: the
@@ -251,8 +267,10 @@ class AdaptiveController:
     _worst: float = attrs.field(default=0.0, init=False)  # the last round's
     _bound: float | None = attrs.field(default=None, init=False)  # p99=SECONDS
     _gain: float = attrs.field(default=0.0, init=False)  # min_gain, resolved
-    _down: bool = attrs.field(default=False, init=False)  # probing down for the knee
-    _down_from: int = attrs.field(default=0, init=False)  # below the doubling that failed
+    # `knee`'s search after slow start: the largest size known below the knee (a step up
+    # from it paid) and the smallest known past it (a step up to it did not); 0: no search
+    _lo: int = attrs.field(default=0, init=False)
+    _hi: int = attrs.field(default=0, init=False)
     # the last round measured: (size, calls/s by Little's law, mean and worst latency)
     measured: tuple[int, float, float, float] | None = attrs.field(default=None, init=False)
     _load_sum: float = attrs.field(default=0.0, init=False)
@@ -444,7 +462,9 @@ class AdaptiveController:
         queue = queued and self._engine_queue
         self._engine_queue = queued
         kv = load.kv_usage
-        high = kv is not None and kv >= self.kv_high
+        # a full cache with calls waiting for it (a full cache and nothing waiting is a full
+        # batch: an engine without a KV gauge reports its batch's share as its usage)
+        high = kv is not None and kv >= self.kv_high and waiting > 0
         self._engine_ok = not queued and not preempted and (kv is None or kv < self.kv_grow)
         if queue:
             excess, reason = math.ceil(waiting), "engine queue"
@@ -499,10 +519,12 @@ class AdaptiveController:
             if change is not None or not grow:
                 return change
             self._grown_at = now
-            if self._down and self.size > self.min:  # looking for the knee below
-                size = max(self.min, math.ceil(self.size * (1 - self.probe)))
-                return self._set(size, "probe down", measured)
-            self._down = False
+            if self.slow_start and self.size >= self.max and self.objective == "knee":
+                # a doubling that paid reached `max`: the knee may be below it
+                self.slow_start = False
+                self._hi = self.max + 1
+            if self._hi:  # searching for the knee
+                return self._search(now, measured)
             if self.slow_start:  # every step is a probe: measured, kept only if it paid
                 return self._set(min(self.max, 2 * self.size), "slow start", measured)
             step = max(1, math.floor(self.probe * self.size))
@@ -573,6 +595,22 @@ class AdaptiveController:
             return False
         return tally[1] > 1 + 0.01 * tally[0]
 
+    def _search(self, now: float, measured: tuple[float, float]) -> Change | None:
+        """`knee`'s next probe between `_lo` (below the knee) and `_hi` (past it), at their
+        geometric middle, or, from the middle, halfway to the side it has not tried; once
+        they are within a sixteenth (or one) of each other, the search ends where the
+        window is, and growth waits `cooldown` seconds."""
+        low, high, size = max(1, self._lo), self._hi, self.size
+        middle = round(math.sqrt(low * high))
+        if middle == size:  # here already: try below it (or above, if below is known)
+            middle = round(math.sqrt(low * size)) if low < size - 1 else size + 1
+        target = min(self.max, max(self.min, middle))
+        if high - low <= max(1, low // 16) or not low < target < high or target == size:
+            self._lo = self._hi = 0
+            self._hold_until = now + self.cooldown
+            return None
+        return self._set(target, "probe down" if target < size else "grow", measured)
+
     def _hold(self, now: float) -> None:
         """Growth waits after a step up that did not pay: half `cooldown` the first time,
         `cooldown` after a second one in a row (a wrong "no gain", a noisy round's, is
@@ -612,28 +650,30 @@ class AdaptiveController:
                     # doubling gains nothing, and a busy machine's noise must not pass it
                     least = max(least, DOUBLING_GAIN)
                 if gain < least or over:
-                    # the knee is below: probe down from the old size next (a size that
-                    # costs less than `min_gain` of its share of throughput is given up)
-                    # (`knee` only: the other objectives want all the throughput there is)
-                    self._down = not over and self.slow_start and self.objective == "knee"
-                    self._down_from = old if self._down else 0
-                    if not self.slow_start:  # a failed doubling goes on by smaller steps
+                    # `knee`: the knee is below this size; a failed doubling starts the search
+                    # between it and the size the last step that paid started from (the
+                    # other objectives want all the throughput there is: they go on by
+                    # smaller steps)
+                    if self.objective == "knee" and not over and (self.slow_start or self._hi):
+                        self._hi = min(self._hi or self.size, self.size)
+                    elif not self.slow_start:
                         self._hold(now)
                     self.slow_start = False
                     self._settle = True
                     self._ref_latency = None
                     return self._set(max(self.min, old), "no gain"), False
                 self._no_gains = 0
+                self._lo = max(self._lo, old)  # the knee is above the size it came from
             elif gain > self._gain and not over:  # a step down that cost throughput
-                self._down = False
-                # the first probe down from below a doubling that did not pay: the knee is
-                # between that size and the doubling, so growth goes on at once (by `probe`
-                # steps); any other waits `cooldown`
-                first, self._down_from = old == self._down_from, 0
-                self._hold_until = now if first else now + self.cooldown
+                if self._hi:  # the knee is above this size: back, and the search goes on
+                    self._lo = max(self._lo, self.size)
+                else:
+                    self._hold_until = now + self.cooldown
                 self._settle = True
                 self._ref_latency = None
                 return self._set(min(self.max, old), "lost throughput"), False
+            elif self._hi and old > self.size:  # a step down that cost little: past the knee
+                self._hi = min(self._hi, old)
             self._ref_latency, self._ref_throughput = latency, throughput
             self._slow_rounds = 0
             return None, grow and now >= self._hold_until
