@@ -7,6 +7,7 @@ real-time runs go against `../shared/servers/zoo.py` processes, when the zoo is 
 
 from __future__ import annotations
 
+import itertools
 import math
 import subprocess
 import sys
@@ -216,7 +217,7 @@ def test_after_slow_start_the_knee_is_searched_to_the_capacity(
     c = AdaptiveController(1, 256, 8)  # cooldown 15 s
     _, changes = _steps(c, latency_of, 60.0)
     times = [t for t, _, _ in changes]
-    gaps = [b - a for a, b in zip(times, times[1:], strict=False)]
+    gaps = [b - a for a, b in itertools.pairwise(times)]
     ended = next(i for i, gap in enumerate(gaps) if gap >= c.cooldown)  # the search's end
     assert max(gaps[:ended]) < 5.0  # no cooldown between its probes
     settled = changes[ended][1]
