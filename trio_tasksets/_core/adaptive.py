@@ -203,7 +203,8 @@ class AdaptiveController:
     and it freezes once the readings are `engine_stale` seconds old; the latency signal's
     probes still apply (an engine whose throughput stops rising long before its batch is
     full, vLLM on a busy CPU, shows nothing waiting); every cut of the engine's makes growth
-    wait `cooldown` seconds, as a probe that did not pay does;
+    wait `cooldown` seconds, as a probe that did not pay does (while `knee` searches, it
+    marks the size it cut from as past the knee instead);
     a waiting queue (more than a tenth of the running calls, or one) seen on two readings in
     a row cuts by the calls waiting (reason "engine queue"), new preemptions (more than
     `preemption_share` of the requests finished since the last reading, when the engine
@@ -479,7 +480,10 @@ class AdaptiveController:
         size = max(self.min, self.size - excess, math.floor(self.size * self.cut))
         if size < self.size:
             self._new_round()
-            self._hold_until = now + self.cooldown  # as after a probe that did not pay
+            if self._hi:  # searching for the knee: it is below this size
+                self._hi = min(self._hi, self.size)
+            else:
+                self._hold_until = now + self.cooldown  # as after a probe that did not pay
         return self._set(size, reason)
 
     def _measure(self) -> tuple[float, float] | None:
