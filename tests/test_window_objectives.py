@@ -22,6 +22,7 @@ from trio_tasksets._core.adaptive import (
     AdaptiveBounds,
     AdaptiveController,
     AdaptiveWindow,
+    EngineLoad,
     Outcome,
     Pacer,
     build_window,
@@ -222,6 +223,35 @@ def test_after_slow_start_the_knee_is_searched_to_the_capacity(
     assert max(gaps[:ended]) < 5.0  # no cooldown between its probes
     settled = changes[ended][1]
     assert capacity <= settled <= capacity * (1 + 1 / 16)  # (a queue of a sixteenth at most)
+
+
+def test_with_the_engines_metrics_the_knee_search_ends_at_its_batch() -> None:
+    """The zoo's engine of 18 (no KV budget: its cache gauge is the batch's share), read
+    every second: a size whose calls wait is past the knee, and the search goes on at once
+    (not a cooldown later, as after a cut of the engine's outside a search)."""
+    capacity = 18
+    latency_of = _engine(capacity, 0.79, 0.028)
+    c = AdaptiveController(1, 256, 8)
+    now, read = 0.0, -1.0
+    changes = []
+    while now < 10.0:
+        size = c.size
+        latency = latency_of(size)
+        for _ in range(size):
+            now += latency / size
+            change = None
+            if now - read >= 1.0:
+                read = now
+                load = EngineLoad(
+                    min(size, capacity), max(0, size - capacity), min(size, capacity) / capacity, 0
+                )
+                change = c.engine(load, now)
+            change = change or c.record(Outcome.SUCCESS, now, size, latency=latency)
+            if change is not None:
+                changes.append((now, change.size, change.reason))
+                break
+    assert c.size == capacity
+    assert changes[-1][0] < 6.0
 
 
 def test_after_a_no_gain_the_next_probe_comes_sooner_than_a_cooldown() -> None:
