@@ -225,6 +225,23 @@ def test_after_slow_start_the_knee_is_searched_to_the_capacity(
     assert capacity <= settled <= capacity * (1 + 1 / 16)  # (a queue of a sixteenth at most)
 
 
+def test_p99_gives_up_a_step_over_the_bound_as_soon_as_its_calls_say_so() -> None:
+    """A step up whose calls are slower than the bound costs the p99 for as long as it lasts
+    (a round to settle, one to measure: hundreds of calls on a big engine). The step is
+    given up once its calls over the bound are more than one and more than 1 % of them."""
+
+    def latency_of(size: int) -> float:  # throughput still rises; 0.3 s at 80
+        return 0.1 * (1 + size / 40)
+
+    c = AdaptiveController(1, 1024, 40, objective="p99=0.3", slow_start=False, probe_above=1.0)
+    _, changes = _steps(c, latency_of, 10.0)
+    assert [(size, reason) for _, size, reason in changes[:5]] == [
+        (50, "grow"), (62, "grow"), (77, "grow"), (96, "grow"), (77, "p99"),
+    ]  # fmt: skip
+    seconds = changes[4][0] - changes[3][0]
+    assert seconds <= 2.01 * latency_of(96) / 96  # two calls at 96, not two rounds of 96
+
+
 def test_with_the_engines_metrics_the_knee_search_ends_at_its_batch() -> None:
     """The zoo's engine of 18 (no KV budget: its cache gauge is the batch's share), read
     every second: a size whose calls wait is past the knee, and the search goes on at once

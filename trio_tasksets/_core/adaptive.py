@@ -168,10 +168,11 @@ class AdaptiveController:
       after a step down it lasts until every call the larger size started is done, as
       they queued behind it), the next one (of at least `PROBE_ROUND` successes) measures,
       and the step is judged by the *elasticity* of throughput,
-      ``e = log(X_new / X_old) / log(size_new / size_old)``, each side the size's
+      ``e = log(X_new / X_old) / log(size_new / size_old)``, where X_old is the old size's
       throughput over its recent rounds pooled (its in-flight and latency sums over the
       rounds measured at it in the last `4 * cooldown` seconds, at most `MEMORY` calls:
-      one round of an engine's batches, or of a busy machine, is noisy). A step up is kept
+      one round of an engine's batches, or of a busy machine, is noisy) and X_new the new
+      size's round (a noisy round of an earlier probe to it must not decide this one). A step up is kept
       if ``e >= min_gain`` (a doubling: `DOUBLING_GAIN` at least; by default per
       objective, `MIN_GAIN`: `knee` 0.08, `throughput` and `p99` 0.03), else it goes back
       (reason "no gain"). Slow start doubles; with `knee`, its failed doubling probes
@@ -189,8 +190,10 @@ class AdaptiveController:
       over its measured rounds (the same memory); its p99 is over the bound when more than
       1 % of its calls, and more than one call, were (one slow call alone, a busy
       machine's, never decides). A step up to such a size goes back (and is not probed
-      again while its tally stands); at a steady size, a cut to `floor(size * cut)`
-      (reason "p99").
+      again while its tally stands), as soon as its own calls say so (reason "p99": calls
+      queued past the bound go on costing the p99 until they are done); at a steady size,
+      a cut to `floor(size * cut)` (reason "p99"). The round that settles a step up is
+      `max(size, min_round)` successes (`PROBE_ROUND` is the measuring round's least).
     * Slower at a steady size (two rounds in a row whose mean latency exceeds `queueing`
       times the latency measured when the size was taken): a probe down by `cut`
       (reason "latency"), given up if it lost throughput against the rate measured when
@@ -376,8 +379,17 @@ class AdaptiveController:
             self._ok_since_429 += 1
             self._ok_in_run += 1
             self._succeeded.append(now)
+            signal = not self._answers_429 and not self.paced  # the latency signal's
+            if (
+                signal
+                and self._bound is not None
+                and self._probe_from is not None
+                and self._probe_from[0] < self.size
+                and self._lat_over > 1 + 0.01 * self._lat_n
+            ):
+                return self._give_up_step(now)
             need = max(self.size, self.min_round)
-            if self._probe_from is not None and not self._answers_429 and not self.paced:
+            if self._probe_from is not None and not self._settle and signal:
                 # the round that judges a probe: enough calls that one stalled call (a busy
                 # machine's) does not decide it
                 need = max(need, PROBE_ROUND)
@@ -599,6 +611,21 @@ class AdaptiveController:
             return False
         return tally[1] > 1 + 0.01 * tally[0]
 
+    def _give_up_step(self, now: float) -> Change | None:
+        """`p99=`: a step up whose calls went over the bound (more than 1 % of them, and more
+        than one) is given up at once, before its rounds end (calls queued past the bound
+        would go on costing the p99 until they are done); its size's tally says so."""
+        assert self._probe_from is not None
+        old = self._probe_from[0]
+        self._tally[self.size] = [float(self._lat_n), float(self._lat_over), now]
+        self._new_round()
+        if not self.slow_start:
+            self._hold(now)
+        self.slow_start = False
+        self._settle = True
+        self._ref_latency = None
+        return self._set(max(self.min, old), "p99")
+
     def _search(self, now: float, measured: tuple[float, float]) -> Change | None:
         """`knee`'s next probe between `_lo` (below the knee) and `_hi` (past it), at their
         geometric middle, or, from the middle, halfway to the side it has not tried; once
@@ -641,11 +668,12 @@ class AdaptiveController:
         over = bound is not None and self._over_bound(now)
         if probe_from is not None:
             old, old_throughput = probe_from
-            # each size's throughput over its recent rounds (one round's is noisy), but for
-            # the "latency" probe, judged against the rate when the size was taken
+            # the size it left: its throughput over its recent rounds (one round's is noisy;
+            # but the "latency" probe is judged against the rate when the size was taken);
+            # the step's own size: this round (a noisy round of an earlier probe of it must
+            # not decide this one)
             if self._pooled:
                 old_throughput = self._estimate(old, now) or old_throughput
-                throughput = self._estimate(self.size, now) or throughput
             gain = self._elasticity(old, old_throughput, throughput)
             if old < self.size:  # a step up: kept if throughput rose by `min_gain` of it
                 least = self._gain
