@@ -211,9 +211,10 @@ class AdaptiveController:
     a waiting queue (more than a tenth of the running calls, or one) seen on two readings in
     a row cuts by the calls waiting (reason "engine queue"), new preemptions (more than
     `preemption_share` of the requests finished since the last reading, when the engine
-    counts those; else any) or KV usage at `kv_high` with calls waiting (a full cache with
-    nothing waiting is a full batch, and the batch is where the window belongs) cut by a
-    tenth (reasons "preemption", "kv cache"); each cut by at most the factor `cut`.
+    counts those; else any) cut by a tenth (reason "preemption"), KV usage at `kv_high`
+    with calls waiting by a tenth or the calls waiting if fewer (reason "kv cache": a full
+    cache with nothing waiting is a full batch, and the batch is where the window
+    belongs); each cut by at most the factor `cut`.
 
     429s that do not come from concurrency (`Outcome.REQUEST_RATE`: a request-rate limit
     the server names in its headers, or found by behaviour) neither cut nor cap: the
@@ -481,11 +482,10 @@ class AdaptiveController:
         self._engine_ok = not queued and not preempted and (kv is None or kv < self.kv_grow)
         if queue:
             excess, reason = math.ceil(waiting), "engine queue"
-        elif preempted or high:
-            excess, reason = (
-                max(1, math.ceil(self.size / 10)),
-                "preemption" if preempted else "kv cache",
-            )
+        elif preempted:
+            excess, reason = max(1, math.ceil(self.size / 10)), "preemption"
+        elif high:  # a tenth, but no more than the calls waiting for the cache
+            excess, reason = max(1, min(math.ceil(self.size / 10), math.ceil(waiting))), "kv cache"
         else:
             return None
         self.slow_start = False
