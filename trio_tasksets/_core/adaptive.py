@@ -165,8 +165,9 @@ class AdaptiveController:
       slower, but a smaller size then delivers less too, so the client's lag is never read
       as the engine's queue.
     * Every step is a probe: the round after it settles (its calls started at the old size;
-      after a step down it lasts until every call the larger size started is done, as
-      they queued behind it), the next one (of at least `PROBE_ROUND` successes) measures,
+      `max(size, min_round)` successes, and after a step down until every call the larger
+      size started is done, as they queued ahead), the next one (of at least `PROBE_ROUND`
+      successes) measures,
       and the step is judged by the *elasticity* of throughput,
       ``e = log(X_new / X_old) / log(size_new / size_old)``, where X_old is the old size's
       throughput over its recent rounds pooled (its in-flight and latency sums over the
@@ -192,8 +193,7 @@ class AdaptiveController:
       machine's, never decides). A step up to such a size goes back (and is not probed
       again while its tally stands), as soon as its own calls say so (reason "p99": calls
       queued past the bound go on costing the p99 until they are done); at a steady size,
-      a cut to `floor(size * cut)` (reason "p99"). The round that settles a step up is
-      `max(size, min_round)` successes (`PROBE_ROUND` is the measuring round's least).
+      a cut to `floor(size * cut)` (reason "p99").
     * Slower at a steady size (two rounds in a row whose mean latency exceeds `queueing`
       times the latency measured when the size was taken): a probe down by `cut`
       (reason "latency"), given up if it lost throughput against the rate measured when
