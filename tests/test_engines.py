@@ -278,7 +278,11 @@ def test_engine_metrics_cut_on_a_queue_preemptions_and_a_full_cache_and_freeze_w
     assert c.engine(EngineLoad(48, 0, 0.7, 3), 2.0) == tt._core.adaptive.Change(
         45, "preemption"
     )  # a tenth
-    assert c.engine(EngineLoad(46, 0, 0.99, 3), 3.0) == tt._core.adaptive.Change(40, "kv cache")
+    # a full cache with nothing waiting is a full batch (issue 32: the zoo's engine without
+    # a KV budget reports running / capacity as its usage): no cut; with calls waiting, a cut
+    assert c.engine(EngineLoad(46, 0, 0.99, 3), 2.5) is None
+    assert c.engine(EngineLoad(46, 2, 0.99, 3), 3.0) == tt._core.adaptive.Change(43, "kv cache")
+    # (by the two waiting, not a tenth: the zoo's engine of 18 read 17, then 0.94x, issue 32)
     assert c.engine(EngineLoad(40, 0, 0.5, 3), 4.0) is None
 
     def full_round(now: float) -> Any:
@@ -291,7 +295,7 @@ def test_engine_metrics_cut_on_a_queue_preemptions_and_a_full_cache_and_freeze_w
     c.engine(EngineLoad(40, 0, 0.5, 3), 10.0)
     assert full_round(10.5) is None  # held for a cooldown after the engine's last cut (3.0)
     c.engine(EngineLoad(40, 0, 0.5, 3), 18.5)
-    assert full_round(19.0) == tt._core.adaptive.Change(50, "grow")  # room: a measured step of 25 %
+    assert full_round(19.0) == tt._core.adaptive.Change(53, "grow")  # room: a measured step of 25 %
     c.engine(EngineLoad(42, 0, 0.5, 3), 19.5)
     assert full_round(30.0) is None  # the last reading is 10.5 s old: frozen
     c.engine(EngineLoad(42, 0, 0.95, 3), 31.0)  # KV over kv_grow: no growth, no cut

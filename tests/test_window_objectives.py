@@ -7,6 +7,7 @@ real-time runs go against `../shared/servers/zoo.py` processes, when the zoo is 
 
 from __future__ import annotations
 
+import itertools
 import math
 import subprocess
 import sys
@@ -21,6 +22,7 @@ from trio_tasksets._core.adaptive import (
     AdaptiveBounds,
     AdaptiveController,
     AdaptiveWindow,
+    EngineLoad,
     Outcome,
     Pacer,
     build_window,
@@ -131,6 +133,167 @@ def test_a_busy_client_is_not_read_as_the_engines_queue() -> None:
     after = _drive(c, latency_of, 60, lag=0.3)
     assert after[-1] >= 0.75 * before
     assert min(after[-20:]) >= 0.7 * before
+
+
+def _steps(
+    c: AdaptiveController, latency_of: Any, until: float, slow: Any = None, now: float = 0.0
+) -> tuple[float, list[tuple[float, int, str]]]:
+    """Closed-loop calls at `c.size` until `until` seconds; `slow(now, size)` is a factor on
+    the latency of the calls of the round it starts (a noisy round; default 1). Returns the
+    time and every change (time, size, reason)."""
+    changes: list[tuple[float, int, str]] = []
+    while now < until:
+        size = c.size
+        latency = latency_of(size) * (slow(now, size) if slow is not None else 1.0)
+        for _ in range(size):
+            now += latency / size
+            change = c.record(Outcome.SUCCESS, now, size, latency=latency)
+            if change is not None:
+                changes.append((now, change.size, change.reason))
+                break
+    return now, changes
+
+
+def test_p99_does_not_give_up_a_size_for_one_slow_call() -> None:
+    """Issue 32: `p99=` gave up a size for one call over the bound in its round (the round's
+    slowest call stood for its p99). One call of the round that judges a step up stalls (a
+    busy machine's): the step is kept, and the window grows to where the calls' own latency
+    reaches the bound; then, over the run, one call in 110 stalls and the size holds."""
+    latency_of = _engine(40, 1.0, base=0.1)  # 0.2 s at 40, 0.3 s at 60 (queueing past 40)
+    c = AdaptiveController(1, 1024, 20, objective="p99=0.3", slow_start=False, probe_above=1.0)
+    now, count, changes = 0.0, 0, []
+    sizes = []
+    for _ in range(300):
+        size = c.size
+        latency = latency_of(size)
+        for _ in range(size):
+            now += latency / size
+            count += 1
+            stalled = count == 60 or count % 110 == 0  # (call 60: the step to 25's round)
+            change = c.record(
+                Outcome.SUCCESS, now, size, latency=3 * latency if stalled else latency
+            )
+            if change is not None:
+                changes.append((now, change.size, change.reason))
+        sizes.append(c.size)
+    assert [(s, r) for _, s, r in changes[:4]] == [
+        (25, "grow"),
+        (31, "grow"),
+        (38, "grow"),
+        (47, "grow"),
+    ]
+    settled = sorted(sizes[-100:])
+    assert settled[len(settled) // 2] >= 40
+    assert all(latency_of(size) <= 0.3 * 1.001 for size in settled[:-5])
+
+
+def test_p99_gives_up_a_size_whose_calls_are_over_the_bound_too_often() -> None:
+    """The estimate spans a size's rounds: a size whose calls are over the bound one time in
+    twenty (p99 over, though no single round shows more than a call or two) is given up."""
+    c = AdaptiveController(1, 1024, 30, cooldown=5.0, objective="p99=0.3", slow_start=False)
+    now, count = 0.0, 0
+    for _ in range(60):
+        size = c.size
+        for _ in range(size):
+            now += 0.25 / size
+            count += 1
+            late = size >= 30 and count % 20 == 0  # 30 and more: 5 % of calls over
+            c.record(Outcome.SUCCESS, now, size, latency=0.5 if late else 0.25)
+    assert c.size < 30
+
+
+@pytest.mark.parametrize(
+    ("capacity", "alpha", "base"), [(40, 2.0, 0.2), (13, 1.53, 0.306), (220, 0.113, 0.423)]
+)
+def test_after_slow_start_the_knee_is_searched_to_the_capacity(
+    capacity: int, alpha: float, base: float
+) -> None:
+    """Issue 32: the knee settled a quarter below an engine's capacity and waited a cooldown
+    there (its quarter steps cannot reach a capacity between them), or above it, where calls
+    queue (p99 1.5x that of a window of the capacity). After slow start (a doubling that did
+    not pay, or `max` reached), the knee is searched between the last size that paid and
+    the first that did not, halving the gap, with no cooldown between the probes: the window
+    ends at the capacity, within a sixteenth."""
+    latency_of = _engine(capacity, alpha, base)
+    c = AdaptiveController(1, 256, 8)  # cooldown 15 s
+    _, changes = _steps(c, latency_of, 60.0)
+    times = [t for t, _, _ in changes]
+    gaps = [b - a for a, b in itertools.pairwise(times)]
+    ended = next(i for i, gap in enumerate(gaps) if gap >= c.cooldown)  # the search's end
+    assert max(gaps[:ended]) < 5.0  # no cooldown between its probes
+    settled = changes[ended][1]
+    assert capacity <= settled <= capacity * (1 + 1 / 16)  # (a queue of a sixteenth at most)
+
+
+def test_p99_gives_up_a_step_over_the_bound_as_soon_as_its_calls_say_so() -> None:
+    """A step up whose calls are slower than the bound costs the p99 for as long as it lasts
+    (a round to settle, one to measure: hundreds of calls on a big engine). The step is
+    given up once its calls over the bound are more than one and more than 1 % of them."""
+
+    def latency_of(size: int) -> float:  # throughput still rises; 0.3 s at 80
+        return 0.1 * (1 + size / 40)
+
+    c = AdaptiveController(1, 1024, 40, objective="p99=0.3", slow_start=False, probe_above=1.0)
+    _, changes = _steps(c, latency_of, 10.0)
+    assert [(size, reason) for _, size, reason in changes[:5]] == [
+        (50, "grow"), (62, "grow"), (77, "grow"), (96, "grow"), (77, "p99"),
+    ]  # fmt: skip
+    seconds = changes[4][0] - changes[3][0]
+    assert seconds <= 2.01 * latency_of(96) / 96  # two calls at 96, not two rounds of 96
+
+
+def test_with_the_engines_metrics_the_knee_search_ends_at_its_batch() -> None:
+    """The zoo's engine of 18 (no KV budget: its cache gauge is the batch's share), read
+    every second: a size whose calls wait is past the knee, and the search goes on at once
+    (not a cooldown later, as after a cut of the engine's outside a search)."""
+    capacity = 18
+    latency_of = _engine(capacity, 0.79, 0.028)
+    c = AdaptiveController(1, 256, 8)
+    now, read = 0.0, -1.0
+    changes = []
+    while now < 10.0:
+        size = c.size
+        latency = latency_of(size)
+        for _ in range(size):
+            now += latency / size
+            change = None
+            if now - read >= 1.0:
+                read = now
+                load = EngineLoad(
+                    min(size, capacity), max(0, size - capacity), min(size, capacity) / capacity, 0
+                )
+                change = c.engine(load, now)
+            change = change or c.record(Outcome.SUCCESS, now, size, latency=latency)
+            if change is not None:
+                changes.append((now, change.size, change.reason))
+                break
+    assert c.size == capacity
+    assert changes[-1][0] < 6.0
+
+
+def test_after_a_no_gain_the_next_probe_comes_sooner_than_a_cooldown() -> None:
+    """A step up judged on a slow round (its own calls stalled) is given up, and the size's
+    next rounds do not contradict it; the next probe up comes after half a cooldown, not a
+    whole one (a second "no gain" in a row waits the whole cooldown)."""
+    latency_of = _engine(40, 1.0)
+    c = AdaptiveController(1, 1024, 16, slow_start=False, probe_above=1.0)
+    stalled = {"done": False}
+
+    def slow(now: float, size: int) -> float:
+        if size == 20 and not stalled["done"]:
+            stalled["done"] = True
+            return 1.0  # the settling round
+        if size == 20 and stalled["done"] and stalled.get("judged") is None:
+            stalled["judged"] = True
+            return 1.6  # the round that judges the step: slow
+        return 1.0
+
+    _, changes = _steps(c, latency_of, 30.0, slow)
+    reasons = [reason for _, _, reason in changes]
+    first = reasons.index("no gain")
+    assert reasons[first + 1] == "grow"
+    assert changes[first + 1][0] - changes[first][0] <= 0.5 * c.cooldown + 2.0
+    assert c.size >= 32
 
 
 # --- request-rate limits found by behaviour, Retry-After holds ----------------------------------

@@ -64,6 +64,12 @@ PROBE_ROUND = 24
 otherwise a few calls, and one stalled call decides it)."""
 
 
+MEMORY = 400
+"""The most calls that a size's pooled rounds count (its throughput, and with `p99=` its
+calls over the bound): past it, every sum is halved, so older rounds weigh less. A size's
+rounds are forgotten `4 * cooldown` seconds after it was last measured."""
+
+
 class Outcome(enum.Enum):
     """What one call told us about the endpoint's capacity."""
 
@@ -158,24 +164,41 @@ class AdaptiveController:
       alone: a busy client (its own CPU, other processes beside it) makes every call
       slower, but a smaller size then delivers less too, so the client's lag is never read
       as the engine's queue.
-    * Every step is a probe: the round after it settles (its calls started at the old size),
-      the next one (of at least `PROBE_ROUND` successes) measures, and the step is judged
-      by the *elasticity* of throughput,
-      ``e = log(X_new / X_old) / log(size_new / size_old)``. A step up is kept if
-      ``e >= min_gain`` (a doubling: `DOUBLING_GAIN` at least; by default per
-      objective, `MIN_GAIN`: `knee` 0.08, `throughput` and `p99` 0.03), else it goes back (reason "no gain"). Slow start doubles; with `knee`,
-      its failed doubling probes *down* from the size before it, by `probe` steps (reason
-      "probe down"), each kept while giving the step up costs less than `min_gain` of its share,
-      until one costs more (it goes back, reason "lost throughput", and growth waits
-      `cooldown` seconds): the window settles at the knee, where more concurrency adds
-      less than `min_gain` of itself, from either side (the other objectives go on up by
-      `probe` steps). A failed small step up waits `cooldown` too. After slow start a step adds `max(1, probe * size)`.
-    * `p99=SECONDS`: a step up whose round had a call slower than SECONDS goes back, and
-      two rounds in a row with one cut to `floor(size * cut)` (reason "p99").
+    * Every step is a probe: the round after it settles (its calls started at the old size;
+      `max(size, min_round)` successes, and after a step down until every call the larger
+      size started is done, as they queued ahead), the next one (of at least `PROBE_ROUND`
+      successes) measures,
+      and the step is judged by the *elasticity* of throughput,
+      ``e = log(X_new / X_old) / log(size_new / size_old)``, where X_old is the old size's
+      throughput over its recent rounds pooled (its in-flight and latency sums over the
+      rounds measured at it in the last `4 * cooldown` seconds, at most `MEMORY` calls:
+      one round of an engine's batches, or of a busy machine, is noisy) and X_new the new
+      size's round (a noisy round of an earlier probe to it must not decide this one). A step up is kept
+      if ``e >= min_gain`` (a doubling: `DOUBLING_GAIN` at least; by default per
+      objective, `MIN_GAIN`: `knee` 0.08, `throughput` and `p99` 0.03), else it goes back
+      (reason "no gain"). Slow start doubles; with `knee`, its failed doubling probes
+      *down* from the size before it, by `probe` steps (reason "probe down"), each kept
+      while giving the step up costs less than `min_gain` of its share, until one costs
+      more (it goes back, reason "lost throughput"): the window settles at the knee, where
+      more concurrency adds less than `min_gain` of itself, from either side (the other
+      objectives go on up by `probe` steps). When the first probe down already costs more,
+      the knee lies between that size and the doubling: growth goes on at once, by `probe`
+      steps; after any other "lost throughput" growth waits `cooldown` seconds. A failed
+      small step up waits half a `cooldown` (a wrong "no gain", a noisy round's, is
+      probed again soon), and a whole one when the step before failed too. After slow
+      start a step adds `max(1, probe * size)`.
+    * `p99=SECONDS`: each size keeps a tally of its calls and of those slower than SECONDS
+      over its measured rounds (the same memory); its p99 is over the bound when more than
+      1 % of its calls, and more than one call, were (one slow call alone, a busy
+      machine's, never decides). A step up to such a size goes back (and is not probed
+      again while its tally stands), as soon as its own calls say so (reason "p99": calls
+      queued past the bound go on costing the p99 until they are done); at a steady size,
+      a cut to `floor(size * cut)` (reason "p99").
     * Slower at a steady size (two rounds in a row whose mean latency exceeds `queueing`
       times the latency measured when the size was taken): a probe down by `cut`
       (reason "latency"), given up if it lost throughput against the rate measured when
-      the size was taken (a client's own stall slows every size alike: never a queue).
+      the size was taken, not pooled (a client's own stall slows every size alike: never
+      a queue).
 
     With the engine's own metrics (`engine()`, e.g. every second), growth also needs the last
     reading to show no waiting calls, KV usage under `kv_grow` and no preemptions too many
@@ -183,11 +206,15 @@ class AdaptiveController:
     and it freezes once the readings are `engine_stale` seconds old; the latency signal's
     probes still apply (an engine whose throughput stops rising long before its batch is
     full, vLLM on a busy CPU, shows nothing waiting); every cut of the engine's makes growth
-    wait `cooldown` seconds, as a probe that did not pay does;
+    wait `cooldown` seconds, as a probe that did not pay does (while `knee` searches, it
+    marks the size it cut from as past the knee instead);
     a waiting queue (more than a tenth of the running calls, or one) seen on two readings in
-    a row cuts by the calls waiting (reason "engine queue"), new preemptions (more than `preemption_share` of the requests finished since
-    the last reading, when the engine counts those; else any) or KV usage at `kv_high` cut
-    by a tenth (reasons "preemption", "kv cache"); each cut by at most the factor `cut`.
+    a row cuts by the calls waiting (reason "engine queue"), new preemptions (more than
+    `preemption_share` of the requests finished since the last reading, when the engine
+    counts those; else any) cut by a tenth (reason "preemption"), KV usage at `kv_high`
+    with calls waiting by a tenth or the calls waiting if fewer (reason "kv cache": a full
+    cache with nothing waiting is a full batch, and the batch is where the window
+    belongs); each cut by at most the factor `cut`.
 
     429s that do not come from concurrency (`Outcome.REQUEST_RATE`: a request-rate limit
     the server names in its headers, or found by behaviour) neither cut nor cap: the
@@ -234,14 +261,26 @@ class AdaptiveController:
     _lat_sum: float = attrs.field(default=0.0, init=False)
     _lat_n: int = attrs.field(default=0, init=False)
     _lat_max: float = attrs.field(default=0.0, init=False)  # the round's slowest call
+    _lat_over: int = attrs.field(default=0, init=False)  # the round's calls over the bound
+    # p99=SECONDS: per size, [calls, calls over the bound, when last measured]
+    _tally: dict[int, list[float]] = attrs.field(factory=dict, init=False)
+    # per size, its measured rounds pooled: [sum of in-flight, sum of latencies, calls, when
+    # last measured]
+    _seen: dict[int, list[float]] = attrs.field(factory=dict, init=False)
+    _pooled: bool = attrs.field(default=True, init=False)  # the probe's old size: pooled
+    _no_gains: int = attrs.field(default=0, init=False)  # steps up given up in a row
     _worst: float = attrs.field(default=0.0, init=False)  # the last round's
     _bound: float | None = attrs.field(default=None, init=False)  # p99=SECONDS
     _gain: float = attrs.field(default=0.0, init=False)  # min_gain, resolved
-    _down: bool = attrs.field(default=False, init=False)  # probing down for the knee
+    # `knee`'s search after slow start: the largest size known below the knee (a step up
+    # from it paid) and the smallest known past it (a step up to it did not); 0: no search
+    _lo: int = attrs.field(default=0, init=False)
+    _hi: int = attrs.field(default=0, init=False)
     # the last round measured: (size, calls/s by Little's law, mean and worst latency)
     measured: tuple[int, float, float, float] | None = attrs.field(default=None, init=False)
     _load_sum: float = attrs.field(default=0.0, init=False)
     _settle: bool = attrs.field(default=False, init=False)
+    _settle_need: int = attrs.field(default=0, init=False)  # the size before a step down
     _probe_from: tuple[int, float] | None = attrs.field(default=None, init=False)
     _ref_latency: float | None = attrs.field(default=None, init=False)
     _ref_throughput: float = attrs.field(default=0.0, init=False)  # measured with it
@@ -314,6 +353,8 @@ class AdaptiveController:
             self._lat_n += 1
             self._lat_max = max(self._lat_max, seconds)
             self._load_sum += in_flight
+            if self._bound is not None and seconds > self._bound:
+                self._lat_over += 1
 
     def record(
         self,
@@ -339,11 +380,24 @@ class AdaptiveController:
             self._ok_since_429 += 1
             self._ok_in_run += 1
             self._succeeded.append(now)
+            signal = not self._answers_429 and not self.paced  # the latency signal's
+            if (
+                signal
+                and self._bound is not None
+                and self._probe_from is not None
+                and self._probe_from[0] < self.size
+                and self._lat_over > 1 + 0.01 * self._lat_n
+            ):
+                return self._give_up_step(now)
             need = max(self.size, self.min_round)
-            if self._probe_from is not None and not self._answers_429 and not self.paced:
+            if self._probe_from is not None and not self._settle and signal:
                 # the round that judges a probe: enough calls that one stalled call (a busy
                 # machine's) does not decide it
                 need = max(need, PROBE_ROUND)
+            if self._settle and not self._answers_429 and not self.paced:
+                # the round that settles a step down lasts until the calls the larger size
+                # started (queued, on an engine) are done
+                need = max(need, self._settle_need)
             if self._successes >= need:
                 return self._end_round(now)
             return None
@@ -422,22 +476,26 @@ class AdaptiveController:
         queue = queued and self._engine_queue
         self._engine_queue = queued
         kv = load.kv_usage
-        high = kv is not None and kv >= self.kv_high
+        # a full cache with calls waiting for it (a full cache and nothing waiting is a full
+        # batch: an engine without a KV gauge reports its batch's share as its usage)
+        high = kv is not None and kv >= self.kv_high and waiting > 0
         self._engine_ok = not queued and not preempted and (kv is None or kv < self.kv_grow)
         if queue:
             excess, reason = math.ceil(waiting), "engine queue"
-        elif preempted or high:
-            excess, reason = (
-                max(1, math.ceil(self.size / 10)),
-                "preemption" if preempted else "kv cache",
-            )
+        elif preempted:
+            excess, reason = max(1, math.ceil(self.size / 10)), "preemption"
+        elif high:  # a tenth, but no more than the calls waiting for the cache
+            excess, reason = max(1, min(math.ceil(self.size / 10), math.ceil(waiting))), "kv cache"
         else:
             return None
         self.slow_start = False
         size = max(self.min, self.size - excess, math.floor(self.size * self.cut))
         if size < self.size:
             self._new_round()
-            self._hold_until = now + self.cooldown  # as after a probe that did not pay
+            if self._hi:  # searching for the knee: it is below this size
+                self._hi = min(self._hi, self.size)
+            else:
+                self._hold_until = now + self.cooldown  # as after a probe that did not pay
         return self._set(size, reason)
 
     def _measure(self) -> tuple[float, float] | None:
@@ -458,10 +516,12 @@ class AdaptiveController:
         )
         measured = self._measure()
         settle, self._settle = self._settle, False
+        self._settle_need = 0
         probe_from = self._probe_from
         self._worst = self._lat_max
         if measured is not None and not settle:
             self.measured = (self.size, measured[0], measured[1], self._worst)
+            self._pool_round(now)
         self._new_round()
         if self._engine_at > -math.inf:  # the engine's metrics gate growth too
             grow = (
@@ -475,14 +535,21 @@ class AdaptiveController:
             if change is not None or not grow:
                 return change
             self._grown_at = now
-            if self._down and self.size > self.min:  # looking for the knee below
-                size = max(self.min, math.ceil(self.size * (1 - self.probe)))
-                return self._set(size, "probe down", measured)
-            self._down = False
+            if self.slow_start and self.size >= self.max and self.objective == "knee":
+                # a doubling that paid reached `max`: the knee may be below it
+                self.slow_start = False
+                self._hi = self.max + 1
+            if self._hi:  # searching for the knee
+                return self._search(now, measured)
             if self.slow_start:  # every step is a probe: measured, kept only if it paid
                 return self._set(min(self.max, 2 * self.size), "slow start", measured)
             step = max(1, math.floor(self.probe * self.size))
-            return self._set(min(self.max, self.size + step), "grow", measured)
+            size = min(self.max, self.size + step)
+            if self._bound is not None and self._over_bound(
+                now, size
+            ):  # p99=: a size found over the bound lately
+                return None
+            return self._set(size, "grow", measured)
         if not grow:
             return None
         self._grown_at = now
@@ -491,11 +558,96 @@ class AdaptiveController:
         step = max(1, math.floor(self.growth * self.size))
         return self._set(min(self.max, self.size + step), "grow")
 
-    def _elasticity(self, old: int, old_throughput: float, throughput: float) -> float:
-        """d log(throughput) / d log(size) between the old size and this one."""
-        if old == self.size or old_throughput <= 0 or throughput <= 0:
+    def _elasticity(
+        self, old: int, old_throughput: float, throughput: float, size: int | None = None
+    ) -> float:
+        """d log(throughput) / d log(size) between the old size and this one (or `size`)."""
+        size = self.size if size is None else size
+        if old == size or old_throughput <= 0 or throughput <= 0:
             return 0.0
-        return math.log(throughput / old_throughput) / math.log(self.size / old)
+        return math.log(throughput / old_throughput) / math.log(size / old)
+
+    def _pool_round(self, now: float) -> None:
+        """Add this measured round to its size's pooled rounds: its in-flight and latency
+        sums (the size's throughput over every recent round, `_estimate`) and with `p99=`
+        its calls over the bound (`_over_bound`)."""
+        seen = self._seen.get(self.size)
+        if seen is None or now - seen[3] > 4 * self.cooldown:  # forgotten: start anew
+            seen = self._seen[self.size] = [0.0, 0.0, 0.0, now]
+        seen[0] += self._load_sum
+        seen[1] += self._lat_sum
+        seen[2] += self._lat_n
+        seen[3] = now
+        if seen[2] > MEMORY:
+            seen[0] /= 2
+            seen[1] /= 2
+            seen[2] /= 2
+        if self._bound is None:
+            return
+        tally = self._tally.get(self.size)
+        if tally is None or now - tally[2] > 4 * self.cooldown:
+            tally = self._tally[self.size] = [0.0, 0.0, now]
+        tally[0] += self._lat_n
+        tally[1] += self._lat_over
+        tally[2] = now
+        if tally[0] > MEMORY:
+            tally[0] /= 2
+            tally[1] /= 2
+
+    def _estimate(self, size: int, now: float) -> float | None:
+        """`size`'s throughput by Little's law over its recent measured rounds, pooled."""
+        seen = self._seen.get(size)
+        if seen is None or now - seen[3] > 4 * self.cooldown or seen[1] <= 0:
+            return None
+        return seen[0] / seen[1]
+
+    def _over_bound(self, now: float, size: int | None = None) -> bool:
+        """`p99=SECONDS`: is this size's (or `size`'s) p99 over the bound, as its tally
+        estimates it? More than 1 % of its calls, and more than one call, were over: one
+        slow call alone (a busy machine's) never gives a size up. A tally is forgotten
+        `4 * cooldown` seconds after its size was last measured."""
+        tally = self._tally.get(self.size if size is None else size)
+        if tally is None or now - tally[2] > 4 * self.cooldown:
+            return False
+        return tally[1] > 1 + 0.01 * tally[0]
+
+    def _give_up_step(self, now: float) -> Change | None:
+        """`p99=`: a step up whose calls went over the bound (more than 1 % of them, and more
+        than one) is given up at once, before its rounds end (calls queued past the bound
+        would go on costing the p99 until they are done); its size's tally says so."""
+        assert self._probe_from is not None
+        old = self._probe_from[0]
+        self._tally[self.size] = [float(self._lat_n), float(self._lat_over), now]
+        self._new_round()
+        if not self.slow_start:
+            self._hold(now)
+        self.slow_start = False
+        self._settle = True
+        self._ref_latency = None
+        return self._set(max(self.min, old), "p99")
+
+    def _search(self, now: float, measured: tuple[float, float]) -> Change | None:
+        """`knee`'s next probe between `_lo` (below the knee) and `_hi` (past it), at their
+        geometric middle, or, from the middle, halfway to the side it has not tried; once
+        they are within a sixteenth (or one) of each other, the search ends where the
+        window is, and growth waits `cooldown` seconds."""
+        low, high, size = max(1, self._lo), self._hi, self.size
+        middle = round(math.sqrt(low * high))
+        if middle == size:  # here already: try below it (or above, if below is known)
+            middle = round(math.sqrt(low * size)) if low < size - 1 else size + 1
+        target = min(self.max, max(self.min, middle))
+        if high - low <= max(1, low // 16) or not low < target < high or target == size:
+            self._lo = self._hi = 0
+            self._hold_until = now + self.cooldown
+            return None
+        return self._set(target, "probe down" if target < size else "grow", measured)
+
+    def _hold(self, now: float) -> None:
+        """Growth waits after a step up that did not pay: half `cooldown` the first time,
+        `cooldown` after a second one in a row (a wrong "no gain", a noisy round's, is
+        probed again sooner; at a true knee the probes come every `cooldown`)."""
+        self._no_gains += 1
+        self._hold_until = now + self.cooldown * min(1.0, 2.0 ** (self._no_gains - 2))
 
     def _latency_signal(
         self,
@@ -510,14 +662,19 @@ class AdaptiveController:
         throughput, latency = measured
         self._min_latency = min(self._min_latency, latency)
         bound = self._bound
-        worst = self._worst
         if settle:  # its calls started at the old size: measure the next round
             self._probe_from = probe_from
             return None, False
+        over = bound is not None and self._over_bound(now)
         if probe_from is not None:
             old, old_throughput = probe_from
+            # the size it left: its throughput over its recent rounds (one round's is noisy;
+            # but the "latency" probe is judged against the rate when the size was taken);
+            # the step's own size: this round (a noisy round of an earlier probe of it must
+            # not decide this one)
+            if self._pooled:
+                old_throughput = self._estimate(old, now) or old_throughput
             gain = self._elasticity(old, old_throughput, throughput)
-            over = bound is not None and worst > bound
             if old < self.size:  # a step up: kept if throughput rose by `min_gain` of it
                 least = self._gain
                 if self.size >= 1.5 * old:
@@ -525,40 +682,51 @@ class AdaptiveController:
                     # doubling gains nothing, and a busy machine's noise must not pass it
                     least = max(least, DOUBLING_GAIN)
                 if gain < least or over:
-                    # the knee is below: probe down from the old size next (a size that
-                    # costs less than `min_gain` of its share of throughput is given up)
-                    # (`knee` only: the other objectives want all the throughput there is)
-                    self._down = not over and self.slow_start and self.objective == "knee"
-                    if not self.slow_start:  # a failed doubling goes on by smaller steps
-                        self._hold_until = now + self.cooldown
+                    # `knee`: the knee is below this size; a failed doubling starts the search
+                    # between it and the size the last step that paid started from (the
+                    # other objectives want all the throughput there is: they go on by
+                    # smaller steps)
+                    if self.objective == "knee" and not over and (self.slow_start or self._hi):
+                        self._hi = min(self._hi or self.size, self.size)
+                    elif not self.slow_start:
+                        self._hold(now)
                     self.slow_start = False
                     self._settle = True
                     self._ref_latency = None
                     return self._set(max(self.min, old), "no gain"), False
+                self._no_gains = 0
+                self._lo = max(self._lo, old)  # the knee is above the size it came from
             elif gain > self._gain and not over:  # a step down that cost throughput
-                self._down = False
-                self._hold_until = now + self.cooldown
+                if self._hi:  # the knee is above this size: back, and the search goes on
+                    self._lo = max(self._lo, self.size)
+                else:
+                    self._hold_until = now + self.cooldown
                 self._settle = True
                 self._ref_latency = None
                 return self._set(min(self.max, old), "lost throughput"), False
+            elif self._hi and old > self.size:  # a step down that cost little: past the knee
+                self._hi = min(self._hi, old)
             self._ref_latency, self._ref_throughput = latency, throughput
             self._slow_rounds = 0
             return None, grow and now >= self._hold_until
         if self._ref_latency is None:
             self._ref_latency, self._ref_throughput = latency, throughput
-        elif (bound is not None and worst > bound) or latency > self.queueing * self._ref_latency:
-            # slower than when this size was taken (or over the p99 bound): two rounds in a
-            # row try a smaller size, measured like a step up (undone if it cost throughput;
-            # over the bound, kept)
+        elif over:
+            # over the p99 bound, as this size's tally estimates it: a cut, kept
+            self._slow_rounds = 0
+            self.slow_start = False
+            self._settle = True
+            self._ref_latency = None
+            size = max(self.min, math.floor(self.size * self.cut))
+            return self._set(size, "p99"), False
+        elif latency > self.queueing * self._ref_latency:
+            # slower than when this size was taken: two rounds in a row try a smaller size,
+            # measured like a step up (undone if it cost throughput)
             self._slow_rounds += 1
             if self._slow_rounds >= 2:
                 self._slow_rounds = 0
                 self.slow_start = False
                 size = max(self.min, math.floor(self.size * self.cut))
-                if bound is not None and worst > bound:
-                    self._settle = True
-                    self._ref_latency = None
-                    return self._set(size, "p99"), False
                 # judged against the throughput when this size was taken, not the slowed
                 # one: a client's own stall (its CPU taken) slows every size alike, and a
                 # smaller size must not look as good as a slowed larger one
@@ -573,7 +741,7 @@ class AdaptiveController:
         self._peak = 0
         self._clean = True
         self._lat_sum = self._load_sum = self._lat_max = 0.0
-        self._lat_n = 0
+        self._lat_n = self._lat_over = 0
         self._probe_from = None
 
     def _set(
@@ -583,10 +751,15 @@ class AdaptiveController:
             return None
         if measured is not None:  # a probe (either way): settle, then measure
             self._probe_from = (self.size, measured[0])
+            self._pooled = reason != "latency"
             self._settle = True
         elif size < self.size:  # measure the new size afresh, once its calls have turned over
             self._settle = True
             self._ref_latency = None
+        # the settling round of a step down lasts until the calls the larger size started
+        # are done: they would count their queueing against the smaller size (that of a
+        # step up is the new size's calls: the first of them met a queue still growing)
+        self._settle_need = self.size if self._settle and size < self.size else 0
         self.size = size
         return Change(size, reason)
 
