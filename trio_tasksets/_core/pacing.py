@@ -87,7 +87,7 @@ class Pacer:
         self.growth = growth
         self.min_rate = min_rate
         self.forget = forget
-        self.cut = 0.7  # the most a bind cuts a rate found from below, in one step
+        self.cut = 0.6  # what a bind keeps of the first rate (a guess grown fast) at least
         self.first_hold = first_hold
         self.max_hold = max_hold
         self.rate: float | None = None
@@ -112,7 +112,7 @@ class Pacer:
         self._cycle: tuple[float, int] | None = None  # (time, `_ok_n`) the last run began
         self._target = 0.0  # the rate grows fast up to it
         self._guess = False  # the rate is the first run's guess: it grows fast
-        self._probe_hold = 0.0  # seconds: the last hold, if it had no Retry-After
+        self._last_hold = 0.0  # seconds: the last hold
         self._bound_at = -math.inf  # the last bind
         self._grown_at = 0.0
         self._hold_from = -math.inf  # when the hold under way (or the last one) began
@@ -213,7 +213,7 @@ class Pacer:
         # without latencies, any success)
         new_run = self._fresh if self._timed else self._ok_n > self._bind_ok
         self._fresh = False
-        probe_hold = self._probe_hold  # the hold after which calls went through again
+        last_hold = self._last_hold  # the hold after which calls went through again
         if retry_after is not None and retry_after > 0:
             self._probing = False
             self._hold_until(now, max(self.held_until, now + retry_after))
@@ -221,16 +221,15 @@ class Pacer:
             self._hold = self.first_hold if new_run else min(2 * self._hold, self.max_hold)
             self._probing = True
             self._probe_at = None
-            self._hold_until(now, max(self.held_until, now + self._hold), probe=True)
+            self._hold_until(now, max(self.held_until, now + self._hold))
         self._bind_ok = self._ok_n
         self._bound_at = self._grown_at = now
         if new_run:
-            self._new_run(now, probe_hold)
+            self._new_run(now, last_hold)
 
-    def _new_run(self, now: float, probe_hold: float) -> None:
+    def _new_run(self, now: float, last_hold: float) -> None:
         """The first bind after calls succeeded: the rate from the binding cycle.
-        `probe_hold`: the hold with no Retry-After after which calls went through again
-        (0 after a Retry-After's)."""
+        `last_hold`: the hold after which calls went through again."""
         # the share of calls that bound (fresh 429s) over the last 4 spans
         refused = len(self._limited)
         share = refused / max(1, refused + len(self._ok))
@@ -265,28 +264,29 @@ class Pacer:
                     seconds = math.sqrt(took * seconds)
             self.rate = max(self.min_rate, self.margin * ok / max(seconds, self.span / 10))
             self._guess = True
-            self._fast = 1.0 if ok < 16 else 0.5  # from a few answers: faster
+            self._fast = 2.0 if ok < 16 else 0.5  # from a few answers: faster
             return
         assert cycle is not None
         start, before = cycle
-        # what succeeded since the last run began, holds included, but for half of a
-        # probe's hold that ended it (the limit reopened somewhere within it)
-        seconds = now - start - probe_hold / 2
+        # what succeeded since the last run began, holds included, but for half of the
+        # hold that ended it (the limit reopened somewhere within it)
+        seconds = now - start - last_hold / 2
         rate = self.margin * (self._ok_n - before) / max(seconds, self.span / 10)
         rate = max(self.min_rate, min(bound, rate))
         # holds that ran past the limit's reopening (a Retry-After in whole seconds on a
         # small bucket, a probe's) make the cycle's measure low: the limit is between it
-        # and the rate that bound; the rate grows fast up to their geometric mean
-        target = math.sqrt(rate * bound)
+        # and the rate that bound; the rate grows fast up to their geometric mean (at most
+        # 0.9 of the rate that bound)
+        target = min(math.sqrt(rate * bound), 0.9 * bound)
         if self._guess:  # the guess grew fast until it bound: the limit is a step below
             rate = target = max(rate, self.cut * bound)
         self.rate, self._target = rate, target
         self._guess = False
 
-    def _hold_until(self, now: float, until: float, probe: bool = False) -> None:
+    def _hold_until(self, now: float, until: float) -> None:
         if now >= self.held_until:  # a new hold (else one under way, extended)
             self._hold_from = now
-        self._probe_hold = max(0.0, until - self._hold_from) if probe else 0.0
+        self._last_hold = max(0.0, until - self._hold_from)
         self.held_until = until
         self._opened = until
         self._next = -math.inf
