@@ -191,15 +191,17 @@ class AdaptiveController:
 
     429s that do not come from concurrency (`Outcome.REQUEST_RATE`: a request-rate limit
     the server names in its headers, or found by behaviour) neither cut nor cap: the
-    window's `Pacer` spreads the calls at the rate the limit lets through, and the size
-    does not grow while the pacing binds. A 429 without such headers is taken for a
-    concurrency 429 (capped as above) until its behaviour says otherwise: 429s that keep
+    window's `Pacer` holds and spreads the calls at the rate the limit lets through, and
+    the size does not grow while the pacing binds. A 429 without such headers is taken for
+    a concurrency 429 (capped as above) until its behaviour says otherwise: 429s that keep
     coming, with calls succeeding since they began, once the size is down to half of what
     it was then (a concurrency limit's stop there: a slow start overshoots it by at
-    most twice) or to `min` with no more than `min` calls in flight, do not depend on the
-    calls in flight. The size then goes back to where it was when those 429s began (reason
-    "429 not concurrency"), and for `max(4 * cooldown, 120)` seconds, renewed by each,
-    429s count as `REQUEST_RATE`.
+    most twice) or to `min` with no more than `min` calls in flight; or three in a row with
+    at most half the calls in flight that the endpoint once took all at once (the peak in
+    flight of a round with no 429 so far, unpaced: a concurrency limit refuses only above
+    what it takes), do not depend on the calls in flight. The size then goes back to where
+    it was when those 429s began (reason "429 not concurrency"), and for
+    `max(4 * cooldown, 120)` seconds, renewed by each, 429s count as `REQUEST_RATE`.
     """
 
     min: int

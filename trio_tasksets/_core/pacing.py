@@ -28,33 +28,41 @@ class Pacer:
     * **Hold.** A 429 of a rate limit (`limited`) holds every call start: until its
       Retry-After is over, when it has one (the limit said when; calls sent before then only
       add 429s); without one, for `first_hold` seconds, doubling (up to `max_hold`) while the
-      429s keep coming with no success between them, back to `first_hold` after a success.
-      After a hold with no Retry-After only *one* call (the probe) starts, until it is
-      answered or a 429 would have come back by then (`probe_wait`); then the others, paced.
-      So a limit that stays shut (a per-minute window spent) costs about
-      ``log2(seconds shut / first_hold)`` refused calls, not one per call in flight.
-    * **Fresh and stale.** A 429 of a call that started before the last hold ended (it was in
-      flight as the hold began: given its `latency`, else any 429 during a hold) says nothing
-      new: it extends a Retry-After's hold, nothing else. Only a fresh one (a *bind*) starts
-      or doubles a hold and sets the rate.
-    * **Rate: what succeeded over a binding cycle.** The first bind after calls succeeded
-      begins a *run* of binds (the later ones, probes refused, change only the hold). At the
-      start of each run the rate is `margin` times what succeeded since the start of the
-      run before, over the time since then, holds included: the limit's long-run rate, so
-      token buckets, fixed and sliding windows, per second and per minute, converge to it.
-      The first run counts from the first success, and its hold too (the time the limit took
-      to let the calls through again); or, when 429s not yet known to be a rate limit's
-      (`refused`) kept coming for over half a `span` with 3 successes or more among them,
-      what succeeded since those began (the limit bound all along). A bind lowers the
-      rate, never raises it.
-    * **Growth.** With no bind, the rate creeps up (a limit may have risen, or a rate found
-      from below may be low): by `growth` a second at first, twice that every 2 s without a
-      bind, at most 10 % a second (a tenth of it, doubling three times slower, once a bind
-      found the limit within 10 % of the rate); never while calls are held.
+      429s keep coming with no call getting through between them, back to `first_hold` after
+      one does. After a hold with no Retry-After only *one* call (the probe) starts, until it
+      succeeds (`answered`) or as long as a 429 takes to come back has passed
+      (`probe_wait`: it was let through); then the others, paced. A limit that stays shut
+      (a per-minute window spent) so costs about ``log2(seconds shut / first_hold)``
+      refused calls, not one per call in flight.
+    * **Fresh and stale.** A 429 (or a success) of a call that started before the last hold
+      ended was in flight as it began (given its `latency`; without one, any 429 during a
+      hold): it says nothing new, and at most extends a Retry-After's hold. Only a fresh
+      429 (a *bind*) begins or doubles a hold; only a fresh success ends a run of binds.
+    * **The first rate, a guess.** The first bind after calls succeeded begins a *run* of
+      binds (the later ones, probes refused, move only the hold). The first run's rate is
+      `margin` times what succeeded since the first call, over that time and the hold the
+      bind begins (mostly a hold, a Retry-After longer than the calls took: over the
+      geometric mean of the two times); or, when 429s not yet known to be a rate limit's
+      (`refused`) kept coming for over half a `span` with 3 successes among them, what
+      succeeded since those began (the limit bound all along). It grows fast, 1.65x a
+      second (``e ** 0.5``; 7.4x, ``e ** 2``, from under 16 answers), until the next bind,
+      which keeps `cut` (0.6) of the rate that bound at least: the limit is within that
+      step.
+    * **A binding cycle.** At each later run the rate is `margin` times what succeeded since
+      the run before began, over that time, holds included but for half of the hold that
+      ended it (the limit reopened somewhere within it): the limit's long-run rate, to which
+      token buckets, fixed and sliding windows, per second and per minute, converge. A bind
+      never raises the rate. A hold that ran past the limit's reopening (a Retry-After in
+      whole seconds on a small bucket, a doubled probe's) makes that measure low: the limit
+      is between it and the rate that bound, so the rate grows fast (1.22x a second) up to
+      their geometric mean, at most 0.9 of the rate that bound.
+    * **Creep.** Past that, with no bind, the rate creeps up (a limit may have risen): by
+      `growth` a second at first, twice that every 5 s without a bind, at most 10 % a
+      second; never while calls are held.
     * **End.** Pacing ends once the rate is 4x what succeeds (the limit no longer binds);
-      and when pacing did not lower the 429s' share of calls (still half of what it was
-      once paced, and at least 10 %, after 4 runs), they do not depend on the rate: pacing
-      ends and 429s are ignored here for `forget` seconds (only retried).
+      and when pacing did not lower the share of calls that bind (still half of what it
+      was once paced, and at least 10 %, after 4 runs), the 429s do not depend on the rate:
+      pacing ends and they are ignored here for `forget` seconds (only retried).
 
     Reads `trio.current_time()` in `wait`, so it is exact on a MockClock.
     """
@@ -150,13 +158,14 @@ class Pacer:
         if self.rate is None:
             return
         quiet = min(now - max(self._bound_at, self.held_until), 120.0)
-        growth = min(0.1, self.growth * 2 ** (max(0.0, quiet) / 5.0))
-        if self._guess:  # the first rate: 1.65x a second (2.7x) until the next bind
+        growth = min(0.1, self.growth * 2 ** (max(0.0, quiet) / 5.0))  # creep
+        target = math.inf
+        if self._guess:  # the first rate: e ** 0.5 (or e ** 2) a second until the next bind
             growth = self._fast
-        elif self.rate < self._target:  # up to its target: 1.22x a second
-            growth = 0.2
-
-        self.rate *= 1 + growth * max(0.0, now - max(self._grown_at, self.held_until))
+        elif self.rate < self._target:  # up to the target: e ** 0.2 a second
+            growth, target = 0.2, self._target
+        grown = self.rate * (1 + growth * max(0.0, now - max(self._grown_at, self.held_until)))
+        self.rate = min(grown, target)
         self._grown_at = now
         if (
             self.rate > 4 * self._ok_since(now - self.span) / self.span
@@ -198,9 +207,7 @@ class Pacer:
         if latency is not None and latency >= 0:
             self._refusal = max(latency, 0.9 * self._refusal)
         fresh = (
-            now - latency >= self._opened - 1e-9
-            if latency is not None
-            else now >= self.held_until
+            now - latency >= self._opened - 1e-9 if latency is not None else now >= self.held_until
         )
         if not fresh:  # it was in flight as the hold began: nothing new, but its wait
             if retry_after is not None and retry_after > 0 and now + retry_after > self.held_until:
