@@ -258,6 +258,25 @@ async def test_a_header_less_sliding_window_is_paced_not_collapsed(
     assert share < 0.05
 
 
+async def test_a_sliding_window_spent_when_the_run_starts_is_found_at_the_first_success(
+    autojump_clock: Any, tmp_path: Path
+) -> None:
+    """The limit was used up by another client when the run starts: 429s with no header and
+    no success until its calls slide out, a second later, and the concurrency caps take the
+    window to its minimum meanwhile. A concurrency limit's calls would have ended within a
+    call's latency: the first success after a run of 429s over four times as long says they
+    were a rate limit's, and the window goes back to its size and is paced."""
+    policy = WindowLimit(27, 1.0, sliding=True, spent=True)
+    async with ChatServer(0.111, policy=policy) as server:
+        window = AdaptiveWindow(1, 8, 256)
+        rate, _ = await _eval(server.url, window, 300, tmp_path)
+    sizes = [(reason, size) for _, size, reason in window.history]
+    assert ("429 cap", 1) in sizes  # capped down while nothing succeeded
+    assert sizes[-1] == ("429 not concurrency", 8)
+    assert window.pacer.rate is not None
+    assert rate >= 0.75 * 27  # the first second spent, then paced near the limit
+
+
 async def test_a_header_less_fixed_window_per_minute_costs_a_few_refusals_a_minute(
     autojump_clock: Any, tmp_path: Path
 ) -> None:

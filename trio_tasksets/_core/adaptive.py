@@ -199,9 +199,13 @@ class AdaptiveController:
     most twice) or to `min` with no more than `min` calls in flight; or three in a row with
     at most half the calls in flight that the endpoint once took all at once (the peak in
     flight of a round with no 429 so far, unpaced: a concurrency limit refuses only above
-    what it takes), do not depend on the calls in flight. The size then goes back to where
-    it was when those 429s began (reason "429 not concurrency"), and for
-    `max(4 * cooldown, 120)` seconds, renewed by each, 429s count as `REQUEST_RATE`.
+    what it takes), do not depend on the calls in flight; nor do 429s that no success broke
+    for over 4 times the calls' latency (the slowest of the round), found at the first
+    success after them (a concurrency limit's calls end within their latency, and then it
+    takes more; a rate limit spent when the run began refuses until it reopens, and the
+    caps meanwhile take the size to `min`). The size then goes back to where it was when
+    those 429s began (reason "429 not concurrency"), and for `max(4 * cooldown, 120)`
+    seconds, renewed by each, 429s count as `REQUEST_RATE`.
     """
 
     min: int
@@ -339,6 +343,12 @@ class AdaptiveController:
         if outcome is Outcome.SUCCESS:
             if latency is not None:
                 self.latency(latency, in_flight)
+            if self._spent_limit(now):
+                self._independent_until = now + max(4 * self.cooldown, 120.0)
+                self._ok_in_run += 1
+                self._new_round()
+                size = min(self.max, max(self.size, self._before_429s))
+                return self._set(size, "429 not concurrency")
             self._successes += 1
             self._ok_since_429 += 1
             self._ok_in_run += 1
@@ -402,6 +412,19 @@ class AdaptiveController:
         if size < self.size:
             self._new_round()
         return self._set(size, reason)
+
+    def _spent_limit(self, now: float) -> bool:
+        """Whether this success ends a run of 429s that no success broke for over 4 times
+        the calls' latency (the slowest of this round): a concurrency limit holds calls that
+        end within it, and then takes more; a spent rate limit (a sliding window whose calls
+        have yet to slide out) refuses until it reopens, whatever the calls in flight."""
+        return (
+            self._ok_in_run == 0
+            and self._lat_max > 0
+            and now - self._last_429 < self.cooldown
+            and self._last_429 - self._overload_since > 4 * self._lat_max
+            and now >= self._independent_until
+        )
 
     def _succeeded_since(self, start: float) -> int:
         count = 0
