@@ -211,7 +211,8 @@ class Pacer:
         )
         if not fresh:  # it was in flight as the hold began: nothing new, but its wait
             if retry_after is not None and retry_after > 0 and now + retry_after > self.held_until:
-                self._hold_until(now, now + retry_after)
+                # (calls sent after the hold began stay fresh: `_opened` is the bind's)
+                self._hold_until(now, now + retry_after, opened=False)
             return
         self.binds += 1
         self._limited.append(now)
@@ -290,12 +291,13 @@ class Pacer:
         self.rate, self._target = rate, target
         self._guess = False
 
-    def _hold_until(self, now: float, until: float) -> None:
+    def _hold_until(self, now: float, until: float, *, opened: bool = True) -> None:
         if now >= self.held_until:  # a new hold (else one under way, extended)
             self._hold_from = now
         self._last_hold = max(0.0, until - self._hold_from)
         self.held_until = until
-        self._opened = until
+        if opened:
+            self._opened = until
         self._next = -math.inf
         self._notify()
 
