@@ -359,16 +359,17 @@ async def test_429s_whatever_the_concurrency_do_not_collapse_the_window(
     assert 3000 / (trio.current_time() - start) > 8 / 0.05 * 0.5  # 36x slower before
 
 
-def test_the_pacer_gives_up_on_429s_that_pacing_does_not_lower() -> None:
+async def test_the_pacer_gives_up_on_429s_that_pacing_does_not_lower(autojump_clock: Any) -> None:
     pacer = Pacer()
-    now = 0.0
-    for i in range(300):  # 100 calls a second, every third refused, paced or not
-        now += 0.01
+    for i in range(300):  # every third call refused, however the calls are held and paced
+        await pacer.wait()
+        await trio.sleep(0.01)
         if i % 3 == 2:
-            pacer.limited(now)
+            pacer.limited(trio.current_time(), latency=0.01)
         else:
-            pacer.success(now)
+            pacer.success(trio.current_time(), 0.01)
     assert pacer.rate is None
+    assert pacer.held_until <= trio.current_time()  # and the calls go on unheld
 
 
 # --- many endpoints ----------------------------------------------------------------------

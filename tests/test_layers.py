@@ -33,6 +33,7 @@ LAYERS: dict[str, int] = {
     "_core.version": 1,
     "_core.backoff": 1,
     "_core.window": 1,
+    "_core.pacing": 1,
     "_core.adaptive": 2,
     "_core.runner": 2,
     "_core.drain": 2,

@@ -14,7 +14,6 @@
 
 from __future__ import annotations
 
-import bisect
 import enum
 import math
 import re
@@ -27,6 +26,7 @@ import attrs
 import trio
 
 from .exceptions import ConfigError
+from .pacing import Pacer
 from .views import View
 from .window import Window, check_size
 
@@ -218,15 +218,21 @@ class AdaptiveController:
 
     429s that do not come from concurrency (`Outcome.REQUEST_RATE`: a request-rate limit
     the server names in its headers, or found by behaviour) neither cut nor cap: the
-    window's `Pacer` spreads the calls at the rate the limit lets through, and the size
-    does not grow while the pacing binds. A 429 without such headers is taken for a
-    concurrency 429 (capped as above) until its behaviour says otherwise: 429s that keep
+    window's `Pacer` holds and spreads the calls at the rate the limit lets through, and
+    the size does not grow while the pacing binds. A 429 without such headers is taken for
+    a concurrency 429 (capped as above) until its behaviour says otherwise: 429s that keep
     coming, with calls succeeding since they began, once the size is down to half of what
     it was then (a concurrency limit's stop there: a slow start overshoots it by at
-    most twice) or to `min` with no more than `min` calls in flight, do not depend on the
-    calls in flight. The size then goes back to where it was when those 429s began (reason
-    "429 not concurrency"), and for `max(4 * cooldown, 120)` seconds, renewed by each,
-    429s count as `REQUEST_RATE`.
+    most twice) or to `min` with no more than `min` calls in flight; or three in a row with
+    at most half the calls in flight that the endpoint once took all at once (the peak in
+    flight of a round with no 429 so far, unpaced: a concurrency limit refuses only above
+    what it takes), do not depend on the calls in flight; nor do 429s that no success broke
+    for over 4 times the calls' latency (the slowest of the round), found at the first
+    success after them (a concurrency limit's calls end within their latency, and then it
+    takes more; a rate limit spent when the run began refuses until it reopens, and the
+    caps meanwhile take the size to `min`). The size then goes back to where it was when
+    those 429s began (reason "429 not concurrency"), and for `max(4 * cooldown, 120)`
+    seconds, renewed by each, 429s count as `REQUEST_RATE`.
     """
 
     min: int
@@ -293,6 +299,8 @@ class AdaptiveController:
     _ok_in_run: int = attrs.field(default=0, init=False)  # since these 429s began
     _independent_until: float = attrs.field(default=-math.inf, init=False)
     _answers_429: bool = attrs.field(default=False, init=False)  # a concurrency 429 came
+    _clean_peak: int = attrs.field(default=0, init=False)  # in flight in a 429-free round
+    _below: int = attrs.field(default=0, init=False)  # 429s in a row at half of it
     # the engine's metrics
     _engine_at: float = attrs.field(default=-math.inf, init=False)
     _engine_ok: bool = attrs.field(default=False, init=False)
@@ -376,10 +384,18 @@ class AdaptiveController:
         if outcome is Outcome.SUCCESS:
             if latency is not None:
                 self.latency(latency, in_flight)
+            if self._spent_limit(now):
+                self._independent_until = now + max(4 * self.cooldown, 120.0)
+                self._ok_in_run += 1
+                self._new_round()
+                size = min(self.max, max(self.size, self._before_429s))
+                return self._set(size, "429 not concurrency")
             self._successes += 1
             self._ok_since_429 += 1
             self._ok_in_run += 1
             self._succeeded.append(now)
+            if self._clean and not self.paced:  # calls in flight that the endpoint took
+                self._clean_peak = max(self._clean_peak, self._peak)
             signal = not self._answers_429 and not self.paced  # the latency signal's
             if (
                 signal
@@ -416,21 +432,30 @@ class AdaptiveController:
         self._last_429 = now
         served, self._ok_since_429 = self._ok_since_429, 0
         lowest = self.size <= self.min and in_flight <= self.min
-        # calls succeeded since the last 429 (at the least size), or since these 429s began
-        # (at half the size: a limit's 429s may come in a run, a sliding window's)
-        if (lowest and served) or (self._ok_in_run and 2 * self.size <= self._before_429s):
-            # at the least concurrency it may use, or at half the size at which 429s began,
-            # the endpoint still answers some calls and refuses others: these 429s do not
-            # depend on the calls in flight (a concurrency limit's stop once the window is
-            # down to it, and a slow start overshoots it by at most twice)
-            self._independent_until = now + max(4 * self.cooldown, 120.0)
-            self._new_round()
-            size = min(self.max, max(self.size, self._before_429s))
-            return self._set(size, "429 not concurrency")
         if latency is not None and in_flight < self.size:
             # calls the endpoint may still have held as it refused this one (up to a full
             # window: a 429 that waited on a busy caller saw many succeed after it)
             in_flight += min(self.size - in_flight, self._succeeded_since(now - latency))
+        # 429s with at most half the calls in flight that the endpoint once took all at
+        # once (a 429-free round's), three in a row
+        self._below = self._below + 1 if 2 * in_flight <= self._clean_peak else 0
+        # calls succeeded since the last 429 (at the least size), or since these 429s began
+        # (at half the size: a limit's 429s may come in a run, a sliding window's), or they
+        # keep coming well below the concurrency the endpoint took
+        if (
+            (lowest and served)
+            or (self._ok_in_run and 2 * self.size <= self._before_429s)
+            or self._below >= 3
+        ):
+            # at the least concurrency it may use, at half the size at which 429s began, or
+            # at half the concurrency the endpoint took, it refuses calls: these 429s do not
+            # depend on the calls in flight (a concurrency limit's stop once the window is
+            # down to it, a slow start overshoots it by at most twice, and it refuses only
+            # above what it took)
+            self._independent_until = now + max(4 * self.cooldown, 120.0)
+            self._new_round()
+            size = min(self.max, max(self.size, self._before_429s))
+            return self._set(size, "429 not concurrency")
         cut = math.floor(self.size * self.cut)
         size, reason = min(self.size, max(in_flight - 1, cut)), "429 cap"
         persists = now - self._overload_since >= self.cooldown
@@ -441,6 +466,19 @@ class AdaptiveController:
         if size < self.size:
             self._new_round()
         return self._set(size, reason)
+
+    def _spent_limit(self, now: float) -> bool:
+        """Whether this success ends a run of 429s that no success broke for over 4 times
+        the calls' latency (the slowest of this round): a concurrency limit holds calls that
+        end within it, and then takes more; a spent rate limit (a sliding window whose calls
+        have yet to slide out) refuses until it reopens, whatever the calls in flight."""
+        return (
+            self._ok_in_run == 0
+            and self._lat_max > 0
+            and now - self._last_429 < self.cooldown
+            and self._last_429 - self._overload_since > 4 * self._lat_max
+            and now >= self._independent_until
+        )
 
     def _succeeded_since(self, start: float) -> int:
         count = 0
@@ -764,214 +802,6 @@ class AdaptiveController:
         return Change(size, reason)
 
 
-class Pacer:
-    """Call starts spread at `rate` a second, once a request-rate limit answered 429, and
-    held, all of them, until a Retry-After is over.
-
-    Unpaced (`rate` None) until `limited()` hears such a 429; then `rate` is `margin` times
-    what succeeded since a run of 429s began, when `refused()` heard them for over half a
-    `span` before they were known to be a rate limit's (the limit bound all along, so that
-    is what it lets through), else the rate at which calls were made over the last `span`
-    seconds (since the first success in it: an overestimate, or, from fewer than 16
-    answers, perhaps low). `wait()` spaces call starts `1 / rate` apart, in arrival order.
-    Each further 429, at most once per `span / 4`, lowers it to `margin` times what
-    succeeded since the last change (up to `4 * span`), the seconds a Retry-After held
-    included: at most the limit's rate, as a bucket refills while calls are held only up to
-    its burst. A rate that may be low (a guess from a few answers, or one measured over a
-    time mostly held) grows by `fast` a second until the next 429, which, with no hold over
-    the last `span`, sets it to `margin` times what succeeded over that span (found from
-    below). Otherwise, with no 429, the rate creeps up, by `growth` a second at first and
-    twice that every 10 s without a 429 (4x, and twice that every 5 s, when the 429s had no
-    Retry-After, whose probes cost less; a tenth of it, doubling three times slower, once a
-    429 found the limit within 10 % of the rate), at most 10 % a second: a limit may have
-    risen; never while calls are held. Pacing ends once the rate is 4x what succeeds.
-
-    A 429's `retry_after` (seconds) holds every call start until it is over
-    (`held_until`): the limit said when it lets calls through again, and calls sent before
-    then only add 429s. If pacing did not lower the 429s' share of calls (still half of
-    what it was once paced, and at least 10 %, after 4 changes), they do not depend on
-    the rate either: pacing ends and 429s are ignored here for `forget` seconds (only
-    retried). Reads `trio.current_time()`, so it is exact on a MockClock.
-    """
-
-    def __init__(
-        self,
-        *,
-        span: float = 1.0,
-        margin: float = 0.97,
-        growth: float = 0.001,
-        min_rate: float = 0.1,
-        forget: float = 60.0,
-    ) -> None:
-        if not span > 0 or not 0 < margin <= 1 or not growth >= 0 or not min_rate > 0:
-            raise ConfigError(
-                "need {span} > 0, 0 < {margin} <= 1, {growth} >= 0 and {min_rate} > 0",
-                parameter=("span", "margin", "growth", "min_rate"),
-            )
-        self.span = span
-        self.margin = margin
-        self.growth = growth
-        self.min_rate = min_rate
-        self.forget = forget
-        self.rate: float | None = None
-        self.held_until = -math.inf  # no call starts before (a Retry-After)
-        self.queued = 0  # calls waiting for their turn now
-        self._limited_at = -math.inf
-        self._held = False  # the last 429 had a Retry-After
-        self._settled = False  # the last change found the limit near the rate
-        self._held_from = -math.inf  # when the last hold began
-        self.waited = 0.0  # seconds call starts waited, in total
-        self._next = -math.inf
-        self._grown_at = 0.0
-        self._ok: deque[float] = deque()
-        self._limited: deque[float] = deque()
-        self._cut_at = -math.inf
-        self._first_share = 0.0
-        self._cuts = 0
-        self._ignore_until = -math.inf
-        self._run_from = -math.inf  # the first 429 of the latest run of them
-        self._low = False  # the rate may be well below the limit: grow fast
-        self.fast = 0.5  # a second, while `_low`
-        self._last_refused = -math.inf
-
-    def _trim(self, now: float) -> None:
-        while self._ok and self._ok[0] < now - 4 * self.span:
-            self._ok.popleft()
-        while self._limited and self._limited[0] < now - self.span:
-            self._limited.popleft()
-
-    def success(self, now: float) -> None:
-        self._ok.append(now)
-        self._trim(now)
-        if self.rate is None:
-            return
-        # creeping up, faster the longer no 429 came (doubling every 15 s, at most 5 %/s):
-        # a rate set low by a burst finds the limit again, a rate at it seldom probes over
-        # (slower after a Retry-After: each probe over the limit then holds every call)
-        quiet = min(now - max(self._limited_at, self.held_until), 120.0)
-        base, doubling = (self.growth, 10.0) if self._held else (4 * self.growth, 5.0)
-        if self._settled:  # the last 429 found the limit where the rate was: probe seldom
-            base, doubling = base / 10, 3 * doubling
-        growth = min(0.1, base * 2 ** (max(0.0, quiet) / doubling))
-        if self._low:  # the rate may be well below the limit (see `limited`)
-            growth = self.fast
-        self.rate *= 1 + growth * max(0.0, now - max(self._grown_at, self.held_until))
-        self._grown_at = now
-        if (
-            self.rate > 4 * self._ok_total(now - self.span) / self.span
-            and now - max(self._cut_at, self.held_until) > 4 * self.span
-        ):
-            self.rate = None  # far above what succeeds: the limit no longer binds
-            self._cuts = 0
-
-    def refused(self, now: float) -> None:
-        """A 429 not (yet) known to be a request-rate limit's, at `now`: where a run of
-        429s began, from which what succeeded is what the limit let through."""
-        if now - self._last_refused > self.span:
-            self._run_from = now
-        self._last_refused = now
-
-    def limited(self, now: float, retry_after: float | None = None) -> None:
-        """A 429 of a request-rate limit came at `now`, with its Retry-After if any."""
-        if now < self._ignore_until:
-            return
-        held, held_from, self._limited_at = self.held_until, self._held_from, now
-        self._held = retry_after is not None and retry_after > 0
-        if retry_after is not None and retry_after > 0:
-            if held <= now:
-                self._held_from = now
-            self.held_until = max(self.held_until, now + retry_after)
-        self._limited.append(now)
-        self._trim(now)
-        if held > now:  # sent before the hold began: nothing new to measure
-            return
-        if self.rate is not None and now - self._cut_at < self.span / 4:
-            return
-        # the 429s' share since the last change of the rate (over the last span at most)
-        after = max(now - self.span, self._cut_at)
-        refused = len(self._limited) - bisect.bisect_right(self._limited, after)
-        share = refused / max(1, refused + len(self._ok) - bisect.bisect_right(self._ok, after))
-        if self._cuts >= 4 and share >= max(0.1, 0.5 * self._first_share):
-            # pacing did not lower the 429s' share: they do not depend on the rate either
-            self.rate = None
-            self._ignore_until = now + self.forget
-            self._cuts = 0
-            return
-        if self._cuts == 1:  # the share once paced: what pacing should lower
-            self._first_share = share
-        # what succeeded over the last span (since the first success in it), or since the
-        # last change if sooner: a rate set too high lets the limit's own rate through
-        if self.rate is not None:  # since the last change (a deep bucket drains for long)
-            after = max(now - 4 * self.span, self._cut_at)
-        ok = self._ok_total(after)
-        self.refused(now)
-        run = self._run_from
-        if self.rate is None and now - run >= self.span / 2 and self._ok_total(run) >= 3:
-            # 429s have kept coming since `run`: the limit bound all along, and what
-            # succeeded since is what it lets through (a bucket's refill, once its burst
-            # is spent)
-            ok, start = self._ok_total(run), run
-        elif ok < 3:  # too few to measure (a Retry-After's hold, a slow limit)
-            return
-        else:
-            start = self._ok[-ok] if self.rate is None else after
-            if self.rate is None:  # the first time, every call: the limit's rate is below
-                ok = refused + ok
-        seconds = max(now - start, self.span / 10)
-        measured = max(self.min_rate, self.margin * ok / seconds)
-        self._settled = self.rate is not None and measured >= 0.9 * self.rate
-        if self.rate is None:  # a guess from a few answers may be low: grow fast
-            self._low = ok < 16
-        else:
-            # what succeeded over the time since the last change, the seconds held by a
-            # Retry-After included: at most the limit's rate (a bucket refills while calls
-            # are held, up to its burst), so the pacing goes below the limit, not over it.
-            # Held over half of that time, it may be well below (a small burst filled
-            # early in the hold): the rate then grows fast, `fast` a second, until the
-            # next 429 finds the limit from below
-            hold_end = held
-            held = max(0.0, min(now, held) - max(start, held_from))
-            if self._low and hold_end <= now - self.span:
-                # found from below, with no hold over the last span: what succeeded over
-                # it is what the limit lets through (and what its burst still held)
-                recent = self._ok_total(now - self.span) / self.span
-                measured = max(measured, self.margin * recent)
-                self._low = False
-            else:
-                self._low = held > seconds / 2
-            measured = min(self.rate, measured)
-        self.rate = measured
-        self._grown_at = now
-        self._cut_at = now
-        self._cuts += 1
-
-    def _ok_total(self, since: float) -> int:
-        """Successes after `since` (of those kept: the last `4 * span` seconds)."""
-        return len(self._ok) - bisect.bisect_right(self._ok, since)
-
-    async def wait(self) -> float:
-        """Wait for this call's turn (at once when unpaced and not held); return the seconds
-        waited."""
-        now = trio.current_time()
-        start = max(now, self.held_until)
-        if self.rate is not None:
-            start = max(start, self._next)
-            self._next = start + 1.0 / self.rate
-        if start > now:
-            self.queued += 1
-            try:
-                await trio.sleep_until(start)
-            finally:
-                self.queued -= 1
-        waited = trio.current_time() - now
-        self.waited += waited
-        return waited
-
-    def __repr__(self) -> str:
-        rate = "unpaced" if self.rate is None else f"{self.rate:.1f}/s"
-        return f"Pacer({rate})"
-
-
 def _check_bounds(low: int, start: int, high: int) -> None:
     for name, value in (("min", low), ("start", start), ("max", high)):
         check_size(value, name)
@@ -1056,11 +886,11 @@ class AdaptiveWindow(Window):
         now = trio.current_time()
         outcome = self.controller.classify(outcome, now)
         if outcome is Outcome.REQUEST_RATE:
-            self.pacer.limited(now, retry_after)
+            self.pacer.limited(now, retry_after, latency)
         elif outcome is Outcome.RATE_LIMITED:
             self.pacer.refused(now)
         elif outcome is Outcome.SUCCESS:
-            self.pacer.success(now)
+            self.pacer.success(now, latency)
         active = self.in_flight - self._lent
         change = self.controller.record(outcome, now, active, retry_after, latency=latency)
         if change is not None:
@@ -1068,7 +898,7 @@ class AdaptiveWindow(Window):
         if outcome is Outcome.RATE_LIMITED and self.controller.classify(outcome, now) is (
             Outcome.REQUEST_RATE
         ):  # this very 429 showed it: a request-rate limit, found by behaviour
-            self.pacer.limited(now, retry_after)
+            self.pacer.limited(now, retry_after, latency)
         # paced: the limit's rate, not the window, sets the throughput (no latency signal);
         # and while the pacer binds (calls wait for their turn) the size does not grow
         self.controller.paced = self.pacer.rate is not None
@@ -1077,6 +907,7 @@ class AdaptiveWindow(Window):
     def observe_latency(self, seconds: float) -> None:
         """One call's latency, apart from the success it may count for (a rollout window hears
         each model call's latency, and one success per episode)."""
+        self.pacer.answered(trio.current_time(), seconds)
         self.controller.latency(seconds, self.in_flight - self._lent)
 
     def engine_load(self, load: EngineLoad) -> None:

@@ -1,0 +1,364 @@
+"""`Pacer`: call starts spaced at the rate a request-rate (or token-rate) limit lets through,
+and held, every one of them, while the limit refuses (issue 32).
+
+An `AdaptiveWindow` owns one (`window.pacer`) and feeds it the outcomes it records; a model
+call waits for its turn (`await window.pace()`, `trio_tasksets._core.limits.pace`) before
+each attempt. Pure but for `wait` (and `trio.current_time()` there): every other method takes
+the time it is told, so a test drives it with plain numbers, and a MockClock makes `wait`
+exact.
+"""
+
+from __future__ import annotations
+
+import bisect
+import math
+from collections import deque
+
+import trio
+
+from .exceptions import ConfigError
+
+__all__ = ["Pacer"]
+
+
+class Pacer:
+    """Call starts spread at `rate` a second, once a request-rate limit answered 429, and
+    held, all of them, while it refuses. The rules, each on its own:
+
+    * **Hold.** A 429 of a rate limit (`limited`) holds every call start: until its
+      Retry-After is over, when it has one (the limit said when; calls sent before then only
+      add 429s); without one, for `first_hold` seconds, doubling (up to `max_hold`) while the
+      429s keep coming with no call getting through between them, back to `first_hold` after
+      one does. After a hold with no Retry-After only *one* call (the probe) starts, until it
+      succeeds (`answered`) or as long as a 429 takes to come back has passed
+      (`probe_wait`: it was let through); then the others, paced. A limit that stays shut
+      (a per-minute window spent) so costs about ``log2(seconds shut / first_hold)``
+      refused calls, not one per call in flight.
+    * **Fresh and stale.** A 429 (or a success) of a call that started before the last hold
+      ended was in flight as it began (given its `latency`; without one, any 429 during a
+      hold): it says nothing new, and at most extends a Retry-After's hold. Only a fresh
+      429 (a *bind*) begins or doubles a hold; only a fresh success ends a run of binds.
+    * **The first rate, a guess.** The first bind after calls succeeded begins a *run* of
+      binds (the later ones, probes refused, move only the hold). The first run's rate is
+      `margin` times what succeeded since the first call, over that time and the hold the
+      bind begins (mostly a hold, a Retry-After longer than the calls took: over the
+      geometric mean of the two times); or, when 429s not yet known to be a rate limit's
+      (`refused`) kept coming for over half a `span` with 3 successes among them, what
+      succeeded since those began (the limit bound all along). It grows fast, 1.65x a
+      second (``e ** 0.5``; 7.4x, ``e ** 2``, from under 16 answers), until the next bind,
+      which keeps `cut` (0.6) of the rate that bound at least: the limit is within that
+      step.
+    * **A binding cycle.** At each later run the rate is `margin` times what succeeded since
+      the run before began, over that time, holds included but for half of the hold that
+      ended it (the limit reopened somewhere within it): the limit's long-run rate, to which
+      token buckets, fixed and sliding windows, per second and per minute, converge. A bind
+      never raises the rate. A hold that ran past the limit's reopening (a Retry-After in
+      whole seconds on a small bucket, a doubled probe's) makes that measure low: the limit
+      is between it and the rate that bound, so the rate grows fast (1.22x a second) up to
+      their geometric mean, at most 0.9 of the rate that bound.
+    * **Creep.** Past that, with no bind, the rate creeps up (a limit may have risen): by
+      `growth` a second at first, twice that every 5 s without a bind, at most 10 % a
+      second; never while calls are held.
+    * **End.** Pacing ends once the rate is 4x what succeeds (the limit no longer binds);
+      and when pacing did not lower the share of calls that bind (still half of what it
+      was once paced, and at least 10 %, after 4 runs), the 429s do not depend on the rate:
+      pacing ends and they are ignored here for `forget` seconds (only retried).
+
+    Reads `trio.current_time()` in `wait`, so it is exact on a MockClock.
+    """
+
+    def __init__(
+        self,
+        *,
+        span: float = 1.0,
+        margin: float = 0.97,
+        growth: float = 0.002,
+        min_rate: float = 0.1,
+        forget: float = 60.0,
+        first_hold: float = 0.25,
+        max_hold: float = 30.0,
+    ) -> None:
+        if (
+            not span > 0
+            or not 0 < margin <= 1
+            or not growth >= 0
+            or not min_rate > 0
+            or not 0 < first_hold <= max_hold
+        ):
+            raise ConfigError(
+                "need {span} > 0, 0 < {margin} <= 1, {growth} >= 0, {min_rate} > 0 and "
+                "0 < {first_hold} <= {max_hold}",
+                parameter=("span", "margin", "growth", "min_rate", "first_hold", "max_hold"),
+            )
+        self.span = span
+        self.margin = margin
+        self.growth = growth
+        self.min_rate = min_rate
+        self.forget = forget
+        self.cut = 0.6  # what a bind keeps of the first rate (a guess grown fast) at least
+        self.first_hold = first_hold
+        self.max_hold = max_hold
+        self.rate: float | None = None
+        self.held_until = -math.inf  # no call starts before (a Retry-After, a hold)
+        self.queued = 0  # calls waiting for their turn now
+        self.waited = 0.0  # seconds call starts waited, in total
+        self.binds = 0  # fresh 429s: holds begun or doubled
+        self._opened = -math.inf  # when the last hold ended: calls started since are fresh
+        self._next = -math.inf  # the next free start at the rate
+        self._hold = first_hold  # the next hold without a Retry-After
+        self._probing = False  # after a hold with no Retry-After: one call at a time
+        self._probe_at: float | None = None  # when the probe started
+        self._refusal = 0.0  # how long a 429 takes to come back, lately (seconds)
+        self._ok_n = 0  # successes so far
+        self._first_ok: float | None = None
+        self._first_start = math.inf  # when the first call that succeeded started
+        self._ok: deque[float] = deque()  # successes of the last 4 spans
+        self._limited: deque[float] = deque()  # binds of the last 4 spans
+        self._bind_ok = -1  # `_ok_n` at the last bind (-1: none yet)
+        self._fresh = True  # a call sent since the last hold succeeded (none yet: True)
+        self._timed = False  # successes come with their latencies (`answered`)
+        self._cycle: tuple[float, int] | None = None  # (time, `_ok_n`) the last run began
+        self._target = 0.0  # the rate grows fast up to it
+        self._guess = False  # the rate is the first run's guess: it grows fast
+        self._last_hold = 0.0  # seconds: the last hold
+        self._bound_at = -math.inf  # the last bind
+        self._grown_at = 0.0
+        self._hold_from = -math.inf  # when the hold under way (or the last one) began
+        self._fast = 0.5  # the growth a second of a rate from below
+        self._runs = 0
+        self._first_share = 0.0
+        self._ignore_until = -math.inf
+        self._run_from = -math.inf  # the first of the latest run of unrecognised 429s
+        self._run_ok = 0  # `_ok_n` then
+        self._last_refused = -math.inf
+        self._gen = 0  # bumped at each change that moves the call starts
+        self._changed: trio.Event | None = None
+
+    # --- what the calls say -------------------------------------------------------------
+
+    def _trim(self, now: float) -> None:
+        while self._ok and self._ok[0] < now - 4 * self.span:
+            self._ok.popleft()
+        while self._limited and self._limited[0] < now - 4 * self.span:
+            self._limited.popleft()
+
+    def _ok_since(self, since: float) -> int:
+        """Successes after `since` (of those kept: the last `4 * span` seconds)."""
+        return len(self._ok) - bisect.bisect_right(self._ok, since)
+
+    def success(self, now: float, latency: float | None = None) -> None:
+        """A call succeeded at `now` (its `latency`, if known, tells when it started)."""
+        self._ok_n += 1
+        if self._first_ok is None:
+            self._first_ok = now
+        self._ok.append(now)
+        self._trim(now)
+        if latency is not None:
+            self.answered(now, latency)
+        if self.rate is None:
+            return
+        quiet = min(now - max(self._bound_at, self.held_until), 120.0)
+        growth = min(0.1, self.growth * 2 ** (max(0.0, quiet) / 5.0))  # creep
+        target = math.inf
+        if self._guess:  # the first rate: e ** 0.5 (or e ** 2) a second until the next bind
+            growth = self._fast
+        elif self.rate < self._target:  # up to the target: e ** 0.2 a second
+            growth, target = 0.2, self._target
+        grown = self.rate * (1 + growth * max(0.0, now - max(self._grown_at, self.held_until)))
+        self.rate = min(grown, target)
+        self._grown_at = now
+        if (
+            self.rate > 4 * self._ok_since(now - self.span) / self.span
+            and now - max(self._bound_at, self.held_until) > 4 * self.span
+        ):
+            self.rate = None  # far above what succeeds: the limit no longer binds
+            self._runs = 0
+
+    def answered(self, now: float, latency: float) -> None:
+        """A call answered 200 at `now`, `latency` seconds after it started: a probe's
+        answer opens the endpoint again (a call sent before the hold says nothing)."""
+        self._timed = True
+        self._first_start = min(self._first_start, now - latency)
+        if now - latency < self._opened - 1e-9:
+            return
+        self._fresh = True  # a call sent since the last hold went through
+        if self._probing and now >= self.held_until:
+            self._probing = False
+            self._hold = self.first_hold
+            self._next = -math.inf
+            self._notify()
+
+    def refused(self, now: float) -> None:
+        """A 429 not (yet) known to be a request-rate limit's, at `now`: where a run of
+        429s began, from which what succeeded is what the limit let through."""
+        if now - self._last_refused > self.span:
+            self._run_from = now
+            self._run_ok = self._ok_n
+        self._last_refused = now
+
+    def limited(
+        self, now: float, retry_after: float | None = None, latency: float | None = None
+    ) -> None:
+        """A 429 of a request-rate limit came at `now`, with its Retry-After if any, and the
+        call's `latency` (seconds since it started) if known."""
+        if now < self._ignore_until:
+            return
+        self._trim(now)
+        if latency is not None and latency >= 0:
+            self._refusal = max(latency, 0.9 * self._refusal)
+        fresh = (
+            now - latency >= self._opened - 1e-9 if latency is not None else now >= self.held_until
+        )
+        if not fresh:  # it was in flight as the hold began: nothing new, but its wait
+            if retry_after is not None and retry_after > 0 and now + retry_after > self.held_until:
+                # (calls sent after the hold began stay fresh: `_opened` is the bind's)
+                self._hold_until(now, now + retry_after, opened=False)
+            return
+        self.binds += 1
+        self._limited.append(now)
+        self.refused(now)
+        # calls sent since the last hold succeeded (those in flight as it began say nothing;
+        # without latencies, any success)
+        new_run = self._fresh if self._timed else self._ok_n > self._bind_ok
+        self._fresh = False
+        last_hold = self._last_hold  # the hold after which calls went through again
+        if retry_after is not None and retry_after > 0:
+            self._probing = False
+            self._hold_until(now, max(self.held_until, now + retry_after))
+        else:
+            self._hold = self.first_hold if new_run else min(2 * self._hold, self.max_hold)
+            self._probing = True
+            self._probe_at = None
+            self._hold_until(now, max(self.held_until, now + self._hold))
+        self._bind_ok = self._ok_n
+        self._bound_at = self._grown_at = now
+        if new_run:
+            self._new_run(now, last_hold)
+
+    def _new_run(self, now: float, last_hold: float) -> None:
+        """The first bind after calls succeeded: the rate from the binding cycle.
+        `last_hold`: the hold after which calls went through again."""
+        # the share of calls that bound (fresh 429s) over the last 4 spans
+        refused = len(self._limited)
+        share = refused / max(1, refused + len(self._ok))
+        if self._runs >= 4 and share >= max(0.1, 0.5 * self._first_share):
+            # pacing did not lower the 429s' share: they do not depend on the rate either
+            self.rate = None
+            self._ignore_until = now + self.forget
+            self._runs = 0
+            self._probing = False
+            self._hold_until(now, now)
+            return
+        if self._first_ok is None:  # nothing succeeded yet: a hold, no rate
+            return
+        if self._runs == 1:  # the share once paced: what pacing should lower
+            self._first_share = share
+        bound, run = self.rate, self._run_from
+        cycle, self._cycle = self._cycle, (now, self._ok_n)
+        self._runs += 1
+        self._next = -math.inf
+        if bound is None:  # the first run (unpaced): a guess, which grows fast
+            if now - run >= self.span / 2 and self._ok_n - self._run_ok >= 3:
+                # 429s have kept coming since `run`: the limit bound all along, and what
+                # succeeded since is what it lets through
+                ok, seconds = self._ok_n - self._run_ok, now - run
+            else:  # since the first call, and the hold this bind begins
+                ok, held = self._ok_n, max(0.0, self.held_until - now)
+                took = now - min(self._first_ok, self._first_start)
+                seconds = took + held
+                if held > took > 0:
+                    # mostly held (a Retry-After longer than the calls took): between what
+                    # succeeded over the time they took and over that and the hold
+                    seconds = math.sqrt(took * seconds)
+            self.rate = max(self.min_rate, self.margin * ok / max(seconds, self.span / 10))
+            self._guess = True
+            self._fast = 2.0 if ok < 16 else 0.5  # from a few answers: faster
+            return
+        assert cycle is not None
+        start, before = cycle
+        # what succeeded since the last run began, holds included, but for half of the
+        # hold that ended it (the limit reopened somewhere within it)
+        seconds = now - start - last_hold / 2
+        rate = self.margin * (self._ok_n - before) / max(seconds, self.span / 10)
+        rate = max(self.min_rate, min(bound, rate))
+        # holds that ran past the limit's reopening (a Retry-After in whole seconds on a
+        # small bucket, a probe's) make the cycle's measure low: the limit is between it
+        # and the rate that bound; the rate grows fast up to their geometric mean (at most
+        # 0.9 of the rate that bound)
+        target = min(math.sqrt(rate * bound), 0.9 * bound)
+        if self._guess:  # the guess grew fast until it bound: the limit is a step below
+            rate = target = max(rate, self.cut * bound)
+        self.rate, self._target = rate, target
+        self._guess = False
+
+    def _hold_until(self, now: float, until: float, *, opened: bool = True) -> None:
+        if now >= self.held_until:  # a new hold (else one under way, extended)
+            self._hold_from = now
+        self._last_hold = max(0.0, until - self._hold_from)
+        self.held_until = until
+        if opened:
+            self._opened = until
+        self._next = -math.inf
+        self._notify()
+
+    def _notify(self) -> None:
+        """Call starts moved: every waiting call takes its turn afresh."""
+        self._gen += 1
+        if self._changed is not None:
+            self._changed.set()
+            self._changed = None
+
+    def probe_wait(self) -> float:
+        """Seconds a probe is waited for: a 429 comes back at once, so a probe not refused
+        by then was let through."""
+        return max(0.05, 3 * self._refusal)
+
+    # --- the calls' turns ---------------------------------------------------------------
+
+    async def wait(self) -> float:
+        """Wait for this call's turn (at once when unpaced and not held); return the seconds
+        waited."""
+        begun = trio.current_time()
+        queued = False
+        try:
+            while True:
+                now = trio.current_time()
+                start = max(now, self.held_until)
+                reserved = False
+                if self._probing and start <= now:  # the hold is over: one probe at a time
+                    if self._probe_at is None:
+                        self._probe_at = now  # this call is the probe
+                        break
+                    lapse = self._probe_at + self.probe_wait()
+                    if now < lapse:  # the probe is out: wait for its answer
+                        start = lapse
+                    else:  # not refused by now: it was let through
+                        self._probing = False
+                        self._next = -math.inf
+                if self.rate is not None and not self._probing:
+                    start = max(start, self._next)
+                    self._next = start + 1.0 / self.rate
+                    reserved = True
+                if start <= now:
+                    break
+                if not queued:
+                    queued = True
+                    self.queued += 1
+                gen = self._gen
+                if self._changed is None:
+                    self._changed = trio.Event()
+                changed = self._changed
+                with trio.move_on_at(start):
+                    await changed.wait()
+                if reserved and self._gen == gen:
+                    break  # its turn came, and nothing moved the turns
+        finally:
+            if queued:
+                self.queued -= 1
+        waited = trio.current_time() - begun
+        self.waited += waited
+        return waited
+
+    def __repr__(self) -> str:
+        rate = "unpaced" if self.rate is None else f"{self.rate:.1f}/s"
+        return f"Pacer({rate})"
