@@ -434,6 +434,7 @@ def test_the_size_stays_within_bounds_and_moves_only_as_the_rules_allow(
     last_cut = last_429 = since = independent_until = -math.inf
     size_at_429s = 0  # the size when the current run of 429s began
     seen_429 = False
+    peak = below = 0  # the most calls ever in flight; 429s in a row at half of it or less
     for outcome, gap, load in script:
         now += gap
         before = c.size
@@ -441,12 +442,14 @@ def test_the_size_stays_within_bounds_and_moves_only_as_the_rules_allow(
         change = c.record(outcome, now, in_flight)
         assert c.min <= c.size <= c.max
         first = False
+        peak = max(peak, in_flight)  # (at least the most a 429-free round had in flight)
         if outcome is Outcome.RATE_LIMITED and now < independent_until:
             outcome = Outcome.REQUEST_RATE  # 429s found not to depend on concurrency
         if outcome is Outcome.REQUEST_RATE:
             assert change is None  # paced, never cut
             continue
         if outcome is Outcome.RATE_LIMITED:
+            below = below + 1 if peak >= 2 and 2 * in_flight <= peak else 0
             first, seen_429 = not seen_429, True
             if now - last_429 >= c.cooldown:
                 since, size_at_429s = now, before
@@ -466,10 +469,13 @@ def test_the_size_stays_within_bounds_and_moves_only_as_the_rules_allow(
             cap = max(c.min, in_flight - 1, math.floor(before * c.cut))
             assert c.size == cap < before
         elif change.reason == "429 not concurrency":
-            # refused at the least size, or at half the size at which these 429s began: back
+            # refused at the least size, at half the size at which these 429s began, or
+            # three times in a row at half the calls in flight the endpoint once took: back
             # to that size, and 429s are the request rate's for a while
             assert outcome is Outcome.RATE_LIMITED
-            assert (before == c.min and in_flight <= c.min) or 2 * before <= size_at_429s
+            assert (
+                (before == c.min and in_flight <= c.min) or 2 * before <= size_at_429s or below >= 3
+            )
             assert c.size == min(c.max, max(before, size_at_429s)) > before
             independent_until = now + max(4 * c.cooldown, 120.0)
         else:

@@ -438,7 +438,9 @@ class AdaptiveController:
             in_flight += min(self.size - in_flight, self._succeeded_since(now - latency))
         # 429s with at most half the calls in flight that the endpoint once took all at
         # once (a 429-free round's), three in a row
-        self._below = self._below + 1 if 2 * in_flight <= self._clean_peak else 0
+        # (a peak of 2 at least: half of one call, or of none, is no concurrency to be below)
+        below = self._clean_peak >= 2 and 2 * in_flight <= self._clean_peak
+        self._below = self._below + 1 if below else 0
         # calls succeeded since the last 429 (at the least size), or since these 429s began
         # (at half the size: a limit's 429s may come in a run, a sliding window's), or they
         # keep coming well below the concurrency the endpoint took
