@@ -176,14 +176,16 @@ class AdaptiveController:
       size's round (a noisy round of an earlier probe to it must not decide this one). A step up is kept
       if ``e >= min_gain`` (a doubling: `DOUBLING_GAIN` at least; by default per
       objective, `MIN_GAIN`: `knee` 0.08, `throughput` and `p99` 0.03), else it goes back
-      (reason "no gain"). Slow start doubles; with `knee`, its failed doubling probes
-      *down* from the size before it, by `probe` steps (reason "probe down"), each kept
-      while giving the step up costs less than `min_gain` of its share, until one costs
-      more (it goes back, reason "lost throughput"): the window settles at the knee, where
-      more concurrency adds less than `min_gain` of itself, from either side (the other
-      objectives go on up by `probe` steps). When the first probe down already costs more,
-      the knee lies between that size and the doubling: growth goes on at once, by `probe`
-      steps; after any other "lost throughput" growth waits `cooldown` seconds. A failed
+      (reason "no gain"). Slow start doubles. With `knee`, a doubling that does not pay
+      (or one that paid reached `max`) starts a *search*: the knee lies above the size
+      the last step that paid came from and below the first size whose step did not pay;
+      the window probes their geometric middle (from the middle itself, halfway to the side
+      not tried), down (reason "probe down") or up ("grow"). A step up that pays, or a
+      step down that costs more than `min_gain` of its share (reason "lost throughput":
+      back), raises the lower end; a step up that does not pay, or a step down that costs
+      less, lowers the upper end. No cooldown between these probes; the search ends when
+      the ends are within a sixteenth (or one) of each other, and growth then waits
+      `cooldown` seconds (the other objectives go on up by `probe` steps). A failed
       small step up waits half a `cooldown` (a wrong "no gain", a noisy round's, is
       probed again soon), and a whole one when the step before failed too. After slow
       start a step adds `max(1, probe * size)`.
