@@ -17,9 +17,10 @@ import os
 import statistics
 import subprocess
 import sys
+from collections import Counter
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 import forkserver
 import pytest
@@ -146,14 +147,15 @@ def test_a_bad_advantage_is_refused_naming_it() -> None:
 
 
 class Counted(tt.Env[Any]):
-    """Rewards that differ within a group: the n-th rollout scored gets n % 3 (no
-    score_group of its own)."""
+    """Rewards that differ within a group: the n-th rollout of a prompt scored gets n % 3
+    (no score_group of its own). Counted per prompt, so that groups scored in any
+    interleaving (one counter for all could give a group 1, 4, 7, 10) still differ."""
 
-    scored = 0
+    scored: ClassVar[Counter[str]] = Counter()
 
     async def score(self, task: Any, completion: str) -> float:
-        Counted.scored += 1
-        return float(Counted.scored % 3)
+        Counted.scored[task.prompt] += 1
+        return float(Counted.scored[task.prompt] % 3)
 
 
 def check_rows(rows: list[dict[str, Any]], how: str) -> None:
@@ -244,10 +246,10 @@ def test_a_redis_group_entry_carries_its_advantage() -> None:
 
 
 ENVS = """
-import itertools
+import collections
 import trio_tasksets as tt
 
-counter = itertools.count()
+counter = collections.Counter()  # per prompt: a group's rewards differ in any interleaving
 
 
 class Words(tt.Taskset):
@@ -257,7 +259,8 @@ class Words(tt.Taskset):
 
 class Counted(tt.Env):
     async def score(self, task, completion):
-        return float(next(counter) % 3)
+        counter[task.prompt] += 1
+        return float(counter[task.prompt] % 3)
 """
 
 

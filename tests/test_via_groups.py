@@ -11,10 +11,10 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
-from collections import defaultdict
+from collections import Counter, defaultdict
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 import forkserver
 import pytest
@@ -160,14 +160,15 @@ async def test_a_worker_gives_an_env_without_score_group_the_evals_advantage(
 ) -> None:
     """`--advantage std` travels in the group entry: the worker (this process, its env
     rebuilt from nothing but its own class) divides by the group's standard deviation."""
-    import itertools
     import statistics
 
     class Counted(tt.Env[Any]):  # no score_group: the default advantage
-        rewards = itertools.count()
+        # per prompt: a group's rewards differ in any interleaving of groups
+        rewards: ClassVar[Counter[str]] = Counter()
 
         async def score(self, task: Any, completion: str) -> float:
-            return float(next(Counted.rewards) % 3)
+            Counted.rewards[task.prompt] += 1
+            return float(Counted.rewards[task.prompt] % 3)
 
     worker = in_process_worker(server, names)
     ctx = tt.ModelContext(tt.EchoClient(), "echo")
