@@ -10,7 +10,7 @@ what a user runs: `tt.run_eval` of single-call rollouts over `tt.OpenAIClient`
 (``max_retries=1000``: a 429 is retried, after its Retry-After when there is one), dashboard
 off, traces written, for `--seconds` of wall time (a minute-long rate limit gets 2.5 of its
 periods). The contenders of one draw run one after the other, the order rotated on each
-`--repeat`: a sweep of fixed windows chosen around what the draw's parameters say the best
+`--repeat`, each against a fresh zoo process of the draw's parameters: a sweep of fixed windows chosen around what the draw's parameters say the best
 one is (the bench knows them; the adaptive window does not), and the adaptive window
 `-c 1-8-256` with each objective the family is judged on (`knee`; `throughput` and
 `p99=SECONDS` on the engines; `knee` with `--engine-metrics` on `engine`).
@@ -40,6 +40,7 @@ milliseconds, 8 s a contender, per-second periods; exits 1 when a goal is missed
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import math
 import multiprocessing
@@ -254,14 +255,18 @@ async def one_run(url: str, spec: str, seconds: float) -> dict[str, Any]:
     }  # fmt: skip
 
 
-async def draw(
-    url: str, specs: list[str], seconds: float, repeat: int
+def draw(
+    server: Any, specs: list[str], seconds: float, repeat: int
 ) -> dict[str, list[dict[str, Any]]]:
+    """Each contender `repeat` times, the order rotated on each repeat, each against a zoo
+    server of its own (`server()`: the draw's parameters, a fresh process: a rate limit
+    spent by the contender before must not shape the next one's start)."""
     found: dict[str, list[dict[str, Any]]] = {spec: [] for spec in specs}
     for r in range(repeat):
         order = specs[r % len(specs) :] + specs[: r % len(specs)]
         for spec in order:
-            found[spec].append(await one_run(url, spec, seconds))
+            with server() as (url, _):
+                found[spec].append(trio.run(one_run, url, spec, seconds))
     return found
 
 
@@ -347,7 +352,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--busy", type=int, default=0, help="busy loops beside the client")
     parser.add_argument("--zoo", type=Path, default=ZOO, help="zoo.py")
     parser.add_argument("--per-second", action="store_true",
-                        help="rate limits per second only (--period 1)")  # fmt: skip
+                        help="rate limits per second (--period 1; tpm: the minute's budget / 60)")  # fmt: skip
     args = parser.parse_args(argv)
     families, seeds, seconds = args.families, args.seeds, args.seconds
     if args.quick:
@@ -365,15 +370,24 @@ def main(argv: list[str] | None = None) -> int:
             for seed in seeds:
                 extra = ["--period", "1"] if args.per_second and family == "ratelimit" else []
                 if family == "tpm":
-                    extra = ["--period", "1" if args.per_second else "60"]
+                    extra = ["--period", "60"]
                 if args.quick:  # calls of tens of ms: a few seconds see many rounds
                     extra += QUICK[family]
-                with zoo(args.zoo, family, seed, extra) as (url, params):
-                    fixed, adaptive = contenders(family, params)
-                    period = params.get("period", 1) if family in ("ratelimit", "tpm") else 0
-                    span = max(seconds, 2.5 * period)
-                    found = trio.run(draw, url, fixed + adaptive, span, args.repeat)
-                    passed = report(family, seed, params, found, fixed) and passed
+                with zoo(args.zoo, family, seed, extra) as (_, params):
+                    pass  # the draw's parameters
+                if family == "tpm" and args.per_second:
+                    # the same rate a second: the minute's budget over 60 (not the whole
+                    # budget each second, 60 times the rate, where the client is the limit)
+                    extra = ["--period", "1", "--tpm", str(max(1, round(params["tpm"] / 60)))]
+                    extra += QUICK[family] if args.quick else []
+                    with zoo(args.zoo, family, seed, extra) as (_, params):
+                        pass
+                fixed, adaptive = contenders(family, params)
+                period = params.get("period", 1) if family in ("ratelimit", "tpm") else 0
+                span = max(seconds, 2.5 * period)
+                server = functools.partial(zoo, args.zoo, family, seed, extra)
+                found = draw(server, fixed + adaptive, span, args.repeat)
+                passed = report(family, seed, params, found, fixed) and passed
     print(f"\n{time.perf_counter() - started:.0f} s wall in all, load average "
           f"{os.getloadavg()[0]:.1f}; goals {'met' if passed else 'missed'}")  # fmt: skip
     return 0 if passed or not args.quick else 1

@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import itertools
 import math
+import random
+import statistics
 import subprocess
 import sys
 from pathlib import Path
@@ -100,6 +102,43 @@ def test_knee_settles_at_an_engines_capacity_from_above_and_below(
     assert settled[0] >= 0.75 * capacity
     assert settled[len(settled) // 2] <= 1.3 * capacity  # where it sits
     assert settled[-1] <= 1.6 * capacity  # a probe up now and then (every cooldown)
+
+
+def _drive_noisy(
+    c: AdaptiveController, latency_of: Any, rounds: int, noise: float, seed: int
+) -> list[int]:
+    """`_drive` on a noisy server: each round's calls share a factor (1 + N(0, noise)) on
+    their latency (an engine's batch waves, a machine's moments), and each call has its
+    own too. Seeded: the same draw each time."""
+    rng = random.Random(seed)
+    now, sizes = 0.0, []
+    for _ in range(rounds):
+        size = c.size
+        factor = 1 + rng.gauss(0, noise)
+        for _ in range(size):
+            latency = latency_of(size) * factor * (1 + rng.gauss(0, noise))
+            now += latency / size
+            c.record(Outcome.SUCCESS, now, size, latency=latency)
+        sizes.append(c.size)
+    return sizes
+
+
+@pytest.mark.parametrize(("capacity", "alpha"), [(40, 1.0), (13, 1.5), (100, 0.1), (24, 2.0)])
+@pytest.mark.parametrize("noise", [0.02, 0.04])
+def test_noise_does_not_ratchet_the_knee_up(capacity: int, alpha: float, noise: float) -> None:
+    """Rounds whose throughput varies by a few percent at one size (every real server's):
+    a step judged on one lucky round would be kept now and then, and a step back down
+    refused, so the window climbed to several times the capacity (at 4 %: the max). A
+    change within the rounds' own noise counts as none: `knee` settles near the capacity,
+    draw after draw."""
+    settled = []
+    for seed in range(6):
+        c = AdaptiveController(1, 1024, 8, cooldown=5.0)
+        sizes = _drive_noisy(c, _engine(capacity, alpha), 400, noise, seed)
+        settled.append(statistics.median(sizes[-100:]) / capacity)
+    assert statistics.median(settled) <= 1.1
+    assert max(settled) <= 1.5
+    assert min(settled) >= 0.8
 
 
 def test_throughput_grows_on_a_plateau_as_long_as_it_still_rises() -> None:

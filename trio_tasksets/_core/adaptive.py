@@ -15,8 +15,10 @@
 from __future__ import annotations
 
 import enum
+import itertools
 import math
 import re
+import statistics
 from collections import deque
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
@@ -62,6 +64,15 @@ objective (past it, the objective's quarter steps go on)."""
 PROBE_ROUND = 24
 """The fewest successes in the round that judges a probe (a small window's rounds are
 otherwise a few calls, and one stalled call decides it)."""
+
+
+NOISE_Z = 2.0
+"""How many standard deviations of the rounds' own noise a probe's change in throughput
+must exceed to count as a change at all (see `AdaptiveController`, "noise")."""
+
+
+PROBE_ROUNDS = 4
+"""The most rounds that measure one probe: an inconclusive one measures again, up to this."""
 
 
 MEMORY = 400
@@ -277,6 +288,7 @@ class AdaptiveController:
     _seen: dict[int, list[float]] = attrs.field(factory=dict, init=False)
     _pooled: bool = attrs.field(default=True, init=False)  # the probe's old size: pooled
     _no_gains: int = attrs.field(default=0, init=False)  # steps up given up in a row
+    _down_next: bool = attrs.field(default=False, init=False)  # `knee`: probe down next
     _worst: float = attrs.field(default=0.0, init=False)  # the last round's
     _bound: float | None = attrs.field(default=None, init=False)  # p99=SECONDS
     _gain: float = attrs.field(default=0.0, init=False)  # min_gain, resolved
@@ -290,6 +302,10 @@ class AdaptiveController:
     _settle: bool = attrs.field(default=False, init=False)
     _settle_need: int = attrs.field(default=0, init=False)  # the size before a step down
     _probe_from: tuple[int, float] | None = attrs.field(default=None, init=False)
+    # the probe's measured rounds so far: [sum of in-flight, sum of latencies, rounds]
+    _probe_sums: list[float] = attrs.field(factory=lambda: [0.0, 0.0, 0.0], init=False)
+    # per size, its recent measured rounds' log throughputs (the noise: `_noise`)
+    _rounds: dict[int, deque[tuple[float, float]]] = attrs.field(factory=dict, init=False)
     _ref_latency: float | None = attrs.field(default=None, init=False)
     _ref_throughput: float = attrs.field(default=0.0, init=False)  # measured with it
     _hold_until: float = attrs.field(default=-math.inf, init=False)
@@ -557,6 +573,7 @@ class AdaptiveController:
             and not self.pace_binds
         )
         measured = self._measure()
+        sums = (self._load_sum, self._lat_sum)
         settle, self._settle = self._settle, False
         self._settle_need = 0
         probe_from = self._probe_from
@@ -573,7 +590,7 @@ class AdaptiveController:
                 and self._engine_at > self._grown_at  # one step per reading, seen after it
             )
         if measured is not None and not self._answers_429 and not self.paced:
-            change, grow = self._latency_signal(now, measured, settle, probe_from, grow)
+            change, grow = self._latency_signal(now, measured, sums, settle, probe_from, grow)
             if change is not None or not grow:
                 return change
             self._grown_at = now
@@ -585,6 +602,15 @@ class AdaptiveController:
                 return self._search(now, measured)
             if self.slow_start:  # every step is a probe: measured, kept only if it paid
                 return self._set(min(self.max, 2 * self.size), "slow start", measured)
+            if self._down_next:
+                # `knee`, at a knee two probes up have confirmed: the next probe is down
+                # (up alone, noise would ratchet it up: a lucky round keeps a step up now
+                # and then, and nothing would ever bring it back); then up again
+                self._down_next = False
+                self._hold_until = now + self.cooldown
+                size = max(self.min, round(self.size / (1 + self.probe)))
+                if size < self.size:
+                    return self._set(size, "probe down", measured)
             step = max(1, math.floor(self.probe * self.size))
             size = min(self.max, self.size + step)
             if self._bound is not None and self._over_bound(
@@ -620,6 +646,9 @@ class AdaptiveController:
         seen[1] += self._lat_sum
         seen[2] += self._lat_n
         seen[3] = now
+        if self._load_sum > 0 and self._lat_sum > 0:
+            rounds = self._rounds.setdefault(self.size, deque(maxlen=16))
+            rounds.append((now, math.log(self._load_sum / self._lat_sum)))
         if seen[2] > MEMORY:
             seen[0] /= 2
             seen[1] /= 2
@@ -642,6 +671,26 @@ class AdaptiveController:
         if seen is None or now - seen[3] > 4 * self.cooldown or seen[1] <= 0:
             return None
         return seen[0] / seen[1]
+
+    def _noise(self, now: float) -> float:
+        """The rounds' own noise: the standard deviation of a measured round's log
+        throughput, from the differences between successive rounds at one size (the
+        sizes measured in the last `4 * cooldown` seconds, their last 16 rounds each), by
+        their median (robust: a change of conditions, a busy machine's, is one large
+        difference, not noise); 0 until three differences say anything."""
+        steps: list[float] = []
+        for rounds in self._rounds.values():
+            values = [x for at, x in rounds if now - at <= 4 * self.cooldown]
+            steps.extend(abs(b - a) for a, b in itertools.pairwise(values))
+        if len(steps) < 3:
+            return 0.0
+        # |x - y| of two draws of N(0, s): median 0.6745 * sqrt(2) * s
+        return statistics.median(steps) / (0.6745 * math.sqrt(2))
+
+    def _count(self, size: int, now: float) -> int:
+        """How many recent measured rounds `size`'s pooled throughput stands on (at least 1)."""
+        rounds = self._rounds.get(size, ())
+        return max(1, sum(1 for at, _ in rounds if now - at <= 4 * self.cooldown))
 
     def _over_bound(self, now: float, size: int | None = None) -> bool:
         """`p99=SECONDS`: is this size's (or `size`'s) p99 over the bound, as its tally
@@ -690,11 +739,13 @@ class AdaptiveController:
         probed again sooner; at a true knee the probes come every `cooldown`)."""
         self._no_gains += 1
         self._hold_until = now + self.cooldown * min(1.0, 2.0 ** (self._no_gains - 2))
+        self._down_next = self._no_gains >= 2 and self.objective == "knee"
 
     def _latency_signal(
         self,
         now: float,
         measured: tuple[float, float],
+        sums: tuple[float, float],
         settle: bool,
         probe_from: tuple[int, float] | None,
         grow: bool,
@@ -712,11 +763,31 @@ class AdaptiveController:
             old, old_throughput = probe_from
             # the size it left: its throughput over its recent rounds (one round's is noisy;
             # but the "latency" probe is judged against the rate when the size was taken);
-            # the step's own size: this round (a noisy round of an earlier probe of it must
-            # not decide this one)
+            # the step's own size: this probe's rounds (a noisy round of an earlier probe of
+            # it must not decide this one)
+            n_old = 1
             if self._pooled:
                 old_throughput = self._estimate(old, now) or old_throughput
+                n_old = self._count(old, now)
+            probe = self._probe_sums
+            probe[0] += sums[0]
+            probe[1] += sums[1]
+            probe[2] += 1
+            if probe[0] > 0 and probe[1] > 0:
+                throughput = probe[0] / probe[1]
             gain = self._elasticity(old, old_throughput, throughput)
+            # a change within the rounds' own noise is no change: measure again, and if it
+            # stays within it, `knee` takes the smaller size (noise alone would otherwise
+            # ratchet it up: a step up kept, or a step back down refused, on a lucky round)
+            noise = self._noise(now)
+            spread = NOISE_Z * noise * math.sqrt(1 / n_old + 1 / probe[2])
+            change = math.log(throughput / old_throughput) if old_throughput > 0 else math.inf
+            unclear = abs(change) < spread
+            if unclear and probe[2] < PROBE_ROUNDS:
+                self._probe_from = probe_from
+                return None, False
+            if unclear and self.objective == "knee":
+                gain = -math.inf if old < self.size else 0.0
             if old < self.size:  # a step up: kept if throughput rose by `min_gain` of it
                 least = self._gain
                 if self.size >= 1.5 * old:
@@ -741,6 +812,10 @@ class AdaptiveController:
             elif gain > self._gain and not over:  # a step down that cost throughput
                 if self._hi:  # the knee is above this size: back, and the search goes on
                     self._lo = max(self._lo, self.size)
+                elif self.objective == "knee" and self._pooled:
+                    # `knee`'s probe down (a quarter) lost: the knee lies between, searched
+                    self._lo, self._hi = self.size, old
+                    self._hold_until = -math.inf
                 else:
                     self._hold_until = now + self.cooldown
                 self._settle = True
@@ -793,6 +868,7 @@ class AdaptiveController:
             return None
         if measured is not None:  # a probe (either way): settle, then measure
             self._probe_from = (self.size, measured[0])
+            self._probe_sums = [0.0, 0.0, 0.0]
             self._pooled = reason != "latency"
             self._settle = True
         elif size < self.size:  # measure the new size afresh, once its calls have turned over
