@@ -184,7 +184,14 @@ class AdaptiveController:
       throughput over its recent rounds pooled (its in-flight and latency sums over the
       rounds measured at it in the last `4 * cooldown` seconds, at most `MEMORY` calls:
       one round of an engine's batches, or of a busy machine, is noisy) and X_new the new
-      size's round (a noisy round of an earlier probe to it must not decide this one). A step up is kept
+      size's rounds since the step (a noisy round of an earlier probe to it must not decide
+      this one). A change of throughput within `NOISE_Z` times the rounds' own noise (the
+      median difference of successive rounds at one size, over the sizes measured in the
+      last `4 * cooldown` seconds: robust to a change of conditions), scaled to the rounds
+      on each side, is no change: the probe measures another round, up to `PROBE_ROUNDS`,
+      and if it stays within the noise, `knee` takes the smaller size (judged on one round,
+      a lucky one kept a step up now and then and refused a step back down, and the window
+      ratcheted up to several times an engine's capacity). A step up is kept
       if ``e >= min_gain`` (a doubling: `DOUBLING_GAIN` at least; by default per
       objective, `MIN_GAIN`: `knee` 0.08, `throughput` and `p99` 0.03), else it goes back
       (reason "no gain"). Slow start doubles. With `knee`, a doubling that does not pay
@@ -198,7 +205,10 @@ class AdaptiveController:
       the ends are within a sixteenth (or one) of each other, and growth then waits
       `cooldown` seconds (the other objectives go on up by `probe` steps). A failed
       small step up waits half a `cooldown` (a wrong "no gain", a noisy round's, is
-      probed again soon), and a whole one when the step before failed too. After slow
+      probed again soon), and a whole one when the step before failed too; after that
+      second one, `knee`'s next probe goes down by `probe` (a `cooldown` later; one that
+      loses throughput searches again between the two sizes), then up again: probes only
+      up would let noise ratchet the size. After slow
       start a step adds `max(1, probe * size)`.
     * `p99=SECONDS`: each size keeps a tally of its calls and of those slower than SECONDS
       over its measured rounds (the same memory); its p99 is over the bound when more than
