@@ -105,40 +105,81 @@ def test_knee_settles_at_an_engines_capacity_from_above_and_below(
 
 
 def _drive_noisy(
-    c: AdaptiveController, latency_of: Any, rounds: int, noise: float, seed: int
+    c: AdaptiveController, latencies_of: Any, rounds: int, noise: float, seed: int
 ) -> list[int]:
-    """`_drive` on a noisy server: each round's calls share a factor (1 + N(0, noise)) on
-    their latency (an engine's batch waves, a machine's moments), and each call has its
-    own too. Seeded: the same draw each time."""
+    """Closed-loop rounds of `c.size` calls whose latencies `latencies_of(size, rng)` gives,
+    on a noisy server: each round's calls share a factor (1 + N(0, noise)) on their latency
+    (an engine's batch waves, a machine's moments), and each call has its own too. Seeded:
+    the same draw each time. Returns the size after each round."""
     rng = random.Random(seed)
     now, sizes = 0.0, []
     for _ in range(rounds):
         size = c.size
         factor = 1 + rng.gauss(0, noise)
-        for _ in range(size):
-            latency = latency_of(size) * factor * (1 + rng.gauss(0, noise))
+        for latency in latencies_of(size, rng):
+            latency *= factor * (1 + rng.gauss(0, noise))
             now += latency / size
             c.record(Outcome.SUCCESS, now, size, latency=latency)
         sizes.append(c.size)
     return sizes
 
 
+def _uniform(capacity: int, alpha: float) -> Any:
+    """`_engine`'s latency, the same for every call of a round."""
+    latency_of = _engine(capacity, alpha)
+    return lambda size, rng: [latency_of(size)] * size
+
+
+def _batches(capacity: int, alpha: float, base: float = 0.2, edge: float = 0.01) -> Any:
+    """An engine of `capacity` slots as a closed loop sees it: up to C calls, one batch each;
+    past C, a call waits m or m + 1 batches of C (m = size // C, so many of them that the
+    mean is size / C), the p99 a whole batch over the median. A window of exactly C leaves
+    the batch short of full by the client's gap between a reply and the next call, so past
+    C throughput is `edge` higher (the zoo's engine at C = 13: 1 %)."""
+
+    def latencies(size: int, rng: random.Random) -> list[float]:
+        if size <= capacity:
+            return [base * (1 + alpha * size / capacity)] * size
+        batch = base * (1 + alpha) / (1 + edge)
+        whole, part = divmod(size / capacity, 1)
+        return [(whole + (rng.random() < part)) * batch for _ in range(size)]
+
+    return latencies
+
+
 @pytest.mark.parametrize(("capacity", "alpha"), [(40, 1.0), (13, 1.5), (100, 0.1), (24, 2.0)])
-@pytest.mark.parametrize("noise", [0.02, 0.04])
-def test_noise_does_not_ratchet_the_knee_up(capacity: int, alpha: float, noise: float) -> None:
+def test_noise_does_not_ratchet_the_knee_up(capacity: int, alpha: float) -> None:
     """Rounds whose throughput varies by a few percent at one size (every real server's):
-    a step judged on one lucky round would be kept now and then, and a step back down
-    refused, so the window climbed to several times the capacity (at 4 %: the max). A
-    change within the rounds' own noise counts as none: `knee` settles near the capacity,
-    draw after draw."""
+    judged on one round, a lucky one kept a step up now and then and refused a step back
+    down, and the window climbed to several times the capacity (2-27x here). A change
+    within the rounds' own noise is measured again, and past a failed probe up the next goes
+    down: `knee` settles near the capacity, draw after draw."""
     settled = []
     for seed in range(6):
         c = AdaptiveController(1, 1024, 8, cooldown=5.0)
-        sizes = _drive_noisy(c, _engine(capacity, alpha), 400, noise, seed)
+        sizes = _drive_noisy(c, _uniform(capacity, alpha), 400, 0.02, seed)
         settled.append(statistics.median(sizes[-100:]) / capacity)
     assert statistics.median(settled) <= 1.1
     assert max(settled) <= 1.5
     assert min(settled) >= 0.8
+
+
+@pytest.mark.parametrize(("capacity", "alpha"), [(13, 1.5), (40, 1.0), (24, 2.0)])
+def test_knee_stops_where_calls_begin_to_queue(capacity: int, alpha: float) -> None:
+    """Issue 32 (the zoo's engine, C = 13): a window of C + 1 gains 1 % of throughput (an
+    elasticity of 0.13, over `knee`'s 0.08) and makes one call in C + 1 wait a whole batch,
+    the p99 twice C's. `knee` settled at C + 1 to C + 3. Its p99 rising faster than the size
+    says the calls queue: the knee is C, with no noise exactly, with noise within a few."""
+    c = AdaptiveController(1, 1024, 8, cooldown=5.0)
+    sizes = _drive_noisy(c, _batches(capacity, alpha), 400, 0.0, 0)
+    assert statistics.median(sizes[-100:]) == capacity
+    settled = []
+    for seed in range(6):
+        c = AdaptiveController(1, 1024, 8, cooldown=5.0)
+        sizes = _drive_noisy(c, _batches(capacity, alpha), 400, 0.02, seed)
+        settled.append(statistics.median(sizes[-100:]) / capacity)
+    assert statistics.median(settled) >= 0.9
+    assert statistics.median(settled) <= 1.0
 
 
 def test_throughput_grows_on_a_plateau_as_long_as_it_still_rises() -> None:

@@ -75,6 +75,15 @@ PROBE_ROUNDS = 4
 """The most rounds that measure one probe: an inconclusive one measures again, up to this."""
 
 
+QUEUE_TAIL = 1.25
+"""`knee`: a size whose p99 latency exceeds a smaller one's by more than this times the
+ratio of their sizes is past the knee, whatever its throughput: its calls queue (on an
+engine of C slots, a window of C + 1 gains a percent of throughput, by the client's gaps
+between calls, and makes one call in C + 1 wait a whole batch: the p99 doubles). A size
+with no queue has latencies that grow no faster than the size (Little's law, throughput not
+falling)."""
+
+
 MEMORY = 400
 """The most calls that a size's pooled rounds count (its throughput, and with `p99=` its
 calls over the bound): past it, every sum is halved, so older rounds weigh less. A size's
@@ -188,10 +197,13 @@ class AdaptiveController:
       this one). A change of throughput within `NOISE_Z` times the rounds' own noise (the
       median difference of successive rounds at one size, over the sizes measured in the
       last `4 * cooldown` seconds: robust to a change of conditions), scaled to the rounds
-      on each side, is no change: the probe measures another round, up to `PROBE_ROUNDS`,
-      and if it stays within the noise, `knee` takes the smaller size (judged on one round,
-      a lucky one kept a step up now and then and refused a step back down, and the window
-      ratcheted up to several times an engine's capacity). A step up is kept
+      on each side, says nothing yet: the probe measures another round, up to
+      `PROBE_ROUNDS`, and is judged on its rounds pooled (judged on one round, a lucky one
+      kept a step up now and then and refused a step back down, and the window ratcheted
+      up to several times an engine's capacity). With `knee`, the larger of the two sizes
+      is past the knee, whatever it delivers, when its p99 latency exceeds the smaller
+      one's by more than `QUEUE_TAIL` times the sizes' ratio: its calls queue (an engine's
+      C + 1 gains a percent and doubles the p99). A step up is kept
       if ``e >= min_gain`` (a doubling: `DOUBLING_GAIN` at least; by default per
       objective, `MIN_GAIN`: `knee` 0.08, `throughput` and `p99` 0.03), else it goes back
       (reason "no gain"). Slow start doubles. With `knee`, a doubling that does not pay
@@ -316,6 +328,10 @@ class AdaptiveController:
     _probe_sums: list[float] = attrs.field(factory=lambda: [0.0, 0.0, 0.0], init=False)
     # per size, its recent measured rounds' log throughputs (the noise: `_noise`)
     _rounds: dict[int, deque[tuple[float, float]]] = attrs.field(factory=dict, init=False)
+    # `knee`: this round's latencies, the probe's so far, and per size its recent ones
+    _round_lats: list[float] = attrs.field(factory=list, init=False)
+    _probe_lats: list[float] = attrs.field(factory=list, init=False)
+    _tails: dict[int, deque[float]] = attrs.field(factory=dict, init=False)
     _ref_latency: float | None = attrs.field(default=None, init=False)
     _ref_throughput: float = attrs.field(default=0.0, init=False)  # measured with it
     _hold_until: float = attrs.field(default=-math.inf, init=False)
@@ -388,6 +404,7 @@ class AdaptiveController:
             self._lat_sum += seconds
             self._lat_n += 1
             self._lat_max = max(self._lat_max, seconds)
+            self._round_lats.append(seconds)
             self._load_sum += in_flight
             if self._bound is not None and seconds > self._bound:
                 self._lat_over += 1
@@ -584,6 +601,7 @@ class AdaptiveController:
         )
         measured = self._measure()
         sums = (self._load_sum, self._lat_sum)
+        lats = self._round_lats
         settle, self._settle = self._settle, False
         self._settle_need = 0
         probe_from = self._probe_from
@@ -600,7 +618,7 @@ class AdaptiveController:
                 and self._engine_at > self._grown_at  # one step per reading, seen after it
             )
         if measured is not None and not self._answers_429 and not self.paced:
-            change, grow = self._latency_signal(now, measured, sums, settle, probe_from, grow)
+            change, grow = self._latency_signal(now, measured, sums, lats, settle, probe_from, grow)
             if change is not None or not grow:
                 return change
             self._grown_at = now
@@ -652,6 +670,8 @@ class AdaptiveController:
         seen = self._seen.get(self.size)
         if seen is None or now - seen[3] > 4 * self.cooldown:  # forgotten: start anew
             seen = self._seen[self.size] = [0.0, 0.0, 0.0, now]
+            self._tails[self.size] = deque(maxlen=256)
+        self._tails.setdefault(self.size, deque(maxlen=256)).extend(self._round_lats)
         seen[0] += self._load_sum
         seen[1] += self._lat_sum
         seen[2] += self._lat_n
@@ -696,6 +716,18 @@ class AdaptiveController:
             return 0.0
         # |x - y| of two draws of N(0, s): median 0.6745 * sqrt(2) * s
         return statistics.median(steps) / (0.6745 * math.sqrt(2))
+
+    def _queues(self, old: int) -> bool:
+        """`knee`: whether the larger of the probe's two sizes queues (`QUEUE_TAIL`): its p99
+        latency over the smaller one's, by more than `QUEUE_TAIL` times the sizes' ratio.
+        The probe's size: its rounds' calls; the size it left: its recent calls (both at
+        least `PROBE_ROUND`)."""
+        here, there = self._probe_lats, list(self._tails.get(old, ()))
+        if len(here) < PROBE_ROUND or len(there) < PROBE_ROUND or old == self.size:
+            return False
+        small, large = (there, here) if old < self.size else (here, there)
+        ratio = max(old, self.size) / min(old, self.size)
+        return _p99(large) > QUEUE_TAIL * ratio * _p99(small)
 
     def _count(self, size: int, now: float) -> int:
         """How many recent measured rounds `size`'s pooled throughput stands on (at least 1)."""
@@ -756,6 +788,7 @@ class AdaptiveController:
         now: float,
         measured: tuple[float, float],
         sums: tuple[float, float],
+        lats: list[float],
         settle: bool,
         probe_from: tuple[int, float] | None,
         grow: bool,
@@ -786,18 +819,20 @@ class AdaptiveController:
             if probe[0] > 0 and probe[1] > 0:
                 throughput = probe[0] / probe[1]
             gain = self._elasticity(old, old_throughput, throughput)
-            # a change within the rounds' own noise is no change: measure again, and if it
-            # stays within it, `knee` takes the smaller size (noise alone would otherwise
-            # ratchet it up: a step up kept, or a step back down refused, on a lucky round)
+            # a change within the rounds' own noise says nothing yet: measure again (up to
+            # `PROBE_ROUNDS`), then judge the rounds pooled (judged on one, a lucky round
+            # kept a step up now and then, or refused a step back down)
+            self._probe_lats.extend(lats)
             noise = self._noise(now)
             spread = NOISE_Z * noise * math.sqrt(1 / n_old + 1 / probe[2])
             change = math.log(throughput / old_throughput) if old_throughput > 0 else math.inf
             unclear = abs(change) < spread
+            if self.objective == "knee" and self._pooled and self._queues(old):
+                # the larger of the two sizes queues: past the knee, whatever it delivers
+                gain, unclear = (-math.inf if old < self.size else 0.0), False
             if unclear and probe[2] < PROBE_ROUNDS:
                 self._probe_from = probe_from
                 return None, False
-            if unclear and self.objective == "knee":
-                gain = -math.inf if old < self.size else 0.0
             if old < self.size:  # a step up: kept if throughput rose by `min_gain` of it
                 least = self._gain
                 if self.size >= 1.5 * old:
@@ -868,6 +903,7 @@ class AdaptiveController:
         self._peak = 0
         self._clean = True
         self._lat_sum = self._load_sum = self._lat_max = 0.0
+        self._round_lats = []
         self._lat_n = self._lat_over = 0
         self._probe_from = None
 
@@ -879,6 +915,7 @@ class AdaptiveController:
         if measured is not None:  # a probe (either way): settle, then measure
             self._probe_from = (self.size, measured[0])
             self._probe_sums = [0.0, 0.0, 0.0]
+            self._probe_lats = []
             self._pooled = reason != "latency"
             self._settle = True
         elif size < self.size:  # measure the new size afresh, once its calls have turned over
@@ -890,6 +927,11 @@ class AdaptiveController:
         self._settle_need = self.size if self._settle and size < self.size else 0
         self.size = size
         return Change(size, reason)
+
+
+def _p99(values: list[float]) -> float:
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, int(0.99 * len(ordered)))]
 
 
 def _check_bounds(low: int, start: int, high: int) -> None:
