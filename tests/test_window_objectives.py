@@ -13,6 +13,7 @@ import random
 import statistics
 import subprocess
 import sys
+from collections import Counter
 from pathlib import Path
 from typing import Any
 
@@ -169,17 +170,21 @@ def test_knee_stops_where_calls_begin_to_queue(capacity: int, alpha: float) -> N
     """Issue 32 (the zoo's engine, C = 13): a window of C + 1 gains 1 % of throughput (an
     elasticity of 0.13, over `knee`'s 0.08) and makes one call in C + 1 wait a whole batch,
     the p99 twice C's. `knee` settled at C + 1 to C + 3. Its p99 rising faster than the size
-    says the calls queue: the knee is C, with no noise exactly, with noise within a few."""
+    says the calls queue: the knee is C (with no noise, where it spends most rounds), with
+    noise within a few."""
     c = AdaptiveController(1, 1024, 8, cooldown=5.0)
     sizes = _drive_noisy(c, _batches(capacity, alpha), 400, 0.0, 0)
-    assert statistics.median(sizes[-100:]) == capacity
+    (size, rounds), *_ = Counter(sizes[-100:]).most_common(1)
+    assert size == capacity  # (the probes take it elsewhere a round or a few at a time)
+    assert rounds >= 35
     settled = []
     for seed in range(6):
         c = AdaptiveController(1, 1024, 8, cooldown=5.0)
         sizes = _drive_noisy(c, _batches(capacity, alpha), 400, 0.02, seed)
         settled.append(statistics.median(sizes[-100:]) / capacity)
     assert statistics.median(settled) >= 0.9
-    assert statistics.median(settled) <= 1.0
+    assert statistics.median(settled) <= 1.05
+    assert min(settled) >= 0.8
 
 
 def test_throughput_grows_on_a_plateau_as_long_as_it_still_rises() -> None:

@@ -195,15 +195,17 @@ class AdaptiveController:
       one round of an engine's batches, or of a busy machine, is noisy) and X_new the new
       size's rounds since the step (a noisy round of an earlier probe to it must not decide
       this one). A change of throughput within `NOISE_Z` times the rounds' own noise (the
-      median difference of successive rounds at one size, over the sizes measured in the
-      last `4 * cooldown` seconds: robust to a change of conditions), scaled to the rounds
-      on each side, says nothing yet: the probe measures another round, up to
-      `PROBE_ROUNDS`, and is judged on its rounds pooled (judged on one round, a lucky one
-      kept a step up now and then and refused a step back down, and the window ratcheted
-      up to several times an engine's capacity). With `knee`, the larger of the two sizes
-      is past the knee, whatever it delivers, when its p99 latency exceeds the smaller
-      one's by more than `QUEUE_TAIL` times the sizes' ratio: its calls queue (an engine's
-      C + 1 gains a percent and doubles the p99). A step up is kept
+      median difference of successive rounds at one size, at the probe's two sizes or
+      else every size measured in the last `4 * cooldown` seconds: robust to a change of
+      conditions), scaled to the rounds on each side, says nothing yet: the probe measures
+      another round, up to `PROBE_ROUNDS`, and if it stays within the noise, `knee` takes
+      the smaller size (judged on one round, a lucky one kept a step up now and then and
+      refused a step back down, and the window ratcheted up to several times an engine's
+      capacity). With `knee`, the larger of the two sizes is past the knee, whatever it
+      delivers, when its p99 latency exceeds the smaller one's by more than `QUEUE_TAIL`
+      times the sizes' ratio: its calls queue (an engine's C + 1 gains a percent and
+      doubles the p99); a step up whose settling round shows it already goes back at
+      once. A step up is kept
       if ``e >= min_gain`` (a doubling: `DOUBLING_GAIN` at least; by default per
       objective, `MIN_GAIN`: `knee` 0.08, `throughput` and `p99` 0.03), else it goes back
       (reason "no gain"). Slow start doubles. With `knee`, a doubling that does not pay
@@ -218,9 +220,9 @@ class AdaptiveController:
       `cooldown` seconds (the other objectives go on up by `probe` steps). A failed
       small step up waits half a `cooldown` (a wrong "no gain", a noisy round's, is
       probed again soon), and a whole one when the step before failed too; after that
-      second one, `knee`'s next probe goes down by `probe` (a `cooldown` later; one that
-      loses throughput searches again between the two sizes), then up again: probes only
-      up would let noise ratchet the size. After slow
+      second one, `knee`'s next probe goes down by `probe` (one that loses throughput
+      searches again, between it and the last size a step up to which did not pay), then
+      up again: probes only up would let noise ratchet the size. After slow
       start a step adds `max(1, probe * size)`.
     * `p99=SECONDS`: each size keeps a tally of its calls and of those slower than SECONDS
       over its measured rounds (the same memory); its p99 is over the bound when more than
@@ -311,6 +313,7 @@ class AdaptiveController:
     _pooled: bool = attrs.field(default=True, init=False)  # the probe's old size: pooled
     _no_gains: int = attrs.field(default=0, init=False)  # steps up given up in a row
     _down_next: bool = attrs.field(default=False, init=False)  # `knee`: probe down next
+    _past: int = attrs.field(default=0, init=False)  # the last step up that did not pay
     _worst: float = attrs.field(default=0.0, init=False)  # the last round's
     _bound: float | None = attrs.field(default=None, init=False)  # p99=SECONDS
     _gain: float = attrs.field(default=0.0, init=False)  # min_gain, resolved
@@ -702,27 +705,32 @@ class AdaptiveController:
             return None
         return seen[0] / seen[1]
 
-    def _noise(self, now: float) -> float:
+    def _noise(self, now: float, sizes: tuple[int, ...] = ()) -> float:
         """The rounds' own noise: the standard deviation of a measured round's log
-        throughput, from the differences between successive rounds at one size (the
-        sizes measured in the last `4 * cooldown` seconds, their last 16 rounds each), by
-        their median (robust: a change of conditions, a busy machine's, is one large
-        difference, not noise); 0 until three differences say anything."""
-        steps: list[float] = []
-        for rounds in self._rounds.values():
-            values = [x for at, x in rounds if now - at <= 4 * self.cooldown]
-            steps.extend(abs(b - a) for a, b in itertools.pairwise(values))
-        if len(steps) < 3:
-            return 0.0
-        # |x - y| of two draws of N(0, s): median 0.6745 * sqrt(2) * s
-        return statistics.median(steps) / (0.6745 * math.sqrt(2))
+        throughput, from the differences between successive rounds at one size (their last
+        16 rounds, measured in the last `4 * cooldown` seconds), by their median (robust: a
+        change of conditions, a busy machine's, is one large difference, not noise). From
+        `sizes`' rounds when they have three differences (a queue's sizes are noisier than
+        those below it), else every size's; 0 until three differences say anything."""
+        for chosen in (sizes, tuple(self._rounds)):
+            steps: list[float] = []
+            for size in chosen:
+                values = [
+                    x for at, x in self._rounds.get(size, ()) if now - at <= 4 * self.cooldown
+                ]
+                steps.extend(abs(b - a) for a, b in itertools.pairwise(values))
+            if len(steps) >= 3:
+                # |x - y| of two draws of N(0, s): median 0.6745 * sqrt(2) * s
+                return statistics.median(steps) / (0.6745 * math.sqrt(2))
+        return 0.0
 
-    def _queues(self, old: int) -> bool:
+    def _queues(self, old: int, here: list[float] | None = None) -> bool:
         """`knee`: whether the larger of the probe's two sizes queues (`QUEUE_TAIL`): its p99
         latency over the smaller one's, by more than `QUEUE_TAIL` times the sizes' ratio.
-        The probe's size: its rounds' calls; the size it left: its recent calls (both at
-        least `PROBE_ROUND`)."""
-        here, there = self._probe_lats, list(self._tails.get(old, ()))
+        The probe's size: its rounds' calls (or `here`); the size it left: its recent calls
+        (both at least `PROBE_ROUND`)."""
+        here = self._probe_lats if here is None else here
+        there = list(self._tails.get(old, ()))
         if len(here) < PROBE_ROUND or len(there) < PROBE_ROUND or old == self.size:
             return False
         small, large = (there, here) if old < self.size else (here, there)
@@ -775,12 +783,28 @@ class AdaptiveController:
             return None
         return self._set(target, "probe down" if target < size else "grow", measured)
 
+    def _undo_step(self, now: float, old: int, *, over: bool) -> Change | None:
+        """A step up that did not pay goes back to `old` (reason "no gain"). `knee`: the knee
+        is below this size; a failed doubling starts the search between it and the size the
+        last step that paid started from (the other objectives want all the throughput there
+        is: they go on by smaller steps)."""
+        if self.objective == "knee" and not over and (self.slow_start or self._hi):
+            self._hi = min(self._hi or self.size, self.size)
+        elif not self.slow_start:
+            self._hold(now)
+            self._past = self.size
+        self.slow_start = False
+        self._settle = True
+        self._ref_latency = None
+        return self._set(max(self.min, old), "no gain")
+
     def _hold(self, now: float) -> None:
         """Growth waits after a step up that did not pay: half `cooldown` the first time,
-        `cooldown` after a second one in a row (a wrong "no gain", a noisy round's, is
-        probed again sooner; at a true knee the probes come every `cooldown`)."""
+        `cooldown` after a second one in a row, then twice and four times that (a wrong "no
+        gain", a noisy round's, is probed again soon; a knee that stays where it is is
+        probed less and less, as each probe past it costs the p99 its queued calls)."""
         self._no_gains += 1
-        self._hold_until = now + self.cooldown * min(1.0, 2.0 ** (self._no_gains - 2))
+        self._hold_until = now + self.cooldown * min(4.0, 2.0 ** (self._no_gains - 2))
         self._down_next = self._no_gains >= 2 and self.objective == "knee"
 
     def _latency_signal(
@@ -799,6 +823,16 @@ class AdaptiveController:
         self._min_latency = min(self._min_latency, latency)
         bound = self._bound
         if settle:  # its calls started at the old size: measure the next round
+            if (
+                self.objective == "knee"
+                and probe_from is not None
+                and probe_from[0] < self.size
+                and self._pooled
+                and self._queues(probe_from[0], lats)
+            ):
+                # a step up whose first calls already queue: undone now, not after rounds
+                # more of them (each costs the p99 a whole batch)
+                return self._undo_step(now, probe_from[0], over=False), False
             self._probe_from = probe_from
             return None, False
         over = bound is not None and self._over_bound(now)
@@ -823,7 +857,7 @@ class AdaptiveController:
             # `PROBE_ROUNDS`), then judge the rounds pooled (judged on one, a lucky round
             # kept a step up now and then, or refused a step back down)
             self._probe_lats.extend(lats)
-            noise = self._noise(now)
+            noise = self._noise(now, (old, self.size))
             spread = NOISE_Z * noise * math.sqrt(1 / n_old + 1 / probe[2])
             change = math.log(throughput / old_throughput) if old_throughput > 0 else math.inf
             unclear = abs(change) < spread
@@ -833,6 +867,8 @@ class AdaptiveController:
             if unclear and probe[2] < PROBE_ROUNDS:
                 self._probe_from = probe_from
                 return None, False
+            if unclear and self.objective == "knee":
+                gain = -math.inf if old < self.size else 0.0
             if old < self.size:  # a step up: kept if throughput rose by `min_gain` of it
                 least = self._gain
                 if self.size >= 1.5 * old:
@@ -840,18 +876,7 @@ class AdaptiveController:
                     # doubling gains nothing, and a busy machine's noise must not pass it
                     least = max(least, DOUBLING_GAIN)
                 if gain < least or over:
-                    # `knee`: the knee is below this size; a failed doubling starts the search
-                    # between it and the size the last step that paid started from (the
-                    # other objectives want all the throughput there is: they go on by
-                    # smaller steps)
-                    if self.objective == "knee" and not over and (self.slow_start or self._hi):
-                        self._hi = min(self._hi or self.size, self.size)
-                    elif not self.slow_start:
-                        self._hold(now)
-                    self.slow_start = False
-                    self._settle = True
-                    self._ref_latency = None
-                    return self._set(max(self.min, old), "no gain"), False
+                    return self._undo_step(now, old, over=over), False
                 self._no_gains = 0
                 self._lo = max(self._lo, old)  # the knee is above the size it came from
             elif gain > self._gain and not over:  # a step down that cost throughput
@@ -859,7 +884,8 @@ class AdaptiveController:
                     self._lo = max(self._lo, self.size)
                 elif self.objective == "knee" and self._pooled:
                     # `knee`'s probe down (a quarter) lost: the knee lies between, searched
-                    self._lo, self._hi = self.size, old
+                    # (up to the last step up that did not pay: the knee may be above old)
+                    self._lo, self._hi = self.size, max(old + 1, self._past)
                     self._hold_until = -math.inf
                 else:
                     self._hold_until = now + self.cooldown
