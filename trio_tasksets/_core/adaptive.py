@@ -854,8 +854,9 @@ class AdaptiveController:
                 throughput = probe[0] / probe[1]
             gain = self._elasticity(old, old_throughput, throughput)
             # a change within the rounds' own noise says nothing yet: measure again (up to
-            # `PROBE_ROUNDS`), then judge the rounds pooled (judged on one, a lucky round
-            # kept a step up now and then, or refused a step back down)
+            # `PROBE_ROUNDS`, the rounds pooled); still within it, `knee` takes the smaller
+            # size (judged on one round, a lucky one kept a step up now and then, or
+            # refused a step back down, and the size ratcheted up)
             self._probe_lats.extend(lats)
             noise = self._noise(now, (old, self.size))
             spread = NOISE_Z * noise * math.sqrt(1 / n_old + 1 / probe[2])
