@@ -31,7 +31,8 @@ contenders measured side by side, on the second half's rate:
   failed row.
 * concurrency, flaky: `knee` >= 0.9x the best fixed window, no failed row.
 
-A contender runs for `--seconds`, a rate limit's for 2.5 of its periods at least, and an
+A contender runs for `--seconds`, a rate limit's for 2.5 of its periods and 300 calls at its
+rate at least (at most 120 s: the first unpaced calls are not the pacing), and an
 engine's or a plateau's for 50 calls' latency at its knee at least (at most 120 s: a draw
 of 1 s calls, run for 15 s, sees slow start and one probe past the capacity fill its
 second half, whatever the controller).
@@ -191,6 +192,13 @@ def engine_latency(params: dict[str, Any], family: str) -> float:
     return float(params["base"] * 2 ** params["gamma"])
 
 
+def limit_rate(family: str, params: dict[str, Any]) -> float:
+    """The calls a second a `ratelimit` or `tpm` draw lets through."""
+    if family == "ratelimit":
+        return float(params.get("rate") or params["limit"] / params["period"])
+    return float(params["tpm"] / params["period"] / tokens_per_call(params))
+
+
 def contenders(family: str, params: dict[str, Any]) -> tuple[list[str], list[str]]:
     """(the fixed windows, the adaptive contenders) of one draw."""
     adaptive = ["knee"]
@@ -206,11 +214,7 @@ def contenders(family: str, params: dict[str, Any]) -> tuple[list[str], list[str
         bound = 1.25 * engine_latency(params, family)
         adaptive += [f"p99={bound:.3g}", "throughput"]
     elif family in ("ratelimit", "tpm"):
-        if family == "ratelimit":
-            rate = params.get("rate") or params["limit"] / params["period"]
-        else:
-            rate = params["tpm"] / params["period"] / tokens_per_call(params)
-        need = rate * params["latency"]
+        need = limit_rate(family, params) * params["latency"]
         fixed = _sizes([need / 2, need, 2 * need, 4 * need, 16 * need])
     elif family == "concurrency":
         c = params["capacity"]
@@ -390,6 +394,10 @@ def main(argv: list[str] | None = None) -> int:
                 fixed, adaptive = contenders(family, params)
                 period = params.get("period", 1) if family in ("ratelimit", "tpm") else 0
                 span = max(seconds, 2.5 * period)
+                if family in ("ratelimit", "tpm") and not args.quick:
+                    # at least 300 calls at the limit's rate: a limit of a few calls a second
+                    # run for 15 s is judged on its first unpaced calls, not on the pacing
+                    span = max(span, min(120.0, 300 / limit_rate(family, params)))
                 if family in ("engine", "plateau") and not args.quick:
                     # at least 50 calls' latency at the knee: a draw of 1 s calls run for
                     # 15 s sees slow start and one probe past the capacity fill its second
