@@ -187,6 +187,19 @@ def test_knee_stops_where_calls_begin_to_queue(capacity: int, alpha: float) -> N
     assert min(settled) >= 0.8
 
 
+def test_probes_past_a_steady_knee_come_less_and_less_often() -> None:
+    """Each probe past the knee costs the p99 the calls it queues. At a knee that stays where
+    it is, failed steps up in a row hold growth for longer and longer, up to 4 cooldowns
+    (they were at most 1: a probe past the capacity every couple of cooldowns, for good)."""
+    c = AdaptiveController(1, 1024, 8, cooldown=5.0)
+    _, changes = _steps(c, _engine(40, 1.0), 400.0)
+    probes = [t for t, size, reason in changes if reason == "grow" and size > 40]
+    gaps = [b - a for a, b in itertools.pairwise(probes)]
+    assert len(probes) >= 10
+    assert max(gaps) >= 4 * c.cooldown
+    assert [size for _, size, reason in changes if reason == "no gain"][-5:] == [40] * 5
+
+
 def test_throughput_grows_on_a_plateau_as_long_as_it_still_rises() -> None:
     """The plateau (gamma 1): throughput r / (base (1 + r/C)) keeps rising, ever less. `knee`
     stops where a step adds less than 0.12 of itself; `throughput` goes on further."""
