@@ -485,7 +485,9 @@ async def test_an_aborted_call_without_max_tokens_runs_on_to_the_context_s_end(
         tt.OpenAIClient(vllm.url, max_retries=0) as client,
         tt.VLLMControl(vllm.url) as control,
     ):
+        began = trio.current_time()
         whole = await client.chat(messages, model=SERVED_NAME, sampling=sampling)
+        took = trio.current_time() - began
         await control.set_version("0")  # (an earlier test left its own): vLLM's spans say it
         policy = tt.Policy("0", engines=[control])
         ctx = tt.ModelContext(client, SERVED_NAME, sampling, policy=policy)
@@ -497,7 +499,9 @@ async def test_an_aborted_call_without_max_tokens_runs_on_to_the_context_s_end(
         with trio.fail_after(120):
             async with trio.open_nursery() as nursery:
                 nursery.start_soon(call)
-                await trio.sleep(0.7)
+                # halfway through, by the uncut call's own time: a fixed wait missed when
+                # the engine ran faster (the call had ended) or slower (not yet begun)
+                await trio.sleep(took / 2)
                 await policy.update("1", mode="abort")
     assert policy.cut == 1
     assert whole.tokens is not None
