@@ -5,13 +5,14 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import random
 from collections.abc import AsyncGenerator
 from typing import Any
 
 import pytest
 import trio
 import trio.testing
-from hypothesis import given
+from hypothesis import given, settings
 from hypothesis import strategies as st
 from trio.testing import MockClock
 
@@ -482,6 +483,37 @@ def test_the_size_stays_within_bounds_and_moves_only_as_the_rules_allow(
             assert outcome is Outcome.SUCCESS
             assert c.size > before
             assert now - last_429 >= c.cooldown
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    objective=st.sampled_from(["knee", "throughput", "p99=0.5"]),
+    capacity=st.integers(1, 200),
+    fall=st.floats(0.0, 1.5),  # past the capacity, throughput falls as size ** -fall
+    noise=st.floats(0.0, 0.3),
+    seed=st.integers(0, 2**16),
+)
+def test_the_latency_signal_goes_back_only_to_sizes_it_has_held(
+    objective: str, capacity: int, fall: float, noise: float, seed: int
+) -> None:
+    """On any server whose throughput rises to a capacity and then stays or falls, with any
+    noise: a step given up (`no gain`, `lost throughput`) goes back to a size the window
+    held before (for `throughput`, the size the step came from or a smaller one measured
+    lately that clearly delivered more), and the size stays within its bounds."""
+    rng = random.Random(seed)
+    c = AdaptiveController(1, 256, 8, cooldown=5.0, objective=objective)
+    now, held, undone = 0.0, {c.size}, 0
+    for _ in range(4000):
+        size = c.size
+        rate = 10.0 * min(size, capacity) * (max(1.0, size / capacity) ** -fall)
+        latency = size / rate * max(0.05, 1 + rng.gauss(0, noise))
+        now += latency / size
+        change = c.record(Outcome.SUCCESS, now, size, latency=latency)
+        assert c.min <= c.size <= c.max
+        if change is not None and change.reason in ("no gain", "lost throughput"):
+            assert change.size in held, (change, held)
+            undone += 1
+        held.add(c.size)
 
 
 @pytest.mark.parametrize(

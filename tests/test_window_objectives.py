@@ -214,6 +214,44 @@ def test_throughput_grows_on_a_plateau_as_long_as_it_still_rises() -> None:
     assert 32 <= knee_size < most_size
 
 
+def _curve(rate_of: Any) -> Any:
+    """A closed loop's latencies on a server whose throughput at size r is `rate_of(r)`."""
+    return lambda size, rng: [size / rate_of(size)] * size
+
+
+def test_throughput_crosses_a_flat_stretch_to_where_throughput_rises_again() -> None:
+    """Issue 32, a real vLLM on a busy CPU: throughput flat from 8 to 40 calls, then rising
+    up to 256. Ties within the noise went to the smaller size, and `throughput` stopped at
+    16-25, 0.33x of `-c 256`. They go to the larger size now: it ends at the top."""
+
+    def rate_of(size: int) -> float:
+        return 100.0 * min(size, 8) * float(max(1.0, size / 40) ** 0.2)
+
+    for seed in range(4):
+        c = AdaptiveController(1, 256, 8, cooldown=5.0, objective="throughput")
+        sizes = _drive_noisy(c, _curve(rate_of), 1200, 0.03, seed)
+        assert statistics.median(sizes[-300:]) == 256, seed
+
+
+def test_throughput_does_not_walk_down_a_falling_plateau_by_ties() -> None:
+    """The zoo's plateau with gamma 1.76: throughput r / (1 + r/C)^gamma peaks at
+    C / (gamma - 1) and falls past it. Ties go to the larger size, one step at a time; a
+    smaller size measured lately that clearly delivered more takes the window back, so it
+    stays within a few percent of the peak (it walked to 2x the peak, 0.91x, without). (The
+    sizes' throughputs are remembered for 4 cooldowns: here some 40 calls' latency, about
+    the zoo's plateaus' at the CLI's cooldown of 15 s.)"""
+    capacity, gamma = 6, 1.76
+
+    def rate_of(size: int) -> float:
+        return size / (0.1 * float((1 + size / capacity) ** gamma))
+
+    peak = max(rate_of(size) for size in range(1, 257))
+    for seed in range(4):
+        c = AdaptiveController(1, 256, 8, cooldown=5.0, objective="throughput")
+        sizes = _drive_noisy(c, _curve(rate_of), 1200, 0.03, seed)
+        assert statistics.mean(rate_of(size) for size in sizes[-300:]) >= 0.95 * peak, seed
+
+
 def test_p99_keeps_the_slowest_call_under_its_bound() -> None:
     latency_of = _engine(40, 1.0)  # 0.4 s a call at 40, queueing past it
     c = AdaptiveController(1, 1024, 8, cooldown=5.0, objective="p99=0.3")

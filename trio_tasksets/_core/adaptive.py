@@ -197,16 +197,22 @@ class AdaptiveController:
       this one). A change of throughput within `NOISE_Z` times the rounds' own noise (the
       median difference of successive rounds at one size, at the probe's two sizes or
       else every size measured in the last `4 * cooldown` seconds: robust to a change of
-      conditions), scaled to the rounds on each side, says nothing yet: the probe measures
+      conditions; before three differences, the probe's calls' coefficient of variation
+      over the root of their number), scaled to the rounds on each side, says nothing
+      yet: the probe measures
       another round, up to `PROBE_ROUNDS`, and if it stays within the noise, `knee` takes
       the smaller size (judged on one round, a lucky one kept a step up now and then and
       refused a step back down, and the window ratcheted up to several times an engine's
-      capacity). With `knee`, the larger of the two sizes is past the knee, whatever it
-      delivers, when its p99 latency exceeds the smaller one's by more than `QUEUE_TAIL`
-      times the sizes' ratio: its calls queue (an engine's C + 1 gains a percent and
-      doubles the p99); a step up whose settling round shows it already goes back at
-      once. A step up is kept
-      if ``e >= min_gain`` (a doubling: `DOUBLING_GAIN` at least; by default per
+      capacity), `throughput` the larger (a flat stretch, vLLM's on a busy CPU, held it
+      below the rise), unless a smaller size measured in the last `4 * cooldown` seconds
+      delivered clearly more (by `NOISE_Z` times the noise): back to that one (ties taken
+      a step at a time would walk down a plateau whose throughput falls past its peak).
+      With `knee`, the larger of the two sizes is past the knee, whatever it delivers,
+      when its p99 latency exceeds the smaller one's by more than `QUEUE_TAIL` times the
+      sizes' ratio: its calls queue (an engine's C + 1 gains a percent and doubles the
+      p99); a step up whose settling round shows it already goes back at once. A step up
+      is kept if ``e >= min_gain`` (a doubling, but for `throughput`: `DOUBLING_GAIN` at
+      least; by default per
       objective, `MIN_GAIN`: `knee` 0.08, `throughput` and `p99` 0.03), else it goes back
       (reason "no gain"). Slow start doubles. With `knee`, a doubling that does not pay
       (or one that paid reached `max`) starts a *search*: the knee lies above the size
@@ -705,13 +711,13 @@ class AdaptiveController:
             return None
         return seen[0] / seen[1]
 
-    def _noise(self, now: float, sizes: tuple[int, ...] = ()) -> float:
+    def _noise(self, now: float, sizes: tuple[int, ...] = ()) -> float | None:
         """The rounds' own noise: the standard deviation of a measured round's log
         throughput, from the differences between successive rounds at one size (their last
         16 rounds, measured in the last `4 * cooldown` seconds), by their median (robust: a
         change of conditions, a busy machine's, is one large difference, not noise). From
         `sizes`' rounds when they have three differences (a queue's sizes are noisier than
-        those below it), else every size's; 0 until three differences say anything."""
+        those below it), else every size's; None until three differences say anything."""
         for chosen in (sizes, tuple(self._rounds)):
             steps: list[float] = []
             for size in chosen:
@@ -722,7 +728,26 @@ class AdaptiveController:
             if len(steps) >= 3:
                 # |x - y| of two draws of N(0, s): median 0.6745 * sqrt(2) * s
                 return statistics.median(steps) / (0.6745 * math.sqrt(2))
-        return 0.0
+        return None
+
+    def _clearly_better(
+        self, now: float, noise: float | None, throughput: float, rounds: float
+    ) -> int | None:
+        """`throughput`: the smaller size measured in the last `4 * cooldown` seconds whose
+        pooled throughput is the most, if it exceeds this size's (`throughput`, over
+        `rounds` rounds) by more than `NOISE_Z` times the rounds' noise."""
+        if noise is None:  # (not known yet: nothing is clear)
+            return None
+        best: tuple[float, int] | None = None
+        for size in self._seen:
+            x = self._estimate(size, now) if size < self.size else None
+            if x is None or throughput <= 0:
+                continue
+            spread = NOISE_Z * noise * math.sqrt(1 / self._count(size, now) + 1 / rounds)
+            margin = math.log(x / throughput) - spread
+            if margin > 0 and (best is None or x > best[0]):
+                best = (x, size)
+        return None if best is None else best[1]
 
     def _queues(self, old: int, here: list[float] | None = None) -> bool:
         """`knee`: whether the larger of the probe's two sizes queues (`QUEUE_TAIL`): its p99
@@ -859,7 +884,14 @@ class AdaptiveController:
             # refused a step back down, and the size ratcheted up)
             self._probe_lats.extend(lats)
             noise = self._noise(now, (old, self.size))
-            spread = NOISE_Z * noise * math.sqrt(1 / n_old + 1 / probe[2])
+            if noise is None and len(lats) > 1:
+                # before three differences of rounds say it, the calls' own spread: a
+                # round's mean latency varies by their coefficient of variation over the
+                # root of their number (a doubling judged on slow start's first rounds,
+                # a real vLLM's, went by the point estimate of two noisy rounds)
+                mean = statistics.fmean(lats)
+                noise = statistics.pstdev(lats) / mean / math.sqrt(len(lats)) if mean > 0 else 0.0
+            spread = NOISE_Z * (noise or 0.0) * math.sqrt(1 / n_old + 1 / probe[2])
             change = math.log(throughput / old_throughput) if old_throughput > 0 else math.inf
             unclear = abs(change) < spread
             if self.objective == "knee" and self._pooled and self._queues(old):
@@ -870,9 +902,20 @@ class AdaptiveController:
                 return None, False
             if unclear and self.objective == "knee":
                 gain = -math.inf if old < self.size else 0.0
+            elif unclear and self.objective == "throughput":
+                # all the throughput there is: the larger size (more window never
+                # delivers less unless it says so clearly; on a flat stretch, vLLM's on a
+                # busy CPU, a tie to the smaller size stopped the window below the rise)
+                gain = math.inf
+            if self.objective == "throughput" and old < self.size and self._pooled:
+                # ...unless a smaller size measured lately clearly delivered more: ties
+                # taken one step at a time would walk down a slope a little at each
+                better = self._clearly_better(now, noise, throughput, probe[2])
+                if better is not None:
+                    return self._undo_step(now, better, over=False), False
             if old < self.size:  # a step up: kept if throughput rose by `min_gain` of it
                 least = self._gain
-                if self.size >= 1.5 * old:
+                if self.size >= 1.5 * old and self.objective != "throughput":
                     # a doubling (slow start) is judged more strictly: a saturated engine's
                     # doubling gains nothing, and a busy machine's noise must not pass it
                     least = max(least, DOUBLING_GAIN)
