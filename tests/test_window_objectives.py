@@ -187,6 +187,20 @@ def test_knee_stops_where_calls_begin_to_queue(capacity: int, alpha: float) -> N
     assert min(settled) >= 0.8
 
 
+def test_a_fast_engines_knee_is_not_left_a_step_short_by_the_noise() -> None:
+    """Issue 32, the zoo's engine 5 (C 69): a step of a sixteenth below the knee gains a few
+    percent, within 4 noisy rounds' spread, and the tie went to the smaller size: `knee`
+    settled at 0.81-0.99 of C (median 0.89). A probe still unclear after 4 rounds measures
+    on while it has lasted less than a quarter cooldown (a fast engine's rounds are cheap)."""
+    settled = []
+    for seed in range(6):
+        c = AdaptiveController(1, 256, 8)  # cooldown 15 s; calls of some 80 ms
+        sizes = _drive_noisy(c, _batches(69, 1.59, base=0.03), 1200, 0.03, seed)
+        settled.append(statistics.median(sizes[-400:]) / 69)
+    assert statistics.median(settled) >= 0.95
+    assert min(settled) >= 0.85
+
+
 def test_probes_past_a_steady_knee_come_less_and_less_often() -> None:
     """Each probe past the knee costs the p99 the calls it queues. At a knee that stays where
     it is, failed steps up in a row hold growth for longer and longer, up to 4 cooldowns
@@ -229,8 +243,8 @@ def test_throughput_crosses_a_flat_stretch_to_where_throughput_rises_again() -> 
 
     for seed in range(4):
         c = AdaptiveController(1, 256, 8, cooldown=5.0, objective="throughput")
-        sizes = _drive_noisy(c, _curve(rate_of), 1200, 0.03, seed)
-        assert statistics.median(sizes[-300:]) == 256, seed
+        sizes = _drive_noisy(c, _curve(rate_of), 3000, 0.03, seed)
+        assert statistics.median(sizes[-500:]) == 256, seed
 
 
 def test_throughput_does_not_walk_down_a_falling_plateau_by_ties() -> None:

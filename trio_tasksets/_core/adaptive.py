@@ -72,7 +72,15 @@ must exceed to count as a change at all (see `AdaptiveController`, "noise")."""
 
 
 PROBE_ROUNDS = 4
-"""The most rounds that measure one probe: an inconclusive one measures again, up to this."""
+"""An inconclusive probe measures again, up to this many rounds, or for longer while it has
+lasted less than `PROBE_TIME` of a `cooldown` (a fast server's rounds are cheap, and more
+of them tell a smaller change), up to `PROBE_ROUNDS_MAX`."""
+
+PROBE_TIME = 0.25
+"""See `PROBE_ROUNDS`."""
+
+PROBE_ROUNDS_MAX = 64
+"""See `PROBE_ROUNDS`."""
 
 
 QUEUE_TAIL = 1.25
@@ -200,7 +208,8 @@ class AdaptiveController:
       conditions; before three differences, the probe's calls' coefficient of variation
       over the root of their number), scaled to the rounds on each side, says nothing
       yet: the probe measures
-      another round, up to `PROBE_ROUNDS`, and if it stays within the noise, `knee` takes
+      another round, up to `PROBE_ROUNDS` (more while it has lasted less than `PROBE_TIME`
+      of a cooldown), and if it stays within the noise, `knee` takes
       the smaller size (judged on one round, a lucky one kept a step up now and then and
       refused a step back down, and the window ratcheted up to several times an engine's
       capacity), `throughput` the larger (a flat stretch, vLLM's on a busy CPU, held it
@@ -333,6 +342,8 @@ class AdaptiveController:
     _settle: bool = attrs.field(default=False, init=False)
     _settle_need: int = attrs.field(default=0, init=False)  # the size before a step down
     _probe_from: tuple[int, float] | None = attrs.field(default=None, init=False)
+    _now: float = attrs.field(default=0.0, init=False)  # the last call's time (`record`)
+    _probe_at: float = attrs.field(default=0.0, init=False)  # when the probe began
     # the probe's measured rounds so far: [sum of in-flight, sum of latencies, rounds]
     _probe_sums: list[float] = attrs.field(factory=lambda: [0.0, 0.0, 0.0], init=False)
     # per size, its recent measured rounds' log throughputs (the noise: `_noise`)
@@ -433,6 +444,7 @@ class AdaptiveController:
         accepted and, by design, ignored (see the class). `latency`: the call's seconds (a
         success's feeds the latency signal; a 429's tells when the call started)."""
         del retry_after
+        self._now = now
         outcome = self.classify(outcome, now)
         self._peak = max(self._peak, in_flight)
         if outcome is Outcome.SUCCESS:
@@ -897,7 +909,10 @@ class AdaptiveController:
             if self.objective == "knee" and self._pooled and self._queues(old):
                 # the larger of the two sizes queues: past the knee, whatever it delivers
                 gain, unclear = (-math.inf if old < self.size else 0.0), False
-            if unclear and probe[2] < PROBE_ROUNDS:
+            more = probe[2] < PROBE_ROUNDS or (
+                probe[2] < PROBE_ROUNDS_MAX and now - self._probe_at < PROBE_TIME * self.cooldown
+            )
+            if unclear and more:
                 self._probe_from = probe_from
                 return None, False
             if unclear and self.objective == "knee":
@@ -984,6 +999,7 @@ class AdaptiveController:
             return None
         if measured is not None:  # a probe (either way): settle, then measure
             self._probe_from = (self.size, measured[0])
+            self._probe_at = self._now
             self._probe_sums = [0.0, 0.0, 0.0]
             self._probe_lats = []
             self._pooled = reason != "latency"
