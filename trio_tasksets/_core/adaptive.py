@@ -220,8 +220,8 @@ class AdaptiveController:
       when its p99 latency exceeds the smaller one's by more than `QUEUE_TAIL` times the
       sizes' ratio: its calls queue (an engine's C + 1 gains a percent and doubles the
       p99); a step up whose settling round shows it already goes back at once. A step up
-      is kept if ``e >= min_gain`` (a doubling, but for `throughput`: `DOUBLING_GAIN` at
-      least; by default per
+      is kept if ``e >= min_gain`` (a doubling, but with `throughput`, needs
+      `DOUBLING_GAIN` at least; by default per
       objective, `MIN_GAIN`: `knee` 0.08, `throughput` and `p99` 0.03), else it goes back
       (reason "no gain"). Slow start doubles. With `knee`, a doubling that does not pay
       (or one that paid reached `max`) starts a *search*: the knee lies above the size
