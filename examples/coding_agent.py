@@ -141,7 +141,8 @@ def scripted_model(answers: dict[str, str] = ANSWERS) -> ScriptedClient:
             code = answers[key]
             return reply(tool_calls=[("write_file", {"path": SOLUTION, "content": code})])
         if done == 1:
-            check = "python3 -c 'import solution; print(\"imported\")'"
+            # -B: no __pycache__ beside it (list_dir runs at the same time, in any order)
+            check = "python3 -B -c 'import solution; print(\"imported\")'"
             return reply(tool_calls=[("list_dir", {"path": "."}), ("shell", {"command": check})])
         return tt.Completion("DONE")
 
