@@ -358,10 +358,6 @@ async def test_an_update_while_32_rollouts_run_loses_no_token(
         policy = tt.Policy("0", engines=[control])
         await control.set_version("0")
         sampling = attrs.evolve(LONG, stream=stream)
-        began = trio.current_time()  # one rollout's call alone: 32 at once take longer
-        await client.chat([{"role": "user", "content": "Tell a story of the sea."}],
-                          model=SERVED_NAME, sampling=LONG)  # fmt: skip
-        alone = trio.current_time() - began
         ctx = tt.ModelContext(client, SERVED_NAME, sampling, policy=policy)
         loaded: list[bool] = []
 
@@ -381,9 +377,7 @@ async def test_an_update_while_32_rollouts_run_loses_no_token(
                     done.append(await tt.run_eval(tt.Env(Stories(32)), ctx, config))
 
                 nursery.start_soon(run)
-                # their first tokens have come, and they are far from done (by the
-                # engine's own speed: a fixed wait misses on a faster or slower machine)
-                await trio.sleep(alone / 2)
+                await trio.sleep(2.0)  # (their first tokens have come)
                 await policy.update("1", mode=mode, load=load)
         assert loaded == [True]
         assert not await control.is_paused()
