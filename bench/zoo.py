@@ -18,7 +18,9 @@ The full run takes about `seconds x contenders x seeds x families`: 20 s x ~8 x 
 80 minutes (and more with minute-long limits); `--families`/`--seeds` pick a part.
 
 Measured per contender: calls/s over the whole run (what the run made of its wall time,
-convergence included) and over its second half (where it settled), the client's p50 and
+convergence included) and over its second half (where it settled), each call counted by
+its share of its time inside the span (no call starts after the run's time; those in
+flight then finish: counting completions, calls that end in waves were off by a wave), the client's p50 and
 p99 latency of successful calls, the share of calls the zoo answered 429 (its own
 `/stats`), failed rows, and where the window settled. Goals (issue 32), each a ratio of
 contenders measured side by side, on the second half's rate:
