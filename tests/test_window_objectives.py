@@ -187,6 +187,48 @@ def test_knee_stops_where_calls_begin_to_queue(capacity: int, alpha: float) -> N
     assert min(settled) >= 0.8
 
 
+def _kv_edge(size: int, capacity: int) -> float:
+    """How much more than C's a window of `size` delivers, on `_kv_batches`."""
+    return 0.01 + 0.1 * min(0.35, max(0.0, size / capacity - 1))
+
+
+def _kv_batches(capacity: int, alpha: float, base: float = 0.2) -> Any:
+    """`_batches` whose throughput past C still rises a little (the zoo's engine with a KV
+    budget: fewer preemptions in a fuller queue), 4.5 % of it at 1.35 C and on."""
+
+    def latencies(size: int, rng: random.Random) -> list[float]:
+        waves: list[float] = _batches(capacity, alpha, base, _kv_edge(size, capacity))(size, rng)
+        return waves
+
+    return latencies
+
+
+def test_the_knee_search_goes_below_two_sizes_that_both_queue() -> None:
+    """Issue 32, the zoo's engine 3 (C 18, a KV budget): throughput still rises a few
+    percent past C, so a probe down from 32 to 23 lost throughput, the search's lower end
+    stayed at 23, and both sizes of every later probe queued (a p99 twice C's): the queue
+    rule compares the two, and saw nothing. Now the smaller of a probe's sizes is compared
+    with the smaller sizes measured lately too: queueing against them, it is past the knee."""
+    capacity, alpha, base = 18, 1.5, 0.1
+    latencies = _kv_batches(capacity, alpha, base)
+    rate = {  # each size's rate, the waves' mean
+        size: size / (base * (1 + alpha * size / capacity))
+        if size <= capacity
+        else capacity * (1 + _kv_edge(size, capacity)) / (base * (1 + alpha))
+        for size in range(1, 65)
+    }
+    best = max(rate.values())
+    least = min(size for size in rate if rate[size] >= 0.95 * best)  # the bench's knee
+    assert least == capacity
+    settled = []
+    for seed in range(12):
+        c = AdaptiveController(1, 256, 8, cooldown=5.0)
+        sizes = _drive_noisy(c, latencies, 150, 0.01, seed)
+        settled.append(statistics.fmean(sizes[30:]) / capacity)  # once the search has run
+    assert max(settled) <= 1.2, settled  # (1.57 on one draw without: the search held at 23-38)
+    assert 0.9 <= statistics.median(settled) <= 1.1, settled
+
+
 def test_a_fast_engines_knee_is_not_left_a_step_short_by_the_noise() -> None:
     """Issue 32, the zoo's engine 5 (C 69): a step of a sixteenth below the knee gains a few
     percent, within 4 noisy rounds' spread, and the tie went to the smaller size: `knee`

@@ -774,6 +774,27 @@ class AdaptiveController:
         ratio = max(old, self.size) / min(old, self.size)
         return _p99(large) > QUEUE_TAIL * ratio * _p99(small)
 
+    def _queues_below(self, old: int, now: float) -> bool:
+        """`knee`: whether the smaller of the probe's two sizes queues (`QUEUE_TAIL`, as
+        `_queues`) against some smaller size measured in the last `4 * cooldown` seconds,
+        each with `PROBE_ROUND` calls at least: then both sizes are past the knee."""
+        small = min(old, self.size)
+        here = self._probe_lats if small == self.size else list(self._tails.get(old, ()))
+        if len(here) < PROBE_ROUND:
+            return False
+        tail = _p99(here)
+        for size, lats in self._tails.items():
+            seen = self._seen.get(size)
+            if (
+                size < small
+                and len(lats) >= PROBE_ROUND
+                and seen is not None
+                and now - seen[3] <= 4 * self.cooldown
+                and tail > QUEUE_TAIL * small / size * _p99(list(lats))
+            ):
+                return True
+        return False
+
     def _count(self, size: int, now: float) -> int:
         """How many recent measured rounds `size`'s pooled throughput stands on (at least 1)."""
         rounds = self._rounds.get(size, ())
@@ -906,9 +927,15 @@ class AdaptiveController:
             spread = NOISE_Z * (noise or 0.0) * math.sqrt(1 / n_old + 1 / probe[2])
             change = math.log(throughput / old_throughput) if old_throughput > 0 else math.inf
             unclear = abs(change) < spread
+            below = False  # `knee`: the smaller of the two sizes queues too
             if self.objective == "knee" and self._pooled and self._queues(old):
                 # the larger of the two sizes queues: past the knee, whatever it delivers
                 gain, unclear = (-math.inf if old < self.size else 0.0), False
+            elif self.objective == "knee" and self._pooled and self._queues_below(old, now):
+                # so does the smaller, against a smaller size measured lately: both are
+                # past the knee (an engine whose throughput still rises a little past its
+                # batch, a KV budget's, held a search's lower end at a size that queued)
+                gain, unclear, below = (-math.inf if old < self.size else 0.0), False, True
             more = probe[2] < PROBE_ROUNDS or (
                 probe[2] < PROBE_ROUNDS_MAX and now - self._probe_at < PROBE_TIME * self.cooldown
             )
@@ -952,7 +979,7 @@ class AdaptiveController:
                 self._ref_latency = None
                 return self._set(min(self.max, old), "lost throughput"), False
             elif self._hi and old > self.size:  # a step down that cost little: past the knee
-                self._hi = min(self._hi, old)
+                self._hi = min(self._hi, self.size if below else old)
             self._ref_latency, self._ref_throughput = latency, throughput
             self._slow_rounds = 0
             return None, grow and now >= self._hold_until
