@@ -188,7 +188,9 @@ class AdaptiveController:
 
     * Each round's throughput is estimated by Little's law, ``X = mean in flight / mean
       latency`` (latencies average out far better than completion counts, which come in
-      waves from an engine's batches). Sizes are kept or given up for that throughput
+      waves from an engine's batches), the calls in flight weighted by time (`_load`:
+      counted as each call ended, a batch's calls ending together read as half the
+      window). Sizes are kept or given up for that throughput
       alone: a busy client (its own CPU, other processes beside it) makes every call
       slower, but a smaller size then delivers less too, so the client's lag is never read
       as the engine's queue.
