@@ -253,6 +253,21 @@ def test_the_knee_search_goes_below_two_sizes_that_both_queue() -> None:
     assert 0.9 <= statistics.median(settled) <= 1.1, settled
 
 
+def test_a_search_below_a_size_that_queues_stays_above_one_that_delivers_less() -> None:
+    """Issue 32, the zoo's engine 1 (C 13, calls of 0.8 s): the search after slow start went
+    from 16 (its calls queue) to 11, and as a step down from a size that queues stays, on to
+    9, then back up a call at a time: 20 rounds of 1.5 s to reach 13, past half of a 38 s
+    run (0.88-0.94x the best fixed rate). 11 delivered clearly less than 16, so the knee is
+    between the two: the search goes on there."""
+    settled: list[float] = []
+    for seed in range(6):
+        c = AdaptiveController(1, 256, 8)
+        sizes = _drive_noisy(c, _batches(13, 1.53, base=0.306), 40, 0.01, seed)
+        at = [i for i in range(len(sizes)) if all(s in (12, 13, 14) for s in sizes[i:])]
+        settled.append(at[0] if at else math.inf)
+    assert statistics.median(settled) <= 15, settled  # (20 without)
+
+
 def test_a_fast_engines_knee_is_not_left_a_step_short_by_the_noise() -> None:
     """Issue 32, the zoo's engine 5 (C 69): a step of a sixteenth below the knee gains a few
     percent, within 4 noisy rounds' spread, and the tie went to the smaller size: `knee`

@@ -956,10 +956,11 @@ class AdaptiveController:
             spread = NOISE_Z * (noise or 0.0) * math.sqrt(1 / n_old + 1 / probe[2])
             change = math.log(throughput / old_throughput) if old_throughput > 0 else math.inf
             unclear = abs(change) < spread
-            below = False  # `knee`: the smaller of the two sizes queues too
+            queued = below = False  # `knee`: the larger of the two sizes queues; both do
+            lost = not unclear and change < 0 and gain > self._gain  # (a step down's loss)
             if self.objective == "knee" and self._pooled and self._queues(old):
                 # the larger of the two sizes queues: past the knee, whatever it delivers
-                gain, unclear = (-math.inf if old < self.size else 0.0), False
+                gain, unclear, queued = (-math.inf if old < self.size else 0.0), False, True
             elif self.objective == "knee" and self._pooled and self._queues_below(old, now):
                 # so does the smaller, against a smaller size measured lately: both are
                 # past the knee (an engine whose throughput still rises a little past its
@@ -1009,6 +1010,12 @@ class AdaptiveController:
                 return self._set(min(self.max, old), "lost throughput"), False
             elif self._hi and old > self.size:  # a step down that cost little: past the knee
                 self._hi = min(self._hi, self.size if below else old)
+                if queued and lost:
+                    # or one from a size that queues to one that clearly delivers less: the
+                    # knee is between the two (the search went on below the smaller one:
+                    # on the zoo's engine 1, C 13, from 16 to 11 and then 9, a probe of
+                    # 1.5 s calls lost)
+                    self._lo = max(self._lo, self.size)
             self._ref_latency, self._ref_throughput = latency, throughput
             self._slow_rounds = 0
             return None, grow and now >= self._hold_until
