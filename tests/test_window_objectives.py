@@ -502,6 +502,40 @@ def test_with_the_engines_metrics_the_knee_search_ends_at_its_batch() -> None:
     assert changes[-1][0] < 6.0
 
 
+def test_probes_past_an_engines_queue_come_less_and_less_often() -> None:
+    """Issue 32, `--engine-metrics` on the zoo's engine 1 (C 13, calls of 0.8 s): each probe
+    up a quarter from C queued a quarter of a batch until the engine's metrics cut it, and
+    the cut held growth for one cooldown, every time: a probe each 15-17 s for good, each
+    costing the p99 (1.99x -c 13's). Cuts in a row hold growth for longer and longer, as
+    failed probes do (a step up that pays ends the run of them)."""
+    capacity = 13
+    latency_of = _engine(capacity, 1.53, 0.306)
+    c = AdaptiveController(1, 256, 8)
+    now, read = 0.0, -1.0
+    changes = []
+    while now < 300.0:
+        size = c.size
+        latency = latency_of(size)
+        for _ in range(size):
+            now += latency / size
+            change = None
+            if now - read >= 1.0:
+                read = now
+                running = min(size, capacity)  # (its KV cache half used: a budget's)
+                load = EngineLoad(running, max(0, size - capacity), 0.5, 0)
+                change = c.engine(load, now)
+            change = change or c.record(Outcome.SUCCESS, now, size, latency=latency)
+            if change is not None:
+                changes.append((now, change.size, change.reason))
+                break
+    probes = [t for t, size, reason in changes if reason == "grow" and size > capacity]
+    gaps = [b - a for a, b in itertools.pairwise(probes)]
+    assert len(probes) >= 4
+    assert max(gaps) >= 3 * c.cooldown, gaps  # (16-18 s each without)
+    assert len(probes) <= 10, probes
+    assert c.size == capacity
+
+
 def test_after_a_no_gain_the_next_probe_comes_sooner_than_a_cooldown() -> None:
     """A step up judged on a slow round (its own calls stalled) is given up, and the size's
     next rounds do not contradict it; the next probe up comes after half a cooldown, not a

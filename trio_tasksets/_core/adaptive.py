@@ -260,8 +260,9 @@ class AdaptiveController:
     and it freezes once the readings are `engine_stale` seconds old; the latency signal's
     probes still apply (an engine whose throughput stops rising long before its batch is
     full, vLLM on a busy CPU, shows nothing waiting); every cut of the engine's makes growth
-    wait `cooldown` seconds, as a probe that did not pay does (while `knee` searches, it
-    marks the size it cut from as past the knee instead);
+    wait `cooldown` seconds, and cuts in a row that each undid a step up (growth came
+    between them, and no step up paid) 2 and then 4 times that, as probes that did not pay
+    do (while `knee` searches, a cut marks the size it cut from as past the knee instead);
     a waiting queue (more than a tenth of the running calls, or one) seen on two readings in
     a row cuts by the calls waiting (reason "engine queue"), new preemptions (more than
     `preemption_share` of the requests finished since the last reading, when the engine
@@ -379,6 +380,7 @@ class AdaptiveController:
     _preempted: float | None = attrs.field(default=None, init=False)
     _finished: float | None = attrs.field(default=None, init=False)
     _grown_at: float = attrs.field(default=-math.inf, init=False)
+    _engine_cut_at: float = attrs.field(default=-math.inf, init=False)  # the last cut's time
 
     def __attrs_post_init__(self) -> None:
         _check_bounds(self.min, self.size, self.max)
@@ -618,7 +620,16 @@ class AdaptiveController:
             if self._hi:  # searching for the knee: it is below this size
                 self._hi = min(self._hi, self.size)
             else:
-                self._hold_until = now + self.cooldown  # as after a probe that did not pay
+                # as after a probe that did not pay, and after cuts that each undid a step
+                # up (growth came between them), as after those in a row: 1, 1, 2, then 4
+                # cooldowns (a step up that pays ends the run; each probe past the
+                # engine's batch queues calls, and at one cooldown each, on the zoo's
+                # engine 1, they kept its p99 at 2x -c 13's)
+                if self._grown_at > self._engine_cut_at:
+                    self._no_gains += 1
+                hold = min(4.0, 2.0 ** max(0, self._no_gains - 2))
+                self._hold_until = now + self.cooldown * hold
+            self._engine_cut_at = now
         return self._set(size, reason)
 
     def _measure(self) -> tuple[float, float] | None:
