@@ -620,14 +620,15 @@ class AdaptiveController:
             if self._hi:  # searching for the knee: it is below this size
                 self._hi = min(self._hi, self.size)
             else:
-                # as after a probe that did not pay, and after cuts that each undid a step
-                # up (growth came between them), as after those in a row: 1, 1, 2, then 4
-                # cooldowns (a step up that pays ends the run; each probe past the
-                # engine's batch queues calls, and at one cooldown each, on the zoo's
-                # engine 1, they kept its p99 at 2x -c 13's)
+                # as after a probe that did not pay; after cuts that each undid a step up
+                # (growth came between them) for longer and longer: 1, 2, then 4 cooldowns
+                # (a step up that pays ends the run; each probe past the engine's batch
+                # queues calls, and at one cooldown each, on the zoo's engine 1, they kept
+                # its p99 at 2x -c 13's; the engine's readings are not noise, so the holds
+                # double from the first, where a `knee` probe's start at half a cooldown)
                 if self._grown_at > self._engine_cut_at:
                     self._no_gains += 1
-                hold = min(4.0, 2.0 ** max(0, self._no_gains - 2))
+                hold = min(4.0, 2.0 ** max(0, self._no_gains - 1))
                 self._hold_until = now + self.cooldown * hold
             self._engine_cut_at = now
         return self._set(size, reason)
