@@ -473,16 +473,14 @@ def test_p99_gives_up_a_step_over_the_bound_as_soon_as_its_calls_say_so() -> Non
     assert seconds <= 2.01 * latency_of(96) / 96  # two calls at 96, not two rounds of 96
 
 
-def test_with_the_engines_metrics_the_knee_search_ends_at_its_batch() -> None:
-    """The zoo's engine of 18 (no KV budget: its cache gauge is the batch's share), read
-    every second: a size whose calls wait is past the knee, and the search goes on at once
-    (not a cooldown later, as after a cut of the engine's outside a search)."""
-    capacity = 18
-    latency_of = _engine(capacity, 0.79, 0.028)
-    c = AdaptiveController(1, 256, 8)
+def _with_metrics(
+    c: AdaptiveController, capacity: int, latency_of: Any, until: float, kv: float | None = None
+) -> list[tuple[float, int, str]]:
+    """`_steps` with the engine's metrics read every second: C running, the rest waiting,
+    the KV gauge `kv` (None: the batch's share, as the zoo's engine without a KV budget)."""
     now, read = 0.0, -1.0
-    changes = []
-    while now < 10.0:
+    changes: list[tuple[float, int, str]] = []
+    while now < until:
         size = c.size
         latency = latency_of(size)
         for _ in range(size):
@@ -490,14 +488,23 @@ def test_with_the_engines_metrics_the_knee_search_ends_at_its_batch() -> None:
             change = None
             if now - read >= 1.0:
                 read = now
-                load = EngineLoad(
-                    min(size, capacity), max(0, size - capacity), min(size, capacity) / capacity, 0
-                )
-                change = c.engine(load, now)
+                running = min(size, capacity)
+                usage = running / capacity if kv is None else kv
+                change = c.engine(EngineLoad(running, max(0, size - capacity), usage, 0), now)
             change = change or c.record(Outcome.SUCCESS, now, size, latency=latency)
             if change is not None:
                 changes.append((now, change.size, change.reason))
                 break
+    return changes
+
+
+def test_with_the_engines_metrics_the_knee_search_ends_at_its_batch() -> None:
+    """The zoo's engine of 18 (no KV budget: its cache gauge is the batch's share), read
+    every second: a size whose calls wait is past the knee, and the search goes on at once
+    (not a cooldown later, as after a cut of the engine's outside a search)."""
+    capacity = 18
+    c = AdaptiveController(1, 256, 8)
+    changes = _with_metrics(c, capacity, _engine(capacity, 0.79, 0.028), 10.0)
     assert c.size == capacity
     assert changes[-1][0] < 6.0
 
@@ -509,25 +516,9 @@ def test_probes_past_an_engines_queue_come_less_and_less_often() -> None:
     costing the p99 (1.99x -c 13's). Cuts in a row hold growth for longer and longer, as
     failed probes do (a step up that pays ends the run of them)."""
     capacity = 13
-    latency_of = _engine(capacity, 1.53, 0.306)
     c = AdaptiveController(1, 256, 8)
-    now, read = 0.0, -1.0
-    changes = []
-    while now < 300.0:
-        size = c.size
-        latency = latency_of(size)
-        for _ in range(size):
-            now += latency / size
-            change = None
-            if now - read >= 1.0:
-                read = now
-                running = min(size, capacity)  # (its KV cache half used: a budget's)
-                load = EngineLoad(running, max(0, size - capacity), 0.5, 0)
-                change = c.engine(load, now)
-            change = change or c.record(Outcome.SUCCESS, now, size, latency=latency)
-            if change is not None:
-                changes.append((now, change.size, change.reason))
-                break
+    # (its KV cache half used: a budget's)
+    changes = _with_metrics(c, capacity, _engine(capacity, 1.53, 0.306), 300.0, kv=0.5)
     probes = [t for t, size, reason in changes if reason == "grow" and size > capacity]
     gaps = [b - a for a, b in itertools.pairwise(probes)]
     assert len(probes) >= 4
