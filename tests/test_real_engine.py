@@ -340,6 +340,21 @@ class Stories(tt.Taskset[tt.Task, tt.TasksetConfig]):
         ]
 
 
+class Flowing(tt.CallObserver):
+    """Counts the reports of streamed tokens arriving (each stream's first, then at most one
+    a `PROGRESS_EVERY`)."""
+
+    def __init__(self, enough: int) -> None:
+        self.reports, self.enough = 0, enough
+        self.flowing = trio.Event()  # set at `enough` reports
+
+    def on_progress(self, kind: str) -> None:
+        if kind == "tokens":
+            self.reports += 1
+            if self.reports >= self.enough:
+                self.flowing.set()
+
+
 @pytest.mark.real_engine
 @pytest.mark.parametrize("stream", [False, True], ids=["whole", "streamed"])
 @pytest.mark.parametrize("mode", ["keep", "abort"])
@@ -369,15 +384,22 @@ async def test_an_update_while_32_rollouts_run_loses_no_token(
             max_concurrent=32, output_dir=str(tmp_path), run_name=f"{mode}-{stream}",
             dashboard=False,
         )  # fmt: skip
+        flowing = Flowing(32)
         with trio.fail_after(240):
             async with trio.open_nursery() as nursery:
                 done: list[tt.EvalResult] = []
 
                 async def run() -> None:
-                    done.append(await tt.run_eval(tt.Env(Stories(32)), ctx, config))
+                    with tt.observe_calls(flowing):
+                        done.append(await tt.run_eval(tt.Env(Stories(32)), ctx, config))
 
                 nursery.start_soon(run)
-                await trio.sleep(2.0)  # (their first tokens have come)
+                if stream:
+                    # once streamed tokens have come (32 reports of them): after a fixed 2 s,
+                    # on the project's CI, the rollouts had not begun to stream
+                    await flowing.flowing.wait()
+                else:  # (a whole reply says nothing before it ends)
+                    await trio.sleep(2.0)  # (their first tokens have come)
                 await policy.update("1", mode=mode, load=load)
         assert loaded == [True]
         assert not await control.is_paused()
