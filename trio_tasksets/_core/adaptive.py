@@ -237,9 +237,11 @@ class AdaptiveController:
       `cooldown` seconds (the other objectives go on up by `probe` steps). A failed
       small step up waits half a `cooldown` (a wrong "no gain", a noisy round's, is
       probed again soon), and a whole one when the step before failed too; after that
-      second one, `knee`'s next probe goes down by `probe` (one that loses throughput
-      searches again, between it and the last size a step up to which did not pay), then
-      up again: probes only up would let noise ratchet the size. After slow
+      second one, `knee`'s and `throughput`'s next probe goes down by `probe` (with
+      `knee`, one that loses throughput searches again, between it and the last size a step
+      up to which did not pay; with `throughput`, one that gains is kept: past a falling
+      plateau's peak, steps up fail and nothing else brings the window back), then up
+      again: probes only up would let noise ratchet the size. After slow
       start a step adds `max(1, probe * size)`.
     * `p99=SECONDS`: each size keeps a tally of its calls and of those slower than SECONDS
       over its measured rounds (the same memory); its p99 is over the bound when more than
@@ -330,7 +332,7 @@ class AdaptiveController:
     _seen: dict[int, list[float]] = attrs.field(factory=dict, init=False)
     _pooled: bool = attrs.field(default=True, init=False)  # the probe's old size: pooled
     _no_gains: int = attrs.field(default=0, init=False)  # steps up given up in a row
-    _down_next: bool = attrs.field(default=False, init=False)  # `knee`: probe down next
+    _down_next: bool = attrs.field(default=False, init=False)  # probe down next
     _past: int = attrs.field(default=0, init=False)  # the last step up that did not pay
     _worst: float = attrs.field(default=0.0, init=False)  # the last round's
     _bound: float | None = attrs.field(default=None, init=False)  # p99=SECONDS
@@ -692,9 +694,9 @@ class AdaptiveController:
             if self.slow_start:  # every step is a probe: measured, kept only if it paid
                 return self._set(min(self.max, 2 * self.size), "slow start", measured)
             if self._down_next:
-                # `knee`, at a knee two probes up have confirmed: the next probe is down
-                # (up alone, noise would ratchet it up: a lucky round keeps a step up now
-                # and then, and nothing would ever bring it back); then up again
+                # at a knee (or `throughput`'s peak) two probes up have confirmed: the next
+                # probe is down (up alone, noise would ratchet it up: a lucky round keeps a
+                # step up now and then, and nothing would ever bring it back); then up again
                 self._down_next = False
                 self._hold_until = now + self.cooldown
                 size = max(self.min, round(self.size / (1 + self.probe)))
@@ -901,10 +903,14 @@ class AdaptiveController:
         """Growth waits after a step up that did not pay: half `cooldown` the first time,
         `cooldown` after a second one in a row, then twice and four times that (a wrong "no
         gain", a noisy round's, is probed again soon; a knee that stays where it is is
-        probed less and less, as each probe past it costs the p99 its queued calls)."""
+        probed less and less, as each probe past it costs the p99 its queued calls). From
+        the second, `knee`'s and `throughput`'s next probe goes down."""
         self._no_gains += 1
         self._hold_until = now + self.cooldown * min(4.0, 2.0 ** (self._no_gains - 2))
-        self._down_next = self._no_gains >= 2 and self.objective == "knee"
+        # (`throughput` too: past a falling plateau's peak, found by slow start with nothing
+        # smaller measured lately, it had no way back below it: the zoo's plateau 1 sat at
+        # twice its peak, 0.86x)
+        self._down_next = self._no_gains >= 2 and self.objective in ("knee", "throughput")
 
     def _latency_signal(
         self,
