@@ -405,6 +405,29 @@ def test_a_429s_cap_counts_the_calls_that_succeeded_while_it_was_under_way() -> 
     assert e.record(Outcome.RATE_LIMITED, 1.1, 5, latency=0.2) == Change(7, "429 cap")
 
 
+def test_a_concurrency_limit_overshot_by_more_than_twice_keeps_its_cap() -> None:
+    """Issue 32, the zoo's concurrency limit of 110 and a client-bound loop: slow start
+    doubles once 0.8 of the size is in flight, so 105 calls of a window of 128, none refused,
+    took it to 256, 2.3x the limit. The caps came down a call at a time, and at 128 (half
+    the size at which the 429s began) the endpoint still refused: taken for a rate limit,
+    the window went back to 256. A slow start overshoots by at most 2 / utilization: the
+    caps go on down to the limit."""
+    c = AdaptiveController(min=1, max=256, size=128)
+    for _ in range(128):
+        c.record(Outcome.SUCCESS, 0.0, 105)
+    assert c.size == 256
+    now, reasons = 1.0, []
+    while c.size > 110 and now < 10.0:  # the endpoint holds 110: each call more is refused
+        now += 0.01
+        c.record(Outcome.SUCCESS, now, min(c.size, 110))
+        change = c.record(Outcome.RATE_LIMITED, now, c.size)
+        if change is not None:
+            reasons.append(change.reason)
+    assert c.size == 110
+    assert "429 not concurrency" not in reasons
+    assert c.record(Outcome.SUCCESS, now + 0.01, 110) is None  # and there it stays
+
+
 def test_never_below_min_nor_above_max() -> None:
     c = AdaptiveController(min=3, max=5, size=4)
     for t in range(10):
@@ -470,12 +493,14 @@ def test_the_size_stays_within_bounds_and_moves_only_as_the_rules_allow(
             cap = max(c.min, in_flight - 1, math.floor(before * c.cut))
             assert c.size == cap < before
         elif change.reason == "429 not concurrency":
-            # refused at the least size, at half the size at which these 429s began, or
-            # three times in a row at half the calls in flight the endpoint once took: back
-            # to that size, and 429s are the request rate's for a while
+            # refused at the least size, at `utilization` of half the size at which these
+            # 429s began, or three times in a row at half the calls in flight the endpoint
+            # once took: back to that size, and 429s are the request rate's for a while
             assert outcome is Outcome.RATE_LIMITED
             assert (
-                (before == c.min and in_flight <= c.min) or 2 * before <= size_at_429s or below >= 3
+                (before == c.min and in_flight <= c.min)
+                or 2 * before <= c.utilization * size_at_429s
+                or below >= 3
             )
             assert c.size == min(c.max, max(before, size_at_429s)) > before
             independent_until = now + max(4 * c.cooldown, 120.0)

@@ -279,9 +279,10 @@ class AdaptiveController:
     the size does not grow while the pacing binds. A 429 without such headers is taken for
     a concurrency 429 (capped as above) until its behaviour says otherwise: 429s that keep
     coming, with calls succeeding since they began, once the size is down to half of what
-    it was then (a concurrency limit's stop there: a slow start overshoots it by at
-    most twice) or to `min` with no more than `min` calls in flight; or three in a row with
-    at most half the calls in flight that the endpoint once took all at once (the peak in
+    it was then, times `utilization` (a concurrency limit's stop there: a slow start
+    doubles once that share of the size is in flight, so it overshoots a limit by at most
+    2 / `utilization`) or to `min` with no more than `min` calls in flight; or three in a
+    row with at most half the calls in flight that the endpoint once took all at once (the peak in
     flight of a round with no 429 so far, unpaced: a concurrency limit refuses only above
     what it takes), do not depend on the calls in flight; nor do 429s that no success broke
     for over 4 times the calls' latency (the slowest of the round), found at the first
@@ -529,18 +530,20 @@ class AdaptiveController:
         below = self._clean_peak >= 2 and 2 * in_flight <= self._clean_peak
         self._below = self._below + 1 if below else 0
         # calls succeeded since the last 429 (at the least size), or since these 429s began
-        # (at half the size: a limit's 429s may come in a run, a sliding window's), or they
-        # keep coming well below the concurrency the endpoint took
+        # (at `utilization` of half the size: a limit's 429s may come in a run, a sliding
+        # window's), or they keep coming well below the concurrency the endpoint took
         if (
             (lowest and served)
-            or (self._ok_in_run and 2 * self.size <= self._before_429s)
+            or (self._ok_in_run and 2 * self.size <= self.utilization * self._before_429s)
             or self._below >= 3
         ):
-            # at the least concurrency it may use, at half the size at which 429s began, or
-            # at half the concurrency the endpoint took, it refuses calls: these 429s do not
-            # depend on the calls in flight (a concurrency limit's stop once the window is
-            # down to it, a slow start overshoots it by at most twice, and it refuses only
-            # above what it took)
+            # at the least concurrency it may use, at `utilization` of half the size at
+            # which 429s began, or at half the concurrency the endpoint took, it refuses
+            # calls: these 429s do not depend on the calls in flight (a concurrency limit's
+            # stop once the window is down to it, and it refuses only above what it took; a
+            # slow start doubles once `utilization` of the size is in flight, so it
+            # overshoots a limit by at most 2 / `utilization`: the zoo's concurrency limit
+            # of 110, a client-bound loop, went 128 to 256, and at 116 it still refused)
             self._independent_until = now + max(4 * self.cooldown, 120.0)
             self._new_round()
             size = min(self.max, max(self.size, self._before_429s))
