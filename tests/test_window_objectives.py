@@ -129,6 +129,19 @@ def test_calls_that_end_together_count_in_flight_for_their_time() -> None:
     assert c.measured[1] > 0.8 * 18 / latency  # (the gap taken at 1 in flight: 4 calls/s)
 
 
+def test_a_runs_first_calls_that_end_together_count_for_their_time() -> None:
+    """Issue 32, the zoo's plateau 1: a run's first 8 calls start together and end together
+    1.36 s later. With no call ended before them, no time was counted, so they were counted
+    as each ended (8, 7, ... 1: half the window), and the round read 3.3 calls/s where 8
+    calls of 1.36 s make 5.9: the doubling to 16 (5.3 calls/s) looked like a gain of 60 %,
+    and slow start went on to 32. The first call's latency is the time it counts for."""
+    c = AdaptiveController(1, 64, 8)
+    for in_flight in range(8, 0, -1):
+        c.record(Outcome.SUCCESS, 1.36, in_flight, latency=1.36)
+    assert c.measured is not None
+    assert c.measured[1] == pytest.approx(8 / 1.36)
+
+
 def _drive_noisy(
     c: AdaptiveController, latencies_of: Any, rounds: int, noise: float, seed: int
 ) -> list[int]:
