@@ -654,8 +654,8 @@ class AdaptiveController:
 
     def _load(self) -> float:
         """This round's calls in flight, summed over its calls (its mean times `_lat_n`):
-        their mean over the round's time when its calls' ends span any, else their mean as
-        each call ended. (As each ended, a burst of k calls ending at once counts k - 1
+        their mean over the round's time when its calls' ends span any (before the run's
+        first call ended, its latency), else their mean as each call ended. (As each ended, a burst of k calls ending at once counts k - 1
         fewer, k - 2, ... down to one: an engine's batch of calls ending together read as
         half the window, and the zoo's engine 3 at a window of 18 delivered 73 calls/s and
         was read as 59, +-8 % a round; by time, 73.4 +-0.2 %.)"""
