@@ -344,6 +344,17 @@ def test_throughput_crosses_a_flat_stretch_to_where_throughput_rises_again() -> 
         assert statistics.median(sizes[-500:]) == 256, seed
 
 
+def _falling_plateau(base: float) -> tuple[Any, float]:
+    """The zoo's plateau 1 in closed form (C 6, gamma 1.76): throughput at size r is
+    r / (base (1 + r/C)^gamma), which peaks at C / (gamma - 1), 8; and that peak."""
+    capacity, gamma = 6, 1.76
+
+    def rate_of(size: int) -> float:
+        return size / (base * float((1 + size / capacity) ** gamma))
+
+    return rate_of, max(rate_of(size) for size in range(1, 257))
+
+
 def test_throughput_does_not_walk_down_a_falling_plateau_by_ties() -> None:
     """The zoo's plateau with gamma 1.76: throughput r / (1 + r/C)^gamma peaks at
     C / (gamma - 1) and falls past it. Ties go to the larger size, one step at a time; a
@@ -351,12 +362,7 @@ def test_throughput_does_not_walk_down_a_falling_plateau_by_ties() -> None:
     stays within a few percent of the peak (it walked to 2x the peak, 0.91x, without). (The
     sizes' throughputs are remembered for 4 cooldowns: here some 40 calls' latency, about
     the zoo's plateaus' at the CLI's cooldown of 15 s.)"""
-    capacity, gamma = 6, 1.76
-
-    def rate_of(size: int) -> float:
-        return size / (0.1 * float((1 + size / capacity) ** gamma))
-
-    peak = max(rate_of(size) for size in range(1, 257))
+    rate_of, peak = _falling_plateau(0.1)
     for seed in range(4):
         c = AdaptiveController(1, 256, 8, cooldown=5.0, objective="throughput")
         sizes = _drive_noisy(c, _curve(rate_of), 1200, 0.03, seed)
@@ -369,12 +375,7 @@ def test_throughput_past_a_falling_plateaus_peak_probes_back_down_to_it() -> Non
     nothing smaller was measured lately, and the window went 16, 20, 16, 20 for good (0.86x
     the best fixed window). Two failed steps up in a row probe down next, as `knee`'s do.
     Here the window starts at 16 with nothing smaller measured: it gets back to the peak."""
-    capacity, gamma = 6, 1.76
-
-    def rate_of(size: int) -> float:
-        return size / (0.306 * float((1 + size / capacity) ** gamma))
-
-    peak = max(rate_of(size) for size in range(1, 257))
+    rate_of, peak = _falling_plateau(0.306)
     for seed in range(4):
         c = AdaptiveController(1, 256, 16, cooldown=15.0, objective="throughput")
         sizes = _drive_noisy(c, _curve(rate_of), 1500, 0.05, seed)
