@@ -282,9 +282,9 @@ class AdaptiveController:
     it was then, times `utilization` (a concurrency limit's stop there: a slow start
     doubles once that share of the size is in flight, so it overshoots a limit by at most
     2 / `utilization`) or to `min` with no more than `min` calls in flight; or three in a
-    row with at most half the calls in flight that the endpoint once took all at once (the peak in
-    flight of a round with no 429 so far, unpaced: a concurrency limit refuses only above
-    what it takes), do not depend on the calls in flight; nor do 429s that no success broke
+    row with at most half the calls in flight that the endpoint once took all at once (the
+    peak in flight of a round with no 429 so far, unpaced: a concurrency limit refuses only
+    above what it takes), do not depend on the calls in flight; nor do 429s that no success broke
     for over 4 times the calls' latency (the slowest of the round), found at the first
     success after them (a concurrency limit's calls end within their latency, and then it
     takes more; a rate limit spent when the run began refuses until it reopens, and the
@@ -655,10 +655,11 @@ class AdaptiveController:
     def _load(self) -> float:
         """This round's calls in flight, summed over its calls (its mean times `_lat_n`):
         their mean over the round's time when its calls' ends span any (before the run's
-        first call ended, its latency), else their mean as each call ended. (As each ended, a burst of k calls ending at once counts k - 1
-        fewer, k - 2, ... down to one: an engine's batch of calls ending together read as
-        half the window, and the zoo's engine 3 at a window of 18 delivered 73 calls/s and
-        was read as 59, +-8 % a round; by time, 73.4 +-0.2 %.)"""
+        first call ended, its latency), else their mean as each call ended. (As each
+        ended, a burst of k calls ending at once counts k - 1 fewer, k - 2, ... down to
+        one: an engine's batch of calls ending together read as half the window, and the
+        zoo's engine 3 at a window of 18 delivered 73 calls/s and was read as 59, +-8 % a
+        round; by time, 73.4 +-0.2 %.)"""
         if self._span > 0:
             return self._area / self._span * self._lat_n
         return self._load_sum
