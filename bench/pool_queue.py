@@ -43,7 +43,9 @@ if str(FIXTURES) not in sys.path:
 
 from vllm_server import DEFAULT_VENV, SERVED_NAME, VLLMServer  # noqa: E402
 
-from .real_engine import Calls, Latencies, _quantile, on_engine  # noqa: E402
+from .real_engine import on_engine  # noqa: E402
+from .zoo import Calls, Latencies  # noqa: E402
+from .zoo import quantile as _quantile  # noqa: E402
 
 LIMITS = {
     "stall": tt.RolloutLimits(stall_timeout=5.0),
@@ -94,8 +96,8 @@ async def one_run(
         ),
         "cut": sum(1 for e in result.episodes if e.stop_reason == "working_limit"),
         "waited_connection": result.summary["health"]["waited_s"].get("connection", 0.0),
-        "call_p99": _quantile(calls.ok, 0.99),
-        "calls_over_2s": sum(1 for latency in calls.ok if latency > 2.0),
+        "call_p99": _quantile([latency for _, latency in calls.ok], 0.99),
+        "calls_over_2s": sum(1 for _, latency in calls.ok if latency > 2.0),
         "failed": result.summary["failed"],
     }
 
