@@ -92,6 +92,18 @@ with no queue has latencies that grow no faster than the size (Little's law, thr
 falling)."""
 
 
+KNEE_SHARE = 0.05
+"""`knee` with the engine's metrics: how much less than the best throughput there is a knee
+may deliver. Slow start's first doubling that does not pay, where the engine shows no call
+waiting, is followed by one doubling more (reason "explore"), kept when it delivers more
+than the doubling that did not pay by more than this share of it: a real vLLM's throughput
+was flat from 64 to 128 calls in flight (nothing waiting: its batch holds 256) and 7 %
+higher at 256, and the knee, found by the step that did not pay, stopped at 64 with 0.89x
+of `-c 256`'s rate. Without the engine's metrics nothing tells a flat stretch from an
+engine's capacity, past which the probe queues its calls: on a model of the zoo's engine 1
+(C 13, calls of 0.8 s) it delayed the knee by 20 rounds or more."""
+
+
 MEMORY = 400
 """The most calls that a size's pooled rounds count (its throughput, and with `p99=` its
 calls over the bound): past it, every sum is halved, so older rounds weigh less. A size's
@@ -261,7 +273,10 @@ class AdaptiveController:
     (below), at most one step per reading (each step is seen by the engine before the next),
     and it freezes once the readings are `engine_stale` seconds old; the latency signal's
     probes still apply (an engine whose throughput stops rising long before its batch is
-    full, vLLM on a busy CPU, shows nothing waiting); every cut of the engine's makes growth
+    full, vLLM on a busy CPU, shows nothing waiting; with `knee`, slow start's first doubling
+    that does not pay, with nothing waiting, is followed by one more, `_explore`, kept if
+    it delivers `KNEE_SHARE` more: a flat doubling with the batch not full, a real vLLM's,
+    may rise again past it); every cut of the engine's makes growth
     wait `cooldown` seconds, and cuts in a row that each undid a step up (growth came
     between them, and no step up paid) 2 and then 4 times that, as probes that did not pay
     do (while `knee` searches, a cut marks the size it cut from as past the knee instead);
@@ -342,6 +357,13 @@ class AdaptiveController:
     # from it paid) and the smallest known past it (a step up to it did not); 0: no search
     _lo: int = attrs.field(default=0, init=False)
     _hi: int = attrs.field(default=0, init=False)
+    # `knee`: slow start's one doubling past the first that did not pay (`KNEE_SHARE`):
+    # done, under way, and the size of the doubling that did not pay
+    _explored: bool = attrs.field(default=False, init=False)
+    _exploring: bool = attrs.field(default=False, init=False)
+    _doubled: int = attrs.field(default=0, init=False)
+    _explore_from: int = attrs.field(default=0, init=False)  # the size that paid before it
+    _may_explore: bool = attrs.field(default=False, init=False)  # (see `_end_round`)
     # the last round measured: (size, calls/s by Little's law, mean and worst latency)
     measured: tuple[int, float, float, float] | None = attrs.field(default=None, init=False)
     _load_sum: float = attrs.field(default=0.0, init=False)
@@ -682,6 +704,9 @@ class AdaptiveController:
             self.measured = (self.size, measured[0], measured[1], self._worst)
             self._pool_round(now)
         self._new_round()
+        # `knee`'s look past a flat doubling (`_explore`): the engine's last reading, fresh,
+        # shows nothing waiting (not necessarily one taken since the last step)
+        self._may_explore = grow and self._engine_ok and now - self._engine_at <= self.engine_stale
         if self._engine_at > -math.inf:  # the engine's metrics gate growth too
             grow = (
                 grow
@@ -893,13 +918,32 @@ class AdaptiveController:
             return None
         return self._set(target, "probe down" if target < size else "grow", measured)
 
+    def _explore(self, old: int, throughput: float) -> Change | None:
+        """`knee` with the engine's metrics, none waiting: slow start's first doubling that
+        did not pay (from `old` to this size, which delivered `throughput`) is followed by
+        one more, once (reason "explore"): kept,
+        and slow start goes on, if it delivers more than this size by `KNEE_SHARE` of it
+        (then this size is not within that share of the best: the knee is above it); else
+        back to `old`, and the search runs below this size, as without it. (A throughput
+        flat for a doubling may rise again past it: a real vLLM's did, its batch not full;
+        an engine's past its capacity does not, and it shows calls waiting.)"""
+        doubled = self.size
+        change = self._set(min(self.max, 2 * self.size), "explore", (throughput, 0.0))
+        self._explored = self._exploring = True
+        self._explore_from, self._doubled = old, doubled
+        return change
+
     def _undo_step(self, now: float, old: int, *, over: bool) -> Change | None:
         """A step up that did not pay goes back to `old` (reason "no gain"). `knee`: the knee
         is below this size; a failed doubling starts the search between it and the size the
         last step that paid started from (the other objectives want all the throughput there
         is: they go on by smaller steps)."""
+        past = self.size
+        if self._exploring:  # back below the doubling that did not pay
+            old, past = self._explore_from, self._doubled
+        self._exploring = False
         if self.objective == "knee" and not over and (self.slow_start or self._hi):
-            self._hi = min(self._hi or self.size, self.size)
+            self._hi = min(self._hi or past, past)
         elif not self.slow_start:
             self._hold(now)
             self._past = self.size
@@ -993,13 +1037,20 @@ class AdaptiveController:
                 # past the knee (an engine whose throughput still rises a little past its
                 # batch, a KV budget's, held a search's lower end at a size that queued)
                 gain, unclear, below = (-math.inf if old < self.size else 0.0), False, True
+            if self._exploring and old < self.size and not (queued or below):
+                # slow start's doubling past the first that did not pay: kept if it
+                # delivers more than that one by `KNEE_SHARE` of it (on the point estimate,
+                # once its rounds are spent)
+                margin = change - math.log(1 / (1 - KNEE_SHARE))
+                unclear = abs(margin) < spread
+                gain = math.inf if margin > 0 else -math.inf
             more = probe[2] < PROBE_ROUNDS or (
                 probe[2] < PROBE_ROUNDS_MAX and now - self._probe_at < PROBE_TIME * self.cooldown
             )
             if unclear and more:
                 self._probe_from = probe_from
                 return None, False
-            if unclear and self.objective == "knee":
+            if unclear and self.objective == "knee" and not self._exploring:
                 gain = -math.inf if old < self.size else 0.0
             elif unclear and self.objective == "throughput":
                 # all the throughput there is: the larger size (more window never
@@ -1018,8 +1069,21 @@ class AdaptiveController:
                     # a doubling (slow start) is judged more strictly: a saturated engine's
                     # doubling gains nothing, and a busy machine's noise must not pass it
                     least = max(least, DOUBLING_GAIN)
+                if (
+                    gain < least
+                    and not over
+                    and not (queued or below)
+                    and self._may_explore
+                    and self.objective == "knee"
+                    and self.slow_start
+                    and not self._explored
+                    and self.size >= 1.5 * old
+                    and self.size < self.max
+                ):
+                    return self._explore(old, throughput), False
                 if gain < least or over:
                     return self._undo_step(now, old, over=over), False
+                self._exploring = False
                 self._no_gains = 0
                 self._lo = max(self._lo, old)  # the knee is above the size it came from
             elif gain > self._gain and not over:  # a step down that cost throughput
@@ -1087,6 +1151,7 @@ class AdaptiveController:
     ) -> Change | None:
         if size == self.size:
             return None
+        self._exploring = False  # (any step ends an exploration; `_explore` begins one)
         if measured is not None:  # a probe (either way): settle, then measure
             self._probe_from = (self.size, measured[0])
             self._probe_at = self._now
