@@ -364,6 +364,9 @@ class AdaptiveController:
     _doubled: int = attrs.field(default=0, init=False)
     _explore_from: int = attrs.field(default=0, init=False)  # the size that paid before it
     _may_explore: bool = attrs.field(default=False, init=False)  # (see `_end_round`)
+    # a flat doubling waiting for the engine's reading at its size: (old, its throughput)
+    _explore_wait: tuple[int, float] | None = attrs.field(default=None, init=False)
+    _explore_wait_from: int = attrs.field(default=0, init=False)
     # the last round measured: (size, calls/s by Little's law, mean and worst latency)
     measured: tuple[int, float, float, float] | None = attrs.field(default=None, init=False)
     _load_sum: float = attrs.field(default=0.0, init=False)
@@ -637,6 +640,11 @@ class AdaptiveController:
         # batch: an engine without a KV gauge reports its batch's share as its usage)
         high = kv is not None and kv >= self.kv_high and waiting > 0
         self._engine_ok = not queued and not preempted and (kv is None or kv < self.kv_grow)
+        if self._explore_wait is not None:  # a flat doubling waited for this reading
+            (old, throughput), self._explore_wait = self._explore_wait, None
+            if self._engine_ok:
+                return self._explore(old, throughput)
+            return self._undo_step(now, old, over=False)
         if queue:
             excess, reason = math.ceil(waiting), "engine queue"
         elif preempted:
@@ -704,9 +712,14 @@ class AdaptiveController:
             self.measured = (self.size, measured[0], measured[1], self._worst)
             self._pool_round(now)
         self._new_round()
-        # `knee`'s look past a flat doubling (`_explore`): the engine's last reading, fresh,
-        # shows nothing waiting (not necessarily one taken since the last step)
+        # `knee`'s look past a flat doubling (`_explore`): a round that may grow, the
+        # engine's readings fresh and the last one showing nothing waiting
         self._may_explore = grow and self._engine_ok and now - self._engine_at <= self.engine_stale
+        if self._explore_wait is not None:  # waiting for a reading taken at this size
+            if now - self._grown_at <= self.engine_stale:
+                return None
+            self._explore_wait = None  # none came: as without the metrics
+            return self._undo_step(now, self._explore_wait_from, over=False)
         if self._engine_at > -math.inf:  # the engine's metrics gate growth too
             grow = (
                 grow
@@ -1080,7 +1093,11 @@ class AdaptiveController:
                     and self.size >= 1.5 * old
                     and self.size < self.max
                 ):
-                    return self._explore(old, throughput), False
+                    if self._engine_at > self._grown_at:  # a reading at this size said so
+                        return self._explore(old, throughput), False
+                    # the last reading is older than this size: wait for one (`engine`)
+                    self._explore_wait, self._explore_wait_from = (old, throughput), old
+                    return None, False
                 if gain < least or over:
                     return self._undo_step(now, old, over=over), False
                 self._exploring = False
@@ -1152,6 +1169,7 @@ class AdaptiveController:
         if size == self.size:
             return None
         self._exploring = False  # (any step ends an exploration; `_explore` begins one)
+        self._explore_wait = None
         if measured is not None:  # a probe (either way): settle, then measure
             self._probe_from = (self.size, measured[0])
             self._probe_at = self._now
