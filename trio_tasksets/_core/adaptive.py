@@ -274,12 +274,13 @@ class AdaptiveController:
     and it freezes once the readings are `engine_stale` seconds old; the latency signal's
     probes still apply (an engine whose throughput stops rising long before its batch is
     full, vLLM on a busy CPU, shows nothing waiting; with `knee`, slow start's first doubling
-    that does not pay, with nothing waiting, is followed by one more, `_explore`, kept if
-    it delivers `KNEE_SHARE` more: a flat doubling with the batch not full, a real vLLM's,
-    may rise again past it); every cut of the engine's makes growth
-    wait `cooldown` seconds, and cuts in a row that each undid a step up (growth came
-    between them, and no step up paid) 2 and then 4 times that, as probes that did not pay
-    do (while `knee` searches, a cut marks the size it cut from as past the knee instead);
+    that does not pay, with nothing waiting at its size (a reading taken there, waited for),
+    is followed by one more, `_explore`, kept if it delivers `KNEE_SHARE` more: a flat
+    doubling with the batch not full, a real vLLM's, may rise again past it); every cut of
+    the engine's makes growth wait `cooldown` seconds, and cuts in a row that each undid a
+    step up (growth came between them, and no step up paid) 2 and then 4 times that, as
+    probes that did not pay do (while `knee` searches, a cut marks the size it cut from as
+    past the knee instead);
     a waiting queue (more than a tenth of the running calls, or one) seen on two readings in
     a row cuts by the calls waiting (reason "engine queue"), new preemptions (more than
     `preemption_share` of the requests finished since the last reading, when the engine
@@ -932,14 +933,14 @@ class AdaptiveController:
         return self._set(target, "probe down" if target < size else "grow", measured)
 
     def _explore(self, old: int, throughput: float) -> Change | None:
-        """`knee` with the engine's metrics, none waiting: slow start's first doubling that
-        did not pay (from `old` to this size, which delivered `throughput`) is followed by
-        one more, once (reason "explore"): kept,
-        and slow start goes on, if it delivers more than this size by `KNEE_SHARE` of it
-        (then this size is not within that share of the best: the knee is above it); else
-        back to `old`, and the search runs below this size, as without it. (A throughput
-        flat for a doubling may rise again past it: a real vLLM's did, its batch not full;
-        an engine's past its capacity does not, and it shows calls waiting.)"""
+        """`knee` with the engine's metrics, none waiting at this size: slow start's first
+        doubling that did not pay (from `old` to this size, which delivered `throughput`) is
+        followed by one more, once (reason "explore"): kept, and slow start goes on, if it
+        delivers more than this size by `KNEE_SHARE` of it (then this size is not within
+        that share of the best: the knee is above it); else back to `old`, and the search
+        runs below this size, as without it. (A throughput flat for a doubling may rise
+        again past it: a real vLLM's did, its batch not full; an engine's past its capacity
+        does not, and it shows calls waiting.)"""
         doubled = self.size
         change = self._set(min(self.max, 2 * self.size), "explore", (throughput, 0.0))
         self._explored = self._exploring = True
