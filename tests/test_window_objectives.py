@@ -582,6 +582,35 @@ def test_with_the_engines_metrics_the_knee_looks_past_a_flat_doubling() -> None:
     assert blind.size / _vllm_pinned(blind.size) < 0.95 * best  # (the case it was)
 
 
+def test_a_flat_doubling_with_no_reading_at_its_size_goes_back_as_without_the_metrics() -> None:
+    """The look past a flat doubling waits for a reading taken at the doubled size; when the
+    engine's metrics stop coming (a dead `/metrics`), it waits `engine_stale` seconds at
+    most, then goes back as without them: no look on a reading taken at a smaller size."""
+    c = AdaptiveController(1, 256, 8)
+    now, read, grown = 0.0, -1.0, None
+    changes: list[tuple[float, int, str]] = []
+    while now < 60.0:
+        size = c.size
+        latency = _vllm_pinned(size)
+        for _ in range(size):
+            now += latency / size
+            change = None
+            if size < 128 and now - read >= 1.0:  # the metrics stop once the window is at 128
+                read = now
+                change = c.engine(EngineLoad(size, 0, size / 256, 0), now)
+            change = change or c.record(Outcome.SUCCESS, now, size, latency=latency)
+            if change is not None:
+                changes.append((now, change.size, change.reason))
+                if (change.size, change.reason) == (128, "slow start"):
+                    grown = now
+                break
+    assert grown is not None, changes
+    assert "explore" not in [reason for _, _, reason in changes]
+    at, size, _ = next(change for change in changes if change[2] == "no gain")
+    assert size == 64
+    assert at - grown >= c.engine_stale  # it waited for a reading that never came
+
+
 def test_probes_past_an_engines_queue_come_less_and_less_often() -> None:
     """Issue 32, `--engine-metrics` on the zoo's engine 1 (C 13, calls of 0.8 s): each probe
     up a quarter from C queued a quarter of a batch until the engine's metrics cut it, and

@@ -367,7 +367,6 @@ class AdaptiveController:
     _may_explore: bool = attrs.field(default=False, init=False)  # (see `_end_round`)
     # a flat doubling waiting for the engine's reading at its size: (old, its throughput)
     _explore_wait: tuple[int, float] | None = attrs.field(default=None, init=False)
-    _explore_wait_from: int = attrs.field(default=0, init=False)
     # the last round measured: (size, calls/s by Little's law, mean and worst latency)
     measured: tuple[int, float, float, float] | None = attrs.field(default=None, init=False)
     _load_sum: float = attrs.field(default=0.0, init=False)
@@ -719,8 +718,8 @@ class AdaptiveController:
         if self._explore_wait is not None:  # waiting for a reading taken at this size
             if now - self._grown_at <= self.engine_stale:
                 return None
-            self._explore_wait = None  # none came: as without the metrics
-            return self._undo_step(now, self._explore_wait_from, over=False)
+            (old, _), self._explore_wait = self._explore_wait, None  # none came: as without
+            return self._undo_step(now, old, over=False)
         if self._engine_at > -math.inf:  # the engine's metrics gate growth too
             grow = (
                 grow
@@ -1097,7 +1096,7 @@ class AdaptiveController:
                     if self._engine_at > self._grown_at:  # a reading at this size said so
                         return self._explore(old, throughput), False
                     # the last reading is older than this size: wait for one (`engine`)
-                    self._explore_wait, self._explore_wait_from = (old, throughput), old
+                    self._explore_wait = (old, throughput)
                     return None, False
                 if gain < least or over:
                     return self._undo_step(now, old, over=over), False
