@@ -35,6 +35,7 @@ from rich.console import Console
 from trio.testing import MockClock
 
 import trio_tasksets as tt
+from trio_tasksets._core.exceptions import EvalWarning
 from trio_tasksets._models.pool import sticky
 from trio_tasksets._monitor.dashboard import Progress, show
 
@@ -55,7 +56,7 @@ def name_of(url: str) -> str:
 
 
 async def test_the_dashboard_shows_a_row_per_endpoint_and_which_one_is_ejected(
-    autojump_clock: MockClock,
+    autojump_clock: MockClock, recwarn: pytest.WarningsRecorder
 ) -> None:
     sampling = tt.Sampling(max_tokens=200)  # about 2 s a call: the engines are busy when read
     async with (
@@ -105,6 +106,9 @@ async def test_the_dashboard_shows_a_row_per_endpoint_and_which_one_is_ejected(
     assert later[b.url]["state"] == "probing"
     assert later[b.url]["engine"]["errors"] >= 1
     assert later[a.url]["engine"]["errors"] == 0
+    said = [str(w.message) for w in recwarn if issubclass(w.category, EvalWarning)]
+    assert len(said) == 1, said  # b's engine, said once
+    assert metrics_of(b.url) in said[0]
     output = console.file.getvalue()  # type: ignore[attr-defined]
     frame = ANSI.sub("", output).rsplit(TOP, 1)[-1]
     header = next(row for row in frame.splitlines() if "endpoint" in row)

@@ -26,6 +26,7 @@ from trio_tasksets._core.adaptive import (
     Outcome,
     Pacer,
 )
+from trio_tasksets._core.exceptions import EvalWarning
 from trio_tasksets._core.limits import says_request_rate
 from trio_tasksets._models.engine import EngineMetrics, EngineMetricsError, parse_engine_metrics
 from trio_tasksets._models.pool import sticky
@@ -267,6 +268,30 @@ def test_queueing_at_a_steady_size_backs_off() -> None:
         for i in range(40):
             change = c.record(Outcome.SUCCESS, float(i), 40, latency=latency) or change
     assert change == tt._core.adaptive.Change(32, "latency")
+
+
+async def test_a_dead_metrics_url_is_said_once_naming_engine_metrics() -> None:
+    """A metrics URL that never answers left the window on its latency signal, and nothing
+    on screen said so. Its first failed reading is an `EvalWarning` naming `engine_metrics`
+    (the CLI's --engine-metrics), once; the failures are counted."""
+    import socket
+    import warnings
+
+    with socket.socket() as sock:  # a port nothing listens on
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    reader = EngineMetrics(f"http://127.0.0.1:{port}/metrics", interval=0.01, timeout=1.0)
+    with warnings.catch_warnings(record=True) as said:
+        warnings.simplefilter("always")
+        with trio.move_on_after(5.0):
+            while reader.errors < 3:
+                with trio.move_on_after(0.05):
+                    await reader.feed(None)
+    found = [w.message for w in said if isinstance(w.message, EvalWarning)]
+    assert reader.errors >= 3
+    assert len(found) == 1, found
+    assert found[0].parameter == "engine_metrics"
+    assert f"127.0.0.1:{port}/metrics" in str(found[0])
 
 
 def test_engine_metrics_cut_on_a_queue_preemptions_and_a_full_cache_and_freeze_when_stale() -> None:

@@ -22,13 +22,14 @@
 from __future__ import annotations
 
 import math
+import warnings
 from collections.abc import Iterable
 from urllib.parse import urlsplit
 
 import trio
 
 from .._core.adaptive import AdaptiveWindow, EngineLoad
-from .._core.exceptions import ConfigError, TrioTasksetsError
+from .._core.exceptions import ConfigError, EvalWarning, TrioTasksetsError
 from .._transport import HTTPClient, HTTPError, Timeouts, redact_url
 
 __all__ = ["EngineMetrics", "EngineMetricsError", "parse_engine_metrics"]
@@ -182,7 +183,9 @@ class EngineMetrics:
     async def feed(self, window: AdaptiveWindow | None) -> None:
         """Read every `interval` seconds into `window` (None: keep the readings only) until
         cancelled; a failed reading is counted and skipped (the window freezes its growth on
-        stale readings)."""
+        stale readings). The first failure is said, once, as an `EvalWarning` naming
+        `engine_metrics` (the CLI's `--engine-metrics`): a dead metrics URL otherwise left
+        the window on its latency signal alone, and the run's output said nothing of it."""
         own = self._http is None
         if own:
             self._http = HTTPClient(timeouts=self._timeouts)
@@ -194,6 +197,16 @@ class EngineMetrics:
                     if window is not None:
                         window.engine_load(load)
                 except (HTTPError, EngineMetricsError) as exc:
+                    if self.errors == 0:
+                        warnings.warn(
+                            EvalWarning(
+                                f"{{engine_metrics}} {self.url}: a reading failed ({exc}); "
+                                f"the window goes on without the engine's readings until "
+                                f"one succeeds",
+                                parameter="engine_metrics",
+                            ),
+                            stacklevel=2,
+                        )
                     self.errors += 1
                     self.last_error = str(exc)
                     self.failing = True
