@@ -295,6 +295,35 @@ def test_a_fast_engines_knee_is_not_left_a_step_short_by_the_noise() -> None:
     assert min(settled) >= 0.85
 
 
+def test_a_flat_doubling_is_undone_once_its_rounds_show_it_cannot_pay() -> None:
+    """Issue 32, `bench.zoo --quick`'s engine (C 13, calls of 30-76 ms): slow start's
+    doubling from 16 to 32 delivers what 16 did. No change to tell from the rounds' noise,
+    it was measured on for 3.75 s (a quarter cooldown) and half of an 8 s run sat at 32, at
+    2.9x the p99. After 4 rounds, no number of rounds more can tell a change that small
+    from the noise of 16's one round (or it is clearly short of what a doubling must gain):
+    it is undone then, and the knee is found as before."""
+    latencies = _batches(13, 1.53, base=0.03)
+    at_32, settled = [], []
+    for seed in range(6):
+        c = AdaptiveController(1, 256, 8)  # cooldown 15 s
+        rng = random.Random(seed)
+        now, spent, sizes = 0.0, 0.0, []
+        while now < 20.0:
+            size = c.size
+            factor = 1 + rng.gauss(0, 0.03)
+            begun = now
+            for latency in latencies(size, rng):
+                latency *= factor * (1 + rng.gauss(0, 0.03))
+                now += latency / size
+                c.record(Outcome.SUCCESS, now, size, latency=latency)
+            spent += now - begun if size == 32 else 0.0
+            sizes.append(c.size)
+        at_32.append(spent)
+        settled.append(statistics.median(sizes[-50:]))
+    assert max(at_32) < 1.5, at_32  # (3.7-3.9 s: measured on for a quarter cooldown)
+    assert statistics.median(settled) == 13, settled
+
+
 def test_probes_past_a_steady_knee_come_less_and_less_often() -> None:
     """Each probe past the knee costs the p99 the calls it queues. At a knee that stays where
     it is, failed steps up in a row hold growth for longer and longer, up to 4 cooldowns
