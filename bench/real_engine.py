@@ -97,7 +97,7 @@ def report(found: dict[str, list[dict[str, Any]]], fixed: list[str]) -> bool:
         passed = passed and held
         print(goal_line(held, goal, detail))
     for spec in ADAPTIVE:
-        steps = [f"{size} ({why})" for _, size, why in figures[spec]["history"][:24]]
+        steps = [f"{size} ({why}, {at:.0f} s)" for at, size, why in figures[spec]["history"][:24]]
         print(f"  {spec}, last repeat, window steps: {', '.join(steps)}")
     return passed
 
