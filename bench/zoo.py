@@ -42,7 +42,8 @@ second half, whatever the controller).
 `--busy N` runs N busy loops (processes spinning on the CPU) beside the client for the whole
 run: the busy-CPU point. Every draw is reported, not the best. `--quick` (CI): four
 families (engine, ratelimit, concurrency, plateau), seed 1 with calls of tens of
-milliseconds, 8 s a contender, per-second periods; exits 1 when a goal is missed.
+milliseconds, 8 s a contender (16 s on a rate limit: whole-second holds), per-second
+periods; exits 1 when a goal is missed.
 """
 
 from __future__ import annotations
@@ -386,7 +387,9 @@ def report(family: str, seed: int, params: dict[str, Any], found: dict[str, list
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--quick", action="store_true", help="CI: 4 families, 1 seed, 6 s")
+    parser.add_argument(
+        "--quick", action="store_true", help="CI: 4 families, 1 seed, 8 s (16 s on a rate limit)"
+    )
     parser.add_argument("--families", nargs="+", choices=FAMILIES, default=list(FAMILIES))
     parser.add_argument("--seeds", nargs="+", type=int, default=[1, 2, 3, 4, 5])
     parser.add_argument("--seconds", type=float, default=20.0, help="per contender and repeat")
