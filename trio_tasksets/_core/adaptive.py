@@ -56,6 +56,15 @@ MIN_GAIN = {"knee": 0.08, "throughput": 0.03, "p99": 0.03}
 show to be kept. A knee is where more window adds less than `knee`'s share of itself."""
 
 
+KNEE_DOWN = 1.5
+"""`knee`: a step down goes back only if it cost more than this times the elasticity a step
+up must show (`MIN_GAIN`): a band where neither step moves the window, so that noise at the
+knee's edge does not push it up. On the zoo's plateau 1 (soft capacity 6, flat past it),
+the step from 8 to 7 cost an elasticity of 0.063 and the step from 7 to 6 0.10, both near
+0.08: a noisy round took the window back to 8 in one `--quick` run of three (p99 1.47x the
+smallest fixed window within 5 % of the best rate)."""
+
+
 DOUBLING_GAIN = 0.15
 """The least elasticity a doubling (slow start) must show to be kept, whatever the
 objective (past it, the objective's quarter steps go on)."""
@@ -1127,7 +1136,8 @@ class AdaptiveController:
                 self._exploring = False
                 self._no_gains = 0
                 self._lo = max(self._lo, old)  # the knee is above the size it came from
-            elif gain > self._gain and not over:  # a step down that cost throughput
+            elif gain > self._gain * (KNEE_DOWN if self.objective == "knee" else 1.0) and not over:
+                # a step down that cost throughput
                 if self._hi:  # the knee is above this size: back, and the search goes on
                     self._lo = max(self._lo, self.size)
                 elif self.objective == "knee" and self._pooled:
