@@ -14,6 +14,7 @@ import statistics
 import subprocess
 import sys
 from collections import Counter
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -149,17 +150,25 @@ def _drive_noisy(
     on a noisy server: each round's calls share a factor (1 + N(0, noise)) on their latency
     (an engine's batch waves, a machine's moments), and each call has its own too. Seeded:
     the same draw each time. Returns the size after each round."""
+    return [c.size for _ in itertools.islice(_noisy_rounds(c, latencies_of, noise, seed), rounds)]
+
+
+def _noisy_rounds(
+    c: AdaptiveController, latencies_of: Any, noise: float, seed: int
+) -> Iterator[tuple[int, list[tuple[float, float]]]]:
+    """`_drive_noisy`'s rounds, without end: each round's size and its calls' (end, latency),
+    the virtual clock starting at 0."""
     rng = random.Random(seed)
-    now, sizes = 0.0, []
-    for _ in range(rounds):
-        size = c.size
+    now = 0.0
+    while True:
+        size, calls = c.size, []
         factor = 1 + rng.gauss(0, noise)
         for latency in latencies_of(size, rng):
             latency *= factor * (1 + rng.gauss(0, noise))
             now += latency / size
             c.record(Outcome.SUCCESS, now, size, latency=latency)
-        sizes.append(c.size)
-    return sizes
+            calls.append((now, latency))
+        yield size, calls
 
 
 def _uniform(capacity: int, alpha: float) -> Any:
@@ -302,22 +311,16 @@ def test_a_flat_doubling_is_undone_once_its_rounds_show_it_cannot_pay() -> None:
     2.9x the p99. After 4 rounds, no number of rounds more can tell a change that small
     from the noise of 16's one round (or it is clearly short of what a doubling must gain):
     it is undone then, and the knee is found as before."""
-    latencies = _batches(13, 1.53, base=0.03)
     at_32, settled = [], []
     for seed in range(6):
         c = AdaptiveController(1, 256, 8)  # cooldown 15 s
-        rng = random.Random(seed)
-        now, spent, sizes = 0.0, 0.0, []
-        while now < 20.0:
-            size = c.size
-            factor = 1 + rng.gauss(0, 0.03)
-            begun = now
-            for latency in latencies(size, rng):
-                latency *= factor * (1 + rng.gauss(0, 0.03))
-                now += latency / size
-                c.record(Outcome.SUCCESS, now, size, latency=latency)
-            spent += now - begun if size == 32 else 0.0
+        begun, spent, sizes = 0.0, 0.0, []
+        for size, calls in _noisy_rounds(c, _batches(13, 1.53, base=0.03), 0.03, seed):
+            spent += calls[-1][0] - begun if size == 32 else 0.0
+            begun = calls[-1][0]
             sizes.append(c.size)
+            if begun >= 20.0:
+                break
         at_32.append(spent)
         settled.append(statistics.median(sizes[-50:]))
     assert max(at_32) < 1.5, at_32  # (3.7-3.9 s: measured on for a quarter cooldown)
@@ -427,17 +430,11 @@ def test_knee_on_a_flat_plateau_is_not_pushed_up_by_noise_at_its_edge() -> None:
     over = []
     for seed in range(16):
         c = AdaptiveController(1, 256, 8)  # cooldown 15 s
-        rng = random.Random(seed)
-        now, late = 0.0, []
-        while now < 8.0:
-            size = c.size
-            factor = 1 + rng.gauss(0, 0.03)
-            for latency in _curve(rate_of)(size, rng):
-                latency *= factor * (1 + rng.gauss(0, 0.03))
-                now += latency / size
-                c.record(Outcome.SUCCESS, now, size, latency=latency)
-                if now > 4.0:
-                    late.append(latency)
+        late: list[float] = []
+        for _, calls in _noisy_rounds(c, _curve(rate_of), 0.03, seed):
+            late += [latency for end, latency in calls if end > 4.0]
+            if calls[-1][0] >= 8.0:
+                break
         assert len(late) / 4.0 >= 0.95 * peak, seed
         p99 = sorted(late)[int(0.99 * len(late))]
         over += [seed] if p99 > bound else []
