@@ -226,8 +226,8 @@ def contenders(family: str, params: dict[str, Any]) -> tuple[list[str], list[str
     elif family == "concurrency":
         c = params["capacity"]
         fixed = _sizes([c / 2, c, 2 * c])
-    else:
-        fixed = _sizes([8, 32, 128])
+    else:  # flaky: no limit, so the most calls in flight is the best fixed window
+        fixed = _sizes([8, 32, 128, 256])
     return [str(size) for size in fixed], adaptive
 
 

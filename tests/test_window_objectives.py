@@ -7,6 +7,7 @@ real-time runs go against `../shared/servers/zoo.py` processes, when the zoo is 
 
 from __future__ import annotations
 
+import heapq
 import itertools
 import math
 import random
@@ -460,6 +461,65 @@ def test_a_busy_client_is_not_read_as_the_engines_queue() -> None:
     assert min(after[-20:]) >= 0.7 * before
 
 
+def _closed_loop(c: AdaptiveController, attempt: Any, until: float, seed: int) -> float:
+    """A closed loop of `c.size` places, event by event until `until` seconds: each place
+    makes a call, `attempt(rng)` -> (outcome, latency, backoff: seconds the place stays
+    taken after it), and the next one when it is free, as long as the places taken are
+    fewer than the size. Returns the successes a second."""
+    rng = random.Random(seed)
+    now, taken, ok = 0.0, 0, 0
+    ends: list[tuple[float, Outcome | None, float, float]] = []
+    while now < until:
+        while taken < c.size:
+            outcome, latency, backoff = attempt(rng)
+            heapq.heappush(ends, (now + latency, outcome, latency, backoff))
+            taken += 1
+        now, outcome, latency, backoff = heapq.heappop(ends)
+        if outcome is None:  # a backoff over: the place is free
+            taken -= 1
+            continue
+        c.record(outcome, now, taken, latency=latency)
+        ok += outcome is Outcome.SUCCESS
+        if backoff > 0:
+            heapq.heappush(ends, (now + backoff, None, 0.0, 0.0))
+        else:
+            taken -= 1
+    return ok / now
+
+
+def _flaky(errors: float, slow: float, base: float, slow_latency: float) -> Any:
+    """The zoo's flaky family: no limit (every call `base` seconds, 5 % noise, whatever the
+    window), but a share `errors` of the calls answer 5xx after `base` (the place then
+    sleeps a backoff of 0-1 s) and a share `slow` take `slow_latency`."""
+
+    def attempt(rng: random.Random) -> tuple[Outcome, float, float]:
+        draw = rng.random()
+        if draw < errors:
+            return Outcome.SERVER_ERROR, base, rng.random()
+        if draw < errors + slow:
+            return Outcome.SUCCESS, slow_latency, 0.0
+        return Outcome.SUCCESS, base * (1 + rng.gauss(0, 0.05)), 0.0
+
+    return attempt
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_a_flaky_servers_errors_and_slow_calls_do_not_hold_the_window_down(seed: int) -> None:
+    """Issue 32, the zoo's flaky draws: a server that fails a share of its calls whatever the
+    window (and delays a few by seconds) has no knee below `max`: every place more is calls
+    more. 5xx made nearly every round unclean (no growth), and the slow calls' share of a
+    round's mean latency read as "slower at a steady size" (a probe down, then back, and a
+    cooldown's hold): the window stayed at 7-64 where `-c 128` made 2-25x the calls. The
+    round's throughput now counts only the calls that succeeded, and "slower" reads the
+    round's typical call. (The zoo's flaky seed 1: 12 % errors, 2.25 % of calls 3.5 s.)"""
+    attempt = _flaky(0.12, 0.0225, 0.008, 3.5)
+    best = _closed_loop(AdaptiveController(256, 256, 256), attempt, 15.0, seed)
+    c = AdaptiveController(1, 256, 8)
+    rate = _closed_loop(c, attempt, 15.0, seed)
+    assert rate >= 0.9 * best
+    assert c.size >= 0.9 * 256
+
+
 def _steps(
     c: AdaptiveController, latency_of: Any, until: float, slow: Any = None, now: float = 0.0
 ) -> tuple[float, list[tuple[float, int, str]]]:
@@ -558,7 +618,8 @@ def test_p99_gives_up_a_step_over_the_bound_as_soon_as_its_calls_say_so() -> Non
     def latency_of(size: int) -> float:  # throughput still rises; 0.3 s at 80
         return 0.1 * (1 + size / 40)
 
-    c = AdaptiveController(1, 1024, 40, objective="p99=0.3", slow_start=False, probe_above=1.0)
+    # (0.31: 77's 0.29 s is under `P99_AIM` of it, 96's 0.34 s over)
+    c = AdaptiveController(1, 1024, 40, objective="p99=0.31", slow_start=False, probe_above=1.0)
     _, changes = _steps(c, latency_of, 10.0)
     assert [(size, reason) for _, size, reason in changes[:5]] == [
         (50, "grow"), (62, "grow"), (77, "grow"), (96, "grow"), (77, "p99"),

@@ -113,6 +113,13 @@ engine's capacity, past which the probe queues its calls: on a model of the zoo'
 (C 13, calls of 0.8 s) it delayed the knee by 20 rounds or more."""
 
 
+P99_AIM = 0.97
+"""`p99=SECONDS`: a call counts as over the bound past this share of it. A size whose p99
+sits at the bound straddles it, and the window settles at the largest size its tally lets
+through: the zoo's plateau 2 (a CPU-bound server whose calls all slow down together) held
+`p99=1.1` at 1.102 s."""
+
+
 MEMORY = 400
 """The most calls that a size's pooled rounds count (its throughput, and with `p99=` its
 calls over the bound): past it, every sum is halved, so older rounds weigh less. A size's
@@ -198,7 +205,11 @@ class AdaptiveController:
     * `Retry-After` is for the caller's retry: it never extends the cooldown (letting it do
       so froze inspect_ai's limit for good, inspect_ai #5137), so cuts go on every
       `cooldown` while 429s do, and growth resumes `cooldown` after the last one.
-    * A 5xx or a timeout makes the round unclean (growth pauses); it never cuts.
+    * A 5xx or a timeout makes the round unclean (growth pauses); it never cuts. With the
+      latency signal (below) it pauses nothing: the round's throughput counts only the
+      share of its calls that succeeded, and the steps are judged on that (a flaky
+      server fails a share of calls whatever the window; one that fails under load
+      shows it as a step that does not pay).
     * The size never leaves `[min, max]`.
 
     Against a server that queues instead of answering 429 (a self-hosted engine), the
@@ -265,14 +276,15 @@ class AdaptiveController:
       again: probes only up would let noise ratchet the size. After slow
       start a step adds `max(1, probe * size)`.
     * `p99=SECONDS`: each size keeps a tally of its calls and of those slower than SECONDS
-      over its measured rounds (the same memory); its p99 is over the bound when more than
-      1 % of its calls, and more than one call, were (one slow call alone, a busy
-      machine's, never decides). A step up to such a size goes back (and is not probed
+      (than `P99_AIM` of it: a p99 at the bound straddles it) over its measured rounds
+      (the same memory); its p99 is over the bound when more than 1 % of its calls, and
+      more than one call, were (one slow call alone, a busy machine's, never decides). A step up to such a size goes back (and is not probed
       again while its tally stands), as soon as its own calls say so (reason "p99": calls
       queued past the bound go on costing the p99 until they are done); at a steady size,
       a cut to `floor(size * cut)` (reason "p99").
-    * Slower at a steady size (two rounds in a row whose mean latency exceeds `queueing`
-      times the latency measured when the size was taken): a probe down by `cut`
+    * Slower at a steady size (two rounds in a row whose typical latency, the mean without
+      the slowest tenth of the round's calls, exceeds `queueing` times the one measured
+      when the size was taken): a probe down by `cut`
       (reason "latency"), given up if it lost throughput against the rate measured when
       the size was taken, not pooled (a client's own stall slows every size alike: never
       a queue).
@@ -340,7 +352,8 @@ class AdaptiveController:
     objective: str = attrs.field(default="knee", kw_only=True)
     _successes: int = attrs.field(default=0, init=False)
     _peak: int = attrs.field(default=0, init=False)
-    _clean: bool = attrs.field(default=True, init=False)
+    _clean: bool = attrs.field(default=True, init=False)  # no 429 in the round
+    _errors: int = attrs.field(default=0, init=False)  # the round's 5xx and timeouts
     _last_cut: float = attrs.field(default=-math.inf, init=False)
     _last_429: float = attrs.field(default=-math.inf, init=False)
     _overload_since: float = attrs.field(default=-math.inf, init=False)  # first of a 429 run
@@ -487,7 +500,7 @@ class AdaptiveController:
                     self._area += in_flight * span
                     self._span += span
                 self._load_at = now
-            if self._bound is not None and seconds > self._bound:
+            if self._bound is not None and seconds > P99_AIM * self._bound:
                 self._lat_over += 1
 
     def record(
@@ -546,9 +559,10 @@ class AdaptiveController:
             return None
         if outcome is Outcome.REQUEST_RATE:
             return None  # paced (AdaptiveWindow.pacer), never cut
-        self._clean = False
-        if outcome is not Outcome.RATE_LIMITED:
+        if outcome is not Outcome.RATE_LIMITED:  # a 5xx or a timeout: never a cut
+            self._errors += 1
             return None
+        self._clean = False
         self._answers_429 = True  # its 429s speak for its capacity: no latency signal
         first = self.slow_start
         self.slow_start = False
@@ -698,19 +712,31 @@ class AdaptiveController:
         ended, a burst of k calls ending at once counts k - 1 fewer, k - 2, ... down to
         one: an engine's batch of calls ending together read as half the window, and the
         zoo's engine 3 at a window of 18 delivered 73 calls/s and was read as 59, +-8 % a
-        round; by time, 73.4 +-0.2 %.)"""
-        if self._span > 0:
-            return self._area / self._span * self._lat_n
-        return self._load_sum
+        round; by time, 73.4 +-0.2 %.) Of those, the share that succeeded: the round's 5xx
+        and timeouts held places too (their calls, and their retries' backoff), so by
+        Little's law the calls that succeeded are the calls in flight times the share of
+        the round's calls that did (a step to a size where the server fails more does not
+        pay by the calls it fails)."""
+        load = self._area / self._span * self._lat_n if self._span > 0 else self._load_sum
+        if self._errors:
+            load *= self._lat_n / (self._lat_n + self._errors)
+        return load
 
     def _end_round(self, now: float) -> Change | None:
+        measured = self._measure()
+        signal = measured is not None and not self._answers_429 and not self.paced
         grow = (
             self._clean
+            # with the latency signal, a 5xx or a timeout pauses nothing: its calls are
+            # counted out of the round's throughput (`_load`), and every step is judged
+            # on that (a flaky server's errors, a tenth of its calls whatever the window,
+            # made nearly every round unclean: the zoo's flaky draws stayed at 25-64 where
+            # -c 128 made 2-6x the calls)
+            and (self._errors == 0 or signal)
             and self._peak >= self.utilization * self.size
             and now - self._last_429 >= self.cooldown
             and not self.pace_binds
         )
-        measured = self._measure()
         sums = (self._load(), self._lat_sum)
         lats = self._round_lats
         settle, self._settle = self._settle, False
@@ -736,7 +762,7 @@ class AdaptiveController:
                 and now - self._engine_at <= self.engine_stale
                 and self._engine_at > self._grown_at  # one step per reading, seen after it
             )
-        if measured is not None and not self._answers_429 and not self.paced:
+        if measured is not None and signal:
             change, grow = self._latency_signal(now, measured, sums, lats, settle, probe_from, grow)
             if change is not None or not grow:
                 return change
@@ -1010,6 +1036,12 @@ class AdaptiveController:
         on). See the class."""
         throughput, latency = measured
         self._min_latency = min(self._min_latency, latency)
+        # "slower at a steady size" reads the round's typical call: its latencies' mean
+        # without their slowest tenth (a flaky server's slow calls, 2 % of them at 3.5 s
+        # where the rest take 12 ms, put the mean of most rounds of 64 calls at several
+        # times the last one's: the zoo's flaky draws went down by "latency" and back by
+        # "lost throughput" every second, and each return held growth a cooldown)
+        typical = _trimmed_mean(lats) if lats else latency
         bound = self._bound
         if settle:  # its calls started at the old size: measure the next round
             if (
@@ -1158,11 +1190,11 @@ class AdaptiveController:
                     # on the zoo's engine 1, C 13, from 16 to 11 and then 9, a probe of
                     # 1.5 s calls lost)
                     self._lo = max(self._lo, self.size)
-            self._ref_latency, self._ref_throughput = latency, throughput
+            self._ref_latency, self._ref_throughput = typical, throughput
             self._slow_rounds = 0
             return None, grow and now >= self._hold_until
         if self._ref_latency is None:
-            self._ref_latency, self._ref_throughput = latency, throughput
+            self._ref_latency, self._ref_throughput = typical, throughput
         elif over:
             # over the p99 bound, as this size's tally estimates it: a cut, kept
             self._slow_rounds = 0
@@ -1171,7 +1203,7 @@ class AdaptiveController:
             self._ref_latency = None
             size = max(self.min, math.floor(self.size * self.cut))
             return self._set(size, "p99"), False
-        elif latency > self.queueing * self._ref_latency:
+        elif typical > self.queueing * self._ref_latency:
             # slower than when this size was taken: two rounds in a row try a smaller size,
             # measured like a step up (undone if it cost throughput)
             self._slow_rounds += 1
@@ -1192,6 +1224,7 @@ class AdaptiveController:
         self._successes = 0
         self._peak = 0
         self._clean = True
+        self._errors = 0
         self._lat_sum = self._load_sum = self._lat_max = self._area = self._span = 0.0
         self._round_lats = []
         self._lat_n = self._lat_over = 0
@@ -1220,6 +1253,12 @@ class AdaptiveController:
         self._settle_need = self.size if self._settle and size < self.size else 0
         self.size = size
         return Change(size, reason)
+
+
+def _trimmed_mean(values: list[float]) -> float:
+    """The mean of `values` without their largest tenth (rounded down)."""
+    kept = sorted(values)[: len(values) - len(values) // 10]
+    return statistics.fmean(kept)
 
 
 def _p99(values: list[float]) -> float:
