@@ -156,6 +156,15 @@ def test_engine_metrics_by_sglang_names_and_bad_text() -> None:
         ([("anthropic-ratelimit-requests-remaining", "0")], True),
         ([("RateLimit", "limit=100, remaining=0, reset=5")], True),
         ([("x-ratelimit-remaining-requests", "12")], False),
+        # a token budget refuses a call that needs more than what remains: spent under 5 %
+        ([("ratelimit-remaining", "7"), ("ratelimit-limit", "494")], True),
+        ([("x-ratelimit-limit-tokens", "3000"), ("x-ratelimit-remaining-tokens", "40")], True),
+        # a gateway's rate headers on a concurrency 429: the budget is far from spent
+        (
+            [("x-ratelimit-remaining-requests", "990"), ("x-ratelimit-limit-requests", "1000")],
+            False,
+        ),
+        ([("x-ratelimit-remaining-tokens", "40"), ("x-ratelimit-limit-requests", "60")], False),
         ([("retry-after", "1")], False),  # a concurrency limit sends it too
         ([("RateLimit", "limit=100, remaining=05")], False),
         ([], False),

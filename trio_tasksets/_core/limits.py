@@ -182,24 +182,37 @@ class Metered:
 _REMAINING_ZERO = re.compile(r"(?:^|[,;\s])remaining\s*=\s*0(?![\d.])")
 
 
+SPENT_SHARE = 0.05
+"""A 429's rate budget is spent when what remains of it is under this share of its limit
+(`says_request_rate`): a token budget refuses a call that needs more than what remains,
+which is seldom 0 (the zoo's token buckets answered ``ratelimit-remaining: 7`` of 494)."""
+
+
 def says_request_rate(headers: Iterable[tuple[str, str]]) -> bool:
     """Whether a 429's headers say a request or token *rate* budget is spent (so the 429 is a
     request-rate limit, `Outcome.REQUEST_RATE`, not a concurrency limit): a header whose
-    name has both "ratelimit" and "remaining" with the value 0 (OpenAI's and Azure's
-    ``x-ratelimit-remaining-requests`` / ``-tokens``, Anthropic's
-    ``anthropic-ratelimit-requests-remaining``, the IETF draft's ``RateLimit-Remaining``),
-    or the IETF draft's structured ``RateLimit: ...remaining=0``. ``Retry-After`` alone says
-    nothing either way: concurrency limits send it too."""
-    for name, value in headers:
-        lowered = name.lower()
+    name has both "ratelimit" and "remaining" with the value 0, or under `SPENT_SHARE` of
+    the header named alike with "limit" for "remaining" (OpenAI's and Azure's
+    ``x-ratelimit-remaining-requests`` / ``-tokens`` and ``x-ratelimit-limit-...``,
+    Anthropic's ``anthropic-ratelimit-requests-remaining`` and ``...-limit``, the IETF
+    draft's ``RateLimit-Remaining`` and ``RateLimit-Limit``), or the IETF draft's structured
+    ``RateLimit: ...remaining=0``. ``Retry-After`` alone says nothing either way: concurrency
+    limits send it too, and a gateway's rate headers on a concurrency 429 show a budget far
+    from spent."""
+    named = {name.lower(): value.strip() for name, value in headers}
+    for lowered, value in named.items():
         if "ratelimit" not in lowered:
             continue
         if "remaining" in lowered:
             try:
-                if float(value.strip()) <= 0:
+                remaining = float(value)
+                if remaining <= 0:
                     return True
+                limit = float(named.get(lowered.replace("remaining", "limit"), "nan"))
             except ValueError:
                 continue
+            if limit > 0 and remaining < SPENT_SHARE * limit:
+                return True
         elif lowered == "ratelimit" and _REMAINING_ZERO.search(value.lower()):
             return True
     return False
