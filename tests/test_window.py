@@ -874,33 +874,6 @@ async def test_a_rest_left_by_cancellation_gives_its_place_back(autojump_clock: 
     assert window.in_flight == 0
 
 
-async def test_resting_runs_never_outnumber_the_size(autojump_clock: MockClock) -> None:
-    """An endpoint that refuses every call (a token budget smaller than one call) caps the
-    window to `min`, and there each rest lent its place to a fresh run, whose 429 sent it
-    to rest in turn: the zoo saw 4,387 runs pile up in 5 s. Past `size` resting runs, a run
-    rests in its place, so at most twice the size are ever under way."""
-    window = AdaptiveWindow(1, 2, 8)
-    started: list[int] = []
-
-    async def run(item: int) -> None:
-        await window.acquire(item)
-        started.append(item)
-        try:
-            async with window.rest():  # every call refused: every run rests
-                await trio.sleep(10)
-        finally:
-            window.release(item)
-
-    async with trio.open_nursery() as nursery:
-        for item in range(50):
-            nursery.start_soon(run, item)
-        await trio.sleep(1)
-        assert len(started) == 4  # 2 resting on lent places, 2 resting in theirs
-        assert (window.resting, window.in_flight) == (2, 4)
-    assert len(started) == 50  # (each in turn, as the runs before it end)
-    assert window.in_flight == window.resting == 0
-
-
 def test_window_spec_is_the_cli_form() -> None:
     assert window_spec(32) == "32"
     assert window_spec(AdaptiveBounds(1, 8, 512)) == "1-8-512"

@@ -1314,7 +1314,6 @@ class AdaptiveWindow(Window):
         )  # fmt: skip
         self.start = start  # the size it started at (its CLI form is min-start-max)
         self.pacer = Pacer()
-        self._resting_runs = 0  # runs resting on a lent place (`rest`)
         super().__init__(start)
 
     min = View[int]("controller", "The smallest size the controller sets.")
@@ -1412,23 +1411,12 @@ class AdaptiveWindow(Window):
         Its place is lent meanwhile: one more run may start (the window holds `size` runs
         that are not resting, plus the resting ones). On leaving, the run waits for a place
         to free up, in turn with the runners' pulls, and takes it back: a resting run is
-        never starved by fresh ones. Leaving by an exception gives the place back at once.
-
-        Resting runs never outnumber the size: past that, a run rests in its place. (The
-        429 that sent a run to rest also capped the size at the calls then in flight, less
-        one, `AdaptiveController`, but not below `min`: against an endpoint that refuses
-        every call, a token budget smaller than one call, each rest at `min` lent its place
-        to a fresh run, and the zoo saw 4,387 runs pile up in 5 s.)
+        never starved by fresh ones. Lending cannot pile runs up: the 429 that sent the run
+        to rest also capped the size at the calls then in flight, less one (see
+        `AdaptiveController`). Leaving by an exception gives the place back at once.
         """
-        if self._resting_runs >= self.size:
+        async with self.lend():
             yield
-            return
-        self._resting_runs += 1
-        try:
-            async with self.lend():
-                yield
-        finally:
-            self._resting_runs -= 1
 
     def success(self) -> None:
         self.record(Outcome.SUCCESS)
