@@ -856,22 +856,53 @@ async def resting_scenario(
 
 
 async def test_a_rest_left_by_cancellation_gives_its_place_back(autojump_clock: MockClock) -> None:
-    window = AdaptiveWindow(1, 1, 4)
+    window = AdaptiveWindow(1, 2, 4)
     await window.acquire("run")
+    await window.acquire("peer")  # the window is full
     with trio.move_on_after(1):  # cancelled while resting
         async with window.rest():
-            assert window.limiter.total_tokens == 2
+            assert window.limiter.total_tokens == 3
             await trio.sleep(5)
-    assert (window.resting, window.limiter.total_tokens) == (0, 1)
+    assert (window.resting, window.limiter.total_tokens) == (0, 2)
     with trio.move_on_after(1):
         async with window.rest():
             await window.acquire("other")  # another run takes the lent place
         # done resting, queueing for a place ("other" holds it): cancelled there
-    assert (window.resting, window.limiter.total_tokens, window.in_flight) == (0, 1, 2)
+    assert (window.resting, window.limiter.total_tokens, window.in_flight) == (0, 2, 3)
     window.release("other")  # over-full until both are gone: nothing else may start
-    assert window.in_flight == 1
+    assert window.in_flight == 2
     window.release("run")
+    window.release("peer")
     assert window.in_flight == 0
+
+
+async def test_at_its_minimum_a_resting_run_keeps_its_place(autojump_clock: MockClock) -> None:
+    """An endpoint that refuses every call (a token budget smaller than one call): the 429
+    caps take the window to `min`, and no cap goes lower. Were a rest there to lend its
+    place, each fresh run's 429 would send it to rest and lend in turn, without end (the
+    zoo saw 5,288 runs pile up in 5 s). At `min`, a run rests in its place."""
+    window = AdaptiveWindow(1, 4, 8)
+    started: list[int] = []
+
+    async def run(item: int) -> None:
+        await window.acquire(item)
+        started.append(item)
+        try:
+            window.rate_limited()  # every call refused
+            async with window.rest():
+                await trio.sleep(10)
+        finally:
+            window.release(item)
+
+    async with trio.open_nursery() as nursery:
+        for item in range(50):
+            nursery.start_soon(run, item)
+        await trio.sleep(1)
+        assert window.size == 1
+        # the runs refused above the minimum rested on lent places; none since
+        assert len(started) == window.resting + 1 <= 8
+    assert len(started) == 50  # (each in turn, as the runs before it end)
+    assert window.in_flight == window.resting == 0
 
 
 def test_window_spec_is_the_cli_form() -> None:

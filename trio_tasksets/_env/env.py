@@ -964,7 +964,8 @@ class WindowFeed(CallObserver):
 
     @asynccontextmanager
     async def resting(self, outcome: Outcome | None) -> AsyncIterator[None]:
-        # Only after a 429: its cap keeps lending from piling runs up; a 5xx cuts nothing.
+        # Only after a 429: its cap (and `rest` at `min`) keeps lending from piling runs up;
+        # a 5xx cuts nothing.
         if self.window is None or outcome is not Outcome.RATE_LIMITED:
             yield
             return
