@@ -56,9 +56,19 @@ class Pacer:
       whole seconds on a small bucket, a doubled probe's) makes that measure low: the limit
       is between it and the rate that bound, so the rate grows fast (1.22x a second) up to
       their geometric mean, at most 0.9 of the rate that bound.
+    * **A bind after a slow creep.** When the rate had crept (below) for 2 `span`s or more,
+      at most 5 % a second, and the cycle was long (its hold at most an eighth of it), the
+      limit is just under the rate that bound: the rate goes back at once to `margin` of
+      it, less twice what it crept in a `span` (the limit may take that long to answer).
+      The cycle's measure reads such a limit low: it averages the creep, and a
+      whole-second Retry-After's hold. A rate so set that binds in turn goes to `margin`
+      of the rate that bound, and so on down (unless the cycle's measure falls under 0.8
+      of it: the limit came down). A short cycle (a bucket that drained at a rate above
+      its own) is judged on its measure, as above.
     * **Creep.** Past that, with no bind, the rate creeps up (a limit may have risen): by
       `growth` a second at first, twice that every 5 s without a bind, at most 10 % a
-      second; never while calls are held.
+      second; by half of `growth`, not doubling, while under the rate a slow creep last
+      bound at (the limit is there); never while calls are held.
     * **End.** Pacing ends once the rate is 4x what succeeds (the limit no longer binds);
       and when pacing did not lower the share of calls that bind (still half of what it
       was once paced, and at least 10 %, after 4 runs), the 429s do not depend on the rate:
@@ -125,6 +135,9 @@ class Pacer:
         self._grown_at = 0.0
         self._hold_from = -math.inf  # when the hold under way (or the last one) began
         self._fast = 0.5  # the growth a second of a rate from below
+        self._ceiling: float | None = None  # the rate a bind found while creeping
+        self._passed = -math.inf  # when the rate crept past `_ceiling`
+        self._creep_from = -math.inf  # when the rate last grew fast (or was set): creep since
         self._runs = 0
         self._first_share = 0.0
         self._ignore_until = -math.inf
@@ -157,13 +170,17 @@ class Pacer:
             self.answered(now, latency)
         if self.rate is None:
             return
-        quiet = min(now - max(self._bound_at, self.held_until), 120.0)
-        growth = min(0.1, self.growth * 2 ** (max(0.0, quiet) / 5.0))  # creep
+        ceiling = self._ceiling
+        if ceiling is not None and self.rate >= ceiling and self._passed <= self._bound_at:
+            self._passed = now  # crept past the rate the last bind found: the creep restarts
+        growth = self._creep(now)
         target = math.inf
         if self._guess:  # the first rate: e ** 0.5 (or e ** 2) a second until the next bind
             growth = self._fast
+            self._creep_from = now
         elif self.rate < self._target:  # up to the target: e ** 0.2 a second
             growth, target = 0.2, self._target
+            self._creep_from = now
         grown = self.rate * (1 + growth * max(0.0, now - max(self._grown_at, self.held_until)))
         self.rate = min(grown, target)
         self._grown_at = now
@@ -171,8 +188,18 @@ class Pacer:
             self.rate > 4 * self._ok_since(now - self.span) / self.span
             and now - max(self._bound_at, self.held_until) > 4 * self.span
         ):
-            self.rate = None  # far above what succeeds: the limit no longer binds
+            self.rate = self._ceiling = None  # far above what succeeds: no longer binds
             self._runs = 0
+
+    def _creep(self, now: float) -> float:
+        """The rate's growth a second, with no bind: by `growth` a second at first, twice
+        that every 5 s without a bind, at most 10 % a second; half of `growth` while under
+        the rate a slow creep last bound at (the limit is there)."""
+        assert self.rate is not None
+        if self._ceiling is not None and self.rate < self._ceiling:
+            return self.growth / 2
+        quiet = min(now - max(self._bound_at, self.held_until, self._passed), 120.0)
+        return min(0.1, self.growth * 2 ** (max(0.0, quiet) / 5.0))
 
     def answered(self, now: float, latency: float) -> None:
         """A call answered 200 at `now`, `latency` seconds after it started: a probe's
@@ -220,6 +247,9 @@ class Pacer:
         # calls sent since the last hold succeeded (those in flight as it began say nothing;
         # without latencies, any success)
         new_run = self._fresh if self._timed else self._ok_n > self._bind_ok
+        # how it grew as it bound: by how much a second, and since when (before this bind)
+        creep = math.inf if self.rate is None else self._creep(now)
+        creeping = now - max(self._creep_from, self.held_until)
         self._fresh = False
         last_hold = self._last_hold  # the hold after which calls went through again
         if retry_after is not None and retry_after > 0:
@@ -233,11 +263,12 @@ class Pacer:
         self._bind_ok = self._ok_n
         self._bound_at = self._grown_at = now
         if new_run:
-            self._new_run(now, last_hold)
+            self._new_run(now, last_hold, creep, creeping)
 
-    def _new_run(self, now: float, last_hold: float) -> None:
+    def _new_run(self, now: float, last_hold: float, creep: float, creeping: float) -> None:
         """The first bind after calls succeeded: the rate from the binding cycle.
-        `last_hold`: the hold after which calls went through again."""
+        `last_hold`: the hold after which calls went through again; `creep`: the rate's
+        growth a second as it bound, which it had been for `creeping` seconds."""
         # the share of calls that bound (fresh 429s) over the last 4 spans
         refused = len(self._limited)
         share = refused / max(1, refused + len(self._ok))
@@ -288,8 +319,25 @@ class Pacer:
         target = min(math.sqrt(rate * bound), 0.9 * bound)
         if self._guess:  # the guess grew fast until it bound: the limit is a step below
             rate = target = max(rate, self.cut * bound)
+            self._ceiling = None
+        elif creep <= 0.05 and creeping >= 2 * self.span and last_hold <= (now - start) / 8:
+            # it bound after creeping slowly for a while, a long cycle of which the hold was
+            # a small part: the limit is just under the rate that bound (the cycle's measure
+            # averaged the creep, and a whole-second Retry-After's hold). (A short cycle, a
+            # bucket that drained at a rate above its own, says less: its measure decides.)
+            # Less twice what it crept in a span: a limit may take that long to answer.
+            rate = target = self.margin * bound / (1 + 2 * creep * self.span)
+            self._ceiling = bound
+        elif self._ceiling is not None and bound <= self._ceiling and rate >= 0.8 * bound:
+            # the rate set just under the last such bind bound in turn: the limit is a step
+            # under it (the cycle's measure is no closer: the hold was a large part of it)
+            rate = target = self.margin * bound
+            self._ceiling = bound
+        else:
+            self._ceiling = None  # the limit came down, or rose
         self.rate, self._target = rate, target
         self._guess = False
+        self._creep_from = now
 
     def _hold_until(self, now: float, until: float, *, opened: bool = True) -> None:
         if now >= self.held_until:  # a new hold (else one under way, extended)
