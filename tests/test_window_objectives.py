@@ -961,7 +961,7 @@ async def test_a_sliding_window_spent_when_the_run_starts_is_found_at_the_first_
             await _eval(server.url, window, 300, tmp_path)
     sizes = [(reason, size) for _, size, reason in window.history]
     assert ("429 cap", 1) in sizes  # capped down while nothing succeeded
-    assert sizes[-1] == ("429 not concurrency", 8)
+    assert sizes[-1] == ("429 not concurrency", 8), " ".join(f"{r}:{z}" for r, z in sizes)
     # The spent second, then a retry's backoff (header-less 429s: up to a second or so),
     # then paced near the limit, with few refused. (Not timed as a whole: that rate swung
     # with the backoff's random draw, and, real sockets under the MockClock, with the
@@ -972,6 +972,27 @@ async def test_a_sliding_window_spent_when_the_run_starts_is_found_at_the_first_
     assert 0.85 * 27 <= window.pacer.rate <= 1.05 * 27
     refused = [at for at, outcome in calls if outcome is Outcome.RATE_LIMITED and at > first]
     assert len(refused) <= 0.05 * 300
+
+
+def test_a_spent_limit_is_found_though_its_429s_end_early() -> None:
+    """A sliding window spent when the run starts: 429s, then none, then the first success a
+    second later. At `min`, where a resting run keeps its place, the few runs refused back
+    off, so their 429s ended 0.4 s into the spent second (under 4 calls' latency), and the
+    first success was taken for a concurrency limit's: the window stayed at 1 and grew back
+    a step a cooldown. Over 4 calls' latency since the 429s began with no success, and 3
+    or more of them, says a rate limit's."""
+    c = AdaptiveController(1, 256, 8)
+    for at in (0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.05, 0.18, 0.38):
+        c.record(Outcome.RATE_LIMITED, at, c.size, latency=0.001)  # capped, a call a 429
+    assert c.size == 1
+    change = c.record(Outcome.SUCCESS, 1.1, 1, latency=0.111)
+    assert change is not None
+    assert (change.size, change.reason) == (8, "429 not concurrency")
+    # one 429 and a retry's backoff say nothing
+    c = AdaptiveController(1, 8, 4)
+    c.record(Outcome.RATE_LIMITED, 0.0, 4, latency=0.001)
+    change = c.record(Outcome.SUCCESS, 0.6, 1, latency=0.01)
+    assert change is None or change.reason != "429 not concurrency"
 
 
 async def test_a_header_less_fixed_window_per_minute_costs_a_few_refusals_a_minute(

@@ -419,6 +419,7 @@ class AdaptiveController:
     _before_429s: int = attrs.field(default=0, init=False)  # the size when they began
     _ok_since_429: int = attrs.field(default=0, init=False)
     _ok_in_run: int = attrs.field(default=0, init=False)  # since these 429s began
+    _refused_in_run: int = attrs.field(default=0, init=False)  # their number
     _independent_until: float = attrs.field(default=-math.inf, init=False)
     _answers_429: bool = attrs.field(default=False, init=False)  # a concurrency 429 came
     _clean_peak: int = attrs.field(default=0, init=False)  # in flight in a 429-free round
@@ -569,8 +570,9 @@ class AdaptiveController:
         if now - self._last_429 >= self.cooldown:
             self._overload_since = now  # the first 429 after a quiet cooldown
             self._before_429s = self.size
-            self._ok_in_run = 0
+            self._ok_in_run = self._refused_in_run = 0
         self._last_429 = now
+        self._refused_in_run += 1
         served, self._ok_since_429 = self._ok_since_429, 0
         lowest = self.size <= self.min and in_flight <= self.min
         if latency is not None and in_flight < self.size:
@@ -613,15 +615,22 @@ class AdaptiveController:
         return self._set(size, reason)
 
     def _spent_limit(self, now: float) -> bool:
-        """Whether this success ends a run of 429s that no success broke for over 4 times
-        the calls' latency (the slowest of this round): a concurrency limit holds calls that
-        end within it, and then takes more; a spent rate limit (a sliding window whose calls
-        have yet to slide out) refuses until it reopens, whatever the calls in flight."""
+        """Whether this success is the first for over 4 times the calls' latency (the slowest
+        of this round) since a run of 429s began, which went on that long or counted 3 or
+        more (one 429 and its retry's backoff say nothing): a concurrency limit holds calls
+        that end within it, and then takes more; a spent rate limit (a sliding window whose
+        calls have yet to slide out) refuses until it reopens, whatever the calls in flight.
+        (Not the 429s' span alone: at `min`, where a resting run keeps its place, the few
+        runs refused back off, and their 429s ended 0.4 s into a spent second.)"""
         return (
             self._ok_in_run == 0
             and self._lat_max > 0
             and now - self._last_429 < self.cooldown
-            and self._last_429 - self._overload_since > 4 * self._lat_max
+            and now - self._overload_since > 4 * self._lat_max
+            and (
+                self._last_429 - self._overload_since > 4 * self._lat_max
+                or self._refused_in_run >= 3
+            )
             and now >= self._independent_until
         )
 
