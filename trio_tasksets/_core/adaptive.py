@@ -279,15 +279,15 @@ class AdaptiveController:
       (than `P99_AIM` of it: a p99 at the bound straddles it) over its measured rounds
       (the same memory); its p99 is over the bound when more than 1 % of its calls, and
       more than one call, were (one slow call alone, a busy machine's, never decides). A
-      step up to such a size goes back (and is not probed
-      again while its tally stands), as soon as its own calls say so (reason "p99": calls
-      queued past the bound go on costing the p99 until they are done); at a steady size,
-      a cut to `floor(size * cut)` (reason "p99").
+      step up to such a size goes back (and is not probed again while its tally stands),
+      as soon as its own calls say so (reason "p99": calls queued past the bound go on
+      costing the p99 until they are done); at a steady size, a cut to
+      `floor(size * cut)` (reason "p99").
     * Slower at a steady size (two rounds in a row whose typical latency, the mean without
       the slowest tenth of the round's calls, exceeds `queueing` times the one measured
-      when the size was taken): a probe down by `cut` (reason "latency"), given up if it lost throughput against the rate measured when
-      the size was taken, not pooled (a client's own stall slows every size alike: never
-      a queue).
+      when the size was taken): a probe down by `cut` (reason "latency"), given up if it
+      lost throughput against the rate measured when the size was taken, not pooled (a
+      client's own stall slows every size alike: never a queue).
 
     With the engine's own metrics (`engine()`, e.g. every second), growth also needs the last
     reading to show no waiting calls, KV usage under `kv_grow` and no preemptions too many
