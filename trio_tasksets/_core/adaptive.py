@@ -102,6 +102,29 @@ falling)."""
 
 
 KNEE_SHARE = 0.05
+
+# A call's latency counts in a round's throughput (Little's law) at most this times the last
+# round's typical call (`AdaptiveController`).
+TAIL_CAP = 4.0
+
+SCALES = 0.8
+"""See `TAIL_CHANCE` (an engine's latency grows with its batch: below its capacity, the
+elasticity of its throughput is 0.5-0.9 already, and past it far less)."""
+
+TAIL_CHANCE = 0.05
+"""`knee`'s queue test against smaller sizes (`_queues_below`): the tail of the larger size's
+calls is a queue's only if the smaller one's calls had less than this chance of missing it
+(sizes far apart: a flaky server's slow calls, 2-5 % of every size's, under 128's line
+against 16's two dozen calls, which had none of them, read as 128 queueing against 16)."""
+
+QUEUE_FAR = 2.0
+"""`knee`'s queue test (`QUEUE_TAIL`) counts a larger size's calls up to this times the ratio
+of the sizes over the smaller one's p99: a queue delays a call by the calls ahead of it, at
+most that ratio in batches; one slower than twice that is the server's own slowness. A
+server whose slow calls are a share of every size's (the zoo's flaky draws: 2-5 % of calls
+0.5-10 s long, where the rest take 10-200 ms) shows them in one sample of a few dozen calls
+and not in the next: read as the larger size's queue, slow start's doubling went back for
+"no gain" at an elasticity of 0.8."""
 """`knee` with the engine's metrics: how much less than the best throughput there is a knee
 may deliver. Slow start's first doubling that does not pay, where the engine shows no call
 waiting, is followed by one doubling more (reason "explore"), kept when it delivers more
@@ -253,7 +276,12 @@ class AdaptiveController:
       With `knee`, the larger of the two sizes is past the knee, whatever it delivers,
       when its p99 latency exceeds the smaller one's by more than `QUEUE_TAIL` times the
       sizes' ratio: its calls queue (an engine's C + 1 gains a percent and doubles the
-      p99); a step up whose settling round shows it already goes back at once. A step up
+      p99); a step up whose settling round shows it already goes back at once. Only calls
+      a queue can explain count (`QUEUE_FAR`), and against a smaller size measured lately,
+      a tail its calls may have missed by chance (`TAIL_CHANCE`) queues only if the
+      throughput did not grow nearly as fast as the size (`SCALES`): a flaky server's slow
+      calls are not a queue. A call's latency counts in a round's throughput at most
+      `TAIL_CAP` times the round before's typical call. A step up
       is kept if ``e >= min_gain`` (a doubling, but with `throughput`, needs
       `DOUBLING_GAIN` at least; by default per
       objective, `MIN_GAIN`: `knee` 0.08, `throughput` and `p99` 0.03), else it goes back
@@ -361,6 +389,9 @@ class AdaptiveController:
     _succeeded: deque[float] = attrs.field(init=False)
     # the latency signal: this round's samples, the probe under way, the accepted latency
     _lat_sum: float = attrs.field(default=0.0, init=False)
+    # a call's latency counted in the throughput at most (`TAIL_CAP` times the last round's
+    # typical call)
+    _lat_cap: float = attrs.field(default=math.inf, init=False)
     _lat_n: int = attrs.field(default=0, init=False)
     _lat_max: float = attrs.field(default=0.0, init=False)  # the round's slowest call
     _lat_over: int = attrs.field(default=0, init=False)  # the round's calls over the bound
@@ -482,7 +513,7 @@ class AdaptiveController:
         """One successful call's latency, with `in_flight` calls in flight as it ended (at
         `now`, if given: the calls in flight are then weighted by time, `_load`)."""
         if seconds >= 0 and math.isfinite(seconds):
-            self._lat_sum += seconds
+            self._lat_sum += min(seconds, self._lat_cap)
             self._lat_n += 1
             self._lat_max = max(self._lat_max, seconds)
             self._round_lats.append(seconds)
@@ -915,17 +946,21 @@ class AdaptiveController:
             return False
         small, large = (there, here) if old < self.size else (here, there)
         ratio = max(old, self.size) / min(old, self.size)
-        return _p99(large) > QUEUE_TAIL * ratio * _p99(small)
+        return _tail_over(large, small, QUEUE_TAIL * ratio)
 
-    def _queues_below(self, old: int, now: float) -> bool:
+    def _queues_below(self, old: int, now: float, delivered: float) -> bool:
         """`knee`: whether the smaller of the probe's two sizes queues (`QUEUE_TAIL`, as
         `_queues`) against some smaller size measured in the last `4 * cooldown` seconds,
-        each with `PROBE_ROUND` calls at least: then both sizes are past the knee."""
+        each with `PROBE_ROUND` calls at least: then both sizes are past the knee. Unless
+        that size's calls were too few to have seen that tail (`TAIL_CHANCE`) and the
+        smaller probe size `delivered` nearly as many times its throughput as it is larger
+        (`SCALES`): a queue's calls wait, they are not served. (A flaky server's slow calls,
+        2-5 % of every size's, under 128's line and not in 16's two dozen calls, read as 128
+        queueing against 16, where 128 delivered 6-8 times as much.)"""
         small = min(old, self.size)
         here = self._probe_lats if small == self.size else list(self._tails.get(old, ()))
         if len(here) < PROBE_ROUND:
             return False
-        tail = _p99(here)
         for size, lats in self._tails.items():
             seen = self._seen.get(size)
             if (
@@ -933,10 +968,22 @@ class AdaptiveController:
                 and len(lats) >= PROBE_ROUND
                 and seen is not None
                 and now - seen[3] <= 4 * self.cooldown
-                and tail > QUEUE_TAIL * small / size * _p99(list(lats))
+                and _tail_over(here, list(lats), QUEUE_TAIL * small / size)
+                and (
+                    _tail_seen(here, list(lats), QUEUE_TAIL * small / size)
+                    or not self._scales(size, small, delivered, now)
+                )
             ):
                 return True
         return False
+
+    def _scales(self, size: int, larger: int, delivered: float, now: float) -> bool:
+        """Whether `larger`, which `delivered` that throughput, delivered nearly as many times
+        `size`'s (by their pooled rounds) as it is larger: an elasticity of `SCALES`."""
+        throughput = self._estimate(size, now)
+        if throughput is None or throughput <= 0 or delivered <= 0:
+            return False
+        return math.log(delivered / throughput) >= SCALES * math.log(larger / size)
 
     def _count(self, size: int, now: float) -> int:
         """How many recent measured rounds `size`'s pooled throughput stands on (at least 1)."""
@@ -1051,6 +1098,7 @@ class AdaptiveController:
         # times the last one's: the zoo's flaky draws went down by "latency" and back by
         # "lost throughput" every second, and each return held growth a cooldown)
         typical = _trimmed_mean(lats) if lats else latency
+        self._lat_cap = TAIL_CAP * typical
         bound = self._bound
         if settle:  # its calls started at the old size: measure the next round
             if (
@@ -1104,7 +1152,11 @@ class AdaptiveController:
             if self.objective == "knee" and self._pooled and self._queues(old):
                 # the larger of the two sizes queues: past the knee, whatever it delivers
                 gain, unclear, queued = (-math.inf if old < self.size else 0.0), False, True
-            elif self.objective == "knee" and self._pooled and self._queues_below(old, now):
+            elif (
+                self.objective == "knee"
+                and self._pooled
+                and self._queues_below(old, now, old_throughput if old < self.size else throughput)
+            ):
                 # so does the smaller, against a smaller size measured lately: both are
                 # past the knee (an engine whose throughput still rises a little past its
                 # batch, a KV budget's, held a search's lower end at a size that queued)
@@ -1273,6 +1325,25 @@ def _trimmed_mean(values: list[float]) -> float:
 def _p99(values: list[float]) -> float:
     ordered = sorted(values)
     return ordered[min(len(ordered) - 1, int(0.99 * len(ordered)))]
+
+
+def _tail_over(large: list[float], small: list[float], factor: float) -> bool:
+    """Whether the calls of `large` (a larger size's) queue against those of `small`: their
+    p99 over `factor` times `small`'s, counting only calls a queue can explain, under
+    `QUEUE_FAR` / `QUEUE_TAIL` times that line (see `QUEUE_FAR`)."""
+    line = factor * _p99(small)
+    kept = [x for x in large if x <= QUEUE_FAR / QUEUE_TAIL * line]
+    return bool(kept) and _p99(kept) > line
+
+
+def _tail_seen(large: list[float], small: list[float], factor: float) -> bool:
+    """Whether `small`'s calls were too many to miss by chance the tail of `large`'s over
+    `factor` times their p99, were it as common among them (`TAIL_CHANCE`)."""
+    line = factor * _p99(small)
+    share = sum(x > line for x in large) / len(large)
+    seen, n = sum(x > line for x in small), len(small)
+    chance = sum(math.comb(n, k) * share**k * (1 - share) ** (n - k) for k in range(seen + 1))
+    return chance < TAIL_CHANCE
 
 
 def _check_bounds(low: int, start: int, high: int) -> None:
