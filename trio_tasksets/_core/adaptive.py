@@ -432,6 +432,7 @@ class AdaptiveController:
     _settle_need: int = attrs.field(default=0, init=False)  # the size before a step down
     _probe_from: tuple[int, float] | None = attrs.field(default=None, init=False)
     _now: float = attrs.field(default=0.0, init=False)  # the last call's time (`record`)
+    _changed_at: float = attrs.field(default=-math.inf, init=False)  # the last step down's
     _probe_at: float = attrs.field(default=0.0, init=False)  # when the probe began
     # the probe's measured rounds so far: [sum of in-flight, sum of latencies, rounds]
     _probe_sums: list[float] = attrs.field(factory=lambda: [0.0, 0.0, 0.0], init=False)
@@ -516,7 +517,11 @@ class AdaptiveController:
             self._lat_sum += min(seconds, self._lat_cap)
             self._lat_n += 1
             self._lat_max = max(self._lat_max, seconds)
-            self._round_lats.append(seconds)
+            if now is None or now - seconds >= self._changed_at:
+                # a call begun before the last step waited (or not) at the old size: not
+                # this size's tail (a step down's settling round may end before the
+                # larger size's queued calls do)
+                self._round_lats.append(seconds)
             self._load_sum += in_flight
             if now is not None:
                 if self._load_at is None or now > self._load_at:
@@ -586,7 +591,13 @@ class AdaptiveController:
                 # the round that settles a step down lasts until the calls the larger size
                 # started (queued, on an engine) are done
                 need = max(need, self._settle_need)
-            if self._successes >= need:
+            if self._successes >= need and (
+                self._probe_from is None
+                or self._settle
+                or len(self._round_lats) >= PROBE_ROUND
+                or latency is None
+            ):
+                # (a probe's round: `PROBE_ROUND` calls begun at its size, for its tail)
                 return self._end_round(now)
             return None
         if outcome is Outcome.REQUEST_RATE:
@@ -1312,6 +1323,7 @@ class AdaptiveController:
         # are done: they would count their queueing against the smaller size (that of a
         # step up is the new size's calls: the first of them met a queue still growing)
         self._settle_need = self.size if self._settle and size < self.size else 0
+        self._changed_at = self._now if size < self.size else -math.inf
         self.size = size
         return Change(size, reason)
 
