@@ -102,10 +102,20 @@ falling)."""
 
 
 KNEE_SHARE = 0.05
+"""`knee` with the engine's metrics: how much less than the best throughput there is a knee
+may deliver. Slow start's first doubling that does not pay, where the engine shows no call
+waiting, is followed by one doubling more (reason "explore"), kept when it delivers more
+than the doubling that did not pay by more than this share of it: a real vLLM's throughput
+was flat from 64 to 128 calls in flight (nothing waiting: its batch holds 256) and 7 %
+higher at 256, and the knee, found by the step that did not pay, stopped at 64 with 0.89x
+of `-c 256`'s rate. Without the engine's metrics nothing tells a flat stretch from an
+engine's capacity, past which the probe queues its calls: on a model of the zoo's engine 1
+(C 13, calls of 0.8 s) it delayed the knee by 20 rounds or more."""
 
-# A call's latency counts in a round's throughput (Little's law) at most this times the last
-# round's typical call (`AdaptiveController`).
 TAIL_CAP = 4.0
+"""A call's latency counts in a round's throughput (Little's law) at most this times the last
+round's typical call (a flaky server's slow calls made every round's rate a draw of how many
+of them it held)."""
 
 SCALES = 0.8
 """See `TAIL_CHANCE` (an engine's latency grows with its batch: below its capacity, the
@@ -125,15 +135,6 @@ server whose slow calls are a share of every size's (the zoo's flaky draws: 2-5 
 0.5-10 s long, where the rest take 10-200 ms) shows them in one sample of a few dozen calls
 and not in the next: read as the larger size's queue, slow start's doubling went back for
 "no gain" at an elasticity of 0.8."""
-"""`knee` with the engine's metrics: how much less than the best throughput there is a knee
-may deliver. Slow start's first doubling that does not pay, where the engine shows no call
-waiting, is followed by one doubling more (reason "explore"), kept when it delivers more
-than the doubling that did not pay by more than this share of it: a real vLLM's throughput
-was flat from 64 to 128 calls in flight (nothing waiting: its batch holds 256) and 7 %
-higher at 256, and the knee, found by the step that did not pay, stopped at 64 with 0.89x
-of `-c 256`'s rate. Without the engine's metrics nothing tells a flat stretch from an
-engine's capacity, past which the probe queues its calls: on a model of the zoo's engine 1
-(C 13, calls of 0.8 s) it delayed the knee by 20 rounds or more."""
 
 
 P99_AIM = 0.97
@@ -518,8 +519,8 @@ class AdaptiveController:
             self._lat_n += 1
             self._lat_max = max(self._lat_max, seconds)
             if now is None or now - seconds >= self._changed_at:
-                # a call begun before the last step waited (or not) at the old size: not
-                # this size's tail (a step down's settling round may end before the
+                # a call begun before the last step down waited (or not) at the old
+                # size: not this size's tail (a step down's settling round may end before the
                 # larger size's queued calls do)
                 self._round_lats.append(seconds)
             self._load_sum += in_flight
