@@ -934,6 +934,56 @@ async def test_a_limit_found_by_a_slow_creep_is_paced_just_under_it(autojump_clo
     assert pacer.binds <= 10
 
 
+@pytest.mark.parametrize(
+    ("burst", "refill", "latency", "refused_at_most"),
+    [(280.0, 4.7, 0.0077, 0.05), (100.0, 2.0, 0.05, 0.15)],
+)
+async def test_a_pacer_learns_past_its_first_guess_when_429s_beat_the_answers(
+    autojump_clock: Any, burst: float, refill: float, latency: float, refused_at_most: float
+) -> None:
+    """zoo tpm --seed 1 per minute: a bucket of a minute's calls (280), full at start,
+    refilled at 4.7 a second; calls of 8 ms; a 429 comes back at once, with a Retry-After in
+    whole seconds. The bucket went in 0.4 s and the first guess was some 700 calls/s. After
+    each hold about 5 calls went out in 7 ms, 4 or 5 went through and the next was refused,
+    its 429 back before the answers of the calls sent ahead of it: no call sent since the
+    hold had answered yet, so no bind started a new run, the guess stood for the whole
+    run, and one call in 6 was refused. A call sent a 429's round trip before the refused
+    one, and not refused, was let through: the run is new, and the rate is measured again.
+    (A bucket of 2 calls a second: main refused 31 % of its calls, each bind at the guess;
+    measured again, the runs come down to the limit, and one bind among 8 calls in 4 s
+    does not end pacing as 429s that pacing does not lower: after that, 90 %.)"""
+    pacer = Pacer()
+    tokens, filled = burst, trio.current_time()
+    ok = refused = 0
+
+    async def caller() -> None:
+        nonlocal tokens, filled, ok, refused
+        while True:
+            await pacer.wait()
+            now = trio.current_time()
+            tokens, filled = min(burst, tokens + (now - filled) * refill), now
+            if tokens < 1:  # refused at once, told to come back in whole seconds
+                refused += 1
+                wait = (1 - tokens) / refill
+                await trio.sleep(0.0005)
+                pacer.limited(trio.current_time(), retry_after=math.ceil(wait), latency=0.0005)
+                await trio.sleep(math.ceil(wait))
+                continue
+            tokens -= 1
+            await trio.sleep(latency)
+            ok += 1
+            pacer.success(trio.current_time(), latency)
+
+    with trio.move_on_after(150):
+        async with trio.open_nursery() as nursery:
+            for _ in range(32):
+                nursery.start_soon(caller)
+    assert refused / (ok + refused) < refused_at_most  # 0.14 and 0.31 before
+    assert pacer.rate is not None
+    assert 0.8 * refill <= pacer.rate <= 1.2 * refill
+    assert ok >= 0.9 * (burst + 150 * refill)
+
+
 async def test_a_header_less_sliding_window_is_paced_not_collapsed(
     autojump_clock: Any, tmp_path: Path
 ) -> None:
