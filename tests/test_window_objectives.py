@@ -947,7 +947,7 @@ async def test_a_pacer_learns_past_its_first_guess_when_429s_beat_the_answers(
     each hold about 5 calls went out in 7 ms, 4 or 5 went through and the next was refused,
     its 429 back before the answers of the calls sent ahead of it: no call sent since the
     hold had answered yet, so no bind started a new run, the guess stood for the whole
-    run, and one call in 6 was refused. A call sent a 429's round trip before the refused
+    run, and one call in 7 was refused. A call sent a 429's round trip before the refused
     one, and not refused, was let through: the run is new, and the rate is measured again.
     (A bucket of 2 calls a second: main refused 31 % of its calls, each bind at the guess;
     measured again, the runs come down to the limit, and one bind among 8 calls in 4 s
