@@ -144,6 +144,22 @@ through: the zoo's plateau 2 (a CPU-bound server whose calls all slow down toget
 `p99=1.1` at 1.102 s."""
 
 
+HIDDEN = 1.5
+"""`knee`: the window's places held over a round (the time-weighted calls in flight), over the
+time its calls' latencies account for, above which the rounds do not show what holds the
+places (retries' backoffs, calls far slower than the round: a flaky server's) and `knee`'s
+first search, run in the run's first seconds while those fill the places, is checked again
+soon (`SEARCH_AGAIN`). Smoothed over rounds; an engine's or a plateau's read 0.95-1.05
+(1.5 in one second of slow start), the zoo's flaky draws 1.8-80."""
+
+SEARCH_AGAIN = 0.25
+"""The share of `cooldown` that growth waits after `knee`'s first search when the places
+were held by more than its rounds showed (`HIDDEN`): on the zoo's flaky draws the search
+ended within 2 s, at 58-195 where 256 makes 1.3-30 times as much, before any 3.5 s call had
+ended, and growth waited the whole `cooldown` (probed again at 17 s, the steps up paid at
+once: 58 to 140 in 0.5 s)."""
+
+
 MEMORY = 400
 """The most calls that a size's pooled rounds count (its throughput, and with `p99=` its
 calls over the bound): past it, every sum is halved, so older rounds weigh less. A size's
@@ -295,7 +311,10 @@ class AdaptiveController:
       back), raises the lower end; a step up that does not pay, or a step down that costs
       less, lowers the upper end. No cooldown between these probes; the search ends when
       the ends are within a sixteenth (or one) of each other, and growth then waits
-      `cooldown` seconds (the other objectives go on up by `probe` steps). A failed
+      `cooldown` seconds (the other objectives go on up by `probe` steps); after the first
+      search, `SEARCH_AGAIN` of it when the places were held for longer than the rounds'
+      latencies account for (`HIDDEN`: a flaky server's backoffs and slow calls fill the
+      places over the first seconds, and the search ran before they had). A failed
       small step up waits half a `cooldown` (a wrong "no gain", a noisy round's, is
       probed again soon), and a whole one when the step before failed too; after that
       second one, `knee`'s and `throughput`'s next probe goes down by `probe` (with
@@ -448,6 +467,8 @@ class AdaptiveController:
     _hold_until: float = attrs.field(default=-math.inf, init=False)
     _min_latency: float = attrs.field(default=math.inf, init=False)
     _slow_rounds: int = attrs.field(default=0, init=False)
+    _hidden: float = attrs.field(default=0.0, init=False)  # log of `HIDDEN`'s ratio, smoothed
+    _searched: bool = attrs.field(default=False, init=False)  # `knee`'s first search ended
     # 429s that do not depend on concurrency
     _before_429s: int = attrs.field(default=0, init=False)  # the size when they began
     _ok_since_429: int = attrs.field(default=0, init=False)
@@ -798,6 +819,11 @@ class AdaptiveController:
         if measured is not None and not settle:
             self.measured = (self.size, measured[0], measured[1], self._worst)
             self._pool_round(now)
+        if measured is not None and self._span > 0:
+            # the places held over the time the calls' latencies account for (`HIDDEN`)
+            held = measured[0] * self._span / self._lat_n
+            if held > 0:
+                self._hidden += 0.25 * (math.log(held) - self._hidden)
         self._new_round()
         # `knee`'s look past a flat doubling (`_explore`): a round that may grow, the
         # engine's readings fresh and the last one showing nothing waiting
@@ -1031,7 +1057,8 @@ class AdaptiveController:
         """`knee`'s next probe between `_lo` (below the knee) and `_hi` (past it), at their
         geometric middle, or, from the middle, halfway to the side it has not tried; once
         they are within a sixteenth (or one) of each other, the search ends where the
-        window is, and growth waits `cooldown` seconds."""
+        window is, and growth waits `cooldown` seconds (after the first search, a share of
+        it when the rounds did not show what held the places: `HIDDEN`)."""
         low, high, size = max(1, self._lo), self._hi, self.size
         middle = round(math.sqrt(low * high))
         if middle == size:  # here already: try below it (or above, if below is known)
@@ -1039,7 +1066,9 @@ class AdaptiveController:
         target = min(self.max, max(self.min, middle))
         if high - low <= max(1, low // 16) or not low < target < high or target == size:
             self._lo = self._hi = 0
-            self._hold_until = now + self.cooldown
+            again = not self._searched and self._hidden > math.log(HIDDEN)
+            self._hold_until = now + self.cooldown * (SEARCH_AGAIN if again else 1.0)
+            self._searched = True
             return None
         return self._set(target, "probe down" if target < size else "grow", measured)
 
