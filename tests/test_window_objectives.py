@@ -979,6 +979,45 @@ async def test_a_limit_found_by_a_slow_creep_is_paced_just_under_it(autojump_clo
     assert pacer.binds <= 10
 
 
+async def test_a_limit_bound_on_the_way_up_is_paced_near_the_rate_a_span_before(
+    autojump_clock: Any,
+) -> None:
+    """zoo ratelimit --seed 6: a sliding window of 249 calls in any second, 5 ms calls, 429s
+    at once with no header at all. After its third bind the pacer grew from 167 calls a
+    second toward its target, 1.22x a second, and bound again at 289; the cycle's measure,
+    what succeeded on that way up, read 141, and the rate came back to 202 and crept from
+    there for the rest of the run: 0.82 of the limit in the second half of 20 s (the zoo:
+    0.85). A window of a second takes that long to answer a rate over it: the rate a second
+    before the bind went through, and is the floor now."""
+    limit, latency, pacer = 249, 0.005, Pacer()
+    admitted: deque[float] = deque()
+    ok: list[float] = []
+
+    async def caller() -> None:
+        while True:
+            await pacer.wait()
+            now = trio.current_time()
+            while admitted and admitted[0] <= now - 1.0:
+                admitted.popleft()
+            if len(admitted) >= limit:  # refused at once, nothing said
+                await trio.sleep(0.0005)
+                pacer.limited(trio.current_time(), latency=0.0005)
+                continue
+            admitted.append(now)
+            await trio.sleep(latency)
+            pacer.success(trio.current_time(), latency)
+            ok.append(trio.current_time())
+
+    start = trio.current_time()
+    with trio.move_on_after(20):
+        async with trio.open_nursery() as nursery:
+            for _ in range(64):
+                nursery.start_soon(caller)
+    second_half = sum(start + 10 <= at for at in ok) / 10
+    assert second_half >= 0.93 * limit  # 0.96 measured (0.82 before)
+    assert second_half <= limit
+
+
 @pytest.mark.parametrize(
     ("burst", "refill", "latency", "refused_at_most"),
     [(280.0, 4.7, 0.0077, 0.05), (100.0, 2.0, 0.05, 0.15)],
