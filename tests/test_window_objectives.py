@@ -940,15 +940,13 @@ def test_a_429_of_a_call_sent_before_the_hold_says_nothing_new() -> None:
     assert (pacer.rate, pacer.held_until, pacer.binds) == (rate, held, 1)
 
 
-async def test_a_limit_found_by_a_slow_creep_is_paced_just_under_it(autojump_clock: Any) -> None:
-    """zoo tpm --seed 5: a sliding window of 42 calls in any second, 94 ms calls, and a
-    Retry-After in whole seconds (1 s, where the window reopens within milliseconds). Each
-    bind holds the whole endpoint for that second, and the cycle's measure, a second short,
-    read the limit 10 % low: the rate came back at 0.9 of the rate that bound, crept up
-    and bound again, 0.83x the calls of a fixed `-c 64` in the second half. A bind after a
-    slow creep says the limit is just under the rate that bound: the rate goes back to just
-    under it, and creeps on there slowly."""
-    limit, latency, pacer = 42, 0.094, Pacer()
+async def _sliding_window(
+    pacer: Pacer, limit: int, latency: float, *, callers: int, seconds: float, retry_after: bool
+) -> list[float]:
+    """`callers` calling through `pacer` for `seconds` against a sliding window of `limit`
+    calls in any second (calls of `latency`; a refused call's 429 comes back at once, with a
+    Retry-After in whole seconds, which the caller then waits, or with nothing said).
+    Returns when each call that went through ended."""
     admitted: deque[float] = deque()
     ok: list[float] = []
 
@@ -958,22 +956,35 @@ async def test_a_limit_found_by_a_slow_creep_is_paced_just_under_it(autojump_clo
             now = trio.current_time()
             while admitted and admitted[0] <= now - 1.0:
                 admitted.popleft()
-            if len(admitted) >= limit:  # refused at once, told to come back in whole seconds
-                wait = admitted[0] + 1.0 - now
-                await trio.sleep(0.001)
-                pacer.limited(trio.current_time(), retry_after=math.ceil(wait), latency=0.001)
-                await trio.sleep(math.ceil(wait))
+            if len(admitted) >= limit:
+                await trio.sleep(0.0005)
+                wait = math.ceil(admitted[0] + 1.0 - now) if retry_after else None
+                pacer.limited(trio.current_time(), retry_after=wait, latency=0.0005)
+                await trio.sleep(wait or 0.0)
                 continue
             admitted.append(now)
             await trio.sleep(latency)
             pacer.success(trio.current_time(), latency)
             ok.append(trio.current_time())
 
-    start = trio.current_time()
-    with trio.move_on_after(60):
+    with trio.move_on_after(seconds):
         async with trio.open_nursery() as nursery:
-            for _ in range(32):
+            for _ in range(callers):
                 nursery.start_soon(caller)
+    return ok
+
+
+async def test_a_limit_found_by_a_slow_creep_is_paced_just_under_it(autojump_clock: Any) -> None:
+    """zoo tpm --seed 5: a sliding window of 42 calls in any second, 94 ms calls, and a
+    Retry-After in whole seconds (1 s, where the window reopens within milliseconds). Each
+    bind holds the whole endpoint for that second, and the cycle's measure, a second short,
+    read the limit 10 % low: the rate came back at 0.9 of the rate that bound, crept up
+    and bound again, 0.83x the calls of a fixed `-c 64` in the second half. A bind after a
+    slow creep says the limit is just under the rate that bound: the rate goes back to just
+    under it, and creeps on there slowly."""
+    limit, pacer = 42, Pacer()
+    start = trio.current_time()
+    ok = await _sliding_window(pacer, limit, 0.094, callers=32, seconds=60, retry_after=True)
     second_half = sum(start + 30 <= at for at in ok) / 30
     assert second_half >= 0.93 * limit  # 0.95 measured (0.88 before)
     assert pacer.binds <= 10
@@ -989,30 +1000,9 @@ async def test_a_limit_bound_on_the_way_up_is_paced_near_the_rate_a_span_before(
     there for the rest of the run: 0.82 of the limit in the second half of 20 s (the zoo:
     0.85). A window of a second takes that long to answer a rate over it: the rate a second
     before the bind went through, and is the floor now."""
-    limit, latency, pacer = 249, 0.005, Pacer()
-    admitted: deque[float] = deque()
-    ok: list[float] = []
-
-    async def caller() -> None:
-        while True:
-            await pacer.wait()
-            now = trio.current_time()
-            while admitted and admitted[0] <= now - 1.0:
-                admitted.popleft()
-            if len(admitted) >= limit:  # refused at once, nothing said
-                await trio.sleep(0.0005)
-                pacer.limited(trio.current_time(), latency=0.0005)
-                continue
-            admitted.append(now)
-            await trio.sleep(latency)
-            pacer.success(trio.current_time(), latency)
-            ok.append(trio.current_time())
-
+    limit, pacer = 249, Pacer()
     start = trio.current_time()
-    with trio.move_on_after(20):
-        async with trio.open_nursery() as nursery:
-            for _ in range(64):
-                nursery.start_soon(caller)
+    ok = await _sliding_window(pacer, limit, 0.005, callers=64, seconds=20, retry_after=False)
     second_half = sum(start + 10 <= at for at in ok) / 10
     assert second_half >= 0.93 * limit  # 0.96 measured (0.82 before)
     assert second_half <= limit
