@@ -296,7 +296,9 @@ class Pacer:
     ) -> None:
         """The first bind after calls succeeded: the rate from the binding cycle.
         `last_hold`: the hold after which calls went through again; `creep`: the rate's
-        growth a second as it bound, which it had been for `creeping` seconds."""
+        growth a second as it bound, which it had been for `creeping` seconds; `rising`:
+        how long it had been growing fast to its target (0: it was not, or the 429 had a
+        Retry-After)."""
         # the share of calls that bound (fresh 429s) over the last 4 spans
         refused = len(self._limited)
         share = refused / max(1, refused + len(self._ok))
