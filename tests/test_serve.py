@@ -21,6 +21,7 @@ from typing import Any
 
 import attrs
 import forkserver
+import h11
 import httpx
 import orjson
 import pytest
@@ -33,6 +34,7 @@ import trio_tasksets as tt
 from trio_tasksets._core.builtin import EchoConfig, EchoTaskset
 from trio_tasksets._env.spec import EnvSpec, TravelError, config_from_json
 from trio_tasksets._serve import EnvServerError, spawn_server
+from trio_tasksets._serve.app import LINGER_BYTES
 from trio_tasksets._serve.client import retry_server_error
 from trio_tasksets._serve.transport import HandshakeRefused
 from trio_tasksets._serve.wire import (
@@ -400,6 +402,62 @@ async def test_a_bad_request_gets_its_4xx_and_the_server_goes_on(
     episode = tt.Episode.from_row(good.json())
     assert episode.ok
     assert (episode.completion, episode.task.key) == ("say hi", "k1")
+
+
+async def _answer(stream: trio.SocketStream, conn: h11.Connection) -> h11.Response:
+    """The next whole answer on a raw connection (its body read and dropped)."""
+    response: h11.Response | None = None
+    with trio.fail_after(10):
+        while True:
+            event = conn.next_event()
+            if event is h11.NEED_DATA:
+                conn.receive_data(await stream.receive_some(65536))
+            elif isinstance(event, h11.Response):
+                response = event
+            elif isinstance(event, h11.EndOfMessage):
+                assert response is not None
+                return response
+
+
+def _post(conn: h11.Connection, port: int, token: str, body: bytes, length: int) -> bytes:
+    head = h11.Request(method="POST", target="/run", headers=[
+        ("Host", f"127.0.0.1:{port}"), ("Authorization", f"Bearer {token}"),
+        ("Content-Type", "application/json"), ("Content-Length", str(length))])  # fmt: skip
+    return conn.send(head) + (conn.send(h11.Data(data=body)) if body else b"")
+
+
+async def test_a_request_refused_on_its_head_keeps_its_connection_once_its_body_came(
+    server: str,
+) -> None:
+    """A 401 decided on the head alone reads the (small) body first and keeps the connection:
+    the next request on it is served. Answered before the body came, the connection was
+    closed without a word, and a client reusing it (httpx does) saw "server disconnected".
+    A body over `LINGER_BYTES` is not read: its answer says ``Connection: close``."""
+    port = httpx.URL(server).port
+    assert port is not None
+    async with tt.EnvClient(server, token=TOKEN) as client:
+        before = (await client.health())["rejected"]
+        async with await trio.open_tcp_stream("127.0.0.1", port) as stream:
+            conn = h11.Connection(h11.CLIENT)
+            await stream.send_all(_post(conn, port, "nope", b"", 2))
+            with trio.fail_after(10):  # the server has refused the head, the body is not sent
+                await health_until(client, lambda h: h["rejected"] > before)
+            await stream.send_all(conn.send(h11.Data(data=b"{}")) + conn.send(h11.EndOfMessage()))
+            refused = await _answer(stream, conn)
+            assert refused.status_code == 401
+            assert (b"connection", b"close") not in refused.headers
+            conn.start_next_cycle()
+            good = orjson.dumps(good_request())
+            await stream.send_all(
+                _post(conn, port, TOKEN, good, len(good)) + conn.send(h11.EndOfMessage())
+            )
+            assert (await _answer(stream, conn)).status_code == 200
+        async with await trio.open_tcp_stream("127.0.0.1", port) as stream:
+            conn = h11.Connection(h11.CLIENT)
+            await stream.send_all(_post(conn, port, "nope", b"{", LINGER_BYTES + 1))
+            refused = await _answer(stream, conn)
+            assert refused.status_code == 401
+            assert (b"connection", b"close") in refused.headers
 
 
 async def serves_a_good_run(url: str) -> None:

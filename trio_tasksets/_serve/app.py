@@ -63,17 +63,58 @@ async def _send_json(send: Send, status: int, payload: object, headers: list[Any
     await send({"type": "http.response.body", "body": body})
 
 
+class _Body:
+    """One HTTP request's ``receive``, noting whether its body has ended (and how much came).
+
+    A request is answered on a connection the client may reuse: an answer sent before the
+    body has ended leaves h11 mid-request, and hypercorn then closes the connection without
+    saying so; a client that sends its next request on it (httpx does) sees "server
+    disconnected". `finish` reads the rest first, or marks the answer ``Connection: close``.
+    """
+
+    def __init__(self, scope: Message, receive: Receive, seconds: float) -> None:
+        self._receive = receive
+        self.deadline = trio.current_time() + seconds  # for the body to arrive
+        headers = dict(scope["headers"])
+        length = headers.get(b"content-length", b"0")
+        self.declared: int | None = int(length) if length.isdigit() else None
+        self.ended = b"transfer-encoding" not in headers and self.declared == 0
+        self.read = 0
+
+    async def receive(self) -> Message:
+        message = await self._receive()
+        if message["type"] == "http.disconnect":
+            self.ended = True
+        elif message["type"] == "http.request":
+            self.read += len(message.get("body", b""))
+            self.ended = not message.get("more_body", False)
+        return message
+
+    async def finish(self) -> bool:
+        """Read and drop the rest of the body, unless it is over `LINGER_BYTES` in all, until
+        `deadline` at most: whether the body has ended."""
+        if self.declared is not None and self.declared > LINGER_BYTES:
+            return self.ended
+        with trio.move_on_at(self.deadline):
+            while not self.ended and self.read <= LINGER_BYTES:
+                await self.receive()
+        return self.ended
+
+
 async def _answer_draining(
-    receive: Receive, send: Send, status: int, payload: object, headers: list[Any]
+    body: _Body, send: Send, status: int, payload: object, headers: list[Any]
 ) -> None:
-    """Answer a request whose body may be unread, reading (and dropping) what comes until
-    ``http.disconnect``. Hypercorn queues a few body chunks for the app and then stops
-    reading the socket; when the answer ends it queues ``http.disconnect`` behind them and
-    waits for room: an app that stopped reading would wait forever, and so would the
+    """Answer a request whose body may be unread: its rest read and dropped first (bounded:
+    `_Body.finish`), or the answer says ``Connection: close``; then read (and drop) what
+    comes until ``http.disconnect``. Hypercorn queues a few body chunks for the app and then
+    stops reading the socket; when the answer ends it queues ``http.disconnect`` behind them
+    and waits for room: an app that stopped reading would wait forever, and so would the
     connection."""
+    if not await body.finish():
+        headers = [*headers, (b"connection", b"close")]
 
     async def drain() -> None:
-        while (await receive())["type"] != "http.disconnect":
+        while (await body.receive())["type"] != "http.disconnect":
             pass
 
     async with trio.open_nursery() as nursery:
@@ -159,19 +200,20 @@ class ServerApp:
         elif scope["type"] == "websocket":
             await self._websocket(scope, receive, send)
         elif scope["type"] == "http":
+            body = _Body(scope, receive, self.limits.header_timeout)
             try:
-                await self._route(scope, receive, send)
+                await self._route(scope, body.receive, send)
             except _Disconnected:
                 pass
             except RequestRefused as refused:
                 self.refused(scope, refused.status, str(refused))
                 error = {"error": str(refused)}
-                await _answer_draining(receive, send, refused.status, error, refused.headers)
+                await _answer_draining(body, send, refused.status, error, refused.headers)
             except Exception as exc:  # the env failed outside an episode: a bug in it
                 cause = pick_one(exc) if isinstance(exc, ExceptionGroup) else exc
                 traceback.print_exception(cause, file=sys.stderr)
                 message = f"the env failed outside an episode: {type(cause).__name__}: {cause}"
-                await _answer_draining(receive, send, 500, {"error": message}, [])
+                await _answer_draining(body, send, 500, {"error": message}, [])
 
     def refused(self, scope: Message, status: int, message: str) -> None:
         """Count and log one refused request (or WebSocket item)."""
@@ -220,8 +262,6 @@ class ServerApp:
         timeout = self.limits.header_timeout
         length = dict(scope["headers"]).get(b"content-length")
         if length is not None and length.isdigit() and int(length) > limit:
-            if int(length) <= LINGER_BYTES:
-                await _linger(receive, LINGER_BYTES, timeout)
             raise RequestRefused(413, spell(f"request body of {int(length)} bytes is over the "
                                             f"{limit} limit ({{max_body}})", self.spelling))  # fmt: skip
         chunks: list[bytes] = []
@@ -234,8 +274,6 @@ class ServerApp:
                 chunk = message.get("body", b"")
                 size += len(chunk)
                 if size > limit:
-                    if message.get("more_body", False):
-                        await _linger(receive, LINGER_BYTES - size, timeout)
                     raise RequestRefused(413, spell(f"request body is over the {limit} byte "
                                                     f"limit ({{max_body}})", self.spelling))  # fmt: skip
                 chunks.append(chunk)
@@ -355,19 +393,9 @@ class ServerApp:
 
 
 LINGER_BYTES = 16 << 20
-"""How much of a refused (413) body the server still reads, and throws away, before it
-answers: a client that is still sending when the answer comes and the connection closes
-may lose the answer to the reset (the unread bytes), and see only "server disconnected".
-Bounded in bytes (this) and in time (`Limits.header_timeout`); nothing of it is kept."""
-
-
-async def _linger(receive: Receive, budget: int, seconds: float) -> None:
-    """Read and discard the rest of a request body: at most `budget` bytes, `seconds`."""
-    with trio.move_on_after(seconds):
-        while budget > 0:
-            message = await receive()
-            if message["type"] == "http.disconnect":
-                return
-            budget -= len(message.get("body", b""))
-            if not message.get("more_body", False):
-                return
+"""How much of a refused request's body the server still reads, and throws away, before it
+answers (a 401, 413, ...): a client that is still sending when the answer comes and the
+connection closes may lose the answer to the reset (the unread bytes), and see only "server
+disconnected"; one whose body has ended keeps its connection. Bounded in bytes (this) and in
+time (`Limits.header_timeout`); nothing of it is kept. A body over it is not read, and the
+answer closes the connection."""
