@@ -391,6 +391,47 @@ async def test_openai_400_is_not_retried(server: ChatServer) -> None:
     assert len(server.received) == 1
 
 
+TOO_LARGE = (
+    "Request too large for m in organization org-x on tokens per min (TPM): Limit "
+    "30000, Requested 50000. The input or output tokens must be reduced in order "
+    "to run successfully."
+)  # OpenAI's words
+SPENT = ("Rate limit reached for m on tokens per min (TPM): Limit 30000, Used 29000, "
+         "Requested 2000. Please try again in 2ms.")  # fmt: skip
+
+
+class Outcomes(CallObserver):
+    def __init__(self) -> None:
+        self.seen: list[Outcome] = []
+
+    def on_call(self, outcome: Outcome, retry_after: float | None, latency: float | None) -> None:
+        self.seen.append(outcome)
+
+
+async def test_a_429_for_a_request_over_the_whole_budget_is_not_retried(
+    server: ChatServer,
+) -> None:
+    """No wait lets a request larger than the limit's budget through: it fails at once,
+    saying why, and counts as the request's fault, not a 429 of the endpoint's load (which
+    an adaptive window would cut on). A 429 of a budget spent for now is retried."""
+    server.script(Reply(429, body={"error": {"message": TOO_LARGE, "type": "tokens"}}))
+    outcomes = Outcomes()
+    async with make_client(server, max_retries=3) as client:
+        with observe_calls(outcomes), pytest.raises(ModelHTTPError) as info:
+            await client.chat(MESSAGES, model="m", sampling=Sampling())
+        assert (info.value.status, info.value.attempts) == (429, 1)
+        assert "Requested 50000" in str(info.value)
+        assert "not retried" in str(info.value)
+        assert len(server.received) == 1
+        assert outcomes.seen == []
+        spent = Reply(429, body={"error": {"message": SPENT}}, headers={"Retry-After": "0"})
+        server.script(spent, Reply())
+        with observe_calls(outcomes):
+            assert (await client.chat(MESSAGES, model="m", sampling=Sampling())).content
+    assert len(server.received) == 3
+    assert outcomes.seen == [Outcome.RATE_LIMITED, Outcome.SUCCESS]
+
+
 async def test_openai_timeout(server: ChatServer) -> None:
     server.script(Reply(delay=5.0))
     async with make_client(server, timeout=0.2, max_retries=0) as client:

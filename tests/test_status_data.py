@@ -68,27 +68,36 @@ async def test_the_status_reaches_the_summary_and_stops_the_eval(
     )  # fmt: skip
 
 
+TOO_LARGE = "Request too large for m on tokens per min (TPM): Limit 20, Requested 24."
+
+
 @pytest.mark.parametrize(
-    ("error_type", "status", "fix"),
-    [("ModelHTTPError", 401, "export OPENAI_API_KEY"),
-     ("ModelHTTPError", 403, "export OPENAI_API_KEY"),
-     ("ModelHTTPError", 404, "check -m/--model"),
-     ("ModelHTTPError", 429, "rate-limiting"),
-     ("ModelHTTPError", 503, "the model server failed"),
-     ("EnvServerError", 401, "the env server wants a bearer token")],
+    ("error_type", "status", "fix", "message"),
+    [("ModelHTTPError", 401, "export OPENAI_API_KEY", "the endpoint said no"),
+     ("ModelHTTPError", 403, "export OPENAI_API_KEY", "the endpoint said no"),
+     ("ModelHTTPError", 404, "check -m/--model", "the endpoint said no"),
+     ("ModelHTTPError", 429, "rate-limiting", "the endpoint said no"),
+     ("ModelHTTPError", 429, "a lower --max-tokens or shorter prompts", TOO_LARGE),
+     ("ModelHTTPError", 503, "the model server failed", "the endpoint said no"),
+     ("EnvServerError", 401, "the env server wants a bearer token", "the endpoint said no")],
 )  # fmt: skip
 def test_the_commands_fix_follows_the_status(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, error_type: str, status: int, fix: str
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    error_type: str,
+    status: int,
+    fix: str,
+    message: str,
 ) -> None:
     monkeypatch.delenv("OPENAI_API_KEY", raising=False)
     monkeypatch.delenv("TT_SERVE_TOKEN", raising=False)
     command = eval_command(parser().parse_args(["eval", "echo"]))
-    said = _fix_for(error_type, "the endpoint said no", status, command, tmp_path)
+    said = _fix_for(error_type, message, status, command, tmp_path)
     assert said is not None
     assert fix in said
     # The same words without the status: no status-specific fix.
     assert fix not in (
-        _fix_for(error_type, f"returned HTTP {status}", None, command, tmp_path) or ""
+        _fix_for(error_type, f"{message} returned HTTP {status}", None, command, tmp_path) or ""
     )
 
 

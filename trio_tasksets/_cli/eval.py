@@ -32,6 +32,7 @@ from .._env.groups import ADVANTAGES
 from .._eval import EvalConfig, EvalConfigError, EvalResult, EvalWarning, run_eval
 from .._eval.config import check_max_failures, claim_run_dir, preflight, run_dir_for
 from .._models import ModelContext, ModelHTTPError
+from .._models.calls import over_whole_budget
 from .._monitor.dashboard import FAILED_COUNT_0, MetricFigures, metrics_text
 from .._serve.errors import EnvServerError
 from .._serve.slots import ServedBackend
@@ -548,6 +549,11 @@ def _fix_for(
             return context
     if error_type == "ModelHTTPError" and status == 404:
         return _not_found_fix(model)
+    if error_type == "ModelHTTPError" and status == 429 and over_whole_budget(message):
+        return (
+            "one call needs more tokens than the server's limit allows at all: a lower "
+            "--max-tokens or shorter prompts, or a larger limit"
+        )
     if error_type == "ModelHTTPError" and status == 429:
         return "the server is rate-limiting: lower -c/--max-concurrent, or add --retries K"
     if error_type == "ModelHTTPError" and status is not None and status >= 500:

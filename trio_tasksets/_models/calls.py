@@ -9,8 +9,9 @@ the same for every provider and lives here, once:
 - each attempt's outcome goes to the endpoint's limits (its adaptive window, tpm) and to
   `trio_tasksets._core.limits.report_outcome` (an adaptive rollout window), with its latency;
   a 429 whose headers name a spent rate budget counts as a request-rate outcome;
-- 429, 5xx, a failure to connect and a timeout are retried up to ``max_retries`` times,
-  after a rest (`trio_tasksets._core.limits.rest`, outside the limits' gate) of the server's
+- 429, 5xx, a failure to connect and a timeout are retried up to ``max_retries`` times
+  (not a 429 that says the request is over the limit's whole budget: no wait helps), after a
+  rest (`trio_tasksets._core.limits.rest`, outside the limits' gate) of the server's
   Retry-After (capped) or else the shared `Backoff`;
 - each attempt's timeout is cut to the caller's deadline, which ends the call with the
   caller's own ``trio.Cancelled``, never a retry (a streamed attempt's is not cut: its
@@ -23,6 +24,7 @@ the same for every provider and lives here, once:
 
 from __future__ import annotations
 
+import re
 from collections.abc import Callable, Hashable, Mapping
 from contextlib import AbstractAsyncContextManager, nullcontext
 from typing import Any, Protocol
@@ -77,6 +79,19 @@ _RETRYABLE_STATUS = frozenset({429})
 
 def _is_retryable_status(status: int) -> bool:
     return status in _RETRYABLE_STATUS or 500 <= status <= 599
+
+
+_OVER_BUDGET = re.compile(r"Limit (\d+), Requested (\d+)")
+
+
+def over_whole_budget(text: str) -> bool:
+    """Whether a 429's message says the request is larger than the limit's whole budget
+    (OpenAI's "Request too large for gpt-4o ... on tokens per min (TPM): Limit 30000,
+    Requested 50000"): no wait lets it through, so it is not retried, and it is the
+    request's fault, not the endpoint's load (a window would read it as a concurrency
+    limit's 429)."""
+    found = _OVER_BUDGET.search(text, 0, 4096)
+    return found is not None and int(found[2]) > int(found[1])
 
 
 def _tokens(usage: dict[str, int]) -> int | None:
@@ -220,11 +235,13 @@ class EndpointCalls:
                 if completion is not None:
                     return completion
                 text = content.decode("utf-8", errors="replace")
-                if not _is_retryable_status(status) or attempts > self.max_retries:
+                never = status == 429 and over_whole_budget(text)
+                if not _is_retryable_status(status) or attempts > self.max_retries or never:
+                    why = " (over the limit's whole budget: not retried)" if never else ""
                     raise ModelHTTPError(
                         f"{self.url} returned HTTP {status} after "
                         f"{plural(attempts, 'attempt')}: "
-                        f"{excerpt(error_message(text), 400) or '<empty body>'}",
+                        f"{excerpt(error_message(text), 400) or '<empty body>'}{why}",
                         url=self.url,
                         status=status,
                         body=text,
@@ -280,6 +297,8 @@ class EndpointCalls:
                 self.throttled += 1
             if not 200 <= status <= 299:
                 outcome: Outcome | int = Outcome.REQUEST_RATE if request_rate else status
+                if status == 429 and over_whole_budget(content[:4096].decode(errors="replace")):
+                    outcome = 413  # the request's own fault (as a 413 would be), not the load
                 _record(call, outcome, retry_after, latency=latency)
                 return status, content, retry_after, None
             try:
