@@ -1008,6 +1008,23 @@ async def test_a_limit_bound_on_the_way_up_is_paced_near_the_rate_a_span_before(
     assert second_half <= limit
 
 
+async def test_calls_waiting_their_turns_go_out_at_the_rate_they_grew_to(
+    autojump_clock: Any,
+) -> None:
+    """64 callers through a pacer alone (no window to cap them), a header-less sliding
+    window of 27 calls a second, 111 ms calls. Paced from a guess of 12.8, the waiting calls
+    took turns 1/12.8 s apart, 5 s ahead; the rate grew to 87 while they went out at 12.8,
+    and pacing ended as "far above what succeeds", over and over: 0.63 of the limit in the
+    second half of 30 s, the rate left at 79. Turns are spaced anew as the rate grows."""
+    limit, pacer = 27, Pacer()
+    start = trio.current_time()
+    ok = await _sliding_window(pacer, limit, 0.111, callers=64, seconds=30, retry_after=False)
+    second_half = sum(start + 15 <= at for at in ok) / 15
+    assert second_half >= 0.85 * limit  # 0.88 measured (0.63 before)
+    assert pacer.rate is not None
+    assert pacer.rate < 1.5 * limit
+
+
 @pytest.mark.parametrize(
     ("burst", "refill", "latency", "refused_at_most"),
     [(280.0, 4.7, 0.0077, 0.05), (100.0, 2.0, 0.05, 0.15)],

@@ -20,6 +20,10 @@ from .exceptions import ConfigError
 
 __all__ = ["Pacer"]
 
+RESPACE = 1.1
+"""Calls waiting for their turns are spaced anew once the rate has grown by this factor
+since their turns were taken."""
+
 RISE = 0.2
 """How fast a paced rate grows up to its target (a bind's estimate of the limit), a second:
 about ``e ** 0.2``, 1.22x."""
@@ -53,7 +57,9 @@ class Pacer:
       succeeded since those began (the limit bound all along). It grows fast, 1.65x a
       second (``e ** 0.5``; 7.4x, ``e ** 2``, from under 16 answers), until the next bind,
       which keeps `cut` (0.6) of the rate that bound at least: the limit is within that
-      step.
+      step. With no Retry-After (a bind costs a short hold) the rate then grows (1.22x a
+      second) to the middle of the step, ``sqrt(cut)`` of the rate that bound; with one,
+      each bind holds the whole endpoint that long, and it stays.
     * **A binding cycle.** At each later run the rate is `margin` times what succeeded since
       the run before began, over that time, holds included but for half of the hold that
       ended it (the limit reopened somewhere within it): the limit's long-run rate, to which
@@ -77,6 +83,9 @@ class Pacer:
       `growth` a second at first, twice that every 5 s without a bind, at most 10 % a
       second; by half of `growth`, not doubling, while under the rate a slow creep last
       bound at (the limit is there); never while calls are held.
+    * **Turns.** Waiting calls take turns `1 / rate` apart, in order; once the rate has
+      grown by `RESPACE` (1.1x) since they took them, they take them anew (64 calls waiting
+      at 12.8 a second held turns 5 s ahead and went out at that rate while it grew).
     * **End.** Pacing ends once the rate is 4x what succeeds (the limit no longer binds);
       and when pacing did not lower the share of calls that bind (still half of what it
       was once paced, and at least 10 %, after 4 runs, with 3 binds at least in the last
@@ -125,6 +134,8 @@ class Pacer:
         self.binds = 0  # fresh 429s: holds begun or doubled
         self._opened = -math.inf  # when the last hold ended: calls started since are fresh
         self._next = -math.inf  # the next free start at the rate
+        self._spaced = math.inf  # the rate the waiting calls' turns were spaced at
+        self._last_turn = -math.inf  # when the last paced call started
         self._hold = first_hold  # the next hold without a Retry-After
         self._probing = False  # after a hold with no Retry-After: one call at a time
         self._probe_at: float | None = None  # when the probe started
@@ -195,6 +206,13 @@ class Pacer:
         grown = self.rate * (1 + growth * max(0.0, now - max(self._grown_at, self.held_until)))
         self.rate = min(grown, target)
         self._grown_at = now
+        if self.queued and self.rate > RESPACE * self._spaced:
+            # the turns already taken were spaced at a rate since outgrown: space them anew
+            # (64 calls waiting at 12.8 a second held turns 5 s ahead, went out at that rate
+            # while it grew to 87, and pacing ended as "far above what succeeds")
+            self._spaced = self.rate
+            self._next = min(self._next, self._last_turn + 1.0 / self.rate)
+            self._notify()
         if (
             self.rate > 4 * self._ok_since(now - self.span) / self.span
             and now - max(self._bound_at, self.held_until) > 4 * self.span
@@ -289,16 +307,23 @@ class Pacer:
         self._bind_ok = self._ok_n
         self._bound_at = self._grown_at = now
         if new_run:
-            self._new_run(now, last_hold, creep, creeping, rising)
+            timed = retry_after is not None and retry_after > 0
+            self._new_run(now, last_hold, creep, creeping, rising, timed)
 
     def _new_run(
-        self, now: float, last_hold: float, creep: float, creeping: float, rising: float = 0.0
+        self,
+        now: float,
+        last_hold: float,
+        creep: float,
+        creeping: float,
+        rising: float,
+        timed: bool,
     ) -> None:
         """The first bind after calls succeeded: the rate from the binding cycle.
         `last_hold`: the hold after which calls went through again; `creep`: the rate's
         growth a second as it bound, which it had been for `creeping` seconds; `rising`:
         how long it had been growing fast to its target (0: it was not, or the 429 had a
-        Retry-After)."""
+        Retry-After); `timed`: the 429 had a Retry-After."""
         # the share of calls that bound (fresh 429s) over the last 4 spans
         refused = len(self._limited)
         share = refused / max(1, refused + len(self._ok))
@@ -359,7 +384,11 @@ class Pacer:
         # 0.9 of the rate that bound)
         target = min(math.sqrt(rate * bound), 0.9 * bound)
         if self._guess:  # the guess grew fast until it bound: the limit is a step below
-            rate = target = max(rate, self.cut * bound)
+            rate = max(rate, self.cut * bound)
+            # with no Retry-After (a bind costs a short hold) it grows on, up to the middle
+            # of that step: each bind with one holds a whole Retry-After (a bucket of 10 at
+            # 200 calls a second, told to wait 1 s, lost 200 calls to each)
+            target = rate if timed else max(rate, math.sqrt(self.cut) * bound)
             self._ceiling = None
         elif creep <= 0.05 and creeping >= 2 * self.span and last_hold <= (now - start) / 8:
             # it bound after creeping slowly for a while, a long cycle of which the hold was
@@ -435,10 +464,14 @@ class Pacer:
                         self._probing = False
                         self._next = -math.inf
                 if self.rate is not None and not self._probing:
+                    if self._next == -math.inf:
+                        self._spaced = self.rate
                     start = max(start, self._next)
                     self._next = start + 1.0 / self.rate
                     reserved = True
                 if start <= now:
+                    if reserved:
+                        self._last_turn = start
                     break
                 if not queued:
                     queued = True
@@ -450,6 +483,7 @@ class Pacer:
                 with trio.move_on_at(start):
                     await changed.wait()
                 if reserved and self._gen == gen:
+                    self._last_turn = start
                     break  # its turn came, and nothing moved the turns
         finally:
             if queued:
