@@ -328,6 +328,52 @@ def test_a_flat_doubling_is_undone_once_its_rounds_show_it_cannot_pay() -> None:
     assert statistics.median(settled) == 13, settled
 
 
+def _vllm_rising(size: int) -> float:
+    """A real vLLM on a busy machine (`bench.real_engine`, this round): its rate at `size`
+    in flight, from those measured at 8 to 256, log-linear between them; from 64 to 128 an
+    elasticity of 0.25 (`_vllm_pinned`'s, on a quiet one: 0.03)."""
+    measured = {8: 120.0, 16: 160.0, 32: 205.0, 64: 240.0, 128: 285.0, 256: 290.0}
+    return _log_linear(measured, size)
+
+
+def test_a_doubling_read_short_of_its_bar_within_the_noise_is_measured_again() -> None:
+    """Issue 32, a real vLLM: slow start's doubling from 64 to 128 (an elasticity of 0.25
+    over the two sizes' steady rates) read 0.11 on one round at each size (128's first round
+    at 233 calls/s, its steady rate 285), short of the 0.15 a doubling must gain, and the
+    knee settled at 48-70, 0.70-0.80x of the best rate. Short of the bar by less than the
+    rounds' noise, a doubling is measured again (up to `PROBE_ROUNDS`) before it is judged."""
+    c = AdaptiveController(1, 256, 8)
+    now, slow = 0.0, 2  # 128's first two rounds (settling, then measured) 10 % slower
+    while now < 6.0 and c.size <= 128:
+        size = c.size
+        latency = size / _vllm_rising(size)
+        if size == 128 and slow:
+            latency, slow = 1.1 * latency, slow - 1
+        for i in range(size):  # each call 20 % either side of the round's latency
+            now += latency / size
+            c.record(Outcome.SUCCESS, now, size, latency=latency * (1.2 if i % 2 else 0.8))
+        if size == 128 and not slow:
+            break
+    assert c.size >= 128
+    # and over noisy rounds (3.5 % a round, each call's own spread 0.2), judged on the
+    # second half of 30 s as `bench.real_engine` judges it
+    shares = []
+    for seed in range(24):
+        rng, c, now, rates = random.Random(seed), AdaptiveController(1, 256, 8), 0.0, []
+        while now < 30.0:
+            size = c.size
+            latency = size / _vllm_rising(size) * (1 + rng.gauss(0, 0.035))
+            for _ in range(size):
+                now += latency / size
+                c.record(
+                    Outcome.SUCCESS, now, size, latency=latency * max(0.2, 1 + rng.gauss(0, 0.2))
+                )
+                if now >= 15.0:
+                    rates.append(_vllm_rising(size))
+        shares.append(statistics.fmean(rates) / _vllm_rising(256))
+    assert statistics.median(shares) >= 0.945, sorted(shares)  # (0.93 without)
+
+
 def test_probes_past_a_steady_knee_come_less_and_less_often() -> None:
     """Each probe past the knee costs the p99 the calls it queues. At a knee that stays where
     it is, failed steps up in a row hold growth for longer and longer, up to 4 cooldowns
@@ -738,15 +784,20 @@ def _vllm_pinned(size: int) -> float:
     of its own): the rates measured at 8 to 256 in flight, log-linear between them. Flat
     from 64 to 128 (+2 %), then 7 % more at 256; its batch holds 256, so nothing waits."""
     measured = {8: 127.0, 16: 200.0, 32: 241.0, 64: 294.0, 128: 300.0, 256: 322.0}
+    return size / _log_linear(measured, size)
+
+
+def _log_linear(measured: dict[int, float], size: int) -> float:
+    """The rate at `size` from rates `measured` at some sizes: log-linear between the two
+    around it, the nearest one's outside them."""
     sizes = sorted(measured)
-    low = max([s for s in sizes if s <= size] or [8])
-    high = min([s for s in sizes if s >= size] or [256])
+    low = max([s for s in sizes if s <= size] or [sizes[0]])
+    high = min([s for s in sizes if s >= size] or [sizes[-1]])
     if low == high:
-        rate = measured[low]
-    else:
-        share = math.log(size / low) / math.log(high / low)
-        rate = measured[low] * (measured[high] / measured[low]) ** share
-    return size / rate
+        return measured[low]
+    share = math.log(size / low) / math.log(high / low)
+    rate: float = measured[low] * (measured[high] / measured[low]) ** share
+    return rate
 
 
 def test_with_the_engines_metrics_the_knee_looks_past_a_flat_doubling() -> None:
