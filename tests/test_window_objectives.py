@@ -992,12 +992,19 @@ def test_a_429_of_a_call_sent_before_the_hold_says_nothing_new() -> None:
 
 
 async def _sliding_window(
-    pacer: Pacer, limit: int, latency: float, *, callers: int, seconds: float, retry_after: bool
+    pacer: Pacer,
+    limit: int,
+    latency: float,
+    *,
+    callers: int,
+    seconds: float,
+    retry_after: bool,
+    period: float = 1.0,
 ) -> list[float]:
     """`callers` calling through `pacer` for `seconds` against a sliding window of `limit`
-    calls in any second (calls of `latency`; a refused call's 429 comes back at once, with a
-    Retry-After in whole seconds, which the caller then waits, or with nothing said).
-    Returns when each call that went through ended."""
+    calls in any `period` seconds (calls of `latency`; a refused call's 429 comes back at
+    once, with a Retry-After in whole seconds, which the caller then waits, or with nothing
+    said). Returns when each call that went through ended."""
     admitted: deque[float] = deque()
     ok: list[float] = []
 
@@ -1005,11 +1012,11 @@ async def _sliding_window(
         while True:
             await pacer.wait()
             now = trio.current_time()
-            while admitted and admitted[0] <= now - 1.0:
+            while admitted and admitted[0] <= now - period:
                 admitted.popleft()
             if len(admitted) >= limit:
                 await trio.sleep(0.0005)
-                wait = math.ceil(admitted[0] + 1.0 - now) if retry_after else None
+                wait = math.ceil(admitted[0] + period - now) if retry_after else None
                 pacer.limited(trio.current_time(), retry_after=wait, latency=0.0005)
                 await trio.sleep(wait or 0.0)
                 continue
@@ -1039,6 +1046,29 @@ async def test_a_limit_found_by_a_slow_creep_is_paced_just_under_it(autojump_clo
     second_half = sum(start + 30 <= at for at in ok) / 30
     assert second_half >= 0.93 * limit  # 0.95 measured (0.88 before)
     assert pacer.binds <= 10
+
+
+async def test_a_minute_spent_at_once_is_paced_over_the_next_not_spent_at_once_again(
+    autojump_clock: Any,
+) -> None:
+    """zoo tpm --seed 5 per minute: a sliding window of a minute's tokens (50 calls a
+    second), 94 ms calls, a Retry-After. The first calls spent the minute in 2 s and were
+    told to wait 58 s; the first rate, over the geometric mean of the 2 s and the wait, was
+    225 calls a second, and grew fast from there as a guess does: the reopened minute went in
+    4 s, and a wait of 57 s followed, over and over (20 calls a second in the second half of
+    150 s, 0.40x a fixed `-c 8`; on this model, a whole minute's calls in every minute's
+    first seconds). A wait of many seconds is the limit's own: the first rate
+    is what went through over all of it, and it creeps up from there."""
+    limit, period, pacer = 3000, 60.0, Pacer()
+    start = trio.current_time()
+    ok = await _sliding_window(
+        pacer, limit, 0.094, callers=64, seconds=150, retry_after=True, period=period
+    )
+    second_half = sum(start + 75 <= at for at in ok) / 75
+    assert second_half >= 0.9 * limit / period, second_half  # 0.98 (0.80 before: bursts)
+    later = [at for at in ok if at >= start + 62]
+    assert max(b - a for a, b in itertools.pairwise(later)) < 5.0  # (waits of 56 s before)
+    assert pacer.binds <= 20
 
 
 async def test_a_limit_bound_on_the_way_up_is_paced_near_the_rate_a_span_before(

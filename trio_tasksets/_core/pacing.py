@@ -28,6 +28,11 @@ RISE = 0.2
 """How fast a paced rate grows up to its target (a bind's estimate of the limit), a second:
 about ``e ** 0.2``, 1.22x."""
 
+LONG_HOLD = 10.0
+"""A Retry-After of this many `span`s or more (a per-minute limit spent) is the limit's own
+time to reopen, exact but for its rounding to whole seconds: the first rate counts all of
+it, and is the limit's long-run rate, not a guess to grow fast from."""
+
 
 class Pacer:
     """Call starts spread at `rate` a second, once a request-rate limit answered 429, and
@@ -59,7 +64,10 @@ class Pacer:
       which keeps `cut` (0.6) of the rate that bound at least: the limit is within that
       step. With no Retry-After (a bind costs a short hold) the rate then grows (1.22x a
       second) to the middle of the step, ``sqrt(cut)`` of the rate that bound; with one,
-      each bind holds the whole endpoint that long, and it stays.
+      each bind holds the whole endpoint that long, and it stays. But a first Retry-After
+      of `LONG_HOLD` spans or more (a per-minute limit spent) is the limit's own time to
+      reopen: the first rate counts all of it and is no guess (it creeps, slowly up to what
+      it measured), or each reopened minute would be spent in a burst again.
     * **A binding cycle.** At each later run the rate is `margin` times what succeeded since
       the run before began, over that time, holds included but for half of the hold that
       ended it (the limit reopened somewhere within it): the limit's long-run rate, to which
@@ -367,6 +375,19 @@ class Pacer:
                     # mostly held (a Retry-After longer than the calls took): between what
                     # succeeded over the time they took and over that and the hold
                     seconds = math.sqrt(took * seconds)
+            if timed and self.held_until - now >= LONG_HOLD * self.span:
+                # a per-minute limit spent, told to wait most of its minute: what went
+                # through over the calls' time and the whole wait is what it lets through,
+                # and growing fast from it would spend the reopened minute in a burst again
+                # (the zoo's tpm 5 per minute, a sliding window of 50 calls a second spent
+                # in 2 s: guessed at 225 calls a second over the geometric mean, it spent
+                # the next minute in 4 s and waited 57 s, 20 calls a second in all)
+                seconds = self.held_until - min(self._first_ok, self._first_start)
+                self.rate = self._target = max(self.min_rate, self.margin * self._ok_n / seconds)
+                self._ceiling = self.rate / self.margin  # creep slowly: the limit is there
+                self._guess = False
+                self._creep_from = now
+                return
             self.rate = max(self.min_rate, self.margin * ok / max(seconds, self.span / 10))
             self._guess = True
             self._fast = 2.0 if ok < 16 else 0.5  # from a few answers: faster
