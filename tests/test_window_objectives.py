@@ -329,7 +329,7 @@ def test_a_flat_doubling_is_undone_once_its_rounds_show_it_cannot_pay() -> None:
 
 
 def _vllm_rising(size: int) -> float:
-    """A real vLLM on a busy machine (`bench.real_engine`, this round): its rate at `size`
+    """A real vLLM on a busy machine (`bench.real_engine`, sixteenth pass): its rate at `size`
     in flight, from those measured at 8 to 256, log-linear between them; from 64 to 128 an
     elasticity of 0.25 (`_vllm_pinned`'s, on a quiet one: 0.03)."""
     measured = {8: 120.0, 16: 160.0, 32: 205.0, 64: 240.0, 128: 285.0, 256: 290.0}
@@ -340,7 +340,7 @@ def test_a_doubling_read_short_of_its_bar_within_the_noise_is_measured_again() -
     """Issue 32, a real vLLM: slow start's doubling from 64 to 128 (an elasticity of 0.25
     over the two sizes' steady rates) read 0.11 on one round at each size (128's first round
     at 233 calls/s, its steady rate 285), short of the 0.15 a doubling must gain, and the
-    knee settled at 48-70, 0.70-0.80x of the best rate. Short of the bar by less than the
+    knee settled at 48-70, 0.70-0.89x of the best rate. Short of the bar by less than the
     rounds' noise, a doubling is measured again (up to `PROBE_ROUNDS`) before it is judged."""
     c = AdaptiveController(1, 256, 8)
     now, slow = 0.0, 2  # 128's first two rounds (settling, then measured) 10 % slower
